@@ -1,0 +1,48 @@
+"""User-facing errors.
+
+Every error that bad input can cause is a :class:`MoesimError`: the CLI prints
+its one-line message and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+
+class MoesimError(Exception):
+    """An error caused by user input; ``str(err)`` is one line naming where and how to fix."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, source: str | None = None, field: str | None = None,
+                 row: int | None = None, fix: str | None = None) -> None:
+        self.source = source
+        self.field = field
+        self.row = row
+        self.fix = fix
+        self.detail = message
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = []
+        if self.source:
+            parts.append(str(self.source))
+        if self.field:
+            parts.append(f"field '{self.field}'")
+        if self.row is not None:
+            parts.append(f"row {self.row}")
+        where = ": ".join([", ".join(parts)]) if parts else ""
+        text = f"{where}: {self.detail}" if where else self.detail
+        if self.fix:
+            text += f" (fix: {self.fix})"
+        return text.replace("\n", " ")
+
+
+class TraceFormatError(MoesimError):
+    """A trace file that does not follow trace format v1."""
+
+
+class ProfileError(MoesimError):
+    """A hardware profile that does not follow the profile schema."""
+
+
+class ConfigError(MoesimError):
+    """An unknown system, parameter, preset, or a configuration that cannot run."""

@@ -1,0 +1,334 @@
+"""Hardware profile v1: YAML schema, loading and validation.
+
+A profile holds curves (time or bandwidth tabulated over a size range), not
+constants; :mod:`moesim.hw.cost` interpolates them log-log and falls back to a
+roofline from the peak numbers, flagging the fallback. Every number names its
+source: curves carry an inline ``source``; scalar fields are covered by the
+``sources`` mapping, whose keys are dotted paths or prefixes of them
+(``gpu.memory_gib`` or ``gpu``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moesim.errors import ProfileError
+
+PROFILE_SCHEMA_VERSION = 1
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "hwprofiles"
+
+
+@dataclass(frozen=True)
+class Curve:
+    """``y`` tabulated at increasing ``x`` (tokens, or bytes), with the document it came from."""
+
+    x: tuple[float, ...]
+    y: tuple[float, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class ExpertCurve:
+    """Time (µs) of one expert FFN of a given shape vs tokens routed to it."""
+
+    hidden: int
+    intermediate: int
+    dtype: str
+    curve: Curve
+    kernel: str = "gpu"  # "gpu", or the CPU kernel family: "avx512" | "amx"
+    threads: int = 0  # CPU threads the curve was measured with (0 = the profile's cores)
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """Time (µs) of one attention layer (projections + SDPA) vs context length, at ``tokens`` tokens."""
+
+    tokens: int
+    curve: Curve  # x = context length
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    memory_gib: float
+    reserved_gib: float
+    launch_us: float
+    graph_launch_us: float
+    cuda_graph: bool
+    peak_tflops: dict[str, float]
+    mem_bandwidth_gbps: float
+    expert_ffn: tuple[ExpertCurve, ...] = ()
+    attention: tuple[AttentionCurve, ...] = ()
+    #: achievable fraction of peak for the roofline fallback
+    roofline_efficiency: float = 0.6
+
+
+@dataclass(frozen=True)
+class CPUSpec:
+    name: str
+    cores: int
+    dram_bandwidth_gbps: float
+    peak_tflops: dict[str, float]  # per kernel family: avx512, amx
+    amx_switch_tokens: int | None  # tokens per expert from which AMX is used; None = no AMX
+    expert_ffn: tuple[ExpertCurve, ...] = ()
+    numa_note: str = ""
+    roofline_efficiency: float = 0.5
+
+
+@dataclass(frozen=True)
+class PCIeSpec:
+    generation: int
+    h2d: Curve  # x = bytes, y = GB/s
+    d2h: Curve
+    latency_us: float
+    copy_engines: int
+    #: bandwidth factor when H2D and D2H run at once
+    duplex_slowdown: float
+    bandwidth_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    per_layer_us: float  # CPU-GPU submit + synchronize when a layer hands work to the CPU
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    gpu: GPUSpec
+    cpu: CPUSpec
+    pcie: PCIeSpec
+    sync: SyncSpec
+    sources: dict[str, str]
+    description: str = ""
+    path: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.gpu.memory_gib * 2**30)
+
+    @property
+    def gpu_reserved_bytes(self) -> int:
+        return int(self.gpu.reserved_gib * 2**30)
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "HardwareProfile":
+        """A copy with dotted-path overrides applied (``pcie.bandwidth_scale``, ``cpu.cores``, ...)."""
+        if not overrides:
+            return self
+        raw = copy.deepcopy(self.raw)
+        for key, value in overrides.items():
+            parts = key.split(".")
+            node = raw
+            for part in parts[:-1]:
+                if not isinstance(node.get(part), dict):
+                    raise ProfileError("no such profile field", source=self.path or self.name, field=key,
+                                       fix=f"valid top-level sections: {', '.join(sorted(self.raw))}")
+                node = node[part]
+            if parts[-1] not in node and key not in OPTIONAL_SCALARS:
+                raise ProfileError("no such profile field", source=self.path or self.name, field=key,
+                                   fix=f"fields here: {', '.join(sorted(node))}")
+            node[parts[-1]] = value
+            raw.setdefault("sources", {})[key] = "command-line override"
+        return parse_profile(raw, origin=self.path or self.name)
+
+
+OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency"}
+
+
+# ----------------------------------------------------------------------------- parsing
+class _Reader:
+    """Pulls typed fields out of nested YAML, raising one-line errors with the dotted path."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def fail(self, key: str, message: str, fix: str) -> ProfileError:
+        return ProfileError(message, source=self.origin, field=key, fix=fix)
+
+    def section(self, data: dict, key: str) -> dict:
+        value = data.get(key.split(".")[-1])
+        if not isinstance(value, dict):
+            raise self.fail(key, "missing section" if value is None else "must be a mapping",
+                            f"add a '{key}' mapping (see hwprofiles/README.md)")
+        return value
+
+    def number(self, data: dict, key: str, *, positive: bool = True, default: Any = ...) -> float:
+        name = key.split(".")[-1]
+        if name not in data:
+            if default is not ...:
+                return default
+            raise self.fail(key, "missing field", f"add '{name}' with its source")
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, f"must be a number, got {value!r}", f"write a number for '{name}'")
+        if positive and value <= 0:
+            raise self.fail(key, f"must be positive, got {value}", f"use a value > 0 for '{name}'")
+        if not positive and value < 0:
+            raise self.fail(key, f"must not be negative, got {value}", f"use a value >= 0 for '{name}'")
+        return value
+
+    def text(self, data: dict, key: str, default: Any = ...) -> str:
+        name = key.split(".")[-1]
+        if name not in data:
+            if default is not ...:
+                return default
+            raise self.fail(key, "missing field", f"add '{name}'")
+        return str(data[name])
+
+    def curve(self, data: Any, key: str, x_name: str, y_name: str) -> Curve:
+        if not isinstance(data, dict):
+            raise self.fail(key, "must be a mapping with lists", f"give '{x_name}', '{y_name}' and 'source'")
+        xs, ys = data.get(x_name), data.get(y_name)
+        if not isinstance(xs, list) or not isinstance(ys, list) or not xs:
+            raise self.fail(key, f"needs non-empty lists '{x_name}' and '{y_name}'", "tabulate the curve")
+        if len(xs) != len(ys):
+            raise self.fail(key, f"'{x_name}' has {len(xs)} points but '{y_name}' has {len(ys)}",
+                            "give one value per point")
+        if any(not isinstance(v, (int, float)) or v <= 0 for v in xs + ys):
+            raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
+        if any(b <= a for a, b in zip(xs, xs[1:])):
+            raise self.fail(key, f"'{x_name}' must increase strictly", "sort the points")
+        if not data.get("source"):
+            raise self.fail(f"{key}.source", "curve has no source", "name the spec sheet, paper table or measurement")
+        return Curve(tuple(float(v) for v in xs), tuple(float(v) for v in ys), str(data["source"]))
+
+    def expert_curves(self, items: Any, key: str, cpu: bool) -> tuple[ExpertCurve, ...]:
+        if items is None:
+            return ()
+        if not isinstance(items, list):
+            raise self.fail(key, "must be a list of curves", "write a YAML list")
+        curves = []
+        for i, item in enumerate(items):
+            where = f"{key}[{i}]"
+            if not isinstance(item, dict):
+                raise self.fail(where, "must be a mapping", "see hwprofiles/README.md")
+            kernel = str(item.get("kernel", "avx512" if cpu else "gpu"))
+            if cpu and kernel not in ("avx512", "amx", "avx2"):
+                raise self.fail(f"{where}.kernel", f"unknown CPU kernel '{kernel}'", "use avx512, amx or avx2")
+            curves.append(ExpertCurve(
+                hidden=int(self.number(item, f"{where}.hidden")),
+                intermediate=int(self.number(item, f"{where}.intermediate")),
+                dtype=self.text(item, f"{where}.dtype"),
+                curve=self.curve(item, where, "tokens", "time_us"),
+                kernel=kernel,
+                threads=int(self.number(item, f"{where}.threads", default=0, positive=False)),
+            ))
+        return tuple(curves)
+
+
+def _numeric_paths(data: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of scalar numbers outside curves (curves carry their own source)."""
+    if isinstance(data, dict):
+        if "source" in data:
+            return []
+        out = []
+        for key, value in data.items():
+            if key in ("sources", "schema_version"):
+                continue
+            out += _numeric_paths(value, f"{prefix}.{key}" if prefix else str(key))
+        return out
+    if isinstance(data, list):
+        return [p for i, v in enumerate(data) for p in _numeric_paths(v, f"{prefix}[{i}]")]
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return [prefix]
+    return []
+
+
+def _has_source(path: str, sources: dict[str, str]) -> bool:
+    parts = path.replace("[", ".[").split(".")
+    return any(".".join(parts[:i]).replace(".[", "[") in sources for i in range(1, len(parts) + 1))
+
+
+def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
+    r = _Reader(origin)
+    if not isinstance(data, dict):
+        raise ProfileError("a profile must be a YAML mapping", source=origin)
+    version = data.get("schema_version")
+    if version != PROFILE_SCHEMA_VERSION:
+        raise r.fail("schema_version", f"unknown or missing schema_version {version!r}",
+                     f"set schema_version: {PROFILE_SCHEMA_VERSION}")
+    sources = data.get("sources")
+    if not isinstance(sources, dict) or not sources:
+        raise r.fail("sources", "profile has no sources", "map each number (or its section) to its source")
+    for path in _numeric_paths(data):
+        if not _has_source(path, sources):
+            raise r.fail(path, "number has no source", f"add '{path}' (or a prefix of it) under 'sources'")
+
+    g = r.section(data, "gpu")
+    peak_g = r.section(g, "gpu.peak_tflops")
+    gpu = GPUSpec(
+        name=r.text(g, "gpu.name"),
+        memory_gib=r.number(g, "gpu.memory_gib"),
+        reserved_gib=r.number(g, "gpu.reserved_gib", positive=False),
+        launch_us=r.number(g, "gpu.launch_us", positive=False),
+        graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False),
+        cuda_graph=bool(g.get("cuda_graph", False)),
+        peak_tflops={k: r.number(peak_g, f"gpu.peak_tflops.{k}") for k in peak_g},
+        mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
+        expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
+        attention=tuple(
+            AttentionCurve(tokens=int(r.number(a, f"gpu.attention[{i}].tokens")),
+                           curve=r.curve(a, f"gpu.attention[{i}]", "context", "time_us"))
+            for i, a in enumerate(g.get("attention") or [])),
+        roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6),
+    )
+    if "bf16" not in gpu.peak_tflops:
+        raise r.fail("gpu.peak_tflops.bf16", "missing field", "add the dense bf16 peak from the spec sheet")
+    c = r.section(data, "cpu")
+    peak_c = r.section(c, "cpu.peak_tflops")
+    switch = c.get("amx_switch_tokens")
+    cpu = CPUSpec(
+        name=r.text(c, "cpu.name"),
+        cores=int(r.number(c, "cpu.cores")),
+        dram_bandwidth_gbps=r.number(c, "cpu.dram_bandwidth_gbps"),
+        peak_tflops={k: r.number(peak_c, f"cpu.peak_tflops.{k}") for k in peak_c},
+        amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens")),
+        expert_ffn=r.expert_curves(c.get("expert_ffn"), "cpu.expert_ffn", cpu=True),
+        numa_note=r.text(c, "cpu.numa_note", default=""),
+        roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5),
+    )
+    if switch is not None and "amx" not in cpu.peak_tflops:
+        raise r.fail("cpu.peak_tflops.amx", "amx_switch_tokens is set but there is no AMX peak",
+                     "add cpu.peak_tflops.amx or set amx_switch_tokens: null")
+    p = r.section(data, "pcie")
+    pcie = PCIeSpec(
+        generation=int(r.number(p, "pcie.generation")),
+        h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps"),
+        d2h=r.curve(p.get("d2h"), "pcie.d2h", "size_bytes", "gbps"),
+        latency_us=r.number(p, "pcie.latency_us", positive=False),
+        copy_engines=int(r.number(p, "pcie.copy_engines")),
+        duplex_slowdown=r.number(p, "pcie.duplex_slowdown"),
+        bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0),
+    )
+    s = r.section(data, "sync")
+    sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False))
+    return HardwareProfile(name=r.text(data, "name"), gpu=gpu, cpu=cpu, pcie=pcie, sync=sync,
+                           sources=dict(sources), description=str(data.get("description", "")),
+                           path=origin, raw=data)
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """Load ``hwprofiles/NAME.yaml`` by name, or any profile YAML by path."""
+    path = Path(name_or_path)
+    if not path.exists() and not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ProfileError("hardware profile not found", source=str(name_or_path),
+                           fix=f"use a path or one of: {', '.join(available_profiles())}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ProfileError(f"not valid YAML{where}", source=str(path), fix="fix the YAML syntax") from None
+    return parse_profile(data, origin=str(path))

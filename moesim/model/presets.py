@@ -1,0 +1,46 @@
+"""Model presets: YAML files in ``presets/``, every number with its source.
+
+A preset file holds the :class:`ModelSpec` fields plus ``sources``, a mapping
+from field name (or ``"*"`` for all fields of one config file) to the document
+the number comes from.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
+
+PRESET_DIR = Path(__file__).with_name("presets")
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+@lru_cache(maxsize=None)
+def load_preset(name_or_path: str) -> ModelSpec:
+    """Load a preset by name (``mixtral-8x7b``) or from a YAML path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ConfigError(f"unknown model preset '{name_or_path}'",
+                          fix=f"use one of {', '.join(available_presets())} or a preset YAML path")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"not valid YAML ({err.__class__.__name__})", source=str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("a preset must be a YAML mapping", source=str(path))
+    sources = data.pop("sources", None)
+    if not sources:
+        raise ConfigError("preset has no sources", source=str(path), field="sources",
+                          fix="name the config file or paper table for every number")
+    spec = ModelSpec.from_dict(data, origin=str(path))
+    object.__setattr__(spec, "sources", dict(sources))
+    return spec

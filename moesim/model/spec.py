@@ -1,0 +1,164 @@
+"""Model shape: what the simulator needs to know about an MoE model.
+
+Only shapes and byte counts live here; no weights. ``num_layers`` counts MoE
+layers (the range of a trace's ``layer`` column); dense layers before them
+(DeepSeek's first three, for instance) are ``num_dense_layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from moesim.errors import ConfigError
+
+#: Bits per weight of each expert dtype.
+DTYPE_BITS: dict[str, int] = {"bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
+
+
+def scale_bytes_per_param(dtype: str, group_size: int) -> float:
+    """Bytes of quantisation scales per weight.
+
+    int8/int4 keep one fp16 scale per ``group_size`` weights (GPTQ/AWQ/llama.cpp
+    style group quantisation); fp8 keeps one fp32 scale per 128x128 block, as
+    DeepSeek-V3's released fp8 checkpoint does; bf16/fp16 need none.
+    """
+    if dtype in ("int8", "int4"):
+        return 2.0 / group_size
+    if dtype == "fp8":
+        return 4.0 / (128 * 128)
+    return 0.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of an MoE model as the cost model sees it."""
+
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_shared_experts: int = 0
+    #: intermediate size of all shared experts together (0 = none)
+    shared_intermediate_size: int = 0
+    num_dense_layers: int = 0
+    dense_intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    #: "gqa" (standard multi/grouped-query) or "mla" (DeepSeek multi-head latent attention)
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    vocab_size: int = 0
+    expert_dtype: str = "bf16"
+    #: total parameters of the released model, used for non-expert memory
+    total_params: int = 0
+    quant_group_size: int = 128
+    #: gate/up/down projections (SwiGLU) = 3 matrices; a plain MLP has 2
+    expert_matrices: int = 3
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    # -- sizes -----------------------------------------------------------------
+    @property
+    def expert_params(self) -> int:
+        return self.expert_matrices * self.hidden_size * self.moe_intermediate_size
+
+    def expert_bytes(self, dtype: str | None = None) -> int:
+        """Bytes of one routed expert's weights in ``dtype`` (default: the model's), scales included."""
+        dtype = dtype or self.expert_dtype
+        if dtype not in DTYPE_BITS:
+            raise ConfigError(f"unknown expert dtype '{dtype}'", field="expert_dtype",
+                              fix=f"use one of {', '.join(DTYPE_BITS)}")
+        per_param = DTYPE_BITS[dtype] / 8 + scale_bytes_per_param(dtype, self.quant_group_size)
+        return int(round(self.expert_params * per_param))
+
+    @property
+    def routed_expert_params(self) -> int:
+        return self.expert_params * self.num_experts * self.num_layers
+
+    def non_expert_bytes(self, dtype: str = "bf16") -> int:
+        """Bytes of everything but routed experts (attention, embeddings, dense and shared FFNs)."""
+        params = max(self.total_params - self.routed_expert_params, 0)
+        return int(params * DTYPE_BITS[dtype] / 8)
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
+        """KV-cache bytes one token adds over all layers (MLA keeps the compressed latent)."""
+        layers = self.num_layers + self.num_dense_layers
+        if self.attention == "mla":
+            per_layer = self.kv_lora_rank + self.qk_rope_head_dim
+        else:
+            per_layer = 2 * self.num_kv_heads * self.head_dim
+        return layers * per_layer * DTYPE_BITS[dtype] // 8
+
+    # -- flops -----------------------------------------------------------------
+    def expert_flops(self, tokens: int) -> float:
+        """Multiply-add flops (2 per MAC) of one routed expert on ``tokens`` tokens."""
+        return 2.0 * tokens * self.expert_params
+
+    def shared_flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.expert_matrices * self.hidden_size * self.shared_intermediate_size
+
+    @property
+    def shared_params(self) -> int:
+        return self.expert_matrices * self.hidden_size * self.shared_intermediate_size
+
+    def attention_params_per_layer(self) -> int:
+        """Approximate projection weights of one attention block (q, k, v, o)."""
+        if self.attention == "mla":
+            q = self.hidden_size * self.num_attention_heads * (self.head_dim + self.qk_rope_head_dim)
+            kv = self.hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim)
+            kv_up = self.kv_lora_rank * self.num_attention_heads * 2 * self.head_dim
+            o = self.num_attention_heads * self.head_dim * self.hidden_size
+            return q + kv + kv_up + o
+        q = self.hidden_size * self.num_attention_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        o = self.num_attention_heads * self.head_dim * self.hidden_size
+        return q + kv + o
+
+    # -- (de)serialisation -------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("sources")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, origin: str = "model metadata") -> "ModelSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model field(s) {', '.join(unknown)}", source=origin,
+                              fix=f"valid fields: {', '.join(sorted(known))}")
+        required = ["name", "num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size"]
+        for key in required:
+            if key not in data:
+                raise ConfigError("missing required model field", source=origin, field=key,
+                                  fix=f"add '{key}'")
+        spec = cls(**data)
+        spec.check(origin)
+        return spec
+
+    def check(self, origin: str = "model") -> None:
+        for key in ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"must be a positive integer, got {value!r}", source=origin, field=key)
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}",
+                              source=origin, field="top_k")
+        if self.expert_dtype not in DTYPE_BITS:
+            raise ConfigError(f"unknown dtype '{self.expert_dtype}'", source=origin, field="expert_dtype",
+                              fix=f"use one of {', '.join(DTYPE_BITS)}")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"unknown attention kind '{self.attention}'", source=origin,
+                              field="attention", fix="use 'gqa' or 'mla'")
+
+    def routing_mismatch(self, other: "ModelSpec") -> str | None:
+        """Name the first routing-shape field where ``other`` differs, or None if they agree."""
+        for key in ("num_layers", "num_experts", "top_k"):
+            if getattr(self, key) != getattr(other, key):
+                return f"{key}: {getattr(self, key)} vs {getattr(other, key)}"
+        return None

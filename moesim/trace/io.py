@@ -1,0 +1,270 @@
+"""Reading, writing and validating v1 traces.
+
+The writer streams row groups into a temporary file and renames it into place
+on close, so a trace appears whole or not at all. The reader streams one
+forward pass (``step``) at a time with memory bounded by one row group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moesim.errors import TraceFormatError
+from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS,
+                                 REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type)
+
+ROW_GROUP_ROWS = 262_144
+PathLike = str | os.PathLike
+
+
+# ----------------------------------------------------------------------------- writing
+def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
+    model = meta.model
+    typ = column_type(name, model.top_k, model.num_experts)
+    if name == "phase":
+        codes = np.asarray(values)
+        if codes.dtype.kind in "US" or codes.dtype == object:
+            lookup = {p: i for i, p in enumerate(PHASES)}
+            codes = np.array([lookup[str(v)] for v in codes], dtype=np.int8)
+        return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int8)), pa.array(PHASES))
+    if isinstance(typ, pa.FixedSizeListType):
+        width = typ.list_size
+        flat = np.ascontiguousarray(values, dtype=typ.value_type.to_pandas_dtype()).reshape(-1)
+        if flat.size % width:
+            raise ValueError(f"column {name}: {flat.size} values is not a multiple of {width}")
+        return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=typ.value_type), width)
+    if isinstance(typ, pa.ListType):
+        if isinstance(values, tuple) and len(values) == 2:  # (offsets, flat values)
+            offsets, flat = values
+            return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)),
+                                            pa.array(np.asarray(flat, dtype=np.int16)))
+        return pa.array([list(map(int, v)) for v in values], type=typ)
+    return pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
+
+
+class TraceWriter:
+    """Write a v1 trace in batches; the file appears at ``path`` only on a clean close.
+
+    ``columns`` names the optional columns the trace will carry besides the
+    required ones. Each :meth:`write` takes a mapping of column name to values:
+    1-D arrays for scalar columns, ``(n, top_k)`` / ``(n, num_experts)`` arrays for
+    the fixed lists, and sequences of id lists (or ``(offsets, values)``) for
+    predictor columns. Rows must already be in trace order.
+    """
+
+    def __init__(self, path: PathLike, meta: TraceMeta, columns: Sequence[str] = ()) -> None:
+        unknown = [c for c in columns if c not in OPTIONAL_COLUMNS]
+        if unknown:
+            raise ValueError(f"unknown optional column(s): {unknown}")
+        self.path = Path(path)
+        self.meta = meta
+        self.columns = list(REQUIRED_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in columns]
+        self.schema = arrow_schema(meta, self.columns)
+        self.rows = 0
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
+
+    def write(self, data: Mapping[str, Any]) -> None:
+        missing = [c for c in self.columns if c not in data]
+        if missing:
+            raise ValueError(f"batch lacks column(s) {missing}")
+        arrays = [_to_arrow(c, data[c], self.meta) for c in self.columns]
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        assert self._writer is not None, "writer already closed"
+        self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+        self.rows += table.num_rows
+
+    def close(self) -> Path:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_trace(path: PathLike, data: Mapping[str, Any], meta: TraceMeta) -> Path:
+    """Write a whole trace in one call (rows already sorted in trace order)."""
+    optional = [c for c in OPTIONAL_COLUMNS if c in data]
+    with TraceWriter(path, meta, optional) as writer:
+        writer.write(data)
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------- reading
+def _open(path: PathLike) -> pq.ParquetFile:
+    path = Path(path)
+    if not path.exists():
+        raise TraceFormatError("file not found", source=str(path), fix="check the path")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError):
+        raise TraceFormatError("not a Parquet file", source=str(path),
+                               fix="convert the log with `moesim trace import`") from None
+
+
+def read_meta(path: PathLike) -> TraceMeta:
+    """Read and check a trace's ``moesim`` metadata."""
+    pf = _open(path)
+    kv = pf.schema_arrow.metadata or {}
+    if META_KEY not in kv:
+        raise TraceFormatError("no 'moesim' key-value metadata", source=str(path), field="moesim",
+                               fix="write traces with moesim (trace import, synth or capture)")
+    return TraceMeta.from_json(kv[META_KEY], origin=str(path))
+
+
+def trace_columns(path: PathLike) -> list[str]:
+    return list(_open(path).schema_arrow.names)
+
+
+@dataclass
+class Step:
+    """All rows of one forward pass, as numpy arrays in trace order."""
+
+    step: int
+    request: np.ndarray
+    position: np.ndarray
+    layer: np.ndarray
+    phase: np.ndarray  # int8 codes into PHASES
+    experts: np.ndarray  # (rows, top_k) int16
+    weights: np.ndarray | None = None
+    scores: np.ndarray | None = None
+    token_id: np.ndarray | None = None
+    predictors: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    _bounds: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return len(self.layer)
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool((self.phase == 0).any())
+
+    @property
+    def layer_bounds(self) -> np.ndarray:
+        """Row offsets: rows of the i-th layer present are ``bounds[i]:bounds[i+1]``."""
+        if self._bounds is None:
+            cuts = np.flatnonzero(np.diff(self.layer)) + 1
+            self._bounds = np.concatenate(([0], cuts, [len(self.layer)]))
+        return self._bounds
+
+    def layers(self) -> Iterator[tuple[int, slice]]:
+        """(layer, row slice) for every layer present in this step, in order."""
+        bounds = self.layer_bounds
+        for i in range(len(bounds) - 1):
+            start, stop = int(bounds[i]), int(bounds[i + 1])
+            yield int(self.layer[start]), slice(start, stop)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in this forward pass (rows of its first layer)."""
+        bounds = self.layer_bounds
+        return int(bounds[1] - bounds[0])
+
+
+def _fixed_list(column: pa.ChunkedArray | pa.Array, width: int) -> np.ndarray:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+
+
+def _var_list(column: pa.Array) -> list[np.ndarray]:
+    offsets = column.offsets.to_numpy()
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    base = offsets[0]
+    return [values[offsets[i] - base:offsets[i + 1] - base] for i in range(len(column))]
+
+
+def _phase_codes(column: pa.Array) -> np.ndarray:
+    if pa.types.is_dictionary(column.type):
+        names = column.dictionary.to_pylist()
+        remap = np.array([PHASES.index(n) if n in PHASES else -1 for n in names], dtype=np.int8)
+        return remap[column.indices.to_numpy(zero_copy_only=False)]
+    values = column.to_numpy(zero_copy_only=False)
+    return np.array([PHASES.index(v) if v in PHASES else -1 for v in values], dtype=np.int8)
+
+
+def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
+               batch_rows: int = 65_536) -> Iterator[Step]:
+    """Yield one :class:`Step` at a time; memory stays bounded by one batch plus one step.
+
+    ``columns`` limits which optional columns are read (default: all present).
+    """
+    pf = _open(path)
+    meta = read_meta(path)
+    top_k, num_experts = meta.model.top_k, meta.model.num_experts
+    present = pf.schema_arrow.names
+    optional = [c for c in OPTIONAL_COLUMNS if c in present and (columns is None or c in columns)]
+    read_cols = list(REQUIRED_COLUMNS) + optional
+    pending: list[dict[str, Any]] = []
+
+    def assemble(parts: list[dict[str, Any]]) -> Step:
+        def cat(key: str) -> Any:
+            vals = [p[key] for p in parts]
+            if key in PREDICTOR_COLUMNS:
+                return [x for v in vals for x in v]
+            return vals[0] if len(vals) == 1 else np.concatenate(vals)
+        preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
+        return Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
+                    layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
+                    weights=cat("weights") if "weights" in optional else None,
+                    scores=cat("scores") if "scores" in optional else None,
+                    token_id=cat("token_id") if "token_id" in optional else None,
+                    predictors=preds)
+
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=read_cols):
+        cols: dict[str, Any] = {}
+        for name in read_cols:
+            col = batch.column(name)
+            if name == "experts":
+                cols[name] = _fixed_list(col, top_k)
+            elif name == "weights":
+                cols[name] = _fixed_list(col, top_k)
+            elif name == "scores":
+                cols[name] = _fixed_list(col, num_experts)
+            elif name in PREDICTOR_COLUMNS:
+                cols[name] = _var_list(col)
+            elif name == "phase":
+                cols[name] = _phase_codes(col)
+            else:
+                cols[name] = col.to_numpy(zero_copy_only=False)
+        steps = cols["step"]
+        cuts = np.flatnonzero(np.diff(steps)) + 1
+        starts = np.concatenate(([0], cuts))
+        stops = np.concatenate((cuts, [len(steps)]))
+        for start, stop in zip(starts, stops):
+            piece = {k: v[start:stop] for k, v in cols.items()}
+            if pending and pending[0]["step"][0] != piece["step"][0]:
+                yield assemble(pending)
+                pending = []
+            pending.append(piece)
+    if pending:
+        yield assemble(pending)
+
+
+def read_table(path: PathLike, columns: Sequence[str] | None = None) -> pa.Table:
+    """Read a whole (small) trace as an arrow table."""
+    return _open(path).read(columns=list(columns) if columns else None)
