@@ -26,7 +26,8 @@ def available_presets() -> list[str]:
 def load_preset(name_or_path: str) -> ModelSpec:
     """Load a preset by name (``mixtral-8x7b``) or from a YAML path."""
     path = Path(name_or_path)
-    if not path.suffix:
+    # A name such as "qwen1.5-moe-a2.7b" has a dot, so only a YAML suffix marks a path.
+    if path.suffix not in (".yaml", ".yml"):
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
         raise ConfigError(f"unknown model preset '{name_or_path}'",
