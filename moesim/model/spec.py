@@ -146,6 +146,19 @@ class ModelSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"must be a positive integer, got {value!r}", source=origin, field=key)
+        for key in self._count_fields():
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"must be a non-negative integer, got {value!r}", source=origin, field=key)
+        if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
+            raise ConfigError(
+                f"num_shared_experts {self.num_shared_experts} and shared_intermediate_size "
+                f"{self.shared_intermediate_size} disagree", source=origin, field="shared_intermediate_size",
+                fix="set both (size = all shared experts together) or neither")
+        if self.attention == "mla" and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim <= 0):
+            # Without them the MLA KV cache would silently count as zero bytes.
+            raise ConfigError("MLA needs kv_lora_rank and qk_rope_head_dim", source=origin,
+                              field="kv_lora_rank", fix="copy both from the model's config.json")
         if self.top_k > self.num_experts:
             raise ConfigError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}",
                               source=origin, field="top_k")
@@ -155,6 +168,12 @@ class ModelSpec:
         if self.attention not in ("gqa", "mla"):
             raise ConfigError(f"unknown attention kind '{self.attention}'", source=origin,
                               field="attention", fix="use 'gqa' or 'mla'")
+
+    @staticmethod
+    def _count_fields() -> tuple[str, ...]:
+        return ("num_shared_experts", "shared_intermediate_size", "num_dense_layers",
+                "dense_intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
+                "kv_lora_rank", "qk_rope_head_dim", "vocab_size", "total_params")
 
     def routing_mismatch(self, other: "ModelSpec") -> str | None:
         """Name the first routing-shape field where ``other`` differs, or None if they agree."""
