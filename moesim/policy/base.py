@@ -1,0 +1,155 @@
+"""The policy interface: a read-only :class:`LayerView` in, a :class:`LayerPlan` out.
+
+The executor calls ``system.plan(view)`` once per (step, layer). A system is a
+composition of small components (cache, prefetch, assignment, and in later
+systems substitution and deferral); plans are plain data and, given the same
+views and seed, the same plans come out. Nothing here imports SimPy or torch:
+the simulator and the real backend run the very same objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.hw.cost import CostModel
+from moesim.model.spec import ModelSpec
+from moesim.policy.state import CacheState
+
+
+@dataclass(slots=True)
+class LayerView:
+    """What a policy may see when it plans one MoE layer of one forward pass."""
+
+    step: int
+    layer: int
+    #: "prefill" or "decode"
+    phase: str
+    #: routed experts of every token in the batch at this layer, (tokens, top_k), best first
+    experts: np.ndarray
+    #: distinct experts this layer activates, most tokens first
+    active: list[int]
+    #: tokens routed to each of ``active``
+    counts: list[int]
+    cache: CacheState
+    costs: CostModel
+    weights: np.ndarray | None = None
+    scores: np.ndarray | None = None
+    predictors: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    #: simulated (or measured) time at which the plan is made, seconds
+    now: float = 0.0
+    #: estimated arrival time of in-flight loads of this layer, seconds
+    arrivals: dict[int, float] = field(default_factory=dict)
+    #: kernel-launch time the executor adds to every GPU expert, seconds
+    expert_launch_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.num_layers
+
+    def resident(self, expert: int) -> bool:
+        return expert in self.cache.resident[self.layer]
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """What the executor does for one layer, in order: evict, load, compute, prefetch."""
+
+    #: experts computed on the GPU, in execution order
+    gpu: list[int] = field(default_factory=list)
+    #: experts computed on the CPU pool, in execution order
+    cpu: list[int] = field(default_factory=list)
+    #: demand loads into this layer's cache slots (a subset of ``gpu`` neither resident nor in flight)
+    loads: list[int] = field(default_factory=list)
+    #: GPU experts streamed through the staging buffers (ping-pong, 000 Alg. 1): loaded, used, not cached
+    streamed: list[int] = field(default_factory=list)
+    #: (layer, expert) loads for later use, queued behind demand loads
+    prefetches: list[tuple[int, int]] = field(default_factory=list)
+    #: (layer, expert) to drop before loading, making room
+    evictions: list[tuple[int, int]] = field(default_factory=list)
+    #: (token row, slot in top-k, new expert) rewrites of the routing
+    substitutions: list[tuple[int, int, int]] = field(default_factory=list)
+    #: experts whose CPU computation overlaps the next layer (001 Sec. 4)
+    deferred: list[int] = field(default_factory=list)
+    #: extra time on the critical path, seconds, by breakdown category ("predict", "cache_management")
+    overhead_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RunContext:
+    """What a system learns once, before the first step."""
+
+    model: ModelSpec
+    costs: CostModel
+    capacity: list[int]
+    trace_path: str | None = None
+    seed: int = 0
+    #: columns the trace carries (a policy that needs a missing one refuses)
+    columns: tuple[str, ...] = ()
+    #: notes the system wants in the report (fallbacks it took, for instance)
+    notes: list[str] = field(default_factory=list)
+
+
+class Component:
+    """A policy part with documented dataclass fields as its parameters.
+
+    Subclasses are dataclasses; their fields are reachable on the command line as
+    ``--set <role>.<field>=value``. ``name`` is the registry name.
+    """
+
+    name: ClassVar[str] = ""
+    role: ClassVar[str] = ""
+    #: optional trace columns the component reads from its views
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def configure(self, ctx: RunContext) -> None:
+        """Called once before the run; default does nothing."""
+
+    @classmethod
+    def parameters(cls) -> dict[str, Any]:
+        if not dataclasses.is_dataclass(cls):
+            return {}
+        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+
+    def set_param(self, key: str, raw: str) -> None:
+        params = self.parameters()
+        if key not in params:
+            raise ConfigError(f"unknown parameter '{self.role}.{key}' for {self.role} '{self.name}'",
+                              fix=f"valid: {', '.join(f'{self.role}.{p}' for p in params) or 'none'}")
+        setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}"))
+
+
+def coerce(raw: Any, default: Any, key: str) -> Any:
+    """Convert a ``--set`` string to the type of the parameter's default."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if default is None:
+            for cast in (int, float):
+                try:
+                    return cast(raw)
+                except ValueError:
+                    pass
+            return None if raw.lower() in ("none", "null") else raw
+    except ValueError:
+        raise ConfigError(f"'{raw}' is not a valid {type(default).__name__}", field=key,
+                          fix=f"give a {type(default).__name__}, e.g. {default!r}") from None
+    return raw

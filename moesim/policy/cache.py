@@ -1,0 +1,143 @@
+"""Cache components: which experts stay resident in each layer's GPU slots.
+
+A cache component answers three questions for the system that owns it: the
+initial resident set of a layer, which experts to evict when ``n`` slots are
+needed (never one in ``protected``), and what to remember when experts are
+used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.policy.base import Component, LayerView, RunContext
+from moesim.policy.future import FutureRouting
+from moesim.policy.state import CacheState
+
+
+class CachePolicy(Component):
+    role = "cache"
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return []
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
+        """Up to ``n`` resident experts of ``layer`` to evict, none of them in ``protected``."""
+        return []
+
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        """Record that ``used`` experts of ``view.layer`` ran on the GPU now."""
+
+
+@dataclass
+class NoCache(CachePolicy):
+    """Nothing is ever cached (systems that compute every routed expert on the CPU)."""
+
+    name = "none"
+
+
+@dataclass
+class LRUCache(CachePolicy):
+    """Least-recently-used eviction per layer (as in Mixtral-offloading's expert cache)."""
+
+    name = "lru"
+    _clock: int = 0
+    _last_use: list[dict[int, int]] = field(default_factory=list)
+
+    def configure(self, ctx: RunContext) -> None:
+        self._last_use = [dict() for _ in ctx.capacity]
+        self._clock = 0
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
+        if n <= 0:
+            return []
+        last = self._last_use[layer]
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        candidates.sort(key=lambda e: (last.get(e, -1), e))
+        return candidates[:n]
+
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        self._clock += 1
+        last = self._last_use[view.layer]
+        for e in used:
+            last[e] = self._clock
+
+
+@dataclass
+class StaticCache(CachePolicy):
+    """The hottest experts of each layer pinned for the whole run; nothing is loaded later.
+
+    Hotness comes from a calibration trace (``cache.calibration``, a path); by
+    default from the replayed trace itself, which the report flags as
+    profile-guided on the same data (Fiddler-style offline profiling).
+    """
+
+    name = "static-hot"
+    calibration: str = ""
+    _hot: list[list[int]] = field(default_factory=list)
+
+    def configure(self, ctx: RunContext) -> None:
+        from moesim.policy.future import expert_frequencies  # pure numpy over the trace file
+        path = self.calibration or ctx.trace_path
+        if not self.calibration:
+            ctx.notes.append("static-hot: hot experts counted on the replayed trace itself "
+                             "(set cache.calibration=PATH for a separate calibration trace)")
+        freq = expert_frequencies(path, ctx.model)
+        self._hot = []
+        for layer, cap in enumerate(ctx.capacity):
+            order = np.lexsort((np.arange(ctx.model.num_experts), -freq[layer]))
+            self._hot.append([int(e) for e in order[:cap]])
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return self._hot[layer][:capacity]
+
+
+@dataclass
+class AllResident(CachePolicy):
+    """Every expert resident from the start (the all-in-GPU bound)."""
+
+    name = "all"
+    _experts: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        self._experts = ctx.model.num_experts
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return list(range(min(self._experts, capacity)))
+
+
+@dataclass
+class BeladyCache(CachePolicy):
+    """Belady's optimal replacement per layer: evict the expert used again farthest in the future.
+
+    Needs the whole trace up front (a bound, not a deployable policy).
+    """
+
+    name = "belady"
+    _future: FutureRouting | None = None
+
+    def configure(self, ctx: RunContext) -> None:
+        self._future = FutureRouting.load(ctx.trace_path, ctx.model)
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
+        if n <= 0:
+            return []
+        assert self._future is not None
+        # a later layer of this step still counts this step's use; earlier layers do not
+        from_step = view.step if layer > view.layer else view.step + 1
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        candidates.sort(key=lambda e: (-self._future.next_use(layer, e, from_step), e))
+        return candidates[:n]
+
+
+def make_room(cache: CachePolicy, view: LayerView, layer: int, wanted: int,
+              protected: set[int]) -> tuple[int, list[int]]:
+    """How many of ``wanted`` new experts fit in ``layer``, and whom to evict for them."""
+    state: CacheState = view.cache
+    free = state.free(layer)
+    if wanted <= free:
+        return wanted, []
+    evict = cache.victims(view, layer, wanted - free, protected | state.in_flight[layer])
+    return free + len(evict), evict

@@ -1,0 +1,179 @@
+"""Systems: named compositions of cache, assignment and prefetch components.
+
+``build_system("gpu-only-lru", {"cache": "belady"})`` swaps a component by its
+registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from moesim.errors import ConfigError
+from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
+from moesim.policy.base import Component, LayerPlan, LayerView, RunContext
+from moesim.policy.cache import AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, StaticCache, make_room
+from moesim.policy.prefetch import NoPrefetch, PerfectPrefetch, Prefetch
+
+COMPONENTS: dict[str, dict[str, type[Component]]] = {
+    "cache": {c.name: c for c in (NoCache, LRUCache, StaticCache, AllResident, BeladyCache)},
+    "assign": {c.name: c for c in (AllCPU, AllGPU, ResidentOnGPU, BestSplit)},
+    "prefetch": {c.name: c for c in (NoPrefetch, PerfectPrefetch)},
+}
+
+
+@dataclass
+class ComposedSystem:
+    """Plans a layer: split the activated experts, admit the GPU ones into the cache, prefetch."""
+
+    name: str
+    cache: CachePolicy
+    assign: Assignment
+    prefetch: Prefetch
+    description: str = ""
+    #: True for bounds that assume every expert fits in GPU memory
+    ignores_memory: bool = False
+    #: True when the system needs no GPU cache at all
+    uses_cache: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def components(self) -> dict[str, Component]:
+        return {"cache": self.cache, "assign": self.assign, "prefetch": self.prefetch}
+
+    def needed_columns(self) -> list[str]:
+        return sorted({c for component in self.components.values() for c in component.columns})
+
+    def configure(self, ctx: RunContext) -> None:
+        for component in self.components.values():
+            component.configure(ctx)
+        self.notes = ctx.notes
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return self.cache.initial(layer, capacity)
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        gpu, cpu = self.assign.split(view)
+        plan = LayerPlan(cpu=cpu)
+        layer = view.layer
+        state = view.cache
+        present = [e for e in gpu if state.has(layer, e)]
+        missing = [e for e in gpu if not state.has(layer, e)]
+        if missing:
+            fits, evict = make_room(self.cache, view, layer, len(missing), set(present))
+            plan.evictions = [(layer, e) for e in evict]
+            plan.loads = missing[:fits]
+            plan.streamed = missing[fits:]
+        # resident first (they can start at once), then loads in queue order, then streamed
+        resident = [e for e in present if e in state.resident[layer]]
+        arriving = sorted((e for e in present if e not in state.resident[layer]),
+                          key=lambda e: view.arrivals.get(e, 0.0))
+        plan.gpu = resident + arriving + plan.loads + plan.streamed
+        self.cache.touch(view, plan.gpu)
+        self._plan_prefetch(view, plan)
+        return plan
+
+    def _plan_prefetch(self, view: LayerView, plan: LayerPlan) -> None:
+        wanted = self.prefetch.candidates(view)
+        if not wanted:
+            return
+        state = view.cache
+        evicted = set(plan.evictions)
+        free: dict[int, int] = {}
+
+        def slots_left(layer: int) -> int:
+            if layer not in free:
+                dropped = sum(1 for (l, _) in evicted if l == layer)
+                loading = len(plan.loads) if layer == view.layer else 0
+                free[layer] = state.free(layer) + dropped - loading
+            return free[layer]
+
+        wanted_by_layer: dict[int, set[int]] = {}
+        for layer, expert in wanted:
+            wanted_by_layer.setdefault(layer, set()).add(expert)
+        for layer, expert in wanted:
+            if (state.has(layer, expert) and (layer, expert) not in evicted) \
+                    or (layer == view.layer and expert in plan.gpu):
+                continue
+            if slots_left(layer) <= 0:
+                protected = wanted_by_layer[layer] | state.in_flight[layer]
+                if layer == view.layer:
+                    protected |= set(plan.gpu)
+                protected |= {e for (l, e) in evicted if l == layer}
+                victims = self.cache.victims(view, layer, 1, protected)
+                if not victims:
+                    continue
+                plan.evictions.append((layer, victims[0]))
+                evicted.add((layer, victims[0]))
+                free[layer] += 1
+            plan.prefetches.append((layer, expert))
+            free[layer] -= 1
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    description: str
+    cache: str
+    assign: str
+    prefetch: str = "none"
+    ignores_memory: bool = False
+    uses_cache: bool = True
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    "cpu-only": SystemSpec("KTransformers-style: routed experts on the CPU; attention and shared experts "
+                           "on the GPU (001 Sec. 3)", cache="none", assign="cpu", uses_cache=False),
+    "gpu-only-lru": SystemSpec("every expert computed on the GPU; per-layer LRU cache; on-demand loads "
+                               "(Mixtral-offloading style)", cache="lru", assign="gpu"),
+    "static-hot": SystemSpec("Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU",
+                             cache="static-hot", assign="resident"),
+    "all-in-gpu": SystemSpec("every expert resident on the GPU (bound; GPU memory not enforced)",
+                             cache="all", assign="gpu", ignores_memory=True),
+    "oracle": SystemSpec("Belady cache, perfect next-layer prefetch and the best CPU/GPU split (bound)",
+                         cache="belady", assign="best", prefetch="perfect"),
+}
+
+
+def system_names() -> list[str]:
+    return list(SYSTEMS)
+
+
+def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:
+    """Build a system, applying component swaps (``cache=lru``) and parameters (``cache.x=1``)."""
+    if name not in SYSTEMS:
+        raise ConfigError(f"unknown system '{name}'", field="--system",
+                          fix=f"use one of: {', '.join(SYSTEMS)}, all")
+    spec = SYSTEMS[name]
+    chosen = {"cache": spec.cache, "assign": spec.assign, "prefetch": spec.prefetch}
+    settings = dict(settings or {})
+    for role in COMPONENTS:
+        if role in settings:
+            chosen[role] = settings.pop(role)
+    parts: dict[str, Component] = {}
+    for role, comp_name in chosen.items():
+        registry = COMPONENTS[role]
+        if comp_name not in registry:
+            raise ConfigError(f"unknown {role} component '{comp_name}'", field=role,
+                              fix=f"use one of: {', '.join(registry)}")
+        parts[role] = registry[comp_name]()
+    for key, value in settings.items():
+        role, _, param = key.partition(".")
+        if role not in parts or not param:
+            raise ConfigError(f"unknown parameter '{key}'", field="--set",
+                              fix=f"valid: {', '.join(all_parameters(name))}")
+        parts[role].set_param(param, value)
+    return ComposedSystem(name=name, cache=parts["cache"], assign=parts["assign"],  # type: ignore[arg-type]
+                          prefetch=parts["prefetch"], description=spec.description,  # type: ignore[arg-type]
+                          ignores_memory=spec.ignores_memory, uses_cache=spec.uses_cache)
+
+
+def all_parameters(name: str) -> list[str]:
+    spec = SYSTEMS[name]
+    out = []
+    for role, comp_name in (("cache", spec.cache), ("assign", spec.assign), ("prefetch", spec.prefetch)):
+        out += [f"{role}.{p}" for p in COMPONENTS[role][comp_name].parameters()]
+        out.append(f"{role}=<{'|'.join(COMPONENTS[role])}>")
+    return out
+
+
+SystemFactory = Callable[[dict[str, str]], ComposedSystem]

@@ -1,0 +1,116 @@
+"""Setting up one replay from user-level inputs: trace, profile, system name and ``--set`` settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from moesim.errors import ConfigError
+from moesim.hw.cost import CostModel
+from moesim.hw.profile import HardwareProfile, load_profile
+from moesim.model.presets import load_preset
+from moesim.model.spec import DTYPE_BITS
+from moesim.policy.base import coerce
+from moesim.policy.systems import SYSTEMS, all_parameters, build_system
+from moesim.sim.engine import SimConfig, SimResult, Simulator
+from moesim.sim.memory import peak_kv_tokens, plan_memory
+from moesim.trace.io import read_meta, trace_columns
+
+
+@dataclass
+class MemoryConfig:
+    """GPU memory parameters, reachable as ``--set memory.<name>=value``."""
+
+    #: activations and temporary buffers kept free on the GPU
+    workspace_gib: float = 0.5
+    #: dtype of attention, embeddings, dense and shared FFN weights on the GPU
+    non_expert_dtype: str = "bf16"
+    #: dtype of routed experts (default: the trace's model metadata)
+    expert_dtype: str = ""
+
+
+@dataclass
+class ReplaySettings:
+    engine: SimConfig = field(default_factory=SimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    hw: dict[str, Any] = field(default_factory=dict)
+    slots_per_layer: int | None = None
+    system: dict[str, str] = field(default_factory=dict)
+
+
+def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
+    names = {f.name: f.default for f in dataclasses.fields(obj)}
+    if key not in names:
+        raise ConfigError(f"unknown parameter '{section}.{key}'", field="--set",
+                          fix=f"valid: {', '.join(f'{section}.{n}' for n in names)}")
+    setattr(obj, key, coerce(raw, names[key], f"{section}.{key}"))
+
+
+def parse_settings(settings: dict[str, str]) -> ReplaySettings:
+    out = ReplaySettings()
+    for key, raw in settings.items():
+        section, _, rest = key.partition(".")
+        if section == "engine" and rest:
+            _set_field(out.engine, "engine", rest, raw)
+        elif section == "memory" and rest:
+            _set_field(out.memory, "memory", rest, raw)
+        elif section == "hw" and rest:
+            out.hw[rest] = coerce(raw, None, key)
+        elif key == "cache.slots_per_layer":
+            out.slots_per_layer = int(coerce(raw, 0, key))
+        else:
+            out.system[key] = raw
+    if out.memory.non_expert_dtype not in DTYPE_BITS:
+        raise ConfigError(f"unknown dtype '{out.memory.non_expert_dtype}'", field="memory.non_expert_dtype",
+                          fix=f"use one of {', '.join(DTYPE_BITS)}")
+    if out.engine.staging_slots < 1:
+        raise ConfigError("at least one staging buffer is needed", field="engine.staging_slots", fix="use >= 1")
+    return out
+
+
+def documented_parameters(system: str) -> list[str]:
+    """Every ``--set`` key a replay of ``system`` accepts."""
+    keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
+    keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
+    keys += ["cache.slots_per_layer", "hw.<profile field, e.g. pcie.bandwidth_scale or cpu.cores>"]
+    return keys + all_parameters(system)
+
+
+def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
+            *, model_preset: str | None = None, seed: int = 0,
+            progress: Callable[[int], None] | None = None, timeline: bool | None = None,
+            decisions: bool | None = None) -> Simulator:
+    """Build a ready-to-run :class:`Simulator`, checking everything a user can get wrong."""
+    meta = read_meta(trace)
+    model = meta.model
+    if model_preset:
+        preset = load_preset(model_preset)
+        mismatch = preset.routing_mismatch(model)
+        if mismatch:
+            raise ConfigError(f"trace model '{model.name}' does not match preset '{preset.name}' ({mismatch})",
+                              source=trace, field="--model", fix="pick the preset the trace was recorded with")
+        model = dataclasses.replace(preset)
+    if system not in SYSTEMS:
+        raise ConfigError(f"unknown system '{system}'", field="--system", fix=f"use one of: {', '.join(SYSTEMS)}, all")
+    parsed = parse_settings(settings or {})
+    if timeline is not None:
+        parsed.engine.timeline = timeline
+    if decisions is not None:
+        parsed.engine.decisions = decisions
+    profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
+    profile = profile.with_overrides(parsed.hw)
+    built = build_system(system, parsed.system)
+    costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
+    memory = plan_memory(model, profile, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
+                         workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
+                         non_expert_dtype=parsed.memory.non_expert_dtype,
+                         slots_per_layer=parsed.slots_per_layer if built.uses_cache else 0,
+                         ignore_memory=built.ignores_memory)
+    return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
+                     columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
+
+
+def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
+             **kwargs: Any) -> SimResult:
+    return prepare(trace, hw, system, settings, **kwargs).run()
