@@ -1,0 +1,63 @@
+"""Importers: other tools' per-token router logs -> trace format v1.
+
+``import_trace(fmt, sources, out)`` is what ``moesim trace import --format NAME``
+calls. Each format module reads its logs, drops rows that are not real routing
+(profiling dummies, warm-up and idle batches) and repairs known logger defects,
+counting every dropped or repaired row by reason in the returned
+:class:`ImportReport` and in the trace's ``source`` metadata.
+
+Single-layer and few-layer logs keep the model's own layer indices (a Qwen1.5-MoE
+log of layers 0, 8, 12, 18, 23 has exactly those ``layer`` values, not 0..4);
+``source.layers_present`` lists them. The reader and the validator accept such
+traces: ``layer`` must lie in [0, num_layers) and rows keep trace order; nothing
+requires every layer to be present in a step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from moesim.errors import ConfigError, TraceFormatError
+from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, speculative_moe,
+                                    vllm_moe_logger)
+from moesim.trace.importers._common import ImportReport, refuse_aggregates
+
+FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
+    speculative_moe.FORMAT: speculative_moe.import_files,
+    qwen3_prefill.FORMAT: qwen3_prefill.import_files,
+    flame_moe.FORMAT: flame_moe.import_files,
+    vllm_moe_logger.FORMAT: vllm_moe_logger.import_files,
+    cerebras_olmoe.FORMAT: cerebras_olmoe.import_files,
+}
+AGGREGATE_FORMATS = ("olmoe-routing-stats",)
+
+
+def available_formats() -> list[str]:
+    return sorted(FORMATS)
+
+
+def import_trace(fmt: str, sources: list[Path], out: Path) -> ImportReport:
+    """Convert ``sources`` (log files of format ``fmt``) into the v1 trace ``out``."""
+    sources = [Path(s) for s in sources]
+    if fmt in AGGREGATE_FORMATS:
+        raise TraceFormatError("OLMoE-routing-stats holds aggregate expert counts per layer, not per-token "
+                               "routing; no trace can be built from it", source=", ".join(map(str, sources)),
+                               field="--format", fix="use it to check a trace's skew; import a per-token log")
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown import format '{fmt}'", field="--format",
+                          fix=f"use one of {', '.join(available_formats())}")
+    if not sources:
+        raise ConfigError("no source files given", field="SRC", fix="name at least one log file")
+    refuse_aggregates(sources)
+    for path in sources:
+        if not path.is_file():
+            raise TraceFormatError("not a file", source=str(path), fix="name the log files, not their folder")
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise TraceFormatError("output path is a directory", source=str(out), field="--out",
+                               fix="give a file name ending in .parquet")
+    return FORMATS[fmt](sources, out)
+
+
+__all__ = ["FORMATS", "ImportReport", "available_formats", "import_trace"]

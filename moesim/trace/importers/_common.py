@@ -1,0 +1,222 @@
+"""Shared pieces of the importers: line-checked JSONL reading, a row table, the report, writing.
+
+Every importer turns a third-party log into a :class:`RoutingRows` table (one row
+per request, token and MoE layer), counts what it dropped or repaired and why,
+and hands the table to :func:`write_import`, which sorts it into trace order
+and writes it through :class:`~moesim.trace.io.TraceWriter` (atomic rename).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from moesim.errors import TraceFormatError
+from moesim.model.presets import load_preset
+from moesim.model.spec import ModelSpec
+from moesim.trace.io import TraceWriter
+from moesim.trace.schema import PHASES, TraceMeta
+
+WRITE_CHUNK_ROWS = 65_536
+PREFILL, DECODE = PHASES.index("prefill"), PHASES.index("decode")
+
+
+# ----------------------------------------------------------------------------- input checks
+def where(path: Path, line: int | None = None) -> str:
+    return f"{path} line {line}" if line is not None else str(path)
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(1-based line number, object) for every non-blank line; bad JSON is a one-line error."""
+    with open(path, encoding="utf-8") as handle:
+        for number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                raise TraceFormatError("not valid JSON", source=where(path, number), field="line",
+                                       fix="repair or delete the truncated/garbled line") from None
+            if not isinstance(obj, dict):
+                raise TraceFormatError("line is not a JSON object", source=where(path, number), field="line",
+                                       fix="each line must be one JSON object")
+            yield number, obj
+
+
+def get_field(obj: dict[str, Any], name: str, path: Path, line: int) -> Any:
+    if name not in obj:
+        raise TraceFormatError("missing field", source=where(path, line), field=name,
+                               fix=f"every record of this format needs '{name}'")
+    return obj[name]
+
+
+def get_int(obj: dict[str, Any], name: str, path: Path, line: int) -> int:
+    value = get_field(obj, name, path, line)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"expected an integer, got {value!r}", source=where(path, line), field=name,
+                               fix=f"'{name}' must be an integer")
+    return value
+
+
+def get_list(obj: dict[str, Any], name: str, length: int, path: Path, line: int) -> list[Any]:
+    value = get_field(obj, name, path, line)
+    if not isinstance(value, list) or len(value) != length:
+        got = f"{len(value)} values" if isinstance(value, list) else repr(value)
+        raise TraceFormatError(f"expected a list of {length} values, got {got}", source=where(path, line),
+                               field=name, fix=f"'{name}' must hold exactly {length} numbers (top_k)")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise TraceFormatError(f"non-numeric value in {value!r}", source=where(path, line), field=name,
+                               fix=f"'{name}' must hold numbers only")
+    return value
+
+
+def check_experts(experts: np.ndarray, model: ModelSpec, path: Path, lines: np.ndarray,
+                  name: str) -> None:
+    """Expert ids in [0, E) and unique within a row; the error names the first bad line."""
+    experts = np.asarray(experts)
+    bad = ((experts < 0) | (experts >= model.num_experts)).any(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise TraceFormatError(f"expert id in {experts[i].tolist()} outside [0, {model.num_experts})",
+                               source=where(path, int(lines[i])), field=name,
+                               fix=f"{model.name} has {model.num_experts} routed experts; check --format")
+    ordered = np.sort(experts, axis=1)
+    dup = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    if dup.any():
+        i = int(np.flatnonzero(dup)[0])
+        raise TraceFormatError(f"duplicate expert in {experts[i].tolist()}", source=where(path, int(lines[i])),
+                               field=name, fix="each routed expert appears once per row")
+
+
+def refuse_aggregates(paths: list[Path]) -> None:
+    """OLMoE-routing-stats holds per-layer expert counters, not per-token routing: no trace can come of it."""
+    for path in paths:
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+        if path.suffix == ".pkl" or any(part.startswith("expert_counts") for part in path.parts) \
+                or any(n.startswith("expert_counts") for n in names) or {"olmoe", "mistral"} <= names:
+            raise TraceFormatError(
+                "holds aggregate expert counts (OLMoE routing statistics), not per-token routing; "
+                "a trace needs one routed-expert list per token and layer", source=str(path),
+                field="format", fix="use these counters to check a synthetic trace's skew; import a per-token log instead")
+
+
+# ----------------------------------------------------------------------------- rows
+@dataclass
+class RoutingRows:
+    """Columns of an imported trace before sorting; append blocks, then :meth:`columns`."""
+
+    top_k: int
+    with_weights: bool
+    with_token_id: bool = False
+    _blocks: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+    def add(self, *, request: Any, step: Any, phase: int, position: Any, layer: Any, experts: Any,
+            weights: Any = None, token_id: Any = None) -> None:
+        experts = np.asarray(experts, dtype=np.int16).reshape(-1, self.top_k)
+        n = len(experts)
+        block = {
+            "request": np.broadcast_to(np.asarray(request, dtype=np.int32), (n,)),
+            "step": np.broadcast_to(np.asarray(step, dtype=np.int32), (n,)),
+            "phase": np.full(n, phase, dtype=np.int8),
+            "position": np.broadcast_to(np.asarray(position, dtype=np.int32), (n,)),
+            "layer": np.broadcast_to(np.asarray(layer, dtype=np.int16), (n,)),
+            "experts": experts,
+        }
+        if self.with_weights:
+            block["weights"] = np.asarray(weights, dtype=np.float32).reshape(n, self.top_k)
+        if self.with_token_id:
+            block["token_id"] = np.broadcast_to(np.asarray(token_id, dtype=np.int32), (n,))
+        self._blocks.append(block)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """All rows, sorted by step, layer, request, position (trace order)."""
+        if not self._blocks:
+            return {}
+        data = {key: np.concatenate([b[key] for b in self._blocks]) for key in self._blocks[0]}
+        order = np.lexsort((data["position"], data["request"], data["layer"], data["step"]))
+        return {key: value[order] for key, value in data.items()}
+
+
+def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Sort each row's experts by gate weight, highest first (trace format v1); count rows changed."""
+    order = np.argsort(-weights, axis=1, kind="stable")
+    changed = int((order != np.arange(weights.shape[1])).any(axis=1).sum())
+    return (np.take_along_axis(experts, order, axis=1), np.take_along_axis(weights, order, axis=1), changed)
+
+
+# ----------------------------------------------------------------------------- report and writing
+@dataclass
+class ImportReport:
+    """What an import read, wrote, dropped and repaired; the same counts go into the trace's ``source``."""
+
+    fmt: str
+    out: Path
+    model: str
+    rows: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    requests: int = 0
+    layers_present: list[int] = field(default_factory=list)
+    num_layers: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    repaired: Counter = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+
+    def summary_lines(self) -> list[str]:
+        layers = ("all" if len(self.layers_present) == self.num_layers
+                  else ", ".join(map(str, self.layers_present)))
+        lines = [f"wrote {self.out} ({self.fmt}, model {self.model}): {self.rows:,} rows, {self.steps:,} steps "
+                 f"({self.prefill_steps:,} prefill, {self.decode_steps:,} decode), {self.requests} request(s), "
+                 f"layers {layers} of {self.num_layers}"]
+        dropped, repaired = +self.dropped, +self.repaired  # unary + keeps positive counts only
+        if dropped:
+            lines.append("dropped rows: " + ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items())))
+        if repaired:
+            lines.append("repaired: " + ", ".join(f"{k} {v:,}" for k, v in sorted(repaired.items())))
+        lines.extend(f"note: {note}" for note in self.notes)
+        return lines
+
+
+def write_import(out: Path, rows: RoutingRows, model: ModelSpec, report: ImportReport,
+                 source: dict[str, Any], weights_renormalized: bool) -> ImportReport:
+    """Sort ``rows`` into trace order and write them; fill the report's counts and the ``source`` metadata."""
+    data = rows.columns()
+    if not data:
+        raise TraceFormatError("no routing rows left after dropping dummy/warm-up rows",
+                               source=", ".join(source.get("files", [])), field="rows",
+                               fix="check that the files are the per-token logs this format expects")
+    steps = data["step"]
+    starts = np.r_[0, np.flatnonzero(np.diff(steps)) + 1]
+    report.rows = len(steps)
+    report.steps = len(starts)
+    report.prefill_steps = int((data["phase"][starts] == PREFILL).sum())
+    report.decode_steps = report.steps - report.prefill_steps
+    report.requests = int(len(np.unique(data["request"])))
+    report.layers_present = sorted(int(x) for x in np.unique(data["layer"]))
+    report.num_layers = model.num_layers
+    source = {
+        "kind": "imported",
+        "format": report.fmt,
+        **source,
+        "layers_present": report.layers_present,
+        "dropped_rows": dict(sorted((+report.dropped).items())),
+        "repairs": dict(sorted((+report.repaired).items())),
+        "notes": list(report.notes),
+    }
+    meta = TraceMeta(model=model, source=source, weights_renormalized=weights_renormalized)
+    optional = [c for c in ("weights", "token_id") if c in data]
+    with TraceWriter(out, meta, optional) as writer:
+        for start in range(0, report.rows, WRITE_CHUNK_ROWS):
+            writer.write({key: value[start:start + WRITE_CHUNK_ROWS] for key, value in data.items()})
+    return report
+
+
+def new_report(fmt: str, out: Path, model_name: str) -> tuple[ImportReport, ModelSpec]:
+    model = load_preset(model_name)
+    return ImportReport(fmt=fmt, out=out, model=model.name), model

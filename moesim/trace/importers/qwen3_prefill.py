@@ -1,0 +1,120 @@
+"""``vllm-qwen3-prefill``: Qwen3-30B-A3B prefill routing ids from soryxie/vllm (``token_distri_*.jsonl``).
+
+The patched vLLM appended one line per MoE-layer call on EP/DP rank 0:
+``{"topk_weights": [num_tokens, 8] (a shape, not weights), "topk_ids": [[8 ids], ...]}``.
+Lines come in forwards of 48 (layer = line index mod 48, inferred: no layer field).
+Only forward 2 is the real prefill batch; forwards 0-1 (warm-up request) and 3-31
+(identical 4-token dummy batches of idle DP ranks) are dropped and counted. The
+convenience extract ``*_prefill_forward2_ids.npz`` (``topk_ids`` [48, N, 8]) holds
+forward 2 only.
+
+Each source file becomes one prefill step. Request boundaries inside the batch
+are not logged, so the batch is one pseudo-request whose positions are the batch
+row index (context lengths are therefore not the real ones). No weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from moesim.errors import TraceFormatError
+from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, get_field,
+                                            new_report, read_jsonl, where, write_import)
+
+FORMAT = "vllm-qwen3-prefill"
+MODEL = "qwen3-30b-a3b"
+LAYERS = 48
+TOP_K = 8
+REAL_FORWARD = 2
+SOURCE = {
+    "repository": "https://github.com/soryxie/vllm",
+    "commit": "0c9d1f469c2895f3d9f634b8ec39053804bd20a5",
+    "commit_note": "branch songrun/profile_moe head; profile_json/token_distri_*.jsonl last changed in "
+                   "568a8cb288718caa8062317324e2452a8ee44e4e",
+    "upstream_model": "Qwen/Qwen3-30B-A3B-Instruct-2507 on vLLM ~0.10 (expert parallel, DP 4, enforce_eager), "
+                      "EP/DP rank 0 only",
+    "workload": "ShareGPT_V3 prompts, benchmark_serving.py --sharegpt-output-len 1 --request-rate inf",
+    "license": "Apache-2.0 (repository license; no separate data license)",
+}
+
+
+def _forward2_from_jsonl(path: Path, report: ImportReport) -> tuple[np.ndarray, np.ndarray]:
+    """Layer-major ids [48, N, 8] of forward 2 and the source line of each layer's first row."""
+    layers: list[np.ndarray] = []
+    lines: list[int] = []
+    count = 0
+    for line, obj in read_jsonl(path):
+        index = count
+        count += 1
+        shape = get_field(obj, "topk_weights", path, line)
+        ids = get_field(obj, "topk_ids", path, line)
+        if not (isinstance(shape, list) and len(shape) == 2 and shape[1] == TOP_K):
+            raise TraceFormatError(f"expected the shape [num_tokens, {TOP_K}], got {shape!r}",
+                                   source=where(path, line), field="topk_weights",
+                                   fix="this format logs the weights' shape only; check --format")
+        if not isinstance(ids, list) or len(ids) != shape[0] \
+                or any(not isinstance(r, list) or len(r) != TOP_K for r in ids):
+            raise TraceFormatError(f"expected {shape[0]} lists of {TOP_K} expert ids", source=where(path, line),
+                                   field="topk_ids", fix="each line lists top-8 ids for every token of the call")
+        forward = index // LAYERS
+        if forward == REAL_FORWARD:
+            layers.append(np.asarray(ids, dtype=np.int64).reshape(-1, TOP_K))
+            lines.append(line)
+        elif forward < REAL_FORWARD:
+            report.dropped["warm_up_forwards_0_1"] += len(ids)
+        else:
+            report.dropped["dummy_dp_batches_forwards_3_plus"] += len(ids)
+    if count % LAYERS or count < (REAL_FORWARD + 1) * LAYERS:
+        raise TraceFormatError(f"{count} lines is not a whole number of 48-layer forwards with at least 3",
+                               source=str(path), field="line",
+                               fix="use the complete token_distri_*.jsonl (32 forwards x 48 layers)")
+    sizes = {len(a) for a in layers}
+    if len(sizes) != 1:
+        raise TraceFormatError(f"layers of forward 2 hold different token counts {sorted(sizes)}",
+                               source=where(path, lines[0]), field="topk_ids",
+                               fix="the file is not 48 lines per forward; use the unmodified log")
+    return np.stack(layers), np.asarray(lines)
+
+
+def _forward2_from_npz(path: Path) -> np.ndarray:
+    try:
+        data = np.load(path)
+        ids = data["topk_ids"]
+    except KeyError:
+        raise TraceFormatError("npz has no 'topk_ids' array", source=str(path), field="topk_ids",
+                               fix="use token_distri_*_prefill_forward2_ids.npz") from None
+    except (OSError, ValueError):
+        raise TraceFormatError("not a readable npz file", source=str(path), fix="give the .npz extract or the .jsonl") from None
+    if ids.ndim != 3 or ids.shape[0] != LAYERS or ids.shape[2] != TOP_K:
+        raise TraceFormatError(f"topk_ids has shape {ids.shape}, expected [48, N, 8]", source=str(path),
+                               field="topk_ids", fix="use the forward-2 extract of a Qwen3-30B-A3B log")
+    return ids.astype(np.int64)
+
+
+def import_files(sources: list[Path], out: Path) -> ImportReport:
+    report, model = new_report(FORMAT, out, MODEL)
+    rows = RoutingRows(top_k=TOP_K, with_weights=False)
+    batches = []
+    for request, path in enumerate(sources):
+        if path.suffix == ".npz":
+            ids = _forward2_from_npz(path)
+            lines = None
+            report.notes.append(f"{path.name}: the npz extract holds forward 2 only; warm-up and dummy forwards "
+                                "were dropped when it was made")
+        else:
+            ids, lines = _forward2_from_jsonl(path, report)
+        for layer in range(LAYERS):
+            row_lines = np.full(ids.shape[1], lines[layer] if lines is not None else 0)
+            check_experts(ids[layer], model, path if lines is not None else Path(f"{path} layer {layer}"),
+                          row_lines, "topk_ids")
+            rows.add(request=request, step=request, phase=PREFILL, position=np.arange(ids.shape[1]),
+                     layer=layer, experts=ids[layer])
+        batches.append({"file": path.name, "tokens": int(ids.shape[1])})
+    report.notes.append("request boundaries inside the prefill batch are unknown: one pseudo-request per file, "
+                        "positions are batch row indices")
+    source = {**SOURCE, "files": [p.name for p in sources], "prefill_batches": batches,
+              "layer_inference": "layer = line index mod 48 (not recorded upstream)",
+              "weights": "not logged (ids only)"}
+    return write_import(out, rows, model, report, source, weights_renormalized=False)
