@@ -1,0 +1,465 @@
+"""Statistics of a router trace: shape, skew, temporal reuse, co-activation, predictor recall.
+
+The file is read in row batches with pyarrow and processed in chunks of whole
+forward passes (a step never straddles two chunks), vectorised with numpy, so
+memory stays bounded by one chunk plus a small per-(request, layer) state no
+matter how long the trace is.
+
+Definitions (all per MoE layer, over every row of the trace):
+
+- ``top10_share_by_layer``: share of all activations at the layer taken by its
+  ``max(1, num_experts // 10)`` most-activated experts (skew that grows with
+  depth: 000_dba2fecbbc66318b.txt Sec. III-B, Fig. 5).
+- ``reuse_prev_token_by_layer``: mean over tokens of |S_t & S_prev| / |S_t|, where
+  S_prev is the routed set of the same request's previous token present in the
+  trace at that layer; a request's first token is left out (temporal locality,
+  003_46c415738ddfa491.txt Sec. 3, Fig. 8).
+- ``coactivation_top4_share``: BuddyMoE's pivot view of co-activation
+  (002_95ae8307b42d2a8d.txt Sec. 3.2, Eq. 4): M(i, j) counts tokens whose routed
+  set at the layer holds both i and j; for each pivot i with any co-activation, the
+  share of sum_j M(i, j) covered by its 4 largest entries. The mean is taken over
+  all (layer, pivot) pairs; ``coactivation_top4_share_by_layer`` over pivots.
+- ``predictor_recall``: for each predictor column present, |pred & truth| / |truth|
+  summed over rows: ``pred_next_layer`` and ``pred_residual`` against the same
+  token's routed set at layer + 1, ``pred_next_token`` against the same request's
+  next token at the same layer. Rows without a truth (last layer, last token) are
+  left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
+from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
+
+CHUNK_ROWS = 65_536
+COACTIVATION_PEERS = 4
+#: flush pending bincount indices when this many accumulate (keeps bincount calls rare)
+FLUSH_INDICES = 2_000_000
+
+
+# ----------------------------------------------------------------------------- reading
+def _padded_lists(column: pa.Array) -> np.ndarray:
+    """A list<int16> column as an (n, width) int16 matrix padded with -1."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.int16)
+    lengths = np.diff(offsets)
+    width = int(lengths.max()) if len(lengths) else 0
+    out = np.full((len(lengths), max(width, 1)), -1, dtype=np.int16)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    cols = np.arange(len(values)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    out[rows, cols] = values
+    return out
+
+
+def _pad_to(matrix: np.ndarray, width: int) -> np.ndarray:
+    if matrix.shape[1] >= width:
+        return matrix
+    pad = np.full((matrix.shape[0], width - matrix.shape[1]), -1, dtype=matrix.dtype)
+    return np.hstack([matrix, pad])
+
+
+def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for key in parts[0]:
+        arrays = [p[key] for p in parts]
+        if key in PREDICTOR_COLUMNS:
+            width = max(a.shape[1] for a in arrays)
+            arrays = [_pad_to(a, width) for a in arrays]
+        out[key] = np.concatenate(arrays)
+    return out
+
+
+def _iter_chunks(path: PathLike, top_k: int, columns: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    """Yield dicts of numpy columns holding whole steps, about CHUNK_ROWS rows each."""
+    pf = _open(path)
+    pending: list[dict[str, np.ndarray]] = []
+    pending_rows = 0
+    for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
+        cols: dict[str, np.ndarray] = {}
+        for name in columns:
+            col = batch.column(name)
+            if name == "experts":
+                cols[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(-1, top_k).astype(np.int64)
+            elif name == "weights":
+                cols[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(-1, top_k)
+            elif name in PREDICTOR_COLUMNS:
+                cols[name] = _padded_lists(col)
+            elif name == "phase":
+                cols[name] = _phase_codes(col)
+            else:
+                cols[name] = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        pending.append(cols)
+        pending_rows += batch.num_rows
+        if pending_rows < CHUNK_ROWS:
+            continue
+        merged = _concat(pending)
+        last_step = merged["step"][-1]
+        cut = int(np.searchsorted(merged["step"], last_step, side="left"))
+        if cut == 0:  # one step larger than the chunk: keep collecting
+            pending, pending_rows = [merged], len(merged["step"])
+            continue
+        yield {k: v[:cut] for k, v in merged.items()}
+        tail = {k: v[cut:] for k, v in merged.items()}
+        pending, pending_rows = [tail], len(tail["step"])
+    if pending_rows:
+        yield _concat(pending)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _overlap(truth: np.ndarray, guess: np.ndarray) -> np.ndarray:
+    """Per row, how many of ``truth``'s ids (-1 = none) appear in ``guess`` (-1 padded)."""
+    hit = (truth[:, :, None] == guess[:, None, :]) & (truth[:, :, None] >= 0)
+    return hit.any(axis=2).sum(axis=1)
+
+
+@dataclass
+class _RequestState:
+    """Last routed set (and next-token prediction) of each (request, layer) seen so far."""
+
+    num_layers: int
+    top_k: int
+    slots: dict[int, int] = field(default_factory=dict)
+    experts: np.ndarray = field(init=False)
+    pred: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.experts = np.full((16, self.num_layers, self.top_k), -1, dtype=np.int64)
+        self.pred = np.full((16, self.num_layers, 1), -1, dtype=np.int16)
+
+    def slot_of(self, requests: np.ndarray) -> np.ndarray:
+        unique, inverse = np.unique(requests, return_inverse=True)
+        ids = np.array([self.slots.setdefault(int(r), len(self.slots)) for r in unique], dtype=np.int64)
+        need = len(self.slots)
+        if need > len(self.experts):
+            grow = max(need, 2 * len(self.experts)) - len(self.experts)
+            self.experts = np.concatenate([self.experts, np.full((grow, *self.experts.shape[1:]), -1,
+                                                                 dtype=self.experts.dtype)])
+            self.pred = np.concatenate([self.pred, np.full((grow, *self.pred.shape[1:]), -1,
+                                                           dtype=self.pred.dtype)])
+        return ids[inverse]
+
+    def widen_pred(self, width: int) -> None:
+        if width > self.pred.shape[2]:
+            pad = np.full((*self.pred.shape[:2], width - self.pred.shape[2]), -1, dtype=self.pred.dtype)
+            self.pred = np.concatenate([self.pred, pad], axis=2)
+
+
+@dataclass
+class _Accumulator:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    predictors: list[str]
+    rows: int = 0
+    tokens: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    steps: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    requests: set[int] = field(default_factory=set)
+    reuse_sum: np.ndarray = field(init=False)
+    reuse_n: np.ndarray = field(init=False)
+    union_sum: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
+    union_n: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    hits: dict[str, int] = field(default_factory=dict)
+    truths: dict[str, int] = field(default_factory=dict)
+    weight_top1_sum: float = 0.0
+    weight_rows: int = 0
+    _count_idx: list[np.ndarray] = field(default_factory=list)
+    _pair_idx: list[np.ndarray] = field(default_factory=list)
+    _pending: int = 0
+
+    def __post_init__(self) -> None:
+        L, E = self.num_layers, self.num_experts
+        self.counts = np.zeros(L * E, dtype=np.int64)
+        self.pairs = np.zeros(L * E * E, dtype=np.int64)
+        self.reuse_sum = np.zeros(L)
+        self.reuse_n = np.zeros(L, dtype=np.int64)
+        self.state = _RequestState(L, self.top_k)
+        self.hits = {p: 0 for p in self.predictors}
+        self.truths = {p: 0 for p in self.predictors}
+
+    # -- per chunk ---------------------------------------------------------------
+    def add(self, c: dict[str, np.ndarray]) -> None:
+        n = len(c["step"])
+        self.rows += n
+        self.requests.update(np.unique(c["request"]).tolist())
+        token = self._shape_counts(c)
+        self._activations(c)
+        self._reuse_and_next_token(c)
+        self._next_layer(c, token)
+        if "weights" in c:
+            w = c["weights"].astype(np.float64)
+            total = w.sum(axis=1)
+            ok = total > 0
+            self.weight_top1_sum += float((w[ok, 0] / total[ok]).sum())
+            self.weight_rows += int(ok.sum())
+
+    def _shape_counts(self, c: dict[str, np.ndarray]) -> np.ndarray:
+        """Count tokens and steps by phase; return each row's token index within the chunk."""
+        keys = np.stack([c["step"], c["request"], c["position"]], axis=1)
+        uniq, first, token = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        token = token.reshape(-1)
+        for code, phase in enumerate(PHASES):
+            self.tokens[phase] += int((c["phase"][first] == code).sum())
+        step_id = np.cumsum(np.diff(c["step"], prepend=c["step"][0]) != 0)
+        has_prefill = np.zeros(int(step_id[-1]) + 1, dtype=bool)
+        has_prefill[step_id[c["phase"] == 0]] = True
+        self.steps["prefill"] += int(has_prefill.sum())
+        self.steps["decode"] += int((~has_prefill).sum())
+        # batch union: distinct experts per (step, layer), the load an offloading system sees
+        group = step_id * self.num_layers + c["layer"]
+        flat_group = np.repeat(group, self.top_k)
+        pairs = np.unique(flat_group * self.num_experts + c["experts"].reshape(-1))
+        groups, union = np.unique(pairs // self.num_experts, return_counts=True)
+        group_phase = has_prefill[groups // self.num_layers]
+        for code, phase in enumerate(PHASES):
+            sel = group_phase if code == 0 else ~group_phase
+            self.union_sum[phase] += float(union[sel].sum())
+            self.union_n[phase] += int(sel.sum())
+        return token
+
+    def _activations(self, c: dict[str, np.ndarray]) -> None:
+        E, k = self.num_experts, self.top_k
+        ex = c["experts"]
+        base = c["layer"][:, None] * E
+        self._count_idx.append((base + ex).reshape(-1))
+        if k > 1:
+            a, b = np.nonzero(~np.eye(k, dtype=bool))
+            idx = (c["layer"][:, None] * E + ex[:, a]) * E + ex[:, b]
+            self._pair_idx.append(idx.reshape(-1))
+        self._pending += ex.size * k
+        if self._pending > FLUSH_INDICES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._count_idx:
+            self.counts += np.bincount(np.concatenate(self._count_idx), minlength=self.counts.size)
+        if self._pair_idx:
+            self.pairs += np.bincount(np.concatenate(self._pair_idx), minlength=self.pairs.size)
+        self._count_idx, self._pair_idx, self._pending = [], [], 0
+
+    def _reuse_and_next_token(self, c: dict[str, np.ndarray]) -> None:
+        req, layer = c["request"], c["layer"]
+        order = np.lexsort((c["position"], c["step"], layer, req))
+        r, l = req[order], layer[order]
+        ex = c["experts"][order]
+        same = np.zeros(len(order), dtype=bool)
+        same[1:] = (r[1:] == r[:-1]) & (l[1:] == l[:-1])
+        prev = np.empty_like(ex)
+        prev[1:] = ex[:-1]
+        slot = self.state.slot_of(r)
+        first = ~same
+        prev[first] = self.state.experts[slot[first], l[first]]
+        valid = prev[:, 0] >= 0
+        reuse = _overlap(ex, prev) / self.top_k
+        self.reuse_sum += np.bincount(l[valid], weights=reuse[valid], minlength=self.num_layers)
+        self.reuse_n += np.bincount(l[valid], minlength=self.num_layers)
+        if "pred_next_token" in c:
+            pred = c["pred_next_token"][order]
+            self.state.widen_pred(pred.shape[1])
+            pred = _pad_to(pred, self.state.pred.shape[2])
+            prev_pred = np.empty_like(pred)
+            prev_pred[1:] = pred[:-1]
+            prev_pred[first] = self.state.pred[slot[first], l[first]]
+            self.hits["pred_next_token"] += int(_overlap(ex[valid], prev_pred[valid]).sum())
+            self.truths["pred_next_token"] += int((ex[valid] >= 0).sum())
+        # remember the last row of every (request, layer) group for the next chunk
+        last = np.ones(len(order), dtype=bool)
+        last[:-1] = ~same[1:]
+        self.state.experts[slot[last], l[last]] = ex[last]
+        if "pred_next_token" in c:
+            self.state.pred[slot[last], l[last]] = pred[last]
+
+    def _next_layer(self, c: dict[str, np.ndarray], token: np.ndarray) -> None:
+        names = [p for p in ("pred_next_layer", "pred_residual") if p in c]
+        if not names:
+            return
+        L = self.num_layers
+        key = token * L + c["layer"]
+        order = np.argsort(key, kind="stable")
+        target = key + 1
+        where = np.searchsorted(key[order], target)
+        where = np.minimum(where, len(key) - 1)
+        found = (key[order][where] == target) & (c["layer"] + 1 < L)
+        truth = c["experts"][order[where[found]]]
+        for name in names:
+            guess = c[name][found]
+            self.hits[name] += int(_overlap(truth, guess).sum())
+            self.truths[name] += int(truth.size)
+
+    # -- results -----------------------------------------------------------------
+    def layer_counts(self) -> np.ndarray:
+        self.flush()
+        return self.counts.reshape(self.num_layers, self.num_experts)
+
+    def coactivation(self) -> np.ndarray:
+        self.flush()
+        return self.pairs.reshape(self.num_layers, self.num_experts, self.num_experts)
+
+
+def _top_share(counts: np.ndarray) -> list[float | None]:
+    n_top = max(1, counts.shape[1] // 10)
+    total = counts.sum(axis=1)
+    top = -np.sort(-counts, axis=1)[:, :n_top].sum(axis=1)
+    return [float(t / s) if s else None for t, s in zip(top, total)]
+
+
+def _coactivation_shares(pairs: np.ndarray) -> tuple[float | None, list[float | None]]:
+    peers = min(COACTIVATION_PEERS, pairs.shape[2])
+    total = pairs.sum(axis=2)
+    top = -np.sort(-pairs, axis=2)[:, :, :peers].sum(axis=2)
+    active = total > 0
+    share = np.where(active, top / np.maximum(total, 1), 0.0)
+    by_layer = [float(share[l, active[l]].mean()) if active[l].any() else None for l in range(len(pairs))]
+    overall = float(share[active].mean()) if active.any() else None
+    return overall, by_layer
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
+
+
+def trace_stats(path: PathLike) -> dict[str, Any]:
+    """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring)."""
+    meta = read_meta(path)
+    model = meta.model
+    present = _open(path).schema_arrow.names
+    optional = [c for c in OPTIONAL_COLUMNS if c in present and c not in ("scores", "token_id")]
+    predictors = [c for c in PREDICTOR_COLUMNS if c in present]
+    acc = _Accumulator(model.num_layers, model.num_experts, model.top_k, predictors)
+    for chunk in _iter_chunks(path, model.top_k, list(REQUIRED_COLUMNS) + optional):
+        acc.add(chunk)
+
+    counts = acc.layer_counts()
+    top10 = _top_share(counts)
+    reuse = [float(s / n) if n else None for s, n in zip(acc.reuse_sum, acc.reuse_n)]
+    coact, coact_by_layer = _coactivation_shares(acc.coactivation())
+    source = meta.source.get("kind") if isinstance(meta.source, dict) else None
+    stats: dict[str, Any] = {
+        "model": model.name,
+        "source": source,
+        "rows": acc.rows,
+        "tokens": sum(acc.tokens.values()),
+        "tokens_by_phase": dict(acc.tokens),
+        "requests": len(acc.requests),
+        "steps": dict(acc.steps),
+        "layers": model.num_layers,
+        "layers_present": int((counts.sum(axis=1) > 0).sum()),
+        "num_experts": model.num_experts,
+        "top_k": model.top_k,
+        "weights_renormalized": meta.weights_renormalized,
+        "top10_share_by_layer": top10,
+        "top10_share": _mean(top10),
+        "reuse_prev_token_by_layer": reuse,
+        "reuse_prev_token": _mean(reuse),
+        "coactivation_top4_share": coact,
+        "coactivation_top4_share_by_layer": coact_by_layer,
+        "unique_experts_per_layer_step": {p: (acc.union_sum[p] / acc.union_n[p] if acc.union_n[p] else None)
+                                          for p in PHASES},
+        "predictor_recall": {p: (acc.hits[p] / acc.truths[p] if acc.truths[p] else None) for p in predictors},
+        "weight_top1_share": acc.weight_top1_sum / acc.weight_rows if acc.weight_rows else None,
+    }
+    return stats
+
+
+# ----------------------------------------------------------------------------- rendering
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float | None]) -> str:
+    """One character per layer, height scaled between the smallest and largest value."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return ""
+    low, high = min(present), max(present)
+    span = (high - low) or 1.0
+    return "".join(" " if v is None else _BARS[1 + int(round((v - low) / span * (len(_BARS) - 2)))]
+                   for v in values)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _summary_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [
+        ("model", stats["model"]), ("source", stats["source"]), ("rows", stats["rows"]),
+        ("requests", stats["requests"]), ("tokens", stats["tokens"]),
+        ("tokens prefill", stats["tokens_by_phase"]["prefill"]),
+        ("tokens decode", stats["tokens_by_phase"]["decode"]),
+        ("steps prefill", stats["steps"]["prefill"]), ("steps decode", stats["steps"]["decode"]),
+        ("layers (present)", f"{stats['layers']} ({stats['layers_present']})"),
+        ("experts / top-k", f"{stats['num_experts']} / {stats['top_k']}"),
+        ("top-10% share (mean)", stats["top10_share"]),
+        ("prev-token reuse (mean)", stats["reuse_prev_token"]),
+        ("co-activation top-4 share", stats["coactivation_top4_share"]),
+        ("distinct experts/layer/step prefill", stats["unique_experts_per_layer_step"]["prefill"]),
+        ("distinct experts/layer/step decode", stats["unique_experts_per_layer_step"]["decode"]),
+        ("top-1 weight share", stats["weight_top1_share"]),
+    ]
+    rows += [(f"recall {name}", value) for name, value in stats["predictor_recall"].items()]
+    return rows
+
+
+def render_stats(stats: dict[str, Any], console: Any, title: str = "trace") -> None:
+    """Print a summary table, a per-layer table and a sparkline of per-layer skew."""
+    from rich.table import Table
+
+    summary = Table(title=f"{title}", show_header=False)
+    summary.add_column("statistic")
+    summary.add_column("value", justify="right")
+    for name, value in _summary_rows(stats):
+        summary.add_row(name, _fmt(value))
+    console.print(summary)
+
+    per_layer = Table(title="per layer")
+    for name in ("layer", "top-10% share", "prev-token reuse", "co-act top-4"):
+        per_layer.add_column(name, justify="right")
+    for layer in range(stats["layers"]):
+        per_layer.add_row(str(layer), _fmt(stats["top10_share_by_layer"][layer]),
+                          _fmt(stats["reuse_prev_token_by_layer"][layer]),
+                          _fmt(stats["coactivation_top4_share_by_layer"][layer]))
+    console.print(per_layer)
+    console.print(f"top-10% share by layer  {sparkline(stats['top10_share_by_layer'])}", markup=False)
+    console.print(f"prev-token reuse        {sparkline(stats['reuse_prev_token_by_layer'])}", markup=False)
+
+
+def _relative(a: Any, b: Any) -> str:
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or isinstance(a, bool) or not a:
+        return ""
+    return f"{(b - a) / abs(a):+.1%}"
+
+
+def render_comparison(a: dict[str, Any], b: dict[str, Any], console: Any,
+                      names: tuple[str, str] = ("A", "B")) -> None:
+    """Print two traces' statistics side by side with the relative difference (B - A) / A."""
+    from rich.table import Table
+
+    table = Table(title="trace comparison")
+    table.add_column("statistic")
+    table.add_column(names[0], justify="right")
+    table.add_column(names[1], justify="right")
+    table.add_column("B vs A", justify="right")
+    rows_b = dict(_summary_rows(b))
+    for name, value in _summary_rows(a):
+        other = rows_b.get(name)
+        table.add_row(name, _fmt(value), _fmt(other), _relative(value, other))
+    console.print(table)
+    for key, label in (("top10_share_by_layer", "top-10% share by layer"),
+                       ("reuse_prev_token_by_layer", "prev-token reuse by layer")):
+        console.print(f"{label}:", markup=False)
+        console.print(f"  A {sparkline(a[key])}", markup=False)
+        console.print(f"  B {sparkline(b[key])}", markup=False)

@@ -1,0 +1,413 @@
+"""Synthetic router traces with realistic skew, temporal locality, co-activation and predictors.
+
+Routing model. For request r, token t and MoE layer l the router logit of expert e is
+
+    z[t, l, e] = skew_l * -log(1 + rank_l(e))           static popularity (Zipf)
+               + request_bias * u[r, l, e]                this prompt's hot experts
+               + cluster_strength * g[t, l, cluster_l(e)]  co-activation cluster
+               + n[t, l, e]                                token noise
+
+- ``rank_l`` is a per-layer random permutation; ``skew_l`` grows linearly from
+  ``skew_first`` to ``skew_last`` because deeper layers route more unevenly
+  (000_dba2fecbbc66318b.txt Sec. III-B, Fig. 5).
+- ``u`` ~ N(0, 1) per request: the set of hot experts changes from prompt to
+  prompt (000 Sec. VII-B, citing MoE-Infinity), so a short trace is more skewed
+  than a corpus-wide count.
+- ``g`` and ``n`` are AR(1) processes over a request's tokens with correlation
+  ``token_corr``: adjacent tokens re-use experts (003_46c415738ddfa491.txt Sec. 3,
+  Fig. 8). ``g`` is shared by the experts of one cluster (``cluster_size`` experts
+  per cluster, a random partition per layer), so a token's set tends to come from
+  one cluster and specific pairs co-activate (002_95ae8307b42d2a8d.txt Sec. 3.2).
+- ``scores = softmax(score_scale * z)`` over all experts, stored as float16; the
+  routed experts are the top-k of those scores, highest first; a few high and many
+  low scores (004_91681cee0e4a4add.txt Sec. 2, Fig. 4). ``weights`` are the routed
+  scores, renormalized to sum 1 when the model does so.
+- Predictor columns (see :class:`SynthParams`) keep each true expert with
+  probability ``recall_*`` and fill the rest with the next-best experts by score,
+  the near-misses a real predictor makes.
+
+Schedule: requests are served in groups of ``batch``: one prefill step per request
+(all ``prompt_len`` tokens), then ``decode_len`` decode steps holding one token of
+every request in the group. Every request draws from its own random stream seeded
+by (seed, request), so output is byte-identical for a seed.
+
+Default parameters come from the calibration logs only (see ``_ANCHORS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.model.presets import load_preset
+from moesim.model.spec import ModelSpec
+from moesim.trace.io import TraceWriter
+from moesim.trace.schema import TraceMeta
+
+#: logits generated per chunk (tokens x layers x experts); bounds memory
+CHUNK_ELEMENTS = 4_000_000
+
+# Default generator parameters at two calibration anchors, interpolated linearly in
+# log2(num_experts / top_k) and clamped outside [4, 16] (the documented per-preset rule).
+# "coarse" (E/k = 4): Mixtral-8x7B, fitted to speculative-moe humaneval_2_routing.jsonl and
+# routing_raw.jsonl (top-10% share, previous-token reuse, co-activation top-4 share, top-1
+# weight share) and to OLMoE-routing-stats mistral/expert_counts arxiv/book/c4 (corpus skew).
+# "fine" (E/k = 16): Qwen3-30B-A3B soryxie token_distri_8 prefill batch (skew by depth, reuse),
+# with FLAME-MoE-290M npz (top-6 score mass) and OLMoE-routing-stats olmoe/expert_counts
+# arxiv/book/c4 (corpus skew at layers 0/7/15) as cross-checks for 64-expert models.
+_ANCHORS: dict[str, dict[str, float]] = {
+    "coarse": {"skew_first": 0.1, "skew_last": 0.2, "request_bias": 0.7, "cluster_strength": 2.0,
+               "token_corr": 0.3, "score_scale": 1.2},
+    "fine": {"skew_first": 0.5, "skew_last": 1.6, "request_bias": 0.8, "cluster_strength": 2.5,
+             "token_corr": 0.7, "score_scale": 0.3},
+}
+_ANCHOR_RATIO = {"coarse": 4.0, "fine": 16.0}
+
+#: Whether the model renormalizes its top-k gate weights (Hugging Face config ``norm_topk_prob``
+#: or modeling code): Mixtral renormalizes in MixtralSparseMoeBlock; DeepSeek-V2/V3 and Qwen3
+#: set norm_topk_prob true; OLMoE, Qwen1.5-MoE and Qwen2-MoE set it false. Prefix match on name.
+_RENORMALIZED = {"mixtral": True, "deepseek-v3": True, "deepseek-v2": False, "qwen3": True,
+                 "qwen1.5": False, "qwen2": False, "olmoe": False, "flame": False}
+
+
+def default_renormalized(model: ModelSpec) -> bool:
+    for prefix, value in _RENORMALIZED.items():
+        if model.name.lower().startswith(prefix):
+            return value
+    return True
+
+
+def anchor_defaults(num_experts: int, top_k: int) -> dict[str, float]:
+    """Routing parameters for a model shape: the anchors interpolated in log2(E / k)."""
+    lo, hi = math.log2(_ANCHOR_RATIO["coarse"]), math.log2(_ANCHOR_RATIO["fine"])
+    x = min(max(math.log2(num_experts / top_k), lo), hi)
+    frac = (x - lo) / (hi - lo)
+    return {key: round(_ANCHORS["coarse"][key] + frac * (_ANCHORS["fine"][key] - _ANCHORS["coarse"][key]), 4)
+            for key in _ANCHORS["coarse"]}
+
+
+@dataclass
+class SynthParams:
+    """Generator parameters, settable with ``--set key=value``."""
+
+    #: Zipf exponent of expert popularity at the first and the last MoE layer
+    skew_first: float = 0.3
+    skew_last: float = 0.6
+    #: std of a request's own per-expert logit offset (prompt-specific hot experts)
+    request_bias: float = 0.5
+    #: experts per co-activation cluster (0 = one per expert, no clusters)
+    cluster_size: int = 0
+    #: std of the logit component shared by a cluster
+    cluster_strength: float = 0.6
+    #: AR(1) correlation of a request's logit noise from one token to the next
+    token_corr: float = 0.5
+    #: logit multiplier inside the score softmax (larger = a few high scores, many low)
+    score_scale: float = 1.0
+    #: recall of pred_next_layer: HybriMoE's layer-wise predictor, 72.6% on DeepSeek and
+    #: 77.6% on Qwen (003_46c415738ddfa491.txt Table 5, average column)
+    recall_next_layer: float = 0.75
+    #: recall of pred_residual: DALI's residual-corrected predictor, 79.5% and 93.3% (003 Table 5)
+    recall_residual: float = 0.86
+    #: recall of pred_next_token: SMoE's token-wise predictor is less accurate per layer than
+    #: layer-wise prediction (000_dba2fecbbc66318b.txt Sec. IV-D, Fig. 3)
+    recall_next_token: float = 0.6
+    #: renormalize the top-k weights to sum 1 (default: the model's convention)
+    renormalize: bool = True
+    #: leave out the predictor columns
+    predictors: bool = True
+
+    @classmethod
+    def for_model(cls, model: ModelSpec) -> "SynthParams":
+        """Defaults for a model: anchors by expert granularity, one cluster per routed set (top_k experts)."""
+        values: dict[str, Any] = dict(anchor_defaults(model.num_experts, model.top_k))
+        values["cluster_size"] = model.top_k
+        values["renormalize"] = default_renormalized(model)
+        return cls(**values)
+
+    def check(self, num_experts: int) -> None:
+        for name in ("recall_next_layer", "recall_residual", "recall_next_token", "token_corr"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"must lie in [0, 1], got {value}", field=name, fix=f"--set {name}=0.5")
+        for name in ("request_bias", "cluster_strength", "score_scale"):
+            if getattr(self, name) < 0:
+                raise ConfigError("must not be negative", field=name, fix=f"--set {name}=0.5")
+        if not 0 <= self.cluster_size <= num_experts:
+            raise ConfigError(f"must lie in [0, {num_experts}]", field="cluster_size",
+                              fix="--set cluster_size=2")
+
+
+def _coerce(name: str, text: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return lowered in ("true", "1", "yes")
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"'{text}' is not a {kind.__name__}", field=name,
+                          fix=f"--set {name}=<{kind.__name__}>") from None
+
+
+@dataclass
+class SynthConfig:
+    """Everything that determines a synthetic trace."""
+
+    model: ModelSpec
+    requests: int = 1
+    prompt_len: int = 128
+    decode_len: int = 128
+    batch: int = 1
+    seed: int = 0
+    scores: bool = True
+    params: SynthParams = field(default_factory=SynthParams)
+
+    @classmethod
+    def from_settings(cls, *, model: str | ModelSpec, requests: int = 1, prompt_len: int = 128,
+                      decode_len: int = 128, batch: int = 1, seed: int = 0,
+                      settings: Mapping[str, Any] | None = None, scores: bool = True) -> "SynthConfig":
+        """Build a config from a preset name (or spec) and ``--set`` overrides of :class:`SynthParams`."""
+        spec = load_preset(model) if isinstance(model, str) else model
+        params = SynthParams.for_model(spec)
+        kinds = {f.name: f.type for f in dataclasses.fields(SynthParams)}
+        types = {"float": float, "int": int, "bool": bool}
+        for key, value in (settings or {}).items():
+            if key not in kinds:
+                raise ConfigError(f"unknown generator parameter '{key}'", field=key,
+                                  fix=f"valid keys: {', '.join(sorted(kinds))}")
+            kind = types[str(kinds[key])]
+            setattr(params, key, _coerce(key, value, kind) if isinstance(value, str) else kind(value))
+        params.check(spec.num_experts)
+        for name, value in (("requests", requests), ("prompt_len", prompt_len), ("batch", batch)):
+            if value < 1:
+                raise ConfigError(f"must be at least 1, got {value}", field=name)
+        if seed < 0:
+            raise ConfigError(f"must not be negative, got {seed}", field="seed", fix="--seed 0")
+        if decode_len < 0:
+            raise ConfigError(f"must not be negative, got {decode_len}", field="decode_len")
+        return cls(model=spec, requests=requests, prompt_len=prompt_len, decode_len=decode_len,
+                   batch=batch, seed=seed, scores=scores, params=params)
+
+    def source(self) -> dict[str, Any]:
+        return {"kind": "synthetic", "generator": "moesim.trace.synth", "model": self.model.name,
+                "requests": self.requests, "prompt_len": self.prompt_len, "decode_len": self.decode_len,
+                "batch": self.batch, "seed": self.seed, "params": dataclasses.asdict(self.params)}
+
+
+# ----------------------------------------------------------------------------- routing
+@dataclass
+class _Layout:
+    """Per-layer static tables drawn once from the seed."""
+
+    log_pop: np.ndarray  # (L, E) skew_l * -log(1 + rank)
+    cluster_of: np.ndarray  # (L, E) cluster index
+    num_clusters: int
+
+    @classmethod
+    def draw(cls, model: ModelSpec, params: SynthParams, rng: np.random.Generator) -> "_Layout":
+        L, E = model.num_layers, model.num_experts
+        ranks = np.argsort(rng.random((L, E)), axis=1)
+        depth = np.linspace(0.0, 1.0, L) if L > 1 else np.zeros(1)
+        skew = params.skew_first + (params.skew_last - params.skew_first) * depth
+        log_pop = -skew[:, None] * np.log1p(ranks)
+        size = params.cluster_size or 1
+        num_clusters = -(-E // size)
+        cluster_of = np.argsort(rng.random((L, E)), axis=1) // size
+        return cls(log_pop=log_pop, cluster_of=cluster_of, num_clusters=num_clusters)
+
+
+class _RequestRouter:
+    """Routing of one request's tokens, generated in order with one token of look-ahead."""
+
+    def __init__(self, config: SynthConfig, layout: _Layout, request: int, length: int) -> None:
+        self.model, self.params, self.layout = config.model, config.params, layout
+        self.rng = np.random.default_rng([config.seed, 1, request])
+        self.pred_rng = np.random.default_rng([config.seed, 2, request])
+        L, E = self.model.num_layers, self.model.num_experts
+        self.base = layout.log_pop + self.params.request_bias * self.rng.standard_normal((L, E))
+        self.noise = self.rng.standard_normal((L, E))
+        self.cluster = self.rng.standard_normal((L, layout.num_clusters))
+        self.remaining = length
+        self.buffer: list[dict[str, np.ndarray]] = []
+        self.buffered = 0
+
+    def _logits(self, n: int) -> np.ndarray:
+        rho = self.params.token_corr
+        fresh = math.sqrt(max(1.0 - rho * rho, 0.0))
+        L, E, C = self.model.num_layers, self.model.num_experts, self.layout.num_clusters
+        eps = self.rng.standard_normal((n, L, E + C))
+        out = np.empty((n, L, E))
+        rows = np.arange(L)[:, None]
+        for t in range(n):  # AR(1): the only sequential part, one (L, E) update per token
+            self.noise = rho * self.noise + fresh * eps[t, :, :E]
+            self.cluster = rho * self.cluster + fresh * eps[t, :, E:]
+            out[t] = self.base + self.noise + self.params.cluster_strength * self.cluster[rows, self.layout.cluster_of]
+        return out
+
+    def _generate(self, n: int) -> dict[str, np.ndarray]:
+        k = self.model.top_k
+        z = self._logits(n) * self.params.score_scale
+        z -= z.max(axis=2, keepdims=True)
+        np.exp(z, out=z)
+        z /= z.sum(axis=2, keepdims=True)
+        scores = z.astype(np.float16)
+        width = min(2 * k, self.model.num_experts)
+        values = scores.astype(np.float32)
+        top = np.argpartition(-values, width - 1, axis=2)[:, :, :width]
+        order = np.argsort(-np.take_along_axis(values, top, axis=2), axis=2, kind="stable")
+        ranking = np.take_along_axis(top, order, axis=2).astype(np.int16)
+        return {"scores": scores, "ranking": ranking}
+
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        """The next ``n`` tokens: scores (n, L, E), ranking (n, L, 2k) and the next token's experts."""
+        want = min(n + 1, self.buffered + self.remaining)
+        while self.buffered < want:
+            step = min(want - self.buffered, self.remaining)
+            self.buffer.append(self._generate(step))
+            self.buffered += step
+            self.remaining -= step
+        merged = {key: np.concatenate([b[key] for b in self.buffer]) for key in self.buffer[0]}
+        k = self.model.top_k
+        nxt = merged["ranking"][1:n + 1]
+        if len(nxt) < n:  # the request's last token: no next token, predict its own set
+            nxt = np.concatenate([nxt, merged["ranking"][n - 1:n]])
+        out = {key: value[:n] for key, value in merged.items()}
+        out["next_ranking"] = nxt
+        rest = {key: value[n:] for key, value in merged.items()}
+        self.buffer = [rest] if len(rest["ranking"]) else []
+        self.buffered = len(rest["ranking"])
+        return out
+
+
+def _predict(truth: np.ndarray, fillers: np.ndarray, recall: float, rng: np.random.Generator) -> np.ndarray:
+    """Keep each true expert with probability ``recall``; replace the others with fillers in order."""
+    dropped = rng.random(truth.shape) >= recall
+    slot = np.cumsum(dropped, axis=-1) - 1
+    replacement = np.take_along_axis(fillers, np.maximum(slot, 0), axis=-1)
+    return np.where(dropped, replacement, truth)
+
+
+def _truth_and_fillers(ranking: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split a (..., 2k) score ranking into the routed set and k near-miss fillers."""
+    truth, fill = ranking[..., :k], ranking[..., k:]
+    if fill.shape[-1] < k:  # fewer than 2k experts: a dropped expert may come back as a filler
+        fill = np.concatenate([fill, truth[..., :k - fill.shape[-1]]], axis=-1)
+    return truth, fill
+
+
+def _token_rows(router: _RequestRouter, config: SynthConfig, n: int) -> dict[str, np.ndarray]:
+    """Arrays shaped (n tokens, L, ...) for the next ``n`` tokens of one request."""
+    model, params = config.model, config.params
+    k, L = model.top_k, model.num_layers
+    got = router.take(n)
+    ranking = got["ranking"]
+    experts = ranking[:, :, :k]
+    weights = np.take_along_axis(got["scores"], experts.astype(np.int64), axis=2).astype(np.float32)
+    if params.renormalize:
+        weights /= np.maximum(weights.sum(axis=2, keepdims=True), np.float32(1e-12))
+    out = {"experts": experts, "weights": weights, "scores": got["scores"]}
+    vocab = model.vocab_size or 32_000
+    out["token_id"] = router.pred_rng.integers(0, vocab, size=n, dtype=np.int32)
+    if params.predictors:
+        rng = router.pred_rng
+        # next layer of the same token (the last layer's prediction is dropped when writing)
+        nxt_layer = np.concatenate([ranking[:, 1:], ranking[:, -1:]], axis=1)
+        truth, fill = _truth_and_fillers(nxt_layer, k)
+        out["pred_next_layer"] = _predict(truth, fill, params.recall_next_layer, rng)
+        out["pred_residual"] = _predict(truth, fill, params.recall_residual, rng)
+        truth, fill = _truth_and_fillers(got["next_ranking"], k)
+        out["pred_next_token"] = _predict(truth, fill, params.recall_next_token, rng)
+    return out
+
+
+def _rows(blocks: dict[str, np.ndarray], requests: np.ndarray, positions: np.ndarray, steps: np.ndarray,
+          phase: int, model: ModelSpec, with_scores: bool, with_preds: bool) -> dict[str, Any]:
+    """Flatten (steps, L, tokens per step, ...) arrays into trace rows (step, layer, request, position)."""
+    S, L, B = blocks["experts"].shape[:3]
+    k = model.top_k
+    data: dict[str, Any] = {
+        "request": np.broadcast_to(requests[:, None, :], (S, L, B)).reshape(-1),
+        "step": np.broadcast_to(steps[:, None, None], (S, L, B)).reshape(-1),
+        "phase": np.full(S * L * B, phase, dtype=np.int8),
+        "position": np.broadcast_to(positions[:, None, :], (S, L, B)).reshape(-1),
+        "layer": np.broadcast_to(np.arange(L)[None, :, None], (S, L, B)).reshape(-1),
+        "experts": blocks["experts"].reshape(-1, k),
+        "weights": blocks["weights"].reshape(-1, k),
+        "token_id": np.broadcast_to(blocks["token_id"][:, None, :], (S, L, B)).reshape(-1),
+    }
+    if with_scores:
+        data["scores"] = blocks["scores"].reshape(-1, model.num_experts)
+    if with_preds:
+        last_layer = np.broadcast_to((np.arange(L) == L - 1)[None, :, None], (S, L, B)).reshape(-1)
+        lengths = np.where(last_layer, 0, k)
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        flat = blocks["pred_next_layer"].reshape(-1, k)[~last_layer].reshape(-1)
+        data["pred_next_layer"] = (offsets, flat)
+        flat = blocks["pred_residual"].reshape(-1, k)[~last_layer].reshape(-1)
+        data["pred_residual"] = (offsets, flat)
+        full = np.arange(S * L * B + 1) * k
+        data["pred_next_token"] = (full, blocks["pred_next_token"].reshape(-1))
+    return data
+
+
+def _tokens_per_chunk(config: SynthConfig, tokens_per_step: int) -> int:
+    per_token = config.model.num_layers * (config.model.num_experts + 8) * tokens_per_step
+    return max(1, CHUNK_ELEMENTS // per_token)
+
+
+def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
+    """Trace rows in order, one block of steps at a time."""
+    model, params = config.model, config.params
+    with_preds = params.predictors
+    total = config.prompt_len + config.decode_len
+    step = 0
+    for first in range(0, config.requests, config.batch):
+        group = list(range(first, min(first + config.batch, config.requests)))
+        routers = [_RequestRouter(config, layout, r, total) for r in group]
+        for request, router in zip(group, routers):
+            # a prefill step is written whole (rows are layer-major), so its routing is generated
+            # in token chunks and kept in compact form (int16 ids, float16 scores)
+            chunk = _tokens_per_chunk(config, 1)
+            parts = [_token_rows(router, config, min(chunk, config.prompt_len - start))
+                     for start in range(0, config.prompt_len, chunk)]
+            block = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+            blocks = {key: np.swapaxes(value, 0, 1)[None] for key, value in block.items() if key != "token_id"}
+            blocks["token_id"] = block["token_id"][None]
+            n = config.prompt_len
+            yield _rows(blocks, np.full((1, n), request), np.arange(n)[None], np.array([step]), 0,
+                        model, config.scores, with_preds)
+            step += 1
+        chunk = _tokens_per_chunk(config, len(group))
+        for start in range(0, config.decode_len, chunk):
+            n = min(chunk, config.decode_len - start)
+            per_request = [_token_rows(router, config, n) for router in routers]
+            # (steps=n, L, B, ...) from B arrays of (n, L, ...)
+            blocks = {key: np.stack([p[key] for p in per_request], axis=2) for key in per_request[0]
+                      if key != "token_id"}
+            blocks["token_id"] = np.stack([p["token_id"] for p in per_request], axis=1)
+            requests = np.broadcast_to(np.array(group)[None, :], (n, len(group)))
+            positions = np.broadcast_to(config.prompt_len + start + np.arange(n)[:, None], (n, len(group)))
+            yield _rows(blocks, requests, positions, step + np.arange(n), 1, model, config.scores, with_preds)
+            step += n
+
+
+def synthesize(config: SynthConfig, out: Path | str) -> Path:
+    """Write the synthetic trace described by ``config`` to ``out`` (atomically); return its path."""
+    config.params.check(config.model.num_experts)
+    layout = _Layout.draw(config.model, config.params, np.random.default_rng([config.seed, 0]))
+    meta = TraceMeta(model=config.model, source=config.source(),
+                     weights_renormalized=config.params.renormalize)
+    columns = ["weights", "token_id"] + (["scores"] if config.scores else [])
+    if config.params.predictors:
+        columns += ["pred_next_layer", "pred_residual", "pred_next_token"]
+    with TraceWriter(out, meta, columns) as writer:
+        for data in _batches(config, layout):
+            writer.write(data)
+    return Path(out)
