@@ -46,8 +46,14 @@ class ExpertCurve:
 
 @dataclass(frozen=True)
 class AttentionCurve:
-    """Time (µs) of one attention layer (projections + SDPA) vs context length, at ``tokens`` tokens."""
+    """Time (µs) of one attention layer (projections, gate, SDPA) of ``model`` vs context, at ``tokens`` tokens.
 
+    Attention cost depends on the model's dimensions, so each curve names the
+    model preset it was measured or derived for; a curve without ``model``
+    ("") applies to any model that has no curve of its own.
+    """
+
+    model: str
     tokens: int
     curve: Curve  # x = context length
 
@@ -64,8 +70,14 @@ class GPUSpec:
     mem_bandwidth_gbps: float
     expert_ffn: tuple[ExpertCurve, ...] = ()
     attention: tuple[AttentionCurve, ...] = ()
-    #: achievable fraction of peak for the roofline fallback
+    #: achievable fraction of ``peak_tflops`` for the roofline fallback
     roofline_efficiency: float = 0.6
+    #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)
+    bandwidth_efficiency: float | None = None
+
+    @property
+    def effective_bandwidth_efficiency(self) -> float:
+        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
 
 
 @dataclass(frozen=True)
@@ -77,7 +89,14 @@ class CPUSpec:
     amx_switch_tokens: int | None  # tokens per expert from which AMX is used; None = no AMX
     expert_ffn: tuple[ExpertCurve, ...] = ()
     numa_note: str = ""
+    #: achievable fraction of ``peak_tflops`` (1.0 when the peaks are measured kernel ceilings)
     roofline_efficiency: float = 0.5
+    #: achievable fraction of ``dram_bandwidth_gbps`` (None: same as roofline_efficiency)
+    bandwidth_efficiency: float | None = None
+
+    @property
+    def effective_bandwidth_efficiency(self) -> float:
+        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,19 @@ class HardwareProfile:
         return parse_profile(raw, origin=self.path or self.name)
 
 
-OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency"}
+OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",
+                    "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency"}
+
+#: keys each section may hold; anything else is a typo that would otherwise be ignored silently
+SECTION_KEYS = {
+    "": {"schema_version", "name", "description", "gpu", "cpu", "pcie", "sync", "sources"},
+    "gpu": {"name", "memory_gib", "reserved_gib", "launch_us", "graph_launch_us", "cuda_graph", "peak_tflops",
+            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency"},
+    "cpu": {"name", "cores", "dram_bandwidth_gbps", "peak_tflops", "amx_switch_tokens", "expert_ffn",
+            "numa_note", "roofline_efficiency", "bandwidth_efficiency"},
+    "pcie": {"generation", "h2d", "d2h", "latency_us", "copy_engines", "duplex_slowdown", "bandwidth_scale"},
+    "sync": {"per_layer_us"},
+}
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -173,6 +204,18 @@ class _Reader:
             raise self.fail(key, f"must not be negative, got {value}", f"use a value >= 0 for '{name}'")
         return value
 
+    def flag(self, data: dict, key: str, default: bool) -> bool:
+        value = data.get(key.split(".")[-1], default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}", "write true or false")
+        return value
+
+    def known_keys(self, data: dict, section: str) -> None:
+        unknown = sorted(str(k) for k in set(data) - SECTION_KEYS[section])
+        if unknown:
+            where = f"{section}.{unknown[0]}" if section else unknown[0]
+            raise self.fail(where, "unknown field", f"valid fields here: {', '.join(sorted(SECTION_KEYS[section]))}")
+
     def text(self, data: dict, key: str, default: Any = ...) -> str:
         name = key.split(".")[-1]
         if name not in data:
@@ -190,7 +233,7 @@ class _Reader:
         if len(xs) != len(ys):
             raise self.fail(key, f"'{x_name}' has {len(xs)} points but '{y_name}' has {len(ys)}",
                             "give one value per point")
-        if any(not isinstance(v, (int, float)) or v <= 0 for v in xs + ys):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in xs + ys):
             raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
         if any(b <= a for a, b in zip(xs, xs[1:])):
             raise self.fail(key, f"'{x_name}' must increase strictly", "sort the points")
@@ -219,6 +262,21 @@ class _Reader:
                 kernel=kernel,
                 threads=int(self.number(item, f"{where}.threads", default=0, positive=False)),
             ))
+        return tuple(curves)
+
+    def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
+        if items is None:
+            return ()
+        if not isinstance(items, list):
+            raise self.fail(key, "must be a list of curves", "write a YAML list")
+        curves = []
+        for i, item in enumerate(items):
+            where = f"{key}[{i}]"
+            if not isinstance(item, dict):
+                raise self.fail(where, "must be a mapping", "see hwprofiles/README.md")
+            curves.append(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
+                                         tokens=int(self.number(item, f"{where}.tokens")),
+                                         curve=self.curve(item, where, "context", "time_us")))
         return tuple(curves)
 
 
@@ -260,7 +318,9 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         if not _has_source(path, sources):
             raise r.fail(path, "number has no source", f"add '{path}' (or a prefix of it) under 'sources'")
 
+    r.known_keys(data, "")
     g = r.section(data, "gpu")
+    r.known_keys(g, "gpu")
     peak_g = r.section(g, "gpu.peak_tflops")
     gpu = GPUSpec(
         name=r.text(g, "gpu.name"),
@@ -268,19 +328,18 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         reserved_gib=r.number(g, "gpu.reserved_gib", positive=False),
         launch_us=r.number(g, "gpu.launch_us", positive=False),
         graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False),
-        cuda_graph=bool(g.get("cuda_graph", False)),
+        cuda_graph=r.flag(g, "gpu.cuda_graph", False),
         peak_tflops={k: r.number(peak_g, f"gpu.peak_tflops.{k}") for k in peak_g},
         mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
         expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
-        attention=tuple(
-            AttentionCurve(tokens=int(r.number(a, f"gpu.attention[{i}].tokens")),
-                           curve=r.curve(a, f"gpu.attention[{i}]", "context", "time_us"))
-            for i, a in enumerate(g.get("attention") or [])),
+        attention=r.attention_curves(g.get("attention"), "gpu.attention"),
         roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6),
+        bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None),
     )
     if "bf16" not in gpu.peak_tflops:
         raise r.fail("gpu.peak_tflops.bf16", "missing field", "add the dense bf16 peak from the spec sheet")
     c = r.section(data, "cpu")
+    r.known_keys(c, "cpu")
     peak_c = r.section(c, "cpu.peak_tflops")
     switch = c.get("amx_switch_tokens")
     cpu = CPUSpec(
@@ -292,11 +351,13 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         expert_ffn=r.expert_curves(c.get("expert_ffn"), "cpu.expert_ffn", cpu=True),
         numa_note=r.text(c, "cpu.numa_note", default=""),
         roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5),
+        bandwidth_efficiency=r.number(c, "cpu.bandwidth_efficiency", default=None),
     )
     if switch is not None and "amx" not in cpu.peak_tflops:
         raise r.fail("cpu.peak_tflops.amx", "amx_switch_tokens is set but there is no AMX peak",
                      "add cpu.peak_tflops.amx or set amx_switch_tokens: null")
     p = r.section(data, "pcie")
+    r.known_keys(p, "pcie")
     pcie = PCIeSpec(
         generation=int(r.number(p, "pcie.generation")),
         h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps"),
@@ -307,6 +368,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0),
     )
     s = r.section(data, "sync")
+    r.known_keys(s, "sync")
     sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False))
     return HardwareProfile(name=r.text(data, "name"), gpu=gpu, cpu=cpu, pcie=pcie, sync=sync,
                            sources=dict(sources), description=str(data.get("description", "")),

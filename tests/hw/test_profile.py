@@ -1,0 +1,227 @@
+"""Hardware profile loading: shipped profiles, sources, one-line errors, overrides."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moesim.errors import ProfileError
+from moesim.hw.cost import CostModel
+from moesim.hw.profile import PROFILE_DIR, available_profiles, load_profile, parse_profile
+from moesim.model.presets import load_preset
+from moesim.model.spec import ModelSpec
+
+SHIPPED = ["a100-40g", "h100-pcie", "rtx3090", "rtx4080", "rtx4090"]
+
+
+def minimal() -> dict:
+    """Smallest valid profile: one GPU curve, one CPU curve, flat PCIe."""
+    return {
+        "schema_version": 1,
+        "name": "toy",
+        "gpu": {"name": "toy gpu", "memory_gib": 24, "reserved_gib": 1, "launch_us": 10, "graph_launch_us": 1,
+                "cuda_graph": False, "peak_tflops": {"bf16": 100}, "mem_bandwidth_gbps": 1000,
+                "expert_ffn": [{"hidden": 64, "intermediate": 32, "dtype": "bf16", "tokens": [1, 100],
+                                "time_us": [10, 1000], "source": "hand-made"}]},
+        "cpu": {"name": "toy cpu", "cores": 8, "dram_bandwidth_gbps": 100, "peak_tflops": {"avx512": 1, "amx": 4},
+                "amx_switch_tokens": 5},
+        "pcie": {"generation": 4, "h2d": {"size_bytes": [1000], "gbps": [20], "source": "hand-made"},
+                 "d2h": {"size_bytes": [1000], "gbps": [20], "source": "hand-made"},
+                 "latency_us": 5, "copy_engines": 1, "duplex_slowdown": 0.5},
+        "sync": {"per_layer_us": 12},
+        "sources": {"gpu": "test", "cpu": "test", "pcie": "test", "sync": "test"},
+    }
+
+
+def fails(data, match: str) -> ProfileError:
+    with pytest.raises(ProfileError, match=match) as err:
+        parse_profile(data, origin="toy.yaml")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("toy.yaml")
+    return err.value
+
+
+# -- shipped profiles -------------------------------------------------------------
+def test_all_shipped_profiles_load_by_name():
+    assert set(SHIPPED) <= set(available_profiles())
+    for name in SHIPPED:
+        profile = load_profile(name)
+        assert profile.name == name
+        assert profile.gpu.expert_ffn and profile.cpu.expert_ffn and profile.gpu.attention
+
+
+def test_shipped_testbed_facts():
+    # numbers the seed papers state outright
+    assert load_profile("rtx4090").cpu.cores == 10  # 000 Sec. VI-A
+    assert load_profile("rtx3090").cpu.cores == 16  # 003 Sec. 6.1
+    a100 = load_profile("a100-40g")
+    assert a100.cpu.amx_switch_tokens == 5  # 001 Sec. 3.2: AVX-512 wins at <= 4 tokens
+    assert a100.cpu.dram_bandwidth_gbps == 440  # 2 x 220 GB/s MLC, 001 Sec. 6.1
+    assert load_profile("rtx4090").cpu.amx_switch_tokens is None  # Zen 3: no AMX
+    assert load_profile("h100-pcie").pcie.generation == 5
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_derived_curves_equal_the_cost_model_roofline(name):
+    """A derived curve is the fallback tabulated: none of its numbers is tuned by hand."""
+    profile = load_profile(name)
+    for c in profile.gpu.expert_ffn:
+        assert c.curve.source.startswith("roofline")
+        model = ModelSpec(name="s", num_layers=1, num_experts=1, top_k=1, hidden_size=c.hidden,
+                          moe_intermediate_size=c.intermediate, expert_dtype=c.dtype)
+        costs = CostModel(profile, model)
+        for t, y in zip(c.curve.x, c.curve.y):
+            assert costs.gpu_roofline(int(t), c.intermediate) * 1e6 == pytest.approx(y, rel=1e-3)
+            assert costs.gpu_expert(int(t)) * 1e6 == pytest.approx(y, rel=1e-9)
+        assert not costs.fallbacks
+    for c in profile.cpu.expert_ffn:
+        model = ModelSpec(name="s", num_layers=1, num_experts=1, top_k=1, hidden_size=c.hidden,
+                          moe_intermediate_size=c.intermediate, expert_dtype=c.dtype)
+        costs = CostModel(profile, model)
+        assert c.threads == profile.cpu.cores
+        for t, y in zip(c.curve.x, c.curve.y):
+            assert costs.cpu_roofline(int(t), c.kernel) * 1e6 == pytest.approx(y, rel=1e-3)
+    for a in profile.gpu.attention:
+        costs = CostModel(profile, load_preset(a.model))
+        for ctx, y in zip(a.curve.x, a.curve.y):
+            assert costs.attention_roofline(a.tokens, int(ctx)) * 1e6 == pytest.approx(y, rel=1e-3)
+            assert costs.attention(a.tokens, int(ctx)) * 1e6 == pytest.approx(y, rel=1e-9)
+
+
+def test_amx_curves_start_at_the_switch_point():
+    profile = load_profile("a100-40g")
+    amx = [c for c in profile.cpu.expert_ffn if c.kernel == "amx"]
+    assert amx and all(c.curve.x[0] == profile.cpu.amx_switch_tokens for c in amx)
+
+
+# -- sources ----------------------------------------------------------------------
+def test_unsourced_number_names_its_dotted_path():
+    data = minimal()
+    data["sources"] = {"gpu": "x", "cpu": "x", "pcie": "x", "sync.other": "x"}
+    err = fails(data, "number has no source")
+    assert err.field == "sync.per_layer_us"
+    data["sources"] = {"gpu": "x", "cpu.cores": "x", "cpu.name": "x", "pcie": "x", "sync": "x",
+                       "cpu.dram_bandwidth_gbps": "x", "cpu.amx_switch_tokens": "x", "cpu.peak_tflops.amx": "x"}
+    assert fails(data, "no source").field == "cpu.peak_tflops.avx512"
+
+
+def test_profile_without_sources_fails():
+    data = minimal()
+    del data["sources"]
+    assert fails(data, "no sources").field == "sources"
+
+
+# -- one-line errors ----------------------------------------------------------------
+def test_missing_section():
+    data = minimal()
+    del data["pcie"]
+    err = fails(data, "missing section")
+    assert err.field == "pcie" and "add a 'pcie' mapping" in str(err)
+
+
+def test_missing_field():
+    data = minimal()
+    del data["gpu"]["mem_bandwidth_gbps"]
+    assert fails(data, "missing field").field == "gpu.mem_bandwidth_gbps"
+
+
+def test_non_numeric_value():
+    data = minimal()
+    data["cpu"]["cores"] = "eight"
+    assert fails(data, "must be a number, got 'eight'").field == "cpu.cores"
+
+
+def test_curve_with_mismatched_lengths():
+    data = minimal()
+    data["gpu"]["expert_ffn"][0]["time_us"] = [10]
+    err = fails(data, "'tokens' has 2 points but 'time_us' has 1")
+    assert err.field == "gpu.expert_ffn[0]"
+
+
+def test_curve_with_non_increasing_x():
+    data = minimal()
+    data["pcie"]["h2d"] = {"size_bytes": [1000, 1000], "gbps": [10, 20], "source": "x"}
+    assert fails(data, "must increase strictly").field == "pcie.h2d"
+
+
+def test_curve_without_source():
+    data = minimal()
+    del data["gpu"]["expert_ffn"][0]["source"]
+    assert fails(data, "curve has no source").field == "gpu.expert_ffn[0].source"
+
+
+def test_unknown_schema_version():
+    data = minimal()
+    data["schema_version"] = 2
+    err = fails(data, "unknown or missing schema_version 2")
+    assert "set schema_version: 1" in str(err)
+
+
+def test_unknown_field_is_not_ignored():
+    data = minimal()
+    data["pcie"]["bandwith_scale"] = 0.5
+    assert fails(data, "unknown field").field == "pcie.bandwith_scale"
+
+
+def test_cuda_graph_must_be_boolean():
+    data = minimal()
+    data["gpu"]["cuda_graph"] = "false"
+    assert fails(data, "must be true or false").field == "gpu.cuda_graph"
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    text = yaml.safe_dump(minimal(), sort_keys=False).splitlines()
+    text.insert(3, "gpu: [unclosed")
+    path.write_text("\n".join(text))
+    with pytest.raises(ProfileError, match=r"not valid YAML at line \d+") as err:
+        load_profile(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_profile_name_lists_the_shipped_ones():
+    with pytest.raises(ProfileError, match="hardware profile not found.*rtx4090"):
+        load_profile("rtx9999")
+
+
+def test_profile_file_round_trip(tmp_path: Path):
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(minimal()))
+    profile = load_profile(path)
+    assert profile.gpu.expert_ffn[0].curve.y == (10.0, 1000.0)
+    assert profile.path == str(path)
+
+
+# -- overrides ----------------------------------------------------------------------
+def test_override_applies_and_is_sourced():
+    profile = parse_profile(minimal(), origin="toy.yaml")
+    changed = profile.with_overrides({"pcie.bandwidth_scale": 0.5, "cpu.cores": 4})
+    assert changed.pcie.bandwidth_scale == 0.5 and changed.cpu.cores == 4
+    assert changed.sources["cpu.cores"] == "command-line override"
+    assert profile.cpu.cores == 8  # the original is untouched
+
+
+def test_unknown_override_key():
+    profile = parse_profile(minimal(), origin="toy.yaml")
+    with pytest.raises(ProfileError, match="no such profile field") as err:
+        profile.with_overrides({"pcie.bandwith_scale": 0.5})
+    assert err.value.field == "pcie.bandwith_scale" and "bandwidth_scale" not in str(err.value).split("fix")[0]
+    with pytest.raises(ProfileError, match="no such profile field"):
+        profile.with_overrides({"disk.speed": 1})
+
+
+def test_override_with_a_bad_value_fails_cleanly():
+    profile = parse_profile(minimal(), origin="toy.yaml")
+    with pytest.raises(ProfileError, match="must be a number"):
+        profile.with_overrides({"cpu.cores": "many"})
+
+
+def test_raw_is_not_shared_with_the_caller():
+    data = minimal()
+    profile = parse_profile(copy.deepcopy(data), origin="toy.yaml")
+    profile.with_overrides({"sync.per_layer_us": 1})
+    assert profile.raw["sync"]["per_layer_us"] == 12
+    assert PROFILE_DIR.name == "hwprofiles"
