@@ -40,6 +40,25 @@ def _check_type(path: str, name: str, actual: pa.DataType, expected: pa.DataType
                            fix=f"cast the column to {expected}")
 
 
+def _check_list_lengths(pf, path: str, name: str, actual: pa.DataType, expected: pa.DataType) -> None:
+    """A variable-length list where a fixed one belongs: name the first row of the wrong length."""
+    if not (isinstance(expected, pa.FixedSizeListType)
+            and (pa.types.is_list(actual) or pa.types.is_large_list(actual))):
+        return
+    width = expected.list_size
+    what = "top_k" if name in ("experts", "weights") else "num_experts"
+    offset = 0
+    for batch in pf.iter_batches(batch_size=65_536, columns=[name]):
+        lengths = batch.column(0).value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
+        bad = lengths != width
+        if bad.any():
+            row = _first(bad)
+            raise TraceFormatError(f"{lengths[row]} values, but the model metadata says {what} = {width}",
+                                   source=path, field=name, row=offset + row,
+                                   fix=f"every row needs exactly {width} values ({what})")
+        offset += batch.num_rows
+
+
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -57,7 +76,9 @@ def validate_trace(path: PathLike) -> TraceSummary:
                                    fix=f"add the '{col}' column (see trace format v1)")
     for col in schema.names:
         if col in REQUIRED_COLUMNS or col in OPTIONAL_COLUMNS:
-            _check_type(name, col, schema.field(col).type, column_type(col, model.top_k, model.num_experts))
+            expected = column_type(col, model.top_k, model.num_experts)
+            _check_list_lengths(pf, name, col, schema.field(col).type, expected)
+            _check_type(name, col, schema.field(col).type, expected)
     present = [c for c in schema.names if c in REQUIRED_COLUMNS or c in OPTIONAL_COLUMNS]
 
     offset = 0
