@@ -1,0 +1,127 @@
+"""Trace I/O throughput and memory on a DeepSeek-V3-shaped synthetic trace.
+
+Writes ``--rows`` rows (default 10 million) of a 58-MoE-layer, 256-expert, top-8
+trace (random experts and weights, no scores) with TraceWriter in chunks, then
+streams it back with iter_steps. Write and read each run in their own process,
+so the write's peak memory does not count towards the read's. Prints rows/s and
+peak RSS (ru_maxrss) of each; exits non-zero if reading peaks at 1 GiB or more.
+
+    .venv/bin/python benchmarks/trace_io.py --rows 10000000 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moesim.model.presets import load_preset
+from moesim.trace.io import TraceWriter, iter_steps
+from moesim.trace.schema import TraceMeta
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set of this process (ru_maxrss; Linux reports KiB).
+
+    A child inherits its parent's peak through fork and exec, so each phase runs
+    in its own process started by a small parent that has done no work.
+    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def distinct_experts(rng: np.random.Generator, n: int, experts: int, top_k: int) -> np.ndarray:
+    """``(n, top_k)`` random expert ids, distinct within each row (rows with a repeat are redrawn)."""
+    ids = rng.integers(0, experts, size=(n, top_k), dtype=np.int16)
+    while True:
+        ordered = np.sort(ids, axis=1)
+        dup = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+        if not dup.any():
+            return ids
+        ids[dup] = rng.integers(0, experts, size=(int(dup.sum()), top_k), dtype=np.int16)
+
+
+def write(path: Path, rows: int, tokens: int, seed: int) -> dict:
+    model = load_preset("deepseek-v3")
+    layers, experts, top_k = model.num_layers, model.num_experts, model.top_k
+    rng = np.random.default_rng(seed)
+    meta = TraceMeta(model=model, source={"kind": "synthetic", "generator": "benchmarks/trace_io.py", "seed": seed})
+    per_step = layers * tokens
+    steps_per_chunk = max(1, 262_144 // per_step)
+    start = time.perf_counter()
+    written = 0
+    with TraceWriter(path, meta, ["weights"]) as writer:
+        step = 0
+        while written < rows:
+            n_steps = steps_per_chunk
+            step_ids = np.arange(step, step + n_steps)
+            s, l, t = np.meshgrid(step_ids, np.arange(layers), np.arange(tokens), indexing="ij")
+            n = min(s.size, rows - written)
+            ids = distinct_experts(rng, n, experts, top_k)
+            weights = rng.random((n, top_k), dtype=np.float32)
+            writer.write({"request": t.ravel()[:n], "step": s.ravel()[:n],
+                          "phase": np.ones(n, np.int8), "position": s.ravel()[:n], "layer": l.ravel()[:n],
+                          "experts": ids, "weights": weights})
+            written += n
+            step += n_steps
+    seconds = time.perf_counter() - start
+    return {"rows": written, "seconds": seconds, "rows_per_s": written / seconds, "peak_rss_mib": peak_rss_mib(),
+            "file_mib": path.stat().st_size / 2**20}
+
+
+def read(path: Path) -> dict:
+    start = time.perf_counter()
+    rows = steps = 0
+    checksum = 0
+    for step in iter_steps(path):
+        rows += step.rows
+        steps += 1
+        checksum += int(step.experts[0, 0])
+    seconds = time.perf_counter() - start
+    return {"rows": rows, "steps": steps, "seconds": seconds, "rows_per_s": rows / seconds,
+            "peak_rss_mib": peak_rss_mib(), "checksum": checksum}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per step (batch size)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="trace path (default: a temporary file)")
+    parser.add_argument("--phase", choices=("write", "read"), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase == "write":
+        print(json.dumps(write(args.out, args.rows, args.tokens, args.seed)))
+        return
+    if args.phase == "read":
+        print(json.dumps(read(args.out)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.out or Path(tmp) / "deepseek-v3-synthetic.parquet"
+        common = [sys.executable, __file__, "--out", str(path)]
+        w = _run(common + ["--phase", "write", "--rows", str(args.rows), "--tokens", str(args.tokens),
+                           "--seed", str(args.seed)])
+        print(f"write: {w['rows']:,} rows in {w['seconds']:.1f} s = {w['rows_per_s']:,.0f} rows/s, "
+              f"peak RSS {w['peak_rss_mib']:.0f} MiB, file {w['file_mib']:.0f} MiB")
+        r = _run(common + ["--phase", "read"])
+        print(f"read:  {r['rows']:,} rows, {r['steps']:,} steps in {r['seconds']:.1f} s = "
+              f"{r['rows_per_s']:,.0f} rows/s, peak RSS {r['peak_rss_mib']:.0f} MiB")
+        if r["rows"] != w["rows"]:
+            sys.exit(f"read {r['rows']} rows, wrote {w['rows']}")
+        if r["peak_rss_mib"] >= 1024:
+            sys.exit(f"read peak RSS {r['peak_rss_mib']:.0f} MiB is over 1 GiB")
+
+
+def _run(command: list[str]) -> dict:
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
+if __name__ == "__main__":
+    main()
