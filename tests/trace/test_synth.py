@@ -1,0 +1,151 @@
+"""Synthetic traces: determinism, validity, shape, realism and calibration against real logs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.trace.io import iter_steps, read_meta, read_table
+from moesim.trace.stats import trace_stats
+from moesim.trace.synth import SynthConfig, anchor_defaults, synthesize
+from moesim.trace.validate import validate_trace
+
+REPO = Path(__file__).resolve().parents[2]
+SPECULATIVE_MOE = REPO.parent / "shared" / "real-traces" / "speculative-moe"
+
+
+def small(tmp_path, name="t.parquet", **kw):
+    args = dict(model="mixtral-8x7b", requests=3, prompt_len=5, decode_len=6, batch=2, seed=0)
+    args.update(kw)
+    return synthesize(SynthConfig.from_settings(**args), tmp_path / name)
+
+
+def test_same_seed_gives_identical_bytes_and_another_seed_differs(tmp_path):
+    a = small(tmp_path, "a.parquet").read_bytes()
+    b = small(tmp_path, "b.parquet").read_bytes()
+    c = small(tmp_path, "c.parquet", seed=1).read_bytes()
+    assert a == b
+    assert a != c
+
+
+def test_trace_is_valid_and_has_the_expected_shape(tmp_path):
+    path = small(tmp_path)
+    summary = validate_trace(path)
+    # rows = requests * (prompt + decode) * layers; steps = one prefill per request + decode per group
+    assert summary.rows == 3 * (5 + 6) * 32
+    assert summary.steps == 3 + 2 * 6
+    table = read_table(path)
+    assert set(table.column_names) >= {"weights", "scores", "token_id", "pred_next_layer",
+                                       "pred_residual", "pred_next_token"}
+    meta = read_meta(path)
+    assert meta.weights_renormalized is True and meta.source["kind"] == "synthetic"
+    s = trace_stats(path)
+    assert s["steps"] == {"prefill": 3, "decode": 6 + 6}
+    assert s["tokens_by_phase"] == {"prefill": 15, "decode": 18}
+    assert s["unique_experts_per_layer_step"]["decode"] > 2  # batches of 2 requests, top-2
+
+
+def test_experts_are_the_top_k_scores_in_descending_order(tmp_path):
+    path = small(tmp_path)
+    for step in iter_steps(path):
+        scores = step.scores.astype(np.float32)
+        routed = np.take_along_axis(scores, step.experts.astype(np.int64), axis=1)
+        assert (np.diff(routed, axis=1) <= 0).all()
+        kth = routed[:, -1]
+        others = scores.copy()
+        np.put_along_axis(others, step.experts.astype(np.int64), -1.0, axis=1)
+        assert (others.max(axis=1) <= kth).all()
+        assert np.allclose(scores.sum(axis=1), 1.0, atol=0.02)
+        assert np.allclose(step.weights.sum(axis=1), 1.0, atol=1e-5)  # Mixtral renormalizes top-2
+
+
+def test_prediction_columns_have_the_configured_recall(tmp_path):
+    settings = {"recall_next_layer": "0.5", "recall_residual": "0.9", "recall_next_token": "0.7"}
+    path = small(tmp_path, requests=4, prompt_len=40, decode_len=60, settings=settings, scores=False)
+    recall = trace_stats(path)["predictor_recall"]
+    # about 8,000 predicted experts per column: sampling error well under 0.03
+    assert recall["pred_next_layer"] == pytest.approx(0.5, abs=0.03)
+    assert recall["pred_residual"] == pytest.approx(0.9, abs=0.03)
+    assert recall["pred_next_token"] == pytest.approx(0.7, abs=0.03)
+
+
+def test_skew_grows_with_depth(tmp_path):
+    path = small(tmp_path, model="qwen3-30b-a3b", requests=4, prompt_len=64, decode_len=32, scores=False)
+    top10 = trace_stats(path)["top10_share_by_layer"]
+    quarter = len(top10) // 4
+    assert top10[-1] > top10[0]
+    assert np.mean(top10[-quarter:]) > 1.3 * np.mean(top10[:quarter])
+
+
+def test_defaults_follow_expert_granularity():
+    coarse, fine = anchor_defaults(8, 2), anchor_defaults(128, 8)
+    assert anchor_defaults(256, 8) == fine  # clamped beyond the finest calibrated model
+    mid = anchor_defaults(64, 8)  # E/k = 8: halfway in log2 between 4 and 16
+    assert mid["skew_last"] == pytest.approx((coarse["skew_last"] + fine["skew_last"]) / 2, abs=1e-3)
+
+
+def test_unknown_setting_is_a_config_error_listing_valid_keys():
+    with pytest.raises(ConfigError, match="valid keys: .*recall_next_layer.*skew_first"):
+        SynthConfig.from_settings(model="mixtral-8x7b", settings={"skew": "1"})
+    with pytest.raises(ConfigError, match="token_corr"):
+        SynthConfig.from_settings(model="mixtral-8x7b", settings={"token_corr": "2"})
+
+
+def test_cli_synth_writes_a_trace_and_rejects_bad_settings(tmp_path, capsys):
+    out = tmp_path / "cli.parquet"
+    code = main(["trace", "synth", "--model", "mixtral-8x7b", "--requests", "2", "--prompt-len", "4",
+                 "--decode-len", "3", "--seed", "7", "--set", "cluster_size=4", "--no-scores", "--out", str(out)])
+    assert code == 0
+    assert validate_trace(out).rows == 2 * 7 * 32
+    assert "scores" not in read_table(out).column_names
+    assert read_meta(out).source["params"]["cluster_size"] == 4
+    bad = tmp_path / "bad.parquet"
+    assert main(["trace", "synth", "--model", "mixtral-8x7b", "--set", "nope=1", "--out", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown generator parameter 'nope'" in err and "valid keys" in err
+    assert not bad.exists()
+    assert main(["trace", "synth", "--model", "mixtral-8x7b", "--set", "skew_first=high", "--out", str(bad)]) == 2
+    assert "is not a float" in capsys.readouterr().err
+
+
+def test_compare_synthetic_traces(tmp_path, capsys):
+    a, b = small(tmp_path, "a.parquet"), small(tmp_path, "b.parquet", seed=3)
+    assert main(["trace", "compare", str(a), str(b)]) == 0
+    assert "top-10% share (mean)" in capsys.readouterr().out
+
+
+def test_deepseek_v3_decode_is_fast(tmp_path):
+    config = SynthConfig.from_settings(model="deepseek-v3", requests=1, prompt_len=1, decode_len=2000)
+    start = time.perf_counter()
+    path = synthesize(config, tmp_path / "ds.parquet")
+    elapsed = time.perf_counter() - start
+    assert read_meta(path).model.num_layers == 58
+    assert elapsed < 15.0, f"synthesis took {elapsed:.1f} s"
+
+
+# ----------------------------------------------------------------------------- calibration
+def _imported(name: str, tmp_path: Path) -> dict:
+    importers = pytest.importorskip("moesim.trace.importers", reason="trace importers not available")
+    source = SPECULATIVE_MOE / name
+    if not source.exists():
+        pytest.skip(f"{source} not found (../shared/real-traces next to the repository)")
+    out = tmp_path / f"{source.stem}.parquet"
+    importers.import_trace("speculative-moe", [source], out)
+    return trace_stats(out)
+
+
+@pytest.mark.parametrize("name", ["humaneval_2_routing.jsonl", "gsm8k_2_routing.jsonl"])
+def test_mixtral_defaults_match_real_skew_and_reuse_within_20_percent(name, tmp_path):
+    """humaneval is a calibration file; gsm8k is validation only (never used to choose defaults)."""
+    real = _imported(name, tmp_path)
+    per_request = real["tokens"] // real["requests"]
+    config = SynthConfig.from_settings(model="mixtral-8x7b", requests=real["requests"], prompt_len=1,
+                                       decode_len=per_request - 1, seed=0, scores=False)
+    synth = trace_stats(synthesize(config, tmp_path / "synth.parquet"))
+    for key in ("top10_share", "reuse_prev_token"):
+        assert synth[key] == pytest.approx(real[key], rel=0.2), key
