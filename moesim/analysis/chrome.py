@@ -1,0 +1,154 @@
+"""Export a timeline in the Chrome Trace Event Format, for ui.perfetto.dev and chrome://tracing.
+
+The format is a JSON object whose ``traceEvents`` list holds:
+
+* one complete event (``"ph": "X"``) per timeline row, ``ts`` and ``dur`` in
+  microseconds, named like ``L12 E37 expert (4 tok)``, with step, layer,
+  expert and tokens under ``args``;
+* one process per resource group (PCIe, GPU, CPU) and one thread per lane,
+  named by metadata events (``"ph": "M"``) and ordered by ``*_sort_index``
+  like the Gantt chart of :mod:`moesim.analysis.plots` (PCIe on top);
+* a global instant event (``"ph": "i"``) and a ``step`` counter sample
+  (``"ph": "C"``) where each forward pass starts.
+
+Viewers require the complete events of one thread to nest; two copy engines
+logged on one lane overlap without nesting, so overlapping spans of a lane are
+spread over extra threads (``... #2``) instead of being dropped by the viewer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moesim.analysis.timeline import check_timeline
+from moesim.util import atomic_write_text
+
+#: process id and display order of each resource group
+PROCESSES = {"pcie": (1, "PCIe (host to device)"), "gpu": (2, "GPU"), "cpu": (3, "CPU")}
+LANE_NAMES = {"pcie": "copy engine", "gpu": "stream", "cpu": "expert pool"}
+#: thread ids are unique across processes: pid * TID_STRIDE + track index
+TID_STRIDE = 1000
+
+
+def _us(seconds: float) -> float:
+    """Seconds to microseconds, kept to nanosecond precision so the JSON stays short."""
+    return round(seconds * 1e6, 3)
+
+
+def event_name(kind: str, layer: int, expert: int, tokens: int) -> str:
+    name = f"L{layer} E{expert} {kind}" if expert >= 0 else f"L{layer} {kind}"
+    return f"{name} ({tokens} tok)" if tokens > 0 else name
+
+
+def _pack_tracks(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Greedy interval partitioning: the smallest track index where each span does not overlap."""
+    order = np.argsort(start, kind="stable")
+    track = np.zeros(len(start), dtype=np.int64)
+    track_end: list[float] = []
+    for i in order:
+        for t, busy_until in enumerate(track_end):
+            if start[i] >= busy_until:
+                break
+        else:
+            t = len(track_end)
+            track_end.append(0.0)
+        track[i] = t
+        track_end[t] = end[i]
+    return track
+
+
+def _threads(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """pid and tid of every row, and the metadata events naming them."""
+    pid = np.zeros(len(frame), dtype=np.int64)
+    tid = np.zeros(len(frame), dtype=np.int64)
+    meta: list[dict[str, Any]] = []
+    resources = frame["resource"].astype(str).to_numpy()
+    lanes = frame["lane"].to_numpy()
+    start = frame["start_s"].to_numpy(dtype=float)
+    end = frame["end_s"].to_numpy(dtype=float)
+    extra = [r for r in sorted(set(resources)) if r not in PROCESSES]
+    groups = {**PROCESSES, **{r: (len(PROCESSES) + 1 + i, r.upper()) for i, r in enumerate(extra)}}
+    for resource, (p, label) in groups.items():
+        in_group = resources == resource
+        if not in_group.any():
+            continue
+        meta.append(_meta("process_name", p, 0, {"name": label}))
+        meta.append(_meta("process_sort_index", p, 0, {"sort_index": p}))
+        index = 0
+        for lane in np.unique(lanes[in_group]):
+            rows = np.flatnonzero(in_group & (lanes == lane))
+            tracks = _pack_tracks(start[rows], end[rows])
+            for t in range(int(tracks.max()) + 1):
+                index += 1
+                thread = p * TID_STRIDE + index
+                name = f"{LANE_NAMES.get(resource, 'lane')} {lane}" + (f" #{t + 1}" if t else "")
+                meta.append(_meta("thread_name", p, thread, {"name": name}))
+                meta.append(_meta("thread_sort_index", p, thread, {"sort_index": index}))
+                pid[rows[tracks == t]] = p
+                tid[rows[tracks == t]] = thread
+    return pid, tid, meta
+
+
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "ph": "M", "ts": 0, "pid": pid, "tid": tid, "args": args}
+
+
+def _step_events(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """An instant event and a counter sample where each step's first span starts."""
+    starts = frame.groupby("step", sort=True)["start_s"].min()
+    pid = PROCESSES["gpu"][0]
+    events: list[dict[str, Any]] = []
+    for step, start in starts.items():
+        ts = _us(float(start))
+        events.append({"name": f"step {int(step)}", "cat": "step", "ph": "i", "s": "g", "ts": ts,
+                       "pid": pid, "tid": 0, "args": {"step": int(step)}})
+        events.append({"name": "step", "cat": "step", "ph": "C", "ts": ts, "pid": pid, "tid": 0,
+                       "args": {"step": int(step)}})
+    return events
+
+
+def _json_safe(value: Any) -> Any:
+    """``meta`` as plain JSON values: numpy scalars and paths become numbers and strings."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN or infinity
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def to_chrome_trace(frame: pd.DataFrame, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The timeline ``frame`` as a Chrome Trace Event Format object; ``meta`` goes under ``otherData``."""
+    check_timeline(frame)
+    frame = frame.reset_index(drop=True)
+    pid, tid, events = _threads(frame)
+    # step markers first, so a stable sort keeps them ahead of the step's first span
+    spans = _step_events(frame)
+    columns = zip(frame["resource"].astype(str), frame["start_s"], frame["end_s"], frame["kind"].astype(str),
+                  frame["step"], frame["layer"], frame["expert"], frame["tokens"], pid, tid)
+    for resource, start, end, kind, step, layer, expert, tokens, p, t in columns:
+        ts, stop = _us(float(start)), _us(float(end))
+        step, layer, expert, tokens = int(step), int(layer), int(expert), int(tokens)
+        spans.append({"name": event_name(kind, layer, expert, tokens), "cat": f"{resource},{kind}", "ph": "X",
+                      "ts": ts, "dur": round(stop - ts, 3), "pid": int(p), "tid": int(t),
+                      "args": {"step": step, "layer": layer, "expert": expert, "tokens": tokens}})
+    spans.sort(key=lambda e: e["ts"])
+    return {"traceEvents": events + spans, "displayTimeUnit": "ms", "otherData": _json_safe(meta or {})}
+
+
+def write_chrome_trace(frame: pd.DataFrame, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
+    """Write :func:`to_chrome_trace` as JSON; the file appears whole at ``path`` or not at all."""
+    trace = to_chrome_trace(frame, meta)
+    return atomic_write_text(Path(path), json.dumps(trace, separators=(",", ":"), allow_nan=False))

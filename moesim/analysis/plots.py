@@ -1,0 +1,248 @@
+"""Figures of a replay: a Gantt chart of the timeline and a time-breakdown comparison.
+
+Both draw on a bare :class:`matplotlib.figure.Figure` with the Agg canvas, so
+they work without a display and leave pyplot's global state alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from moesim.analysis.timeline import RESOURCES, check_timeline
+from moesim.errors import ConfigError
+from moesim.sim.engine import BREAKDOWN
+from moesim.util import tmp_path_for
+
+#: bars above which a Gantt chart stops being readable
+MAX_BARS = 2000
+#: forward passes shown by default when they fit in MAX_BARS
+DEFAULT_STEPS = 2
+#: about the width of the Gantt plot area in pixels at the saved size and dpi
+BAR_PIXELS = 1800
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+
+LANE_LABELS = {"pcie": "PCIe H2D", "gpu": "GPU", "cpu": "CPU"}
+# Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
+KIND_STYLE = {
+    "attention": ("#999999", "attention + gate"),
+    "shared": ("#CC79A7", "shared experts"),
+    "expert": ("#0072B2", "routed expert"),
+    "load": ("#D55E00", "demand load"),
+    "prefetch": ("#009E73", "prefetch"),
+    "stage": ("#E69F00", "streamed (staging)"),
+}
+BREAKDOWN_STYLE = {
+    "attention": ("#999999", "attention + gate"),
+    "predict": ("#56B4E9", "predict"),
+    "cache_management": ("#F0E442", "cache management"),
+    "gpu_compute": ("#0072B2", "GPU compute"),
+    "wait_cache": ("#D55E00", "wait for cache"),
+    "shared_expert": ("#CC79A7", "shared experts"),
+    "cpu_other": ("#009E73", "CPU not overlapped"),
+    "sync": ("#E69F00", "CPU-GPU sync"),
+}
+
+
+# ----------------------------------------------------------------------------- saving
+def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
+    """Save ``fig`` as PNG, SVG or PDF by suffix; the file appears whole at ``path`` or not at all."""
+    path = Path(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"unknown figure format '{path.suffix}'", source=str(path),
+                          fix=f"end the file name with one of {', '.join(FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    try:
+        FigureCanvasAgg(fig)  # a canvas that needs no display
+        fig.savefig(tmp, format=fmt, dpi=150, metadata={"Software": "moesim"} if fmt == "png" else None)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# ----------------------------------------------------------------------------- Gantt
+def default_window(frame: pd.DataFrame, steps: int = DEFAULT_STEPS, max_bars: int = MAX_BARS) -> tuple[float, float]:
+    """The first ``steps`` forward passes, cut short so that at most ``max_bars`` spans start in it.
+
+    Returns ``(start_s, end_s)``. A single prefill step of a large model can
+    hold more spans than a readable figure: then the window ends where the
+    ``max_bars``-th span starts.
+    """
+    if frame.empty:
+        return 0.0, 0.0
+    spans = frame.sort_values("start_s", kind="stable")
+    start = float(spans["start_s"].iloc[0])
+    chosen = sorted(spans["step"].unique())[:steps]
+    in_steps = spans[spans["step"].isin(chosen)]
+    end = float(in_steps["end_s"].max())
+    if (spans["start_s"] < end).sum() > max_bars:
+        end = float(spans["start_s"].iloc[max_bars])
+    return start, end
+
+
+def _clip(frame: pd.DataFrame, window: tuple[float, float]) -> pd.DataFrame:
+    lo, hi = window
+    if not hi > lo:
+        raise ConfigError(f"empty time window ({lo}, {hi})", field="window",
+                          fix="give (start_s, end_s) in seconds with start_s < end_s")
+    inside = frame[(frame["end_s"] > lo) & (frame["start_s"] < hi)].copy()
+    inside["start_s"] = inside["start_s"].clip(lower=lo)
+    inside["end_s"] = inside["end_s"].clip(upper=hi)
+    return inside
+
+
+def _lane_rows(frame: pd.DataFrame) -> dict[tuple[str, int], tuple[float, float]]:
+    """(resource, lane) -> (bottom, height) in axis units: one band per resource, split by lanes.
+
+    Band 0 is the bottom one; PCIe is drawn on top, CPU at the bottom (the
+    layout of Fig. 1 in 001_66a328d79a3cae8d.txt).
+    """
+    rows: dict[tuple[str, int], tuple[float, float]] = {}
+    for band, resource in enumerate(reversed(RESOURCES)):
+        lanes = sorted(int(x) for x in frame.loc[frame["resource"] == resource, "lane"].unique()) or [0]
+        height = 0.8 / len(lanes)
+        for i, lane in enumerate(lanes):
+            rows[(resource, lane)] = (band - 0.4 + (len(lanes) - 1 - i) * height, height * 0.92)
+    return rows
+
+
+def _mark_boundaries(ax: Any, frame: pd.DataFrame, window: tuple[float, float]) -> None:
+    """Faint lines where layers start, darker dashed ones and labels where steps start."""
+    gpu = frame[frame["resource"] == "gpu"]
+    starts = (gpu if not gpu.empty else frame).groupby(["step", "layer"])["start_s"].min()
+    lo, hi = window
+    layer_x = [t * 1e3 for t in starts.to_numpy() if lo <= t <= hi]
+    ax.vlines(layer_x, -0.5, len(RESOURCES) - 0.5, colors="#000000", alpha=0.12, linewidth=0.5, zorder=1)
+    step_starts = frame.groupby("step")["start_s"].min()
+    for step, t in step_starts.items():
+        if lo <= t <= hi:
+            ax.axvline(t * 1e3, color="#333333", linestyle="--", linewidth=0.9, alpha=0.7, zorder=1)
+        if lo <= t < lo + 0.96 * (hi - lo):  # no label squeezed against the right edge
+            ax.annotate(f"step {int(step)}", xy=(t * 1e3, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(3, -3), textcoords="offset points", ha="left", va="top", fontsize=8,
+                        color="#333333")
+
+
+def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
+               window: tuple[float, float] | None = None, title: str = "") -> Figure:
+    """Gantt chart of a timeline: PCIe, GPU and CPU lanes top to bottom, coloured by kind.
+
+    ``window`` is ``(start_s, end_s)`` in seconds, the unit of the timeline's
+    columns (the axis shows milliseconds); by default the first
+    :data:`DEFAULT_STEPS` steps, shortened to at most :data:`MAX_BARS` bars.
+    Spans crossing the window's edges are clipped to it. Layer starts are
+    marked by faint vertical lines, step starts by dashed ones.
+    """
+    check_timeline(frame)
+    window = default_window(frame) if window is None else (float(window[0]), float(window[1]))
+    shown = _clip(frame, window) if not frame.empty else frame
+    rows = _lane_rows(frame)
+
+    fig = Figure(figsize=(13, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    kinds = [k for k in KIND_STYLE if (shown["kind"] == k).any()]
+    kinds += sorted(set(shown["kind"].astype(str)) - set(kinds))
+    pixel_ms = (window[1] - window[0]) * 1e3 / BAR_PIXELS
+    for (resource, lane), (bottom, height) in rows.items():
+        lane_spans = shown[(shown["resource"] == resource) & (shown["lane"] == lane)]
+        for kind in kinds:
+            spans = lane_spans[lane_spans["kind"] == kind]
+            if spans.empty:
+                continue
+            start = spans["start_s"].to_numpy() * 1e3
+            width = _drawn_widths(spans["end_s"].to_numpy() * 1e3 - start, pixel_ms)
+            ax.broken_barh(np.column_stack([start, width]), (bottom, height), facecolors=_colour(kind),
+                           linewidth=0, zorder=2, label=kind, snap=False)
+    _mark_boundaries(ax, frame, window)
+
+    ax.set_yticks(range(len(RESOURCES)), [LANE_LABELS[r] for r in reversed(RESOURCES)])
+    ax.set_ylim(-0.55, len(RESOURCES) - 0.45)
+    ax.set_xlim(window[0] * 1e3, window[1] * 1e3 if window[1] > window[0] else window[0] * 1e3 + 1)
+    ax.set_xlabel("time (ms)")
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
+    ax.set_axisbelow(True)
+    handles = [Patch(facecolor=_colour(k), label=KIND_STYLE.get(k, (None, k))[1]) for k in kinds]
+    if handles:
+        fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), frameon=False, fontsize=9)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _drawn_widths(width_ms: np.ndarray, pixel_ms: float) -> np.ndarray:
+    """Bar widths as drawn.
+
+    At least half a pixel, so that short kernels stay visible (anti-aliasing
+    draws them lighter, so a dense run of them reads as partly busy rather
+    than solid), and a pixel short of touching when several pixels wide, so
+    back-to-back spans stay apart.
+    """
+    gapped = np.where(width_ms > 4 * pixel_ms, width_ms - pixel_ms, width_ms)
+    return np.maximum(gapped, 0.5 * pixel_ms)
+
+
+def _colour(kind: str) -> str:
+    return KIND_STYLE.get(kind, ("#000000", kind))[0]
+
+
+# ----------------------------------------------------------------------------- breakdown
+def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLike | None = None) -> Figure:
+    """Stacked bars of ``breakdown_ms`` per system (the categories of 000_dba2fecbbc66318b.txt Sec. VI-E, Fig. 13).
+
+    ``metrics_list`` holds :func:`moesim.analysis.metrics.metrics` dicts of
+    runs over the same trace; each bar is labelled with its total.
+    """
+    if not metrics_list:
+        raise ConfigError("no runs to compare", field="metrics_list", fix="pass at least one metrics dict")
+    for i, m in enumerate(metrics_list):
+        if "breakdown_ms" not in m:
+            raise ConfigError("metrics lack 'breakdown_ms'", field="breakdown_ms", row=i,
+                              fix="pass dicts made by moesim.analysis.metrics.metrics")
+    extra = sorted({k for m in metrics_list for k in m["breakdown_ms"]} - set(BREAKDOWN))
+    categories = list(BREAKDOWN) + extra
+    names = [str(m.get("system", f"run {i}")) for i, m in enumerate(metrics_list)]
+    values = np.array([[float(m["breakdown_ms"].get(c, 0.0)) for c in categories] for m in metrics_list])
+
+    fig = Figure(figsize=(max(5.0, 1.1 * len(names) + 3.5), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.arange(len(names))
+    bottom = np.zeros(len(names))
+    for j, category in enumerate(categories):
+        if not values[:, j].any():
+            continue  # a category no run spent time in only clutters the legend
+        colour, label = BREAKDOWN_STYLE.get(category, (None, category.replace("_", " ")))
+        ax.bar(x, values[:, j], 0.6, bottom=bottom, color=colour, label=label, edgecolor="white", linewidth=0.5)
+        bottom += values[:, j]
+    for xi, total in zip(x, bottom):
+        ax.annotate(f"{total:,.1f}", xy=(xi, total), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, names, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax.set_ylabel("time (ms)")
+    ax.set_ylim(0, max(float(bottom.max()), 1e-9) * 1.1)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="y", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="outside right center", frameon=False, fontsize=9)
+    ax.set_title("time breakdown per system", loc="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig

@@ -1,0 +1,120 @@
+"""Timeline and decision-log files, and busy time computed from a timeline.
+
+A timeline is a DataFrame with the columns of
+:data:`moesim.sim.engine.TIMELINE_COLUMNS`: one row per interval a resource
+(``gpu``, ``cpu``, ``pcie``) spent on one piece of work, on one of its lanes
+(stream, core pool or copy engine). The decision log has the columns of
+:data:`moesim.sim.engine.DECISION_COLUMNS`. Both are written as Parquet with a
+fixed Arrow schema, so files from the simulator and the real backend read the
+same way.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moesim.errors import ConfigError
+from moesim.sim.engine import DECISION_COLUMNS, TIMELINE_COLUMNS
+from moesim.util import tmp_path_for
+
+RESOURCES = ("pcie", "gpu", "cpu")
+
+_DICT = pa.dictionary(pa.int8(), pa.string())
+TIMELINE_SCHEMA = pa.schema([
+    ("resource", _DICT), ("lane", pa.int16()), ("start_s", pa.float64()), ("end_s", pa.float64()),
+    ("kind", _DICT), ("step", pa.int32()), ("layer", pa.int16()), ("expert", pa.int32()),
+    ("tokens", pa.int32()),
+])
+DECISION_SCHEMA = pa.schema([
+    ("step", pa.int32()), ("layer", pa.int16()), ("expert", pa.int32()), ("action", _DICT),
+    ("target_layer", pa.int16()),
+])
+
+
+def check_columns(frame: pd.DataFrame, columns: Iterable[str], what: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming the first column ``frame`` lacks."""
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ConfigError(f"{what} lacks column '{missing[0]}'", field=missing[0],
+                          fix=f"pass a frame with columns {', '.join(columns)} (result_to_frames gives one)")
+
+
+def check_timeline(frame: pd.DataFrame) -> None:
+    """Columns present and every interval ends no earlier than it starts."""
+    check_columns(frame, TIMELINE_COLUMNS, "timeline")
+    start = frame["start_s"].to_numpy(dtype=float)
+    end = frame["end_s"].to_numpy(dtype=float)
+    bad = np.flatnonzero(~(end >= start))  # also catches NaN
+    if bad.size:
+        row = int(bad[0])
+        raise ConfigError(f"interval ends before it starts ({start[row]!r} > {end[row]!r})",
+                          field="end_s", row=row, fix="every timeline row needs start_s <= end_s")
+
+
+def _column(values: pd.Series, typ: pa.DataType) -> pa.Array:
+    if pa.types.is_dictionary(typ):
+        return pa.array(values.astype(str).to_numpy(), type=typ.value_type).dictionary_encode()
+    return pa.array(values.to_numpy(), type=typ)
+
+
+def _write_parquet(frame: pd.DataFrame, path: str | os.PathLike, schema: pa.Schema) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = [_column(frame[f.name], f.type) for f in schema]
+    table = pa.Table.from_arrays(columns, schema=schema)
+    tmp = tmp_path_for(path)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_timeline(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write a timeline as Parquet; the file appears whole at ``path`` or not at all."""
+    check_timeline(frame)
+    return _write_parquet(frame, path, TIMELINE_SCHEMA)
+
+
+def write_decisions(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write a decision log as Parquet; the file appears whole at ``path`` or not at all."""
+    check_columns(frame, DECISION_COLUMNS, "decision log")
+    return _write_parquet(frame, path, DECISION_SCHEMA)
+
+
+def union_length(start: np.ndarray, end: np.ndarray) -> float:
+    """Total length covered by intervals ``[start, end)``; overlapping parts count once."""
+    if len(start) == 0:
+        return 0.0
+    order = np.argsort(start, kind="stable")
+    start, end = np.asarray(start, dtype=float)[order], np.asarray(end, dtype=float)[order]
+    reach = np.maximum.accumulate(end)
+    # an interval opens a new merged block when it starts after everything before it ended
+    opens = np.ones(len(start), dtype=bool)
+    opens[1:] = start[1:] > reach[:-1]
+    first = np.flatnonzero(opens)
+    last = np.append(first[1:] - 1, len(start) - 1)
+    return float(np.sum(reach[last] - start[first]))
+
+
+def busy_time(frame: pd.DataFrame, resource: str, lane: int | None = None) -> float:
+    """Seconds during which ``resource`` (on ``lane``, or on any of its lanes) was doing something.
+
+    Spans that overlap, on one lane or across lanes (two copy engines moving
+    experts at once), count once: this is wall-clock busy time, so busy time
+    divided by the makespan is a utilization no greater than 1.
+    """
+    check_columns(frame, TIMELINE_COLUMNS, "timeline")
+    mask = frame["resource"].to_numpy() == resource
+    if lane is not None:
+        mask &= frame["lane"].to_numpy() == lane
+    rows = frame.loc[mask]
+    return union_length(rows["start_s"].to_numpy(dtype=float), rows["end_s"].to_numpy(dtype=float))
