@@ -16,7 +16,7 @@ from rich.console import Console
 
 from moesim.errors import MoesimError
 
-console = Console()
+console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True)
 
 
@@ -121,6 +121,154 @@ def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
         key, value = item.split("=", 1)
         out[key.strip()] = value.strip()
     return out
+
+
+# ----------------------------------------------------------------------------- replay
+DEFAULT_HW = "rtx4090"
+
+
+@cli.command()
+@click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--hw", default=DEFAULT_HW, show_default=True,
+              help="Hardware profile: a name in hwprofiles/ or a YAML path.")
+@click.option("--system", "system", default="all", show_default=True,
+              help="System to replay, or 'all' to compare every system (see `moesim systems`).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru.")
+@click.option("--model", "model_preset", default=None, help="Check the trace against this model preset.")
+@click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
+@click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
+@click.option("--chrome-trace", "chrome_out", default=None, metavar="OUT.json",
+              help="Write a Chrome/Perfetto trace of the timeline.")
+@click.option("--plot", "plot_out", default=None, metavar="OUT.png",
+              help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
+@click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
+           json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
+           decisions_out: str | None, seed: int) -> None:
+    """Replay TRACE through the simulator under one system or all of them."""
+    from moesim.analysis.report import render_comparison_table, render_metrics
+    from moesim.policy.systems import system_names
+    parsed = _parse_settings(settings)
+    systems = system_names() if system == "all" else [system]
+    per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
+    if len(systems) > 1 and per_run_files:
+        raise MoesimError("--timeline, --chrome-trace and --decisions need a single system",
+                          field="--system", fix="pass --system NAME")
+    results = {}
+    for name in systems:
+        results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
+                                    record=bool(timeline_out or chrome_out or decisions_out
+                                                or (plot_out and len(systems) == 1)),
+                                    decisions=bool(decisions_out))
+    metrics_by_system = {name: m for name, (m, _) in results.items()}
+    if len(systems) == 1:
+        metrics_, frames = results[systems[0]]
+        render_metrics(metrics_, console, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
+        _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
+                       meta={"trace": trace_file, "hw": hw, "system": systems[0]})
+    else:
+        render_comparison_table(metrics_by_system, console, title=f"{Path(trace_file).name} on {hw}")
+        if json_out:
+            _write_json(metrics_by_system, json_out)
+        if plot_out:
+            from moesim.analysis.plots import plot_breakdown
+            plot_breakdown(list(metrics_by_system.values()), plot_out)
+            console.print(f"wrote {plot_out}")
+
+
+def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
+                seed: int, record: bool, decisions: bool) -> tuple[dict, dict]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import members, simulate
+    from moesim.trace.io import read_meta
+    read_meta(trace_file)  # a malformed trace fails here, with one line
+    import pyarrow.parquet as pq
+    total_rows = pq.ParquetFile(trace_file).metadata.num_rows * len(members(system))
+    with Progress(TextColumn(f"[bold]{system}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeRemainingColumn(), console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as bar:
+        task = bar.add_task(system, total=max(total_rows, 1))
+        result = simulate(trace_file, hw, system, settings, model_preset=model_preset, seed=seed,
+                          progress=lambda rows: bar.advance(task, rows), timeline=record, decisions=decisions)
+    return metrics(result), result_to_frames(result)
+
+
+def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
+                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict) -> None:
+    if json_out:
+        _write_json(metrics_, json_out)
+    if timeline_out:
+        from moesim.analysis.timeline import write_timeline
+        write_timeline(frames["timeline"], timeline_out)
+        console.print(f"wrote {timeline_out}")
+    if decisions_out:
+        from moesim.analysis.timeline import write_decisions
+        write_decisions(frames["decisions"], decisions_out)
+        console.print(f"wrote {decisions_out}")
+    if chrome_out:
+        from moesim.analysis.chrome import write_chrome_trace
+        write_chrome_trace(frames["timeline"], chrome_out, meta)
+        console.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
+    if plot_out:
+        from moesim.analysis.plots import plot_gantt
+        plot_gantt(frames["timeline"], plot_out, title=f"{meta['system']} on {Path(meta['trace']).name}")
+        console.print(f"wrote {plot_out}")
+
+
+@cli.command("systems")
+def systems_cmd() -> None:
+    """List the systems and the parameters `--set` reaches."""
+    from rich.table import Table
+
+    from moesim.policy.systems import SYSTEMS
+    from moesim.sim.run import documented_parameters
+    table = Table(title="systems", show_lines=True)
+    table.add_column("system", style="bold")
+    table.add_column("what it does")
+    table.add_column("--set parameters")
+    for name, spec in SYSTEMS.items():
+        label = name if spec.listed else f"{name} (part of oracle)"
+        table.add_row(label, spec.description, "\n".join(documented_parameters(name)))
+    console.print(table)
+
+
+# ----------------------------------------------------------------------------- capture
+@cli.command("capture")
+@click.option("--model", "model", required=True, metavar="PATH_OR_ID",
+              help="Checkpoint directory (config.json + *.safetensors) or Hugging Face model id.")
+@click.option("--prompts", required=True, type=click.Path(dir_okay=False),
+              help="Prompts: JSONL (field 'prompt' or 'text', or 'token_ids') or plain text, one per line.")
+@click.option("--max-new-tokens", required=True, type=click.IntRange(min=0),
+              help="Greedy tokens generated (and fed back: one decode step each) per prompt.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Prompts generated together (left-padded) in one batch.")
+@click.option("--calibration-prompts", default=None, type=click.Path(dir_okay=False),
+              help="Prompts for fitting pred_residual and pred_next_token (never written to the trace).")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Weights dtype; auto keeps the checkpoint's.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda if present), cpu, cuda, cuda:N.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
+def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, calibration_prompts: str | None,
+                    dtype: str, device: str, out: str) -> None:
+    """Record a Hugging Face MoE model's router decisions under greedy generation into a v1 trace."""
+    from moesim.trace.capture import CaptureConfig, capture
+    from moesim.trace.capture.model import require_torch
+    require_torch()
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    config = CaptureConfig(model=model, prompts=Path(prompts), out=Path(out), max_new_tokens=max_new_tokens,
+                           batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
+                           else None, dtype=dtype, device=device)
+    report = capture(config, progress=err_console.is_terminal)
+    for line in report.summary_lines():
+        console.print(line, markup=False, highlight=False)
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moesim.policy.base import Component, LayerView
+from moesim.policy.base import Component, LayerView, RunContext
 
 
 class Assignment(Component):
@@ -48,27 +48,31 @@ class ResidentOnGPU(Assignment):
         return gpu, cpu
 
 
-def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int]) -> float:
+def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int], copy_engines: int = 1) -> float:
     """Estimated time from plan to layer end for a split, as the engine would run it.
 
     GPU experts resident or arriving run in arrival order; missing ones are
-    loaded back to back over PCIe after the arrivals already known.
+    loaded over the copy engines after the transfers already known.
     """
     costs = view.costs
     count = dict(zip(view.active, view.counts))
     now = view.now
-    gpu_t = now + costs.gpu_shared(view.tokens)
-    link_free = max([now, *view.arrivals.values()])
-    ready: list[float] = []
+    engines = sorted([now] * copy_engines)
+    for at in sorted(view.arrivals.values()):
+        engines[0] = max(engines[0], at)
+        engines.sort()
+    ready: list[tuple[float, int]] = []
     for e in gpu:
         if e in view.cache.resident[view.layer]:
-            ready.append(now)
+            ready.append((now, e))
         elif e in view.arrivals:
-            ready.append(view.arrivals[e])
+            ready.append((view.arrivals[e], e))
         else:
-            link_free += costs.expert_load
-            ready.append(link_free)
-    for e, at in sorted(zip(gpu, ready), key=lambda p: p[1]):
+            engines[0] += costs.expert_load
+            ready.append((engines[0], e))
+            engines.sort()
+    gpu_t = now + (costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0)
+    for at, e in sorted(ready):
         gpu_t = max(gpu_t, at) + costs.gpu_expert(count[e]) + view.expert_launch_s
     cpu_t = now
     if cpu:
@@ -78,29 +82,32 @@ def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int]) -> floa
 
 @dataclass
 class BestSplit(Assignment):
-    """Of a few candidate splits, the one with the shortest estimated layer time (the oracle's choice).
+    """The split with the shortest estimated layer time among a family of candidates (the oracle's choice).
 
-    Candidates: all on CPU; all on GPU; resident or arriving on GPU, the rest on
-    CPU; and a greedy that adds the expert with the largest CPU cost to the GPU
-    while the estimate improves.
+    Candidates: every prefix of the experts ordered by how much the GPU saves
+    over the CPU for them (cached ones first), which covers all on the CPU and
+    all on the GPU; and resident-on-GPU, rest-on-CPU.
     """
 
     name = "best"
+    _copy_engines: int = 1
+
+    def configure(self, ctx: RunContext) -> None:
+        self._copy_engines = ctx.costs.profile.pcie.copy_engines
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         active = list(view.active)
-        present = [e for e in active if e in view.cache.resident[view.layer] or e in view.arrivals]
-        candidates = [([], active), (active, []), (present, [e for e in active if e not in present])]
-        gpu = list(present)
-        cpu = [e for e in active if e not in present]
+        costs = view.costs
         count = dict(zip(view.active, view.counts))
-        cpu.sort(key=lambda e: (-view.costs.cpu_expert(count[e]), e))
-        best = layer_time_estimate(view, gpu, cpu)
-        while cpu:
-            trial_gpu, trial_cpu = gpu + [cpu[0]], cpu[1:]
-            trial = layer_time_estimate(view, trial_gpu, trial_cpu)
-            if trial >= best:
-                break
-            gpu, cpu, best = trial_gpu, trial_cpu, trial
-        candidates.append((gpu, cpu))
-        return min(candidates, key=lambda c: layer_time_estimate(view, c[0], c[1]))
+        resident = view.cache.resident[view.layer]
+
+        def gpu_cost(e: int) -> float:
+            ready = 0.0 if e in resident else view.arrivals.get(e, view.now + costs.expert_load) - view.now
+            return max(ready, 0.0) + costs.gpu_expert(count[e]) + view.expert_launch_s
+
+        order = sorted(active, key=lambda e: (gpu_cost(e) - costs.cpu_expert(count[e]), e))
+        candidates = [(order[:i], order[i:]) for i in range(len(order) + 1)]
+        present = [e for e in active if e in resident or e in view.arrivals]
+        candidates.append((present, [e for e in active if e not in present]))
+        best = min(candidates, key=lambda c: layer_time_estimate(view, c[0], c[1], self._copy_engines))
+        return list(best[0]), list(best[1])

@@ -46,6 +46,8 @@ class LayerView:
     arrivals: dict[int, float] = field(default_factory=dict)
     #: kernel-launch time the executor adds to every GPU expert, seconds
     expert_launch_s: float = 0.0
+    #: kernel-launch time of the layer's shared experts, seconds
+    shared_launch_s: float = 0.0
 
     @property
     def tokens(self) -> int:

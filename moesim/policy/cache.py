@@ -21,7 +21,10 @@ class CachePolicy(Component):
     role = "cache"
 
     def initial(self, layer: int, capacity: int) -> list[int]:
-        return []
+        """Experts resident before the first step: the first ``capacity`` ids, as a loader that
+        fills each layer's slots in order leaves them (mixtral-offloading keeps the first experts
+        of every layer on the GPU)."""
+        return list(range(capacity))
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
         """Up to ``n`` resident experts of ``layer`` to evict, none of them in ``protected``."""
@@ -36,6 +39,9 @@ class NoCache(CachePolicy):
     """Nothing is ever cached (systems that compute every routed expert on the CPU)."""
 
     name = "none"
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return []
 
 
 @dataclass
@@ -117,9 +123,17 @@ class BeladyCache(CachePolicy):
 
     name = "belady"
     _future: FutureRouting | None = None
+    _experts: int = 0
 
     def configure(self, ctx: RunContext) -> None:
         self._future = FutureRouting.load(ctx.trace_path, ctx.model)
+        self._experts = ctx.model.num_experts
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        """The experts this layer uses soonest: the optimal starting contents."""
+        assert self._future is not None
+        first = {e: self._future.next_use(layer, e, -1) for e in range(self._experts)}
+        return sorted(sorted(first, key=lambda e: (first[e], e))[:capacity])
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
         if n <= 0:

@@ -113,11 +113,15 @@ class ComposedSystem:
 @dataclass(frozen=True)
 class SystemSpec:
     description: str
-    cache: str
-    assign: str
+    cache: str = "none"
+    assign: str = "cpu"
     prefetch: str = "none"
     ignores_memory: bool = False
     uses_cache: bool = True
+    #: a bound that runs several clairvoyant schedules and keeps the fastest
+    portfolio: tuple[str, ...] = ()
+    #: listed by `moesim systems` and run by `--system all`
+    listed: bool = True
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -129,13 +133,22 @@ SYSTEMS: dict[str, SystemSpec] = {
                              cache="static-hot", assign="resident"),
     "all-in-gpu": SystemSpec("every expert resident on the GPU (bound; GPU memory not enforced)",
                              cache="all", assign="gpu", ignores_memory=True),
-    "oracle": SystemSpec("Belady cache, perfect next-layer prefetch and the best CPU/GPU split (bound)",
-                         cache="belady", assign="best", prefetch="perfect"),
+    "oracle": SystemSpec("bound: the fastest of several schedules that know the whole trace: Belady cache "
+                         "with perfect next-layer prefetch and the best CPU/GPU split per layer; the "
+                         "trace's hottest experts pinned with the best split; Belady and LRU demand paging",
+                         portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")),
+    "oracle-prefetch": SystemSpec("Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
+                                  cache="belady", assign="best", prefetch="perfect", listed=False),
+    "oracle-pinned": SystemSpec("the trace's hottest experts pinned, best CPU/GPU split per layer",
+                                cache="static-hot", assign="best", listed=False),
+    "belady": SystemSpec("every expert on the GPU, Belady's optimal eviction per layer, demand loads",
+                         cache="belady", assign="gpu", listed=False),
 }
 
 
-def system_names() -> list[str]:
-    return list(SYSTEMS)
+def system_names(all_systems: bool = False) -> list[str]:
+    """Systems `--system all` runs (or every registered one)."""
+    return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]
 
 
 def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:
@@ -144,6 +157,8 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         raise ConfigError(f"unknown system '{name}'", field="--system",
                           fix=f"use one of: {', '.join(SYSTEMS)}, all")
     spec = SYSTEMS[name]
+    if spec.portfolio:
+        raise ValueError(f"{name} is a portfolio of {spec.portfolio}: build its members")
     chosen = {"cache": spec.cache, "assign": spec.assign, "prefetch": spec.prefetch}
     settings = dict(settings or {})
     for role in COMPONENTS:
@@ -158,9 +173,12 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         parts[role] = registry[comp_name]()
     for key, value in settings.items():
         role, _, param = key.partition(".")
-        if role not in parts or not param:
-            raise ConfigError(f"unknown parameter '{key}'", field="--set",
-                              fix=f"valid: {', '.join(all_parameters(name))}")
+        if role not in parts or param not in parts[role].parameters():
+            valid = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
+            valid += [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in COMPONENTS]
+            raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
+                              fix=f"valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots_per_layer "
+                                  "(`moesim systems` lists them all)")
         parts[role].set_param(param, value)
     return ComposedSystem(name=name, cache=parts["cache"], assign=parts["assign"],  # type: ignore[arg-type]
                           prefetch=parts["prefetch"], description=spec.description,  # type: ignore[arg-type]
@@ -169,6 +187,8 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
 
 def all_parameters(name: str) -> list[str]:
     spec = SYSTEMS[name]
+    if spec.portfolio:
+        return sorted({p for member in spec.portfolio for p in all_parameters(member)})
     out = []
     for role, comp_name in (("cache", spec.cache), ("assign", spec.assign), ("prefetch", spec.prefetch)):
         out += [f"{role}.{p}" for p in COMPONENTS[role][comp_name].parameters()]

@@ -87,9 +87,8 @@ class PCIe:
         self.costs = costs
         self.queue: list[Transfer] = []
         self.on_done = on_done
-        self.busy_s = 0.0
-        self.bytes = 0
         self.running: list[Transfer] = []
+        self.started: list[Transfer] = []
         self._wake: list[simpy.Event] = []
         for _ in range(engines):
             env.process(self._serve())
@@ -112,13 +111,21 @@ class PCIe:
             duration = self.costs.h2d(transfer.nbytes)
             transfer.end = env.now + duration
             self.running.append(transfer)
+            self.started.append(transfer)
             yield env.timeout(duration)
             self.running.remove(transfer)
-            self.busy_s += duration
-            self.bytes += transfer.nbytes
             self.on_done(transfer)
             if transfer.done is not None:
                 transfer.done.succeed()
+
+    def busy_until(self, horizon: float) -> tuple[float, int]:
+        """Busy seconds and bytes of transfers started before ``horizon``, cut at it.
+
+        Prefetches still queued or running when the last token is out are work the
+        run did not need; only their part inside the run counts.
+        """
+        busy = sum(min(t.end, horizon) - t.start for t in self.started if t.end is not None and t.start is not None)
+        return busy, sum(t.nbytes for t in self.started)
 
     def estimate_end(self, transfer: Transfer) -> float:
         """Known end of a running transfer, or a queue-order estimate for a waiting one."""
@@ -178,6 +185,7 @@ class SimResult:
     decisions: list[tuple] | None
     sim_wall_s: float
     cost_fallbacks: list[str]
+    initial_resident: list[list[int]] = field(default_factory=list)
 
 
 TIMELINE_COLUMNS = ("resource", "lane", "start_s", "end_s", "kind", "step", "layer", "expert", "tokens")
@@ -221,15 +229,18 @@ class Simulator:
     def run(self) -> SimResult:
         wall = time.perf_counter()
         self.system.configure(self.ctx)
-        for layer, capacity in enumerate(self.cache.capacity):
-            self.cache.preload(layer, self.system.initial(layer, capacity))
-        self.env.process(self._forward())
-        self.env.run()
+        initial = [self.system.initial(layer, cap) for layer, cap in enumerate(self.cache.capacity)]
+        for layer, experts in enumerate(initial):
+            self.cache.preload(layer, experts)
+        forward = self.env.process(self._forward())
+        self.env.run(until=forward)
+        makespan = self.steps[-1].end if self.steps else 0.0
+        pcie_busy, pcie_bytes = self.pcie.busy_until(makespan)
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters,
-                         pcie_busy_s=self.pcie.busy_s, pcie_bytes=self.pcie.bytes,
-                         makespan_s=self.steps[-1].end if self.steps else 0.0, memory=self.memory,
+                         pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
                          notes=list(self.ctx.notes), timeline=self.timeline, decisions=self.decisions,
-                         sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks))
+                         sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks),
+                         initial_resident=initial)
 
     # ------------------------------------------------------------------ recording
     def _span(self, resource: str, lane: int, start: float, end: float, kind: str, step: int, layer: int,
@@ -283,7 +294,8 @@ class Simulator:
             weights=None if step.weights is None else step.weights[rows],
             scores=None if step.scores is None else step.scores[rows],
             predictors={k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
-            now=self.env.now, arrivals=arrivals, expert_launch_s=self.expert_launch_s)
+            now=self.env.now, arrivals=arrivals, expert_launch_s=self.expert_launch_s,
+            shared_launch_s=self.shared_launch_s)
 
     def _layer(self, step: Step, layer: int, rows: slice) -> Iterator[simpy.Event]:
         env, costs, counters = self.env, self.costs, self.counters
@@ -302,6 +314,7 @@ class Simulator:
         if self.config.check:
             self._check_plan(view, plan)
         count = dict(zip(view.active, view.counts))
+        resident_at_plan = set(self.cache.resident[layer])
         self._account_plan(view, plan, count)
         overhead = sum(plan.overhead_s.values())
         if overhead:
@@ -314,6 +327,7 @@ class Simulator:
             self.cache.evict(lay, e)
             self.prefetched.discard((lay, e))
             self._decide(s, layer, e, "evict", lay)
+        self._log_plan(view, plan, resident_at_plan)
         for e in plan.loads:
             self._submit(layer, e, "load", s)
         streamed = plan.streamed
@@ -413,14 +427,19 @@ class Simulator:
         c.evictions += len(plan.evictions)
         c.substituted += len(plan.substitutions)
         c.deferred += len(plan.deferred)
-        if self.decisions is not None:
-            loads, streamed = set(plan.loads), set(plan.streamed)
-            for e in plan.gpu:
-                action = "gpu_load" if e in loads else "gpu_stream" if e in streamed else \
-                    "gpu_hit" if e in resident else "gpu_inflight"
-                self._decide(s, layer, e, action, layer)
-            for e in plan.cpu:
-                self._decide(s, layer, e, "cpu", layer)
+
+    def _log_plan(self, view: LayerView, plan: LayerPlan, resident: set[int]) -> None:
+        """Decision-log rows in execution order: evictions were logged first, then loads and placement."""
+        if self.decisions is None:
+            return
+        s, layer = view.step, view.layer
+        loads, streamed = set(plan.loads), set(plan.streamed)
+        for e in plan.gpu:
+            action = "gpu_load" if e in loads else "gpu_stream" if e in streamed else \
+                "gpu_hit" if e in resident else "gpu_inflight"
+            self._decide(s, layer, e, action, layer)
+        for e in plan.cpu:
+            self._decide(s, layer, e, "cpu", layer)
 
     def _check_plan(self, view: LayerView, plan: LayerPlan) -> None:
         gpu, cpu = plan.gpu, plan.cpu

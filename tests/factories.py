@@ -1,0 +1,94 @@
+"""Small models, profiles and traces for tests, built in memory (no shipped files needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moesim.hw.profile import HardwareProfile, parse_profile
+from moesim.model.spec import ModelSpec
+from moesim.trace import TraceMeta, write_trace
+
+HIDDEN, INTERMEDIATE = 64, 128
+
+
+def tiny_model(layers: int = 2, experts: int = 4, top_k: int = 2, shared: bool = False) -> ModelSpec:
+    return ModelSpec(name="tiny", num_layers=layers, num_experts=experts, top_k=top_k, hidden_size=HIDDEN,
+                     moe_intermediate_size=INTERMEDIATE, num_shared_experts=1 if shared else 0,
+                     shared_intermediate_size=INTERMEDIATE if shared else 0, num_attention_heads=2,
+                     num_kv_heads=2, head_dim=32, vocab_size=100, total_params=10_000_000)
+
+
+def profile_dict(*, gpu_us: tuple[float, float] = (100.0, 1000.0), cpu_us: tuple[float, float] = (1000.0, 10000.0),
+                 attention_us: float = 50.0, pcie_gbps: float = 0.0001, launch_us: float = 5.0,
+                 sync_us: float = 20.0, latency_us: float = 10.0, copy_engines: int = 1,
+                 shared_us: tuple[float, float] | None = None) -> dict[str, Any]:
+    """A profile whose curves make hand computation easy: expert time is tabulated at 1 and 100 tokens.
+
+    The default PCIe bandwidth (0.0001 GB/s = 100 kB/s) puts one tiny expert
+    (3*64*128 bf16 = 49,152 bytes) at 491.52 ms + latency, so loads dominate.
+    """
+    gpu_curves = [{"hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bf16", "tokens": [1, 100],
+                   "time_us": list(gpu_us), "source": "test"}]
+    if shared_us:
+        gpu_curves.append({"hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bf16", "tokens": [1, 100],
+                           "time_us": list(shared_us), "source": "test"})
+    return {
+        "schema_version": 1,
+        "name": "test",
+        "gpu": {"name": "test gpu", "memory_gib": 24, "reserved_gib": 1, "launch_us": launch_us,
+                "graph_launch_us": 1, "cuda_graph": False, "peak_tflops": {"bf16": 100},
+                "mem_bandwidth_gbps": 1000, "expert_ffn": gpu_curves,
+                "attention": [{"tokens": 1, "context": [1, 100000], "time_us": [attention_us, attention_us],
+                               "source": "test"}]},
+        "cpu": {"name": "test cpu", "cores": 8, "dram_bandwidth_gbps": 100, "peak_tflops": {"avx512": 1},
+                "amx_switch_tokens": None,
+                "expert_ffn": [{"hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bf16", "kernel": "avx512",
+                                "tokens": [1, 100], "time_us": list(cpu_us), "source": "test"}]},
+        "pcie": {"generation": 4, "h2d": {"size_bytes": [1, 1e9], "gbps": [pcie_gbps, pcie_gbps], "source": "test"},
+                 "d2h": {"size_bytes": [1, 1e9], "gbps": [pcie_gbps, pcie_gbps], "source": "test"},
+                 "latency_us": latency_us, "copy_engines": copy_engines, "duplex_slowdown": 0.8},
+        "sync": {"per_layer_us": sync_us},
+        "sources": {"gpu": "test", "cpu": "test", "pcie": "test", "sync": "test"},
+    }
+
+
+def tiny_profile(**kwargs: Any) -> HardwareProfile:
+    return parse_profile(profile_dict(**kwargs), origin="test-profile")
+
+
+def write_tiny_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]]) -> Path:
+    """Write a trace from a list of steps: {"phase", "requests": {request: (first_position, [[experts per token]] per layer...)}}.
+
+    Each step entry: ``{"phase": "decode", "tokens": {request: (position, experts_by_layer)}}`` where
+    ``experts_by_layer[layer]`` is a list of expert-id lists, one per token of that request.
+    """
+    cols: dict[str, list] = {k: [] for k in ("step", "layer", "request", "position", "phase", "experts")}
+    for step, entry in enumerate(routing):
+        for layer in range(model.num_layers):
+            for request in sorted(entry["tokens"]):
+                first_position, by_layer = entry["tokens"][request]
+                for i, experts in enumerate(by_layer[layer]):
+                    cols["step"].append(step)
+                    cols["layer"].append(layer)
+                    cols["request"].append(request)
+                    cols["position"].append(first_position + i)
+                    cols["phase"].append(entry["phase"])
+                    cols["experts"].append(list(experts))
+    data = {k: np.array(v) if k != "phase" else v for k, v in cols.items()}
+    data["experts"] = np.array(cols["experts"], dtype=np.int16).reshape(-1, model.top_k)
+    return write_trace(path, data, TraceMeta(model=model, source={"kind": "test"}))
+
+
+def random_routing(rng: np.random.Generator, model: ModelSpec, requests: int, prompt: int,
+                   decode: int) -> list[dict[str, Any]]:
+    """Prefill of every request, then decode steps batching all requests."""
+    def pick(n: int) -> list[list[list[int]]]:
+        return [[sorted(rng.choice(model.num_experts, model.top_k, replace=False).tolist()) for _ in range(n)]
+                for _ in range(model.num_layers)]
+    steps = [{"phase": "prefill", "tokens": {r: (0, pick(prompt))}} for r in range(requests)]
+    for d in range(decode):
+        steps.append({"phase": "decode", "tokens": {r: (prompt + d, pick(1)) for r in range(requests)}})
+    return steps
