@@ -1,0 +1,158 @@
+"""Gantt chart and time-breakdown figures: lanes, bar counts, windows, files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from moesim.analysis.plots import default_window, plot_breakdown, plot_gantt
+from moesim.errors import ConfigError
+from moesim.sim.engine import BREAKDOWN, TIMELINE_COLUMNS
+
+
+def _frame(rows: list[tuple]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=list(TIMELINE_COLUMNS))
+
+
+def _decode_timeline(steps: int, layers: int = 4) -> pd.DataFrame:
+    """Per layer: attention (1 ms), one GPU expert (1 ms), one CPU expert (2 ms), a prefetch (3 ms); 6 rows."""
+    rows, t = [], 0.0
+    for step in range(steps):
+        for layer in range(layers):
+            ms = 1e-3
+            rows += [("gpu", 0, t, t + ms, "attention", step, layer, -1, 1),
+                     ("gpu", 0, t + ms, t + 2 * ms, "expert", step, layer, 1, 1),
+                     ("cpu", 0, t + ms, t + 3 * ms, "expert", step, layer, 2, 1),
+                     ("pcie", 0, t + ms, t + 4 * ms, "prefetch", step, (layer + 1) % layers, 3, 0),
+                     ("gpu", 0, t + 3 * ms, t + 4 * ms, "shared", step, layer, -1, 1),
+                     ("pcie", 0, t + 4 * ms, t + 4.5 * ms, "stage", step, layer, 4, 0)]
+            t += 4.5 * ms
+    return _frame(rows)
+
+
+def _bars(fig: Figure) -> int:
+    return sum(len(c.get_paths()) for c in fig.axes[0].collections if isinstance(c, PolyCollection))
+
+
+def _lane_labels(fig: Figure) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_yticklabels()]
+
+
+def test_gantt_lanes_bars_and_legend() -> None:
+    frame = _decode_timeline(steps=1)
+    fig = plot_gantt(frame, window=(0.0, 1.0))
+    assert isinstance(fig, Figure)
+    assert _lane_labels(fig) == ["CPU", "GPU", "PCIe H2D"]  # bottom to top: PCIe drawn on top
+    assert _bars(fig) == len(frame) == 24
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["attention + gate", "shared experts", "routed expert", "prefetch", "streamed (staging)"]
+    assert fig.axes[0].get_xlabel() == "time (ms)"
+    assert fig.axes[0].get_xlim() == pytest.approx((0.0, 1000.0))
+
+
+def test_gantt_bars_sit_in_their_resource_lane() -> None:
+    frame = _decode_timeline(steps=1)
+    fig = plot_gantt(frame, window=(0.0, 1.0))
+    lane_of = {"cpu": 0, "gpu": 1, "pcie": 2}
+    for collection in fig.axes[0].collections:
+        if not isinstance(collection, PolyCollection):
+            continue
+        ys = np.concatenate([p.vertices[:, 1] for p in collection.get_paths()])
+        centre = round(float(ys.mean()))
+        assert abs(ys - centre).max() <= 0.4
+        kind = collection.get_label()
+        assert centre in {lane_of[r] for r in frame.loc[frame["kind"] == kind, "resource"]}
+
+
+def test_gantt_writes_png_and_svg(tmp_path: Path) -> None:
+    frame = _decode_timeline(steps=2)
+    png = tmp_path / "figs" / "gantt.png"
+    plot_gantt(frame, png, title="decode")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    svg = tmp_path / "gantt.svg"
+    plot_gantt(frame, svg)
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["gantt.png", "gantt.svg"]
+
+
+def test_gantt_unknown_suffix_keeps_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "gantt.jpg"
+    path.write_bytes(b"old")
+    with pytest.raises(ConfigError, match=r"\.jpg"):
+        plot_gantt(_decode_timeline(steps=1), path)
+    assert path.read_bytes() == b"old"
+
+
+def test_default_window_is_first_steps() -> None:
+    frame = _decode_timeline(steps=5)
+    start, end = default_window(frame, steps=2)
+    assert start == 0.0 and end == pytest.approx(2 * 4 * 4.5e-3)
+    fig = plot_gantt(frame)
+    assert _bars(fig) == 2 * 24
+
+
+def test_default_window_caps_bars() -> None:
+    frame = _decode_timeline(steps=3)
+    start, end = default_window(frame, steps=3, max_bars=10)
+    shown = frame[(frame["start_s"] < end) & (frame["end_s"] > start)]
+    assert len(shown) == 10
+    assert end == pytest.approx(frame["start_s"].sort_values().iloc[10])
+
+
+def test_explicit_window_clips_spans() -> None:
+    frame = _decode_timeline(steps=2)
+    # 2.5-5.5 ms: layer 0's CPU expert (1-3 ms), prefetch (1-4), shared (3-4), stage (4-4.5) and layer 1's
+    # attention (4.5-5.5) overlap it; layer 0's attention (0-1) and GPU expert (1-2) do not
+    fig = plot_gantt(frame, window=(2.5e-3, 5.5e-3))
+    assert _bars(fig) == 5
+    xs = np.concatenate([p.vertices[:, 0] for c in fig.axes[0].collections if isinstance(c, PolyCollection)
+                         for p in c.get_paths()])
+    assert xs.min() >= 2.5 - 1e-9 and xs.max() <= 5.5 + 1e-9
+    with pytest.raises(ConfigError, match="window"):
+        plot_gantt(frame, window=(0.003, 0.001))
+
+
+def test_gantt_three_lanes_even_without_transfers() -> None:
+    frame = _decode_timeline(steps=1)
+    frame = frame[frame["resource"] != "pcie"]
+    fig = plot_gantt(frame, window=(0.0, 0.02))
+    assert _lane_labels(fig) == ["CPU", "GPU", "PCIe H2D"]
+    assert _bars(fig) == 16
+
+
+def _metrics(system: str, **ms: float) -> dict:
+    return {"system": system, "breakdown_ms": {k: ms.get(k, 0.0) for k in BREAKDOWN}}
+
+
+def test_breakdown_stacks_categories_per_system(tmp_path: Path) -> None:
+    runs = [_metrics("hybrimoe", attention=2.0, gpu_compute=3.0, wait_cache=5.0),
+            _metrics("smoe", attention=2.0, gpu_compute=4.0, cpu_other=1.5)]
+    path = tmp_path / "breakdown.png"
+    fig = plot_breakdown(runs, path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["hybrimoe", "smoe"]
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(bars) == 2 * 4  # four categories with time in some run
+    tops = {}
+    for bar in bars:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    assert tops == pytest.approx({0: 10.0, 1: 7.5})
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert set(legend) == {"attention + gate", "GPU compute", "wait for cache", "CPU not overlapped"}
+    assert [t.get_text() for t in ax.texts] == ["10.0", "7.5"]
+
+
+def test_breakdown_rejects_bad_input() -> None:
+    with pytest.raises(ConfigError, match="no runs"):
+        plot_breakdown([], None)
+    with pytest.raises(ConfigError, match="row 1"):
+        plot_breakdown([_metrics("a", attention=1.0), {"system": "b"}], None)
