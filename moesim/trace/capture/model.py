@@ -1,0 +1,155 @@
+"""Loading a checkpoint for capture and finding its routers (torch and transformers needed)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moesim.trace.capture.arch import ArchInfo, arch_for, config_to_spec
+from moesim.trace.capture.errors import ModelNotFoundError, TorchMissingError, UnsupportedRouterError
+from moesim.model.spec import ModelSpec
+
+LOCAL_FIX = ("point at a local checkpoint: --model /path/to/checkpoint "
+             "(a directory with config.json and *.safetensors)")
+
+
+def require_torch() -> None:
+    """Raise :class:`TorchMissingError` unless torch and transformers import."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise TorchMissingError() from None
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_local_checkpoint(path: Path) -> None:
+    """A local ``--model`` must be a directory with config.json and safetensors weights."""
+    if not path.is_dir():
+        raise ModelNotFoundError("is a file, not a checkpoint directory", source=str(path), fix=LOCAL_FIX)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError("checkpoint directory has no config.json", source=str(path), fix=LOCAL_FIX)
+    if not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError("checkpoint directory has no *.safetensors weights", source=str(path),
+                                 fix=LOCAL_FIX)
+
+
+def resolve_model(model: str) -> tuple[str, bool]:
+    """(name or path to load, local_files_only); raise before any download is tried."""
+    path = Path(model).expanduser()
+    if path.exists():
+        check_local_checkpoint(path)
+        return str(path), True
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+    if looks_like_path:
+        raise ModelNotFoundError("model path does not exist", source=model, field="--model", fix=LOCAL_FIX)
+    return model, hub_offline()
+
+
+def _load_error(model: str, local_only: bool) -> ModelNotFoundError:
+    why = ("is not a local directory and HF_HUB_OFFLINE is set, so no download was attempted" if local_only
+           else "could not be loaded (not a local directory, and the hub did not provide it)")
+    return ModelNotFoundError(f"model '{model}' {why}", source=model, field="--model", fix=LOCAL_FIX)
+
+
+def load_config(model: str) -> tuple[Any, str, bool]:
+    from transformers import AutoConfig
+    name, local_only = resolve_model(model)
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=local_only)
+    except (OSError, ValueError) as err:
+        if Path(name).is_dir():  # present but unreadable: say what transformers said
+            raise ModelNotFoundError(f"cannot read config.json ({str(err).splitlines()[0]})", source=name,
+                                     fix=LOCAL_FIX) from None
+        raise _load_error(model, local_only) from None
+    return config, name, local_only
+
+
+def pick_device(device: str) -> str:
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_model(name: str, local_only: bool, dtype: str, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, local_files_only=local_only)
+    except OSError:
+        raise _load_error(name, local_only) from None
+    return model.to(pick_device(device)).eval()
+
+
+def load_tokenizer(name: str, local_only: bool) -> Any | None:
+    """The checkpoint's tokenizer, or None when it has none."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+@dataclass
+class MoEModel:
+    """A loaded model with the facts capture needs: its spec, architecture and router modules in layer order."""
+
+    model: Any
+    spec: ModelSpec
+    arch: ArchInfo
+    routers: list[Any]
+    decoder_layers: list[int]
+
+    @property
+    def device(self) -> Any:
+        return self.routers[0].weight.device
+
+
+def decoder_layers_of(model: Any) -> Any:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UnsupportedRouterError(f"{type(model).__name__} has no decoder layer list", field="model.layers",
+                                     fix="capture a decoder-only Hugging Face MoE model")
+    return layers
+
+
+def inspect_model(model: Any, name: str | None = None) -> MoEModel:
+    """Find each MoE layer's router and check it returns (logits, weights, indices)."""
+    import torch
+    config = model.config
+    origin = name or getattr(config, "name_or_path", "") or type(model).__name__
+    arch = arch_for(config, origin)
+    total = sum(p.numel() for p in model.parameters())
+    spec = config_to_spec(config, name=name, total_params=total)
+    layers = decoder_layers_of(model)
+    moe_layers = arch.moe_layers(config)
+    with_experts = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    if with_experts != moe_layers:
+        raise UnsupportedRouterError(f"config says MoE layers {moe_layers}, the model has experts in {with_experts}",
+                                     source=origin, fix="check the checkpoint's config.json against its weights")
+    routers = [getattr(layers[i].mlp, arch.router_attr, None) for i in moe_layers]
+    for i, router in zip(moe_layers, routers):
+        weight = getattr(router, "weight", None)
+        if weight is None or tuple(weight.shape) != (spec.num_experts, spec.hidden_size):
+            raise UnsupportedRouterError(f"layer {i}: {type(router).__name__} has no ({spec.num_experts}, "
+                                         f"{spec.hidden_size}) router weight", source=origin,
+                                         field=f"mlp.{arch.router_attr}", fix="use transformers>=5 for this model")
+    probe = torch.zeros(2, spec.hidden_size, dtype=routers[0].weight.dtype, device=routers[0].weight.device)
+    with torch.no_grad():
+        out = routers[0].forward(probe)
+    shapes_ok = (isinstance(out, tuple) and len(out) == 3
+                 and tuple(out[0].shape) == (2, spec.num_experts)
+                 and tuple(out[1].shape) == (2, spec.top_k) and tuple(out[2].shape) == (2, spec.top_k))
+    if not shapes_ok:
+        raise UnsupportedRouterError(f"{type(routers[0]).__name__} does not return (logits, weights, indices)",
+                                     source=origin, field=f"mlp.{arch.router_attr}",
+                                     fix="capture reads the router modules of transformers>=5; upgrade transformers")
+    return MoEModel(model=model, spec=spec, arch=arch, routers=routers, decoder_layers=moe_layers)

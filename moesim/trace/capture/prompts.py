@@ -1,0 +1,75 @@
+"""Prompt files for ``moesim capture``.
+
+Two formats: JSONL, one object per line with a ``prompt`` or ``text`` string
+(or ``token_ids``/``input_ids``, a list of vocabulary ids, for pre-tokenised
+prompts), and plain text, one prompt per line. A file is JSONL when its name
+ends in ``.jsonl`` or its first non-blank line starts with ``{``. Blank lines
+are skipped in both formats; row numbers in errors are 1-based line numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from moesim.trace.capture.errors import PromptsError
+
+TEXT_FIELDS = ("prompt", "text")
+ID_FIELDS = ("token_ids", "input_ids")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: text to tokenise, or token ids taken as they are."""
+
+    line: int
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Read a prompts file; raise :class:`PromptsError` naming the line of the first problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError("prompts file not found", source=str(path), fix="check the path")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise PromptsError("not UTF-8 text", source=str(path),
+                           fix="save the prompts as UTF-8 JSONL or plain text") from None
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    if not numbered:
+        raise PromptsError("prompts file is empty", source=str(path),
+                           fix="write one prompt per line (plain text) or one JSON object per line")
+    is_jsonl = path.suffix == ".jsonl" or numbered[0][1].lstrip().startswith("{")
+    if not is_jsonl:
+        return [Prompt(line=n, text=line.rstrip("\r")) for n, line in numbered]
+    return [_json_prompt(path, n, line) for n, line in numbered]
+
+
+def _json_prompt(path: Path, row: int, line: str) -> Prompt:
+    fix = 'write one object per line, e.g. {"prompt": "..."}'
+    try:
+        obj = json.loads(line)
+    except ValueError as err:
+        raise PromptsError(f"not valid JSON ({err.msg})", source=str(path), row=row, fix=fix) from None
+    if not isinstance(obj, dict):
+        raise PromptsError("JSONL row is not an object", source=str(path), row=row, fix=fix)
+    for key in TEXT_FIELDS:
+        if key in obj:
+            value = obj[key]
+            if not isinstance(value, str) or not value:
+                raise PromptsError("must be a non-empty string", source=str(path), field=key, row=row, fix=fix)
+            return Prompt(line=row, text=value)
+    for key in ID_FIELDS:
+        if key in obj:
+            value = obj[key]
+            ok = isinstance(value, list) and value and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+            if not ok:
+                raise PromptsError("must be a non-empty list of non-negative token ids", source=str(path),
+                                   field=key, row=row, fix="give vocabulary ids, e.g. [1, 415, 2936]")
+            return Prompt(line=row, token_ids=tuple(value))
+    raise PromptsError(f"row has none of the fields {', '.join(TEXT_FIELDS + ID_FIELDS)}", source=str(path),
+                       row=row, fix=fix)

@@ -1,0 +1,315 @@
+"""``moesim capture``: greedy generation with hooked routers, written as a v1 trace.
+
+Requests run in batches of ``batch`` prompts (left-padded, in file order);
+each batch is one prefill pass and then one decode pass per generated token
+(the token is fed, so ``--max-new-tokens N`` gives up to N decode steps). Steps
+are numbered across batches, so a trace interleaves a batch's requests
+exactly as they ran. The trace file appears only when the capture completes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from moesim.trace.capture.errors import PromptsError
+from moesim.trace.capture.prompts import Prompt, load_prompts
+from moesim.trace.schema import TraceMeta
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+FLUSH_ROWS = 65_536
+
+
+@dataclass
+class CaptureConfig:
+    """Inputs of one capture, as the command line gives them."""
+
+    model: str
+    prompts: Path
+    out: Path
+    max_new_tokens: int
+    batch: int = 1
+    calibration_prompts: Path | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+@dataclass
+class CaptureReport:
+    """What a capture wrote, how fast, and which predictor columns it has or lacks and why."""
+
+    out: Path
+    requests: int
+    steps: int
+    rows: int
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    predictors: dict[str, str]
+    calibration_tokens: int = 0
+    calibration_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    #: fitted predictor state (residual vectors, next-token gates), for inspection
+    state: Any = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.prefill_tokens + self.decode_tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"wrote {self.out}: {self.requests} requests, {self.steps} steps, {self.rows:,} rows "
+                 f"({self.prefill_tokens} prefill + {self.decode_tokens} decode tokens, "
+                 f"{self.tokens_per_s:,.1f} tokens/s)"]
+        if self.calibration_tokens:
+            lines.append(f"  calibration: {self.calibration_tokens} tokens in {self.calibration_seconds:.1f} s "
+                         "(not in the trace)")
+        for column, status in self.predictors.items():
+            lines.append(f"  {column}: {status}")
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return lines
+
+
+# ----------------------------------------------------------------------------- prompts -> token ids
+def tokenize(prompts: list[Prompt], tokenizer: Any, vocab_size: int, origin: str) -> list[list[int]]:
+    """Token ids of every prompt; text prompts need the checkpoint's tokenizer."""
+    out = []
+    for prompt in prompts:
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise PromptsError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})",
+                                   source=origin, field="token_ids", row=prompt.line,
+                                   fix="give ids the model's tokenizer produced")
+        else:
+            if tokenizer is None:
+                raise PromptsError("text prompt but the checkpoint has no tokenizer", source=origin,
+                                   row=prompt.line, fix="add the tokenizer files to the checkpoint directory "
+                                   "or give pre-tokenised prompts as {\"token_ids\": [...]}")
+            ids = list(tokenizer(prompt.text)["input_ids"])
+            if not ids:
+                raise PromptsError("prompt tokenises to no tokens", source=origin, row=prompt.line,
+                                   fix="remove the line or give it text")
+        out.append(ids)
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- generation driver
+def special_ids(model: Any, tokenizer: Any) -> tuple[int, set[int]]:
+    """(pad id, end-of-sequence ids) from the generation config, config or tokenizer."""
+    vocab = int(model.config.vocab_size)
+    eos: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            eos.update([value] if isinstance(value, int) else list(value))
+    eos = {int(e) for e in eos if 0 <= int(e) < vocab}
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    if pad is None or not 0 <= int(pad) < vocab:
+        pad = min(eos) if eos else 0
+    return int(pad), eos
+
+
+def run_batches(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: int, pad_id: int,
+                eos_ids: set[int], on_step: Callable[[Any, list[Any]], None],
+                on_batch_end: Callable[[], None] | None = None) -> None:
+    """Greedy ``generate`` over prompts in batches; ``on_step(rows, layers)`` sees every real-token pass."""
+    import torch
+    from transformers import GenerationConfig
+    from moesim.trace.capture.tap import BatchTracker, RouterTap
+
+    generation = GenerationConfig(max_new_tokens=max_new_tokens + 1, do_sample=False, num_beams=1,
+                                  pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None, use_cache=True)
+    device = moe.device
+    for start in range(0, len(prompts), batch):
+        group = prompts[start:start + batch]
+        tracker = BatchTracker(list(range(start, start + len(group))), group, eos_ids)
+        ids, mask = tracker.padded_inputs(pad_id)
+
+        def step(input_ids: Any, layers: list[Any], tracker: BatchTracker = tracker) -> None:
+            rows = tracker.rows(input_ids, device)
+            if rows.tokens:
+                on_step(rows, layers)
+
+        with RouterTap(moe.model, moe.routers, step), torch.no_grad():
+            moe.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                               generation_config=generation)
+        if on_batch_end is not None:
+            on_batch_end()
+
+
+def _progress(enabled: bool) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TextColumn("{task.completed:,.0f} tokens"),
+                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=not enabled, transient=False)
+
+
+class TokenMeter:
+    """Progress task fed with tokens per pass, showing tokens/s."""
+
+    def __init__(self, progress: Any, description: str, total: int) -> None:
+        self.progress = progress
+        self.task = progress.add_task(description, total=total, rate="")
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.progress.update(self.task, advance=tokens, rate=f"{rate:,.1f} tok/s")
+
+
+def expected_tokens(prompts: list[list[int]], max_new_tokens: int) -> int:
+    return sum(len(p) for p in prompts) + len(prompts) * max_new_tokens
+
+
+# ----------------------------------------------------------------------------- capture
+def calibrate(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: int, pad_id: int,
+              eos_ids: set[int], progress: Any) -> Any:
+    """Run the calibration prompts (never written) and fit the predictors on them."""
+    from moesim.trace.capture.predict import CalibrationCollector
+    collector = CalibrationCollector(moe.spec.num_layers, moe.spec.hidden_size)
+    meter = TokenMeter(progress, "calibrating", expected_tokens(prompts, max_new_tokens))
+
+    def on_step(rows: Any, layers: list[Any]) -> None:
+        collector.consume(rows, layers)
+        meter.add(rows.tokens)
+
+    run_batches(moe, prompts, max_new_tokens, batch, pad_id, eos_ids, on_step, collector.end_batch)
+    return collector.fit(moe.routers)
+
+
+def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens: int, *, batch: int = 1,
+                   calibration: list[list[int]] | None = None, source: dict[str, Any] | None = None,
+                   tokenizer: Any = None, progress: bool = False) -> CaptureReport:
+    """Capture a trace from an already loaded :class:`~moesim.trace.capture.model.MoEModel`."""
+    import torch
+    import transformers
+    from moesim.trace.capture.predict import TraceRows
+    from moesim.trace.io import TraceWriter
+
+    pad_id, eos_ids = special_ids(moe.model, tokenizer)
+    with _progress(progress) as bar:
+        predictors = None
+        begin = time.perf_counter()
+        if calibration:
+            predictors = calibrate(moe, calibration, max_new_tokens, batch, pad_id, eos_ids, bar)
+        calibration_seconds = time.perf_counter() - begin
+        builder = TraceRows(moe.routers, moe.arch.scores_function, predictors)
+        status = predictor_status(predictors, calibration is not None, moe.spec.num_layers)
+        config = moe.model.config
+        meta_source = {
+            "kind": "captured", "decoding": "greedy", "max_new_tokens": max_new_tokens, "batch": batch,
+            "model_type": moe.arch.model_type, "moe_decoder_layers": moe.decoder_layers,
+            "scores": moe.arch.scores_function, "weights": moe.arch.weights_rule(config),
+            "routed_scaling_factor": moe.arch.routed_scaling_factor(config),
+            "eos_token_ids": sorted(eos_ids), "predictors": status,
+            "calibration_tokens": predictors.calibration_tokens if predictors else 0,
+            "dtype": str(moe.routers[0].weight.dtype).replace("torch.", ""), "device": str(moe.device),
+            "torch": torch.__version__, "transformers": transformers.__version__, **(source or {}),
+        }
+        meta = TraceMeta(model=moe.spec, source=meta_source,
+                         weights_renormalized=moe.arch.renormalized(config))
+        counts = {"steps": 0, "rows": 0, "prefill": 0, "decode": 0}
+        pending: list[dict[str, Any]] = []
+        meter = TokenMeter(bar, "capturing", expected_tokens(prompts, max_new_tokens))
+        begin = time.perf_counter()
+        with TraceWriter(out, meta, builder.columns) as writer:
+            def on_step(rows: Any, layers: list[Any]) -> None:
+                pending.append(builder.build(counts["steps"], rows, layers))
+                counts["steps"] += 1
+                counts["prefill" if rows.phase == 0 else "decode"] += rows.tokens
+                meter.add(rows.tokens)
+                if sum(len(p["layer"]) for p in pending) >= FLUSH_ROWS:
+                    counts["rows"] += flush(writer, pending)
+
+            run_batches(moe, prompts, max_new_tokens, batch, pad_id, eos_ids, on_step)
+            counts["rows"] += flush(writer, pending)
+    seconds = time.perf_counter() - begin
+    return CaptureReport(out=Path(out), requests=len(prompts), steps=counts["steps"], rows=counts["rows"],
+                         prefill_tokens=counts["prefill"], decode_tokens=counts["decode"], seconds=seconds,
+                         predictors=status, calibration_tokens=predictors.calibration_tokens if predictors else 0,
+                         calibration_seconds=calibration_seconds, state=predictors)
+
+
+def flush(writer: Any, pending: list[dict[str, Any]]) -> int:
+    """Write buffered steps as one batch; return the rows written."""
+    if not pending:
+        return 0
+    data: dict[str, Any] = {}
+    for name in pending[0]:
+        parts = [p[name] for p in pending]
+        if isinstance(parts[0], tuple):  # (offsets, values) list columns
+            shift = np.cumsum([0] + [int(off[-1]) for off, _ in parts[:-1]])
+            offsets = np.concatenate([parts[0][0]] + [off[1:] + s for (off, _), s in zip(parts[1:], shift[1:])])
+            data[name] = (offsets.astype(np.int32), np.concatenate([vals for _, vals in parts]))
+        else:
+            data[name] = np.concatenate(parts)
+    pending.clear()
+    writer.write(data)
+    return len(data["layer"])
+
+
+def predictor_status(predictors: Any, calibrated: bool, num_layers: int) -> dict[str, str]:
+    """Per predictor column: what it holds, or why it was left out."""
+    status = {"pred_next_layer": "written (layer l+1's gate on layer l's gate input; last layer empty)"}
+    if num_layers < 2:
+        status["pred_next_layer"] = "written, empty (the model has one MoE layer)"
+    if not calibrated:
+        reason = "omitted: no --calibration-prompts"
+        return {**status, "pred_residual": reason, "pred_next_token": reason}
+    status["pred_residual"] = (f"written (mean residual over {predictors.calibration_tokens} calibration tokens)"
+                               if predictors.residual is not None else "omitted: calibration produced no tokens")
+    status["pred_next_token"] = (f"written (ridge fit on {predictors.next_token_pairs} calibration decode tokens)"
+                                 if predictors.next_token is not None
+                                 else "omitted: calibration produced no decode tokens (raise --max-new-tokens)")
+    return status
+
+
+def capture(config: CaptureConfig, *, progress: bool = False) -> CaptureReport:
+    """Load the model named in ``config``, capture its routing on the prompts, write the trace."""
+    from moesim.trace.capture.model import load_config, load_model, load_tokenizer, inspect_model, require_torch
+    from moesim.trace.capture.arch import config_to_spec
+    from moesim.trace.validate import check_path_writable
+
+    require_torch()
+    prompts = load_prompts(config.prompts)
+    calibration = load_prompts(config.calibration_prompts) if config.calibration_prompts else None
+    out = check_path_writable(config.out)
+    hf_config, name, local_only = load_config(config.model)
+    config_to_spec(hf_config, name=_display_name(config.model))  # config-only errors before loading weights
+    needs_tokenizer = any(p.text is not None for p in prompts + (calibration or []))
+    tokenizer = load_tokenizer(name, local_only) if needs_tokenizer else None
+    model = load_model(name, local_only, config.dtype, config.device)
+    moe = inspect_model(model, name=_display_name(config.model))
+    vocab = int(model.config.vocab_size)
+    ids = tokenize(prompts, tokenizer, vocab, str(config.prompts))
+    calib_ids = tokenize(calibration, tokenizer, vocab, str(config.calibration_prompts)) if calibration else None
+    source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": file_sha256(config.prompts),
+              "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
+    report = capture_loaded(moe, ids, out, config.max_new_tokens, batch=config.batch, calibration=calib_ids,
+                            source=source, tokenizer=tokenizer, progress=progress)
+    if calib_ids:
+        shared = len({tuple(p) for p in ids} & {tuple(p) for p in calib_ids})
+        if shared:
+            report.notes.append(f"{shared} calibration prompt(s) also appear in {config.prompts}: "
+                                "predictor accuracy on this trace is optimistic")
+    return report
+
+
+def _display_name(model: str) -> str:
+    return Path(model.rstrip("/")).name.lower() or model
