@@ -69,7 +69,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "pcie_h2d_bytes": result.pcie_bytes,
         "cpu_util": c.cpu_busy_s / total if total else 0.0,
         "gpu_util": c.gpu_busy_s / total if total else 0.0,
-        "pcie_util": result.pcie_busy_s / total if total else 0.0,
+        "pcie_util": result.pcie_busy_s / (total * result.pcie_engines) if total else 0.0,
         "gpu_share_of_activations": c.gpu_activations / gpu_experts,
         "breakdown_ms": {k: v * 1e3 for k, v in c.breakdown.items()},
         "substituted_experts": c.substituted,

@@ -26,9 +26,14 @@ class CachePolicy(Component):
         of every layer on the GPU)."""
         return list(range(capacity))
 
-    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
-        """Up to ``n`` resident experts of ``layer`` to evict, none of them in ``protected``."""
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        """Up to ``n`` resident experts of ``layer`` to evict for ``incoming``, none of them in ``protected``."""
         return []
+
+    def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
+        """Which missing experts should get a slot first (the rest are streamed)."""
+        return missing
 
     def touch(self, view: LayerView, used: list[int]) -> None:
         """Record that ``used`` experts of ``view.layer`` ran on the GPU now."""
@@ -56,7 +61,8 @@ class LRUCache(CachePolicy):
         self._last_use = [dict() for _ in ctx.capacity]
         self._clock = 0
 
-    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
         last = self._last_use[layer]
@@ -135,23 +141,39 @@ class BeladyCache(CachePolicy):
         first = {e: self._future.next_use(layer, e, -1) for e in range(self._experts)}
         return sorted(sorted(first, key=lambda e: (first[e], e))[:capacity])
 
-    def victims(self, view: LayerView, layer: int, n: int, protected: set[int]) -> list[int]:
+    def _next(self, view: LayerView, layer: int, expert: int) -> int:
+        assert self._future is not None
+        # a later layer of this step still counts this step's use; this and earlier layers do not
+        from_step = view.step if layer > view.layer else view.step + 1
+        return self._future.next_use(layer, expert, from_step)
+
+    def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
+        return sorted(missing, key=lambda e: (self._next(view, layer, e), e))
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        """Farthest next use first; with ``incoming`` known, an expert is evicted only for one used sooner."""
         if n <= 0:
             return []
-        assert self._future is not None
-        # a later layer of this step still counts this step's use; earlier layers do not
-        from_step = view.step if layer > view.layer else view.step + 1
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        candidates.sort(key=lambda e: (-self._future.next_use(layer, e, from_step), e))
-        return candidates[:n]
+        candidates.sort(key=lambda e: (-self._next(view, layer, e), e))
+        if incoming is None:
+            return candidates[:n]
+        chosen = []
+        for victim, newcomer in zip(candidates, self.admission_order(view, layer, list(incoming))):
+            if len(chosen) == n or self._next(view, layer, victim) <= self._next(view, layer, newcomer):
+                break
+            chosen.append(victim)
+        return chosen
 
 
-def make_room(cache: CachePolicy, view: LayerView, layer: int, wanted: int,
+def make_room(cache: CachePolicy, view: LayerView, layer: int, incoming: list[int],
               protected: set[int]) -> tuple[int, list[int]]:
-    """How many of ``wanted`` new experts fit in ``layer``, and whom to evict for them."""
+    """How many of the ``incoming`` experts (in admission order) fit in ``layer``, and whom to evict."""
     state: CacheState = view.cache
     free = state.free(layer)
+    wanted = len(incoming)
     if wanted <= free:
         return wanted, []
-    evict = cache.victims(view, layer, wanted - free, protected | state.in_flight[layer])
+    evict = cache.victims(view, layer, wanted - free, protected | state.in_flight[layer], incoming[free:])
     return free + len(evict), evict

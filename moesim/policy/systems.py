@@ -60,7 +60,8 @@ class ComposedSystem:
         present = [e for e in gpu if state.has(layer, e)]
         missing = [e for e in gpu if not state.has(layer, e)]
         if missing:
-            fits, evict = make_room(self.cache, view, layer, len(missing), set(present))
+            missing = self.cache.admission_order(view, layer, missing)
+            fits, evict = make_room(self.cache, view, layer, missing, set(present))
             plan.evictions = [(layer, e) for e in evict]
             plan.loads = missing[:fits]
             plan.streamed = missing[fits:]
