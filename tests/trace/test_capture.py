@@ -508,3 +508,18 @@ def test_config_to_spec_matches_presets_for_published_configs() -> None:
     spec, ref = config_to_spec(qwen15), load_preset("qwen1.5-moe-a2.7b")
     assert (spec.num_shared_experts, spec.shared_intermediate_size) == (4, 5632) == \
         (ref.num_shared_experts, ref.shared_intermediate_size)
+
+
+@needs_torch
+def test_single_moe_layer_has_empty_next_layer_predictions(tmp_path: Path) -> None:
+    checkpoint = build_checkpoint("deepseek_v3", tmp_path / "ckpt", num_hidden_layers=2)  # layer 0 dense
+    out = tmp_path / "t.parquet"
+    report = capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2]),
+                                   out=out, max_new_tokens=2, calibration_prompts=write_jsonl(
+                                       tmp_path / "c.jsonl", CALIBRATION[:2])))
+    table = read_table(out).to_pandas()
+    assert set(table.layer) == {0} and len(table) == 3 + 6 + 2 * 2
+    assert all(len(v) == 0 for v in table.pred_next_layer) and all(len(v) == 0 for v in table.pred_residual)
+    assert all(len(v) == 2 for v in table.pred_next_token)
+    assert report.predictors["pred_next_layer"] == "written, empty (the model has one MoE layer)"
+    validate_trace(out)

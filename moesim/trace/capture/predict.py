@@ -38,12 +38,6 @@ def rank_by_weight(weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.
     return ordered, indices.gather(-1, order)
 
 
-def gate_top_k(gate: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """Expert ids a router module selects for ``hidden``, highest weight first (hooks bypassed)."""
-    _, weights, indices = gate.forward(hidden)
-    return rank_by_weight(weights, indices)[1]
-
-
 @dataclass
 class Predictors:
     """Calibrated predictor state: residual vectors and next-token gates (None = not calibrated)."""
@@ -164,24 +158,12 @@ class TraceRows:
         return torch.sigmoid(logits) if self.scores_function == "sigmoid" else torch.softmax(logits, dim=-1)
 
     def build(self, step: int, rows: StepRows, layers: list[LayerRouting]) -> dict[str, Any]:
-        num_layers = len(layers)
-        experts, weights, scores = [], [], []
-        preds: dict[str, list[torch.Tensor]] = {c: [] for c in self.columns if c.startswith("pred_")}
-        residual, next_token = self.predictors.residual, self.predictors.next_token
-        for l, layer in enumerate(layers):
-            x = take(layer.hidden, rows.select)
-            w, ids = rank_by_weight(take(layer.weights, rows.select), take(layer.indices, rows.select))
-            experts.append(ids)
-            weights.append(w)
-            scores.append(self._scores(take(layer.logits, rows.select)))
-            if l + 1 < num_layers:
-                following = self.routers[l + 1]
-                preds["pred_next_layer"].append(gate_top_k(following, x))
-                if residual is not None:
-                    corrected = (x.float() + residual[l].to(x.device)).to(x.dtype)
-                    preds["pred_residual"].append(gate_top_k(following, corrected))
-            if next_token is not None:
-                preds["pred_next_token"].append(gate_top_k(next_token[l], x))
+        # Tensors of all layers are concatenated before sorting and scoring: one op per step, not per layer.
+        num_layers, select = len(layers), rows.select
+        weights, experts = rank_by_weight(torch.cat([take(layer.weights, select) for layer in layers]),
+                                          torch.cat([take(layer.indices, select) for layer in layers]))
+        scores = self._scores(torch.cat([take(layer.logits, select) for layer in layers]))
+        hidden = [take(layer.hidden, select) for layer in layers]
         n = rows.tokens
         data: dict[str, Any] = {
             "request": np.tile(rows.request, num_layers),
@@ -189,23 +171,47 @@ class TraceRows:
             "phase": np.full(n * num_layers, rows.phase, dtype=np.int8),
             "position": np.tile(rows.position, num_layers),
             "layer": np.repeat(np.arange(num_layers, dtype=np.int16), n),
-            "experts": torch.cat(experts).cpu().numpy(),
-            "weights": torch.cat(weights).cpu().numpy(),
-            "scores": torch.cat(scores).cpu().numpy(),
+            "experts": experts.cpu().numpy(),
+            "weights": weights.cpu().numpy(),
+            "scores": scores.cpu().numpy(),
             "token_id": np.tile(rows.token_id, num_layers),
         }
-        for name, parts in preds.items():
-            data[name] = list_column(parts, n, num_layers)
+        data.update(self._next_layer_columns(hidden, n))
+        if self.predictors.next_token is not None:
+            outs = [gate.forward(x) for gate, x in zip(self.predictors.next_token, hidden)]
+            ids = rank_by_weight(torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs]))[1]
+            data["pred_next_token"] = list_column(ids, n, num_layers, num_layers)
         return data
 
+    def _next_layer_columns(self, hidden: list[torch.Tensor], n: int) -> dict[str, Any]:
+        """pred_next_layer (and pred_residual): gate l+1 on layer l's input (plus the residual vector)."""
+        residual, num_layers = self.predictors.residual, len(hidden)
+        weights, indices = [], []
+        for l in range(num_layers - 1):
+            x = hidden[l]
+            if residual is not None:  # one gate call on [x; x + res_vec] rows
+                x = torch.cat([x, (x.float() + residual[l].to(x.device)).to(x.dtype)])
+            _, w, i = self.routers[l + 1].forward(x)
+            weights.append(w)
+            indices.append(i)
+        if not weights:  # a single MoE layer: nothing follows it
+            empty = list_column(torch.zeros((0, 0), dtype=torch.long), n, num_layers, 0)
+            return {"pred_next_layer": empty, **({"pred_residual": empty} if residual is not None else {})}
+        ids = rank_by_weight(torch.cat(weights), torch.cat(indices))[1]
+        if residual is None:
+            return {"pred_next_layer": list_column(ids, n, num_layers, num_layers - 1)}
+        ids = ids.reshape(num_layers - 1, 2, n, -1)
+        return {"pred_next_layer": list_column(ids[:, 0].reshape(-1, ids.shape[-1]), n, num_layers, num_layers - 1),
+                "pred_residual": list_column(ids[:, 1].reshape(-1, ids.shape[-1]), n, num_layers, num_layers - 1)}
 
-def list_column(parts: list[torch.Tensor], rows_per_layer: int, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, values) of a predictor column; layers without a part (the last, for next-layer) get []."""
-    lengths = np.zeros(rows_per_layer * num_layers, dtype=np.int64)
-    values = []
-    for l, part in enumerate(parts):
-        lengths[l * rows_per_layer:(l + 1) * rows_per_layer] = part.shape[1]
-        values.append(part.reshape(-1))
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
-    flat = torch.cat(values).cpu().numpy().astype(np.int16) if values else np.zeros(0, dtype=np.int16)
-    return offsets, flat
+
+def list_column(ids: torch.Tensor, rows_per_layer: int, num_layers: int,
+                layers_with_ids: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a predictor column from the first ``layers_with_ids`` layers' (rows, k) ids;
+    the remaining layers (the last, for next-layer predictors) get empty lists."""
+    width = ids.shape[-1] if ids.numel() else 0
+    lengths = np.zeros(rows_per_layer * num_layers, dtype=np.int32)
+    lengths[:rows_per_layer * layers_with_ids] = width
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, ids.reshape(-1).cpu().numpy().astype(np.int16)

@@ -224,7 +224,7 @@ def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens
         }
         meta = TraceMeta(model=moe.spec, source=meta_source,
                          weights_renormalized=moe.arch.renormalized(config))
-        counts = {"steps": 0, "rows": 0, "prefill": 0, "decode": 0}
+        counts = {"steps": 0, "rows": 0, "prefill": 0, "decode": 0, "pending": 0}
         pending: list[dict[str, Any]] = []
         meter = TokenMeter(bar, "capturing", expected_tokens(prompts, max_new_tokens))
         begin = time.perf_counter()
@@ -232,10 +232,12 @@ def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens
             def on_step(rows: Any, layers: list[Any]) -> None:
                 pending.append(builder.build(counts["steps"], rows, layers))
                 counts["steps"] += 1
+                counts["pending"] += rows.tokens * len(layers)
                 counts["prefill" if rows.phase == 0 else "decode"] += rows.tokens
                 meter.add(rows.tokens)
-                if sum(len(p["layer"]) for p in pending) >= FLUSH_ROWS:
+                if counts["pending"] >= FLUSH_ROWS:
                     counts["rows"] += flush(writer, pending)
+                    counts["pending"] = 0
 
             run_batches(moe, prompts, max_new_tokens, batch, pad_id, eos_ids, on_step)
             counts["rows"] += flush(writer, pending)

@@ -137,7 +137,8 @@ class BatchTracker:
         if input_ids.shape[-1] != 1:
             raise RuntimeError(f"decode pass has {input_ids.shape[-1]} tokens per request, expected 1")
         fed = input_ids[:, -1].cpu().numpy().astype(np.int64)
-        self.finished |= np.isin(fed, self.eos_ids)
+        if len(self.eos_ids):
+            self.finished |= np.isin(fed, self.eos_ids)
         active = np.flatnonzero(~self.finished)
         position = (self.lengths[active] + self.passes - 2).astype(np.int32)
         select = None
