@@ -523,3 +523,20 @@ def test_single_moe_layer_has_empty_next_layer_predictions(tmp_path: Path) -> No
     assert all(len(v) == 2 for v in table.pred_next_token)
     assert report.predictors["pred_next_layer"] == "written, empty (the model has one MoE layer)"
     validate_trace(out)
+
+
+@needs_torch
+def test_greedy_ignores_sampling_settings_of_generation_config(tmp_path: Path) -> None:
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    transformers.GenerationConfig(do_sample=True, temperature=0.7, top_k=5, repetition_penalty=5.0,
+                                  no_repeat_ngram_size=1, min_new_tokens=8).save_pretrained(checkpoint)
+    prompt = [1, 2, 3, 1, 2, 3]
+    out = tmp_path / "t.parquet"
+    capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", [prompt]), out=out,
+                          max_new_tokens=6))
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):  # argmax of the logits, nothing else
+            tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert request_tokens(read_table(out).to_pandas(), 0) == tokens

@@ -129,7 +129,10 @@ def run_batches(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: 
     from transformers import GenerationConfig
     from moesim.trace.capture.tap import BatchTracker, RouterTap
 
+    # Plain greedy: neutral values so a checkpoint's generation_config.json (repetition penalty, minimum
+    # length, n-gram blocking) cannot reshape the logits; generate() fills only the values left unset.
     generation = GenerationConfig(max_new_tokens=max_new_tokens + 1, do_sample=False, num_beams=1,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, min_length=0,
                                   pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None, use_cache=True)
     device = moe.device
     for start in range(0, len(prompts), batch):
