@@ -54,27 +54,32 @@ class LRUCache(CachePolicy):
     """Least-recently-used eviction per layer (as in Mixtral-offloading's expert cache)."""
 
     name = "lru"
+    #: per layer, a distinct stamp per expert: larger is more recent (never used: by id, below 0)
+    _stamp: list[dict[int, int]] = field(default_factory=list)
     _clock: int = 0
-    _last_use: list[dict[int, int]] = field(default_factory=list)
 
     def configure(self, ctx: RunContext) -> None:
-        self._last_use = [dict() for _ in ctx.capacity]
+        experts = ctx.model.num_experts
+        self._stamp = [{e: e - experts for e in range(experts)} for _ in ctx.capacity]
         self._clock = 0
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        last = self._last_use[layer]
+        stamp = self._stamp[layer]
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        candidates.sort(key=lambda e: (last.get(e, -1), e))
-        return candidates[:n]
+        if n == 1 and candidates:
+            return [min(candidates, key=stamp.__getitem__)]
+        return sorted(candidates, key=stamp.__getitem__)[:n]
 
     def touch(self, view: LayerView, used: list[int]) -> None:
-        self._clock += 1
-        last = self._last_use[view.layer]
+        stamp = self._stamp[view.layer]
+        clock = self._clock
         for e in used:
-            last[e] = self._clock
+            clock += 1
+            stamp[e] = clock
+        self._clock = clock
 
 
 @dataclass

@@ -55,9 +55,10 @@ class CacheState:
         self.resident[layer].discard(expert)
 
     def start_load(self, layer: int, expert: int) -> None:
-        if self.has(layer, expert):
+        resident, in_flight = self.resident[layer], self.in_flight[layer]
+        if expert in resident or expert in in_flight:
             raise AssertionError(f"plan loads expert {expert} of layer {layer}, which is already there")
-        if self.used(layer) >= self.capacity[layer]:
+        if len(resident) + len(in_flight) >= self.capacity[layer]:
             raise AssertionError(f"plan loads expert {expert} into full layer {layer} "
                                  f"({self.capacity[layer]} slots) without evicting")
         self.in_flight[layer].add(expert)

@@ -54,11 +54,17 @@ class ComposedSystem:
 
     def plan(self, view: LayerView) -> LayerPlan:
         gpu, cpu = self.assign.split(view)
+        if not gpu:
+            plan = LayerPlan(cpu=cpu)
+            if self._prefetching:
+                self._plan_prefetch(view, plan)
+            return plan
         plan = LayerPlan(cpu=cpu)
         layer = view.layer
         state = view.cache
-        present = [e for e in gpu if state.has(layer, e)]
-        missing = [e for e in gpu if not state.has(layer, e)]
+        resident, in_flight = state.resident[layer], state.in_flight[layer]
+        present = [e for e in gpu if e in resident or e in in_flight]
+        missing = [e for e in gpu if e not in resident and e not in in_flight]
         if missing:
             missing = self.cache.admission_order(view, layer, missing)
             fits, evict = make_room(self.cache, view, layer, missing, set(present))
@@ -66,13 +72,19 @@ class ComposedSystem:
             plan.loads = missing[:fits]
             plan.streamed = missing[fits:]
         # resident first (they can start at once), then loads in queue order, then streamed
-        resident = [e for e in present if e in state.resident[layer]]
-        arriving = sorted((e for e in present if e not in state.resident[layer]),
-                          key=lambda e: view.arrivals.get(e, 0.0))
-        plan.gpu = resident + arriving + plan.loads + plan.streamed
+        if in_flight:
+            ready = [e for e in present if e in resident]
+            arriving = sorted((e for e in present if e not in resident), key=lambda e: view.arrivals.get(e, 0.0))
+            present = ready + arriving
+        plan.gpu = present + plan.loads + plan.streamed
         self.cache.touch(view, plan.gpu)
-        self._plan_prefetch(view, plan)
+        if self._prefetching:
+            self._plan_prefetch(view, plan)
         return plan
+
+    @property
+    def _prefetching(self) -> bool:
+        return not isinstance(self.prefetch, NoPrefetch)
 
     def _plan_prefetch(self, view: LayerView, plan: LayerPlan) -> None:
         wanted = self.prefetch.candidates(view)

@@ -1,0 +1,102 @@
+"""Replay speed and memory of the simulator on DeepSeek-V3-shaped synthetic traces.
+
+Synthesizes (1) one request with a 64-token prompt and 2,000 decode tokens and
+(2) one 4,096-token prefill, then replays each under every system with the
+timeline off, one system per process (so peak RSS is that run's own), on one
+core. Prints expert activations simulated per second, wall time and peak RSS.
+``--big-rows N`` also streams an N-row trace (10 million in the targets)
+through ``cpu-only`` and reports its peak RSS.
+
+DeepSeek-V3 does not fit a 24 GB GPU in bf16, so experts and the rest of the
+weights are int4 here, as in the 4-bit deployments of 000 and 001.
+
+    .venv/bin/python benchmarks/replay_speed.py
+    .venv/bin/python benchmarks/replay_speed.py --systems cpu-only --big-rows 10000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = {"memory.non_expert_dtype": "int4", "memory.expert_dtype": "int4"}
+SYSTEMS = ["cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"]
+TARGETS = {"cpu-only": 1_000_000, "gpu-only-lru": 300_000}
+
+
+def synth(path: Path, prompt: int, decode: int) -> None:
+    from moesim.trace.synth import SynthConfig, synthesize
+    config = SynthConfig.from_settings(model="deepseek-v3", requests=1, prompt_len=prompt, decode_len=decode,
+                                       batch=1, seed=0, settings={}, scores=False)
+    synthesize(config, path)
+
+
+def run_one(trace: str, system: str, hw: str) -> dict:
+    from moesim.sim.run import prepare
+    sim = prepare(trace, hw, system, SETTINGS)
+    start = time.perf_counter()
+    result = sim.run()
+    seconds = time.perf_counter() - start
+    return {"system": system, "seconds": seconds, "activations": result.counters.activations,
+            "per_s": result.counters.activations / seconds,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def measure(trace: Path, system: str, hw: str) -> dict:
+    command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw]
+    taskset = ["taskset", "-c", "0"] if sys.platform.startswith("linux") and _has("taskset") else []
+    done = subprocess.run(taskset + command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
+def _has(program: str) -> bool:
+    return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def report(title: str, rows: list[dict]) -> None:
+    print(title)
+    for r in rows:
+        target = TARGETS.get(r["system"])
+        mark = "" if target is None else f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
+        print(f"  {r['system']:<14} {r['activations']:>10,} activations in {r['seconds']:7.2f} s = "
+              f"{r['per_s']:>11,.0f}/s, peak RSS {r['peak_rss_mib']:6.0f} MiB{mark}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--hw", default="rtx4090")
+    parser.add_argument("--big-rows", type=int, default=0, help="also stream a trace of this many rows (cpu-only)")
+    parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    systems = args.systems.split(",")
+    if args.phase == "run":
+        print(json.dumps(run_one(args.trace, systems[0], args.hw)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        decode, prefill = Path(tmp) / "decode.parquet", Path(tmp) / "prefill.parquet"
+        synth(decode, 64, 2000)
+        synth(prefill, 4096, 0)
+        report("DeepSeek-V3, 64-token prompt + 2,000 decode tokens (58 layers x top-8):",
+               [measure(decode, s, args.hw) for s in systems])
+        prefill_rows = [measure(prefill, s, args.hw) for s in systems]
+        report("DeepSeek-V3, one 4,096-token prefill (target: under 2 s per system):", prefill_rows)
+        if args.big_rows:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from trace_io import write  # the I/O benchmark's random DeepSeek-V3 writer
+            big = Path(tmp) / "big.parquet"
+            write(big, args.big_rows, tokens=1, seed=0)
+            report(f"{args.big_rows:,}-row trace streamed (target: peak RSS under 1,536 MiB):",
+                   [measure(big, "cpu-only", args.hw)])
+
+
+if __name__ == "__main__":
+    main()
