@@ -26,7 +26,8 @@ def build_model(arch: str, hidden: int, layers: int, experts: int, vocab: int):
                   num_key_value_heads=4, max_position_embeddings=1024, num_experts_per_tok=2, pad_token_id=0,
                   bos_token_id=None, eos_token_id=None)
     configs = {
-        "mixtral": lambda: transformers.MixtralConfig(**common, intermediate_size=hidden * 2, num_local_experts=experts),
+        "mixtral": lambda: transformers.MixtralConfig(**common, intermediate_size=hidden * 2,
+                                                     num_local_experts=experts),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, intermediate_size=hidden * 2,
                                                          moe_intermediate_size=hidden, num_experts=experts,
                                                          norm_topk_prob=True),

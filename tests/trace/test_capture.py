@@ -540,3 +540,18 @@ def test_greedy_ignores_sampling_settings_of_generation_config(tmp_path: Path) -
         for _ in range(6):  # argmax of the logits, nothing else
             tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
     assert request_tokens(read_table(out).to_pandas(), 0) == tokens
+
+
+@needs_torch
+def test_trace_written_in_many_batches_equals_one_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moesim.trace.capture import run
+    checkpoint = build_checkpoint("olmoe", tmp_path / "ckpt")
+    config = dict(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS), max_new_tokens=3,
+                  batch=3, calibration_prompts=write_jsonl(tmp_path / "c.jsonl", CALIBRATION))
+    capture(CaptureConfig(out=tmp_path / "one.parquet", **config))
+    monkeypatch.setattr(run, "FLUSH_ROWS", 7)
+    capture(CaptureConfig(out=tmp_path / "many.parquet", **config))
+    assert pq.ParquetFile(tmp_path / "many.parquet").num_row_groups > 5
+    one, many = read_table(tmp_path / "one.parquet"), read_table(tmp_path / "many.parquet")
+    assert many.to_pylist() == one.to_pylist()
+    validate_trace(tmp_path / "many.parquet")

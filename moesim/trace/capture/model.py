@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim.model.spec import ModelSpec
 from moesim.trace.capture.arch import ArchInfo, arch_for, config_to_spec
 from moesim.trace.capture.errors import ModelNotFoundError, TorchMissingError, UnsupportedRouterError
-from moesim.model.spec import ModelSpec
 
 LOCAL_FIX = ("point at a local checkpoint: --model /path/to/checkpoint "
              "(a directory with config.json and *.safetensors)")

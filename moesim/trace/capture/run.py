@@ -200,73 +200,93 @@ def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens
                    calibration: list[list[int]] | None = None, source: dict[str, Any] | None = None,
                    tokenizer: Any = None, progress: bool = False) -> CaptureReport:
     """Capture a trace from an already loaded :class:`~moesim.trace.capture.model.MoEModel`."""
-    import torch
-    import transformers
     from moesim.trace.capture.predict import TraceRows
     from moesim.trace.io import TraceWriter
 
     pad_id, eos_ids = special_ids(moe.model, tokenizer)
     with _progress(progress) as bar:
-        predictors = None
         begin = time.perf_counter()
-        if calibration:
-            predictors = calibrate(moe, calibration, max_new_tokens, batch, pad_id, eos_ids, bar)
+        predictors = calibrate(moe, calibration, max_new_tokens, batch, pad_id, eos_ids, bar) if calibration else None
         calibration_seconds = time.perf_counter() - begin
         builder = TraceRows(moe.routers, moe.arch.scores_function, predictors)
         status = predictor_status(predictors, calibration is not None, moe.spec.num_layers)
-        config = moe.model.config
-        meta_source = {
-            "kind": "captured", "decoding": "greedy", "max_new_tokens": max_new_tokens, "batch": batch,
-            "model_type": moe.arch.model_type, "moe_decoder_layers": moe.decoder_layers,
-            "scores": moe.arch.scores_function, "weights": moe.arch.weights_rule(config),
-            "routed_scaling_factor": moe.arch.routed_scaling_factor(config),
-            "eos_token_ids": sorted(eos_ids), "predictors": status,
-            "calibration_tokens": predictors.calibration_tokens if predictors else 0,
-            "dtype": str(moe.routers[0].weight.dtype).replace("torch.", ""), "device": str(moe.device),
-            "torch": torch.__version__, "transformers": transformers.__version__, **(source or {}),
-        }
-        meta = TraceMeta(model=moe.spec, source=meta_source,
-                         weights_renormalized=moe.arch.renormalized(config))
-        counts = {"steps": 0, "rows": 0, "prefill": 0, "decode": 0, "pending": 0}
-        pending: list[dict[str, Any]] = []
+        meta = trace_metadata(moe, {"max_new_tokens": max_new_tokens, "batch": batch,
+                                    "eos_token_ids": sorted(eos_ids), "predictors": status,
+                                    "calibration_tokens": predictors.calibration_tokens if predictors else 0,
+                                    **(source or {})})
         meter = TokenMeter(bar, "capturing", expected_tokens(prompts, max_new_tokens))
         begin = time.perf_counter()
         with TraceWriter(out, meta, builder.columns) as writer:
+            buffer = StepBuffer(writer)
+
             def on_step(rows: Any, layers: list[Any]) -> None:
-                pending.append(builder.build(counts["steps"], rows, layers))
-                counts["steps"] += 1
-                counts["pending"] += rows.tokens * len(layers)
-                counts["prefill" if rows.phase == 0 else "decode"] += rows.tokens
+                buffer.add(builder.build(buffer.steps, rows, layers), rows)
                 meter.add(rows.tokens)
-                if counts["pending"] >= FLUSH_ROWS:
-                    counts["rows"] += flush(writer, pending)
-                    counts["pending"] = 0
 
             run_batches(moe, prompts, max_new_tokens, batch, pad_id, eos_ids, on_step)
-            counts["rows"] += flush(writer, pending)
-    seconds = time.perf_counter() - begin
-    return CaptureReport(out=Path(out), requests=len(prompts), steps=counts["steps"], rows=counts["rows"],
-                         prefill_tokens=counts["prefill"], decode_tokens=counts["decode"], seconds=seconds,
-                         predictors=status, calibration_tokens=predictors.calibration_tokens if predictors else 0,
+            buffer.flush()
+    return CaptureReport(out=Path(out), requests=len(prompts), steps=buffer.steps, rows=buffer.rows,
+                         prefill_tokens=buffer.tokens[0], decode_tokens=buffer.tokens[1],
+                         seconds=time.perf_counter() - begin, predictors=status,
+                         calibration_tokens=predictors.calibration_tokens if predictors else 0,
                          calibration_seconds=calibration_seconds, state=predictors)
 
 
-def flush(writer: Any, pending: list[dict[str, Any]]) -> int:
-    """Write buffered steps as one batch; return the rows written."""
-    if not pending:
-        return 0
+def trace_metadata(moe: Any, run: dict[str, Any]) -> TraceMeta:
+    """The trace's ``moesim`` metadata: model spec, routing rules, run settings, versions."""
+    import torch
+    import transformers
+    config = moe.model.config
+    source = {
+        "kind": "captured", "decoding": "greedy", "model_type": moe.arch.model_type,
+        "moe_decoder_layers": moe.decoder_layers, "scores": moe.arch.scores_function,
+        "weights": moe.arch.weights_rule(config), "routed_scaling_factor": moe.arch.routed_scaling_factor(config),
+        "dtype": str(moe.routers[0].weight.dtype).replace("torch.", ""), "device": str(moe.device),
+        "torch": torch.__version__, "transformers": transformers.__version__, **run,
+    }
+    return TraceMeta(model=moe.spec, source=source, weights_renormalized=moe.arch.renormalized(config))
+
+
+class StepBuffer:
+    """Collects built steps and writes them in batches of about FLUSH_ROWS rows (few, large row groups)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.pending: list[dict[str, Any]] = []
+        self.pending_rows = 0
+        self.steps = 0
+        self.rows = 0
+        self.tokens = [0, 0]  # prefill, decode
+
+    def add(self, data: dict[str, Any], rows: Any) -> None:
+        self.pending.append(data)
+        self.pending_rows += len(data["layer"])
+        self.steps += 1
+        self.tokens[rows.phase] += rows.tokens
+        if self.pending_rows >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.writer.write(concat_steps(self.pending))
+        self.rows += self.pending_rows
+        self.pending, self.pending_rows = [], 0
+
+
+def concat_steps(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate built steps column by column; list columns are (offsets, values) pairs."""
     data: dict[str, Any] = {}
-    for name in pending[0]:
-        parts = [p[name] for p in pending]
-        if isinstance(parts[0], tuple):  # (offsets, values) list columns
-            shift = np.cumsum([0] + [int(off[-1]) for off, _ in parts[:-1]])
-            offsets = np.concatenate([parts[0][0]] + [off[1:] + s for (off, _), s in zip(parts[1:], shift[1:])])
-            data[name] = (offsets.astype(np.int32), np.concatenate([vals for _, vals in parts]))
+    for name in parts[0]:
+        columns = [p[name] for p in parts]
+        if isinstance(columns[0], tuple):
+            shifts = np.cumsum([0] + [int(offsets[-1]) for offsets, _ in columns[:-1]])
+            offsets = np.concatenate([columns[0][0]] + [off[1:] + shift for (off, _), shift
+                                                        in zip(columns[1:], shifts[1:])])
+            data[name] = (offsets.astype(np.int32), np.concatenate([values for _, values in columns]))
         else:
-            data[name] = np.concatenate(parts)
-    pending.clear()
-    writer.write(data)
-    return len(data["layer"])
+            data[name] = np.concatenate(columns)
+    return data
 
 
 def predictor_status(predictors: Any, calibrated: bool, num_layers: int) -> dict[str, str]:
