@@ -225,16 +225,17 @@ def systems_cmd() -> None:
     """List the systems and the parameters `--set` reaches."""
     from rich.table import Table
 
-    from moesim.policy.systems import SYSTEMS
-    from moesim.sim.run import documented_parameters
+    from moesim.policy.systems import SYSTEMS, all_parameters
+    from moesim.sim.run import common_parameters
     table = Table(title="systems", show_lines=True)
     table.add_column("system", style="bold")
     table.add_column("what it does")
-    table.add_column("--set parameters")
+    table.add_column("its --set parameters and component swaps")
     for name, spec in SYSTEMS.items():
         label = name if spec.listed else f"{name} (part of oracle)"
-        table.add_row(label, spec.description, "\n".join(documented_parameters(name)))
+        table.add_row(label, spec.description, "\n".join(all_parameters(name)))
     console.print(table)
+    console.print("Every system also takes: " + ", ".join(common_parameters()))
 
 
 # ----------------------------------------------------------------------------- capture

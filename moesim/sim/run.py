@@ -69,12 +69,16 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
     return out
 
 
-def documented_parameters(system: str) -> list[str]:
-    """Every ``--set`` key a replay of ``system`` accepts."""
+def common_parameters() -> list[str]:
+    """``--set`` keys every system accepts."""
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
-    keys += ["cache.slots_per_layer", "hw.<profile field, e.g. pcie.bandwidth_scale or cpu.cores>"]
-    return keys + all_parameters(system)
+    return keys + ["cache.slots_per_layer", "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
+
+
+def documented_parameters(system: str) -> list[str]:
+    """Every ``--set`` key a replay of ``system`` accepts."""
+    return common_parameters() + all_parameters(system)
 
 
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
