@@ -74,6 +74,9 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "breakdown_ms": {k: v * 1e3 for k, v in c.breakdown.items()},
         "substituted_experts": c.substituted,
         "deferred_experts": c.deferred,
+        # quality proxies: gate weight touched, per routed (token, expert) activation
+        "substituted_weight_mass": c.substituted_weight_mass / max(c.activations, 1),
+        "deferred_weight_mass": c.deferred_weight_mass / max(c.activations, 1),
         "slots_per_layer": result.memory.capacity[0] if result.memory.capacity else 0,
         "sim_wall_s": result.sim_wall_s,
         "notes": result.notes,

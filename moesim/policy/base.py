@@ -60,6 +60,31 @@ class LayerView:
     def resident(self, expert: int) -> bool:
         return expert in self.cache.resident[self.layer]
 
+    def substituted(self, substitutions: list[tuple[int, int, int]]) -> "LayerView":
+        """This view with the routing rewritten: (token row, top-k slot, new expert) each."""
+        if not substitutions:
+            return self
+        experts = self.experts.copy()
+        for row, slot, expert in substitutions:
+            experts[row, slot] = expert
+        active, counts = active_experts(experts, self.cache_experts())
+        return dataclasses.replace(self, experts=experts, active=active, counts=counts)
+
+    def cache_experts(self) -> int:
+        return self.costs.model.num_experts
+
+
+def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:
+    """Distinct experts of a layer, most tokens first (ties: lower id), with their token counts."""
+    if experts.shape[0] == 1:
+        row = experts[0].tolist()
+        if len(set(row)) == len(row):
+            return row, [1] * len(row)
+    counts = np.bincount(experts.ravel(), minlength=num_experts)
+    ids = np.flatnonzero(counts)
+    order = ids[np.argsort(-counts[ids], kind="stable")]
+    return order.tolist(), counts[order].tolist()
+
 
 @dataclass(slots=True)
 class LayerPlan:

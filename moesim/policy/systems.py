@@ -7,7 +7,6 @@ registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
@@ -22,15 +21,47 @@ COMPONENTS: dict[str, dict[str, type[Component]]] = {
 }
 
 
+class Substitution(Component):
+    """Rewrites a layer's routing before anything else is decided (002, 004)."""
+
+    role = "substitute"
+
+    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+        """(token row, top-k slot, new expert) replacements."""
+        return []
+
+
+class Deferral(Component):
+    """Moves some CPU experts past the layer's end, overlapping the next layer (001 Sec. 4)."""
+
+    role = "defer"
+
+    def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
+        """Experts of ``plan.cpu`` whose results may arrive one layer late."""
+        return []
+
+
+@dataclass
+class NoSubstitution(Substitution):
+    name = "none"
+
+
+@dataclass
+class NoDeferral(Deferral):
+    name = "none"
+
+
 @dataclass
 class ComposedSystem:
-    """Plans a layer: split the activated experts, admit the GPU ones into the cache, prefetch."""
+    """Plans a layer: substitute, split the experts, admit the GPU ones into the cache, prefetch, defer."""
 
     name: str
     cache: CachePolicy
     assign: Assignment
     prefetch: Prefetch
     description: str = ""
+    substitute: Substitution = field(default_factory=NoSubstitution)
+    defer: Deferral = field(default_factory=NoDeferral)
     #: True for bounds that assume every expert fits in GPU memory
     ignores_memory: bool = False
     #: True when the system needs no GPU cache at all
@@ -39,7 +70,8 @@ class ComposedSystem:
 
     @property
     def components(self) -> dict[str, Component]:
-        return {"cache": self.cache, "assign": self.assign, "prefetch": self.prefetch}
+        return {"cache": self.cache, "assign": self.assign, "prefetch": self.prefetch,
+                "substitute": self.substitute, "defer": self.defer}
 
     def needed_columns(self) -> list[str]:
         return sorted({c for component in self.components.values() for c in component.columns})
@@ -53,6 +85,19 @@ class ComposedSystem:
         return self.cache.initial(layer, capacity)
 
     def plan(self, view: LayerView) -> LayerPlan:
+        substitutions = self.substitute.rewrite(view) if self._substituting else []
+        if substitutions:
+            view = view.substituted(substitutions)
+        plan = self._place(view)
+        plan.substitutions = substitutions
+        if self._deferring and plan.cpu:
+            plan.deferred = self.defer.choose(view, plan)
+            if plan.deferred:
+                deferred = set(plan.deferred)
+                plan.cpu = [e for e in plan.cpu if e not in deferred]
+        return plan
+
+    def _place(self, view: LayerView) -> LayerPlan:
         gpu, cpu = self.assign.split(view)
         if not gpu:
             plan = LayerPlan(cpu=cpu)
@@ -85,6 +130,14 @@ class ComposedSystem:
     @property
     def _prefetching(self) -> bool:
         return not isinstance(self.prefetch, NoPrefetch)
+
+    @property
+    def _substituting(self) -> bool:
+        return not isinstance(self.substitute, NoSubstitution)
+
+    @property
+    def _deferring(self) -> bool:
+        return not isinstance(self.defer, NoDeferral)
 
     def _plan_prefetch(self, view: LayerView, plan: LayerPlan) -> None:
         wanted = self.prefetch.candidates(view)
@@ -125,38 +178,71 @@ class ComposedSystem:
 
 @dataclass(frozen=True)
 class SystemSpec:
+    """A named composition: a registry name per role, and the class that plans with them."""
+
     description: str
     cache: str = "none"
     assign: str = "cpu"
     prefetch: str = "none"
+    substitute: str = "none"
+    defer: str = "none"
     ignores_memory: bool = False
     uses_cache: bool = True
     #: a bound that runs several clairvoyant schedules and keeps the fastest
     portfolio: tuple[str, ...] = ()
     #: listed by `moesim systems` and run by `--system all`
     listed: bool = True
+    #: ComposedSystem or a subclass with its own planning steps
+    system_class: type[ComposedSystem] = ComposedSystem
+    #: fixed parameters of the composition, as ``--set`` would give them
+    defaults: tuple[tuple[str, str], ...] = ()
+
+    def roles(self) -> dict[str, str]:
+        return {role: getattr(self, role) for role in ROLES}
 
 
-SYSTEMS: dict[str, SystemSpec] = {
-    "cpu-only": SystemSpec("KTransformers-style: routed experts on the CPU; attention and shared experts "
-                           "on the GPU (001 Sec. 3)", cache="none", assign="cpu", uses_cache=False),
-    "gpu-only-lru": SystemSpec("every expert computed on the GPU; per-layer LRU cache; on-demand loads "
-                               "(Mixtral-offloading style)", cache="lru", assign="gpu"),
-    "static-hot": SystemSpec("Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU",
-                             cache="static-hot", assign="resident"),
-    "all-in-gpu": SystemSpec("every expert resident on the GPU (bound; GPU memory not enforced)",
-                             cache="all", assign="gpu", ignores_memory=True),
-    "oracle": SystemSpec("bound: the fastest of several schedules that know the whole trace: Belady cache "
-                         "with perfect next-layer prefetch and the best CPU/GPU split per layer; the "
-                         "trace's hottest experts pinned with the best split; Belady and LRU demand paging",
-                         portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")),
-    "oracle-prefetch": SystemSpec("Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
-                                  cache="belady", assign="best", prefetch="perfect", listed=False),
-    "oracle-pinned": SystemSpec("the trace's hottest experts pinned, best CPU/GPU split per layer",
-                                cache="static-hot", assign="best", listed=False),
-    "belady": SystemSpec("every expert on the GPU, Belady's optimal eviction per layer, demand loads",
-                         cache="belady", assign="gpu", listed=False),
-}
+ROLES = ("cache", "assign", "prefetch", "substitute", "defer")
+
+SYSTEMS: dict[str, SystemSpec] = {}
+
+
+def register_component(cls: type[Component]) -> type[Component]:
+    """Class decorator: make a component reachable by ``--set <role>=<name>``."""
+    COMPONENTS.setdefault(cls.role, {})[cls.name] = cls
+    return cls
+
+
+def register_system(name: str, spec: SystemSpec) -> None:
+    SYSTEMS[name] = spec
+
+
+for _cls in (NoSubstitution, NoDeferral):
+    register_component(_cls)
+
+register_system("cpu-only", SystemSpec(
+    "KTransformers-style: routed experts on the CPU; attention and shared experts on the GPU (001 Sec. 3)",
+    cache="none", assign="cpu", uses_cache=False))
+register_system("gpu-only-lru", SystemSpec(
+    "every expert computed on the GPU; per-layer LRU cache; on-demand loads (Mixtral-offloading style)",
+    cache="lru", assign="gpu"))
+register_system("static-hot", SystemSpec(
+    "Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU", cache="static-hot", assign="resident"))
+register_system("all-in-gpu", SystemSpec(
+    "every expert resident on the GPU (bound; GPU memory not enforced)", cache="all", assign="gpu",
+    ignores_memory=True))
+register_system("oracle", SystemSpec(
+    "bound: the fastest of several schedules that know the whole trace: Belady cache with perfect next-layer "
+    "prefetch and the best CPU/GPU split per layer; the trace's hottest experts pinned with the best split; "
+    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")))
+register_system("oracle-prefetch", SystemSpec(
+    "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
+    cache="belady", assign="best", prefetch="perfect", listed=False))
+register_system("oracle-pinned", SystemSpec(
+    "the trace's hottest experts pinned, best CPU/GPU split per layer", cache="static-hot", assign="best",
+    listed=False))
+register_system("belady", SystemSpec(
+    "every expert on the GPU, Belady's optimal eviction per layer, demand loads", cache="belady", assign="gpu",
+    listed=False))
 
 
 def system_names(all_systems: bool = False) -> list[str]:
@@ -172,9 +258,9 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
     spec = SYSTEMS[name]
     if spec.portfolio:
         raise ValueError(f"{name} is a portfolio of {spec.portfolio}: build its members")
-    chosen = {"cache": spec.cache, "assign": spec.assign, "prefetch": spec.prefetch}
-    settings = dict(settings or {})
-    for role in COMPONENTS:
+    chosen = spec.roles()
+    settings = {**dict(spec.defaults), **(settings or {})}
+    for role in ROLES:
         if role in settings:
             chosen[role] = settings.pop(role)
     parts: dict[str, Component] = {}
@@ -188,14 +274,13 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         role, _, param = key.partition(".")
         if role not in parts or param not in parts[role].parameters():
             valid = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
-            valid += [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in COMPONENTS]
+            valid += [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
             raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
                               fix=f"valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots_per_layer "
                                   "(`moesim systems` lists them all)")
         parts[role].set_param(param, value)
-    return ComposedSystem(name=name, cache=parts["cache"], assign=parts["assign"],  # type: ignore[arg-type]
-                          prefetch=parts["prefetch"], description=spec.description,  # type: ignore[arg-type]
-                          ignores_memory=spec.ignores_memory, uses_cache=spec.uses_cache)
+    return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
+                             uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
 
 
 def all_parameters(name: str) -> list[str]:
@@ -203,10 +288,11 @@ def all_parameters(name: str) -> list[str]:
     if spec.portfolio:
         return sorted({p for member in spec.portfolio for p in all_parameters(member)})
     out = []
-    for role, comp_name in (("cache", spec.cache), ("assign", spec.assign), ("prefetch", spec.prefetch)):
+    for role, comp_name in spec.roles().items():
         out += [f"{role}.{p}" for p in COMPONENTS[role][comp_name].parameters()]
         out.append(f"{role}=<{'|'.join(COMPONENTS[role])}>")
     return out
 
 
-SystemFactory = Callable[[dict[str, str]], ComposedSystem]
+# Systems from the papers register themselves on import.
+from moesim.policy import catalog  # noqa: E402,F401

@@ -205,6 +205,8 @@ class Counters:
     evictions: int = 0
     substituted: int = 0
     deferred: int = 0
+    substituted_weight_mass: float = 0.0
+    deferred_weight_mass: float = 0.0
     gpu_busy_s: float = 0.0
     cpu_busy_s: float = 0.0
     breakdown: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in BREAKDOWN})
@@ -258,6 +260,7 @@ class Simulator:
         self.prefetched: set[tuple[int, int]] = set()
         self.steps: list[StepRecord] = []
         self.cpu_free = 0.0
+        self.deferred_until = 0.0
         self._seq = 0
         self.pcie = CopyEngines(costs.h2d, profile.pcie.copy_engines)
         self.expert_launch_s = costs.launches(self.config.kernels_per_expert)
@@ -384,6 +387,8 @@ class Simulator:
 
         view = self._view(step, layer, rows, phase, t1)
         plan = self.system.plan(view)
+        if plan.substitutions:
+            view = self._substitute(view, plan)
         if self.config.check:
             self._check_plan(view, plan)
         count = dict(zip(view.active, view.counts))
@@ -414,17 +419,40 @@ class Simulator:
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
         gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1)
-        counters.breakdown["cpu_other"] += max(cpu_end - gpu_end, 0.0)
-        return max(gpu_end, cpu_end)
+        # the previous layer's deferred experts are added into this layer's output
+        end = max(gpu_end, cpu_end, self.deferred_until)
+        counters.breakdown["cpu_other"] += max(max(cpu_end, self.deferred_until) - gpu_end, 0.0)
+        self.deferred_until = 0.0
+        if plan.deferred:
+            self.deferred_until = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred")
+            counters.deferred_weight_mass += self._mass(view, plan.deferred)
+            if layer == self.model.num_layers - 1:
+                end = max(end, self.deferred_until)  # nothing later to overlap with
+        return end
 
-    def _cpu_track(self, experts: list[int], count: dict[int, int], s: int, layer: int, t1: float) -> float:
+    def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
+        """The view after the plan's rewrites, with the gate-weight mass they touched counted."""
+        if view.weights is not None:
+            self.counters.substituted_weight_mass += float(sum(view.weights[r, k] for r, k, _ in plan.substitutions))
+        return view.substituted(plan.substitutions)
+
+    @staticmethod
+    def _mass(view: LayerView, experts: list[int]) -> float:
+        """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
+        if view.weights is None:
+            return 0.0
+        return float(view.weights[np.isin(view.experts, experts)].sum())
+
+    def _cpu_track(self, experts: list[int], count: dict[int, int], s: int, layer: int, t1: float,
+                   kind: str = "expert") -> float:
         """CPU experts one after another after a sync; returns when the last finishes."""
         if not experts:
             return t1
         costs, counters = self.costs, self.counters
         start = max(t1, self.cpu_free)
-        t = start + costs.sync_s
-        counters.breakdown["sync"] += costs.sync_s
+        sync = costs.sync_s if kind == "expert" else 0.0  # deferred work follows on the same submission
+        t = start + sync
+        counters.breakdown["sync"] += sync
         if self.timeline is None:
             cpu = self._cpu
             for e in experts:
@@ -433,9 +461,9 @@ class Simulator:
         else:
             for e in experts:
                 d = self._cpu_s(count[e])
-                self._span("cpu", 0, t, t + d, "expert", s, layer, e, count[e])
+                self._span("cpu", 0, t, t + d, kind, s, layer, e, count[e])
                 t += d
-        counters.cpu_busy_s += t - start - costs.sync_s
+        counters.cpu_busy_s += t - start - sync
         self.cpu_free = t
         return t
 

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
+from moesim.policy.base import active_experts
 
 GIB = 2**30
 
@@ -88,10 +89,4 @@ def _with_capacity(plan: MemoryPlan, capacity: list[int]) -> MemoryPlan:
 
 def active_counts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:
     """Distinct experts of a layer, most tokens first (ties: lower id), with their token counts."""
-    if experts.shape[0] == 1:
-        row = experts[0].tolist()
-        return row, [1] * len(row)
-    counts = np.bincount(experts.ravel(), minlength=num_experts)
-    ids = np.flatnonzero(counts)
-    order = ids[np.argsort(-counts[ids], kind="stable")]
-    return order.tolist(), counts[order].tolist()
+    return active_experts(experts, num_experts)
