@@ -127,17 +127,11 @@ class ComposedSystem:
             self._plan_prefetch(view, plan)
         return plan
 
-    @property
-    def _prefetching(self) -> bool:
-        return not isinstance(self.prefetch, NoPrefetch)
-
-    @property
-    def _substituting(self) -> bool:
-        return not isinstance(self.substitute, NoSubstitution)
-
-    @property
-    def _deferring(self) -> bool:
-        return not isinstance(self.defer, NoDeferral)
+    def __post_init__(self) -> None:
+        # decided once: plan() runs for every layer of every step
+        self._prefetching = not isinstance(self.prefetch, NoPrefetch)
+        self._substituting = not isinstance(self.substitute, NoSubstitution)
+        self._deferring = not isinstance(self.defer, NoDeferral)
 
     def _plan_prefetch(self, view: LayerView, plan: LayerPlan) -> None:
         wanted = self.prefetch.candidates(view)

@@ -361,7 +361,11 @@ class Simulator:
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
         experts = step.experts[rows]
-        active, counts = active_counts(experts, self.model.num_experts)
+        if rows.stop - rows.start == 1:  # one token: the validated trace row has distinct experts
+            active = experts[0].tolist()
+            counts = [1] * len(active)
+        else:
+            active, counts = active_counts(experts, self.model.num_experts)
         in_flight = self.cache.in_flight[layer]
         arrivals = {e: self.pcie.estimate_end(self.pending[(layer, e)]) for e in in_flight} if in_flight else {}
         return LayerView(

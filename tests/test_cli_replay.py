@@ -1,0 +1,108 @@
+"""`moesim replay` end to end: outputs, stable JSON keys, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from moesim.cli import main
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+METRIC_KEYS = {"ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s",
+               "prefill_tokens_per_s", "gpu_hit_rate", "late_prefetches", "pcie_h2d_bytes", "cpu_util", "gpu_util",
+               "pcie_util", "breakdown_ms", "substituted_experts", "deferred_experts", "sim_wall_s"}
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=6))
+    profile = tmp_path / "hw.yaml"
+    profile.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return str(trace), str(profile)
+
+
+def run(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_the_stable_keys(files, tmp_path, capsys):
+    trace, hw = files
+    out_json = tmp_path / "m.json"
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", "--set", "cache.slots_per_layer=2",
+                        "--json", str(out_json)], capsys)
+    assert code == 0
+    metrics = json.loads(out_json.read_text())
+    assert METRIC_KEYS <= set(metrics)
+    assert metrics["tpot_ms_mean"] > 0 and 0 <= metrics["gpu_hit_rate"] <= 1
+    assert set(metrics["breakdown_ms"]) >= {"gpu_compute", "wait_cache", "shared_expert", "cpu_other"}
+    assert "TPOT" in out
+
+
+def test_all_systems_in_one_table(files, tmp_path, capsys):
+    trace, hw = files
+    out_json = tmp_path / "all.json"
+    code, out, _ = run(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--json", str(out_json)],
+                       capsys)
+    assert code == 0
+    by_system = json.loads(out_json.read_text())
+    from moesim.policy.systems import system_names
+    assert set(by_system) == set(system_names())
+    assert {"cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"} <= set(by_system)
+    for name in by_system:
+        assert name in out
+    assert by_system["oracle"]["makespan_s"] <= min(by_system[s]["makespan_s"]
+                                                    for s in ("cpu-only", "gpu-only-lru", "static-hot"))
+
+
+def test_every_output_is_written(files, tmp_path, capsys):
+    trace, hw = files
+    paths = {k: tmp_path / f"{k}{ext}" for k, ext in
+             (("timeline", ".parquet"), ("decisions", ".parquet"), ("chrome", ".json"), ("plot", ".png"))}
+    code, _, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", "--set", "cache.slots_per_layer=2",
+                      "--timeline", str(paths["timeline"]), "--decisions", str(paths["decisions"]),
+                      "--chrome-trace", str(paths["chrome"]), "--plot", str(paths["plot"])], capsys)
+    assert code == 0
+    timeline = pq.read_table(paths["timeline"]).to_pandas()
+    assert set(timeline.resource) == {"gpu", "pcie"}
+    decisions = pq.read_table(paths["decisions"]).to_pandas()
+    assert {"gpu_hit", "gpu_load"} <= set(decisions.action)
+    assert json.loads(paths["chrome"].read_text())["traceEvents"]
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--system", "nope"], ["unknown system 'nope'", "cpu-only", "oracle"]),
+    (["--system", "gpu-only-lru", "--set", "cache.nope=1"], ["unknown parameter 'cache.nope'", "engine.*"]),
+    (["--system", "gpu-only-lru", "--set", "cache.slots_per_layer=7"], ["outside [0, 6]"]),
+    (["--system", "gpu-only-lru", "--set", "hw.gpu.memory_gib=1.2"], ["does not fit", "GiB", "slots"]),
+    (["--system", "gpu-only-lru", "--model", "mixtral-8x7b"], ["does not match preset", "num_layers"]),
+    (["--set", "cache.slots_per_layer=2", "--timeline", "x.parquet"], ["need a single system"]),
+])
+def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
+    trace, hw = files
+    code, _, err = run(["replay", trace, "--hw", hw, *args], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moesim: error:"), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0]
+
+
+def test_cache_that_cannot_fit_prints_the_arithmetic(files, capsys):
+    trace, hw = files
+    # 10M-parameter tiny model: ~0.018 GiB of non-expert weights; 49,152-byte experts: ~0.0003 GiB left
+    code, _, err = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", "--set", "hw.gpu.memory_gib=0.5",
+                        "--set", "hw.gpu.reserved_gib=0.01", "--set", "memory.workspace_gib=0.4715",
+                        "--set", "cache.slots_per_layer=6"], capsys)
+    assert code == 2
+    assert "GPU 0.50 GiB - reserved 0.01 GiB - non-expert weights" in err
+    assert "cache.slots_per_layer <=" in err
