@@ -48,45 +48,72 @@ class ResidentOnGPU(Assignment):
         return gpu, cpu
 
 
-def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int], copy_engines: int = 1) -> float:
-    """Estimated time from plan to layer end for a split, as the engine would run it.
+@dataclass
+class SplitCosts:
+    """Per-expert times of one layer, computed once so that many splits can be estimated cheaply."""
 
-    GPU experts resident or arriving run in arrival order; missing ones are
-    loaded over the copy engines after the transfers already known.
-    """
-    costs = view.costs
-    count = dict(zip(view.active, view.counts))
-    now = view.now
-    engines = sorted([now] * copy_engines)
-    for at in sorted(view.arrivals.values()):
-        engines[0] = max(engines[0], at)
-        engines.sort()
-    ready: list[tuple[float, int]] = []
-    for e in gpu:
-        if e in view.cache.resident[view.layer]:
-            ready.append((now, e))
-        elif e in view.arrivals:
-            ready.append((view.arrivals[e], e))
-        else:
-            engines[0] += costs.expert_load
-            ready.append((engines[0], e))
+    now: float
+    gpu: dict[int, float]
+    cpu: dict[int, float]
+    #: when each expert's weights are on the GPU if nothing new is loaded (None: must be loaded)
+    ready: dict[int, float | None]
+    load: float
+    shared: float
+    sync: float
+    link_free: list[float]
+
+    @classmethod
+    def of(cls, view: LayerView, copy_engines: int = 1) -> "SplitCosts":
+        costs = view.costs
+        resident = view.cache.resident[view.layer]
+        engines = sorted([view.now] * copy_engines)
+        for at in sorted(view.arrivals.values()):
+            engines[0] = max(engines[0], at)
             engines.sort()
-    gpu_t = now + (costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0)
-    for at, e in sorted(ready):
-        gpu_t = max(gpu_t, at) + costs.gpu_expert(count[e]) + view.expert_launch_s
-    cpu_t = now
-    if cpu:
-        cpu_t += costs.sync_s + sum(costs.cpu_expert(count[e]) for e in cpu)
-    return max(gpu_t, cpu_t) - now
+        shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
+        return cls(
+            now=view.now,
+            gpu={e: costs.gpu_expert(n) + view.expert_launch_s for e, n in zip(view.active, view.counts)},
+            cpu={e: costs.cpu_expert(n) for e, n in zip(view.active, view.counts)},
+            ready={e: view.now if e in resident else view.arrivals.get(e) for e in view.active},
+            load=costs.expert_load, shared=shared, sync=costs.sync_s, link_free=engines)
+
+    def estimate(self, gpu: list[int], cpu: list[int]) -> float:
+        """Time from plan to layer end, as the engine would run the split.
+
+        GPU experts resident or arriving run in arrival order; missing ones are
+        loaded over the copy engines after the transfers already known.
+        """
+        engines = list(self.link_free)
+        ready: list[tuple[float, int]] = []
+        for e in gpu:
+            at = self.ready[e]
+            if at is None:
+                engines[0] += self.load
+                at = engines[0]
+                if len(engines) > 1:
+                    engines.sort()
+            ready.append((at, e))
+        ready.sort()
+        gpu_t = self.now + self.shared
+        for at, e in ready:
+            gpu_t = (gpu_t if gpu_t > at else at) + self.gpu[e]
+        cpu_t = self.now + self.sync + sum(self.cpu[e] for e in cpu) if cpu else self.now
+        return max(gpu_t, cpu_t) - self.now
+
+
+def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int], copy_engines: int = 1) -> float:
+    """Estimated time from plan to layer end for one split (see :meth:`SplitCosts.estimate`)."""
+    return SplitCosts.of(view, copy_engines).estimate(gpu, cpu)
 
 
 @dataclass
 class BestSplit(Assignment):
     """The split with the shortest estimated layer time among a family of candidates (the oracle's choice).
 
-    Candidates: every prefix of the experts ordered by how much the GPU saves
-    over the CPU for them (cached ones first), which covers all on the CPU and
-    all on the GPU; and resident-on-GPU, rest-on-CPU.
+    Candidates: prefixes of the experts ordered by how much the GPU saves over
+    the CPU for them (cached ones first), which include all on the CPU and all on
+    the GPU; and resident-on-GPU, rest-on-CPU.
     """
 
     name = "best"
@@ -96,18 +123,38 @@ class BestSplit(Assignment):
         self._copy_engines = ctx.costs.profile.pcie.copy_engines
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        table = SplitCosts.of(view, self._copy_engines)
         active = list(view.active)
-        costs = view.costs
-        count = dict(zip(view.active, view.counts))
-        resident = view.cache.resident[view.layer]
 
         def gpu_cost(e: int) -> float:
-            ready = 0.0 if e in resident else view.arrivals.get(e, view.now + costs.expert_load) - view.now
-            return max(ready, 0.0) + costs.gpu_expert(count[e]) + view.expert_launch_s
+            ready = table.ready[e]
+            wait = table.load if ready is None else max(ready - table.now, 0.0)
+            return wait + table.gpu[e]
 
-        order = sorted(active, key=lambda e: (gpu_cost(e) - costs.cpu_expert(count[e]), e))
-        candidates = [(order[:i], order[i:]) for i in range(len(order) + 1)]
-        present = [e for e in active if e in resident or e in view.arrivals]
-        candidates.append((present, [e for e in active if e not in present]))
-        best = min(candidates, key=lambda c: layer_time_estimate(view, c[0], c[1], self._copy_engines))
+        order = sorted(active, key=lambda e: (gpu_cost(e) - table.cpu[e], e))
+        present = [e for e in active if table.ready[e] is not None]
+        candidates = [(present, [e for e in active if e not in present])]
+        candidates += [(order[:i], order[i:]) for i in self._prefix_lengths(table, order)]
+        best = min(candidates, key=lambda c: table.estimate(c[0], c[1]))
         return list(best[0]), list(best[1])
+
+    @staticmethod
+    def _prefix_lengths(table: SplitCosts, order: list[int]) -> list[int]:
+        """Prefix lengths worth evaluating: all of them for a few experts, else a ternary search.
+
+        The estimate falls and then rises as experts move from the CPU to the GPU
+        (CPU time shrinks, GPU time grows), so a ternary search finds its valley in
+        O(log n) evaluations; both ends are always kept.
+        """
+        n = len(order)
+        if n <= 16:
+            return list(range(n + 1))
+        cost = lambda i: table.estimate(order[:i], order[i:])  # noqa: E731
+        lo, hi = 0, n
+        while hi - lo > 3:
+            a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+            if cost(a) <= cost(b):
+                hi = b
+            else:
+                lo = a
+        return sorted({0, n, *range(lo, hi + 1)})
