@@ -1,0 +1,303 @@
+"""Streams, work handles and the copy engine the real backend runs on: CUDA, or a CPU stand-in.
+
+Two implementations of one small interface:
+
+* CUDA: a compute stream and a dedicated copy stream; every piece of work is
+  bracketed by CUDA events, which give its device-side start and end.
+* CPU stand-in (``--device cpu``): the "GPU stream" is one thread that runs
+  submitted closures in order, and the copy engine copies between two host
+  buffers with a plain memcpy, unthrottled. Intervals come from the host
+  clock. Nothing is slowed down to look like a PCIe link: the point of this
+  mode is to exercise the whole loop (and the policies' decisions) without a
+  GPU, not to imitate one.
+
+The CPU expert pool is a :class:`HostStream` in both modes: one worker thread
+running experts one after another, each on torch's intra-op thread pool.
+All times are seconds since the :class:`Clock` origin.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+class Clock:
+    """Host clock with an origin; on CUDA also a device origin event recorded at the same moment."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.origin_event: torch.cuda.Event | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.origin_event = torch.cuda.Event(enable_timing=True)
+            self.origin_event.record()
+            self.origin_event.synchronize()
+        self.origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def device_time(self, event: "torch.cuda.Event") -> float:
+        assert self.origin_event is not None
+        return self.origin_event.elapsed_time(event) / 1e3
+
+
+class Work:
+    """Something queued on a stream, the CPU pool or the copy engine."""
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Block the calling host thread until the work has finished."""
+        raise NotImplementedError
+
+    def gate(self, stream: Any) -> None:
+        """Make later work on CUDA ``stream`` wait for this one (host-side wait where needed)."""
+        self.wait()
+
+    def interval(self) -> tuple[float, float]:
+        """(start, end) in seconds since the clock origin; only once done."""
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class HostWork(Work):
+    start: float = 0.0
+    end: float = 0.0
+    future: Future | None = None
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self) -> None:
+        self.event.wait()
+        if self.future is not None:
+            self.future.result()  # re-raises a failure of the closure in the caller
+
+    def interval(self) -> tuple[float, float]:
+        return self.start, self.end
+
+
+class HostStream:
+    """A thread that runs closures in submission order: the CPU pool, and the GPU stand-in."""
+
+    def __init__(self, clock: Clock, name: str) -> None:
+        self.clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def launch(self, fn: Callable[[], None], waits: tuple[Work, ...] = ()) -> HostWork:
+        work = HostWork()
+        clock = self.clock
+
+        def run() -> None:
+            try:
+                for w in waits:
+                    w.wait()
+                work.start = clock.now()
+                fn()
+                work.end = clock.now()
+            finally:
+                work.event.set()
+
+        work.future = self._pool.submit(run)
+        return work
+
+    def synchronize(self) -> None:
+        self.launch(lambda: None).wait()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(eq=False)
+class CudaWork(Work):
+    clock: Clock
+    start_event: Any
+    end_event: Any
+
+    def done(self) -> bool:
+        return bool(self.end_event.query())
+
+    def wait(self) -> None:
+        self.end_event.synchronize()
+
+    def gate(self, stream: Any) -> None:
+        stream.wait_event(self.end_event)
+
+    def interval(self) -> tuple[float, float]:
+        return self.clock.device_time(self.start_event), self.clock.device_time(self.end_event)
+
+
+class CudaStream:
+    """A CUDA stream whose launches are bracketed by timing events."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.stream = torch.cuda.Stream()
+
+    def launch(self, fn: Callable[[], None], waits: tuple[Work, ...] = ()) -> CudaWork:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            for w in waits:
+                w.gate(self.stream)
+            start.record(self.stream)
+            fn()
+            end.record(self.stream)
+        return CudaWork(self.clock, start, end)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+# ----------------------------------------------------------------------------- copy engine
+@dataclass(eq=False)
+class Transfer(Work):
+    """One copy: host expert weights into a GPU slot or staging buffer (or the stand-ins of both)."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    priority: int  # 0 demand load or staging, 1 prefetch
+    kind: str  # "load", "prefetch", "stage"
+    layer: int
+    expert: int
+    step: int
+    seq: int
+    #: work that must finish before the destination may be overwritten (its previous user)
+    after: Work | None = None
+    issued: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    start_s: float = 0.0
+    end_s: float = 0.0
+    start_event: Any = None
+    end_event: Any = None
+    clock: Clock | None = None
+    error: BaseException | None = None
+
+    def __lt__(self, other: "Transfer") -> bool:
+        return (self.priority, self.seq) < (other.priority, other.seq)
+
+    def ready(self) -> bool:
+        return self.after is None or self.after.done()
+
+    def done(self) -> bool:
+        if self.end_event is not None:
+            return self.issued.is_set() and bool(self.end_event.query())
+        return self.finished.is_set()
+
+    def wait(self) -> None:
+        self.finished.wait()
+        if self.error is not None:
+            raise self.error
+
+    def gate(self, stream: Any) -> None:
+        if stream is None:  # a host-stream closure
+            self.wait()
+            return
+        self.issued.wait()  # an unrecorded event would not be waited for at all
+        if self.error is not None:
+            raise self.error
+        stream.wait_event(self.end_event)
+
+    def interval(self) -> tuple[float, float]:
+        if self.end_event is not None and self.clock is not None:
+            return self.clock.device_time(self.start_event), self.clock.device_time(self.end_event)
+        return self.start_s, self.end_s
+
+
+class CopyEngine:
+    """One copy at a time from a priority queue: demand loads overtake queued prefetches, never a running copy.
+
+    A thread picks the most urgent queued transfer whose destination is free
+    (its ``after`` work has finished), issues it and waits for it to complete
+    before picking the next, as the simulator's copy engine does.
+    """
+
+    #: how often a thread with only blocked transfers looks again, seconds
+    POLL_S = 50e-6
+
+    def __init__(self, clock: Clock, cuda: bool) -> None:
+        self.clock = clock
+        self.cuda = cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+        self._queue: list[Transfer] = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._closed = False
+        self.running: Transfer | None = None
+        self._thread = threading.Thread(target=self._serve, name="moesim-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, *, priority: int, kind: str, layer: int, expert: int,
+               step: int, after: Work | None = None) -> Transfer:
+        transfer = Transfer(dst, src, priority, kind, layer, expert, step, next(self._seq), after, clock=self.clock)
+        with self._cond:
+            heapq.heappush(self._queue, transfer)
+            self._cond.notify()
+        return transfer
+
+    def queued(self) -> list[Transfer]:
+        """Transfers not yet started, most urgent first."""
+        with self._cond:
+            return sorted(self._queue)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _next(self) -> Transfer | None:
+        with self._cond:
+            while True:
+                if self._closed and not self._queue:
+                    return None
+                ready = [t for t in self._queue if t.ready()]
+                if ready:
+                    chosen = min(ready)
+                    self._queue.remove(chosen)
+                    heapq.heapify(self._queue)
+                    self.running = chosen
+                    return chosen
+                self._cond.wait(self.POLL_S if self._queue else None)
+
+    def _serve(self) -> None:
+        while (transfer := self._next()) is not None:
+            try:
+                self._copy(transfer)
+            except BaseException as err:  # surfaced to whoever waits for the transfer
+                transfer.error = err
+                transfer.issued.set()
+            finally:
+                self.running = None
+                transfer.finished.set()
+
+    def _copy(self, t: Transfer) -> None:
+        if self.cuda:
+            t.start_event, t.end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.stream):
+                t.start_event.record(self.stream)
+                t.dst.copy_(t.src, non_blocking=True)
+                t.end_event.record(self.stream)
+            t.issued.set()
+            t.end_event.synchronize()
+        else:
+            t.issued.set()
+            t.start_s = self.clock.now()
+            t.dst.copy_(t.src)
+            t.end_s = self.clock.now()
