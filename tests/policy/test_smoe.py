@@ -1,0 +1,226 @@
+"""SMoE (000_dba2fecbbc66318b.txt): Alg. 1's load rule and ping-pong order, Fixed-N vs Adaptive LFU,
+SMoE-Flex layer selection, the history fallback, and replays through the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.smoe import SMoEAssign, TokenWisePrefetch, token_predictor_accuracy
+from moesim.policy.state import CacheState
+from moesim.policy.systems import build_system
+from moesim.sim.engine import result_to_frames
+from moesim.sim.run import simulate
+from moesim.trace import TraceMeta, write_trace
+from tests.factories import tiny_model, tiny_profile
+
+# one tiny bf16 expert is 3*64*128*2 = 49,152 bytes: at 0.49152 GB/s its copy takes 100 us + 10 us latency
+FAST_PCIE = 0.49152
+LAUNCH = 3 * 5e-6  # engine default: 3 kernels per expert at the profile's 5 us
+
+
+def view_for(model, profile, rows, phase="prefill", resident=(), capacity=4, layer=0, preds=None, step=0):
+    experts = np.array(rows, dtype=np.int16)
+    active, counts = active_experts(experts, model.num_experts)
+    cache = CacheState(capacity=[capacity] * model.num_layers)
+    cache.resident[layer] = set(resident)
+    predictors = {"pred_next_token": [np.array(p, dtype=np.int16) for p in preds]} if preds else {}
+    return LayerView(step, layer, phase, experts, active, counts, cache, CostModel(profile, model),
+                     predictors=predictors, expert_launch_s=LAUNCH)
+
+
+def write_rows(path: Path, model, rows: list[dict]) -> Path:
+    """rows: dicts with step, layer, request, position, phase, experts and optionally pred_next_token."""
+    rows = sorted(rows, key=lambda r: (r["step"], r["layer"], r["request"], r["position"]))
+    data = {k: np.array([r[k] for r in rows]) for k in ("step", "layer", "request", "position")}
+    data["phase"] = [r["phase"] for r in rows]
+    data["experts"] = np.array([r["experts"] for r in rows], dtype=np.int16)
+    if "pred_next_token" in rows[0]:
+        data["pred_next_token"] = [r["pred_next_token"] for r in rows]
+    return write_trace(path, data, TraceMeta(model=model, source={"kind": "test"}))
+
+
+def decode_trace(path: Path, model, routing: list[list[list[int]]], prompt: list[list[list[int]]],
+                 predictor: str = "perfect") -> Path:
+    """One request: a prefill (prompt[layer] = token rows), then decode tokens routing[t][layer]."""
+    rows = []
+    tokens = [[prompt[l][i] for l in range(model.num_layers)] for i in range(len(prompt[0]))] + routing
+    for t, by_layer in enumerate(tokens):
+        step = 0 if t < len(prompt[0]) else t - len(prompt[0]) + 1
+        for layer, experts in enumerate(by_layer):
+            nxt = tokens[t + 1][layer] if t + 1 < len(tokens) else experts
+            pred = nxt if predictor == "perfect" else [e for e in range(model.num_experts) if e not in nxt][:2]
+            rows.append({"step": step, "layer": layer, "request": 0, "position": t,
+                         "phase": "prefill" if t < len(prompt[0]) else "decode", "experts": experts,
+                         "pred_next_token": pred})
+    return write_rows(path, model, rows)
+
+
+# ----------------------------------------------------------------------------- Alg. 1, lines 1-6
+def test_load_rule_on_hand_example():
+    # cpu(n) = 1000*sqrt(n) us, gpu(n) = 100*sqrt(n) us (log-log between 1 and 100 tokens), launch 15 us,
+    # PCIe 1000 us + 10 us latency: GPU iff 1000 sqrt(n) > 100 sqrt(n) + 15 + 1010, i.e. n >= 2
+    model, profile = tiny_model(layers=1, experts=4, top_k=2), tiny_profile(pcie_gbps=0.049152)
+    view = view_for(model, profile, [[0, 1], [0, 1], [0, 2], [3, 2]], resident=[3])
+    assert view.costs.expert_load == pytest.approx(1010e-6)
+    # counts: e0 3, e1 2, e2 2, e3 1 (resident: T_PCIe = 0, and 1000 > 100 + 15)
+    assert SMoEAssign().split(view) == ([0, 1, 2, 3], [])
+    single = view_for(model, profile, [[0, 1], [2, 3]])  # one token each, none resident: 900 < 1025
+    assert SMoEAssign().split(single) == ([], [0, 1, 2, 3])
+    # decoding never loads on demand: a non-resident expert runs on the CPU whatever its load
+    decode = view_for(model, profile, [[0, 1], [0, 1], [0, 1]], phase="decode", resident=[1])
+    assert SMoEAssign().split(decode) == ([1], [0])
+    assert SMoEAssign(decode_on_demand=True).split(decode) == ([0, 1], [])
+
+
+def test_ping_pong_order_on_hand_example(tmp_path):
+    """Alg. 1 lines 13-21: G[i+1] is copied into the buffer G[i-1] used, once G[i-1] has finished."""
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    profile = tiny_profile(pcie_gbps=FAST_PCIE)
+    # counts e0 5, e1 2, e2 2, e3 1; copies take 110 us, so every expert goes to the GPU (900 sqrt(n) > 125)
+    prompt = [[[0, 1], [0, 1], [0, 2], [0, 2], [0, 3]]]
+    trace = decode_trace(tmp_path / "t.parquet", model, [], prompt)
+    result = simulate(str(trace), profile, "smoe", {"engine.check": "true"}, timeline=True)
+    frame = result_to_frames(result)["timeline"]
+    stage = frame[frame.kind == "stage"].sort_values("start_s")
+    gpu = frame[(frame.resource == "gpu") & (frame.kind == "expert")].sort_values("start_s")
+    us = lambda s: [round(v * 1e6, 3) for v in s]  # noqa: E731
+    g5, g2, g1 = 100 * 5 ** 0.5 + 15, 100 * 2 ** 0.5 + 15, 100 + 15
+    # attention of 5 tokens ends at 5 * 50 us; buffers B0, B1 take e0 and e1 at once (one copy engine)
+    t1 = 250
+    e0_end = t1 + 110 + g5
+    e1_end = max(e0_end, t1 + 220) + g2
+    e2_load = e0_end  # B0 frees when e0 finishes
+    e2_end = max(e1_end, e2_load + 110) + g2
+    e3_load = e1_end  # B1 frees when e1 finishes
+    e3_end = max(e2_end, e3_load + 110) + g1
+    assert stage.expert.tolist() == [0, 1, 2, 3]
+    assert us(stage.start_s) == pytest.approx([t1, t1 + 110, e2_load, e3_load])
+    assert gpu.expert.tolist() == [0, 1, 2, 3]
+    assert us(gpu.end_s) == pytest.approx([e0_end, e1_end, e2_end, e3_end])
+    assert metrics(result)["ttft_ms"] == pytest.approx(e3_end / 1e3)
+
+
+# ----------------------------------------------------------------------------- Sec. IV-E
+def planned(eviction: str):
+    model, profile = tiny_model(layers=1, experts=8, top_k=2), tiny_profile(pcie_gbps=FAST_PCIE)
+    system = build_system("smoe", {"prefetch.eviction": eviction})
+    ctx = RunContext(model=model, costs=CostModel(profile, model), capacity=[4], columns=("pred_next_token",))
+    system.configure(ctx)
+    history = {0: 5, 1: 1, 2: 3, 3: 2}  # activations seen so far
+    for expert, times in history.items():
+        for _ in range(times):
+            system.cache.observe(view_for(model, profile, [[expert, 7]], phase="decode"))
+    system.cache._freq[0, 7] = 0  # the filler expert 7 only made the rows two wide
+    view = view_for(model, profile, [[0, 2]], phase="decode", resident=[0, 1, 2, 3], preds=[[0, 5, 1, 6]])
+    return system.plan(view)
+
+
+def test_fixed_n_loads_n_new_experts_over_the_least_frequent():
+    plan = planned("fixed")
+    # ranked predictions 0, 5, 1, 6: the first two not cached are 5 and 6; counts now 0:6 1:1 2:4 3:2 and
+    # 0, 2 are in use, so the least frequent evictable are 1 then 3
+    assert plan.gpu == [0, 2] and plan.cpu == []
+    assert plan.prefetches == [(0, 5), (0, 6)]
+    assert plan.evictions == [(0, 1), (0, 3)]
+    assert plan.overhead_s == {"cache_management": pytest.approx(10e-6)}
+
+
+def test_adaptive_loads_only_uncached_among_top_n():
+    plan = planned("adaptive")
+    # top-2 predictions are 0 (cached) and 5: one transfer, over the least frequent (1)
+    assert plan.prefetches == [(0, 5)]
+    assert plan.evictions == [(0, 1)]
+
+
+# ----------------------------------------------------------------------------- SMoE-Flex
+def flex_trace(path: Path) -> Path:
+    """4 layers; the predictor is right at layers 0 and 3, half right at 1, wrong at 2."""
+    model = tiny_model(layers=4, experts=8, top_k=2)
+    truth = [[0, 1], [2, 3], [4, 5], [6, 7]]  # every token routes the same experts at a layer
+    guess = {0: [0, 1], 1: [2, 7], 2: [0, 1], 3: [6, 7]}
+    rows = []
+    for position in range(4):
+        for layer in range(4):
+            rows.append({"step": position, "layer": layer, "request": 0, "position": position,
+                         "phase": "prefill" if position == 0 else "decode", "experts": truth[layer],
+                         "pred_next_token": guess[layer]})
+    return write_rows(path, model, rows)
+
+
+def test_flex_turns_off_the_least_accurate_half(tmp_path):
+    path = flex_trace(tmp_path / "flex.parquet")
+    model = tiny_model(layers=4, experts=8, top_k=2)
+    assert token_predictor_accuracy(str(path), 4, 2).tolist() == [1.0, 0.5, 0.0, 1.0]
+    prefetch = TokenWisePrefetch(n=3, flex_off_fraction=0.5)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * 4,
+                     trace_path=str(path), columns=("pred_next_token",))
+    prefetch.configure(ctx)
+    assert [prefetch.enabled(layer) for layer in range(4)] == [True, False, False, True]
+    assert "prefetch off on 2 of 4 layers" in ctx.notes[-1] and "[1, 2]" in ctx.notes[-1]
+    profile = tiny_profile()
+    for layer, expected in ((0, [(0, 6), (0, 7)]), (1, [])):
+        view = view_for(model, profile, [[0, 1]], phase="decode", layer=layer, preds=[[6, 7]])
+        assert prefetch.candidates(view) == expected
+
+
+def test_flex_system_runs_with_its_defaults(tmp_path):
+    path = flex_trace(tmp_path / "flex.parquet")
+    result = simulate(str(path), tiny_profile(pcie_gbps=FAST_PCIE), "smoe-flex",
+                      {"engine.check": "true", "cache.slots_per_layer": "2"})
+    assert any("[1, 2]" in note for note in result.notes)
+
+
+def test_bad_eviction_mode_is_one_clear_error(tmp_path):
+    path = flex_trace(tmp_path / "flex.parquet")
+    from moesim.errors import ConfigError
+    with pytest.raises(ConfigError, match="prefetch.eviction"):
+        simulate(str(path), tiny_profile(), "smoe", {"prefetch.eviction": "lru"})
+
+
+# ----------------------------------------------------------------------------- replays
+def random_decode(rng, model, tokens):
+    return [[sorted(rng.choice(model.num_experts, model.top_k, replace=False).tolist())
+             for _ in range(model.num_layers)] for _ in range(tokens)]
+
+
+def test_prefetch_with_accurate_predictor_raises_hit_rate(tmp_path):
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    rng = np.random.default_rng(0)
+    prompt = [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(6)] for _ in range(2)]
+    trace = decode_trace(tmp_path / "t.parquet", model, random_decode(rng, model, 30), prompt)
+    profile = tiny_profile(pcie_gbps=FAST_PCIE)
+    common = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    with_prefetch = metrics(simulate(str(trace), profile, "smoe", common))
+    without = metrics(simulate(str(trace), profile, "smoe", {**common, "prefetch": "none"}))
+    assert without["prefetches"] == 2 * 3  # the post-prefill fill only: 3 slots x 2 layers
+    assert with_prefetch["prefetches"] > without["prefetches"]
+    assert with_prefetch["gpu_hit_rate"] > without["gpu_hit_rate"] + 0.2
+    assert with_prefetch["tpot_ms_mean"] < without["tpot_ms_mean"]
+    assert with_prefetch["late_prefetches"] == 0
+
+
+def test_history_predictor_is_flagged_without_the_column(tmp_path):
+    from tests.factories import random_routing, write_tiny_trace
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    trace = write_tiny_trace(tmp_path / "plain.parquet", model, random_routing(np.random.default_rng(1), model, 1, 4, 6))
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "2"})
+    assert any("history predictor" in note for note in result.notes)
+    assert metrics(result)["prefetches"] > 0
+
+
+def test_cache_is_filled_from_prefill_counts_at_first_decode(tmp_path):
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2], [3, 4]]]  # counts 0:3 1:2 2:1 3:1 4:1
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[5, 6]], [[5, 6]]], prompt)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch": "none"}, decisions=True)
+    log = result_to_frames(result)["decisions"]
+    fills = log[(log.action == "prefetch") & (log.step == 1)]
+    assert fills.expert.tolist() == [0, 1, 2]  # most used first, ties by id, capacity 3
