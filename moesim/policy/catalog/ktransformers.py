@@ -1,0 +1,106 @@
+"""KTransformers (001_66a328d79a3cae8d.txt): routed experts on the CPU, attention and shared experts on the GPU.
+
+What the engine and cost model already provide, and this module relies on:
+
+* AMX/AVX-512 kernel switch by tokens per expert (001 Sec. 3.2):
+  ``CostModel.cpu_kernel`` picks AMX from ``cpu.amx_switch_tokens`` up and
+  ``cpu_expert`` reads that kernel's curve.
+* Shared experts on the GPU overlapping the CPU's routed experts (001 Sec. 3.3):
+  the engine runs the GPU track (shared experts) and the CPU track in parallel.
+* CUDA-Graph launch model (001 Sec. 3.3): with ``gpu.cuda_graph: true`` the cost
+  model charges ``graph_launch_us`` per kernel instead of ``launch_us``; the
+  shipped KTransformers testbed profiles (a100-40g, rtx4080) set it, the SMoE
+  testbed (rtx4090) does not (000 Sec. VI-A runs without CUDA Graphs). Toggle
+  with the ``hw.gpu.cuda_graph`` override (a Python bool in the settings dict).
+
+Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
+``ktransformers-ed`` (Expert Deferral, 001 Sec. 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.cache import StaticCache
+from moesim.policy.systems import Deferral, SystemSpec, register_component, register_system
+
+
+@register_component
+@dataclass
+class KTransformersStatic(StaticCache):
+    """Optional static GPU experts: the ``per_layer`` hottest experts of each layer stay on the GPU.
+
+    KTransformers' injection rules can place some routed experts on the GPU
+    (001 Sec. 5); which ones is a profiling choice, here the most activated on
+    ``calibration`` (default: the replayed trace, flagged in the notes). With
+    ``per_layer=0`` (the default) every routed expert runs on the CPU.
+    """
+
+    name = "ktrans-static"
+    #: routed experts per layer kept on the GPU (0: all on the CPU, as in 001's evaluation)
+    per_layer: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        if self.per_layer < 0:
+            raise ConfigError(f"cache.per_layer={self.per_layer} is negative", field="cache.per_layer",
+                              fix="use 0 or more")
+        if self.per_layer == 0:
+            self._hot = [[] for _ in ctx.capacity]
+            return
+        room = min(ctx.capacity) if ctx.capacity else 0
+        if self.per_layer > room:
+            raise ConfigError(f"{self.per_layer} static GPU experts per layer do not fit: GPU memory holds "
+                              f"{room} per layer", field="cache.per_layer", fix=f"use cache.per_layer <= {room}")
+        super().configure(ctx)
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return self._hot[layer][:min(self.per_layer, capacity)]
+
+
+@register_component
+@dataclass
+class ExpertDeferral(Deferral):
+    """Expert Deferral (001 Sec. 4.1): each token's ``deferred`` lowest-scoring routed experts finish
+    while the next layer runs; the top ``k - deferred`` are immediate.
+
+    Only in decoding (prefill would nearly double the experts touched, Sec. 4.1),
+    never at the last MoE layer (its output has no later layer to merge into),
+    and only experts computed on the CPU. Routing slots are ordered by gate score,
+    so a token's deferred experts are its last ``deferred`` slots; with several
+    tokens in a step an expert is deferred only when every token routed to it
+    has it among its deferred slots (the engine defers whole experts). The
+    engine reports the gate-weight mass deferred (a quality proxy).
+    """
+
+    name = "ktrans-deferral"
+    columns = ("weights",)
+    #: deferred experts per token (001 Sec. 4.2: 3 for DeepSeek-V3 BF16, 6 for its Int4 build)
+    deferred: int = 3
+
+    def configure(self, ctx: RunContext) -> None:
+        if not 0 <= self.deferred < ctx.model.top_k:
+            raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
+                              field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
+                              "at least 2 immediate)")
+
+    def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
+        if view.phase != "decode" or view.layer == view.num_layers - 1 or self.deferred <= 0:
+            return []
+        top_k = view.experts.shape[1]
+        immediate = np.unique(view.experts[:, :top_k - self.deferred])
+        late = set(np.unique(view.experts[:, top_k - self.deferred:]).tolist()) - set(immediate.tolist())
+        return [e for e in plan.cpu if e in late]
+
+
+register_system("ktransformers", SystemSpec(
+    "KTransformers (001 Sec. 3): routed experts on the CPU (AMX/AVX-512 by tokens per expert), attention and "
+    "shared experts on the GPU, CUDA Graph per profile; cache.per_layer static GPU experts (default 0)",
+    cache="ktrans-static", assign="resident"))
+register_system("ktransformers-ed", SystemSpec(
+    "KTransformers with Expert Deferral (001 Sec. 4): each token's defer.deferred lowest-score experts "
+    "overlap the next layer; decode only, never the last layer",
+    cache="ktrans-static", assign="resident", defer="ktrans-deferral"))
