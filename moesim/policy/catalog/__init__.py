@@ -2,3 +2,9 @@
 
 Importing this package registers them all (``moesim.policy.systems`` does so).
 """
+
+from moesim.policy.catalog import buddymoe  # noqa: F401
+from moesim.policy.catalog import dali  # noqa: F401
+from moesim.policy.catalog import importance  # noqa: F401
+from moesim.policy.catalog import mixtral_offloading  # noqa: F401
+from moesim.policy.catalog import moe_infinity  # noqa: F401

@@ -1,0 +1,288 @@
+"""BuddyMoE: substitute a missing expert with a resident buddy (002_95ae8307b42d2a8d.txt).
+
+Offline (Sec. 3.2-3.3): on a calibration trace, per layer, co-activation counts
+M(i, j) (tokens routing to both i and j; optionally weighted by
+``min(p_i, p_j)`` of the renormalized top-k probabilities), Laplace smoothing
+``M <- M + epsilon`` off the diagonal, ``q_{j|i} = M(i,j) / sum_j' M(i,j')``
+with ``q_{i|i} = 0`` (Eq. 4). The buddy list of i is the shortest prefix of
+its peers by descending q whose cumulative q reaches ``alpha`` (the CFT,
+Eq. 5-6), capped at ``k_max``; experts never activated get no buddies.
+
+Runtime (Sec. 3.1, 3.3, Alg. 1), per layer:
+
+1. distribution gate (Eq. 2): delta = share of the layer's requested experts
+   not on the GPU; no substitution at all when ``delta >= beta``;
+2. TAE gate (Eq. 1): a token whose normalised entropy of its renormalized
+   top-k probabilities is ``<= tau`` keeps its experts; with ``tau < 0`` the
+   threshold is the ``tau_percentile``-th percentile of the layer's TAE on the
+   calibration trace (Sec. 3.1 (iii));
+3. Alg. 1: each routed expert not on the GPU is replaced by the first of its
+   first ``search_limit`` (H) buddies that is resident and not already in the
+   token's set U_t; U_t grows with each pick (uniqueness);
+4. at most ``rho`` replacements per token (the replacement budget of Sec. 5.1;
+   0 = no limit).
+
+Where no buddy qualifies, the expert is fetched as routed (the "prefetch the
+original" fallback of Sec. 3.1). The other fallback the paper names, dropping
+the expert, needs an engine mechanism moesim lacks (a token computing fewer
+than top-k experts). An expert already arriving (prefetched) counts as on the
+GPU; only resident experts serve as buddies. With the default eta = kappa = 0
+the priority score Psi (Eq. 3) is q_{j|i} itself: the buddy list's order.
+
+``random`` is the paper's random-replacement baseline (Sec. 5.1): a missing
+expert becomes a uniformly drawn resident expert not in the token's set.
+
+The ``buddymoe`` system: an LRU expert cache, every expert on the GPU, the
+next layer's predicted experts prefetched (Fig. 3's pipeline, from
+``pred_next_layer``), buddy substitution of what is still missing.
+``--set substitute=none`` is the paper's "Original", ``substitute=random``
+its "Random".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from moesim.errors import ConfigError
+from moesim.policy.base import LayerView, RunContext
+from moesim.policy.catalog.importance import ranked_predictions, require_column
+from moesim.policy.prefetch import Prefetch
+from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
+
+
+def renormalized(probabilities: np.ndarray) -> np.ndarray:
+    """Rows scaled to sum 1 (the top-k probabilities p~ of Sec. 3.1)."""
+    p = np.asarray(probabilities, dtype=np.float64)
+    return p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-12)
+
+
+def tae(top_k_probabilities: np.ndarray) -> np.ndarray:
+    """Eq. 1: normalised entropy of each row's renormalized top-k probabilities, in [0, 1]."""
+    p = renormalized(top_k_probabilities)
+    k = p.shape[-1]
+    if k < 2:
+        return np.zeros(p.shape[:-1])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * np.log(p), 0.0)
+    return -terms.sum(axis=-1) / np.log(k)
+
+
+def coactivation(experts: np.ndarray, num_experts: int, probabilities: np.ndarray | None = None) -> np.ndarray:
+    """M(i, j): tokens routing to both i and j (weighted by min(p_i, p_j) when probabilities are given)."""
+    m = np.zeros((num_experts, num_experts))
+    k = experts.shape[1]
+    p = renormalized(probabilities) if probabilities is not None else None
+    for a in range(k):
+        for b in range(k):
+            if a != b:
+                w = 1.0 if p is None else np.minimum(p[:, a], p[:, b])
+                np.add.at(m, (experts[:, a], experts[:, b]), w)
+    return m
+
+
+def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list[list[int]]:
+    """Eq. 4-6: each expert's buddies, best first (none for an expert never co-activated)."""
+    n = m.shape[0]
+    active = m.sum(axis=1) > 0
+    smoothed = m + epsilon
+    np.fill_diagonal(smoothed, 0.0)
+    q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
+    out = []
+    for i in range(n):
+        if not active[i]:
+            out.append([])
+            continue
+        order = np.lexsort((np.arange(n), -q[i]))
+        order = order[order != i]
+        covered = np.cumsum(q[i, order])
+        size = int(np.searchsorted(covered, alpha - 1e-12) + 1)  # minimal prefix reaching alpha
+        out.append([int(e) for e in order[:max(1, min(size, k_max))]])
+    return out
+
+
+def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int], buddies: list[list[int]],
+                       search_limit: int, allowed: np.ndarray | None = None, rho: int = 0
+                       ) -> list[tuple[int, int, int]]:
+    """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token and budget ``rho``)."""
+    out = []
+    for t in range(experts.shape[0]):
+        if allowed is not None and not allowed[t]:
+            continue
+        row = [int(e) for e in experts[t]]
+        used = set(row)
+        replaced = 0
+        for slot, e in enumerate(row):
+            if e in on_gpu:
+                continue
+            if rho and replaced >= rho:
+                break
+            for b in buddies[e][:search_limit]:
+                if b in resident and b not in used:
+                    out.append((t, slot, b))
+                    used.add(b)
+                    replaced += 1
+                    break
+    return out
+
+
+@register_component
+@dataclass
+class BuddySubstitution(Substitution):
+    """Buddy expert substitution (002 Sec. 3-4, Alg. 1); parameters as in the module docstring."""
+
+    name = "buddy"
+    columns = ("weights", "scores")
+    #: calibration trace (path); empty: the replayed trace itself, flagged in the report
+    calibration: str = ""
+    #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1)
+    alpha: float = 0.95
+    #: buddy list cap K_max (the tables' |B|)
+    k_max: int = 16
+    #: Laplace smoothing added to every co-activation count
+    epsilon: float = 1.0
+    #: accumulate probability-weighted co-activations instead of binary ones
+    weighted: bool = False
+    #: buddy search rank limit H of Alg. 1 (0: the whole list)
+    search_limit: int = 0
+    #: TAE gate threshold; negative: the tau_percentile-th percentile on the calibration trace
+    tau: float = -1.0
+    tau_percentile: float = 10.0
+    #: distribution gate: no substitution in a layer when this share of its experts is off the GPU
+    beta: float = 1.0
+    #: replacement budget per token (0: unlimited)
+    rho: int = 3
+    _buddies: list[list[list[int]]] = field(default_factory=list, repr=False)
+    _tau: list[float] = field(default_factory=list, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        if not 0.0 < self.alpha <= 1.0 or self.k_max < 1 or not 0.0 <= self.beta <= 1.0:
+            raise ConfigError(f"need 0 < alpha <= 1, k_max >= 1, 0 <= beta <= 1 (got {self.alpha}, {self.k_max}, "
+                              f"{self.beta})", field="substitute.alpha", fix="--set substitute.alpha=0.95")
+        path = self.calibration or ctx.trace_path
+        if path is None:
+            raise ConfigError("buddy lists need a calibration trace", field="substitute.calibration",
+                              fix="--set substitute.calibration=PATH")
+        if not self.calibration:
+            ctx.notes.append("buddy: buddy lists and TAE percentiles calibrated on the replayed trace itself "
+                             "(set substitute.calibration=PATH for a held-out calibration trace)")
+        self._calibrate(path, ctx)
+
+    def _calibrate(self, path: str, ctx: RunContext) -> None:
+        model = ctx.model
+        names = set(pq.read_schema(path).names)
+        columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names]
+        table = pq.read_table(path, columns=columns)
+        layers = table.column("layer").to_numpy()
+        k = model.top_k
+        experts = table.column("experts").combine_chunks().flatten().to_numpy().reshape(-1, k).astype(np.int64)
+        probs = self._top_k_probabilities(table, experts, model.num_experts)
+        if probs is None and self.tau < 0:
+            ctx.notes.append("buddy: calibration trace has neither weights nor scores; TAE gate off")
+        self._buddies, self._tau = [], []
+        for layer in range(model.num_layers):
+            rows = layers == layer
+            p = None if probs is None else probs[rows]
+            m = coactivation(experts[rows], model.num_experts, p if self.weighted else None)
+            self._buddies.append(buddy_lists(m, self.alpha, self.k_max, self.epsilon))
+            if self.tau >= 0:
+                self._tau.append(self.tau)
+            elif p is None or not rows.any():
+                self._tau.append(-np.inf)
+            else:
+                self._tau.append(float(np.percentile(tae(p), self.tau_percentile)))
+
+    @staticmethod
+    def _top_k_probabilities(table, experts: np.ndarray, num_experts: int) -> np.ndarray | None:
+        if "weights" in table.column_names:
+            return table.column("weights").combine_chunks().flatten().to_numpy().reshape(experts.shape)
+        if "scores" in table.column_names:
+            scores = table.column("scores").combine_chunks().flatten().to_numpy().reshape(-1, num_experts)
+            return np.take_along_axis(scores.astype(np.float64), experts, axis=1)
+        return None
+
+    def buddies(self, layer: int) -> list[list[int]]:
+        return self._buddies[layer]
+
+    def _allowed(self, view: LayerView) -> np.ndarray | None:
+        if view.weights is not None:
+            p = view.weights
+        elif view.scores is not None:
+            p = np.take_along_axis(view.scores.astype(np.float64), view.experts.astype(np.int64), axis=1)
+        else:
+            return None
+        return tae(p) > self._tau[view.layer]
+
+    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+        layer = view.layer
+        resident = view.cache.resident[layer]
+        on_gpu = resident | view.cache.in_flight[layer]
+        missing = sum(1 for e in view.active if e not in on_gpu)
+        if missing == 0 or missing / len(view.active) >= self.beta:
+            return []
+        limit = self.search_limit or self.k_max
+        return substitute_buddies(view.experts, on_gpu, resident, self._buddies[layer], limit,
+                                  self._allowed(view), self.rho)
+
+
+@register_component
+@dataclass
+class RandomSubstitution(Substitution):
+    """Random replacement (002 Sec. 5.1 baseline): a missing expert becomes a random resident one."""
+
+    name = "random"
+    _rng: np.random.Generator | None = field(default=None, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        self._rng = np.random.default_rng([ctx.seed, 2])
+
+    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+        assert self._rng is not None
+        resident = view.cache.resident[view.layer]
+        on_gpu = resident | view.cache.in_flight[view.layer]
+        out = []
+        pool = sorted(resident)
+        for t in range(view.tokens):
+            row = [int(e) for e in view.experts[t]]
+            used = set(row)
+            for slot, e in enumerate(row):
+                if e in on_gpu:
+                    continue
+                choices = [b for b in pool if b not in used]
+                if not choices:
+                    continue
+                b = choices[int(self._rng.integers(len(choices)))]
+                out.append((t, slot, b))
+                used.add(b)
+        return out
+
+
+@register_component
+@dataclass
+class NextLayerPrefetch(Prefetch):
+    """Prefetch of the next layer's predicted experts (002 Fig. 3; a gate applied a layer early)."""
+
+    name = "next-layer"
+    columns = ("pred_next_layer",)
+    #: experts loaded ahead per layer, most-predicted first (0: all predicted)
+    size: int = 0
+    _layers: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        require_column(ctx, "pred_next_layer", "prefetch 'next-layer'", "the next layer's predicted experts")
+        self._layers = ctx.model.num_layers
+
+    def candidates(self, view: LayerView) -> list[tuple[int, int]]:
+        predicted = view.predictors.get("pred_next_layer")
+        if view.layer + 1 >= self._layers or not predicted:
+            return []
+        ranked = ranked_predictions(predicted)
+        return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
+
+
+register_system("buddymoe", SystemSpec(
+    "BuddyMoE (002): LRU expert cache, next-layer prefetch, missing experts replaced by resident buddies "
+    "from co-activation lists (TAE and distribution gates, budget rho)",
+    cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy"))

@@ -1,0 +1,380 @@
+"""DALI: workload-aware offloading (003_46c415738ddfa491.txt, Sec. 4).
+
+Components:
+
+* ``dali-greedy`` (assign, Sec. 4.1, Alg. 1): each activated expert costs
+  ``t_cpu(w)`` on the CPU and ``t_gpu(w) = max(transfer, compute)`` on the GPU
+  (Eq. 5-6; transfer 0 when the expert is cached, its remaining time when it
+  is arriving); experts in descending ``|t_gpu - t_cpu|`` order go to the GPU
+  when ``T_gpu + t_gpu <= T_cpu + t_cpu``, else to the CPU.
+* ``dali-optimal`` (assign, Eq. 3-9): the exact minimum of
+  ``max(T_gpu, T_cpu)`` over all assignments, by branch and bound over groups
+  of identical experts (exact; no solver dependency). Eq. 9 (GPU memory) never
+  binds here: GPU experts that are not cached go through the staging buffers.
+  Its solve time is charged on the critical path when ``solve_us`` is set
+  (category ``predict``: the breakdown's decision-time slot, 000 Sec. VI-E).
+* ``dali-residual`` (prefetch, Sec. 4.2): the experts of the next layer with
+  the largest predicted workload (tokens predicting them in ``pred_residual``,
+  the residual-corrected gate of Eq. 10), ``size`` of them.
+* ``dali-workload`` (cache, Sec. 4.3, Alg. 2): per layer, workload scores
+  (tokens per expert) summed over a window of ``w_size`` iterations; at the end
+  of each window the ``u_size`` highest-scoring experts not cached replace the
+  ``u_size`` lowest-scoring cached ones, and the scores restart at zero. The
+  initial cached set is ``cache_size`` experts drawn at random per layer
+  (Sec. 4, "we randomly select"), seeded by the run's seed.
+
+The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
+changes only through Alg. 2; a GPU expert that is not cached is transferred
+for this use only (streamed through the staging buffers, Fig. 9's E3/E7);
+prefetched experts land in ``prefetch_slots`` buffer slots per layer, apart
+from the cache. Used as a plain cache in another system (``--set
+cache=dali-workload``) the component evicts the lowest window score and
+admits the highest, and sees the layers whose plan ran experts on the GPU.
+
+Interpretation of Alg. 2: the printed loop tests ``i mod w_size == 0`` from
+``i = 0``, which would replace after the first token; the text says "after
+processing a window of w_size tokens", which is what is done. A swap happens
+only where the incoming expert's window score exceeds the outgoing one's
+(``strict=True``, default): Alg. 2 swaps unconditionally, which loads experts
+with score 0 whenever fewer than ``u_size`` uncached experts were used; set
+``cache.strict=false`` for the literal rule. "Token" is one forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.policy.assign import Assignment
+from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.cache import CachePolicy
+from moesim.policy.catalog.importance import ObservingSystem, require_column
+from moesim.policy.prefetch import Prefetch
+from moesim.policy.systems import SystemSpec, register_component, register_system
+
+
+# ----------------------------------------------------------------------------- cost vectors (Eq. 4-6)
+def expert_times(view: LayerView) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(experts, t_gpu, t_cpu) for the layer's activated experts (Eq. 5-6 with the cache, Sec. 4.3)."""
+    costs, layer = view.costs, view.layer
+    resident = view.cache.resident[layer]
+    experts = list(view.active)
+    t_gpu, t_cpu = np.empty(len(experts)), np.empty(len(experts))
+    for i, (e, n) in enumerate(zip(experts, view.counts)):
+        if e in resident:
+            transfer = 0.0
+        elif e in view.arrivals:
+            transfer = max(view.arrivals[e] - view.now, 0.0)
+        else:
+            transfer = costs.expert_load
+        t_gpu[i] = max(transfer, costs.gpu_expert(n) + view.expert_launch_s)
+        t_cpu[i] = costs.cpu_expert(n)
+    return experts, t_gpu, t_cpu
+
+
+def makespan(t_gpu: np.ndarray, t_cpu: np.ndarray, on_gpu: np.ndarray) -> float:
+    """Eq. 3: max(T_gpu, T_cpu) of an assignment (``on_gpu`` boolean per expert)."""
+    return max(float(t_gpu[on_gpu].sum()), float(t_cpu[~on_gpu].sum()))
+
+
+def greedy_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
+    """Alg. 1 of 003: boolean GPU mask."""
+    order = np.argsort(-np.abs(t_gpu - t_cpu), kind="stable")
+    on_gpu = np.zeros(len(t_gpu), dtype=bool)
+    total_gpu = total_cpu = 0.0
+    for i in order:
+        if t_gpu[i] == 0 and t_cpu[i] == 0:
+            continue
+        if total_gpu + t_gpu[i] <= total_cpu + t_cpu[i]:
+            on_gpu[i] = True
+            total_gpu += t_gpu[i]
+        else:
+            total_cpu += t_cpu[i]
+    return on_gpu
+
+
+def optimal_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
+    """The exact minimum of Eq. 3 under Eq. 4-8, by branch and bound.
+
+    Experts with equal (t_gpu, t_cpu) are interchangeable, so the search picks
+    how many of each group go to the GPU; the bound is
+    ``max(T_gpu, T_cpu, (T_gpu + T_cpu + sum of the rest's cheaper side) / 2)``.
+    Greedy's assignment is the first incumbent, so ties keep greedy's choice.
+    """
+    keys = list(zip(t_gpu.tolist(), t_cpu.tolist()))
+    groups: dict[tuple[float, float], list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    items = sorted(groups.items(), key=lambda kv: -abs(kv[0][0] - kv[0][1]) * len(kv[1]))
+    g = [k[0] for k, _ in items]
+    c = [k[1] for k, _ in items]
+    m = [len(v) for _, v in items]
+    rest_min = np.concatenate([np.cumsum([min(g[i], c[i]) * m[i] for i in range(len(items))][::-1])[::-1], [0.0]])
+    greedy = greedy_assignment(t_gpu, t_cpu)
+    best = [makespan(t_gpu, t_cpu, greedy)]
+    best_counts: list[list[int] | None] = [None]
+    counts = [0] * len(items)
+
+    def search(i: int, total_gpu: float, total_cpu: float) -> None:
+        bound = max(total_gpu, total_cpu, (total_gpu + total_cpu + rest_min[i]) / 2)
+        if bound >= best[0] - 1e-15:
+            return
+        if i == len(items):
+            best[0], best_counts[0] = max(total_gpu, total_cpu), list(counts)
+            return
+        # try the balanced split of this group first: good incumbents early
+        gi, ci, mi = g[i], c[i], m[i]
+        target = (total_cpu + ci * mi - total_gpu) / (gi + ci) if gi + ci > 0 else mi
+        first = min(max(int(round(target)), 0), mi)
+        for on in sorted(range(mi + 1), key=lambda x: (abs(x - first), x)):
+            counts[i] = on
+            search(i + 1, total_gpu + on * gi, total_cpu + (mi - on) * ci)
+        counts[i] = 0
+
+    search(0, 0.0, 0.0)
+    if best_counts[0] is None:
+        return greedy
+    on_gpu = np.zeros(len(t_gpu), dtype=bool)
+    for (_, members), on in zip(items, best_counts[0]):
+        on_gpu[members[:on]] = True
+    return on_gpu
+
+
+@register_component
+@dataclass
+class DaliGreedy(Assignment):
+    """Greedy Assignment (003 Sec. 4.1, Alg. 1)."""
+
+    name = "dali-greedy"
+    #: modelled decision time per layer, microseconds, charged on the critical path (0: free)
+    solve_us: float = 0.0
+    last_solve_s: float = field(default=0.0, repr=False)
+
+    def choose(self, t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
+        return greedy_assignment(t_gpu, t_cpu)
+
+    def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        experts, t_gpu, t_cpu = expert_times(view)
+        on_gpu = self.choose(t_gpu, t_cpu)
+        self.last_solve_s = self.solve_us * 1e-6
+        return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
+
+
+@register_component
+@dataclass
+class DaliOptimal(DaliGreedy):
+    """The exact 0-1 optimum of Eq. 3-9 (003 Sec. 4.1, "Opt_plan").
+
+    ``solve_us`` charges a fixed decision time per layer; ``measured=true``
+    charges the solver's own wall-clock time instead (then runs are no longer
+    byte-identical, which is why it is off by default).
+    """
+
+    name = "dali-optimal"
+    measured: bool = False
+
+    def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        start = time.perf_counter()
+        experts, t_gpu, t_cpu = expert_times(view)
+        on_gpu = optimal_assignment(t_gpu, t_cpu)
+        self.last_solve_s = time.perf_counter() - start if self.measured else self.solve_us * 1e-6
+        return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
+
+
+# ----------------------------------------------------------------------------- prefetch (Sec. 4.2)
+@register_component
+@dataclass
+class ResidualPrefetch(Prefetch):
+    """Residual-Based Prefetching (003 Sec. 4.2): the next layer's top experts by predicted workload."""
+
+    name = "dali-residual"
+    columns = ("pred_residual",)
+    #: experts prefetched per layer ("prefetch size": 1 for Mixtral, 4 for DeepSeek and Qwen, Fig. 12)
+    size: int = 1
+    _layers: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        require_column(ctx, "pred_residual", "prefetch 'dali-residual'", "the residual-corrected next-layer gate")
+        self._layers = ctx.model.num_layers
+
+    def candidates(self, view: LayerView) -> list[tuple[int, int]]:
+        predicted = view.predictors.get("pred_residual")
+        if view.layer + 1 >= self._layers or not predicted:
+            return []
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in predicted]) if predicted else np.array([])
+        if flat.size == 0:
+            return []
+        workload = np.bincount(flat)
+        ids = np.flatnonzero(workload)
+        order = ids[np.argsort(-workload[ids], kind="stable")]
+        return [(view.layer + 1, int(e)) for e in order[:self.size]]
+
+
+# ----------------------------------------------------------------------------- cache (Sec. 4.3)
+@register_component
+@dataclass
+class WorkloadAwareCache(CachePolicy):
+    """Workload-Aware Cache Replacement (003 Sec. 4.3, Alg. 2)."""
+
+    name = "dali-workload"
+    #: iterations per window (Fig. 12: 4)
+    w_size: int = 4
+    #: experts swapped per window (1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
+    u_size: int = 1
+    #: slots per layer kept out of the cache for prefetched experts (the prefetch buffer)
+    prefetch_slots: int = 1
+    #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
+    strict: bool = True
+    _scores: list[np.ndarray] = field(default_factory=list, repr=False)
+    _last: list[np.ndarray] = field(default_factory=list, repr=False)
+    _windows: list[int] = field(default_factory=list, repr=False)
+    _cached: list[set[int]] = field(default_factory=list, repr=False)
+    _seen: tuple[int, int] = (-1, -1)
+    _seed: int = 0
+    _experts: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        if self.w_size < 1 or self.u_size < 0 or self.prefetch_slots < 0:
+            raise ConfigError(f"w_size >= 1, u_size >= 0, prefetch_slots >= 0 required (got {self.w_size}, "
+                              f"{self.u_size}, {self.prefetch_slots})", field="cache.w_size",
+                              fix="--set cache.w_size=4 --set cache.u_size=1")
+        experts = ctx.model.num_experts
+        self._experts = experts
+        self._scores = [np.zeros(experts) for _ in ctx.capacity]
+        self._last = [np.zeros(experts) for _ in ctx.capacity]
+        self._windows = [0 for _ in ctx.capacity]
+        self._cached = [set() for _ in ctx.capacity]
+        self._seen = (-1, -1)
+        self._seed = ctx.seed
+
+    def cache_size(self, capacity: int) -> int:
+        return max(capacity - self.prefetch_slots, 0)
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        rng = np.random.default_rng([self._seed, layer])
+        chosen = sorted(int(e) for e in rng.permutation(self._experts)[:self.cache_size(capacity)])
+        self._cached[layer] = set(chosen)
+        return chosen
+
+    def cached(self, layer: int) -> set[int]:
+        return self._cached[layer]
+
+    def observe(self, view: LayerView) -> bool:
+        """Add this iteration's workload (Alg. 2 lines 5-6); True when the layer's window just closed."""
+        if (view.step, view.layer) == self._seen:
+            return False
+        self._seen = (view.step, view.layer)
+        layer = view.layer
+        self._scores[layer][view.active] += view.counts
+        self._windows[layer] += 1
+        return self._windows[layer] % self.w_size == 0
+
+    def replacement(self, layer: int, on_gpu: set[int], protected: set[int]) -> tuple[list[int], list[int]]:
+        """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
+        s = self._scores[layer]
+        cached = self._cached[layer]
+        incoming = sorted((e for e in range(self._experts) if e not in cached), key=lambda e: (-s[e], e))
+        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (s[e], e))
+        swaps_in, swaps_out = [], []
+        for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
+            if self.strict and s[new] <= s[old]:
+                break
+            swaps_in.append(new)
+            swaps_out.append(old)
+        cached.difference_update(swaps_out)
+        cached.update(swaps_in)
+        self._last[layer] = s.copy()
+        s[:] = 0.0
+        return swaps_in, swaps_out
+
+    # -- plain-cache interface, for systems that swap this component in -----------------------
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        if self.observe(view):
+            self._last[view.layer] = self._scores[view.layer].copy()
+            self._scores[view.layer][:] = 0.0
+
+    def _rank(self, layer: int) -> np.ndarray:
+        return self._scores[layer] + 1e-9 * self._last[layer]
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        if n <= 0:
+            return []
+        rank = self._rank(layer)
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        return sorted(candidates, key=lambda e: (rank[e], e))[:n]
+
+    def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
+        rank = self._rank(layer)
+        return sorted(missing, key=lambda e: (-rank[e], e))
+
+
+# ----------------------------------------------------------------------------- the system
+class DaliSystem(ObservingSystem):
+    """DALI's planning steps (003 Sec. 4, Fig. 9); see the module docstring."""
+
+    def _place(self, view: LayerView) -> LayerPlan:
+        cache = self.cache
+        if not isinstance(cache, WorkloadAwareCache):
+            return super()._place(view)  # another cache swapped in: the generic steps
+        window_closed = cache.observe(view)
+        gpu, cpu = self.assign.split(view)
+        plan = LayerPlan(cpu=cpu)
+        solve_s = getattr(self.assign, "last_solve_s", 0.0)
+        if solve_s:
+            plan.overhead_s["predict"] = solve_s
+        layer, state = view.layer, view.cache
+        present = [e for e in gpu if state.has(layer, e)]
+        ready = [e for e in present if e in state.resident[layer]]
+        arriving = sorted((e for e in present if e not in state.resident[layer]), key=lambda e: view.arrivals.get(e, 0.0))
+        plan.streamed = [e for e in gpu if not state.has(layer, e)]
+        plan.gpu = ready + arriving + plan.streamed
+        if window_closed:
+            self._swap(view, plan, set(gpu))
+        self._prefetch(view, plan)
+        return plan
+
+    def _swap(self, view: LayerView, plan: LayerPlan, in_use: set[int]) -> None:
+        """The window's replacement: evict the dropped experts, load the new ones (or promote them
+        from the prefetch buffer, where they already are)."""
+        cache, layer, state = self.cache, view.layer, view.cache
+        assert isinstance(cache, WorkloadAwareCache)
+        protected = in_use | state.in_flight[layer]
+        swaps_in, swaps_out = cache.replacement(layer, state.resident[layer], protected)
+        for e in swaps_out:
+            plan.evictions.append((layer, e))
+        for e in swaps_in:
+            if not state.has(layer, e):
+                plan.prefetches.append((layer, e))
+
+    def _prefetch(self, view: LayerView, plan: LayerPlan) -> None:
+        """Prefetched experts go to buffer slots; stale buffer entries make room, never cached experts."""
+        if not self._prefetching:
+            return
+        cache, state = self.cache, view.cache
+        assert isinstance(cache, WorkloadAwareCache)
+        wanted = self.prefetch.candidates(view)
+        evicted = set(plan.evictions)
+        for target, e in wanted:
+            if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
+                continue
+            dropped = sum(1 for (l, _) in evicted if l == target)
+            queued = sum(1 for (l, _) in plan.prefetches if l == target)
+            if state.free(target) + dropped - queued <= 0:
+                stale = sorted(x for x in state.resident[target]
+                               if x not in cache.cached(target) and (target, x) not in evicted
+                               and not (target == view.layer and x in plan.gpu) and (target, x) not in wanted)
+                if not stale:
+                    continue
+                plan.evictions.append((target, stale[0]))
+                evicted.add((target, stale[0]))
+            plan.prefetches.append((target, e))
+
+
+register_system("dali", SystemSpec(
+    "DALI (003): greedy CPU/GPU assignment, residual-based prefetch into a buffer, workload-aware cache "
+    "replacement over token windows; uncached GPU experts are transferred for one use",
+    cache="dali-workload", assign="dali-greedy", prefetch="dali-residual", system_class=DaliSystem))

@@ -1,0 +1,287 @@
+"""Importance-driven expert scheduling (004_91681cee0e4a4add.txt, Sec. 5).
+
+Components:
+
+* ``importance-router`` (substitute, Sec. 5.1, Alg. 1): per token, the
+  (k+1)-th highest router score is beta; routed experts scoring above
+  ``(1 + alpha) * beta`` are top-score, the other routed ones low-score. A
+  low-score expert that is neither resident nor a top-score expert of some
+  token in the batch (the set C) is replaced by an inactive expert scoring in
+  ``[(1 - alpha) * beta, beta]`` that is resident or in C (the alternative set
+  A); the highest-scoring alternatives replace the lowest-scoring low-score
+  experts. Needs the ``scores`` column.
+* ``top-score`` (prefetch, Sec. 5.2): the experts predicted for the next layer
+  (``pred_next_layer``), ranked by how many tokens predict them and then by
+  their rank in the prediction, highest first; only the first ``size``.
+* ``score-history`` (cache, Sec. 5.3): evicts the expert with the lowest
+  average router score over the last ``n`` iterations, inactive experts'
+  scores included; experts the layer is using are protected (the system
+  passes them as ``protected``). Needs ``scores``.
+* ``two-pointer`` (assign, Sec. 5.4, Alg. 2): experts already on the GPU (or
+  arriving) run there; the rest, sorted by tokens descending, are taken from
+  the front for loading while the cumulative load time is at most the
+  cumulative CPU time, and from the back for the CPU otherwise.
+* ``static-first``: the ablation baseline's cache: the first experts of every
+  layer stay resident, nothing is ever evicted (Sec. 6.3, "Baseline").
+
+The ``importance`` system composes them. Ablation (Sec. 6.3, Fig. 16):
+baseline = ``cache=static-first assign=resident``; +CE = ``cache=score-history
+assign=gpu``; +ER adds ``substitute=importance-router``; +Pre adds
+``prefetch=top-score``; +BA adds ``assign=two-pointer`` (the full system).
+
+Approximation: Sec. 5.2 clears the prefetch queue when the predicted layer's
+gate has run; the engine cannot cancel queued transfers, so a wrong
+prediction still occupies PCIe once (``size`` keeps the queue short).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.policy.assign import Assignment
+from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.cache import CachePolicy
+from moesim.policy.prefetch import Prefetch
+from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, register_component, register_system
+
+
+def require_column(ctx: RunContext, column: str, who: str, why: str) -> None:
+    """Refuse to run without ``column``: one line naming the trace, the column and the fix."""
+    if ctx.columns and column not in ctx.columns:
+        raise ConfigError(f"{who} needs the trace column '{column}' ({why}), which this trace lacks",
+                          source=ctx.trace_path, field=column,
+                          fix=f"capture or synthesize the trace with '{column}' (moesim trace synth writes it "
+                              f"by default), or pick another component with --set")
+
+
+class ObservingSystem(ComposedSystem):
+    """A composed system whose components see every layer's routing, GPU experts or not.
+
+    ``ComposedSystem`` tells the cache only about experts that ran on the GPU
+    (``touch``); score- and workload-based caches need the whole layer, so
+    each component with an ``observe(view)`` method gets the (substituted)
+    view first.
+    """
+
+    def _place(self, view: LayerView) -> LayerPlan:
+        for component in (self.cache, self.assign, self.prefetch):
+            observe = getattr(component, "observe", None)
+            if observe is not None:
+                observe(view)
+        return super()._place(view)
+
+
+# ----------------------------------------------------------------------------- router (Alg. 1)
+def token_thresholds(scores: np.ndarray, k: int, alpha: float) -> tuple[float, float, float]:
+    """(T, L, R) = ((1 + alpha) beta, beta, (1 - alpha) beta), beta the (k+1)-th highest score."""
+    ordered = np.sort(scores.astype(np.float64))[::-1]
+    beta = float(ordered[k]) if k < len(ordered) else 0.0
+    return (1 + alpha) * beta, beta, (1 - alpha) * beta
+
+
+@register_component
+@dataclass
+class ImportanceRouter(Substitution):
+    """Expert-cache router (004 Sec. 5.1, Alg. 1): low-score routed experts not on the GPU are
+    replaced by inactive, similarly scored experts that are resident or top-score for another token.
+
+    The printed Alg. 1 takes alternatives with scores in [R, L) and counts every low-score
+    expert in B_t; the text (Sec. 5.1) keeps low-score experts that are resident or top-score
+    and calls the alternatives' range "between (1-alpha)beta and beta". This follows the text:
+    B_t holds only the low-score experts that would need a load or the CPU, and the
+    alternatives' range is closed at beta (the (k+1)-th expert itself, score exactly beta,
+    is the most similar inactive expert).
+    """
+
+    name = "importance-router"
+    columns = ("scores",)
+    #: substitution threshold alpha (0.35, 0.3, 0.25 in the paper's settings S1-S3, Sec. 6.2)
+    alpha: float = 0.3
+
+    def configure(self, ctx: RunContext) -> None:
+        require_column(ctx, "scores", "substitute 'importance-router'", "router scores decide top- and low-score")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must lie in [0, 1], got {self.alpha}", field="substitute.alpha",
+                              fix="--set substitute.alpha=0.3")
+
+    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+        if view.scores is None:
+            raise ConfigError("substitute 'importance-router' got a layer without router scores", field="scores",
+                              fix="replay a trace with the 'scores' column")
+        k = view.experts.shape[1]
+        scores = view.scores.astype(np.float64)
+        bounds = [token_thresholds(scores[t], k, self.alpha) for t in range(view.tokens)]
+        top_set = {int(e) for t in range(view.tokens) for e in view.experts[t] if scores[t, e] > bounds[t][0]}
+        on_gpu = view.cache.resident[view.layer] | view.cache.in_flight[view.layer]
+        available = on_gpu | top_set
+        out: list[tuple[int, int, int]] = []
+        for t in range(view.tokens):
+            high, low, floor = bounds[t]
+            row = [int(e) for e in view.experts[t]]
+            # low-score experts needing a load or the CPU, lowest score first (they go first)
+            needy = sorted((slot for slot, e in enumerate(row) if scores[t, e] <= high and e not in available),
+                           key=lambda slot: (scores[t, row[slot]], slot))
+            if not needy:
+                continue
+            routed = set(row)
+            alternatives = sorted((e for e in available if e not in routed and floor <= scores[t, e] <= low),
+                                  key=lambda e: (-scores[t, e], e))
+            out += [(t, slot, e) for slot, e in zip(needy, alternatives)]
+        return out
+
+
+# ----------------------------------------------------------------------------- prefetch (Sec. 5.2)
+def ranked_predictions(predicted: list[np.ndarray]) -> list[int]:
+    """Experts predicted by any token, most tokens first, then best position in a token's list, then id."""
+    votes: dict[int, list[int]] = {}
+    for row in predicted:
+        for position, e in enumerate(np.asarray(row).tolist()):
+            entry = votes.setdefault(int(e), [0, position])
+            entry[0] += 1
+            entry[1] = min(entry[1], position)
+    return sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
+
+
+@register_component
+@dataclass
+class TopScorePrefetch(Prefetch):
+    """Top-score prefetch for the next layer (004 Sec. 5.2) from ``pred_next_layer``."""
+
+    name = "top-score"
+    columns = ("pred_next_layer",)
+    #: experts loaded ahead per layer, highest predicted first (0: the model's top-k)
+    size: int = 0
+    _size: int = 0
+    _layers: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        require_column(ctx, "pred_next_layer", "prefetch 'top-score'", "the next layer's predicted experts")
+        self._size = self.size or ctx.model.top_k
+        self._layers = ctx.model.num_layers
+
+    def candidates(self, view: LayerView) -> list[tuple[int, int]]:
+        predicted = view.predictors.get("pred_next_layer")
+        if view.layer + 1 >= self._layers or not predicted:
+            return []
+        return [(view.layer + 1, e) for e in ranked_predictions(predicted)[:self._size]]
+
+
+# ----------------------------------------------------------------------------- cache (Sec. 5.3)
+@register_component
+@dataclass
+class ScoreHistoryCache(CachePolicy):
+    """Evicts the lowest average router score over the last ``n`` iterations (004 Sec. 5.3).
+
+    An iteration's score of an expert is its mean score over the tokens of that
+    layer, inactive experts included. In-use protection: the system never
+    offers an expert its current layer computes as a victim.
+    """
+
+    name = "score-history"
+    columns = ("scores",)
+    #: iterations (forward passes) of score history per layer
+    n: int = 8
+    _history: list[deque] = field(default_factory=list, repr=False)
+    _sums: list[np.ndarray] = field(default_factory=list, repr=False)
+    _seen: tuple[int, int] = (-1, -1)
+
+    def configure(self, ctx: RunContext) -> None:
+        require_column(ctx, "scores", "cache 'score-history'", "evictions rank experts by their recent scores")
+        if self.n < 1:
+            raise ConfigError(f"n must be at least 1, got {self.n}", field="cache.n", fix="--set cache.n=8")
+        self._history = [deque() for _ in ctx.capacity]
+        self._sums = [np.zeros(ctx.model.num_experts) for _ in ctx.capacity]
+        self._seen = (-1, -1)
+
+    def observe(self, view: LayerView) -> None:
+        if (view.step, view.layer) == self._seen or view.scores is None:
+            return
+        self._seen = (view.step, view.layer)
+        mean = view.scores.astype(np.float64).mean(axis=0)
+        history, layer = self._history[view.layer], view.layer
+        history.append(mean)
+        self._sums[layer] += mean
+        if len(history) > self.n:
+            self._sums[layer] -= history.popleft()
+
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        self.observe(view)  # in systems without observe hooks, layers with GPU experts still count
+
+    def average(self, layer: int) -> np.ndarray:
+        return self._sums[layer] / max(len(self._history[layer]), 1)
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        if n <= 0:
+            return []
+        avg = self.average(layer)
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        return sorted(candidates, key=lambda e: (avg[e], e))[:n]
+
+    def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
+        avg = self.average(layer)
+        return sorted(missing, key=lambda e: (-avg[e], e))
+
+
+@register_component
+@dataclass
+class StaticFirstCache(CachePolicy):
+    """The first experts of every layer stay resident and nothing is evicted (004 Sec. 6.3 baseline)."""
+
+    name = "static-first"
+
+
+# ----------------------------------------------------------------------------- balancer (Alg. 2)
+def two_pointer(counts: dict[int, int], t_load: float, cpu_time, load_head_start: float = 0.0
+                ) -> tuple[list[int], list[int]]:
+    """Alg. 2 of 004: (experts to load, experts for the CPU); ``cpu_time(tokens)`` gives B_i * t_cpu."""
+    order = sorted(counts, key=lambda e: (-counts[e], e))
+    load, cpu = [], []
+    c_load, c_cpu = load_head_start, 0.0
+    left, right = 0, len(order) - 1
+    while left <= right:
+        if c_load <= c_cpu:
+            c_load += t_load
+            load.append(order[left])
+            left += 1
+        else:
+            c_cpu += cpu_time(counts[order[right]])
+            cpu.append(order[right])
+            right -= 1
+    return load, cpu
+
+
+@register_component
+@dataclass
+class TwoPointerBalancer(Assignment):
+    """CPU-load balancer (004 Sec. 5.4, Alg. 2) for the experts not on the GPU.
+
+    Generalisations, both exact for the paper's linear CPU model: the CPU time of
+    B tokens is the profile's curve ``cpu_expert(B)`` rather than ``B * t_cpu``,
+    and the load pointer starts at the remaining PCIe time of this layer's loads
+    already in flight (prefetches arriving), which the balance must absorb too.
+    """
+
+    name = "two-pointer"
+
+    def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        layer = view.layer
+        on_gpu = view.cache.resident[layer] | view.cache.in_flight[layer]
+        gpu = [e for e in view.active if e in on_gpu]
+        rest = {e: n for e, n in zip(view.active, view.counts) if e not in on_gpu}
+        if not rest:
+            return gpu, []
+        pending = max((at - view.now for at in view.arrivals.values()), default=0.0)
+        load, cpu = two_pointer(rest, view.costs.expert_load, view.costs.cpu_expert, max(pending, 0.0))
+        return gpu + load, cpu
+
+
+register_system("importance", SystemSpec(
+    "Importance-driven scheduling (004): expert-cache router, top-score next-layer prefetch, score-history "
+    "eviction with in-use protection, two-pointer CPU-load balancer",
+    cache="score-history", assign="two-pointer", prefetch="top-score", substitute="importance-router",
+    system_class=ObservingSystem))

@@ -1,0 +1,123 @@
+"""BuddyMoE (002_95ae8307b42d2a8d.txt): buddy lists (Eq. 4-6), TAE (Eq. 1), gates and Alg. 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.buddymoe import BuddySubstitution, buddy_lists, coactivation, substitute_buddies, tae
+from moesim.policy.state import CacheState
+from moesim.sim.run import simulate
+from moesim.trace.synth import SynthConfig, synthesize
+from tests.factories import tiny_model, tiny_profile
+
+
+def test_coactivation_counts_and_cft_prefix():
+    experts = np.array([[0, 1], [0, 1], [0, 2], [1, 2]])
+    m = coactivation(experts, 4)
+    assert m[0].tolist() == [0, 2, 1, 0] and m[1, 2] == 1 and m[2, 1] == 1
+    # q_{.|0} = (2/3, 1/3, 0): 0.6 needs one peer, 0.9 two; expert 3 never ran: no buddies
+    assert buddy_lists(m, 0.6, 16, 0.0)[0] == [1]
+    assert buddy_lists(m, 0.9, 16, 0.0)[0] == [1, 2]
+    assert buddy_lists(m, 0.9, 16, 0.0)[3] == []
+    # Laplace smoothing eps=1: row 0 becomes (3, 2, 1)/6, so 0.6 needs two peers; K_max caps at 1
+    assert buddy_lists(m, 0.6, 16, 1.0)[0] == [1, 2]
+    assert buddy_lists(m, 0.99, 1, 1.0)[0] == [1]
+
+
+def test_weighted_coactivation_uses_min_probability():
+    m = coactivation(np.array([[0, 1]]), 2, np.array([[0.75, 0.25]]))
+    assert m[0, 1] == pytest.approx(0.25) and m[1, 0] == pytest.approx(0.25)
+
+
+def test_tae_is_normalised_entropy():
+    values = tae(np.array([[0.5, 0.5], [1.0, 0.0], [0.3, 0.1]]))
+    assert values[0] == pytest.approx(1.0) and values[1] == pytest.approx(0.0)
+    p = np.array([0.75, 0.25])
+    assert values[2] == pytest.approx(-(p * np.log(p)).sum() / np.log(2))
+
+
+def test_alg1_skips_a_buddy_already_in_the_tokens_set():
+    buddies = [[1], [0], [0], [0, 2], [1, 0]]
+    # token 0 routes (0, 3); 3 is missing; its best buddy 0 is already the token's: 2 is taken
+    assert substitute_buddies(np.array([[0, 3]]), {0, 1, 2}, {0, 1, 2}, buddies, 16) == [(0, 1, 2)]
+    # with search limit H = 1 only buddy 0 is looked at, and it is skipped
+    assert substitute_buddies(np.array([[0, 3]]), {0, 1, 2}, {0, 1, 2}, buddies, 1) == []
+    # two missing experts of one token map to distinct buddies; budget rho = 1 stops after one
+    assert substitute_buddies(np.array([[3, 4]]), {0, 1, 2}, {0, 1, 2}, buddies, 16) == [(0, 0, 0), (0, 1, 1)]
+    assert substitute_buddies(np.array([[3, 4]]), {0, 1, 2}, {0, 1, 2}, buddies, 16, rho=1) == [(0, 0, 0)]
+    # the TAE gate forbids token 0
+    assert substitute_buddies(np.array([[3, 4]]), {0, 1, 2}, {0, 1, 2}, buddies, 16, np.array([False])) == []
+
+
+def _view(experts, resident, weights=None, experts_total=5):
+    model = tiny_model(layers=1, experts=experts_total, top_k=2)
+    state = CacheState(capacity=[experts_total])
+    state.preload(0, sorted(resident))
+    arr = np.array(experts)
+    active, counts = active_experts(arr, experts_total)
+    return LayerView(0, 0, "decode", arr, active, counts, state, CostModel(tiny_profile(), model),
+                     weights=None if weights is None else np.array(weights, dtype=np.float32))
+
+
+def _configured(tmp_path, **params):
+    cal = synthesize(SynthConfig.from_settings(model=tiny_model(layers=1, experts=5, top_k=2), requests=1,
+                                               prompt_len=64, decode_len=0, seed=3), tmp_path / "cal.parquet")
+    sub = BuddySubstitution(calibration=str(cal), **params)
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    sub.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
+    return sub
+
+
+def test_distribution_gate_beta(tmp_path):
+    sub = _configured(tmp_path, beta=0.5, tau=0.0)
+    sub._buddies = [[[1], [0], [0], [0, 2], [1, 0]]]
+    # requested {0, 3}: half of them off the GPU -> delta = 0.5 >= beta: bypass
+    assert sub.rewrite(_view([[0, 3]], {0, 1, 2}, [[0.5, 0.5]])) == []
+    # requested {0, 1, 2, 3}: delta = 0.25 < 0.5: expert 3 of token 1 gets buddy 0
+    assert sub.rewrite(_view([[0, 1], [2, 3]], {0, 1, 2}, [[0.5, 0.5], [0.5, 0.5]])) == [(1, 1, 0)]
+
+
+def test_tae_gate_blocks_peaky_tokens(tmp_path):
+    sub = _configured(tmp_path, beta=1.0, tau=0.5)
+    sub._buddies = [[[1], [0], [0], [0, 2], [1, 0]]]
+    assert sub.rewrite(_view([[1, 3]], {0, 1, 2}, [[0.95, 0.05]])) == []  # TAE 0.29 <= 0.5
+    assert sub.rewrite(_view([[1, 3]], {0, 1, 2}, [[0.6, 0.4]])) == [(0, 1, 0)]  # TAE 0.97
+
+
+def test_percentile_calibration_sets_tau_from_the_calibration_trace(tmp_path):
+    sub = _configured(tmp_path, tau=-1.0, tau_percentile=20.0)
+    import pyarrow.parquet as pq
+    weights = pq.read_table(tmp_path / "cal.parquet", columns=["weights"]).column("weights")
+    p = weights.combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    assert sub._tau[0] == pytest.approx(np.percentile(tae(p), 20.0))
+
+
+@pytest.fixture(scope="module")
+def ds_like(tmp_path_factory):
+    """A DeepSeek-V2-Lite-shaped synthetic trace (64 experts, top-6) and its calibration trace."""
+    from moesim.model.presets import load_preset
+    model = load_preset("deepseek-v2-lite")
+    out = tmp_path_factory.mktemp("buddy")
+    trace = synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=8, decode_len=24, seed=5),
+                       out / "t.parquet")
+    return str(trace)
+
+
+def test_buddymoe_replays_with_engine_checks_and_saves_pcie(ds_like):
+    base = {"engine.check": "true", "cache.slots_per_layer": "24"}
+    buddy = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", base))
+    original = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", {**base, "substitute": "none"}))
+    assert buddy["substituted_experts"] > 0 and 0 < buddy["substituted_weight_mass"] < 1
+    # 002 Sec. 5.3: substitution cuts PCIe reads; Tables 2-4: throughput goes up
+    assert buddy["pcie_h2d_bytes"] < original["pcie_h2d_bytes"]
+    assert buddy["decode_tokens_per_s"] > original["decode_tokens_per_s"]
+
+
+def test_random_baseline_substitutes_every_missing_expert(ds_like):
+    settings = {"engine.check": "true", "cache.slots_per_layer": "24", "substitute": "random"}
+    m = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", settings))
+    assert m["substituted_experts"] > 0

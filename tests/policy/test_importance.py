@@ -1,0 +1,128 @@
+"""Importance-driven scheduling (004_91681cee0e4a4add.txt): router (Alg. 1), top-score prefetch,
+score-history eviction (Sec. 5.3), two-pointer balancer (Alg. 2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.errors import ConfigError
+from moesim.hw.cost import CostModel
+from moesim.model.presets import load_preset
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, TopScorePrefetch,
+                                              token_thresholds, two_pointer)
+from moesim.policy.state import CacheState
+from moesim.sim.run import simulate
+from moesim.trace.synth import SynthConfig, synthesize
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+SCORES = [0.40, 0.20, 0.15, 0.10, 0.08, 0.07]
+
+
+def test_thresholds_are_one_plus_and_one_minus_alpha_times_beta():
+    high, low, floor = token_thresholds(np.array(SCORES), k=2, alpha=0.5)
+    assert low == pytest.approx(0.15)  # beta: the (k+1)-th score
+    assert high == pytest.approx(1.5 * 0.15) and floor == pytest.approx(0.5 * 0.15)
+
+
+def _view(experts, scores, resident, num_experts=6):
+    model = tiny_model(layers=2, experts=num_experts, top_k=2)
+    state = CacheState(capacity=[num_experts, num_experts])
+    state.preload(0, sorted(resident))
+    arr = np.array(experts)
+    active, counts = active_experts(arr, num_experts)
+    return LayerView(0, 0, "decode", arr, active, counts, state, CostModel(tiny_profile(), model),
+                     scores=np.array(scores, dtype=np.float16))
+
+
+def test_router_replaces_a_low_score_expert_with_a_resident_alternative():
+    router = ImportanceRouter(alpha=0.5)
+    # T = 0.225, L = 0.15, R = 0.075: expert 0 (0.40) is top-score, expert 1 (0.20) low-score
+    # alternatives: inactive, 0.075 <= score <= 0.15, resident or top-score: only 3 (0.10) is resident
+    assert router.rewrite(_view([[0, 1]], [SCORES], {3})) == [(0, 1, 3)]
+    # several alternatives: the highest score wins (2, 0.15); 5 (0.07) is below R
+    assert router.rewrite(_view([[0, 1]], [SCORES], {2, 3, 5})) == [(0, 1, 2)]
+    # a low-score expert already resident stays; so does one when no alternative qualifies
+    assert router.rewrite(_view([[0, 1]], [SCORES], {1, 3})) == []
+    assert router.rewrite(_view([[0, 1]], [SCORES], {5})) == []
+    # alpha = 0.2: T = 0.18, so expert 1 (0.20) is top-score and never replaced
+    assert ImportanceRouter(alpha=0.2).rewrite(_view([[0, 1]], [SCORES], {3})) == []
+
+
+def test_router_alternative_may_be_another_tokens_top_score_expert():
+    other = [0.05, 0.05, 0.05, 0.70, 0.10, 0.05]  # token 1's top-score expert is 3
+    # nothing resident: token 0's expert 1 is replaced by 3, computed anyway for token 1
+    assert ImportanceRouter(alpha=0.5).rewrite(_view([[0, 1], [3, 4]], [SCORES, other], set())) == [(0, 1, 3)]
+
+
+def test_router_refuses_a_trace_without_scores(tmp_path):
+    model = tiny_model()
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             [{"phase": "decode", "tokens": {0: (0, [[[0, 1]], [[2, 3]]])}}])
+    with pytest.raises(ConfigError, match="'scores'.*fix:"):
+        simulate(str(trace), tiny_profile(), "importance", {})
+    router = ImportanceRouter()
+    with pytest.raises(ConfigError, match="scores"):
+        router.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4, 4],
+                                    trace_path="t.parquet", columns=("weights",)))
+
+
+def test_top_score_prefetch_ranks_by_votes_then_position():
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    prefetch = TopScorePrefetch(size=2)
+    prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[6, 6],
+                                  columns=("pred_next_layer",)))
+    view = _view([[0, 1]] * 3, [SCORES] * 3, set())
+    view.predictors = {"pred_next_layer": [np.array([4, 2]), np.array([5, 4]), np.array([2, 1])]}
+    assert prefetch.candidates(view) == [(1, 2), (1, 4)]  # 2 and 4 have two votes, 2 came first once
+
+
+def test_score_history_evicts_lowest_average_over_n_iterations_with_protection():
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    cache = ScoreHistoryCache(n=2)
+    cache.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4],
+                               columns=("scores",)))
+    history = [[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.5, 0.05, 0.25, 0.2]]
+    for step, scores in enumerate(history):
+        view = _view([[0, 1]], [scores], {0, 1, 2, 3}, num_experts=4)
+        view.step = step
+        cache.observe(view)
+    # only the last two iterations count: averages 0.45, 0.175, 0.225, 0.15 (inactive experts included)
+    assert np.allclose(cache.average(0), [0.45, 0.175, 0.225, 0.15], atol=1e-3)
+    assert cache.victims(view, 0, 2, set()) == [3, 1]
+    assert cache.victims(view, 0, 2, {3}) == [1, 2]  # an expert in use is shielded
+
+
+def test_two_pointer_balancer_alg2():
+    counts = {10: 5, 11: 3, 12: 2, 13: 1}
+    # l: load 10 (C_load 1); C_load 1 > C_cpu 0 -> CPU 13 (0.4); 1 > 0.4 -> CPU 12 (1.2); 1 <= 1.2 -> load 11
+    load, cpu = two_pointer(counts, 1.0, lambda n: 0.4 * n)
+    assert load == [10, 11] and cpu == [13, 12]
+    assert two_pointer(counts, 1.0, lambda n: 0.4 * n, load_head_start=5.0) == ([], [13, 12, 11, 10])
+
+
+@pytest.fixture(scope="module")
+def ds_like(tmp_path_factory):
+    out = tmp_path_factory.mktemp("importance")
+    return str(synthesize(SynthConfig.from_settings(model=load_preset("deepseek-v2-lite"), requests=3, prompt_len=8,
+                                                    decode_len=16, batch=3, seed=4), out / "t.parquet"))
+
+
+SETTINGS = {"engine.check": "true", "cache.slots_per_layer": "16"}
+
+
+def test_importance_replays_with_engine_checks(ds_like):
+    m = metrics(simulate(ds_like, "hwprofiles/rtx3090.yaml", "importance", SETTINGS))
+    assert m["substituted_experts"] > 0 and m["prefetches"] > 0 and m["cpu_util"] > 0
+
+
+def test_expert_cache_router_cuts_loads_and_tpot(ds_like):
+    """004 Sec. 6.3 (+ER over +CE): replacing low-score experts with resident ones lowers TPOT."""
+    ce = {**SETTINGS, "assign": "gpu", "prefetch": "none", "substitute": "none"}
+    er = {**SETTINGS, "assign": "gpu", "prefetch": "none"}
+    with_ce = metrics(simulate(ds_like, "hwprofiles/rtx3090.yaml", "importance", ce))
+    with_er = metrics(simulate(ds_like, "hwprofiles/rtx3090.yaml", "importance", er))
+    assert with_er["demand_loads"] + with_er["streamed_experts"] < with_ce["demand_loads"] + with_ce["streamed_experts"]
+    assert with_er["tpot_ms_mean"] < with_ce["tpot_ms_mean"]
