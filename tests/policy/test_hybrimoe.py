@@ -1,0 +1,152 @@
+"""HybriMoE (baseline of 000_dba2fecbbc66318b.txt): score update, head/tail scheduling, layer-wise prefetch, replays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.hybrimoe import LayerWisePrefetch, ScoreAwareCache, hybrid_schedule
+from moesim.policy.state import CacheState
+from moesim.sim.run import simulate
+from moesim.trace import TraceMeta, write_trace
+from tests.factories import tiny_model, tiny_profile
+
+LAUNCH = 3 * 5e-6
+
+
+def view_for(model, profile, rows, *, resident=(), in_flight=(), scores=None, phase="decode", layer=0,
+             next_layer=None):
+    routed = np.array(rows, dtype=np.int16)
+    active, counts = active_experts(routed, model.num_experts)
+    cache = CacheState(capacity=[4] * model.num_layers)
+    cache.resident[layer] = set(resident)
+    cache.in_flight[layer] = set(in_flight)
+    predictors = {"pred_next_layer": [np.array(p, dtype=np.int16) for p in next_layer]} if next_layer else {}
+    return LayerView(0, layer, phase, routed, active, counts, cache, CostModel(profile, model),
+                     scores=None if scores is None else np.array(scores, dtype=np.float16),
+                     predictors=predictors, expert_launch_s=LAUNCH)
+
+
+def test_score_update_follows_the_formula():
+    model, profile = tiny_model(layers=1, experts=4, top_k=2), tiny_profile()
+    cache = ScoreAwareCache(alpha=0.5, top_p=2)
+    cache.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[4], columns=("scores",)))
+    cache.observe(view_for(model, profile, [[1, 2]], scores=[[0.125, 0.5, 0.25, 0.125]]))
+    # TopP keeps experts 1 and 2: S = 0.5 * s there, 0 elsewhere
+    assert cache.priority(0).tolist() == pytest.approx([0.0, 0.25, 0.125, 0.0])
+    cache.observe(view_for(model, profile, [[0, 2]], scores=[[0.5, 0.125, 0.25, 0.125]]))
+    # TopP keeps 0 and 2; 1 and 3 decay by (1 - alpha)
+    assert cache.priority(0).tolist() == pytest.approx([0.25, 0.125, 0.1875, 0.0])
+    view = view_for(model, profile, [[0, 2]], resident=[0, 1, 2, 3])
+    assert cache.victims(view, 0, 2, protected={0}) == [3, 1]
+
+
+def test_scores_fall_back_to_routed_weights_with_a_note():
+    model, profile = tiny_model(layers=1, experts=4, top_k=2), tiny_profile()
+    cache = ScoreAwareCache(alpha=1.0, top_p=4)
+    ctx = RunContext(model=model, costs=CostModel(profile, model), capacity=[4])
+    cache.configure(ctx)
+    cache.observe(view_for(model, profile, [[1, 2], [1, 3]]))
+    assert cache.priority(0).tolist() == pytest.approx([0.0, 0.5, 0.25, 0.25])
+    assert "no scores column" in ctx.notes[0]
+
+
+def test_head_tail_scheduling_on_hand_example():
+    # cpu(n) = 100 sqrt(n) us, gpu(n) = 100 sqrt(n) us + 15 us launch, sync 20 us, copy 110 us
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    profile = tiny_profile(cpu_us=(100.0, 1000.0), pcie_gbps=0.49152)
+    # counts: e0 4 (cached), e1 1 (cached), e2 3 (not cached), e3 1 (not cached)
+    rows = [[0, 2], [0, 2], [0, 2], [0, 1], [3, 5]]
+    view = view_for(model, profile, rows, resident=[0, 1, 5])
+    # order: cached by load [0, 1, 5], then uncached [2, 3]
+    # 1: head 0 -> GPU 215 | tail 3 -> CPU 20 + 100 = 120: CPU takes 3
+    # 2: head 0 -> 215 | tail 2 -> 120 + 173.2 = 293.2: GPU takes 0 (215)
+    # 3: head 1 -> 215 + 115 = 330 | tail 2 -> 293.2: CPU takes 2 (293.2)
+    # 4: head 1 -> 330 | tail 5 -> 393.2: GPU takes 1 (330)
+    # 5: head 5 -> 445 | tail 5 -> 393.2: CPU takes 5
+    assert hybrid_schedule(view) == ([0, 1], [3, 2, 5])
+
+
+def test_uncached_head_waits_for_its_copy():
+    model = tiny_model(layers=1, experts=8, top_k=1)
+    profile = tiny_profile(cpu_us=(100.0, 1000.0), pcie_gbps=0.49152)
+    # e1 cached with 1 token, e2 not cached with 9 tokens
+    view = view_for(model, profile, [[1]] + [[2]] * 9, resident=[1])
+    # head 1 -> GPU 115 | tail 2 -> CPU 20 + 300 = 320: GPU takes 1
+    # head 2 -> max(115, 110) + 300 + 15 = 430 | tail 2 -> 320: CPU takes 2
+    assert hybrid_schedule(view) == ([1], [2])
+    # with its copy in flight e2 counts as cached (the layer waits for prefetches) and leads the order:
+    # head 2 -> 300 + 15 = 315 | tail 1 -> 20 + 100 = 120: CPU takes 1; then 315 < 420: GPU takes 2
+    inflight = view_for(model, profile, [[1]] + [[2]] * 9, resident=[1], in_flight=[2])
+    assert hybrid_schedule(inflight) == ([2], [1])
+
+
+def test_layer_wise_prefetch_targets_the_next_layer():
+    model, profile = tiny_model(layers=3, experts=8, top_k=2), tiny_profile()
+    prefetch = LayerWisePrefetch(n=2)
+    prefetch.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[4] * 3,
+                                  columns=("pred_next_layer",)))
+    view = view_for(model, profile, [[0, 1]], next_layer=[[6, 4, 3]])
+    view.cache.resident[1] = {6}
+    assert prefetch.candidates(view) == [(1, 4)]  # top-2 predictions are 6 (cached) and 4
+    assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], layer=2)) == []
+    assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], phase="prefill")) == []
+
+
+def test_prefetch_falls_back_to_priorities():
+    model, profile = tiny_model(layers=2, experts=4, top_k=1), tiny_profile()
+    ctx = RunContext(model=model, costs=CostModel(profile, model), capacity=[2, 2], columns=("scores",))
+    cache, prefetch = ScoreAwareCache(alpha=1.0, top_p=4), LayerWisePrefetch(n=1)
+    cache.configure(ctx)
+    prefetch.configure(ctx)
+    prefetch.use_priorities(cache)
+    cache.observe(view_for(model, profile, [[2]], scores=[[0.1, 0.2, 0.6, 0.1]], layer=1))
+    assert prefetch.candidates(view_for(model, profile, [[0]])) == [(1, 2)]
+    assert any("no pred_next_layer" in note for note in ctx.notes)
+
+
+# ----------------------------------------------------------------------------- replays
+def trace_with_predictor(path: Path, model, prompt: int, decode: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tokens = [[rng.choice(model.num_experts, model.top_k, replace=False).tolist()
+               for _ in range(model.num_layers)] for _ in range(prompt + decode)]
+    rows = []
+    for t, by_layer in enumerate(tokens):
+        for layer, experts in enumerate(by_layer):
+            nxt = by_layer[layer + 1] if layer + 1 < model.num_layers else []
+            rows.append((0 if t < prompt else t - prompt + 1, layer, 0, t, "prefill" if t < prompt else "decode",
+                         experts, nxt))
+    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
+    data = {name: np.array([r[i] for r in rows]) for i, name in enumerate(("step", "layer", "request", "position"))}
+    data["phase"] = [r[4] for r in rows]
+    data["experts"] = np.array([r[5] for r in rows], dtype=np.int16)
+    data["pred_next_layer"] = [r[6] for r in rows]
+    return write_trace(path, data, TraceMeta(model=model, source={"kind": "test"}))
+
+
+def test_replay_passes_invariants_and_beats_cpu_only_in_prefill(tmp_path):
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    trace = trace_with_predictor(tmp_path / "t.parquet", model, prompt=40, decode=10)
+    profile = tiny_profile(pcie_gbps=0.49152)
+    hybri = metrics(simulate(str(trace), profile, "hybrimoe", {"engine.check": "true", "cache.slots_per_layer": "3"}))
+    ktrans = metrics(simulate(str(trace), profile, "ktransformers", {"engine.check": "true"}))
+    # 000 Sec. VI-B: caching and hybrid scheduling relieve the CPU, so HybriMoE's TTFT is below KTransformers'
+    assert hybri["ttft_ms"] < ktrans["ttft_ms"]
+    assert hybri["prefetches"] > 0 and hybri["gpu_share_of_activations"] > 0
+
+
+def test_waiting_for_prefetches_shows_as_wait_cache(tmp_path):
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    trace = trace_with_predictor(tmp_path / "t.parquet", model, prompt=2, decode=10)
+    profile = tiny_profile(pcie_gbps=0.049152)  # 1 ms copies against 50 us attention: prefetches arrive late
+    common = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    waiting = metrics(simulate(str(trace), profile, "hybrimoe", common))
+    free = metrics(simulate(str(trace), profile, "hybrimoe", {**common, "prefetch.wait": "false"}))
+    # waiting for every prefetch, used or not, holds the whole layer back
+    assert waiting["tpot_ms_mean"] > free["tpot_ms_mean"]
+    assert waiting["breakdown_ms"]["wait_cache"] > 0

@@ -1,0 +1,75 @@
+"""llama.cpp ``--n-cpu-moe N``: layer placement, the memory check, op offload of large batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.errors import ConfigError
+from moesim.hw.cost import CostModel
+from moesim.hw.profile import parse_profile
+from moesim.policy.base import RunContext
+from moesim.policy.catalog.llamacpp import LlamaCppLayers
+from moesim.sim.engine import result_to_frames
+from moesim.sim.run import simulate
+from tests.factories import profile_dict, random_routing, tiny_model, tiny_profile, write_tiny_trace
+
+GIB = 2**30
+
+
+def small_gpu(model, layers_that_fit: float, kv_tokens: int):
+    """A profile whose GPU holds non-expert weights, KV, 2 staging buffers and ``layers_that_fit`` expert layers."""
+    costs = CostModel(tiny_profile(), model)
+    need = (model.non_expert_bytes(costs.dtype) + kv_tokens * model.kv_bytes_per_token() + 2 * costs.expert_bytes
+            + layers_that_fit * model.num_experts * costs.expert_bytes)
+    raw = profile_dict()
+    raw["gpu"]["memory_gib"], raw["gpu"]["reserved_gib"] = need / GIB, 0
+    return parse_profile(raw, origin="small-gpu")
+
+
+def trace(tmp_path, model, prompt=4, decode=3):
+    routing = random_routing(np.random.default_rng(0), model, requests=1, prompt=prompt, decode=decode)
+    return write_tiny_trace(tmp_path / "t.parquet", model, routing)
+
+
+def test_first_n_layers_on_cpu_the_rest_resident(tmp_path):
+    model = tiny_model(layers=3, experts=4, top_k=2)
+    placement = LlamaCppLayers(n_cpu_moe=2)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * 3,
+                     trace_path=str(trace(tmp_path, model)))
+    placement.configure(ctx)
+    assert [placement.initial(layer, 4) for layer in range(3)] == [[], [], [0, 1, 2, 3]]
+    assert "--n-cpu-moe 2" in ctx.notes[-1]
+
+
+def test_memory_decides_the_smallest_n(tmp_path):
+    model = tiny_model(layers=3, experts=4, top_k=2)
+    path = trace(tmp_path, model)
+    profile = small_gpu(model, layers_that_fit=1.5, kv_tokens=7)  # prompt 4 + decode 3
+    settings = {"cache.workspace_gib": "0", "engine.check": "true"}
+    auto = simulate(str(path), profile, "llamacpp", settings)
+    assert [len(r) for r in auto.initial_resident] == [0, 0, 4]  # only one whole layer fits
+    with pytest.raises(ConfigError, match=r"cache.n_cpu_moe >= 2"):
+        simulate(str(path), profile, "llamacpp", {**settings, "cache.n_cpu_moe": "1"})
+
+
+def test_cpu_layers_compute_on_cpu_in_decode_and_offload_large_prefills(tmp_path):
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    path = trace(tmp_path, model, prompt=40, decode=3)
+    profile = tiny_profile(pcie_gbps=0.49152)
+    result = simulate(str(path), profile, "llamacpp", {"cache.n_cpu_moe": "1", "engine.check": "true"},
+                      decisions=True)
+    log = result_to_frames(result)["decisions"]
+    decode = log[log.step > 0]
+    assert set(decode[decode.layer == 0].action) == {"cpu"}
+    assert set(decode[decode.layer == 1].action) == {"gpu_hit"}
+    prefill = log[log.step == 0]
+    # 40 tokens >= 32: the CPU layer's activated experts are copied to the GPU for this batch only
+    assert set(prefill[prefill.layer == 0].action) == {"gpu_stream"}
+    m = metrics(result)
+    assert m["demand_loads"] == 0 and m["evictions"] == 0 and m["streamed_experts"] == 4
+    no_offload = simulate(str(path), profile, "llamacpp",
+                          {"cache.n_cpu_moe": "1", "assign.op_offload_min_batch": "0"}, decisions=True)
+    log = result_to_frames(no_offload)["decisions"]
+    assert set(log[(log.step == 0) & (log.layer == 0)].action) == {"cpu"}
