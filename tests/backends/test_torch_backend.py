@@ -1,0 +1,121 @@
+"""Real backend: same decisions as the simulator, copies land in the right slots, copy-engine priority."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backends.devices import Clock, CopyEngine, HostWork  # noqa: E402
+from backends.torch_backend import LayerRouting, RealConfig, RealExecutor, check_device, prepare_real  # noqa: E402
+from moesim.analysis.metrics import metrics  # noqa: E402
+from moesim.errors import ConfigError  # noqa: E402
+from moesim.sim.engine import TIMELINE_COLUMNS, result_to_frames  # noqa: E402
+from moesim.sim.run import simulate  # noqa: E402
+from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace  # noqa: E402
+
+SETTINGS = {"cache.slots_per_layer": "3"}
+TIMING_INDEPENDENT = ("cpu-only", "gpu-only-lru", "static-hot")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    model = tiny_model(layers=3, experts=8, top_k=2, shared=True)
+    path = tmp_path_factory.mktemp("real") / "tiny.parquet"
+    return str(write_tiny_trace(path, model, random_routing(np.random.default_rng(1), model, 2, 8, 4)))
+
+
+def _config(device: str = "cpu") -> RealConfig:
+    return RealConfig(device=device, cpu_threads=1, warmup_steps=1)
+
+
+@pytest.mark.parametrize("system", TIMING_INDEPENDENT)
+def test_cpu_run_logs_the_simulators_decisions(trace, system):
+    executor = prepare_real(trace, tiny_profile(), system, SETTINGS, _config())
+    real = executor.run()
+    sim = simulate(trace, tiny_profile(), system, SETTINGS, decisions=True)
+    assert real.decisions == sim.decisions
+    assert [s.step for s in real.steps] == [s.step for s in sim.steps] == list(range(6))
+    assert [s.phase for s in real.steps] == ["prefill", "prefill"] + ["decode"] * 4
+    assert all(s.end > s.start for s in real.steps)
+    assert real.counters.hits == sim.counters.hits
+    assert real.counters.demand_loads == sim.counters.demand_loads
+    assert real.counters.evictions == sim.counters.evictions
+    frame = result_to_frames(real)["timeline"]
+    assert list(frame.columns) == list(TIMELINE_COLUMNS)
+    assert (frame["end_s"] >= frame["start_s"]).all()
+    kinds = set(zip(frame["resource"], frame["kind"]))
+    assert ("gpu", "attention") in kinds and ("gpu", "shared") in kinds
+    # attention once per (step, layer); every CPU decision is a CPU interval
+    assert (frame["kind"] == "attention").sum() == 6 * 3
+    assert (frame["resource"] == "cpu").sum() == sum(1 for d in real.decisions if d[3] == "cpu")
+    m = metrics(real)
+    assert m["ttft_ms"] > 0 and m["tpot_ms_mean"] > 0 and m["decode_tokens"] == 8
+
+
+def test_lru_run_moves_weights_into_the_slots_it_reports(trace):
+    executor = prepare_real(trace, tiny_profile(), "gpu-only-lru", SETTINGS, _config())
+    result = executor.run()
+    actions = {d[3] for d in result.decisions}
+    assert {"gpu_load", "evict", "gpu_hit"} <= actions
+    assert result.pcie_bytes == result.counters.demand_loads * executor.costs.expert_bytes \
+        + result.counters.streamed * executor.costs.expert_bytes
+    weights = executor.weights
+    for layer in range(3):
+        # the last step's loads complete before it ends; the cache state learns so at the next plan
+        experts = executor.cache.resident[layer] | executor.cache.in_flight[layer]
+        assert len(experts) == 3
+        for e in experts:
+            assert torch.equal(weights.on_gpu(layer, e), weights.host[layer, e])
+    pcie = result_to_frames(result)["timeline"].query("resource == 'pcie'")
+    assert len(pcie) == result.counters.demand_loads + result.counters.streamed
+
+
+def test_copy_engine_serves_demand_before_queued_prefetches():
+    clock = Clock(False)
+    engine = CopyEngine(clock, cuda=False)
+    gate = HostWork()  # holds both copies until both are queued
+    src, a, b = torch.ones(1000), torch.zeros(1000), torch.zeros(1000)
+    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0, after=gate)
+    demand = engine.submit(b, src, priority=0, kind="load", layer=0, expert=0, step=0, after=gate)
+    assert [t.kind for t in engine.queued()] == ["load", "prefetch"]
+    gate.event.set()
+    prefetch.wait()
+    demand.wait()
+    engine.close()
+    assert demand.interval()[1] <= prefetch.interval()[0]
+    assert torch.equal(a, src) and torch.equal(b, src)
+
+
+def test_routing_groups_rows_by_expert():
+    experts = np.array([[2, 0], [0, 1], [2, 1]])
+    weights = np.array([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]], dtype=np.float32)
+    routing = LayerRouting.of(experts, weights)
+    assert routing.spans == {0: (0, 2), 1: (2, 2), 2: (4, 2)}
+    assert routing.rows.tolist() == [0, 1, 1, 2, 0, 2]
+    assert routing.weights.tolist() == pytest.approx([0.4, 0.7, 0.3, 0.5, 0.6, 0.5])
+
+
+def test_attention_batches_follow_requests():
+    same = RealExecutor._batches(np.array([0, 1, 2]), np.array([9, 4, 7]))
+    assert [(b.requests, b.tokens, b.context) for _, b in same] == [(3, 1, 10)]
+    mixed = RealExecutor._batches(np.array([5, 5, 5, 6]), np.array([0, 1, 2, 30]))
+    assert [(s.start, s.stop, b.requests, b.tokens, b.context) for s, b in mixed] == [(0, 3, 1, 3, 3), (3, 4, 1, 1, 31)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_without_a_gpu_is_one_clear_error():
+    with pytest.raises(ConfigError, match="no CUDA device.*--device cpu"):
+        check_device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+@pytest.mark.parametrize("system", TIMING_INDEPENDENT)
+def test_cuda_run_logs_the_simulators_decisions(trace, system):
+    real = prepare_real(trace, tiny_profile(), system, SETTINGS, _config("cuda")).run()
+    sim = simulate(trace, tiny_profile(), system, SETTINGS, decisions=True)
+    assert real.decisions == sim.decisions
+    frame = result_to_frames(real)["timeline"]
+    assert (frame["end_s"] >= frame["start_s"]).all()

@@ -1,0 +1,75 @@
+"""moesim profile: a quick CPU-only profile of a tiny model loads, covers every curve and names its source."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moesim.hw.cost import CostModel  # noqa: E402
+from moesim.hw.profile import load_profile  # noqa: E402
+from moesim.hw.profiler import (ProfileConfig, cpu_kernel_family, measure_profile, measurement_count,  # noqa: E402
+                                write_profile)
+from tests.factories import tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    model = tiny_model(shared=True)
+    labels: list[str] = []
+    data = measure_profile(ProfileConfig(model=model, device="cpu", threads=1, quick=True, command="moesim profile x",
+                                         name="tiny-cpu"), progress=labels.append)
+    path = write_profile(data, tmp_path_factory.mktemp("profile") / "tiny.yaml")
+    return model, data, path, labels
+
+
+def test_profile_loads_and_every_cost_has_a_curve(measured):
+    model, data, path, labels = measured
+    profile = load_profile(path)
+    assert profile.name == "tiny-cpu" and profile.cpu.cores == 1
+    costs = CostModel(profile, model)
+    for value in (costs.gpu_expert(1), costs.gpu_expert(64), costs.cpu_expert(16), costs.gpu_shared(4),
+                  costs.attention(1, 300), costs.attention(16, 512), costs.h2d(costs.expert_bytes), costs.sync_s):
+        assert value > 0
+    assert costs.fallbacks == set()  # the tiny shape is measured, nothing falls back to the roofline
+    assert len(labels) == measurement_count(model) == 8  # no separate shared-expert curve
+
+
+def test_profile_curves_cover_the_measured_points(measured):
+    model, data, _, _ = measured
+    gpu_curve = data["gpu"]["expert_ffn"][0]
+    assert (gpu_curve["hidden"], gpu_curve["intermediate"], gpu_curve["dtype"]) == (64, 128, "bf16")
+    assert gpu_curve["tokens"] == [1, 4, 16, 64] and len(gpu_curve["time_us"]) == 4
+    # shared experts of the tiny model have the routed shape: one curve serves both
+    assert len(data["gpu"]["expert_ffn"]) == 1
+    assert [(c["model"], c["tokens"], c["context"]) for c in data["gpu"]["attention"]] == \
+        [("tiny", 1, [128, 512]), ("tiny", 16, [128, 512])]
+    sizes = data["pcie"]["h2d"]["size_bytes"]
+    assert sizes == sorted(sizes) and model.expert_bytes() in sizes
+    assert data["cpu"]["expert_ffn"][0]["threads"] == 1
+    assert 0 < data["pcie"]["duplex_slowdown"] <= 1
+
+
+def test_every_number_names_the_measurement(measured):
+    _, data, path, _ = measured
+    text = path.read_text()
+    assert text.startswith("# Hardware profile measured by `moesim profile`.")
+    for section in ("gpu", "cpu", "pcie", "sync"):
+        assert data["sources"][section].startswith("measured by moesim profile on ")
+        assert data["sources"][section].endswith(": moesim profile x")
+    for curve in data["gpu"]["expert_ffn"] + data["gpu"]["attention"] + data["cpu"]["expert_ffn"]:
+        assert curve["source"].startswith("measured by moesim profile on ")
+
+
+@pytest.mark.parametrize("isa, family", [(["avx2", "amx_bf16", "avx512f"], "amx"), (["avx2", "avx512f"], "avx512"),
+                                         (["avx2"], "avx2"), ([], "avx2")])
+def test_kernel_family_follows_the_isa_flags(isa, family):
+    assert cpu_kernel_family(isa) == family
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+def test_cuda_profile_loads(tmp_path):
+    data = measure_profile(ProfileConfig(model=tiny_model(), device="cuda", threads=1, quick=True))
+    profile = load_profile(write_profile(data, tmp_path / "gpu.yaml"))
+    assert profile.gpu.memory_gib > 1 and profile.pcie.generation >= 3
