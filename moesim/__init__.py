@@ -3,6 +3,15 @@
 Traces of real router decisions are replayed through a discrete-event model
 of CPU cores, GPU streams, PCIe and GPU memory (``moesim.sim``), or executed
 on real kernels (``backends``), under policies from ``moesim.policy``.
+
+From Python or Jupyter: ``moesim.replay(trace, hw=..., system=..., **params)``
+and ``moesim.sweep(spec)`` (see :mod:`moesim.api`). ``moesim.sweep`` is that
+function; the sweep machinery is imported with ``from moesim.sweep import ...``.
 """
 
 __version__ = "0.1.0"
+
+# moesim.api imports the moesim.sweep module first, so the function bound here keeps the name
+from moesim.api import replay, slice_trace, sweep  # noqa: E402
+
+__all__ = ["replay", "slice_trace", "sweep", "__version__"]

@@ -272,6 +272,78 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
         console.print(line, markup=False, highlight=False)
 
 
+# ----------------------------------------------------------------------------- sweep, plot, report
+@cli.command("sweep")
+@click.argument("spec_file", metavar="SPEC.yaml", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="RESULTS.parquet",
+              help="Results, one row per point; points already in it are skipped.")
+@click.option("--workers", default=None, type=click.IntRange(min=1), help="Parallel workers [default: all cores].")
+@click.option("--engine", default="local", show_default=True, type=click.Choice(["local", "ray"]),
+              help="local: a process pool; ray: Ray tasks.")
+@click.option("--address", default=None, metavar="ADDR",
+              help="Ray cluster to use (e.g. ray://head:10001 or auto) [default: start a local Ray instance].")
+def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None) -> None:
+    """Replay every point of a grid over traces, hardware profiles, systems and --set parameters.
+
+    \b
+    SPEC.yaml (relative paths are relative to its folder):
+      traces: [traces/mixtral-8x7b-humaneval.parquet]
+      hw: [a100-40g, h100-pcie]
+      systems: [gpu-only-lru, static-hot]        # or: all
+      seeds: [0]
+      set: {engine.staging_slots: 2}             # fixed for every point
+      grid: {cache.slots_per_layer: [1, 2, 3]}   # cartesian product
+      zip:                                       # varied together
+        - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
+
+    Each finished point is saved at once (OUT.parts/, merged into OUT), so an
+    interrupted sweep resumes where it stopped. A failed point is recorded with
+    its error; the exit status is then 1.
+    """
+    from moesim.sweep import load_spec, run_sweep
+    spec = load_spec(spec_file)
+    frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
+                               progress=err_console.is_terminal, console=err_console)
+    console.print(f"{summary.points} points: {summary.ran} run, {summary.skipped} already in {out}, "
+                  f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
+    if summary.failed:
+        errors = frame[frame["status"] != "ok"]
+        for _, row in errors.head(5).iterrows():
+            err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
+                              markup=False, highlight=False, soft_wrap=True)
+        if len(errors) > 5:
+            err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
+        sys.exit(1)
+
+
+@cli.command("plot")
+@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.option("--x", "x", required=True, metavar="PARAM", help="Column on the x axis, e.g. cache.slots_per_layer.")
+@click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
+@click.option("--hue", default=None, metavar="PARAM", help="One line (or bar) per value of this column.")
+@click.option("--facet", default=None, metavar="PARAM", help="One panel per value of this column.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="FIG.png|svg|pdf")
+def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, out: str) -> None:
+    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)."""
+    from moesim.analysis.figures import load_results, plot_results
+    plot_results(load_results(results), x=x, y=y, hue=hue, facet=facet, path=out, source=results)
+    console.print(f"wrote {out}")
+
+
+@cli.command("report")
+@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="REPORT.html")
+@click.option("--gantt/--no-gantt", default=True, show_default=True,
+              help="Replay one point again to draw its CPU/GPU/PCIe Gantt chart (needs its trace).")
+@click.option("--title", default=None, help="Page title [default: the results file name].")
+def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
+    """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
+    from moesim.analysis.figures import load_results
+    from moesim.analysis.html_report import write_report
+    write_report(load_results(results), out, title=title or Path(results).name, gantt=gantt, source=results)
+    console.print(f"wrote {out}")
+
+
 # ----------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
     try:

@@ -1,0 +1,454 @@
+"""Figures of a sweep: any metric against any parameter, and the standard set.
+
+The input is the tidy frame of :mod:`moesim.sweep` (one row per point; the
+parameters ``trace``, ``hw``, ``system``, ``seed`` and dotted ``--set`` keys;
+the metrics of :func:`moesim.analysis.metrics.metrics`). Only points with
+``status == "ok"`` are drawn. Standard figures:
+
+* TPOT against GPU cache slots per layer, one line per system;
+* GPU hit rate against the prefetch count (a varied ``prefetch.*`` parameter,
+  else the prefetches each run issued);
+* where the time went, stacked per system (the categories of
+  000_dba2fecbbc66318b.txt Sec. VI-E, Fig. 13, via
+  :func:`moesim.analysis.plots.plot_breakdown`);
+* a CPU/GPU/PCIe Gantt chart of two decode steps of one point, replayed again
+  with its timeline (:func:`moesim.analysis.plots.plot_gantt`).
+
+Like :mod:`moesim.analysis.plots`, figures are bare matplotlib Figures on the
+Agg canvas: no display, no pyplot state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from moesim.analysis.plots import plot_breakdown, plot_gantt, save_figure
+from moesim.errors import ConfigError
+from moesim.sim.engine import BREAKDOWN
+
+#: Okabe-Ito colours (as in moesim.analysis.plots) without the yellow, which vanishes on white, then
+#: Paul Tol's muted scheme: 15 colours that stay apart; markers tell repeats apart beyond that
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
+           "#332288", "#117733", "#882255", "#999933", "#AA4499", "#44AA99", "#661100", "#888888")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+BASE_PARAMETERS = ("trace", "hw", "system", "seed", "model")
+#: the y axis turns logarithmic when the largest value exceeds the smallest by this factor
+LOG_RATIO = 30.0
+
+LABELS = {
+    "tpot_ms_mean": "TPOT, mean (ms)", "tpot_ms_p50": "TPOT, p50 (ms)", "tpot_ms_p99": "TPOT, p99 (ms)",
+    "ttft_ms": "TTFT (ms)", "decode_tokens_per_s": "decode throughput (tokens/s)",
+    "prefill_tokens_per_s": "prefill throughput (tokens/s)", "gpu_hit_rate": "GPU hit rate",
+    "cache.slots_per_layer": "GPU cache slots per layer", "slots_per_layer": "GPU cache slots per layer",
+    "pcie_h2d_bytes": "PCIe host-to-device bytes", "prefetches": "prefetches issued",
+    "makespan_s": "makespan (s)", "hw.pcie.bandwidth_scale": "PCIe bandwidth scale",
+}
+
+
+# ----------------------------------------------------------------------------- loading and columns
+def load_results(path: str | os.PathLike) -> pd.DataFrame:
+    """A sweep's results file as a DataFrame, or one line saying why not."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("results file not found", source=str(path), fix="give the --out file of `moesim sweep`")
+    try:
+        frame = pd.read_parquet(path)
+    except Exception:  # noqa: BLE001 - any unreadable file gets the same answer
+        raise ConfigError("not a readable Parquet file", source=str(path),
+                          fix="give the --out file of `moesim sweep`") from None
+    if "point_id" not in frame.columns or "status" not in frame.columns:
+        raise ConfigError("not a sweep result (no 'point_id'/'status' columns)", source=str(path),
+                          fix="give the --out file of `moesim sweep`")
+    return frame
+
+
+def parameter_columns(frame: pd.DataFrame) -> list[str]:
+    """The parameter columns: trace, hw, system, seed, model and every dotted ``--set`` key."""
+    return [c for c in BASE_PARAMETERS if c in frame.columns] + [c for c in frame.columns if "." in c]
+
+
+def varying(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:
+    return [c for c in columns if c in frame.columns and frame[c].nunique(dropna=False) > 1]
+
+
+def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None) -> str:
+    """``name`` (or its ``__`` spelling) if ``frame`` has it, else one line listing what it has."""
+    for candidate in (name, name.replace("__", ".")):
+        if candidate in frame.columns:
+            return candidate
+    params = parameter_columns(frame)
+    metrics = [c for c in frame.columns if c not in params and frame[c].dtype.kind in "biuf"]
+    raise ConfigError(f"no column '{name}'", source=source, field=role,
+                      fix=f"parameters: {', '.join(params)}; metrics: {', '.join(metrics)}")
+
+
+def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
+    ok = frame[frame["status"] == "ok"] if "status" in frame.columns else frame
+    if ok.empty:
+        raise ConfigError("no finished points to draw (every point failed)", source=source, field="status",
+                          fix="see the 'error' column of the results")
+    return ok
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def is_bound(system: str) -> bool:
+    """Bounds (oracle, all-in-GPU) are drawn dashed: they are not deployable systems.
+
+    A system is a bound when it is a portfolio of schedules or its description
+    says so (``moesim systems`` lists "bound" in the descriptions of both).
+    """
+    import re
+
+    from moesim.policy.systems import SYSTEMS
+    spec = SYSTEMS.get(system)
+    return bool(spec and (spec.portfolio or re.search(r"\bbound\b", spec.description.lower())))
+
+
+def ordered_systems(values: Sequence[Any]) -> list[Any]:
+    """Systems in registry order (as `moesim systems` lists them), bounds last, unknown names at the end."""
+    from moesim.policy.systems import SYSTEMS
+    rank = {name: i for i, name in enumerate(SYSTEMS)}
+    return sorted(values, key=lambda s: (is_bound(str(s)), rank.get(str(s), len(rank)), str(s)))
+
+
+# ----------------------------------------------------------------------------- the general plot
+def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None, facet: str | None = None,
+                 path: str | os.PathLike | None = None, source: str | None = None, title: str = "",
+                 logy: bool | None = None) -> Figure:
+    """``y`` against ``x``, one line per ``hue`` value, one panel per ``facet`` value.
+
+    Numeric ``x``: lines with markers; other ``x``: grouped bars. Points that
+    differ in parameters not on the figure are averaged, and the band (or
+    error bar) spans their minimum to maximum; the figure says which
+    parameters those were. ``logy`` (default: when the values span more than
+    :data:`LOG_RATIO`) draws the y axis on a log scale.
+    """
+    x = column(frame, x, "--x", source)
+    y = column(frame, y, "--y", source)
+    hue = column(frame, hue, "--hue", source) if hue else None
+    facet = column(frame, facet, "--facet", source) if facet else None
+    data = ok_rows(frame, source)
+    if data[y].dtype.kind not in "biuf":
+        raise ConfigError(f"column '{y}' is not numeric", source=source, field="--y",
+                          fix="plot a metric such as tpot_ms_mean or gpu_hit_rate")
+    data = data[np.isfinite(data[y].astype(float))]
+    if data.empty:
+        raise ConfigError(f"column '{y}' has no finite values", source=source, field="--y",
+                          fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
+    shown = {x, hue, facet} - {None}
+    averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
+    panels = _sorted_values(data[facet]) if facet else [None]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    numeric_x = data[x].dtype.kind in "biuf"
+    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else _sorted_values(data[hue])) \
+        if hue else [None]
+    styles = {h: _style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    for ax, panel in zip(axes.flat, panels):
+        sub = data[data[facet] == panel] if facet else data
+        if numeric_x:
+            _lines(ax, sub, x, y, hue, hues, styles)
+        else:
+            _bars(ax, sub, x, y, hue, hues, styles)
+        ax.set_xlabel(label(x))
+        if facet:
+            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+        _tidy(ax)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(label(y))
+    if logy if logy is not None else _wide(data[y]):
+        for ax in axes.flat:
+            _log_axis(ax)
+    if hue:
+        handles = [_handle(styles[h], "line" if numeric_x else "bar") for h in hues]
+        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right upper", frameon=False,
+                   fontsize=9)
+    note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
+    heading = title or f"{label(y)} vs {label(x)}"
+    fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _sorted_values(series: pd.Series) -> list[Any]:
+    values = list(series.dropna().unique())
+    try:
+        return sorted(values)
+    except TypeError:
+        return sorted(values, key=str)
+
+
+def _style(i: int, system: str | None) -> dict[str, Any]:
+    dashed = system is not None and is_bound(str(system))
+    return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)],
+            "linestyle": (0, (4, 2)) if dashed else "-"}
+
+
+def _handle(style: dict[str, Any], kind: str) -> Line2D:
+    """Legend entry: "line" (line and marker), "marker" (scatter) or "bar" (a square)."""
+    if kind == "line":
+        return Line2D([], [], color=style["color"], marker=style["marker"], linestyle=style["linestyle"],
+                      markersize=5)
+    marker, size = (style["marker"], 6) if kind == "marker" else ("s", 8)
+    return Line2D([], [], color=style["color"], marker=marker, linestyle="none", markersize=size)
+
+
+def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
+           styles: dict[Any, dict[str, Any]]) -> None:
+    for h in hues:
+        sub = data[data[hue] == h] if hue else data
+        if sub.empty:
+            continue
+        stats = sub.groupby(x)[y].agg(["mean", "min", "max"]).sort_index()
+        style = styles[h]
+        ax.plot(stats.index, stats["mean"], color=style["color"], marker=style["marker"],
+                linestyle=style["linestyle"], linewidth=1.6, markersize=5, zorder=3)
+        if (stats["max"] > stats["min"]).any():
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=style["color"], alpha=0.15,
+                            linewidth=0, zorder=2)
+    if data[x].dtype.kind in "iu" or np.allclose(data[x], np.round(data[x])):
+        ax.set_xticks(sorted(data[x].unique()))
+
+
+def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
+          styles: dict[Any, dict[str, Any]]) -> None:
+    groups = _sorted_values(data[x])
+    width = 0.8 / len(hues)
+    for j, h in enumerate(hues):
+        sub = data[data[hue] == h] if hue else data
+        stats = sub.groupby(x)[y].agg(["mean", "min", "max"]).reindex(groups)
+        pos = np.arange(len(groups)) - 0.4 + (j + 0.5) * width
+        err = np.vstack([stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
+        ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], zorder=3,
+               yerr=err if np.nan_to_num(err).any() else None, ecolor="#444444", capsize=2)
+    ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=30 if len(groups) > 4 else 0,
+                  ha="right" if len(groups) > 4 else "center")
+
+
+def _tidy(ax: Any) -> None:
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="y", color="#dddddd", linewidth=0.6, which="major")
+    ax.set_axisbelow(True)
+
+
+def _log_axis(ax: Any) -> None:
+    """Log y axis labelled with plain numbers at 1, 2, 5 times powers of ten."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _wide(values: pd.Series) -> bool:
+    positive = values[values > 0]
+    return len(positive) == len(values) and len(values) > 1 and positive.max() > LOG_RATIO * positive.min()
+
+
+# ----------------------------------------------------------------------------- the standard set
+def slots_column(frame: pd.DataFrame) -> str:
+    """The swept ``cache.slots_per_layer`` if any, else the slots each run got (a metric)."""
+    return "cache.slots_per_layer" if "cache.slots_per_layer" in frame.columns else "slots_per_layer"
+
+
+def facet_for(frame: pd.DataFrame, exclude: Sequence[str]) -> str | None:
+    """The hardware profile (or trace) as panels when the sweep has several."""
+    for name in ("hw", "trace"):
+        if name not in exclude and name in frame.columns and frame[name].nunique() > 1:
+            return name
+    return None
+
+
+def fig_tpot_vs_slots(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
+    """TPOT against GPU cache slots per layer, one line per system (bounds dashed), one panel per profile."""
+    x = slots_column(frame)
+    return plot_results(frame, x=x, y="tpot_ms_mean", hue="system", facet=facet_for(frame, (x,)), path=path,
+                        title="TPOT vs GPU cache slots per layer")
+
+
+def prefetch_parameter(frame: pd.DataFrame) -> str | None:
+    """A numeric ``prefetch.*`` parameter the sweep varies, if any."""
+    for c in frame.columns:
+        if c.startswith("prefetch.") and frame[c].dtype.kind in "biuf" and frame[c].nunique() > 1:
+            return c
+    return None
+
+
+def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
+    """GPU hit rate against the prefetch count: a varied ``prefetch.*`` parameter, else prefetches issued."""
+    param = prefetch_parameter(frame)
+    if param:
+        return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facet_for(frame, (param,)),
+                            path=path, title=f"GPU hit rate vs {param}")
+    data = ok_rows(frame)
+    fig = Figure(figsize=(8.4, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    systems = ordered_systems(data["system"].unique())
+    styles = {s: _style(i, s) for i, s in enumerate(systems)}
+    per_run = data.get("decode_tokens", pd.Series(1, index=data.index)).fillna(0) \
+        + data.get("prefill_tokens", pd.Series(0, index=data.index)).fillna(0)
+    x_values = data["prefetches"] / per_run.clip(lower=1)
+    for s in systems:
+        mine = data["system"] == s
+        ax.scatter(x_values[mine], data.loc[mine, "gpu_hit_rate"], color=styles[s]["color"],
+                   marker=styles[s]["marker"], s=28, alpha=0.85, zorder=3, edgecolors="none")
+    ax.set_xlabel("prefetches issued per token")
+    ax.set_ylabel(label("gpu_hit_rate"))
+    ax.set_ylim(-0.02, 1.02)
+    _tidy(ax)
+    ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+    fig.legend([_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right upper",
+               frameon=False, fontsize=9)
+    fig.suptitle("GPU hit rate vs prefetches (one marker per point)", x=0.01, ha="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def representative(frame: pd.DataFrame, keep: Sequence[str] = ("system",)) -> dict[str, Any]:
+    """One value per varying parameter (other than ``keep``): the middle one of its sorted values.
+
+    The breakdown and Gantt figures show one point per system; this picks it
+    the same way every time.
+    """
+    chosen: dict[str, Any] = {}
+    for c in varying(frame, parameter_columns(frame)):
+        if c in keep:
+            continue
+        values = _sorted_values(frame[c])
+        chosen[c] = values[(len(values) - 1) // 2]
+    return chosen
+
+
+def select(frame: pd.DataFrame, where: dict[str, Any]) -> pd.DataFrame:
+    mask = np.ones(len(frame), dtype=bool)
+    for c, v in where.items():
+        mask &= (frame[c] == v).to_numpy()
+    return frame[mask]
+
+
+def describe(where: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={Path(v).name if k == 'trace' else v}" for k, v in where.items())
+
+
+def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
+                  path: str | os.PathLike | None = None) -> Figure:
+    """Where the time went, stacked per system, at one point of the other parameters (default: the middle one)."""
+    data = ok_rows(frame)
+    where = representative(data) if where is None else where
+    rows = select(data, where).drop_duplicates("system")
+    if rows.empty:
+        raise ConfigError(f"no finished point with {describe(where)}", field="where",
+                          fix="pick parameter values the sweep ran")
+    runs = [{"system": r["system"],
+             "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)}}
+            for _, r in rows.iterrows()]
+    fig = plot_breakdown(runs)
+    fig.axes[0].set_title(f"time breakdown per system ({describe(where)})" if where else
+                          "time breakdown per system", loc="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _categories(frame: pd.DataFrame) -> list[str]:
+    found = [c[len("breakdown_"):-len("_ms")] for c in frame.columns
+             if c.startswith("breakdown_") and c.endswith("_ms")]
+    return [c for c in BREAKDOWN if c in found] + [c for c in found if c not in BREAKDOWN]
+
+
+def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.Series:
+    """The point a Gantt chart shows: at the representative parameters, the fastest system that is no bound."""
+    data = ok_rows(frame)
+    where = representative(data) if where is None else where
+    rows = select(data, where)
+    real = rows[[not is_bound(s) for s in rows["system"]]]
+    rows = real if not real.empty else rows
+    return rows.sort_values(["tpot_ms_mean", "system"], na_position="last").iloc[0]
+
+
+def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None = None,
+              steps: int = 2) -> Figure:
+    """Replay one results row again with its timeline and draw ``steps`` decode steps of it."""
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import simulate
+    point = dict(point)
+    trace = str(point.get("trace_path") or point["trace"])
+    hw = str(point.get("hw_path") or point["hw"])
+    if not Path(trace).is_file():
+        raise ConfigError(f"trace '{trace}' of this point is not here", source=trace, field="trace_path",
+                          fix="run the report where the sweep ran, or pass --no-gantt")
+    settings = {k: _setting(v) for k, v in point.items() if "." in k and _present(v)}
+    model = point.get("model") if _present(point.get("model")) else None
+    result = simulate(trace, hw, str(point["system"]), settings, model_preset=model,
+                      seed=int(point.get("seed", 0) or 0), timeline=True, decisions=False)
+    frame = result_to_frames(result)["timeline"]
+    window = decode_window(result.steps, steps)
+    title = f"{point['system']} on {Path(str(point['trace'])).name}, {point['hw']}"
+    extra = {k: v for k, v in settings.items()}
+    if extra:
+        title += " (" + ", ".join(f"{k}={v}" for k, v in extra.items()) + ")"
+    return plot_gantt(frame, path, window=window, title=title)
+
+
+def decode_window(steps: Sequence[Any], count: int = 2) -> tuple[float, float] | None:
+    """(start, end) of ``count`` decode steps a little into the run, or None (the default window)."""
+    decode = [s for s in steps if s.phase == "decode"]
+    if not decode:
+        return None
+    first = min(len(decode) - 1, 2)  # skip the first steps: caches are still cold there
+    chosen = decode[first:first + count]
+    return chosen[0].start, chosen[-1].end
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and np.isnan(value))
+
+
+def _setting(value: Any) -> str:
+    from moesim.sweep import setting_str
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # a column with gaps turned its ints into floats
+    return setting_str(value)
+
+
+def standard_figures(frame: pd.DataFrame, *, gantt: bool = True) -> dict[str, tuple[Figure | None, str]]:
+    """The standard set: name -> (figure or None, caption or the reason it is missing)."""
+    data = ok_rows(frame)
+    out: dict[str, tuple[Figure | None, str]] = {}
+    slots = slots_column(data)
+    out["tpot_vs_slots"] = (fig_tpot_vs_slots(data), "TPOT (mean time per output token) against GPU cache slots "
+                            "per layer; dashed lines are bounds, bands span points averaged together.") \
+        if data[slots].nunique() > 1 else (None, "the sweep varies no cache size")
+    out["hit_rate_vs_prefetch"] = (fig_hit_rate_vs_prefetch(data), "GPU hit rate (activated experts resident "
+                                   "when their layer is planned) against prefetching.")
+    where = representative(data)
+    out["breakdown"] = (fig_breakdown(data, where), "Time per category summed over all layers and steps "
+                        f"(000 Sec. VI-E, Fig. 13), at {describe(where) or 'the only point'}.")
+    if gantt:
+        point = gantt_point(data, where)
+        try:
+            out["gantt"] = (fig_gantt(point), f"CPU, GPU and PCIe activity over two decode steps of "
+                            f"{point['system']}, the fastest system at this point that is not a bound.")
+        except ConfigError as err:
+            out["gantt"] = (None, f"no Gantt chart: {err}")
+    return out

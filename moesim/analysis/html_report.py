@@ -1,0 +1,177 @@
+"""A sweep as one self-contained HTML page: the standard figures and the tables.
+
+Every image is a PNG embedded as a base64 ``data:`` URI and the styles are
+inline, so the page opens anywhere (mail it, attach it to an issue) without
+the files it came from. Sections: what ran, the best system per setting
+(TPOT table with the winner in bold), the figures of
+:mod:`moesim.analysis.figures`, the failed points with their errors, and
+every row in a collapsed table.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from moesim.analysis import figures as F
+from moesim.util import atomic_write_text
+
+#: rows of the setting-by-system table before it is cut short (a note says how many were left out)
+MAX_TABLE_ROWS = 60
+#: metric columns of the full table, in this order (the others stay in the Parquet file)
+TABLE_METRICS = ("tpot_ms_mean", "tpot_ms_p99", "ttft_ms", "decode_tokens_per_s", "gpu_hit_rate",
+                 "prefetches", "demand_loads", "pcie_h2d_bytes", "cpu_util", "gpu_util", "pcie_util",
+                 "slots_per_layer")
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
+       padding: 0 1rem; color: #222; line-height: 1.45; }
+h1 { font-size: 1.5rem; margin-bottom: .2rem; } h2 { font-size: 1.15rem; margin-top: 2rem;
+     border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
+.meta { color: #555; font-size: .9rem; }
+figure { margin: 1rem 0 2rem 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #444; font-size: .9rem; margin-top: .3rem; }
+table { border-collapse: collapse; font-size: .82rem; margin: .5rem 0; }
+th, td { border: 1px solid #ddd; padding: .2rem .45rem; text-align: right; }
+th { background: #f4f4f4; } td.text, th.text { text-align: left; }
+td.best { font-weight: bold; background: #e8f3ec; }
+.error { color: #a00; text-align: left; } .note { color: #555; font-size: .85rem; }
+details summary { cursor: pointer; margin: .5rem 0; }
+"""
+
+
+def figure_data_uri(fig: Figure) -> str:
+    """A figure as a ``data:image/png;base64,...`` URI."""
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig)
+    fig.savefig(buf, format="png", dpi=110)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def write_report(frame: pd.DataFrame, path: str | os.PathLike, *, title: str = "moesim sweep",
+                 gantt: bool = True, source: str | None = None) -> Path:
+    """Write the report of a results frame to ``path`` (atomically) and return the path."""
+    page = render_report(frame, title=title, gantt=gantt, source=source)
+    return atomic_write_text(Path(path), page)
+
+
+def render_report(frame: pd.DataFrame, *, title: str = "moesim sweep", gantt: bool = True,
+                  source: str | None = None) -> str:
+    ok = frame[frame["status"] == "ok"]
+    parts = [f"<h1>{_e(title)}</h1>", _summary(frame, source)]
+    if not ok.empty:
+        parts += [_best_table(ok), "<h2>Figures</h2>"]
+        for name, (fig, caption) in F.standard_figures(ok, gantt=gantt).items():
+            parts.append(_figure(name, fig, caption))
+    else:
+        parts.append('<p class="error">No point finished: nothing to plot.</p>')
+    parts += [_failures(frame), _all_rows(frame)]
+    body = "\n".join(p for p in parts if p)
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{_e(title)}</title>\n'
+            f"<style>{STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _summary(frame: pd.DataFrame, source: str | None) -> str:
+    failed = int((frame["status"] != "ok").sum())
+    params = F.parameter_columns(frame)
+    varied = F.varying(frame, params)
+    items = [f"{len(frame)} points, {len(frame) - failed} finished, {failed} failed"]
+    for col in ("trace", "hw", "system"):
+        if col in frame.columns:
+            values = [Path(v).name if col == "trace" else v for v in pd.unique(frame[col].dropna())]
+            items.append(f"{col}: {', '.join(map(str, values))}")
+    for col in varied:
+        if col not in ("trace", "hw", "system"):
+            items.append(f"{col}: {', '.join(map(str, F._sorted_values(frame[col])))}")
+    fixed = [c for c in params if c not in varied and c not in ("trace", "hw", "system", "point_id")]
+    for col in fixed:
+        items.append(f"{col} = {frame[col].dropna().iloc[0] if frame[col].notna().any() else '-'}")
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    origin = f"from {_e(source)}, " if source else ""
+    lis = "".join(f"<li>{_e(i)}</li>" for i in items)
+    return f'<p class="meta">{origin}written {when} by moesim report</p>\n<ul>{lis}</ul>'
+
+
+def _best_table(ok: pd.DataFrame) -> str:
+    """TPOT per setting (rows) and system (columns); the fastest system that is not a bound in bold."""
+    settings = [c for c in F.varying(ok, F.parameter_columns(ok)) if c != "system"]
+    systems = F.ordered_systems(ok["system"].unique())
+    if settings:
+        table = ok.pivot_table(index=settings, columns="system", values="tpot_ms_mean", aggfunc="mean")
+    else:
+        table = ok.groupby("system")["tpot_ms_mean"].mean().to_frame().T
+        table.index = ["all points"]
+    table = table.reindex(columns=[s for s in systems if s in table.columns])
+    real = [s for s in table.columns if not F.is_bound(s)]
+    head = "".join(f'<th class="text">{_e(c)}</th>' for c in settings or ["setting"])
+    head += "".join(f"<th>{_e(s)}{' (bound)' if F.is_bound(s) else ''}</th>" for s in table.columns)
+    head += '<th class="text">fastest</th>'
+    rows = []
+    for key, values in table.head(MAX_TABLE_ROWS).iterrows():
+        keys = key if isinstance(key, tuple) else (key,)
+        finite = values[real].dropna()
+        best = finite.idxmin() if not finite.empty else None
+        cells = "".join(f'<td class="text">{_e(Path(k).name if c == "trace" else k)}</td>'
+                        for c, k in zip(settings or ["setting"], keys))
+        cells += "".join(f'<td class="{"best" if s == best else ""}">{_num(v)}</td>' for s, v in values.items())
+        cells += f'<td class="text">{_e(best or "-")}</td>'
+        rows.append(f"<tr>{cells}</tr>")
+    more = len(table) - MAX_TABLE_ROWS
+    note = f'<p class="note">{more} more rows in the results file.</p>' if more > 0 else ""
+    return ("<h2>TPOT (ms) by setting and system</h2>\n"
+            '<p class="note">Mean time per output token; bold: the fastest system that is not a bound. '
+            "Empty cells: the point failed or was not run.</p>\n"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
+
+
+def _num(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1 else f"{value:,.1f}"
+    return _e(value)
+
+
+def _figure(name: str, fig: Figure | None, caption: str) -> str:
+    if fig is None:
+        return f'<p class="note">{_e(name.replace("_", " "))}: {_e(caption)}</p>'
+    alt = name.replace("_", " ")
+    return (f'<figure id="{_e(name)}"><img src="{figure_data_uri(fig)}" alt="{_e(alt)}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def _failures(frame: pd.DataFrame) -> str:
+    failed = frame[frame["status"] != "ok"]
+    if failed.empty:
+        return ""
+    params = [c for c in F.varying(frame, F.parameter_columns(frame))] or ["system"]
+    head = "".join(f'<th class="text">{_e(c)}</th>' for c in params) + '<th class="text">error</th>'
+    rows = "".join("<tr>" + "".join(f'<td class="text">{_e(r.get(c, ""))}</td>' for c in params)
+                   + f'<td class="error">{_e(r.get("error", ""))}</td></tr>' for _, r in failed.iterrows())
+    return (f"<h2>Failed points ({len(failed)})</h2>\n"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _all_rows(frame: pd.DataFrame) -> str:
+    cols = [c for c in F.parameter_columns(frame) if c != "point_id"] + ["status"]
+    cols += [c for c in TABLE_METRICS if c in frame.columns]
+    shown = frame[cols].copy()
+    if "trace" in shown.columns:
+        shown["trace"] = shown["trace"].map(lambda v: Path(str(v)).name)
+    table = shown.to_html(index=False, na_rep="", float_format=lambda v: f"{v:,.4g}", border=0)
+    return (f"<h2>All points</h2>\n<details><summary>{len(frame)} rows (the Parquet file has every metric)"
+            f"</summary>\n{table}\n</details>")

@@ -1,0 +1,173 @@
+"""The Python API, for Jupyter and scripts: ``moesim.replay`` and ``moesim.sweep``.
+
+Parameters are the ``--set`` keys of the command line. Give them as keyword
+arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
+
+    import moesim
+    r = moesim.replay("traces/mixtral-8x7b-humaneval.parquet", hw="a100-40g", system="gpu-only-lru",
+                      cache__slots_per_layer=2, hw__pcie__bandwidth_scale=0.5)
+    r = moesim.replay(trace, system="gpu-only-lru", settings={"cache.slots_per_layer": 2, "cache": "belady"})
+    r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns
+    r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
+    r.decisions          # the decision log (DECISION_COLUMNS)
+    r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure)
+
+    df = moesim.sweep({"traces": [trace], "systems": "all", "hw": ["a100-40g", "h100-pcie"],
+                       "grid": {"cache__slots_per_layer": [1, 2, 3]}})
+
+``moesim.sweep`` takes the spec of ``moesim sweep`` (a dict or a YAML path,
+see :mod:`moesim.sweep`) and returns a tidy DataFrame: one row per point, every
+parameter and metric a column. With ``out=`` it is resumable like the CLI.
+Values are passed as strings to the same parser the CLI uses, so ``True``,
+``4`` and ``"4"`` all work.
+
+Imports of pandas, SimPy and matplotlib happen on first use, so that
+``import moesim`` stays quick for the command line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from moesim import sweep as sweep_module
+from moesim.errors import ConfigError
+
+DEFAULT_HW = "rtx4090"
+
+
+def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
+    """``--set`` settings from a dict and keyword arguments (``cache__slots_per_layer=4``).
+
+    >>> settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True)
+    {'cache': 'lru', 'cache.slots_per_layer': '4', 'engine.timeline': 'true'}
+    """
+    out: dict[str, str] = {}
+    for source in (settings or {}, params):
+        for key, value in source.items():
+            key = sweep_module.normalize_key(key)
+            if key in out:
+                raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
+            out[key] = sweep_module.setting_str(value)
+    return out
+
+
+@dataclass
+class ReplayResult:
+    """One replay: metrics as a one-row DataFrame, the timeline and the decision log."""
+
+    metrics: Any
+    timeline: Any
+    decisions: Any
+    system: str
+    trace: str
+    #: the metrics dict as :func:`moesim.analysis.metrics.metrics` returns it (breakdown nested)
+    raw_metrics: dict[str, Any] = field(default_factory=dict)
+
+    def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
+                      title: str | None = None) -> Any:
+        """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s), default the first steps."""
+        if self.timeline is None:
+            raise ConfigError("this replay kept no timeline", field="timeline",
+                              fix="call moesim.replay(..., timeline=True)")
+        from moesim.analysis.plots import plot_gantt
+        label = f"{self.system} on {Path(self.trace).name}" if title is None else title
+        return plot_gantt(self.timeline, path, window=window, title=label)
+
+    def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
+        """Stacked bar of where the time went (000 Sec. VI-E categories)."""
+        from moesim.analysis.plots import plot_breakdown
+        return plot_breakdown([self.raw_metrics], path)
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
+
+
+def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = "gpu-only-lru", *,
+           settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
+           timeline: bool = True, decisions: bool = True, **params: Any) -> ReplayResult:
+    """Replay ``trace`` on hardware profile ``hw`` under ``system`` (a registered name).
+
+    ``params``: ``--set`` parameters with ``__`` for ``.``; ``settings``: the
+    same as a dict with dotted keys. ``model`` checks the trace against a
+    preset. Set ``timeline``/``decisions`` to False for a faster replay
+    without them.
+    """
+    import pandas as pd
+
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import simulate
+    result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=seed,
+                      timeline=timeline, decisions=decisions)
+    raw = metrics(result)
+    frames = result_to_frames(result)
+    row = {"trace": str(trace), "hw": str(hw), "system": system, "seed": seed,
+           **sweep_module.flatten_metrics(raw)}
+    return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
+                        system=system, trace=str(trace), raw_metrics=raw)
+
+
+def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike | None = None,
+          workers: int | None = None, engine: str = "local", address: str | None = None,
+          progress: bool | None = None) -> Any:
+    """Run a sweep spec (dict or YAML path) and return one row per point as a DataFrame.
+
+    Relative paths in a dict spec resolve against the current folder, in a
+    YAML spec against the file's folder. ``out``: a ``.parquet`` file that
+    makes the sweep resumable (finished points are skipped). ``workers``:
+    processes (default: all cores; 1 runs in this process). ``engine``:
+    ``local`` or ``ray`` (``address`` of an existing cluster, default a local
+    Ray instance). ``progress``: a progress bar (default: on a terminal only).
+    Failed points have ``status == "error"`` and the reason in ``error``.
+    """
+    spec = sweep_module.load_spec(dict(grid) if isinstance(grid, Mapping) else grid)
+    if progress is None:
+        from rich.console import Console
+        progress = Console(stderr=True).is_terminal
+    frame, _ = sweep_module.run_sweep(spec, out, workers=workers, engine=engine, address=address,
+                                      progress=progress)
+    return frame
+
+
+def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int | None = None,
+                requests: Sequence[int] | None = None) -> Path:
+    """Write the first ``steps`` forward passes (and/or only ``requests``) of ``trace`` to ``out``.
+
+    Quick experiments and notebooks on a piece of a long trace; the file keeps
+    the trace's metadata and row order, so it is a valid v1 trace.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from moesim.trace.io import read_meta, read_table
+    from moesim.util import tmp_path_for
+    read_meta(trace)
+    table = read_table(trace)
+    mask = None
+    if steps is not None:
+        first = pc.min(table["step"]).as_py()
+        mask = pc.less(table["step"], (first or 0) + steps)
+    if requests is not None:
+        chosen = pc.is_in(table["request"], value_set=_int_array(requests))
+        mask = chosen if mask is None else pc.and_(mask, chosen)
+    sliced = table.filter(mask) if mask is not None else table
+    if sliced.num_rows == 0:
+        raise ConfigError("the slice is empty", source=str(trace), field="steps" if steps is not None else "requests",
+                          fix="ask for more steps or for requests the trace has")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(out)
+    try:
+        pq.write_table(sliced, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _int_array(values: Sequence[int]) -> Any:
+    import pyarrow as pa
+    return pa.array([int(v) for v in values], type=pa.int32())

@@ -1,0 +1,124 @@
+"""The Python API: moesim.replay, moesim.sweep, settings from keyword arguments, trace slices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from matplotlib.figure import Figure
+
+import moesim
+from moesim.analysis.metrics import metrics
+from moesim.api import settings_from, slice_trace
+from moesim.errors import ConfigError
+from moesim.sim.engine import DECISION_COLUMNS, TIMELINE_COLUMNS
+from moesim.sim.run import simulate
+from moesim.trace.validate import validate_trace
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=5))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return str(trace), str(hw)
+
+
+def test_keyword_arguments_become_set_keys():
+    assert settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True,
+                         hw__pcie__bandwidth_scale=0.5) == {
+        "cache": "lru", "cache.slots_per_layer": "4", "engine.timeline": "true", "hw.pcie.bandwidth_scale": "0.5"}
+    with pytest.raises(ConfigError, match="'cache.slots_per_layer' given twice"):
+        settings_from({"cache.slots_per_layer": 2}, cache__slots_per_layer=4)
+
+
+def test_replay_gives_the_engines_metrics_timeline_and_decisions(files):
+    trace, hw = files
+    result = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    direct = metrics(simulate(trace, hw, "gpu-only-lru", {"cache.slots_per_layer": "2"}))
+    assert isinstance(result.metrics, pd.DataFrame) and len(result.metrics) == 1
+    row = result.metrics.iloc[0]
+    assert (row["system"], row["hw"], row["seed"]) == ("gpu-only-lru", hw, 0)
+    for key in ("tpot_ms_mean", "ttft_ms", "gpu_hit_rate", "demand_loads", "pcie_h2d_bytes", "slots_per_layer"):
+        assert row[key] == direct[key], key
+    assert row["breakdown_wait_cache_ms"] == direct["breakdown_ms"]["wait_cache"]
+    assert list(result.timeline.columns) == list(TIMELINE_COLUMNS)
+    assert list(result.decisions.columns) == list(DECISION_COLUMNS)
+    loads = result.timeline[(result.timeline["resource"] == "pcie") & (result.timeline["kind"] == "load")]
+    assert len(loads) == direct["demand_loads"]
+
+
+def test_settings_dict_and_keywords_are_the_same_replay(files):
+    trace, hw = files
+    by_kwargs = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=1, timeline=False)
+    by_dict = moesim.replay(trace, hw=hw, system="gpu-only-lru", settings={"cache.slots_per_layer": 1},
+                            timeline=False)
+    bigger = moesim.replay(trace, hw=hw, system="gpu-only-lru", settings={"cache.slots_per_layer": "4"},
+                           timeline=False)
+    cols = ["tpot_ms_mean", "gpu_hit_rate", "demand_loads", "slots_per_layer"]
+    assert by_kwargs.metrics[cols].equals(by_dict.metrics[cols])
+    assert (by_kwargs.metrics["slots_per_layer"].item(), bigger.metrics["slots_per_layer"].item()) == (1, 4)
+    assert bigger.metrics["gpu_hit_rate"].item() > by_dict.metrics["gpu_hit_rate"].item()
+
+
+def test_plot_timeline_draws_and_saves(files, tmp_path):
+    trace, hw = files
+    result = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    fig = result.plot_timeline(path=tmp_path / "g.png")
+    assert isinstance(fig, Figure)
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig.axes[0].get_xlabel() == "time (ms)"
+    no_timeline = moesim.replay(trace, hw=hw, system="gpu-only-lru", timeline=False)
+    with pytest.raises(ConfigError, match="kept no timeline"):
+        no_timeline.plot_timeline()
+
+
+def test_bad_parameter_is_the_usual_one_line_error(files):
+    trace, hw = files
+    with pytest.raises(ConfigError, match="unknown parameter 'cache.slot'"):
+        moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slot=2)
+
+
+def test_sweep_returns_one_tidy_row_per_point(files):
+    trace, hw = files
+    frame = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["cpu-only", "gpu-only-lru"],
+                          "grid": {"cache__slots_per_layer": [1, 2, 4]}}, workers=1)
+    assert len(frame) == 6 and frame["point_id"].is_unique
+    assert {"trace", "hw", "system", "seed", "cache.slots_per_layer", "status", "tpot_ms_mean",
+            "breakdown_gpu_compute_ms", "sim_wall_s"} <= set(frame.columns)
+    assert (frame["status"] == "ok").all()
+    lru = frame[frame["system"] == "gpu-only-lru"].set_index("cache.slots_per_layer")
+    single = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=4, timeline=False)
+    assert lru.loc[4, "tpot_ms_mean"] == single.metrics["tpot_ms_mean"].item()
+    assert lru["slots_per_layer"].tolist() == [1, 2, 4]
+
+
+def test_sweep_with_out_is_resumable(files, tmp_path):
+    trace, hw = files
+    spec = {"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": [1, 2]}}
+    first = moesim.sweep(spec, out=tmp_path / "r.parquet", workers=2)
+    again = moesim.sweep(spec, out=tmp_path / "r.parquet", workers=2)
+    assert again["finished_at"].tolist() == first["finished_at"].tolist()
+
+
+def test_sweep_is_the_function_and_the_module_stays_importable():
+    from moesim.sweep import run_sweep  # noqa: F401
+    assert callable(moesim.sweep) and moesim.sweep.__module__ == "moesim.api"
+
+
+def test_slice_keeps_the_first_steps_and_the_metadata(files, tmp_path):
+    trace, _ = files
+    out = slice_trace(trace, tmp_path / "s.parquet", steps=3)
+    table = pq.read_table(out)
+    assert sorted(set(table.column("step").to_pylist())) == [0, 1, 2]
+    assert table.schema.metadata == pq.read_table(trace).schema.metadata
+    assert validate_trace(out).steps == 3
+    only = pq.read_table(slice_trace(trace, tmp_path / "r.parquet", requests=[1]))
+    assert set(only.column("request").to_pylist()) == {1}
+    with pytest.raises(ConfigError, match="the slice is empty"):
+        slice_trace(trace, tmp_path / "e.parquet", requests=[7])

@@ -1,0 +1,296 @@
+"""`moesim sweep`: spec expansion, point ids, results on disk, resuming (also after kill -9), engines."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from moesim.analysis.metrics import metrics
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.sim.run import simulate
+from moesim.sweep import (WALL_CLOCK_COLUMNS, Point, ResultStore, ShippedFile, load_spec, local_copy,
+                          parse_spec, require_ray, run_sweep)
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A tiny trace and profile next to where the spec will be (relative paths resolve against its folder)."""
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    write_tiny_trace(tmp_path / "t.parquet", model,
+                     random_routing(np.random.default_rng(5), model, requests=1, prompt=4, decode=8))
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return tmp_path
+
+
+def write_spec(folder: Path, **spec) -> Path:
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
+    return path
+
+
+# ----------------------------------------------------------------------------- spec
+def test_grid_zip_and_axes_expand_to_their_product(tmp_path):
+    spec = parse_spec({"traces": ["a.parquet", "b.parquet"], "hw": "rtx4090", "systems": ["cpu-only", "gpu-only-lru"],
+                       "seeds": [0, 1], "set": {"engine__staging_slots": 3},
+                       "grid": {"cache__slots_per_layer": [1, 2, 4]},
+                       "zip": [{"hw.pcie.bandwidth_scale": [0.5, 1.0], "engine.kernels_per_expert": [3, 1]}]},
+                      source="s", base_dir=tmp_path)
+    points = spec.points()
+    assert len(points) == 2 * 1 * 2 * 2 * 3 * 2 == 48
+    assert len({p.point_id for p in points}) == 48
+    first = points[0]
+    assert (first.trace, first.hw, first.system, first.seed) == ("a.parquet", "rtx4090", "cpu-only", 0)
+    assert dict(first.settings) == {"engine.staging_slots": 3, "cache.slots_per_layer": 1,
+                                    "hw.pcie.bandwidth_scale": 0.5, "engine.kernels_per_expert": 3}
+    zipped = {(dict(p.settings)["hw.pcie.bandwidth_scale"], dict(p.settings)["engine.kernels_per_expert"])
+              for p in points}
+    assert zipped == {(0.5, 3), (1.0, 1)}  # zipped, not crossed
+    assert spec.parameter_keys() == ["engine.staging_slots", "cache.slots_per_layer", "hw.pcie.bandwidth_scale",
+                                     "engine.kernels_per_expert"]
+
+
+def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
+    point = Point("t.parquet", "rtx4090", "gpu-only-lru", 0, None, (("cache.slots_per_layer", 2),))
+    canonical = json.dumps({"trace": "t.parquet", "hw": "rtx4090", "system": "gpu-only-lru", "seed": 0,
+                            "model": None, "settings": {"cache.slots_per_layer": "2"}}, sort_keys=True)
+    assert point.point_id == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    # the same point from specs in other folders, with the key spelled either way
+    a = parse_spec({"trace": "t.parquet", "system": "gpu-only-lru", "grid": {"cache.slots_per_layer": [2]}},
+                   source="a", base_dir=tmp_path)
+    b = parse_spec({"traces": ["t.parquet"], "systems": "gpu-only-lru", "hw": ["rtx4090"],
+                    "set": {"cache__slots_per_layer": 2}}, source="b", base_dir=tmp_path / "elsewhere")
+    assert a.points()[0].point_id == b.points()[0].point_id == point.point_id
+    assert Point("t.parquet", "rtx4090", "gpu-only-lru", 1, None, point.settings).point_id != point.point_id
+
+
+def test_all_means_every_listed_system():
+    from moesim.policy.systems import system_names
+    spec = parse_spec({"trace": "t.parquet", "systems": "all"}, source="s", base_dir=Path("."))
+    assert spec.systems == system_names()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"trace": "t.parquet", "system": "cpu-only", "colour": 1}, "unknown key 'colour'"),
+    ({"trace": "t.parquet"}, "'systems' is missing"),
+    ({"trace": "t.parquet", "system": "cpu-only", "systems": ["cpu-only"]}, "both 'system' and 'systems'"),
+    ({"trace": "t.parquet", "system": "gpu-only-lur"}, "unknown system 'gpu-only-lur'"),
+    ({"trace": "t.parquet", "system": "cpu-only", "zip": {"a.b": [1, 2], "c.d": [1]}}, "differ in length"),
+    ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": []}}, "empty list"),
+    ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": [1]}, "set": {"a__b": 2}}, "in both set and grid"),
+    ({"trace": "t.parquet", "system": "cpu-only", "seeds": [0.5]}, "not an integer"),
+])
+def test_spec_mistakes_are_one_line(spec, words):
+    with pytest.raises(ConfigError) as err:
+        parse_spec(spec, source="spec.yaml", base_dir=Path("."))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("spec.yaml")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"traces": ["missing.parquet"], "systems": ["cpu-only"]}, "trace 'missing.parquet' not found"),
+    ({"systems": ["cpu-only"], "grid": {"cache.slot": [1]}}, "unknown parameter 'cache.slot'"),
+    ({"systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": ["a"]}}, "'a' is not a valid int"),
+    ({"systems": ["cpu-only"], "hw": ["rtx9090"]}, "hardware profile not found"),
+    ({"systems": ["cpu-only"], "grid": {"hw.pcie.bandwith_scale": [1.0]}}, "no such profile field"),
+])
+def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
+    code = main(["sweep", str(path), "--out", str(files / "r.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and err.count("\n") == 1 and str(path) in err
+    assert not (files / "r.parquet").exists()
+
+
+# ----------------------------------------------------------------------------- running
+def test_rows_hold_parameters_and_the_metrics_of_a_direct_replay(files):
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru"],
+                                grid={"cache.slots_per_layer": [1, 3]}))
+    frame, summary = run_sweep(spec, workers=1)
+    assert (summary.points, summary.ran, summary.skipped, summary.failed) == (4, 4, 0, 0)
+    assert list(frame.columns[:7]) == ["point_id", "trace", "hw", "system", "seed", "cache.slots_per_layer", "status"]
+    assert frame["system"].tolist() == ["cpu-only", "cpu-only", "gpu-only-lru", "gpu-only-lru"]
+    assert frame["cache.slots_per_layer"].tolist() == [1, 3, 1, 3]
+    assert {"breakdown_wait_cache_ms", "tpot_ms_mean", "gpu_hit_rate", "trace_path", "finished_at"} <= set(frame)
+    direct = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), "gpu-only-lru",
+                              {"cache.slots_per_layer": "3"}))
+    row = frame.iloc[3]
+    assert row["tpot_ms_mean"] == direct["tpot_ms_mean"]
+    assert row["demand_loads"] == direct["demand_loads"]
+    assert row["breakdown_wait_cache_ms"] == direct["breakdown_ms"]["wait_cache"]
+    assert row["trace_path"] == str(files / "t.parquet")
+    # more slots, more hits; the CPU-only system loads nothing
+    assert frame.iloc[2]["gpu_hit_rate"] < frame.iloc[3]["gpu_hit_rate"]
+    assert frame.iloc[0]["demand_loads"] == frame.iloc[0]["pcie_h2d_bytes"] == 0
+
+
+def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 9, 2]})
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "2"])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    assert "3 points: 3 run, 0 already" in out and "1 failed" in out
+    assert "cache.slots_per_layer=9 outside [0, 6]" in err
+    frame = pd.read_parquet(files / "r.parquet")
+    assert sorted(frame["status"]) == ["error", "ok", "ok"]
+    failed = frame[frame["status"] == "error"].iloc[0]
+    assert failed["cache.slots_per_layer"] == 9 and np.isnan(failed["tpot_ms_mean"])
+    assert not (files / "r.parquet.parts").exists()  # complete: parts merged and removed
+
+
+def test_rerun_skips_finished_points_and_retries_failed_ones(files):
+    out = files / "r.parquet"
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 9]}))
+    first, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.failed) == (3, 1)
+    again, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped, summary.failed) == (1, 2, 1)  # only the failed point again
+    ok = first["status"] == "ok"
+    assert again.loc[ok, "finished_at"].tolist() == first.loc[ok, "finished_at"].tolist()
+    # a grown grid runs only its new points; rows of the old ones stay in the file
+    grown = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [2, 4]}))
+    frame, summary = run_sweep(grown, out, workers=1)
+    assert (summary.ran, summary.skipped) == (1, 1)
+    assert frame["cache.slots_per_layer"].tolist() == [2, 4]
+    assert sorted(pd.read_parquet(out)["cache.slots_per_layer"]) == [1, 2, 4, 9]
+
+
+def test_parts_survive_an_interrupted_run(files):
+    """Rows written as parts but never merged (the process died) are read back on the next run."""
+    out = files / "r.parquet"
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2]}))
+    points = spec.points()
+    from moesim.sweep import run_point
+    store = ResultStore(out)
+    store.add({**run_point(points[0], str(files / "t.parquet"), str(files / "hw.yaml")), "trace_path": "x"})
+    store._unlock(remove_dir=False)  # as if killed: no merge, lock released by the OS
+    assert not out.exists() and (files / "r.parquet.parts" / f"{points[0].point_id}.parquet").exists()
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped) == (1, 1)
+    assert frame["status"].tolist() == ["ok", "ok"]
+
+
+def test_a_second_writer_is_refused(files):
+    out = files / "r.parquet"
+    store = ResultStore(out)
+    try:
+        with pytest.raises(ConfigError, match="another sweep is writing this output"):
+            ResultStore(out)
+    finally:
+        store.close(complete=True)
+    ResultStore(out).close(complete=True)  # free again
+
+
+def test_output_that_is_not_a_sweep_result_is_refused(files):
+    other = files / "other.parquet"
+    pq.write_table(pq.read_table(files / "t.parquet"), other)
+    spec = load_spec(write_spec(files, systems=["cpu-only"]))
+    with pytest.raises(ConfigError, match="not a sweep result"):
+        run_sweep(spec, other)
+
+
+def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
+    out = files / "r.parquet"
+    spec = load_spec(write_spec(files, systems=["cpu-only"], grid={"memory.expert_dtype": ["bf16", ""]}))
+    frame, _ = run_sweep(spec, out, workers=1)
+    stored = pd.read_parquet(out)
+    assert sorted(stored["memory.expert_dtype"]) == ["", "bf16"]
+    mixed = pd.DataFrame([{"point_id": "a", "status": "ok", "k": 4}, {"point_id": "b", "status": "ok", "k": "auto"}])
+    from moesim.sweep import _arrow_table
+    assert _arrow_table(mixed).column("k").to_pylist() == ["4", "auto"]
+
+
+def _spec_for_kill(folder: Path) -> Path:
+    """16 points of about 0.2-0.4 s each: a slice of the bundled Mixtral trace."""
+    from moesim.api import slice_trace
+    slice_trace(REPO / "traces" / "mixtral-8x7b-humaneval.parquet", folder / "mix.parquet", steps=120)
+    return write_spec(folder, traces=["mix.parquet"], hw=["h100-pcie"], systems=["gpu-only-lru", "static-hot"],
+                      grid={"cache.slots_per_layer": [1, 2, 3, 4], "hw.pcie.bandwidth_scale": [0.5, 1.0]})
+
+
+def test_kill_9_midway_then_rerun_completes_only_the_missing_points(tmp_path):
+    spec = _spec_for_kill(tmp_path)
+    out = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(parts.glob("*.parquet"))) < 4 and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its workers, as kill -9 would
+    proc.wait()
+    finished = {p.stem: pq.read_table(p).column("finished_at")[0].as_py() for p in parts.glob("*.parquet")}
+    assert 4 <= len(finished) < 16, "the kill should land midway"
+
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"16 points: {16 - len(finished)} run, {len(finished)} already" in done.stdout
+    frame = pd.read_parquet(out)
+    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
+    assert set(frame["point_id"]) == {p.point_id for p in load_spec(spec).points()}
+    by_id = frame.set_index("point_id")["finished_at"]
+    assert {pid: by_id[pid] for pid in finished} == finished  # finished points were not recomputed
+    assert not parts.exists()
+
+
+# ----------------------------------------------------------------------------- ray
+def test_shipped_files_are_fetched_once_per_process(tmp_path):
+    data = os.urandom(64)
+    fetched = []
+    shipped = ShippedFile("trace.parquet", hashlib.sha256(data).hexdigest(), ["ref"])
+
+    def fetch(ref):
+        fetched.append(ref)
+        return data
+
+    first = local_copy(shipped, fetch)
+    assert local_copy(shipped, fetch) == first
+    assert Path(first).read_bytes() == data and Path(first).name == "trace.parquet"
+    assert len(fetched) <= 1  # 0 when an earlier process of this machine left the same content
+
+
+def test_ray_missing_is_one_clear_line(monkeypatch, files, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match="needs Ray"):
+        require_ray()
+    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
+                 "--engine", "ray"])
+    assert code == 2 and "pip install 'moesim[sweep]'" in capsys.readouterr().err
+
+
+def test_address_needs_the_ray_engine(files, capsys):
+    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
+                 "--address", "auto"])
+    assert code == 2 and "--address needs --engine ray" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ray_engine_gives_the_local_results(files):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
+                                grid={"cache.slots_per_layer": [1, 2, 9]}))
+    local, _ = run_sweep(spec, files / "local.parquet", workers=2)
+    ray_frame, summary = run_sweep(spec, files / "ray.parquet", workers=2, engine="ray")
+    assert summary.ran == 9
+    compared = [c for c in local.columns if c not in WALL_CLOCK_COLUMNS]
+    pd.testing.assert_frame_equal(local[compared], ray_frame[compared])
+    assert (local["status"] == "error").sum() == 2  # 9 slots do not exist for 6 experts (cpu-only ignores it)
+    assert ray_frame["worker"].nunique() >= 1
