@@ -1,0 +1,271 @@
+"""``moesim validate --real``: the simulator against real kernels on the same trace and systems.
+
+For each system the real backend (:mod:`backends.torch_backend`) and the
+simulator (:func:`moesim.sim.run.simulate`) run the same trace on the same
+hardware profile (measured on this machine, or given). The report gives,
+per system, real and simulated TTFT and TPOT with the simulator's error in
+percent, the share of identical rows in the two decision logs, and whether
+the systems rank the same way in both. Systems whose decisions do not depend
+on timing (no prefetch, no cost-based split) must log identical decisions;
+every (step, layer) where the logs differ is listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from moesim.errors import ConfigError
+from moesim.sim.engine import SimResult
+from moesim.util import atomic_write_text, tmp_path_for
+
+#: a measured profile's expert and attention curves include kernel launches (moesim.hw.profiler)
+MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
+#: differing (step, layer) groups listed in full
+MAX_LISTED = 20
+
+
+@dataclass
+class DecisionComparison:
+    identical: bool
+    #: matching rows (per step and layer, as multisets) over the longer log's rows
+    share: float
+    real_rows: int
+    sim_rows: int
+    #: "step S layer L: simulator [...] / real [...]" for the first differing groups
+    differences: list[str] = field(default_factory=list)
+    differing_groups: int = 0
+
+
+@dataclass
+class SystemComparison:
+    system: str
+    real: dict[str, Any]
+    sim: dict[str, Any]
+    decisions: DecisionComparison
+
+    @property
+    def ttft_error_pct(self) -> float:
+        return error_pct(self.sim["ttft_ms"], self.real["ttft_ms"])
+
+    @property
+    def tpot_error_pct(self) -> float:
+        return error_pct(self.sim["tpot_ms_mean"], self.real["tpot_ms_mean"])
+
+
+@dataclass
+class ValidationReport:
+    trace: str
+    profile: str
+    device: str
+    command: str
+    systems: list[SystemComparison]
+    settings: dict[str, str] = field(default_factory=dict)
+
+    def ranking(self, source: str, key: str) -> list[str]:
+        return rank({c.system: getattr(c, source)[key] for c in self.systems})
+
+    def same_ranking(self, key: str) -> bool:
+        return self.ranking("real", key) == self.ranking("sim", key)
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate",
+                "demand_loads", "prefetches", "evictions", "makespan_s")
+        return {
+            "trace": self.trace, "profile": self.profile, "device": self.device, "command": self.command,
+            "settings": self.settings,
+            "systems": {c.system: {
+                "real": {k: c.real[k] for k in keys}, "sim": {k: c.sim[k] for k in keys},
+                "ttft_error_pct": c.ttft_error_pct, "tpot_error_pct": c.tpot_error_pct,
+                "decisions": dataclasses.asdict(c.decisions)} for c in self.systems},
+            "ranking": {"tpot_real": self.ranking("real", "tpot_ms_mean"),
+                        "tpot_sim": self.ranking("sim", "tpot_ms_mean"),
+                        "ttft_real": self.ranking("real", "ttft_ms"), "ttft_sim": self.ranking("sim", "ttft_ms"),
+                        "same_tpot": self.same_ranking("tpot_ms_mean"), "same_ttft": self.same_ranking("ttft_ms")},
+        }
+
+
+def error_pct(simulated: float, measured: float) -> float:
+    """Simulated minus measured, in percent of measured (NaN when either is missing)."""
+    if measured is None or simulated is None or math.isnan(measured) or math.isnan(simulated) or measured == 0:
+        return float("nan")
+    return (simulated - measured) / measured * 100.0
+
+
+def rank(values: dict[str, float]) -> list[str]:
+    """Systems fastest first (missing values last, ties by name)."""
+    return sorted(values, key=lambda s: (math.isnan(values[s]), values[s] if not math.isnan(values[s]) else 0, s))
+
+
+def compare_decisions(real: list[tuple], sim: list[tuple], limit: int = MAX_LISTED) -> DecisionComparison:
+    """Row-by-row comparison of two decision logs, grouped by (step, layer)."""
+    def groups(rows: list[tuple]) -> dict[tuple[int, int], list[tuple]]:
+        out: dict[tuple[int, int], list[tuple]] = {}
+        for row in rows:
+            out.setdefault((int(row[0]), int(row[1])), []).append(tuple(row))
+        return out
+    by_real, by_sim = groups(real), groups(sim)
+    matched, differences, differing = 0, [], 0
+    for key in sorted(set(by_real) | set(by_sim)):
+        r, s = by_real.get(key, []), by_sim.get(key, [])
+        matched += sum((Counter(r) & Counter(s)).values())
+        if r != s:
+            differing += 1
+            if len(differences) < limit:
+                differences.append(f"step {key[0]} layer {key[1]}: simulator {_short(s)} / real {_short(r)}")
+    longest = max(len(real), len(sim))
+    return DecisionComparison(identical=list(map(tuple, real)) == list(map(tuple, sim)),
+                              share=matched / longest if longest else 1.0, real_rows=len(real), sim_rows=len(sim),
+                              differences=differences, differing_groups=differing)
+
+
+def _short(rows: list[tuple]) -> str:
+    return "[" + ", ".join(f"{r[3]} {r[2]}" + (f"->L{r[4]}" if r[4] != r[1] else "") for r in rows) + "]"
+
+
+# ----------------------------------------------------------------------------- running
+def truncate_trace(trace: str, layers: int, out: Path) -> Path:
+    """The first ``layers`` MoE layers of ``trace`` as a trace of its own (for models too big for host memory)."""
+    from moesim.trace.io import read_meta
+    from moesim.trace.schema import META_KEY
+    meta = read_meta(trace)
+    if not 1 <= layers <= meta.model.num_layers:
+        raise ConfigError(f"--layers {layers} outside 1..{meta.model.num_layers}", source=trace, field="--layers",
+                          fix=f"use 1..{meta.model.num_layers}")
+    table = pq.read_table(trace)
+    table = table.filter(pc.less(table["layer"], layers))
+    model = dataclasses.replace(meta.model, num_layers=layers)
+    meta = dataclasses.replace(meta, model=model, source={**meta.source, "truncated_to_layers": layers})
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), _as_bytes(META_KEY): meta.to_json()})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(out)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _as_bytes(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode()
+
+
+def run_validation(trace: str, systems: list[str], profile: Any, *, device: str, settings: dict[str, str],
+                   threads: int = 0, command: str = "moesim validate --real", profile_label: str = "",
+                   progress: Callable[[str], None] | None = None
+                   ) -> tuple[ValidationReport, dict[str, tuple[SimResult, SimResult]]]:
+    """Run every system on real kernels and in the simulator; returns the report and the raw results."""
+    from backends.torch_backend import RealConfig, run_real
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.run import simulate
+    say = progress or (lambda _text: None)
+    config = RealConfig(device=device, cpu_threads=threads)
+    comparisons, results = [], {}
+    for name in systems:
+        say(f"{name}: real run")
+        real = run_real(trace, profile, name, settings, config)
+        say(f"{name}: simulation")
+        sim = simulate(trace, profile, name, settings, timeline=True, decisions=True)
+        results[name] = (real, sim)
+        comparisons.append(SystemComparison(name, metrics(real), metrics(sim),
+                                            compare_decisions(real.decisions or [], sim.decisions or [])))
+    report = ValidationReport(trace=trace, profile=profile_label or getattr(profile, "path", str(profile)),
+                              device=device, command=command, systems=comparisons, settings=dict(settings))
+    return report, results
+
+
+# ----------------------------------------------------------------------------- writing
+def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, SimResult]], out_dir: Path) -> dict:
+    """validation.md, validation.json, validation.png, and per system the real and simulated logs."""
+    from moesim.analysis.timeline import write_decisions, write_timeline
+    from moesim.sim.engine import result_to_frames
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"json": out_dir / "validation.json", "markdown": out_dir / "validation.md",
+             "plot": out_dir / "validation.png"}
+    for name, (real, sim) in results.items():
+        for label, result in (("real", real), ("sim", sim)):
+            frames = result_to_frames(result)
+            write_decisions(frames["decisions"], out_dir / name / f"{label}-decisions.parquet")
+            write_timeline(frames["timeline"], out_dir / name / f"{label}-timeline.parquet")
+    plot_validation(report, files["plot"])
+    atomic_write_text(files["json"], json.dumps(report.to_dict(), indent=2, default=float) + "\n")
+    atomic_write_text(files["markdown"], render_markdown(report, files["plot"].name))
+    return files
+
+
+def _ms(value: float) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.3f}"
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.1f}%"
+
+
+def render_markdown(report: ValidationReport, plot_name: str) -> str:
+    lines = [f"# Validation: simulator vs real kernels", "",
+             f"- trace: `{report.trace}`", f"- profile: `{report.profile}`", f"- device: {report.device}",
+             f"- command: `{report.command}`"]
+    if report.settings:
+        lines.append("- settings: " + ", ".join(f"`{k}={v}`" for k, v in report.settings.items()))
+    lines += ["", "| system | TTFT real ms | TTFT sim ms | TTFT error | TPOT real ms | TPOT sim ms | TPOT error | "
+              "identical decisions |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in report.systems:
+        d = c.decisions
+        lines.append(f"| {c.system} | {_ms(c.real['ttft_ms'])} | {_ms(c.sim['ttft_ms'])} | {_pct(c.ttft_error_pct)} "
+                     f"| {_ms(c.real['tpot_ms_mean'])} | {_ms(c.sim['tpot_ms_mean'])} | {_pct(c.tpot_error_pct)} "
+                     f"| {d.share:.1%}{' (all)' if d.identical else ''} |")
+    lines += ["", "Error: (simulated - measured) / measured. Identical decisions: rows of the two decision logs "
+              "that match within each (step, layer), over the longer log.", ""]
+    for key, label in (("tpot_ms_mean", "TPOT"), ("ttft_ms", "TTFT")):
+        same = "same" if report.same_ranking(key) else "DIFFERENT"
+        lines.append(f"- ranking by {label}: {same} (real: {', '.join(report.ranking('real', key))}; simulated: "
+                     f"{', '.join(report.ranking('sim', key))})")
+    lines += ["", f"![real vs simulated]({plot_name})", ""]
+    for c in report.systems:
+        if c.decisions.identical:
+            continue
+        d = c.decisions
+        lines += [f"## {c.system}: decision logs differ in {d.differing_groups} (step, layer) groups", ""]
+        lines += [f"- {text}" for text in d.differences]
+        if d.differing_groups > len(d.differences):
+            lines.append(f"- ... and {d.differing_groups - len(d.differences)} more")
+        lines.append("")
+    notes = sorted({n for c in report.systems for n in c.real.get("notes", []) + c.sim.get("notes", [])})
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def plot_validation(report: ValidationReport, path: Path) -> Path:
+    """Grouped bars: measured and simulated TTFT and TPOT per system."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from moesim.analysis.plots import save_figure
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    names = [c.system for c in report.systems]
+    x = np.arange(len(names))
+    for i, (key, label) in enumerate((("ttft_ms", "TTFT (ms)"), ("tpot_ms_mean", "TPOT mean (ms)"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        real = [c.real[key] for c in report.systems]
+        sim = [c.sim[key] for c in report.systems]
+        ax.bar(x - 0.2, real, 0.4, label="measured", color="#0072B2")
+        ax.bar(x + 0.2, sim, 0.4, label="simulated", color="#E69F00")
+        ax.set_xticks(x, names, rotation=20, ha="right")
+        ax.set_title(label)
+        ax.legend()
+    fig.suptitle(f"{Path(report.trace).name} on {report.device}")
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -1,0 +1,113 @@
+"""moesim validate --real: decision-log comparison, errors, ranking, and the CPU-only run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moesim.analysis.validation import compare_decisions, error_pct, rank, truncate_trace
+from moesim.cli import main
+from moesim.trace.io import iter_steps, read_meta
+from tests.factories import random_routing, tiny_model, write_tiny_trace
+
+ROWS = [(0, 0, 3, "gpu_hit", 0), (0, 0, 1, "cpu", 0), (0, 1, 2, "evict", 1), (0, 1, 5, "gpu_load", 1)]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    model = tiny_model(layers=3, experts=8, top_k=2, shared=True)
+    path = tmp_path_factory.mktemp("validate") / "tiny.parquet"
+    return str(write_tiny_trace(path, model, random_routing(np.random.default_rng(2), model, 2, 8, 4)))
+
+
+def test_identical_logs():
+    result = compare_decisions(ROWS, list(ROWS))
+    assert result.identical and result.share == 1.0 and result.differences == []
+
+
+def test_differing_logs_are_listed_by_step_and_layer():
+    real = ROWS[:3] + [(0, 1, 5, "gpu_inflight", 1)]
+    result = compare_decisions(real, ROWS)
+    assert not result.identical
+    assert result.share == 0.75
+    assert result.differing_groups == 1
+    assert result.differences == ["step 0 layer 1: simulator [evict 2, gpu_load 5] / real [evict 2, gpu_inflight 5]"]
+    prefetch = compare_decisions([(3, 0, 7, "prefetch", 1)], [])
+    assert prefetch.differences == ["step 3 layer 0: simulator [] / real [prefetch 7->L1]"]
+
+
+def test_order_matters_for_identity_but_not_for_the_share():
+    swapped = [ROWS[1], ROWS[0]] + ROWS[2:]
+    result = compare_decisions(swapped, ROWS)
+    assert not result.identical and result.share == 1.0
+
+
+def test_missing_rows_lower_the_share():
+    assert compare_decisions(ROWS[:2], ROWS).share == 0.5
+    assert compare_decisions([], []).share == 1.0
+
+
+def test_error_and_ranking():
+    assert error_pct(11.0, 10.0) == pytest.approx(10.0)
+    assert error_pct(9.0, 10.0) == pytest.approx(-10.0)
+    assert np.isnan(error_pct(float("nan"), 10.0))
+    assert rank({"b": 2.0, "a": 2.0, "c": 1.0, "d": float("nan")}) == ["c", "a", "b", "d"]
+
+
+def test_truncated_trace_keeps_the_first_layers(trace, tmp_path):
+    out = truncate_trace(trace, 2, tmp_path / "two.parquet")
+    assert read_meta(out).model.num_layers == 2
+    full = list(iter_steps(trace))
+    short = list(iter_steps(out))
+    assert len(short) == len(full)
+    for a, b in zip(full, short):
+        assert sorted({layer for layer, _ in b.layers()}) == [0, 1]
+        assert np.array_equal(b.experts, a.experts[a.layer < 2])
+
+
+def test_truncating_to_too_many_layers_is_one_line(trace, tmp_path, capsys):
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--layers", "7", "--out", str(tmp_path / "v")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--layers 7 outside 1..3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_validate_needs_real_and_known_systems(trace, tmp_path, capsys):
+    assert main(["validate", "--trace", trace, "--systems", "cpu-only", "--out", str(tmp_path)]) == 2
+    assert "pass --real" in capsys.readouterr().err
+    assert main(["validate", "--real", "--trace", trace, "--systems", "cpu-only,nope", "--out", str(tmp_path)]) == 2
+    assert "unknown system 'nope'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_cpu_only_validation_end_to_end(trace, tmp_path, capsys):
+    """Acceptance: timing-independent systems log identical decisions in the real run and the simulator."""
+    pytest.importorskip("torch")
+    out = tmp_path / "report"
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems",
+                 "cpu-only,gpu-only-lru,static-hot", "--set", "cache.slots_per_layer=3", "--threads", "1",
+                 "--quick-profile", "--out", str(out), "--json"])
+    assert code == 0, capsys.readouterr().err
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((out / "validation.json").read_text())
+    assert printed == written
+    assert set(written["systems"]) == {"cpu-only", "gpu-only-lru", "static-hot"}
+    for name, entry in written["systems"].items():
+        assert entry["decisions"]["identical"], (name, entry["decisions"]["differences"])
+        assert entry["decisions"]["share"] == 1.0
+        assert entry["decisions"]["real_rows"] == entry["decisions"]["sim_rows"] > 0
+        for source in ("real", "sim"):
+            assert entry[source]["ttft_ms"] > 0 and entry[source]["tpot_ms_mean"] > 0
+        expected = (entry["sim"]["tpot_ms_mean"] - entry["real"]["tpot_ms_mean"]) / entry["real"]["tpot_ms_mean"]
+        assert entry["tpot_error_pct"] == pytest.approx(100 * expected)
+    assert written["settings"]["engine.kernels_per_expert"] == "0"
+    assert sorted(written["ranking"]["tpot_real"]) == sorted(written["ranking"]["tpot_sim"])
+    markdown = (out / "validation.md").read_text()
+    assert "| gpu-only-lru |" in markdown and "100.0% (all)" in markdown and "![real vs simulated]" in markdown
+    assert (out / "validation.png").stat().st_size > 10_000
+    assert (out / "profile.yaml").exists()
+    for name in written["systems"]:
+        for part in ("real-decisions", "sim-decisions", "real-timeline", "sim-timeline"):
+            assert (out / name / f"{part}.parquet").exists()
