@@ -71,12 +71,15 @@ def test_router_refuses_a_trace_without_scores(tmp_path):
 
 def test_top_score_prefetch_ranks_by_votes_then_position():
     model = tiny_model(layers=2, experts=6, top_k=2)
-    prefetch = TopScorePrefetch(size=2)
+    prefetch = TopScorePrefetch(per_token=2, size=2)
     prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[6, 6],
                                   columns=("pred_next_layer",)))
     view = _view([[0, 1]] * 3, [SCORES] * 3, set())
     view.predictors = {"pred_next_layer": [np.array([4, 2]), np.array([5, 4]), np.array([2, 1])]}
     assert prefetch.candidates(view) == [(1, 2), (1, 4)]  # 2 and 4 have two votes, 2 came first once
+    # top-score only: each token's first prediction (4, 5, 2), one vote each, by position then id
+    prefetch.per_token, prefetch.size = 1, 0
+    assert prefetch.candidates(view) == [(1, 2), (1, 4), (1, 5)]
 
 
 def test_score_history_evicts_lowest_average_over_n_iterations_with_protection():

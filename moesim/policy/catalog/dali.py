@@ -151,7 +151,7 @@ class DaliGreedy(Assignment):
     name = "dali-greedy"
     #: modelled decision time per layer, microseconds, charged on the critical path (0: free)
     solve_us: float = 0.0
-    last_solve_s: float = field(default=0.0, repr=False)
+    _last_solve_s: float = field(default=0.0, repr=False)
 
     def choose(self, t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
         return greedy_assignment(t_gpu, t_cpu)
@@ -159,7 +159,7 @@ class DaliGreedy(Assignment):
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         experts, t_gpu, t_cpu = expert_times(view)
         on_gpu = self.choose(t_gpu, t_cpu)
-        self.last_solve_s = self.solve_us * 1e-6
+        self._last_solve_s = self.solve_us * 1e-6
         return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
 
 
@@ -180,7 +180,7 @@ class DaliOptimal(DaliGreedy):
         start = time.perf_counter()
         experts, t_gpu, t_cpu = expert_times(view)
         on_gpu = optimal_assignment(t_gpu, t_cpu)
-        self.last_solve_s = time.perf_counter() - start if self.measured else self.solve_us * 1e-6
+        self._last_solve_s = time.perf_counter() - start if self.measured else self.solve_us * 1e-6
         return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
 
 
@@ -323,7 +323,7 @@ class DaliSystem(ObservingSystem):
         window_closed = cache.observe(view)
         gpu, cpu = self.assign.split(view)
         plan = LayerPlan(cpu=cpu)
-        solve_s = getattr(self.assign, "last_solve_s", 0.0)
+        solve_s = getattr(self.assign, "_last_solve_s", 0.0)
         if solve_s:
             plan.overhead_s["predict"] = solve_s
         layer, state = view.layer, view.cache

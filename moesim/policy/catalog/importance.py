@@ -10,9 +10,9 @@ Components:
   ``[(1 - alpha) * beta, beta]`` that is resident or in C (the alternative set
   A); the highest-scoring alternatives replace the lowest-scoring low-score
   experts. Needs the ``scores`` column.
-* ``top-score`` (prefetch, Sec. 5.2): the experts predicted for the next layer
-  (``pred_next_layer``), ranked by how many tokens predict them and then by
-  their rank in the prediction, highest first; only the first ``size``.
+* ``top-score`` (prefetch, Sec. 5.2): each token's highest predicted experts
+  for the next layer (``pred_next_layer``, ``per_token`` of them), ranked by
+  how many tokens predict them, then by rank in the prediction.
 * ``score-history`` (cache, Sec. 5.3): evicts the expert with the lowest
   average router score over the last ``n`` iterations, inactive experts'
   scores included; experts the layer is using are protected (the system
@@ -94,7 +94,8 @@ class ImportanceRouter(Substitution):
     and calls the alternatives' range "between (1-alpha)beta and beta". This follows the text:
     B_t holds only the low-score experts that would need a load or the CPU, and the
     alternatives' range is closed at beta (the (k+1)-th expert itself, score exactly beta,
-    is the most similar inactive expert).
+    is the most similar inactive expert). "In GPU" counts experts resident or already arriving
+    (a prefetch in flight): either way no new transfer is needed.
     """
 
     name = "importance-router"
@@ -149,25 +150,32 @@ def ranked_predictions(predicted: list[np.ndarray]) -> list[int]:
 @register_component
 @dataclass
 class TopScorePrefetch(Prefetch):
-    """Top-score prefetch for the next layer (004 Sec. 5.2) from ``pred_next_layer``."""
+    """Top-score prefetch for the next layer (004 Sec. 5.2) from ``pred_next_layer``.
+
+    Only top-score experts are worth a load (Sec. 3, Fig. 5): per token, the
+    first ``per_token`` experts of its prediction (the ones the next layer's
+    gate scores highest), ranked over the batch by how many tokens predict
+    them, at most ``size`` per layer.
+    """
 
     name = "top-score"
     columns = ("pred_next_layer",)
-    #: experts loaded ahead per layer, highest predicted first (0: the model's top-k)
+    #: predicted experts per token treated as top-score (highest predicted scores first)
+    per_token: int = 1
+    #: experts loaded ahead per layer at most (0: no cap beyond per_token)
     size: int = 0
-    _size: int = 0
     _layers: int = 0
 
     def configure(self, ctx: RunContext) -> None:
         require_column(ctx, "pred_next_layer", "prefetch 'top-score'", "the next layer's predicted experts")
-        self._size = self.size or ctx.model.top_k
         self._layers = ctx.model.num_layers
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:
             return []
-        return [(view.layer + 1, e) for e in ranked_predictions(predicted)[:self._size]]
+        ranked = ranked_predictions([np.asarray(p)[:self.per_token] for p in predicted])
+        return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
 
 
 # ----------------------------------------------------------------------------- cache (Sec. 5.3)

@@ -1,0 +1,61 @@
+"""MoE-Infinity baseline: request-level activation matrices, matching prefetch, request-level LFU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.policy.catalog.moe_infinity import ActivationTracker, request_eams
+from moesim.sim.run import simulate
+from moesim.trace.synth import SynthConfig, synthesize
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+
+def test_request_eams_count_tokens_per_layer_and_expert(tmp_path):
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, [
+        {"phase": "prefill", "tokens": {0: (0, [[[0, 1], [0, 2]], [[3, 1], [3, 2]]])}},
+        {"phase": "decode", "tokens": {0: (2, [[[0, 1]], [[2, 3]]]), 1: (0, [[[2, 3]], [[0, 1]]])}},
+    ])
+    eams = request_eams(str(trace), 2, 4)
+    assert eams[0].tolist() == [[3, 2, 1, 0], [0, 1, 2, 3]]
+    assert eams[1].tolist() == [[0, 0, 1, 1], [1, 1, 0, 0]]
+
+
+def test_best_match_is_the_most_cosine_similar_eam():
+    tracker = ActivationTracker(2, 3, eamc_size=2, row_requests={}, last_step={})
+    a = np.array([[5.0, 0, 0], [0, 5, 0]])
+    b = np.array([[0, 0, 5.0], [5, 0, 0]])
+    c = np.array([[0, 5.0, 0], [0, 0, 5]])
+    for eam in (a, b, c):
+        tracker.add_to_collection(eam)
+    assert len(tracker.collection) == 2  # the oldest (a) left first
+    match = tracker.best_match(np.array([[0, 0, 1.0], [2, 0, 0]]))
+    assert np.allclose(match, b / np.linalg.norm(b))
+    assert tracker.best_match(np.zeros((2, 3))) is None
+
+
+@pytest.fixture(scope="module")
+def sequential_requests(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moeinf")
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    return str(synthesize(SynthConfig.from_settings(model=model, requests=4, prompt_len=6, decode_len=10, batch=1,
+                                                    seed=9), out / "t.parquet"))
+
+
+def test_moe_infinity_prefetches_once_requests_have_finished(sequential_requests):
+    settings = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    result = simulate(sequential_requests, tiny_profile(), "moe-infinity", settings, decisions=True)
+    m = metrics(result)
+    assert m["prefetches"] > 0 and any("EAM collection starts empty" in n for n in m["notes"])
+    decisions = [d for d in result.decisions if d[3] == "prefetch"]
+    first_prefetch_step = min(d[0] for d in decisions)
+    first_request_steps = 1 + 10  # request 0's prefill and decode steps come first
+    assert first_prefetch_step >= first_request_steps  # nothing to match before a request ended
+
+
+def test_seeded_collection_prefetches_from_the_start(sequential_requests):
+    settings = {"cache.slots_per_layer": "3", "prefetch.calibration": sequential_requests}
+    result = simulate(sequential_requests, tiny_profile(), "moe-infinity", settings, decisions=True)
+    assert min(d[0] for d in result.decisions if d[3] == "prefetch") == 0
