@@ -41,7 +41,7 @@ PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#0
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
 BASE_PARAMETERS = ("trace", "hw", "system", "seed", "model")
 #: the y axis turns logarithmic when the largest value exceeds the smallest by this factor
-LOG_RATIO = 30.0
+LOG_RATIO = 10.0
 
 LABELS = {
     "tpot_ms_mean": "TPOT, mean (ms)", "tpot_ms_p50": "TPOT, p50 (ms)", "tpot_ms_p99": "TPOT, p99 (ms)",

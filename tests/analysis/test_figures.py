@@ -1,0 +1,162 @@
+"""Sweep figures: lines per hue, panels per facet, averaging, bars, the standard set, `moesim plot`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+
+from moesim.analysis.figures import (fig_breakdown, fig_gantt, fig_hit_rate_vs_prefetch, fig_tpot_vs_slots,
+                                     is_bound, load_results, plot_results, representative, standard_figures)
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.sim.engine import BREAKDOWN
+from moesim.sweep import load_spec, run_sweep
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+
+def results() -> pd.DataFrame:
+    """2 profiles x 3 systems x slots 1, 2, 4: TPOT = base / slots, a bound flat at 5 ms; one failed point."""
+    rows = []
+    for hw, scale in (("a100-40g", 1.0), ("h100-pcie", 0.5)):
+        for system, base in (("gpu-only-lru", 100.0), ("static-hot", 60.0), ("all-in-gpu", None)):
+            for slots in (1, 2, 4):
+                tpot = 5.0 if base is None else base * scale / slots
+                rows.append({"point_id": f"{hw}-{system}-{slots}", "trace": "traces/x.parquet", "hw": hw,
+                             "system": system, "seed": 0, "cache.slots_per_layer": slots, "status": "ok",
+                             "error": "", "tpot_ms_mean": tpot, "gpu_hit_rate": slots / 8,
+                             "prefetches": 0, "decode_tokens": 10, "prefill_tokens": 0,
+                             **{f"breakdown_{c}_ms": (i + 1) * slots * scale for i, c in enumerate(BREAKDOWN)}})
+    rows.append({**rows[0], "point_id": "bad", "cache.slots_per_layer": 9, "status": "error",
+                 "error": "does not fit", "tpot_ms_mean": np.nan})
+    return pd.DataFrame(rows)
+
+
+def lines(ax) -> list:
+    return [line for line in ax.get_lines() if len(line.get_xdata())]
+
+
+def test_one_line_per_hue_and_one_panel_per_facet():
+    fig = plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system", facet="hw")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["hw = a100-40g", "hw = h100-pcie"]
+    assert [len(lines(ax)) for ax in panels] == [3, 3]
+    lru = lines(panels[1])[0]  # registry order: gpu-only-lru first, bounds last
+    assert list(lru.get_xdata()) == [1, 2, 4]
+    assert list(lru.get_ydata()) == pytest.approx([50.0, 25.0, 12.5])
+    bound = lines(panels[0])[2]
+    assert bound.get_linestyle() == "--" and list(bound.get_ydata()) == [5.0, 5.0, 5.0]
+    assert panels[0].get_yscale() == "log"  # 100 ms vs 5 ms spans more than 10x
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert panels[0].get_xlabel() == "GPU cache slots per layer"
+
+
+def test_parameters_not_shown_are_averaged_with_a_min_max_band():
+    fig = plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    ax = fig.axes[0]
+    lru = lines(ax)[0]
+    assert list(lru.get_ydata()) == pytest.approx([75.0, 37.5, 18.75])  # mean of a100 (x1) and h100 (x0.5)
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 2  # the bound is the same on both profiles: no band
+    assert "mean over hw" in fig._suptitle.get_text()
+    linear = plot_results(results(), x="cache.slots_per_layer", y="gpu_hit_rate", hue="system", logy=False)
+    assert linear.axes[0].get_yscale() == "linear"
+
+
+def test_categorical_x_draws_grouped_bars():
+    fig = plot_results(results(), x="system", y="tpot_ms_mean", hue="hw")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["all-in-gpu", "gpu-only-lru", "static-hot"]
+    heights = [p.get_height() for p in ax.patches]
+    assert len(heights) == 6
+    lru_a100 = np.mean([100.0, 50.0, 25.0])
+    assert heights[1] == pytest.approx(lru_a100)
+
+
+def test_unknown_columns_name_what_there_is():
+    with pytest.raises(ConfigError) as err:
+        plot_results(results(), x="slots", y="tpot_ms_mean")
+    text = str(err.value)
+    assert "no column 'slots'" in text and "cache.slots_per_layer" in text and "tpot_ms_mean" in text
+    fig = plot_results(results(), x="cache__slots_per_layer", y="tpot_ms_mean")  # the Python spelling works
+    assert len(lines(fig.axes[0])) == 1
+
+
+def test_every_point_failed_is_one_line():
+    frame = results().assign(status="error")
+    with pytest.raises(ConfigError, match="no finished points"):
+        plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean")
+
+
+def test_representative_is_the_middle_value_and_breakdown_stacks_it():
+    frame = results()
+    assert representative(frame[frame["status"] == "ok"]) == {"hw": "a100-40g", "cache.slots_per_layer": 2}
+    fig = fig_breakdown(frame)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    per_bar = {}
+    for patch in ax.patches:
+        per_bar.setdefault(round(patch.get_x(), 3), 0.0)
+        per_bar[round(patch.get_x(), 3)] += patch.get_height()
+    expected = sum((i + 1) * 2 for i in range(len(BREAKDOWN)))  # slots = 2, a100 scale 1
+    assert list(per_bar.values()) == pytest.approx([expected] * 3)
+    assert "hw=a100-40g, cache.slots_per_layer=2" in ax.get_title(loc="left")
+
+
+def test_standard_set_and_bounds():
+    assert is_bound("oracle") and is_bound("all-in-gpu") and not is_bound("gpu-only-lru")
+    figs = standard_figures(results(), gantt=False)
+    assert list(figs) == ["tpot_vs_slots", "hit_rate_vs_prefetch", "breakdown"]
+    assert all(isinstance(fig, Figure) for fig, _ in figs.values())
+    scatter = fig_hit_rate_vs_prefetch(results())
+    assert sum(len(c.get_offsets()) for c in scatter.axes[0].collections) == 18
+    swept = results().assign(**{"prefetch.count": lambda f: f["cache.slots_per_layer"]})
+    by_param = fig_hit_rate_vs_prefetch(swept)
+    assert by_param.axes[0].get_xlabel() == "prefetch.count"
+    assert fig_tpot_vs_slots(results()).axes[0].get_title() == "hw = a100-40g"
+
+
+@pytest.fixture
+def sweep_results(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    write_tiny_trace(tmp_path / "t.parquet", model,
+                     random_routing(np.random.default_rng(11), model, requests=1, prompt=4, decode=8))
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
+        "traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only", "gpu-only-lru", "static-hot"],
+        "grid": {"cache.slots_per_layer": [1, 2, 3]}}))
+    run_sweep(load_spec(tmp_path / "spec.yaml"), tmp_path / "r.parquet", workers=1)
+    return tmp_path / "r.parquet"
+
+
+def test_gantt_replays_the_point_with_its_timeline(sweep_results):
+    frame = load_results(sweep_results)
+    row = frame[(frame["system"] == "gpu-only-lru") & (frame["cache.slots_per_layer"] == 1)].iloc[0]
+    fig = fig_gantt(row)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["CPU", "GPU", "PCIe H2D"]
+    bars = sum(len(c.get_paths()) for c in ax.collections if isinstance(c, PolyCollection))
+    assert bars > 0
+    assert "cache.slots_per_layer=1" in fig._suptitle.get_text()
+    gone = row.copy()
+    gone["trace_path"] = str(sweep_results.parent / "moved.parquet")
+    with pytest.raises(ConfigError, match="--no-gantt"):
+        fig_gantt(gone)
+
+
+def test_cli_plot_writes_png_and_svg(sweep_results, tmp_path, capsys):
+    png, svg = tmp_path / "f.png", tmp_path / "f.svg"
+    assert main(["plot", str(sweep_results), "--x", "cache.slots_per_layer", "--y", "tpot_ms_mean",
+                 "--hue", "system", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(sweep_results), "--x", "system", "--y", "gpu_hit_rate", "--out", str(svg)]) == 0
+    assert b"<svg" in svg.read_bytes()[:500]
+    capsys.readouterr()
+    assert main(["plot", str(sweep_results), "--x", "cache.slots_per_layer", "--y", "nope", "--out",
+                 str(png)]) == 2
+    assert "no column 'nope'" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "t.parquet"), "--x", "a", "--y", "b", "--out", str(png)]) == 2
+    assert "not a sweep result" in capsys.readouterr().err

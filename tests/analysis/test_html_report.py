@@ -1,0 +1,90 @@
+"""`moesim report`: one self-contained page; a headless browser loads every image."""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+
+from moesim.analysis.html_report import render_report
+from moesim.cli import main
+from moesim.sweep import load_spec, run_sweep
+from tests.analysis.test_figures import results
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+
+
+def test_page_embeds_every_figure_as_a_png_data_uri():
+    page = render_report(results(), title="t", gantt=False)
+    images = IMG.findall(page)
+    assert len(images) == 3 == page.count("<img")  # TPOT vs slots, hit rate, breakdown
+    for data in images:
+        assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
+    assert "<script" not in page
+
+
+def test_tables_mark_the_fastest_system_and_list_failures():
+    frame = results()
+    frame.loc[frame["point_id"] == "bad", "error"] = "cache <9 slots> does not fit"
+    page = render_report(frame, title="t", gantt=False)
+    # at a100-40g, 1 slot: static-hot (60 ms) beats gpu-only-lru (100 ms); all-in-gpu (5 ms) is a bound
+    row = re.search(r"<tr><td class=\"text\">a100-40g</td><td class=\"text\">1</td>(.*?)</tr>", page).group(1)
+    assert re.findall(r'<td class="best">([^<]*)</td>', row) == ["60.0"]
+    assert row.endswith('<td class="text">static-hot</td>')
+    assert "all-in-gpu (bound)" in page
+    assert "Failed points (1)" in page and "cache &lt;9 slots&gt; does not fit" in page
+    assert "19 points, 18 finished, 1 failed" in page
+
+
+def find_browser() -> str | None:
+    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
+
+
+@pytest.fixture
+def sweep_results(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    write_tiny_trace(tmp_path / "t.parquet", model,
+                     random_routing(np.random.default_rng(13), model, requests=1, prompt=4, decode=8))
+    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
+        "traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only", "gpu-only-lru", "all-in-gpu"],
+        "grid": {"cache.slots_per_layer": [1, 2, 3, 9]}}))
+    run_sweep(load_spec(tmp_path / "spec.yaml"), tmp_path / "r.parquet", workers=1)
+    return tmp_path / "r.parquet"
+
+
+def test_cli_report_renders_in_a_headless_browser_with_every_image_loaded(sweep_results, tmp_path):
+    report = tmp_path / "report.html"
+    assert main(["report", str(sweep_results), "--out", str(report)]) == 0
+    page = report.read_text()
+    assert page.count("<img") == 4 and 'id="gantt"' in page  # with the Gantt chart of a replayed point
+    browser = find_browser()
+    if browser is None:
+        pytest.skip("no chromium found: apt-get install -y chromium")
+    # a copy of the page with a script that writes what the browser loaded into the DOM
+    check = """<script>window.addEventListener("load", function () {
+      var images = Array.from(document.images);
+      var loaded = images.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+      var out = document.createElement("pre"); out.id = "image-check";
+      out.textContent = "images " + images.length + " loaded " + loaded.length + " widths " +
+        images.map(function (i) { return i.naturalWidth; }).join(",");
+      document.body.appendChild(out);
+    });</script>"""
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", check + "</body>"))
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="image-check">images (\d+) loaded (\d+) widths ([\d,]+)</pre>', done.stdout)
+    assert found, done.stderr[-2000:]
+    assert found.group(1) == found.group(2) == "4"
+    assert all(int(w) > 300 for w in found.group(3).split(","))
+    assert "<h1>r.parquet</h1>" in done.stdout
