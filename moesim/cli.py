@@ -344,6 +344,134 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     console.print(f"wrote {out}")
 
 
+# ----------------------------------------------------------------------------- profile and validate
+def _command_line() -> str:
+    return "moesim " + " ".join(sys.argv[1:])
+
+
+def _progress_labels(total: int, title: str):
+    """A rich progress bar advanced once per label (hidden when stderr is not a terminal)."""
+    from rich.progress import BarColumn, Progress, TextColumn
+    bar = Progress(TextColumn(f"[bold]{title}"), BarColumn(), TextColumn("{task.description}"),
+                   console=err_console, transient=True, disable=not err_console.is_terminal)
+    task = bar.add_task("", total=total)
+
+    def step(label: str) -> None:
+        bar.update(task, advance=1, description=label)
+    return bar, step
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MoesimError("the real backend needs torch", field="torch",
+                          fix="pip install -e '.[torch]'") from None
+
+
+def _measure(model, device: str, threads: int, quick: bool, name: str, out: Path) -> Path:
+    from moesim.hw.profiler import ProfileConfig, measure_profile, measurement_count, write_profile
+    _require_torch()
+    from backends.torch_backend import check_device
+    check_device(device)
+    config = ProfileConfig(model=model, device=device, threads=threads, quick=quick, command=_command_line(),
+                           name=name)
+    bar, step = _progress_labels(measurement_count(model), "profile")
+    with bar:
+        data = measure_profile(config, progress=step)
+    return write_profile(data, out)
+
+
+@cli.command("profile")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cuda: this GPU; cpu: the CPU-only stand-in (no GPU needed).")
+@click.option("--model", "model_name", required=True, help="Model preset name or preset YAML: the shape measured.")
+@click.option("--layers", default=None, type=click.IntRange(min=1),
+              help="MoE layers of the profiled shape (curves are per layer; match `validate --layers`).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Torch threads of the CPU expert pool (0: every core).")
+@click.option("--quick", is_flag=True, help="Fewer points and repetitions (a quick look, not a reference).")
+@click.option("--name", default="", help="Profile name (default: HOST-DEVICE).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output profile YAML.")
+def profile_command(device: str, model_name: str, layers: int | None, threads: int, quick: bool, name: str,
+                    out: str) -> None:
+    """Measure a hardware profile v1 (every curve the cost model reads) for one model shape."""
+    import dataclasses
+
+    from moesim.model.presets import load_preset
+    model = load_preset(model_name)
+    if layers is not None:
+        model = dataclasses.replace(model, num_layers=layers)
+    path = _measure(model, device, threads, quick, name, Path(out))
+    console.print(f"wrote {path} (load it with --hw {path} or --profile {path})")
+
+
+@cli.command("validate")
+@click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
+@click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
+@click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
+@click.option("--profile", "profile_path", default=None,
+              help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--layers", default=None, type=click.IntRange(min=1),
+              help="Run only the first N MoE layers of the trace (models larger than host memory).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Torch threads of the CPU expert pool (0: every core).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Parameter for both executors, e.g. cache.slots_per_layer=4.")
+@click.option("--quick-profile", is_flag=True, help="Measure the profile with fewer points (tests).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Report directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+def validate_command(real: bool, trace_file: str, systems: str, profile_path: str | None, device: str,
+                     layers: int | None, threads: int, settings: tuple[str, ...], quick_profile: bool, out: str,
+                     as_json: bool) -> None:
+    """Run the same trace and systems on real kernels and in the simulator; report errors and decision agreement."""
+    from moesim.analysis.validation import (MEASURED_PROFILE_SETTINGS, run_validation, truncate_trace,
+                                            write_report)
+    from moesim.hw.profile import load_profile
+    from moesim.sim.run import members
+    from moesim.trace.io import read_meta
+    if not real:
+        raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    if not names:
+        raise MoesimError("no system given", field="--systems", fix="e.g. --systems cpu-only,gpu-only-lru")
+    for name in names:
+        members(name)  # unknown systems fail here, before anything runs
+    out_dir = Path(out)
+    read_meta(trace_file)
+    if layers is not None:
+        trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
+    parsed = _parse_settings(settings)
+    if profile_path is None:
+        profile_path = str(_measure(read_meta(trace_file).model, device, threads, quick_profile, "",
+                                    out_dir / "profile.yaml"))
+    _require_torch()
+    profile = load_profile(profile_path)
+    if "measured by moesim profile" in profile.sources.get("gpu", ""):
+        parsed = {**MEASURED_PROFILE_SETTINGS, **parsed}
+    bar, step = _progress_labels(2 * len(names), "validate")
+    with bar:
+        report, results = run_validation(trace_file, names, profile, device=device, settings=parsed,
+                                         threads=threads, command=_command_line(), profile_label=profile_path,
+                                         progress=step)
+    files = write_report(report, results, out_dir)
+    if as_json:
+        _write_json(report.to_dict(), None)
+        return
+    from rich.table import Table
+    table = Table(title=f"{Path(trace_file).name}: simulated vs measured on {device}", title_justify="left")
+    for col in ("system", "TTFT real/sim ms", "error", "TPOT real/sim ms", "error", "same decisions"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for c in report.systems:
+        table.add_row(c.system, f"{c.real['ttft_ms']:.3f} / {c.sim['ttft_ms']:.3f}", f"{c.ttft_error_pct:+.1f}%",
+                      f"{c.real['tpot_ms_mean']:.3f} / {c.sim['tpot_ms_mean']:.3f}", f"{c.tpot_error_pct:+.1f}%",
+                      f"{c.decisions.share:.1%}")
+    console.print(table)
+    console.print(f"ranking by TPOT: {'same' if report.same_ranking('tpot_ms_mean') else 'DIFFERENT'}; "
+                  f"wrote {files['markdown']}, {files['json']}, {files['plot']}")
+
+
 # ----------------------------------------------------------------------------- entry point
 def main(argv: list[str] | None = None) -> int:
     try:
