@@ -1,0 +1,46 @@
+"""The notebooks in notebooks/ run top to bottom and reach their conclusions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e '.[test]')")
+nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e '.[test]')")
+pytest.importorskip("ipykernel", reason="ipykernel is not installed (pip install -e '.[test]')")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def execute(name: str) -> nbformat.NotebookNode:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
+        f"{name} is stored with outputs; clear them"
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()
+    return notebook
+
+
+def outputs(notebook: nbformat.NotebookNode, mime: str) -> list[str]:
+    return [out["data"][mime] for cell in notebook.cells if cell.cell_type == "code"
+            for out in cell.outputs if out.get("output_type") in ("execute_result", "display_data")
+            and mime in out.get("data", {})]
+
+
+@pytest.mark.slow
+def test_policy_sweep_notebook():
+    notebook = execute("policy_sweep.ipynb")
+    assert len(outputs(notebook, "image/png")) == 4  # TPOT vs slots, hit rate, breakdown, Gantt
+    conclusion = outputs(notebook, "text/markdown")[-1]
+    assert conclusion.count("- a100-40g") == 3 and conclusion.count("- h100-pcie") == 3
+    assert "fastest deployable system in" in conclusion and "of 6 settings" in conclusion
+
+
+@pytest.mark.slow
+def test_custom_policy_notebook():
+    notebook = execute("custom_policy.ipynb")
+    assert len(outputs(notebook, "image/png")) == 3
+    conclusion = outputs(notebook, "text/markdown")[-1]
+    assert conclusion.count("closes") == 5 and "best decay at 4 slots" in conclusion
