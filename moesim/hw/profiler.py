@@ -118,7 +118,16 @@ def gpu_info(device: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- timing
 class Timer:
-    """Median seconds of a callable on the measured device (CUDA events, or the GPU stand-in thread)."""
+    """Median seconds of a callable on the measured device (CUDA events, or host clock for the stand-in).
+
+    Two untimed calls first (kernel selection, allocator); then at least
+    ``repeats`` timed calls and more, up to :attr:`MAX_CALLS`, until
+    :attr:`MIN_TOTAL_S` of samples are in: short kernels get many samples, so
+    one interrupted call on a busy machine does not become the curve.
+    """
+
+    MIN_TOTAL_S = 0.05
+    MAX_CALLS = 200
 
     def __init__(self, device: str, repeats: int) -> None:
         import torch
@@ -126,30 +135,35 @@ class Timer:
         self.repeats = repeats
         self.torch = torch
 
+    def _sample(self, once: Callable[[], float]) -> float:
+        once()
+        once()
+        times: list[float] = []
+        while len(times) < self.repeats or (sum(times) < self.MIN_TOTAL_S and len(times) < self.MAX_CALLS):
+            times.append(once())
+        return statistics.median(times)
+
     def device(self, fn: Callable[[], Any]) -> float:
         if not self.cuda:
             return self.host(fn)
         torch = self.torch
-        fn()
-        times = []
-        for _ in range(self.repeats):
+
+        def once() -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
             fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+            return start.elapsed_time(end) / 1e3
+        return self._sample(once)
 
     def host(self, fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(self.repeats):
+        def once() -> float:
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return time.perf_counter() - t0
+        return self._sample(once)
 
 
 # ----------------------------------------------------------------------------- measurements
