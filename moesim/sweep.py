@@ -39,7 +39,9 @@ default all cores; one worker runs them in this process, which also sees
 systems registered at run time); ``ray`` runs them as Ray tasks on a local Ray
 instance or an existing cluster (``address``). With Ray, trace and profile
 files are put in the object store once and every worker process copies each
-to local disk once, on first use.
+to local disk once, on first use. On a cluster, every node needs moesim (and
+any catalog module the systems come from) installed; other files a setting
+names (``cache.calibration=PATH``) must exist at that path on the nodes.
 
 Note: ``moesim.sweep`` is the function :func:`moesim.api.sweep`; import this
 module's names with ``from moesim.sweep import ...``.
