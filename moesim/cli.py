@@ -281,7 +281,7 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
 @click.option("--engine", default="local", show_default=True, type=click.Choice(["local", "ray"]),
               help="local: a process pool; ray: Ray tasks.")
 @click.option("--address", default=None, metavar="ADDR",
-              help="Ray cluster to use (e.g. ray://head:10001 or auto) [default: start a local Ray instance].")
+              help="Ray cluster to join (auto, or HEAD_IP:6379) [default: start a local Ray instance].")
 def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None) -> None:
     """Replay every point of a grid over traces, hardware profiles, systems and --set parameters.
 
