@@ -148,14 +148,14 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
     shown = {x, hue, facet} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
-    panels = _sorted_values(data[facet]) if facet else [None]
+    panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
     fig = Figure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     numeric_x = data[x].dtype.kind in "biuf"
-    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else _sorted_values(data[hue])) \
+    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
         if hue else [None]
     styles = {h: _style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
     for ax, panel in zip(axes.flat, panels):
@@ -187,7 +187,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     return fig
 
 
-def _sorted_values(series: pd.Series) -> list[Any]:
+def sorted_values(series: pd.Series) -> list[Any]:
     values = list(series.dropna().unique())
     try:
         return sorted(values)
@@ -229,7 +229,7 @@ def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: l
 
 def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
           styles: dict[Any, dict[str, Any]]) -> None:
-    groups = _sorted_values(data[x])
+    groups = sorted_values(data[x])
     width = 0.8 / len(hues)
     for j, h in enumerate(hues):
         sub = data[data[hue] == h] if hue else data
@@ -334,7 +334,7 @@ def representative(frame: pd.DataFrame, keep: Sequence[str] = ("system",)) -> di
     for c in varying(frame, parameter_columns(frame)):
         if c in keep:
             continue
-        values = _sorted_values(frame[c])
+        values = sorted_values(frame[c])
         chosen[c] = values[(len(values) - 1) // 2]
     return chosen
 
@@ -404,9 +404,8 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     frame = result_to_frames(result)["timeline"]
     window = decode_window(result.steps, steps)
     title = f"{point['system']} on {Path(str(point['trace'])).name}, {point['hw']}"
-    extra = {k: v for k, v in settings.items()}
-    if extra:
-        title += " (" + ", ".join(f"{k}={v}" for k, v in extra.items()) + ")"
+    if settings:
+        title += " (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
     return plot_gantt(frame, path, window=window, title=title)
 
 

@@ -96,7 +96,7 @@ def _summary(frame: pd.DataFrame, source: str | None) -> str:
             items.append(f"{col}: {', '.join(map(str, values))}")
     for col in varied:
         if col not in ("trace", "hw", "system"):
-            items.append(f"{col}: {', '.join(map(str, F._sorted_values(frame[col])))}")
+            items.append(f"{col}: {', '.join(map(str, F.sorted_values(frame[col])))}")
     fixed = [c for c in params if c not in varied and c not in ("trace", "hw", "system", "point_id")]
     for col in fixed:
         items.append(f"{col} = {frame[col].dropna().iloc[0] if frame[col].notna().any() else '-'}")
