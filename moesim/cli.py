@@ -157,11 +157,17 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
         raise MoesimError("--timeline, --chrome-trace and --decisions need a single system",
                           field="--system", fix="pass --system NAME")
     results = {}
+    skipped: dict[str, str] = {}
     for name in systems:
-        results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
-                                    record=bool(timeline_out or chrome_out or decisions_out
-                                                or (plot_out and len(systems) == 1)),
-                                    decisions=bool(decisions_out))
+        try:
+            results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
+                                        record=bool(timeline_out or chrome_out or decisions_out
+                                                    or (plot_out and len(systems) == 1)),
+                                        decisions=bool(decisions_out))
+        except MoesimError as err:
+            if len(systems) == 1 or not _skippable(err):
+                raise
+            skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
     metrics_by_system = {name: m for name, (m, _) in results.items()}
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
@@ -170,12 +176,21 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]})
     else:
         render_comparison_table(metrics_by_system, console, title=f"{Path(trace_file).name} on {hw}")
+        for name, reason in skipped.items():
+            from rich.markup import escape
+            console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
         if json_out:
             _write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
             plot_breakdown(list(metrics_by_system.values()), plot_out)
             console.print(f"wrote {plot_out}")
+
+
+def _skippable(err: MoesimError) -> bool:
+    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run."""
+    from moesim.errors import ConfigError
+    return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
 def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,

@@ -62,6 +62,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "gpu_hit_rate": c.hits / max(c.distinct_activations, 1),
         "late_prefetches": c.late_prefetches,
         "prefetches": c.prefetches,
+        "cancelled_prefetches": c.cancelled_prefetches,
         "prefetch_precision": c.prefetch_used / c.prefetches if c.prefetches else float("nan"),
         "demand_loads": c.demand_loads,
         "streamed_experts": c.streamed,

@@ -152,9 +152,25 @@ class HardwareProfile:
             if parts[-1] not in node and key not in OPTIONAL_SCALARS:
                 raise ProfileError("no such profile field", source=self.path or self.name, field=key,
                                    fix=f"fields here: {', '.join(sorted(node))}")
+            current = node.get(parts[-1])
+            if isinstance(value, str) and isinstance(current, (bool, int, float)):
+                value = _like(value, current, key, self.path or self.name)
             node[parts[-1]] = value
             raw.setdefault("sources", {})[key] = "command-line override"
         return parse_profile(raw, origin=self.path or self.name)
+
+
+def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool | int | float:
+    """A command-line string converted to the type of the value it replaces."""
+    try:
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false"):
+                raise ValueError(text)
+            return text.lower() == "true"
+        return type(current)(text)
+    except ValueError:
+        raise ProfileError(f"'{text}' is not a valid {type(current).__name__}", source=origin, field=key,
+                           fix=f"give a {type(current).__name__} like {current!r}") from None
 
 
 OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",

@@ -48,6 +48,8 @@ class LayerView:
     expert_launch_s: float = 0.0
     #: kernel-launch time of the layer's shared experts, seconds
     shared_launch_s: float = 0.0
+    #: request id of every token row
+    requests: np.ndarray | None = None
 
     @property
     def tokens(self) -> int:
@@ -108,6 +110,10 @@ class LayerPlan:
     deferred: list[int] = field(default_factory=list)
     #: extra time on the critical path, seconds, by breakdown category ("predict", "cache_management")
     overhead_s: dict[str, float] = field(default_factory=dict)
+    #: submit ``prefetches`` once this layer's GPU experts finish instead of at plan time (000 Sec. IV-D)
+    prefetch_after_gpu: bool = False
+    #: drop prefetches still queued (not yet on the wire) before this plan's loads (004 Sec. 5.2)
+    cancel_queued_prefetches: bool = False
 
 
 @dataclass
@@ -170,6 +176,8 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
         if isinstance(default, float):
             return float(raw)
         if default is None:
+            if raw.lower() in ("true", "false"):
+                return raw.lower() == "true"
             for cast in (int, float):
                 try:
                     return cast(raw)

@@ -188,7 +188,8 @@ class SystemSpec:
     listed: bool = True
     #: ComposedSystem or a subclass with its own planning steps
     system_class: type[ComposedSystem] = ComposedSystem
-    #: fixed parameters of the composition, as ``--set`` would give them
+    #: default parameters of the composition, as ``--set`` would give them (engine.* and memory.* too);
+    #: the user's own ``--set`` wins
     defaults: tuple[tuple[str, str], ...] = ()
 
     def roles(self) -> dict[str, str]:
@@ -253,7 +254,9 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
     if spec.portfolio:
         raise ValueError(f"{name} is a portfolio of {spec.portfolio}: build its members")
     chosen = spec.roles()
-    settings = {**dict(spec.defaults), **(settings or {})}
+    # engine/memory/hw defaults of the spec are applied by the executor's set-up, not here
+    own = {k: v for k, v in spec.defaults if k.partition(".")[0] in ROLES}
+    settings = {**own, **(settings or {})}
     for role in ROLES:
         if role in settings:
             chosen[role] = settings.pop(role)

@@ -130,6 +130,15 @@ class CopyEngines:
                 return
             self._begin(i, heapq.heappop(queue), start)
 
+    def cancel_queued(self, t: float, kind: str) -> list[Transfer]:
+        """Remove the transfers of ``kind`` that no engine has started by ``t``."""
+        self.advance(t)
+        dropped = [x for x in self.queue if x.kind == kind]
+        if dropped:
+            self.queue = [x for x in self.queue if x.kind != kind]
+            heapq.heapify(self.queue)
+        return dropped
+
     def finish(self, transfer: Transfer) -> float:
         """End time of ``transfer``, starting queued work as the engines free up."""
         while transfer.end is None:
@@ -205,6 +214,7 @@ class Counters:
     evictions: int = 0
     substituted: int = 0
     deferred: int = 0
+    cancelled_prefetches: int = 0
     substituted_weight_mass: float = 0.0
     deferred_weight_mass: float = 0.0
     gpu_busy_s: float = 0.0
@@ -373,7 +383,7 @@ class Simulator:
             None if step.weights is None else step.weights[rows],
             None if step.scores is None else step.scores[rows],
             {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
-            now, arrivals, self.expert_launch_s, self.shared_launch_s)
+            now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows])
 
     def _layer(self, step: Step, layer: int, rows: slice, context: int, phase: str, t0: float) -> float:
         """Run one MoE layer starting at ``t0``; return when it ends."""
@@ -411,18 +421,20 @@ class Simulator:
             self._decide(s, layer, e, "evict", lay)
         if self.decisions is not None:
             self._log_plan(view, plan, resident_at_plan)
+        if plan.cancel_queued_prefetches:
+            self._cancel_prefetches(t1)
         for e in plan.loads:
             self._submit(layer, e, "load", s, t1)
         streamed = plan.streamed
         staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
             if streamed else {}
-        for lay, e in plan.prefetches:
-            self._submit(lay, e, "prefetch", s, t1)
-            self.prefetched.add((lay, e))
-            self._decide(s, layer, e, "prefetch", lay)
+        if not plan.prefetch_after_gpu:
+            self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
         gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1)
+        if plan.prefetch_after_gpu:
+            self._prefetch(plan, s, layer, gpu_end)
         # the previous layer's deferred experts are added into this layer's output
         end = max(gpu_end, cpu_end, self.deferred_until)
         counters.breakdown["cpu_other"] += max(max(cpu_end, self.deferred_until) - gpu_end, 0.0)
@@ -433,6 +445,20 @@ class Simulator:
             if layer == self.model.num_layers - 1:
                 end = max(end, self.deferred_until)  # nothing later to overlap with
         return end
+
+    def _prefetch(self, plan: LayerPlan, s: int, layer: int, at: float) -> None:
+        for lay, e in plan.prefetches:
+            self._submit(lay, e, "prefetch", s, at)
+            self.prefetched.add((lay, e))
+            self._decide(s, layer, e, "prefetch", lay)
+
+    def _cancel_prefetches(self, t: float) -> None:
+        """Drop prefetches not yet started by ``t``; their slots free up again."""
+        for transfer in self.pcie.cancel_queued(t, kind="prefetch"):
+            self.pending.pop((transfer.layer, transfer.expert), None)
+            self.cache.in_flight[transfer.layer].discard(transfer.expert)
+            self.prefetched.discard((transfer.layer, transfer.expert))
+            self.counters.cancelled_prefetches += 1
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""

@@ -96,7 +96,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
                               source=trace, field="--model", fix="pick the preset the trace was recorded with")
         model = dataclasses.replace(preset)
     members(system)
-    parsed = parse_settings(settings or {})
+    spec_defaults = {k: v for k, v in SYSTEMS[system].defaults if k.partition(".")[0] in ("engine", "memory", "hw")}
+    parsed = parse_settings({**spec_defaults, **(settings or {})})
     if timeline is not None:
         parsed.engine.timeline = timeline
     if decisions is not None:
