@@ -77,6 +77,8 @@ LOCATION_COLUMNS = ("trace_path", "hw_path")
 #: seconds between rewrites of the combined output while a sweep runs
 FLUSH_EVERY_S = 5.0
 PARTS_SUFFIX = ".parts"
+#: Parquet key-value metadata of results and part files
+SWEEP_METADATA = {b"moesim_sweep": json.dumps({"version": 1}).encode()}
 
 
 # ----------------------------------------------------------------------------- points
@@ -423,8 +425,9 @@ class ResultStore:
         self.rows[row["point_id"]] = row
         if self.out is None:
             return
-        import pandas as pd
-        _write_parquet_atomic(_arrow_table(pd.DataFrame([row])), self.parts_dir / f"{row['point_id']}.parquet")
+        import pyarrow as pa
+        part = pa.Table.from_pylist([row]).replace_schema_metadata(SWEEP_METADATA)
+        _write_parquet_atomic(part, self.parts_dir / f"{row['point_id']}.parquet")
         self._dirty = True
         if time.monotonic() - self._flushed_at > FLUSH_EVERY_S:
             self.flush()
@@ -528,8 +531,7 @@ def _arrow_table(frame: Any) -> Any:
             if len(kinds) > 1:
                 frame[col] = [None if v is None or (isinstance(v, float) and math.isnan(v)) else setting_str(v)
                               for v in frame[col]]
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    return table.replace_schema_metadata({b"moesim_sweep": json.dumps({"version": 1}).encode()})
+    return pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(SWEEP_METADATA)
 
 
 def _write_parquet_atomic(table: Any, path: Path) -> None:
