@@ -44,7 +44,9 @@ from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.policy.base import LayerPlan, LayerView
 from moesim.policy.state import CacheState
-from moesim.sim.engine import BREAKDOWN, Counters, SimResult, StepRecord
+from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions, substitution_mass,
+                                    weight_mass)
+from moesim.sim.engine import SimResult, StepRecord
 from moesim.sim.memory import active_counts
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
@@ -353,13 +355,11 @@ class RealExecutor:
         view = self._view(step, layer, rows, phase)
         plan = self.system.plan(view)
         if plan.substitutions:
-            if view.weights is not None:
-                self.counters.substituted_weight_mass += float(sum(view.weights[r, k]
-                                                                   for r, k, _ in plan.substitutions))
+            self.counters.substituted_weight_mass += substitution_mass(view, plan)
             view = view.substituted(plan.substitutions)
         count = dict(zip(view.active, view.counts))
         resident_at_plan = set(self.cache.resident[layer])
-        self._account(view, plan, count)
+        account_plan(self.counters, view, plan, count, self.cache.resident[layer], self.prefetched)
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 self.counters.breakdown[category] = self.counters.breakdown.get(category, 0.0) + seconds
@@ -370,7 +370,7 @@ class RealExecutor:
             self.weights.drop(lay, e)
             self.prefetched.discard((lay, e))
             self.decisions.append((s, layer, e, "evict", lay))
-        self._log_plan(view, plan, resident_at_plan)
+        self.decisions += placement_decisions(view, plan, resident_at_plan)
         for e in plan.loads:
             self._load(layer, e, "load", s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}
@@ -386,7 +386,7 @@ class RealExecutor:
         deferred_job = self._cpu_job(plan.deferred, routing, s, layer, parity, tokens, "deferred",
                                      after_input=cpu_job is not None) if plan.deferred else None
         if deferred_job is not None:
-            self.counters.deferred_weight_mass += _mass(view, plan.deferred)
+            self.counters.deferred_weight_mass += weight_mass(view, plan.deferred)
         self._gpu_track(plan, routing, staged, count, s, layer, tokens)
         self._combine(cpu_job, parity, tokens)
         self.deferred_job, self.deferred_parity = deferred_job, parity
@@ -583,36 +583,6 @@ class RealExecutor:
             c.breakdown["sync"] += t1 - t0
         self.sync_works = []
 
-    def _account(self, view: LayerView, plan: LayerPlan, count: dict[int, int]) -> None:
-        """The simulator's counters for one plan (hits are counted against the cache at plan time)."""
-        c, layer = self.counters, view.layer
-        resident = self.cache.resident[layer]
-        c.activations += view.tokens * self.model.top_k
-        c.distinct_activations += len(view.active)
-        c.hits += len(resident.intersection(view.active))
-        for e in view.active:
-            if (layer, e) in self.prefetched:
-                c.prefetch_used += 1
-                self.prefetched.discard((layer, e))
-        c.gpu_activations += sum(count[e] for e in plan.gpu)
-        c.cpu_activations += sum(count[e] for e in plan.cpu)
-        c.demand_loads += len(plan.loads)
-        c.streamed += len(plan.streamed)
-        c.prefetches += len(plan.prefetches)
-        c.evictions += len(plan.evictions)
-        c.substituted += len(plan.substitutions)
-        c.deferred += len(plan.deferred)
-
-    def _log_plan(self, view: LayerView, plan: LayerPlan, resident: set[int]) -> None:
-        s, layer = view.step, view.layer
-        loads, streamed = set(plan.loads), set(plan.streamed)
-        for e in plan.gpu:
-            action = "gpu_load" if e in loads else "gpu_stream" if e in streamed else \
-                "gpu_hit" if e in resident else "gpu_inflight"
-            self.decisions.append((s, layer, e, action, layer))
-        for e in plan.cpu:
-            self.decisions.append((s, layer, e, "cpu", layer))
-
     def _result(self, wall_s: float) -> SimResult:
         makespan = self.steps[-1].end if self.steps else 0.0
         busy = nbytes = 0
@@ -642,12 +612,6 @@ class RealExecutor:
                          pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
                          timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
                          initial_resident=self.initial, pcie_engines=1)
-
-
-def _mass(view: LayerView, experts: list[int]) -> float:
-    if view.weights is None:
-        return 0.0
-    return float(view.weights[np.isin(view.experts, experts)].sum())
 
 
 def _spin(seconds: float) -> None:

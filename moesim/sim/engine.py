@@ -37,13 +37,12 @@ from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
+from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions,  # noqa: F401
+                                    substitution_mass, weight_mass)
 from moesim.sim.memory import MemoryPlan, active_counts
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
-#: breakdown categories (000 Sec. VI-E) plus the non-MoE part of a layer
-BREAKDOWN = ("attention", "predict", "cache_management", "gpu_compute", "wait_cache",
-             "shared_expert", "cpu_other", "sync")
 
 
 @dataclass
@@ -195,31 +194,6 @@ class StepRecord:
     end: float
     tokens: int
     requests: list[int]
-
-
-@dataclass
-class Counters:
-    #: (token, expert) pairs routed
-    activations: int = 0
-    #: (step, layer, expert) triples: what the hit rate counts
-    distinct_activations: int = 0
-    gpu_activations: int = 0
-    cpu_activations: int = 0
-    hits: int = 0
-    late_prefetches: int = 0
-    prefetches: int = 0
-    prefetch_used: int = 0
-    demand_loads: int = 0
-    streamed: int = 0
-    evictions: int = 0
-    substituted: int = 0
-    deferred: int = 0
-    cancelled_prefetches: int = 0
-    substituted_weight_mass: float = 0.0
-    deferred_weight_mass: float = 0.0
-    gpu_busy_s: float = 0.0
-    cpu_busy_s: float = 0.0
-    breakdown: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in BREAKDOWN})
 
 
 @dataclass
@@ -406,9 +380,10 @@ class Simulator:
         if self.config.check:
             self._check_plan(view, plan)
         count = dict(zip(view.active, view.counts))
+        resident = self.cache.resident[layer]
         if self.decisions is not None:
-            resident_at_plan = set(self.cache.resident[layer])
-        self._account_plan(view, plan, count)
+            resident_at_plan = set(resident)
+        account_plan(counters, view, plan, count, resident, self.prefetched)
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 counters.breakdown[category] = counters.breakdown.get(category, 0.0) + seconds
@@ -420,7 +395,7 @@ class Simulator:
             self.prefetched.discard((lay, e))
             self._decide(s, layer, e, "evict", lay)
         if self.decisions is not None:
-            self._log_plan(view, plan, resident_at_plan)
+            self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
             self._cancel_prefetches(t1)
         for e in plan.loads:
@@ -441,7 +416,7 @@ class Simulator:
         self.deferred_until = 0.0
         if plan.deferred:
             self.deferred_until = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred")
-            counters.deferred_weight_mass += self._mass(view, plan.deferred)
+            counters.deferred_weight_mass += weight_mass(view, plan.deferred)
             if layer == self.model.num_layers - 1:
                 end = max(end, self.deferred_until)  # nothing later to overlap with
         return end
@@ -462,16 +437,8 @@ class Simulator:
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""
-        if view.weights is not None:
-            self.counters.substituted_weight_mass += float(sum(view.weights[r, k] for r, k, _ in plan.substitutions))
+        self.counters.substituted_weight_mass += substitution_mass(view, plan)
         return view.substituted(plan.substitutions)
-
-    @staticmethod
-    def _mass(view: LayerView, experts: list[int]) -> float:
-        """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
-        if view.weights is None:
-            return 0.0
-        return float(view.weights[np.isin(view.experts, experts)].sum())
 
     def _cpu_track(self, experts: list[int], count: dict[int, int], s: int, layer: int, t1: float,
                    kind: str = "expert") -> float:
@@ -544,45 +511,7 @@ class Simulator:
         counters.breakdown["wait_cache"] += waited
         return gpu_t
 
-    # ------------------------------------------------------------------ bookkeeping
-    def _account_plan(self, view: LayerView, plan: LayerPlan, count: dict[int, int]) -> None:
-        c = self.counters
-        layer = view.layer
-        resident = self.cache.resident[layer]
-        c.activations += view.tokens * self.model.top_k
-        c.distinct_activations += len(view.active)
-        if resident:
-            c.hits += len(resident.intersection(view.active))
-        prefetched = self.prefetched
-        if prefetched:
-            for e in view.active:
-                if (layer, e) in prefetched:
-                    c.prefetch_used += 1
-                    prefetched.discard((layer, e))
-        if plan.gpu:
-            c.gpu_activations += sum(map(count.__getitem__, plan.gpu))
-        if plan.cpu:
-            c.cpu_activations += sum(map(count.__getitem__, plan.cpu))
-        if plan.loads or plan.streamed or plan.prefetches or plan.evictions:
-            c.demand_loads += len(plan.loads)
-            c.streamed += len(plan.streamed)
-            c.prefetches += len(plan.prefetches)
-            c.evictions += len(plan.evictions)
-        if plan.substitutions or plan.deferred:
-            c.substituted += len(plan.substitutions)
-            c.deferred += len(plan.deferred)
-
-    def _log_plan(self, view: LayerView, plan: LayerPlan, resident: set[int]) -> None:
-        """Decision-log rows in execution order: evictions were logged first, then loads and placement."""
-        s, layer = view.step, view.layer
-        loads, streamed = set(plan.loads), set(plan.streamed)
-        for e in plan.gpu:
-            action = "gpu_load" if e in loads else "gpu_stream" if e in streamed else \
-                "gpu_hit" if e in resident else "gpu_inflight"
-            self._decide(s, layer, e, action, layer)
-        for e in plan.cpu:
-            self._decide(s, layer, e, "cpu", layer)
-
+    # ------------------------------------------------------------------ checks
     def _check_plan(self, view: LayerView, plan: LayerPlan) -> None:
         gpu, cpu = plan.gpu, plan.cpu
         assert len(set(gpu)) == len(gpu) and len(set(cpu)) == len(cpu), "expert planned twice"

@@ -215,7 +215,7 @@ def test_unknown_override_key():
 
 def test_override_with_a_bad_value_fails_cleanly():
     profile = parse_profile(minimal(), origin="toy.yaml")
-    with pytest.raises(ProfileError, match="must be a number"):
+    with pytest.raises(ProfileError, match="not a valid int"):
         profile.with_overrides({"cpu.cores": "many"})
 
 
@@ -225,3 +225,11 @@ def test_raw_is_not_shared_with_the_caller():
     profile.with_overrides({"sync.per_layer_us": 1})
     assert profile.raw["sync"]["per_layer_us"] == 12
     assert PROFILE_DIR.name == "hwprofiles"
+
+
+def test_command_line_overrides_take_the_type_they_replace():
+    profile = parse_profile(minimal(), origin="toy.yaml")
+    assert profile.with_overrides({"gpu.cuda_graph": "true"}).gpu.cuda_graph is True
+    assert profile.with_overrides({"cpu.cores": "4"}).cpu.cores == 4
+    with pytest.raises(ProfileError, match="not a valid bool"):
+        profile.with_overrides({"gpu.cuda_graph": "yes please"})

@@ -1,0 +1,98 @@
+"""Plan bookkeeping shared by both executors: counters, the decision log and gate-weight mass.
+
+The simulator and the real backend execute the same plans; counting them and
+logging their decisions in one place keeps their metrics and decision logs
+comparable row for row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.policy.base import LayerPlan, LayerView
+
+#: breakdown categories (000 Sec. VI-E) plus the non-MoE part of a layer
+BREAKDOWN = ("attention", "predict", "cache_management", "gpu_compute", "wait_cache",
+             "shared_expert", "cpu_other", "sync")
+
+
+@dataclass
+class Counters:
+    #: (token, expert) pairs routed
+    activations: int = 0
+    #: (step, layer, expert) triples: what the hit rate counts
+    distinct_activations: int = 0
+    gpu_activations: int = 0
+    cpu_activations: int = 0
+    hits: int = 0
+    late_prefetches: int = 0
+    prefetches: int = 0
+    prefetch_used: int = 0
+    demand_loads: int = 0
+    streamed: int = 0
+    evictions: int = 0
+    substituted: int = 0
+    deferred: int = 0
+    cancelled_prefetches: int = 0
+    substituted_weight_mass: float = 0.0
+    deferred_weight_mass: float = 0.0
+    gpu_busy_s: float = 0.0
+    cpu_busy_s: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in BREAKDOWN})
+
+
+def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int, int],
+                 resident: set[int], prefetched: set[tuple[int, int]]) -> None:
+    """Count one plan; hits are experts resident when the plan was made."""
+    layer = view.layer
+    c.activations += int(view.experts.size)
+    c.distinct_activations += len(view.active)
+    if resident:
+        c.hits += len(resident.intersection(view.active))
+    if prefetched:
+        for e in view.active:
+            if (layer, e) in prefetched:
+                c.prefetch_used += 1
+                prefetched.discard((layer, e))
+    if plan.gpu:
+        c.gpu_activations += sum(map(count.__getitem__, plan.gpu))
+    if plan.cpu:
+        c.cpu_activations += sum(map(count.__getitem__, plan.cpu))
+    if plan.loads or plan.streamed or plan.prefetches or plan.evictions:
+        c.demand_loads += len(plan.loads)
+        c.streamed += len(plan.streamed)
+        c.prefetches += len(plan.prefetches)
+        c.evictions += len(plan.evictions)
+    if plan.substitutions or plan.deferred:
+        c.substituted += len(plan.substitutions)
+        c.deferred += len(plan.deferred)
+
+
+def placement_decisions(view: LayerView, plan: LayerPlan, resident: set[int]) -> list[tuple]:
+    """Decision-log rows for where each expert ran, logged after the plan's evictions."""
+    s, layer = view.step, view.layer
+    loads, streamed = set(plan.loads), set(plan.streamed)
+    rows = []
+    for e in plan.gpu:
+        action = "gpu_load" if e in loads else "gpu_stream" if e in streamed else \
+            "gpu_hit" if e in resident else "gpu_inflight"
+        rows.append((s, layer, e, action, layer))
+    rows += [(s, layer, e, "cpu", layer) for e in plan.cpu]
+    rows += [(s, layer, e, "deferred", layer) for e in plan.deferred]
+    return rows
+
+
+def weight_mass(view: LayerView, experts: list[int]) -> float:
+    """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
+    if view.weights is None:
+        return 0.0
+    return float(view.weights[np.isin(view.experts, experts)].sum())
+
+
+def substitution_mass(view: LayerView, plan: LayerPlan) -> float:
+    """Gate weight of the (row, slot) entries a plan rewrites."""
+    if view.weights is None:
+        return 0.0
+    return float(sum(view.weights[row, slot] for row, slot, _ in plan.substitutions))
