@@ -169,6 +169,7 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
                 raise
             skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
     metrics_by_system = {name: m for name, (m, _) in results.items()}
+    _add_gap_to_lower_bound(metrics_by_system, trace_file, hw, parsed)
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
         render_metrics(metrics_, console, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
@@ -185,6 +186,15 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
             from moesim.analysis.plots import plot_breakdown
             plot_breakdown(list(metrics_by_system.values()), plot_out)
             console.print(f"wrote {plot_out}")
+
+
+def _add_gap_to_lower_bound(by_system: dict[str, dict], trace_file: str, hw: str, settings: dict[str, str]) -> None:
+    """Each system's distance from the physical lower bound (the busiest resource's unavoidable work)."""
+    from moesim.sim.run import lower_bound
+    bound = lower_bound(trace_file, hw, settings)
+    for m in by_system.values():
+        m["lower_bound"] = bound
+        m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
 
 
 def _skippable(err: MoesimError) -> bool:

@@ -135,3 +135,17 @@ def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[
     best.system = system
     best.sim_wall_s = sum(r.sim_wall_s for r in runs)
     return best
+
+
+def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    """The physical lower bound of ``trace`` on ``hw`` (policy/catalog/bounds.py): TTFT, TPOT and makespan floors."""
+    from moesim.policy.catalog.bounds import physical_lower_bound
+    meta = read_meta(trace)
+    parsed = parse_settings({k: v for k, v in (settings or {}).items()
+                             if k.partition(".")[0] in ("engine", "memory", "hw")})
+    profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
+    profile = profile.with_overrides(parsed.hw)
+    costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None)
+    bound = physical_lower_bound(trace, meta.model, costs)
+    return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean")}
+
