@@ -60,6 +60,11 @@ def test_all_systems_in_one_table(files, tmp_path, capsys):
     flat = " ".join(out.split())  # the console wraps long notes
     assert "needs the trace column 'scores'" in flat  # importance-driven caching refuses without scores
     assert not skipped & {"cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"}
+    # every system is measured against the physical lower bound, and none beats it
+    for name, m in by_system.items():
+        assert m["gap_to_lower_bound"] >= 1.0, name
+        assert m["tpot_ms_mean"] >= m["lower_bound"]["tpot_ms_mean"], name
+    assert "time vs lower bound" in out
     assert {"cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"} <= set(by_system)
     for name in by_system:
         assert name in out
