@@ -81,9 +81,11 @@ class Transfer:
 class CopyEngines:
     """Host-to-device copy engines serving a priority queue, advanced lazily.
 
-    Transfers are submitted at non-decreasing times. :meth:`advance` starts, in
-    priority order, every queued transfer that an engine falling idle at or
-    before ``t`` would pick; a transfer already running is never preempted.
+    Transfers are submitted at non-decreasing times. Demand transfers are placed
+    on an engine at once (no later submission can overtake them); prefetches
+    wait in a queue, and :meth:`advance` starts every queued prefetch that an
+    engine falling idle at or before ``t`` would pick. A transfer already running
+    is never preempted.
     """
 
     def __init__(self, duration: Callable[[int], float], engines: int) -> None:
@@ -102,13 +104,18 @@ class CopyEngines:
         return value
 
     def submit(self, transfer: Transfer) -> None:
+        at = transfer.issued
         if self.queue:
-            self.advance(transfer.issued)
-        elif len(self.free) == 1 and self.free[0] <= transfer.issued:
-            self._begin(0, transfer, transfer.issued)  # idle engine, nothing queued: starts at once
+            self.advance(at)
+        if transfer.priority == 0:
+            # Nothing submitted later can get ahead of a demand transfer, and it goes ahead of every
+            # queued prefetch, so it takes the engine that frees first, now.
+            free = self.free
+            i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+            self._begin(i, transfer, free[i] if free[i] > at else at)
             return
         heapq.heappush(self.queue, transfer)
-        self.advance(transfer.issued)
+        self.advance(at)
 
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
@@ -364,13 +371,17 @@ class Simulator:
         counters, tl = self.counters, self.timeline
         s = step.step
         tokens = rows.stop - rows.start
-        attention = self._attention_s(tokens, context)
+        attention = self._attention.get((tokens, context))
+        if attention is None:
+            attention = self._attention_s(tokens, context)
         counters.gpu_busy_s += attention
-        counters.breakdown["attention"] += attention
+        breakdown = counters.breakdown
+        breakdown["attention"] += attention
         t1 = t0 + attention
         if tl is not None:
             self._span("gpu", 0, t0, t1, "attention", s, layer, tokens=tokens)
-        if not self.pcie.idle:
+        pcie = self.pcie
+        if pcie.queue or pcie.unretired:
             self._retire(t1)
 
         view = self._view(step, layer, rows, phase, t1)
@@ -478,6 +489,8 @@ class Simulator:
             gpu_t += d
             counters.gpu_busy_s += d
             counters.breakdown["shared_expert"] += d
+        if not experts:
+            return gpu_t
         resident = self.cache.resident[layer]
         pending = self.pending
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
