@@ -197,6 +197,8 @@ class Transfer(Work):
     seq: int
     #: work that must finish before the destination may be overwritten (its previous user)
     after: Work | None = None
+    #: work that must finish before the copy may start at all (a plan's "prefetch after the GPU experts")
+    not_before: Work | None = None
     issued: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     start_s: float = 0.0
@@ -210,7 +212,7 @@ class Transfer(Work):
         return (self.priority, self.seq) < (other.priority, other.seq)
 
     def ready(self) -> bool:
-        return self.after is None or self.after.done()
+        return (self.after is None or self.after.done()) and (self.not_before is None or self.not_before.done())
 
     def done(self) -> bool:
         if self.end_event is not None:
@@ -261,12 +263,23 @@ class CopyEngine:
         self._thread.start()
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, *, priority: int, kind: str, layer: int, expert: int,
-               step: int, after: Work | None = None) -> Transfer:
-        transfer = Transfer(dst, src, priority, kind, layer, expert, step, next(self._seq), after, clock=self.clock)
+               step: int, after: Work | None = None, not_before: Work | None = None) -> Transfer:
+        transfer = Transfer(dst, src, priority, kind, layer, expert, step, next(self._seq), after, not_before,
+                            clock=self.clock)
         with self._cond:
             heapq.heappush(self._queue, transfer)
             self._cond.notify()
         return transfer
+
+    def cancel(self, kind: str) -> list[Transfer]:
+        """Remove the queued (not started) transfers of ``kind``; they count as finished, never copied."""
+        with self._cond:
+            dropped = [t for t in self._queue if t.kind == kind]
+            self._queue = [t for t in self._queue if t.kind != kind]
+            heapq.heapify(self._queue)
+        for t in dropped:
+            t.finished.set()
+        return dropped
 
     def queued(self) -> list[Transfer]:
         """Transfers not yet started, most urgent first."""

@@ -371,13 +371,13 @@ class RealExecutor:
             self.prefetched.discard((lay, e))
             self.decisions.append((s, layer, e, "evict", lay))
         self.decisions += placement_decisions(view, plan, resident_at_plan)
+        if plan.cancel_queued_prefetches:
+            self._cancel_prefetches()
         for e in plan.loads:
             self._load(layer, e, "load", s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}
-        for lay, e in plan.prefetches:
-            self._load(lay, e, "prefetch", s)
-            self.prefetched.add((lay, e))
-            self.decisions.append((s, layer, e, "prefetch", lay))
+        if not plan.prefetch_after_gpu:
+            self._prefetch(plan, s, layer)
 
         routing = LayerRouting.of(view.experts, view.weights)
         self.gpu.launch(lambda: self._upload(routing))
@@ -387,7 +387,9 @@ class RealExecutor:
                                      after_input=cpu_job is not None) if plan.deferred else None
         if deferred_job is not None:
             self.counters.deferred_weight_mass += weight_mass(view, plan.deferred)
-        self._gpu_track(plan, routing, staged, count, s, layer, tokens)
+        last_gpu = self._gpu_track(plan, routing, staged, count, s, layer, tokens)
+        if plan.prefetch_after_gpu:
+            self._prefetch(plan, s, layer, not_before=last_gpu)
         self._combine(cpu_job, parity, tokens)
         self.deferred_job, self.deferred_parity = deferred_job, parity
         if deferred_job is not None and layer == self.model.num_layers - 1:
@@ -424,11 +426,12 @@ class RealExecutor:
         return out
 
     # ------------------------------------------------------------------ transfers
-    def _load(self, layer: int, expert: int, kind: str, step: int) -> None:
+    def _load(self, layer: int, expert: int, kind: str, step: int, not_before: Work | None = None) -> None:
         self.cache.start_load(layer, expert)
         slot, previous_user = self.weights.take(layer, expert)
         transfer = self.pcie.submit(slot, self.weights.host[layer, expert], priority=1 if kind == "prefetch" else 0,
-                                    kind=kind, layer=layer, expert=expert, step=step, after=previous_user)
+                                    kind=kind, layer=layer, expert=expert, step=step, after=previous_user,
+                                    not_before=not_before)
         self.in_flight[(layer, expert)] = transfer
         self.transfers.append(transfer)
 
@@ -463,8 +466,26 @@ class RealExecutor:
         y = ffn(weights, x.index_select(0, idx), self.model.hidden_size, intermediate, self.model.expert_matrices)
         out.index_add_(0, idx, y * gate[start:start + n, None])
 
+    def _prefetch(self, plan: LayerPlan, s: int, layer: int, not_before: Work | None = None) -> None:
+        for lay, e in plan.prefetches:
+            self._load(lay, e, "prefetch", s, not_before)
+            self.prefetched.add((lay, e))
+            self.decisions.append((s, layer, e, "prefetch", lay))
+
+    def _cancel_prefetches(self) -> None:
+        """Drop prefetches still queued; their slots free up again (004 Sec. 5.2)."""
+        for transfer in self.pcie.cancel("prefetch"):
+            key = (transfer.layer, transfer.expert)
+            self.in_flight.pop(key, None)
+            self.cache.in_flight[transfer.layer].discard(transfer.expert)
+            self.weights.drop(*key)
+            self.prefetched.discard(key)
+            self.transfers.remove(transfer)
+            self.counters.cancelled_prefetches += 1
+
     def _gpu_track(self, plan: LayerPlan, routing: LayerRouting, staged: dict[int, Transfer],
-                   count: dict[int, int], s: int, layer: int, tokens: int) -> None:
+                   count: dict[int, int], s: int, layer: int, tokens: int) -> Work | None:
+        """Launch shared and GPU experts; return the layer's last GPU work."""
         act, model = self.act, self.model
         previous: Work | None = None
         if model.shared_intermediate_size:
@@ -503,6 +524,7 @@ class RealExecutor:
             self._record("gpu", work, "expert", s, layer, e, count[e])
             self.gpu_runs.append((GPUExpertRun(work, transfer, previous), count[e]))
             previous = work
+        return previous
 
     def _cpu_job(self, experts: list[int], routing: LayerRouting, s: int, layer: int, parity: int, tokens: int,
                  kind: str, after_input: bool = False) -> Work:

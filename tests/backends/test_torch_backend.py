@@ -119,3 +119,24 @@ def test_cuda_run_logs_the_simulators_decisions(trace, system):
     assert real.decisions == sim.decisions
     frame = result_to_frames(real)["timeline"]
     assert (frame["end_s"] >= frame["start_s"]).all()
+
+
+def test_copy_engine_cancels_queued_prefetches_and_honours_not_before():
+    clock = Clock(False)
+    engine = CopyEngine(clock, cuda=False)
+    gate, gpu_done = HostWork(), HostWork()
+    src, a, b, c = torch.ones(1000), torch.zeros(1000), torch.zeros(1000), torch.zeros(1000)
+    dropped = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0, after=gate)
+    kept = engine.submit(b, src, priority=0, kind="load", layer=0, expert=0, step=0, after=gate)
+    late = engine.submit(c, src, priority=1, kind="prefetch", layer=1, expert=1, step=0, not_before=gpu_done)
+    assert engine.cancel("prefetch") == [dropped, late]
+    assert dropped.finished.is_set() and [t.kind for t in engine.queued()] == ["load"]
+    gate.event.set()
+    kept.wait()
+    assert torch.equal(b, src) and not a.any()  # a cancelled copy never touches its slot
+    again = engine.submit(c, src, priority=1, kind="prefetch", layer=1, expert=1, step=0, not_before=gpu_done)
+    assert not again.ready()
+    gpu_done.event.set()
+    again.wait()
+    engine.close()
+    assert torch.equal(c, src)
