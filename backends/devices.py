@@ -271,11 +271,13 @@ class CopyEngine:
             self._cond.notify()
         return transfer
 
-    def cancel(self, kind: str) -> list[Transfer]:
-        """Remove the queued (not started) transfers of ``kind``; they count as finished, never copied."""
+    def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
+        """Remove the queued (not started) transfers of ``kind``, but those whose (layer, expert) is in ``keep``;
+        they count as finished, never copied."""
         with self._cond:
-            dropped = [t for t in self._queue if t.kind == kind]
-            self._queue = [t for t in self._queue if t.kind != kind]
+            dropped = [t for t in self._queue if t.kind == kind and (t.layer, t.expert) not in keep]
+            gone = set(map(id, dropped))
+            self._queue = [t for t in self._queue if id(t) not in gone]
             heapq.heapify(self._queue)
         for t in dropped:
             t.finished.set()

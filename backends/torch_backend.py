@@ -372,7 +372,8 @@ class RealExecutor:
             self.decisions.append((s, layer, e, "evict", lay))
         self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
-            self._cancel_prefetches()
+            # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
+            self._cancel_prefetches(frozenset((layer, e) for e in plan.gpu))
         for e in plan.loads:
             self._load(layer, e, "load", s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}
@@ -472,9 +473,9 @@ class RealExecutor:
             self.prefetched.add((lay, e))
             self.decisions.append((s, layer, e, "prefetch", lay))
 
-    def _cancel_prefetches(self) -> None:
-        """Drop prefetches still queued; their slots free up again (004 Sec. 5.2)."""
-        for transfer in self.pcie.cancel("prefetch"):
+    def _cancel_prefetches(self, keep: frozenset) -> None:
+        """Drop prefetches still queued (but those in ``keep``); their slots free up again (004 Sec. 5.2)."""
+        for transfer in self.pcie.cancel("prefetch", keep):
             key = (transfer.layer, transfer.expert)
             self.in_flight.pop(key, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
