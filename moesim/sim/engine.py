@@ -136,12 +136,13 @@ class CopyEngines:
                 return
             self._begin(i, heapq.heappop(queue), start)
 
-    def cancel_queued(self, t: float, kind: str) -> list[Transfer]:
-        """Remove the transfers of ``kind`` that no engine has started by ``t``."""
+    def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
+        """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""
         self.advance(t)
-        dropped = [x for x in self.queue if x.kind == kind]
+        dropped = [x for x in self.queue if x.kind == kind and (x.layer, x.expert) not in keep]
         if dropped:
-            self.queue = [x for x in self.queue if x.kind != kind]
+            gone = set(map(id, dropped))
+            self.queue = [x for x in self.queue if id(x) not in gone]
             heapq.heapify(self.queue)
         return dropped
 
@@ -408,7 +409,8 @@ class Simulator:
         if self.decisions is not None:
             self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
-            self._cancel_prefetches(t1)
+            # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
+            self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
         for e in plan.loads:
             self._submit(layer, e, "load", s, t1)
         streamed = plan.streamed
@@ -438,9 +440,9 @@ class Simulator:
             self.prefetched.add((lay, e))
             self._decide(s, layer, e, "prefetch", lay)
 
-    def _cancel_prefetches(self, t: float) -> None:
-        """Drop prefetches not yet started by ``t``; their slots free up again."""
-        for transfer in self.pcie.cancel_queued(t, kind="prefetch"):
+    def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
+        """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""
+        for transfer in self.pcie.cancel_queued(t, kind="prefetch", keep=keep):
             self.pending.pop((transfer.layer, transfer.expert), None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.prefetched.discard((transfer.layer, transfer.expert))

@@ -45,3 +45,31 @@ def test_fiddler_equals_static_hot_in_decode_and_wins_long_prefills(tmp_path):
     assert fiddler["streamed_experts"] > 0 and static["streamed_experts"] == 0
     assert fiddler["ttft_ms"] < static["ttft_ms"]
     assert fiddler["demand_loads"] == 0 and fiddler["evictions"] == 0
+
+
+def test_one_placeholder_buffer_by_default_and_the_users_setting_wins(tmp_path):
+    """Fiddler copies a cold expert into its single placeholder: the next copy waits for that expert to run."""
+    from moesim.sim.engine import result_to_frames
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    # 32 tokens, each routed to one of 4 cold experts (pinned: 6, 7): 8 tokens each, copying beats the CPU
+    rows = [[[e, 6 + (i % 2)] for i, e in enumerate([0, 1, 2, 3] * 8)]]
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, rows)}}])
+    profile = tiny_profile(pcie_gbps=0.49152, cpu_us=(100.0, 10000.0))
+    common = {"engine.check": "true", "cache.slots_per_layer": "2", "cache.calibration": str(trace)}
+
+    def stages(settings):
+        result = simulate(str(trace), profile, "fiddler", {**common, **settings}, timeline=True)
+        frame = result_to_frames(result)["timeline"]
+        copies = frame[frame.kind == "stage"].sort_values("start_s")
+        gpu = frame[(frame.resource == "gpu") & (frame.kind == "expert")].set_index("expert")
+        return copies, gpu, metrics(result)
+
+    copies, gpu, one = stages({})
+    assert copies.expert.tolist() == [0, 1, 2, 3]
+    # each copy after the first starts when the expert before it has finished on the GPU
+    for before, after in zip([0, 1, 2], [1, 2, 3]):
+        assert copies.set_index("expert").loc[after, "start_s"] == pytest.approx(gpu.loc[before, "end_s"])
+    copies2, _, two = stages({"engine.staging_slots": "2"})
+    # two buffers: the second copy follows the first straight away (110 us each)
+    assert copies2.start_s.iloc[1] == pytest.approx(copies2.end_s.iloc[0])
+    assert two["ttft_ms"] < one["ttft_ms"]

@@ -14,6 +14,7 @@ from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, TopScorePrefetch,
                                               token_thresholds, two_pointer)
 from moesim.policy.state import CacheState
+from moesim.sim.engine import result_to_frames
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
@@ -129,3 +130,53 @@ def test_expert_cache_router_cuts_loads_and_tpot(ds_like):
     with_er = metrics(simulate(ds_like, "hwprofiles/rtx3090.yaml", "importance", er))
     assert with_er["demand_loads"] + with_er["streamed_experts"] < with_ce["demand_loads"] + with_ce["streamed_experts"]
     assert with_er["tpot_ms_mean"] < with_ce["tpot_ms_mean"]
+
+
+# ----------------------------------------------------------------------------- queue clearing (Sec. 5.2)
+def clearing_trace(path, layer1_experts):
+    """One decode token over 2 layers; layer 0 predicts experts 4, 5, 6 for layer 1."""
+    from moesim.trace import TraceMeta, write_trace
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    data = {"step": np.array([0, 0]), "layer": np.array([0, 1]), "request": np.array([0, 0]),
+            "position": np.array([0, 0]), "phase": ["decode", "decode"],
+            "experts": np.array([[0, 1], layer1_experts], dtype=np.int16),
+            "pred_next_layer": [[4, 5, 6], [0, 1]]}
+    return str(write_trace(path, data, TraceMeta(model=model, source={"kind": "test"})))
+
+
+# LRU instead of score history and no router: the trace needs no scores; the system class still clears.
+# Copies take 1000 us + 10 us; LRU preloads experts 0-3 in 4 slots, so the 3 prefetches evict 0, 1, 2 of layer 1.
+CLEARING = {"engine.check": "true", "cache": "lru", "substitute": "none", "prefetch.per_token": "3",
+            "cache.slots_per_layer": "4"}
+
+
+def run_clearing(path, **settings):
+    from moesim.sim.run import prepare
+    sim = prepare(path, tiny_profile(pcie_gbps=0.049152), "importance", {**CLEARING, **settings}, timeline=True)
+    return sim, sim.run()
+
+
+def test_queued_prefetches_are_cancelled_when_the_gate_has_run(tmp_path):
+    path = clearing_trace(tmp_path / "t.parquet", [3, 7])
+    # layer 0 planned at 50 us: the copy of 4 starts at once (ends 1060 us), 5 and 6 wait behind it;
+    # layer 1's gate (at 330 us) routes 3 and 7, so 5 and 6 are dropped and their slots free up
+    sim, result = run_clearing(path)
+    m = metrics(result)
+    assert m["prefetches"] == 3 and m["cancelled_prefetches"] == 2
+    assert sim.cache.resident[1] == {3, 4} and not sim.cache.in_flight[1] and sim.cache.free(1) == 2
+    kept, kept_result = run_clearing(path, **{"prefetch.clear_queue": "false"})
+    assert metrics(kept_result)["cancelled_prefetches"] == 0
+    assert kept.cache.in_flight[1] == {5, 6} and kept.cache.free(1) == 0  # still on their way after the run
+
+
+def test_a_queued_prefetch_the_layer_uses_is_kept_as_its_load(tmp_path):
+    path = clearing_trace(tmp_path / "t.parquet", [3, 5])
+    sim, result = run_clearing(path)
+    assert metrics(result)["cancelled_prefetches"] == 1  # only 6
+    frame = result_to_frames(result)["timeline"]
+    copies = frame[frame.resource == "pcie"].set_index("expert")
+    gpu = frame[(frame.resource == "gpu") & (frame.kind == "expert") & (frame.layer == 1)].set_index("expert")
+    assert copies.loc[5, "start_s"] * 1e6 == pytest.approx(1060) and copies.loc[5, "end_s"] * 1e6 == pytest.approx(2070)
+    # expert 5 runs once its weights are there (3 is resident and goes first)
+    assert gpu.loc[5, "start_s"] * 1e6 == pytest.approx(2070)
+    assert gpu.loc[3, "end_s"] * 1e6 < 2070 and 6 not in copies.index

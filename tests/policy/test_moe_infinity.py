@@ -7,7 +7,7 @@ import pytest
 
 from moesim.analysis.metrics import metrics
 from moesim.policy.catalog.moe_infinity import ActivationTracker, request_eams
-from moesim.sim.run import simulate
+from moesim.sim.run import prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 
@@ -24,7 +24,7 @@ def test_request_eams_count_tokens_per_layer_and_expert(tmp_path):
 
 
 def test_best_match_is_the_most_cosine_similar_eam():
-    tracker = ActivationTracker(2, 3, eamc_size=2, row_requests={}, last_step={})
+    tracker = ActivationTracker(2, 3, eamc_size=2, last_step={})
     a = np.array([[5.0, 0, 0], [0, 5, 0]])
     b = np.array([[0, 0, 5.0], [5, 0, 0]])
     c = np.array([[0, 5.0, 0], [0, 0, 5]])
@@ -59,3 +59,22 @@ def test_seeded_collection_prefetches_from_the_start(sequential_requests):
     settings = {"cache.slots_per_layer": "3", "prefetch.calibration": sequential_requests}
     result = simulate(sequential_requests, tiny_profile(), "moe-infinity", settings, decisions=True)
     assert min(d[0] for d in result.decisions if d[3] == "prefetch") == 0
+
+
+def test_eams_follow_the_request_id_of_every_row(tmp_path):
+    """Two requests batched together: each row's routing goes to its own request's EAM (LayerView.requests)."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    path = str(synthesize(SynthConfig.from_settings(model=model, requests=4, prompt_len=5, decode_len=6, batch=2,
+                                                    seed=4), tmp_path / "t.parquet"))
+    sim = prepare(path, tiny_profile(), "moe-infinity", {"engine.check": "true", "cache.slots_per_layer": "3"})
+    sim.run()
+    tracker = sim.system.prefetch.tracker
+    truth = request_eams(path, 2, 8)
+    # requests 2 and 3 ran in the last steps: still live, with exactly their own tokens' activations
+    assert sorted(tracker.live) == [2, 3]
+    for r in (2, 3):
+        assert np.array_equal(tracker.live[r], truth[r])
+    # requests 0 and 1 finished first and went to the collection, normalised, in request order
+    assert len(tracker.collection) == 2
+    for r, entry in zip((0, 1), tracker.collection):
+        assert np.allclose(entry, truth[r].ravel() / np.linalg.norm(truth[r]))

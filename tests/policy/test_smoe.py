@@ -224,3 +224,24 @@ def test_cache_is_filled_from_prefill_counts_at_first_decode(tmp_path):
     log = result_to_frames(result)["decisions"]
     fills = log[(log.action == "prefetch") & (log.step == 1)]
     assert fills.expert.tolist() == [0, 1, 2]  # most used first, ties by id, capacity 3
+
+
+def test_token_wise_prefetch_is_submitted_when_the_layers_gpu_experts_finish(tmp_path):
+    """Sec. IV-E: the prefetch task enters the transfer queue once the layer's GPU computation is done."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2]]] * 2  # fill: experts 0, 1, 2 of both layers
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[0, 1]] * 2, [[0, 1]] * 2, [[5, 6]] * 2], prompt)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "3"}, timeline=True)
+    frame = result_to_frames(result)["timeline"]
+    step = frame[frame.step == 2]  # the first step after the fill: 0 and 1 resident, next token predicted 5, 6
+    for layer in (0, 1):
+        here = step[step.layer == layer]
+        copies = here[(here.resource == "pcie") & (here.kind == "prefetch")]
+        experts = here[(here.resource == "gpu") & (here.kind == "expert")]
+        attention_end = here[here.kind == "attention"].end_s.iloc[0]
+        # one free slot (LFU evicts 2; 0 and 1 are in use): expert 5 is fetched, after both GPU experts
+        assert copies.expert.tolist() == [5]
+        assert sorted(experts.expert) == [0, 1]
+        assert copies.start_s.iloc[0] == pytest.approx(experts.end_s.max())
+        assert copies.start_s.iloc[0] * 1e6 == pytest.approx((attention_end + 10e-6) * 1e6 + 2 * (100 + 15))

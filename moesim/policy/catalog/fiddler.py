@@ -14,11 +14,12 @@ expert when ``T_CPU(tokens) > T_PCIe + T_GPU(tokens)`` (the cost model's curves
 stand in for Fiddler's two hand-set constants), which only happens with many
 tokens per expert, i.e. in the prefill; in decoding the two systems agree.
 
-Differences from the original that the engine imposes: Fiddler picks the popular
-experts globally over (layer, expert) pairs, moesim gives every layer the same
-number of slots, so the hottest experts are taken per layer; Fiddler's one
-placeholder buffer corresponds to ``--set engine.staging_slots=1`` (the default 2
-lets the next copy overlap the current expert).
+Fiddler's one placeholder buffer is the system's default
+``engine.staging_slots=1``: the next copy waits until the current copied expert
+has run (``--set engine.staging_slots=2`` lets them overlap). Difference from the
+original that the engine imposes: Fiddler picks the popular experts globally over
+(layer, expert) pairs, moesim gives every layer the same number of slots, so the
+hottest experts are taken per layer.
 """
 
 from __future__ import annotations
@@ -52,4 +53,4 @@ class FiddlerAssign(Assignment):
 register_system("fiddler", SystemSpec(
     "Fiddler (baseline of 001): profiled hot experts pinned on the GPU; a cold expert is copied over when "
     "T_CPU > T_PCIe + T_GPU (long prompts), else computed on the CPU",
-    cache="static-hot", assign="fiddler"))
+    cache="static-hot", assign="fiddler", defaults=(("engine.staging_slots", "1"),)))

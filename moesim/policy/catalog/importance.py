@@ -29,9 +29,11 @@ baseline = ``cache=static-first assign=resident``; +CE = ``cache=score-history
 assign=gpu``; +ER adds ``substitute=importance-router``; +Pre adds
 ``prefetch=top-score``; +BA adds ``assign=two-pointer`` (the full system).
 
-Approximation: Sec. 5.2 clears the prefetch queue when the predicted layer's
-gate has run; the engine cannot cancel queued transfers, so a wrong
-prediction still occupies PCIe once (``size`` keeps the queue short).
+Sec. 5.2's queue clearing: once the predicted layer's gate has run, the
+prefetches still queued (not yet on the wire) are dropped and their slots
+freed (``LayerPlan.cancel_queued_prefetches``); a queued prefetch of an expert
+the layer then computes on the GPU stays, as that expert's load.
+``--set prefetch.clear_queue=false`` keeps every prefetch (an ablation).
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ class TopScorePrefetch(Prefetch):
     Only top-score experts are worth a load (Sec. 3, Fig. 5): per token, the
     first ``per_token`` experts of its prediction (the ones the next layer's
     gate scores highest), ranked over the batch by how many tokens predict
-    them, at most ``size`` per layer.
+    them, at most ``size`` per layer. With ``clear_queue`` the importance
+    system drops those still queued when the target layer's gate has run.
     """
 
     name = "top-score"
@@ -164,6 +167,8 @@ class TopScorePrefetch(Prefetch):
     per_token: int = 1
     #: experts loaded ahead per layer at most (0: no cap beyond per_token)
     size: int = 0
+    #: drop still-queued prefetches once the predicted layer's gate has run (Sec. 5.2)
+    clear_queue: bool = True
     _layers: int = 0
 
     def configure(self, ctx: RunContext) -> None:
@@ -288,8 +293,17 @@ class TwoPointerBalancer(Assignment):
         return gpu + load, cpu
 
 
+class ImportanceSystem(ObservingSystem):
+    """Clears the prefetch queue when a layer's real gate has run (004 Sec. 5.2), then loads what it needs."""
+
+    def _place(self, view: LayerView) -> LayerPlan:
+        plan = super()._place(view)
+        plan.cancel_queued_prefetches = bool(getattr(self.prefetch, "clear_queue", False))
+        return plan
+
+
 register_system("importance", SystemSpec(
     "Importance-driven scheduling (004): expert-cache router, top-score next-layer prefetch, score-history "
     "eviction with in-use protection, two-pointer CPU-load balancer",
     cache="score-history", assign="two-pointer", prefetch="top-score", substitute="importance-router",
-    system_class=ObservingSystem))
+    system_class=ImportanceSystem))

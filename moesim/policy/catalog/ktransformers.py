@@ -11,7 +11,7 @@ What the engine and cost model already provide, and this module relies on:
   model charges ``graph_launch_us`` per kernel instead of ``launch_us``; the
   shipped KTransformers testbed profiles (a100-40g, rtx4080) set it, the SMoE
   testbed (rtx4090) does not (000 Sec. VI-A runs without CUDA Graphs). Toggle
-  with the ``hw.gpu.cuda_graph`` override (a Python bool in the settings dict).
+  with ``--set hw.gpu.cuda_graph=true`` (or ``false``).
 
 Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
 ``ktransformers-ed`` (Expert Deferral, 001 Sec. 4).

@@ -16,9 +16,10 @@ request-level), ties broken by the run-wide count.
 Simplifications, each a parameter or a note: the EAMC keeps the last
 ``eamc_size`` finished requests (first in, first out); it starts empty unless
 ``prefetch.calibration`` names a trace whose requests seed it (the paper
-builds it offline), and the report says which. Request ids are read from the
-trace file (``LayerView`` carries none); a request counts as finished after
-its last step in the trace, when a serving system sees its end of sequence.
+builds it offline), and the report says which. Each token row's request
+comes with the view (``LayerView.requests``); a request counts as finished
+after its last step in the trace, read once from the trace file: the moment a
+serving system sees its end of sequence.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def request_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.n
     return out
 
 
+def row_owners(view: LayerView) -> np.ndarray:
+    """Request id of every token row (an executor that gives none serves one request, id 0)."""
+    return view.requests if view.requests is not None else np.zeros(view.tokens, dtype=np.int64)
+
+
 @dataclass
 class ActivationTracker:
     """EAMs of the requests being served and the EAMC of finished ones (shared by prefetch and cache)."""
@@ -60,9 +66,7 @@ class ActivationTracker:
     num_layers: int
     num_experts: int
     eamc_size: int
-    #: step -> request id of each row of a layer (rows of every layer come in the same order)
-    row_requests: dict[int, np.ndarray]
-    #: request -> its last step
+    #: request -> its last step (its end of sequence)
     last_step: dict[int, int]
     live: dict[int, np.ndarray] = field(default_factory=dict)
     collection: deque = field(default_factory=deque)
@@ -72,21 +76,9 @@ class ActivationTracker:
 
     @classmethod
     def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
-        table = pq.read_table(path, columns=["step", "layer", "request"])
-        steps = table.column("step").to_numpy()
-        layers = table.column("layer").to_numpy()
-        requests = table.column("request").to_numpy()
-        # rows are sorted by step then layer: each step's first layer block lists its rows' requests
-        starts = np.flatnonzero(np.r_[True, np.diff(steps) != 0, True])
-        row_requests: dict[int, np.ndarray] = {}
-        last_step: dict[int, int] = {}
-        for a, b in zip(starts[:-1], starts[1:]):
-            block = slice(a, b)
-            lowest = layers[block] == layers[a]
-            row_requests[int(steps[a])] = requests[block][lowest]
-            for r in np.unique(requests[block]):
-                last_step[int(r)] = int(steps[a])
-        tracker = cls(num_layers, num_experts, eamc_size, row_requests, last_step)
+        last = pq.read_table(path, columns=["step", "request"]).group_by("request").aggregate([("step", "max")])
+        last_step = dict(zip(last.column("request").to_pylist(), last.column("step_max").to_pylist()))
+        tracker = cls(num_layers, num_experts, eamc_size, last_step)
         tracker.total = np.zeros((num_layers, num_experts))
         return tracker
 
@@ -107,9 +99,7 @@ class ActivationTracker:
             self._step = view.step
             for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
                 self.add_to_collection(self.live.pop(r))
-        owners = self.row_requests.get(view.step)
-        if owners is None or len(owners) != view.tokens:
-            owners = np.zeros(view.tokens, dtype=np.int64)
+        owners = row_owners(view)
         layer = view.layer
         for r in np.unique(owners):
             eam = self.live.setdefault(int(r), np.zeros((self.num_layers, self.num_experts)))
@@ -118,8 +108,7 @@ class ActivationTracker:
         np.add.at(self.total[layer], view.experts.ravel().astype(np.int64), 1)
 
     def batch_eam(self, view: LayerView) -> np.ndarray:
-        owners = self.row_requests.get(view.step)
-        ids = np.unique(owners) if owners is not None else list(self.live)
+        ids = np.unique(row_owners(view))
         out = np.zeros((self.num_layers, self.num_experts))
         for r in ids:
             if int(r) in self.live:
@@ -159,7 +148,7 @@ class EamPrefetch(Prefetch):
 
     def configure(self, ctx: RunContext) -> None:
         if ctx.trace_path is None:
-            raise ConfigError("eam-match needs the trace file for request ids", field="prefetch",
+            raise ConfigError("eam-match needs the trace file for each request's end of sequence", field="prefetch",
                               fix="replay from a trace file")
         m = ctx.model
         self.tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)

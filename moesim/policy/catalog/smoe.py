@@ -13,16 +13,14 @@ Systems:
   where the token-wise predictor is least accurate and three experts prefetched
   on the others (Sec. IV-D, VI-D, VI-F).
 
-Approximations, each forced by the engine and listed in the run's notes where it
-matters:
-
-* Token-wise prefetches are submitted when the layer is planned, not when its
-  GPU experts finish (Sec. IV-E). Their victims are never experts the layer is
-  using, so the cache content is the same; transfers start earlier by at most
-  the layer's GPU expert time.
-* The initial decode cache is filled by prefetches issued at the first decode
-  step of each layer (after the prefill, as Sec. IV-E says); token-wise prefetch
-  skips that one layer-step. These fill transfers count as prefetches.
+Timing of the decode cache updates (Sec. IV-E): token-wise prefetches enter
+the transfer queue once the layer's GPU experts have finished
+(``LayerPlan.prefetch_after_gpu``) and have the rest of the forward pass,
+until the same layer of the next token, to arrive. The initial decode
+cache is filled by prefetches issued at the first decode step of each layer,
+right after the prefill (Sec. IV-E fills the slots "once the prefilling
+ends"); token-wise prefetch skips that one layer-step, and these fill
+transfers count as prefetches.
 """
 
 from __future__ import annotations
@@ -288,6 +286,9 @@ class SMoESystem(ComposedSystem):
 
     def _decode(self, view: LayerView) -> LayerPlan:
         plan = super()._place(view)
+        # Sec. IV-E: "once the computation of the MoE layer on the GPU is completed, the current
+        # prefetch task is submitted to an asynchronous transfer queue"
+        plan.prefetch_after_gpu = True
         if plan.prefetches and isinstance(self.prefetch, TokenWisePrefetch) and self.prefetch.management_us:
             plan.overhead_s["cache_management"] = self.prefetch.management_us * 1e-6
         return plan
