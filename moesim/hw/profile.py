@@ -58,8 +58,19 @@ class AttentionCurve:
     curve: Curve  # x = context length
 
 
+class _Roofline:
+    """The roofline fallback's efficiencies, shared by the GPU and the CPU sections."""
+
+    roofline_efficiency: float
+    bandwidth_efficiency: float | None
+
+    @property
+    def effective_bandwidth_efficiency(self) -> float:
+        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
+
+
 @dataclass(frozen=True)
-class GPUSpec:
+class GPUSpec(_Roofline):
     name: str
     memory_gib: float
     reserved_gib: float
@@ -75,13 +86,9 @@ class GPUSpec:
     #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)
     bandwidth_efficiency: float | None = None
 
-    @property
-    def effective_bandwidth_efficiency(self) -> float:
-        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
-
 
 @dataclass(frozen=True)
-class CPUSpec:
+class CPUSpec(_Roofline):
     name: str
     cores: int
     dram_bandwidth_gbps: float
@@ -93,10 +100,6 @@ class CPUSpec:
     roofline_efficiency: float = 0.5
     #: achievable fraction of ``dram_bandwidth_gbps`` (None: same as roofline_efficiency)
     bandwidth_efficiency: float | None = None
-
-    @property
-    def effective_bandwidth_efficiency(self) -> float:
-        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
 
 
 @dataclass(frozen=True)
