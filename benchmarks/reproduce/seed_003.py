@@ -36,7 +36,8 @@ from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
 PAPER = "003 DALI"
-HW = "hwprofiles/rtx3090.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
 #: (model, batch) -> (Opt_plan s, Greedy s), Table 4
 TABLE4 = {("deepseek-v2-lite", 16): (12.4, 14.4), ("deepseek-v2-lite", 32): (19.7, 22.4),
           ("mixtral-8x7b", 16): (22.6, 26.7), ("mixtral-8x7b", 32): (28.0, 30.4)}
@@ -64,7 +65,7 @@ def moe_time(m: dict) -> float:
 
 def row(claim: str, paper: float, moesim: float, agrees: bool) -> dict:
     return {"paper": PAPER, "claim": claim, "paper_value": paper, "moesim_value": moesim,
-            "ratio": moesim / paper if paper else float("nan"), "agrees": bool(agrees)}
+            "ratio": moesim / paper if paper else float("nan"), "agrees": bool(agrees), "kind": "direction"}
 
 
 def rows(workdir: str | None = None) -> list[dict]:

@@ -31,7 +31,8 @@ from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
 PAPER = "004 importance-driven"
-HW = "hwprofiles/rtx3090.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
 TESTBED = {"hw.gpu.memory_gib": "12", "hw.cpu.cores": "6"}
 ALPHA = {"substitute.alpha": "0.35"}
 VS_HYBRIMOE = {3: 0.27, 1: 0.20}  # S1 TPOT reduction over HybriMoE (Sec. 6.2)
@@ -59,7 +60,7 @@ def tpot(path: str, system: str, settings: dict) -> float:
 
 def row(claim: str, paper: float, moesim: float) -> dict:
     return {"paper": PAPER, "claim": claim, "paper_value": paper, "moesim_value": moesim,
-            "ratio": moesim / paper if paper else float("nan"), "agrees": bool(moesim > 0)}
+            "ratio": moesim / paper if paper else float("nan"), "agrees": bool(moesim > 0), "kind": "direction"}
 
 
 def rows(workdir: str | None = None) -> list[dict]:
