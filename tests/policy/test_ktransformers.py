@@ -136,3 +136,14 @@ def test_deferral_lowers_tpot_when_the_cpu_is_the_bottleneck(tmp_path):
     # weights 0.1 + 0.2 deferred per layer-step over 4 * 4 routed activations per decode step (plus the prefill)
     routed = (2 + 8) * 4 * 4
     assert deferred["deferred_weight_mass"] == pytest.approx(8 * 3 * 0.3 / routed)
+
+
+@pytest.mark.parametrize("top_k, expected", [(2, 0), (4, 2), (8, 3)])
+def test_default_defers_three_but_keeps_two_immediate(top_k, expected):
+    """001 Sec. 4.2: defer few experts, 3 for DeepSeek-V3, keeping at least 2 immediate per token."""
+    model = tiny_model(layers=2, experts=8, top_k=top_k)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[0, 0])
+    deferral = ExpertDeferral()
+    deferral.configure(ctx)
+    assert deferral.deferred == expected
+    assert any("at least 2 immediate" in n for n in ctx.notes) == (expected < 3)

@@ -78,10 +78,16 @@ class ExpertDeferral(Deferral):
 
     name = "ktrans-deferral"
     columns = ("weights",)
-    #: deferred experts per token (001 Sec. 4.2: 3 for DeepSeek-V3 BF16, 6 for its Int4 build)
-    deferred: int = 3
+    #: deferred experts per token (001 Sec. 4.2: 3 for DeepSeek-V3 BF16, 6 for its Int4 build);
+    #: -1: Sec. 4.2's rule of thumb, 3 but at least 2 immediate (none for a top-2 model)
+    deferred: int = -1
 
     def configure(self, ctx: RunContext) -> None:
+        if self.deferred < 0:
+            self.deferred = max(min(3, ctx.model.top_k - 2), 0)
+            if self.deferred < 3:
+                ctx.notes.append(f"ktrans-deferral: {self.deferred} deferred expert(s) per token: top-{ctx.model.top_k} "
+                                 "keeps at least 2 immediate (001 Sec. 4.2); set defer.deferred to override")
         if not 0 <= self.deferred < ctx.model.top_k:
             raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
