@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moesim.policy.base import Component, LayerView, RunContext
 from moesim.policy.future import FutureRouting
 
@@ -40,3 +42,23 @@ class PerfectPrefetch(Prefetch):
             return []
         step, layer = nxt
         return [(layer, e) for e in self._future.routed[(step, layer)]]
+
+
+@dataclass
+class LastTokenPredictor:
+    """Trace-only stand-in for a next-layer predictor column: each token is predicted to route, at the
+    next layer, as its request's previous token did there (temporal locality of experts, 003 Fig. 8).
+
+    Call :meth:`predict` once per layer view, in trace order; it also records that layer's routing.
+    """
+
+    _last: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def predict(self, view: LayerView) -> list[np.ndarray]:
+        """For every token row of ``view``, the experts it is predicted to use at ``view.layer + 1``."""
+        requests = view.requests if view.requests is not None else np.zeros(view.tokens, dtype=np.int64)
+        empty = np.empty(0, dtype=np.int64)
+        predicted = [self._last.get((int(r), view.layer + 1), empty) for r in requests]
+        for r, experts in zip(requests.tolist(), view.experts):
+            self._last[(r, view.layer)] = experts
+        return predicted

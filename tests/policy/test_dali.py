@@ -79,7 +79,8 @@ def _view(experts, predictors=None, num_experts=8, layers=2):
 def test_residual_prefetch_takes_the_top_predicted_workload():
     model = tiny_model(layers=2, experts=8, top_k=2)
     prefetch = ResidualPrefetch(size=2)
-    prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8, 8]))
+    prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8, 8],
+                                  columns=("pred_residual",)))
     preds = {"pred_residual": [np.array([1, 2]), np.array([1, 3]), np.array([2, 1])]}
     assert prefetch.candidates(_view([[0, 1]] * 3, preds)) == [(1, 1), (1, 2)]
 

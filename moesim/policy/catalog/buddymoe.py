@@ -48,8 +48,8 @@ import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
-from moesim.policy.catalog.importance import ranked_predictions, require_column
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.catalog.importance import ranked_predictions
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 
 
@@ -270,12 +270,18 @@ class NextLayerPrefetch(Prefetch):
     size: int = 0
     _layers: int = 0
 
+    _fallback: LastTokenPredictor | None = field(default=None, repr=False)
+
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "pred_next_layer", "prefetch 'next-layer'", "the next layer's predicted experts")
         self._layers = ctx.model.num_layers
+        self._fallback = None
+        if "pred_next_layer" not in ctx.columns:
+            self._fallback = LastTokenPredictor()
+            ctx.notes.append("next-layer: the trace has no pred_next_layer column; each token is predicted to "
+                             "use, at the next layer, what its request's previous token used there")
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
-        predicted = view.predictors.get("pred_next_layer")
+        predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:
             return []
         ranked = ranked_predictions(predicted)

@@ -51,8 +51,8 @@ from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.catalog.importance import ObservingSystem, require_column
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.catalog.importance import ObservingSystem
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch
 from moesim.policy.systems import SystemSpec, register_component, register_system
 
 
@@ -196,12 +196,18 @@ class ResidualPrefetch(Prefetch):
     size: int = 1
     _layers: int = 0
 
+    _fallback: LastTokenPredictor | None = field(default=None, repr=False)
+
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "pred_residual", "prefetch 'dali-residual'", "the residual-corrected next-layer gate")
         self._layers = ctx.model.num_layers
+        self._fallback = None
+        if "pred_residual" not in ctx.columns:
+            self._fallback = LastTokenPredictor()
+            ctx.notes.append("dali-residual: the trace has no pred_residual column; each token is predicted to "
+                             "use, at the next layer, what its request's previous token used there")
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
-        predicted = view.predictors.get("pred_residual")
+        predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_residual")
         if view.layer + 1 >= self._layers or not predicted:
             return []
         flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in predicted]) if predicted else np.array([])
