@@ -33,8 +33,8 @@ SHAPES = {
     "flame-moe-290m": (8, 1, 64, 6, 1024, 704, 2, 1408),
 }
 
-FLAME_TRACE = Path("/work/shared/real-traces/DynaNDE-Simulator-flame-moe-290m/"
-                   "flame-moe-290m_layers2-9_2048tok_top6.npz")
+FLAME_TRACE = (Path(__file__).resolve().parents[2].parent / "shared" / "real-traces"
+               / "DynaNDE-Simulator-flame-moe-290m" / "flame-moe-290m_layers2-9_2048tok_top6.npz")
 
 
 def _raw(name: str) -> dict:
