@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -73,26 +74,28 @@ class Transfer:
     step: int = -1
     start: float | None = None
     end: float | None = None
-
-    def __lt__(self, other: "Transfer") -> bool:
-        return (self.priority, self.seq) < (other.priority, other.seq)
+    #: place in the prefetch queue (counts from the queue's first ever entry)
+    queued_at: int = -1
 
 
 class CopyEngines:
-    """Host-to-device copy engines serving a priority queue, advanced lazily.
+    """Host-to-device copy engines: demand transfers first, then prefetches in order; advanced lazily.
 
     Transfers are submitted at non-decreasing times. Demand transfers are placed
-    on an engine at once (no later submission can overtake them); prefetches
-    wait in a queue, and :meth:`advance` starts every queued prefetch that an
-    engine falling idle at or before ``t`` would pick. A transfer already running
-    is never preempted.
+    on an engine at once: no later submission can overtake them, and they go
+    ahead of every queued prefetch. Prefetches wait in a FIFO queue (all have
+    the same priority, so submission order is service order), and
+    :meth:`advance` starts every queued prefetch that an engine falling idle at
+    or before ``t`` picks. A transfer already running is never preempted.
     """
 
     def __init__(self, duration: Callable[[int], float], engines: int) -> None:
         self._duration = duration
         self._durations: dict[int, float] = {}
         self.free = [0.0] * engines
-        self.queue: list[Transfer] = []
+        self.queue: deque[Transfer] = deque()
+        self._head = 0  # queued_at of the queue's first entry
+        self._tail = 0  # queued_at the next entry gets
         self.unretired: list[tuple[float, int, Transfer]] = []
         self.busy_s = 0.0
         self.bytes = 0
@@ -103,18 +106,21 @@ class CopyEngines:
             value = self._durations[nbytes] = self._duration(nbytes)
         return value
 
+    def _engine(self) -> int:
+        free = self.free
+        return 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+
     def submit(self, transfer: Transfer) -> None:
         at = transfer.issued
         if self.queue:
             self.advance(at)
         if transfer.priority == 0:
-            # Nothing submitted later can get ahead of a demand transfer, and it goes ahead of every
-            # queued prefetch, so it takes the engine that frees first, now.
-            free = self.free
-            i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
-            self._begin(i, transfer, free[i] if free[i] > at else at)
+            i = self._engine()
+            self._begin(i, transfer, self.free[i] if self.free[i] > at else at)
             return
-        heapq.heappush(self.queue, transfer)
+        transfer.queued_at = self._tail
+        self._tail += 1
+        self.queue.append(transfer)
         self.advance(at)
 
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
@@ -125,16 +131,15 @@ class CopyEngines:
         self.bytes += transfer.nbytes
         heapq.heappush(self.unretired, (transfer.end, transfer.seq, transfer))
 
-
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free
-        single = len(free) == 1
         while queue:
-            i = 0 if single else min(range(len(free)), key=free.__getitem__)
+            i = self._engine()
             start = free[i] if free[i] > queue[0].issued else queue[0].issued
             if start > t:
                 return
-            self._begin(i, heapq.heappop(queue), start)
+            self._head += 1
+            self._begin(i, queue.popleft(), start)
 
     def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
         """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""
@@ -142,8 +147,10 @@ class CopyEngines:
         dropped = [x for x in self.queue if x.kind == kind and (x.layer, x.expert) not in keep]
         if dropped:
             gone = set(map(id, dropped))
-            self.queue = [x for x in self.queue if id(x) not in gone]
-            heapq.heapify(self.queue)
+            self.queue = deque(x for x in self.queue if id(x) not in gone)
+            for place, x in enumerate(self.queue):
+                x.queued_at = place
+            self._head, self._tail = 0, len(self.queue)
         return dropped
 
     def finish(self, transfer: Transfer) -> float:
@@ -182,16 +189,22 @@ class CopyEngines:
         return busy, nbytes
 
     def estimate_end(self, transfer: Transfer) -> float:
-        """End of a started transfer, or when it would end if nothing else were submitted."""
+        """End of a started transfer, or when it would end if nothing else were submitted.
+
+        Call after :meth:`advance` up to now, so that every queued transfer starts
+        later than now. With one engine and transfers of equal size (expert
+        loads) this is a closed form; otherwise the queue ahead is replayed.
+        """
         if transfer.end is not None:
             return transfer.end
+        ahead = transfer.queued_at - self._head
+        if len(self.free) == 1 and len(self._durations) == 1:
+            return self.free[0] + (ahead + 1) * self.duration(transfer.nbytes)
         free = list(self.free)
-        for queued in sorted(self.queue):
+        for queued in list(self.queue)[:ahead + 1]:
             i = min(range(len(free)), key=free.__getitem__)
             free[i] = max(free[i], queued.issued) + self.duration(queued.nbytes)
-            if queued is transfer:
-                return free[i]
-        raise AssertionError("transfer is neither queued nor started")
+        return free[i]
 
 
 @dataclass
