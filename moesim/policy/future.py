@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -44,19 +46,7 @@ class FutureRouting:
     def load(cls, path: str | None, model: ModelSpec) -> "FutureRouting":
         if path is None:
             raise ValueError("future routing needs the trace path")
-        steps, layers, experts = _routing(path)
-        uses: list[dict[int, list[int]]] = [dict() for _ in range(model.num_layers)]
-        routed: dict[tuple[int, int], list[int]] = {}
-        keys = steps.astype(np.int64) * model.num_layers + layers
-        cuts = np.flatnonzero(np.diff(keys)) + 1
-        for chunk_rows, chunk_experts in zip(np.split(np.arange(len(keys)), cuts), np.split(experts, cuts)):
-            step, layer = int(steps[chunk_rows[0]]), int(layers[chunk_rows[0]])
-            counts = np.bincount(chunk_experts.ravel().astype(np.int64), minlength=model.num_experts)
-            active = [int(e) for e in np.lexsort((np.arange(len(counts)), -counts)) if counts[e] > 0]
-            routed[(step, layer)] = active
-            for e in active:
-                uses[layer].setdefault(e, []).append(step)
-        return cls(uses=uses, routed=routed, step_order=sorted({int(s) for s in np.unique(steps)}))
+        return _load_future(str(path), Path(path).stat().st_mtime_ns, model.num_layers, model.num_experts)
 
     def next_use(self, layer: int, expert: int, from_step: int) -> int:
         steps = self.uses[layer].get(expert)
@@ -73,3 +63,31 @@ class FutureRouting:
         if i < len(self.step_order):
             return self.step_order[i], 0
         return None
+
+
+@lru_cache(maxsize=4)
+def _load_future(path: str, mtime_ns: int, num_layers: int, num_experts: int) -> FutureRouting:
+    """Whole-trace routing, vectorised; cached because a bound's components all read the same trace."""
+    steps, layers, experts = _routing(path)
+    top_k = experts.shape[1]
+    position = np.repeat(steps.astype(np.int64) * num_layers + layers, top_k)
+    code, counts = np.unique(position * num_experts + experts.ravel(), return_counts=True)
+    key, expert = code // num_experts, code % num_experts
+    # per (step, layer): most tokens first, then lower id
+    order = np.lexsort((expert, -counts, key))
+    key_o, expert_o = key[order], expert[order]
+    cuts = np.flatnonzero(np.diff(key_o)) + 1
+    firsts = key_o[np.concatenate(([0], cuts))] if len(key_o) else key_o
+    routed = {(int(k) // num_layers, int(k) % num_layers): group.tolist()
+              for k, group in zip(firsts, np.split(expert_o, cuts))}
+    # per (layer, expert): the steps that use it, in order
+    step_of, layer_of = key // num_layers, key % num_layers
+    order = np.lexsort((step_of, expert, layer_of))
+    pair = (layer_of * num_experts + expert)[order]
+    cuts = np.flatnonzero(np.diff(pair)) + 1
+    uses: list[dict[int, list[int]]] = [dict() for _ in range(num_layers)]
+    for first, group in zip(pair[np.concatenate(([0], cuts))] if len(pair) else pair,
+                            np.split(step_of[order], cuts)):
+        uses[int(first) // num_experts][int(first) % num_experts] = group.tolist()
+    return FutureRouting(uses=uses, routed=routed, step_order=np.unique(steps).astype(int).tolist())
+
