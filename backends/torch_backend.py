@@ -44,7 +44,7 @@ from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.policy.base import LayerPlan, LayerView
 from moesim.policy.state import CacheState
-from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions, substitution_mass,
+from moesim.sim.bookkeeping import (Counters, account_plan, placement_decisions, substitution_mass,
                                     weight_mass)
 from moesim.sim.engine import SimResult, StepRecord
 from moesim.sim.memory import active_counts

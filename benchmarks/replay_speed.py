@@ -56,11 +56,24 @@ def run_one(trace: str, system: str, hw: str, repeats: int = 3) -> dict:
         activations = results[0].counters.activations
     return {"system": system, "seconds": best_run, "setup_s": best_setup, "activations": activations,
             "per_s": activations / best_run,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": peak_rss_mib()}
 
 
-def measure(trace: Path, system: str, hw: str) -> dict:
-    command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw]
+def peak_rss_mib() -> float:
+    """This process's own resident high-water mark (VmHWM starts afresh at exec; ru_maxrss may carry
+    the parent's peak over)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(trace: Path, system: str, hw: str, repeats: int = 3) -> dict:
+    command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw,
+               "--repeats", str(repeats)]
     taskset = ["taskset", "-c", "0"] if sys.platform.startswith("linux") and _has("taskset") else []
     done = subprocess.run(taskset + command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout)
@@ -70,11 +83,14 @@ def _has(program: str) -> bool:
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-def report(title: str, rows: list[dict]) -> None:
+def report(title: str, rows: list[dict], seconds_target: float | None = None) -> None:
     print(title)
     for r in rows:
-        target = TARGETS.get(r["system"])
-        mark = "" if target is None else f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
+        if seconds_target is not None:
+            mark = f"  (target under {seconds_target:g} s: {'met' if r['seconds'] < seconds_target else 'MISSED'})"
+        else:
+            target = TARGETS.get(r["system"])
+            mark = "" if target is None else f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
         print(f"  {r['system']:<14} {r['activations']:>10,} activations in {r['seconds']:7.2f} s = "
               f"{r['per_s']:>11,.0f}/s (+{r['setup_s']:.2f} s set-up), peak RSS {r['peak_rss_mib']:6.0f} MiB{mark}")
 
@@ -86,10 +102,11 @@ def main() -> None:
     parser.add_argument("--big-rows", type=int, default=0, help="also stream a trace of this many rows (cpu-only)")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     systems = args.systems.split(",")
     if args.phase == "run":
-        print(json.dumps(run_one(args.trace, systems[0], args.hw)))
+        print(json.dumps(run_one(args.trace, systems[0], args.hw, args.repeats)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         decode, prefill = Path(tmp) / "decode.parquet", Path(tmp) / "prefill.parquet"
@@ -98,14 +115,16 @@ def main() -> None:
         report("DeepSeek-V3, 64-token prompt + 2,000 decode tokens (58 layers x top-8):",
                [measure(decode, s, args.hw) for s in systems])
         prefill_rows = [measure(prefill, s, args.hw) for s in systems]
-        report("DeepSeek-V3, one 4,096-token prefill (target: under 2 s per system):", prefill_rows)
+        report("DeepSeek-V3, one 4,096-token prefill:", prefill_rows, seconds_target=2.0)
         if args.big_rows:
             sys.path.insert(0, str(Path(__file__).parent))
             from trace_io import write  # the I/O benchmark's random DeepSeek-V3 writer
             big = Path(tmp) / "big.parquet"
             write(big, args.big_rows, tokens=1, seed=0)
-            report(f"{args.big_rows:,}-row trace streamed (target: peak RSS under 1,536 MiB):",
-                   [measure(big, "cpu-only", args.hw)])
+            big_row = measure(big, "cpu-only", args.hw, repeats=1)
+            report(f"{args.big_rows:,}-row trace streamed:", [big_row])
+            print(f"  peak RSS {big_row['peak_rss_mib']:.0f} MiB (target under 1,536 MiB: "
+                  f"{'met' if big_row['peak_rss_mib'] < 1536 else 'MISSED'})")
 
 
 if __name__ == "__main__":

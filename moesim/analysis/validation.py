@@ -213,7 +213,7 @@ def _pct(value: float) -> str:
 
 
 def render_markdown(report: ValidationReport, plot_name: str) -> str:
-    lines = [f"# Validation: simulator vs real kernels", "",
+    lines = ["# Validation: simulator vs real kernels", "",
              f"- trace: `{report.trace}`", f"- profile: `{report.profile}`", f"- device: {report.device}",
              f"- command: `{report.command}`"]
     if report.settings:

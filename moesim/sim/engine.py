@@ -7,18 +7,20 @@ Resources (DESIGN.md, engine semantics):
 * CPU pool: the routed experts assigned to the CPU, one after another, each on
   all configured cores (the curves are measured that way), after a CPU-GPU
   synchronisation; it runs alongside the GPU stream.
-* PCIe copy engine(s): a priority queue; demand loads overtake queued
-  prefetches but never a transfer already running.
+* PCIe copy engine(s): demand loads overtake queued prefetches but never a
+  transfer already running.
 * GPU memory: expert slots per layer (:class:`~moesim.policy.state.CacheState`)
   plus staging buffers for experts streamed through without caching.
 
 The forward pass is one SimPy process and the only source of work: every
-transfer is issued by it, at non-decreasing times. So the copy engines need no
-process of their own: :class:`CopyEngines` starts queued transfers lazily, in
-priority order, whenever the forward pass looks at the clock, which gives the
-same schedule a process per engine would, without events per transfer. A
-layer then costs one SimPy timeout, which is what lets a 2,000-token
-DeepSeek-V3 decode replay in about a second.
+transfer is issued by it, at non-decreasing times, and a layer's operations
+follow from its plan. So resources need no processes of their own: a layer's
+GPU and CPU tracks are computed in closed form, and :class:`CopyEngines` starts
+queued transfers lazily, in order, whenever the forward pass looks at the
+clock, which gives the schedule a process per engine would, without events per
+transfer. A step then costs one SimPy timeout, which is what lets a
+2,000-token DeepSeek-V3 decode replay in about a second
+(``benchmarks/replay_speed.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement
 from moesim.sim.memory import MemoryPlan, active_counts
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
-
 
 
 @dataclass
@@ -123,6 +124,15 @@ class CopyEngines:
         self.queue.append(transfer)
         self.advance(at)
 
+    def submit_demands(self, transfers: list[Transfer], at: float) -> None:
+        """Several demand transfers issued at ``at``, in order (see :meth:`submit`)."""
+        if self.queue:
+            self.advance(at)
+        free = self.free
+        for transfer in transfers:
+            i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+            self._begin(i, transfer, free[i] if free[i] > at else at)
+
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
         duration = self.duration(transfer.nbytes)
@@ -158,14 +168,6 @@ class CopyEngines:
         while transfer.end is None:
             self.advance(min(self.free))
         return transfer.end
-
-    def retire(self, t: float) -> Iterator[Transfer]:
-        """Transfers that have completed by ``t``, in completion order (each once)."""
-        if self.queue:
-            self.advance(t)
-        done = self.unretired
-        while done and done[0][0] <= t:
-            yield heapq.heappop(done)[2]
 
     @property
     def idle(self) -> bool:
@@ -302,19 +304,36 @@ class Simulator:
         if end > start:
             self.timeline.append((resource, lane, start, end, kind, step, layer, expert, tokens))  # type: ignore
 
-    def _decide(self, step: int, layer: int, expert: int, action: str, target: int = -1) -> None:
-        if self.decisions is not None:
-            self.decisions.append((step, layer, expert, action, target))
-
     def _retire(self, t: float) -> None:
         """Make transfers finished by ``t`` resident."""
-        for transfer in self.pcie.retire(t):
+        pending, in_flight, resident = self.pending, self.cache.in_flight, self.cache.resident
+        pcie = self.pcie
+        if pcie.queue:
+            pcie.advance(t)
+        done = pcie.unretired
+        while done and done[0][0] <= t:
+            transfer = heapq.heappop(done)[2]
             if transfer.kind != "stage":
-                self.pending.pop((transfer.layer, transfer.expert), None)
-                self.cache.finish_load(transfer.layer, transfer.expert)
+                layer, expert = transfer.layer, transfer.expert
+                del pending[(layer, expert)]
+                in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
+                resident[layer].add(expert)
             if self.timeline is not None:
                 self._span("pcie", 0, transfer.start or 0.0, transfer.end or 0.0, transfer.kind, transfer.step,
                            transfer.layer, transfer.expert)
+
+    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float) -> None:
+        """Demand loads of one plan, submitted together (the common case of every cache miss)."""
+        start_load, pending = self.cache.start_load, self.pending
+        nbytes = self.costs.expert_bytes
+        batch = []
+        for e in experts:
+            self._seq += 1
+            transfer = Transfer(layer, e, nbytes, 0, "load", self._seq, at, step)
+            start_load(layer, e)
+            pending[(layer, e)] = transfer
+            batch.append(transfer)
+        self.pcie.submit_demands(batch, at)
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
@@ -418,14 +437,15 @@ class Simulator:
         for lay, e in plan.evictions:
             self.cache.evict(lay, e)
             self.prefetched.discard((lay, e))
-            self._decide(s, layer, e, "evict", lay)
+            if self.decisions is not None:
+                self.decisions.append((s, layer, e, "evict", lay))
         if self.decisions is not None:
             self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
-        for e in plan.loads:
-            self._submit(layer, e, "load", s, t1)
+        if plan.loads:
+            self._submit_loads(layer, plan.loads, s, t1)
         streamed = plan.streamed
         staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
             if streamed else {}
@@ -451,7 +471,8 @@ class Simulator:
         for lay, e in plan.prefetches:
             self._submit(lay, e, "prefetch", s, at)
             self.prefetched.add((lay, e))
-            self._decide(s, layer, e, "prefetch", lay)
+            if self.decisions is not None:
+                self.decisions.append((s, layer, e, "prefetch", lay))
 
     def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
         """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""
@@ -508,6 +529,7 @@ class Simulator:
             return gpu_t
         resident = self.cache.resident[layer]
         pending = self.pending
+        gpu_cost = self._gpu
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
         finished: dict[int, float] = {}
         compute = waited = 0.0
@@ -522,15 +544,18 @@ class Simulator:
             elif e not in resident:
                 transfer = pending.get((layer, e))
             if transfer is not None:
-                end = self.pcie.finish(transfer)
+                end = transfer.end
+                if end is None:
+                    end = self.pcie.finish(transfer)
                 if end > gpu_t:
                     ready = end
                     if transfer.kind == "prefetch":
                         counters.late_prefetches += 1
             waited += ready - gpu_t
-            d = self._gpu_s(count[e])
+            n = count[e]
+            d = gpu_cost[n] if n in gpu_cost else self._gpu_s(n)
             if tl is not None:
-                self._span("gpu", 0, ready, ready + d, "expert", s, layer, e, count[e])
+                self._span("gpu", 0, ready, ready + d, "expert", s, layer, e, n)
             gpu_t = ready + d
             finished[e] = gpu_t
             compute += d

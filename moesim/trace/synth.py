@@ -280,7 +280,6 @@ class _RequestRouter:
             self.buffered += step
             self.remaining -= step
         merged = {key: np.concatenate([b[key] for b in self.buffer]) for key in self.buffer[0]}
-        k = self.model.top_k
         nxt = merged["ranking"][1:n + 1]
         if len(nxt) < n:  # the request's last token: no next token, predict its own set
             nxt = np.concatenate([nxt, merged["ranking"][n - 1:n]])
@@ -311,7 +310,7 @@ def _truth_and_fillers(ranking: np.ndarray, k: int) -> tuple[np.ndarray, np.ndar
 def _token_rows(router: _RequestRouter, config: SynthConfig, n: int) -> dict[str, np.ndarray]:
     """Arrays shaped (n tokens, L, ...) for the next ``n`` tokens of one request."""
     model, params = config.model, config.params
-    k, L = model.top_k, model.num_layers
+    k = model.top_k
     got = router.take(n)
     ranking = got["ranking"]
     experts = ranking[:, :, :k]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -11,7 +10,7 @@ from moesim.hw.cost import CostModel
 from moesim.policy.catalog.bounds import balanced_floor, physical_lower_bound
 from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
-from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 from moesim.trace.synth import SynthConfig, synthesize
 
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics

@@ -41,7 +41,7 @@ def _load(path: Path) -> dict[str, np.ndarray]:
                                fix="use flame-moe-290m_layers2-9_2048tok_top6.npz (layers, token_ids, indices, scores)") from None
     except (OSError, ValueError):
         raise TraceFormatError("not a readable npz file", source=str(path), fix="give the .npz extract") from None
-    layers, indices, scores = arrays["layers"], arrays["indices"], arrays["scores"]
+    layers, indices = arrays["layers"], arrays["indices"]
     tokens = len(arrays["token_ids"])
     expected = (len(layers), tokens, indices.shape[-1] if indices.ndim == 3 else 0)
     for name in ("indices", "scores"):
