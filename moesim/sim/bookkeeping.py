@@ -43,9 +43,12 @@ class Counters:
     breakdown: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in BREAKDOWN})
 
 
-def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int, int],
+def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int, int] | None,
                  resident: set[int], prefetched: set[tuple[int, int]]) -> None:
-    """Count one plan; hits are experts resident when the plan was made."""
+    """Count one plan; hits are experts resident when the plan was made.
+
+    ``count`` maps experts to their tokens; None when every expert has one token.
+    """
     layer = view.layer
     c.activations += int(view.experts.size)
     c.distinct_activations += len(view.active)
@@ -57,9 +60,9 @@ def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int,
                 c.prefetch_used += 1
                 prefetched.discard((layer, e))
     if plan.gpu:
-        c.gpu_activations += sum(map(count.__getitem__, plan.gpu))
+        c.gpu_activations += len(plan.gpu) if count is None else sum(map(count.__getitem__, plan.gpu))
     if plan.cpu:
-        c.cpu_activations += sum(map(count.__getitem__, plan.cpu))
+        c.cpu_activations += len(plan.cpu) if count is None else sum(map(count.__getitem__, plan.cpu))
     if plan.loads or plan.streamed or plan.prefetches or plan.evictions:
         c.demand_loads += len(plan.loads)
         c.streamed += len(plan.streamed)

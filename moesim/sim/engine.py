@@ -423,7 +423,8 @@ class Simulator:
             view = self._substitute(view, plan)
         if self.config.check:
             self._check_plan(view, plan)
-        count = dict(zip(view.active, view.counts))
+        # one token per expert (every decode layer): no per-expert counts needed
+        count = None if len(view.active) == view.experts.size else dict(zip(view.active, view.counts))
         resident = self.cache.resident[layer]
         if self.decisions is not None:
             resident_at_plan = set(resident)
@@ -487,7 +488,7 @@ class Simulator:
         self.counters.substituted_weight_mass += substitution_mass(view, plan)
         return view.substituted(plan.substitutions)
 
-    def _cpu_track(self, experts: list[int], count: dict[int, int], s: int, layer: int, t1: float,
+    def _cpu_track(self, experts: list[int], count: dict[int, int] | None, s: int, layer: int, t1: float,
                    kind: str = "expert") -> float:
         """CPU experts one after another after a sync; returns when the last finishes."""
         if not experts:
@@ -498,21 +499,25 @@ class Simulator:
         t = start + sync
         counters.breakdown["sync"] += sync
         if self.timeline is None:
-            cpu = self._cpu
-            for e in experts:
-                n = count[e]
-                t += cpu[n] if n in cpu else self._cpu_s(n)
+            if count is None:
+                t += len(experts) * self._cpu_s(1)
+            else:
+                cpu = self._cpu
+                for e in experts:
+                    n = count[e]
+                    t += cpu[n] if n in cpu else self._cpu_s(n)
         else:
             for e in experts:
-                d = self._cpu_s(count[e])
-                self._span("cpu", 0, t, t + d, kind, s, layer, e, count[e])
+                n = 1 if count is None else count[e]
+                d = self._cpu_s(n)
+                self._span("cpu", 0, t, t + d, kind, s, layer, e, n)
                 t += d
         counters.cpu_busy_s += t - start - sync
         self.cpu_free = t
         return t
 
     def _gpu_track(self, experts: list[int], streamed: list[int], staged: dict[int, Transfer],
-                   count: dict[int, int], s: int, layer: int, tokens: int, t1: float) -> float:
+                   count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float) -> float:
         """Shared experts, then GPU experts in plan order, each once its weights are there."""
         counters, tl = self.counters, self.timeline
         gpu_t = t1
@@ -552,7 +557,7 @@ class Simulator:
                     if transfer.kind == "prefetch":
                         counters.late_prefetches += 1
             waited += ready - gpu_t
-            n = count[e]
+            n = 1 if count is None else count[e]
             d = gpu_cost[n] if n in gpu_cost else self._gpu_s(n)
             if tl is not None:
                 self._span("gpu", 0, ready, ready + d, "expert", s, layer, e, n)

@@ -171,12 +171,12 @@ class Step:
             self._bounds = np.concatenate(([0], cuts, [len(self.layer)]))
         return self._bounds
 
-    def layers(self) -> Iterator[tuple[int, slice]]:
+    def layers(self) -> list[tuple[int, slice]]:
         """(layer, row slice) for every layer present in this step, in order."""
         bounds = self.layer_bounds
-        for i in range(len(bounds) - 1):
-            start, stop = int(bounds[i]), int(bounds[i + 1])
-            yield int(self.layer[start]), slice(start, stop)
+        ids = self.layer[bounds[:-1]].tolist()
+        edges = bounds.tolist()
+        return [(layer, slice(edges[i], edges[i + 1])) for i, layer in enumerate(ids)]
 
     @property
     def tokens(self) -> int:
