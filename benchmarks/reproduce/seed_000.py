@@ -25,13 +25,14 @@ the "grows with prompt length" row when both grow. Run: ``.venv/bin/python bench
 
 from __future__ import annotations
 
-import tempfile
-import time
+import sys
 from pathlib import Path
 
 from moesim.analysis.metrics import metrics
 from moesim.sim.run import simulate
-from moesim.trace.synth import SynthConfig, synthesize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import magnitude_row, print_table, synthetic_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HW = str(ROOT / "hwprofiles" / "rtx4090.yaml")
@@ -56,26 +57,12 @@ SMOE_PREFETCH = {"deepseek-v3": "2", "qwen3-235b-a22b": "3"}
 PREFILL_SPEEDUP = {400: 2.64, 4096: 8.68}
 
 
-def trace(model: str, prompt: int, decode: int, scores: bool) -> str:
-    """A synthetic trace, cached in the temporary directory between runs (same parameters, same bytes)."""
-    folder = Path(tempfile.gettempdir()) / "moesim-reproduce"
-    path = folder / f"{model}-p{prompt}-d{decode}-{'s' if scores else 'n'}.parquet"
-    if not path.exists():
-        config = SynthConfig.from_settings(model=model, prompt_len=prompt, decode_len=decode, seed=0, scores=scores)
-        synthesize(config, path)
-    return str(path)
-
-
-def row(claim: str, paper_value: float, moesim_value: float) -> dict:
-    """An absolute figure: agrees within 25%."""
-    ratio = moesim_value / paper_value if paper_value else float("nan")
-    return {"paper": PAPER, "claim": claim, "paper_value": paper_value, "moesim_value": moesim_value,
-            "ratio": ratio, "agrees": bool(0.8 <= ratio <= 1.25), "kind": "magnitude"}
 
 
 def speedup_row(claim: str, paper_value: float, moesim_value: float) -> dict:
     """A speedup: agrees when moesim's is on the same side of 1 as the paper's."""
-    return {**row(claim, paper_value, moesim_value), "agrees": (moesim_value > 1) == (paper_value > 1),
+    return {**magnitude_row(PAPER, claim, paper_value, moesim_value),
+            "agrees": (moesim_value > 1) == (paper_value > 1),
             "kind": "direction"}
 
 
@@ -91,11 +78,12 @@ def system_settings(system: str, model: str) -> dict[str, str]:
 def decode_rows() -> list[dict]:
     out = []
     for model, systems in TABLE_I.items():
-        path = trace(model, 64, 128, scores=True)
+        path = synthetic_trace(model, 64, 128, scores=True)
         tps = {}
         for system, values in systems.items():
             tps[system] = metrics(simulate(path, HW, system, system_settings(system, model)))["decode_tokens_per_s"]
-            out.append(row(f"Table I {model} decode tokens/s, {system}", sum(values) / len(values), tps[system]))
+            out.append(magnitude_row(PAPER, f"Table I {model} decode tokens/s, {system}",
+                                     sum(values) / len(values), tps[system]))
         for other, label in (("ktransformers", "KTransformers"), ("hybrimoe", "HybriMoE")):
             out.append(speedup_row(f"Table I {model} SMoE / {label} decode speedup",
                                    sum(systems["smoe"]) / sum(systems[other]), tps["smoe"] / tps[other]))
@@ -105,7 +93,7 @@ def decode_rows() -> list[dict]:
 def prefill_rows() -> list[dict]:
     out, speedups = [], {}
     for prompt, paper in PREFILL_SPEEDUP.items():
-        path = trace("deepseek-v3", prompt, 0, scores=False)
+        path = synthetic_trace("deepseek-v3", prompt, 0, scores=False)
         ttft = {s: metrics(simulate(path, HW, s, system_settings(s, "deepseek-v3")))["ttft_ms"]
                 for s in ("ktransformers", "smoe")}
         speedups[prompt] = ttft["ktransformers"] / ttft["smoe"]
@@ -121,16 +109,10 @@ def rows() -> list[dict]:
     return decode_rows() + prefill_rows()
 
 
-def main() -> None:
-    start = time.perf_counter()
-    table = rows()
-    width = max(len(r["claim"]) for r in table)
-    print(f"{'claim':<{width}}  {'paper':>9}  {'moesim':>9}  {'ratio':>6}  agrees")
-    for r in table:
-        print(f"{r['claim']:<{width}}  {r['paper_value']:>9.3f}  {r['moesim_value']:>9.3f}  {r['ratio']:>6.2f}  "
-              f"{'yes' if r['agrees'] else 'no'}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+def main() -> int:
+    return print_table(rows)
+
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

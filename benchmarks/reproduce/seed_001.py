@@ -20,13 +20,14 @@ also at most 1.45 x 1.25. Run: ``.venv/bin/python benchmarks/reproduce/seed_001.
 
 from __future__ import annotations
 
-import tempfile
-import time
+import sys
 from pathlib import Path
 
 from moesim.analysis.metrics import metrics
 from moesim.sim.run import simulate
-from moesim.trace.synth import SynthConfig, synthesize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import magnitude_row, print_table, synthetic_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = "001 KTransformers"
@@ -39,24 +40,10 @@ SETUPS = {
 DECODE_TPS_NO_DEFERRAL = 5.87
 
 
-def trace(model: str, prompt: int, decode: int) -> str:
-    """A synthetic trace, cached in the temporary directory between runs (same parameters, same bytes)."""
-    folder = Path(tempfile.gettempdir()) / "moesim-reproduce"
-    path = folder / f"{model}-p{prompt}-d{decode}-w.parquet"
-    if not path.exists():
-        config = SynthConfig.from_settings(model=model, prompt_len=prompt, decode_len=decode, seed=0, scores=False)
-        synthesize(config, path)
-    return str(path)
-
-
-def row(claim: str, paper_value: float, moesim_value: float) -> dict:
-    ratio = moesim_value / paper_value if paper_value else float("nan")
-    return {"paper": PAPER, "claim": claim, "paper_value": paper_value, "moesim_value": moesim_value,
-            "ratio": ratio, "agrees": bool(0.8 <= ratio <= 1.25), "kind": "magnitude"}
 
 
 def rows() -> list[dict]:
-    path = trace("deepseek-v3", 32, 128)
+    path = synthetic_trace("deepseek-v3", 32, 128, tag="-w")
     out = []
     for label, (profile, dtype, deferred, paper_gain) in SETUPS.items():
         hw = str(ROOT / "hwprofiles" / f"{profile}.yaml")
@@ -65,28 +52,24 @@ def rows() -> list[dict]:
         ed = metrics(simulate(path, hw, "ktransformers-ed", {**settings, "defer.deferred": str(deferred)}))
         gain = ed["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         if label.startswith("bf16"):
-            out.append(row(f"DeepSeek-V3 {label} decode tokens/s without deferral", DECODE_TPS_NO_DEFERRAL,
-                           base["decode_tokens_per_s"]))
-            out.append({**row(f"DeepSeek-V3 {label} Expert Deferral decode gain ({deferred} deferred)",
-                              paper_gain, gain), "agrees": gain > 1.0, "kind": "direction"})
+            out.append(magnitude_row(PAPER, f"DeepSeek-V3 {label} decode tokens/s without deferral",
+                                     DECODE_TPS_NO_DEFERRAL, base["decode_tokens_per_s"]))
+            out.append({**magnitude_row(PAPER, f"DeepSeek-V3 {label} Expert Deferral decode gain "
+                                               f"({deferred} deferred)", paper_gain, gain),
+                        "agrees": gain > 1.0, "kind": "direction"})
         else:
-            out.append({**row(f"DeepSeek-V3 {label} Expert Deferral decode gain ({deferred} deferred), paper: up to",
-                              paper_gain, gain), "agrees": bool(1.0 < gain <= paper_gain * 1.25), "kind": "direction"})
-        out.append({**row(f"DeepSeek-V3 {label} deferred gate-weight mass per routed activation", float("nan"),
-                          ed["deferred_weight_mass"]), "agrees": None, "kind": "info"})
+            out.append({**magnitude_row(PAPER, f"DeepSeek-V3 {label} Expert Deferral decode gain "
+                                               f"({deferred} deferred), paper: up to", paper_gain, gain),
+                        "agrees": bool(1.0 < gain <= paper_gain * 1.25), "kind": "direction"})
+        out.append({**magnitude_row(PAPER, f"DeepSeek-V3 {label} deferred gate-weight mass per routed activation",
+                                    float("nan"), ed["deferred_weight_mass"]), "agrees": None, "kind": "info"})
     return out
 
 
-def main() -> None:
-    start = time.perf_counter()
-    table = rows()
-    width = max(len(r["claim"]) for r in table)
-    print(f"{'claim':<{width}}  {'paper':>7}  {'moesim':>7}  {'ratio':>6}  agrees")
-    for r in table:
-        agrees = "-" if r["agrees"] is None else "yes" if r["agrees"] else "no"
-        print(f"{r['claim']:<{width}}  {r['paper_value']:>7.3f}  {r['moesim_value']:>7.3f}  {r['ratio']:>6.2f}  {agrees}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+def main() -> int:
+    return print_table(rows)
+
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

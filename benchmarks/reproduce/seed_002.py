@@ -31,6 +31,9 @@ from moesim.model.presets import load_preset
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table  # noqa: E402
+
 PAPER = "002 BuddyMoE"
 ROOT = Path(__file__).resolve().parents[2]
 HW = str(ROOT / "hwprofiles" / "a100-40g.yaml")
@@ -90,10 +93,8 @@ def rows(workdir: str | None = None) -> list[dict]:
 
 
 def main() -> int:
-    print(f"{'claim':58s} {'paper':>9s} {'moesim':>9s} {'ratio':>7s}  agrees")
-    for r in rows():
-        print(f"{r['claim']:58s} {r['paper_value']:9.3f} {r['moesim_value']:9.3f} {r['ratio']:7.3f}  {r['agrees']}")
-    return 0
+    return print_table(rows)
+
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table  # noqa: E402
+
 PAPER = "003 DALI"
 ROOT = Path(__file__).resolve().parents[2]
 HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
@@ -92,10 +95,8 @@ def rows(workdir: str | None = None) -> list[dict]:
 
 
 def main() -> int:
-    print(f"{'claim':62s} {'paper':>8s} {'moesim':>8s} {'ratio':>7s}  agrees")
-    for r in rows():
-        print(f"{r['claim']:62s} {r['paper_value']:8.3f} {r['moesim_value']:8.3f} {r['ratio']:7.3f}  {r['agrees']}")
-    return 0
+    return print_table(rows)
+
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table  # noqa: E402
+
 PAPER = "004 importance-driven"
 ROOT = Path(__file__).resolve().parents[2]
 HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
@@ -86,10 +89,8 @@ def rows(workdir: str | None = None) -> list[dict]:
 
 
 def main() -> int:
-    print(f"{'claim':62s} {'paper':>7s} {'moesim':>7s} {'ratio':>7s}  agrees")
-    for r in rows():
-        print(f"{r['claim']:62s} {r['paper_value']:7.3f} {r['moesim_value']:7.3f} {r['ratio']:7.3f}  {r['agrees']}")
-    return 0
+    return print_table(rows)
+
 
 
 if __name__ == "__main__":
