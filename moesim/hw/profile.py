@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -260,16 +260,21 @@ class _Reader:
             raise self.fail(f"{key}.source", "curve has no source", "name the spec sheet, paper table or measurement")
         return Curve(tuple(float(v) for v in xs), tuple(float(v) for v in ys), str(data["source"]))
 
-    def expert_curves(self, items: Any, key: str, cpu: bool) -> tuple[ExpertCurve, ...]:
+    def entries(self, items: Any, key: str) -> Iterator[tuple[str, dict]]:
+        """(dotted path, mapping) of each entry of an optional list of curves."""
         if items is None:
-            return ()
+            return
         if not isinstance(items, list):
             raise self.fail(key, "must be a list of curves", "write a YAML list")
-        curves = []
         for i, item in enumerate(items):
             where = f"{key}[{i}]"
             if not isinstance(item, dict):
                 raise self.fail(where, "must be a mapping", "see hwprofiles/README.md")
+            yield where, item
+
+    def expert_curves(self, items: Any, key: str, cpu: bool) -> tuple[ExpertCurve, ...]:
+        curves = []
+        for where, item in self.entries(items, key):
             kernel = str(item.get("kernel", "avx512" if cpu else "gpu"))
             if cpu and kernel not in ("avx512", "amx", "avx2"):
                 raise self.fail(f"{where}.kernel", f"unknown CPU kernel '{kernel}'", "use avx512, amx or avx2")
@@ -284,19 +289,10 @@ class _Reader:
         return tuple(curves)
 
     def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
-        if items is None:
-            return ()
-        if not isinstance(items, list):
-            raise self.fail(key, "must be a list of curves", "write a YAML list")
-        curves = []
-        for i, item in enumerate(items):
-            where = f"{key}[{i}]"
-            if not isinstance(item, dict):
-                raise self.fail(where, "must be a mapping", "see hwprofiles/README.md")
-            curves.append(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
-                                         tokens=int(self.number(item, f"{where}.tokens")),
-                                         curve=self.curve(item, where, "context", "time_us")))
-        return tuple(curves)
+        return tuple(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
+                                    tokens=int(self.number(item, f"{where}.tokens")),
+                                    curve=self.curve(item, where, "context", "time_us"))
+                     for where, item in self.entries(items, key))
 
 
 def _numeric_paths(data: Any, prefix: str = "") -> list[str]:
