@@ -205,6 +205,7 @@ def _skippable(err: MoesimError) -> bool:
 
 def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
                 seed: int, record: bool, decisions: bool) -> tuple[dict, dict]:
+    import pyarrow.parquet as pq
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moesim.analysis.metrics import metrics
@@ -212,7 +213,6 @@ def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str],
     from moesim.sim.run import members, simulate
     from moesim.trace.io import read_meta
     read_meta(trace_file)  # a malformed trace fails here, with one line
-    import pyarrow.parquet as pq
     total_rows = pq.ParquetFile(trace_file).metadata.num_rows * len(members(system))
     with Progress(TextColumn(f"[bold]{system}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=err_console, transient=True,
