@@ -42,12 +42,11 @@ from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer
 from backends.kernels import Attention, Batch, expert_params, ffn, random_fill, torch_dtype
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
-from moesim.policy.base import LayerPlan, LayerView
+from moesim.policy.base import LayerPlan, LayerView, active_experts
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import (Counters, account_plan, placement_decisions, substitution_mass,
                                     weight_mass)
 from moesim.sim.engine import SimResult, StepRecord
-from moesim.sim.memory import active_counts
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
@@ -403,7 +402,7 @@ class RealExecutor:
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str) -> LayerView:
         experts = step.experts[rows]
-        active, counts = active_counts(experts, self.model.num_experts)
+        active, counts = active_experts(experts, self.model.num_experts)
         now = self.clock.now()
         in_flight = self.cache.in_flight[layer]
         arrivals = self._arrivals(layer, in_flight, now) if in_flight else {}

@@ -63,9 +63,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import yaml
 
 from moesim.errors import ConfigError, MoesimError
+from moesim.util import read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
 DEFAULT_HW = "rtx4090"
@@ -181,12 +181,7 @@ def load_spec(spec: str | os.PathLike | dict[str, Any]) -> SweepSpec:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError("sweep spec not found", source=str(path), fix="check the path")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"not valid YAML{where}", source=str(path), fix="fix the YAML syntax") from None
+    data = read_yaml(path, ConfigError)
     return parse_spec(data, source=str(path), base_dir=path.resolve().parent)
 
 

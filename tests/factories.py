@@ -60,7 +60,7 @@ def tiny_profile(**kwargs: Any) -> HardwareProfile:
 
 
 def write_tiny_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]]) -> Path:
-    """Write a trace from a list of steps: {"phase", "requests": {request: (first_position, [[experts per token]] per layer...)}}.
+    """Write a trace from a list of steps, one forward pass each.
 
     Each step entry: ``{"phase": "decode", "tokens": {request: (position, experts_by_layer)}}`` where
     ``experts_by_layer[layer]`` is a list of expert-id lists, one per token of that request.

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 
 from moesim.errors import ProfileError
+from moesim.util import read_yaml
 
 PROFILE_SCHEMA_VERSION = 1
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "hwprofiles"
@@ -402,10 +402,5 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if not path.exists():
         raise ProfileError("hardware profile not found", source=str(name_or_path),
                            fix=f"use a path or one of: {', '.join(available_profiles())}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ProfileError(f"not valid YAML{where}", source=str(path), fix="fix the YAML syntax") from None
+    data = read_yaml(path, ProfileError)
     return parse_profile(data, origin=str(path))

@@ -10,10 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
 
 from moesim.errors import ConfigError
 from moesim.model.spec import ModelSpec
+from moesim.util import read_yaml
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
@@ -32,10 +32,7 @@ def load_preset(name_or_path: str) -> ModelSpec:
     if not path.exists():
         raise ConfigError(f"unknown model preset '{name_or_path}'",
                           fix=f"use one of {', '.join(available_presets())} or a preset YAML path")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"not valid YAML ({err.__class__.__name__})", source=str(path)) from None
+    data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError("a preset must be a YAML mapping", source=str(path))
     sources = data.pop("sources", None)

@@ -102,11 +102,6 @@ class SplitCosts:
         return max(gpu_t, cpu_t) - self.now
 
 
-def layer_time_estimate(view: LayerView, gpu: list[int], cpu: list[int], copy_engines: int = 1) -> float:
-    """Estimated time from plan to layer end for one split (see :meth:`SplitCosts.estimate`)."""
-    return SplitCosts.of(view, copy_engines).estimate(gpu, cpu)
-
-
 @dataclass
 class BestSplit(Assignment):
     """The split with the shortest estimated layer time among a family of candidates (the oracle's choice).

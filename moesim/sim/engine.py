@@ -37,12 +37,12 @@ import simpy
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
 from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions,  # noqa: F401
                                     substitution_mass, weight_mass)
-from moesim.sim.memory import MemoryPlan, active_counts
+from moesim.sim.memory import MemoryPlan
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
@@ -168,10 +168,6 @@ class CopyEngines:
         while transfer.end is None:
             self.advance(min(self.free))
         return transfer.end
-
-    @property
-    def idle(self) -> bool:
-        return not self.queue and not self.unretired
 
     def busy_until(self, horizon: float) -> tuple[float, int]:
         """Busy seconds and bytes of transfers started before ``horizon``, cut at it.
@@ -389,7 +385,7 @@ class Simulator:
             active = experts[0].tolist()
             counts = [1] * len(active)
         else:
-            active, counts = active_counts(experts, self.model.num_experts)
+            active, counts = active_experts(experts, self.model.num_experts)
         in_flight = self.cache.in_flight[layer]
         arrivals = {e: self.pcie.estimate_end(self.pending[(layer, e)]) for e in in_flight} if in_flight else {}
         return LayerView(

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import active_experts
 
 GIB = 2**30
 
@@ -85,8 +83,3 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, *, expert_bytes: int
 
 def _with_capacity(plan: MemoryPlan, capacity: list[int]) -> MemoryPlan:
     return MemoryPlan(**{**plan.__dict__, "capacity": capacity})
-
-
-def active_counts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:
-    """Distinct experts of a layer, most tokens first (ties: lower id), with their token counts."""
-    return active_experts(experts, num_experts)

@@ -12,7 +12,7 @@ from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
-from moesim.policy.systems import SYSTEMS, all_parameters, build_system
+from moesim.policy.systems import SYSTEMS, build_system
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
@@ -74,11 +74,6 @@ def common_parameters() -> list[str]:
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
     return keys + ["cache.slots_per_layer", "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
-
-
-def documented_parameters(system: str) -> list[str]:
-    """Every ``--set`` key a replay of ``system`` accepts."""
-    return common_parameters() + all_parameters(system)
 
 
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
