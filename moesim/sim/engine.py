@@ -366,18 +366,28 @@ class Simulator:
         env = self.env
         for step in iter_steps(self.trace_path, columns=self.system.needed_columns()):
             start = env.now
-            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-            context = int(step.position[first].max()) + 1
-            phase = PHASES[int(step.phase.min())]
-            t = start
             # layers run back to back and nothing else issues work, so one timeout per step suffices
-            for layer, rows in step.layers():
-                t = self._layer(step, layer, rows, context, phase, t)
-            yield env.timeout(t - start)
+            yield env.timeout(self.run_step(step, start) - start)
+            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
             requests = np.unique(step.request[first]).tolist()
-            self.steps.append(StepRecord(step.step, phase, start, env.now, step.tokens, requests))
+            self.steps.append(StepRecord(step.step, PHASES[int(step.phase.min())], start, env.now, step.tokens,
+                                         requests))
             if self.progress is not None:
                 self.progress(step.rows)
+
+    def run_step(self, step: Step, start: float) -> float:
+        """Run one forward pass (every layer of ``step``) from ``start``; return when it ends.
+
+        The one entry point for a step: the trace replay above and the serving
+        loop (which assembles its steps from requests) both call it.
+        """
+        first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
+        context = int(step.position[first].max()) + 1
+        phase = PHASES[int(step.phase.min())]
+        t = start
+        for layer, rows in step.layers():
+            t = self._layer(step, layer, rows, context, phase, t)
+        return t
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
         experts = step.experts[rows]
