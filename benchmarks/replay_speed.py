@@ -1,10 +1,14 @@
 """Replay speed and memory of the simulator on DeepSeek-V3-shaped synthetic traces.
 
 Synthesizes (1) one request with a 64-token prompt and 2,000 decode tokens and
-(2) one 4,096-token prefill, then replays each under every system with the
-timeline off, one system per process (so peak RSS is that run's own), on one
-core. Prints expert activations simulated per second (best of three runs; the
-set-up before the first step is timed apart), and peak RSS.
+(2) one 4,096-token prefill (both with router ``scores``, which ``importance``
+needs), then replays each under every catalogue system with the timeline off,
+one system per process (so peak RSS is that run's own), on one core. Prints
+expert activations simulated per second (best of three runs; the set-up before
+the first step is timed apart), peak RSS, and each system's speed over a naive
+per-expert SimPy model of the same work measured in the same run
+(``benchmarks/naive_simpy.py``), so figures from different machines compare.
+A system that fails is reported with its error and the others go on.
 ``--big-rows N`` also streams an N-row trace (10 million in the targets)
 through ``cpu-only`` and reports its peak RSS.
 
@@ -28,14 +32,21 @@ import time
 from pathlib import Path
 
 SETTINGS = {"memory.non_expert_dtype": "int4", "memory.expert_dtype": "int4"}
-SYSTEMS = ["cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"]
-TARGETS = {"cpu-only": 1_000_000, "gpu-only-lru": 300_000}
+#: activations per second: every catalogue system 300,000, cpu-only 1.5 million, the oracle portfolio 100,000
+DEFAULT_TARGET = 300_000
+TARGETS = {"cpu-only": 1_500_000, "oracle": 100_000}
+PREFILL_TARGET_S = 1.0
+
+
+def catalogue() -> list[str]:
+    from moesim.policy.systems import system_names
+    return system_names()
 
 
 def synth(path: Path, prompt: int, decode: int) -> None:
     from moesim.trace.synth import SynthConfig, synthesize
     config = SynthConfig.from_settings(model="deepseek-v3", requests=1, prompt_len=prompt, decode_len=decode,
-                                       batch=1, seed=0, settings={}, scores=False)
+                                       batch=1, seed=0, settings={}, scores=True)
     synthesize(config, path)
 
 
@@ -71,11 +82,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_naive(trace: str, hw: str, repeats: int = 3) -> dict:
+    """Best of ``repeats`` runs of the naive per-expert SimPy model (benchmarks/naive_simpy.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from naive_simpy import naive_replay
+    best = float("inf")
+    activations = 0
+    for _ in range(repeats):
+        activations, seconds, _ = naive_replay(trace, hw, SETTINGS)
+        best = min(best, seconds)
+    return {"system": "naive-simpy", "seconds": best, "setup_s": 0.0, "activations": activations,
+            "per_s": activations / best, "peak_rss_mib": peak_rss_mib()}
+
+
 def measure(trace: Path, system: str, hw: str, repeats: int = 3) -> dict:
+    """One system's figures from a fresh process pinned to one core; a failure becomes an error row."""
     command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw,
                "--repeats", str(repeats)]
     taskset = ["taskset", "-c", "0"] if sys.platform.startswith("linux") and _has("taskset") else []
-    done = subprocess.run(taskset + command, check=True, capture_output=True, text=True)
+    done = subprocess.run(taskset + command, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"system": system, "error": lines[-1] if lines else f"exit status {done.returncode}"}
     return json.loads(done.stdout)
 
 
@@ -83,39 +111,51 @@ def _has(program: str) -> bool:
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-def report(title: str, rows: list[dict], seconds_target: float | None = None) -> None:
+def report(title: str, rows: list[dict], naive_per_s: float | None = None,
+           seconds_target: float | None = None) -> None:
     print(title)
     for r in rows:
+        if "error" in r:
+            print(f"  {r['system']:<18} FAILED: {r['error']}")
+            continue
         if seconds_target is not None:
             mark = f"  (target under {seconds_target:g} s: {'met' if r['seconds'] < seconds_target else 'MISSED'})"
+        elif r["system"] == "naive-simpy":
+            mark = "  (baseline)"
         else:
-            target = TARGETS.get(r["system"])
-            mark = "" if target is None else f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
-        print(f"  {r['system']:<14} {r['activations']:>10,} activations in {r['seconds']:7.2f} s = "
-              f"{r['per_s']:>11,.0f}/s (+{r['setup_s']:.2f} s set-up), peak RSS {r['peak_rss_mib']:6.0f} MiB{mark}")
+            target = TARGETS.get(r["system"], DEFAULT_TARGET)
+            mark = f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
+        ratio = f" {r['per_s'] / naive_per_s:5.1f}x naive" if naive_per_s else ""
+        print(f"  {r['system']:<18} {r['activations']:>10,} activations in {r['seconds']:7.2f} s = "
+              f"{r['per_s']:>11,.0f}/s{ratio} (+{r['setup_s']:.2f} s set-up), "
+              f"peak RSS {r['peak_rss_mib']:6.0f} MiB{mark}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default="", help="comma-separated systems (default: the whole catalogue)")
     parser.add_argument("--hw", default="rtx4090")
     parser.add_argument("--big-rows", type=int, default=0, help="also stream a trace of this many rows (cpu-only)")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    systems = args.systems.split(",")
+    systems = args.systems.split(",") if args.systems else catalogue()
     if args.phase == "run":
-        print(json.dumps(run_one(args.trace, systems[0], args.hw, args.repeats)))
+        row = run_naive(args.trace, args.hw, args.repeats) if systems[0] == "naive-simpy" else \
+            run_one(args.trace, systems[0], args.hw, args.repeats)
+        print(json.dumps(row))
         return
     with tempfile.TemporaryDirectory() as tmp:
         decode, prefill = Path(tmp) / "decode.parquet", Path(tmp) / "prefill.parquet"
         synth(decode, 64, 2000)
         synth(prefill, 4096, 0)
-        report("DeepSeek-V3, 64-token prompt + 2,000 decode tokens (58 layers x top-8):",
-               [measure(decode, s, args.hw) for s in systems])
+        naive = measure(decode, "naive-simpy", args.hw)
+        naive_per_s = naive.get("per_s")
+        report("DeepSeek-V3, 64-token prompt + 2,000 decode tokens (58 layers x top-8), one core:",
+               [naive] + [measure(decode, s, args.hw) for s in systems], naive_per_s)
         prefill_rows = [measure(prefill, s, args.hw) for s in systems]
-        report("DeepSeek-V3, one 4,096-token prefill:", prefill_rows, seconds_target=2.0)
+        report("DeepSeek-V3, one 4,096-token prefill:", prefill_rows, seconds_target=PREFILL_TARGET_S)
         if args.big_rows:
             sys.path.insert(0, str(Path(__file__).parent))
             from trace_io import write  # the I/O benchmark's random DeepSeek-V3 writer
