@@ -65,7 +65,13 @@ def collect(scripts: list[Path], console: Console) -> tuple[pd.DataFrame, dict[s
     rows, seconds = [], {}
     for path in scripts:
         start = time.perf_counter()
-        for row in load(path).rows():
+        try:
+            produced = load(path).rows()
+        except Exception as error:  # one failing script must not lose the others' rows
+            console.print(f"[red]{path.stem} failed ({type(error).__name__}: {escape(str(error))}); "
+                          "its claims stay not yet simulated[/red]")
+            produced = []
+        for row in produced:
             rows.append({"kind": "direction", "claim_id": None, **row})
         seconds[path.stem] = time.perf_counter() - start
         console.print(f"[dim]{path.stem}: {seconds[path.stem]:.0f} s[/dim]")
@@ -123,7 +129,8 @@ def render(score: pd.DataFrame, frame: pd.DataFrame, console: Console) -> None:
     if len(orphans):
         console.print("[bold]script rows naming no catalogue claim (shown, not counted):[/bold]")
         for row in orphans.itertuples(index=False):
-            note = "" if row.claim_id is None or row.claim_id != row.claim_id else f" [red](unknown id {row.claim_id})[/red]"
+            known = row.claim_id is None or row.claim_id != row.claim_id
+            note = "" if known else f" [red](unknown id {row.claim_id})[/red]"
             console.print(f"  {row.paper}: {escape(str(row.claim))}: moesim {number(row.moesim_value)}{note}")
 
 

@@ -139,7 +139,7 @@ def _claim(path: Path, paper: str, row: dict) -> Claim:
 
 
 def load_catalogue(folder: Path | None = None) -> list[Claim]:
-    """Every claim of every ``*.yaml`` in ``folder`` (default ``CLAIMS``), in file order; CatalogueError on a bad file."""
+    """Every claim of every ``*.yaml`` in ``folder`` (default ``CLAIMS``), in order; CatalogueError on a bad file."""
     folder = folder or CLAIMS
     claims: list[Claim] = []
     for path in sorted(folder.glob("*.yaml")):

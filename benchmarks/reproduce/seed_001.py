@@ -19,6 +19,11 @@ benchmarks/reproduce_seeds.py combines as the claim's qualifier says: the smalle
 * Sec. 4.2 / 6.3: Expert Deferral's decode gain (33% on DS-3 BF16 with 3 deferred; up to 45% over all six
   settings) and KTransformers with deferral over llama.cpp (1.66x to 2.56x), over either baseline
   (up to 4.90x, Sec. 1);
+* Sec. 3.2 / 3.3 / 6.4: the AVX-512/AMX switch over AMX only (decode, up to 1.20x) and over AVX-512
+  only (prefill, up to 10.81x), one CUDA Graph over none (decode, up to 1.23x), switched off by
+  overriding the profile (``hw.cpu.amx_switch_tokens``, ``hw.gpu.cuda_graph``);
+* Sec. 4.2 / Fig. 10: CPU and GPU utilisation of DS-3 BF16 decoding without deferral (74% / 28%, the
+  CPU figure reserved for calibration) and with 3 deferred (100% / 37%), as shares of the whole run;
 * Sec. 1: 5.87 tokens/s on DS-3 without deferral (the paper states neither testbed nor dtype for it:
   shown, not counted).
 
@@ -51,7 +56,16 @@ PAPER_VALUES = {"001-s62-decode-vs-fiddler-min": 2.42, "001-s62-decode-vs-fiddle
                 "001-s62-decode-quant-vs-llamacpp-min": 1.77, "001-s62-decode-quant-vs-llamacpp-max": 1.93,
                 "001-s63-ed-gain-upto": 1.45, "001-s63-ed-vs-llamacpp-min": 1.66, "001-s63-ed-vs-llamacpp-max": 2.56,
                 "001-s1-overall-decode-max": 4.90, "001-s42-decode-gain-ed3": 1.33,
-                "001-s1-prefill-vs-existing-min": 4.62, "001-s1-prefill-vs-existing-max": 19.74}
+                "001-s1-prefill-vs-existing-min": 4.62, "001-s1-prefill-vs-existing-max": 19.74,
+                "001-s64-decode-cuda-graph": 1.23, "001-s32-decode-avx512-vs-amx": 1.20,
+                "001-s32-prefill-amx-vs-avx512": 10.81}
+#: 001 Sec. 4.2 / Fig. 10: DS-3 BF16 CPU and GPU utilisation (%) without and with 3 deferred experts
+UTILISATION = {"001-s42-cpu-util-no-ed": 74.0, "001-s42-gpu-util-no-ed": 28.0, "001-s1-cpu-util-ed": 100.0,
+               "001-s1-gpu-util-ed": 37.0}
+#: hw overrides that switch one KTransformers mechanism off (Sec. 3.2 kernels, Sec. 3.3 CUDA Graph)
+NO_GRAPH = {"hw.gpu.cuda_graph": "false"}
+AMX_ONLY = {"hw.cpu.amx_switch_tokens": "1"}
+AVX512_ONLY = {"hw.cpu.amx_switch_tokens": "1000000"}
 DECODE_TPS_NO_DEFERRAL = 5.87
 
 
@@ -72,7 +86,8 @@ def decode_rows() -> list[dict]:
     for label, model, profile, dtype, deferred in FULL + QUANT:
         path = synthetic_trace(model, 32, 128, tag="-w")
         baselines = ("fiddler", "llamacpp") if dtype == "bf16" else ("llamacpp",)
-        tps = {s: run(path, profile, s, dtype)["decode_tokens_per_s"] for s in ("ktransformers",) + baselines}
+        runs = {s: run(path, profile, s, dtype) for s in ("ktransformers",) + baselines}
+        tps = {s: m["decode_tokens_per_s"] for s, m in runs.items()}
         ed = run(path, profile, "ktransformers-ed", dtype, {"defer.deferred": str(deferred)})
         tps["ktransformers-ed"] = ed["decode_tokens_per_s"]
         gain = tps["ktransformers-ed"] / tps["ktransformers"]
@@ -89,9 +104,22 @@ def decode_rows() -> list[dict]:
                                  f"({end} over settings)", tps["ktransformers-ed"] / tps["llamacpp"]))
         out.append(ratio_row("001-s63-ed-gain-upto", f"{label} Expert Deferral decode gain ({deferred} deferred)",
                              gain))
+        if dtype == "bf16":
+            graph_off = run(path, profile, "ktransformers", dtype, NO_GRAPH)["decode_tokens_per_s"]
+            amx_only = run(path, profile, "ktransformers", dtype, AMX_ONLY)["decode_tokens_per_s"]
+            out.append(ratio_row("001-s64-decode-cuda-graph", f"{label} decode with / without one CUDA Graph",
+                                 tps["ktransformers"] / graph_off))
+            out.append(ratio_row("001-s32-decode-avx512-vs-amx", f"{label} decode AVX-512/AMX switch / AMX only",
+                                 tps["ktransformers"] / amx_only))
         if label == "DS-3 bf16":
             out.append(ratio_row("001-s42-decode-gain-ed3", "DS-3 bf16 Expert Deferral decode gain (3 deferred)",
                                  gain))
+            base = runs["ktransformers"]
+            for claim_id, value in (("001-s42-cpu-util-no-ed", base["cpu_util"]),
+                                    ("001-s42-gpu-util-no-ed", base["gpu_util"]),
+                                    ("001-s1-cpu-util-ed", ed["cpu_util"]), ("001-s1-gpu-util-ed", ed["gpu_util"])):
+                out.append({**magnitude_row(PAPER, f"DS-3 bf16 {claim_id.split('-', 2)[2]} (% of the run)",
+                                            UTILISATION[claim_id], 100 * value), "claim_id": claim_id})
             out.append({**magnitude_row(PAPER, "DS-3 decode tokens/s without deferral (paper: testbed, dtype "
                                                "unstated; a100-40g bf16 here)", DECODE_TPS_NO_DEFERRAL,
                                         tps["ktransformers"]), "claim_id": "001-s1-decode-tps-no-ed"})
@@ -107,6 +135,10 @@ def prefill_rows() -> list[dict]:
         for prompt in PROMPTS:
             path = synthetic_trace(model, prompt, 0)
             ttft = {s: run(path, profile, s, dtype)["ttft_ms"] for s in ("ktransformers", "fiddler", "llamacpp")}
+            if prompt == max(PROMPTS):
+                avx512 = run(path, profile, "ktransformers", dtype, AVX512_ONLY)["ttft_ms"]
+                out.append(ratio_row("001-s32-prefill-amx-vs-avx512", f"{label} prefill {prompt} tokens AMX/AVX-512 "
+                                     "switch / AVX-512 only", avx512 / ttft["ktransformers"]))
             for base in ("fiddler", "llamacpp"):
                 for end in ("min", "max"):
                     out.append(ratio_row(f"001-s1-prefill-vs-existing-{end}",

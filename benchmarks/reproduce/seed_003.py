@@ -9,8 +9,8 @@ experts are quantized (bf16 Mixtral experts would leave room for one expert per 
 (``memory.expert_dtype=int4``; the profile has bf16 Mixtral curves only, so the int4 expert
 time is the cost model's roofline, which the notes flag). Cache ratio 50% (Fig. 12): 4 of 8
 Mixtral experts, 32 of 64 DeepSeek experts, plus DALI's prefetch buffer (1 and 4 slots, the
-prefetch sizes of Fig. 12); HybriMoE caches the same 4 and 32 experts (Sec. 6.1), with no buffer. (w_size, u_size) = (4, 1)
-for Mixtral and (4, 8) for DeepSeek (Sec. 6.4).
+prefetch sizes of Fig. 12); HybriMoE caches the same 4 and 32 experts (Sec. 6.1), with no
+buffer. (w_size, u_size) = (4, 1) for Mixtral and (4, 8) for DeepSeek (Sec. 6.4).
 
 Claims:
 * Table 4: MoE time of Greedy over Opt_plan (solving cost excluded), DeepSeek and Mixtral at
