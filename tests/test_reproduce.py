@@ -245,3 +245,26 @@ def test_scorecard_joins_script_rows_to_claims(claims):
     assert score.loc["000-t1-ds3-mean-ktransformers-tps", "status"] == "calibration"
     assert score.loc["000-f10-ds3-smoe-vs-ktransformers-400", "status"] == "not yet simulated"
     assert score.loc["003-t4-ds-b16-greedy-vs-opt", "status"] == "not countable"
+
+
+# ---------------------------------------------------------------- equal setups in the seed scripts
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"test_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_003_hybrimoe_caches_as_many_experts_as_dali():
+    """003 Sec. 6.1: "For HybriMoE and DALI, we cache the same number of experts on GPU" (50% in Fig. 12)."""
+    seed = load_script("seed_003")
+    experts = {"mixtral-8x7b": 8, "deepseek-v2-lite": 64}
+    for model, settings in seed.SETTINGS.items():
+        dali_cached = int(settings["cache.slots_per_layer"]) - int(settings["cache.prefetch_slots"])
+        assert int(seed.CACHED[model]["cache.slots_per_layer"]) == dali_cached == experts[model] // 2
+
+
+def test_004_compares_with_the_best_of_several_baselines_not_hybrimoe_alone():
+    seed = load_script("seed_004")
+    assert len(seed.BASELINES) >= 3 and "hybrimoe" in seed.BASELINES

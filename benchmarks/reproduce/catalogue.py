@@ -117,7 +117,7 @@ def _claim(path: Path, paper: str, row: dict) -> Claim:
     if row["qualifier"] not in QUALIFIERS:
         raise _fail(path, ident, "qualifier", f"'{row['qualifier']}' is not one of {', '.join(QUALIFIERS)}")
     if not isinstance(row["value"], (int, float)) or isinstance(row["value"], bool):
-        raise _fail(path, ident, "value", f"'{row['value']}' is not a number")
+        raise _fail(path, ident, "value", f"'{row['value']}' is not a number; write the figure as a number")
     missing = [name for name in SETUP_FIELDS if name not in (row["setup"] or {})]
     if missing:
         raise _fail(path, ident, "setup", f"lacks {', '.join(missing)}; write 'unstated' where the paper does not say")
