@@ -1,17 +1,21 @@
-"""Every seed paper's headline claims, reproduced in moesim, in one table.
+"""The seed papers' claims, reproduced in moesim, counted strictly against the claims catalogue.
 
-Imports ``rows()`` from each ``benchmarks/reproduce/seed_*.py`` and prints one
-table (paper, claim, paper value, moesim value, ratio, agrees) with two summary
-lines: how many relative claims (speedups, gains, reductions, orderings) agree
-in direction, and how many absolute figures (tokens/s) fall within their
-script's tolerance. Rows without a paper figure (``agrees`` None) are shown and
-not counted. docs/reproduction.md explains every disagreement.
+Imports ``rows()`` from each ``benchmarks/reproduce/seed_*.py``; each row names the catalogue claim it
+reproduces (``claim_id``, benchmarks/reproduce/claims/*.yaml). Prints every simulated claim (paper
+figure, moesim figure, status), the counted claims no script produces yet ("not yet simulated"), the
+script rows that match no claim, and the strict counts (benchmarks/reproduce/catalogue.py):
+
+* held-out ratio claims agreeing strictly (same side of 1 and within x1.25), target 80%;
+* held-out absolute figures within 25%, target 60%;
+* ratio claims that agree in direction only (never counted as agreement);
+* how many counted catalogue claims are simulated (the others count as not agreeing);
+* calibration rows and rows the paper gives no setup for, excluded and shown as such.
 
     .venv/bin/python benchmarks/reproduce_seeds.py
     .venv/bin/python benchmarks/reproduce_seeds.py --seeds 003,004 --out rows.json   # or rows.csv
 
-About 2 minutes on 2 cores (load average printed at the end: other work on the
-machine slows it down).
+A few minutes on 2 cores (load average printed at the end: other work on the machine slows it down).
+docs/reproduction.md explains the method and the disagreements.
 """
 
 from __future__ import annotations
@@ -27,11 +31,18 @@ from types import ModuleType
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "benchmarks" / "reproduce"
-COLUMNS = ["paper", "claim", "paper_value", "moesim_value", "ratio", "agrees", "kind"]
+sys.path.insert(0, str(SCRIPTS))
+from catalogue import (CatalogueError, Claim, combine, load_catalogue, status,  # noqa: E402
+                       summary_lines)
+
+COLUMNS = ["paper", "claim", "paper_value", "moesim_value", "ratio", "agrees", "kind", "claim_id"]
+SCORE_COLUMNS = ["claim_id", "paper", "where", "quantity", "kind", "qualifier", "paper_figure", "moesim_value",
+                 "moesim_over_paper", "status", "reason", "calibration"]
 
 
 def seed_scripts(only: list[str] | None = None) -> list[Path]:
@@ -54,74 +65,126 @@ def collect(scripts: list[Path], console: Console) -> tuple[pd.DataFrame, dict[s
     rows, seconds = [], {}
     for path in scripts:
         start = time.perf_counter()
-        for row in load(path).rows():
-            rows.append({"kind": "direction", **row})
+        try:
+            produced = load(path).rows()
+        except Exception as error:  # one failing script must not lose the others' rows
+            console.print(f"[red]{path.stem} failed ({type(error).__name__}: {escape(str(error))}); "
+                          "its claims stay not yet simulated[/red]")
+            produced = []
+        for row in produced:
+            rows.append({"kind": "direction", "claim_id": None, **row})
         seconds[path.stem] = time.perf_counter() - start
         console.print(f"[dim]{path.stem}: {seconds[path.stem]:.0f} s[/dim]")
     return pd.DataFrame(rows, columns=COLUMNS), seconds
 
 
-def summary(frame: pd.DataFrame) -> list[str]:
-    counted = frame[frame.agrees.notna()]
-    lines = []
-    for kind, text in (("direction", "claims agree in direction"),
-                       ("magnitude", "absolute figures within their tolerance")):
-        part = counted[counted.kind == kind]
-        if len(part):
-            lines.append(f"{int(part.agrees.astype(bool).sum())} of {len(part)} {text}")
-    return lines
+def moesim_figures(claims: list[Claim], frame: pd.DataFrame) -> dict[str, float]:
+    """moesim's figure per claim id: its script rows (finite values) combined as the claim's qualifier says."""
+    by_id = {c.id: c for c in claims}
+    out = {}
+    for claim_id, part in frame[frame.claim_id.notna()].groupby("claim_id", sort=False):
+        values = [float(v) for v in part.moesim_value if v is not None and math.isfinite(float(v))]
+        if claim_id in by_id and values:
+            out[claim_id] = combine(by_id[claim_id], values)
+    return out
 
 
-def number(value: float) -> str:
+def scorecard(claims: list[Claim], figures: dict[str, float]) -> pd.DataFrame:
+    """One row per catalogue claim: paper figure, moesim figure, status."""
+    rows = []
+    for claim in claims:
+        moesim = figures.get(claim.id)
+        rows.append({"claim_id": claim.id, "paper": claim.paper, "where": claim.where, "quantity": claim.quantity,
+                     "kind": claim.kind, "qualifier": claim.qualifier, "paper_figure": claim.paper_figure,
+                     "moesim_value": moesim, "moesim_over_paper": moesim / claim.paper_figure
+                     if moesim is not None and claim.paper_figure else None,
+                     "status": status(claim, moesim), "reason": claim.reason, "calibration": claim.calibration})
+    return pd.DataFrame(rows, columns=SCORE_COLUMNS)
+
+
+def number(value: float | None) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
 
 
-def render(frame: pd.DataFrame, console: Console) -> None:
-    table = Table(show_lines=False)
-    for name, justify in (("paper", "left"), ("claim", "left"), ("paper value", "right"),
-                          ("moesim value", "right"), ("ratio", "right"), ("agrees", "center")):
+STYLE = {"agrees": "green", "direction only": "yellow", "disagrees": "red", "not yet simulated": "red",
+         "calibration": "cyan", "not countable": "dim"}
+
+
+def render(score: pd.DataFrame, frame: pd.DataFrame, console: Console) -> None:
+    table = Table(title="catalogue claims simulated", show_lines=False)
+    for name, justify in (("claim", "left"), ("quantity", "left"), ("qualifier", "left"), ("paper", "right"),
+                          ("moesim", "right"), ("moesim/paper", "right"), ("status", "left")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for row in frame.itertuples(index=False):
-        agrees = "-" if row.agrees is None or row.agrees != row.agrees else "yes" if row.agrees else "[red]no[/red]"
-        table.add_row(row.paper, row.claim, number(row.paper_value), number(row.moesim_value), number(row.ratio),
-                      agrees)
+    for row in score[score.moesim_value.notna()].itertuples(index=False):
+        style = STYLE.get(row.status, "")
+        table.add_row(row.claim_id, escape(row.quantity), row.qualifier, number(row.paper_figure),
+                      number(row.moesim_value), number(row.moesim_over_paper), f"[{style}]{row.status}[/{style}]")
     console.print(table)
+    missing = score[score.status == "not yet simulated"]
+    if len(missing):
+        console.print(f"[bold]counted claims not yet simulated ({len(missing)}), counted as not agreeing:[/bold]")
+        for paper, part in missing.groupby("paper", sort=False):
+            console.print(f"  {paper}: " + ", ".join(part.claim_id), soft_wrap=False)
+    orphans = frame[frame.claim_id.isna() | ~frame.claim_id.isin(score.claim_id)]
+    if len(orphans):
+        console.print("[bold]script rows naming no catalogue claim (shown, not counted):[/bold]")
+        for row in orphans.itertuples(index=False):
+            known = row.claim_id is None or row.claim_id != row.claim_id
+            note = "" if known else f" [red](unknown id {row.claim_id})[/red]"
+            console.print(f"  {row.paper}: {escape(str(row.claim))}: moesim {number(row.moesim_value)}{note}")
 
 
-def write(frame: pd.DataFrame, out: Path) -> None:
-    """JSON (records) or CSV by suffix, written to a temporary file and renamed."""
-    if out.suffix not in (".json", ".csv"):
-        raise SystemExit(f"--out {out}: unknown format '{out.suffix}'; use a .json or .csv file name")
+def write(score: pd.DataFrame, frame: pd.DataFrame, out: Path) -> None:
+    """The scorecard (one row per claim) plus unmatched script rows, JSON (records) or CSV, written atomically."""
+    orphans = frame[frame.claim_id.isna() | ~frame.claim_id.isin(score.claim_id)]
+    extra = pd.DataFrame({"claim_id": orphans.claim_id, "paper": orphans.paper, "quantity": orphans.claim,
+                          "moesim_value": orphans.moesim_value, "status": "no catalogue claim"},
+                         columns=SCORE_COLUMNS)
+    table = pd.concat([score, extra], ignore_index=True) if len(extra) else score
     tmp = out.with_name(out.name + ".tmp")
     if out.suffix == ".json":
-        frame.to_json(tmp, orient="records", indent=1)
+        table.to_json(tmp, orient="records", indent=1)
     else:
-        frame.to_csv(tmp, index=False)
+        table.to_csv(tmp, index=False)
     tmp.replace(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", help="comma-separated seed numbers to run (default: all), e.g. 000,003")
-    parser.add_argument("--out", type=Path, help="also write the rows to this .json or .csv file")
+    parser.add_argument("--out", type=Path, help="also write the scorecard to this .json or .csv file")
     args = parser.parse_args(argv)
-    scripts = seed_scripts(args.seeds.split(",") if args.seeds else None)
+    only = args.seeds.split(",") if args.seeds else None
+    scripts = seed_scripts(only)
     if not scripts:
         parser.error(f"--seeds {args.seeds}: no such script in {SCRIPTS}")
     if args.out and args.out.suffix not in (".json", ".csv"):
         parser.error(f"--out {args.out}: use a .json or .csv file name")
+    try:
+        claims = load_catalogue()
+    except CatalogueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    seeds = {p.stem.removeprefix("seed_") for p in scripts}
+    claims = [c for c in claims if c.id.split("-")[0] in seeds]
     os.chdir(ROOT)
-    console = Console(width=160)
+    console = Console(width=200)
     start = time.perf_counter()
     frame, _ = collect(scripts, console)
-    render(frame, console)
-    for line in summary(frame):
+    try:
+        figures = moesim_figures(claims, frame)
+    except CatalogueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    score = scorecard(claims, figures)
+    render(score, frame, console)
+    for line in summary_lines(claims, figures):
         console.print(line)
     console.print(f"{time.perf_counter() - start:.0f} s wall, load average {os.getloadavg()[0]:.2f} "
                   f"on {os.cpu_count()} cores")
     if args.out:
-        write(frame, args.out)
-        console.print(f"wrote {len(frame)} rows to {args.out}")
+        write(score, frame, args.out)
+        console.print(f"wrote {len(score)} catalogue rows to {args.out}")
     return 0
 
 

@@ -1,0 +1,270 @@
+"""The claims catalogue (benchmarks/reproduce/claims) and the strict scorecard of benchmarks/reproduce_seeds.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "benchmarks" / "reproduce"
+sys.path.insert(0, str(SCRIPTS))
+import catalogue  # noqa: E402
+from catalogue import (CatalogueError, Claim, combine, count, load_catalogue, same_side,  # noqa: E402
+                       summary_lines, unstated_fields, verdict, within)
+
+SEEDS = REPO.parent / "shared" / "seeds"
+PROFILES = {p.stem for p in (REPO / "hwprofiles").glob("*.yaml")}
+PRESETS = {p.stem for p in (REPO / "moesim" / "model" / "presets").glob("*.yaml")}
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+@pytest.fixture(scope="module")
+def claims() -> list[Claim]:
+    return load_catalogue()
+
+
+def claim(kind: str = "ratio", value: float = 2.0, form: str | None = "speedup", qualifier: str = "exact",
+          countable: bool = True, calibration: str | None = None, ident: str = "x") -> Claim:
+    setup = {"model": "deepseek-v3", "dtype": "int4", "batch": 1, "prompt": 32, "decode": 64, "testbed": "rtx4090"}
+    return Claim(id=ident, paper="p", where="Table 1", quantity="q", kind=kind, value=value, qualifier=qualifier,
+                 setup=setup, countable=countable, form=form if kind == "ratio" else None,
+                 unit=None if kind == "ratio" else "tokens/s", printed=str(value),
+                 reason=None if countable else "why", calibration=calibration)
+
+
+# ---------------------------------------------------------------- the catalogue as data
+
+def test_catalogue_covers_the_five_seeds_with_unique_ids(claims):
+    papers = {c.paper for c in claims}
+    assert papers == {p.name for p in SEEDS.glob("00[0-4]_*.txt")} if SEEDS.exists() else len(papers) == 5
+    assert len({c.id for c in claims}) == len(claims)
+    assert all(c.id.startswith(c.paper[:3] + "-") for c in claims)
+
+
+def test_every_counted_row_states_its_whole_setup_and_moesim_has_its_model_and_testbed(claims):
+    counted = [c for c in claims if c.countable]
+    assert counted
+    for c in counted:
+        assert set(c.setup) == set(catalogue.SETUP_FIELDS), c.id
+        assert not unstated_fields(c.setup), c.id
+        assert all(str(c.setup[name]).strip() for name in catalogue.SETUP_FIELDS), c.id
+        for profile in str(c.setup["testbed"]).split(","):
+            assert profile.strip() in PROFILES, (c.id, profile)
+        for model in str(c.setup["model"]).split(","):
+            assert model.strip() in PRESETS, (c.id, model)
+
+
+def test_rows_not_counted_say_why(claims):
+    assert all(c.reason for c in claims if not c.countable)
+    assert all(c.countable for c in claims if unstated_fields(c.setup) == [] and not c.reason)
+
+
+@pytest.mark.skipif(not SEEDS.exists(), reason="the seed papers are not beside the repository")
+def test_each_printed_value_is_in_its_seed_text(claims):
+    """Catches misquotes: the quoted text is in the paper and carries the catalogue's value."""
+    texts = {p.name: p.read_text() for p in SEEDS.glob("00[0-4]_*.txt")}
+    for c in claims:
+        if c.printed is None:
+            continue
+        assert c.printed in texts[c.paper], f"{c.id}: '{c.printed}' is not in {c.paper}"
+        numbers = [float(n.replace(",", "")) for n in NUMBER.findall(c.printed)]
+        assert any(math.isclose(abs(c.value), n, rel_tol=1e-9) for n in numbers), (c.id, c.value, c.printed)
+
+
+def test_derived_rows_are_the_mean_or_ratio_of_their_sources(claims):
+    by_id = {c.id: c for c in claims}
+    derived = [c for c in claims if c.derived_from]
+    assert derived
+    for c in derived:
+        sources = [by_id[i].value for i in c.derived_from]
+        expected = sum(sources) / len(sources) if c.kind == "absolute" else sources[0] / sources[1]
+        assert c.value == pytest.approx(expected, abs=1e-4), c.id
+
+
+def test_calibration_rows_are_few_counted_rows_from_named_figures(claims):
+    per_profile = catalogue.calibration_rows_per_profile(claims)
+    assert per_profile and all(len(ids) <= 2 for ids in per_profile.values())
+    for c in claims:
+        if c.calibration:
+            assert c.countable and re.search(r"(Table|Fig\.)", c.where), c.id
+            assert len(c.calibration) > 20, c.id  # names the free number it fits
+
+
+def test_rows_the_issue_names_are_catalogued(claims):
+    by_id = {c.id: c for c in claims}
+    assert by_id["000-f10-ds3-smoe-vs-hybrimoe-upto"].value == 2.98
+    assert by_id["000-f10-ds3-smoe-vs-hybrimoe-upto"].qualifier == "up-to"
+    assert (by_id["001-s62-decode-vs-fiddler-min"].value, by_id["001-s62-decode-vs-fiddler-max"].value) == (2.42, 4.09)
+    assert by_id["001-s1-prefill-vs-existing-max"].value == 19.74
+    vs_best = by_id["004-s62-s1-b3-vs-best"]
+    assert "best" in vs_best.quantity and "HybriMoE" in vs_best.over
+    assert all(by_id[f"004-f16-{s}-tpot"].qualifier == "average" and "S1-S3" in by_id[f"004-f16-{s}-tpot"].over
+               for s in ("ce", "er", "pre", "ba"))
+
+
+def test_script_claim_ids_name_catalogue_rows(claims):
+    """Every claim id a seed script writes, literal or f-string, matches at least one catalogue row."""
+    ids = [c.id for c in claims]
+    found = 0
+    for script in SCRIPTS.glob("seed_*.py"):
+        for literal in re.findall(r'f?"(00[0-4]-[^"]+)"', script.read_text()):
+            pattern = re.compile(re.sub(r"\\\{[^}]*\\\}", ".+", re.escape(literal)) + "$")
+            assert any(pattern.match(i) for i in ids), f"{script.name}: '{literal}' names no catalogue claim"
+            found += 1
+    assert found > 20
+
+
+# ---------------------------------------------------------------- the strict rule
+
+@pytest.mark.parametrize("paper, moesim, expected", [
+    (2.0, 1.7, "agrees"),            # |log(0.85)| = 0.16 <= log 1.25 = 0.22
+    (2.0, 1.5, "direction only"),    # 0.29 > 0.22, still above 1
+    (2.0, 2.5, "agrees"),            # exactly x1.25
+    (2.0, 2.6, "direction only"),
+    (1.1, 0.9, "disagrees"),         # other side of 1
+    (1.1, 1.0, "disagrees"),
+    (0.8, 0.7, "agrees"),            # both below 1 and close
+    (2.0, None, "not yet simulated"),
+    (2.0, float("nan"), "not yet simulated"),
+])
+def test_strict_rule_on_hand_worked_ratios(paper, moesim, expected):
+    assert verdict(claim(value=paper), moesim) == expected
+
+
+def test_a_ratio_within_25_percent_on_the_wrong_side_of_1_disagrees():
+    assert within(1.1, 0.95) and not same_side(1.1, 0.95)
+    assert verdict(claim(value=1.1), 0.95) == "disagrees"
+
+
+@pytest.mark.parametrize("moesim, expected", [(124.0, "agrees"), (125.0, "agrees"), (126.0, "disagrees"),
+                                              (80.0, "agrees"), (79.0, "disagrees"), (-100.0, "disagrees")])
+def test_absolute_figures_agree_within_25_percent(moesim, expected):
+    assert verdict(claim(kind="absolute", value=100.0), moesim) == expected
+
+
+def test_printed_forms_become_ratios():
+    assert claim(value=20.9, form="gain-pct").ratio == pytest.approx(1.209)
+    assert claim(value=27.0, form="reduction-pct").ratio == pytest.approx(1 / 0.73)
+    assert claim(value=2.98, form="speedup").ratio == 2.98
+    assert claim(kind="absolute", value=3.1).ratio is None
+
+
+def test_script_rows_combine_as_the_qualifier_says():
+    assert combine(claim(qualifier="range-min"), [2.0, 3.0, 1.5]) == 1.5
+    assert combine(claim(qualifier="up-to"), [2.0, 3.0, 1.5]) == 3.0
+    assert combine(claim(qualifier="average"), [2.0, 3.0, 1.0]) == 2.0
+    assert combine(claim(qualifier="exact"), [2.0]) == 2.0
+    with pytest.raises(CatalogueError, match="qualif"):
+        combine(claim(qualifier="exact"), [2.0, 3.0])
+
+
+def test_the_count_excludes_calibration_and_uncountable_rows_and_counts_unsimulated_as_not_agreeing():
+    rows = [claim(ident="agree", value=2.0), claim(ident="direction", value=2.0), claim(ident="missing", value=2.0),
+            claim(ident="calibrated", value=2.0, calibration="CPU expert efficiency from Table I"),
+            claim(ident="unstated", value=2.0, countable=False),
+            claim(ident="absolute", kind="absolute", value=10.0),
+            claim(ident="absolute-cal", kind="absolute", value=10.0, calibration="DRAM bandwidth from Fig. 3")]
+    moesim = {"agree": 1.8, "direction": 1.2, "calibrated": 0.1, "unstated": 0.1, "absolute": 11.0,
+              "absolute-cal": 1.0}
+    counts = count(rows, moesim)
+    assert (counts["ratio"].total, counts["ratio"].agree, counts["ratio"].direction_only) == (3, 1, 1)
+    assert counts["ratio"].simulated == 2
+    assert (counts["absolute"].total, counts["absolute"].agree) == (1, 1)
+    text = "\n".join(summary_lines(rows, moesim))
+    assert "1 of 3 held-out ratio claims agree" in text and "target 80%" in text
+    assert "1 of 1 held-out absolute figures within 25%" in text and "target 60%" in text
+    assert "direction only (not counted as agreement): 1 of 3" in text
+    assert "3 of 4 catalogue claims simulated" in text
+    assert "2 calibration rows, 1 rows not countable" in text
+
+
+# ---------------------------------------------------------------- bad catalogue files
+
+def write(folder: Path, body: str) -> Path:
+    (folder / "000.yaml").write_text("schema_version: 1\npaper: p.txt\nclaims:\n" + body)
+    return folder
+
+
+ROW = """  - id: "000-a"
+    where: "Table 1"
+    quantity: "q"
+    kind: "ratio"
+    form: "speedup"
+    printed: "2.0x"
+    value: 2.0
+    qualifier: "exact"
+    setup: {model: m, dtype: int4, batch: 1, prompt: 32, decode: 64, testbed: "%s"}
+    countable: true
+"""
+
+
+def test_a_counted_row_with_an_unstated_setup_is_refused_naming_file_row_and_field(tmp_path):
+    write(tmp_path, ROW % "unstated")
+    with pytest.raises(CatalogueError, match=r"000\.yaml: claim 000-a: field 'countable': setup testbed"):
+        load_catalogue(tmp_path)
+
+
+def test_an_unknown_field_and_a_missing_setup_field_are_refused(tmp_path):
+    write(tmp_path, (ROW % "rtx4090").replace("countable: true", "countable: true\n    colour: red"))
+    with pytest.raises(CatalogueError, match="field 'colour'"):
+        load_catalogue(tmp_path)
+    write(tmp_path, (ROW % "rtx4090").replace(" decode: 64,", ""))
+    with pytest.raises(CatalogueError, match="field 'setup': lacks decode"):
+        load_catalogue(tmp_path)
+
+
+def test_reproduce_seeds_exits_2_with_one_line_on_a_bad_catalogue(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("reproduce_seeds", REPO / "benchmarks" / "reproduce_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(catalogue, "CLAIMS", write(tmp_path, ROW % "unstated"))
+    assert module.main(["--seeds", "000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "000.yaml" in err[0] and "countable" in err[0]
+
+
+def test_scorecard_joins_script_rows_to_claims(claims):
+    spec = importlib.util.spec_from_file_location("reproduce_seeds", REPO / "benchmarks" / "reproduce_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    frame = pd.DataFrame([
+        {"paper": "000", "claim": "a", "moesim_value": 0.7, "claim_id": "000-f10-ds3-smoe-vs-hybrimoe-upto"},
+        {"paper": "000", "claim": "b", "moesim_value": 2.5, "claim_id": "000-f10-ds3-smoe-vs-hybrimoe-upto"},
+        {"paper": "000", "claim": "c", "moesim_value": 3.0, "claim_id": "000-t1-ds3-mean-ktransformers-tps"},
+        {"paper": "000", "claim": "d", "moesim_value": 1.0, "claim_id": None}], columns=module.COLUMNS)
+    figures = module.moesim_figures(claims, frame)
+    assert figures == {"000-f10-ds3-smoe-vs-hybrimoe-upto": 2.5, "000-t1-ds3-mean-ktransformers-tps": 3.0}
+    score = module.scorecard(claims, figures).set_index("claim_id")
+    assert score.loc["000-f10-ds3-smoe-vs-hybrimoe-upto", "status"] == "agrees"   # max(0.7, 2.5) vs up to 2.98
+    assert score.loc["000-t1-ds3-mean-ktransformers-tps", "status"] == "calibration"
+    assert score.loc["000-f10-ds3-smoe-vs-ktransformers-400", "status"] == "not yet simulated"
+    assert score.loc["003-t4-ds-b16-greedy-vs-opt", "status"] == "not countable"
+
+
+# ---------------------------------------------------------------- equal setups in the seed scripts
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"test_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_003_hybrimoe_caches_as_many_experts_as_dali():
+    """003 Sec. 6.1: "For HybriMoE and DALI, we cache the same number of experts on GPU" (50% in Fig. 12)."""
+    seed = load_script("seed_003")
+    experts = {"mixtral-8x7b": 8, "deepseek-v2-lite": 64}
+    for model, settings in seed.SETTINGS.items():
+        dali_cached = int(settings["cache.slots_per_layer"]) - int(settings["cache.prefetch_slots"])
+        assert int(seed.CACHED[model]["cache.slots_per_layer"]) == dali_cached == experts[model] // 2
+
+
+def test_004_compares_with_the_best_of_several_baselines_not_hybrimoe_alone():
+    seed = load_script("seed_004")
+    assert len(seed.BASELINES) >= 3 and "hybrimoe" in seed.BASELINES
