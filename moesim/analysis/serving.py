@@ -28,7 +28,7 @@ from moesim.sim.serving import ServeResult
 
 REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
                    "scheduled_s", "first_token_s", "finish_s", "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms",
-                   "preemptions", "computed_tokens")
+                   "preemptions", "computed_tokens", "recomputed_tokens")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 PERCENTILES = (50, 90, 99)
 
@@ -62,7 +62,8 @@ def request_frame(result: ServeResult) -> Any:
             "scheduled_s": r.scheduled_s, "first_token_s": r.first_token_s, "finish_s": r.finish_s,
             "queue_ms": (r.scheduled_s - r.arrival_s) * 1e3, "ttft_ms": (r.first_token_s - r.arrival_s) * 1e3,
             "tpot_ms": tpot * 1e3, "e2e_ms": (r.finish_s - r.arrival_s) * 1e3,
-            "preemptions": r.preemptions, "computed_tokens": r.computed_tokens})
+            "preemptions": r.preemptions, "computed_tokens": r.computed_tokens,
+            "recomputed_tokens": r.recomputed_tokens})
     return pd.DataFrame(rows, columns=list(REQUEST_COLUMNS))
 
 
@@ -82,13 +83,14 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     out: dict[str, Any] = {"system": result.engine.system, "scheduler": result.scheduler, "arrival": w.arrival,
                            "qps": w.qps if w.arrival in ("poisson", "gamma") else float("nan"),
                            "requests": len(frame), "offered_qps": result.offered_qps,
-                           "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1}
+                           "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
+                           "kv_peak_tokens": result.kv_peak}
     for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
         out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
     out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
     out["output_tokens_per_s"] = float(frame.output_tokens.sum()) / end if end > 0 else float("nan")
     out["preemptions"] = int(frame.preemptions.sum())
-    out["recomputed_tokens"] = int(frame.computed_tokens.sum() - (frame.prompt_tokens + frame.output_tokens).sum())
+    out["recomputed_tokens"] = int(frame.recomputed_tokens.sum())
     if slo:
         ok = np.ones(len(frame), dtype=bool)
         for key, limit in slo.items():

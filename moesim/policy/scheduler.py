@@ -57,6 +57,8 @@ class Request:
     #: tokens to compute in prefill mode: the prompt, or more after a preemption (recompute)
     prefill_until: int = 0
     preemptions: int = 0
+    #: tokens whose KV a preemption dropped, computed again
+    recomputed: int = 0
 
     def __post_init__(self) -> None:
         self.prefill_until = max(self.prefill_until, self.prompt)
@@ -242,6 +244,7 @@ class ContinuousBatching(Scheduler):
         """Free ``request``'s KV; it waits at the head of the queue and prefills its tokens again."""
         self.running.remove(request)
         request.prefill_until = max(request.prefill_until, request.done)
+        request.recomputed += request.done
         request.done = 0
         request.preemptions += 1
         self.waiting.appendleft(request)

@@ -261,6 +261,7 @@ class RequestRecord:
     finish_s: float = float("nan")
     preemptions: int = 0
     computed_tokens: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def emitted(self) -> int:
@@ -278,6 +279,9 @@ class ServeResult:
     scheduler: str
     kv_tokens: int | None
     offered_qps: float
+    batches: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    #: most KV entries held during one step
+    kv_peak: int = 0
 
 
 def arrival_times(w: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
@@ -326,10 +330,13 @@ class ServingRun:
         self.served = [pool.requests[i % len(pool)] for i in range(workload.requests)]
         self.records = [RequestRecord(i, t.source, t.request, t.prompt, t.output, float("nan"))
                         for i, t in enumerate(self.served)]
-        self.states: list[Request] = []
+        self.states: dict[int, Request] = {}
+        #: per step, (request, first position, tokens) of each entry: what ran when
+        self.batches: list[list[tuple[int, int, int]]] = []
         self._work = self.env.event()
         self._finished = {i: self.env.event() for i in range(workload.requests)}
         self._left = workload.requests
+        self.kv_peak = 0
 
     def run(self) -> ServeResult:
         wall = time.perf_counter()
@@ -357,16 +364,19 @@ class ServingRun:
                            timeline=sim.timeline, decisions=sim.decisions, sim_wall_s=time.perf_counter() - wall,
                            cost_fallbacks=sorted(sim.costs.fallbacks), initial_resident=initial,
                            pcie_engines=sim.profile.pcie.copy_engines)
-        for record, state in zip(self.records, self.states):
+        for record in self.records:
+            state = self.states[record.request]
             record.preemptions = state.preemptions
-        return ServeResult(self.records, engine, w, self.scheduler.name, self.scheduler.kv_tokens, offered)
+            record.recomputed_tokens = state.recomputed
+        return ServeResult(self.records, engine, w, self.scheduler.name, self.scheduler.kv_tokens, offered,
+                           self.batches, self.kv_peak)
 
     # ------------------------------------------------------------------ processes
     def _submit(self, i: int) -> None:
         t = self.served[i]
         self.records[i].arrival_s = self.env.now
         state = Request(i, self.env.now, t.prompt, t.output)
-        self.states.append(state)
+        self.states[i] = state
         self.scheduler.add(state)
         if not self._work.triggered:
             self._work.succeed()
@@ -394,6 +404,7 @@ class ServingRun:
                 continue
             start = env.now
             step = build_step(index, batch.entries, self.served, self.layers)
+            self.batches.append([(r.rid, r.done, n) for r, n in batch.entries])
             end = sim.run_step(step, start)
             yield env.timeout(end - start)
             requests = sorted({r.rid for r, _ in batch.entries})
@@ -402,6 +413,7 @@ class ServingRun:
             index += 1
 
     def _record(self, batch: Batch, start: float, end: float) -> None:
+        self.kv_peak = max(self.kv_peak, self.scheduler.kv_used() + batch.tokens)  # entries held during the step
         for request, n in batch.entries:
             record = self.records[request.rid]
             if record.scheduled_s != record.scheduled_s:  # nan: first time it runs
