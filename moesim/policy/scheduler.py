@@ -300,6 +300,7 @@ def build_scheduler(name: str, params: dict[str, str]) -> Scheduler:
         raise ConfigError(f"unknown scheduler '{name}'", field="scheduler", fix=f"use one of {', '.join(SCHEDULERS)}")
     cls, defaults = SCHEDULERS[name]
     scheduler = cls(**defaults)  # type: ignore[arg-type]
+    scheduler.name = name  # the preset's name, not the class's
     for key, raw in params.items():
         scheduler.set_param(key, raw)
     if isinstance(scheduler, ContinuousBatching):
