@@ -135,8 +135,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
         for q, style in styles.items():
             ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=f"C{i}", marker="o", markersize=3,
                     label=f"{system} p{q}")
-    ax.set_xlabel("offered load (requests/s)")
-    ax.set_ylabel(metric.replace("_ms", " (ms)").upper())
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel(f"{metric.removesuffix('_ms').upper()} (ms)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -148,16 +148,18 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
 
 
 def max_qps_under_slo(rows: Any, slo: dict[str, float], percentile: int = 90) -> dict[str, float]:
-    """Per system, the highest QPS whose ``percentile`` of every SLO metric meets it (nan: none does)."""
+    """Per system, the highest QPS up to which every rate's ``percentile`` of each SLO metric meets it (nan: none)."""
     import pandas as pd
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     out: dict[str, float] = {}
     for system, group in frame.groupby("system", sort=False):
+        group = group.sort_values("qps")
         ok = np.ones(len(group), dtype=bool)
         for key, limit in slo.items():
             ok &= (group[f"{key}_p{percentile}"].fillna(0.0) <= limit).to_numpy()
-        passing = group.qps[ok]
-        out[str(system)] = float(passing.max()) if len(passing) else math.nan
+        # every rate up to it must pass: a lucky sample above a failing rate does not count
+        passing = int(np.argmin(ok)) if not ok.all() else len(ok)
+        out[str(system)] = float(group.qps.iloc[passing - 1]) if passing else math.nan
     return out
 
 
