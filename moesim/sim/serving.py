@@ -348,8 +348,8 @@ class ServingRun:
         w = self.workload
         offered = float("nan")
         if w.arrival == "closed":
-            clients = [self.env.process(self._client(c)) for c in range(min(w.concurrency, w.requests))]
-            del clients
+            for client in range(min(w.concurrency, w.requests)):
+                self.env.process(self._client(client))
         else:
             times = arrival_times(w, self.rng)
             offered = len(times) / times[-1] if times[-1] > 0 else float("inf")
