@@ -79,6 +79,9 @@ def test_api_serve_and_sweep_over_workload(files, tmp_path):
     assert frame.status.tolist() == ["ok", "ok"]
     assert frame.qps.tolist() == [1.0, 50.0] and (frame.throughput_rps <= frame.offered_qps).all()
     assert "engine_gpu_hit_rate" in frame
+    from moesim.analysis.html_report import render_report
+    page = render_report(frame, gantt=False)
+    assert page.count("data:image/png") == 3 and "Time to first token per request against the arrival rate" in page
 
 
 def test_max_qps_under_slo_and_slo_parsing():

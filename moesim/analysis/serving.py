@@ -128,8 +128,11 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     import matplotlib.pyplot as plt
     import pandas as pd
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    columns = [f"{metric}_p{q}" for q in PERCENTILES]
+    # points that differ in anything else (hardware, seeds) are averaged per system and rate
+    frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    styles = {50: "-", 90: "--", 99: ":"}
+    styles = dict(zip(PERCENTILES, ("-", "--", ":")))
     for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
         group = group.sort_values("qps")
         for q, style in styles.items():
@@ -177,4 +180,17 @@ def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str
             out[f"engine_{key}"] = "; ".join(map(str, value))
         else:
             out[f"engine_{key}"] = value
+    return out
+
+
+def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
+    """The report's figures for a sweep of serving runs: name -> (figure, caption)."""
+    import matplotlib.pyplot as plt
+    out = {}
+    for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
+                         ("e2e_ms", "end-to-end latency")):
+        fig = plot_latency_vs_qps(frame, metric=metric)
+        plt.close(fig)
+        out[f"{metric}_vs_qps"] = (fig, f"{what.capitalize()} per request against the arrival rate: p50 solid, "
+                                   "p90 dashed, p99 dotted, one colour per system.")
     return out
