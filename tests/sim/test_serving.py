@@ -213,3 +213,55 @@ def test_bad_serving_input_names_the_field(tmp_path):
         serve([path], tiny_profile(), "belady", {})
     with pytest.raises(ConfigError, match="portfolio"):
         serve([path], tiny_profile(), "oracle", {})
+
+
+def test_pool_reads_several_traces_of_one_model(tmp_path):
+    from moesim.sim.serving import RequestPool
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    rng = np.random.default_rng(4)
+    a = str(write_tiny_trace(tmp_path / "a.parquet", model, request_routing(rng, model, [(3, 2), (1, 4)])))
+    b = str(write_tiny_trace(tmp_path / "b.parquet", model, request_routing(rng, model, [(0, 5)])))
+    pool = RequestPool([a, b], [])
+    assert [(Path(r.source).name, r.request, r.prompt, r.output) for r in pool.requests] == \
+        [("a.parquet", 0, 3, 2), ("a.parquet", 1, 1, 4), ("b.parquet", 0, 0, 5)]
+    frame = request_frame(serve([a, b], tiny_profile(), "cpu-only", {"workload.requests": "4", "workload.qps": "5"}))
+    assert frame.source_request.tolist() == [0, 1, 0, 0] and frame.output_tokens.tolist() == [2, 4, 5, 2]
+    other = tiny_model(layers=2, experts=6, top_k=1)
+    c = str(write_tiny_trace(tmp_path / "c.parquet", other, request_routing(rng, other, [(1, 1)])))
+    with pytest.raises(ConfigError, match="c.parquet.*moesim.model"):
+        RequestPool([a, c], [])
+
+
+def test_a_request_missing_rows_on_a_layer_is_refused(tmp_path):
+    from moesim.sim.serving import RequestPool
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    routing = [{"phase": "prefill", "tokens": {0: (0, [[[0], [1]], [[2]]])}}]  # two tokens on layer 0, one on 1
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
+    with pytest.raises(ConfigError, match="request 0 does not have the same tokens on every layer"):
+        RequestPool([path], [])
+
+
+def test_chunked_prefill_keeps_decodes_flowing(tmp_path):
+    """A long prompt arriving during another request's decode: vLLM stalls the decode for the whole
+    prefill; Sarathi-Serve's token budget bounds the gap between its tokens and delays the long prompt."""
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    rng = np.random.default_rng(5)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, request_routing(rng, model, [(1, 12), (80, 1)])))
+    (tmp_path / "arrivals.csv").write_text("arrival_s\n0\n0.003\n")
+    base = {"workload.arrival": "trace", "workload.arrival_file": str(tmp_path / "arrivals.csv"),
+            "workload.requests": "2"}
+
+    def run(scheduler: str, **params: str):
+        result = serve([path], tiny_profile(), "cpu-only", {**base, "scheduler": scheduler,
+                                                           **{f"scheduler.{k}": v for k, v in params.items()}})
+        ends = [s.end for s in result.engine.steps if 0 in s.requests]
+        # steps holding part of the long prompt beside a decode token of request 0
+        mixed = sum(any(r == 1 and first < 80 for r, first, _ in b) and any(r == 0 for r, _, _ in b)
+                    for b in result.batches)
+        return max(np.diff(ends)), request_frame(result).ttft_ms[1], mixed
+
+    vllm_gap, vllm_ttft, vllm_mix = run("vllm")
+    sarathi_gap, sarathi_ttft, sarathi_mix = run("sarathi", max_tokens="17", chunk_tokens="16")
+    assert vllm_mix == 0 and sarathi_mix == 5  # 80 prompt tokens in chunks of 16 beside a decode token each
+    assert sarathi_gap < vllm_gap / 2
+    assert sarathi_ttft > vllm_ttft
