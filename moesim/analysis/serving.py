@@ -40,7 +40,8 @@ def parse_slo(text: str | None) -> dict[str, float]:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in SLO_KEYS:
-            raise ConfigError(f"bad SLO '{item}'", field="--slo", fix=f"write KEY=VALUE with KEY in {', '.join(SLO_KEYS)}")
+            raise ConfigError(f"bad SLO '{item}'", field="--slo",
+                              fix=f"write KEY=VALUE with KEY in {', '.join(SLO_KEYS)}")
         try:
             out[key] = float(value)
         except ValueError:
