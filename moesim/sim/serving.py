@@ -22,7 +22,6 @@ preempted and recomputed (counted per request).
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,39 +336,17 @@ class ServingRun:
         self._finished = {i: self.env.event() for i in range(workload.requests)}
         self._left = workload.requests
         self.kv_peak = 0
+        #: requests over the time of the last arrival (open loops only)
+        self.offered = float("nan")
 
     def run(self) -> ServeResult:
-        wall = time.perf_counter()
-        sim = self.sim
-        sim.system.configure(sim.ctx)  # as Simulator.run does before its forward pass
-        initial = [sorted(sim.system.initial(layer, cap)) for layer, cap in enumerate(sim.cache.capacity)]
-        for layer, experts in enumerate(initial):
-            sim.cache.preload(layer, experts)
-        w = self.workload
-        offered = float("nan")
-        if w.arrival == "closed":
-            for client in range(min(w.concurrency, w.requests)):
-                self.env.process(self._client(client))
-        else:
-            times = arrival_times(w, self.rng)
-            offered = len(times) / times[-1] if times[-1] > 0 else float("inf")
-            self.env.process(self._open_loop(times))
-        server = self.env.process(self._server())
-        self.env.run(until=server)
-        makespan = sim.steps[-1].end if sim.steps else 0.0
-        sim._retire(makespan)  # transfers finished by the end become resident, as after a replay
-        pcie_busy, pcie_bytes = sim.pcie.busy_until(makespan)
-        engine = SimResult(system=sim.system.name, steps=sim.steps, counters=sim.counters, pcie_busy_s=pcie_busy,
-                           pcie_bytes=pcie_bytes, makespan_s=makespan, memory=sim.memory, notes=list(sim.ctx.notes),
-                           timeline=sim.timeline, decisions=sim.decisions, sim_wall_s=time.perf_counter() - wall,
-                           cost_fallbacks=sorted(sim.costs.fallbacks), initial_resident=initial,
-                           pcie_engines=sim.profile.pcie.copy_engines)
+        engine = self.sim.run(driver=self._drive)  # the engine configures the system and closes the run
         for record in self.records:
             state = self.states[record.request]
             record.preemptions = state.preemptions
             record.recomputed_tokens = state.recomputed
-        return ServeResult(self.records, engine, w, self.scheduler.name, self.scheduler.kv_tokens, offered,
-                           self.batches, self.kv_peak)
+        return ServeResult(self.records, engine, self.workload, self.scheduler.name, self.scheduler.kv_tokens,
+                           self.offered, self.batches, self.kv_peak)
 
     # ------------------------------------------------------------------ processes
     def _submit(self, i: int) -> None:
@@ -392,6 +369,18 @@ class ServingRun:
         for i in range(first, self.workload.requests, stride):
             self._submit(i)
             yield self._finished[i]
+
+    def _drive(self):
+        """Start the arrivals, then serve until every request is done (the engine's forward process)."""
+        w = self.workload
+        if w.arrival == "closed":
+            for client in range(min(w.concurrency, w.requests)):
+                self.env.process(self._client(client))
+        else:
+            times = arrival_times(w, self.rng)
+            self.offered = len(times) / times[-1] if times[-1] > 0 else float("inf")
+            self.env.process(self._open_loop(times))
+        yield from self._server()
 
     def _server(self):
         env, sim = self.env, self.sim
