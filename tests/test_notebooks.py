@@ -44,12 +44,3 @@ def test_custom_policy_notebook():
     assert len(outputs(notebook, "image/png")) == 3
     conclusion = outputs(notebook, "text/markdown")[-1]
     assert conclusion.count("closes") == 5 and "best decay at 4 slots" in conclusion
-
-
-@pytest.mark.slow
-def test_serving_notebook():
-    notebook = execute("serving.ipynb")
-    assert len(outputs(notebook, "image/png")) == 2  # TTFT and TPOT percentiles vs QPS
-    conclusion = outputs(notebook, "text/markdown")[-1]
-    assert "Maximum load under p90 TTFT" in conclusion
-    assert conclusion.count("\n- ") == 3 and ("serves the most load" in conclusion or "No system" in conclusion)

@@ -239,8 +239,12 @@ def kv_budget_tokens(memory: MemoryPlan, kv_bytes_per_token: int, ignores_memory
     """
     if ignores_memory:
         return None
+    slots = sum(memory.capacity)
+    pool = getattr(memory, "pool", None)  # a model-wide pool of slots holds fewer than its layers' quotas add up to
+    if pool is not None:
+        slots = min(slots, pool)
     left = (memory.gpu_bytes - memory.reserved_bytes - memory.non_expert_bytes - memory.workspace_bytes
-            - memory.staging_bytes - sum(memory.capacity) * memory.expert_bytes)
+            - memory.staging_bytes - slots * memory.expert_bytes)
     return max(left, 0) // kv_bytes_per_token
 
 
