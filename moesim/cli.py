@@ -374,7 +374,7 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
 @click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True, help="Hardware profile: a name or a YAML path.")
 @click.option("--system", "system", default="gpu-only-lru", show_default=True,
-              help="System, or several separated by commas (one run per system and QPS).")
+              help="System, several separated by commas, or 'all' (one run per system and QPS).")
 @click.option("--qps", default="1", show_default=True, help="Arrival rate(s), requests/s, comma-separated.")
 @click.option("--requests", "requests", default=None, type=click.IntRange(min=1),
               help="Requests sent (workload.requests, default 100).")
@@ -402,16 +402,25 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     if scheduler is not None:
         parsed["scheduler"] = scheduler
     slos = parse_slo(slo)
-    systems = [s.strip() for s in system.split(",") if s.strip()]
+    if system == "all":
+        from moesim.policy.systems import system_names
+        systems = system_names()
+    else:
+        systems = [s.strip() for s in system.split(",") if s.strip()]
     rates = [r.strip() for r in qps.split(",") if r.strip()]
     if requests_out and len(systems) * len(rates) > 1:
         raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
                           fix="pass a single --system and --qps")
-    rows, last = [], None
+    rows, last, skipped = [], None, {}
     for name in systems:
-        for rate in rates:
-            last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed)
-            rows.append(serving_metrics(last, slos))
+        try:
+            for rate in rates:
+                last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed)
+                rows.append(serving_metrics(last, slos))
+        except MoesimError as err:
+            if system != "all" or not _skippable_in_serving(err):
+                raise
+            skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
     from rich.table import Table
     table = Table(title=f"serving on {hw}", title_justify="left")
     for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
@@ -423,6 +432,9 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
                       f"{m['throughput_rps']:.3f}", str(m["preemptions"]),
                       *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
     console.print(table)
+    for name, reason in skipped.items():
+        from rich.markup import escape
+        console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
     if json_out:
         _write_json(rows[0] if len(rows) == 1 else rows, json_out)
     if requests_out and last is not None:
@@ -431,6 +443,13 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     if plot_out:
         plot_latency_vs_qps(rows, plot_out)
         console.print(f"wrote {plot_out}")
+
+
+def _skippable_in_serving(err: MoesimError) -> bool:
+    """With --system all: errors of one system (it cannot serve, or lacks a column), not of the run."""
+    from moesim.errors import ConfigError
+    return isinstance(err, ConfigError) and err.field not in ("--set", "--model", "--slo", "scheduler") \
+        and not (err.field or "").startswith(("workload.", "scheduler."))
 
 
 # ----------------------------------------------------------------------------- profile and validate

@@ -92,3 +92,16 @@ def test_max_qps_under_slo_and_slo_parsing():
     assert parse_slo("ttft_ms=500, tpot_ms=80") == {"ttft_ms": 500.0, "tpot_ms": 80.0}
     with pytest.raises(ConfigError, match="not a number"):
         parse_slo("ttft_ms=fast")
+
+
+def test_serve_sim_all_runs_every_system_that_can_serve(files, tmp_path, capsys):
+    from moesim.policy.systems import system_names
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "all", "--qps", "20", "--requests", "3",
+                 "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    served = {r["system"] for r in json.loads((tmp_path / "m.json").read_text())}
+    skipped = {name for name in system_names() if f"skipped {name}:" in out}
+    assert served | skipped == set(system_names()) and not served & skipped
+    assert {"cpu-only", "gpu-only-lru", "static-hot", "fiddler", "llamacpp"} <= served and "oracle" in skipped

@@ -134,9 +134,12 @@ class RequestPool:
     """The requests of one or more traces (same model), with their prompt and output lengths."""
 
     def __init__(self, traces: list[str], columns: list[str]) -> None:
+        """``columns``: optional columns the system reads; those the first trace has, every trace must have
+        (a system that needs one the first trace lacks falls back or refuses, as in a replay)."""
         if not traces:
             raise ConfigError("no trace given", field="TRACE", fix="give at least one trace")
         self.model = read_meta(traces[0]).model
+        columns = [c for c in columns if c in trace_columns(traces[0])]
         self.requests: list[TraceRequest] = []
         for path in traces:
             model = read_meta(path).model
@@ -146,8 +149,8 @@ class RequestPool:
                                   source=path, field="moesim.model", fix="serve traces of one model together")
             missing = [c for c in columns if c not in trace_columns(path)]
             if missing:
-                raise ConfigError(f"the system needs column(s) {missing} this trace lacks", source=path,
-                                  field=missing[0], fix="pick a system that does without them or another trace")
+                raise ConfigError(f"column(s) {missing} of {traces[0]} are missing here", source=path,
+                                  field=missing[0], fix="serve traces with the same optional columns together")
             self.requests += _read_requests(path, columns, self.model.num_layers)
         if not self.requests:
             raise ConfigError("the traces hold no requests", source=traces[0], field="request",
