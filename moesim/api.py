@@ -171,3 +171,42 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
 def _int_array(values: Sequence[int]) -> Any:
     import pyarrow as pa
     return pa.array([int(v) for v in values], type=pa.int32())
+
+
+@dataclass
+class ServeRun:
+    """One serving run: per-request latencies, summary metrics (percentiles, goodput) and the engine's metrics."""
+
+    requests: Any
+    metrics: dict[str, Any]
+    system: str
+    traces: list[str]
+
+    def _repr_html_(self) -> str:
+        keys = ("qps", "offered_qps", "throughput_rps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+                "e2e_ms_p99", "preemptions", "goodput_rps")
+        rows = "".join(f"<tr><td>{k}</td><td>{self.metrics[k]}</td></tr>" for k in keys if k in self.metrics)
+        return f"<b>{self.system}</b> serving {len(self.requests)} requests<table>{rows}</table>"
+
+
+def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEFAULT_HW,
+          system: str = "gpu-only-lru", *, qps: float | None = None, requests: int | None = None,
+          scheduler: str | None = None, slo: Mapping[str, float] | str | None = None,
+          settings: Mapping[str, Any] | None = None, seed: int = 0, **params: Any) -> ServeRun:
+    """Serve requests drawn from ``traces`` under ``system``: arrivals, a batching scheduler, per-request metrics.
+
+    ``qps``, ``requests`` and ``scheduler`` are shorthands for ``workload__qps``,
+    ``workload__requests`` and ``scheduler``; every ``workload.*``,
+    ``scheduler.*`` and replay parameter is accepted as in :func:`replay`.
+    ``slo``: ``{"ttft_ms": 500, "tpot_ms": 100}`` or ``"ttft_ms=500,tpot_ms=100"`` for goodput.
+    """
+    from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
+    from moesim.sim.serving import serve as run_serving
+    paths = [str(traces)] if isinstance(traces, (str, os.PathLike)) else [str(t) for t in traces]
+    short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
+             if v is not None}
+    merged = settings_from({**short, **(settings or {})}, **params)
+    slos = parse_slo(slo) if isinstance(slo, str) or slo is None else {k: float(v) for k, v in slo.items()}
+    result = run_serving(paths, hw, system, merged, seed=seed)
+    return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
+                    traces=paths)

@@ -308,6 +308,9 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     checked: set[tuple] = set()
     for point in points:
         settings = point.settings_str()
+        if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in settings):
+            from moesim.sim.serving import split_settings  # a serving point: the rest are replay settings
+            settings = _reraise(lambda: split_settings(settings).replay, spec, None)
         key = (point.hw, point.system, tuple(sorted(settings.items())))
         if key in checked:
             continue
@@ -350,9 +353,15 @@ def run_point(point: Point, trace_path: str, hw: str) -> dict[str, Any]:
     try:
         from moesim.analysis.metrics import metrics
         from moesim.sim.run import simulate
-        result = simulate(trace_path, cached_profile(hw), point.system, point.settings_str(),
-                          model_preset=point.model, seed=point.seed, timeline=False, decisions=False)
-        row.update(status="ok", error="", **flatten_metrics(metrics(result)))
+        if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in point.settings_str()):
+            from moesim.analysis.serving import serving_row  # sweeps over workload.* serve instead of replaying
+            row.update(status="ok", error="", **serving_row([trace_path], cached_profile(hw), point.system,
+                                                            point.settings_str(), model_preset=point.model,
+                                                            seed=point.seed))
+        else:
+            result = simulate(trace_path, cached_profile(hw), point.system, point.settings_str(),
+                              model_preset=point.model, seed=point.seed, timeline=False, decisions=False)
+            row.update(status="ok", error="", **flatten_metrics(metrics(result)))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
         row.update(status="error", error=describe_error(err))
     row.update(point_wall_s=time.perf_counter() - started,

@@ -69,7 +69,11 @@ def render_report(frame: pd.DataFrame, *, title: str = "moesim sweep", gantt: bo
                   source: str | None = None) -> str:
     ok = frame[frame["status"] == "ok"]
     parts = [f"<h1>{_e(title)}</h1>", _summary(frame, source)]
-    if not ok.empty:
+    if not ok.empty and "ttft_ms_p90" in ok.columns:  # a sweep of serving runs (workload.*)
+        from moesim.analysis.serving import serving_figures
+        parts.append("<h2>Figures</h2>")
+        parts += [_figure(name, fig, caption) for name, (fig, caption) in serving_figures(ok).items()]
+    elif not ok.empty:
         parts += [_best_table(ok), "<h2>Figures</h2>"]
         for name, (fig, caption) in F.standard_figures(ok, gantt=gantt).items():
             parts.append(_figure(name, fig, caption))

@@ -277,13 +277,14 @@ class Simulator:
                               seed=seed, columns=columns)
 
     # ------------------------------------------------------------------ public
-    def run(self) -> SimResult:
+    def run(self, driver: Callable[[], Iterator[simpy.Event]] | None = None) -> SimResult:
+        """Run to the end; ``driver`` is the process issuing steps through :meth:`run_step` (default: the trace's)."""
         wall = time.perf_counter()
         self.system.configure(self.ctx)
         initial = [sorted(self.system.initial(layer, cap)) for layer, cap in enumerate(self.cache.capacity)]
         for layer, experts in enumerate(initial):
             self.cache.preload(layer, experts)
-        forward = self.env.process(self._forward())
+        forward = self.env.process((driver or self._forward)())
         self.env.run(until=forward)
         makespan = self.steps[-1].end if self.steps else 0.0
         self._retire(makespan)

@@ -1,0 +1,197 @@
+"""Per-request metrics of a serving run: TTFT, TPOT, end-to-end latency, queueing; percentiles, goodput, a figure.
+
+Definitions (per request, simulated seconds):
+
+* queueing delay: from arrival to the start of the first step that computes one of its tokens;
+* TTFT: from arrival to the end of the step that computes its last prompt token (its first token out;
+  for a request without prompt, its first decode token);
+* TPOT: (finish - first token) / (tokens out - 1), tokens out being its decode tokens plus the one
+  the prefill ends with;
+* end-to-end latency: from arrival to the end of the step that computes its last token.
+
+Goodput is the rate of requests meeting every SLO given (DistServe, Zhong et al., OSDI'24, Sec. 2):
+finished requests within ``ttft_ms`` and ``tpot_ms``, per second of the run. Offered load is the
+requests sent over the time of the last arrival; throughput is the requests finished over the time
+of the last finish, so it can never exceed the offered load.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.sim.serving import ServeResult
+
+REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
+                   "scheduled_s", "first_token_s", "finish_s", "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms",
+                   "preemptions", "computed_tokens", "recomputed_tokens")
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+PERCENTILES = (50, 90, 99)
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """``ttft_ms=500,tpot_ms=100`` as a dict; one line naming the fix on a bad entry."""
+    out: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SLO_KEYS:
+            raise ConfigError(f"bad SLO '{item}'", field="--slo",
+                              fix=f"write KEY=VALUE with KEY in {', '.join(SLO_KEYS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"SLO '{item}' is not a number", field="--slo", fix="write e.g. ttft_ms=500") from None
+        if not out[key] > 0:
+            raise ConfigError(f"SLO '{item}' must be positive", field="--slo", fix="write e.g. ttft_ms=500")
+    return out
+
+
+def request_frame(result: ServeResult) -> Any:
+    """One row per request (REQUEST_COLUMNS), times in seconds, latencies in milliseconds."""
+    import pandas as pd
+    rows = []
+    for r in result.requests:
+        tpot = (r.finish_s - r.first_token_s) / (r.emitted - 1) if r.emitted > 1 else float("nan")
+        rows.append({
+            "request": r.request, "source": r.source, "source_request": r.source_request,
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "arrival_s": r.arrival_s,
+            "scheduled_s": r.scheduled_s, "first_token_s": r.first_token_s, "finish_s": r.finish_s,
+            "queue_ms": (r.scheduled_s - r.arrival_s) * 1e3, "ttft_ms": (r.first_token_s - r.arrival_s) * 1e3,
+            "tpot_ms": tpot * 1e3, "e2e_ms": (r.finish_s - r.arrival_s) * 1e3,
+            "preemptions": r.preemptions, "computed_tokens": r.computed_tokens,
+            "recomputed_tokens": r.recomputed_tokens})
+    return pd.DataFrame(rows, columns=list(REQUEST_COLUMNS))
+
+
+def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
+    values = values[~np.isnan(values)]
+    out = {f"{name}_p{q}": float(np.percentile(values, q)) if len(values) else float("nan") for q in PERCENTILES}
+    out[f"{name}_mean"] = float(values.mean()) if len(values) else float("nan")
+    return out
+
+
+def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) -> dict[str, Any]:
+    """Percentiles of every latency, throughput, offered load, goodput, preemptions and the engine's metrics."""
+    from moesim.analysis.metrics import metrics
+    frame = request_frame(result)
+    w = result.workload
+    end = float(frame.finish_s.max())
+    out: dict[str, Any] = {"system": result.engine.system, "scheduler": result.scheduler, "arrival": w.arrival,
+                           "qps": w.qps if w.arrival in ("poisson", "gamma") else float("nan"),
+                           "requests": len(frame), "offered_qps": result.offered_qps,
+                           "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
+                           "kv_peak_tokens": result.kv_peak}
+    for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
+        out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
+    out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
+    out["output_tokens_per_s"] = float(frame.output_tokens.sum()) / end if end > 0 else float("nan")
+    out["preemptions"] = int(frame.preemptions.sum())
+    out["recomputed_tokens"] = int(frame.recomputed_tokens.sum())
+    if slo:
+        ok = np.ones(len(frame), dtype=bool)
+        for key, limit in slo.items():
+            ok &= (frame[key].fillna(0.0) <= limit).to_numpy()
+        out["slo"] = dict(slo)
+        out["slo_attainment"] = float(ok.mean())
+        out["goodput_rps"] = float(ok.sum()) / end if end > 0 else float("nan")
+    engine = metrics(result.engine)
+    out["engine"] = {k: engine[k] for k in ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches",
+                                            "cpu_util", "gpu_util", "pcie_util", "slots_per_layer", "breakdown_ms",
+                                            "sim_wall_s", "notes")}
+    return out
+
+
+def write_requests(frame: Any, path: str | os.PathLike) -> None:
+    """The per-request frame as Parquet, written whole or not at all."""
+    from pathlib import Path
+
+    from moesim.util import tmp_path_for
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms") -> Any:
+    """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts or a frame)."""
+    import matplotlib
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    columns = [f"{metric}_p{q}" for q in PERCENTILES]
+    # points that differ in anything else (hardware, seeds) are averaged per system and rate
+    frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    styles = dict(zip(PERCENTILES, ("-", "--", ":")))
+    for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
+        group = group.sort_values("qps")
+        for q, style in styles.items():
+            ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=f"C{i}", marker="o", markersize=3,
+                    label=f"{system} p{q}")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel(f"{metric.removesuffix('_ms').upper()} (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
+
+
+def max_qps_under_slo(rows: Any, slo: dict[str, float], percentile: int = 90) -> dict[str, float]:
+    """Per system, the highest QPS up to which every rate's ``percentile`` of each SLO metric meets it (nan: none)."""
+    import pandas as pd
+    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    out: dict[str, float] = {}
+    for system, group in frame.groupby("system", sort=False):
+        group = group.sort_values("qps")
+        ok = np.ones(len(group), dtype=bool)
+        for key, limit in slo.items():
+            ok &= (group[f"{key}_p{percentile}"].fillna(0.0) <= limit).to_numpy()
+        # every rate up to it must pass: a lucky sample above a failing rate does not count
+        passing = int(np.argmin(ok)) if not ok.all() else len(ok)
+        out[str(system)] = float(group.qps.iloc[passing - 1]) if passing else math.nan
+    return out
+
+
+def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str], **kwargs: Any) -> dict[str, Any]:
+    """One serving run as flat columns (a sweep row): summary metrics, the engine's prefixed with ``engine_``."""
+    from moesim.sim.serving import serve
+    m = serving_metrics(serve(traces, hw, system, settings, **kwargs))
+    engine = m.pop("engine")
+    m.pop("system")
+    out = {k: v for k, v in m.items()}
+    for key, value in engine.items():
+        if key == "breakdown_ms":
+            out.update({f"engine_breakdown_{cat}_ms": float(v) for cat, v in value.items()})
+        elif isinstance(value, (list, tuple)):
+            out[f"engine_{key}"] = "; ".join(map(str, value))
+        else:
+            out[f"engine_{key}"] = value
+    return out
+
+
+def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
+    """The report's figures for a sweep of serving runs: name -> (figure, caption)."""
+    import matplotlib.pyplot as plt
+    out = {}
+    for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
+                         ("e2e_ms", "end-to-end latency")):
+        fig = plot_latency_vs_qps(frame, metric=metric)
+        plt.close(fig)
+        out[f"{metric}_vs_qps"] = (fig, f"{what.capitalize()} per request against the arrival rate: p50 solid, "
+                                   "p90 dashed, p99 dotted, one colour per system.")
+    return out

@@ -1,0 +1,310 @@
+"""Batching schedulers for serving workloads: which tokens of which requests form the next step.
+
+Plain Python, no SimPy: the serving loop (:mod:`moesim.sim.serving`) asks
+:meth:`Scheduler.next_batch` for a batch whenever the engine is free, runs it
+through the engine and reports the tokens done with :meth:`Scheduler.advance`.
+
+A request is ``prompt`` prefill tokens followed by ``output`` decode tokens.
+Its KV cache holds one entry per computed token; the scheduler never lets the
+running requests hold more than ``kv_tokens`` entries. When a decode cannot get
+its entry, the most recently admitted request is preempted and recomputed later
+(its KV freed, its computed tokens prefilled again), as vLLM does by default
+(Kwon et al., SOSP'23, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention", Sec. 4.5, recomputation).
+
+Schedulers (``--set scheduler=NAME``, parameters ``scheduler.<field>``):
+
+* ``static``: request-level batching, the baseline Orca describes (Yu et al.,
+  OSDI'22, Sec. 2.2): a batch of up to ``max_batch`` requests runs until its
+  last request finishes; nobody joins in between.
+* ``vllm``: continuous (iteration-level) batching with prefill priority, as
+  vLLM's default scheduler: a step prefills waiting requests when any fit
+  (``max_batch`` sequences, ``max_tokens`` batched tokens, free KV), and
+  otherwise decodes every running request.
+* ``sarathi``: chunked prefill with decode priority and stall-free batching
+  (Agrawal et al., OSDI'24, "Taming Throughput-Latency Tradeoff in LLM
+  Inference with Sarathi-Serve", Sec. 4.2-4.3): every running decode first,
+  then prefill chunks fill the token budget ``max_tokens``.
+* ``llamacpp``: llama.cpp's server (``tools/server``): ``max_batch`` slots
+  (``--parallel``); each iteration adds one token per generating slot, then
+  prompt tokens of the other slots until the batch holds ``n_batch`` tokens
+  (``max_tokens``), splitting a prompt across iterations.
+
+The last three are one :class:`ContinuousBatching` with different defaults;
+each of its fields changes the batches it forms (tests/policy/test_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from moesim.errors import ConfigError
+from moesim.policy.base import Component
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the scheduler sees it: lengths and progress, no routing."""
+
+    rid: int
+    arrival: float
+    prompt: int
+    output: int
+    #: tokens computed so far whose KV is held (prompt first, then decode tokens)
+    done: int = 0
+    #: tokens to compute in prefill mode: the prompt, or more after a preemption (recompute)
+    prefill_until: int = 0
+    preemptions: int = 0
+    #: tokens whose KV a preemption dropped, computed again
+    recomputed: int = 0
+
+    def __post_init__(self) -> None:
+        self.prefill_until = max(self.prefill_until, self.prompt)
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < self.prefill_until
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total
+
+
+@dataclass
+class Batch:
+    """One step: ``(request, tokens)`` pairs in admission order, and the requests preempted to make it."""
+
+    entries: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+
+class Scheduler(Component):
+    """Owns the waiting queue and the running set; forms one batch per step."""
+
+    role: ClassVar[str] = "scheduler"
+
+    def __post_init__(self) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.kv_tokens: int | None = None
+
+    def set_kv_tokens(self, kv_tokens: int | None) -> None:
+        """KV cache entries available to requests (None: unlimited)."""
+        self.kv_tokens = kv_tokens
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def kv_used(self) -> int:
+        return sum(r.done for r in self.running)
+
+    def kv_free(self) -> float:
+        return float("inf") if self.kv_tokens is None else self.kv_tokens - self.kv_used()
+
+    def next_batch(self) -> Batch:
+        raise NotImplementedError
+
+    def advance(self, batch: Batch) -> list[Request]:
+        """Record the batch as computed; return the requests it finished (they leave, freeing their KV)."""
+        for request, n in batch.entries:
+            request.done += n
+        done = [r for r, _ in batch.entries if r.finished]
+        if done:
+            gone = set(map(id, done))
+            self.running = [r for r in self.running if id(r) not in gone]
+        return done
+
+    def check(self, request: Request) -> None:
+        """Refuse a request that could never run alone (it would wait forever)."""
+        if self.kv_tokens is not None and request.total > self.kv_tokens:
+            raise ConfigError(f"a request of {request.total} tokens needs more KV cache than the "
+                              f"{self.kv_tokens} entries left beside the expert cache", field="cache.slots_per_layer",
+                              fix="use fewer expert slots, workload.kv_tokens=0, or shorter requests")
+
+
+@dataclass
+class StaticBatching(Scheduler):
+    """Request-level batching (Orca, OSDI'22, Sec. 2.2): a batch runs to its last request's end.
+
+    The batch's prompts are prefilled in one step, then all its requests decode
+    together; requests that finish early leave, none join until the batch is
+    empty. KV for a request's whole length is reserved when it is admitted, so
+    a static batch is never preempted.
+    """
+
+    name: ClassVar[str] = "static"
+    #: requests per batch
+    max_batch: int = 8
+
+    def next_batch(self) -> Batch:
+        if not self.running:
+            reserved = 0
+            while self.waiting and len(self.running) < self.max_batch:
+                head = self.waiting[0]
+                if self.kv_tokens is not None and reserved + head.total > self.kv_tokens:
+                    break
+                reserved += head.total
+                self.running.append(self.waiting.popleft())
+        prefilling = [r for r in self.running if r.prefilling]
+        chosen = prefilling or self.running
+        return Batch([(r, r.prefill_until - r.done if r.prefilling else 1) for r in chosen])
+
+
+@dataclass
+class ContinuousBatching(Scheduler):
+    """Iteration-level batching (Orca, OSDI'22, Sec. 4.2) with a token budget, optional chunking and a priority."""
+
+    name: ClassVar[str] = "continuous"
+    #: most requests in one step (vLLM max_num_seqs, llama.cpp --parallel slots)
+    max_batch: int = 256
+    #: most tokens in one step (vLLM max_num_batched_tokens, Sarathi token budget, llama.cpp n_batch)
+    max_tokens: int = 8192
+    #: most prefill tokens of one request per step; 0: a prompt is prefilled whole or not at all
+    chunk_tokens: int = 0
+    #: "prefill": a step prefills when it can and decodes otherwise (vLLM); "decode": decodes first,
+    #: prefill fills the rest of the budget (Sarathi-Serve, llama.cpp)
+    priority: str = "prefill"
+
+    def validate(self) -> None:
+        if self.priority not in ("prefill", "decode"):
+            raise ConfigError(f"unknown priority '{self.priority}'", field="scheduler.priority",
+                              fix="use prefill or decode")
+        if self.max_batch < 1 or self.max_tokens < 1 or self.chunk_tokens < 0:
+            raise ConfigError("scheduler limits must be positive", field="scheduler.max_batch",
+                              fix="use max_batch >= 1, max_tokens >= 1, chunk_tokens >= 0")
+
+    def check(self, request: Request) -> None:
+        super().check(request)
+        if not self.chunk_tokens and request.prompt > self.max_tokens:
+            raise ConfigError(f"a prompt of {request.prompt} tokens exceeds scheduler.max_tokens="
+                              f"{self.max_tokens} and prompts are not chunked", field="scheduler.max_tokens",
+                              fix=f"use scheduler.max_tokens >= {request.prompt} or scheduler.chunk_tokens > 0")
+
+    def next_batch(self) -> Batch:
+        batch = Batch()
+        while not batch.entries and (self.running or self.waiting):
+            if self.priority == "prefill":
+                self._prefill(batch)
+                if not batch.entries:
+                    self._decode(batch)
+            else:
+                self._decode(batch)
+                self._prefill(batch)
+            if not batch.entries:
+                if not self.running:
+                    break  # the head of the queue waits for KV that only finishing requests free
+                # running prompts hold all the KV and none can go on: the newest yields (recompute)
+                self._preempt(self.running[-1], batch)
+        return batch
+
+    # ------------------------------------------------------------------ parts of a step
+    def _decode(self, batch: Batch) -> None:
+        """One token for every running request past its prefill, preempting the newest when KV runs out."""
+        free = self.kv_free() - batch.tokens
+        queue = [r for r in self.running if not r.prefilling]
+        taken: list[Request] = []
+        while queue:
+            request = queue.pop(0)
+            if len(batch.entries) + len(taken) >= self.max_batch or batch.tokens + len(taken) >= self.max_tokens:
+                break
+            while free < 1 and self._victims(request, taken):
+                victim = self._victims(request, taken)[-1]
+                free += victim.done
+                if victim in queue:
+                    queue.remove(victim)
+                self._preempt(victim, batch)
+            if free < 1:  # nothing left to preempt: this request waits itself
+                self._preempt(request, batch)
+                continue
+            taken.append(request)
+            free -= 1
+        batch.entries += [(r, 1) for r in taken]
+
+    def _victims(self, request: Request, taken: list[Request]) -> list[Request]:
+        """Running requests that may be preempted for ``request``: admitted later, not in this batch."""
+        scheduled = set(map(id, taken))
+        later = self.running[self.running.index(request) + 1:]
+        return [r for r in later if id(r) not in scheduled]
+
+    def _preempt(self, request: Request, batch: Batch) -> None:
+        """Free ``request``'s KV; it waits at the head of the queue and prefills its tokens again."""
+        self.running.remove(request)
+        request.prefill_until = max(request.prefill_until, request.done)
+        request.recomputed += request.done
+        request.done = 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+        batch.preempted.append(request)
+
+    def _prefill(self, batch: Batch) -> None:
+        """Prefill work in admission order: running requests mid-prompt first, then waiting ones."""
+        free = self.kv_free() - batch.tokens
+        for request in [r for r in self.running if r.prefilling]:
+            n = self._piece(request, batch, free)
+            if n:
+                batch.entries.append((request, n))
+                free -= n
+        while self.waiting and len(batch.entries) < self.max_batch:
+            request = self.waiting[0]
+            n = self._piece(request, batch, free)
+            if not n:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.running.append(self.waiting.popleft())
+            batch.entries.append((request, n))
+            free -= n
+
+    def _piece(self, request: Request, batch: Batch, free: float) -> int:
+        """Prefill tokens of ``request`` that fit this step (0: none)."""
+        if len(batch.entries) >= self.max_batch:
+            return 0
+        # a request without prompt (a trace that logged no prefill) joins with its first decode token
+        need = request.prefill_until - request.done if request.prefilling else 1
+        room = min(self.max_tokens - batch.tokens, free)
+        if self.chunk_tokens:
+            return int(max(min(need, self.chunk_tokens, room), 0))
+        return need if need <= room else 0
+
+
+#: scheduler name -> (class, defaults): each preset cites the system whose defaults it takes
+SCHEDULERS: dict[str, tuple[type[Scheduler], dict[str, object]]] = {
+    "static": (StaticBatching, {}),
+    # vLLM (v0) defaults: max_num_seqs 256, max_num_batched_tokens 8192 here (vLLM uses at least the
+    # model length), no chunked prefill, prefills first
+    "vllm": (ContinuousBatching, {"max_batch": 256, "max_tokens": 8192, "chunk_tokens": 0, "priority": "prefill"}),
+    # Sarathi-Serve (OSDI'24 Sec. 5): token budget 512 for the latency-bound setting, chunks fill it
+    "sarathi": (ContinuousBatching, {"max_batch": 256, "max_tokens": 512, "chunk_tokens": 512,
+                                     "priority": "decode"}),
+    # llama.cpp server: 4 slots (--parallel) and n_batch 2048 (common/common.h defaults)
+    "llamacpp": (ContinuousBatching, {"max_batch": 4, "max_tokens": 2048, "chunk_tokens": 2048,
+                                      "priority": "decode"}),
+}
+
+
+def build_scheduler(name: str, params: dict[str, str]) -> Scheduler:
+    """The scheduler ``name`` with ``scheduler.<field>`` parameters (strings, as ``--set`` gives them)."""
+    if name not in SCHEDULERS:
+        raise ConfigError(f"unknown scheduler '{name}'", field="scheduler", fix=f"use one of {', '.join(SCHEDULERS)}")
+    cls, defaults = SCHEDULERS[name]
+    scheduler = cls(**defaults)  # type: ignore[arg-type]
+    scheduler.name = name  # the preset's name, not the class's
+    for key, raw in params.items():
+        scheduler.set_param(key, raw)
+    if isinstance(scheduler, ContinuousBatching):
+        scheduler.validate()
+    elif scheduler.max_batch < 1:  # type: ignore[attr-defined]
+        raise ConfigError("max_batch must be >= 1", field="scheduler.max_batch", fix="use max_batch >= 1")
+    return scheduler

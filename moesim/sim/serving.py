@@ -1,0 +1,454 @@
+"""Serving workloads: requests arrive (SimPy processes), a scheduler batches them, the engine runs each batch.
+
+Routing depends on a token's hidden state, not on the batch it runs in, so a
+request's rows (every layer of every prompt and decode token) recorded in any
+trace can be replayed inside any batch. :class:`RequestPool` reads those rows
+from one or more traces; :func:`serve` sends ``workload.requests`` requests
+drawn from the pool in turn, arriving by ``workload.arrival``:
+
+* ``poisson``: exponential gaps at ``workload.qps``;
+* ``gamma``: gamma gaps with mean ``1/qps`` and coefficient of variation ``workload.cv`` (bursty for cv > 1);
+* ``trace``: the ``arrival_s`` column of ``workload.arrival_file`` (CSV or Parquet);
+* ``closed``: ``workload.concurrency`` clients, each sending its next request when the previous one finishes.
+
+Whenever the engine is free the scheduler (:mod:`moesim.policy.scheduler`)
+forms a batch; its rows become one :class:`~moesim.trace.io.Step` that
+:meth:`Simulator.run_step` runs as it runs a trace's step, so every system
+plans its layers as in a replay. KV cache comes out of the GPU memory the
+expert cache leaves (:func:`kv_budget_tokens`); when it runs out, requests are
+preempted and recomputed (counted per request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from moesim.errors import ConfigError
+from moesim.policy.base import coerce
+from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
+from moesim.sim.engine import SimResult, Simulator, StepRecord
+from moesim.sim.memory import MemoryPlan
+from moesim.trace.io import Step, read_meta, trace_columns
+from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
+
+ARRIVALS = ("poisson", "gamma", "trace", "closed")
+
+
+@dataclass
+class WorkloadConfig:
+    """Arrival process and request count, reachable as ``--set workload.<name>=value``."""
+
+    #: poisson | gamma | trace | closed
+    arrival: str = "poisson"
+    #: mean arrival rate, requests per second (poisson, gamma)
+    qps: float = 1.0
+    #: coefficient of variation of the gaps (gamma; 1 is Poisson)
+    cv: float = 1.0
+    #: requests sent, drawn from the traces' requests in turn
+    requests: int = 100
+    #: clients of a closed loop, each with one request outstanding
+    concurrency: int = 1
+    #: CSV or Parquet with an ``arrival_s`` column (arrival=trace)
+    arrival_file: str = ""
+    #: KV cache entries for requests; 0: all GPU memory the expert cache leaves
+    kv_tokens: int = 0
+
+
+@dataclass
+class ServingSettings:
+    workload: WorkloadConfig
+    scheduler: str
+    scheduler_params: dict[str, str]
+    replay: dict[str, str]
+
+
+def is_serving_key(key: str) -> bool:
+    return key.startswith("workload.") or key == "scheduler" or key.startswith("scheduler.")
+
+
+def split_settings(settings: dict[str, str] | None) -> ServingSettings:
+    """Separate ``workload.*`` and ``scheduler[.*]`` from the replay settings, and parse the workload."""
+    workload = WorkloadConfig()
+    names = {f.name: f.default for f in dataclasses.fields(WorkloadConfig)}
+    scheduler, params, replay = "vllm", {}, {}
+    for key, raw in (settings or {}).items():
+        section, _, rest = key.partition(".")
+        if section == "workload":
+            if rest not in names:
+                raise ConfigError(f"unknown parameter '{key}'", field="--set",
+                                  fix=f"valid: {', '.join(f'workload.{n}' for n in names)}")
+            setattr(workload, rest, coerce(raw, names[rest], key))
+        elif key == "scheduler":
+            scheduler = str(raw)
+        elif section == "scheduler":
+            params[rest] = raw
+        else:
+            replay[key] = raw
+    _check_workload(workload)
+    return ServingSettings(workload, scheduler, params, replay)
+
+
+def _check_workload(w: WorkloadConfig) -> None:
+    if w.arrival not in ARRIVALS:
+        raise ConfigError(f"unknown arrival process '{w.arrival}'", field="workload.arrival",
+                          fix=f"use one of {', '.join(ARRIVALS)}")
+    if w.requests < 1:
+        raise ConfigError("at least one request is needed", field="workload.requests", fix="use >= 1")
+    if w.arrival in ("poisson", "gamma") and not w.qps > 0:
+        raise ConfigError(f"qps must be positive, got {w.qps}", field="workload.qps", fix="use e.g. 0.5")
+    if w.arrival == "gamma" and not w.cv > 0:
+        raise ConfigError(f"cv must be positive, got {w.cv}", field="workload.cv", fix="use e.g. 2")
+    if w.arrival == "closed" and w.concurrency < 1:
+        raise ConfigError("a closed loop needs at least one client", field="workload.concurrency", fix="use >= 1")
+    if w.arrival == "trace" and not w.arrival_file:
+        raise ConfigError("arrival=trace needs a file of arrival times", field="workload.arrival_file",
+                          fix="give a CSV or Parquet with an arrival_s column")
+    if w.kv_tokens < 0:
+        raise ConfigError("kv_tokens must be >= 0", field="workload.kv_tokens", fix="use 0 for all free memory")
+
+
+# ----------------------------------------------------------------------------- requests from traces
+@dataclass
+class TraceRequest:
+    """One request's rows from a trace, as (layer, token) arrays."""
+
+    source: str
+    request: int
+    prompt: int
+    output: int
+    experts: np.ndarray  # (layers, tokens, top_k)
+    optional: dict[str, np.ndarray] = field(default_factory=dict)  # (layers, tokens, ...) per column
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.output
+
+
+class RequestPool:
+    """The requests of one or more traces (same model), with their prompt and output lengths."""
+
+    def __init__(self, traces: list[str], columns: list[str]) -> None:
+        """``columns``: optional columns the system reads; those the first trace has, every trace must have
+        (a system that needs one the first trace lacks falls back or refuses, as in a replay)."""
+        if not traces:
+            raise ConfigError("no trace given", field="TRACE", fix="give at least one trace")
+        self.model = read_meta(traces[0]).model
+        columns = [c for c in columns if c in trace_columns(traces[0])]
+        self.requests: list[TraceRequest] = []
+        for path in traces:
+            model = read_meta(path).model
+            if (model.num_layers, model.num_experts, model.top_k) != \
+                    (self.model.num_layers, self.model.num_experts, self.model.top_k):
+                raise ConfigError(f"model '{model.name}' differs from '{self.model.name}' of {traces[0]}",
+                                  source=path, field="moesim.model", fix="serve traces of one model together")
+            missing = [c for c in columns if c not in trace_columns(path)]
+            if missing:
+                raise ConfigError(f"column(s) {missing} of {traces[0]} are missing here", source=path,
+                                  field=missing[0], fix="serve traces with the same optional columns together")
+            self.requests += _read_requests(path, columns, self.model.num_layers)
+        if not self.requests:
+            raise ConfigError("the traces hold no requests", source=traces[0], field="request",
+                              fix="give a trace with rows")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _read_requests(path: str, columns: list[str], layers: int) -> list[TraceRequest]:
+    names = ["request", "phase", "position", "layer", "experts", *columns]
+    table = pq.read_table(path, columns=names)
+    request = table.column("request").to_numpy()
+    layer = table.column("layer").to_numpy()
+    position = table.column("position").to_numpy()
+    phase = np.asarray(table.column("phase").combine_chunks().dictionary_decode().to_pylist()) == PHASES[0]
+    order = np.lexsort((position, layer, request))
+    data = {"experts": _rows(table.column("experts"))[order]}
+    for name in columns:
+        data[name] = _rows(table.column(name))[order]
+    request, layer, position, phase = request[order], layer[order], position[order], phase[order]
+    out = []
+    cuts = np.flatnonzero(np.diff(request)) + 1
+    for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(request)]))):
+        rid = int(request[lo])
+        n = hi - lo
+        tokens = n // layers
+        fix = "serving needs every token of a request on every layer, prompt before decode"
+        if n % layers or not (layer[lo:hi] == np.repeat(np.arange(layers), tokens)).all():
+            raise ConfigError(f"request {rid} does not have the same tokens on every layer", source=path,
+                              field="layer", fix=fix)
+        pos = position[lo:lo + tokens]
+        if not (position[lo:hi] == np.tile(pos, layers)).all() or not (np.diff(pos) > 0).all():
+            raise ConfigError(f"request {rid} has repeated positions", source=path, field="position", fix=fix)
+        prefill = phase[lo:lo + tokens]
+        prompt = int(prefill.sum())
+        if prefill[prompt:].any():
+            raise ConfigError(f"request {rid} has prefill rows after decode rows", source=path,
+                              field="phase", fix=fix)
+        shaped = {k: v[lo:hi].reshape((layers, tokens) + v.shape[1:]) for k, v in data.items()}
+        out.append(TraceRequest(path, rid, prompt, int(tokens - prompt), shaped.pop("experts"), shaped))
+    return out
+
+
+def _rows(column: Any) -> np.ndarray:
+    """A column as a numpy array with one entry per row (fixed lists as 2-D, variable lists as objects)."""
+    column = column.combine_chunks()
+    typ = column.type
+    if hasattr(typ, "list_size"):
+        return column.flatten().to_numpy(zero_copy_only=False).reshape(-1, typ.list_size)
+    if hasattr(typ, "value_type"):  # variable-length lists (predictor columns)
+        values = np.empty(len(column), dtype=object)
+        values[:] = [np.asarray(v, dtype=np.int16) for v in column.to_pylist()]
+        return values
+    return column.to_numpy(zero_copy_only=False)
+
+
+def build_step(index: int, entries: list[tuple[Request, int]], pool: list[TraceRequest], layers: int) -> Step:
+    """The rows of one batch, ordered as a trace orders a step: by layer, then request, then position."""
+    entries = sorted(entries, key=lambda e: e[0].rid)
+    parts = [(r, pool[r.rid], r.done, n) for r, n in entries]
+    positions = np.concatenate([np.arange(a, a + n) for _, _, a, n in parts])
+    ids = np.concatenate([np.full(n, r.rid) for r, _, _, n in parts]).astype(np.int32)
+    phases = np.concatenate([np.where(np.arange(a, a + n) < r.prefill_until, 0, 1) for r, _, a, n in parts])
+
+    def gather(key: str | None) -> np.ndarray:
+        arrays = [(t.experts if key is None else t.optional[key])[:, a:a + n] for _, t, a, n in parts]
+        stacked = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)
+        return stacked.reshape((-1,) + stacked.shape[2:])
+
+    tokens = len(positions)
+    optional = pool[entries[0][0].rid].optional
+    predictors = {k: list(gather(k)) for k in optional if k in PREDICTOR_COLUMNS}
+    return Step(step=index, request=np.tile(ids, layers), position=np.tile(positions, layers).astype(np.int32),
+                layer=np.repeat(np.arange(layers, dtype=np.int16), tokens),
+                phase=np.tile(phases, layers).astype(np.int8), experts=gather(None),
+                weights=gather("weights") if "weights" in optional else None,
+                scores=gather("scores") if "scores" in optional else None,
+                token_id=gather("token_id") if "token_id" in optional else None, predictors=predictors)
+
+
+# ----------------------------------------------------------------------------- KV memory
+def kv_budget_tokens(memory: MemoryPlan, kv_bytes_per_token: int, ignores_memory: bool) -> int | None:
+    """KV entries that fit in the GPU memory left after the expert slots in use (None: memory not enforced).
+
+    GPU bytes minus reserved, non-expert weights, workspace, staging buffers and
+    the expert cache (slots x expert bytes): the same budget the expert cache
+    was cut from (:func:`moesim.sim.memory.plan_memory`).
+    """
+    if ignores_memory:
+        return None
+    slots = sum(memory.capacity)
+    pool = getattr(memory, "pool", None)  # a model-wide pool of slots holds fewer than its layers' quotas add up to
+    if pool is not None:
+        slots = min(slots, pool)
+    left = (memory.gpu_bytes - memory.reserved_bytes - memory.non_expert_bytes - memory.workspace_bytes
+            - memory.staging_bytes - slots * memory.expert_bytes)
+    return max(left, 0) // kv_bytes_per_token
+
+
+# ----------------------------------------------------------------------------- the serving run
+@dataclass
+class RequestRecord:
+    """What happened to one served request (seconds of simulated time)."""
+
+    request: int
+    source: str
+    source_request: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+    scheduled_s: float = float("nan")
+    first_token_s: float = float("nan")
+    finish_s: float = float("nan")
+    preemptions: int = 0
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the request returns: one per decode token, plus the one its prefill ends with."""
+        return self.output_tokens + (1 if self.prompt_tokens else 0)
+
+
+@dataclass
+class ServeResult:
+    """A serving run: per-request records, the engine's result over all steps, and the run's set-up."""
+
+    requests: list[RequestRecord]
+    engine: SimResult
+    workload: WorkloadConfig
+    scheduler: str
+    kv_tokens: int | None
+    offered_qps: float
+    batches: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    #: most KV entries held during one step
+    kv_peak: int = 0
+
+
+def arrival_times(w: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    """Open-loop arrival times, seconds from the start (sorted)."""
+    if w.arrival == "poisson":
+        return np.cumsum(rng.exponential(1.0 / w.qps, w.requests))
+    if w.arrival == "gamma":
+        shape = 1.0 / (w.cv * w.cv)
+        return np.cumsum(rng.gamma(shape, 1.0 / (w.qps * shape), w.requests))
+    return _arrival_file(w)
+
+
+def _arrival_file(w: WorkloadConfig) -> np.ndarray:
+    path = Path(w.arrival_file)
+    if not path.is_file():
+        raise ConfigError("file not found", source=str(path), field="workload.arrival_file", fix="check the path")
+    import pandas as pd
+    try:
+        frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ConfigError(f"unreadable ({type(err).__name__})", source=str(path), field="workload.arrival_file",
+                          fix="give a CSV or Parquet file") from None
+    if "arrival_s" not in frame:
+        raise ConfigError("no arrival_s column", source=str(path), field="arrival_s",
+                          fix="add a column arrival_s (seconds)")
+    times = frame["arrival_s"].to_numpy(dtype=float)
+    if len(times) < w.requests:
+        raise ConfigError(f"{len(times)} arrivals for {w.requests} requests", source=str(path), field="arrival_s",
+                          fix=f"give workload.requests <= {len(times)}")
+    times = times[:w.requests]
+    if not np.isfinite(times).all() or (times < 0).any() or (np.diff(times) < 0).any():
+        raise ConfigError("arrival times must be finite, >= 0 and sorted", source=str(path), field="arrival_s",
+                          fix="sort the file by arrival_s")
+    return times
+
+
+class ServingRun:
+    """Drives one :class:`Simulator` with a scheduler and an arrival process (SimPy processes on its env)."""
+
+    def __init__(self, sim: Simulator, pool: RequestPool, scheduler: Scheduler, workload: WorkloadConfig,
+                 seed: int = 0) -> None:
+        self.sim, self.pool, self.scheduler, self.workload = sim, pool, scheduler, workload
+        self.rng = np.random.default_rng(seed)
+        self.env = sim.env
+        self.layers = sim.model.num_layers
+        self.served = [pool.requests[i % len(pool)] for i in range(workload.requests)]
+        self.records = [RequestRecord(i, t.source, t.request, t.prompt, t.output, float("nan"))
+                        for i, t in enumerate(self.served)]
+        self.states: dict[int, Request] = {}
+        #: per step, (request, first position, tokens) of each entry: what ran when
+        self.batches: list[list[tuple[int, int, int]]] = []
+        self._work = self.env.event()
+        self._finished = {i: self.env.event() for i in range(workload.requests)}
+        self._left = workload.requests
+        self.kv_peak = 0
+        #: requests over the time of the last arrival (open loops only)
+        self.offered = float("nan")
+
+    def run(self) -> ServeResult:
+        engine = self.sim.run(driver=self._drive)  # the engine configures the system and closes the run
+        for record in self.records:
+            state = self.states[record.request]
+            record.preemptions = state.preemptions
+            record.recomputed_tokens = state.recomputed
+        return ServeResult(self.records, engine, self.workload, self.scheduler.name, self.scheduler.kv_tokens,
+                           self.offered, self.batches, self.kv_peak)
+
+    # ------------------------------------------------------------------ processes
+    def _submit(self, i: int) -> None:
+        t = self.served[i]
+        self.records[i].arrival_s = self.env.now
+        state = Request(i, self.env.now, t.prompt, t.output)
+        self.states[i] = state
+        self.scheduler.add(state)
+        if not self._work.triggered:
+            self._work.succeed()
+
+    def _open_loop(self, times: np.ndarray):
+        for i, t in enumerate(times.tolist()):
+            if t > self.env.now:
+                yield self.env.timeout(t - self.env.now)
+            self._submit(i)
+
+    def _client(self, first: int):
+        stride = self.workload.concurrency
+        for i in range(first, self.workload.requests, stride):
+            self._submit(i)
+            yield self._finished[i]
+
+    def _drive(self):
+        """Start the arrivals, then serve until every request is done (the engine's forward process)."""
+        w = self.workload
+        if w.arrival == "closed":
+            for client in range(min(w.concurrency, w.requests)):
+                self.env.process(self._client(client))
+        else:
+            times = arrival_times(w, self.rng)
+            self.offered = len(times) / times[-1] if times[-1] > 0 else float("inf")
+            self.env.process(self._open_loop(times))
+        yield from self._server()
+
+    def _server(self):
+        env, sim = self.env, self.sim
+        index = 0
+        while self._left:
+            batch = self.scheduler.next_batch()
+            if not batch.entries:
+                self._work = env.event()
+                yield self._work
+                continue
+            start = env.now
+            step = build_step(index, batch.entries, self.served, self.layers)
+            self.batches.append([(r.rid, r.done, n) for r, n in batch.entries])
+            end = sim.run_step(step, start)
+            yield env.timeout(end - start)
+            requests = sorted({r.rid for r, _ in batch.entries})
+            sim.steps.append(StepRecord(index, PHASES[int(step.phase.min())], start, end, step.tokens, requests))
+            self._record(batch, start, end)
+            index += 1
+
+    def _record(self, batch: Batch, start: float, end: float) -> None:
+        self.kv_peak = max(self.kv_peak, self.scheduler.kv_used() + batch.tokens)  # entries held during the step
+        for request, n in batch.entries:
+            record = self.records[request.rid]
+            if record.scheduled_s != record.scheduled_s:  # nan: first time it runs
+                record.scheduled_s = start
+            record.computed_tokens += n
+        for request in self.scheduler.advance(batch):
+            self.records[request.rid].finish_s = end
+            self._finished[request.rid].succeed()
+            self._left -= 1
+        for request, _ in batch.entries:
+            record = self.records[request.rid]
+            if record.first_token_s != record.first_token_s and request.done >= max(request.prompt, 1):
+                record.first_token_s = end
+
+
+def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | None = None, *,
+          model_preset: str | None = None, seed: int = 0, timeline: bool = False,
+          decisions: bool = False) -> ServeResult:
+    """Serve ``workload.requests`` requests drawn from ``traces`` under ``system`` and a scheduler."""
+    from moesim.sim.run import members, prepare
+    parsed = split_settings(settings)
+    if members(system) != (system,):
+        raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
+                          field="--system", fix=f"use one of its members: {', '.join(members(system))}")
+    scheduler = build_scheduler(parsed.scheduler, parsed.scheduler_params)
+    sim = prepare(traces[0], hw, system, parsed.replay, model_preset=model_preset, seed=seed,
+                  timeline=timeline, decisions=decisions)
+    if any(hasattr(c, "_future") for c in sim.system.components.values()):
+        raise ConfigError(f"'{system}' plans with the trace's future routing, which a served order does not have",
+                          field="--system", fix="serve an online system (see `moesim systems`)")
+    pool = RequestPool(list(traces), sim.system.needed_columns())
+    kv = kv_budget_tokens(sim.memory, sim.model.kv_bytes_per_token(), sim.system.ignores_memory)
+    if parsed.workload.kv_tokens:
+        if kv is not None and parsed.workload.kv_tokens > kv:
+            raise ConfigError(f"workload.kv_tokens={parsed.workload.kv_tokens} exceeds the {kv} KV entries "
+                              f"the GPU has beside the expert cache", field="workload.kv_tokens",
+                              fix=f"use <= {kv}, or fewer expert slots")
+        kv = parsed.workload.kv_tokens
+    scheduler.set_kv_tokens(kv)
+    for t in pool.requests[:parsed.workload.requests]:
+        scheduler.check(Request(0, 0.0, t.prompt, t.output))
+    return ServingRun(sim, pool, scheduler, parsed.workload, seed=seed).run()

@@ -1,0 +1,135 @@
+"""Batching schedulers on hand-worked queues: each mechanism and each parameter changes the batches it forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from moesim.errors import ConfigError
+from moesim.policy.scheduler import ContinuousBatching, Request, StaticBatching, build_scheduler
+
+
+def req(rid: int, prompt: int, output: int) -> Request:
+    return Request(rid, 0.0, prompt, output)
+
+
+def plan(scheduler, kv: int | None = None) -> list[tuple[int, int]]:
+    """Run the scheduler until idle; the (request, tokens) of every step."""
+    scheduler.set_kv_tokens(kv)
+    steps = []
+    while not scheduler.idle:
+        batch = scheduler.next_batch()
+        assert batch.entries
+        steps.append(sorted((r.rid, n) for r, n in batch.entries))
+        scheduler.advance(batch)
+    return steps
+
+
+def test_static_batch_runs_to_its_last_request():
+    s = StaticBatching(max_batch=2)
+    for r in (req(0, 3, 1), req(1, 2, 3), req(2, 1, 0)):
+        s.add(r)
+    # prompts of 0 and 1 together, then decodes; 0 finishes after one decode, 2 may not join until 1 is done
+    assert plan(s) == [[(0, 3), (1, 2)], [(0, 1), (1, 1)], [(1, 1)], [(1, 1)], [(2, 1)]]
+
+
+def test_static_admits_only_what_fits_in_kv():
+    s = StaticBatching(max_batch=4)
+    for r in (req(0, 3, 2), req(1, 3, 2)):
+        s.add(r)
+    assert plan(s, kv=9)[0] == [(0, 3)]  # 5 + 5 > 9: the second waits for the next batch
+    s = StaticBatching(max_batch=4)
+    for r in (req(0, 3, 2), req(1, 3, 2)):
+        s.add(r)
+    assert plan(s, kv=10)[0] == [(0, 3), (1, 3)]
+
+
+def test_vllm_prefills_first_and_stalls_decodes():
+    s = build_scheduler("vllm", {})
+    s.add(req(0, 2, 3))
+    s.set_kv_tokens(None)
+    first = s.next_batch()
+    s.advance(first)
+    s.add(req(1, 4, 1))
+    second = s.next_batch()
+    assert [(r.rid, n) for r, n in second.entries] == [(1, 4)]  # request 0's decode waits
+    s.advance(second)
+    assert sorted((r.rid, n) for r, n in s.next_batch().entries) == [(0, 1), (1, 1)]
+
+
+def test_decode_priority_mixes_decodes_with_prefill_chunks():
+    s = ContinuousBatching(max_batch=8, max_tokens=4, chunk_tokens=4, priority="decode")
+    s.add(req(0, 2, 3))
+    s.set_kv_tokens(None)
+    s.advance(s.next_batch())
+    s.add(req(1, 7, 1))
+    steps = []
+    for _ in range(3):
+        batch = s.next_batch()
+        steps.append(sorted((r.rid, n) for r, n in batch.entries))
+        s.advance(batch)
+    # one decode token of 0 plus 3 prompt tokens of 1 fill the budget of 4; the last 1 prompt token, then decodes
+    assert steps == [[(0, 1), (1, 3)], [(0, 1), (1, 3)], [(0, 1), (1, 1)]]
+
+
+def test_chunk_tokens_caps_one_requests_prefill_piece():
+    def first_step(chunk: int) -> list[tuple[int, int]]:
+        s = ContinuousBatching(max_batch=8, max_tokens=100, chunk_tokens=chunk, priority="prefill")
+        s.add(req(0, 10, 1))
+        s.add(req(1, 10, 1))
+        return plan(s)[0]
+    assert first_step(0) == [(0, 10), (1, 10)]
+    assert first_step(4) == [(0, 4), (1, 4)]
+
+
+def test_max_tokens_without_chunking_holds_a_prompt_back():
+    s = ContinuousBatching(max_batch=8, max_tokens=12, chunk_tokens=0)
+    for r in (req(0, 8, 1), req(1, 8, 1)):
+        s.add(r)
+    assert plan(s)[:2] == [[(0, 8)], [(1, 8)]]
+
+
+def test_max_batch_limits_requests_per_step():
+    s = ContinuousBatching(max_batch=2, max_tokens=100)
+    for r in (req(0, 1, 1), req(1, 1, 1), req(2, 1, 1)):
+        s.add(r)
+    steps = plan(s)
+    assert steps[0] == [(0, 1), (1, 1)] and max(len(x) for x in steps) == 2
+
+
+def test_kv_exhaustion_preempts_the_newest_and_recomputes():
+    s = ContinuousBatching(max_batch=8, max_tokens=100)
+    a, b = req(0, 4, 3), req(1, 4, 3)
+    s.add(a)
+    s.add(b)
+    s.set_kv_tokens(10)
+    s.advance(s.next_batch())  # both prompts: 8 entries
+    s.advance(s.next_batch())  # both decode: 10 entries, the budget
+    batch = s.next_batch()  # no room: request 1 (admitted last) is preempted for request 0
+    assert [(r.rid, n) for r, n in batch.entries] == [(0, 1)]
+    assert batch.preempted == [b] and b.preemptions == 1 and b.done == 0
+    assert b.prefill_until == 5 and b.recomputed == 5  # its prompt and first decode token come back as prefill
+    s.advance(batch)
+    steps = plan(s, kv=10)
+    # request 0 finishes (7 entries), then 1 prefills its 5 tokens again and decodes its last two
+    assert steps == [[(0, 1)], [(1, 5)], [(1, 1)], [(1, 1)]]
+
+
+def test_presets_cite_their_defaults():
+    assert build_scheduler("sarathi", {}).max_tokens == 512
+    assert build_scheduler("llamacpp", {}).max_batch == 4
+    assert build_scheduler("vllm", {"max_batch": "3"}).max_batch == 3
+    with pytest.raises(ConfigError, match="scheduler.priority"):
+        build_scheduler("vllm", {"priority": "fastest"})
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        build_scheduler("fcfs", {})
+    with pytest.raises(ConfigError, match="scheduler.nope"):
+        build_scheduler("static", {"nope": "1"})
+
+
+def test_requests_that_could_never_run_are_refused():
+    s = ContinuousBatching(max_tokens=8)
+    with pytest.raises(ConfigError, match="exceeds scheduler.max_tokens"):
+        s.check(req(0, 9, 1))
+    s.set_kv_tokens(5)
+    with pytest.raises(ConfigError, match="KV cache"):
+        s.check(req(0, 3, 3))

@@ -1,0 +1,267 @@
+"""Serving runs: invariants (hypothesis), replay equivalence, KV preemption, arrival processes."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from moesim.analysis.metrics import metrics
+from moesim.analysis.serving import request_frame, serving_metrics
+from moesim.api import slice_trace
+from moesim.errors import ConfigError
+from moesim.sim.run import prepare, simulate
+from moesim.sim.serving import WorkloadConfig, arrival_times, kv_budget_tokens, serve
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLED = REPO / "traces" / "mixtral-8x7b-humaneval.parquet"
+FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+STATELESS = ["cpu-only", "static-hot", "all-in-gpu"]  # no state carried from one request to the next
+
+
+def request_routing(rng: np.random.Generator, model, lengths: list[tuple[int, int]]) -> list[dict]:
+    """One request after another: its prompt in one step, then one step per decode token."""
+    def pick(n: int) -> list[list[list[int]]]:
+        return [[sorted(rng.choice(model.num_experts, model.top_k, replace=False).tolist()) for _ in range(n)]
+                for _ in range(model.num_layers)]
+    steps = []
+    for r, (prompt, decode) in enumerate(lengths):
+        if prompt:
+            steps.append({"phase": "prefill", "tokens": {r: (0, pick(prompt))}})
+        for d in range(decode):
+            steps.append({"phase": "decode", "tokens": {r: (prompt + d, pick(1))}})
+    return steps
+
+
+@st.composite
+def pools(draw):
+    experts = draw(st.integers(2, 6))
+    model = tiny_model(layers=draw(st.integers(1, 3)), experts=experts, top_k=draw(st.integers(1, min(2, experts))))
+    lengths = draw(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=3))
+    profile = dict(gpu_us=(draw(st.floats(10, 500)), 5000.0), cpu_us=(draw(st.floats(10, 5000)), 50000.0),
+                   attention_us=draw(st.floats(1, 200)), pcie_gbps=draw(st.sampled_from([0.001, 0.01, 1.0])))
+    return model, request_routing(np.random.default_rng(draw(st.integers(0, 2**16))), model, lengths), profile
+
+
+def run_serve(tmp: str, model, routing, profile, system: str, extra: dict[str, str]):
+    path = str(write_tiny_trace(Path(tmp) / "t.parquet", model, routing))
+    return path, serve([path], tiny_profile(**profile), system, extra)
+
+
+@FAST
+@given(pools(), st.sampled_from(["gpu-only-lru", "cpu-only", "static-hot"]),
+       st.sampled_from(["static", "vllm", "sarathi", "llamacpp"]), st.sampled_from(["poisson", "gamma", "closed"]),
+       st.integers(0, 30))
+def test_serving_invariants(pool, system, scheduler, arrival, kv):
+    model, routing, profile = pool
+    with tempfile.TemporaryDirectory() as tmp:
+        longest = max(r.tokens for r in _pool_lengths(tmp, model, routing))
+        extra = {"workload.arrival": arrival, "workload.qps": "20", "workload.cv": "3", "workload.requests": "7",
+                 "workload.concurrency": "2", "scheduler": scheduler, "cache.slots_per_layer": str(model.top_k),
+                 "scheduler.max_tokens": "4", "scheduler.chunk_tokens": "2"}
+        if scheduler == "static":
+            del extra["scheduler.max_tokens"], extra["scheduler.chunk_tokens"]
+        if kv:  # small KV caches force preemptions
+            extra["workload.kv_tokens"] = str(longest + kv % 5)
+        _, result = run_serve(tmp, model, routing, profile, system, extra)
+    frame = request_frame(result)
+    # no request finishes before it arrives, and its events are in order
+    assert (frame.scheduled_s >= frame.arrival_s).all()
+    assert (frame.first_token_s >= frame.scheduled_s).all()
+    assert (frame.finish_s >= frame.first_token_s).all()
+    # every token of every request computed once, plus those a preemption dropped, computed again
+    positions: dict[int, Counter] = {r: Counter() for r in frame.request}
+    for batch in result.batches:
+        assert len({rid for rid, _, _ in batch}) == len(batch)
+        for rid, first, n in batch:
+            positions[rid].update(range(first, first + n))
+    for row in frame.itertuples():
+        total = row.prompt_tokens + row.output_tokens
+        assert set(positions[row.request]) == set(range(total))
+        assert sum(positions[row.request].values()) == row.computed_tokens == total + row.recomputed_tokens
+        assert (row.recomputed_tokens > 0) == (row.preemptions > 0)
+    # KV never over budget; throughput never above the offered load
+    m = serving_metrics(result)
+    if kv:
+        assert 0 < m["kv_peak_tokens"] <= m["kv_tokens"] == int(extra["workload.kv_tokens"])
+    if arrival != "closed":
+        assert m["throughput_rps"] <= m["offered_qps"] * (1 + 1e-12)
+    # the engine saw every step back to back, never before the batch was formed
+    steps = result.engine.steps
+    assert all(b.start >= a.end - 1e-12 for a, b in zip(steps, steps[1:]))
+
+
+def _pool_lengths(tmp, model, routing):
+    from moesim.sim.serving import RequestPool
+    path = str(write_tiny_trace(Path(tmp) / "t.parquet", model, routing))
+    return RequestPool([path], []).requests
+
+
+@FAST
+@given(pools(), st.sampled_from(STATELESS))
+def test_latency_at_vanishing_load_equals_solo_replay(pool, system):
+    model, routing, profile = pool
+    with tempfile.TemporaryDirectory() as tmp:
+        same = {"cache.slots_per_layer": str(model.top_k)}
+        if system == "static-hot":  # the hot set from the whole pool, not from each request's own rows
+            same["cache.calibration"] = str(write_tiny_trace(Path(tmp) / "calibration.parquet", model, routing))
+        path, result = run_serve(tmp, model, routing, profile, system,
+                                 {"workload.qps": "1e-3", "workload.requests": "3", **same})
+        frame = request_frame(result)
+        for row in frame.itertuples():
+            solo = slice_trace(path, Path(tmp) / f"solo{row.source_request}.parquet", requests=[row.source_request])
+            replay = simulate(str(solo), tiny_profile(**profile), system, same)
+            assert row.queue_ms == 0
+            # equal up to the rounding of absolute times near 1e3 s (2e-13 s)
+            assert row.e2e_ms == pytest.approx(replay.makespan_s * 1e3, rel=1e-9, abs=1e-6)
+            if row.prompt_tokens:
+                assert row.ttft_ms == pytest.approx(metrics(replay)["ttft_ms"], rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.parametrize("system", ["gpu-only-lru", "cpu-only", "fiddler"])
+def test_one_request_closed_loop_reproduces_the_replay(tmp_path, system):
+    trace = slice_trace(BUNDLED, tmp_path / "r0.parquet", requests=[0])
+    replay = metrics(simulate(str(trace), "rtx4090", system))
+    served = serve([str(trace)], "rtx4090", system,
+                   {"workload.arrival": "closed", "workload.requests": "1", "scheduler": "static",
+                    "scheduler.max_batch": "1"})
+    again = metrics(served.engine)
+    for m in (replay, again):
+        m.pop("sim_wall_s")
+    assert json.dumps(again, sort_keys=True, default=str) == json.dumps(replay, sort_keys=True, default=str)
+    row = request_frame(served).iloc[0]
+    assert row.ttft_ms == replay["ttft_ms"] and row.e2e_ms == replay["makespan_s"] * 1e3
+
+
+def test_kv_budget_is_the_memory_the_expert_cache_leaves(tmp_path):
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, request_routing(np.random.default_rng(0), model,
+                                                                                 [(3, 2)])))
+    profile = tiny_profile()
+    sim = prepare(path, profile, "gpu-only-lru", {"cache.slots_per_layer": "2"})
+    mem = sim.memory
+    left = (mem.gpu_bytes - mem.reserved_bytes - mem.non_expert_bytes - mem.workspace_bytes - mem.staging_bytes
+            - 4 * mem.expert_bytes)
+    assert kv_budget_tokens(mem, model.kv_bytes_per_token(), False) == left // model.kv_bytes_per_token()
+    # one more slot per layer costs 2 experts' bytes of KV
+    more = prepare(path, profile, "gpu-only-lru", {"cache.slots_per_layer": "3"}).memory
+    fewer_tokens = kv_budget_tokens(mem, model.kv_bytes_per_token(), False) - \
+        kv_budget_tokens(more, model.kv_bytes_per_token(), False)
+    assert abs(fewer_tokens - 2 * mem.expert_bytes / model.kv_bytes_per_token()) <= 1
+    assert kv_budget_tokens(mem, model.kv_bytes_per_token(), True) is None
+
+
+def test_small_kv_preempts_and_recomputes(tmp_path):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    routing = request_routing(np.random.default_rng(1), model, [(4, 4)])
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
+    base = {"workload.arrival": "closed", "workload.concurrency": "3", "workload.requests": "3",
+            "scheduler": "vllm"}
+    roomy = serving_metrics(serve([path], tiny_profile(), "cpu-only", base))
+    tight = serving_metrics(serve([path], tiny_profile(), "cpu-only", {**base, "workload.kv_tokens": "12"}))
+    assert roomy["preemptions"] == 0 and roomy["recomputed_tokens"] == 0
+    # 3 prompts of 4 fill 12 entries; the first decode preempts the newest (5 tokens come back as prefill)
+    assert tight["preemptions"] >= 1 and tight["recomputed_tokens"] >= 5
+    assert tight["e2e_ms_mean"] > roomy["e2e_ms_mean"]
+
+
+def test_arrival_processes():
+    rng = np.random.default_rng(0)
+    gaps = np.diff(arrival_times(WorkloadConfig(arrival="poisson", qps=4.0, requests=20000), rng))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03) and gaps.std() / gaps.mean() == pytest.approx(1, rel=0.05)
+    gaps = np.diff(arrival_times(WorkloadConfig(arrival="gamma", qps=4.0, cv=3.0, requests=20000), rng))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.1) and gaps.std() / gaps.mean() == pytest.approx(3, rel=0.1)
+
+
+def test_arrival_file_and_closed_loop(tmp_path):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(2), model, [(2, 3), (1, 1)])))
+    (tmp_path / "arrivals.csv").write_text("arrival_s\n0.5\n0.5\n7\n")
+    result = serve([path], tiny_profile(), "cpu-only",
+                   {"workload.arrival": "trace", "workload.arrival_file": str(tmp_path / "arrivals.csv"),
+                    "workload.requests": "3"})
+    frame = request_frame(result)
+    assert frame.arrival_s.tolist() == [0.5, 0.5, 7.0]
+    assert frame.source_request.tolist() == [0, 1, 0]  # drawn from the pool in turn
+    closed = request_frame(serve([path], tiny_profile(), "cpu-only",
+                                 {"workload.arrival": "closed", "workload.requests": "4"}))
+    # one client: each request arrives when the previous one finishes
+    assert closed.arrival_s.tolist()[1:] == closed.finish_s.tolist()[:-1]
+    two = request_frame(serve([path], tiny_profile(), "cpu-only",
+                              {"workload.arrival": "closed", "workload.requests": "4", "workload.concurrency": "2"}))
+    assert (two.arrival_s == 0).sum() == 2
+
+
+def test_bad_serving_input_names_the_field(tmp_path):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(3), model, [(2, 1)])))
+    cases = [({"workload.arrival": "bursty"}, "workload.arrival"), ({"workload.qps": "0"}, "workload.qps"),
+             ({"workload.arrival": "trace"}, "workload.arrival_file"), ({"workload.speed": "1"}, "workload.speed"),
+             ({"workload.kv_tokens": "10000000000"}, "workload.kv_tokens")]
+    for settings_, field in cases:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            serve([path], tiny_profile(), "gpu-only-lru", settings_)
+    with pytest.raises(ConfigError, match="future routing"):
+        serve([path], tiny_profile(), "belady", {})
+    with pytest.raises(ConfigError, match="portfolio"):
+        serve([path], tiny_profile(), "oracle", {})
+
+
+def test_pool_reads_several_traces_of_one_model(tmp_path):
+    from moesim.sim.serving import RequestPool
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    rng = np.random.default_rng(4)
+    a = str(write_tiny_trace(tmp_path / "a.parquet", model, request_routing(rng, model, [(3, 2), (1, 4)])))
+    b = str(write_tiny_trace(tmp_path / "b.parquet", model, request_routing(rng, model, [(0, 5)])))
+    pool = RequestPool([a, b], [])
+    assert [(Path(r.source).name, r.request, r.prompt, r.output) for r in pool.requests] == \
+        [("a.parquet", 0, 3, 2), ("a.parquet", 1, 1, 4), ("b.parquet", 0, 0, 5)]
+    frame = request_frame(serve([a, b], tiny_profile(), "cpu-only", {"workload.requests": "4", "workload.qps": "5"}))
+    assert frame.source_request.tolist() == [0, 1, 0, 0] and frame.output_tokens.tolist() == [2, 4, 5, 2]
+    other = tiny_model(layers=2, experts=6, top_k=1)
+    c = str(write_tiny_trace(tmp_path / "c.parquet", other, request_routing(rng, other, [(1, 1)])))
+    with pytest.raises(ConfigError, match="c.parquet.*moesim.model"):
+        RequestPool([a, c], [])
+
+
+def test_a_request_missing_rows_on_a_layer_is_refused(tmp_path):
+    from moesim.sim.serving import RequestPool
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    routing = [{"phase": "prefill", "tokens": {0: (0, [[[0], [1]], [[2]]])}}]  # two tokens on layer 0, one on 1
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
+    with pytest.raises(ConfigError, match="request 0 does not have the same tokens on every layer"):
+        RequestPool([path], [])
+
+
+def test_chunked_prefill_keeps_decodes_flowing(tmp_path):
+    """A long prompt arriving during another request's decode: vLLM stalls the decode for the whole
+    prefill; Sarathi-Serve's token budget bounds the gap between its tokens and delays the long prompt."""
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    rng = np.random.default_rng(5)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model, request_routing(rng, model, [(1, 12), (80, 1)])))
+    (tmp_path / "arrivals.csv").write_text("arrival_s\n0\n0.003\n")
+    base = {"workload.arrival": "trace", "workload.arrival_file": str(tmp_path / "arrivals.csv"),
+            "workload.requests": "2"}
+
+    def run(scheduler: str, **params: str):
+        result = serve([path], tiny_profile(), "cpu-only", {**base, "scheduler": scheduler,
+                                                           **{f"scheduler.{k}": v for k, v in params.items()}})
+        ends = [s.end for s in result.engine.steps if 0 in s.requests]
+        # steps holding part of the long prompt beside a decode token of request 0
+        mixed = sum(any(r == 1 and first < 80 for r, first, _ in b) and any(r == 0 for r, _, _ in b)
+                    for b in result.batches)
+        return max(np.diff(ends)), request_frame(result).ttft_ms[1], mixed
+
+    vllm_gap, vllm_ttft, vllm_mix = run("vllm")
+    sarathi_gap, sarathi_ttft, sarathi_mix = run("sarathi", max_tokens="17", chunk_tokens="16")
+    assert vllm_mix == 0 and sarathi_mix == 5  # 80 prompt tokens in chunks of 16 beside a decode token each
+    assert sarathi_gap < vllm_gap / 2
+    assert sarathi_ttft > vllm_ttft

@@ -1,0 +1,107 @@
+"""`moesim serve-sim`, `moesim.serve` and sweeps over workload.*: outputs, figures and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+import moesim
+from moesim.analysis.serving import REQUEST_COLUMNS, max_qps_under_slo, parse_slo
+from moesim.cli import main
+from moesim.errors import ConfigError
+from tests.factories import profile_dict, tiny_model, write_tiny_trace
+from tests.sim.test_serving import request_routing
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             request_routing(np.random.default_rng(3), model, [(4, 6), (2, 3)]))
+    profile = tmp_path / "hw.yaml"
+    profile.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return str(trace), str(profile)
+
+
+def test_serve_sim_writes_metrics_requests_and_figure(files, tmp_path, capsys):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "gpu-only-lru", "--qps", "50", "--requests", "6",
+                 "--slo", "ttft_ms=1000,tpot_ms=1000", "--json", str(tmp_path / "m.json"),
+                 "--requests-out", str(tmp_path / "r.parquet"), "--plot", str(tmp_path / "f.png")])
+    assert code == 0, capsys.readouterr().err
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["requests"] == 6 and m["qps"] == 50 and m["scheduler"] == "vllm"
+    for key in ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p99", "e2e_ms_p99", "queue_ms_p50",
+                "goodput_rps", "slo_attainment", "throughput_rps", "offered_qps", "preemptions"):
+        assert key in m
+    assert m["goodput_rps"] <= m["throughput_rps"] <= m["offered_qps"]
+    frame = pd.read_parquet(tmp_path / "r.parquet")
+    assert list(frame.columns) == list(REQUEST_COLUMNS) and len(frame) == 6
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "gpu-only-lru,cpu-only", "--qps", "1,100",
+                 "--requests", "4", "--json", str(tmp_path / "m.json")])
+    assert code == 0
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert [(r["system"], r["qps"]) for r in rows] == [("gpu-only-lru", 1), ("gpu-only-lru", 100),
+                                                       ("cpu-only", 1), ("cpu-only", 100)]
+    # a higher load queues more
+    assert rows[1]["e2e_ms_mean"] >= rows[0]["e2e_ms_mean"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--slo", "ttft=5"], "--slo"),
+    (["--set", "workload.arrival=bursty"], "workload.arrival"),
+    (["--scheduler", "fifo"], "scheduler"),
+    (["--system", "a,b", "--requests-out", "x.parquet"], "--requests-out"),
+])
+def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, *args])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_api_serve_and_sweep_over_workload(files, tmp_path):
+    trace, hw = files
+    run = moesim.serve(trace, hw=hw, system="cpu-only", qps=20, requests=5, slo={"ttft_ms": 1e6},
+                       scheduler="sarathi", workload__arrival="gamma", workload__cv=2)
+    assert len(run.requests) == 5 and run.metrics["slo_attainment"] == 1.0 and run.metrics["arrival"] == "gamma"
+    frame = moesim.sweep({"traces": [trace], "systems": ["cpu-only"], "hw": [hw],
+                          "grid": {"workload__qps": [1, 50], "workload__requests": [4]}}, workers=1, progress=False)
+    assert frame.status.tolist() == ["ok", "ok"]
+    assert frame.qps.tolist() == [1.0, 50.0] and (frame.throughput_rps <= frame.offered_qps).all()
+    assert "engine_gpu_hit_rate" in frame
+    from moesim.analysis.html_report import render_report
+    page = render_report(frame, gantt=False)
+    assert page.count("data:image/png") == 3 and "Time to first token per request against the arrival rate" in page
+
+
+def test_max_qps_under_slo_and_slo_parsing():
+    rows = [{"system": "a", "qps": q, "ttft_ms_p90": t} for q, t in ((1, 10), (2, 40), (4, 90), (8, 30))] + \
+           [{"system": "b", "qps": 1, "ttft_ms_p90": 200}]
+    best = max_qps_under_slo(rows, {"ttft_ms": 50})
+    assert best["a"] == 2 and np.isnan(best["b"])  # 8 passes by chance above a failing 4: not counted
+    assert parse_slo("ttft_ms=500, tpot_ms=80") == {"ttft_ms": 500.0, "tpot_ms": 80.0}
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_slo("ttft_ms=fast")
+
+
+def test_serve_sim_all_runs_every_system_that_can_serve(files, tmp_path, capsys):
+    from moesim.policy.systems import system_names
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "all", "--qps", "20", "--requests", "3",
+                 "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    served = {r["system"] for r in json.loads((tmp_path / "m.json").read_text())}
+    skipped = {name for name in system_names() if f"skipped {name}:" in out}
+    assert served | skipped == set(system_names()) and not served & skipped
+    assert {"cpu-only", "gpu-only-lru", "static-hot", "fiddler", "llamacpp"} <= served and "oracle" in skipped

@@ -1,0 +1,16 @@
+"""notebooks/serving.ipynb runs top to bottom and computes its conclusion (helpers of tests/test_notebooks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_notebooks import execute, outputs
+
+
+@pytest.mark.slow
+def test_serving_notebook():
+    notebook = execute("serving.ipynb")
+    assert len(outputs(notebook, "image/png")) == 2  # TTFT and TPOT percentiles vs QPS
+    conclusion = outputs(notebook, "text/markdown")[-1]
+    assert "Maximum load under p90 TTFT" in conclusion
+    assert conclusion.count("\n- ") == 3 and ("serves the most load" in conclusion or "No system" in conclusion)
