@@ -243,7 +243,7 @@ class RealExecutor:
 
     def _reset(self, system) -> None:
         self.system = system
-        self.cache = CacheState(capacity=list(self.memory.capacity))
+        self.cache = CacheState(capacity=list(self.memory.capacity), pool=self.memory.pool)
         self.counters = Counters()
         self.timeline: list[tuple] = []
         self.decisions: list[tuple] = []
@@ -272,7 +272,7 @@ class RealExecutor:
 
     def setup_ctx(self, system):
         from moesim.policy.base import RunContext
-        return RunContext(model=self.model, costs=self.costs, capacity=list(self.memory.capacity),
+        return RunContext(model=self.model, costs=self.costs, capacity=list(self.memory.capacity), pool=self.memory.pool,
                           trace_path=self.trace_path, seed=self.setup.seed, columns=self.setup.columns)
 
     # ------------------------------------------------------------------ run

@@ -78,7 +78,10 @@ def metrics(result: SimResult) -> dict[str, Any]:
         # quality proxies: gate weight touched, per routed (token, expert) activation
         "substituted_weight_mass": c.substituted_weight_mass / max(c.activations, 1),
         "deferred_weight_mass": c.deferred_weight_mass / max(c.activations, 1),
-        "slots_per_layer": result.memory.capacity[0] if result.memory.capacity else 0,
+        # the memory plan: every expert slot the cache holds, their mean per layer, and how they spread
+        "expert_slots": result.memory.slots,
+        "slots_per_layer": result.memory.slots / len(result.memory.capacity) if result.memory.capacity else 0,
+        "slot_spread": result.memory.describe(),
         "sim_wall_s": result.sim_wall_s,
         "notes": result.notes,
         "cost_fallbacks": result.cost_fallbacks,

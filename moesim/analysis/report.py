@@ -34,7 +34,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
         ("late prefetches", _fmt(m["late_prefetches"])),
         ("PCIe H2D", f"{m['pcie_h2d_bytes'] / 2**30:,.2f} GiB"),
         ("utilisation CPU / GPU / PCIe", f"{m['cpu_util']:.0%} / {m['gpu_util']:.0%} / {m['pcie_util']:.0%}"),
-        ("slots per layer", _fmt(m["slots_per_layer"])),
+        ("expert slots", str(m.get("slot_spread", m["expert_slots"]))),
         ("simulated in", f"{m['sim_wall_s']:.2f} s"),
     ]
     for row in rows:

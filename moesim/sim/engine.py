@@ -255,7 +255,7 @@ class Simulator:
         self.seed = seed
         self.progress = progress
         self.env = simpy.Environment()
-        self.cache = CacheState(capacity=list(memory.capacity))
+        self.cache = CacheState(capacity=list(memory.capacity), pool=memory.pool)
         self.counters = Counters()
         self.timeline: list[tuple] | None = [] if self.config.timeline else None
         self.decisions: list[tuple] | None = [] if self.config.decisions else None
@@ -273,7 +273,8 @@ class Simulator:
         self._cpu: dict[int, float] = {}
         self._gpu: dict[int, float] = {}
         self._shared: dict[int, float] = {}
-        self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), trace_path=trace_path,
+        self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
+                              trace_path=trace_path,
                               seed=seed, columns=columns)
 
     # ------------------------------------------------------------------ public

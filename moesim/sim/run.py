@@ -14,7 +14,7 @@ from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
 from moesim.policy.systems import SYSTEMS, build_system
 from moesim.sim.engine import SimConfig, SimResult, Simulator
-from moesim.sim.memory import peak_kv_tokens, plan_memory
+from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
 
 
@@ -35,7 +35,7 @@ class ReplaySettings:
     engine: SimConfig = field(default_factory=SimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     hw: dict[str, Any] = field(default_factory=dict)
-    slots_per_layer: int | None = None
+    cache: CacheRequest = field(default_factory=CacheRequest)
     system: dict[str, str] = field(default_factory=dict)
 
 
@@ -47,8 +47,23 @@ def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
     setattr(obj, key, coerce(raw, names[key], f"{section}.{key}"))
 
 
+def parse_slot_list(raw: Any, key: str) -> list[int]:
+    """``2``, ``[2,1,2]`` or ``2,1,2`` as a list of ints (one number applies to every layer)."""
+    if isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        items = [x for x in str(raw).strip().strip("[]()").replace(" ", "").split(",") if x != ""]
+    try:
+        return [int(x) for x in items] if items else []
+    except ValueError:
+        raise ConfigError(f"'{raw}' is not a number or a list of numbers", field=key,
+                          fix="write e.g. cache.slots_per_layer=2 or cache.slots_per_layer=[2,1,2,...]") from None
+
+
 def parse_settings(settings: dict[str, str]) -> ReplaySettings:
     out = ReplaySettings()
+    slots: int | None = None
+    per_layer: list[int] | None = None
     for key, raw in settings.items():
         section, _, rest = key.partition(".")
         if section == "engine" and rest:
@@ -58,9 +73,12 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
         elif section == "hw" and rest:
             out.hw[rest] = coerce(raw, None, key)
         elif key == "cache.slots_per_layer":
-            out.slots_per_layer = int(coerce(raw, 0, key))
+            per_layer = parse_slot_list(raw, key)
+        elif key == "cache.slots":
+            slots = int(coerce(raw, 0, key))
         else:
             out.system[key] = raw
+    out.cache = CacheRequest(slots=slots, slots_per_layer=per_layer)
     if out.memory.non_expert_dtype not in DTYPE_BITS:
         raise ConfigError(f"unknown dtype '{out.memory.non_expert_dtype}'", field="memory.non_expert_dtype",
                           fix=f"use one of {', '.join(DTYPE_BITS)}")
@@ -73,7 +91,9 @@ def common_parameters() -> list[str]:
     """``--set`` keys every system accepts."""
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
-    return keys + ["cache.slots_per_layer", "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
+    return keys + ["cache.slots (total expert slots; default all that fit)",
+                   "cache.slots_per_layer (N per layer, or a list [n0,n1,...])",
+                   "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
 
 
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
@@ -101,12 +121,9 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
-    memory = plan_memory(model, profile, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
+    memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
-                         non_expert_dtype=parsed.memory.non_expert_dtype,
-                         slots_per_layer=None if built.ignores_memory else
-                         parsed.slots_per_layer if built.uses_cache else 0,
-                         ignore_memory=built.ignores_memory)
+                         non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
     return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
                      columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
 
