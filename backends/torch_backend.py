@@ -633,7 +633,8 @@ class RealExecutor:
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
                          pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
                          timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
-                         initial_resident=self.initial, pcie_engines=1)
+                         initial_resident=self.initial, pcie_engines=1,
+                         rewrites=self.system.rewrites)
 
 
 def _spin(seconds: float) -> None:

@@ -83,6 +83,7 @@ class ComposedSystem:
         for component in self.components.values():
             component.configure(ctx)
         self.notes = ctx.notes
+        self.rewrites = {}
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         return self.cache.initial(layer, capacity)
@@ -206,8 +207,10 @@ class SystemSpec:
     defer: str = "none"
     ignores_memory: bool = False
     uses_cache: bool = True
-    #: a bound that runs several clairvoyant schedules and keeps the fastest
+    #: a bound that runs several schedules and keeps, per metric, the best
     portfolio: tuple[str, ...] = ()
+    #: the portfolio also runs every listed system that keeps to the memory budget
+    portfolio_catalogue: bool = False
     #: listed by `moesim systems` and run by `--system all`
     listed: bool = True
     #: ComposedSystem or a subclass with its own planning steps
@@ -247,12 +250,14 @@ register_system("gpu-only-lru", SystemSpec(
 register_system("static-hot", SystemSpec(
     "Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU", cache="static-hot", assign="resident"))
 register_system("all-in-gpu", SystemSpec(
-    "every expert resident on the GPU (bound; GPU memory not enforced)", cache="all", assign="gpu",
-    ignores_memory=True))
+    "reference, not a bound: every expert resident on the GPU, GPU memory not enforced (CPU-assisted "
+    "schedules within the memory budget may beat it)", cache="all", assign="gpu", ignores_memory=True))
 register_system("oracle", SystemSpec(
-    "bound: the fastest of several schedules that know the whole trace: Belady cache with perfect next-layer "
-    "prefetch and the best CPU/GPU split per layer; the trace's hottest experts pinned with the best split; "
-    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")))
+    "bound within the memory budget: per metric (TPOT, TTFT, makespan), the best of schedules that know the "
+    "whole trace (Belady cache with perfect next-layer prefetch and the best CPU/GPU split per layer; the "
+    "trace's hottest experts pinned with the best split; Belady and LRU demand paging) and of every listed "
+    "system under the same memory budget; the notes name the schedule behind each metric",
+    portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), portfolio_catalogue=True))
 register_system("oracle-prefetch", SystemSpec(
     "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
     cache="belady", assign="best", prefetch="perfect", listed=False))
@@ -267,6 +272,19 @@ register_system("belady", SystemSpec(
 def system_names(all_systems: bool = False) -> list[str]:
     """Systems `--system all` runs (or every registered one)."""
     return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]
+
+
+def portfolio_members(name: str) -> tuple[str, ...]:
+    """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
+    listed system that keeps to the memory budget and is not itself a portfolio."""
+    spec = SYSTEMS[name]
+    if not spec.portfolio:
+        return (name,)
+    out = list(spec.portfolio)
+    if spec.portfolio_catalogue:
+        out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
+                and not SYSTEMS[n].ignores_memory]
+    return tuple(out)
 
 
 def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:
@@ -307,7 +325,7 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
 def all_parameters(name: str) -> list[str]:
     spec = SYSTEMS[name]
     if spec.portfolio:
-        return sorted({p for member in spec.portfolio for p in all_parameters(member)})
+        return sorted({p for member in spec.portfolio for p in all_parameters(member)})  # its own schedules
     out = []
     for role, comp_name in spec.roles().items():
         out += [f"{role}.{p}" for p in COMPONENTS[role][comp_name].parameters()]

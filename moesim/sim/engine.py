@@ -231,6 +231,8 @@ class SimResult:
     cost_fallbacks: list[str]
     initial_resident: list[list[int]] = field(default_factory=list)
     pcie_engines: int = 1
+    #: (step, layer) -> routing rewrites the system made (substitution); the bound replays them
+    rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 TIMELINE_COLUMNS = ("resource", "lane", "start_s", "end_s", "kind", "step", "layer", "expert", "tokens")
@@ -293,7 +295,8 @@ class Simulator:
                          pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
                          notes=list(self.ctx.notes), timeline=self.timeline, decisions=self.decisions,
                          sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks),
-                         initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines)
+                         initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines,
+                         rewrites=self.system.rewrites)
 
     # ------------------------------------------------------------------ recording
     def _span(self, resource: str, lane: int, start: float, end: float, kind: str, step: int, layer: int,

@@ -83,9 +83,11 @@ class MemoryPlan:
         """One line: how many slots each layer got, compactly."""
         if self.ignores_memory:
             return f"every expert resident ({self.slots} slots; GPU memory not enforced)"
-        text = describe_quotas(self.capacity, self.pool)
         if self.reserved_slots:
-            text += f", {self.reserved_slots} of them a prefetch buffer"
+            cache = [max(c - self.reserved_slots, 0) for c in self.capacity]
+            text = f"{describe_quotas(cache)} + a model-wide prefetch buffer of {self.reserved_slots}"
+        else:
+            text = describe_quotas(self.capacity, self.pool)
         return f"{text} (of {self.total_slots} that fit)"
 
 

@@ -263,6 +263,7 @@ class MoEInfinitySystem(ObservingSystem):
             if role != "prefetch":
                 component.configure(ctx)
         self.notes = ctx.notes
+        self.rewrites = {}
         _TRACKERS.pop(id(ctx), None)
 
 
