@@ -14,6 +14,7 @@ from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
 from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
+from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
@@ -155,7 +156,6 @@ class PortfolioResult(SimResult):
 
 def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str] | None = None) -> PortfolioResult:
     """Combine the members' replays of a portfolio bound: each metric the minimum over its members."""
-    from moesim.analysis.metrics import latency_metrics  # analysis sits above sim; imported when a bound runs
     table = {}
     for r in runs:
         lat = latency_metrics(r.steps)

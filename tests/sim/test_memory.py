@@ -156,3 +156,43 @@ def test_cache_state_never_exceeds_its_slots(case):
             assert state.free(l) >= 0
         if pool is not None:
             assert state.held() <= pool
+
+
+def test_docs_worked_example():
+    """docs/memory-and-bounds.md, Mixtral-8x7B bf16 on rtx4090, number for number."""
+    from moesim.model.presets import load_preset
+    from moesim.sim.memory import peak_kv_tokens
+    memory = prepare(MIXTRAL, "rtx4090", "gpu-only-lru").memory
+    model = load_preset("mixtral-8x7b")
+    assert memory.gpu_bytes == 25_769_803_776 and memory.reserved_bytes == 0
+    assert memory.non_expert_bytes == 3_211_272_192 == 1_605_636_096 * 2
+    assert peak_kv_tokens(MIXTRAL) == 255 and model.kv_bytes_per_token() == 32 * 8 * 128 * 2 * 2
+    assert memory.kv_bytes == 33_423_360
+    assert memory.workspace_bytes == 536_870_912
+    assert memory.expert_bytes == 3 * 4096 * 14336 * 2 == 352_321_536
+    assert memory.staging_bytes == 704_643_072
+    assert memory.free_bytes == 21_283_594_240 and memory.total_slots == 60
+    assert [l for l, n in enumerate(memory.capacity) if n == 1] == [0, 8, 16, 24]
+    assert model.non_expert_bytes("int4") == 802_818_048
+    assert prepare(MIXTRAL, "rtx4090", "gpu-only-lru", {"memory.non_expert_dtype": "int4"}).memory.total_slots == 67
+
+
+def test_readme_python_example_runs():
+    """The README's Python example (cache__slots_per_layer=2 on rtx4090) fits the budget and replays."""
+    import re
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    call = block[:block.index("run.metrics")]
+    assert "cache__slots_per_layer=2" in call and 'hw="rtx4090"' in call
+    assert 'system="gpu-only-lru",' in call
+    namespace: dict = {}
+    import os
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        exec(call.replace('system="gpu-only-lru",', 'system="gpu-only-lru", timeline=False, decisions=False,'),
+             namespace)
+    finally:
+        os.chdir(here)
+    run = namespace["run"]
+    assert run.raw_metrics["expert_slots"] == 64 and run.raw_metrics["tpot_ms_mean"] > 0

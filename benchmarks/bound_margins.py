@@ -1,0 +1,86 @@
+"""How close any system comes to the oracle and to the physical lower bound (they must never be beaten).
+
+Replays every listed system and the oracle's schedules on random small synthetic
+traces (varied batch, cache size, expert dtype, PCIe speed) and on the bundled
+Mixtral trace, and prints the smallest ratio found of a system's TPOT, TTFT and
+makespan to the oracle's and to its own lower bound, with the case: a ratio
+below 1.00 would be a bound that does not hold (the property tests in
+tests/policy/test_bounds.py assert it never is).
+
+    .venv/bin/python benchmarks/bound_margins.py [--cases 40] [--no-mixtral]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def random_case(rng: random.Random, folder: Path, i: int) -> tuple[str, object, dict[str, str], str]:
+    from moesim.trace.synth import SynthConfig, synthesize
+    from tests.factories import tiny_model, tiny_profile
+    experts, shared, requests = rng.choice([4, 6, 8]), rng.random() < 0.5, rng.randint(1, 4)
+    model = tiny_model(layers=rng.randint(1, 3), experts=experts, top_k=2, shared=shared)
+    path = folder / f"case{i}.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=requests, prompt_len=rng.randint(1, 8),
+                                         decode_len=rng.randint(0, 6), batch=requests, seed=rng.randint(0, 10**6)),
+               path)
+    profile = tiny_profile(shared_us=(80.0, 800.0) if shared else None, pcie_gbps=rng.choice([0.001, 0.01, 0.1, 1.0]))
+    settings = {"memory.expert_dtype": rng.choice(["bf16", "int8", "int4"])}
+    cache = rng.choice(["cache.slots_per_layer=1", "cache.slots_per_layer=2", "cache.slots=3", ""])
+    if cache:
+        key, value = cache.split("=")
+        settings[key] = value
+    label = f"case {i}: {model.num_layers} layers x {experts} experts, batch {requests}, {settings}"
+    return str(path), profile, settings, label
+
+
+def report(rows: list[dict], label: str, closest: dict) -> None:
+    for row in rows:
+        for kind in ("vs_oracle", "vs_floor"):
+            value = row[kind]
+            if math.isnan(value) or (kind == "vs_oracle" and row["reference"]) or row["system"] == "oracle" \
+                    and kind == "vs_oracle":
+                continue
+            if value < closest[kind][0]:
+                closest[kind] = (value, f"{row['system']} {row['metric']} in {label}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-mixtral", action="store_true")
+    args = parser.parse_args()
+    from moesim.analysis.margins import margins
+    closest = {"vs_oracle": (math.inf, ""), "vs_floor": (math.inf, "")}
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.cases):
+            path, profile, settings, label = random_case(rng, Path(tmp), i)
+            report(margins(path, profile, settings), label, closest)
+    print(f"{args.cases} random synthetic cases, every listed system:")
+    for kind, (value, where) in closest.items():
+        print(f"  smallest {kind.replace('_', ' ')} ratio: {value:.4f}  ({where})")
+    if not args.no_mixtral:
+        trace = str(ROOT / "traces" / "mixtral-8x7b-humaneval.parquet")
+        rows = margins(trace, "rtx4090", {})
+        print("mixtral-8x7b-humaneval on rtx4090, every listed system (TPOT / TTFT / makespan):")
+        by_system: dict[str, dict] = {}
+        for row in rows:
+            by_system.setdefault(row["system"], {})[row["metric"]] = row
+        for name, m in by_system.items():
+            cells = " ".join(f"{m[k]['vs_oracle']:6.2f}x/{m[k]['vs_floor']:6.2f}x"
+                             for k in ("tpot_ms_mean", "ttft_ms", "makespan_s"))
+            print(f"  {name:<18} vs oracle / vs own lower bound: {cells}")
+
+
+if __name__ == "__main__":
+    main()
