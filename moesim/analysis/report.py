@@ -118,7 +118,8 @@ def _first_cached(by_system: dict[str, dict[str, Any]]) -> str:
     """A system whose bound shows the capacity term: the first with a plain memory plan and no substitutions."""
     for name, m in by_system.items():
         bound = m.get("lower_bound", {})
-        if isinstance(bound.get("slots"), int) and not m.get("substituted_experts"):
+        if isinstance(bound.get("slots"), int) and bound["slots"] > 0 and not m.get("substituted_experts") \
+                and not m.get("portfolio_best"):
             return name
     return next(iter(by_system), "")
 
