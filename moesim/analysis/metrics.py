@@ -44,7 +44,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "slot_spread": result.memory.describe(),
         "sim_wall_s": result.sim_wall_s,
         # a portfolio bound: each metric the best of its schedules, and which schedule gave it
-        "portfolio_best": {k: name for k, (name, _) in getattr(result, "best", {}).items()},
+        "portfolio_best": "; ".join(f"{k}={name}" for k, (name, _) in getattr(result, "best", {}).items()),
         "notes": result.notes,
         "cost_fallbacks": result.cost_fallbacks,
     })

@@ -58,7 +58,7 @@ def parse_slot_list(raw: Any, key: str) -> list[int]:
     try:
         return [int(x) for x in items] if items else []
     except ValueError:
-        raise ConfigError(f"'{raw}' is not a number or a list of numbers", field=key,
+        raise ConfigError(f"'{raw}' is not a valid int or a list of ints", field=key,
                           fix="write e.g. cache.slots_per_layer=2 or cache.slots_per_layer=[2,1,2,...]") from None
 
 
