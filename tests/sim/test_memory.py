@@ -86,6 +86,9 @@ def test_slot_settings(small):
     assert prepare(small, profile, "gpu-only-lru", {"cache.slots_per_layer": "[3,0,1]"}).memory.capacity == [3, 0, 1]
     assert prepare(small, profile, "gpu-only-lru", {"cache.slots_per_layer": "2"}).memory.capacity == [2, 2, 2]
     assert prepare(small, profile, "gpu-only-lru").memory.capacity == [4, 4, 4]  # all that fit (24 GiB)
+    # llama.cpp holds whole layers of the same memory: 2 x 3 = 6 slots hold one layer of 4 experts
+    assert prepare(small, profile, "llamacpp", {"cache.slots_per_layer": "2"}).memory.capacity == [0, 0, 4]
+    assert prepare(small, profile, "llamacpp").memory.capacity == [4, 4, 4]
     pool = prepare(small, profile, "moe-infinity", {"cache.slots_per_layer": "2"}).memory
     assert pool.pool == 6 and pool.capacity == [4, 4, 4]  # the same memory, one model-wide pool
     with pytest.raises(ConfigError, match="lists 2 layers"):
