@@ -272,8 +272,9 @@ class RealExecutor:
 
     def setup_ctx(self, system):
         from moesim.policy.base import RunContext
-        return RunContext(model=self.model, costs=self.costs, capacity=list(self.memory.capacity), pool=self.memory.pool,
-                          trace_path=self.trace_path, seed=self.setup.seed, columns=self.setup.columns)
+        return RunContext(model=self.model, costs=self.costs, capacity=list(self.memory.capacity),
+                          pool=self.memory.pool, trace_path=self.trace_path, seed=self.setup.seed,
+                          columns=self.setup.columns)
 
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:

@@ -276,8 +276,7 @@ class Simulator:
         self._gpu: dict[int, float] = {}
         self._shared: dict[int, float] = {}
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
-                              trace_path=trace_path,
-                              seed=seed, columns=columns)
+                              trace_path=trace_path, seed=seed, columns=columns)
 
     # ------------------------------------------------------------------ public
     def run(self) -> SimResult:
