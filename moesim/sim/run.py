@@ -94,7 +94,7 @@ def common_parameters() -> list[str]:
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
     return keys + ["cache.slots (total expert slots; default all that fit)",
-                   "cache.slots_per_layer (N per layer, or a list [n0,n1,...])",
+                   "cache.slots_per_layer (N per layer, or one per layer: 2,1,2,...)",
                    "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
 
 
