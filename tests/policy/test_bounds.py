@@ -129,3 +129,39 @@ def test_no_row_beats_the_oracle_on_80_mixtral_steps(tmp_path):
     assert oracle["tpot_ms_mean"] <= smoe["tpot_ms_mean"]
     assert oracle["ttft_ms"] <= smoe["ttft_ms"]
     assert "tpot_ms_mean=" in oracle["portfolio_best"] and "ttft_ms=" in oracle["portfolio_best"]
+
+
+def test_window_term_by_hand(tmp_path):
+    """Two decode steps of one layer use four different experts; two slots: whatever is held at the start,
+    two of them must cross PCIe (0.49 s each) or run on the CPU (1 ms each) within the two steps."""
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    trace = write_tiny_trace(tmp_path / "w.parquet", model,
+                             [{"phase": "decode", "tokens": {0: (5, [[[0, 1]]])}},
+                              {"phase": "decode", "tokens": {0: (6, [[[2, 3]]])}}])
+    costs = CostModel(tiny_profile(), model)
+    # each step alone: attention 50 us, two experts of 100 us (GPU) / 1 ms (CPU), nothing to copy with 2 slots:
+    # 150 + 100 x = 1000 (1 - x) -> x = 850/1100 -> 227.27 us
+    step = 50e-6 + 100e-6 + 100e-6 * 850 / 1100
+    alone = physical_lower_bound(str(trace), model, costs)
+    assert alone["step_floor_s"] == pytest.approx([step, step])
+    # together: four distinct experts, two slots: CPU left 2 ms - 1 ms (U - 2) = copies tau (U - 2)
+    load = costs.h2d(costs.expert_bytes)
+    window = 2e-3 * load / (load + 1e-3)
+    both = physical_lower_bound(str(trace), model, costs, slots=2)
+    assert both["step_floor_s"] == pytest.approx([window / 2, window / 2])
+    assert both["tpot_ms_mean"] == pytest.approx(window / 2 * 1e3)
+    # the engine's schedules respect it: LRU copies two experts, static-hot runs them on the CPU
+    for system in ("gpu-only-lru", "static-hot", "oracle"):
+        result = simulate(str(trace), tiny_profile(), system, {"cache.slots": "2"})
+        assert result.makespan_s >= both["makespan_s"], system
+
+
+def test_decode_runs_stop_at_prefill_spans_and_request_changes():
+    import numpy as np
+    from moesim.policy.catalog.bounds import decode_runs
+    phases = ["prefill", "decode", "decode", "prefill", "decode", "decode", "decode", "decode"]
+    r0, r1, both = np.array([0]), np.array([1]), np.array([0, 1])
+    requests = [r0, r0, r0, r1, both, both, r1, r1]
+    assert decode_runs(phases, requests) == [slice(1, 3), slice(4, 6), slice(6, 8)]
+    # a decode step between two prefill steps of one request lies inside its TTFT: left alone
+    assert decode_runs(["prefill", "decode", "decode", "prefill"], [r0, r1, r1, r0]) == []

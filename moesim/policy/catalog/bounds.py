@@ -45,6 +45,17 @@ so is their maximum:
   (``slots`` experts, the most expensive on the CPU, are free; every further
   unit of GPU share costs ``tau`` on the copy engines and saves its CPU time).
 
+Across steps (``tighten``): over a window of consecutive steps, too, at most
+``slots`` experts are held at its start, and every other (layer, expert) that
+runs on the GPU even once in the window is copied inside it, while one that
+never does runs all its uses on the CPU; the same relaxation over the window's
+distinct experts (each costing the CPU time of all its uses) bounds the
+window's duration. Partitions of a run of decode steps serving the same
+requests into windows of 1, 2, 4, ... steps each bound the run's total; the
+largest is spread evenly over the run's steps, exact for makespan and for the
+mean TPOT (every step of the run serves the same requests). Runs inside a
+request's prefill span are left alone: a TTFT sums the steps of its span.
+
 TTFT, TPOT and makespan then follow the metric definitions on steps laid back
 to back at their floors: a request's TTFT spans whole steps, each at least its
 floor, so no replay reports less. Left out (so it stays a floor): launches,
@@ -131,13 +142,14 @@ def step_fixed_gpu(step: Step, model: ModelSpec, costs: CostModel) -> float:
     return fixed
 
 
-def step_counts(step: Step, model: ModelSpec, substitution: bool = False,
-                rewrites: Rewrites | None = None) -> list[int]:
-    """Tokens of every routed (layer, expert) the step computes, after the system's rewrites."""
-    counts: list[int] = []
+def step_pairs(step: Step, model: ModelSpec, substitution: bool = False,
+               rewrites: Rewrites | None = None) -> list[tuple[tuple[int, int], int]]:
+    """((layer, expert), tokens) of every routed expert the step computes, after the system's rewrites
+    (with ``substitution``, ``top_k`` stand-ins of one token per layer, expert ids -1, -2, ...)."""
+    out: list[tuple[tuple[int, int], int]] = []
     for layer, rows in step.layers():
         if substitution:
-            counts += [1] * model.top_k
+            out += [((int(layer), -1 - j), 1) for j in range(model.top_k)]
             continue
         experts = step.experts[rows]
         changes = rewrites.get((int(step.step), int(layer))) if rewrites else None
@@ -145,22 +157,105 @@ def step_counts(step: Step, model: ModelSpec, substitution: bool = False,
             experts = experts.copy()
             for row, slot, expert in changes:
                 experts[row, slot] = expert
-        counts += active_experts(experts, model.num_experts)[1]
-    return counts
+        active, counts = active_experts(experts, model.num_experts)
+        out += [((int(layer), e), n) for e, n in zip(active, counts)]
+    return out
+
+
+def step_counts(step: Step, model: ModelSpec, substitution: bool = False,
+                rewrites: Rewrites | None = None) -> list[int]:
+    """Tokens of every routed (layer, expert) the step computes, after the system's rewrites."""
+    return [n for _, n in step_pairs(step, model, substitution, rewrites)]
+
+
+def load_time(costs: CostModel) -> float:
+    """``tau``: copy-engine time per expert copied, spread over the engines."""
+    return costs.h2d(costs.expert_bytes) / max(costs.profile.pcie.copy_engines, 1)
 
 
 def step_floor(step: Step, model: ModelSpec, costs: CostModel, substitution: bool = False,
                slots: int | None = None, rewrites: Rewrites | None = None) -> float:
     """The physical floor of one trace step, seconds (see the module docstring)."""
+    return _step(step, model, costs, substitution, slots, rewrites)[0]
+
+
+def _step(step: Step, model: ModelSpec, costs: CostModel, substitution: bool, slots: int | None,
+          rewrites: Rewrites | None) -> tuple[float, dict[tuple[int, int], float]]:
+    """(floor, CPU seconds of every routed (layer, expert)) of one step."""
     fixed = step_fixed_gpu(step, model, costs)
-    counts = step_counts(step, model, substitution, rewrites)
-    gpu = [costs.gpu_expert(n) for n in counts]
-    cpu = [costs.cpu_expert(n) for n in counts]
+    pairs = step_pairs(step, model, substitution, rewrites)
+    gpu = [costs.gpu_expert(n) for _, n in pairs]
+    cpu = [costs.cpu_expert(n) for _, n in pairs]
     floor = balanced_floor(fixed, gpu, cpu)
     if slots is not None:
-        load_s = costs.h2d(costs.expert_bytes) / max(costs.profile.pcie.copy_engines, 1)
-        floor = max(floor, capacity_floor(cpu, load_s, slots))
-    return floor
+        floor = max(floor, capacity_floor(cpu, load_time(costs), slots))
+    return floor, {pair: c for (pair, _), c in zip(pairs, cpu)}
+
+
+def window_floor(steps_cpu: list[dict[tuple[int, int], float]], load_s: float, slots: int) -> float:
+    """Floor of a run of consecutive steps from the experts they share: ``capacity_floor`` over the distinct
+    (layer, expert) pairs of the window, each costing the CPU time of all its uses (see ``tighten``)."""
+    total: dict[tuple[int, int], float] = {}
+    for cpu in steps_cpu:
+        for pair, c in cpu.items():
+            total[pair] = total.get(pair, 0.0) + c
+    return capacity_floor(list(total.values()), load_s, slots)
+
+
+def tighten(floors: list[float], steps_cpu: list[dict[tuple[int, int], float]], load_s: float,
+            slots: int) -> list[float]:
+    """Raise the floors of a run of consecutive steps by what windows of them need together, spread evenly.
+
+    Over a window of consecutive steps, at most ``slots`` experts are held at its start; every other
+    (layer, expert) the window runs on the GPU even once is copied, whole, inside the window; one that never
+    runs on the GPU runs every use on the CPU. So the window lasts at least ``window_floor`` (the same
+    relaxation as ``capacity_floor``, one unit per distinct pair) and at least the sum of its step floors.
+    Each partition of the run into windows of ``k`` steps (k = 1, 2, 4, ...) bounds the run's total; the
+    largest total is spread evenly over the steps, which is exact for sums of the run's step durations
+    (makespan, and TPOT when every step serves the same requests: the caller's condition).
+    """
+    n = len(floors)
+    base = sum(floors)
+    best = base
+    k = 2
+    while k <= n:
+        total = 0.0
+        for start in range(0, n, k):
+            part = slice(start, start + k)
+            total += max(sum(floors[part]), window_floor(steps_cpu[part], load_s, slots))
+        best = max(best, total)
+        k *= 2
+    if n > 1:
+        best = max(best, window_floor(steps_cpu, load_s, slots))
+    extra = (best - base) / n if n else 0.0
+    return [f + extra for f in floors]
+
+
+def decode_runs(phases: list[str], requests: list[np.ndarray]) -> list[slice]:
+    """Runs of consecutive decode steps serving the same requests and inside no request's prefill span
+    (a TTFT spans whole steps; spreading a window's need evenly is exact only for whole runs)."""
+    inside = [False] * len(phases)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, (phase, reqs) in enumerate(zip(phases, requests)):
+        if phase == "prefill":
+            for r in reqs.tolist():
+                first.setdefault(r, i)
+                last[r] = i
+    for r, start in first.items():
+        for i in range(start, last[r] + 1):
+            inside[i] = True
+    runs: list[slice] = []
+    start = None
+    for i in range(len(phases) + 1):
+        same = (i < len(phases) and phases[i] == "decode" and not inside[i] and start is not None
+                and np.array_equal(requests[i], requests[start]))
+        if same:
+            continue
+        if start is not None and i - start > 1:
+            runs.append(slice(start, i))
+        start = i if i < len(phases) and phases[i] == "decode" and not inside[i] else None
+    return runs
 
 
 def physical_lower_bound(trace_path: str, model: ModelSpec, costs: CostModel, substitution: bool = False,
@@ -174,11 +269,17 @@ def physical_lower_bound(trace_path: str, model: ModelSpec, costs: CostModel, su
     floors: list[float] = []
     phases: list[str] = []
     requests: list[np.ndarray] = []
+    cpu: list[dict[tuple[int, int], float]] = []
     for step in iter_steps(trace_path, columns=()):
-        floors.append(step_floor(step, model, costs, substitution, slots, rewrites))
+        floor, step_cpu = _step(step, model, costs, substitution, slots, rewrites)
+        floors.append(floor)
+        cpu.append(step_cpu if slots is not None and not substitution else {})
         first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
         phases.append(PHASES[int(step.phase.min())])
         requests.append(np.unique(step.request[first]))
+    if slots is not None and not substitution:
+        for run in decode_runs(phases, requests):
+            floors[run] = tighten(floors[run], cpu[run], load_time(costs), slots)
     ends = np.cumsum(floors)
     starts = ends - np.asarray(floors)
     spans: dict[int, list[float]] = {}
