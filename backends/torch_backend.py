@@ -243,7 +243,7 @@ class RealExecutor:
 
     def _reset(self, system) -> None:
         self.system = system
-        self.cache = CacheState(capacity=list(self.memory.capacity))
+        self.cache = CacheState(capacity=list(self.memory.capacity), pool=self.memory.pool)
         self.counters = Counters()
         self.timeline: list[tuple] = []
         self.decisions: list[tuple] = []
@@ -273,7 +273,8 @@ class RealExecutor:
     def setup_ctx(self, system):
         from moesim.policy.base import RunContext
         return RunContext(model=self.model, costs=self.costs, capacity=list(self.memory.capacity),
-                          trace_path=self.trace_path, seed=self.setup.seed, columns=self.setup.columns)
+                          pool=self.memory.pool, trace_path=self.trace_path, seed=self.setup.seed,
+                          columns=self.setup.columns)
 
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:
@@ -633,7 +634,8 @@ class RealExecutor:
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
                          pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
                          timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
-                         initial_resident=self.initial, pcie_engines=1)
+                         initial_resident=self.initial, pcie_engines=1,
+                         rewrites=self.system.rewrites)
 
 
 def _spin(seconds: float) -> None:

@@ -50,13 +50,15 @@ HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
 TABLE4 = {("deepseek-v2-lite", 16): (12.4, 14.4), ("deepseek-v2-lite", 32): (19.7, 22.4),
           ("mixtral-8x7b", 16): (22.6, 26.7), ("mixtral-8x7b", 32): (28.0, 30.4)}
 DECODE_SPEEDUP_OVER_HYBRIMOE = 1.32  # Sec. 6.2, average over models and batch sizes
+#: cache ratio 50% (Fig. 12) for DALI and HybriMoE alike; DALI's prefetch buffer (twice the prefetch size,
+#: model-wide) comes on top from the same GPU memory budget
 SETTINGS = {
-    "mixtral-8x7b": {"memory.expert_dtype": "int4", "cache.slots_per_layer": "5", "prefetch.size": "1",
-                     "cache.prefetch_slots": "1", "cache.w_size": "4", "cache.u_size": "1"},
-    "deepseek-v2-lite": {"cache.slots_per_layer": "36", "prefetch.size": "4", "cache.prefetch_slots": "4",
+    "mixtral-8x7b": {"memory.expert_dtype": "int4", "cache.slots_per_layer": "4", "prefetch.size": "1",
+                     "cache.w_size": "4", "cache.u_size": "1"},
+    "deepseek-v2-lite": {"cache.slots_per_layer": "32", "prefetch.size": "4",
                          "cache.w_size": "4", "cache.u_size": "8"},
 }
-DALI_ONLY = ("prefetch.size", "cache.prefetch_slots", "cache.w_size", "cache.u_size")
+DALI_ONLY = ("prefetch.size", "cache.w_size", "cache.u_size")
 #: HybriMoE caches as many experts as DALI (003 Sec. 6.1: "we cache the same number of experts on GPU"):
 #: the 50% cache ratio of Fig. 12, without DALI's prefetch buffer
 CACHED = {"mixtral-8x7b": {"cache.slots_per_layer": "4"}, "deepseek-v2-lite": {"cache.slots_per_layer": "32"}}

@@ -103,16 +103,16 @@ def label(name: str) -> str:
 
 
 def is_bound(system: str) -> bool:
-    """Bounds (oracle, all-in-GPU) are drawn dashed: they are not deployable systems.
+    """Bounds and references (oracle, all-in-GPU) are drawn dashed: they are not deployable systems.
 
-    A system is a bound when it is a portfolio of schedules or its description
-    says so (``moesim systems`` lists "bound" in the descriptions of both).
+    A system is one when it is a portfolio of schedules or its description says
+    "bound" or "reference" (as ``moesim systems`` lists them).
     """
     import re
 
     from moesim.policy.systems import SYSTEMS
     spec = SYSTEMS.get(system)
-    return bool(spec and (spec.portfolio or re.search(r"\bbound\b", spec.description.lower())))
+    return bool(spec and (spec.portfolio or re.search(r"\b(bound|reference)\b", spec.description.lower())))
 
 
 def ordered_systems(values: Sequence[Any]) -> list[Any]:

@@ -4,51 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from moesim.sim.bookkeeping import latency_metrics  # noqa: F401  (defined with the engine's records)
 from moesim.sim.engine import SimResult
-
-
-def _percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-def latency_metrics(steps: list[Any]) -> dict[str, float]:
-    """TTFT, TPOT and throughput from per-step records (start, end, phase, tokens, requests).
-
-    TTFT of a request: from the start of its first prefill step to the end of
-    its last one (requests are admitted when their prefill starts; the trace has
-    no arrival times). TPOT: the duration of every decode step, once per
-    request in it.
-    """
-    prefill_span: dict[int, list[float]] = {}
-    tpot: list[float] = []
-    prefill_tokens = decode_tokens = 0
-    prefill_time = decode_time = 0.0
-    for rec in steps:
-        duration = rec.end - rec.start
-        if rec.phase == "prefill":
-            prefill_tokens += rec.tokens
-            prefill_time += duration
-            for r in rec.requests:
-                span = prefill_span.setdefault(r, [rec.start, rec.end])
-                span[1] = rec.end
-        else:
-            decode_tokens += rec.tokens
-            decode_time += duration
-            tpot += [duration] * len(rec.requests)
-    ttft = [end - start for start, end in prefill_span.values()]
-    ms = 1e3
-    return {
-        "ttft_ms": float(np.mean(ttft)) * ms if ttft else float("nan"),
-        "tpot_ms_mean": float(np.mean(tpot)) * ms if tpot else float("nan"),
-        "tpot_ms_p50": _percentile(tpot, 50) * ms,
-        "tpot_ms_p99": _percentile(tpot, 99) * ms,
-        "decode_tokens_per_s": decode_tokens / decode_time if decode_time else float("nan"),
-        "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else float("nan"),
-        "decode_tokens": decode_tokens,
-        "prefill_tokens": prefill_tokens,
-    }
 
 
 def metrics(result: SimResult) -> dict[str, Any]:
@@ -57,8 +14,11 @@ def metrics(result: SimResult) -> dict[str, Any]:
     total = result.makespan_s
     out: dict[str, Any] = {"system": result.system, **latency_metrics(result.steps)}
     gpu_experts = max(c.activations, 1)
+    for key, (_, value) in getattr(result, "best", {}).items():
+        if key != "makespan_s":
+            out[key] = value
     out.update({
-        "makespan_s": total,
+        "makespan_s": getattr(result, "best", {}).get("makespan_s", (None, total))[1],
         "gpu_hit_rate": c.hits / max(c.distinct_activations, 1),
         "late_prefetches": c.late_prefetches,
         "prefetches": c.prefetches,
@@ -78,8 +38,13 @@ def metrics(result: SimResult) -> dict[str, Any]:
         # quality proxies: gate weight touched, per routed (token, expert) activation
         "substituted_weight_mass": c.substituted_weight_mass / max(c.activations, 1),
         "deferred_weight_mass": c.deferred_weight_mass / max(c.activations, 1),
-        "slots_per_layer": result.memory.capacity[0] if result.memory.capacity else 0,
+        # the memory plan: every expert slot the cache holds, their mean per layer, and how they spread
+        "expert_slots": result.memory.slots,
+        "slots_per_layer": result.memory.slots / len(result.memory.capacity) if result.memory.capacity else 0,
+        "slot_spread": result.memory.describe(),
         "sim_wall_s": result.sim_wall_s,
+        # a portfolio bound: each metric the best of its schedules, and which schedule gave it
+        "portfolio_best": "; ".join(f"{k}={name}" for k, (name, _) in getattr(result, "best", {}).items()),
         "notes": result.notes,
         "cost_fallbacks": result.cost_fallbacks,
     })

@@ -34,7 +34,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
         ("late prefetches", _fmt(m["late_prefetches"])),
         ("PCIe H2D", f"{m['pcie_h2d_bytes'] / 2**30:,.2f} GiB"),
         ("utilisation CPU / GPU / PCIe", f"{m['cpu_util']:.0%} / {m['gpu_util']:.0%} / {m['pcie_util']:.0%}"),
-        ("slots per layer", _fmt(m["slots_per_layer"])),
+        ("expert slots", str(m.get("slot_spread", m["expert_slots"]))),
         ("simulated in", f"{m['sim_wall_s']:.2f} s"),
     ]
     for row in rows:
@@ -60,7 +60,7 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
     """One row per system; the last column is the gap to the best bound that ran."""
     bound = _bound(by_system)
     table = Table(title=title, title_justify="left")
-    floor = next((m["lower_bound"] for m in by_system.values() if "lower_bound" in m), None)
+    floor = by_system.get(_first_cached(by_system), {}).get("lower_bound")
     columns = [("system", "left"), ("TTFT ms", "right"), ("TPOT ms", "right"), ("p99 ms", "right"),
                ("decode tok/s", "right"), ("hit rate", "right"), ("PCIe GiB", "right"),
                ("CPU/GPU/PCIe util", "right"), (f"TPOT vs {bound[0]}" if bound else "vs bound", "right")]
@@ -79,19 +79,49 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
             row.append(f"{m['gap_to_lower_bound']:.2f}x")
         table.add_row(*row)
     console.print(table)
+    _print_spreads(by_system, console)
     if bound:
-        console.print(f"TPOT vs {bound[0]}: relative to that bound's TPOT (1.00x is the bound itself)")
+        console.print(f"TPOT vs {bound[0]}: relative to that bound's TPOT (1.00x is the bound itself; the oracle "
+                      "is, per metric, the best of its clairvoyant schedules and of every listed system under the "
+                      "same GPU memory budget)")
+    if "all-in-gpu" in by_system:
+        console.print("all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory, so "
+                      "schedules within the budget may beat it")
     if floor:
-        console.print(f"time vs lower bound: whole-run time over the physical lower bound "
-                      f"({floor['makespan_s']:.3f} s; TTFT {_fmt(floor['ttft_ms'])} ms, TPOT "
-                      f"{_fmt(floor['tpot_ms_mean'])} ms: the busiest of GPU and CPU doing only unavoidable "
-                      f"work, no transfers, launches or syncs)")
+        slots = {m["lower_bound"].get("slots") for m in by_system.values()
+                 if isinstance(m.get("lower_bound", {}).get("slots"), int)}
+        slots_text = ", ".join(str(s) for s in sorted(slots))
+        console.print(f"time vs lower bound: whole-run time over the system's physical lower bound (the "
+                      f"unavoidable GPU, CPU and PCIe work of its own workload, substitutions included, with at "
+                      f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
+                      f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
+                      f"TTFT {_fmt(floor['ttft_ms'])} ms, TPOT {_fmt(floor['tpot_ms_mean'])} ms")
     notes = sorted({n for m in by_system.values() for n in m.get("notes", [])})
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
     fallbacks = sorted({f for m in by_system.values() for f in m.get("cost_fallbacks", [])})
     if fallbacks:
         console.print(f"[yellow]note:[/] roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+
+
+def _print_spreads(by_system: dict[str, dict[str, Any]], console: Console) -> None:
+    """How each system's expert slots spread over the layers, systems with the same spread on one line."""
+    spreads: dict[str, list[str]] = {}
+    for name, m in by_system.items():
+        if "slot_spread" in m:
+            spreads.setdefault(m["slot_spread"], []).append(name)
+    for text, names in sorted(spreads.items(), key=lambda kv: -len(kv[1])):
+        console.print(f"expert slots of {', '.join(names)}: {text}", highlight=False)
+
+
+def _first_cached(by_system: dict[str, dict[str, Any]]) -> str:
+    """A system whose bound shows the capacity term: the first with a plain memory plan and no substitutions."""
+    for name, m in by_system.items():
+        bound = m.get("lower_bound", {})
+        if isinstance(bound.get("slots"), int) and bound["slots"] > 0 and not m.get("substituted_experts") \
+                and not m.get("portfolio_best"):
+            return name
+    return next(iter(by_system), "")
 
 
 def _bound(by_system: dict[str, dict[str, Any]]) -> tuple[str, float] | None:

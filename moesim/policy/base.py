@@ -122,8 +122,11 @@ class RunContext:
 
     model: ModelSpec
     costs: CostModel
+    #: per-layer slot quotas of the cache
     capacity: list[int]
     trace_path: str | None = None
+    #: model-wide slot limit when the cache is one pool (None: the quotas alone)
+    pool: int | None = None
     seed: int = 0
     #: columns the trace carries (a policy that needs a missing one refuses)
     columns: tuple[str, ...] = ()

@@ -9,16 +9,59 @@ used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from moesim.policy.base import Component, LayerView, RunContext
 from moesim.policy.future import FutureRouting
-from moesim.policy.state import CacheState
+from moesim.policy.state import CacheState, even_quotas
+
+
+@dataclass(frozen=True)
+class SlotSpread:
+    """How a cache uses its slots: per-layer quotas, and a model-wide pool when ``pool`` is set."""
+
+    capacity: list[int]
+    pool: int | None = None
 
 
 class CachePolicy(Component):
     role = "cache"
+    #: "layer": per-layer quotas; "pool": one model-wide pool (a layer may take any free slot)
+    layout: ClassVar[str] = "layer"
+
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """Spread ``total`` slots of the memory plan over the layers.
+
+        Per-layer caches take the user's explicit quotas (``requested``, from
+        ``cache.slots_per_layer``) or an even spread with the remainder over
+        evenly spaced layers (:func:`~moesim.policy.state.even_quotas`); pool
+        caches put ``total`` in one pool, at most ``experts`` per layer.
+        """
+        if self.layout == "pool":
+            return SlotSpread([min(experts, total)] * layers, min(total, layers * experts))
+        if requested is not None:
+            return SlotSpread(list(requested))
+        return SlotSpread(even_quotas(total, layers, experts))
+
+    def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
+                     layer: int) -> list[tuple[int, int]]:
+        """Up to ``n`` resident (layer, expert) pairs of any layer to evict when the model-wide pool is full.
+
+        Default: this policy's own per-layer choice, taken first in ``layer`` and
+        then in the layers whose next turn in the forward pass is farthest away
+        (the one just run first): a pass visits layers in order.
+        """
+        layers = view.cache.num_layers
+        order = [layer] + [l for l in ((view.layer - b) % layers for b in range(layers)) if l != layer]
+        out: list[tuple[int, int]] = []
+        for other in order:
+            keep = {e for (l, e) in protected if l == other}
+            out += [(other, e) for e in self.victims(view, other, n - len(out), keep)]
+            if len(out) >= n:
+                break
+        return out[:n]
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         """Experts resident before the first step: the first ``capacity`` ids, as a loader that
@@ -173,12 +216,28 @@ class BeladyCache(CachePolicy):
 
 
 def make_room(cache: CachePolicy, view: LayerView, layer: int, incoming: list[int],
-              protected: set[int]) -> tuple[int, list[int]]:
-    """How many of the ``incoming`` experts (in admission order) fit in ``layer``, and whom to evict."""
+              protected: set[int]) -> tuple[int, list[tuple[int, int]]]:
+    """How many of the ``incoming`` experts (in admission order) fit in ``layer``, and which
+    (layer, expert) pairs to evict for them (other layers' only when a model-wide pool is full)."""
     state: CacheState = view.cache
     free = state.free(layer)
     wanted = len(incoming)
     if wanted <= free:
         return wanted, []
-    evict = cache.victims(view, layer, wanted - free, protected | state.in_flight[layer], incoming[free:])
-    return free + len(evict), evict
+    keep = protected | state.in_flight[layer]
+    if state.pool is None:
+        evict = cache.victims(view, layer, wanted - free, keep, incoming[free:])
+        return free + len(evict), [(layer, e) for e in evict]
+    # the quota of the layer binds first: room there comes from the layer itself
+    own_room = state.capacity[layer] - state.used(layer)
+    need_here = max(wanted - own_room, 0)
+    pairs = [(layer, e) for e in cache.victims(view, layer, need_here, keep, incoming[own_room:])] \
+        if need_here else []
+    pool_room = state.pool - state.held() + len(pairs)
+    fits = min(own_room + len(pairs), wanted)
+    if fits > pool_room:
+        taken = {(layer, e) for e in keep} | set(pairs) | \
+            {(l, e) for l, flight in enumerate(state.in_flight) for e in flight}
+        pairs += cache.pool_victims(view, fits - pool_room, taken, layer)
+        fits = min(fits, state.pool - state.held() + len(pairs))
+    return max(fits, 0), pairs

@@ -4,6 +4,11 @@ The executor (simulator or real backend) owns one :class:`CacheState`; it
 changes it only by executing plans (evict, start a load, finish a load).
 Policies receive it inside a :class:`~moesim.policy.base.LayerView` and must
 treat it as read-only.
+
+GPU memory for experts is one budget of slots (``moesim.sim.memory.MemoryPlan``).
+A cache policy spreads it (:meth:`moesim.policy.cache.CachePolicy.spread`) as
+per-layer quotas, as one model-wide pool, or both: ``capacity[layer]`` bounds
+what one layer holds, ``pool`` (when set) bounds what all layers hold together.
 """
 
 from __future__ import annotations
@@ -13,13 +18,52 @@ from dataclasses import dataclass, field
 from moesim.errors import ConfigError
 
 
+def even_quotas(total: int, layers: int, per_layer_max: int) -> list[int]:
+    """``total`` slots over ``layers`` layers, at most ``per_layer_max`` each, every slot used.
+
+    Each layer gets ``total // layers``; the ``total % layers`` left over go one
+    each to layers spaced evenly through the model (layer ``i`` gets one when
+    ``floor((i + 1) * r / L) > floor(i * r / L)``), so no stretch of layers is
+    favoured. Slots beyond ``layers * per_layer_max`` cannot be used.
+
+    >>> even_quotas(60, 32, 8).count(2), even_quotas(60, 32, 8).count(1)
+    (28, 4)
+    >>> even_quotas(5, 4, 8)
+    [1, 1, 1, 2]
+    """
+    if layers <= 0:
+        return []
+    total = max(min(total, layers * per_layer_max), 0)
+    base, extra = divmod(total, layers)
+    return [base + ((i + 1) * extra // layers - i * extra // layers) for i in range(layers)]
+
+
+def describe_quotas(capacity: list[int], pool: int | None = None) -> str:
+    """Compact text of how slots are spread: ``60 slots: 2 x 28 layers, 1 x 4 layers (layers 0, 8, 16, 24)``."""
+    if pool is not None:
+        return f"{pool} slots in one model-wide pool (at most {max(capacity, default=0)} per layer)"
+    total = sum(capacity)
+    groups: dict[int, list[int]] = {}
+    for layer, n in enumerate(capacity):
+        groups.setdefault(n, []).append(layer)
+    parts = []
+    for n, layers in sorted(groups.items(), key=lambda kv: (-len(kv[1]), -kv[0])):
+        where = f" (layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))})" \
+            if len(groups) > 1 and len(layers) <= 8 else ""
+        parts.append(f"{n} x {len(layers)} layer{'s' if len(layers) > 1 else ''}{where}")
+    return f"{total} slots: {', '.join(parts)}"
+
+
 @dataclass
 class CacheState:
-    """Per-layer resident and in-flight experts with a fixed slot capacity per layer."""
+    """Resident and in-flight experts per layer, within per-layer quotas and an optional model-wide pool."""
 
+    #: most experts (resident + in flight) each layer may hold
     capacity: list[int]
     resident: list[set[int]] = field(default_factory=list)
     in_flight: list[set[int]] = field(default_factory=list)
+    #: most experts all layers together may hold (None: only the per-layer quotas bind)
+    pool: int | None = None
 
     def __post_init__(self) -> None:
         if not self.resident:
@@ -31,12 +75,26 @@ class CacheState:
     def num_layers(self) -> int:
         return len(self.capacity)
 
+    @property
+    def slots(self) -> int:
+        """Experts the cache may hold at once over all layers."""
+        total = sum(self.capacity)
+        return total if self.pool is None else min(self.pool, total)
+
     def used(self, layer: int) -> int:
         """Slots taken: resident experts plus loads that already hold their slot."""
         return len(self.resident[layer]) + len(self.in_flight[layer])
 
+    def held(self) -> int:
+        """Slots taken over all layers."""
+        return sum(len(r) for r in self.resident) + sum(len(f) for f in self.in_flight)
+
     def free(self, layer: int) -> int:
-        return self.capacity[layer] - self.used(layer)
+        """Slots ``layer`` may still take: its quota's room, and the pool's when there is one."""
+        room = self.capacity[layer] - self.used(layer)
+        if self.pool is not None:
+            room = min(room, self.pool - self.held())
+        return room
 
     def has(self, layer: int, expert: int) -> bool:
         """Resident or on its way."""
@@ -44,9 +102,12 @@ class CacheState:
 
     # -- mutations: executors only --------------------------------------------
     def preload(self, layer: int, experts: list[int]) -> None:
-        if len(experts) > self.capacity[layer]:
+        held_elsewhere = self.held() - self.used(layer) if self.pool is not None else 0
+        if len(experts) > self.capacity[layer] or \
+                (self.pool is not None and held_elsewhere + len(experts) > self.pool):
             raise ConfigError(f"initial resident set of layer {layer} has {len(experts)} experts but only "
-                              f"{self.capacity[layer]} slots", field="cache.slots_per_layer")
+                              f"{self.free(layer) + self.used(layer)} slots are left for it",
+                              field="cache.slots_per_layer")
         self.resident[layer] = set(experts)
 
     def evict(self, layer: int, expert: int) -> None:
@@ -61,8 +122,15 @@ class CacheState:
         if len(resident) + len(in_flight) >= self.capacity[layer]:
             raise AssertionError(f"plan loads expert {expert} into full layer {layer} "
                                  f"({self.capacity[layer]} slots) without evicting")
+        if self.pool is not None and self.held() >= self.pool:
+            raise AssertionError(f"plan loads expert {expert} of layer {layer} into the full model-wide pool "
+                                 f"({self.pool} slots) without evicting")
         self.in_flight[layer].add(expert)
 
     def finish_load(self, layer: int, expert: int) -> None:
         self.in_flight[layer].discard(expert)
         self.resident[layer].add(expert)
+
+    def cancel_load(self, layer: int, expert: int) -> None:
+        """A queued load dropped before it started: its slot is free again."""
+        self.in_flight[layer].discard(expert)

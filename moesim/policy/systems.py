@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from moesim.errors import ConfigError
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
 from moesim.policy.base import Component, LayerPlan, LayerView, RunContext
-from moesim.policy.cache import AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, StaticCache, make_room
+from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
+                                 make_room)
 from moesim.policy.prefetch import NoPrefetch, PerfectPrefetch, Prefetch
 
 COMPONENTS: dict[str, dict[str, type[Component]]] = {
@@ -67,6 +68,8 @@ class ComposedSystem:
     #: True when the system needs no GPU cache at all
     uses_cache: bool = True
     notes: list[str] = field(default_factory=list)
+    #: (step, layer) -> the routing rewrites planned there (what a substitution-aware bound replays)
+    rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 
     @property
     def components(self) -> dict[str, Component]:
@@ -80,13 +83,23 @@ class ComposedSystem:
         for component in self.components.values():
             component.configure(ctx)
         self.notes = ctx.notes
+        self.rewrites = {}
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         return self.cache.initial(layer, capacity)
 
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """How this system's cache uses ``total`` expert slots of the memory plan (its cache policy decides)."""
+        return self.cache.spread(total, layers, experts, requested)
+
+    def reserved_slots(self, layers: int) -> int:
+        """Expert slots the system needs besides its cache (a prefetch buffer), taken from the same budget."""
+        return 0
+
     def plan(self, view: LayerView) -> LayerPlan:
         substitutions = self.substitute.rewrite(view) if self._substituting else []
         if substitutions:
+            self.rewrites[(view.step, view.layer)] = list(substitutions)
             view = view.substituted(substitutions)
         plan = self._place(view)
         plan.substitutions = substitutions
@@ -113,7 +126,7 @@ class ComposedSystem:
         if missing:
             missing = self.cache.admission_order(view, layer, missing)
             fits, evict = make_room(self.cache, view, layer, missing, set(present))
-            plan.evictions = [(layer, e) for e in evict]
+            plan.evictions = evict
             plan.loads = missing[:fits]
             plan.streamed = missing[fits:]
         # resident first (they can start at once), then loads in queue order, then streamed
@@ -139,35 +152,47 @@ class ComposedSystem:
             return
         state = view.cache
         evicted = set(plan.evictions)
-        free: dict[int, int] = {}
+        quota_left: dict[int, int] = {}
+        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.loads)
 
-        def slots_left(layer: int) -> int:
-            if layer not in free:
+        def quota(layer: int) -> int:
+            if layer not in quota_left:
                 dropped = sum(1 for (l, _) in evicted if l == layer)
                 loading = len(plan.loads) if layer == view.layer else 0
-                free[layer] = state.free(layer) + dropped - loading
-            return free[layer]
+                quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
+            return quota_left[layer]
 
-        wanted_by_layer: dict[int, set[int]] = {}
-        for layer, expert in wanted:
-            wanted_by_layer.setdefault(layer, set()).add(expert)
         for layer, expert in wanted:
             if (state.has(layer, expert) and (layer, expert) not in evicted) \
                     or (layer == view.layer and expert in plan.gpu):
                 continue
-            if slots_left(layer) <= 0:
-                protected = wanted_by_layer[layer] | state.in_flight[layer]
-                if layer == view.layer:
-                    protected |= set(plan.gpu)
-                protected |= {e for (l, e) in evicted if l == layer}
-                victims = self.cache.victims(view, layer, 1, protected)
-                if not victims:
+            if quota(layer) <= 0 or (pool_left is not None and pool_left <= 0):
+                victim = self._prefetch_victim(view, plan, layer, quota(layer) <= 0, wanted, evicted)
+                if victim is None:
                     continue
-                plan.evictions.append((layer, victims[0]))
-                evicted.add((layer, victims[0]))
-                free[layer] += 1
+                plan.evictions.append(victim)
+                evicted.add(victim)
+                if victim[0] in quota_left:
+                    quota_left[victim[0]] += 1
+                if pool_left is not None:
+                    pool_left += 1
             plan.prefetches.append((layer, expert))
-            free[layer] -= 1
+            quota_left[layer] -= 1
+            if pool_left is not None:
+                pool_left -= 1
+
+    def _prefetch_victim(self, view: LayerView, plan: LayerPlan, layer: int, own_layer: bool,
+                         wanted: list[tuple[int, int]], evicted: set[tuple[int, int]]) -> tuple[int, int] | None:
+        """One resident expert to drop for a prefetch into ``layer``: from that layer when its quota is
+        full, else (a full model-wide pool) wherever the cache policy chooses."""
+        state = view.cache
+        protected = {(l, e) for l, e in wanted} | {(l, e) for l, f in enumerate(state.in_flight) for e in f}
+        protected |= {(view.layer, e) for e in plan.gpu} | evicted
+        if own_layer:
+            victims = self.cache.victims(view, layer, 1, {e for (l, e) in protected if l == layer})
+            return (layer, victims[0]) if victims else None
+        pairs = self.cache.pool_victims(view, 1, protected, layer)
+        return pairs[0] if pairs else None
 
 
 @dataclass(frozen=True)
@@ -182,8 +207,10 @@ class SystemSpec:
     defer: str = "none"
     ignores_memory: bool = False
     uses_cache: bool = True
-    #: a bound that runs several clairvoyant schedules and keeps the fastest
+    #: a bound that runs several schedules and keeps, per metric, the best
     portfolio: tuple[str, ...] = ()
+    #: the portfolio also runs every listed system that keeps to the memory budget
+    portfolio_catalogue: bool = False
     #: listed by `moesim systems` and run by `--system all`
     listed: bool = True
     #: ComposedSystem or a subclass with its own planning steps
@@ -223,12 +250,14 @@ register_system("gpu-only-lru", SystemSpec(
 register_system("static-hot", SystemSpec(
     "Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU", cache="static-hot", assign="resident"))
 register_system("all-in-gpu", SystemSpec(
-    "every expert resident on the GPU (bound; GPU memory not enforced)", cache="all", assign="gpu",
-    ignores_memory=True))
+    "reference, not a bound: every expert resident on the GPU, GPU memory not enforced (CPU-assisted "
+    "schedules within the memory budget may beat it)", cache="all", assign="gpu", ignores_memory=True))
 register_system("oracle", SystemSpec(
-    "bound: the fastest of several schedules that know the whole trace: Belady cache with perfect next-layer "
-    "prefetch and the best CPU/GPU split per layer; the trace's hottest experts pinned with the best split; "
-    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")))
+    "bound within the memory budget: per metric (TPOT, TTFT, makespan), the best of schedules that know the "
+    "whole trace (Belady cache with perfect next-layer prefetch and the best CPU/GPU split per layer; the "
+    "trace's hottest experts pinned with the best split; Belady and LRU demand paging) and of every listed "
+    "system under the same memory budget; the notes name the schedule behind each metric",
+    portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), portfolio_catalogue=True))
 register_system("oracle-prefetch", SystemSpec(
     "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
     cache="belady", assign="best", prefetch="perfect", listed=False))
@@ -243,6 +272,19 @@ register_system("belady", SystemSpec(
 def system_names(all_systems: bool = False) -> list[str]:
     """Systems `--system all` runs (or every registered one)."""
     return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]
+
+
+def portfolio_members(name: str) -> tuple[str, ...]:
+    """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
+    listed system that keeps to the memory budget and is not itself a portfolio."""
+    spec = SYSTEMS[name]
+    if not spec.portfolio:
+        return (name,)
+    out = list(spec.portfolio)
+    if spec.portfolio_catalogue:
+        out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
+                and not SYSTEMS[n].ignores_memory]
+    return tuple(out)
 
 
 def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:
@@ -283,7 +325,7 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
 def all_parameters(name: str) -> list[str]:
     spec = SYSTEMS[name]
     if spec.portfolio:
-        return sorted({p for member in spec.portfolio for p in all_parameters(member)})
+        return sorted({p for member in spec.portfolio for p in all_parameters(member)})  # its own schedules
     out = []
     for role, comp_name in spec.roles().items():
         out += [f"{role}.{p}" for p in COMPONENTS[role][comp_name].parameters()]

@@ -8,6 +8,7 @@ comparable row for row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -99,3 +100,45 @@ def substitution_mass(view: LayerView, plan: LayerPlan) -> float:
     if view.weights is None:
         return 0.0
     return float(sum(view.weights[row, slot] for row, slot, _ in plan.substitutions))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def latency_metrics(steps: list[Any]) -> dict[str, float]:
+    """TTFT, TPOT and throughput from per-step records (start, end, phase, tokens, requests).
+
+    TTFT of a request: from the start of its first prefill step to the end of
+    its last one (requests are admitted when their prefill starts; the trace has
+    no arrival times). TPOT: the duration of every decode step, once per
+    request in it.
+    """
+    prefill_span: dict[int, list[float]] = {}
+    tpot: list[float] = []
+    prefill_tokens = decode_tokens = 0
+    prefill_time = decode_time = 0.0
+    for rec in steps:
+        duration = rec.end - rec.start
+        if rec.phase == "prefill":
+            prefill_tokens += rec.tokens
+            prefill_time += duration
+            for r in rec.requests:
+                span = prefill_span.setdefault(r, [rec.start, rec.end])
+                span[1] = rec.end
+        else:
+            decode_tokens += rec.tokens
+            decode_time += duration
+            tpot += [duration] * len(rec.requests)
+    ttft = [end - start for start, end in prefill_span.values()]
+    ms = 1e3
+    return {
+        "ttft_ms": float(np.mean(ttft)) * ms if ttft else float("nan"),
+        "tpot_ms_mean": float(np.mean(tpot)) * ms if tpot else float("nan"),
+        "tpot_ms_p50": _percentile(tpot, 50) * ms,
+        "tpot_ms_p99": _percentile(tpot, 99) * ms,
+        "decode_tokens_per_s": decode_tokens / decode_time if decode_time else float("nan"),
+        "prefill_tokens_per_s": prefill_tokens / prefill_time if prefill_time else float("nan"),
+        "decode_tokens": decode_tokens,
+        "prefill_tokens": prefill_tokens,
+    }

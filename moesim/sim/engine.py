@@ -231,6 +231,8 @@ class SimResult:
     cost_fallbacks: list[str]
     initial_resident: list[list[int]] = field(default_factory=list)
     pcie_engines: int = 1
+    #: (step, layer) -> routing rewrites the system made (substitution); the bound replays them
+    rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 TIMELINE_COLUMNS = ("resource", "lane", "start_s", "end_s", "kind", "step", "layer", "expert", "tokens")
@@ -255,7 +257,7 @@ class Simulator:
         self.seed = seed
         self.progress = progress
         self.env = simpy.Environment()
-        self.cache = CacheState(capacity=list(memory.capacity))
+        self.cache = CacheState(capacity=list(memory.capacity), pool=memory.pool)
         self.counters = Counters()
         self.timeline: list[tuple] | None = [] if self.config.timeline else None
         self.decisions: list[tuple] | None = [] if self.config.decisions else None
@@ -273,8 +275,8 @@ class Simulator:
         self._cpu: dict[int, float] = {}
         self._gpu: dict[int, float] = {}
         self._shared: dict[int, float] = {}
-        self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), trace_path=trace_path,
-                              seed=seed, columns=columns)
+        self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
+                              trace_path=trace_path, seed=seed, columns=columns)
 
     # ------------------------------------------------------------------ public
     def run(self, driver: Callable[[], Iterator[simpy.Event]] | None = None) -> SimResult:
@@ -293,7 +295,8 @@ class Simulator:
                          pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
                          notes=list(self.ctx.notes), timeline=self.timeline, decisions=self.decisions,
                          sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks),
-                         initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines)
+                         initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines,
+                         rewrites=self.system.rewrites)
 
     # ------------------------------------------------------------------ recording
     def _span(self, resource: str, lane: int, start: float, end: float, kind: str, step: int, layer: int,

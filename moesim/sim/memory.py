@@ -1,16 +1,40 @@
-"""GPU memory as expert slots: what is left after non-expert weights, KV cache, workspace and staging."""
+"""GPU memory as one budget of expert slots, the same for every system (docs/memory-and-bounds.md).
+
+The budget: GPU memory - reserved - non-expert weights (in ``memory.non_expert_dtype``)
+- KV cache (peak context of the trace) - workspace - staging buffers, divided by
+the bytes of one expert (in the expert dtype). No system plans memory on its
+own: the system's cache policy only decides how the slots spread
+(:meth:`moesim.policy.cache.CachePolicy.spread`): per-layer quotas, one
+model-wide pool, or whole layers (llama.cpp). Users choose how many slots the
+cache gets with ``cache.slots`` (a total) or ``cache.slots_per_layer`` (a number
+per layer, or an explicit list ``[2,1,...]``); by default every slot that fits.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
+from moesim.policy.state import describe_quotas
 
 GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """What the user asked of the cache: a total (``cache.slots``), per-layer quotas, or neither (all)."""
+
+    slots: int | None = None
+    slots_per_layer: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots is not None and self.slots_per_layer is not None:
+            raise ConfigError("both cache.slots and cache.slots_per_layer given", field="cache.slots",
+                              fix="give one: cache.slots is the total, cache.slots_per_layer the quota per layer")
 
 
 @dataclass(frozen=True)
@@ -22,7 +46,15 @@ class MemoryPlan:
     workspace_bytes: int
     staging_bytes: int
     expert_bytes: int
+    #: most experts each layer's cache holds (resident + in flight)
     capacity: list[int]
+    #: most experts all layers' caches hold together (None: the per-layer quotas alone bind)
+    pool: int | None = None
+    #: slots the system keeps outside its cache (a prefetch buffer); counted in ``capacity``/``pool``
+    reserved_slots: int = 0
+    #: True for a reference that holds every expert whatever the memory
+    ignores_memory: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def free_bytes(self) -> int:
@@ -31,7 +63,14 @@ class MemoryPlan:
 
     @property
     def total_slots(self) -> int:
+        """Experts that fit in the memory left for them."""
         return max(self.free_bytes, 0) // self.expert_bytes
+
+    @property
+    def slots(self) -> int:
+        """Experts held at once at most, over all layers (cache and reserved buffer)."""
+        total = sum(self.capacity)
+        return total if self.pool is None else min(self.pool, total)
 
     def arithmetic(self) -> str:
         g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
@@ -39,6 +78,17 @@ class MemoryPlan:
                 f"{g(self.non_expert_bytes)} - KV cache {g(self.kv_bytes)} - workspace {g(self.workspace_bytes)}"
                 f" - staging {g(self.staging_bytes)} = {g(self.free_bytes)} for experts of "
                 f"{self.expert_bytes / 2**20:.1f} MiB = {self.total_slots} slots")
+
+    def describe(self) -> str:
+        """One line: how many slots each layer got, compactly."""
+        if self.ignores_memory:
+            return f"every expert resident ({self.slots} slots; GPU memory not enforced)"
+        if self.reserved_slots:
+            cache = [max(c - self.reserved_slots, 0) for c in self.capacity]
+            text = f"{describe_quotas(cache)} + a model-wide prefetch buffer of {self.reserved_slots}"
+        else:
+            text = describe_quotas(self.capacity, self.pool)
+        return f"{text} (of {self.total_slots} that fit)"
 
 
 def peak_kv_tokens(trace_path: str) -> int:
@@ -49,37 +99,62 @@ def peak_kv_tokens(trace_path: str) -> int:
     return int(per_request.groupby(level=0).sum().max()) if len(per_request) else 0
 
 
-def plan_memory(model: ModelSpec, profile: HardwareProfile, *, expert_bytes: int, kv_tokens: int,
+def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_bytes: int, kv_tokens: int,
                 workspace_gib: float, staging_slots: int, non_expert_dtype: str,
-                slots_per_layer: int | None, ignore_memory: bool) -> MemoryPlan:
-    """Split GPU memory into expert slots per layer, or raise with the arithmetic when it cannot fit."""
+                request: CacheRequest = CacheRequest()) -> MemoryPlan:
+    """The memory budget of one replay, spread by ``system`` (a ComposedSystem); raise with the arithmetic
+    when the request cannot fit."""
     plan = MemoryPlan(
         gpu_bytes=profile.gpu_memory_bytes, reserved_bytes=profile.gpu_reserved_bytes,
         non_expert_bytes=model.non_expert_bytes(non_expert_dtype),
         kv_bytes=kv_tokens * model.kv_bytes_per_token(),
         workspace_bytes=int(workspace_gib * GIB), staging_bytes=staging_slots * expert_bytes,
         expert_bytes=expert_bytes, capacity=[])
-    layers = model.num_layers
-    if ignore_memory:
-        per_layer = model.num_experts if slots_per_layer is None else slots_per_layer
-        return _with_capacity(plan, [min(per_layer, model.num_experts)] * layers)
+    layers, experts = model.num_layers, model.num_experts
+    if system.ignores_memory:
+        return _with(plan, capacity=[experts] * layers, ignores_memory=True)
     if plan.free_bytes < 0:
         raise ConfigError(f"the model does not fit on the GPU even without experts: {plan.arithmetic()}",
                           field="memory", fix="use a larger GPU profile, --set memory.non_expert_dtype=int4, "
                           "or a shorter trace")
-    if slots_per_layer is None:
-        per_layer = min(plan.total_slots // layers, model.num_experts)
-    else:
-        per_layer = slots_per_layer
-        if per_layer < 0 or per_layer > model.num_experts:
-            raise ConfigError(f"cache.slots_per_layer={per_layer} outside [0, {model.num_experts}]",
-                              field="cache.slots_per_layer", fix=f"use 0..{model.num_experts}")
-        if per_layer * layers > plan.total_slots:
-            raise ConfigError(f"cache of {per_layer} slots x {layers} layers = {per_layer * layers} experts "
-                              f"does not fit: {plan.arithmetic()}", field="cache.slots_per_layer",
-                              fix=f"use cache.slots_per_layer <= {plan.total_slots // layers}")
-    return _with_capacity(plan, [per_layer] * layers)
+    if not system.uses_cache:
+        return _with(plan, capacity=[0] * layers)
+    reserved = system.reserved_slots(layers)
+    requested = _check_request(request, layers, experts)
+    fit = plan.total_slots
+    total = sum(requested) if requested is not None else request.slots
+    if total is None:
+        total = max(min(fit - reserved, layers * experts), 0)
+    if total + reserved > fit:
+        asked = f"cache.slots={request.slots}" if request.slots is not None else \
+            f"cache.slots_per_layer (total {total})"
+        extra = f" + {reserved} prefetch-buffer slots" if reserved else ""
+        raise ConfigError(f"{asked}{extra} does not fit: {plan.arithmetic()}",
+                          field="cache.slots" if request.slots is not None else "cache.slots_per_layer",
+                          fix=f"use at most {max(fit - reserved, 0)} slots in all "
+                              f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
+    spread = system.spread(total, layers, experts, requested)
+    return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved)
 
 
-def _with_capacity(plan: MemoryPlan, capacity: list[int]) -> MemoryPlan:
-    return MemoryPlan(**{**plan.__dict__, "capacity": capacity})
+def _check_request(request: CacheRequest, layers: int, experts: int) -> list[int] | None:
+    """The explicit per-layer quotas, validated (None when the user gave none)."""
+    if request.slots is not None and request.slots < 0:
+        raise ConfigError(f"cache.slots={request.slots} is negative", field="cache.slots", fix="use 0 or more")
+    quotas = request.slots_per_layer
+    if quotas is None:
+        return None
+    if len(quotas) == 1:
+        quotas = quotas * layers
+    if len(quotas) != layers:
+        raise ConfigError(f"cache.slots_per_layer lists {len(quotas)} layers, the model has {layers}",
+                          field="cache.slots_per_layer", fix=f"give one number, or a list of {layers}")
+    bad = [q for q in quotas if q < 0 or q > experts]
+    if bad:
+        raise ConfigError(f"cache.slots_per_layer={bad[0]} outside [0, {experts}]", field="cache.slots_per_layer",
+                          fix=f"use 0..{experts}")
+    return list(quotas)
+
+
+def _with(plan: MemoryPlan, **changes) -> MemoryPlan:
+    return MemoryPlan(**{**plan.__dict__, **changes})

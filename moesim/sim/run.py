@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -12,9 +13,10 @@ from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
-from moesim.policy.systems import SYSTEMS, build_system
+from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
+from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
-from moesim.sim.memory import peak_kv_tokens, plan_memory
+from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
 
 
@@ -35,7 +37,7 @@ class ReplaySettings:
     engine: SimConfig = field(default_factory=SimConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     hw: dict[str, Any] = field(default_factory=dict)
-    slots_per_layer: int | None = None
+    cache: CacheRequest = field(default_factory=CacheRequest)
     system: dict[str, str] = field(default_factory=dict)
 
 
@@ -47,8 +49,23 @@ def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
     setattr(obj, key, coerce(raw, names[key], f"{section}.{key}"))
 
 
+def parse_slot_list(raw: Any, key: str) -> list[int]:
+    """``2``, ``[2,1,2]`` or ``2,1,2`` as a list of ints (one number applies to every layer)."""
+    if isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        items = [x for x in str(raw).strip().strip("[]()").replace(" ", "").split(",") if x != ""]
+    try:
+        return [int(x) for x in items] if items else []
+    except ValueError:
+        raise ConfigError(f"'{raw}' is not a valid int or a list of ints", field=key,
+                          fix="write e.g. cache.slots_per_layer=2 or cache.slots_per_layer=[2,1,2,...]") from None
+
+
 def parse_settings(settings: dict[str, str]) -> ReplaySettings:
     out = ReplaySettings()
+    slots: int | None = None
+    per_layer: list[int] | None = None
     for key, raw in settings.items():
         section, _, rest = key.partition(".")
         if section == "engine" and rest:
@@ -58,9 +75,12 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
         elif section == "hw" and rest:
             out.hw[rest] = coerce(raw, None, key)
         elif key == "cache.slots_per_layer":
-            out.slots_per_layer = int(coerce(raw, 0, key))
+            per_layer = parse_slot_list(raw, key)
+        elif key == "cache.slots":
+            slots = int(coerce(raw, 0, key))
         else:
             out.system[key] = raw
+    out.cache = CacheRequest(slots=slots, slots_per_layer=per_layer)
     if out.memory.non_expert_dtype not in DTYPE_BITS:
         raise ConfigError(f"unknown dtype '{out.memory.non_expert_dtype}'", field="memory.non_expert_dtype",
                           fix=f"use one of {', '.join(DTYPE_BITS)}")
@@ -73,7 +93,9 @@ def common_parameters() -> list[str]:
     """``--set`` keys every system accepts."""
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
-    return keys + ["cache.slots_per_layer", "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
+    return keys + ["cache.slots (total expert slots; default all that fit)",
+                   "cache.slots_per_layer (N per layer, or one per layer: 2,1,2,...)",
+                   "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
 
 
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
@@ -101,12 +123,9 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
-    memory = plan_memory(model, profile, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
+    memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
-                         non_expert_dtype=parsed.memory.non_expert_dtype,
-                         slots_per_layer=None if built.ignores_memory else
-                         parsed.slots_per_layer if built.uses_cache else 0,
-                         ignore_memory=built.ignores_memory)
+                         non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
     return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
                      columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
 
@@ -115,25 +134,84 @@ def members(system: str) -> tuple[str, ...]:
     """The single systems a replay of ``system`` runs (a portfolio bound runs several)."""
     if system not in SYSTEMS:
         raise ConfigError(f"unknown system '{system}'", field="--system", fix=f"use one of: {', '.join(SYSTEMS)}, all")
-    return SYSTEMS[system].portfolio or (system,)
+    return portfolio_members(system)
+
+
+#: metrics a portfolio takes, each from its best member (lower is better)
+PORTFOLIO_METRICS = ("tpot_ms_mean", "ttft_ms", "makespan_s")
+
+
+@dataclass
+class PortfolioResult(SimResult):
+    """A portfolio bound's result: the replay of its best member on TPOT (whose timeline and counters it
+    carries) and, per metric of ``PORTFOLIO_METRICS``, the best value over every member and who gave it."""
+
+    #: metric -> (member, value)
+    best: dict[str, tuple[str, float]] = field(default_factory=dict)
+    #: member -> its metrics of ``PORTFOLIO_METRICS``
+    members: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: member -> what its lower bound depends on (:func:`floor_inputs`)
+    inputs: dict[str, tuple[int | None, dict]] = field(default_factory=dict)
+
+
+def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str] | None = None) -> PortfolioResult:
+    """Combine the members' replays of a portfolio bound: each metric the minimum over its members."""
+    table = {}
+    for r in runs:
+        lat = latency_metrics(r.steps)
+        table[r.system] = {"tpot_ms_mean": lat["tpot_ms_mean"], "ttft_ms": lat["ttft_ms"], "makespan_s": r.makespan_s}
+    best: dict[str, tuple[str, float]] = {}
+    for metric in PORTFOLIO_METRICS:
+        values = [(v[metric], name) for name, v in table.items() if not math.isnan(v[metric])]
+        if values:
+            value, name = min(values, key=lambda x: (x[0], list(table).index(x[1])))
+            best[metric] = (name, value)
+    lead_name = best.get("tpot_ms_mean", best.get("makespan_s", (runs[0].system, 0.0)))[0]
+    lead = next(r for r in runs if r.system == lead_name)
+    fields = {f.name: getattr(lead, f.name) for f in dataclasses.fields(SimResult)}
+    out = PortfolioResult(**fields, best=best, members=table, inputs={r.system: floor_inputs(r) for r in runs})
+    out.system = system
+    out.sim_wall_s = sum(r.sim_wall_s for r in runs)
+    out.notes = list(lead.notes)
+    said = ", ".join(f"{metric.split('_')[0].upper()} {value * (1 if metric != 'makespan_s' else 1e3):.3f} ms "
+                     f"from {name}" for metric, (name, value) in best.items())
+    out.notes.append(f"{system}: best of {len(runs)} schedules per metric: {said}")
+    if skipped:
+        out.notes.append(f"{system}: schedules that could not run here: "
+                         + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
+    return out
 
 
 def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
-             **kwargs: Any) -> SimResult:
-    """Replay ``trace``; for a portfolio bound, every member runs and the fastest result is kept."""
-    runs = [prepare(trace, hw, member, settings, **kwargs).run() for member in members(system)]
-    if len(runs) == 1:
-        return runs[0]
-    best = min(runs, key=lambda r: r.makespan_s)
-    summary = ", ".join(f"{r.system} {r.makespan_s * 1e3:.3f} ms" for r in runs)
-    best.notes.append(f"{system}: fastest of its schedules was {best.system} ({summary})")
-    best.system = system
-    best.sim_wall_s = sum(r.sim_wall_s for r in runs)
-    return best
+             reuse: dict[str, SimResult] | None = None, **kwargs: Any) -> SimResult:
+    """Replay ``trace``; for a portfolio bound every member runs and each metric keeps its best member.
+
+    ``reuse``: replays of members already run with the same inputs (``--system all`` runs them anyway).
+    """
+    names = members(system)
+    if names == (system,):
+        return prepare(trace, hw, system, settings, **kwargs).run()
+    own = SYSTEMS[system].portfolio
+    runs: list[SimResult] = []
+    skipped: dict[str, str] = {}
+    for member in names:
+        if reuse and member in reuse:
+            runs.append(reuse[member])
+            continue
+        try:
+            runs.append(prepare(trace, hw, member, settings, **kwargs).run())
+        except ConfigError as err:
+            if member in own:
+                raise  # the bound's own schedules must run
+            skipped[member] = str(err)  # a listed system that cannot run this trace or setting
+    return portfolio_result(system, runs, skipped)
 
 
-def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None) -> dict[str, Any]:
-    """The physical lower bound of ``trace`` on ``hw`` (policy/catalog/bounds.py): TTFT, TPOT and makespan floors."""
+def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None, *,
+                slots: int | None = None, rewrites: dict | None = None) -> dict[str, Any]:
+    """The physical lower bound of ``trace`` on ``hw`` (policy/catalog/bounds.py): TTFT, TPOT and makespan
+    floors for a system holding at most ``slots`` experts on the GPU (None: no capacity term) whose
+    substitutions were ``rewrites``."""
     from moesim.policy.catalog.bounds import physical_lower_bound
     meta = read_meta(trace)
     parsed = parse_settings({k: v for k, v in (settings or {}).items()
@@ -141,6 +219,32 @@ def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] 
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None)
-    bound = physical_lower_bound(trace, meta.model, costs)
-    return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean")}
+    bound = physical_lower_bound(trace, meta.model, costs, slots=slots, rewrites=rewrites)
+    return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots")}
 
+
+def floor_inputs(result: SimResult) -> tuple[int | None, dict]:
+    """What the lower bound of ``result`` depends on: the experts its memory plan holds, its rewrites."""
+    return (None if result.memory.ignores_memory else result.memory.slots), result.rewrites
+
+
+def result_lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None,
+                       result: SimResult, memo: dict | None = None) -> dict[str, Any]:
+    """The lower bound a replay is measured against: its own memory and workload; for a portfolio, each
+    metric's floor is that of the schedule that gave the metric. ``memo`` shares floors between calls."""
+    memo = {} if memo is None else memo
+
+    def floor(slots: int | None, rewrites: dict) -> dict[str, Any]:
+        key = (slots, tuple(sorted((k, tuple(v)) for k, v in rewrites.items())) if rewrites else ())
+        if key not in memo:
+            memo[key] = lower_bound(trace, hw, settings, slots=slots, rewrites=rewrites or None)
+        return memo[key]
+
+    if isinstance(result, PortfolioResult):
+        out: dict[str, Any] = {}
+        for metric in PORTFOLIO_METRICS:
+            member = result.best.get(metric, (None, 0.0))[0]
+            out[metric] = floor(*result.inputs[member])[metric] if member else float("nan")
+        out["slots"] = {m: result.inputs[name][0] for m, (name, _) in result.best.items()}
+        return out
+    return floor(*floor_inputs(result))

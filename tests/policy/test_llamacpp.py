@@ -36,7 +36,9 @@ def trace(tmp_path, model, prompt=4, decode=3):
 def test_first_n_layers_on_cpu_the_rest_resident(tmp_path):
     model = tiny_model(layers=3, experts=4, top_k=2)
     placement = LlamaCppLayers(n_cpu_moe=2)
-    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * 3,
+    spread = placement.spread(12, 3, 4)  # memory for all 12 experts, but N=2 asked for
+    assert spread.capacity == [0, 0, 4] and spread.pool is None
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=spread.capacity,
                      trace_path=str(trace(tmp_path, model)))
     placement.configure(ctx)
     assert [placement.initial(layer, 4) for layer in range(3)] == [[], [], [0, 1, 2, 3]]
@@ -47,7 +49,7 @@ def test_memory_decides_the_smallest_n(tmp_path):
     model = tiny_model(layers=3, experts=4, top_k=2)
     path = trace(tmp_path, model)
     profile = small_gpu(model, layers_that_fit=1.5, kv_tokens=7)  # prompt 4 + decode 3
-    settings = {"cache.workspace_gib": "0", "engine.check": "true"}
+    settings = {"memory.workspace_gib": "0", "engine.check": "true"}
     auto = simulate(str(path), profile, "llamacpp", settings)
     assert [len(r) for r in auto.initial_resident] == [0, 0, 4]  # only one whole layer fits
     with pytest.raises(ConfigError, match=r"cache.n_cpu_moe >= 2"):

@@ -26,8 +26,13 @@ Components:
 The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
 changes only through Alg. 2; a GPU expert that is not cached is transferred
 for this use only (streamed through the staging buffers, Fig. 9's E3/E7);
-prefetched experts land in ``prefetch_slots`` buffer slots per layer, apart
-from the cache. Used as a plain cache in another system (``--set
+prefetched experts land in a model-wide prefetch buffer of ``cache.prefetch_slots``
+slots (default: twice the prefetch size, so the next layer's prefetch never
+overwrites the experts the current layer is using), apart from the cache: the
+buffer is its own part of the one GPU memory budget (``moesim.sim.memory``), not
+carved out of the cache, so a cache of 1 slot per layer holds 1 expert per layer.
+When the buffer is full, the entry whose layer comes round last in the forward
+pass makes room. Used as a plain cache in another system (``--set
 cache=dali-workload``) the component evicts the lowest window score and
 admits the highest, and sees the layers whose plan ran experts on the GPU.
 
@@ -50,9 +55,9 @@ import numpy as np
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
-from moesim.policy.cache import CachePolicy
+from moesim.policy.cache import CachePolicy, SlotSpread
 from moesim.policy.catalog.importance import ObservingSystem
-from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.prefetch import LastTokenPredictor, NoPrefetch, Prefetch
 from moesim.policy.systems import SystemSpec, register_component, register_system
 
 
@@ -230,8 +235,8 @@ class WorkloadAwareCache(CachePolicy):
     w_size: int = 4
     #: experts swapped per window (1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
     u_size: int = 1
-    #: slots per layer kept out of the cache for prefetched experts (the prefetch buffer)
-    prefetch_slots: int = 1
+    #: model-wide slots for prefetched experts, besides the cache (-1: twice the prefetch size)
+    prefetch_slots: int = -1
     #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
     strict: bool = True
     _scores: list[np.ndarray] = field(default_factory=list, repr=False)
@@ -243,8 +248,8 @@ class WorkloadAwareCache(CachePolicy):
     _experts: int = 0
 
     def configure(self, ctx: RunContext) -> None:
-        if self.w_size < 1 or self.u_size < 0 or self.prefetch_slots < 0:
-            raise ConfigError(f"w_size >= 1, u_size >= 0, prefetch_slots >= 0 required (got {self.w_size}, "
+        if self.w_size < 1 or self.u_size < 0:
+            raise ConfigError(f"w_size >= 1, u_size >= 0 required (got {self.w_size}, "
                               f"{self.u_size}, {self.prefetch_slots})", field="cache.w_size",
                               fix="--set cache.w_size=4 --set cache.u_size=1")
         experts = ctx.model.num_experts
@@ -256,12 +261,9 @@ class WorkloadAwareCache(CachePolicy):
         self._seen = (-1, -1)
         self._seed = ctx.seed
 
-    def cache_size(self, capacity: int) -> int:
-        return max(capacity - self.prefetch_slots, 0)
-
     def initial(self, layer: int, capacity: int) -> list[int]:
         rng = np.random.default_rng([self._seed, layer])
-        chosen = sorted(int(e) for e in rng.permutation(self._experts)[:self.cache_size(capacity)])
+        chosen = sorted(int(e) for e in rng.permutation(self._experts)[:capacity])
         self._cached[layer] = set(chosen)
         return chosen
 
@@ -322,6 +324,29 @@ class WorkloadAwareCache(CachePolicy):
 class DaliSystem(ObservingSystem):
     """DALI's planning steps (003 Sec. 4, Fig. 9); see the module docstring."""
 
+    def _buffer(self) -> int:
+        """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in)."""
+        cache = self.cache
+        if not isinstance(cache, WorkloadAwareCache) or isinstance(self.prefetch, NoPrefetch):
+            return 0
+        if cache.prefetch_slots >= 0:
+            return cache.prefetch_slots
+        return 2 * getattr(self.prefetch, "size", 1)
+
+    def reserved_slots(self, layers: int) -> int:
+        return self._buffer()
+
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """The cache's quotas, each layer allowed the buffer on top, the whole held to cache + buffer."""
+        buffer = self._buffer()
+        cache = self.cache.spread(total, layers, experts, requested)
+        if not buffer:
+            return cache
+        return SlotSpread([min(q + buffer, experts) for q in cache.capacity], sum(cache.capacity) + buffer)
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return self.cache.initial(layer, max(capacity - self._buffer(), 0))
+
     def _place(self, view: LayerView) -> LayerPlan:
         cache = self.cache
         if not isinstance(cache, WorkloadAwareCache):
@@ -360,24 +385,46 @@ class DaliSystem(ObservingSystem):
         """Prefetched experts go to buffer slots; stale buffer entries make room, never cached experts."""
         if not self._prefetching:
             return
-        cache, state = self.cache, view.cache
-        assert isinstance(cache, WorkloadAwareCache)
+        state = view.cache
         wanted = self.prefetch.candidates(view)
         evicted = set(plan.evictions)
         for target, e in wanted:
             if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
                 continue
-            dropped = sum(1 for (l, _) in evicted if l == target)
-            queued = sum(1 for (l, _) in plan.prefetches if l == target)
-            if state.free(target) + dropped - queued <= 0:
-                stale = sorted(x for x in state.resident[target]
-                               if x not in cache.cached(target) and (target, x) not in evicted
-                               and not (target == view.layer and x in plan.gpu) and (target, x) not in wanted)
-                if not stale:
+            quota, pool = self._room(view, plan, target, evicted)
+            if min(quota, pool) <= 0:
+                stale = self._stale_entry(view, plan, target if quota <= 0 else None, wanted, evicted)
+                if stale is None:
                     continue
-                plan.evictions.append((target, stale[0]))
-                evicted.add((target, stale[0]))
+                plan.evictions.append(stale)
+                evicted.add(stale)
             plan.prefetches.append((target, e))
+
+    def _room(self, view: LayerView, plan: LayerPlan, target: int,
+              evicted: set[tuple[int, int]]) -> tuple[int, int]:
+        """Free slots of ``target``'s quota and of the whole (cache + buffer) after this plan so far."""
+        state = view.cache
+        dropped = sum(1 for (l, _) in evicted if l == target)
+        queued = sum(1 for (l, _) in plan.prefetches if l == target)
+        quota = state.capacity[target] - state.used(target) + dropped - queued
+        if state.pool is None:
+            return quota, quota
+        return quota, state.pool - state.held() + len(evicted) - len(plan.prefetches)
+
+    def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
+                     evicted: set[tuple[int, int]]) -> tuple[int, int] | None:
+        """A buffer entry (resident, not cached) nobody needs now: in ``layer`` when given, else the one
+        whose layer comes round last in the forward pass."""
+        cache, state = self.cache, view.cache
+        assert isinstance(cache, WorkloadAwareCache)
+        layers = range(state.num_layers) if layer is None else [layer]
+        busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
+        stale = [(l, x) for l in layers for x in state.resident[l]
+                 if x not in cache.cached(l) and (l, x) not in busy]
+        if not stale:
+            return None
+        turns = state.num_layers
+        return max(stale, key=lambda p: ((p[0] - view.layer - 1) % turns, -p[1]))
 
 
 register_system("dali", SystemSpec(

@@ -9,12 +9,15 @@ tokens, copying the weights over for that one use (``ggml_backend_cuda_device_of
 for MoE it copies only the experts the batch activates). Prompts of 32 tokens or
 more therefore run every expert on the GPU, CPU layers paying the copies.
 
-The engine gives every layer the same number of expert slots, so this system
-asks for full layers (``ignores_memory``) and checks the GPU memory itself:
-GPU memory - reserved - non-expert weights - KV cache - workspace - 2 staging
-buffers must hold ``(layers - N) * experts`` experts, or the replay stops with
-the arithmetic and the smallest ``N`` that fits. ``cache.n_cpu_moe=-1`` picks
-that smallest ``N``. Copies for op offload go through the staging buffers
+Memory comes from the one plan every system shares (``moesim.sim.memory``):
+non-expert weights in ``memory.non_expert_dtype``, KV cache, workspace and
+staging buffers first, then expert slots. This cache spreads them as whole
+layers: ``(layers - N) * experts`` slots must hold, so ``cache.n_cpu_moe=-1``
+(default) picks the smallest ``N`` that fits and a smaller ``N`` stops with the
+arithmetic. ``cache.slots`` or ``cache.slots_per_layer`` shrink the budget as
+for every other system (``cache.slots_per_layer=2`` gives ``2 * layers`` slots,
+used as whole layers). Slots left over from the last whole layer stay unused,
+as in llama.cpp. Copies for op offload go through the staging buffers
 (ping-pong), whereas llama.cpp copies the activated experts of a layer in one
 batch before the multiplication.
 """
@@ -24,23 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moesim.errors import ConfigError
-from moesim.model.spec import DTYPE_BITS
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
-from moesim.policy.cache import CachePolicy
+from moesim.policy.cache import CachePolicy, SlotSpread
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
-
-GIB = 2**30
-
-
-def peak_kv_tokens(path: str | None) -> int:
-    """Largest total context held at once over a trace (the same count as the engine's memory plan)."""
-    if path is None:
-        return 0
-    import pyarrow.parquet as pq
-    frame = pq.read_table(path, columns=["step", "request", "position"]).to_pandas()
-    per_request = frame.groupby(["step", "request"], sort=False)["position"].max() + 1
-    return int(per_request.groupby(level=0).sum().max()) if len(per_request) else 0
 
 
 @register_component
@@ -51,42 +41,29 @@ class LlamaCppLayers(CachePolicy):
     name = "llamacpp-layers"
     #: MoE layers whose experts stay in host memory (-1: the fewest that let the rest fit on the GPU)
     n_cpu_moe: int = -1
-    #: dtype of non-expert weights on the GPU (empty: the expert dtype, as one GGUF quantisation gives)
-    non_expert_dtype: str = ""
-    #: GPU memory kept for activations and buffers, GiB (the engine's memory.workspace_gib default)
-    workspace_gib: float = 0.5
     _cpu_layers: int = 0
     _experts: int = 0
 
-    def configure(self, ctx: RunContext) -> None:
-        layers, experts = ctx.model.num_layers, ctx.model.num_experts
-        self._experts = experts
-        fit = self.gpu_layers_that_fit(ctx)
-        smallest = max(layers - fit, 0)
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """Whole layers: the last ``layers - N`` MoE layers hold every expert, the first ``N`` none."""
+        fit = min(total // experts, layers) if experts else layers
+        smallest = layers - fit
         if self.n_cpu_moe < 0:
-            self._cpu_layers = smallest
+            cpu_layers = smallest
         elif self.n_cpu_moe < smallest:
             raise ConfigError(f"--n-cpu-moe {self.n_cpu_moe} leaves {layers - self.n_cpu_moe} MoE layers of "
-                              f"{experts} experts on the GPU, but memory holds only {fit} such layers",
-                              field="cache.n_cpu_moe", fix=f"use cache.n_cpu_moe >= {smallest} (or -1)")
+                              f"{experts} experts on the GPU, but its {total} expert slots hold only {fit} such "
+                              f"layers", field="cache.n_cpu_moe", fix=f"use cache.n_cpu_moe >= {smallest} (or -1)")
         else:
-            self._cpu_layers = min(self.n_cpu_moe, layers)
+            cpu_layers = min(self.n_cpu_moe, layers)
+        return SlotSpread([0] * cpu_layers + [experts] * (layers - cpu_layers))
+
+    def configure(self, ctx: RunContext) -> None:
+        layers = ctx.model.num_layers
+        self._experts = ctx.model.num_experts
+        self._cpu_layers = next((i for i, c in enumerate(ctx.capacity) if c > 0), layers)
         ctx.notes.append(f"llamacpp: experts of MoE layers 0..{self._cpu_layers - 1} on the CPU "
                          f"(--n-cpu-moe {self._cpu_layers}), layers {self._cpu_layers}..{layers - 1} all on the GPU")
-
-    def gpu_layers_that_fit(self, ctx: RunContext) -> int:
-        """Whole MoE layers of experts that GPU memory holds after everything else."""
-        model, costs = ctx.model, ctx.costs
-        dtype = self.non_expert_dtype or costs.dtype
-        if dtype not in DTYPE_BITS:
-            raise ConfigError(f"unknown dtype '{dtype}'", field="cache.non_expert_dtype",
-                              fix=f"use one of {', '.join(DTYPE_BITS)}")
-        profile = costs.profile
-        free = (profile.gpu_memory_bytes - profile.gpu_reserved_bytes - model.non_expert_bytes(dtype)
-                - peak_kv_tokens(ctx.trace_path) * model.kv_bytes_per_token()
-                - int(self.workspace_gib * GIB) - 2 * costs.expert_bytes)
-        layer_bytes = model.num_experts * costs.expert_bytes
-        return max(int(free // layer_bytes), 0)
 
     @property
     def cpu_layers(self) -> int:
@@ -128,5 +105,6 @@ class LlamaCppSystem(ComposedSystem):
 
 register_system("llamacpp", SystemSpec(
     "llama.cpp --n-cpu-moe N: experts of the first N MoE layers on the CPU, all others resident on the GPU "
-    "(memory checked; N=-1 picks the smallest that fits); batches of 32+ tokens offload CPU layers to the GPU",
-    cache="llamacpp-layers", assign="llamacpp", ignores_memory=True, system_class=LlamaCppSystem))
+    "(whole layers of the shared memory budget; N=-1 picks the smallest that fits); batches of 32+ tokens "
+    "offload CPU layers to the GPU",
+    cache="llamacpp-layers", assign="llamacpp", system_class=LlamaCppSystem))

@@ -9,9 +9,14 @@ requests in the batch is matched against the EAMC by cosine similarity; the
 best match predicts the coming layers: expert e of layer l' (l < l' <= l +
 ``lookahead``) gets priority ``ratio(l', e) * (1 - (l' - l) / L)``, its share
 of the matched EAM's tokens at l' discounted by distance, and the
-highest-priority experts are prefetched. The cache evicts the expert with the
-fewest activations in the current requests' EAM (least frequently used,
-request-level), ties broken by the run-wide count.
+highest-priority experts are prefetched. The cache is one model-wide pool of
+expert slots (any layer may take any free slot; ``CachePolicy.layout = "pool"``)
+with layer-aware eviction: the victim is the resident expert of lowest priority
+``ratio(l, e) * (1 - l / L)`` over all layers, its share of the current requests'
+activations at its layer discounted by depth, the same discount as the prefetch
+priority (experts of early layers are kept: prefetching has the least time to
+hide their loads); ties go to the run-wide count, then to the later layer. The
+pool starts with the first experts of every layer, spread evenly.
 
 Simplifications, each a parameter or a note: the EAMC keeps the last
 ``eamc_size`` finished requests (first in, first out); it starts empty unless
@@ -35,6 +40,7 @@ from moesim.policy.base import LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import Prefetch
+from moesim.policy.state import even_quotas
 from moesim.policy.systems import SystemSpec, register_component, register_system
 
 
@@ -186,11 +192,13 @@ class EamPrefetch(Prefetch):
 @register_component
 @dataclass
 class RequestLFUCache(CachePolicy):
-    """Least frequently used over the current requests' EAM (MoE-Infinity's activation-aware cache)."""
+    """Model-wide pool, layer-aware least-frequently-used over the current requests' EAM (MoE-Infinity)."""
 
     name = "request-lfu"
+    layout = "pool"
     eamc_size: int = 0
     tracker: ActivationTracker | None = field(default=None, repr=False)
+    _start: list[int] = field(default_factory=list, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         tracker = _TRACKERS.get(id(ctx))
@@ -198,6 +206,11 @@ class RequestLFUCache(CachePolicy):
             m = ctx.model
             tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
         self.tracker = tracker
+        pool = ctx.pool if ctx.pool is not None else sum(ctx.capacity)
+        self._start = even_quotas(pool, len(ctx.capacity), ctx.model.num_experts)
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return list(range(min(self._start[layer], capacity))) if self._start else []
 
     def observe(self, view: LayerView) -> None:
         if self.tracker is not None:
@@ -206,16 +219,39 @@ class RequestLFUCache(CachePolicy):
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)
 
+    def _priority(self, view: LayerView, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(priority by the current requests, by the whole run) of every expert of ``layer``."""
+        layers = view.cache.num_layers
+        depth = 1 - layer / layers
+        if self.tracker is None:
+            flat = np.zeros(view.cache_experts())
+            return flat, flat
+        current = self.tracker.batch_eam(view)[layer]
+        total = self.tracker.total[layer] if self.tracker.total is not None else current
+        share = lambda row: row / row.sum() * depth if row.sum() > 0 else row  # noqa: E731
+        return share(current), share(total)
+
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        if self.tracker is None:
-            return sorted(candidates)[:n]
-        current = self.tracker.batch_eam(view)[layer]
-        total = self.tracker.total[layer] if self.tracker.total is not None else current
+        current, total = self._priority(view, layer)
         return sorted(candidates, key=lambda e: (current[e], total[e], e))[:n]
+
+    def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
+                     layer: int) -> list[tuple[int, int]]:
+        if n <= 0:
+            return []
+        ranked = []
+        for other, resident in enumerate(view.cache.resident):
+            candidates = [e for e in resident if (other, e) not in protected]
+            if not candidates:
+                continue
+            current, total = self._priority(view, other)
+            ranked += [(current[e], total[e], -other, e, other) for e in candidates]
+        ranked.sort()
+        return [(other, e) for *_, e, other in ranked[:n]]
 
 
 class MoEInfinitySystem(ObservingSystem):
@@ -227,6 +263,7 @@ class MoEInfinitySystem(ObservingSystem):
             if role != "prefetch":
                 component.configure(ctx)
         self.notes = ctx.notes
+        self.rewrites = {}
         _TRACKERS.pop(id(ctx), None)
 
 
