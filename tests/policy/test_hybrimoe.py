@@ -118,12 +118,33 @@ def test_layer_wise_prefetch_targets_the_next_layer():
                                   columns=("pred_next_layer",)))
     view = view_for(model, profile, [[0, 1]], next_layer=[[6, 4, 3]])
     view.cache.resident[1] = {6}
-    # the 2 best-ranked predictions not cached: 6 is cached, so 4 and 3 (not just 4 of the top-2 6, 4)
-    assert prefetch.candidates(view) == [(1, 4), (1, 3)]
+    # the 2 best-ranked predictions not cached are 4 and 3 (not just 4 of the top-2 6, 4); the cached 6
+    # ranks above them and is listed too, so that the system never evicts it for them
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]
     view.cache.in_flight[1] = {4}  # arriving counts as cached
-    assert prefetch.candidates(view) == [(1, 3)]
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]
+    prefetch.n = 1
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]  # 3 is the first not cached
+    view.cache.in_flight[1] = set()
+    assert prefetch.candidates(view) == [(1, 6), (1, 4)]
     assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], layer=2)) == []
     assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], phase="prefill")) == []
+
+
+def test_prefetch_never_evicts_a_better_ranked_cached_expert():
+    """One slot holding the top-ranked expert: the next-best is not fetched over it."""
+    from moesim.policy.systems import build_system
+    model, profile = tiny_model(layers=2, experts=8, top_k=2), tiny_profile()
+    system = build_system("hybrimoe")
+    system.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[1, 1],
+                                columns=("pred_next_layer",)))
+    view = view_for(model, profile, [[0, 1]], resident=[0], next_layer=[[6, 4]])
+    view.cache.capacity = [1, 1]
+    view.cache.resident[1] = {6}
+    assert system.plan(view).prefetches == []
+    view.cache.resident[1] = {5}  # the resident one is not predicted: 6 replaces it
+    plan = system.plan(view)
+    assert plan.prefetches == [(1, 6)] and (1, 5) in plan.evictions
 
 
 def test_prefetch_falls_back_to_priorities():

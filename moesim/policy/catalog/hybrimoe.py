@@ -31,14 +31,13 @@ The public code prefetches by priority score; this module uses the trace's
 ``pred_next_layer`` (the next layer's gate on this layer's input, the paper's
 prediction) when present, and the priority scores otherwise (noted in the report).
 The ``n`` best-ranked experts not already cached (resident or arriving) are
-prefetched. With a batch of several tokens the priority update uses their mean
+prefetched; the better-ranked cached ones are kept (never evicted for them). With a batch of several tokens the priority update uses their mean
 scores.
 """
 
 from __future__ import annotations
 
 import math
-from itertools import islice
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,6 +167,20 @@ class HybridScheduling(Assignment):
         return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill")
 
 
+def ranked_until_uncached(ranked, cached, n: int) -> list[int]:
+    """The best-ranked experts up to and including the ``n``-th one not cached. The cached ones stay in
+    the list so that the system protects them: a better-ranked expert is never evicted for a worse one."""
+    picks: list[int] = []
+    missing = 0
+    for e in ranked:
+        if missing >= n:
+            break
+        picks.append(e)
+        if not cached(e):
+            missing += 1
+    return picks
+
+
 @register_component
 @dataclass
 class LayerWisePrefetch(Prefetch):
@@ -211,8 +224,7 @@ class LayerWisePrefetch(Prefetch):
             ranked = np.lexsort((np.arange(len(row)), -row)).tolist()
         else:
             return []
-        has = view.cache.has
-        return [(target, e) for e in islice((e for e in ranked if not has(target, e)), self.n)]
+        return [(target, e) for e in ranked_until_uncached(ranked, lambda e: view.cache.has(target, e), self.n)]
 
 
 @dataclass
