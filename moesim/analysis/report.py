@@ -86,6 +86,10 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f"({floor['makespan_s']:.3f} s; TTFT {_fmt(floor['ttft_ms'])} ms, TPOT "
                       f"{_fmt(floor['tpot_ms_mean'])} ms: the busiest of GPU and CPU doing only unavoidable "
                       f"work, no transfers, launches or syncs)")
+        for name, m in by_system.items():
+            own = m.get("lower_bound")
+            if own and own != floor:  # a system whose defaults change the work itself (e.g. its expert dtype)
+                console.print(f"  {name}: against its own lower bound under its defaults ({own['makespan_s']:.3f} s)")
     notes = sorted({n for m in by_system.values() for n in m.get("notes", [])})
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
