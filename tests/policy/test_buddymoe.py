@@ -138,6 +138,13 @@ def test_distribution_gate_can_be_switched_off(tmp_path):
         system.substitute._buddies, system.substitute._tau = sub._buddies, sub._tau
         assert system.substitute.rewrite(both_missing) == [(0, 0, 0)]
     assert build_system("buddymoe", {"substitute.beta": "off"}).substitute.beta == float("inf")
+    # fewer slots than top_k: the report says why substitution hardly happens with the gate on
+    model2 = tiny_model(layers=1, experts=5, top_k=2)
+    for beta, expected in ((1.0, 1), (float("inf"), 0)):
+        ctx = RunContext(model=model2, costs=CostModel(tiny_profile(), model2), capacity=[1], notes=[])
+        BuddySubstitution(calibration=sub.calibration, beta=beta).configure(ctx)
+        notes = [n for n in ctx.notes if "GPU slot(s) per layer" in n]
+        assert len(notes) == expected
     model = tiny_model(layers=1, experts=5, top_k=2)
     bad = BuddySubstitution(beta=-0.5)
     with pytest.raises(ConfigError, match="substitute.beta"):

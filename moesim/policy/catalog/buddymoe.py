@@ -193,6 +193,10 @@ class BuddySubstitution(Substitution):
             ctx.notes.append("buddy: buddy lists and TAE percentiles calibrated on the replayed trace itself "
                              "(set substitute.calibration=PATH for a held-out calibration trace)")
         self._calibrate(path, ctx)
+        if self.beta <= 1.0 and ctx.capacity and max(ctx.capacity) < ctx.model.top_k:
+            ctx.notes.append(f"buddy: {max(ctx.capacity)} GPU slot(s) per layer for top-{ctx.model.top_k} routing: a "
+                             f"decode token's buddy is already its own expert or the gate (delta >= beta = "
+                             f"{self.beta:g}) closes, so substitution is rare (--set substitute.beta=off opens it)")
 
     def _calibrate(self, path: str, ctx: RunContext) -> None:
         model = ctx.model
