@@ -192,11 +192,14 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
                             settings: dict[str, str]) -> None:
-    """Each system's distance from its physical lower bound (its own memory plan and workload)."""
-    from moesim.sim.run import result_lower_bound
-    memo: dict = {}
+    """Each system's distance from its physical lower bound (its own memory plan, workload and defaults,
+    e.g. mixtral-offloading's int4 experts)."""
+    from moesim.sim.run import result_lower_bound, with_system_defaults
+    memos: dict[tuple, dict] = {}
     for name, m in by_system.items():
-        bound = result_lower_bound(trace_file, hw, settings, runs[name], memo)
+        own = with_system_defaults(name, settings)
+        memo = memos.setdefault(tuple(sorted(own.items())), {})
+        bound = result_lower_bound(trace_file, hw, own, runs[name], memo)
         m["lower_bound"] = bound
         m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
 

@@ -276,14 +276,17 @@ def system_names(all_systems: bool = False) -> list[str]:
 
 def portfolio_members(name: str) -> tuple[str, ...]:
     """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
-    listed system that keeps to the memory budget and is not itself a portfolio."""
+    listed system that keeps to the memory budget, keeps the replay's weight dtypes (a system whose
+    defaults set ``memory.*``, like mixtral-offloading's int4 experts, runs other weights) and is not
+    itself a portfolio."""
     spec = SYSTEMS[name]
     if not spec.portfolio:
         return (name,)
     out = list(spec.portfolio)
     if spec.portfolio_catalogue:
         out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
-                and not SYSTEMS[n].ignores_memory]
+                and not SYSTEMS[n].ignores_memory
+                and not any(key.startswith("memory.") for key, _ in SYSTEMS[n].defaults)]
     return tuple(out)
 
 

@@ -113,8 +113,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
                               source=trace, field="--model", fix="pick the preset the trace was recorded with")
         model = dataclasses.replace(preset)
     members(system)
-    spec_defaults = {k: v for k, v in SYSTEMS[system].defaults if k.partition(".")[0] in ("engine", "memory", "hw")}
-    parsed = parse_settings({**spec_defaults, **(settings or {})})
+    parsed = parse_settings(with_system_defaults(system, settings))
     if timeline is not None:
         parsed.engine.timeline = timeline
     if decisions is not None:
@@ -128,6 +127,13 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
                          non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
     return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
                      columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
+
+
+def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[str, str]:
+    """``settings`` over the system's own engine/memory/hw defaults (mixtral-offloading's int4 experts, say)."""
+    spec = SYSTEMS.get(system)
+    own = {k: v for k, v in spec.defaults if k.partition(".")[0] in ("engine", "memory", "hw")} if spec else {}
+    return {**own, **(settings or {})}
 
 
 def members(system: str) -> tuple[str, ...]:

@@ -121,3 +121,65 @@ def test_random_baseline_substitutes_every_missing_expert(ds_like):
     settings = {"engine.check": "true", "cache.slots_per_layer": "24", "substitute": "random"}
     m = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", settings))
     assert m["substituted_experts"] > 0
+
+
+# ----------------------------------------------------------------------------- gate off, prefetcher (002 setup)
+def test_distribution_gate_can_be_switched_off(tmp_path):
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import build_system
+    sub = _configured(tmp_path, beta=1.0, tau=0.0)
+    sub._buddies = [[[1], [0], [0], [0, 2], [1, 0]]]
+    # one resident expert, a token routing two missing ones: delta = 1 >= beta = 1, the gate closes
+    both_missing = _view([[3, 4]], {0}, [[0.5, 0.5]])
+    assert sub.rewrite(both_missing) == []
+    # gate off: 3's buddy 0 is resident and takes its slot; 4's buddies 1, 0 are absent or taken
+    for setting in ("off", "1.5"):
+        system = build_system("buddymoe", {"substitute.beta": setting})
+        system.substitute._buddies, system.substitute._tau = sub._buddies, sub._tau
+        assert system.substitute.rewrite(both_missing) == [(0, 0, 0)]
+    assert build_system("buddymoe", {"substitute.beta": "off"}).substitute.beta == float("inf")
+    # fewer slots than top_k: the report says why substitution hardly happens with the gate on
+    model2 = tiny_model(layers=1, experts=5, top_k=2)
+    for beta, expected in ((1.0, 1), (float("inf"), 0)):
+        ctx = RunContext(model=model2, costs=CostModel(tiny_profile(), model2), capacity=[1], notes=[])
+        BuddySubstitution(calibration=sub.calibration, beta=beta).configure(ctx)
+        notes = [n for n in ctx.notes if "GPU slot(s) per layer" in n]
+        assert len(notes) == expected
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    bad = BuddySubstitution(beta=-0.5)
+    with pytest.raises(ConfigError, match="substitute.beta"):
+        bad.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
+
+
+def test_default_prefetcher_loads_one_gate_worth_in_decoding_only():
+    from moesim.policy.catalog.buddymoe import NextLayerPrefetch
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4, 4],
+                     columns=("pred_next_layer",))
+    prefetch = NextLayerPrefetch()
+    prefetch.configure(ctx)
+    assert prefetch.size == 2  # the model's top_k
+    state = CacheState(capacity=[4, 4])
+    rows = np.array([[0, 1], [0, 1], [0, 1]])
+    active, counts = active_experts(rows, 8)
+    predicted = {"pred_next_layer": [np.array([5, 6]), np.array([6, 7]), np.array([6, 4])]}
+    view = LayerView(0, 0, "decode", rows, active, counts, state, CostModel(tiny_profile(), model),
+                     predictors=predicted)
+    # votes: 6 three times, then 5, 7, 4 once each (5 first by position 0, then 4, 7 by position 1, id)
+    assert prefetch.candidates(view) == [(1, 6), (1, 5)]
+    view.phase = "prefill"
+    assert prefetch.candidates(view) == []
+    everything = NextLayerPrefetch(size=0, prefill=True)
+    everything.configure(ctx)
+    assert everything.candidates(view) == [(1, 6), (1, 5), (1, 4), (1, 7)]
+
+
+def test_default_prefetcher_leaves_misses_for_substitution(ds_like):
+    """Prefetching every predicted expert, in the prefill too, puts nearly every routed expert in flight:
+    substitution (which replaces only experts neither resident nor arriving) is muted."""
+    base = {"engine.check": "true", "cache.slots_per_layer": "24"}
+    default = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", base))
+    flood = metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe",
+                             {**base, "prefetch.size": "0", "prefetch.prefill": "true"}))
+    assert default["prefetches"] < flood["prefetches"]
+    assert default["substituted_experts"] > flood["substituted_experts"]

@@ -17,6 +17,7 @@ from moesim.trace import TraceMeta, write_trace
 from tests.factories import tiny_model, tiny_profile
 
 LAUNCH = 3 * 5e-6
+FAST = 0.49152  # one tiny expert copied in 100 us + 10 us latency
 
 
 def view_for(model, profile, rows, *, resident=(), in_flight=(), scores=None, phase="decode", layer=0,
@@ -86,6 +87,30 @@ def test_uncached_head_waits_for_its_copy():
     assert hybrid_schedule(inflight) == ([2], [1])
 
 
+def test_prefill_schedules_over_cached_experts_only():
+    """000 Sec. VI-B: HybriMoE's prefill runs the cached subset on the GPU and relieves the CPU; it loads
+    nothing on demand. Same layer as test_head_tail_scheduling_on_hand_example, with e2 (3 tokens,
+    uncached) made heavy: 9 tokens."""
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    profile = tiny_profile(cpu_us=(100.0, 1000.0), pcie_gbps=0.49152)
+    rows = [[0, 2]] * 9 + [[0, 1], [3, 5]]  # e0 10 (cached), e2 9, e1 1 (cached), e3 1, e5 1 (cached)
+    decode = view_for(model, profile, rows, resident=[0, 1, 5])
+    prefill = view_for(model, profile, rows, resident=[0, 1, 5], phase="prefill")
+    # decoding: order [0, 1, 5, 2, 3]; GPU 331.2, CPU 120 -> 3; 331.2 vs 420 -> GPU 0; 446.2 vs 420 -> CPU 2;
+    # 446.2 vs 520 -> GPU 1; 561.2 vs 520 -> CPU 5
+    assert hybrid_schedule(decode) == ([0, 1], [3, 2, 5])
+    # with uncached heavy e2 at the head of the uncached group the GPU would take it if loads were allowed:
+    rows2 = [[2, 4]] * 9 + [[0, 1]]  # e2 9, e4 9 uncached; e0 1, e1 1 cached
+    allowed = view_for(model, profile, rows2, resident=[0, 1])
+    assert 2 in hybrid_schedule(allowed)[0]
+    barred = view_for(model, profile, rows2, resident=[0, 1], phase="prefill")
+    gpu, cpu = hybrid_schedule(barred, loads=False)
+    assert set(gpu) <= {0, 1} and {2, 4} <= set(cpu)
+    from moesim.policy.catalog.hybrimoe import HybridScheduling
+    assert HybridScheduling().split(barred) == (gpu, cpu)
+    assert HybridScheduling(prefill_loads=True).split(barred) == hybrid_schedule(allowed)
+
+
 def test_layer_wise_prefetch_targets_the_next_layer():
     model, profile = tiny_model(layers=3, experts=8, top_k=2), tiny_profile()
     prefetch = LayerWisePrefetch(n=2)
@@ -93,9 +118,33 @@ def test_layer_wise_prefetch_targets_the_next_layer():
                                   columns=("pred_next_layer",)))
     view = view_for(model, profile, [[0, 1]], next_layer=[[6, 4, 3]])
     view.cache.resident[1] = {6}
-    assert prefetch.candidates(view) == [(1, 4)]  # top-2 predictions are 6 (cached) and 4
+    # the 2 best-ranked predictions not cached are 4 and 3 (not just 4 of the top-2 6, 4); the cached 6
+    # ranks above them and is listed too, so that the system never evicts it for them
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]
+    view.cache.in_flight[1] = {4}  # arriving counts as cached
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]
+    prefetch.n = 1
+    assert prefetch.candidates(view) == [(1, 6), (1, 4), (1, 3)]  # 3 is the first not cached
+    view.cache.in_flight[1] = set()
+    assert prefetch.candidates(view) == [(1, 6), (1, 4)]
     assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], layer=2)) == []
     assert prefetch.candidates(view_for(model, profile, [[0, 1]], next_layer=[[6]], phase="prefill")) == []
+
+
+def test_prefetch_never_evicts_a_better_ranked_cached_expert():
+    """One slot holding the top-ranked expert: the next-best is not fetched over it."""
+    from moesim.policy.systems import build_system
+    model, profile = tiny_model(layers=2, experts=8, top_k=2), tiny_profile()
+    system = build_system("hybrimoe")
+    system.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[1, 1],
+                                columns=("pred_next_layer",)))
+    view = view_for(model, profile, [[0, 1]], resident=[0], next_layer=[[6, 4]])
+    view.cache.capacity = [1, 1]
+    view.cache.resident[1] = {6}
+    assert system.plan(view).prefetches == []
+    view.cache.resident[1] = {5}  # the resident one is not predicted: 6 replaces it
+    plan = system.plan(view)
+    assert plan.prefetches == [(1, 6)] and (1, 5) in plan.evictions
 
 
 def test_prefetch_falls_back_to_priorities():
@@ -138,6 +187,24 @@ def test_replay_passes_invariants_and_beats_cpu_only_in_prefill(tmp_path):
     # 000 Sec. VI-B: caching and hybrid scheduling relieve the CPU, so HybriMoE's TTFT is below KTransformers'
     assert hybri["ttft_ms"] < ktrans["ttft_ms"]
     assert hybri["prefetches"] > 0 and hybri["gpu_share_of_activations"] > 0
+
+
+def test_prefill_loads_nothing_and_starts_from_the_preloaded_cache(tmp_path):
+    """000 Sec. VI-B's prefill: only the cached subset (preloaded before the first step, as for every
+    system) runs on the GPU; no transfer at all in a prefill-only replay."""
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    trace = trace_with_predictor(tmp_path / "t.parquet", model, prompt=40, decode=0)
+    settings = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST), "hybrimoe", settings)
+    lru = simulate(str(trace), tiny_profile(pcie_gbps=FAST), "gpu-only-lru", settings)
+    assert result.initial_resident == lru.initial_resident == [[0, 1, 2]] * 3
+    m = metrics(result)
+    assert m["pcie_h2d_bytes"] == 0 and m["demand_loads"] == 0 and m["gpu_share_of_activations"] > 0
+    loading = metrics(simulate(str(trace), tiny_profile(pcie_gbps=FAST), "hybrimoe",
+                               {**settings, "assign.prefill_loads": "true"}))
+    # loading the heavy uncached experts (streamed: every slot holds an expert this layer runs) is what
+    # SMoE adds to the prefill; HybriMoE's prefill without it leaves them to the CPU and takes longer
+    assert loading["pcie_h2d_bytes"] > 0 and loading["ttft_ms"] < m["ttft_ms"]
 
 
 def test_waiting_for_prefetches_shows_as_wait_cache(tmp_path):

@@ -28,13 +28,14 @@ def test_thresholds_are_one_plus_and_one_minus_alpha_times_beta():
     assert high == pytest.approx(1.5 * 0.15) and floor == pytest.approx(0.5 * 0.15)
 
 
-def _view(experts, scores, resident, num_experts=6):
+def _view(experts, scores, resident, num_experts=6, in_flight=(), phase="decode"):
     model = tiny_model(layers=2, experts=num_experts, top_k=2)
     state = CacheState(capacity=[num_experts, num_experts])
     state.preload(0, sorted(resident))
+    state.in_flight[0] = set(in_flight)
     arr = np.array(experts)
     active, counts = active_experts(arr, num_experts)
-    return LayerView(0, 0, "decode", arr, active, counts, state, CostModel(tiny_profile(), model),
+    return LayerView(0, 0, phase, arr, active, counts, state, CostModel(tiny_profile(), model),
                      scores=np.array(scores, dtype=np.float16))
 
 
@@ -50,6 +51,33 @@ def test_router_replaces_a_low_score_expert_with_a_resident_alternative():
     assert router.rewrite(_view([[0, 1]], [SCORES], {5})) == []
     # alpha = 0.2: T = 0.18, so expert 1 (0.20) is top-score and never replaced
     assert ImportanceRouter(alpha=0.2).rewrite(_view([[0, 1]], [SCORES], {3})) == []
+
+
+def test_router_counts_only_resident_experts_as_in_gpu():
+    """004 Sec. 5.1: low-score experts "not resident in GPU memory" are replaced by experts "already in GPU
+    memory": a prefetch still in flight is neither kept as resident nor offered as an alternative."""
+    router = ImportanceRouter(alpha=0.5)
+    # expert 1 (low-score) arriving: not in GPU memory yet, so it is replaced by the resident 3
+    assert router.rewrite(_view([[0, 1]], [SCORES], {3}, in_flight=[1])) == [(0, 1, 3)]
+    # alternatives 2 (0.15, arriving) and 3 (0.10, resident): only 3 qualifies
+    assert router.rewrite(_view([[0, 1]], [SCORES], {3}, in_flight=[2])) == [(0, 1, 3)]
+    assert router.rewrite(_view([[0, 1]], [SCORES], set(), in_flight=[2, 3])) == []
+
+
+def test_router_and_balancer_work_in_decoding_only():
+    """004 Sec. 4 (Online inference): the prefill is traditional offloading, every routed expert loaded to
+    and computed on the GPU; the importance-driven scheduler acts in decoding."""
+    from moesim.policy.catalog.importance import TwoPointerBalancer
+    router = ImportanceRouter(alpha=0.5)
+    assert router.rewrite(_view([[0, 1]], [SCORES], {3}, phase="prefill")) == []
+    # resident {3}; a load takes 491.5 ms (100 kB/s), the CPU 1 ms per lone token: Alg. 2 loads the heaviest
+    # (0, 3 tokens), then the CPU takes 4, 2 (1 token each) and 1 (2 tokens) while C_load stays ahead
+    rows = [[0, 1], [0, 1], [0, 2], [3, 4]]
+    decode = _view(rows, [SCORES] * 4, {3})
+    prefill = _view(rows, [SCORES] * 4, {3}, phase="prefill")
+    balancer = TwoPointerBalancer()
+    assert balancer.split(decode) == ([3, 0], [4, 2, 1])
+    assert balancer.split(prefill) == (prefill.active, [])
 
 
 def test_router_alternative_may_be_another_tokens_top_score_expert():

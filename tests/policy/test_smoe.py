@@ -128,7 +128,10 @@ def test_fixed_n_loads_n_new_experts_over_the_least_frequent():
     assert plan.gpu == [0, 2] and plan.cpu == []
     assert plan.prefetches == [(0, 5), (0, 6)]
     assert plan.evictions == [(0, 1), (0, 3)]
-    assert plan.overhead_s == {"cache_management": pytest.approx(10e-6)}
+    # the predictor (a 64 x 8 bf16 GEMV: 1,024 bytes at 1000 GB/s x efficiency, plus 2 launches of 5 us)
+    gpu = tiny_profile().gpu
+    predict = 2 * 5e-6 + 1024 / (1000e9 * gpu.effective_bandwidth_efficiency)
+    assert plan.overhead_s == {"cache_management": pytest.approx(10e-6), "predict": pytest.approx(predict)}
 
 
 def test_adaptive_loads_only_uncached_among_top_n():
@@ -157,23 +160,99 @@ def test_flex_turns_off_the_least_accurate_half(tmp_path):
     path = flex_trace(tmp_path / "flex.parquet")
     model = tiny_model(layers=4, experts=8, top_k=2)
     assert token_predictor_accuracy(str(path), 4, 2).tolist() == [1.0, 0.5, 0.0, 1.0]
-    prefetch = TokenWisePrefetch(n=3, flex_off_fraction=0.5)
+    prefetch = TokenWisePrefetch(n=3, flex_off_fraction=0.5, calibration="self")
     ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * 4,
                      trace_path=str(path), columns=("pred_next_token",))
     prefetch.configure(ctx)
     assert [prefetch.enabled(layer) for layer in range(4)] == [True, False, False, True]
     assert "prefetch off on 2 of 4 layers" in ctx.notes[-1] and "[1, 2]" in ctx.notes[-1]
+    assert "clairvoyant" in ctx.notes[-1]
     profile = tiny_profile()
     for layer, expected in ((0, [(0, 6), (0, 7)]), (1, [])):
         view = view_for(model, profile, [[0, 1]], phase="decode", layer=layer, preds=[[6, 7]])
         assert prefetch.candidates(view) == expected
 
 
-def test_flex_system_runs_with_its_defaults(tmp_path):
+def test_flex_ranks_layers_on_a_held_out_calibration_trace(tmp_path):
+    """The replayed trace is never read for the ranking unless asked: a held-out trace decides."""
+    calibration = flex_trace(tmp_path / "cal.parquet")
+    model = tiny_model(layers=4, experts=8, top_k=2)
+    prefetch = TokenWisePrefetch(n=3, flex_off_fraction=0.5, calibration=str(calibration))
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * 4,
+                     trace_path=str(tmp_path / "absent.parquet"), columns=("pred_next_token",))
+    prefetch.configure(ctx)
+    assert [prefetch.enabled(layer) for layer in range(4)] == [True, False, False, True]
+    assert str(calibration) in ctx.notes[-1] and "clairvoyant" not in ctx.notes[-1]
+
+
+def test_flex_by_default_ranks_layers_online_after_a_warm_up(tmp_path):
+    """Default SMoE-Flex: every layer predicts and prefetches for ``warmup`` decode steps, each token's
+    prediction scored against its next token; then the least accurate half stops. In flex_trace the
+    predictor is right at layers 0 and 3, half right at 1, wrong at 2: after 2 decode steps (1 scored
+    pair per layer) layers 1 and 2 switch off, at layer 0 of the third decode step."""
     path = flex_trace(tmp_path / "flex.parquet")
-    result = simulate(str(path), tiny_profile(pcie_gbps=FAST_PCIE), "smoe-flex",
-                      {"engine.check": "true", "cache.slots_per_layer": "2"})
-    assert any("[1, 2]" in note for note in result.notes)
+    settings = {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch.warmup": "2",
+                "prefetch.predict_us": "1"}
+    result = simulate(str(path), tiny_profile(pcie_gbps=FAST_PCIE), "smoe-flex", settings, decisions=True)
+    assert any("after 2 decode steps prefetch is off on 2 layers: [1, 2]" in note for note in result.notes)
+    assert not any("clairvoyant" in note for note in result.notes)
+    # predictions (1 us each): 4 layers in each warm-up step, then layers 0 and 3 only
+    assert metrics(result)["breakdown_ms"]["predict"] == pytest.approx((4 + 4 + 2) * 1e-3)
+    log = result_to_frames(result)["decisions"]
+    prefetched = log[(log.action == "prefetch") & (log.step >= 1)]
+    # layer 1's predictor names 7 beside the cached 2, 3: fetched into the free slot during the warm-up
+    assert prefetched[prefetched.layer == 1].expert.tolist() == [7]
+    short = simulate(str(path), tiny_profile(pcie_gbps=FAST_PCIE), "smoe-flex", {**settings, "prefetch.warmup": "16"})
+    assert not any("after 16 decode steps" in note for note in short.notes)  # 3 decode steps: still warming up
+
+
+def test_predictor_time_is_charged_on_every_predicting_decode_layer(tmp_path):
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2]]] * 2
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[0, 1]] * 2] * 3, prompt)
+    common = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    fixed = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe", {**common, "prefetch.predict_us": "7"})
+    assert metrics(fixed)["breakdown_ms"]["predict"] == pytest.approx(3 * 2 * 7e-3)  # 3 decode steps x 2 layers
+    free = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe", {**common, "prefetch.predict_us": "0"})
+    assert metrics(fixed)["ttft_ms"] == pytest.approx(metrics(free)["ttft_ms"])  # no prediction in the prefill
+    # the last step (0 and 1 resident, nothing in flight): 7 us more per layer on the critical path
+    last = lambda r: r.steps[-1].end - r.steps[-1].start  # noqa: E731
+    assert last(fixed) == pytest.approx(last(free) + 2 * 7e-6)
+    derived = metrics(simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe", common))
+    gemv = 2 * 5e-6 + 1024 / (1000e9 * tiny_profile().gpu.effective_bandwidth_efficiency)
+    assert derived["breakdown_ms"]["predict"] == pytest.approx(6 * gemv * 1e3)
+
+
+def test_prefetch_count_follows_table_i_per_model():
+    from moesim.model.presets import load_preset
+    for preset, n in (("qwen3-30b-a3b", 3), ("qwen3-235b-a22b", 3), ("deepseek-v3", 2)):
+        model = load_preset(preset)
+        system = build_system("smoe")
+        ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8] * model.num_layers)
+        system.configure(ctx)
+        assert system.prefetch.n == n, preset
+        assert not any("no prefetch count" in note for note in ctx.notes)
+    model = load_preset("mixtral-8x7b")
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[2] * model.num_layers)
+    system = build_system("smoe")
+    system.configure(ctx)
+    assert system.prefetch.n == 2 and any("no prefetch count for mixtral-8x7b" in note for note in ctx.notes)
+    flex = build_system("smoe-flex")
+    flex.configure(RunContext(model=load_preset("qwen3-30b-a3b"), costs=ctx.costs, capacity=[8] * 48))
+    assert flex.prefetch.n == 3
+
+
+def test_queue_aware_transfer_time_counts_copies_ahead():
+    # cpu(n) = 1000 sqrt(n) us, gpu(n) = 100 sqrt(n) + 15 us, one copy 1010 us
+    model, profile = tiny_model(layers=1, experts=4, top_k=1), tiny_profile(pcie_gbps=0.049152)
+    view = view_for(model, profile, [[0]] * 9 + [[1]] * 4)  # e0: 9 tokens, e1: 4 tokens, nothing cached
+    # Alg. 1 as printed: e0 3000 > 315 + 1010 and e1 2000 > 215 + 1010: both on the GPU
+    assert SMoEAssign().split(view) == ([0, 1], [])
+    # queue-aware: e1's copy waits behind e0's, 2000 < 215 + 2020: the CPU takes it
+    assert SMoEAssign(queue_aware=True).split(view) == ([0], [1])
+    # a copy of this layer already in flight, arriving in 2000 us, delays e0's too: 3000 < 315 + 3010
+    view.arrivals = {3: 2000e-6}
+    assert SMoEAssign(queue_aware=True).split(view) == ([], [0, 1])
 
 
 def test_bad_eviction_mode_is_one_clear_error(tmp_path):
@@ -202,7 +281,8 @@ def test_prefetch_with_accurate_predictor_raises_hit_rate(tmp_path):
     assert with_prefetch["prefetches"] > without["prefetches"]
     assert with_prefetch["gpu_hit_rate"] > without["gpu_hit_rate"] + 0.2
     assert with_prefetch["tpot_ms_mean"] < without["tpot_ms_mean"]
-    assert with_prefetch["late_prefetches"] == 0
+    # only the post-prefill fill can be late (the first decode token needs it at once), never a token-wise one
+    assert with_prefetch["late_prefetches"] <= without["late_prefetches"]
 
 
 def test_history_predictor_is_flagged_without_the_column(tmp_path):
@@ -215,15 +295,24 @@ def test_history_predictor_is_flagged_without_the_column(tmp_path):
     assert metrics(result)["prefetches"] > 0
 
 
-def test_cache_is_filled_from_prefill_counts_at_first_decode(tmp_path):
-    model = tiny_model(layers=1, experts=8, top_k=2)
-    prompt = [[[0, 1], [0, 1], [0, 2], [3, 4]]]  # counts 0:3 1:2 2:1 3:1 4:1
-    trace = decode_trace(tmp_path / "t.parquet", model, [[[5, 6]], [[5, 6]]], prompt)
+def test_cache_is_filled_from_prefill_counts_when_the_prefill_ends(tmp_path):
+    """Sec. IV-E: the fill is queued by the prefill's last layer, not at the first decode step."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2], [3, 4]], [[4, 5], [4, 5], [4, 6], [3, 4]]]
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[5, 6], [5, 6]], [[5, 6], [5, 6]]], prompt)
     result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
-                      {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch": "none"}, decisions=True)
-    log = result_to_frames(result)["decisions"]
-    fills = log[(log.action == "prefetch") & (log.step == 1)]
-    assert fills.expert.tolist() == [0, 1, 2]  # most used first, ties by id, capacity 3
+                      {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch": "none"},
+                      decisions=True, timeline=True)
+    frames = result_to_frames(result)
+    log = frames["decisions"]
+    fills = log[log.action == "prefetch"]
+    assert set(fills.step) == {0} and set(fills.layer) == {1}  # all planned by the prefill's last layer
+    # layer 0 counts 0:3 1:2 2:1 3:1 4:1, layer 1 4:4 5:2 3:1 6:1: most used first, ties by id, 3 slots
+    assert list(zip(fills.target_layer, fills.expert)) == [(0, 0), (0, 1), (0, 2), (1, 4), (1, 5), (1, 3)]
+    timeline = frames["timeline"]
+    copies = timeline[(timeline.resource == "pcie") & (timeline.kind == "prefetch")]
+    last_prefill_gpu = timeline[(timeline.step == 0) & (timeline.layer == 1) & (timeline.resource == "gpu")]
+    assert copies.start_s.min() == pytest.approx(last_prefill_gpu.end_s.max())  # queued after its GPU work
 
 
 def test_token_wise_prefetch_is_submitted_when_the_layers_gpu_experts_finish(tmp_path):
@@ -234,7 +323,7 @@ def test_token_wise_prefetch_is_submitted_when_the_layers_gpu_experts_finish(tmp
     result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
                       {"engine.check": "true", "cache.slots_per_layer": "3"}, timeline=True)
     frame = result_to_frames(result)["timeline"]
-    step = frame[frame.step == 2]  # the first step after the fill: 0 and 1 resident, next token predicted 5, 6
+    step = frame[frame.step == 2]  # 0, 1, 2 resident (filled after the prefill), next token predicted 5, 6
     for layer in (0, 1):
         here = step[step.layer == layer]
         copies = here[(here.resource == "pcie") & (here.kind == "prefetch")]
@@ -244,4 +333,5 @@ def test_token_wise_prefetch_is_submitted_when_the_layers_gpu_experts_finish(tmp
         assert copies.expert.tolist() == [5]
         assert sorted(experts.expert) == [0, 1]
         assert copies.start_s.iloc[0] == pytest.approx(experts.end_s.max())
-        assert copies.start_s.iloc[0] * 1e6 == pytest.approx((attention_end + 10e-6) * 1e6 + 2 * (100 + 15))
+        predict = 2 * 5e-6 + 1024 / (1000e9 * tiny_profile().gpu.effective_bandwidth_efficiency)
+        assert copies.start_s.iloc[0] * 1e6 == pytest.approx((attention_end + 10e-6 + predict) * 1e6 + 2 * (100 + 15))

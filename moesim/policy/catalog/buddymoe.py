@@ -11,7 +11,10 @@ Eq. 5-6), capped at ``k_max``; experts never activated get no buddies.
 Runtime (Sec. 3.1, 3.3, Alg. 1), per layer:
 
 1. distribution gate (Eq. 2): delta = share of the layer's requested experts
-   not on the GPU; no substitution at all when ``delta >= beta``;
+   not on the GPU; no substitution at all when ``delta >= beta``. 002 gives
+   beta in [0, 1] and no value for its experiments; ``beta=off`` (or any beta
+   above 1) switches the gate off, so that a layer whose every routed expert is
+   missing (delta = 1, common with few slots) may substitute too;
 2. TAE gate (Eq. 1): a token whose normalised entropy of its renormalized
    top-k probabilities is ``<= tau`` keeps its experts; with ``tau < 0`` the
    threshold is the ``tau_percentile``-th percentile of the layer's TAE on the
@@ -33,14 +36,22 @@ the priority score Psi (Eq. 3) is q_{j|i} itself: the buddy list's order.
 expert becomes a uniformly drawn resident expert not in the token's set.
 
 The ``buddymoe`` system: an LRU expert cache, every expert on the GPU, the
-next layer's predicted experts prefetched (Fig. 3's pipeline, from
-``pred_next_layer``), buddy substitution of what is still missing.
+next layer's predicted experts prefetched during decoding (Fig. 3's pipeline:
+"the CPU uses the attention output to predict the required experts for the next
+block", from ``pred_next_layer``; one gate's worth, top_k experts per layer, the
+most-voted over the batch), buddy substitution of what is still missing.
+Prefetching every expert any token predicts, or prefetching in the prefill
+(where a long prompt predicts nearly every expert), would leave nothing missing
+and mute substitution; 002 measures decoding throughput with prefetch misses to
+substitute (Sec. 2.3, Table 1), so both are off by default
+(``prefetch.size=0`` and ``prefetch.prefill=true`` turn them on).
 ``--set substitute=none`` is the paper's "Original", ``substitute=random``
 its "Random".
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,16 +162,29 @@ class BuddySubstitution(Substitution):
     tau: float = -1.0
     tau_percentile: float = 10.0
     #: distribution gate: no substitution in a layer when this share of its experts is off the GPU
+    #: ("off" or above 1: the gate never closes)
     beta: float = 1.0
     #: replacement budget per token (0: unlimited)
     rho: int = 3
     _buddies: list[list[list[int]]] = field(default_factory=list, repr=False)
     _tau: list[float] = field(default_factory=list, repr=False)
 
+    def set_param(self, key: str, raw: str) -> None:
+        if key == "beta" and isinstance(raw, str) and raw.strip().lower() == "off":
+            self.beta = math.inf
+            return
+        super().set_param(key, raw)
+
     def configure(self, ctx: RunContext) -> None:
-        if not 0.0 < self.alpha <= 1.0 or self.k_max < 1 or not 0.0 <= self.beta <= 1.0:
-            raise ConfigError(f"need 0 < alpha <= 1, k_max >= 1, 0 <= beta <= 1 (got {self.alpha}, {self.k_max}, "
-                              f"{self.beta})", field="substitute.alpha", fix="--set substitute.alpha=0.95")
+        if not 0.0 < self.alpha <= 1.0:
+            raise ConfigError(f"substitute.alpha={self.alpha} outside (0, 1]", field="substitute.alpha",
+                              fix="--set substitute.alpha=0.95")
+        if self.k_max < 1:
+            raise ConfigError(f"substitute.k_max={self.k_max} below 1", field="substitute.k_max",
+                              fix="--set substitute.k_max=16")
+        if self.beta < 0.0:
+            raise ConfigError(f"substitute.beta={self.beta} is negative", field="substitute.beta",
+                              fix="use a share in [0, 1], or off (--set substitute.beta=off)")
         path = self.calibration or ctx.trace_path
         if path is None:
             raise ConfigError("buddy lists need a calibration trace", field="substitute.calibration",
@@ -169,6 +193,10 @@ class BuddySubstitution(Substitution):
             ctx.notes.append("buddy: buddy lists and TAE percentiles calibrated on the replayed trace itself "
                              "(set substitute.calibration=PATH for a held-out calibration trace)")
         self._calibrate(path, ctx)
+        if self.beta <= 1.0 and ctx.capacity and max(ctx.capacity) < ctx.model.top_k:
+            ctx.notes.append(f"buddy: {max(ctx.capacity)} GPU slot(s) per layer for top-{ctx.model.top_k} routing: a "
+                             f"decode token's buddy is already its own expert or the gate (delta >= beta = "
+                             f"{self.beta:g}) closes, so substitution is rare (--set substitute.beta=off opens it)")
 
     def _calibrate(self, path: str, ctx: RunContext) -> None:
         model = ctx.model
@@ -266,13 +294,21 @@ class NextLayerPrefetch(Prefetch):
 
     name = "next-layer"
     columns = ("pred_next_layer",)
-    #: experts loaded ahead per layer, most-predicted first (0: all predicted)
-    size: int = 0
+    #: experts loaded ahead per layer, most-predicted first (-1: the model's top_k, one gate's worth;
+    #: 0: every expert any token predicts)
+    size: int = -1
+    #: prefetch during the prefill too (002 measures decoding)
+    prefill: bool = False
     _layers: int = 0
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
+        if self.size < -1:
+            raise ConfigError(f"prefetch.size={self.size} is below -1", field="prefetch.size",
+                              fix="use -1 (top_k), 0 (all predicted) or a count")
+        if self.size == -1:
+            self.size = ctx.model.top_k
         self._layers = ctx.model.num_layers
         self._fallback = None
         if "pred_next_layer" not in ctx.columns:
@@ -282,13 +318,14 @@ class NextLayerPrefetch(Prefetch):
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
-        if view.layer + 1 >= self._layers or not predicted:
+        if (view.phase == "prefill" and not self.prefill) or view.layer + 1 >= self._layers or not predicted:
             return []
         ranked = ranked_predictions(predicted)
         return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
 
 
 register_system("buddymoe", SystemSpec(
-    "BuddyMoE (002): LRU expert cache, next-layer prefetch, missing experts replaced by resident buddies "
+    "BuddyMoE (002): LRU expert cache, next-layer prefetch of top_k experts in decoding, missing experts "
+    "replaced by resident buddies "
     "from co-activation lists (TAE and distribution gates, budget rho)",
     cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy"))

@@ -15,17 +15,29 @@ Three parts, after the paper and its public implementation (github.com/PKU-SEC-L
   outstanding prefetches of a layer before computing it (the implementation's
   ``wait_prefetch``; 000 Sec. VI-E measured about 1 ms of such waiting per layer).
 
-Deviations, documented: the implementation runs the prefill all on the GPU and
-schedules only decoding; here hybrid scheduling runs in both phases, which is how
-000 Sec. VI-B describes HybriMoE's prefill (a cached subset on the GPU relieving
-the CPU). The public code prefetches by priority score; this module uses the trace's
+Prefill as 000 Sec. VI-B describes HybriMoE's (reproduced by 000's authors for
+DeepSeek-V3 and Qwen3): "HybriMoE caches a subset of experts on the GPU, thereby
+alleviating the computational burden on the CPU", its TTFT growing with the prompt
+more slowly than KTransformers'. Hybrid scheduling runs in the prefill too, but
+over the cached experts only: nothing is loaded on demand there (the on-demand
+loading of heavy experts is SMoE's contribution, Sec. IV-B), so uncached experts
+go to the CPU (``assign.prefill_loads=true`` lets the GPU take uncached heads with
+their transfer, as in decoding). The initial cache is the layer's first experts,
+preloaded before the first step as for every system (moesim charges no system
+for its load-time cache; only SMoE fills its cache later, after the prefill, and
+pays for it because that is its mechanism).
+
+The public code prefetches by priority score; this module uses the trace's
 ``pred_next_layer`` (the next layer's gate on this layer's input, the paper's
 prediction) when present, and the priority scores otherwise (noted in the report).
-With a batch of several tokens the priority update uses their mean scores.
+The ``n`` best-ranked experts not already cached (resident or arriving) are
+prefetched; the better-ranked cached ones are kept (never evicted for them). With a batch of several tokens the priority update uses their mean
+scores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,7 +110,7 @@ class ScoreAwareCache(CachePolicy):
         return candidates[:n]
 
 
-def hybrid_schedule(view: LayerView) -> tuple[list[int], list[int]]:
+def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], list[int]]:
     """HybriMoE's hybrid scheduling: (gpu in execution order, cpu in execution order).
 
     Experts resident or in flight count as cached (the layer waits for its
@@ -106,7 +118,8 @@ def hybrid_schedule(view: LayerView) -> tuple[list[int], list[int]]:
     then id). Each round compares the GPU's finish time if it takes the head
     with the CPU's if it takes the tail and gives the expert to the earlier one:
     the GPU starts with the shared experts, the CPU with a synchronisation, and
-    an uncached head waits for its transfer behind the ones before it.
+    an uncached head waits for its transfer behind the ones before it. With
+    ``loads`` false the GPU never takes an uncached expert: the CPU gets them all.
     """
     costs = view.costs
     count = dict(zip(view.active, view.counts))
@@ -124,7 +137,7 @@ def hybrid_schedule(view: LayerView) -> tuple[list[int], list[int]]:
         first, last = order[head], order[tail]
         gpu_end = gpu_t
         if first in uncached_set:
-            gpu_end = max(gpu_end, move_t + costs.expert_load)
+            gpu_end = max(gpu_end, move_t + costs.expert_load) if loads else math.inf
         gpu_end += costs.gpu_expert(count[first]) + view.expert_launch_s
         cpu_end = cpu_t + (costs.sync_s if not cpu else 0.0) + costs.cpu_expert(count[last])
         if gpu_end <= cpu_end:
@@ -143,18 +156,36 @@ def hybrid_schedule(view: LayerView) -> tuple[list[int], list[int]]:
 @register_component
 @dataclass
 class HybridScheduling(Assignment):
-    """HybriMoE's head/tail hybrid scheduling by cumulative finish time (see :func:`hybrid_schedule`)."""
+    """HybriMoE's head/tail hybrid scheduling by cumulative finish time (see :func:`hybrid_schedule`);
+    in the prefill over the cached experts only (000 Sec. VI-B) unless ``prefill_loads``."""
 
     name = "hybrimoe"
+    #: let the prefill load uncached experts on demand as decoding does (000 Sec. VI-B: it does not)
+    prefill_loads: bool = False
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
-        return hybrid_schedule(view)
+        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill")
+
+
+def ranked_until_uncached(ranked, cached, n: int) -> list[int]:
+    """The best-ranked experts up to and including the ``n``-th one not cached. The cached ones stay in
+    the list so that the system protects them: a better-ranked expert is never evicted for a worse one."""
+    picks: list[int] = []
+    missing = 0
+    for e in ranked:
+        if missing >= n:
+            break
+        picks.append(e)
+        if not cached(e):
+            missing += 1
+    return picks
 
 
 @register_component
 @dataclass
 class LayerWisePrefetch(Prefetch):
-    """HybriMoE's layer-wise prefetch: during decoding, the ``n`` experts the next layer most likely uses.
+    """HybriMoE's layer-wise prefetch: during decoding, the ``n`` experts the next layer most likely uses
+    among those not already cached (resident or arriving).
 
     Ranked by the trace's ``pred_next_layer`` when present, else by the
     score-aware cache's priorities of the next layer (as the public
@@ -193,7 +224,7 @@ class LayerWisePrefetch(Prefetch):
             ranked = np.lexsort((np.arange(len(row)), -row)).tolist()
         else:
             return []
-        return [(target, e) for e in ranked[:self.n] if not view.cache.has(target, e)]
+        return [(target, e) for e in ranked_until_uncached(ranked, lambda e: view.cache.has(target, e), self.n)]
 
 
 @dataclass

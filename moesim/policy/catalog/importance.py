@@ -96,8 +96,11 @@ class ImportanceRouter(Substitution):
     and calls the alternatives' range "between (1-alpha)beta and beta". This follows the text:
     B_t holds only the low-score experts that would need a load or the CPU, and the
     alternatives' range is closed at beta (the (k+1)-th expert itself, score exactly beta,
-    is the most similar inactive expert). "In GPU" counts experts resident or already arriving
-    (a prefetch in flight): either way no new transfer is needed.
+    is the most similar inactive expert). "In GPU" is "already in GPU memory" (Sec. 5.1):
+    resident; a prefetch still in flight does not count, neither as a kept low-score expert
+    nor as an alternative. The router works in decoding only: 004's prefill is "a
+    traditional offloading-based LLM approach" (Sec. 4, Online inference) that computes
+    every routed expert.
     """
 
     name = "importance-router"
@@ -112,6 +115,8 @@ class ImportanceRouter(Substitution):
                               fix="--set substitute.alpha=0.3")
 
     def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+        if view.phase != "decode":
+            return []
         if view.scores is None:
             raise ConfigError("substitute 'importance-router' got a layer without router scores", field="scores",
                               fix="replay a trace with the 'scores' column")
@@ -119,8 +124,7 @@ class ImportanceRouter(Substitution):
         scores = view.scores.astype(np.float64)
         bounds = [token_thresholds(scores[t], k, self.alpha) for t in range(view.tokens)]
         top_set = {int(e) for t in range(view.tokens) for e in view.experts[t] if scores[t, e] > bounds[t][0]}
-        on_gpu = view.cache.resident[view.layer] | view.cache.in_flight[view.layer]
-        available = on_gpu | top_set
+        available = view.cache.resident[view.layer] | top_set
         out: list[tuple[int, int, int]] = []
         for t in range(view.tokens):
             high, low, floor = bounds[t]
@@ -277,11 +281,16 @@ class TwoPointerBalancer(Assignment):
     B tokens is the profile's curve ``cpu_expert(B)`` rather than ``B * t_cpu``,
     and the load pointer starts at the remaining PCIe time of this layer's loads
     already in flight (prefetches arriving), which the balance must absorb too.
+    Decoding only: in the prefill every routed expert is loaded and computed on
+    the GPU (004 Sec. 4, Online inference: CPU computation "is less efficient than
+    loading them into GPU memory" once each expert has many tokens).
     """
 
     name = "two-pointer"
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        if view.phase != "decode":
+            return list(view.active), []
         layer = view.layer
         on_gpu = view.cache.resident[layer] | view.cache.in_flight[layer]
         gpu = [e for e in view.active if e in on_gpu]

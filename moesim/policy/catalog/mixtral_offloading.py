@@ -1,36 +1,65 @@
 """Mixtral-offloading baseline (Eliseev and Mazur, arXiv 2312.17238; github.com/dvmazur/mixtral-offloading).
 
 What the open-source cache does (its ``ExpertCache``): each MoE layer is an
-eviction group with a fixed number of GPU slots, filled at load time with the
-layer's first experts; every routed expert is marked used (least recently used
-order per layer); experts already on the GPU run first, missing ones are
-swapped in, each replacing the layer's least recently used expert, while the
-GPU computes; nothing runs on the CPU. In moesim terms that is an ``lru``
-cache with ``initial`` = first ids, every expert on the GPU (``gpu``),
-resident experts first in the plan, which is exactly what ``gpu-only-lru``
-already does: ``mixtral-offloading`` is that composition under the project's
-own name, plus the speculative loading below as an option.
+eviction group with a fixed number of GPU slots; every routed expert is marked
+used (least recently used order per layer); experts already on the GPU run
+first, missing ones are swapped in, each replacing the layer's least recently
+used expert, while the GPU computes; nothing runs on the CPU.
 
-Speculative expert loading (tech report Sec. 3.2): the next layer's gate
-applied to the current hidden state guesses its experts, which are loaded
-early. The repository lists it as not yet available, so it is off by default;
-``--set prefetch=speculative`` turns it on (``pred_next_layer`` column,
+Initial residents: ``build_model.py`` offloads expert ``i`` of a layer when
+``i < offload_per_layer``, so the GPU starts with each layer's *last* experts
+(``mixoff-lru``: LRU, initial = the last ids; the never-used ones age by id,
+as the cache's insertion order does). The cache is filled when the model is
+loaded, before the first step, free as every system's initial cache.
+
+Expert precision: the report quantizes experts with HQQ (Sec. 3.3; its
+speed measurements use 2- to 4-bit experts with 4-bit attention, and the
+released demo checkpoint 2-bit experts). moesim's narrowest expert dtype is
+int4 (group scales), so the system defaults to ``memory.expert_dtype=int4``;
+``--set memory.expert_dtype=bf16`` replays unquantized experts.
+
+Speculative expert loading (Sec. 3.2): the next layer's gate applied to the
+current hidden state guesses its experts, which are loaded early. The
+repository lists it as not yet available, so it is off by default;
+``--set prefetch=speculative`` turns it on (``pred_next_layer`` column, else the
+request's previous token's experts at the next layer stand in, noted;
 ``prefetch.size`` guesses per layer, 2 = Mixtral's top-k).
 
 Not modelled, because the engine has no mechanism for it: a swap also copies
 the evicted expert back to pinned host memory (device-to-host traffic beside
-each load). Experts in the report are HQQ-quantized; replay with
-``--set memory.expert_dtype=int4`` (or the closest dtype) to match.
+each load).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moesim.policy.base import LayerView, RunContext
-from moesim.policy.catalog.importance import ranked_predictions, require_column
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.cache import LRUCache
+from moesim.policy.catalog.importance import ranked_predictions
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch
 from moesim.policy.systems import SystemSpec, register_component, register_system
+
+#: 2312.17238 Sec. 3.3 (HQQ experts); int4 is the narrowest expert dtype moesim models
+DEFAULT_EXPERT_DTYPE = "int4"
+
+
+@register_component
+@dataclass
+class LastExpertsLRU(LRUCache):
+    """LRU per layer whose slots start with the layer's last experts (``build_model.py`` offloads
+    expert ``i`` when ``i < offload_per_layer``)."""
+
+    name = "mixoff-lru"
+    _experts: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        super().configure(ctx)
+        self._experts = ctx.model.num_experts
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        first = max(self._experts - capacity, 0)
+        return list(range(first, self._experts))
 
 
 @register_component
@@ -43,19 +72,25 @@ class SpeculativePrefetch(Prefetch):
     #: guessed experts loaded per layer
     size: int = 2
     _layers: int = 0
+    _fallback: LastTokenPredictor | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "pred_next_layer", "prefetch 'speculative'", "the next layer's gate on this layer's input")
         self._layers = ctx.model.num_layers
+        self._fallback = None
+        if ctx.columns and "pred_next_layer" not in ctx.columns:
+            self._fallback = LastTokenPredictor()
+            ctx.notes.append("speculative: the trace has no pred_next_layer column; each token is guessed to use, "
+                             "at the next layer, what its request's previous token used there")
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
-        predicted = view.predictors.get("pred_next_layer")
+        predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:
             return []
         return [(view.layer + 1, e) for e in ranked_predictions(predicted)[:self.size]]
 
 
 register_system("mixtral-offloading", SystemSpec(
-    "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (first experts loaded "
-    "first), every expert on the GPU, resident experts first; speculative next-layer loading with "
-    "--set prefetch=speculative", cache="lru", assign="gpu"))
+    "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (the last experts "
+    "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts; speculative "
+    "next-layer loading with --set prefetch=speculative", cache="mixoff-lru", assign="gpu",
+    defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE),)))

@@ -16,11 +16,24 @@ Systems:
 Timing of the decode cache updates (Sec. IV-E): token-wise prefetches enter
 the transfer queue once the layer's GPU experts have finished
 (``LayerPlan.prefetch_after_gpu``) and have the rest of the forward pass,
-until the same layer of the next token, to arrive. The initial decode
-cache is filled by prefetches issued at the first decode step of each layer,
-right after the prefill (Sec. IV-E fills the slots "once the prefilling
-ends"); token-wise prefetch skips that one layer-step, and these fill
-transfers count as prefetches.
+until the same layer of the next token, to arrive. The decode cache is filled
+when the prefill ends (Sec. IV-E: "once the prefilling ends, it allocates ...
+slots ... and fills them with the most frequently activated experts"): the plan
+of a prefill pass's last layer queues, for every layer, its most used prefill
+experts, after that layer's GPU work; these fill transfers count as
+prefetches. Token-wise prefetch runs from the first decode step on.
+
+The predictor (Sec. IV-D: "an MLP with the same architecture as the MoE gate",
+run on the GPU right after attention) is charged on every decode layer that
+predicts, as ``predict`` time (Sec. VI-E's ``predict_time``): by default the
+roofline time of a gate-shaped GEMV (hidden x experts, bf16) on the profile's
+GPU plus two kernel launches (the linear layer and its top-k); the paper calls
+it negligible and gives no figure, so ``prefetch.predict_us`` overrides it.
+
+Prefetch count per layer (``prefetch.n``) follows Table I / Sec. VI-D: 2 on
+DeepSeek-V3, 3 on Qwen3 ("because the experts in Qwen3 are smaller"); other
+models take 2, noted. SMoE-Flex prefetches 3 (Sec. VI-F, Fig. 15, stated for
+DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -31,10 +44,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
+from moesim.hw.cost import roofline_s
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.prefetch import NoPrefetch, Prefetch
+from moesim.policy.prefetch import Prefetch
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 EVICTION_MODES = ("fixed", "adaptive")
@@ -101,18 +115,33 @@ class SMoEAssign(Assignment):
     name = "smoe"
     #: load missing experts on demand in decoding too (the paper does not)
     decode_on_demand: bool = False
+    #: T_PCIe counts the copies queued ahead of an expert (this layer's loads in flight and the experts
+    #: already given to the GPU, most tokens first) instead of one expert's copy alone
+    queue_aware: bool = False
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         gpu, cpu = [], []
+        queued = self._queue_s(view) if self.queue_aware else 0.0
         for expert, tokens in zip(view.active, view.counts):
-            (gpu if self.prefers_gpu(view, expert, tokens) else cpu).append(expert)
+            transfer = self.transfer_s(view, expert)
+            copies = self.queue_aware and transfer == view.costs.expert_load
+            if self.prefers_gpu(view, expert, tokens, transfer + (queued if copies else 0.0)):
+                gpu.append(expert)
+                queued += view.costs.expert_load if copies else 0.0
+            else:
+                cpu.append(expert)
         return gpu, cpu
 
-    def prefers_gpu(self, view: LayerView, expert: int, tokens: int) -> bool:
+    @staticmethod
+    def _queue_s(view: LayerView) -> float:
+        """Time until this layer's loads already in flight have arrived."""
+        return max([0.0] + [at - view.now for at in view.arrivals.values()])
+
+    def prefers_gpu(self, view: LayerView, expert: int, tokens: int, transfer: float | None = None) -> bool:
         costs = view.costs
         t_cpu = costs.cpu_expert(tokens)
         t_gpu = costs.gpu_expert(tokens) + view.expert_launch_s
-        return t_cpu > t_gpu + self.transfer_s(view, expert)
+        return t_cpu > t_gpu + (self.transfer_s(view, expert) if transfer is None else transfer)
 
     def transfer_s(self, view: LayerView, expert: int) -> float:
         if view.resident(expert):
@@ -166,6 +195,65 @@ def token_predictor_accuracy(path: str, num_layers: int, top_k: int) -> np.ndarr
     return np.divide(total, pairs, out=np.zeros(num_layers), where=pairs > 0)
 
 
+#: experts prefetched per layer and step in 000 Table I (Sec. VI-D), by model name prefix
+PAPER_PREFETCH_N = {"deepseek-v3": 2, "qwen3": 3}
+#: calibration value that ranks SMoE-Flex layers on the replayed trace itself (clairvoyant)
+SELF = "self"
+
+
+def paper_prefetch_n(model_name: str) -> int | None:
+    """000 Table I's prefetch count for a model (None when the paper did not run it)."""
+    for prefix, n in PAPER_PREFETCH_N.items():
+        if model_name.lower().startswith(prefix):
+            return n
+    return None
+
+
+def predictor_s(view: LayerView, kernels: int = 2) -> float:
+    """GPU time of the token-wise predictor, an MLP shaped like the MoE gate (000 Sec. IV-D): a
+    hidden x experts bf16 GEMV over the layer's tokens at the profile's roofline, plus its launches."""
+    costs = view.costs
+    gpu, model = costs.profile.gpu, costs.model
+    params = model.hidden_size * model.num_experts
+    return roofline_s(2.0 * view.tokens * params, 2.0 * params, gpu.peak_tflops["bf16"], gpu.roofline_efficiency,
+                      gpu.mem_bandwidth_gbps, gpu.effective_bandwidth_efficiency) + costs.launches(kernels)
+
+
+@dataclass
+class OnlineAccuracy:
+    """Per layer, how often the token-wise predictor named a decode token's experts one token ahead:
+    each token's prediction is scored against what its request's next token routes at that layer."""
+
+    hits: np.ndarray
+    pairs: np.ndarray
+    _last: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, num_layers: int) -> "OnlineAccuracy":
+        return cls(np.zeros(num_layers), np.zeros(num_layers))
+
+    def record(self, view: LayerView, predicted_rows: list[np.ndarray]) -> None:
+        requests = view.requests.tolist() if view.requests is not None else [0] * view.tokens
+        top_k = view.experts.shape[1]
+        for row, request in enumerate(requests):
+            key = (request, view.layer)
+            before = self._last.get(key)
+            if before is not None:
+                self.hits[view.layer] += len(before.intersection(view.experts[row].tolist())) / top_k
+                self.pairs[view.layer] += 1
+            if row < len(predicted_rows):
+                self._last[key] = set(np.asarray(predicted_rows[row]).tolist())
+
+    def accuracy(self) -> np.ndarray:
+        return np.divide(self.hits, self.pairs, out=np.zeros_like(self.hits), where=self.pairs > 0)
+
+
+def least_accurate(accuracy: np.ndarray, fraction: float) -> list[int]:
+    """The ``floor(fraction * layers)`` layers of lowest accuracy (ties: lower layer first), sorted."""
+    off = int(math.floor(fraction * len(accuracy)))
+    return sorted(np.lexsort((np.arange(len(accuracy)), accuracy))[:off].tolist())
+
+
 @register_component
 @dataclass
 class TokenWisePrefetch(Prefetch):
@@ -176,9 +264,15 @@ class TokenWisePrefetch(Prefetch):
     cached are loaded every step, replacing the ``n`` least frequently used;
     ``eviction=adaptive``: only those of the top-``n`` predictions that are not
     cached are loaded (0 to ``n`` transfers). Victims come from the system's cache
-    policy (LFU in SMoE). ``flex_off_fraction`` > 0 is SMoE-Flex: prefetch is off
-    on that fraction of layers, the ones where the predictor is least accurate on
-    the ``calibration`` trace (default: the replayed trace, flagged in the notes).
+    policy (LFU in SMoE). ``n=-1`` takes 000 Table I's count for the model.
+
+    ``flex_off_fraction`` > 0 is SMoE-Flex: prefetch (and prediction) is off on
+    that fraction of layers, the ones where the predictor is least accurate. The
+    ranking comes from ``calibration``: a trace path (held out, as the paper trains
+    and tunes on samples excluded from its experiments, Sec. IV-D); ``self``: the
+    replayed trace itself (clairvoyant, flagged in the notes); empty (default):
+    measured online over the first ``warmup`` decode steps, during which every
+    layer prefetches.
 
     Without a ``pred_next_token`` column the history predictor stands in (the
     next token is predicted to use this token's experts) and the notes say so.
@@ -186,56 +280,102 @@ class TokenWisePrefetch(Prefetch):
 
     name = "smoe-token"
     columns = ("pred_next_token",)
-    #: experts prefetched per layer and step (000 Table I: 2 for DeepSeek-V3, 3 for Qwen3)
-    n: int = 2
+    #: experts prefetched per layer and step (-1: 000 Table I's, 2 for DeepSeek-V3, 3 for Qwen3)
+    n: int = -1
     #: "fixed" (Fixed-N) or "adaptive" (000 Sec. IV-E)
     eviction: str = "fixed"
     #: SMoE-Flex: fraction of layers (least accurate predictor first) with prefetch off
     flex_off_fraction: float = 0.0
-    #: trace that ranks the layers by predictor accuracy (empty: the replayed trace)
+    #: SMoE-Flex layer ranking: a trace path, "self" (the replayed trace, clairvoyant) or "" (online warm-up)
     calibration: str = ""
+    #: SMoE-Flex with online ranking: decode steps measured before the least accurate layers switch off
+    warmup: int = 16
     #: critical-path cost of the cache update per prefetching layer (000 Sec. VI-E: about 0.01 ms)
     management_us: float = 10.0
+    #: predictor time per predicting decode layer, microseconds (negative: a gate-shaped GEMV on the profile's GPU)
+    predict_us: float = -1.0
     _history: bool = False
     _disabled: frozenset[int] = frozenset()
+    _online: OnlineAccuracy | None = field(default=None, repr=False)
+    _decode_steps: int = 0
+    _notes: list[str] = field(default_factory=list, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         if self.eviction not in EVICTION_MODES:
             raise ConfigError(f"unknown eviction mode '{self.eviction}'", field="prefetch.eviction",
                               fix=f"use one of {', '.join(EVICTION_MODES)}")
-        if self.n < 0:
-            raise ConfigError(f"prefetch.n={self.n} is negative", field="prefetch.n", fix="use 0 or more")
+        if self.n < -1:
+            raise ConfigError(f"prefetch.n={self.n} is negative", field="prefetch.n",
+                              fix="use 0 or more (-1: the paper's count for the model)")
+        if self.n == -1:
+            paper = paper_prefetch_n(ctx.model.name)
+            self.n = paper if paper is not None else PAPER_PREFETCH_N["deepseek-v3"]
+            if paper is None:
+                ctx.notes.append(f"smoe-token: 000 Table I gives no prefetch count for {ctx.model.name}; "
+                                 f"using DeepSeek-V3's {self.n} (set prefetch.n)")
         if not 0.0 <= self.flex_off_fraction < 1.0:
             raise ConfigError(f"flex_off_fraction={self.flex_off_fraction} outside [0, 1)",
                               field="prefetch.flex_off_fraction", fix="use e.g. 0.5")
+        if self.warmup < 1:
+            raise ConfigError(f"prefetch.warmup={self.warmup} below 1", field="prefetch.warmup", fix="use e.g. 16")
         self._history = "pred_next_token" not in ctx.columns
         if self._history:
             ctx.notes.append("smoe-token: the trace has no pred_next_token column; a history predictor stands "
                              "in (the next token is predicted to reuse this token's experts at each layer)")
-        self._disabled = frozenset(self._flex_layers(ctx)) if self.flex_off_fraction > 0 else frozenset()
+        self._disabled, self._online, self._decode_steps = frozenset(), None, 0
+        if self.flex_off_fraction > 0:
+            if self.calibration:
+                self._disabled = frozenset(self._flex_layers(ctx))
+            else:
+                self._online = OnlineAccuracy.of(ctx.model.num_layers)
+                ctx.notes.append(f"smoe-flex: layers ranked by the predictor's accuracy over the first "
+                                 f"{self.warmup} decode steps (set prefetch.calibration=PATH for a held-out trace)")
+        self._notes = ctx.notes
 
     def _flex_layers(self, ctx: RunContext) -> list[int]:
-        path = self.calibration or ctx.trace_path
+        clairvoyant = self.calibration == SELF
+        path = ctx.trace_path if clairvoyant else self.calibration
         if path is None:
             raise ConfigError("SMoE-Flex needs a trace to rank layers by predictor accuracy",
                               field="prefetch.calibration", fix="give a calibration trace path")
         accuracy = token_predictor_accuracy(path, ctx.model.num_layers, ctx.model.top_k)
-        off = int(math.floor(self.flex_off_fraction * ctx.model.num_layers))
-        layers = sorted(np.lexsort((np.arange(len(accuracy)), accuracy))[:off].tolist())
-        source = "the replayed trace itself (set prefetch.calibration=PATH)" if not self.calibration else path
-        ctx.notes.append(f"smoe-flex: prefetch off on {off} of {ctx.model.num_layers} layers with the least "
-                         f"accurate token-wise predictor on {source}: {layers}")
+        layers = least_accurate(accuracy, self.flex_off_fraction)
+        source = "the replayed trace itself (clairvoyant)" if clairvoyant else path
+        ctx.notes.append(f"smoe-flex: prefetch off on {len(layers)} of {ctx.model.num_layers} layers with the "
+                         f"least accurate token-wise predictor on {source}: {layers}")
         return layers
 
     def enabled(self, layer: int) -> bool:
         return self.n > 0 and layer not in self._disabled
 
+    def predicted_rows(self, view: LayerView) -> list[np.ndarray]:
+        return list(view.experts) if self._history else view.predictors.get("pred_next_token", [])
+
     def predicted(self, view: LayerView) -> list[int]:
-        rows = list(view.experts) if self._history else view.predictors.get("pred_next_token", [])
-        return ranked_predictions(rows)
+        return ranked_predictions(self.predicted_rows(view))
+
+    def predict_s(self, view: LayerView) -> float:
+        return self.predict_us * 1e-6 if self.predict_us >= 0 else predictor_s(view)
+
+    def _warm_up(self, view: LayerView) -> None:
+        """Online SMoE-Flex: score the predictor until the warm-up ends, then switch the worst layers off."""
+        assert self._online is not None
+        if view.layer == 0:
+            self._decode_steps += 1
+            if self._decode_steps > self.warmup:
+                self._disabled = frozenset(least_accurate(self._online.accuracy(), self.flex_off_fraction))
+                self._notes.append(f"smoe-flex: after {self.warmup} decode steps prefetch is off on "
+                                   f"{len(self._disabled)} layers: {sorted(self._disabled)}")
+                self._online = None
+                return
+        self._online.record(view, self.predicted_rows(view))
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
-        if view.phase != "decode" or not self.enabled(view.layer):
+        if view.phase != "decode":
+            return []
+        if self._online is not None:
+            self._warm_up(view)
+        if not self.enabled(view.layer):
             return []
         ranked = self.predicted(view)
         cached = lambda e: view.cache.has(view.layer, e)  # noqa: E731
@@ -251,7 +391,7 @@ class TokenWisePrefetch(Prefetch):
 class SMoESystem(ComposedSystem):
     """Prefill by Alg. 1 with ping-pong streaming; decode with a prefill-filled cache and token-wise prefetch."""
 
-    #: per layer, token counts of the last prefill, waiting to fill the decode cache
+    #: per layer, token counts of the prefill since the last fill
     _fill: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def configure(self, ctx: RunContext) -> None:
@@ -263,9 +403,10 @@ class SMoESystem(ComposedSystem):
         if observe is not None:
             observe(view)
         if view.phase == "prefill":
-            return self._prefill(view)
-        if view.layer in self._fill:
-            return self._decode_with_fill(view)
+            plan = self._prefill(view)
+            if view.layer == view.num_layers - 1:
+                self._fill_cache(view, plan)
+            return plan
         return self._decode(view)
 
     def _prefill(self, view: LayerView) -> LayerPlan:
@@ -289,39 +430,41 @@ class SMoESystem(ComposedSystem):
         # Sec. IV-E: "once the computation of the MoE layer on the GPU is completed, the current
         # prefetch task is submitted to an asynchronous transfer queue"
         plan.prefetch_after_gpu = True
-        if plan.prefetches and isinstance(self.prefetch, TokenWisePrefetch) and self.prefetch.management_us:
-            plan.overhead_s["cache_management"] = self.prefetch.management_us * 1e-6
+        prefetch = self.prefetch
+        if isinstance(prefetch, TokenWisePrefetch) and prefetch.enabled(view.layer):
+            plan.overhead_s["predict"] = prefetch.predict_s(view)
+            if plan.prefetches and prefetch.management_us:
+                plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
         return plan
 
-    def _decode_with_fill(self, view: LayerView) -> LayerPlan:
-        """First decode step after a prefill: fill this layer's slots with its most used prefill experts."""
-        counts = self._fill.pop(view.layer)
-        prefetch, self.prefetch = self.prefetch, _NO_PREFETCH
-        try:
-            plan = super()._place(view)
-        finally:
-            self.prefetch = prefetch
-        layer, state = view.layer, view.cache
-        top = sorted(counts, key=lambda e: (-counts[e], e))[:state.capacity[layer]]
-        missing = [e for e in top if not state.has(layer, e)]
-        room = state.free(layer) - len(plan.loads)
-        if len(missing) > room:
-            protected = set(top) | set(plan.gpu) | state.in_flight[layer]
-            victims = self.cache.victims(view, layer, len(missing) - room, protected)
-            plan.evictions += [(layer, e) for e in victims]
-            room += len(victims)
-        plan.prefetches += [(layer, e) for e in missing[:max(room, 0)]]
-        return plan
+    def _fill_cache(self, view: LayerView, plan: LayerPlan) -> None:
+        """Sec. IV-E, once the prefill ends: every layer's slots take its most used prefill experts,
+        queued after this last layer's GPU work; LFU picks the victims of a layer already holding others."""
+        state = view.cache
+        for layer, counts in sorted(self._fill.items()):
+            top = sorted(counts, key=lambda e: (-counts[e], e))[:state.capacity[layer]]
+            missing = [e for e in top if not state.has(layer, e)]
+            room = state.free(layer)
+            if len(missing) > room:
+                protected = set(top) | state.in_flight[layer]
+                if layer == view.layer:
+                    protected |= set(plan.gpu)
+                victims = self.cache.victims(view, layer, len(missing) - room, protected)
+                plan.evictions += [(layer, e) for e in victims]
+                room += len(victims)
+            plan.prefetches += [(layer, e) for e in missing[:max(room, 0)]]
+        self._fill = {}
+        plan.prefetch_after_gpu = True
 
-
-_NO_PREFETCH = NoPrefetch()
 
 register_system("smoe", SystemSpec(
     "SMoE (000): prefill by T_CPU > T_GPU + T_PCIe with ping-pong streaming (Alg. 1); decode with a "
-    "prefill-filled LFU cache and token-wise prefetch, Fixed-N (Sec. IV-D, IV-E)",
+    "prefill-filled LFU cache and token-wise prefetch, Fixed-N, 2 experts (3 on Qwen3) per layer (Sec. IV-D, IV-E, "
+    "Table I)",
     cache="smoe-lfu", assign="smoe", prefetch="smoe-token", system_class=SMoESystem))
 register_system("smoe-flex", SystemSpec(
     "SMoE-Flex (000 Sec. IV-D, VI-D): SMoE with token-wise prefetch off on the half of the layers where the "
-    "predictor is least accurate and 3 experts prefetched on the rest",
+    "predictor is least accurate (ranked online over the first decode steps, or on prefetch.calibration) and 3 "
+    "experts prefetched on the rest",
     cache="smoe-lfu", assign="smoe", prefetch="smoe-token", system_class=SMoESystem,
     defaults=(("prefetch.n", "3"), ("prefetch.flex_off_fraction", "0.5"))))
