@@ -20,8 +20,28 @@ console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True)
 
 
+def json_safe(data: object) -> object:
+    """``data`` with NaN and infinities as None (JSON has no NaN: strict parsers and jq reject it)."""
+    import math
+
+    import numpy as np
+    if isinstance(data, dict):
+        return {str(k): json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v) for v in data]
+    if isinstance(data, np.ndarray):
+        return json_safe(data.tolist())
+    if isinstance(data, (bool, np.bool_)):
+        return bool(data)
+    if isinstance(data, (int, np.integer)):
+        return int(data)
+    if isinstance(data, (float, np.floating)):
+        return float(data) if math.isfinite(data) else None
+    return data
+
+
 def _write_json(data: object, out: str | None) -> None:
-    text = json.dumps(data, indent=2, sort_keys=True, default=float)
+    text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     if out in (None, "-"):
         click.echo(text)
     else:
@@ -124,68 +144,102 @@ def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- replay
-DEFAULT_HW = "rtx4090"
+from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # noqa: E402 - one default for the API and the CLI
+
+
+def _parse_window(text: str | None) -> tuple[int, int] | None:
+    """``--window STEP:STEP`` (inclusive; ``STEP`` alone is one step) as (first, last)."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        lo = int(first)
+        hi = int(last) if sep else lo
+    except ValueError:
+        raise MoesimError(f"'{text}' is not STEP:STEP", field="--window", fix="e.g. --window 10:12") from None
+    if lo < 0 or hi < lo:
+        raise MoesimError(f"'{text}' is not a range of steps", field="--window",
+                          fix="give FIRST:LAST with 0 <= FIRST <= LAST, e.g. --window 10:12")
+    return lo, hi
 
 
 @cli.command()
-@click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True,
               help="Hardware profile: a name in hwprofiles/ or a YAML path.")
-@click.option("--system", "system", default="all", show_default=True,
-              help="System to replay, or 'all' to compare every system (see `moesim systems`).")
+@click.option("--system", "system", default=DEFAULT_SYSTEM, show_default=True,
+              help="System to replay, or 'all' to compare every system (see `moesim systems`; "
+                   "`moesim systems NAME` lists its parameters).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru.")
+              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
+                   "(see --help-params).")
 @click.option("--model", "model_preset", default=None, help="Check the trace against this model preset.")
-@click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
 @click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
 @click.option("--chrome-trace", "chrome_out", default=None, metavar="OUT.json",
               help="Write a Chrome/Perfetto trace of the timeline.")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png",
               help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
+@click.option("--window", "window", default=None, metavar="STEP:STEP",
+              help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
+@click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
+def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
-           decisions_out: str | None, seed: int) -> None:
+           window: str | None, decisions_out: str | None, seed: int, help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
     from moesim.analysis.report import render_comparison_table, render_metrics
     from moesim.policy.systems import system_names
+    if help_params:
+        _print_system(system if system != "all" else DEFAULT_SYSTEM)
+        return
+    if trace_file is None:
+        raise MoesimError("no trace given", field="TRACE",
+                          fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
+    out = err_console if json_out == "-" else console  # stdout holds the JSON only
     parsed = _parse_settings(settings)
+    steps = _parse_window(window)
+    if steps and not plot_out:
+        raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
+                          fix="add --plot OUT.png")
     systems = system_names() if system == "all" else [system]
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
-    if len(systems) > 1 and per_run_files:
-        raise MoesimError("--timeline, --chrome-trace and --decisions need a single system",
+    if len(systems) > 1 and (per_run_files or steps):
+        raise MoesimError("--timeline, --chrome-trace, --decisions and --window need a single system",
                           field="--system", fix="pass --system NAME")
     results = {}
     skipped: dict[str, str] = {}
-    for name in systems:
-        try:
-            results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
-                                        record=bool(timeline_out or chrome_out or decisions_out
-                                                    or (plot_out and len(systems) == 1)),
-                                        decisions=bool(decisions_out))
-        except MoesimError as err:
-            if len(systems) == 1 or not _skippable(err):
-                raise
-            skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
+    with _replay_progress(trace_file, systems) as bar:
+        for name in systems:
+            try:
+                results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed, bar,
+                                            record=bool(timeline_out or chrome_out or decisions_out
+                                                        or (plot_out and len(systems) == 1)),
+                                            decisions=bool(decisions_out))
+            except MoesimError as err:
+                if len(systems) == 1 or not _skippable(err):
+                    raise
+                skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
     metrics_by_system = {name: m for name, (m, _) in results.items()}
     _add_gap_to_lower_bound(metrics_by_system, trace_file, hw, parsed)
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
-        render_metrics(metrics_, console, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
+        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
         _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
-                       meta={"trace": trace_file, "hw": hw, "system": systems[0]})
+                       meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
-        render_comparison_table(metrics_by_system, console, title=f"{Path(trace_file).name} on {hw}")
+        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}")
         for name, reason in skipped.items():
             from rich.markup import escape
-            console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+            out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
         if json_out:
             _write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
             plot_breakdown(list(metrics_by_system.values()), plot_out)
-            console.print(f"wrote {plot_out}")
+            out.print(f"wrote {plot_out}")
 
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], trace_file: str, hw: str, settings: dict[str, str]) -> None:
@@ -203,64 +257,107 @@ def _skippable(err: MoesimError) -> bool:
     return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
-def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
-                seed: int, record: bool, decisions: bool) -> tuple[dict, dict]:
+def _replay_progress(trace_file: str, systems: list[str]):
+    """Progress over every row each system (and each oracle member) replays."""
     import pyarrow.parquet as pq
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim.analysis.metrics import metrics
-    from moesim.sim.engine import result_to_frames
-    from moesim.sim.run import members, simulate
+    from moesim.progress import Progress
+    from moesim.sim.run import members
     from moesim.trace.io import read_meta
     read_meta(trace_file)  # a malformed trace fails here, with one line
-    total_rows = pq.ParquetFile(trace_file).metadata.num_rows * len(members(system))
-    with Progress(TextColumn(f"[bold]{system}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeRemainingColumn(), console=err_console, transient=True,
-                  disable=not err_console.is_terminal) as bar:
-        task = bar.add_task(system, total=max(total_rows, 1))
-        result = simulate(trace_file, hw, system, settings, model_preset=model_preset, seed=seed,
-                          progress=lambda rows: bar.advance(task, rows), timeline=record, decisions=decisions)
+    rows = pq.ParquetFile(trace_file).metadata.num_rows
+    total = sum(rows * len(members(name)) for name in systems)
+    return Progress("replay", total=max(total, 1), unit="rows", console=err_console)
+
+
+def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
+                seed: int, bar, record: bool, decisions: bool) -> tuple[dict, dict]:
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import simulate
+    bar.advance(0, label=system)
+    result = simulate(trace_file, hw, system, settings, model_preset=model_preset, seed=seed,
+                      progress=lambda rows: bar.advance(rows), timeline=record, decisions=decisions)
     return metrics(result), result_to_frames(result)
 
 
 def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
-                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict) -> None:
+                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict,
+                   steps: tuple[int, int] | None = None, out: Console = console) -> None:
     if json_out:
         _write_json(metrics_, json_out)
     if timeline_out:
         from moesim.analysis.timeline import write_timeline
         write_timeline(frames["timeline"], timeline_out)
-        console.print(f"wrote {timeline_out}")
+        out.print(f"wrote {timeline_out}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
         write_decisions(frames["decisions"], decisions_out)
-        console.print(f"wrote {decisions_out}")
+        out.print(f"wrote {decisions_out}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
         write_chrome_trace(frames["timeline"], chrome_out, meta)
-        console.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
+        out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
-        plot_gantt(frames["timeline"], plot_out, title=f"{meta['system']} on {Path(meta['trace']).name}")
-        console.print(f"wrote {plot_out}")
+        plot_gantt(frames["timeline"], plot_out, steps=steps,
+                   title=f"{meta['system']} on {Path(meta['trace']).name}")
+        out.print(f"wrote {plot_out}")
 
 
 @cli.command("systems")
-def systems_cmd() -> None:
-    """List the systems and the parameters `--set` reaches."""
+@click.argument("name", required=False, metavar="[NAME]")
+def systems_cmd(name: str | None) -> None:
+    """List the systems; with NAME, every parameter of that system with its default, unit and meaning."""
+    if name:
+        _print_system(name)
+        return
     from rich.table import Table
 
-    from moesim.policy.systems import SYSTEMS, all_parameters
-    from moesim.sim.run import common_parameters
-    table = Table(title="systems", show_lines=True)
-    table.add_column("system", style="bold")
-    table.add_column("what it does")
-    table.add_column("its --set parameters and component swaps")
-    for name, spec in SYSTEMS.items():
-        label = name if spec.listed else f"{name} (part of oracle)"
-        table.add_row(label, spec.description, "\n".join(all_parameters(name)))
+    from moesim.policy.systems import SYSTEMS
+    narrow = Console(width=min(console.width, 100))
+    table = Table(title="systems (`moesim systems NAME` lists a system's --set parameters)", title_justify="left",
+                  show_lines=False)
+    table.add_column("system", style="bold", no_wrap=True)
+    table.add_column("components (cache / assign / prefetch, + substitute, defer)", ratio=2)
+    table.add_column("what it does", ratio=3)
+    for system, spec in SYSTEMS.items():
+        label = system if spec.listed else f"{system}*"
+        if spec.portfolio:
+            parts = "best of " + ", ".join(spec.portfolio)
+        else:
+            parts = " / ".join((spec.cache, spec.assign, spec.prefetch))
+            parts += "".join(f" + {getattr(spec, r)}" for r in ("substitute", "defer") if getattr(spec, r) != "none")
+        table.add_row(label, parts, spec.description)
+    narrow.print(table)
+    narrow.print("* part of oracle, not run by --system all. Every system also takes engine.*, memory.*, "
+                 "cache.slots_per_layer and hw.<profile field>, e.g. hw.pcie.bandwidth_scale.", markup=False,
+                 highlight=False)
+
+
+def _print_system(name: str) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, system_parameter_docs
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import SYSTEMS
+    if name not in SYSTEMS:
+        raise ConfigError(f"unknown system '{name}'", field="NAME", fix=f"use one of: {', '.join(SYSTEMS)}")
+    console.print(f"[bold]{name}[/]: {SYSTEMS[name].description}", highlight=False)
+    table = Table(title_justify="left", width=min(console.width, 120))
+    table.add_column("--set key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    table.add_column("meaning", ratio=1, overflow="fold")
+    for key, doc, note in system_parameter_docs(name):
+        if doc is None:
+            table.add_row(f"[cyan]{key}[/]", "", "", note, style="dim" if key.endswith("= none") else None)
+        else:
+            meaning = doc.meaning or "(undocumented)"
+            table.add_row(key, format_default(doc.default), doc.unit or "-", meaning)
     console.print(table)
-    console.print("Every system also takes: " + ", ".join(common_parameters()))
+    console.print("hw.<field>: any hardware-profile field, e.g. hw.pcie.bandwidth_scale=0.5, hw.cpu.cores=16 "
+                  "(hwprofiles/README.md documents them).", markup=False, highlight=False)
 
 
 # ----------------------------------------------------------------------------- capture

@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.plots import plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.errors import ConfigError
 from moesim.sim.engine import BREAKDOWN
 
@@ -151,7 +151,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
+    fig = DisplayFigure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     numeric_x = data[x].dtype.kind in "biuf"
@@ -299,7 +299,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
         return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facet_for(frame, (param,)),
                             path=path, title=f"GPU hit rate vs {param}")
     data = ok_rows(frame)
-    fig = Figure(figsize=(8.4, 4.2), layout="constrained")
+    fig = DisplayFigure(figsize=(8.4, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     systems = ordered_systems(data["system"].unique())
