@@ -99,38 +99,138 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
 
 
 @trace.command("import")
-@click.option("--format", "fmt", required=True, help="Source log format (see --list-formats).")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
-def trace_import(fmt: str, sources: tuple[str, ...], out: str) -> None:
+@click.option("--format", "fmt", default=None, help="Source log format (see --list-formats).")
+@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
+@click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
+def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, list_formats: bool) -> None:
     """Convert another tool's per-token routing log into a v1 trace."""
     from moesim.trace.importers import import_trace
-    report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+    if list_formats:
+        _print_formats()
+        return
+    for name, value, fix in (("--format", fmt, "see moesim trace import --list-formats"),
+                             ("SOURCES", sources, "name the log files to convert"),
+                             ("--out", out, "e.g. --out trace.parquet")):
+        if not value:
+            raise MoesimError("missing", field=name, fix=fix)
+    from moesim.progress import Progress
+    with Progress("trace import", unit="files", console=err_console) as bar:
+        bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
+        report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+        bar.advance(len(sources))
     for line in report.summary_lines():
         console.print(line)
 
 
+def _print_formats() -> None:
+    """One line per import format: its name and the first line of its module's description."""
+    import importlib
+
+    from moesim.trace.importers import AGGREGATE_FORMATS, FORMATS
+    for name in sorted(FORMATS):
+        module = importlib.import_module(FORMATS[name].__module__)
+        doc = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
+        doc = doc.removeprefix(f"``{name}``:").strip()
+        console.print(f"{name:<20} {doc}", markup=False, highlight=False, soft_wrap=True)
+    for name in AGGREGATE_FORMATS:
+        console.print(f"{name:<20} (refused: aggregate expert counts, not per-token routing)", markup=False,
+                      highlight=False, soft_wrap=True)
+
+
 @trace.command("synth")
-@click.option("--model", "model", required=True, help="Model preset name or preset YAML.")
-@click.option("--requests", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--decode-len", default=128, show_default=True, type=click.IntRange(min=0))
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Requests decoded together in one step.")
+@click.option("--model", "model", default=None,
+              help="Model preset name or preset YAML [default with --fit: the real trace's model].")
+@click.option("--requests", default=None, type=click.IntRange(min=1),
+              help="Requests [default: 1, with --fit the real trace's].")
+@click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
+              help="Prompt tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--decode-len", default=None, type=click.IntRange(min=0, max=1 << 24),
+              help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Requests decoded together in one step [default: 1, with --fit the real trace's].")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Generator parameter (see `moesim trace synth --help-params`).")
+              help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
+@click.option("--fit", "fit", default=None, type=click.Path(dir_okay=False), metavar="REAL.parquet",
+              help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first.")
 @click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False))
-def trace_synth(model: str, requests: int, prompt_len: int, decode_len: int, batch: int, seed: int,
-                settings: tuple[str, ...], no_scores: bool, out: str) -> None:
+@click.option("--help-params", is_flag=True,
+              help="List the generator parameters (default for --model, meaning) and exit.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False))
+def trace_synth(model: str | None, requests: int | None, prompt_len: int | None, decode_len: int | None,
+                batch: int | None, seed: int, settings: tuple[str, ...], fit: str | None, no_scores: bool,
+                help_params: bool, out: str | None) -> None:
     """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
     from moesim.trace.synth import SynthConfig, synthesize
-    config = SynthConfig.from_settings(model=model, requests=requests, prompt_len=prompt_len,
-                                       decode_len=decode_len, batch=batch, seed=seed,
-                                       settings=_parse_settings(settings), scores=not no_scores)
+    if help_params:
+        _print_synth_params(model)
+        return
+    if out is None:
+        raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
+    shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
+    fitted: dict[str, str] = {}
+    if fit is not None:
+        result = _fit(fit, seed)
+        shape.update(result.shape)
+        fitted = result.settings()
+        if model is None:
+            from moesim.trace.io import read_meta
+            model = read_meta(fit).model
+    if model is None:
+        raise MoesimError("missing", field="--model", fix="name a preset, e.g. --model mixtral-8x7b, or --fit REAL")
+    given = {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len, "batch": batch}
+    shape.update({k: v for k, v in given.items() if v is not None})
+    config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **_parse_settings(settings)},
+                                       scores=not no_scores, **shape)
+    if fit is not None:
+        config.fitted_to = fit
     path = synthesize(config, Path(out))
     console.print(f"wrote {path}")
+
+
+def _fit(real: str, seed: int):
+    """Fit the generator to ``real``, print fitted parameters and statistics against the real ones."""
+    from rich.table import Table
+
+    from moesim.progress import Progress
+    from moesim.trace.synth import fit_params
+    with Progress("fit", unit="candidate traces", console=err_console) as bar:
+        result = fit_params(real, seed=seed, progress=lambda name: bar.advance(1, label=name))
+    table = Table(title=f"fitted to {real} ({result.evaluations} candidate traces)", title_justify="left")
+    for col in ("statistic", "real", "synthetic", "difference"):
+        table.add_column(col, justify="left" if col == "statistic" else "right")
+    errors = result.relative_errors()
+    for stat, value in result.target.items():
+        fitted = result.fitted.get(stat)
+        table.add_row(stat, f"{value:.3f}", "-" if fitted is None else f"{fitted:.3f}",
+                      f"{errors[stat]:.1%}" if stat in errors else "-")
+    console.print(table)
+    p = result.params
+    console.print(f"parameters: skew_first={p.skew_first} skew_last={p.skew_last} request_bias={p.request_bias} "
+                  f"cluster_strength={p.cluster_strength} token_corr={p.token_corr} score_scale={p.score_scale}",
+                  markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    return result
+
+
+def _print_synth_params(model: str | None) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, parameter_docs
+    from moesim.model.presets import load_preset
+    from moesim.trace.synth import SynthParams
+    defaults = SynthParams.for_model(load_preset(model)) if model else None
+    table = Table(title=f"generator parameters (--set KEY=VALUE), defaults for {model or 'no model'}"
+                        + ("" if model else "; pass --model for a model's own defaults"), title_justify="left")
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("meaning", overflow="fold")
+    for doc in parameter_docs(SynthParams):
+        value = getattr(defaults, doc.name) if defaults else doc.default
+        table.add_row(doc.name, format_default(value), doc.meaning or "(undocumented)")
+    console.print(table)
 
 
 def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
@@ -389,7 +489,11 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     config = CaptureConfig(model=model, prompts=Path(prompts), out=Path(out), max_new_tokens=max_new_tokens,
                            batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
                            else None, dtype=dtype, device=device)
-    report = capture(config, progress=err_console.is_terminal)
+    from moesim.progress import Progress
+    # on a terminal capture draws its own token bar; otherwise plain lines say it is alive
+    with Progress("capture", console=err_console, enabled=not err_console.is_terminal) as bar:
+        bar.advance(0, label=f"{model} -> {out}")
+        report = capture(config, progress=err_console.is_terminal)
     for line in report.summary_lines():
         console.print(line, markup=False, highlight=False)
 
@@ -425,7 +529,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     from moesim.sweep import load_spec, run_sweep
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
-                               progress=err_console.is_terminal, console=err_console)
+                               progress=True, console=err_console)
     console.print(f"{summary.points} points: {summary.ran} run, {summary.skipped} already in {out}, "
                   f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
     if summary.failed:
@@ -472,14 +576,13 @@ def _command_line() -> str:
 
 
 def _progress_labels(total: int, title: str):
-    """A rich progress bar advanced once per label (hidden when stderr is not a terminal)."""
-    from rich.progress import BarColumn, Progress, TextColumn
-    bar = Progress(TextColumn(f"[bold]{title}"), BarColumn(), TextColumn("{task.description}"),
-                   console=err_console, transient=True, disable=not err_console.is_terminal)
-    task = bar.add_task("", total=total)
+    """Progress advanced once per label (:class:`moesim.progress.Progress`: a bar on a terminal, plain
+    lines on stderr otherwise)."""
+    from moesim.progress import Progress
+    bar = Progress(title, total=total, console=err_console)
 
     def step(label: str) -> None:
-        bar.update(task, advance=1, description=label)
+        bar.advance(1, label=label)
     return bar, step
 
 

@@ -66,8 +66,10 @@ def _field_comments(cls: type) -> dict[str, str]:
     tree = ast.parse(source)
     body = next((node.body for node in tree.body if isinstance(node, ast.ClassDef)), [])
     out: dict[str, str] = {}
+    previous: tuple[int, str] | None = None  # (last line, comment) of the field just above
     for node in body:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            previous = None
             continue
         block: list[str] = []
         line = node.lineno - 1
@@ -76,7 +78,10 @@ def _field_comments(cls: type) -> dict[str, str]:
             line -= 1
         trailing = comments.get(node.end_lineno or node.lineno, "")
         text = " ".join(block) if block else trailing.lstrip("#").strip()
+        if not text and previous and previous[0] == node.lineno - 1:
+            text = previous[1]  # one comment above a run of fields documents them all
         out[node.target.id] = text
+        previous = (node.end_lineno or node.lineno, text)
     return out
 
 
