@@ -87,15 +87,16 @@ def trace_inspect(file: str, as_json: bool) -> None:
 @trace.command("compare")
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print both statistics as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON.")
 def trace_compare(first: str, second: str, as_json: bool) -> None:
-    """Inspect statistics of two traces side by side."""
-    from moesim.trace.stats import render_comparison, trace_stats
-    a, b = trace_stats(first), trace_stats(second)
+    """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
+    of per-layer expert popularity, reuse and co-activation differences."""
+    from moesim.trace.stats import compare_traces, render_comparison
+    both = compare_traces(first, second)
     if as_json:
-        _write_json({"a": a, "b": b}, None)
+        _write_json(both, None)
     else:
-        render_comparison(a, b, console, names=(first, second))
+        render_comparison(both["a"], both["b"], console, names=(first, second), distances=both["distances"])
 
 
 @trace.command("import")
