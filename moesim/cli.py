@@ -545,15 +545,31 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
 
 @cli.command("plot")
 @click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
-@click.option("--x", "x", required=True, metavar="PARAM", help="Column on the x axis, e.g. cache.slots_per_layer.")
+@click.option("--x", "x", required=True, metavar="PARAM|METRIC",
+              help="Column on the x axis, e.g. cache.slots_per_layer, or a metric such as gpu_memory_gib.")
 @click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
-@click.option("--hue", default=None, metavar="PARAM", help="One line (or bar) per value of this column.")
+@click.option("--hue", default=None, metavar="PARAM",
+              help="One line (or bar, or marker colour) per value of this column [scatter default: system].")
 @click.option("--facet", default=None, metavar="PARAM", help="One panel per value of this column.")
+@click.option("--kind", type=click.Choice(["auto", "line", "scatter"]), default="auto", show_default=True,
+              help="line: y averaged per x value; scatter: one marker per run with the Pareto front "
+                   "(auto: scatter when --x is a metric, not a parameter).")
+@click.option("--pareto/--no-pareto", default=True, show_default=True, help="Draw the Pareto front (scatter).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="FIG.png|svg|pdf")
-def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, out: str) -> None:
-    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)."""
-    from moesim.analysis.figures import load_results, plot_results
-    plot_results(load_results(results), x=x, y=y, hue=hue, facet=facet, path=out, source=results)
+def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, kind: str, pareto: bool,
+             out: str) -> None:
+    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)
+    or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
+    --y ttft_ms, with the Pareto front of the deployable systems)."""
+    from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
+    frame = load_results(results)
+    if kind == "auto":
+        kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
+    if kind == "scatter":
+        plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None), facet=facet,
+                     pareto=pareto, path=out, source=results)
+    else:
+        plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=out, source=results)
     console.print(f"wrote {out}")
 
 

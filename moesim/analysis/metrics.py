@@ -51,6 +51,15 @@ def latency_metrics(steps: list[Any]) -> dict[str, float]:
     }
 
 
+def _memory_gib(plan: Any) -> dict[str, float]:
+    """GPU memory the run planned to use: every fixed part (weights, KV cache, workspace, staging,
+    reserved) plus the expert cache it was given, and the expert cache alone, in GiB."""
+    cache = sum(plan.capacity) * plan.expert_bytes
+    fixed = sum(int(getattr(plan, name, 0) or 0) for name in
+                ("reserved_bytes", "non_expert_bytes", "kv_bytes", "workspace_bytes", "staging_bytes"))
+    return {"gpu_memory_gib": (fixed + cache) / 2**30, "expert_cache_gib": cache / 2**30}
+
+
 def metrics(result: SimResult) -> dict[str, Any]:
     """The stable metric keys of ``moesim replay --json``."""
     c = result.counters
@@ -79,6 +88,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "substituted_weight_mass": c.substituted_weight_mass / max(c.activations, 1),
         "deferred_weight_mass": c.deferred_weight_mass / max(c.activations, 1),
         "slots_per_layer": result.memory.capacity[0] if result.memory.capacity else 0,
+        **_memory_gib(result.memory),
         "sim_wall_s": result.sim_wall_s,
         "notes": result.notes,
         "cost_fallbacks": result.cost_fallbacks,
