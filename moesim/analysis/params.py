@@ -77,11 +77,12 @@ def _field_comments(cls: type) -> dict[str, str]:
             block.insert(0, comments.get(line, lines[line - 1].strip())[2:].strip())
             line -= 1
         trailing = comments.get(node.end_lineno or node.lineno, "")
-        text = " ".join(block) if block else trailing.lstrip("#").strip()
-        if not text and previous and previous[0] == node.lineno - 1:
-            text = previous[1]  # one comment above a run of fields documents them all
+        text = " ".join(block) if block else trailing.lstrip("#:").strip()
+        if not block and not text and previous and previous[0] == node.lineno - 1:
+            block = [previous[1]]  # one #: block above a run of fields documents them all
+            text = previous[1]
         out[node.target.id] = text
-        previous = (node.end_lineno or node.lineno, text)
+        previous = (node.end_lineno or node.lineno, text) if block else None
     return out
 
 
