@@ -181,7 +181,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
             _log_axis(ax)
     if hue:
         handles = [_handle(styles[h], "line" if numeric_x else "bar") for h in hues]
-        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right upper", frameon=False,
+        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right center", frameon=False,
                    fontsize=9)
     note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
     heading = title or f"{label(y)} vs {label(x)}"
@@ -433,7 +433,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     ax.set_ylim(-0.02, 1.02)
     _tidy(ax)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
-    fig.legend([_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right upper",
+    fig.legend([_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right center",
                frameon=False, fontsize=9)
     fig.suptitle("GPU hit rate vs prefetches (one marker per point)", x=0.01, ha="left", fontsize=11)
     if path is not None:
