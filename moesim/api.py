@@ -10,7 +10,8 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
     r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
     r.decisions          # the decision log (DECISION_COLUMNS)
-    r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure)
+    r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure; Jupyter shows it as an image)
+    r.plot_timeline(steps=(10, 12))   # other steps; the title says which are shown
 
     df = moesim.sweep({"traces": [trace], "systems": "all", "hw": ["a100-40g", "h100-pcie"],
                        "grid": {"cache__slots_per_layer": [1, 2, 3]}})
@@ -18,6 +19,10 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
 ``moesim.sweep`` takes the spec of ``moesim sweep`` (a dict or a YAML path,
 see :mod:`moesim.sweep`) and returns a tidy DataFrame: one row per point, every
 parameter and metric a column. With ``out=`` it is resumable like the CLI.
+Points that failed keep their row (``status == "error"``) and a
+:class:`SweepPointsFailed` warning gives the reasons.
+
+``system`` defaults to :data:`DEFAULT_SYSTEM` here and on the command line.
 Values are passed as strings to the same parser the CLI uses, so ``True``,
 ``4`` and ``"4"`` all work.
 

@@ -307,3 +307,47 @@ def test_memory_metrics_grow_with_the_cache(results):
     assert cache == pytest.approx(per_expert * 2 * lru["cache.slots_per_layer"].to_numpy())
     fixed = lru["gpu_memory_gib"] - lru["expert_cache_gib"]
     assert fixed.nunique() == 1 and fixed.iloc[0] > 0 and math.isfinite(fixed.iloc[0])
+
+
+# ----------------------------------------------------------------------------- invariants
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_leaves = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6), st.booleans(),
+                    st.none(), st.text(max_size=5))
+_nested = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=4), inner, max_size=4)),
+                       max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_nested)
+def test_json_output_is_always_strict_json(data):
+    text = json.dumps(json_safe(data), allow_nan=False)  # raises on any NaN or infinity left
+    back = json.loads(text)
+
+    def same(a, b):
+        if isinstance(a, float) and not math.isfinite(a):
+            return b is None
+        if isinstance(a, dict):
+            return set(map(str, a)) == set(b) and all(same(v, b[str(k)]) for k, v in a.items())
+        if isinstance(a, list):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+    assert same(data, back)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.1, 5.0), min_size=1, max_size=12), st.data())
+def test_step_window_covers_exactly_the_chosen_steps(durations, data):
+    from moesim.analysis.plots import step_window, window_label
+    starts = np.concatenate([[0.0], np.cumsum(durations)[:-1]])
+    frame = pd.DataFrame({"step": np.arange(len(durations)), "start_s": starts, "end_s": starts + durations,
+                          "resource": "gpu", "lane": 0, "kind": "expert", "layer": 0})
+    first = data.draw(st.integers(0, len(durations) - 1))
+    last = data.draw(st.integers(first, len(durations) - 1))
+    lo, hi = step_window(frame, first, last)
+    assert lo == pytest.approx(starts[first]) and hi == pytest.approx(starts[last] + durations[last])
+    label = window_label(frame, (lo, hi))
+    shown = f"step {first}" if first == last else f"steps {first}-{last}"
+    assert label.startswith(f"{shown} of {len(durations)},")
