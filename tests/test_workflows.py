@@ -351,3 +351,8 @@ def test_step_window_covers_exactly_the_chosen_steps(durations, data):
     label = window_label(frame, (lo, hi))
     shown = f"step {first}" if first == last else f"steps {first}-{last}"
     assert label.startswith(f"{shown} of {len(durations)},")
+
+
+def test_python_dash_m_keeps_the_exit_status(tmp_path):
+    done = moesim_cli("trace", "synth", "--model", "mixtral-8x7b")
+    assert done.returncode == 2 and "--out" in done.stderr and done.stderr.count("\n") == 1
