@@ -480,14 +480,15 @@ def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> Sy
     return dataclasses.replace(params, **{name: round(value, 6)})
 
 
-def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 3, steps: int = 8,
+def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int = 8, tolerance: float = 0.05,
                progress: Callable[[str], None] | None = None) -> FitResult:
     """Fit the routing parameters of :class:`SynthParams` so that a synthetic trace of ``real``'s model and
     shape reaches ``real``'s statistics (:data:`FIT_TARGETS`).
 
     Each statistic rises with one parameter, so each is fitted by bisection over :data:`FIT_RANGES`
-    (``steps`` halvings) with the others fixed, for ``rounds`` rounds (the parameters interact a little:
-    clusters also add reuse and skew). Every candidate is judged on a trace drawn with the same ``seed``,
+    (``steps`` halvings) with the others fixed, round after round (the parameters interact: clusters
+    also add reuse and skew, skew adds co-activation) until every statistic is within ``tolerance``
+    (relative) or ``rounds`` rounds have run. Every candidate is judged on a trace drawn with the same ``seed``,
     so the comparison is between parameters, not draws. When the trace is less skewed than the
     generator at zero static skew, ``request_bias`` is lowered instead. Predictor recalls are copied from
     the real trace's measured recalls; the weight convention from its metadata. ``progress`` is called
@@ -538,7 +539,10 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 3, steps: int =
                     at_zero = measure(params)[stat]
                     if at_zero is not None and at_zero > target[stat]:
                         params = bisect(params, "request_bias", stat)
-        fitted_stats = measure(params)
+            fitted_stats = measure(params)
+            if all(fitted_stats.get(k) is not None and abs(fitted_stats[k] - v) <= tolerance * abs(v)
+                   for k, v in target.items()):
+                break
     fitted = {stat: float(fitted_stats[stat]) for stat in target if fitted_stats.get(stat) is not None}
     for stat, name in FIT_TARGETS:
         if stat in target and stat in fitted and abs(fitted[stat] - target[stat]) > 0.2 * abs(target[stat]):
