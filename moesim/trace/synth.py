@@ -32,6 +32,9 @@ every request in the group. Every request draws from its own random stream seede
 by (seed, request), so output is byte-identical for a seed.
 
 Default parameters come from the calibration logs only (see ``_ANCHORS``).
+:func:`fit_params` (``moesim trace synth --fit REAL.parquet``) fits them to any
+real trace instead: skew, previous-token reuse, co-activation and the top-1
+gate weight share, each by bisection on the parameter that drives it.
 """
 
 from __future__ import annotations
