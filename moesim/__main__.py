@@ -1,5 +1,5 @@
-"""``python -m moesim``: the command line, as the ``moesim`` script."""
+"""``python -m moesim``: the command line, as the ``moesim`` script (with its exit status)."""
 
 from moesim.cli import main
 
-main()
+raise SystemExit(main())

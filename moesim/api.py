@@ -10,7 +10,8 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
     r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
     r.decisions          # the decision log (DECISION_COLUMNS)
-    r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure)
+    r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure; Jupyter shows it as an image)
+    r.plot_timeline(steps=(10, 12))   # other steps; the title says which are shown
 
     df = moesim.sweep({"traces": [trace], "systems": "all", "hw": ["a100-40g", "h100-pcie"],
                        "grid": {"cache__slots_per_layer": [1, 2, 3]}})
@@ -18,6 +19,10 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
 ``moesim.sweep`` takes the spec of ``moesim sweep`` (a dict or a YAML path,
 see :mod:`moesim.sweep`) and returns a tidy DataFrame: one row per point, every
 parameter and metric a column. With ``out=`` it is resumable like the CLI.
+Points that failed keep their row (``status == "error"``) and a
+:class:`SweepPointsFailed` warning gives the reasons.
+
+``system`` defaults to :data:`DEFAULT_SYSTEM` here and on the command line.
 Values are passed as strings to the same parser the CLI uses, so ``True``,
 ``4`` and ``"4"`` all work.
 
@@ -36,6 +41,9 @@ from moesim import sweep as sweep_module
 from moesim.errors import ConfigError
 
 DEFAULT_HW = "rtx4090"
+#: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
+#: every system on the command line; the API replays one system per call)
+DEFAULT_SYSTEM = "gpu-only-lru"
 
 
 def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
@@ -67,17 +75,18 @@ class ReplayResult:
     raw_metrics: dict[str, Any] = field(default_factory=dict)
 
     def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
-                      title: str | None = None) -> Any:
-        """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s), default the first steps."""
+                      title: str | None = None, steps: tuple[int, int] | None = None) -> Any:
+        """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s) or ``steps`` = (first, last),
+        default the first two steps; the title says what is shown. Displays as a PNG in Jupyter."""
         if self.timeline is None:
             raise ConfigError("this replay kept no timeline", field="timeline",
                               fix="call moesim.replay(..., timeline=True)")
         from moesim.analysis.plots import plot_gantt
         label = f"{self.system} on {Path(self.trace).name}" if title is None else title
-        return plot_gantt(self.timeline, path, window=window, title=label)
+        return plot_gantt(self.timeline, path, window=window, steps=steps, title=label)
 
     def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
-        """Stacked bar of where the time went (000 Sec. VI-E categories)."""
+        """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
         from moesim.analysis.plots import plot_breakdown
         return plot_breakdown([self.raw_metrics], path)
 
@@ -85,7 +94,7 @@ class ReplayResult:
         return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
 
 
-def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = "gpu-only-lru", *,
+def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,
            settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
            timeline: bool = True, decisions: bool = True, **params: Any) -> ReplayResult:
     """Replay ``trace`` on hardware profile ``hw`` under ``system`` (a registered name).
@@ -129,7 +138,30 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
         progress = Console(stderr=True).is_terminal
     frame, _ = sweep_module.run_sweep(spec, out, workers=workers, engine=engine, address=address,
                                       progress=progress)
+    warn_failed_points(frame)
     return frame
+
+
+class SweepPointsFailed(UserWarning):
+    """Some points of a sweep came back as errors (their rows have ``status == "error"``)."""
+
+
+def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
+    """Warn (:class:`SweepPointsFailed`) with the reasons when rows of a sweep are errors; return the text."""
+    import warnings
+    if frame is None or "status" not in getattr(frame, "columns", ()) or frame.empty:
+        return None
+    failed = frame[frame["status"] != "ok"]
+    if failed.empty:
+        return None
+    reasons = failed["error"].fillna("(no reason recorded)").astype(str).value_counts()
+    lines = [f"{len(failed)} of {len(frame)} sweep points failed (rows with status 'error'); reasons:"]
+    lines += [f"  {count} x {reason}" for reason, count in reasons.head(shown).items()]
+    if len(reasons) > shown:
+        lines.append(f"  ... and {len(reasons) - shown} more reasons (column 'error')")
+    text = "\n".join(lines)
+    warnings.warn(text, SweepPointsFailed, stacklevel=3)
+    return text
 
 
 def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int | None = None,

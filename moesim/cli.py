@@ -20,8 +20,28 @@ console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True)
 
 
+def json_safe(data: object) -> object:
+    """``data`` with NaN and infinities as None (JSON has no NaN: strict parsers and jq reject it)."""
+    import math
+
+    import numpy as np
+    if isinstance(data, dict):
+        return {str(k): json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v) for v in data]
+    if isinstance(data, np.ndarray):
+        return json_safe(data.tolist())
+    if isinstance(data, (bool, np.bool_)):
+        return bool(data)
+    if isinstance(data, (int, np.integer)):
+        return int(data)
+    if isinstance(data, (float, np.floating)):
+        return float(data) if math.isfinite(data) else None
+    return data
+
+
 def _write_json(data: object, out: str | None) -> None:
-    text = json.dumps(data, indent=2, sort_keys=True, default=float)
+    text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     if out in (None, "-"):
         click.echo(text)
     else:
@@ -67,50 +87,151 @@ def trace_inspect(file: str, as_json: bool) -> None:
 @trace.command("compare")
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print both statistics as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON.")
 def trace_compare(first: str, second: str, as_json: bool) -> None:
-    """Inspect statistics of two traces side by side."""
-    from moesim.trace.stats import render_comparison, trace_stats
-    a, b = trace_stats(first), trace_stats(second)
+    """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
+    of per-layer expert popularity, reuse and co-activation differences."""
+    from moesim.trace.stats import compare_traces, render_comparison
+    both = compare_traces(first, second)
     if as_json:
-        _write_json({"a": a, "b": b}, None)
+        _write_json(both, None)
     else:
-        render_comparison(a, b, console, names=(first, second))
+        render_comparison(both["a"], both["b"], console, names=(first, second), distances=both["distances"])
 
 
 @trace.command("import")
-@click.option("--format", "fmt", required=True, help="Source log format (see --list-formats).")
-@click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
-def trace_import(fmt: str, sources: tuple[str, ...], out: str) -> None:
+@click.option("--format", "fmt", default=None, help="Source log format (see --list-formats).")
+@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
+@click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
+def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, list_formats: bool) -> None:
     """Convert another tool's per-token routing log into a v1 trace."""
     from moesim.trace.importers import import_trace
-    report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+    if list_formats:
+        _print_formats()
+        return
+    for name, value, fix in (("--format", fmt, "see moesim trace import --list-formats"),
+                             ("SOURCES", sources, "name the log files to convert"),
+                             ("--out", out, "e.g. --out trace.parquet")):
+        if not value:
+            raise MoesimError("missing", field=name, fix=fix)
+    from moesim.progress import Progress
+    with Progress("trace import", unit="files", console=err_console) as bar:
+        bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
+        report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+        bar.advance(len(sources))
     for line in report.summary_lines():
         console.print(line)
 
 
+def _print_formats() -> None:
+    """One line per import format: its name and the first line of its module's description."""
+    import importlib
+
+    from moesim.trace.importers import AGGREGATE_FORMATS, FORMATS
+    for name in sorted(FORMATS):
+        module = importlib.import_module(FORMATS[name].__module__)
+        doc = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
+        doc = doc.removeprefix(f"``{name}``:").strip()
+        console.print(f"{name:<20} {doc}", markup=False, highlight=False, soft_wrap=True)
+    for name in AGGREGATE_FORMATS:
+        console.print(f"{name:<20} (refused: aggregate expert counts, not per-token routing)", markup=False,
+                      highlight=False, soft_wrap=True)
+
+
 @trace.command("synth")
-@click.option("--model", "model", required=True, help="Model preset name or preset YAML.")
-@click.option("--requests", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompt-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--decode-len", default=128, show_default=True, type=click.IntRange(min=0))
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Requests decoded together in one step.")
+@click.option("--model", "model", default=None,
+              help="Model preset name or preset YAML [default with --fit: the real trace's model].")
+@click.option("--requests", default=None, type=click.IntRange(min=1),
+              help="Requests [default: 1, with --fit the real trace's].")
+@click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
+              help="Prompt tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--decode-len", default=None, type=click.IntRange(min=0, max=1 << 24),
+              help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Requests decoded together in one step [default: 1, with --fit the real trace's].")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Generator parameter (see `moesim trace synth --help-params`).")
+              help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
+@click.option("--fit", "fit", default=None, type=click.Path(dir_okay=False), metavar="REAL.parquet",
+              help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first.")
 @click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False))
-def trace_synth(model: str, requests: int, prompt_len: int, decode_len: int, batch: int, seed: int,
-                settings: tuple[str, ...], no_scores: bool, out: str) -> None:
+@click.option("--help-params", is_flag=True,
+              help="List the generator parameters (default for --model, meaning) and exit.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False))
+def trace_synth(model: str | None, requests: int | None, prompt_len: int | None, decode_len: int | None,
+                batch: int | None, seed: int, settings: tuple[str, ...], fit: str | None, no_scores: bool,
+                help_params: bool, out: str | None) -> None:
     """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
     from moesim.trace.synth import SynthConfig, synthesize
-    config = SynthConfig.from_settings(model=model, requests=requests, prompt_len=prompt_len,
-                                       decode_len=decode_len, batch=batch, seed=seed,
-                                       settings=_parse_settings(settings), scores=not no_scores)
+    if help_params:
+        _print_synth_params(model)
+        return
+    if out is None:
+        raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
+    shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
+    fitted: dict[str, str] = {}
+    if fit is not None:
+        result = _fit(fit, seed)
+        shape.update(result.shape)
+        fitted = result.settings()
+        if model is None:
+            from moesim.trace.io import read_meta
+            model = read_meta(fit).model
+    if model is None:
+        raise MoesimError("missing", field="--model", fix="name a preset, e.g. --model mixtral-8x7b, or --fit REAL")
+    given = {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len, "batch": batch}
+    shape.update({k: v for k, v in given.items() if v is not None})
+    config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **_parse_settings(settings)},
+                                       scores=not no_scores, **shape)
+    if fit is not None:
+        config.fitted_to = fit
     path = synthesize(config, Path(out))
     console.print(f"wrote {path}")
+
+
+def _fit(real: str, seed: int):
+    """Fit the generator to ``real``, print fitted parameters and statistics against the real ones."""
+    from rich.table import Table
+
+    from moesim.progress import Progress
+    from moesim.trace.synth import fit_params
+    with Progress("fit", unit="candidate traces", console=err_console) as bar:
+        result = fit_params(real, seed=seed, progress=lambda name: bar.advance(1, label=name))
+    table = Table(title=f"fitted to {real} ({result.evaluations} candidate traces)", title_justify="left")
+    for col in ("statistic", "real", "synthetic", "difference"):
+        table.add_column(col, justify="left" if col == "statistic" else "right")
+    errors = result.relative_errors()
+    for stat, value in result.target.items():
+        fitted = result.fitted.get(stat)
+        table.add_row(stat, f"{value:.3f}", "-" if fitted is None else f"{fitted:.3f}",
+                      f"{errors[stat]:.1%}" if stat in errors else "-")
+    console.print(table)
+    p = result.params
+    console.print(f"parameters: skew_first={p.skew_first} skew_last={p.skew_last} request_bias={p.request_bias} "
+                  f"cluster_strength={p.cluster_strength} token_corr={p.token_corr} score_scale={p.score_scale}",
+                  markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    return result
+
+
+def _print_synth_params(model: str | None) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, parameter_docs
+    from moesim.model.presets import load_preset
+    from moesim.trace.synth import SynthParams
+    defaults = SynthParams.for_model(load_preset(model)) if model else None
+    table = Table(title=f"generator parameters (--set KEY=VALUE), defaults for {model or 'no model'}"
+                        + ("" if model else "; pass --model for a model's own defaults"), title_justify="left")
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("meaning", overflow="fold")
+    for doc in parameter_docs(SynthParams):
+        value = getattr(defaults, doc.name) if defaults else doc.default
+        table.add_row(doc.name, format_default(value), doc.meaning or "(undocumented)")
+    console.print(table)
 
 
 def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
@@ -124,70 +245,104 @@ def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- replay
-DEFAULT_HW = "rtx4090"
+from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # noqa: E402 - one default for the API and the CLI
+
+
+def _parse_window(text: str | None) -> tuple[int, int] | None:
+    """``--window STEP:STEP`` (inclusive; ``STEP`` alone is one step) as (first, last)."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        lo = int(first)
+        hi = int(last) if sep else lo
+    except ValueError:
+        raise MoesimError(f"'{text}' is not STEP:STEP", field="--window", fix="e.g. --window 10:12") from None
+    if lo < 0 or hi < lo:
+        raise MoesimError(f"'{text}' is not a range of steps", field="--window",
+                          fix="give FIRST:LAST with 0 <= FIRST <= LAST, e.g. --window 10:12")
+    return lo, hi
 
 
 @cli.command()
-@click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True,
               help="Hardware profile: a name in hwprofiles/ or a YAML path.")
-@click.option("--system", "system", default="all", show_default=True,
-              help="System to replay, or 'all' to compare every system (see `moesim systems`).")
+@click.option("--system", "system", default=DEFAULT_SYSTEM, show_default=True,
+              help="System to replay, or 'all' to compare every system (see `moesim systems`; "
+                   "`moesim systems NAME` lists its parameters).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru.")
+              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
+                   "(see --help-params).")
 @click.option("--model", "model_preset", default=None, help="Check the trace against this model preset.")
-@click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
 @click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
 @click.option("--chrome-trace", "chrome_out", default=None, metavar="OUT.json",
               help="Write a Chrome/Perfetto trace of the timeline.")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png",
               help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
+@click.option("--window", "window", default=None, metavar="STEP:STEP",
+              help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
+@click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
+def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
-           decisions_out: str | None, seed: int) -> None:
+           window: str | None, decisions_out: str | None, seed: int, help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
     from moesim.analysis.report import render_comparison_table, render_metrics
     from moesim.policy.systems import system_names
+    if help_params:
+        _print_system(system if system != "all" else DEFAULT_SYSTEM)
+        return
+    if trace_file is None:
+        raise MoesimError("no trace given", field="TRACE",
+                          fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
+    out = err_console if json_out == "-" else console  # stdout holds the JSON only
     parsed = _parse_settings(settings)
+    steps = _parse_window(window)
+    if steps and not plot_out:
+        raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
+                          fix="add --plot OUT.png")
     systems = system_names() if system == "all" else [system]
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
-    if len(systems) > 1 and per_run_files:
-        raise MoesimError("--timeline, --chrome-trace and --decisions need a single system",
+    if len(systems) > 1 and (per_run_files or steps):
+        raise MoesimError("--timeline, --chrome-trace, --decisions and --window need a single system",
                           field="--system", fix="pass --system NAME")
     from moesim.policy.systems import SYSTEMS
     results = {}
     skipped: dict[str, str] = {}
     runs: dict = {}  # replays a portfolio bound (oracle) reuses: it runs every listed system too
-    for name in sorted(systems, key=lambda n: bool(n in SYSTEMS and SYSTEMS[n].portfolio)):
-        try:
-            results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
-                                        record=bool(timeline_out or chrome_out or decisions_out
-                                                    or (plot_out and len(systems) == 1)),
-                                        decisions=bool(decisions_out), runs=runs)
-        except MoesimError as err:
-            if len(systems) == 1 or not _skippable(err):
-                raise
-            skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
+    with _replay_progress(trace_file, systems) as bar:
+        for name in sorted(systems, key=lambda n: bool(n in SYSTEMS and SYSTEMS[n].portfolio)):
+            try:
+                results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed, bar,
+                                            record=bool(timeline_out or chrome_out or decisions_out
+                                                        or (plot_out and len(systems) == 1)),
+                                            decisions=bool(decisions_out), runs=runs)
+            except MoesimError as err:
+                if len(systems) == 1 or not _skippable(err):
+                    raise
+                skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
     metrics_by_system = {name: results[name][0] for name in systems if name in results}
     _add_gap_to_lower_bound(metrics_by_system, runs, trace_file, hw, parsed)
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
-        render_metrics(metrics_, console, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
+        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
         _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
-                       meta={"trace": trace_file, "hw": hw, "system": systems[0]})
+                       meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
-        render_comparison_table(metrics_by_system, console, title=f"{Path(trace_file).name} on {hw}")
+        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}")
         for name, reason in skipped.items():
             from rich.markup import escape
-            console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+            out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
         if json_out:
             _write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
             plot_breakdown(list(metrics_by_system.values()), plot_out)
-            console.print(f"wrote {plot_out}")
+            out.print(f"wrote {plot_out}")
 
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
@@ -210,66 +365,109 @@ def _skippable(err: MoesimError) -> bool:
     return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
-def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
-                seed: int, record: bool, decisions: bool, runs: dict | None = None) -> tuple[dict, dict]:
+def _replay_progress(trace_file: str, systems: list[str]):
+    """Progress over every row each replay reads (an oracle's members run once, shared with the table)."""
     import pyarrow.parquet as pq
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moesim.analysis.metrics import metrics
-    from moesim.sim.engine import result_to_frames
-    from moesim.sim.run import members, simulate
+    from moesim.progress import Progress
+    from moesim.sim.run import members
     from moesim.trace.io import read_meta
     read_meta(trace_file)  # a malformed trace fails here, with one line
-    total_rows = pq.ParquetFile(trace_file).metadata.num_rows * len(members(system))
-    with Progress(TextColumn(f"[bold]{system}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeRemainingColumn(), console=err_console, transient=True,
-                  disable=not err_console.is_terminal) as bar:
-        task = bar.add_task(system, total=max(total_rows, 1))
-        result = simulate(trace_file, hw, system, settings, reuse=runs, model_preset=model_preset, seed=seed,
-                          progress=lambda rows: bar.advance(task, rows), timeline=record, decisions=decisions)
+    rows = pq.ParquetFile(trace_file).metadata.num_rows
+    replays = {member for name in systems for member in members(name)}
+    return Progress("replay", total=max(rows * len(replays), 1), unit="rows", console=err_console)
+
+
+def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
+                seed: int, bar, record: bool, decisions: bool, runs: dict | None = None) -> tuple[dict, dict]:
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import simulate
+    bar.advance(0, label=system)
+    result = simulate(trace_file, hw, system, settings, reuse=runs, model_preset=model_preset, seed=seed,
+                      progress=lambda rows: bar.advance(rows), timeline=record, decisions=decisions)
     if runs is not None:
         runs[system] = result
     return metrics(result), result_to_frames(result)
 
 
 def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
-                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict) -> None:
+                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict,
+                   steps: tuple[int, int] | None = None, out: Console = console) -> None:
     if json_out:
         _write_json(metrics_, json_out)
     if timeline_out:
         from moesim.analysis.timeline import write_timeline
         write_timeline(frames["timeline"], timeline_out)
-        console.print(f"wrote {timeline_out}")
+        out.print(f"wrote {timeline_out}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
         write_decisions(frames["decisions"], decisions_out)
-        console.print(f"wrote {decisions_out}")
+        out.print(f"wrote {decisions_out}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
         write_chrome_trace(frames["timeline"], chrome_out, meta)
-        console.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
+        out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
-        plot_gantt(frames["timeline"], plot_out, title=f"{meta['system']} on {Path(meta['trace']).name}")
-        console.print(f"wrote {plot_out}")
+        plot_gantt(frames["timeline"], plot_out, steps=steps,
+                   title=f"{meta['system']} on {Path(meta['trace']).name}")
+        out.print(f"wrote {plot_out}")
 
 
 @cli.command("systems")
-def systems_cmd() -> None:
-    """List the systems and the parameters `--set` reaches."""
+@click.argument("name", required=False, metavar="[NAME]")
+def systems_cmd(name: str | None) -> None:
+    """List the systems; with NAME, every parameter of that system with its default, unit and meaning."""
+    if name:
+        _print_system(name)
+        return
     from rich.table import Table
 
-    from moesim.policy.systems import SYSTEMS, all_parameters
-    from moesim.sim.run import common_parameters
-    table = Table(title="systems", show_lines=True)
-    table.add_column("system", style="bold")
-    table.add_column("what it does")
-    table.add_column("its --set parameters and component swaps")
-    for name, spec in SYSTEMS.items():
-        label = name if spec.listed else f"{name} (part of oracle)"
-        table.add_row(label, spec.description, "\n".join(all_parameters(name)))
+    from moesim.policy.systems import SYSTEMS
+    narrow = Console(width=min(console.width, 100))
+    table = Table(title="systems (`moesim systems NAME` lists a system's --set parameters)", title_justify="left",
+                  show_lines=False)
+    table.add_column("system", style="bold", no_wrap=True)
+    table.add_column("components (cache / assign / prefetch, + substitute, defer)", ratio=2)
+    table.add_column("what it does", ratio=3)
+    for system, spec in SYSTEMS.items():
+        label = system if spec.listed else f"{system}*"
+        if spec.portfolio:
+            parts = "best of " + ", ".join(spec.portfolio)
+        else:
+            parts = " / ".join((spec.cache, spec.assign, spec.prefetch))
+            parts += "".join(f" + {getattr(spec, r)}" for r in ("substitute", "defer") if getattr(spec, r) != "none")
+        table.add_row(label, parts, spec.description)
+    narrow.print(table)
+    narrow.print("* part of oracle, not run by --system all. Every system also takes engine.*, memory.*, "
+                 "cache.slots_per_layer and hw.<profile field>, e.g. hw.pcie.bandwidth_scale.", markup=False,
+                 highlight=False)
+
+
+def _print_system(name: str) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, system_parameter_docs
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import SYSTEMS
+    if name not in SYSTEMS:
+        raise ConfigError(f"unknown system '{name}'", field="NAME", fix=f"use one of: {', '.join(SYSTEMS)}")
+    console.print(f"[bold]{name}[/]: {SYSTEMS[name].description}", highlight=False)
+    table = Table(title_justify="left", width=min(console.width, 120))
+    table.add_column("--set key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    table.add_column("meaning", ratio=1, overflow="fold")
+    for key, doc, note in system_parameter_docs(name):
+        if doc is None:
+            table.add_row(f"[cyan]{key}[/]", "", "", note, style="dim" if key.endswith("= none") else None)
+        else:
+            meaning = doc.meaning or "(undocumented)"
+            table.add_row(key, format_default(doc.default), doc.unit or "-", meaning)
     console.print(table)
-    console.print("Every system also takes: " + ", ".join(common_parameters()))
+    console.print("hw.<field>: any hardware-profile field, e.g. hw.pcie.bandwidth_scale=0.5, hw.cpu.cores=16 "
+                  "(hwprofiles/README.md documents them).", markup=False, highlight=False)
 
 
 # ----------------------------------------------------------------------------- capture
@@ -301,7 +499,11 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     config = CaptureConfig(model=model, prompts=Path(prompts), out=Path(out), max_new_tokens=max_new_tokens,
                            batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
                            else None, dtype=dtype, device=device)
-    report = capture(config, progress=err_console.is_terminal)
+    from moesim.progress import Progress
+    # on a terminal capture draws its own token bar; otherwise plain lines say it is alive
+    with Progress("capture", console=err_console, enabled=not err_console.is_terminal) as bar:
+        bar.advance(0, label=f"{model} -> {out}")
+        report = capture(config, progress=err_console.is_terminal)
     for line in report.summary_lines():
         console.print(line, markup=False, highlight=False)
 
@@ -337,7 +539,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     from moesim.sweep import load_spec, run_sweep
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
-                               progress=err_console.is_terminal, console=err_console)
+                               progress=True, console=err_console)
     console.print(f"{summary.points} points: {summary.ran} run, {summary.skipped} already in {out}, "
                   f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
     if summary.failed:
@@ -352,15 +554,31 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
 
 @cli.command("plot")
 @click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
-@click.option("--x", "x", required=True, metavar="PARAM", help="Column on the x axis, e.g. cache.slots_per_layer.")
+@click.option("--x", "x", required=True, metavar="PARAM|METRIC",
+              help="Column on the x axis, e.g. cache.slots_per_layer, or a metric such as gpu_memory_gib.")
 @click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
-@click.option("--hue", default=None, metavar="PARAM", help="One line (or bar) per value of this column.")
+@click.option("--hue", default=None, metavar="PARAM",
+              help="One line (or bar, or marker colour) per value of this column [scatter default: system].")
 @click.option("--facet", default=None, metavar="PARAM", help="One panel per value of this column.")
+@click.option("--kind", type=click.Choice(["auto", "line", "scatter"]), default="auto", show_default=True,
+              help="line: y averaged per x value; scatter: one marker per run with the Pareto front "
+                   "(auto: scatter when --x is a metric, not a parameter).")
+@click.option("--pareto/--no-pareto", default=True, show_default=True, help="Draw the Pareto front (scatter).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="FIG.png|svg|pdf")
-def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, out: str) -> None:
-    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)."""
-    from moesim.analysis.figures import load_results, plot_results
-    plot_results(load_results(results), x=x, y=y, hue=hue, facet=facet, path=out, source=results)
+def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, kind: str, pareto: bool,
+             out: str) -> None:
+    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)
+    or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
+    --y ttft_ms, with the Pareto front of the deployable systems)."""
+    from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
+    frame = load_results(results)
+    if kind == "auto":
+        kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
+    if kind == "scatter":
+        plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None), facet=facet,
+                     pareto=pareto, path=out, source=results)
+    else:
+        plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=out, source=results)
     console.print(f"wrote {out}")
 
 
@@ -467,14 +685,13 @@ def _command_line() -> str:
 
 
 def _progress_labels(total: int, title: str):
-    """A rich progress bar advanced once per label (hidden when stderr is not a terminal)."""
-    from rich.progress import BarColumn, Progress, TextColumn
-    bar = Progress(TextColumn(f"[bold]{title}"), BarColumn(), TextColumn("{task.description}"),
-                   console=err_console, transient=True, disable=not err_console.is_terminal)
-    task = bar.add_task("", total=total)
+    """Progress advanced once per label (:class:`moesim.progress.Progress`: a bar on a terminal, plain
+    lines on stderr otherwise)."""
+    from moesim.progress import Progress
+    bar = Progress(title, total=total, console=err_console)
 
     def step(label: str) -> None:
-        bar.update(task, advance=1, description=label)
+        bar.advance(1, label=label)
     return bar, step
 
 

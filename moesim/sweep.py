@@ -630,28 +630,26 @@ def _ordered(frame: Any, spec: SweepSpec) -> Any:
 
 
 class ProgressBar:
-    """A rich progress bar with the count of failed points and an ETA (off when ``enabled`` is false)."""
+    """Sweep progress on stderr with the count of failed points (:class:`moesim.progress.Progress`:
+    a rich bar on a terminal, plain lines otherwise; off when ``enabled`` is false)."""
 
     def __init__(self, enabled: bool, console: Any = None) -> None:
         self.enabled = enabled
         self.console = console
         self._bar: Any = None
-        self._task: Any = None
 
     def start(self, total: int, already: int) -> None:
         if not self.enabled:
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-        self._bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), TextColumn("ETA"),
-                             TimeRemainingColumn(), console=self.console)
+        from moesim.progress import Progress
+        stream = getattr(self.console, "file", None)
+        self._bar = Progress("sweep", total=total, unit="points", stream=stream, console=self.console)
         self._bar.start()
-        self._task = self._bar.add_task("sweep", total=total, completed=already, failed=0)
+        self._bar.advance(already, extra="0 failed")
 
     def advance(self, failed: int) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, advance=1, failed=failed)
+            self._bar.advance(1, extra=f"{failed} failed")
 
     def stop(self) -> None:
         if self._bar is not None:

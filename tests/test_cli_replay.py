@@ -49,8 +49,8 @@ def test_json_has_the_stable_keys(files, tmp_path, capsys):
 def test_all_systems_in_one_table(files, tmp_path, capsys):
     trace, hw = files
     out_json = tmp_path / "all.json"
-    code, out, _ = run(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--json", str(out_json)],
-                       capsys)
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "all", "--set", "cache.slots_per_layer=2",
+                        "--json", str(out_json)], capsys)
     assert code == 0
     by_system = json.loads(out_json.read_text())
     from moesim.policy.systems import system_names
@@ -97,7 +97,7 @@ def test_every_output_is_written(files, tmp_path, capsys):
     (["--system", "gpu-only-lru", "--set", "cache.slots_per_layer=7"], ["outside [0, 6]"]),
     (["--system", "gpu-only-lru", "--set", "hw.gpu.memory_gib=1.2"], ["does not fit", "GiB", "slots"]),
     (["--system", "gpu-only-lru", "--model", "mixtral-8x7b"], ["does not match preset", "num_layers"]),
-    (["--set", "cache.slots_per_layer=2", "--timeline", "x.parquet"], ["need a single system"]),
+    (["--system", "all", "--set", "cache.slots_per_layer=2", "--timeline", "x.parquet"], ["need a single system"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files

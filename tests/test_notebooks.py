@@ -44,3 +44,27 @@ def test_custom_policy_notebook():
     assert len(outputs(notebook, "image/png")) == 3
     conclusion = outputs(notebook, "text/markdown")[-1]
     assert conclusion.count("closes") == 5 and "best decay at 4 slots" in conclusion
+
+
+def test_replay_figures_display_as_images_in_a_plain_kernel(tmp_path):
+    """No `%matplotlib inline`: run.plot_timeline() and run.plot_breakdown() still show as PNG images."""
+    trace = Path(__file__).resolve().parents[1] / "traces" / "mixtral-8x7b-humaneval.parquet"
+    cells = [
+        "import moesim\n"
+        f"short = moesim.slice_trace({str(trace)!r}, {str(tmp_path / 'short.parquet')!r}, steps=4)\n"
+        "run = moesim.replay(short, hw='rtx4090')",
+        "run.plot_timeline()",
+        "run.plot_breakdown()",
+        "run.plot_timeline(steps=(2, 3))",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    for cell in notebook.cells[1:]:
+        results = [o for o in cell.outputs if o.get("output_type") == "execute_result"]
+        assert len(results) == 1 and "image/png" in results[0]["data"], cell.source
+        assert results[0]["data"]["image/png"]  # base64 of a real PNG
+        assert not any(o.get("output_type") == "error" for o in cell.outputs)
+    assert "<Figure" not in "".join(str(o) for c in notebook.cells for o in c.outputs if "image/png" not in
+                                    str(o.get("data", {})))

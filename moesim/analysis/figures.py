@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.plots import plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.errors import ConfigError
 from moesim.sim.engine import BREAKDOWN
 
@@ -50,7 +50,11 @@ LABELS = {
     "cache.slots_per_layer": "GPU cache slots per layer", "slots_per_layer": "GPU cache slots per layer",
     "pcie_h2d_bytes": "PCIe host-to-device bytes", "prefetches": "prefetches issued",
     "makespan_s": "makespan (s)", "hw.pcie.bandwidth_scale": "PCIe bandwidth scale",
+    "gpu_memory_gib": "GPU memory planned (GiB)", "expert_cache_gib": "GPU expert cache (GiB)",
 }
+#: metrics where more is better (the Pareto front maximises them); every other metric is minimised
+HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
+                    "gpu_share_of_activations"}
 
 
 # ----------------------------------------------------------------------------- loading and columns
@@ -151,7 +155,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
-    fig = Figure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
+    fig = DisplayFigure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     numeric_x = data[x].dtype.kind in "biuf"
@@ -177,7 +181,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
             _log_axis(ax)
     if hue:
         handles = [_handle(styles[h], "line" if numeric_x else "bar") for h in hues]
-        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right upper", frameon=False,
+        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right center", frameon=False,
                    fontsize=9)
     note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
     heading = title or f"{label(y)} vs {label(x)}"
@@ -185,6 +189,117 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+# ----------------------------------------------------------------------------- metric against metric
+def pareto_front(x: np.ndarray, y: np.ndarray, *, maximize_x: bool = False, maximize_y: bool = False) -> np.ndarray:
+    """Indices of the points no other point beats on both axes (ties kept once), sorted by x.
+
+    A point is dominated when another is at least as good on both axes and
+    better on one; "good" is lower unless ``maximize_*``.
+    """
+    sx = -np.asarray(x, dtype=float) if maximize_x else np.asarray(x, dtype=float)
+    sy = -np.asarray(y, dtype=float) if maximize_y else np.asarray(y, dtype=float)
+    order = np.lexsort((sy, sx))  # best x first, best y among equal x
+    front: list[int] = []
+    best_y = np.inf
+    for i in order:
+        if sy[i] < best_y:
+            front.append(int(i))
+            best_y = sy[i]
+    return np.array(sorted(front, key=lambda i: x[i]), dtype=int)
+
+
+def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "system", facet: str | None = None,
+                 pareto: bool = True, path: str | os.PathLike | None = None, source: str | None = None,
+                 title: str = "") -> Figure:
+    """``y`` against ``x`` with one marker per run (nothing averaged, no lines between runs).
+
+    With ``pareto`` the front of the runs that are no bound (oracle and
+    all-in-GPU are drawn hollow and left out) is drawn as a staircase: the
+    runs no other run beats on both metrics. Lower is better except for
+    :data:`HIGHER_IS_BETTER`. The legend sits right of the panels, clear of
+    the title.
+    """
+    x = column(frame, x, "--x", source)
+    y = column(frame, y, "--y", source)
+    hue = column(frame, hue, "--hue", source) if hue else None
+    facet = column(frame, facet, "--facet", source) if facet else None
+    data = ok_rows(frame, source)
+    for name, role in ((x, "--x"), (y, "--y")):
+        if data[name].dtype.kind not in "biuf":
+            raise ConfigError(f"column '{name}' is not numeric", source=source, field=role,
+                              fix="scatter two metrics, e.g. --x gpu_memory_gib --y tpot_ms_mean")
+    data = data[np.isfinite(data[x].astype(float)) & np.isfinite(data[y].astype(float))]
+    if data.empty:
+        raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="--y",
+                          fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
+    panels = sorted_values(data[facet]) if facet else [None]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig = DisplayFigure(figsize=(4.8 * cols + 2.6, 3.8 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
+        if hue else [None]
+    styles = {h: _style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    drew_front = False
+    for ax, panel in zip(axes.flat, panels):
+        sub = data[data[facet] == panel] if facet else data
+        for h in hues:
+            mine = sub[sub[hue] == h] if hue else sub
+            if mine.empty:
+                continue
+            style = styles[h]
+            bound = hue == "system" and is_bound(str(h))
+            ax.scatter(mine[x], mine[y], marker=style["marker"], s=34, zorder=3, linewidths=1.2,
+                       facecolors="none" if bound else style["color"], edgecolors=style["color"], alpha=0.9)
+        if pareto:
+            deployable = sub[[not is_bound(str(s)) for s in sub["system"]]] if "system" in sub.columns else sub
+            if len(deployable):
+                drew_front |= _draw_front(ax, deployable, x, y)
+        ax.set_xlabel(label(x))
+        ax.set_ylabel(label(y))
+        if facet:
+            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+        _tidy(ax)
+        ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    for ax, name in ((a, n) for a in axes.flat for n in ("x", "y")):
+        if _wide(data[x if name == "x" else y]):
+            _log_axis(ax, name)
+    handles = [_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
+        if hue else []
+    names = [str(h) + (" (bound)" if hue == "system" and is_bound(str(h)) else "") for h in hues] if hue else []
+    if drew_front:
+        handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
+        names.append("Pareto front")
+    if handles:  # centred on the right: clear of the two title lines
+        fig.legend(handles, names, title=label(hue) if hue else None, loc="outside right center", frameon=False,
+                   fontsize=9)
+    better = f"{'higher' if x in HIGHER_IS_BETTER else 'lower'} x, {'higher' if y in HIGHER_IS_BETTER else 'lower'} y"
+    note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
+        else "one marker per run"
+    fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left", fontsize=11)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _draw_front(ax: Any, data: pd.DataFrame, x: str, y: str) -> bool:
+    """The Pareto front of ``data`` as a staircase (the region it dominates lies behind the steps)."""
+    xs = data[x].to_numpy(dtype=float)
+    ys = data[y].to_numpy(dtype=float)
+    max_x, max_y = x in HIGHER_IS_BETTER, y in HIGHER_IS_BETTER
+    front = pareto_front(xs, ys, maximize_x=max_x, maximize_y=max_y)
+    fx, fy = xs[front], ys[front]
+    # the corner between two front points is the one both dominate: (next x, this y) when lower x is
+    # better, (this x, next y) when higher x is better
+    where = "pre" if max_x else "post"
+    ax.step(fx, fy, where=where, color="#222222", linewidth=1.4, zorder=4)
+    ax.scatter(fx, fy, s=70, facecolors="none", edgecolors="#222222", linewidths=1.2, zorder=5)
+    return True
 
 
 def sorted_values(series: pd.Series) -> list[Any]:
@@ -201,13 +316,14 @@ def _style(i: int, system: str | None) -> dict[str, Any]:
             "linestyle": (0, (4, 2)) if dashed else "-"}
 
 
-def _handle(style: dict[str, Any], kind: str) -> Line2D:
+def _handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Line2D:
     """Legend entry: "line" (line and marker), "marker" (scatter) or "bar" (a square)."""
     if kind == "line":
         return Line2D([], [], color=style["color"], marker=style["marker"], linestyle=style["linestyle"],
                       markersize=5)
     marker, size = (style["marker"], 6) if kind == "marker" else ("s", 8)
-    return Line2D([], [], color=style["color"], marker=marker, linestyle="none", markersize=size)
+    return Line2D([], [], color=style["color"], marker=marker, linestyle="none", markersize=size,
+                  markerfacecolor="none" if hollow else style["color"])
 
 
 def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
@@ -249,13 +365,14 @@ def _tidy(ax: Any) -> None:
     ax.set_axisbelow(True)
 
 
-def _log_axis(ax: Any) -> None:
-    """Log y axis labelled with plain numbers at 1, 2, 5 times powers of ten."""
+def _log_axis(ax: Any, which: str = "y") -> None:
+    """Log axis (``which``: "x" or "y") labelled with plain numbers at 1, 2, 5 times powers of ten."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _wide(values: pd.Series) -> bool:
@@ -299,7 +416,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
         return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facet_for(frame, (param,)),
                             path=path, title=f"GPU hit rate vs {param}")
     data = ok_rows(frame)
-    fig = Figure(figsize=(8.4, 4.2), layout="constrained")
+    fig = DisplayFigure(figsize=(8.4, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     systems = ordered_systems(data["system"].unique())
@@ -316,7 +433,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     ax.set_ylim(-0.02, 1.02)
     _tidy(ax)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
-    fig.legend([_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right upper",
+    fig.legend([_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right center",
                frameon=False, fontsize=9)
     fig.suptitle("GPU hit rate vs prefetches (one marker per point)", x=0.01, ha="left", fontsize=11)
     if path is not None:

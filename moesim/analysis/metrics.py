@@ -8,6 +8,15 @@ from moesim.sim.bookkeeping import latency_metrics  # noqa: F401  (defined with 
 from moesim.sim.engine import SimResult
 
 
+def _memory_gib(plan: Any) -> dict[str, float]:
+    """GPU memory the run planned to use: every fixed part (weights, KV cache, workspace, staging,
+    reserved) plus the expert cache it was given, and the expert cache alone, in GiB."""
+    cache = plan.slots * plan.expert_bytes
+    fixed = sum(int(getattr(plan, name, 0) or 0) for name in
+                ("reserved_bytes", "non_expert_bytes", "kv_bytes", "workspace_bytes", "staging_bytes"))
+    return {"gpu_memory_gib": (fixed + cache) / 2**30, "expert_cache_gib": cache / 2**30}
+
+
 def metrics(result: SimResult) -> dict[str, Any]:
     """The stable metric keys of ``moesim replay --json``."""
     c = result.counters
@@ -42,6 +51,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "expert_slots": result.memory.slots,
         "slots_per_layer": result.memory.slots / len(result.memory.capacity) if result.memory.capacity else 0,
         "slot_spread": result.memory.describe(),
+        **_memory_gib(result.memory),
         "sim_wall_s": result.sim_wall_s,
         # a portfolio bound: each metric the best of its schedules, and which schedule gave it
         "portfolio_best": "; ".join(f"{k}={name}" for k, (name, _) in getattr(result, "best", {}).items()),

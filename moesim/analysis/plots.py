@@ -1,11 +1,14 @@
 """Figures of a replay: a Gantt chart of the timeline and a time-breakdown comparison.
 
 Both draw on a bare :class:`matplotlib.figure.Figure` with the Agg canvas, so
-they work without a display and leave pyplot's global state alone.
+they work without a display and leave pyplot's global state alone. The
+figures are :class:`DisplayFigure`: a plain Jupyter kernel shows them as a
+PNG without ``%matplotlib inline``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +54,21 @@ BREAKDOWN_STYLE = {
 }
 
 
+class DisplayFigure(Figure):
+    """A matplotlib Figure that IPython and Jupyter display as a PNG with no backend set up.
+
+    Without ``%matplotlib inline`` IPython has no formatter for Figures and
+    prints ``<Figure size ...>``; ``_repr_png_`` is the hook its display
+    machinery asks for instead.
+    """
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        FigureCanvasAgg(self)
+        self.savefig(buffer, format="png", dpi=100)
+        return buffer.getvalue()
+
+
 # ----------------------------------------------------------------------------- saving
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Save ``fig`` as PNG, SVG or PDF by suffix; the file appears whole at ``path`` or not at all."""
@@ -88,6 +106,35 @@ def default_window(frame: pd.DataFrame, steps: int = DEFAULT_STEPS, max_bars: in
     if (spans["start_s"] < end).sum() > max_bars:
         end = float(spans["start_s"].iloc[max_bars])
     return start, end
+
+
+def step_window(frame: pd.DataFrame, first: int, last: int) -> tuple[float, float]:
+    """``(start_s, end_s)`` spanning every interval of steps ``first`` to ``last`` (inclusive)."""
+    chosen = frame[(frame["step"] >= first) & (frame["step"] <= last)]
+    if chosen.empty:
+        steps = frame["step"]
+        have = f"steps {int(steps.min())} to {int(steps.max())}" if len(steps) else "no steps"
+        raise ConfigError(f"no step in {first}:{last}", field="--window", fix=f"the timeline has {have}")
+    return float(chosen["start_s"].min()), float(chosen["end_s"].max())
+
+
+def window_label(frame: pd.DataFrame, window: tuple[float, float]) -> str:
+    """What a window shows, for the title: the steps that start in it, of how many, and the time span."""
+    if frame.empty:
+        return "empty timeline"
+    starts = frame.groupby("step")["start_s"].min()
+    ends = frame.groupby("step")["end_s"].max()
+    lo, hi = window
+    inside = sorted(int(s) for s in starts.index if starts[s] < hi and ends[s] > lo)
+    whole = [s for s in inside if starts[s] >= lo - 1e-12 and ends[s] <= hi + 1e-12]
+    if not inside:
+        shown = "no step"
+    elif len(inside) == 1:
+        shown = f"step {inside[0]}"
+    else:
+        shown = f"steps {inside[0]}-{inside[-1]}"
+    part = "" if len(whole) == len(inside) else f" (part of {'it' if len(inside) == 1 else 'them'})"
+    return f"{shown}{part} of {len(starts)}, {lo * 1e3:,.1f}-{hi * 1e3:,.1f} ms"
 
 
 def _clip(frame: pd.DataFrame, window: tuple[float, float]) -> pd.DataFrame:
@@ -134,21 +181,28 @@ def _mark_boundaries(ax: Any, frame: pd.DataFrame, window: tuple[float, float]) 
 
 
 def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
-               window: tuple[float, float] | None = None, title: str = "") -> Figure:
+               window: tuple[float, float] | None = None, steps: tuple[int, int] | None = None,
+               title: str = "") -> Figure:
     """Gantt chart of a timeline: PCIe, GPU and CPU lanes top to bottom, coloured by kind.
 
     ``window`` is ``(start_s, end_s)`` in seconds, the unit of the timeline's
     columns (the axis shows milliseconds); by default the first
     :data:`DEFAULT_STEPS` steps, shortened to at most :data:`MAX_BARS` bars.
+    ``steps`` = ``(first, last)`` chooses whole steps instead (inclusive).
     Spans crossing the window's edges are clipped to it. Layer starts are
-    marked by faint vertical lines, step starts by dashed ones.
+    marked by faint vertical lines, step starts by dashed ones. The title
+    ends with what is shown: the steps, of how many, and the time span.
     """
     check_timeline(frame)
+    if steps is not None and window is not None:
+        raise ConfigError("give a time window or steps, not both", field="window", fix="drop one of them")
+    if steps is not None:
+        window = step_window(frame, int(steps[0]), int(steps[1]))
     window = default_window(frame) if window is None else (float(window[0]), float(window[1]))
     shown = _clip(frame, window) if not frame.empty else frame
     rows = _lane_rows(frame)
 
-    fig = Figure(figsize=(13, 3.6), layout="constrained")
+    fig = DisplayFigure(figsize=(13, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     kinds = [k for k in KIND_STYLE if (shown["kind"] == k).any()]
@@ -177,9 +231,10 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     ax.set_axisbelow(True)
     handles = [Patch(facecolor=_colour(k), label=KIND_STYLE.get(k, (None, k))[1]) for k in kinds]
     if handles:
-        fig.legend(handles=handles, loc="outside upper right", ncols=len(handles), frameon=False, fontsize=9)
-    if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+        # below the axes: the title above says what is shown and may be long
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9)
+    shown_label = window_label(frame, window)
+    fig.suptitle(f"{title}: {shown_label}" if title else shown_label, x=0.01, ha="left", fontsize=11)
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -219,7 +274,7 @@ def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLi
     names = [str(m.get("system", f"run {i}")) for i, m in enumerate(metrics_list)]
     values = np.array([[float(m["breakdown_ms"].get(c, 0.0)) for c in categories] for m in metrics_list])
 
-    fig = Figure(figsize=(max(5.0, 1.1 * len(names) + 3.5), 4.2), layout="constrained")
+    fig = DisplayFigure(figsize=(max(5.0, 1.1 * len(names) + 3.5), 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = np.arange(len(names))

@@ -326,8 +326,7 @@ def _mean(values: list[float | None]) -> float | None:
     return float(np.mean(present)) if present else None
 
 
-def trace_stats(path: PathLike) -> dict[str, Any]:
-    """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring)."""
+def _accumulate(path: PathLike) -> tuple[Any, _Accumulator]:
     meta = read_meta(path)
     model = meta.model
     present = _open(path).schema_arrow.names
@@ -336,6 +335,17 @@ def trace_stats(path: PathLike) -> dict[str, Any]:
     acc = _Accumulator(model.num_layers, model.num_experts, model.top_k, predictors)
     for chunk in _iter_chunks(path, model.top_k, list(REQUIRED_COLUMNS) + optional):
         acc.add(chunk)
+    return meta, acc
+
+
+def trace_stats(path: PathLike) -> dict[str, Any]:
+    """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring)."""
+    meta, acc = _accumulate(path)
+    return _stats(meta, acc)
+
+
+def _stats(meta: Any, acc: _Accumulator) -> dict[str, Any]:
+    model = meta.model
 
     counts = acc.layer_counts()
     top10 = _top_share(counts)
@@ -363,10 +373,80 @@ def trace_stats(path: PathLike) -> dict[str, Any]:
         "coactivation_top4_share_by_layer": coact_by_layer,
         "unique_experts_per_layer_step": {p: (acc.union_sum[p] / acc.union_n[p] if acc.union_n[p] else None)
                                           for p in PHASES},
-        "predictor_recall": {p: (acc.hits[p] / acc.truths[p] if acc.truths[p] else None) for p in predictors},
+        "predictor_recall": {p: (acc.hits[p] / acc.truths[p] if acc.truths[p] else None) for p in acc.predictors},
         "weight_top1_share": acc.weight_top1_sum / acc.weight_rows if acc.weight_rows else None,
     }
     return stats
+
+
+# ----------------------------------------------------------------------------- distances
+def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
+    """Jensen-Shannon divergence of two count or probability vectors, base 2 (0: same, 1: disjoint)."""
+    p = np.asarray(p, dtype=float)
+    q = np.asarray(q, dtype=float)
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(a: np.ndarray) -> float:
+        nz = a > 0
+        return float((a[nz] * np.log2(a[nz] / m[nz])).sum())
+    return max(0.0, 0.5 * kl(p) + 0.5 * kl(q))
+
+
+def _per_layer(values: list[float | None]) -> dict[str, Any]:
+    present = [v for v in values if v is not None]
+    return {"mean": float(np.mean(present)) if present else None, "max": float(np.max(present)) if present else None,
+            "by_layer": values}
+
+
+def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
+    """How far trace B's routing is from trace A's, layer by layer (expert ids must mean the same experts).
+
+    - ``popularity_js``: Jensen-Shannon divergence (base 2, in [0, 1]) between the layer's expert
+      activation distributions.
+    - ``reuse_diff``: B's previous-token reuse minus A's, per layer (see the module docstring).
+    - ``coactivation_tv``: total-variation distance (in [0, 1]) between the layer's normalised pair
+      counts M(i, j) (002_95ae8307b42d2a8d.txt Sec. 3.2, Eq. 4): which pairs co-activate, not only how
+      concentrated they are; ``coactivation_top4_diff`` is B's top-4 share minus A's, per layer.
+
+    Layers absent from either trace are None. Traces of different expert counts are not comparable
+    expert by expert: then only the reason is returned.
+    """
+    if a.num_experts != b.num_experts:
+        return {"comparable": False,
+                "reason": f"different expert counts ({a.num_experts} and {b.num_experts}): ids do not match"}
+    layers = min(a.num_layers, b.num_layers)
+    ca, cb = a.layer_counts(), b.layer_counts()
+    pa, pb = a.coactivation(), b.coactivation()
+    _, top4_a = _coactivation_shares(pa)
+    _, top4_b = _coactivation_shares(pb)
+    js: list[float | None] = []
+    reuse: list[float | None] = []
+    tv: list[float | None] = []
+    top4: list[float | None] = []
+    for layer in range(layers):
+        both = ca[layer].sum() > 0 and cb[layer].sum() > 0
+        js.append(js_divergence(ca[layer], cb[layer]) if both else None)
+        ra = a.reuse_sum[layer] / a.reuse_n[layer] if a.reuse_n[layer] else None
+        rb = b.reuse_sum[layer] / b.reuse_n[layer] if b.reuse_n[layer] else None
+        reuse.append(float(rb - ra) if ra is not None and rb is not None else None)
+        sa, sb = pa[layer].sum(), pb[layer].sum()
+        tv.append(float(0.5 * np.abs(pa[layer] / sa - pb[layer] / sb).sum()) if sa and sb else None)
+        ta, tb = top4_a[layer], top4_b[layer]
+        top4.append(float(tb - ta) if ta is not None and tb is not None else None)
+    out = {"comparable": True, "layers_compared": layers, "popularity_js": _per_layer(js),
+           "reuse_diff": _per_layer(reuse), "coactivation_tv": _per_layer(tv),
+           "coactivation_top4_diff": _per_layer(top4)}
+    abs_reuse = [abs(v) for v in reuse if v is not None]
+    out["reuse_diff"]["mean_abs"] = float(np.mean(abs_reuse)) if abs_reuse else None
+    return out
+
+
+def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
+    """Both traces' statistics (``a``, ``b``) and the distances of B from A (:func:`trace_distances`)."""
+    meta_a, acc_a = _accumulate(first)
+    meta_b, acc_b = _accumulate(second)
+    return {"a": _stats(meta_a, acc_a), "b": _stats(meta_b, acc_b), "distances": trace_distances(acc_a, acc_b)}
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -444,8 +524,9 @@ def _relative(a: Any, b: Any) -> str:
 
 
 def render_comparison(a: dict[str, Any], b: dict[str, Any], console: Any,
-                      names: tuple[str, str] = ("A", "B")) -> None:
-    """Print two traces' statistics side by side with the relative difference (B - A) / A."""
+                      names: tuple[str, str] = ("A", "B"), distances: dict[str, Any] | None = None) -> None:
+    """Print two traces' statistics side by side with the relative difference (B - A) / A, then the
+    distances of B from A when given."""
     from rich.table import Table
 
     table = Table(title="trace comparison")
@@ -463,3 +544,31 @@ def render_comparison(a: dict[str, Any], b: dict[str, Any], console: Any,
         console.print(f"{label}:", markup=False)
         console.print(f"  A {sparkline(a[key])}", markup=False)
         console.print(f"  B {sparkline(b[key])}", markup=False)
+    if distances is not None:
+        render_distances(distances, console)
+
+
+def render_distances(d: dict[str, Any], console: Any) -> None:
+    """The distances of :func:`trace_distances` as a table (mean and worst layer) with per-layer sparklines."""
+    from rich.table import Table
+
+    if not d.get("comparable"):
+        console.print(f"distances: not computed ({d.get('reason')})", markup=False)
+        return
+    table = Table(title=f"distance of B from A ({d['layers_compared']} layers)", title_justify="left")
+    for col in ("measure", "mean", "worst layer", "per layer"):
+        table.add_column(col, justify="left" if col in ("measure", "per layer") else "right")
+    rows = (("popularity JS divergence (0-1)", "popularity_js", False),
+            ("reuse difference B - A", "reuse_diff", True),
+            ("co-activation TV distance (0-1)", "coactivation_tv", False),
+            ("co-activation top-4 share B - A", "coactivation_top4_diff", True))
+    for label, key, signed in rows:
+        values = d[key]["by_layer"]
+        present = [(i, v) for i, v in enumerate(values) if v is not None]
+        worst = max(present, key=lambda iv: abs(iv[1])) if present else None
+        mean = d[key]["mean"]
+        fmt = "{:+.3f}" if signed else "{:.3f}"
+        table.add_row(label, "-" if mean is None else fmt.format(mean),
+                      "-" if worst is None else f"{fmt.format(worst[1])} (layer {worst[0]})",
+                      sparkline([None if v is None else abs(v) for v in values]))
+    console.print(table)

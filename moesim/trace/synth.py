@@ -32,6 +32,9 @@ every request in the group. Every request draws from its own random stream seede
 by (seed, request), so output is byte-identical for a seed.
 
 Default parameters come from the calibration logs only (see ``_ANCHORS``).
+:func:`fit_params` (``moesim trace synth --fit REAL.parquet``) fits them to any
+real trace instead: skew, previous-token reuse, co-activation and the top-1
+gate weight share, each by bisection on the parameter that drives it.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -125,7 +128,7 @@ class SynthParams:
     recall_next_token: float = 0.6
     #: renormalize the top-k weights to sum 1 (default: the model's convention)
     renormalize: bool = True
-    #: leave out the predictor columns
+    #: write the predictor columns (false: leave them out)
     predictors: bool = True
 
     @classmethod
@@ -174,6 +177,8 @@ class SynthConfig:
     seed: int = 0
     scores: bool = True
     params: SynthParams = field(default_factory=SynthParams)
+    #: the real trace the parameters were fitted to (``trace synth --fit``), recorded in the metadata
+    fitted_to: str = ""
 
     @classmethod
     def from_settings(cls, *, model: str | ModelSpec, requests: int = 1, prompt_len: int = 128,
@@ -204,7 +209,8 @@ class SynthConfig:
     def source(self) -> dict[str, Any]:
         return {"kind": "synthetic", "generator": "moesim.trace.synth", "model": self.model.name,
                 "requests": self.requests, "prompt_len": self.prompt_len, "decode_len": self.decode_len,
-                "batch": self.batch, "seed": self.seed, "params": dataclasses.asdict(self.params)}
+                "batch": self.batch, "seed": self.seed, "params": dataclasses.asdict(self.params),
+                **({"fitted_to": self.fitted_to} if self.fitted_to else {})}
 
 
 # ----------------------------------------------------------------------------- routing
@@ -416,3 +422,134 @@ def synthesize(config: SynthConfig, out: Path | str) -> Path:
         for data in _batches(config, layout):
             writer.write(data)
     return Path(out)
+
+
+# ----------------------------------------------------------------------------- fitting to a real trace
+#: statistics of :func:`moesim.trace.stats.trace_stats` the generator models, and the parameter that moves
+#: each (all increase with their parameter), in the order they are fitted: clusters also raise skew and
+#: reuse, skew raises reuse, so skew and reuse come last and end each round matched
+FIT_TARGETS = (("coactivation_top4_share", "cluster_strength"), ("weight_top1_share", "score_scale"),
+               ("top10_share", "skew"), ("reuse_prev_token", "token_corr"))
+#: search range of each fitted parameter ("skew" scales skew_first and skew_last together)
+FIT_RANGES = {"skew": (0.0, 4.0), "token_corr": (0.0, 0.99), "cluster_strength": (0.0, 8.0),
+              "score_scale": (0.02, 12.0), "request_bias": (0.0, 3.0)}
+#: tokens of the synthetic traces the fit compares (a longer real trace is matched in shape, scaled down)
+FIT_MAX_TOKENS = 1024
+
+
+@dataclass
+class FitResult:
+    """Parameters fitted to a real trace, with the statistics they reach against the real ones."""
+
+    params: SynthParams
+    #: requests, prompt_len, decode_len and batch of the real trace (per request, rounded)
+    shape: dict[str, int]
+    target: dict[str, float]
+    fitted: dict[str, float]
+    evaluations: int
+    notes: list[str] = field(default_factory=list)
+
+    def relative_errors(self) -> dict[str, float]:
+        return {k: abs(self.fitted[k] - v) / abs(v) for k, v in self.target.items() if v and k in self.fitted}
+
+    def settings(self) -> dict[str, str]:
+        """The fitted parameters as ``--set`` strings."""
+        return {k: str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in dataclasses.asdict(self.params).items()}
+
+
+def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
+    """Requests, prompt and decode tokens per request and decode batch of a trace, from its statistics."""
+    requests = max(int(stats["requests"]), 1)
+    prefill = int(stats["tokens_by_phase"]["prefill"])
+    decode = int(stats["tokens_by_phase"]["decode"])
+    decode_steps = int(stats["steps"]["decode"])
+    batch = max(1, round(decode / decode_steps)) if decode_steps else 1
+    shape = {"requests": requests, "prompt_len": max(1, round(prefill / requests)),
+             "decode_len": round(decode / requests), "batch": min(batch, requests)}
+    total = shape["requests"] * (shape["prompt_len"] + shape["decode_len"])
+    if total > FIT_MAX_TOKENS:  # same proportions, fewer tokens per request
+        scale = FIT_MAX_TOKENS / total
+        shape["prompt_len"] = max(1, round(shape["prompt_len"] * scale))
+        shape["decode_len"] = round(shape["decode_len"] * scale)
+    return shape
+
+
+def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> SynthParams:
+    if name == "skew":  # keep the anchors' growth with depth, scale its level
+        level = max(base.skew_last, 1e-9)
+        return dataclasses.replace(params, skew_first=round(base.skew_first / level * value, 6),
+                                   skew_last=round(value, 6))
+    return dataclasses.replace(params, **{name: round(value, 6)})
+
+
+def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int = 8, tolerance: float = 0.05,
+               progress: Callable[[str], None] | None = None) -> FitResult:
+    """Fit the routing parameters of :class:`SynthParams` so that a synthetic trace of ``real``'s model and
+    shape reaches ``real``'s statistics (:data:`FIT_TARGETS`).
+
+    Each statistic rises with one parameter, so each is fitted by bisection over :data:`FIT_RANGES`
+    (``steps`` halvings) with the others fixed, round after round (the parameters interact: clusters
+    also add reuse and skew, skew adds co-activation) until every statistic is within ``tolerance``
+    (relative) or ``rounds`` rounds have run. Every candidate is judged on a trace drawn with the same ``seed``,
+    so the comparison is between parameters, not draws. When the trace is less skewed than the
+    generator at zero static skew, ``request_bias`` is lowered instead. Predictor recalls are copied from
+    the real trace's measured recalls; the weight convention from its metadata. ``progress`` is called
+    with the parameter being fitted after each candidate trace.
+    """
+    import tempfile
+
+    from moesim.trace.stats import trace_stats
+    from moesim.trace.io import read_meta
+    real_stats = trace_stats(real)
+    model = read_meta(real).model
+    shape = trace_shape(real_stats)
+    base = SynthParams.for_model(model)
+    base.renormalize = bool(real_stats.get("weights_renormalized", base.renormalize))
+    for column, recall in real_stats["predictor_recall"].items():
+        if recall is not None:
+            setattr(base, "recall_" + column.removeprefix("pred_"), round(float(recall), 4))
+    target = {stat: float(real_stats[stat]) for stat, _ in FIT_TARGETS if real_stats.get(stat) is not None}
+    notes: list[str] = []
+    evaluations = 0
+    with tempfile.TemporaryDirectory(prefix="moesim-fit-") as folder:
+        def measure(params: SynthParams, name: str = "check") -> dict[str, Any]:
+            nonlocal evaluations
+            evaluations += 1
+            if progress is not None:
+                progress(name)
+            candidate = dataclasses.replace(params, predictors=False)
+            config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, **shape)
+            return trace_stats(synthesize(config, Path(folder) / f"fit-{evaluations}.parquet"))
+
+        def bisect(params: SynthParams, name: str, stat: str) -> SynthParams:
+            lo, hi = FIT_RANGES[name]
+            for _ in range(steps):
+                mid = (lo + hi) / 2 if name != "score_scale" else math.sqrt(lo * hi)
+                value = measure(_with(params, name, mid, base), name)[stat]
+                if value is None:
+                    break
+                lo, hi = (mid, hi) if value < target[stat] else (lo, mid)
+            return _with(params, name, (lo + hi) / 2 if name != "score_scale" else math.sqrt(lo * hi), base)
+
+        params = base
+        for _ in range(rounds):
+            for stat, name in FIT_TARGETS:
+                if stat not in target:
+                    continue
+                params = bisect(params, name, stat)
+                if name == "skew" and params.skew_last < 0.01:
+                    at_zero = measure(params)[stat]
+                    if at_zero is not None and at_zero > target[stat]:
+                        params = bisect(params, "request_bias", stat)
+            fitted_stats = measure(params)
+            if all(fitted_stats.get(k) is not None and abs(fitted_stats[k] - v) <= tolerance * abs(v)
+                   for k, v in target.items()):
+                break
+    fitted = {stat: float(fitted_stats[stat]) for stat in target if fitted_stats.get(stat) is not None}
+    for stat, name in FIT_TARGETS:
+        if stat in target and stat in fitted and abs(fitted[stat] - target[stat]) > 0.2 * abs(target[stat]):
+            notes.append(f"{stat}: {fitted[stat]:.3f} against {target[stat]:.3f} ({name} at the end of its range "
+                         f"or held back by the other parameters)")
+    return FitResult(params=params, shape=shape, target=target, fitted=fitted, evaluations=evaluations,
+                     notes=notes)

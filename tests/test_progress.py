@@ -1,0 +1,118 @@
+"""Progress on stderr: plain lines when stderr is no terminal (pipes, logs), quiet for quick work."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from moesim.progress import Progress, plain_interval
+from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+def test_plain_lines_count_done_and_left():
+    stream = Pipe()
+    with Progress("sweep", total=4, unit="points", stream=stream, interval_s=0) as bar:
+        for i in range(4):
+            bar.advance(1, label=f"point {i}", extra=f"{i // 2} failed")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("sweep: 1/4 points (25%)") and "left" in lines[0] and "(point 0, 0 failed)" in lines[0]
+    assert lines[3].startswith("sweep: 4/4 points (100%)") and "(point 3, 1 failed)" in lines[3]
+    assert lines[-1].startswith("sweep: done, 4/4 points (100%) in ")
+
+
+def test_quick_work_prints_nothing_when_piped():
+    stream = Pipe()
+    with Progress("replay", total=10, stream=stream, interval_s=30) as bar:
+        bar.advance(10)
+    assert stream.getvalue() == ""
+
+
+def test_a_single_long_step_still_shows_the_command_is_alive():
+    """The timer thread writes while nothing advances (one long measurement)."""
+    stream = Pipe()
+    with Progress("validate", total=3, stream=stream, interval_s=0.2) as bar:
+        bar.advance(0, label="measuring cpu curve")
+        time.sleep(0.75)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 3 and all(line.startswith("validate: 0/3 (0%)") for line in lines[:-1])
+    assert "measuring cpu curve" in lines[0] and lines[-1].startswith("validate: done")
+
+
+def test_failure_is_reported_as_stopped():
+    stream = Pipe()
+    try:
+        with Progress("sweep", total=2, stream=stream, interval_s=0) as bar:
+            bar.advance(1)
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert stream.getvalue().splitlines()[-1].startswith("sweep: stopped, 1/2 (50%)")
+
+
+def test_disabled_prints_nothing():
+    stream = Pipe()
+    with Progress("x", total=2, stream=stream, interval_s=0, enabled=False) as bar:
+        bar.advance(2)
+    assert stream.getvalue() == ""
+
+
+def test_interval_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "2.5")
+    assert plain_interval() == 2.5
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "soon")
+    assert plain_interval() == 10.0
+
+
+def test_terminal_gets_a_rich_bar():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    stream = Terminal()
+    with Progress("sweep", total=3, stream=stream, interval_s=0) as bar:
+        assert bar._bar is not None
+        bar.advance(3)
+    assert "sweep: done" not in stream.getvalue()  # no plain lines on a terminal
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "MOESIM_PROGRESS_INTERVAL": "0"}, timeout=300)
+
+
+def test_long_commands_report_progress_on_a_piped_stderr(tmp_path):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=6))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    done = _cli(["replay", str(trace), "--hw", str(hw), "--system", "all", "--set", "cache.slots_per_layer=2"],
+                tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("replay: ")]
+    assert lines and lines[-1].startswith("replay: done") and "rows" in lines[-1]
+    assert any("(oracle)" in line for line in lines)  # the system being replayed is named
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"traces": [str(trace)], "hw": [str(hw)], "systems": ["cpu-only", "static-hot"]}))
+    done = _cli(["sweep", str(spec), "--out", str(tmp_path / "r.parquet"), "--workers", "1"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("sweep: ")]
+    assert lines[-1].startswith("sweep: done, 2/2 points (100%)") and any("0 failed" in line for line in lines)
+    log = tmp_path / "log.jsonl"
+    log.write_text("")
+    done = _cli(["trace", "import", "--format", "speculative-moe", str(log), "--out", str(tmp_path / "i.parquet")],
+                tmp_path)
+    assert any(line.startswith("trace import: ") for line in done.stderr.splitlines()), done.stderr

@@ -1,0 +1,86 @@
+"""Distances between two traces: Jensen-Shannon of expert popularity, reuse and co-activation differences."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from moesim.cli import main
+from moesim.trace.stats import compare_traces, js_divergence
+from tests.factories import tiny_model, write_tiny_trace
+
+
+def test_js_divergence_hand_worked():
+    assert js_divergence([1, 1], [1, 1]) == 0.0
+    assert js_divergence([1, 0], [0, 1]) == pytest.approx(1.0)  # disjoint: 1 bit
+    # p = (1/2, 1/2), q = (1, 0): m = (3/4, 1/4); 0.5 KL(p||m) + 0.5 KL(q||m)
+    kl_p = 0.5 * math.log2(0.5 / 0.75) + 0.5 * math.log2(0.5 / 0.25)
+    kl_q = math.log2(1 / 0.75)
+    assert js_divergence([2, 2], [7, 0]) == pytest.approx(0.5 * kl_p + 0.5 * kl_q)
+    assert js_divergence([3, 1], [1, 3]) == pytest.approx(js_divergence([1, 3], [3, 1]))  # symmetric
+
+
+def decode_steps(model, sets_by_layer: list[list[list[int]]]) -> list[dict]:
+    """One request decoding one token per step; ``sets_by_layer[t][layer]`` is token t's routed set."""
+    return [{"phase": "decode", "tokens": {0: (t, [[s] for s in by_layer])}}
+            for t, by_layer in enumerate(sets_by_layer)]
+
+
+@pytest.fixture
+def model():
+    return tiny_model(layers=2, experts=4, top_k=2)
+
+
+def test_identical_traces_are_at_distance_zero(tmp_path, model):
+    steps = decode_steps(model, [[[0, 1], [2, 3]], [[0, 1], [1, 2]], [[0, 2], [1, 2]]])
+    a = write_tiny_trace(tmp_path / "a.parquet", model, steps)
+    b = write_tiny_trace(tmp_path / "b.parquet", model, steps)
+    d = compare_traces(a, b)["distances"]
+    assert d["comparable"] and d["layers_compared"] == 2
+    for key in ("popularity_js", "reuse_diff", "coactivation_tv", "coactivation_top4_diff"):
+        assert d[key]["by_layer"] == [0.0, 0.0], key
+
+
+def test_hand_worked_distances(tmp_path, model):
+    # layer 0: A always {0, 1}; B always {2, 3}: disjoint popularity (JS 1), disjoint pairs (TV 1)
+    # layer 1: A alternates {0, 1}, {2, 3} (reuse 0); B keeps {0, 1} (reuse 1)
+    a = write_tiny_trace(tmp_path / "a.parquet", model,
+                         decode_steps(model, [[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[0, 1], [0, 1]]]))
+    b = write_tiny_trace(tmp_path / "b.parquet", model,
+                         decode_steps(model, [[[2, 3], [0, 1]], [[2, 3], [0, 1]], [[2, 3], [0, 1]]]))
+    d = compare_traces(a, b)["distances"]
+    assert d["popularity_js"]["by_layer"][0] == pytest.approx(1.0)
+    # layer 1: A counts (2, 2, 1, 1) / 6, B counts (3, 3, 0, 0) / 6
+    assert d["popularity_js"]["by_layer"][1] == pytest.approx(js_divergence([2, 2, 1, 1], [3, 3, 0, 0]))
+    assert d["reuse_diff"]["by_layer"] == [pytest.approx(0.0), pytest.approx(1.0)]
+    assert d["reuse_diff"]["mean_abs"] == pytest.approx(0.5)
+    assert d["coactivation_tv"]["by_layer"][0] == pytest.approx(1.0)
+    # layer 1: A pairs {0,1} x2, {2,3} x1 -> (2/3, 1/3); B {0,1} x3 -> (1, 0): TV = 1/3
+    assert d["coactivation_tv"]["by_layer"][1] == pytest.approx(1 / 3)
+    assert d["popularity_js"]["max"] == pytest.approx(1.0)
+
+
+def test_different_expert_counts_are_not_compared(tmp_path, model):
+    other = tiny_model(layers=2, experts=6, top_k=2)
+    a = write_tiny_trace(tmp_path / "a.parquet", model, decode_steps(model, [[[0, 1], [0, 1]]]))
+    b = write_tiny_trace(tmp_path / "b.parquet", other, decode_steps(other, [[[4, 5], [0, 1]]]))
+    d = compare_traces(a, b)["distances"]
+    assert d == {"comparable": False, "reason": "different expert counts (4 and 6): ids do not match"}
+
+
+def test_cli_prints_and_writes_the_distances(tmp_path, model, capsys):
+    a = write_tiny_trace(tmp_path / "a.parquet", model,
+                         decode_steps(model, [[[0, 1], [0, 1]], [[0, 1], [2, 3]], [[0, 1], [0, 1]]]))
+    b = write_tiny_trace(tmp_path / "b.parquet", model,
+                         decode_steps(model, [[[2, 3], [0, 1]], [[2, 3], [0, 1]], [[2, 3], [0, 1]]]))
+    assert main(["trace", "compare", str(a), str(b)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "popularity JS divergence" in out and "1.000 (layer 0)" in out and "co-activation TV" in out
+    assert main(["trace", "compare", str(a), str(b), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"a", "b", "distances"}
+    assert data["distances"]["popularity_js"]["by_layer"][0] == pytest.approx(1.0)
+    assert np.isfinite(data["distances"]["coactivation_tv"]["mean"])
