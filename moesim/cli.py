@@ -7,7 +7,9 @@ user mistake.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +34,11 @@ def _write_json(data: object, out: str | None) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moesim")
 def cli() -> None:
-    """Simulate and compare MoE expert-offloading policies on one GPU plus a CPU."""
+    """Simulate and compare MoE expert-offloading policies on one GPU plus a CPU.
+
+    Bad input exits 2 with one line naming the file, the field and the fix;
+    add --debug anywhere on the command line to see a traceback of an internal error.
+    """
 
 
 # ----------------------------------------------------------------------------- trace
@@ -57,6 +63,8 @@ def trace_validate(file: str) -> None:
 def trace_inspect(file: str, as_json: bool) -> None:
     """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
     from moesim.trace.stats import render_stats, trace_stats
+    from moesim.trace.validate import checked_meta
+    checked_meta(file)
     stats = trace_stats(file)
     if as_json:
         _write_json(stats, None)
@@ -71,6 +79,9 @@ def trace_inspect(file: str, as_json: bool) -> None:
 def trace_compare(first: str, second: str, as_json: bool) -> None:
     """Inspect statistics of two traces side by side."""
     from moesim.trace.stats import render_comparison, trace_stats
+    from moesim.trace.validate import checked_meta
+    checked_meta(first)
+    checked_meta(second)
     a, b = trace_stats(first), trace_stats(second)
     if as_json:
         _write_json({"a": a, "b": b}, None)
@@ -150,7 +161,9 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
     """Replay TRACE through the simulator under one system or all of them."""
     from moesim.analysis.report import render_comparison_table, render_metrics
     from moesim.policy.systems import system_names
+    from moesim.trace.validate import checked_meta
     parsed = _parse_settings(settings)
+    checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     systems = system_names() if system == "all" else [system]
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
     if len(systems) > 1 and per_run_files:
@@ -211,8 +224,7 @@ def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str],
     from moesim.analysis.metrics import metrics
     from moesim.sim.engine import result_to_frames
     from moesim.sim.run import members, simulate
-    from moesim.trace.io import read_meta
-    read_meta(trace_file)  # a malformed trace fails here, with one line
+    from moesim.trace.validate import checked_meta
     total_rows = pq.ParquetFile(trace_file).metadata.num_rows * len(members(system))
     with Progress(TextColumn(f"[bold]{system}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=err_console, transient=True,
@@ -455,7 +467,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                                             write_report)
     from moesim.hw.profile import load_profile
     from moesim.sim.run import members
-    from moesim.trace.io import read_meta
+    from moesim.trace.validate import checked_meta as read_meta
     if not real:
         raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
     names = [s.strip() for s in systems.split(",") if s.strip()]
@@ -498,21 +510,54 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
 
 
 # ----------------------------------------------------------------------------- entry point
+def _say(text: str) -> None:
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _usage_line(err: click.UsageError) -> str:
+    """click's usage error as one line, pointing to the command's --help."""
+    command = err.ctx.command_path if err.ctx is not None else "moesim"
+    return f"moesim: error: {err.format_message()} (see '{command} --help')".replace("\n", " ")
+
+
+def _internal_error(err: BaseException) -> str:
+    import traceback
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return (f"moesim: internal error{where}: {text[:300]}; please report this with the command line "
+            "and the output of the same command with --debug")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; bad input exits 2 with one line, an internal error exits 1 with one line
+    asking for a report (``--debug`` anywhere on the command line shows the traceback instead)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
     try:
-        cli.main(args=argv, prog_name="moesim", standalone_mode=False)
+        cli.main(args=args, prog_name="moesim", standalone_mode=False)
     except MoesimError as err:
-        err_console.print(f"moesim: error: {err}", markup=False, highlight=False, soft_wrap=True)
+        _say(f"moesim: error: {err}")
         return err.exit_code
-    except click.exceptions.Abort:
-        err_console.print("moesim: interrupted", markup=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _say("moesim: interrupted")
         return 130
-    except click.ClickException as err:
-        err.show()
+    except click.UsageError as err:
+        _say(_usage_line(err))
         return 2
-    except KeyboardInterrupt:
-        err_console.print("moesim: interrupted", markup=False)
-        return 130
+    except click.ClickException as err:
+        _say(f"moesim: error: {err.format_message()}".replace("\n", " "))
+        return 2
+    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return 0
+    except Exception as err:  # noqa: BLE001 - the last resort: one line, never a traceback
+        if debug:
+            raise
+        _say(_internal_error(err))
+        return 1
     return 0
 
 

@@ -294,14 +294,14 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     from moesim.model.presets import load_preset
     from moesim.sim.run import members, parse_settings
     from moesim.policy.systems import build_system
-    from moesim.trace.io import read_meta
+    from moesim.trace.validate import checked_meta
 
     for i, trace in enumerate(spec.traces):
         path = spec.resolve(trace)
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")
-        read_meta(path)
+        checked_meta(path, ())  # required columns now; each point checks its system's columns once per worker
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}

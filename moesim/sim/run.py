@@ -16,6 +16,7 @@ from moesim.policy.systems import SYSTEMS, build_system
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
+from moesim.trace.validate import checked_meta
 
 
 @dataclass
@@ -100,6 +101,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
+    checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
     memory = plan_memory(model, profile, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
