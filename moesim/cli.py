@@ -28,7 +28,23 @@ def _write_json(data: object, out: str | None) -> None:
         click.echo(text)
     else:
         from moesim.util import atomic_write_text
-        atomic_write_text(Path(out), text + "\n")
+        with _output(out, "--json") as path:
+            atomic_write_text(path, text + "\n")
+
+
+def _check_outputs(**outputs: str | None) -> None:
+    """Every output path can be written: checked before any work starts (one line, exit 2)."""
+    from moesim.util import check_output_path
+    for option, path in outputs.items():
+        if path and path != "-":
+            check_output_path(path, "--" + option.replace("_", "-"))
+
+
+def _output(path: str | Path, option: str):
+    """Where a writer puts ``path``'s content (a special file such as /dev/null is written directly,
+    never replaced); an OS error while writing becomes one line naming the file."""
+    from moesim.util import output_file
+    return output_file(path, option)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -96,7 +112,9 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
 def trace_import(fmt: str, sources: tuple[str, ...], out: str) -> None:
     """Convert another tool's per-token routing log into a v1 trace."""
     from moesim.trace.importers import import_trace
-    report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+    _check_outputs(out=out)
+    with _output(out, "--out") as path:
+        report = import_trace(fmt, [Path(s) for s in sources], path)
     for line in report.summary_lines():
         console.print(line)
 
@@ -108,7 +126,7 @@ def trace_import(fmt: str, sources: tuple[str, ...], out: str) -> None:
 @click.option("--decode-len", default=128, show_default=True, type=click.IntRange(min=0))
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together in one step.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Generator parameter (see `moesim trace synth --help-params`).")
 @click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
@@ -117,11 +135,30 @@ def trace_synth(model: str, requests: int, prompt_len: int, decode_len: int, bat
                 settings: tuple[str, ...], no_scores: bool, out: str) -> None:
     """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
     from moesim.trace.synth import SynthConfig, synthesize
+    _check_outputs(out=out)
     config = SynthConfig.from_settings(model=model, requests=requests, prompt_len=prompt_len,
                                        decode_len=decode_len, batch=batch, seed=seed,
                                        settings=_parse_settings(settings), scores=not no_scores)
-    path = synthesize(config, Path(out))
-    console.print(f"wrote {path}")
+    _check_synth_size(config.model, requests, prompt_len, decode_len)
+    with _output(out, "--out") as path:
+        synthesize(config, path)
+    console.print(f"wrote {out}")
+
+
+#: positions and steps are int32 in a trace; rows beyond this would take days to write anyway
+SYNTH_MAX_ROWS = 2**31 - 1
+
+
+def _check_synth_size(model, requests: int, prompt_len: int, decode_len: int) -> None:
+    tokens = prompt_len + decode_len
+    if tokens > 2**31 - 1:
+        raise MoesimError(f"{tokens:,} tokens per request exceed the trace's int32 positions",
+                          field="--prompt-len/--decode-len", fix="use fewer than 2,147,483,647 tokens per request")
+    rows = requests * tokens * model.num_layers
+    if rows > SYNTH_MAX_ROWS:
+        raise MoesimError(f"{requests:,} requests x {tokens:,} tokens x {model.num_layers} layers = {rows:,} rows, "
+                          f"beyond the limit of {SYNTH_MAX_ROWS:,}", field="--requests/--prompt-len/--decode-len",
+                          fix="synthesize fewer or shorter requests")
 
 
 def _parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
@@ -154,7 +191,7 @@ DEFAULT_HW = "rtx4090"
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png",
               help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
            decisions_out: str | None, seed: int) -> None:
@@ -162,6 +199,8 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
     from moesim.analysis.report import render_comparison_table, render_metrics
     from moesim.policy.systems import system_names
     from moesim.trace.validate import checked_meta
+    _check_outputs(json=json_out, timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out,
+                   decisions=decisions_out)
     parsed = _parse_settings(settings)
     checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     systems = system_names() if system == "all" else [system]
@@ -171,6 +210,7 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
                           field="--system", fix="pass --system NAME")
     results = {}
     skipped: dict[str, str] = {}
+    first_error: MoesimError | None = None
     for name in systems:
         try:
             results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed,
@@ -178,9 +218,12 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
                                                     or (plot_out and len(systems) == 1)),
                                         decisions=bool(decisions_out))
         except MoesimError as err:
-            if len(systems) == 1 or not _skippable(err):
+            if len(systems) == 1 or not _skippable(err, parsed):
                 raise
             skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
+            first_error = first_error or err
+    if not results:
+        raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips
     metrics_by_system = {name: m for name, (m, _) in results.items()}
     _add_gap_to_lower_bound(metrics_by_system, trace_file, hw, parsed)
     if len(systems) == 1:
@@ -197,7 +240,8 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
             _write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
-            plot_breakdown(list(metrics_by_system.values()), plot_out)
+            with _output(plot_out, "--plot") as path:
+                plot_breakdown(list(metrics_by_system.values()), path)
             console.print(f"wrote {plot_out}")
 
 
@@ -210,9 +254,12 @@ def _add_gap_to_lower_bound(by_system: dict[str, dict], trace_file: str, hw: str
         m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
 
 
-def _skippable(err: MoesimError) -> bool:
-    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run."""
+def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:
+    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run;
+    a --set value outside its valid range is the user's mistake for every system."""
     from moesim.errors import ConfigError
+    if err.field in settings and "outside" in err.detail:
+        return False
     return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
@@ -241,19 +288,23 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
         _write_json(metrics_, json_out)
     if timeline_out:
         from moesim.analysis.timeline import write_timeline
-        write_timeline(frames["timeline"], timeline_out)
+        with _output(timeline_out, "--timeline") as path:
+            write_timeline(frames["timeline"], path)
         console.print(f"wrote {timeline_out}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
-        write_decisions(frames["decisions"], decisions_out)
+        with _output(decisions_out, "--decisions") as path:
+            write_decisions(frames["decisions"], path)
         console.print(f"wrote {decisions_out}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
-        write_chrome_trace(frames["timeline"], chrome_out, meta)
+        with _output(chrome_out, "--chrome-trace") as path:
+            write_chrome_trace(frames["timeline"], path, meta)
         console.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
-        plot_gantt(frames["timeline"], plot_out, title=f"{meta['system']} on {Path(meta['trace']).name}")
+        with _output(plot_out, "--plot") as path:
+            plot_gantt(frames["timeline"], path, title=f"{meta['system']} on {Path(meta['trace']).name}")
         console.print(f"wrote {plot_out}")
 
 
@@ -338,6 +389,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     its error; the exit status is then 1.
     """
     from moesim.sweep import load_spec, run_sweep
+    _check_outputs(out=out)
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
                                progress=err_console.is_terminal, console=err_console)
@@ -363,7 +415,10 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
 def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, out: str) -> None:
     """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)."""
     from moesim.analysis.figures import load_results, plot_results
-    plot_results(load_results(results), x=x, y=y, hue=hue, facet=facet, path=out, source=results)
+    _check_outputs(out=out)
+    frame = load_results(results)
+    with _output(out, "--out") as path:
+        plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     console.print(f"wrote {out}")
 
 
@@ -377,7 +432,10 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
     from moesim.analysis.figures import load_results
     from moesim.analysis.html_report import write_report
-    write_report(load_results(results), out, title=title or Path(results).name, gantt=gantt, source=results)
+    _check_outputs(out=out)
+    frame = load_results(results)
+    with _output(out, "--out") as path:
+        write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)
     console.print(f"wrote {out}")
 
 
