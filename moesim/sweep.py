@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterable
 
 
 from moesim.errors import ConfigError, MoesimError
-from moesim.util import read_yaml
+from moesim.util import pid_alive, read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
 DEFAULT_HW = "rtx4090"
@@ -469,14 +469,24 @@ class ResultStore:
             import fcntl
         except ImportError:  # not POSIX: no protection against two writers
             return
-        fd = os.open(self.parts_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.parts_dir / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            owner = _lock_owner(fd)
             os.close(fd)
-            raise ConfigError("another sweep is writing this output", source=str(self.out), field="--out",
+            if owner is not None and owner[0] == socket.gethostname() and not pid_alive(owner[1]):
+                # its owner is gone (processes it left behind still hold the old file): take over
+                lock.unlink(missing_ok=True)
+                return self._lock()
+            who = f" (pid {owner[1]} on {owner[0]})" if owner else ""
+            raise ConfigError(f"another sweep is writing this output{who}", source=str(self.out), field="--out",
                               fix="wait for it to finish, or write to another file") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        _INHERITED_FDS.append(fd)
 
     def _unlock(self, remove_dir: bool) -> None:
         if self._lock_fd is None:
@@ -489,6 +499,8 @@ class ResultStore:
                 self.parts_dir.rmdir()
             except OSError:
                 pass  # something else lives there; leave it
+        if self._lock_fd in _INHERITED_FDS:
+            _INHERITED_FDS.remove(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
 
@@ -514,6 +526,15 @@ class ResultStore:
                 continue
             for row in rows:
                 self.rows[row["point_id"]] = row
+
+
+def _lock_owner(fd: int) -> tuple[str, int] | None:
+    """(host, pid) recorded in a lock file, if any."""
+    try:
+        host, pid = os.pread(fd, 300, 0).decode().split()
+        return host, int(pid)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
 
 
 def _arrow_table(frame: Any) -> Any:
@@ -670,7 +691,8 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
     # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook; the pool
     # forks all its workers at the first submit, before the progress bar starts its thread
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
+                             initializer=_worker_init, initargs=(os.getpid(), _INHERITED_FDS[:])) as pool:
         futures = {pool.submit(run_point, *job): job[0] for job in jobs}
         started()
         try:
@@ -685,6 +707,46 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
             raise
 
 
+#: file descriptors a forked worker must not keep open (the output lock: an orphan holding it would
+#: block every resume)
+_INHERITED_FDS: list[int] = []
+
+
+def _worker_init(parent: int, close_fds: list[int]) -> None:
+    """In each pool worker: die with the sweep process, and drop its lock."""
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    die_with_parent(parent)
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); elsewhere, a
+    watchdog thread polls the parent pid. Either way no worker outlives a ``kill -9`` of the sweep."""
+    import signal
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent:  # the parent died before the call
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+    threading.Thread(target=watch, name="moesim-parent-watch", daemon=True).start()
+
+
 # -- ray
 def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
              started: Callable[[], None], finished: Finished) -> None:
@@ -694,10 +756,15 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
     if started_here:
         import logging
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            ray.init(num_cpus=workers, **kwargs)
+        try:
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(num_cpus=workers, **kwargs)
+        except Exception as err:  # noqa: BLE001 - Ray raises many kinds; all mean the same to the user
+            with_reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"Ray did not start: {with_reason}", field="--engine",
+                              fix="run `ray stop --force` and retry, or use --engine local") from None
     try:
         remote = ray.remote(num_cpus=1)(_ray_point)
         shipped: dict[str, ShippedFile] = {}

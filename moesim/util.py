@@ -30,7 +30,8 @@ def is_special_file(path: Path) -> bool:
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -50,7 +51,7 @@ def clean_stale_tmps(path: Path) -> int:
         return 0
     for tmp in candidates:
         pid_text = tmp.name[len(path.name) + 2:-len(".tmp")]
-        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
             with contextlib.suppress(OSError):
                 tmp.unlink()
                 removed += 1
