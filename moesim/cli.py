@@ -391,6 +391,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     """
     from moesim.sweep import load_spec, run_sweep
     _check_outputs(out=out)
+    existed = Path(out).exists()
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
                                progress=err_console.is_terminal, console=err_console)
@@ -398,12 +399,23 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
                   f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
     if summary.failed:
         errors = frame[frame["status"] != "ok"]
+        if summary.failed == summary.points and not any(_internal(e) for e in errors["error"]):
+            if not existed:  # nothing worth keeping: every point failed on its input
+                Path(out).unlink(missing_ok=True)
+            raise MoesimError(f"all {summary.points} points failed on bad input; the first: {errors['error'].iloc[0]}",
+                              source=spec_file, fix="fix the spec (reasons in column 'error' of the output)")
         for _, row in errors.head(5).iterrows():
             err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
                               markup=False, highlight=False, soft_wrap=True)
         if len(errors) > 5:
             err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
         sys.exit(1)
+
+
+def _internal(error: str) -> bool:
+    """A point's error from a bug (recorded with where it was raised), not from its input."""
+    import re
+    return re.search(r"\(at [\w.]+\.py:\d+\)$", str(error)) is not None
 
 
 @cli.command("plot")

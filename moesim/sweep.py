@@ -212,9 +212,9 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
     systems = [str(s) for s in axis("system", "systems", None)]
     seeds = axis("seed", "seeds", [0])
     for i, seed in enumerate(seeds):
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ConfigError(f"seed {seed!r} is not an integer", source=source, field="seeds", row=i,
-                              fix="use whole numbers")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ConfigError(f"seed {seed!r} is not a whole number in [0, 2**63)", source=source, field="seeds",
+                              row=i, fix="use whole numbers from 0 to 9223372036854775807")
     model = data.get("model")
     fixed = _settings_map(data.get("set") or {}, "set", source)
     grid = {k: _values(v, f"grid.{k}", source) for k, v in _settings_map(data.get("grid") or {}, "grid",
@@ -301,7 +301,7 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")
-        checked_meta(path, ())  # required columns now; each point checks its system's columns once per worker
+        checked_meta(path)  # the whole validation pass, once, before any point runs
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}

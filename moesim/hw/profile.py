@@ -345,7 +345,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ProfileError("a profile must be a YAML mapping", source=origin)
     version = data.get("schema_version")
-    if version != PROFILE_SCHEMA_VERSION:
+    if isinstance(version, bool) or version != PROFILE_SCHEMA_VERSION:
         raise r.fail("schema_version", f"unknown or missing schema_version {version!r}",
                      f"set schema_version: {PROFILE_SCHEMA_VERSION}")
     sources = data.get("sources")
