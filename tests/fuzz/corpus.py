@@ -447,6 +447,7 @@ def build(folder: Path, seed: int = 0, size: int = 500) -> list[Case]:
             families.append((name.split(":")[0], lambda i, r, m=make, n=name: m(i, r)))
     cases = []
     order = list(range(len(families)))
+    rng.shuffle(order)  # a smaller corpus still draws from every family
     while len(cases) < size:
         for k in order:
             if len(cases) >= size:
