@@ -37,9 +37,11 @@ parts folder stops two sweeps from writing the same output at once.
 Engines: ``local`` runs points in a process pool (``workers`` processes,
 default all cores; one worker runs them in this process, which also sees
 systems registered at run time); ``ray`` runs them as Ray tasks on a local Ray
-instance or an existing cluster (``address``). With Ray, trace and profile
-files are put in the object store once and every worker process copies each
-to local disk once, on first use. On a cluster, every node needs moesim (and
+instance or an existing cluster (``address``). With Ray, each trace file
+is put in the object store once and copied to local disk once per machine (and
+validated once per worker process); each profile is parsed once by the driver
+and shared through the object store as the parsed object. On one machine the
+local pool is the better choice: Ray adds worker start-up and scheduling. On a cluster, every node needs moesim (and
 any catalog module the systems come from) installed; other files a setting
 names (``cache.calibration=PATH``) must exist at that path on the nodes.
 
@@ -213,7 +215,7 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
     seeds = axis("seed", "seeds", [0])
     for i, seed in enumerate(seeds):
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-            raise ConfigError(f"seed {seed!r} is not a whole number in [0, 2**63)", source=source, field="seeds",
+            raise ConfigError(f"seed {seed!r} is not an integer in [0, 2**63)", source=source, field="seeds",
                               row=i, fix="use whole numbers from 0 to 9223372036854775807")
     model = data.get("model")
     fixed = _settings_map(data.get("set") or {}, "set", source)
@@ -343,14 +345,15 @@ def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_point(point: Point, trace_path: str, hw: str) -> dict[str, Any]:
+def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
     """Replay one point; a failure becomes a row with ``status='error'`` and the reason, never an exception."""
     started = time.perf_counter()
     row = point.columns()
     try:
         from moesim.analysis.metrics import metrics
         from moesim.sim.run import simulate
-        result = simulate(trace_path, cached_profile(hw), point.system, point.settings_str(),
+        profile = cached_profile(hw) if isinstance(hw, str) else hw
+        result = simulate(trace_path, profile, point.system, point.settings_str(),
                           model_preset=point.model, seed=point.seed, timeline=False, decisions=False)
         row.update(status="ok", error="", **flatten_metrics(metrics(result)))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
@@ -768,13 +771,15 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
     try:
         remote = ray.remote(num_cpus=1)(_ray_point)
         shipped: dict[str, ShippedFile] = {}
+        profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
         for p in points:
-            files = (spec.resolve(p.trace), _profile_file(spec.resolve_hw(p.hw)))
-            for path in files:
-                if path not in shipped:
-                    shipped[path] = ShippedFile.put(ray, Path(path))
-            pending[remote.remote(p, shipped[files[0]], shipped[files[1]])] = p
+            trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
+            if trace not in shipped:
+                shipped[trace] = ShippedFile.put(ray, Path(trace))
+            if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
+                profiles[hw] = ray.put(cached_profile(hw))
+            pending[remote.remote(p, shipped[trace], profiles[hw])] = p
         started()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
@@ -846,6 +851,8 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: ShippedFile) -> dict[str, Any]:
+def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
+    """One point in a Ray worker: the trace copied to local disk once per machine (and validated once per
+    worker process), the profile already parsed (from the object store)."""
     import ray
-    return run_point(point, local_copy(trace, ray.get), local_copy(profile, ray.get))
+    return run_point(point, local_copy(trace, ray.get), profile)

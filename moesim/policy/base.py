@@ -186,10 +186,9 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
                     pass
             return None if raw.lower() in ("none", "null") else raw
     except ValueError:
-        kind = "whole number" if isinstance(default, int) and not isinstance(default, bool) \
-            else type(default).__name__
+        kind = type(default).__name__
         raise ConfigError(f"'{raw}' is not a valid {kind}", field=key,
-                          fix=f"give a {kind}, e.g. {default!r}") from None
+                          fix=f"give a {'whole number' if kind == 'int' else kind}, e.g. {default!r}") from None
     return raw
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moesim.cli import main
-from tests.fuzz.corpus import build, lazy_exempt, run_case
+from tests.fuzz.corpus import build, lazy_exempt, run_case, trace_mutations
 
 CORPUS_SIZE = 160
 
@@ -100,3 +100,21 @@ def test_stale_temporaries_of_dead_writers_are_cleaned(tmp_path):
     atomic_write_text(tmp_path / "out.json", "{}")
     assert not stale.exists() and live.exists() and (tmp_path / "out.json").read_text() == "{}"
 
+
+
+@pytest.mark.parametrize("name", sorted(trace_mutations()))
+def test_each_trace_fault_is_refused_by_the_validator_naming_file_and_field(tmp_path, name):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from moesim.errors import TraceFormatError
+    from moesim.trace.validate import validate_trace
+    from tests.fuzz.corpus import write_valid
+    rng = np.random.default_rng(3)
+    base = write_valid(tmp_path / "valid.parquet", rng)
+    validate_trace(base)  # the base is valid
+    path = tmp_path / f"{name}.parquet"
+    pq.write_table(trace_mutations()[name](pq.read_table(base), rng), path)
+    with pytest.raises(TraceFormatError) as err:
+        validate_trace(path)
+    assert str(path) in str(err.value) and "fix:" in str(err.value)
