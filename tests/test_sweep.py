@@ -310,6 +310,47 @@ def test_kill_9_of_the_sweep_alone_leaves_no_worker_and_resume_loses_nothing(tmp
     assert not parts.exists()
 
 
+@pytest.mark.slow
+def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
+    """kill -9 of a Ray sweep midway: the resume starts Ray again (or says in one line why not) and every
+    point ends up in the results exactly once, the finished ones not recomputed."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    spec = _spec_for_kill(tmp_path)
+    out = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2",
+           "--engine", "ray"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(parts.glob("*.parquet"))) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    finished = {p.stem: pq.read_table(p).column("finished_at")[0].as_py() for p in parts.glob("*.parquet")}
+    assert 3 <= len(finished) < 16, "the kill should land midway"
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 1 and "Traceback" not in done.stderr
+    frame = pd.read_parquet(out)
+    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
+    by_id = frame.set_index("point_id")["finished_at"]
+    assert {pid: by_id[pid] for pid in finished} == finished
+
+
+def test_ray_start_up_failure_is_one_line(monkeypatch, files, capsys):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+
+    def fail(**kwargs):
+        raise RuntimeError("The current node timed out during startup.\nmore lines")
+    monkeypatch.setattr(ray, "init", fail)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    code = main(["sweep", str(write_spec(files, systems=["gpu-only-lru"])), "--out", str(files / "r.parquet"),
+                 "--engine", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Ray did not start: The current node timed out" in err
+    assert "ray stop --force" in err
+
+
 # ----------------------------------------------------------------------------- ray
 def test_shipped_files_are_fetched_once_per_process(tmp_path):
     data = os.urandom(64)
