@@ -202,7 +202,8 @@ def read_yaml(path: Path, error: type[MoesimError]) -> Any:
                         fix="give the right file")
         raw = path.read_bytes()
     except OSError as err:
-        raise error(f"cannot read: {err.strerror or err}", source=source, fix="check the path and permissions") from None
+        raise error(f"cannot read: {err.strerror or err}", source=source,
+                    fix="check the path and permissions") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

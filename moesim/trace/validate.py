@@ -70,8 +70,8 @@ _CHECKED: dict[tuple, tuple[TraceMeta, frozenset[str] | None]] = {}
 
 def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceMeta:
     """The trace's metadata after the validation pass over every column but :data:`LAZY_COLUMNS`, which
-    are checked when listed in ``columns`` (the optional columns a run reads; None: all). Each file (by stamp) and column is checked once per
-    process, so ``replay --system all`` and sweep workers pay for it once."""
+    are checked when listed in ``columns`` (the optional columns a run reads; None: all). Each file (by
+    stamp) and column is checked once per process, so ``replay --system all`` and sweep workers pay once."""
     key = _stamp(path)
     wanted = None if columns is None else frozenset(columns)
     if key is not None and key in _CHECKED:

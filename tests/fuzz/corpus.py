@@ -497,7 +497,8 @@ def _set_cases(folder: Path, base: Path, hw: Path) -> dict[str, Callable[[int, n
             if spec is not None:
                 commands.append(["sweep", str(spec), "--out", str(folder / f"sweep-{i:04d}.parquet"),
                                  "--workers", "1"])
-            return Case("set", f"{value}#{i}", commands, names=key.removeprefix("hw."), outputs=[out, folder / f"sweep-{i:04d}.parquet"])
+            return Case("set", f"{value}#{i}", commands, names=key.removeprefix("hw."),
+                        outputs=[out, folder / f"sweep-{i:04d}.parquet"])
         return case
     return {f"set:{v}": make(v) for v in values}
 
