@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable
 
 
 from moesim.errors import ConfigError, MoesimError
-from moesim.util import pid_alive, read_yaml
+from moesim.util import clean_stale_tmps, pid_alive, read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
 DEFAULT_HW = "rtx4090"
@@ -434,6 +434,7 @@ class ResultStore:
         """Rewrite ``OUT`` from every row known (atomically)."""
         if self.out is None or not self.rows:
             return
+        clean_stale_tmps(self.out)  # of sweeps killed while they rewrote it
         _write_parquet_atomic(_arrow_table(self.frame()), self.out)
         self._flushed_at = time.monotonic()
         self._dirty = False

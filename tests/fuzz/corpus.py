@@ -667,7 +667,11 @@ def run_case(case: Case, command: list[str], limit_s: float = 30.0) -> tuple[str
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     text = err.getvalue()
-    return classify(case, code, text), text
+    outcome = classify(case, code, text)
+    if outcome == "accepted":  # what it wrote must not count against the next command
+        for path in case.outputs:
+            Path(path).unlink(missing_ok=True)
+    return outcome, text
 
 
 def lazy_exempt(case: Case, command: list[str]) -> bool:
