@@ -1,7 +1,7 @@
 """Bad input never gets through: each generated invalid input, through every command that reads it, exits 2
 with exactly one line on stderr naming the file (or option), no traceback, no output file left, in time.
 
-The corpus (tests/fuzz/corpus.py) covers traces, hardware profiles, sweep specs, ``--set`` values, output
+The corpus (tests/fuzz/corpus.py, mutations in tests/fuzz/mutations.py) covers traces, hardware profiles, sweep specs, ``--set`` values, output
 paths and importer logs; hypothesis draws cases from it here, in this process. The whole corpus (500+
 inputs) runs with ``benchmarks/fuzz_bad_inputs.py``, which prints counts by outcome.
 """
@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moesim.cli import main
-from tests.fuzz.corpus import build, lazy_exempt, run_case, trace_mutations
+from tests.fuzz.corpus import build, lazy_exempt, run_case
+from tests.fuzz.mutations import trace_mutations
 
 CORPUS_SIZE = 160
 
