@@ -7,7 +7,9 @@ user mistake.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -46,13 +48,33 @@ def _write_json(data: object, out: str | None) -> None:
         click.echo(text)
     else:
         from moesim.util import atomic_write_text
-        atomic_write_text(Path(out), text + "\n")
+        with _output(out, "--json") as path:
+            atomic_write_text(path, text + "\n")
+
+
+def _check_outputs(**outputs: str | None) -> None:
+    """Every output path can be written: checked before any work starts (one line, exit 2)."""
+    from moesim.util import check_output_path
+    for option, path in outputs.items():
+        if path and path != "-":
+            check_output_path(path, "--" + option.replace("_", "-"))
+
+
+def _output(path: str | Path, option: str):
+    """Where a writer puts ``path``'s content (a special file such as /dev/null is written directly,
+    never replaced); an OS error while writing becomes one line naming the file."""
+    from moesim.util import output_file
+    return output_file(path, option)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moesim")
 def cli() -> None:
-    """Simulate and compare MoE expert-offloading policies on one GPU plus a CPU."""
+    """Simulate and compare MoE expert-offloading policies on one GPU plus a CPU.
+
+    Bad input exits 2 with one line naming the file, the field and the fix;
+    add --debug anywhere on the command line to see a traceback of an internal error.
+    """
 
 
 # ----------------------------------------------------------------------------- trace
@@ -77,6 +99,8 @@ def trace_validate(file: str) -> None:
 def trace_inspect(file: str, as_json: bool) -> None:
     """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
     from moesim.trace.stats import render_stats, trace_stats
+    from moesim.trace.validate import checked_meta
+    checked_meta(file)
     stats = trace_stats(file)
     if as_json:
         _write_json(stats, None)
@@ -92,6 +116,9 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
     """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
     of per-layer expert popularity, reuse and co-activation differences."""
     from moesim.trace.stats import compare_traces, render_comparison
+    from moesim.trace.validate import checked_meta
+    checked_meta(first)
+    checked_meta(second)
     both = compare_traces(first, second)
     if as_json:
         _write_json(both, None)
@@ -115,10 +142,11 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
                              ("--out", out, "e.g. --out trace.parquet")):
         if not value:
             raise MoesimError("missing", field=name, fix=fix)
+    _check_outputs(out=out)
     from moesim.progress import Progress
-    with Progress("trace import", unit="files", console=err_console) as bar:
+    with Progress("trace import", unit="files", console=err_console) as bar, _output(out, "--out") as path:
         bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
-        report = import_trace(fmt, [Path(s) for s in sources], Path(out))
+        report = import_trace(fmt, [Path(s) for s in sources], path)
         bar.advance(len(sources))
     for line in report.summary_lines():
         console.print(line)
@@ -150,7 +178,7 @@ def _print_formats() -> None:
               help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
               help="Requests decoded together in one step [default: 1, with --fit the real trace's].")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
 @click.option("--fit", "fit", default=None, type=click.Path(dir_okay=False), metavar="REAL.parquet",
@@ -169,6 +197,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
         return
     if out is None:
         raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
+    _check_outputs(out=out)
     shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
     fitted: dict[str, str] = {}
     if fit is not None:
@@ -186,8 +215,26 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
                                        scores=not no_scores, **shape)
     if fit is not None:
         config.fitted_to = fit
-    path = synthesize(config, Path(out))
-    console.print(f"wrote {path}")
+    _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
+    with _output(out, "--out") as path:
+        synthesize(config, path)
+    console.print(f"wrote {out}")
+
+
+#: positions and steps are int32 in a trace; rows beyond this would take days to write anyway
+SYNTH_MAX_ROWS = 2**31 - 1
+
+
+def _check_synth_size(model, requests: int, prompt_len: int, decode_len: int) -> None:
+    tokens = prompt_len + decode_len
+    if tokens > 2**31 - 1:
+        raise MoesimError(f"{tokens:,} tokens per request exceed the trace's int32 positions",
+                          field="--prompt-len/--decode-len", fix="use fewer than 2,147,483,647 tokens per request")
+    rows = requests * tokens * model.num_layers
+    if rows > SYNTH_MAX_ROWS:
+        raise MoesimError(f"{requests:,} requests x {tokens:,} tokens x {model.num_layers} layers = {rows:,} rows, "
+                          f"beyond the limit of {SYNTH_MAX_ROWS:,}", field="--requests/--prompt-len/--decode-len",
+                          fix="synthesize fewer or shorter requests")
 
 
 def _fit(real: str, seed: int):
@@ -285,7 +332,7 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--window", "window", default=None, metavar="STEP:STEP",
               help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
 def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
@@ -299,8 +346,12 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
     if trace_file is None:
         raise MoesimError("no trace given", field="TRACE",
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
+    from moesim.trace.validate import checked_meta
+    _check_outputs(json=json_out, timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out,
+                   decisions=decisions_out)
     out = err_console if json_out == "-" else console  # stdout holds the JSON only
     parsed = _parse_settings(settings)
+    checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     steps = _parse_window(window)
     if steps and not plot_out:
         raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
@@ -314,6 +365,7 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
     results = {}
     skipped: dict[str, str] = {}
     runs: dict = {}  # replays a portfolio bound (oracle) reuses: it runs every listed system too
+    first_error: MoesimError | None = None
     with _replay_progress(trace_file, systems) as bar:
         for name in sorted(systems, key=lambda n: bool(n in SYSTEMS and SYSTEMS[n].portfolio)):
             try:
@@ -322,9 +374,12 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
                                                         or (plot_out and len(systems) == 1)),
                                             decisions=bool(decisions_out), runs=runs)
             except MoesimError as err:
-                if len(systems) == 1 or not _skippable(err):
+                if len(systems) == 1 or not _skippable(err, parsed):
                     raise
                 skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
+                first_error = first_error or err
+    if not results:
+        raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips
     metrics_by_system = {name: results[name][0] for name in systems if name in results}
     _add_gap_to_lower_bound(metrics_by_system, runs, trace_file, hw, parsed)
     if len(systems) == 1:
@@ -341,7 +396,8 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
             _write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
-            plot_breakdown(list(metrics_by_system.values()), plot_out)
+            with _output(plot_out, "--plot") as path:
+                plot_breakdown(list(metrics_by_system.values()), path)
             out.print(f"wrote {plot_out}")
 
 
@@ -359,9 +415,12 @@ def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: 
         m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
 
 
-def _skippable(err: MoesimError) -> bool:
-    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run."""
+def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:
+    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run;
+    a --set value outside its valid range is the user's mistake for every system."""
     from moesim.errors import ConfigError
+    if err.field in settings and "outside" in err.detail:
+        return False
     return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
@@ -398,20 +457,24 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
         _write_json(metrics_, json_out)
     if timeline_out:
         from moesim.analysis.timeline import write_timeline
-        write_timeline(frames["timeline"], timeline_out)
+        with _output(timeline_out, "--timeline") as path:
+            write_timeline(frames["timeline"], path)
         out.print(f"wrote {timeline_out}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
-        write_decisions(frames["decisions"], decisions_out)
+        with _output(decisions_out, "--decisions") as path:
+            write_decisions(frames["decisions"], path)
         out.print(f"wrote {decisions_out}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
-        write_chrome_trace(frames["timeline"], chrome_out, meta)
+        with _output(chrome_out, "--chrome-trace") as path:
+            write_chrome_trace(frames["timeline"], path, meta)
         out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
-        plot_gantt(frames["timeline"], plot_out, steps=steps,
-                   title=f"{meta['system']} on {Path(meta['trace']).name}")
+        with _output(plot_out, "--plot") as path:
+            plot_gantt(frames["timeline"], path, steps=steps,
+                       title=f"{meta['system']} on {Path(meta['trace']).name}")
         out.print(f"wrote {plot_out}")
 
 
@@ -515,7 +578,8 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
               help="Results, one row per point; points already in it are skipped.")
 @click.option("--workers", default=None, type=click.IntRange(min=1), help="Parallel workers [default: all cores].")
 @click.option("--engine", default="local", show_default=True, type=click.Choice(["local", "ray"]),
-              help="local: a process pool; ray: Ray tasks.")
+              help="local: a process pool (the better choice on one machine: no start-up, no copies); "
+                   "ray: Ray tasks, for a cluster (--address) or sweeps larger than one machine.")
 @click.option("--address", default=None, metavar="ADDR",
               help="Ray cluster to join (auto, or HEAD_IP:6379) [default: start a local Ray instance].")
 def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None) -> None:
@@ -537,6 +601,8 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     its error; the exit status is then 1.
     """
     from moesim.sweep import load_spec, run_sweep
+    _check_outputs(out=out)
+    existed = Path(out).exists()
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
                                progress=True, console=err_console)
@@ -544,12 +610,23 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
                   f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
     if summary.failed:
         errors = frame[frame["status"] != "ok"]
+        if summary.failed == summary.points and not any(_internal(e) for e in errors["error"]):
+            if not existed:  # nothing worth keeping: every point failed on its input
+                Path(out).unlink(missing_ok=True)
+            raise MoesimError(f"all {summary.points} points failed on bad input; the first: {errors['error'].iloc[0]}",
+                              source=spec_file, fix="fix the spec (reasons in column 'error' of the output)")
         for _, row in errors.head(5).iterrows():
             err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
                               markup=False, highlight=False, soft_wrap=True)
         if len(errors) > 5:
             err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
         sys.exit(1)
+
+
+def _internal(error: str) -> bool:
+    """A point's error from a bug (recorded with where it was raised), not from its input."""
+    import re
+    return re.search(r"\(at [\w.]+\.py:\d+\)$", str(error)) is not None
 
 
 @cli.command("plot")
@@ -571,14 +648,17 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
     --y ttft_ms, with the Pareto front of the deployable systems)."""
     from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
+    _check_outputs(out=out)
     frame = load_results(results)
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
     if kind == "scatter":
-        plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None), facet=facet,
-                     pareto=pareto, path=out, source=results)
+        with _output(out, "--out") as path:
+            plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None),
+                         facet=facet, pareto=pareto, path=path, source=results)
     else:
-        plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=out, source=results)
+        with _output(out, "--out") as path:
+            plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     console.print(f"wrote {out}")
 
 
@@ -592,7 +672,10 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
     from moesim.analysis.figures import load_results
     from moesim.analysis.html_report import write_report
-    write_report(load_results(results), out, title=title or Path(results).name, gantt=gantt, source=results)
+    _check_outputs(out=out)
+    frame = load_results(results)
+    with _output(out, "--out") as path:
+        write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)
     console.print(f"wrote {out}")
 
 
@@ -620,9 +703,10 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
     from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
     from moesim.sim.serving import serve
-    from moesim.trace.io import read_meta
+    from moesim.trace.validate import checked_meta
+    _check_outputs(json=json_out, requests_out=requests_out, plot=plot_out)
     for trace_file in traces:
-        read_meta(trace_file)
+        checked_meta(trace_file, ())
     parsed = _parse_settings(settings)
     if requests is not None:
         parsed["workload.requests"] = str(requests)
@@ -665,10 +749,12 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     if json_out:
         _write_json(rows[0] if len(rows) == 1 else rows, json_out)
     if requests_out and last is not None:
-        write_requests(request_frame(last), requests_out)
+        with _output(requests_out, "--requests-out") as path:
+            write_requests(request_frame(last), path)
         console.print(f"wrote {requests_out}")
     if plot_out:
-        plot_latency_vs_qps(rows, plot_out)
+        with _output(plot_out, "--plot") as path:
+            plot_latency_vs_qps(rows, path)
         console.print(f"wrote {plot_out}")
 
 
@@ -764,7 +850,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                                             write_report)
     from moesim.hw.profile import load_profile
     from moesim.sim.run import members
-    from moesim.trace.io import read_meta
+    from moesim.trace.validate import checked_meta as read_meta
     if not real:
         raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
     names = [s.strip() for s in systems.split(",") if s.strip()]
@@ -807,21 +893,54 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
 
 
 # ----------------------------------------------------------------------------- entry point
+def _say(text: str) -> None:
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _usage_line(err: click.UsageError) -> str:
+    """click's usage error as one line, pointing to the command's --help."""
+    command = err.ctx.command_path if err.ctx is not None else "moesim"
+    return f"moesim: error: {err.format_message()} (see '{command} --help')".replace("\n", " ")
+
+
+def _internal_error(err: BaseException) -> str:
+    import traceback
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return (f"moesim: internal error{where}: {text[:300]}; please report this with the command line "
+            "and the output of the same command with --debug")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; bad input exits 2 with one line, an internal error exits 1 with one line
+    asking for a report (``--debug`` anywhere on the command line shows the traceback instead)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
     try:
-        cli.main(args=argv, prog_name="moesim", standalone_mode=False)
+        cli.main(args=args, prog_name="moesim", standalone_mode=False)
     except MoesimError as err:
-        err_console.print(f"moesim: error: {err}", markup=False, highlight=False, soft_wrap=True)
+        _say(f"moesim: error: {err}")
         return err.exit_code
-    except click.exceptions.Abort:
-        err_console.print("moesim: interrupted", markup=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _say("moesim: interrupted")
         return 130
-    except click.ClickException as err:
-        err.show()
+    except click.UsageError as err:
+        _say(_usage_line(err))
         return 2
-    except KeyboardInterrupt:
-        err_console.print("moesim: interrupted", markup=False)
-        return 130
+    except click.ClickException as err:
+        _say(f"moesim: error: {err.format_message()}".replace("\n", " "))
+        return 2
+    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return 0
+    except Exception as err:  # noqa: BLE001 - the last resort: one line, never a traceback
+        if debug:
+            raise
+        _say(_internal_error(err))
+        return 1
     return 0
 
 

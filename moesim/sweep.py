@@ -37,9 +37,11 @@ parts folder stops two sweeps from writing the same output at once.
 Engines: ``local`` runs points in a process pool (``workers`` processes,
 default all cores; one worker runs them in this process, which also sees
 systems registered at run time); ``ray`` runs them as Ray tasks on a local Ray
-instance or an existing cluster (``address``). With Ray, trace and profile
-files are put in the object store once and every worker process copies each
-to local disk once, on first use. On a cluster, every node needs moesim (and
+instance or an existing cluster (``address``). With Ray, each trace file
+is put in the object store once and copied to local disk once per machine (and
+validated once per worker process); each profile is parsed once by the driver
+and shared through the object store as the parsed object. On one machine the
+local pool is the better choice: Ray adds worker start-up and scheduling. On a cluster, every node needs moesim (and
 any catalog module the systems come from) installed; other files a setting
 names (``cache.calibration=PATH``) must exist at that path on the nodes.
 
@@ -65,7 +67,7 @@ from typing import Any, Callable, Iterable
 
 
 from moesim.errors import ConfigError, MoesimError
-from moesim.util import read_yaml
+from moesim.util import clean_stale_tmps, pid_alive, read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
 DEFAULT_HW = "rtx4090"
@@ -212,9 +214,9 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
     systems = [str(s) for s in axis("system", "systems", None)]
     seeds = axis("seed", "seeds", [0])
     for i, seed in enumerate(seeds):
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ConfigError(f"seed {seed!r} is not an integer", source=source, field="seeds", row=i,
-                              fix="use whole numbers")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ConfigError(f"seed {seed!r} is not an integer in [0, 2**63)", source=source, field="seeds",
+                              row=i, fix="use whole numbers from 0 to 9223372036854775807")
     model = data.get("model")
     fixed = _settings_map(data.get("set") or {}, "set", source)
     grid = {k: _values(v, f"grid.{k}", source) for k, v in _settings_map(data.get("grid") or {}, "grid",
@@ -294,14 +296,14 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     from moesim.model.presets import load_preset
     from moesim.sim.run import members, parse_settings
     from moesim.policy.systems import build_system
-    from moesim.trace.io import read_meta
+    from moesim.trace.validate import checked_meta
 
     for i, trace in enumerate(spec.traces):
         path = spec.resolve(trace)
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")
-        read_meta(path)
+        checked_meta(path)  # the whole validation pass, once, before any point runs
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
@@ -346,20 +348,21 @@ def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_point(point: Point, trace_path: str, hw: str) -> dict[str, Any]:
+def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
     """Replay one point; a failure becomes a row with ``status='error'`` and the reason, never an exception."""
     started = time.perf_counter()
     row = point.columns()
     try:
         from moesim.analysis.metrics import metrics
         from moesim.sim.run import simulate
+        profile = cached_profile(hw) if isinstance(hw, str) else hw
         if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in point.settings_str()):
             from moesim.analysis.serving import serving_row  # sweeps over workload.* serve instead of replaying
-            row.update(status="ok", error="", **serving_row([trace_path], cached_profile(hw), point.system,
+            row.update(status="ok", error="", **serving_row([trace_path], profile, point.system,
                                                             point.settings_str(), model_preset=point.model,
                                                             seed=point.seed))
         else:
-            result = simulate(trace_path, cached_profile(hw), point.system, point.settings_str(),
+            result = simulate(trace_path, profile, point.system, point.settings_str(),
                               model_preset=point.model, seed=point.seed, timeline=False, decisions=False)
             row.update(status="ok", error="", **flatten_metrics(metrics(result)))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
@@ -440,6 +443,7 @@ class ResultStore:
         """Rewrite ``OUT`` from every row known (atomically)."""
         if self.out is None or not self.rows:
             return
+        clean_stale_tmps(self.out)  # of sweeps killed while they rewrote it
         _write_parquet_atomic(_arrow_table(self.frame()), self.out)
         self._flushed_at = time.monotonic()
         self._dirty = False
@@ -478,14 +482,24 @@ class ResultStore:
             import fcntl
         except ImportError:  # not POSIX: no protection against two writers
             return
-        fd = os.open(self.parts_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.parts_dir / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            owner = _lock_owner(fd)
             os.close(fd)
-            raise ConfigError("another sweep is writing this output", source=str(self.out), field="--out",
+            if owner is not None and owner[0] == socket.gethostname() and not pid_alive(owner[1]):
+                # its owner is gone (processes it left behind still hold the old file): take over
+                lock.unlink(missing_ok=True)
+                return self._lock()
+            who = f" (pid {owner[1]} on {owner[0]})" if owner else ""
+            raise ConfigError(f"another sweep is writing this output{who}", source=str(self.out), field="--out",
                               fix="wait for it to finish, or write to another file") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+        _INHERITED_FDS.append(fd)
 
     def _unlock(self, remove_dir: bool) -> None:
         if self._lock_fd is None:
@@ -498,6 +512,8 @@ class ResultStore:
                 self.parts_dir.rmdir()
             except OSError:
                 pass  # something else lives there; leave it
+        if self._lock_fd in _INHERITED_FDS:
+            _INHERITED_FDS.remove(self._lock_fd)
         os.close(self._lock_fd)
         self._lock_fd = None
 
@@ -523,6 +539,15 @@ class ResultStore:
                 continue
             for row in rows:
                 self.rows[row["point_id"]] = row
+
+
+def _lock_owner(fd: int) -> tuple[str, int] | None:
+    """(host, pid) recorded in a lock file, if any."""
+    try:
+        host, pid = os.pread(fd, 300, 0).decode().split()
+        return host, int(pid)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
 
 
 def _arrow_table(frame: Any) -> Any:
@@ -677,7 +702,8 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
     # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook; the pool
     # forks all its workers at the first submit, before the progress bar starts its thread
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
+                             initializer=_worker_init, initargs=(os.getpid(), _INHERITED_FDS[:])) as pool:
         futures = {pool.submit(run_point, *job): job[0] for job in jobs}
         started()
         try:
@@ -692,6 +718,46 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
             raise
 
 
+#: file descriptors a forked worker must not keep open (the output lock: an orphan holding it would
+#: block every resume)
+_INHERITED_FDS: list[int] = []
+
+
+def _worker_init(parent: int, close_fds: list[int]) -> None:
+    """In each pool worker: die with the sweep process, and drop its lock."""
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    die_with_parent(parent)
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); elsewhere, a
+    watchdog thread polls the parent pid. Either way no worker outlives a ``kill -9`` of the sweep."""
+    import signal
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent:  # the parent died before the call
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+    threading.Thread(target=watch, name="moesim-parent-watch", daemon=True).start()
+
+
 # -- ray
 def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
              started: Callable[[], None], finished: Finished) -> None:
@@ -701,20 +767,27 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
     if started_here:
         import logging
         kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-        if address:
-            ray.init(address=address, **kwargs)
-        else:
-            ray.init(num_cpus=workers, **kwargs)
+        try:
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(num_cpus=workers, **kwargs)
+        except Exception as err:  # noqa: BLE001 - Ray raises many kinds; all mean the same to the user
+            with_reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"Ray did not start: {with_reason}", field="--engine",
+                              fix="run `ray stop --force` and retry, or use --engine local") from None
     try:
         remote = ray.remote(num_cpus=1)(_ray_point)
         shipped: dict[str, ShippedFile] = {}
+        profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
         for p in points:
-            files = (spec.resolve(p.trace), _profile_file(spec.resolve_hw(p.hw)))
-            for path in files:
-                if path not in shipped:
-                    shipped[path] = ShippedFile.put(ray, Path(path))
-            pending[remote.remote(p, shipped[files[0]], shipped[files[1]])] = p
+            trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
+            if trace not in shipped:
+                shipped[trace] = ShippedFile.put(ray, Path(trace))
+            if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
+                profiles[hw] = ray.put(cached_profile(hw))
+            pending[remote.remote(p, shipped[trace], profiles[hw])] = p
         started()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
@@ -786,6 +859,8 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: ShippedFile) -> dict[str, Any]:
+def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
+    """One point in a Ray worker: the trace copied to local disk once per machine (and validated once per
+    worker process), the profile already parsed (from the object store)."""
     import ray
-    return run_point(point, local_copy(trace, ray.get), local_copy(profile, ray.get))
+    return run_point(point, local_copy(trace, ray.get), profile)

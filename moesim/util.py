@@ -1,21 +1,137 @@
-"""Small helpers shared across layers: atomic writes and reading YAML with one-line errors."""
+"""Small helpers shared across layers: safe output files and reading YAML with one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
+from moesim.errors import ConfigError, MoesimError
+
+#: YAML documents larger than this are refused before parsing (profiles are ~20 KB, specs smaller)
+YAML_MAX_BYTES = 4 * 2**20
+#: nodes of a YAML document once aliases are expanded ("billion laughs" grows past this at once)
+YAML_MAX_NODES = 200_000
+
+
+# ----------------------------------------------------------------------------- output files
+def is_special_file(path: Path) -> bool:
+    """An existing path that is neither a regular file nor a folder (a device, a pipe, a socket)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale_tmps(path: Path) -> int:
+    """Remove ``.NAME.PID.tmp`` leftovers of ``path`` whose writer process is gone; return how many."""
+    path = Path(path)
+    removed = 0
+    try:
+        candidates = list(path.parent.glob(f".{path.name}.*.tmp"))
+    except OSError:
+        return 0
+    for tmp in candidates:
+        pid_text = tmp.name[len(path.name) + 2:-len(".tmp")]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed += 1
+    return removed
+
+
+def check_output_path(path: str | os.PathLike, option: str = "--out") -> Path:
+    """Fail now, with one line, if ``path`` cannot receive an output file (before any work is done)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError("the output path is a folder", source=str(path), field=option,
+                          fix="give a file name inside it")
+    if is_special_file(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError("cannot write to this special file", source=str(path), field=option,
+                              fix="give a writable file")
+        return path
+    parent = path.parent
+    if not parent.exists():
+        raise ConfigError(f"folder {parent} does not exist", source=str(path), field=option,
+                          fix=f"create it first (mkdir -p {parent}) or write elsewhere")
+    if not parent.is_dir():
+        raise ConfigError(f"{parent} is not a folder", source=str(path), field=option, fix="give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"folder {parent} is not writable", source=str(path), field=option,
+                          fix="write to a folder you may write to")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError("the output file is read-only", source=str(path), field=option,
+                          fix="remove it or write elsewhere")
+    clean_stale_tmps(path)
+    return path
+
+
+def output_error(path: Path, err: OSError, option: str | None = None) -> ConfigError:
+    reason = err.strerror or str(err)
+    return ConfigError(f"cannot write the output: {reason}", source=str(path), field=option,
+                       fix="check the path, the free space and the permissions")
+
+
+@contextlib.contextmanager
+def output_file(path: str | os.PathLike, option: str | None = None) -> Iterator[Path]:
+    """Where a writer should put ``path``'s content: ``path`` itself, or for a special file
+    (``/dev/null``, a pipe) a temporary file whose bytes are then copied into it, so that no
+    writer's atomic rename ever replaces a device node. OS errors become one-line errors."""
+    path = Path(path)
+    try:
+        if not is_special_file(path):
+            yield path
+            return
+        with tempfile.TemporaryDirectory(prefix="moesim-out-") as folder:
+            staged = Path(folder) / path.name
+            yield staged
+            if staged.exists():
+                with open(staged, "rb") as src, open(path, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+    except OSError as err:
+        raise output_error(path, err, option) from None
+
+
+def tmp_path_for(path: Path) -> Path:
+    """Temporary sibling for writers that produce a file in several calls (stale ones are cleaned)."""
+    path = Path(path)
+    clean_stale_tmps(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    """Write ``data`` to ``path`` through a temporary file and a rename; a special file is written directly."""
     path = Path(path)
+    if is_special_file(path):
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = tmp_path_for(path)
     try:
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -26,16 +142,108 @@ def atomic_write_text(path: Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode())
 
 
-def tmp_path_for(path: Path) -> Path:
-    """Temporary sibling for writers that produce a file in several calls."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+# ----------------------------------------------------------------------------- YAML
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (the later one would silently win)."""
 
 
-def read_yaml(path: Path, error: type[Exception]) -> Any:
-    """Parse a YAML file; a syntax error becomes ``error`` naming the file and the line."""
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(None, None, "a mapping key must be a plain value",
+                                                    key_node.start_mark) from None
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}' (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _expanded_nodes(root: yaml.Node | None) -> int:
+    """Nodes of the document with every alias expanded, counted without expanding (memoised by node)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > 200:
+            raise _TooDeep()
+        if id(node) in sizes:
+            return sizes[id(node)]
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child, depth + 1) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+        sizes[id(node)] = min(total, 10**12)
+        return sizes[id(node)]
+    return 0 if root is None else size(root, 0)
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def read_yaml(path: Path, error: type[MoesimError]) -> Any:
+    """Parse a YAML file as plain data; every problem is one ``error`` line naming the file (and the line)."""
+    path = Path(path)
+    source = str(path)
+    if path.is_dir():
+        raise error("is a folder, not a YAML file", source=source, fix="give the path of a .yaml file")
     try:
-        return yaml.safe_load(Path(path).read_text())
+        size = path.stat().st_size
+        if size > YAML_MAX_BYTES:
+            raise error(f"file is {size:,} bytes; YAML inputs are limited to {YAML_MAX_BYTES:,}", source=source,
+                        fix="give the right file")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise error(f"cannot read: {err.strerror or err}", source=source,
+                    fix="check the path and permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"not UTF-8 text (byte {err.start})", source=source, fix="save the file as UTF-8") from None
+    if "\x00" in text:
+        raise error("contains NUL characters (a binary file?)", source=source, fix="give a YAML text file")
+    loader = _StrictLoader(text)
+    try:
+        root = loader.get_single_node()
+        if _expanded_nodes(root) > YAML_MAX_NODES:
+            raise error(f"more than {YAML_MAX_NODES:,} values once aliases are expanded", source=source,
+                        field="YAML aliases", fix="write the values out without nested aliases")
+        return None if root is None else loader.construct_document(root)
+    except _TooDeep:
+        raise error("nested more than 200 levels deep", source=source, fix="flatten the document") from None
+    except yaml.constructor.ConstructorError as err:
+        raise error(_yaml_problem(err), source=source, fix=_yaml_fix(err)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise error(f"not valid YAML{where}", source=str(path), fix="fix the YAML syntax") from None
+        problem = getattr(err, "problem", None)
+        raise error(f"not valid YAML{where}" + (f": {problem}" if problem else ""), source=source,
+                    fix="fix the YAML syntax") from None
+    except RecursionError:
+        raise error("nested too deeply", source=source, fix="flatten the document") from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(err: yaml.constructor.ConstructorError) -> str:
+    mark = err.problem_mark
+    where = f" at line {mark.line + 1}" if mark else ""
+    problem = err.problem or "cannot be read"
+    if "could not determine a constructor for the tag" in problem:
+        tag = problem.split("tag", 1)[1].strip().strip("'").replace("tag:yaml.org,2002:", "!!")
+        return f"tag {tag}{where} is not allowed (inputs are plain data)"
+    return f"{problem}{where}"
+
+
+def _yaml_fix(err: yaml.constructor.ConstructorError) -> str:
+    if err.problem and "duplicate key" in err.problem:
+        return "keep one of the two keys"
+    return "remove the tag and write plain values"

@@ -51,6 +51,12 @@ def using_it_commands() -> list[str]:
     return out
 
 
+def made_folders() -> list[str]:
+    """Folders the "Using it" block creates with `mkdir -p` before its commands write there."""
+    block = re.search(r"```sh\n(.*?)```", README.split("## Using it", 1)[1], flags=re.S).group(1)
+    return [f for line in block.splitlines() if line.startswith("mkdir -p ") for f in line.split()[2:]]
+
+
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
     """A folder laid out like the repository's (traces/ and ../shared beside it), outputs kept in tmp."""
@@ -58,9 +64,11 @@ def sandbox(tmp_path, monkeypatch):
     work.mkdir()
     (work / "traces").symlink_to(ROOT / "traces")
     (work / "hwprofiles").symlink_to(ROOT / "hwprofiles")
-    shared = ROOT.parent / "shared" if (ROOT.parent / "shared").is_dir() else Path("/work/shared")
+    shared = ROOT.parent / "shared"
     if shared.is_dir():
         (tmp_path / "shared").symlink_to(shared)
+    for folder in made_folders():  # the block's `mkdir -p` lines, as a reader runs them
+        (work / folder).mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(work)
     return work
 

@@ -251,6 +251,106 @@ def test_kill_9_midway_then_rerun_completes_only_the_missing_points(tmp_path):
     assert not parts.exists()
 
 
+def test_a_lock_whose_owner_is_gone_is_taken_over(files):
+    """Processes left behind by a killed sweep may still hold the lock file; its recorded owner is dead,
+    so the next sweep takes over (and a live owner is still refused, named)."""
+    import fcntl
+    import socket
+    out = files / "r.parquet"
+    parts = files / "r.parquet.parts"
+    parts.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    held = os.open(parts / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as an orphaned worker would
+        os.write(held, f"{socket.gethostname()} {int(dead.stdout)}\n".encode())
+        store = ResultStore(out)  # takes over
+        with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
+            ResultStore(out)  # now the owner (this process) is alive
+        store.close(complete=True)
+    finally:
+        os.close(held)
+
+
+def _workers_of(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in children.read_text().split()] if children.exists() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_kill_9_of_the_sweep_alone_leaves_no_worker_and_resume_loses_nothing(tmp_path):
+    """kill -9 of the sweep process only (not its group), at random moments: its pool workers die with it,
+    the next run is not blocked by the lock, and every point ends up in the results exactly once."""
+    spec = _spec_for_kill(tmp_path)
+    out = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2"]
+    rng = np.random.default_rng(14)
+    for delay in rng.uniform(0.0, 1.5, size=2):
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_workers_of(proc.pid)) < 2 and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(delay)  # a random moment while the pool runs
+        workers = _workers_of(proc.pid)
+        assert workers and proc.poll() is None, "the kill should land while the pool runs"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+            time.sleep(0.05)
+        alive = [w for w in workers if Path(f"/proc/{w}/status").exists()
+                 and "zombie" not in Path(f"/proc/{w}/status").read_text()]
+        assert not alive, f"pool workers {alive} outlived the sweep"
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    frame = pd.read_parquet(out)
+    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
+    assert set(frame["point_id"]) == {p.point_id for p in load_spec(spec).points()}
+    assert not parts.exists()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
+    """kill -9 of a Ray sweep midway: the resume starts Ray again (or says in one line why not) and every
+    point ends up in the results exactly once, the finished ones not recomputed."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    spec = _spec_for_kill(tmp_path)
+    out = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2",
+           "--engine", "ray"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(parts.glob("*.parquet"))) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    finished = {p.stem: pq.read_table(p).column("finished_at")[0].as_py() for p in parts.glob("*.parquet")}
+    assert 3 <= len(finished) < 16, "the kill should land midway"
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 1 and "Traceback" not in done.stderr
+    frame = pd.read_parquet(out)
+    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
+    by_id = frame.set_index("point_id")["finished_at"]
+    assert {pid: by_id[pid] for pid in finished} == finished
+
+
+def test_ray_start_up_failure_is_one_line(monkeypatch, files, capsys):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+
+    def fail(**kwargs):
+        raise RuntimeError("The current node timed out during startup.\nmore lines")
+    monkeypatch.setattr(ray, "init", fail)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    code = main(["sweep", str(write_spec(files, systems=["gpu-only-lru"])), "--out", str(files / "r.parquet"),
+                 "--engine", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Ray did not start: The current node timed out" in err
+    assert "ray stop --force" in err
+
+
 # ----------------------------------------------------------------------------- ray
 def test_shipped_files_are_fetched_once_per_process(tmp_path):
     data = os.urandom(64)

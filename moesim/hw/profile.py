@@ -11,6 +11,7 @@ source: curves carry an inline ``source``; scalar fields are covered by the
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -208,7 +209,8 @@ class _Reader:
                             f"add a '{key}' mapping (see hwprofiles/README.md)")
         return value
 
-    def number(self, data: dict, key: str, *, positive: bool = True, default: Any = ...) -> float:
+    def number(self, data: dict, key: str, *, positive: bool = True, default: Any = ...,
+               maximum: float | None = None, integer: bool = False) -> float:
         name = key.split(".")[-1]
         if name not in data:
             if default is not ...:
@@ -217,6 +219,12 @@ class _Reader:
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"must be a number, got {value!r}", f"write a number for '{name}'")
+        if not math.isfinite(value):
+            raise self.fail(key, f"must be a finite number, got {value}", f"write a number for '{name}'")
+        if integer and value != int(value):
+            raise self.fail(key, f"must be a whole number, got {value}", f"write an integer for '{name}'")
+        if maximum is not None and value > maximum:
+            raise self.fail(key, f"must be at most {maximum:g}, got {value}", f"use a value <= {maximum:g}")
         if positive and value <= 0:
             raise self.fail(key, f"must be positive, got {value}", f"use a value > 0 for '{name}'")
         if not positive and value < 0:
@@ -241,18 +249,31 @@ class _Reader:
             if default is not ...:
                 return default
             raise self.fail(key, "missing field", f"add '{name}'")
+        if isinstance(data[name], (dict, list)):
+            raise self.fail(key, f"must be text, got a {type(data[name]).__name__}", f"write '{name}' as text")
         return str(data[name])
 
-    def curve(self, data: Any, key: str, x_name: str, y_name: str) -> Curve:
+    def peaks(self, data: dict, key: str) -> dict[str, float]:
+        peaks = self.section(data, key)
+        if not peaks:
+            raise self.fail(key, "is empty", "give the peak TFLOPS per dtype or kernel (e.g. bf16: 165)")
+        return {str(k): self.number(peaks, f"{key}.{k}") for k in peaks}
+
+    def curve(self, data: Any, key: str, x_name: str, y_name: str, extra: tuple[str, ...] = ()) -> Curve:
         if not isinstance(data, dict):
             raise self.fail(key, "must be a mapping with lists", f"give '{x_name}', '{y_name}' and 'source'")
+        allowed = {x_name, y_name, "source", *extra}
+        unknown = sorted(str(k) for k in set(data) - allowed)
+        if unknown:
+            raise self.fail(f"{key}.{unknown[0]}", "unknown field", f"valid fields here: {', '.join(sorted(allowed))}")
         xs, ys = data.get(x_name), data.get(y_name)
         if not isinstance(xs, list) or not isinstance(ys, list) or not xs:
             raise self.fail(key, f"needs non-empty lists '{x_name}' and '{y_name}'", "tabulate the curve")
         if len(xs) != len(ys):
             raise self.fail(key, f"'{x_name}' has {len(xs)} points but '{y_name}' has {len(ys)}",
                             "give one value per point")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in xs + ys):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+               for v in xs + ys):
             raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
         if any(b <= a for a, b in zip(xs, xs[1:])):
             raise self.fail(key, f"'{x_name}' must increase strictly", "sort the points")
@@ -279,19 +300,20 @@ class _Reader:
             if cpu and kernel not in ("avx512", "amx", "avx2"):
                 raise self.fail(f"{where}.kernel", f"unknown CPU kernel '{kernel}'", "use avx512, amx or avx2")
             curves.append(ExpertCurve(
-                hidden=int(self.number(item, f"{where}.hidden")),
-                intermediate=int(self.number(item, f"{where}.intermediate")),
+                hidden=int(self.number(item, f"{where}.hidden", integer=True)),
+                intermediate=int(self.number(item, f"{where}.intermediate", integer=True)),
                 dtype=self.text(item, f"{where}.dtype"),
-                curve=self.curve(item, where, "tokens", "time_us"),
+                curve=self.curve(item, where, "tokens", "time_us",
+                                 extra=("hidden", "intermediate", "dtype", "kernel", "threads")),
                 kernel=kernel,
-                threads=int(self.number(item, f"{where}.threads", default=0, positive=False)),
+                threads=int(self.number(item, f"{where}.threads", default=0, positive=False, integer=True)),
             ))
         return tuple(curves)
 
     def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
         return tuple(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
-                                    tokens=int(self.number(item, f"{where}.tokens")),
-                                    curve=self.curve(item, where, "context", "time_us"))
+                                    tokens=int(self.number(item, f"{where}.tokens", integer=True)),
+                                    curve=self.curve(item, where, "context", "time_us", extra=("model", "tokens")))
                      for where, item in self.entries(items, key))
 
 
@@ -323,7 +345,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ProfileError("a profile must be a YAML mapping", source=origin)
     version = data.get("schema_version")
-    if version != PROFILE_SCHEMA_VERSION:
+    if isinstance(version, bool) or version != PROFILE_SCHEMA_VERSION:
         raise r.fail("schema_version", f"unknown or missing schema_version {version!r}",
                      f"set schema_version: {PROFILE_SCHEMA_VERSION}")
     sources = data.get("sources")
@@ -336,37 +358,38 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     r.known_keys(data, "")
     g = r.section(data, "gpu")
     r.known_keys(g, "gpu")
-    peak_g = r.section(g, "gpu.peak_tflops")
     gpu = GPUSpec(
         name=r.text(g, "gpu.name"),
-        memory_gib=r.number(g, "gpu.memory_gib"),
+        memory_gib=r.number(g, "gpu.memory_gib", maximum=1 << 20),
         reserved_gib=r.number(g, "gpu.reserved_gib", positive=False),
         launch_us=r.number(g, "gpu.launch_us", positive=False),
         graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False),
         cuda_graph=r.flag(g, "gpu.cuda_graph", False),
-        peak_tflops={k: r.number(peak_g, f"gpu.peak_tflops.{k}") for k in peak_g},
+        peak_tflops=r.peaks(g, "gpu.peak_tflops"),
         mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
         expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
-        roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6),
-        bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None),
+        roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6, maximum=1.0),
+        bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None, maximum=1.0),
     )
+    if gpu.reserved_gib >= gpu.memory_gib:
+        raise r.fail("gpu.reserved_gib", f"{gpu.reserved_gib} GiB reserved of {gpu.memory_gib} GiB",
+                     "reserve less than the GPU's memory")
     if "bf16" not in gpu.peak_tflops:
         raise r.fail("gpu.peak_tflops.bf16", "missing field", "add the dense bf16 peak from the spec sheet")
     c = r.section(data, "cpu")
     r.known_keys(c, "cpu")
-    peak_c = r.section(c, "cpu.peak_tflops")
     switch = c.get("amx_switch_tokens")
     cpu = CPUSpec(
         name=r.text(c, "cpu.name"),
-        cores=int(r.number(c, "cpu.cores")),
+        cores=int(r.number(c, "cpu.cores", integer=True, maximum=1 << 16)),
         dram_bandwidth_gbps=r.number(c, "cpu.dram_bandwidth_gbps"),
-        peak_tflops={k: r.number(peak_c, f"cpu.peak_tflops.{k}") for k in peak_c},
-        amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens")),
+        peak_tflops=r.peaks(c, "cpu.peak_tflops"),
+        amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens", integer=True)),
         expert_ffn=r.expert_curves(c.get("expert_ffn"), "cpu.expert_ffn", cpu=True),
         numa_note=r.text(c, "cpu.numa_note", default=""),
-        roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5),
-        bandwidth_efficiency=r.number(c, "cpu.bandwidth_efficiency", default=None),
+        roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5, maximum=1.0),
+        bandwidth_efficiency=r.number(c, "cpu.bandwidth_efficiency", default=None, maximum=1.0),
     )
     if switch is not None and "amx" not in cpu.peak_tflops:
         raise r.fail("cpu.peak_tflops.amx", "amx_switch_tokens is set but there is no AMX peak",
@@ -374,12 +397,12 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     p = r.section(data, "pcie")
     r.known_keys(p, "pcie")
     pcie = PCIeSpec(
-        generation=int(r.number(p, "pcie.generation")),
+        generation=int(r.number(p, "pcie.generation", integer=True, maximum=16)),
         h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps"),
         d2h=r.curve(p.get("d2h"), "pcie.d2h", "size_bytes", "gbps"),
         latency_us=r.number(p, "pcie.latency_us", positive=False),
-        copy_engines=int(r.number(p, "pcie.copy_engines")),
-        duplex_slowdown=r.number(p, "pcie.duplex_slowdown"),
+        copy_engines=int(r.number(p, "pcie.copy_engines", integer=True, maximum=64)),
+        duplex_slowdown=r.number(p, "pcie.duplex_slowdown", maximum=1.0),
         bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0),
     )
     s = r.section(data, "sync")

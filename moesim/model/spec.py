@@ -31,6 +31,12 @@ def scale_bytes_per_param(dtype: str, group_size: int) -> float:
     return 0.0
 
 
+#: largest shapes accepted (expert ids are int16 in traces; beyond these a typo is far likelier than a model)
+SHAPE_LIMITS: dict[str, int] = {"num_layers": 4096, "num_experts": 32767, "top_k": 1024, "hidden_size": 1 << 20,
+                                "moe_intermediate_size": 1 << 20, "quant_group_size": 1 << 20,
+                                "expert_matrices": 8}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of an MoE model as the cost model sees it."""
@@ -137,15 +143,24 @@ class ModelSpec:
             if key not in data:
                 raise ConfigError("missing required model field", source=origin, field=key,
                                   fix=f"add '{key}'")
+        if not isinstance(data.get("sources", {}), dict):
+            raise ConfigError("'sources' must be a mapping", source=origin, field="sources")
         spec = cls(**data)
         spec.check(origin)
         return spec
 
     def check(self, origin: str = "model") -> None:
-        for key in ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size"):
+        for key in ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size",
+                    "quant_group_size", "expert_matrices"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"must be a positive integer, got {value!r}", source=origin, field=key)
+            if value > SHAPE_LIMITS[key]:
+                raise ConfigError(f"{value:,} is beyond the limit of {SHAPE_LIMITS[key]:,}", source=origin,
+                                  field=key, fix="check the model shape (config.json)")
+        if not isinstance(self.name, str) or not isinstance(self.expert_dtype, str) \
+                or not isinstance(self.attention, str):
+            raise ConfigError("name, expert_dtype and attention must be strings", source=origin, field="name")
         for key in self._count_fields():
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -10,6 +10,7 @@ the simulator and the real backend run the very same objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -175,9 +176,9 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
                 return False
             raise ValueError(raw)
         if isinstance(default, int):
-            return int(raw)
+            return _in_range(int(raw), key)
         if isinstance(default, float):
-            return float(raw)
+            return _in_range(float(raw), key)
         if default is None:
             if raw.lower() in ("true", "false"):
                 return raw.lower() == "true"
@@ -188,6 +189,22 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
                     pass
             return None if raw.lower() in ("none", "null") else raw
     except ValueError:
-        raise ConfigError(f"'{raw}' is not a valid {type(default).__name__}", field=key,
-                          fix=f"give a {type(default).__name__}, e.g. {default!r}") from None
+        kind = type(default).__name__
+        raise ConfigError(f"'{raw}' is not a valid {kind}", field=key,
+                          fix=f"give a {'whole number' if kind == 'int' else kind}, e.g. {default!r}") from None
     return raw
+
+
+#: the largest value a numeric ``--set`` parameter takes (counts, sizes, microseconds)
+SET_MAXIMUM = 2**40
+
+
+def _in_range(value: int | float, key: str) -> int | float:
+    """Numeric parameters are counts, sizes, times and fractions: finite, not negative, not absurd."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{value} is not a finite number", field=key, fix="give a finite value")
+    if value < 0:
+        raise ConfigError(f"{value} is negative", field=key, fix="give a value >= 0")
+    if value > SET_MAXIMUM:
+        raise ConfigError(f"{value:g} is beyond the limit of {SET_MAXIMUM:g}", field=key, fix="give a smaller value")
+    return value

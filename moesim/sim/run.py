@@ -18,6 +18,7 @@ from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
+from moesim.trace.validate import checked_meta
 
 
 @dataclass
@@ -121,6 +122,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
+    checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
     memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moesim.errors import TraceFormatError
+from moesim.util import tmp_path_for
 from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS,
                                  REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type)
 
@@ -68,8 +69,8 @@ class TraceWriter:
         self.columns = list(REQUIRED_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in columns]
         self.schema = arrow_schema(meta, self.columns)
         self.rows = 0
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = tmp_path_for(self.path)  # also removes leftovers of writers that died
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
 
     def write(self, data: Mapping[str, Any]) -> None:

@@ -53,6 +53,23 @@ def arrow_schema(meta: "TraceMeta", columns: list[str]) -> pa.Schema:
     return pa.schema(fields, metadata={META_KEY: meta.to_json().encode()})
 
 
+#: limits on the ``moesim`` metadata, checked before it is used
+META_MAX_BYTES = 1 << 20
+META_MAX_DEPTH = 32
+
+
+def _check_depth(data: Any, origin: str) -> None:
+    stack = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > META_MAX_DEPTH:
+            raise RecursionError
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
 @dataclass
 class TraceMeta:
     """The ``moesim`` file metadata of a trace."""
@@ -73,8 +90,15 @@ class TraceMeta:
     @classmethod
     def from_json(cls, text: str | bytes, *, origin: str) -> "TraceMeta":
         fix = "rewrite the file with moesim (trace import/synth/capture)"
+        if len(text) > META_MAX_BYTES:
+            raise TraceFormatError(f"metadata is {len(text):,} bytes; the limit is {META_MAX_BYTES:,}",
+                                   source=origin, field="moesim", fix=fix)
         try:
             data = json.loads(text)
+            _check_depth(data, origin)
+        except RecursionError:
+            raise TraceFormatError(f"metadata JSON nested deeper than {META_MAX_DEPTH} levels", source=origin,
+                                   field="moesim", fix=fix) from None
         except ValueError:
             raise TraceFormatError("metadata is not valid JSON", source=origin, field="moesim", fix=fix) from None
         if not isinstance(data, dict):
@@ -83,7 +107,7 @@ class TraceMeta:
         if version is None:
             raise TraceFormatError("metadata has no schema_version", source=origin,
                                    field="moesim.schema_version", fix=fix)
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
             raise TraceFormatError(f"unknown schema_version {version!r}; this moesim reads version "
                                    f"{SCHEMA_VERSION}", source=origin, field="moesim.schema_version",
                                    fix="upgrade moesim or convert the trace to version 1")
@@ -94,6 +118,13 @@ class TraceMeta:
             model = ModelSpec.from_dict(data["model"], origin=f"{origin} metadata")
         except Exception as err:  # ConfigError -> trace error naming the same field
             raise TraceFormatError(str(err), source=origin, field="moesim.model", fix=fix) from None
-        return cls(model=model, source=data.get("source", {}),
-                   weights_renormalized=bool(data.get("weights_renormalized", False)),
+        source = data.get("source", {})
+        if not isinstance(source, dict):
+            raise TraceFormatError(f"source must be a JSON object, got {type(source).__name__}", source=origin,
+                                   field="moesim.source", fix=fix)
+        renormalized = data.get("weights_renormalized", False)
+        if not isinstance(renormalized, bool):
+            raise TraceFormatError(f"weights_renormalized must be true or false, got {renormalized!r}",
+                                   source=origin, field="moesim.weights_renormalized", fix=fix)
+        return cls(model=model, source=source, weights_renormalized=renormalized,
                    schema_version=version)

@@ -15,6 +15,8 @@ requires every layer to be present in a step.
 
 from __future__ import annotations
 
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -57,7 +59,22 @@ def import_trace(fmt: str, sources: list[Path], out: Path) -> ImportReport:
     if out.exists() and out.is_dir():
         raise TraceFormatError("output path is a directory", source=str(out), field="--out",
                                fix="give a file name ending in .parquet")
-    return FORMATS[fmt](sources, out)
+    try:
+        return FORMATS[fmt](sources, out)
+    except UnicodeDecodeError as err:
+        raise TraceFormatError(f"not UTF-8 text (byte {err.start})", source=_which(sources),
+                               fix=f"give the {fmt} log as written by its tool") from None
+    except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, ValueError, OverflowError, TypeError,
+            IndexError, KeyError, OSError) as err:
+        if isinstance(err, OSError) and err.filename is not None and Path(err.filename) == Path(out):
+            raise  # the output side; the command line names it
+        raise TraceFormatError(f"cannot be read as a {fmt} log ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0][:120] if str(err) else ''})", source=_which(sources),
+                               fix="check --format and that the files are complete") from None
+
+
+def _which(sources: list[Path]) -> str:
+    return ", ".join(map(str, sources))
 
 
 __all__ = ["FORMATS", "ImportReport", "available_formats", "import_trace"]

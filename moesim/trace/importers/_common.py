@@ -72,7 +72,49 @@ def get_list(obj: dict[str, Any], name: str, length: int, path: Path, line: int)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise TraceFormatError(f"non-numeric value in {value!r}", source=where(path, line), field=name,
                                fix=f"'{name}' must hold numbers only")
+    if name in ID_FIELDS:
+        check_ids(np.asarray(value, dtype=np.float64), path, name, line)
+    else:
+        check_weights(np.asarray(value, dtype=np.float64), path, name, line)
     return value
+
+
+#: list fields that hold expert ids (every other list field holds gate weights or probabilities)
+ID_FIELDS = ("topk_ids", "experts", "indices")
+#: expert ids beyond this cannot be stored (int16 in a trace) and are no model's
+ID_LIMIT = 2**15
+
+
+def check_ids(values: np.ndarray, path: Path, name: str, line: int | None = None) -> np.ndarray:
+    """Expert ids as int64: whole numbers within int16, never silently truncated or wrapped."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iuf":
+        raise TraceFormatError(f"expert ids of type {values.dtype} are not numbers", source=where(path, line),
+                               field=name, fix="expert ids are integers")
+    if values.dtype.kind == "f":
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        if bad.any():
+            value = values[bad].flat[0]
+            raise TraceFormatError(f"expert id {value} is not a whole number", source=where(path, line),
+                                   field=name, fix="expert ids are integers; check the log's columns")
+    bad = (values < -ID_LIMIT) | (values >= ID_LIMIT)
+    if bad.any():
+        raise TraceFormatError(f"expert id {values[bad].flat[0]:g} is out of any model's range",
+                               source=where(path, line), field=name, fix="check --format and the log's columns")
+    return values.astype(np.int64)
+
+
+def check_weights(values: np.ndarray, path: Path, name: str, line: int | None = None) -> np.ndarray:
+    """Gate weights/probabilities: finite and not negative."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iuf":
+        raise TraceFormatError(f"weights of type {values.dtype} are not numbers", source=where(path, line),
+                               field=name, fix="weights are numbers")
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        raise TraceFormatError(f"weight {values[bad].flat[0]} is not a finite number >= 0", source=where(path, line),
+                               field=name, fix="gate weights are probabilities or scaled probabilities")
+    return values
 
 
 def check_experts(experts: np.ndarray, model: ModelSpec, path: Path, lines: np.ndarray,
@@ -187,6 +229,8 @@ def write_import(out: Path, rows: RoutingRows, model: ModelSpec, report: ImportR
                  source: dict[str, Any], weights_renormalized: bool) -> ImportReport:
     """Sort ``rows`` into trace order and write them; fill the report's counts and the ``source`` metadata."""
     data = rows.columns()
+    if data and "weights" in data:
+        check_weights(data["weights"], Path(", ".join(source.get("files", []))), "weights")
     if not data:
         raise TraceFormatError("no routing rows left after dropping dummy/warm-up rows",
                                source=", ".join(source.get("files", [])), field="rows",

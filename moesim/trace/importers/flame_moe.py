@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from moesim.errors import TraceFormatError
-from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, new_report,
-                                            order_by_weight, write_import)
+from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
+                                            check_weights, new_report, order_by_weight, write_import)
 
 FORMAT = "flame-moe"
 MODEL = "flame-moe-290m"
@@ -64,8 +64,9 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
                                    fix="keep layers 2-9 only (10-26 upstream are copies)")
         tokens = len(arrays["token_ids"])
         for i, layer in enumerate(moe_layers):
-            experts, weights, changed = order_by_weight(arrays["indices"][i].astype(np.int64),
-                                                        arrays["scores"][i].astype(np.float32))
+            experts, weights, changed = order_by_weight(check_ids(arrays["indices"][i], path, "indices"),
+                                                        check_weights(arrays["scores"][i], path, "scores")
+                                                        .astype(np.float32))
             check_experts(experts, model, Path(f"{path} layer {arrays['layers'][i]}"), np.arange(tokens), "indices")
             report.repaired["rows_reordered_by_weight"] += changed
             rows.add(request=request, step=request, phase=PREFILL, position=np.arange(tokens), layer=int(layer),

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from moesim.errors import TraceFormatError
-from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, get_field,
-                                            new_report, read_jsonl, where, write_import)
+from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
+                                            get_field, new_report, read_jsonl, where, write_import)
 
 FORMAT = "vllm-qwen3-prefill"
 MODEL = "qwen3-30b-a3b"
@@ -60,7 +60,7 @@ def _forward2_from_jsonl(path: Path, report: ImportReport) -> tuple[np.ndarray, 
                                    field="topk_ids", fix="each line lists top-8 ids for every token of the call")
         forward = index // LAYERS
         if forward == REAL_FORWARD:
-            layers.append(np.asarray(ids, dtype=np.int64).reshape(-1, TOP_K))
+            layers.append(check_ids(np.asarray(ids), path, "topk_ids", line).reshape(-1, TOP_K))
             lines.append(line)
         elif forward < REAL_FORWARD:
             report.dropped["warm_up_forwards_0_1"] += len(ids)
@@ -90,7 +90,7 @@ def _forward2_from_npz(path: Path) -> np.ndarray:
     if ids.ndim != 3 or ids.shape[0] != LAYERS or ids.shape[2] != TOP_K:
         raise TraceFormatError(f"topk_ids has shape {ids.shape}, expected [48, N, 8]", source=str(path),
                                field="topk_ids", fix="use the forward-2 extract of a Qwen3-30B-A3B log")
-    return ids.astype(np.int64)
+    return check_ids(ids, path, "topk_ids")
 
 
 def import_files(sources: list[Path], out: Path) -> ImportReport:
