@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, fast_thread_switching
+from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, host_threads
 from backends.kernels import Attention, Batch, expert_params, ffn, random_fill, torch_dtype
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
@@ -100,21 +100,34 @@ def _host_bytes_available() -> int | None:
 
 
 # ----------------------------------------------------------------------------- weights and buffers
+#: the routed experts of the last run, kept for the next run of the same shape: filling tens of GiB of
+#: pinned host memory takes longer than many a run (validate runs several systems on one trace)
+_HOST_EXPERTS: dict[tuple, torch.Tensor] = {}
+
+
+def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: torch.Generator) -> torch.Tensor:
+    """(layers, experts, params) random expert weights in host memory, reused while the shape and seed stay."""
+    key = (model.num_layers, model.num_experts, params, dtype, pin, generator.initial_seed())
+    if key not in _HOST_EXPERTS:
+        _HOST_EXPERTS.clear()  # free the previous shape's weights before taking memory for these
+        total = model.num_layers * model.num_experts * params * dtype.itemsize
+        available = _host_bytes_available()
+        if available is not None and total > 0.9 * available:
+            raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
+                              f"{available / GIB:.1f} GiB is available", field="--layers",
+                              fix="run fewer MoE layers (moesim validate --layers N)")
+        host = torch.empty(model.num_layers, model.num_experts, params, dtype=dtype, pin_memory=pin)
+        _HOST_EXPERTS[key] = random_fill(host, generator)
+    return _HOST_EXPERTS[key]
+
+
 class ExpertWeights:
     """Every routed expert in host memory (pinned for CUDA), GPU slots per layer and staging buffers."""
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device, capacity: list[int], staging: int,
                  generator: torch.Generator) -> None:
         self.params = expert_params(model, model.moe_intermediate_size)
-        total = model.num_layers * model.num_experts * self.params * dtype.itemsize
-        available = _host_bytes_available()
-        if available is not None and total > 0.9 * available:
-            raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
-                              f"{available / GIB:.1f} GiB is available", field="--layers",
-                              fix="run fewer MoE layers (moesim validate --layers N)")
-        self.host = torch.empty(model.num_layers, model.num_experts, self.params, dtype=dtype,
-                                pin_memory=device.type == "cuda")
-        random_fill(self.host, generator)
+        self.host = host_experts(model, self.params, dtype, device.type == "cuda", generator)
         # slot pool: layer l owns rows [first[l], first[l] + capacity[l]) of one preallocated tensor
         self.first = np.concatenate([[0], np.cumsum(capacity)]).astype(int).tolist()
         self.pool = torch.empty(max(self.first[-1], 1), self.params, dtype=dtype, device=device)
@@ -211,8 +224,10 @@ class RealExecutor:
         generator = torch.Generator().manual_seed(self.config.seed)
         model, dtype, dev = self.model, self.dtype, self.device
         try:
+            # experts draw from a generator of their own: the rest is the same whether or not they are reused
             self.weights = ExpertWeights(model, dtype, dev, list(self.memory.capacity),
-                                         self.engine_config.staging_slots, generator)
+                                         self.engine_config.staging_slots,
+                                         torch.Generator().manual_seed(self.config.seed + 1))
             self.attention = [Attention(model, dtype, dev, self.max_batch, self.max_context, generator)
                               for _ in range(model.num_layers)]
             shared = expert_params(model, model.shared_intermediate_size) if model.shared_intermediate_size else 0
@@ -278,11 +293,7 @@ class RealExecutor:
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.config.threads())
-        switching = fast_thread_switching()
-        switching.__enter__()
-        try:
+        with host_threads(self.config.threads()):
             self._allocate()
             if self.config.warmup_steps and self.warmup_setup is not None:
                 self._start_devices()
@@ -298,9 +309,6 @@ class RealExecutor:
                 self._execute(None)
             finally:
                 self._stop_devices()
-        finally:
-            switching.__exit__(None, None, None)
-            torch.set_num_threads(threads)
         return self._result(time.perf_counter() - wall)
 
     def _execute(self, max_steps: int | None) -> None:

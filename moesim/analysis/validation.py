@@ -28,7 +28,7 @@ from moesim.errors import ConfigError
 from moesim.sim.engine import SimResult
 from moesim.util import atomic_write_text, tmp_path_for
 
-#: a measured profile's expert and attention curves include kernel launches (moesim.hw.profiler)
+#: a measured profile's expert and attention curves include kernel launches (backends.profiler)
 MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
 #: differing (step, layer) groups listed in full
 MAX_LISTED = 20

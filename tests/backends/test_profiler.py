@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 from moesim.hw.cost import CostModel  # noqa: E402
 from moesim.hw.profile import load_profile  # noqa: E402
-from moesim.hw.profiler import (ProfileConfig, cpu_kernel_family, measure_profile, measurement_count,  # noqa: E402
-                                write_profile)
+from backends.profiler import (ProfileConfig, cpu_kernel_family, measure_profile,  # noqa: E402
+                               measurement_labels, write_profile)
 from tests.factories import tiny_model  # noqa: E402
 
 
@@ -17,14 +17,15 @@ from tests.factories import tiny_model  # noqa: E402
 def measured(tmp_path_factory):
     model = tiny_model(shared=True)
     labels: list[str] = []
-    data = measure_profile(ProfileConfig(model=model, device="cpu", threads=1, quick=True, command="moesim profile x",
-                                         name="tiny-cpu"), progress=labels.append)
+    config = ProfileConfig(models=(model,), device="cpu", threads=1, quick=True, command="moesim profile x",
+                           name="tiny-cpu")
+    data = measure_profile(config, progress=labels.append)
     path = write_profile(data, tmp_path_factory.mktemp("profile") / "tiny.yaml")
-    return model, data, path, labels
+    return model, data, path, labels, config
 
 
 def test_profile_loads_and_every_cost_has_a_curve(measured):
-    model, data, path, labels = measured
+    model, data, path, labels, config = measured
     profile = load_profile(path)
     assert profile.name == "tiny-cpu" and profile.cpu.cores == 1
     costs = CostModel(profile, model)
@@ -32,11 +33,13 @@ def test_profile_loads_and_every_cost_has_a_curve(measured):
                   costs.attention(1, 300), costs.attention(16, 512), costs.h2d(costs.expert_bytes), costs.sync_s):
         assert value > 0
     assert costs.fallbacks == set()  # the tiny shape is measured, nothing falls back to the roofline
-    assert len(labels) == measurement_count(model) == 8  # no separate shared-expert curve
+    assert labels == measurement_labels(config)
+    # the stand-in's routed curve is the CPU pool's; shared experts of the tiny model have the routed shape
+    assert labels[:2] == ["CPU expert FFN tiny", "attention tiny"] and len(labels) == 7
 
 
 def test_profile_curves_cover_the_measured_points(measured):
-    model, data, _, _ = measured
+    model, data, _, _, _ = measured
     gpu_curve = data["gpu"]["expert_ffn"][0]
     assert (gpu_curve["hidden"], gpu_curve["intermediate"], gpu_curve["dtype"]) == (64, 128, "bf16")
     assert gpu_curve["tokens"] == [1, 4, 16, 64] and len(gpu_curve["time_us"]) == 4
@@ -51,7 +54,7 @@ def test_profile_curves_cover_the_measured_points(measured):
 
 
 def test_every_number_names_the_measurement(measured):
-    _, data, path, _ = measured
+    _, data, path, _, _ = measured
     text = path.read_text()
     assert text.startswith("# Hardware profile measured by `moesim profile`.")
     for section in ("gpu", "cpu", "pcie", "sync"):
@@ -70,6 +73,6 @@ def test_kernel_family_follows_the_isa_flags(isa, family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
 def test_cuda_profile_loads(tmp_path):
-    data = measure_profile(ProfileConfig(model=tiny_model(), device="cuda", threads=1, quick=True))
+    data = measure_profile(ProfileConfig(models=(tiny_model(),), device="cuda", threads=1, quick=True))
     profile = load_profile(write_profile(data, tmp_path / "gpu.yaml"))
     assert profile.gpu.memory_gib > 1 and profile.pcie.generation >= 3
