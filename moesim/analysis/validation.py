@@ -79,7 +79,8 @@ class ValidationReport:
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate",
-                "demand_loads", "prefetches", "evictions", "makespan_s")
+                "demand_loads", "prefetches", "evictions", "streamed_experts", "makespan_s", "cpu_util", "gpu_util",
+                "pcie_util", "breakdown_ms", "notes")
         return {
             "trace": self.trace, "profile": self.profile, "device": self.device, "command": self.command,
             "settings": self.settings,
