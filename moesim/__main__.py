@@ -1,5 +1,7 @@
-"""``python -m moesim``: the command line, as the ``moesim`` script."""
+"""``python -m moesim``: the command line, as the ``moesim`` script (same exit status)."""
+
+import sys
 
 from moesim.cli import main
 
-main()
+sys.exit(main())

@@ -55,3 +55,10 @@ def test_dry_run_of_every_step_and_the_report(tmp_path):
     assert "## tiny-gqa, 2 MoE layers, 6 cache slots per layer" in text
     assert "Where the largest error comes from" in text and "| sync |" in text
     assert "not tuned to these runs" in text
+
+
+def test_python_dash_m_moesim_exits_with_the_error_status(tmp_path):
+    """The driver runs `python -m moesim` and stops on a failed step: the status must reach it."""
+    run = subprocess.run([sys.executable, "-m", "moesim", "validate", "--trace", "x.parquet", "--systems", "cpu-only",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "pass --real" in run.stderr
