@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from moesim.hw.cost import CostModel  # noqa: E402
 from moesim.hw.profile import load_profile  # noqa: E402
-from backends.profiler import (ProfileConfig, cpu_kernel_family, measure_profile,  # noqa: E402
+from backends.devices import allowed_cpus, host_threads  # noqa: E402
+from backends.profiler import (ProfileConfig, Timer, cpu_kernel_family, measure_profile,  # noqa: E402
                                measurement_labels, write_profile)
 from tests.factories import tiny_model  # noqa: E402
 
@@ -76,3 +79,51 @@ def test_cuda_profile_loads(tmp_path):
     data = measure_profile(ProfileConfig(models=(tiny_model(),), device="cuda", threads=1, quick=True))
     profile = load_profile(write_profile(data, tmp_path / "gpu.yaml"))
     assert profile.gpu.memory_gib > 1 and profile.pcie.generation >= 3
+
+
+def test_one_profile_serves_several_shapes(tmp_path):
+    mla = tiny_model(layers=2, experts=4, shared=True)
+    gqa = dataclasses.replace(tiny_model(layers=3, experts=8), name="tiny-gqa", moe_intermediate_size=48,
+                              num_attention_heads=4, num_kv_heads=2, head_dim=16)
+    config = ProfileConfig(models=(mla, gqa), device="cpu", threads=1, quick=True, name="two")
+    labels: list[str] = []
+    data = measure_profile(config, progress=labels.append)
+    assert labels == measurement_labels(config)
+    assert labels[:2] == ["CPU expert FFN tiny", "CPU expert FFN tiny-gqa"]
+    shapes = {(c["hidden"], c["intermediate"]) for c in data["cpu"]["expert_ffn"]}
+    assert shapes == {(64, 128), (64, 48)}
+    assert {c["model"] for c in data["gpu"]["attention"]} == {"tiny", "tiny-gqa"}
+    sizes = data["pcie"]["h2d"]["size_bytes"]
+    assert mla.expert_bytes() in sizes and gqa.expert_bytes() in sizes
+    profile = load_profile(write_profile(data, tmp_path / "two.yaml"))
+    for model in (mla, gqa):
+        costs = CostModel(profile, model)
+        costs.gpu_expert(4), costs.cpu_expert(4), costs.attention(1, 200), costs.gpu_shared(2)
+        assert costs.fallbacks == set(), model.name
+
+
+def test_stand_in_gpu_curve_is_the_cpu_pools(measured):
+    _, data, _, _, _ = measured
+    gpu, cpu = data["gpu"]["expert_ffn"][0], data["cpu"]["expert_ffn"][0]
+    assert gpu["time_us"] == cpu["time_us"] and "same kernels and threads" in gpu["source"]
+
+
+def test_timer_takes_the_median_of_undisturbed_samples():
+    timer = Timer("cpu", repeats=5)
+    timer.MIN_TOTAL_S = 0.0
+    # warm-up (two calls), then samples: preempted ones (another process had the core) are set aside
+    script = iter([(9.0, True), (9.0, True)] + [(50.0, False), (1.0, True)] * 5 + [(2.0, True)] * 10)
+    assert timer._sample(lambda: next(script)) == 1.0
+    # when too few samples are undisturbed, every sample counts
+    timer.MAX_CALLS = 6
+    script = iter([(1.0, True)] * 2 + [(50.0, False)] * 4 + [(1.0, True)] * 2)
+    assert timer._sample(lambda: next(script)) == 50.0
+
+
+@pytest.mark.skipif(len(allowed_cpus()) < 2, reason="pinning to fewer CPUs needs two")
+def test_host_threads_pins_and_restores():
+    before_cpus, before_threads = allowed_cpus(), torch.get_num_threads()
+    with host_threads(1):
+        assert torch.get_num_threads() == 1
+        assert allowed_cpus() == before_cpus[:1]
+    assert allowed_cpus() == before_cpus and torch.get_num_threads() == before_threads
