@@ -7,7 +7,8 @@ STEP is one of
 * ``profile``: `moesim profile` of this host for both model shapes into OUT_DIR/profile/measured-h100.yaml;
 * ``v2lite``: DeepSeek-V2-Lite, all 26 MoE layers, every system at two cache sizes;
 * ``qwen3``: Qwen3-30B-A3B with as many MoE layers as host memory holds, every system at two cache sizes;
-* ``all``: the three in turn (one process; on a machine with a 10-minute limit per command, run them one by one).
+* ``all``: the three in turn (one process; on a machine with a 10-minute limit per command, run them one by one;
+  ``--slots K`` splits a validate step further, one cache size per call).
 
 Each step writes OUT_DIR/STEP/ and packs it into OUT_DIR/STEP.tar.gz (traces left out: the synth command
 and seed in OUT_DIR/STEP/commands.txt rebuild them). Validate steps read the profile from --profile
@@ -87,7 +88,8 @@ def tiny_presets(folder: Path) -> dict[str, Path]:
 
 
 class Driver:
-    def __init__(self, out: Path, device: str, dry_run: bool, threads: int, profile: str | None) -> None:
+    def __init__(self, out: Path, device: str, dry_run: bool, threads: int, profile: str | None,
+                 slots: int | None = None) -> None:
         self.out = out
         self.device = device
         self.dry_run = dry_run
@@ -97,6 +99,7 @@ class Driver:
         if dry_run:
             self.presets.update({k: str(v) for k, v in tiny_presets(out / "presets").items()})
         self.profile_arg = profile
+        self.only_slots = slots
         self.started = time.perf_counter()
 
     # -------------------------------------------------------------- helpers
@@ -133,7 +136,8 @@ class Driver:
 
     def pack(self, step: str) -> Path:
         folder = self.out / step
-        archive = self.out / f"{step}.tar.gz"
+        part = f"-slots-{self.only_slots}" if self.only_slots is not None and step != "profile" else ""
+        archive = self.out / f"{step}{part}.tar.gz"
         with tarfile.open(archive, "w:gz") as tar:
             for path in sorted(folder.rglob("*")):
                 if path.is_file() and not path.name.startswith("trace"):
@@ -187,6 +191,8 @@ class Driver:
         with open(folder / "commands.txt", "a") as f:
             f.write(f"# {shape.preset}: {layers} MoE layers; profile {profile}\n")
         for slots in shape.slots:
+            if self.only_slots is not None and slots != self.only_slots:
+                continue
             self.moesim(["validate", "--real", "--device", self.device, "--trace", str(trace), "--profile",
                          str(profile), "--systems", ",".join(SYSTEMS), "--threads", str(self.threads),
                          "--set", f"cache.slots_per_layer={slots}", "--out", str(folder / f"slots-{slots}")], log)
@@ -224,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and traces (a CPU check of the driver)")
     parser.add_argument("--threads", type=int, default=0, help="CPU expert pool threads (0: every CPU)")
     parser.add_argument("--profile", default=None, help="profile YAML for the validate steps")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="run only this one of the shape's two cache sizes (to split a step over two calls)")
     args = parser.parse_args(argv)
-    Driver(args.out, args.device, args.dry_run, args.threads, args.profile).run(args.step)
+    Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots).run(args.step)
     return 0
 
 
