@@ -56,26 +56,22 @@ def allowed_cpus() -> list[int]:
 
 @contextlib.contextmanager
 def host_threads(threads: int) -> Iterator[None]:
-    """``threads`` torch threads pinned to as many CPUs, with fast GIL hand-over, for a run or a profile.
+    """``threads`` torch intra-op threads and fast GIL hand-over, for a real run or a profile.
 
     Profile and real run execute under the same set-up, so a curve measured
-    by the profiler describes the kernels the backend runs. Pinning to a
-    fixed set of CPUs keeps the OS from moving the pool between cores (and
-    caches) from one run to the next; with every CPU in use it changes nothing.
+    by the profiler describes the kernels the backend runs. The process is
+    not pinned to a subset of its CPUs: the GPU stand-in, the CPU pool and
+    the copy engine are threads of their own and must be free to run on
+    different cores (pinned together, work the simulator overlaps would take
+    turns on one core).
     """
-    cpus = allowed_cpus()
-    previous_threads, previous_cpus = torch.get_num_threads(), set(cpus)
+    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    pin = hasattr(os, "sched_setaffinity") and threads < len(cpus)
-    if pin:
-        os.sched_setaffinity(0, cpus[:threads])
     try:
         with fast_thread_switching():
             yield
     finally:
-        if pin:
-            os.sched_setaffinity(0, previous_cpus)
-        torch.set_num_threads(previous_threads)
+        torch.set_num_threads(previous)
 
 
 class Clock:

@@ -120,10 +120,9 @@ def test_timer_takes_the_median_of_undisturbed_samples():
     assert timer._sample(lambda: next(script)) == 50.0
 
 
-@pytest.mark.skipif(len(allowed_cpus()) < 2, reason="pinning to fewer CPUs needs two")
-def test_host_threads_pins_and_restores():
+def test_host_threads_sets_and_restores_the_thread_count_without_pinning():
     before_cpus, before_threads = allowed_cpus(), torch.get_num_threads()
     with host_threads(1):
         assert torch.get_num_threads() == 1
-        assert allowed_cpus() == before_cpus[:1]
-    assert allowed_cpus() == before_cpus and torch.get_num_threads() == before_threads
+        assert allowed_cpus() == before_cpus  # stand-in, pool and copy threads keep every core
+    assert torch.get_num_threads() == before_threads
