@@ -1,6 +1,6 @@
 """CPU-mode validation of `cpu-only`: one measured profile, then N real-vs-simulated runs; median TPOT error.
 
-    python benchmarks/cpu_validation.py [--runs 5] [--threads 1] [--model flame-moe-290m] [--layers 2] [--out DIR]
+    python benchmarks/cpu_validation.py [--runs 5] [--threads 1] [--model flame-moe-290m] [--layers 2] [--nice N]
 
 The profile is measured once, before the runs, by `moesim profile --device cpu` (micro-measurements only;
 nothing is fitted to the end-to-end runs). Each run is `moesim validate --real --device cpu --systems cpu-only`
@@ -25,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_PCT = 20.0
 
 
+NICE = [0]  # niceness added to every moesim process (--nice)
+
+
 def moesim(args: list[str], env: dict[str, str]) -> str:
-    run = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         preexec_fn=(lambda: os.nice(NICE[0])) if NICE[0] else None)
     if run.returncode != 0:
         raise SystemExit(f"moesim {' '.join(args)} failed:\n{run.stderr[-2000:]}")
     return run.stdout
@@ -56,7 +60,11 @@ def main() -> int:
     parser.add_argument("--decode-len", type=int, default=16)
     parser.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--nice", type=int, default=0,
+                        help="niceness of profile and runs alike (negative, as root: less time lost to other "
+                             "processes on a shared machine)")
     args = parser.parse_args()
+    NICE[0] = args.nice
     out = Path(args.out or tempfile.mkdtemp(prefix="moesim-cpu-validation-"))
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
