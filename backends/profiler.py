@@ -152,12 +152,13 @@ class Timer:
     :attr:`MIN_TOTAL_S` of samples are in: short kernels get many samples, so
     one interrupted call on a busy machine does not become the curve.
 
-    Host samples also read the calling thread's CPU time: a sample whose
-    thread was descheduled for a while (CPU time under :attr:`UNDISTURBED`
-    of the wall time: another process had the core) is set aside, and the
-    median is taken over the undisturbed samples while there are
-    ``repeats`` of them. On a machine shared with other work this keeps the
-    time slices of other processes out of the curves.
+    Host samples also read the calling thread's CPU time, which keeps the
+    time slices of other processes (on a machine shared with other work)
+    out of the curves. With one torch thread the whole call runs on the
+    calling thread, and its CPU time is the sample. With several, a sample
+    whose thread was descheduled for a while (CPU time under
+    :attr:`UNDISTURBED` of the wall time) is set aside, and the median is
+    taken over the undisturbed samples while there are ``repeats`` of them.
     """
 
     WARMUP_S = 0.01
@@ -208,11 +209,15 @@ class Timer:
         return self._sample(once)
 
     def host(self, fn: Callable[[], Any]) -> float:
+        single = self.torch.get_num_threads() == 1
+
         def once() -> tuple[float, bool]:
             c0, t0 = time.thread_time(), time.perf_counter()
             fn()
-            wall = time.perf_counter() - t0
-            return wall, time.thread_time() - c0 >= self.UNDISTURBED * wall
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if single:  # all the work ran on this thread: its CPU time is the time it took while it had a core
+                return cpu, True
+            return wall, cpu >= self.UNDISTURBED * wall
         return self._sample(once)
 
 

@@ -29,7 +29,6 @@ with the simulator's timeline and decision-log schema, so
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,7 +37,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, host_threads
+from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, allowed_cpus, host_threads
 from backends.kernels import Attention, Batch, expert_params, ffn, random_fill, torch_dtype
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
@@ -67,7 +66,7 @@ class RealConfig:
     seed: int = 0
 
     def threads(self) -> int:
-        return self.cpu_threads or os.cpu_count() or 1
+        return self.cpu_threads or len(allowed_cpus())
 
 
 def check_device(device: str) -> torch.device:
