@@ -164,7 +164,7 @@ class Timer:
     WARMUP_S = 0.01
     MIN_TOTAL_S = 0.1
     MAX_CALLS = 400
-    MAX_POINT_S = 2.0
+    MAX_POINT_S = 0.5
     UNDISTURBED = 0.9
 
     def __init__(self, device: str, repeats: int) -> None:
