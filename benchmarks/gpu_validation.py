@@ -11,7 +11,8 @@ STEP is one of
   ``--slots K`` splits a validate step further, one cache size per call).
 
 Each step writes OUT_DIR/STEP/ and packs it into OUT_DIR/STEP.tar.gz (traces left out: the synth command
-and seed in OUT_DIR/STEP/commands.txt rebuild them). Validate steps read the profile from --profile
+and seed in OUT_DIR/STEP/commands.txt rebuild them; timelines left out unless --timelines: the reports carry
+each run's time breakdown). Validate steps read the profile from --profile
 (default: OUT_DIR/profile/measured-h100.yaml, else hwprofiles/measured-h100.yaml). Everything runs from
 the repository tree (`python -m moesim`, no install); simpy may come from a wheel on PYTHONPATH.
 
@@ -89,7 +90,7 @@ def tiny_presets(folder: Path) -> dict[str, Path]:
 
 class Driver:
     def __init__(self, out: Path, device: str, dry_run: bool, threads: int, profile: str | None,
-                 slots: int | None = None) -> None:
+                 slots: int | None = None, timelines: bool = False) -> None:
         self.out = out
         self.device = device
         self.dry_run = dry_run
@@ -100,6 +101,7 @@ class Driver:
             self.presets.update({k: str(v) for k, v in tiny_presets(out / "presets").items()})
         self.profile_arg = profile
         self.only_slots = slots
+        self.timelines = timelines
         self.started = time.perf_counter()
 
     # -------------------------------------------------------------- helpers
@@ -140,7 +142,8 @@ class Driver:
         archive = self.out / f"{step}{part}.tar.gz"
         with tarfile.open(archive, "w:gz") as tar:
             for path in sorted(folder.rglob("*")):
-                if path.is_file() and not path.name.startswith("trace"):
+                timeline = path.name.endswith("-timeline.parquet")
+                if path.is_file() and not path.name.startswith("trace") and (self.timelines or not timeline):
                     tar.add(path, arcname=str(path.relative_to(self.out)))
         self.say(f"packed {archive} ({archive.stat().st_size / 1e6:.2f} MB)")
         return archive
@@ -232,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None, help="profile YAML for the validate steps")
     parser.add_argument("--slots", type=int, default=None,
                         help="run only this one of the shape's two cache sizes (to split a step over two calls)")
+    parser.add_argument("--timelines", action="store_true",
+                        help="pack the per-system timelines too (tens of MB on the full shapes; left out by default)")
     args = parser.parse_args(argv)
-    Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots).run(args.step)
+    Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots, args.timelines).run(args.step)
     return 0
 
 

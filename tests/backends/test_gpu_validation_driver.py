@@ -43,7 +43,9 @@ def test_dry_run_of_every_step_and_the_report(tmp_path):
         with tarfile.open(out / f"{step}.tar.gz") as tar:
             names = tar.getnames()
         assert f"{step}/slots-{shape['slots'][0]}/validation.json" in names
-        assert not any(Path(n).name.startswith("trace") for n in names)  # traces stay behind, archives stay small
+        # traces and timelines stay behind (archives stay small); decision logs travel
+        assert not any(Path(n).name.startswith("trace") or n.endswith("-timeline.parquet") for n in names)
+        assert f"{step}/slots-{shape['slots'][0]}/buddymoe/real-decisions.parquet" in names
         assert (out / f"{step}.tar.gz").stat().st_size < 5e6
     doc = tmp_path / "h100.md"
     made = subprocess.run([sys.executable, "benchmarks/gpu_validation_report.py", str(out), "--out", str(doc)],
