@@ -231,13 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="output folder (one per whole run)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes and traces (a CPU check of the driver)")
-    parser.add_argument("--threads", type=int, default=0, help="CPU expert pool threads (0: every CPU)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU expert pool threads, for profile and runs alike (default: all CPUs but two, which "
+                             "stay free for the thread launching GPU work and the copy-engine thread)")
     parser.add_argument("--profile", default=None, help="profile YAML for the validate steps")
     parser.add_argument("--slots", type=int, default=None,
                         help="run only this one of the shape's two cache sizes (to split a step over two calls)")
     parser.add_argument("--timelines", action="store_true",
                         help="pack the per-system timelines too (tens of MB on the full shapes; left out by default)")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        args.threads = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 0
     Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots, args.timelines).run(args.step)
     return 0
 
