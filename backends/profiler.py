@@ -52,8 +52,8 @@ EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ATTENTION_TOKENS = (1, 16, 128)
 CONTEXTS = (128, 512, 2048, 8192)
 COPY_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 128 * MIB)
-#: expert weights timed in rotation over at least this many bytes: more than the last-level cache of
-#: the CPUs and GPUs at hand (32 MiB L3 here, 50 MB L2 on an H100), as in a real run
+#: expert weights timed in rotation over at least this many bytes (at most MAX_ROTATION buffers): more
+#: than the last-level cache of the CPUs and GPUs at hand (32 MiB L3 here, 50 MB L2 on an H100), as in a real run
 ROTATION_BYTES = 256 * MIB
 MAX_ROTATION = 64
 
@@ -269,7 +269,7 @@ class Measurements:
         torch, m = self.torch, model
         device = self.dev if on_gpu else torch.device("cpu")
         params = expert_params(m, intermediate)
-        pool = min(max(math.ceil(self.rotation_bytes / (params * self.dtype.itemsize)), 1), MAX_ROTATION)
+        pool = self.rotation(params)
         weights = self._random(pool, params, device=device)
         turn = [0]
         out = []
@@ -287,6 +287,16 @@ class Measurements:
             seconds = self.timer.device(call) if on_gpu else self.timer.host(call)
             out.append(seconds * 1e6)
         return out
+
+    def rotation(self, params: int) -> int:
+        """How many weight buffers an expert curve of ``params`` parameters rotates over."""
+        return min(max(math.ceil(self.rotation_bytes / (params * self.dtype.itemsize)), 1), MAX_ROTATION)
+
+    def rotation_note(self, model: ModelSpec, intermediate: int) -> str:
+        from backends.kernels import expert_params
+        params = expert_params(model, intermediate)
+        pool = self.rotation(params)
+        return f"weights rotating over {pool} buffers, {pool * params * self.dtype.itemsize / MIB:.1f} MiB"
 
     def attention_curves(self, model: ModelSpec) -> list[tuple[int, list[int], list[float]]]:
         """(tokens, contexts, µs) for one attention block with its gate, as the backend runs it."""
@@ -520,17 +530,20 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None
         for m in _routed_shapes(config):
             say(f"CPU expert FFN {m.name}")
             out.cpu_experts.append(ExpertMeasure(m, m.moe_intermediate_size, list(meas.expert_tokens),
-                                                 meas.expert_curve(m, m.moe_intermediate_size, False)))
+                                                 meas.expert_curve(m, m.moe_intermediate_size, False),
+                                                 meas.rotation_note(m, m.moe_intermediate_size)))
         cpu_by_shape = {(e.model.hidden_size, e.intermediate, e.model.expert_matrices): e for e in out.cpu_experts}
         for m, intermediate, label in _shapes(config):
             same = cpu_by_shape.get((m.hidden_size, intermediate, m.expert_matrices))
             if not meas.cuda and same is not None:
                 out.gpu_experts.append(ExpertMeasure(m, intermediate, same.tokens, same.time_us,
-                                                     "GPU stand-in: the CPU pool's curve, same kernels and threads"))
+                                                     f"{same.note}; GPU stand-in: the CPU pool's curve, same "
+                                                     "kernels and threads"))
                 continue
             say(f"GPU stand-in {label}" if not meas.cuda else f"GPU {label}")
             out.gpu_experts.append(ExpertMeasure(m, intermediate, list(meas.expert_tokens),
-                                                 meas.expert_curve(m, intermediate, True)))
+                                                 meas.expert_curve(m, intermediate, True),
+                                                 meas.rotation_note(m, intermediate)))
         for m in config.models:
             say(f"attention {m.name}")
             out.attention += [(m.name, m.attention, t, c, us) for t, c, us in meas.attention_curves(m)]
@@ -638,8 +651,7 @@ def _expert_entry(e: ExpertMeasure, measured: str) -> dict[str, Any]:
     note = f"; {e.note}" if e.note else ""
     return {"hidden": m.hidden_size, "intermediate": e.intermediate, "dtype": m.expert_dtype,
             "tokens": list(e.tokens), "time_us": _round(list(e.time_us)),
-            "source": f"{measured} (gather, FFN and weighted scatter-add of {shape}, launches included, weights "
-                      f"rotating over more than the last-level cache{note})"}
+            "source": f"{measured} (gather, FFN and weighted scatter-add of {shape}, launches included{note})"}
 
 
 def _round(value: Any) -> Any:
