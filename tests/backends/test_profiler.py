@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 from moesim.hw.cost import CostModel  # noqa: E402
 from moesim.hw.profile import load_profile  # noqa: E402
 from backends.devices import allowed_cpus, host_threads  # noqa: E402
-from backends.profiler import (ProfileConfig, Timer, cpu_kernel_family, measure_profile,  # noqa: E402
-                               measurement_labels, write_profile)
+from backends.measurements import Timer, cpu_kernel_family  # noqa: E402
+from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile  # noqa: E402
 from tests.factories import tiny_model  # noqa: E402
 
 
