@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,33 @@ def fast_thread_switching() -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(previous)
+
+
+def allowed_cpus() -> list[int]:
+    """CPUs this process may run on (all of them where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def host_threads(threads: int) -> Iterator[None]:
+    """``threads`` torch intra-op threads and fast GIL hand-over, for a real run or a profile.
+
+    Profile and real run execute under the same set-up, so a curve measured
+    by the profiler describes the kernels the backend runs. The process is
+    not pinned to a subset of its CPUs: the GPU stand-in, the CPU pool and
+    the copy engine are threads of their own and must be free to run on
+    different cores (pinned together, work the simulator overlaps would take
+    turns on one core).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with fast_thread_switching():
+            yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class Clock:

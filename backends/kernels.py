@@ -5,7 +5,7 @@ change what runs or how long it takes. They are drawn small and every block
 starts with an RMSNorm, as the real models do, so activations stay finite
 over many layers (NaNs or denormals would change CPU kernel times).
 
-The profiler (:mod:`moesim.hw.profiler`) times these very functions, so a
+The profiler (:mod:`backends.profiler`, :mod:`backends.measurements`) times these very functions, so a
 measured profile describes exactly what ``moesim validate --real`` runs.
 """
 

@@ -9,7 +9,7 @@ executed for real:
 
 * routed expert weights live in (pinned) host memory in the model's shape and
   dtype; GPU cache slots are one preallocated pool, plus staging buffers for
-  experts streamed through without caching (000 Alg. 1);
+  experts streamed through without caching (000 Alg. 1) (:mod:`backends.weights`);
 * demand loads, staging copies and prefetches go through one copy engine on
   its own stream (:class:`backends.devices.CopyEngine`), demand first;
 * attention (an SDPA over a KV cache of the trace's context length), the gate,
@@ -29,7 +29,6 @@ with the simulator's timeline and decision-log schema, so
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,8 +37,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, fast_thread_switching
+from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, allowed_cpus, host_threads
 from backends.kernels import Attention, Batch, expert_params, ffn, random_fill, torch_dtype
+from backends.weights import ExpertWeights, LayerRouting
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.policy.base import LayerPlan, LayerView, active_experts
@@ -50,7 +50,6 @@ from moesim.sim.engine import SimResult, StepRecord
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
-GIB = 2**30
 
 
 @dataclass
@@ -67,7 +66,7 @@ class RealConfig:
     seed: int = 0
 
     def threads(self) -> int:
-        return self.cpu_threads or os.cpu_count() or 1
+        return self.cpu_threads or len(allowed_cpus())
 
 
 def check_device(device: str) -> torch.device:
@@ -86,80 +85,6 @@ def trace_shape(trace_path: str) -> tuple[int, int, int]:
     per_step = first.groupby("step")
     return (int(per_step["request"].nunique().max()), int(frame["position"].max()) + 1,
             int(per_step.size().max()))
-
-
-def _host_bytes_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-# ----------------------------------------------------------------------------- weights and buffers
-class ExpertWeights:
-    """Every routed expert in host memory (pinned for CUDA), GPU slots per layer and staging buffers."""
-
-    def __init__(self, model, dtype: torch.dtype, device: torch.device, capacity: list[int], staging: int,
-                 generator: torch.Generator) -> None:
-        self.params = expert_params(model, model.moe_intermediate_size)
-        total = model.num_layers * model.num_experts * self.params * dtype.itemsize
-        available = _host_bytes_available()
-        if available is not None and total > 0.9 * available:
-            raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
-                              f"{available / GIB:.1f} GiB is available", field="--layers",
-                              fix="run fewer MoE layers (moesim validate --layers N)")
-        self.host = torch.empty(model.num_layers, model.num_experts, self.params, dtype=dtype,
-                                pin_memory=device.type == "cuda")
-        random_fill(self.host, generator)
-        # slot pool: layer l owns rows [first[l], first[l] + capacity[l]) of one preallocated tensor
-        self.first = np.concatenate([[0], np.cumsum(capacity)]).astype(int).tolist()
-        self.pool = torch.empty(max(self.first[-1], 1), self.params, dtype=dtype, device=device)
-        self.staging = torch.empty(staging, self.params, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.reset()
-
-    def reset(self) -> None:
-        self.free = [list(range(self.first[l], self.first[l] + c))[::-1] for l, c in enumerate(self.capacity)]
-        self.slot: dict[tuple[int, int], int] = {}
-        #: last work that read a slot / staging buffer: a copy into it waits for that
-        self.last_use: dict[int, Work] = {}
-        self.staging_use: dict[int, Work] = {}
-
-    def take(self, layer: int, expert: int) -> tuple[torch.Tensor, Work | None]:
-        slot = self.free[layer].pop()
-        self.slot[(layer, expert)] = slot
-        return self.pool[slot], self.last_use.get(slot)
-
-    def drop(self, layer: int, expert: int) -> None:
-        self.free[layer].append(self.slot.pop((layer, expert)))
-
-    def on_gpu(self, layer: int, expert: int) -> torch.Tensor:
-        return self.pool[self.slot[(layer, expert)]]
-
-
-@dataclass
-class LayerRouting:
-    """Token rows of each active expert (grouped), their gate weights, on host and device."""
-
-    rows: np.ndarray
-    weights: np.ndarray
-    spans: dict[int, tuple[int, int]]
-    rows_t: torch.Tensor | None = None
-    weights_t: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, experts: np.ndarray, weights: np.ndarray | None) -> "LayerRouting":
-        tokens, top_k = experts.shape
-        flat = experts.ravel().astype(np.int64)
-        gate = (weights.ravel() if weights is not None else np.full(flat.size, 1.0 / top_k)).astype(np.float32)
-        order = np.argsort(flat, kind="stable")
-        ids, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
-        rows = np.repeat(np.arange(tokens), top_k)[order]
-        return cls(rows, gate[order], {int(e): (int(s), int(n)) for e, s, n in zip(ids, starts, counts)})
 
 
 @dataclass
@@ -211,8 +136,10 @@ class RealExecutor:
         generator = torch.Generator().manual_seed(self.config.seed)
         model, dtype, dev = self.model, self.dtype, self.device
         try:
+            # experts draw from a generator of their own: the rest is the same whether or not they are reused
             self.weights = ExpertWeights(model, dtype, dev, list(self.memory.capacity),
-                                         self.engine_config.staging_slots, generator)
+                                         self.engine_config.staging_slots,
+                                         torch.Generator().manual_seed(self.config.seed + 1))
             self.attention = [Attention(model, dtype, dev, self.max_batch, self.max_context, generator)
                               for _ in range(model.num_layers)]
             shared = expert_params(model, model.shared_intermediate_size) if model.shared_intermediate_size else 0
@@ -279,11 +206,7 @@ class RealExecutor:
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:
         wall = time.perf_counter()
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.config.threads())
-        switching = fast_thread_switching()
-        switching.__enter__()
-        try:
+        with host_threads(self.config.threads()):
             self._allocate()
             if self.config.warmup_steps and self.warmup_setup is not None:
                 self._start_devices()
@@ -299,9 +222,6 @@ class RealExecutor:
                 self._execute(None)
             finally:
                 self._stop_devices()
-        finally:
-            switching.__exit__(None, None, None)
-            torch.set_num_threads(threads)
         return self._result(time.perf_counter() - wall)
 
     def _execute(self, max_steps: int | None) -> None:

@@ -789,14 +789,14 @@ def _require_torch() -> None:
                           fix="pip install -e '.[torch]'") from None
 
 
-def _measure(model, device: str, threads: int, quick: bool, name: str, out: Path) -> Path:
-    from moesim.hw.profiler import ProfileConfig, measure_profile, measurement_count, write_profile
+def _measure(models, device: str, threads: int, quick: bool, name: str, out: Path) -> Path:
     _require_torch()
+    from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile
     from backends.torch_backend import check_device
     check_device(device)
-    config = ProfileConfig(model=model, device=device, threads=threads, quick=quick, command=_command_line(),
-                           name=name)
-    bar, step = _progress_labels(measurement_count(model), "profile")
+    config = ProfileConfig(models=tuple(models), device=device, threads=threads, quick=quick,
+                           command=_command_line(), name=name)
+    bar, step = _progress_labels(len(measurement_labels(config)), "profile")
     with bar:
         data = measure_profile(config, progress=step)
     return write_profile(data, out)
@@ -805,24 +805,19 @@ def _measure(model, device: str, threads: int, quick: bool, name: str, out: Path
 @cli.command("profile")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cuda: this GPU; cpu: the CPU-only stand-in (no GPU needed).")
-@click.option("--model", "model_name", required=True, help="Model preset name or preset YAML: the shape measured.")
-@click.option("--layers", default=None, type=click.IntRange(min=1),
-              help="MoE layers of the profiled shape (curves are per layer; match `validate --layers`).")
+@click.option("--model", "model_names", required=True, multiple=True,
+              help="Model preset name or preset YAML: a shape measured (repeat for several shapes).")
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
               help="Torch threads of the CPU expert pool (0: every core).")
 @click.option("--quick", is_flag=True, help="Fewer points and repetitions (a quick look, not a reference).")
 @click.option("--name", default="", help="Profile name (default: HOST-DEVICE).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output profile YAML.")
-def profile_command(device: str, model_name: str, layers: int | None, threads: int, quick: bool, name: str,
+def profile_command(device: str, model_names: tuple[str, ...], threads: int, quick: bool, name: str,
                     out: str) -> None:
-    """Measure a hardware profile v1 (every curve the cost model reads) for one model shape."""
-    import dataclasses
-
+    """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
     from moesim.model.presets import load_preset
-    model = load_preset(model_name)
-    if layers is not None:
-        model = dataclasses.replace(model, num_layers=layers)
-    path = _measure(model, device, threads, quick, name, Path(out))
+    models = [load_preset(model_name) for model_name in model_names]
+    path = _measure(models, device, threads, quick, name, Path(out))
     console.print(f"wrote {path} (load it with --hw {path} or --profile {path})")
 
 
@@ -864,7 +859,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
         trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
     parsed = _parse_settings(settings)
     if profile_path is None:
-        profile_path = str(_measure(read_meta(trace_file).model, device, threads, quick_profile, "",
+        profile_path = str(_measure([read_meta(trace_file).model], device, threads, quick_profile, "",
                                     out_dir / "profile.yaml"))
     _require_torch()
     profile = load_profile(profile_path)

@@ -28,7 +28,7 @@ from moesim.errors import ConfigError
 from moesim.sim.engine import SimResult
 from moesim.util import atomic_write_text, tmp_path_for
 
-#: a measured profile's expert and attention curves include kernel launches (moesim.hw.profiler)
+#: a measured profile's expert and attention curves include kernel launches (backends.profiler)
 MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
 #: differing (step, layer) groups listed in full
 MAX_LISTED = 20
@@ -79,7 +79,8 @@ class ValidationReport:
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate",
-                "demand_loads", "prefetches", "evictions", "makespan_s")
+                "demand_loads", "prefetches", "evictions", "streamed_experts", "makespan_s", "cpu_util", "gpu_util",
+                "pcie_util", "breakdown_ms", "notes")
         return {
             "trace": self.trace, "profile": self.profile, "device": self.device, "command": self.command,
             "settings": self.settings,

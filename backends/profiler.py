@@ -1,0 +1,306 @@
+"""``moesim profile``: measure a hardware profile v1 on the machine at hand.
+
+Every curve the cost model reads is measured for one or more model shapes:
+expert FFN time vs tokens on the GPU (routed and, where it differs, shared
+shape) and on the CPU pool, attention (with the gate) vs context at a few
+token counts, host-to-device and device-to-host bandwidth vs transfer size
+from pinned memory, the slowdown when both directions run at once,
+kernel-launch and CPU-GPU hand-off overheads, plus the matmul and
+memory-bandwidth ceilings the roofline fallback uses. The kernels timed are
+the real backend's own (:mod:`backends.kernels`, :mod:`backends.devices`),
+under the same thread set-up (:func:`backends.devices.host_threads`), so a
+measured profile describes exactly what ``moesim validate --real`` executes.
+
+The measurements themselves are in :mod:`backends.measurements`; this
+module plans them, reports progress and lays out the profile document.
+Measurement hygiene, so that profiles repeat: buffers are allocated once and
+touched before timing (no page faults inside a sample), every point is
+warmed up before it is timed and reported as the median of many samples,
+and expert weights rotate over a pool larger than the last-level cache
+(the real run reads each expert's weights from memory, not from cache).
+
+Expert and attention curves are timed from the first launch to the end of
+the last kernel, so kernel-launch time is inside them: replay with a measured
+profile as ``moesim validate`` does, with ``engine.kernels_per_expert=0`` and
+``engine.kernels_per_shared=0``, or launches count twice.
+
+With ``device="cpu"`` the GPU stand-in is measured (a host thread, host
+memory, plain memcpy between two host buffers for the "PCIe" curves); its
+"GPU" expert curves are then the CPU pool's, the same kernels on the same
+threads, measured once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from backends.measurements import Measurements, cpu_info, cpu_kernel_family, gpu_info
+from moesim.hw.profile import PROFILE_SCHEMA_VERSION, parse_profile
+from moesim.model.spec import ModelSpec
+from moesim.util import atomic_write_text
+
+@dataclass
+class ProfileConfig:
+    #: the model shapes whose expert and attention curves are measured (one profile serves them all)
+    models: tuple[ModelSpec, ...]
+    device: str = "cuda"
+    #: torch threads of the CPU expert pool (0: every CPU this process may use)
+    threads: int = 0
+    #: timed repetitions per point at least (median taken), after the warm-up
+    repeats: int = 7
+    #: the command line, recorded in every source
+    command: str = "moesim profile"
+    #: fewer points and repetitions (tests, quick looks)
+    quick: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.models, ModelSpec):
+            self.models = (self.models,)
+        self.models = tuple(self.models)
+
+    def cpu_threads(self) -> int:
+        from backends.devices import allowed_cpus
+        return self.threads or len(allowed_cpus())
+
+
+# ----------------------------------------------------------------------------- what was measured
+@dataclass
+class ExpertMeasure:
+    model: ModelSpec
+    intermediate: int
+    tokens: list[int]
+    time_us: list[float]
+    #: how the curve was obtained, beyond the common source text
+    note: str = ""
+
+
+@dataclass
+class Measured:
+    """Every number one profiling run measured, with the machine's identity: the input of :func:`profile_document`."""
+
+    config: ProfileConfig
+    host: str
+    date: str
+    cpu: dict[str, Any]
+    gpu: dict[str, Any]
+    threads: int
+    gpu_experts: list[ExpertMeasure] = field(default_factory=list)
+    cpu_experts: list[ExpertMeasure] = field(default_factory=list)
+    #: (model name, attention kind, tokens, contexts, µs)
+    attention: list[tuple[str, str, int, list[int], list[float]]] = field(default_factory=list)
+    gpu_tflops: float = 0.0
+    gpu_gbps: float = 0.0
+    cpu_tflops: float = 0.0
+    cpu_gbps: float = 0.0
+    copy_sizes: list[int] = field(default_factory=list)
+    h2d_latency_us: float = 0.0
+    h2d_gbps: list[float] = field(default_factory=list)
+    d2h_latency_us: float = 0.0
+    d2h_gbps: list[float] = field(default_factory=list)
+    duplex: float = 1.0
+    launch_us: float = 0.0
+    handoff_us: float = 0.0
+
+    @property
+    def family(self) -> str:
+        return cpu_kernel_family(self.cpu["isa"])
+
+    @property
+    def source(self) -> str:
+        return f"measured by moesim profile on {self.host} {self.date}: {self.config.command}"
+
+
+def _shapes(config: ProfileConfig) -> list[tuple[ModelSpec, int, str]]:
+    """(model, intermediate, label) of every distinct GPU FFN shape: routed experts, then shared ones."""
+    seen, out = set(), []
+    for m in config.models:
+        for intermediate, kind in ((m.moe_intermediate_size, "experts"), (m.shared_intermediate_size, "shared")):
+            key = (m.hidden_size, intermediate, m.expert_matrices)
+            if intermediate and key not in seen:
+                seen.add(key)
+                out.append((m, intermediate, f"{kind} {m.name} {m.hidden_size}x{intermediate}"))
+    return out
+
+
+def _routed_shapes(config: ProfileConfig) -> list[ModelSpec]:
+    seen, out = set(), []
+    for m in config.models:
+        key = (m.hidden_size, m.moe_intermediate_size, m.expert_matrices)
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+def measurement_labels(config: ProfileConfig) -> list[str]:
+    """The progress labels :func:`measure` reports, in order."""
+    labels = [f"CPU expert FFN {m.name}" for m in _routed_shapes(config)]
+    if config.device == "cuda":
+        labels += [f"GPU {label}" for _, _, label in _shapes(config)]
+    else:  # the stand-in's routed curve is the CPU pool's; only other (shared) shapes are timed again
+        routed = {(m.hidden_size, m.moe_intermediate_size, m.expert_matrices) for m in config.models}
+        labels += [f"GPU stand-in {label}" for m, i, label in _shapes(config)
+                   if (m.hidden_size, i, m.expert_matrices) not in routed]
+    labels += [f"attention {m.name}" for m in config.models]
+    return labels + ["matmul and memory ceilings", "host-to-device copies", "device-to-host copies",
+                     "both directions at once", "launch and hand-off overheads"]
+
+
+def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None) -> Measured:
+    """Measure every curve and number of a hardware profile v1 on this machine."""
+    from backends.devices import host_threads
+    say = progress or (lambda _label: None)
+    threads = config.cpu_threads()
+    out = Measured(config=config, host=platform.node() or "unknown-host",
+                   date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), cpu=cpu_info(),
+                   gpu=gpu_info(config.device), threads=threads)
+    with host_threads(threads):
+        meas = Measurements(config)
+        for m in _routed_shapes(config):
+            say(f"CPU expert FFN {m.name}")
+            out.cpu_experts.append(ExpertMeasure(m, m.moe_intermediate_size, list(meas.expert_tokens),
+                                                 meas.expert_curve(m, m.moe_intermediate_size, False),
+                                                 meas.rotation_note(m, m.moe_intermediate_size)))
+        cpu_by_shape = {(e.model.hidden_size, e.intermediate, e.model.expert_matrices): e for e in out.cpu_experts}
+        for m, intermediate, label in _shapes(config):
+            same = cpu_by_shape.get((m.hidden_size, intermediate, m.expert_matrices))
+            if not meas.cuda and same is not None:
+                out.gpu_experts.append(ExpertMeasure(m, intermediate, same.tokens, same.time_us,
+                                                     f"{same.note}; GPU stand-in: the CPU pool's curve, same "
+                                                     "kernels and threads"))
+                continue
+            say(f"GPU stand-in {label}" if not meas.cuda else f"GPU {label}")
+            out.gpu_experts.append(ExpertMeasure(m, intermediate, list(meas.expert_tokens),
+                                                 meas.expert_curve(m, intermediate, True),
+                                                 meas.rotation_note(m, intermediate)))
+        for m in config.models:
+            say(f"attention {m.name}")
+            out.attention += [(m.name, m.attention, t, c, us) for t, c, us in meas.attention_curves(m)]
+        say("matmul and memory ceilings")
+        out.cpu_tflops, out.cpu_gbps = meas.matmul_tflops(False), meas.copy_gbps(False)
+        if meas.cuda:
+            out.gpu_tflops, out.gpu_gbps = meas.matmul_tflops(True), meas.copy_gbps(True)
+        else:  # the stand-in's ceilings are the host's
+            out.gpu_tflops, out.gpu_gbps = out.cpu_tflops, out.cpu_gbps
+        out.copy_sizes = list(meas.copy_sizes)
+        say("host-to-device copies")
+        out.h2d_latency_us, out.h2d_gbps = meas.copy_curve(True)
+        say("device-to-host copies")
+        out.d2h_latency_us, out.d2h_gbps = meas.copy_curve(False)
+        say("both directions at once")
+        out.duplex = meas.duplex_slowdown()
+        say("launch and hand-off overheads")
+        out.launch_us = meas.launch_us()
+        out.handoff_us = meas.handoff_us(max(m.hidden_size for m in config.models))
+    return out
+
+
+# ----------------------------------------------------------------------------- the profile document
+def profile_document(x: Measured) -> dict[str, Any]:
+    """The hardware profile v1 mapping of a measurement: the one place that lays out the YAML.
+
+    A new schema field is one more entry here (with its ``sources`` line) and,
+    where it is measured, one more field of :class:`Measured`.
+    """
+    config, cpu, gpu, measured, family = x.config, x.cpu, x.gpu, x.source, x.family
+    cuda = config.device == "cuda"
+    names = ", ".join(m.name for m in config.models)
+    reserved = max(gpu["memory_bytes"] - gpu["free_bytes"], 0) / 2**30
+    cpu_curves = [_expert_entry(e, measured) | {"kernel": family, "threads": x.threads} for e in x.cpu_experts]
+    for curve in cpu_curves:
+        curve["source"] += f" (torch CPU matmuls on {x.threads} threads; kernel family from the ISA flags)"
+    return {
+        "schema_version": PROFILE_SCHEMA_VERSION,
+        "name": config.name or f"{x.host}-{config.device}",
+        "description": (f"{gpu['name']} (driver {gpu['driver']}) + {cpu['model']} ({cpu['cores']} cores, "
+                        f"ISA {' '.join(cpu['isa']) or 'none listed'}); measured {x.date} on {x.host} for "
+                        f"{names}: {config.command}"),
+        "gpu": {
+            "name": gpu["name"], "memory_gib": _round(gpu["memory_bytes"] / 2**30),
+            "reserved_gib": _round(reserved), "launch_us": _round(x.launch_us), "graph_launch_us": _round(x.launch_us),
+            "cuda_graph": False, "peak_tflops": {"bf16": _round(x.gpu_tflops)},
+            "mem_bandwidth_gbps": _round(x.gpu_gbps), "roofline_efficiency": 1.0, "bandwidth_efficiency": 1.0,
+            "expert_ffn": [_expert_entry(e, measured) for e in x.gpu_experts],
+            "attention": [{"model": model, "tokens": t, "context": c, "time_us": _round(us),
+                           "source": f"{measured} (attention block with gate, {kind}, batch 1)"}
+                          for model, kind, t, c, us in x.attention],
+        },
+        "cpu": {
+            "name": cpu["model"], "cores": x.threads, "dram_bandwidth_gbps": _round(x.cpu_gbps),
+            "peak_tflops": {family: _round(x.cpu_tflops)}, "amx_switch_tokens": 1 if family == "amx" else None,
+            "roofline_efficiency": 1.0, "bandwidth_efficiency": 1.0, "expert_ffn": cpu_curves,
+        },
+        "pcie": {
+            "generation": gpu["pcie_generation"],
+            "h2d": {"size_bytes": x.copy_sizes, "gbps": _round(x.h2d_gbps),
+                    "source": f"{measured} (pinned host memory, bandwidth net of pcie.latency_us)" if cuda else
+                    f"{measured} (GPU stand-in: host memcpy, net of pcie.latency_us)"},
+            "d2h": {"size_bytes": x.copy_sizes, "gbps": _round(x.d2h_gbps),
+                    "source": f"{measured} (net of pcie.latency_us)"},
+            "latency_us": _round((x.h2d_latency_us + x.d2h_latency_us) / 2), "copy_engines": 1,
+            "duplex_slowdown": _round(x.duplex),
+        },
+        "sync": {"per_layer_us": _round(x.handoff_us)},
+        "sources": {
+            "gpu": measured, "cpu": measured, "pcie": measured, "sync": measured,
+            "gpu.memory_gib": f"{measured} (torch.cuda.mem_get_info total)" if cuda
+            else f"{measured} (/proc/meminfo MemTotal: the stand-in's memory is host memory)",
+            "gpu.reserved_gib": f"{measured} (memory in use before the run)",
+            "gpu.launch_us": f"{measured} (host time per small-kernel launch; expert and attention curves "
+                             "already include launches: replay with engine.kernels_per_expert=0)",
+            "gpu.graph_launch_us": f"{measured} (no CUDA graphs: same as launch_us)",
+            "gpu.peak_tflops": f"{measured} (bf16 matmul, 8192^3)" if cuda and not config.quick
+            else f"{measured} (bf16 matmul, 1024^3{'' if cuda else ', on the host: the stand-in is the CPU'})",
+            "gpu.roofline_efficiency": "1.0: gpu.peak_tflops is a measured matmul ceiling",
+            "gpu.bandwidth_efficiency": "1.0: gpu.mem_bandwidth_gbps is a measured copy bandwidth",
+            "cpu.cores": f"{measured} (torch threads of the CPU expert pool; machine has {cpu['cores']} cores)",
+            "cpu.amx_switch_tokens": f"{measured} (ISA flags {' '.join(cpu['isa'])}: one kernel family for "
+                                     "every token count, as torch picks it)",
+            "cpu.roofline_efficiency": "1.0: cpu.peak_tflops is a measured matmul ceiling",
+            "cpu.bandwidth_efficiency": "1.0: cpu.dram_bandwidth_gbps is a measured copy bandwidth",
+            "pcie.generation": f"{measured} (nvidia-smi pcie.link.gen.current)" if cuda
+            else "1: placeholder, no PCIe link in CPU-only mode (the cost model does not read it)",
+            "pcie.copy_engines": "1: the real backend issues every copy on one copy stream, one at a time",
+            "pcie.duplex_slowdown": f"{measured} (H2D with a D2H of the same size at once, over H2D alone)",
+            "sync.per_layer_us": f"{measured} (activations to the host, an empty CPU job, back and added)",
+        },
+    }
+
+
+def measure_profile(config: ProfileConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every curve and number of a hardware profile v1; returns the YAML mapping."""
+    data = profile_document(measure(config, progress))
+    parse_profile(data, origin=config.name or "measured profile")  # what load_profile will accept
+    return data
+
+
+def _expert_entry(e: ExpertMeasure, measured: str) -> dict[str, Any]:
+    m = e.model
+    shape = f"{m.name} ({m.hidden_size}x{e.intermediate} {m.expert_dtype})"
+    note = f"; {e.note}" if e.note else ""
+    return {"hidden": m.hidden_size, "intermediate": e.intermediate, "dtype": m.expert_dtype,
+            "tokens": list(e.tokens), "time_us": _round(list(e.time_us)),
+            "source": f"{measured} (gather, FFN and weighted scatter-add of {shape}, launches included{note})"}
+
+
+def _round(value: Any) -> Any:
+    """Four significant digits, never zero (profile curves must be positive)."""
+    if isinstance(value, list):
+        return [_round(v) for v in value]
+    if not value:
+        return 1e-6 if isinstance(value, float) else value
+    return max(float(f"{value:.4g}"), 1e-6)
+
+
+def write_profile(data: dict[str, Any], path: str | Path) -> Path:
+    """Write the profile YAML atomically, with the machine's identity as a comment header."""
+    header = "".join(f"# {line}\n" for line in ("Hardware profile measured by `moesim profile`.",
+                                                 data["description"]))
+    return atomic_write_text(Path(path), header + yaml.safe_dump(data, sort_keys=False, width=120))

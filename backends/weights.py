@@ -1,0 +1,108 @@
+"""Expert weights of a real run: every routed expert in host memory, GPU cache slots, staging buffers, routing.
+
+Routed experts live in (pinned, for CUDA) host memory in the model's shape
+and dtype, filled with random values once per shape and reused by the next
+run of the same shape; GPU cache slots are one preallocated pool with a
+free list per layer, plus staging buffers for experts streamed through
+without caching (000 Alg. 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.devices import Work
+from backends.kernels import expert_params, random_fill
+from moesim.errors import ConfigError
+
+GIB = 2**30
+
+
+def _host_bytes_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------- weights and buffers
+#: the routed experts of the last run, kept for the next run of the same shape: filling tens of GiB of
+#: pinned host memory takes longer than many a run (validate runs several systems on one trace)
+_HOST_EXPERTS: dict[tuple, torch.Tensor] = {}
+
+
+def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: torch.Generator) -> torch.Tensor:
+    """(layers, experts, params) random expert weights in host memory, reused while the shape and seed stay."""
+    key = (model.num_layers, model.num_experts, params, dtype, pin, generator.initial_seed())
+    if key not in _HOST_EXPERTS:
+        _HOST_EXPERTS.clear()  # free the previous shape's weights before taking memory for these
+        total = model.num_layers * model.num_experts * params * dtype.itemsize
+        available = _host_bytes_available()
+        if available is not None and total > 0.9 * available:
+            raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
+                              f"{available / GIB:.1f} GiB is available", field="--layers",
+                              fix="run fewer MoE layers (moesim validate --layers N)")
+        host = torch.empty(model.num_layers, model.num_experts, params, dtype=dtype, pin_memory=pin)
+        _HOST_EXPERTS[key] = random_fill(host, generator)
+    return _HOST_EXPERTS[key]
+
+
+class ExpertWeights:
+    """Every routed expert in host memory (pinned for CUDA), GPU slots per layer and staging buffers."""
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, capacity: list[int], staging: int,
+                 generator: torch.Generator) -> None:
+        self.params = expert_params(model, model.moe_intermediate_size)
+        self.host = host_experts(model, self.params, dtype, device.type == "cuda", generator)
+        # slot pool: layer l owns rows [first[l], first[l] + capacity[l]) of one preallocated tensor
+        self.first = np.concatenate([[0], np.cumsum(capacity)]).astype(int).tolist()
+        self.pool = torch.empty(max(self.first[-1], 1), self.params, dtype=dtype, device=device)
+        self.staging = torch.empty(staging, self.params, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.reset()
+
+    def reset(self) -> None:
+        self.free = [list(range(self.first[l], self.first[l] + c))[::-1] for l, c in enumerate(self.capacity)]
+        self.slot: dict[tuple[int, int], int] = {}
+        #: last work that read a slot / staging buffer: a copy into it waits for that
+        self.last_use: dict[int, Work] = {}
+        self.staging_use: dict[int, Work] = {}
+
+    def take(self, layer: int, expert: int) -> tuple[torch.Tensor, Work | None]:
+        slot = self.free[layer].pop()
+        self.slot[(layer, expert)] = slot
+        return self.pool[slot], self.last_use.get(slot)
+
+    def drop(self, layer: int, expert: int) -> None:
+        self.free[layer].append(self.slot.pop((layer, expert)))
+
+    def on_gpu(self, layer: int, expert: int) -> torch.Tensor:
+        return self.pool[self.slot[(layer, expert)]]
+
+
+@dataclass
+class LayerRouting:
+    """Token rows of each active expert (grouped), their gate weights, on host and device."""
+
+    rows: np.ndarray
+    weights: np.ndarray
+    spans: dict[int, tuple[int, int]]
+    rows_t: torch.Tensor | None = None
+    weights_t: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, experts: np.ndarray, weights: np.ndarray | None) -> "LayerRouting":
+        tokens, top_k = experts.shape
+        flat = experts.ravel().astype(np.int64)
+        gate = (weights.ravel() if weights is not None else np.full(flat.size, 1.0 / top_k)).astype(np.float32)
+        order = np.argsort(flat, kind="stable")
+        ids, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+        rows = np.repeat(np.arange(tokens), top_k)[order]
+        return cls(rows, gate[order], {int(e): (int(s), int(n)) for e, s, n in zip(ids, starts, counts)})

@@ -1,0 +1,69 @@
+"""benchmarks/gpu_validation.py on the CPU with tiny shapes: the H100 driver and its report cannot rot unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = {"cpu-only", "gpu-only-lru", "static-hot", "smoe", "hybrimoe", "dali", "ktransformers-ed", "buddymoe"}
+
+
+@pytest.mark.slow
+def test_dry_run_of_every_step_and_the_report(tmp_path):
+    out = tmp_path / "gpu-validation"
+    env = {**os.environ, "MOESIM_PROGRESS_INTERVAL": "0.2"}  # plain progress lines often, as a long run gets them
+    run = subprocess.run([sys.executable, "benchmarks/gpu_validation.py", "all", str(out), "--device", "cpu",
+                          "--dry-run", "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # progress: every step announced, every validate stage printed as it happens
+    for step in ("profile", "v2lite", "qwen3"):
+        assert f"step {step}: done" in run.stdout
+    assert "profile: done, " in run.stdout and "validate: done, 16/16 (100%)" in run.stdout
+    profile = out / "profile" / "measured-h100.yaml"
+    assert "measured by moesim profile on" in profile.read_text()
+    for step, layers in (("v2lite", 3), ("qwen3", 2)):  # the GQA shape is cut to the layers memory holds
+        shape = json.loads((out / step / "shape.json").read_text())
+        assert shape["layers_run"] == layers
+        folders = sorted((out / step).glob("slots-*"))
+        assert len(folders) == 2  # two cache sizes
+        for folder in folders:
+            report = json.loads((folder / "validation.json").read_text())
+            assert set(report["systems"]) == SYSTEMS
+            assert report["profile"] == str(profile)
+            for name in ("cpu-only", "gpu-only-lru", "static-hot"):
+                assert report["systems"][name]["decisions"]["identical"], name
+            assert "breakdown_ms" in report["systems"]["cpu-only"]["real"]
+        with tarfile.open(out / f"{step}.tar.gz") as tar:
+            names = tar.getnames()
+        assert f"{step}/slots-{shape['slots'][0]}/validation.json" in names
+        # traces and timelines stay behind (archives stay small); decision logs travel
+        assert not any(Path(n).name.startswith("trace") or n.endswith("-timeline.parquet") for n in names)
+        assert f"{step}/slots-{shape['slots'][0]}/buddymoe/real-decisions.parquet" in names
+        assert (out / f"{step}.tar.gz").stat().st_size < 5e6
+    doc = tmp_path / "h100.md"
+    made = subprocess.run([sys.executable, "benchmarks/gpu_validation_report.py", str(out), "--out", str(doc)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    text = doc.read_text()
+    assert text.count("| buddymoe |") == 4  # two shapes x two cache sizes
+    assert "## tiny-mla, 3 MoE layers, 2 cache slots per layer" in text
+    assert "## tiny-gqa, 2 MoE layers, 6 cache slots per layer" in text
+    assert "Where the largest error comes from" in text and "| sync |" in text
+    assert "not tuned to these runs" in text
+
+
+def test_python_dash_m_moesim_exits_with_the_error_status(tmp_path):
+    """The driver runs `python -m moesim` and stops on a failed step: the status must reach it."""
+    run = subprocess.run([sys.executable, "-m", "moesim", "validate", "--trace", "x.parquet", "--systems", "cpu-only",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "pass --real" in run.stderr

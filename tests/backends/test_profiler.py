@@ -1,0 +1,128 @@
+"""moesim profile: a quick CPU-only profile of a tiny model loads, covers every curve and names its source."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moesim.hw.cost import CostModel  # noqa: E402
+from moesim.hw.profile import load_profile  # noqa: E402
+from backends.devices import allowed_cpus, host_threads  # noqa: E402
+from backends.measurements import Timer, cpu_kernel_family  # noqa: E402
+from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile  # noqa: E402
+from tests.factories import tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    model = tiny_model(shared=True)
+    labels: list[str] = []
+    config = ProfileConfig(models=(model,), device="cpu", threads=1, quick=True, command="moesim profile x",
+                           name="tiny-cpu")
+    data = measure_profile(config, progress=labels.append)
+    path = write_profile(data, tmp_path_factory.mktemp("profile") / "tiny.yaml")
+    return model, data, path, labels, config
+
+
+def test_profile_loads_and_every_cost_has_a_curve(measured):
+    model, data, path, labels, config = measured
+    profile = load_profile(path)
+    assert profile.name == "tiny-cpu" and profile.cpu.cores == 1
+    costs = CostModel(profile, model)
+    for value in (costs.gpu_expert(1), costs.gpu_expert(64), costs.cpu_expert(16), costs.gpu_shared(4),
+                  costs.attention(1, 300), costs.attention(16, 512), costs.h2d(costs.expert_bytes), costs.sync_s):
+        assert value > 0
+    assert costs.fallbacks == set()  # the tiny shape is measured, nothing falls back to the roofline
+    assert labels == measurement_labels(config)
+    # the stand-in's routed curve is the CPU pool's; shared experts of the tiny model have the routed shape
+    assert labels[:2] == ["CPU expert FFN tiny", "attention tiny"] and len(labels) == 7
+
+
+def test_profile_curves_cover_the_measured_points(measured):
+    model, data, _, _, _ = measured
+    gpu_curve = data["gpu"]["expert_ffn"][0]
+    assert (gpu_curve["hidden"], gpu_curve["intermediate"], gpu_curve["dtype"]) == (64, 128, "bf16")
+    assert gpu_curve["tokens"] == [1, 4, 16, 64] and len(gpu_curve["time_us"]) == 4
+    # shared experts of the tiny model have the routed shape: one curve serves both
+    assert len(data["gpu"]["expert_ffn"]) == 1
+    assert [(c["model"], c["tokens"], c["context"]) for c in data["gpu"]["attention"]] == \
+        [("tiny", 1, [128, 512]), ("tiny", 16, [128, 512])]
+    sizes = data["pcie"]["h2d"]["size_bytes"]
+    assert sizes == sorted(sizes) and model.expert_bytes() in sizes
+    assert data["cpu"]["expert_ffn"][0]["threads"] == 1
+    assert 0 < data["pcie"]["duplex_slowdown"] <= 1
+
+
+def test_every_number_names_the_measurement(measured):
+    _, data, path, _, _ = measured
+    text = path.read_text()
+    assert text.startswith("# Hardware profile measured by `moesim profile`.")
+    for section in ("gpu", "cpu", "pcie", "sync"):
+        assert data["sources"][section].startswith("measured by moesim profile on ")
+        assert data["sources"][section].endswith(": moesim profile x")
+    for curve in data["gpu"]["expert_ffn"] + data["gpu"]["attention"] + data["cpu"]["expert_ffn"]:
+        assert curve["source"].startswith("measured by moesim profile on ")
+
+
+@pytest.mark.parametrize("isa, family", [(["avx2", "amx_bf16", "avx512f"], "amx"), (["avx2", "avx512f"], "avx512"),
+                                         (["avx2"], "avx2"), ([], "avx2")])
+def test_kernel_family_follows_the_isa_flags(isa, family):
+    assert cpu_kernel_family(isa) == family
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+def test_cuda_profile_loads(tmp_path):
+    data = measure_profile(ProfileConfig(models=(tiny_model(),), device="cuda", threads=1, quick=True))
+    profile = load_profile(write_profile(data, tmp_path / "gpu.yaml"))
+    assert profile.gpu.memory_gib > 1 and profile.pcie.generation >= 3
+
+
+def test_one_profile_serves_several_shapes(tmp_path):
+    mla = tiny_model(layers=2, experts=4, shared=True)
+    gqa = dataclasses.replace(tiny_model(layers=3, experts=8), name="tiny-gqa", moe_intermediate_size=48,
+                              num_attention_heads=4, num_kv_heads=2, head_dim=16)
+    config = ProfileConfig(models=(mla, gqa), device="cpu", threads=1, quick=True, name="two")
+    labels: list[str] = []
+    data = measure_profile(config, progress=labels.append)
+    assert labels == measurement_labels(config)
+    assert labels[:2] == ["CPU expert FFN tiny", "CPU expert FFN tiny-gqa"]
+    shapes = {(c["hidden"], c["intermediate"]) for c in data["cpu"]["expert_ffn"]}
+    assert shapes == {(64, 128), (64, 48)}
+    assert {c["model"] for c in data["gpu"]["attention"]} == {"tiny", "tiny-gqa"}
+    sizes = data["pcie"]["h2d"]["size_bytes"]
+    assert mla.expert_bytes() in sizes and gqa.expert_bytes() in sizes
+    profile = load_profile(write_profile(data, tmp_path / "two.yaml"))
+    for model in (mla, gqa):
+        costs = CostModel(profile, model)
+        costs.gpu_expert(4), costs.cpu_expert(4), costs.attention(1, 200), costs.gpu_shared(2)
+        assert costs.fallbacks == set(), model.name
+
+
+def test_stand_in_gpu_curve_is_the_cpu_pools(measured):
+    _, data, _, _, _ = measured
+    gpu, cpu = data["gpu"]["expert_ffn"][0], data["cpu"]["expert_ffn"][0]
+    assert gpu["time_us"] == cpu["time_us"] and "same kernels and threads" in gpu["source"]
+
+
+def test_timer_takes_the_median_of_undisturbed_samples():
+    timer = Timer("cpu", repeats=5)
+    timer.MIN_TOTAL_S = 0.0
+    # warm-up (two calls), then samples: preempted ones (another process had the core) are set aside
+    script = iter([(9.0, True), (9.0, True)] + [(50.0, False), (1.0, True)] * 5 + [(2.0, True)] * 10)
+    assert timer._sample(lambda: next(script)) == 1.0
+    # when too few samples are undisturbed, every sample counts
+    timer.MAX_CALLS = 6
+    script = iter([(1.0, True)] * 2 + [(50.0, False)] * 4 + [(1.0, True)] * 2)
+    assert timer._sample(lambda: next(script)) == 50.0
+
+
+def test_host_threads_sets_and_restores_the_thread_count_without_pinning():
+    before_cpus, before_threads = allowed_cpus(), torch.get_num_threads()
+    with host_threads(1):
+        assert torch.get_num_threads() == 1
+        assert allowed_cpus() == before_cpus  # stand-in, pool and copy threads keep every core
+    assert torch.get_num_threads() == before_threads
