@@ -179,6 +179,10 @@ def replay(trace_file: str, hw: str, system: str, settings: tuple[str, ...], mod
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]})
     else:
         render_comparison_table(metrics_by_system, console, title=f"{Path(trace_file).name} on {hw}")
+        from moesim.analysis.identical import decision_logs, identical_lines
+        for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
+                                                                     seed=seed)):
+            console.print(line, markup=False, highlight=False)
         for name, reason in skipped.items():
             from rich.markup import escape
             console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
