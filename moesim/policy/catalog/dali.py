@@ -424,7 +424,8 @@ class DaliSystem(ObservingSystem):
         layer, state = view.layer, view.cache
         present = [e for e in gpu if state.has(layer, e)]
         ready = [e for e in present if e in state.resident[layer]]
-        arriving = sorted((e for e in present if e not in state.resident[layer]), key=lambda e: view.arrivals.get(e, 0.0))
+        arriving = sorted((e for e in present if e not in state.resident[layer]),
+                          key=lambda e: view.arrivals.get(e, 0.0))
         plan.streamed = [e for e in gpu if not state.has(layer, e)]
         plan.gpu = ready + arriving + plan.streamed
         if window_closed:
