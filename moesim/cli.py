@@ -389,6 +389,10 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
         render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}")
+        from moesim.analysis.identical import decision_logs, identical_lines
+        for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
+                                                                     seed=seed)):
+            out.print(line, markup=False, highlight=False)
         for name, reason in skipped.items():
             from rich.markup import escape
             out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from moesim.analysis.metrics import metrics
+from moesim.errors import ConfigError
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.dali import (ResidualPrefetch, WorkloadAwareCache, greedy_assignment, makespan,
-                                        optimal_assignment)
+from moesim.policy.catalog.dali import (ResidualPrefetch, SolveClock, WorkloadAwareCache, greedy_assignment,
+                                        makespan, optimal_assignment)
 from moesim.policy.state import CacheState
 from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
@@ -165,3 +166,44 @@ def test_dali_cache_swaps_into_another_system(mixtral_like):
     m = metrics(simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "smoe", {**SETTINGS, "cache": "dali-workload"}))
     assert m["makespan_s"] > 0
 
+
+
+def _clock_view(step, layer, now):
+    view = _view([[0, 1]])
+    view.step, view.layer, view.now = step, layer, now
+    return view
+
+
+def test_solve_clock_charges_its_share_of_each_layer_period():
+    """003 Table 6: greedy's decision time is 4.50% of end-to-end time, one decision per MoE layer."""
+    clock = SolveClock(share=0.045)
+    # pass 0: layers planned at 0, 1.0 and 3.0 s; the first plan has no period to go by
+    assert [clock.charge(_clock_view(0, layer, now)) for layer, now in ((0, 0.0), (1, 1.0), (2, 3.0))] \
+        == pytest.approx([0.0, 0.045 * 1.0, 0.045 * 2.0])
+    # pass 1: its first layer takes the previous pass's mean period (3.0 s over 2 periods), then as before
+    assert clock.charge(_clock_view(1, 0, 10.0)) == pytest.approx(0.045 * 1.5)
+    assert clock.charge(_clock_view(1, 1, 10.5)) == pytest.approx(0.045 * 0.5)
+    # a fixed time per layer overrides the share
+    assert SolveClock(share=0.045, solve_us=250.0).charge(_clock_view(0, 1, 5.0)) == pytest.approx(250e-6)
+
+
+def test_greedy_decision_time_is_its_paper_share_of_the_run_by_default(mixtral_like):
+    """003 Table 6: 4.50% of end-to-end time by default (today's code charged nothing)."""
+    m = metrics(simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", SETTINGS))
+    share = m["breakdown_ms"]["predict"] / 1e3 / m["makespan_s"]
+    assert 0.035 < share < 0.046  # 4.5% of each layer period; pass boundaries and the first plan pay less
+    free = metrics(simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", {**SETTINGS, "assign.solve_us": "0"}))
+    assert free["breakdown_ms"].get("predict", 0.0) == 0.0
+    assert free["makespan_s"] < m["makespan_s"]
+
+
+def test_optimal_decision_time_is_55_percent_by_default(mixtral_like):
+    """003 Sec. 6.3: greedy costs 4.5% of the run, the exact solve ("Opt_plan") 55%."""
+    m = metrics(simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", {**SETTINGS, "assign": "dali-optimal"}))
+    share = m["breakdown_ms"]["predict"] / 1e3 / m["makespan_s"]
+    assert 0.45 < share < 0.56
+
+
+def test_solve_share_outside_0_1_is_refused(mixtral_like):
+    with pytest.raises(ConfigError, match="assign.solve_share"):
+        simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", {**SETTINGS, "assign.solve_share": "1.5"})

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moesim.analysis.metrics import metrics
+from moesim.errors import ConfigError
 from moesim.policy.catalog.moe_infinity import ActivationTracker, request_eams
 from moesim.sim.run import prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
@@ -45,7 +46,7 @@ def sequential_requests(tmp_path_factory):
 
 
 def test_moe_infinity_prefetches_once_requests_have_finished(sequential_requests):
-    settings = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    settings = {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch.calibration": "none"}
     result = simulate(sequential_requests, tiny_profile(), "moe-infinity", settings, decisions=True)
     m = metrics(result)
     assert m["prefetches"] > 0 and any("EAM collection starts empty" in n for n in m["notes"])
@@ -66,7 +67,8 @@ def test_eams_follow_the_request_id_of_every_row(tmp_path):
     model = tiny_model(layers=2, experts=8, top_k=2)
     path = str(synthesize(SynthConfig.from_settings(model=model, requests=4, prompt_len=5, decode_len=6, batch=2,
                                                     seed=4), tmp_path / "t.parquet"))
-    sim = prepare(path, tiny_profile(), "moe-infinity", {"engine.check": "true", "cache.slots_per_layer": "3"})
+    sim = prepare(path, tiny_profile(), "moe-infinity", {"engine.check": "true", "cache.slots_per_layer": "3",
+                                                         "prefetch.calibration": "none"})
     sim.run()
     tracker = sim.system.prefetch.tracker
     truth = request_eams(path, 2, 8)
@@ -78,3 +80,55 @@ def test_eams_follow_the_request_id_of_every_row(tmp_path):
     assert len(tracker.collection) == 2
     for r, entry in zip((0, 1), tracker.collection):
         assert np.allclose(entry, truth[r].ravel() / np.linalg.norm(truth[r]))
+
+
+def test_best_match_leaves_out_the_batchs_own_requests():
+    """Leave-one-out: a request's own EAM (seeded from the replayed trace) never predicts it."""
+    tracker = ActivationTracker(2, 3, eamc_size=10, last_step={})
+    own = np.array([[5.0, 0, 0], [0, 5, 0]])
+    other = np.array([[0, 0, 5.0], [5, 0, 0]])
+    tracker.add_to_collection(own, request=0)
+    tracker.add_to_collection(other, request=1)
+    tracker.add_to_collection(own, request=0)  # request 0 finishing online is not added twice
+    assert list(tracker.owners) == [0, 1]
+    assert np.allclose(tracker.best_match(own), own / np.linalg.norm(own))
+    assert np.allclose(tracker.best_match(own, exclude=frozenset({0})), other / np.linalg.norm(other))
+    assert tracker.best_match(own, exclude=frozenset({0, 1})) is None
+
+
+def test_collection_is_seeded_from_the_replayed_trace_by_default(sequential_requests):
+    """The EAMC starts with every request of the trace (leave-one-out), so prefetch starts at step 0,
+    where an empty collection (today's default) waits for the first request to finish."""
+    settings = {"engine.check": "true", "cache.slots_per_layer": "3"}
+    sim = prepare(sequential_requests, tiny_profile(), "moe-infinity", settings, decisions=True)
+    result = sim.run()
+    assert sorted(sim.system.prefetch.tracker.owners) == [0, 1, 2, 3]
+    assert min(d[0] for d in result.decisions if d[3] == "prefetch") == 0
+    assert any("leave-one-out" in n for n in metrics(result)["notes"])
+    empty = simulate(sequential_requests, tiny_profile(), "moe-infinity",
+                     {**settings, "prefetch.calibration": "none"}, decisions=True)
+    assert min(d[0] for d in empty.decisions if d[3] == "prefetch") > 0
+
+
+def test_seeded_prefetch_follows_another_requests_eam(tmp_path):
+    """Request 0 is served first; by default its prefetches come from request 1's EAM, never its own."""
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, [
+        {"phase": "decode", "tokens": {0: (0, [[[0]], [[1]]])}},
+        {"phase": "decode", "tokens": {1: (0, [[[0]], [[3]]])}},
+    ])
+    result = simulate(str(trace), tiny_profile(), "moe-infinity", {"cache.slots_per_layer": "1"}, decisions=True)
+    # step 0, layer 0 (request 0): the best match other than itself is request 1, which used expert 3 at layer 1
+    assert (0, 0, 3, "prefetch", 1) in result.decisions
+    assert (0, 0, 1, "prefetch", 1) not in result.decisions
+
+
+def test_a_calibration_trace_of_another_shape_is_one_clear_error(sequential_requests, tmp_path):
+    big = tiny_model(layers=2, experts=16, top_k=2)
+    other = write_tiny_trace(tmp_path / "other.parquet", big, [
+        {"phase": "decode", "tokens": {0: (0, [[[15, 1]], [[2, 3]]])}}])
+    with pytest.raises(ConfigError, match="beyond the model's") as err:
+        simulate(sequential_requests, tiny_profile(), "moe-infinity", {"prefetch.calibration": str(other)})
+    assert err.value.field == "prefetch.calibration"
+    with pytest.raises(ConfigError, match="cannot read calibration trace") as err:
+        simulate(sequential_requests, tiny_profile(), "moe-infinity", {"prefetch.calibration": str(tmp_path / "no")})

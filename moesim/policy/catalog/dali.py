@@ -11,8 +11,13 @@ Components:
   ``max(T_gpu, T_cpu)`` over all assignments, by branch and bound over groups
   of identical experts (exact; no solver dependency). Eq. 9 (GPU memory) never
   binds here: GPU experts that are not cached go through the staging buffers.
-  Its solve time is charged on the critical path when ``solve_us`` is set
-  (category ``predict``: the breakdown's decision-time slot, 000 Sec. VI-E).
+
+Decision time: both are charged on the critical path of every layer (category
+``predict``: the breakdown's decision-time slot, 000 Sec. VI-E) as 003 reports
+it, a share of end-to-end time: 4.50% for greedy (Table 6, App. A.4), 55% for
+the exact solve (Sec. 6.3); see :class:`SolveClock`. ``assign.solve_share``
+changes the share, ``assign.solve_us`` charges a fixed time per layer instead
+(0: free).
 * ``dali-residual`` (prefetch, Sec. 4.2): the experts of the next layer with
   the largest predicted workload (tokens predicting them in ``pred_residual``,
   the residual-corrected gate of Eq. 10), ``size`` of them.
@@ -148,23 +153,81 @@ def optimal_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
     return on_gpu
 
 
+#: 003 Table 6 / Sec. 6.3: Greedy Assignment's scheduling overhead, 4.50% of end-to-end inference time on
+#: average (DeepSeek, batch 8, sequence lengths 32-2048, "essentially constant")
+GREEDY_SHARE = 0.045
+#: 003 Sec. 6.3: solving the 0-1 problem exactly ("Opt_plan") costs 55% of the total inference time
+OPTIMAL_SHARE = 0.55
+
+
+@dataclass
+class SolveClock:
+    """Decision time charged per layer plan (003 Table 6, Sec. 6.3, App. A.4).
+
+    003 reports the solver's cost as a share of end-to-end time, constant because every token makes one
+    decision per MoE layer. With ``solve_us < 0`` a plan is charged ``share`` times the time since the
+    previous plan of the same pass (one layer period: attention, MoE, syncs and this very overhead), so
+    the overhead settles at ``share`` of the run. A pass's first layer takes the mean period of the
+    previous pass; the very first plan of a run has no period to go by and is charged nothing.
+    ``solve_us >= 0`` charges that fixed time per plan instead (0: free).
+    """
+
+    share: float
+    solve_us: float = -1.0
+    _step: int = -1
+    _start: float = 0.0
+    _last: float = 0.0
+    _plans: int = 0
+    _period: float = 0.0
+
+    def charge(self, view: LayerView) -> float:
+        """Seconds of decision time for this plan."""
+        if self.solve_us >= 0:
+            return self.solve_us * 1e-6
+        now = view.now
+        if view.step != self._step:  # a new forward pass
+            if self._plans > 1:
+                self._period = (self._last - self._start) / (self._plans - 1)
+            self._step, self._start, self._plans = view.step, now, 0
+            seconds = self.share * self._period
+        else:
+            seconds = self.share * max(now - self._last, 0.0)
+        self._last = now
+        self._plans += 1
+        return seconds
+
+
 @register_component
 @dataclass
 class DaliGreedy(Assignment):
-    """Greedy Assignment (003 Sec. 4.1, Alg. 1)."""
+    """Greedy Assignment (003 Sec. 4.1, Alg. 1), its decision time charged as 003 Table 6 reports it."""
 
     name = "dali-greedy"
-    #: modelled decision time per layer, microseconds, charged on the critical path (0: free)
-    solve_us: float = 0.0
+    #: decision time per layer, microseconds, on the critical path (negative: ``solve_share`` of the run)
+    solve_us: float = -1.0
+    #: decision time as a share of end-to-end time (003 Table 6: 4.50% for greedy), used when solve_us < 0
+    solve_share: float = GREEDY_SHARE
     _last_solve_s: float = field(default=0.0, repr=False)
+    _clock: SolveClock | None = field(default=None, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        if not 0.0 <= self.solve_share < 1.0:
+            raise ConfigError(f"assign.solve_share={self.solve_share} outside [0, 1)", field="assign.solve_share",
+                              fix=f"use a share of the run such as {GREEDY_SHARE} (0: free)")
+        self._clock = SolveClock(self.solve_share, self.solve_us)
 
     def choose(self, t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
         return greedy_assignment(t_gpu, t_cpu)
 
+    def _charge(self, view: LayerView) -> float:
+        if self._clock is None:
+            self._clock = SolveClock(self.solve_share, self.solve_us)
+        return self._clock.charge(view)
+
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         experts, t_gpu, t_cpu = expert_times(view)
         on_gpu = self.choose(t_gpu, t_cpu)
-        self._last_solve_s = self.solve_us * 1e-6
+        self._last_solve_s = self._charge(view)
         return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
 
 
@@ -173,19 +236,20 @@ class DaliGreedy(Assignment):
 class DaliOptimal(DaliGreedy):
     """The exact 0-1 optimum of Eq. 3-9 (003 Sec. 4.1, "Opt_plan").
 
-    ``solve_us`` charges a fixed decision time per layer; ``measured=true``
-    charges the solver's own wall-clock time instead (then runs are no longer
-    byte-identical, which is why it is off by default).
+    By default its decision time is 55% of the run (003 Sec. 6.3, "4.5% (v.s. 55%)"); ``solve_us``
+    charges a fixed time per layer; ``measured=true`` charges this solver's own wall-clock time instead
+    (then runs are no longer byte-identical, which is why it is off by default).
     """
 
     name = "dali-optimal"
+    solve_share: float = OPTIMAL_SHARE
     measured: bool = False
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         start = time.perf_counter()
         experts, t_gpu, t_cpu = expert_times(view)
         on_gpu = optimal_assignment(t_gpu, t_cpu)
-        self._last_solve_s = time.perf_counter() - start if self.measured else self.solve_us * 1e-6
+        self._last_solve_s = time.perf_counter() - start if self.measured else self._charge(view)
         return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
 
 
@@ -360,7 +424,8 @@ class DaliSystem(ObservingSystem):
         layer, state = view.layer, view.cache
         present = [e for e in gpu if state.has(layer, e)]
         ready = [e for e in present if e in state.resident[layer]]
-        arriving = sorted((e for e in present if e not in state.resident[layer]), key=lambda e: view.arrivals.get(e, 0.0))
+        arriving = sorted((e for e in present if e not in state.resident[layer]),
+                          key=lambda e: view.arrivals.get(e, 0.0))
         plan.streamed = [e for e in gpu if not state.has(layer, e)]
         plan.gpu = ready + arriving + plan.streamed
         if window_closed:

@@ -18,10 +18,22 @@ priority (experts of early layers are kept: prefetching has the least time to
 hide their loads); ties go to the run-wide count, then to the later layer. The
 pool starts with the first experts of every layer, spread evenly.
 
-Simplifications, each a parameter or a note: the EAMC keeps the last
-``eamc_size`` finished requests (first in, first out); it starts empty unless
-``prefetch.calibration`` names a trace whose requests seed it (the paper
-builds it offline), and the report says which. Each token row's request
+EAMC seeding (``prefetch.calibration``). MoE-Infinity builds its EAMC offline
+from traced requests before serving, and 004 Sec. 6.2 notes that its prefetch
+"requires historical router's data" and loses accuracy "when records are
+incomplete"; so the collection is seeded from a calibration trace by default:
+
+* ``others`` (default): the replayed trace's requests, leave-one-out: the EAMC
+  holds every request's complete EAM, and a batch is matched only against the
+  EAMs of requests it does not hold, so no request predicts itself from its own
+  future routing (a stand-in for a held-out trace of the same workload);
+* a trace path: that trace's requests (a held-out calibration trace of the
+  same model);
+* ``none``: the collection starts empty and fills online.
+
+The report says which. The EAMC keeps at most ``eamc_size`` requests (first
+in, first out; a seed larger than that keeps its lowest request ids); a
+finished request already in the collection is not added twice. Each token row's request
 comes with the view (``LayerView.requests``); a request counts as finished
 after its last step in the trace, read once from the trace file: the moment a
 serving system sees its end of sequence.
@@ -75,7 +87,10 @@ class ActivationTracker:
     #: request -> its last step (its end of sequence)
     last_step: dict[int, int]
     live: dict[int, np.ndarray] = field(default_factory=dict)
+    #: normalised EAMs, flattened, oldest first
     collection: deque = field(default_factory=deque)
+    #: the request each collection entry came from (None: a held-out calibration trace's)
+    owners: deque = field(default_factory=deque)
     total: np.ndarray | None = None
     _seen: tuple[int, int] = (-1, -1)
     _step: int = -1
@@ -88,13 +103,15 @@ class ActivationTracker:
         tracker.total = np.zeros((num_layers, num_experts))
         return tracker
 
-    def add_to_collection(self, eam: np.ndarray) -> None:
+    def add_to_collection(self, eam: np.ndarray, request: int | None = None) -> None:
         norm = float(np.linalg.norm(eam))
-        if norm == 0 or self.eamc_size <= 0:
+        if norm == 0 or self.eamc_size <= 0 or (request is not None and request in self.owners):
             return
         self.collection.append(eam.ravel() / norm)
+        self.owners.append(request)
         while len(self.collection) > self.eamc_size:
             self.collection.popleft()
+            self.owners.popleft()
 
     def observe(self, view: LayerView) -> None:
         """Add this layer's routing to the batch's EAMs; retire requests whose last step has passed."""
@@ -104,7 +121,7 @@ class ActivationTracker:
         if view.step != self._step:
             self._step = view.step
             for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
-                self.add_to_collection(self.live.pop(r))
+                self.add_to_collection(self.live.pop(r), r)
         owners = row_owners(view)
         layer = view.layer
         for r in np.unique(owners):
@@ -121,18 +138,39 @@ class ActivationTracker:
                 out += self.live[int(r)]
         return out
 
-    def best_match(self, eam: np.ndarray) -> np.ndarray | None:
-        """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix."""
-        if not self.collection:
-            return None
+    def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
+        """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix, leaving out the
+        entries of the requests in ``exclude`` (the batch's own: leave-one-out)."""
         norm = float(np.linalg.norm(eam))
         if norm == 0:
             return None
-        similarity = np.stack(self.collection) @ (eam.ravel() / norm)
-        return self.collection[int(np.argmax(similarity))].reshape(self.num_layers, self.num_experts)
+        entries = [v for v, owner in zip(self.collection, self.owners) if owner is None or owner not in exclude]
+        if not entries:
+            return None
+        similarity = np.stack(entries) @ (eam.ravel() / norm)
+        return entries[int(np.argmax(similarity))].reshape(self.num_layers, self.num_experts)
 
 
 _TRACKERS: dict[int, ActivationTracker] = {}
+#: ``prefetch.calibration`` value for leave-one-out seeding from the replayed trace
+OTHERS = "others"
+
+
+def calibration_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.ndarray]:
+    """Every request's EAM of a calibration trace, refused with one line when it cannot be read or does
+    not fit the model."""
+    try:
+        table = pq.read_table(path, columns=["layer", "experts"])
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"cannot read calibration trace {path}: {err}", field="prefetch.calibration",
+                          fix="give a moesim trace of the replayed model, 'others' or 'none'") from None
+    layers = table.column("layer").to_numpy()
+    experts = table.column("experts").combine_chunks().flatten().to_numpy()
+    if (layers.size and int(layers.max()) >= num_layers) or (experts.size and int(experts.max()) >= num_experts):
+        raise ConfigError(f"calibration trace {path} routes beyond the model's {num_layers} layers x {num_experts} "
+                          f"experts", field="prefetch.calibration",
+                          fix="give a trace of the replayed model, 'others' or 'none'")
+    return request_eams(path, num_layers, num_experts)
 
 
 @register_component
@@ -147,8 +185,8 @@ class EamPrefetch(Prefetch):
     lookahead: int = 2
     #: experts per target layer at most (0: the model's top-k)
     per_layer: int = 0
-    #: trace whose requests seed the EAMC before the run (empty: start empty)
-    calibration: str = ""
+    #: what seeds the EAMC: "others" (the replayed trace, leave-one-out), a trace path, or "none" (start empty)
+    calibration: str = OTHERS
     tracker: ActivationTracker | None = field(default=None, repr=False)
     _per_layer: int = 0
 
@@ -159,13 +197,30 @@ class EamPrefetch(Prefetch):
         m = ctx.model
         self.tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
         self._per_layer = self.per_layer or m.top_k
-        if self.calibration:
-            for eam in request_eams(self.calibration, m.num_layers, m.num_experts).values():
-                self.tracker.add_to_collection(eam)
-        else:
-            ctx.notes.append("eam-match: EAM collection starts empty and fills with the replayed trace's finished "
-                             "requests (set prefetch.calibration=PATH to seed it)")
+        self._seed(ctx)
         _TRACKERS[id(ctx)] = self.tracker
+
+    def _seed(self, ctx: RunContext) -> None:
+        """Fill the EAMC before the run (see the module docstring)."""
+        tracker, m = self.tracker, ctx.model
+        assert tracker is not None and ctx.trace_path is not None
+        source = self.calibration.strip()
+        if source.lower() in ("", "none"):
+            ctx.notes.append("eam-match: EAM collection starts empty and fills with the replayed trace's finished "
+                             "requests (prefetch.calibration=none)")
+            return
+        leave_one_out = source.lower() == OTHERS
+        path = ctx.trace_path if leave_one_out else source
+        eams = calibration_eams(path, m.num_layers, m.num_experts)
+        for request in sorted(eams)[:max(self.eamc_size, 0)]:
+            tracker.add_to_collection(eams[request], request if leave_one_out else None)
+        seeded = len(tracker.collection)
+        if leave_one_out:
+            ctx.notes.append(f"eam-match: EAM collection seeded with {seeded} request(s) of the replayed trace, each "
+                             f"batch matched only against requests it does not hold (leave-one-out; set "
+                             f"prefetch.calibration=PATH for a held-out trace, or none to start empty)")
+        else:
+            ctx.notes.append(f"eam-match: EAM collection seeded with {seeded} request(s) of {path}")
 
     def observe(self, view: LayerView) -> None:
         assert self.tracker is not None
@@ -174,7 +229,7 @@ class EamPrefetch(Prefetch):
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         tracker = self.tracker
         assert tracker is not None
-        match = tracker.best_match(tracker.batch_eam(view))
+        match = tracker.best_match(tracker.batch_eam(view), frozenset(int(r) for r in np.unique(row_owners(view))))
         if match is None:
             return []
         layers = tracker.num_layers

@@ -1,0 +1,201 @@
+"""Why two rows of a comparison are identical, computed from the runs themselves.
+
+Two systems whose latency and traffic metrics agree to the printed digits are
+either the same schedule in disguise or differ only in something this trace
+and profile never exercise. :func:`explain_identical` says which, from what
+the runs did: their decision logs (placements, loads, prefetches, evictions),
+the mechanisms each system has that the others lack and how often each acted
+(with the system's own notes on why it stayed idle), their memory plans, and
+their time breakdowns category by category.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from moesim.policy.systems import ROLES, SYSTEMS
+
+#: metrics that make a row: latency, throughput, traffic, hits and utilisation
+ROW_METRICS = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "makespan_s", "decode_tokens_per_s",
+               "prefill_tokens_per_s", "gpu_hit_rate", "pcie_h2d_bytes", "demand_loads", "streamed_experts",
+               "prefetches", "cpu_util", "gpu_util", "pcie_util")
+#: significant digits two rows must share to count as identical (the table prints fewer)
+DIGITS = 9
+#: per role, the counter that says whether the component acted
+ACTED = {"substitute": "substituted_experts", "defer": "deferred_experts", "prefetch": "prefetches"}
+
+
+def _key(m: dict[str, Any]) -> tuple:
+    out = []
+    for name in ROW_METRICS:
+        value = m.get(name)
+        if isinstance(value, float):
+            value = "nan" if value != value else float(f"{value:.{DIGITS}g}")
+        out.append(value)
+    return tuple(out)
+
+
+def identical_groups(by_system: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Systems whose row metrics agree, in table order; only groups of two or more."""
+    groups: dict[tuple, list[str]] = {}
+    for name, m in by_system.items():
+        groups.setdefault(_key(m), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+@dataclass
+class Decisions:
+    """One run's decision log, summarised for comparison."""
+
+    log: list[tuple]
+
+    def counts(self) -> Counter:
+        return Counter(row[3] for row in self.log)
+
+    def describe(self) -> str:
+        counts = self.counts()
+        if not counts:
+            return "no logged decision"
+        return ", ".join(f"{n:,} {action}" for action, n in sorted(counts.items()))
+
+
+def _first_difference(a: list[tuple], b: list[tuple]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"entry {i:,}: step {x[0]} layer {x[1]} expert {x[2]} {x[3]} vs step {y[0]} layer {y[1]} " \
+                   f"expert {y[2]} {y[3]}"
+    return f"one log has {abs(len(a) - len(b)):,} more entries"
+
+
+def _placement(m: dict[str, Any]) -> str:
+    share = m.get("gpu_share_of_activations")
+    if share is None:
+        return ""
+    if share == 0:
+        return "every routed expert ran on the CPU"
+    if share == 1:
+        return "every routed expert ran on the GPU"
+    return f"{share:.1%} of expert activations ran on the GPU"
+
+
+def _mechanisms(names: Sequence[str], by_system: dict[str, dict[str, Any]], same_decisions: bool) -> list[str]:
+    """Per role whose component differs among the members: what each component did (and why not, if noted)."""
+    specs = {n: SYSTEMS[n].roles() for n in names if n in SYSTEMS}
+    out = []
+    for role in ROLES:
+        users: dict[str, list[str]] = {}
+        for name, roles in specs.items():
+            users.setdefault(roles[role], []).append(name)
+        if len(users) < 2:
+            continue
+        if role == "assign":
+            listed = " and ".join(f"'{c}' ({', '.join(u)})" for c, u in users.items())
+            out.append(f"assign {listed} " + ("put every expert on the same device" if same_decisions
+                                              else "placed experts differently to the same effect"))
+            continue
+        for component, members in users.items():
+            if component != "none":
+                out.append(_acted(role, component, members, by_system))
+    return out
+
+
+def _acted(role: str, component: str, members: list[str], by_system: dict[str, dict[str, Any]]) -> str:
+    m = by_system[members[0]]
+    who = f"{', '.join(members)}: {role} '{component}'"
+    counter = ACTED.get(role)
+    if counter is not None and counter in m:
+        counts = {by_system[n][counter] for n in members}
+        text = f"{who} never acted (0 {counter.replace('_', ' ')})" if counts == {0} else \
+            f"{who} acted ({', '.join(f'{c:,}' for c in sorted(counts))} {counter.replace('_', ' ')})"
+    elif role == "cache":
+        text = f"{who} {_cache_use(m)}"
+    else:
+        text = f"{who} made no difference"
+    why = sorted({note.split(": ", 1)[1] for n in members for note in by_system[n].get("notes", [])
+                  if note.startswith(f"{component}: ")})
+    return text + (f" because {'; '.join(why)}" if why else "")
+
+
+def _cache_use(m: dict[str, Any]) -> str:
+    if not m.get("gpu_share_of_activations"):
+        return f"held {m.get('expert_slots', 0):,} expert slots that no expert ran from"
+    return f"served {m.get('gpu_hit_rate', 0.0):.1%} of GPU experts from its slots"
+
+
+def _memory(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
+    slots = {n: by_system[n].get("expert_slots") for n in names}
+    if len(set(slots.values())) <= 1:
+        return ""
+    listed = ", ".join(f"{n} {s:,}" for n, s in slots.items() if isinstance(s, int))
+    return f"expert slots differ ({listed})"
+
+
+def _costs(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
+    breakdowns = [by_system[n].get("breakdown_ms", {}) for n in names]
+    first = breakdowns[0]
+    if all(b.keys() == first.keys() and all(abs(b[k] - first[k]) <= 1e-9 * max(abs(first[k]), 1.0) for k in b)
+           for b in breakdowns[1:]):
+        busy = ", ".join(f"{k} {v:,.1f} ms" for k, v in first.items() if v > 0)
+        return f"their time breakdowns agree in every category ({busy}): whatever runtime costs the systems " \
+               f"declare differently come out equal on this profile"
+    return ""
+
+
+def _portfolio(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
+    for name in names:
+        best = by_system[name].get("portfolio_best")
+        if best:
+            return f"{name} is, per metric, the best of its schedules, and every one of its metrics came from {best}"
+    return ""
+
+
+def explain_identical(names: Sequence[str], by_system: dict[str, dict[str, Any]],
+                      decisions: Callable[[str], list[tuple] | None] | None = None) -> str:
+    """One sentence on why the rows of ``names`` agree; ``decisions(name)`` gives a run's decision log."""
+    parts = []
+    portfolio = _portfolio(names, by_system)
+    if portfolio:
+        parts.append(portfolio)
+    logs = {n: decisions(n) for n in names} if decisions else {}
+    logs = {n: log for n, log in logs.items() if log is not None}
+    same = False
+    if len(logs) == len(names) and len(names) > 1:
+        first_name, first = next(iter(logs.items()))
+        differing = [n for n, log in logs.items() if log != first]
+        same = not differing
+        if same:
+            parts.append(f"they made the same placement and transfer decisions on this trace "
+                         f"({Decisions(first).describe()})")
+        else:
+            other = differing[0]
+            parts.append(f"their decision logs differ ({first_name}: {Decisions(first).describe()}; {other}: "
+                         f"{Decisions(logs[other]).describe()}; first difference at "
+                         f"{_first_difference(first, logs[other])}) yet every timing agrees")
+    placements = {_placement(by_system[n]) for n in names}
+    if len(placements) == 1 and placements != {""}:
+        parts.append(f"in all of them {placements.pop()}")
+    parts += _mechanisms(names, by_system, same)
+    for part in (_memory(names, by_system), _costs(names, by_system)):
+        if part:
+            parts.append(part)
+    return "; ".join(parts) + "."
+
+
+def identical_lines(by_system: dict[str, dict[str, Any]],
+                    decisions: Callable[[str], list[tuple] | None] | None = None) -> list[str]:
+    """A line per group of identical rows: the names and the computed reason."""
+    return [f"identical rows {', '.join(names)}: {explain_identical(names, by_system, decisions)}"
+            for names in identical_groups(by_system)]
+
+
+def decision_logs(trace: str, hw: str, settings: dict[str, str], **kwargs: Any) -> Callable[[str], list[tuple] | None]:
+    """A function that replays one system again with its decision log on (None for a portfolio bound)."""
+    from moesim.sim.run import simulate
+
+    def log(name: str) -> list[tuple] | None:
+        if name not in SYSTEMS or SYSTEMS[name].portfolio:
+            return None
+        return simulate(trace, hw, name, settings, decisions=True, **kwargs).decisions
+    return log
