@@ -191,6 +191,10 @@ class SystemSpec:
     #: default parameters of the composition, as ``--set`` would give them (engine.* and memory.* too);
     #: the user's own ``--set`` wins
     defaults: tuple[tuple[str, str], ...] = ()
+    #: the software it runs on, a key of the profile's ``runtimes`` (launch costs, CPU kernel efficiency;
+    #: 001_66a328d79a3cae8d.txt Sec. 2.3); ``generic`` takes the gpu section's launch_us and cuda_graph.
+    #: ``--set runtime=NAME`` swaps it.
+    runtime: str = "generic"
 
     def roles(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}

@@ -37,6 +37,8 @@ class ReplaySettings:
     hw: dict[str, Any] = field(default_factory=dict)
     slots_per_layer: int | None = None
     system: dict[str, str] = field(default_factory=dict)
+    #: ``--set runtime=NAME``: the system's runtime swapped for another of the profile's
+    runtime: str | None = None
 
 
 def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
@@ -57,6 +59,8 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
             _set_field(out.memory, "memory", rest, raw)
         elif section == "hw" and rest:
             out.hw[rest] = coerce(raw, None, key)
+        elif key == "runtime":
+            out.runtime = str(raw)
         elif key == "cache.slots_per_layer":
             out.slots_per_layer = int(coerce(raw, 0, key))
         else:
@@ -73,7 +77,8 @@ def common_parameters() -> list[str]:
     """``--set`` keys every system accepts."""
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
-    return keys + ["cache.slots_per_layer", "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
+    return keys + ["cache.slots_per_layer", "runtime=<generic|a key of the profile's runtimes>",
+                   "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
 
 
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
@@ -100,7 +105,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
-    costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
+    costs = CostModel(profile, model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype,
+                      parsed.runtime or SYSTEMS[system].runtime)
     memory = plan_memory(model, profile, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
                          non_expert_dtype=parsed.memory.non_expert_dtype,
@@ -140,7 +146,7 @@ def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] 
                              if k.partition(".")[0] in ("engine", "memory", "hw")})
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
-    costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None)
+    costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype)
     bound = physical_lower_bound(trace, meta.model, costs)
     return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean")}
 

@@ -28,9 +28,13 @@ def test_bound_of_a_one_step_trace_by_hand(tmp_path):
                              [{"phase": "decode", "tokens": {0: (0, [[[0, 1]], [[2, 3]]])}}])
     costs = CostModel(tiny_profile(), model)
     bound = physical_lower_bound(str(trace), model, costs)
-    # attention 50 us per layer; 4 experts of one token: GPU 100 us, CPU 1000 us each. Three go wholly
-    # to the GPU (400 us vs 1000 us), then x of the fourth: 400 + 100x = 1000 (1 - x) -> x = 6/11
-    floor = 2 * 50e-6 + 3 * 100e-6 + 100e-6 * 6 / 11
+    # attention 50 us per layer plus the step's embedding, LM head and sampling (rooflines on the toy GPU,
+    # 1000 GB/s x 0.6: 1 x 64, 100 x 64 bf16 weights and 3 passes over 100 fp32 logits) = fixed GPU work F;
+    # 4 experts of one token: GPU 100 us, CPU 1000 us each. Three go wholly to the GPU, then x of the
+    # fourth: F + 300 us + 100x = 1000 (1 - x) us
+    fixed = 2 * 50e-6 + (64 * 2 + 100 * 64 * 2 + 3 * 4 * 100) / 600e9
+    x = (1000e-6 - fixed - 300e-6) / 1100e-6
+    floor = fixed + 3 * 100e-6 + 100e-6 * x
     assert bound["makespan_s"] == pytest.approx(floor)
     assert bound["tpot_ms_mean"] == pytest.approx(floor * 1e3)
 

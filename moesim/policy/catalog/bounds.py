@@ -62,7 +62,9 @@ def step_floor(step, model: ModelSpec, costs: CostModel, substitution: bool = Fa
     """The physical floor of one trace step, seconds."""
     first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
     context = int(step.position[first].max()) + 1
-    fixed = 0.0
+    sequences = len(np.unique(step.request[first]))
+    # dense layers, embedding, LM head and sampling: GPU work every step does besides its MoE layers
+    fixed = sum(costs.step_fixed(first.stop - first.start, context, sequences).values())
     gpu: list[float] = []
     cpu: list[float] = []
     for _, rows in step.layers():

@@ -291,4 +291,4 @@ class NextLayerPrefetch(Prefetch):
 register_system("buddymoe", SystemSpec(
     "BuddyMoE (002): LRU expert cache, next-layer prefetch, missing experts replaced by resident buddies "
     "from co-activation lists (TAE and distribution gates, budget rho)",
-    cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy"))
+    cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy", runtime="llamacpp"))

@@ -105,8 +105,8 @@ class ExpertDeferral(Deferral):
 register_system("ktransformers", SystemSpec(
     "KTransformers (001 Sec. 3): routed experts on the CPU (AMX/AVX-512 by tokens per expert), attention and "
     "shared experts on the GPU, CUDA Graph per profile; cache.per_layer static GPU experts (default 0)",
-    cache="ktrans-static", assign="resident"))
+    cache="ktrans-static", assign="resident", runtime="ktransformers"))
 register_system("ktransformers-ed", SystemSpec(
     "KTransformers with Expert Deferral (001 Sec. 4): each token's defer.deferred lowest-score experts "
     "overlap the next layer; decode only, never the last layer",
-    cache="ktrans-static", assign="resident", defer="ktrans-deferral"))
+    cache="ktrans-static", assign="resident", defer="ktrans-deferral", runtime="ktransformers"))

@@ -129,4 +129,4 @@ class LlamaCppSystem(ComposedSystem):
 register_system("llamacpp", SystemSpec(
     "llama.cpp --n-cpu-moe N: experts of the first N MoE layers on the CPU, all others resident on the GPU "
     "(memory checked; N=-1 picks the smallest that fits); batches of 32+ tokens offload CPU layers to the GPU",
-    cache="llamacpp-layers", assign="llamacpp", ignores_memory=True, system_class=LlamaCppSystem))
+    cache="llamacpp-layers", assign="llamacpp", ignores_memory=True, system_class=LlamaCppSystem, runtime="llamacpp"))

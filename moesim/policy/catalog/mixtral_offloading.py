@@ -58,4 +58,4 @@ class SpeculativePrefetch(Prefetch):
 register_system("mixtral-offloading", SystemSpec(
     "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (first experts loaded "
     "first), every expert on the GPU, resident experts first; speculative next-layer loading with "
-    "--set prefetch=speculative", cache="lru", assign="gpu"))
+    "--set prefetch=speculative", cache="lru", assign="gpu", runtime="pytorch-eager"))
