@@ -119,6 +119,8 @@ class GPUSpec(_Roofline):
     roofline_efficiency: float = 0.6
     #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)
     bandwidth_efficiency: float | None = None
+    #: non-expert GPU kernels per decoder layer under the generic runtime (see RuntimeSpec)
+    kernels_per_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,14 +187,21 @@ class HardwareProfile:
         return cpu.dram_bandwidth_gbps * cpu.effective_bandwidth_efficiency
 
     def runtime(self, name: str) -> RuntimeSpec:
-        """The named runtime's costs; ``generic`` is built from the gpu section (launch_us, cuda_graph)."""
+        """The named runtime's costs.
+
+        ``generic`` is built from the gpu section (launch_us, cuda_graph, kernels_per_layer) with the
+        CPU curves as they are; ``ideal`` (the bounds' runtime) launches nothing and does no host work.
+        """
+        if name == "ideal":
+            return RuntimeSpec(name="ideal", launch_us=0.0)
         if name in self.runtimes:
             return self.runtimes[name]
         if name == "generic" or not self.runtimes:
             return RuntimeSpec(name="generic", launch_us=self.gpu.launch_us,
-                               graph="kernel" if self.gpu.cuda_graph else "none")
+                               graph="kernel" if self.gpu.cuda_graph else "none",
+                               kernels_per_layer=self.gpu.kernels_per_layer)
         raise ProfileError(f"no runtime '{name}'", source=self.path or self.name, field=f"runtimes.{name}",
-                           fix=f"use one of: generic, {', '.join(sorted(self.runtimes))}")
+                           fix=f"use one of: generic, ideal, {', '.join(sorted(self.runtimes))}")
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -269,13 +278,15 @@ def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool
 
 
 OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",
-                    "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency", "cpu.dram_combined_gbps"}
+                    "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency", "cpu.dram_combined_gbps",
+                    "gpu.kernels_per_layer"}
 
 #: keys each section may hold; anything else is a typo that would otherwise be ignored silently
 SECTION_KEYS = {
     "": {"schema_version", "name", "description", "gpu", "cpu", "pcie", "sync", "sources", "runtimes"},
     "gpu": {"name", "memory_gib", "reserved_gib", "launch_us", "graph_launch_us", "cuda_graph", "peak_tflops",
-            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency"},
+            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency",
+            "kernels_per_layer"},
     "cpu": {"name", "cores", "dram_bandwidth_gbps", "peak_tflops", "amx_switch_tokens", "expert_ffn",
             "numa_note", "roofline_efficiency", "bandwidth_efficiency", "dram_combined_gbps"},
     "pcie": {"generation", "h2d", "d2h", "latency_us", "copy_engines", "duplex_slowdown", "bandwidth_scale"},
@@ -472,6 +483,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
         roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6),
         bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None),
+        kernels_per_layer=int(r.number(g, "gpu.kernels_per_layer", positive=False, default=0)),
     )
     if "bf16" not in gpu.peak_tflops:
         raise r.fail("gpu.peak_tflops.bf16", "missing field", "add the dense bf16 peak from the spec sheet")
@@ -508,9 +520,17 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     s = r.section(data, "sync")
     r.known_keys(s, "sync")
     sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False))
+    runtimes = r.runtimes(data.get("runtimes"))
+    kernels = set(cpu.peak_tflops) | {c.kernel for c in cpu.expert_ffn}
+    for name, runtime in runtimes.items():
+        for kernel in runtime.cpu_compute_efficiency:
+            if kernel not in kernels:
+                raise r.fail(f"runtimes.{name}.cpu_compute_efficiency.{kernel}",
+                             f"this CPU has no '{kernel}' kernel, so the factor would change nothing",
+                             f"use one of {', '.join(sorted(kernels))}")
     return HardwareProfile(name=r.text(data, "name"), gpu=gpu, cpu=cpu, pcie=pcie, sync=sync,
                            sources=dict(sources), description=str(data.get("description", "")),
-                           path=origin, raw=data, runtimes=r.runtimes(data.get("runtimes")))
+                           path=origin, raw=data, runtimes=runtimes)
 
 
 def available_profiles() -> list[str]:

@@ -228,20 +228,20 @@ register_system("static-hot", SystemSpec(
     "Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU", cache="static-hot", assign="resident"))
 register_system("all-in-gpu", SystemSpec(
     "every expert resident on the GPU (bound; GPU memory not enforced)", cache="all", assign="gpu",
-    ignores_memory=True))
+    ignores_memory=True, runtime="ideal"))
 register_system("oracle", SystemSpec(
     "bound: the fastest of several schedules that know the whole trace: Belady cache with perfect next-layer "
     "prefetch and the best CPU/GPU split per layer; the trace's hottest experts pinned with the best split; "
-    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru")))
+    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), runtime="ideal"))
 register_system("oracle-prefetch", SystemSpec(
     "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
-    cache="belady", assign="best", prefetch="perfect", listed=False))
+    cache="belady", assign="best", prefetch="perfect", listed=False, runtime="ideal"))
 register_system("oracle-pinned", SystemSpec(
     "the trace's hottest experts pinned, best CPU/GPU split per layer", cache="static-hot", assign="best",
-    listed=False))
+    listed=False, runtime="ideal"))
 register_system("belady", SystemSpec(
     "every expert on the GPU, Belady's optimal eviction per layer, demand loads", cache="belady", assign="gpu",
-    listed=False))
+    listed=False, runtime="ideal"))
 
 
 def system_names(all_systems: bool = False) -> list[str]:

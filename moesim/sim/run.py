@@ -127,6 +127,8 @@ def members(system: str) -> tuple[str, ...]:
 def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
              **kwargs: Any) -> SimResult:
     """Replay ``trace``; for a portfolio bound, every member runs and the fastest result is kept."""
+    if SYSTEMS[system].portfolio and "runtime" not in (settings or {}):
+        settings = {**(settings or {}), "runtime": SYSTEMS[system].runtime}  # members run on the bound's runtime
     runs = [prepare(trace, hw, member, settings, **kwargs).run() for member in members(system)]
     if len(runs) == 1:
         return runs[0]
