@@ -411,7 +411,7 @@ class _Reader:
             if not isinstance(r, dict):
                 raise self.fail(key, "must be a mapping", "see hwprofiles/README.md")
             self.known_keys(r, "runtime", prefix=key)
-            graph = self.text(r, f"{key}.graph", default="none")
+            graph = "none" if r.get("graph") is None else self.text(r, f"{key}.graph")
             if graph not in GRAPH_MODES:
                 raise self.fail(f"{key}.graph", f"unknown graph mode '{graph}'", f"use one of {', '.join(GRAPH_MODES)}")
             compute = r.get("cpu_compute_efficiency", {})

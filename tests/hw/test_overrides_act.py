@@ -70,6 +70,7 @@ def test_every_hw_key_acts_or_is_refused(mixtral):
         assert key in moved, f"hw.{key}={setting} changed no metric of {SYSTEMS} and raised no error"
     assert moved["gpu.name"] == moved["pcie.d2h"] == moved["cpu.numa_note"] == "error"
     assert moved["cpu.dram_bandwidth_gbps"] == "cpu-only"
+    assert all(v != "error" for k, v in moved.items() if k.startswith("runtimes."))
 
 
 @pytest.mark.parametrize("setting", [{"hw.cpu.dram_bandwidth_gbps": "10"}, {"hw.gpu.mem_bandwidth_gbps": "100"},
