@@ -232,7 +232,8 @@ register_system("all-in-gpu", SystemSpec(
 register_system("oracle", SystemSpec(
     "bound: the fastest of several schedules that know the whole trace: Belady cache with perfect next-layer "
     "prefetch and the best CPU/GPU split per layer; the trace's hottest experts pinned with the best split; "
-    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), runtime="ideal"))
+    "Belady and LRU demand paging", portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"),
+    runtime="ideal"))
 register_system("oracle-prefetch", SystemSpec(
     "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
     cache="belady", assign="best", prefetch="perfect", listed=False, runtime="ideal"))

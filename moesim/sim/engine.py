@@ -330,6 +330,10 @@ class Simulator:
         chunk = self.config.copy_chunk_bytes
         self.pcie = CopyEngines((lambda n: costs.h2d_chunked(n, chunk)) if chunk > 0 else costs.h2d,
                                 profile.pcie.copy_engines, self.dram, self.dram_combined_bps, max(chunk, 0))
+        # the most a copy engine set draws from host DRAM: CPU work whose own rate plus this stays within
+        # the combined bandwidth can never contend, and is kept off the DRAM ledger (the common case)
+        copy_s = self.pcie.duration(costs.expert_bytes) if costs.expert_bytes else 0.0
+        self._copy_rate = costs.expert_bytes / copy_s * profile.pcie.copy_engines if copy_s else 0.0
         # launches depend on the phase (a whole-decode-step CUDA Graph, 001 Sec. 3.3): set per step
         self._launch = {phase: (costs.launches(self.config.kernels_per_expert, phase),
                                 costs.launches(self.config.kernels_per_shared, phase)
@@ -391,7 +395,8 @@ class Simulator:
             if self.timeline is not None:
                 self._span("pcie", transfer.engine, transfer.start or 0.0, transfer.end or 0.0, transfer.kind,
                            transfer.step, transfer.layer, transfer.expert)
-        self.dram.prune(t)
+        if self.dram.intervals:
+            self.dram.prune(t)
 
     def _submit_loads(self, layer: int, experts: list[int], step: int, at: float) -> None:
         """Demand loads of one plan, submitted together (the common case of every cache miss)."""
@@ -428,7 +433,9 @@ class Simulator:
         value = self._cpu.get(tokens)
         if value is None:
             value = self._cpu[tokens] = self.costs.cpu_expert(tokens)
-            self._cpu_rate[tokens] = self.costs.expert_bytes / value
+            rate = self.costs.expert_bytes / value if value > 0 else 0.0
+            # 0: this expert and every copy together stay within the combined bandwidth
+            self._cpu_rate[tokens] = rate if rate + self._copy_rate > self.dram_combined_bps else 0.0
         return value
 
     def _gpu_s(self, tokens: int) -> float:
@@ -629,7 +636,7 @@ class Simulator:
         t = start + sync
         counters.breakdown["sync"] += sync
         pcie = self.pcie
-        if pcie.queue or max(pcie.free) > t:
+        if (pcie.queue or max(pcie.free) > t) and self._contends(experts, count):
             t = self._cpu_shared(experts, count, s, layer, t, kind)
         elif self.timeline is None:
             if count is None:
@@ -653,6 +660,13 @@ class Simulator:
         counters.cpu_busy_s += t - start - sync
         self.cpu_free = t
         return t
+
+    def _contends(self, experts: list[int], count: dict[int, int] | None) -> bool:
+        """Whether any of these CPU experts could exceed the combined DRAM bandwidth beside copies."""
+        if count is None:
+            self._cpu_s(1)
+            return self._cpu_rate[1] > 0
+        return any(self._cpu_rate[count[e]] > 0 for e in experts if self._cpu_s(count[e]) >= 0)
 
     def _cpu_shared(self, experts: list[int], count: dict[int, int] | None, s: int, layer: int, t: float,
                     kind: str) -> float:
