@@ -641,14 +641,16 @@ class Simulator:
         elif self.timeline is None:
             if count is None:
                 d = self._cpu_s(1)
-                self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
+                if self._cpu_rate[1]:  # 0: cannot contend for DRAM, kept off the ledger
+                    self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
                 t += len(experts) * d
             else:
                 cpu, rate, add = self._cpu, self._cpu_rate, self.dram.add
                 for e in experts:
                     n = count[e]
                     d = cpu[n] if n in cpu else self._cpu_s(n)
-                    add(t, t + d, rate[n])
+                    if rate[n]:
+                        add(t, t + d, rate[n])
                     t += d
         else:
             for e in experts:
