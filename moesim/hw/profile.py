@@ -11,6 +11,7 @@ source: curves carry an inline ``source``; scalar fields are covered by the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,12 +52,45 @@ class AttentionCurve:
 
     Attention cost depends on the model's dimensions, so each curve names the
     model preset it was measured or derived for; a curve without ``model``
-    ("") applies to any model that has no curve of its own.
+    ("") applies to any model that has no curve of its own. ``dtype`` is the
+    weight dtype it was measured in; another ``memory.non_expert_dtype`` scales
+    it by the roofline ratio (moesim.hw.cost).
     """
 
     model: str
     tokens: int
     curve: Curve  # x = context length
+    dtype: str = "bf16"
+
+
+#: CUDA Graph use of a runtime: none; every kernel replayed from graphs (per-kernel graph_launch_us);
+#: the whole decode step in one graph (one graph_launch_us per decode step, 001 Sec. 3.3)
+GRAPH_MODES = ("none", "kernel", "decode_step")
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """The software a system runs on, as its costs on this machine (001_66a328d79a3cae8d.txt Sec. 2.3, 3, 6.4).
+
+    CPU efficiencies are speed factors relative to the profile's CPU curves
+    (1.0: as fast as the curves), applied by the regime the roofline says binds
+    at that size: ``cpu_compute_efficiency[kernel]`` where compute binds,
+    ``cpu_bandwidth_efficiency`` where DRAM bandwidth binds.
+    """
+
+    name: str
+    #: host time per GPU kernel launch, µs
+    launch_us: float
+    graph: str = "none"
+    #: GPU kernels per decoder layer besides routed and shared experts (norms, attention block, gate, residuals)
+    kernels_per_layer: int = 0
+    cpu_compute_efficiency: dict[str, float] = field(default_factory=dict)
+    cpu_bandwidth_efficiency: float = 1.0
+    #: host work per forward pass not hidden behind the GPU (graph build, scheduling), µs
+    host_us_per_step: float = 0.0
+
+    def cpu_compute(self, kernel: str) -> float:
+        return self.cpu_compute_efficiency.get(kernel, 1.0)
 
 
 class _Roofline:
@@ -86,6 +120,8 @@ class GPUSpec(_Roofline):
     roofline_efficiency: float = 0.6
     #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)
     bandwidth_efficiency: float | None = None
+    #: non-expert GPU kernels per decoder layer under the generic runtime (see RuntimeSpec)
+    kernels_per_layer: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +133,9 @@ class CPUSpec(_Roofline):
     amx_switch_tokens: int | None  # tokens per expert from which AMX is used; None = no AMX
     expert_ffn: tuple[ExpertCurve, ...] = ()
     numa_note: str = ""
+    #: achievable DRAM bandwidth when CPU kernels and H2D copies read host memory at once (None: the
+    #: CPU's own achievable bandwidth, dram_bandwidth_gbps x bandwidth efficiency)
+    dram_combined_gbps: float | None = None
     #: achievable fraction of ``peak_tflops`` (1.0 when the peaks are measured kernel ceilings)
     roofline_efficiency: float = 0.5
     #: achievable fraction of ``dram_bandwidth_gbps`` (None: same as roofline_efficiency)
@@ -131,6 +170,39 @@ class HardwareProfile:
     description: str = ""
     path: str = ""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    runtimes: dict[str, RuntimeSpec] = field(default_factory=dict)
+    #: the profile as loaded, before command-line overrides (None: this is it); curves are scaled by
+    #: the roofline under the overridden numbers over the roofline under these
+    base: "HardwareProfile | None" = field(default=None, compare=False, repr=False)
+
+    @property
+    def original(self) -> "HardwareProfile":
+        return self.base or self
+
+    @property
+    def dram_combined_gbps(self) -> float:
+        """Achievable host-DRAM bandwidth shared by CPU kernels and H2D copies, GB/s."""
+        cpu = self.cpu
+        if cpu.dram_combined_gbps is not None:
+            return cpu.dram_combined_gbps
+        return cpu.dram_bandwidth_gbps * cpu.effective_bandwidth_efficiency
+
+    def runtime(self, name: str) -> RuntimeSpec:
+        """The named runtime's costs.
+
+        ``generic`` is built from the gpu section (launch_us, cuda_graph, kernels_per_layer) with the
+        CPU curves as they are; ``ideal`` (the bounds' runtime) launches nothing and does no host work.
+        """
+        if name == "ideal":
+            return RuntimeSpec(name="ideal", launch_us=0.0)
+        if name in self.runtimes:
+            return self.runtimes[name]
+        if name == "generic" or not self.runtimes:
+            return RuntimeSpec(name="generic", launch_us=self.gpu.launch_us,
+                               graph="kernel" if self.gpu.cuda_graph else "none",
+                               kernels_per_layer=self.gpu.kernels_per_layer)
+        raise ProfileError(f"no runtime '{name}'", source=self.path or self.name, field=f"runtimes.{name}",
+                           fix=f"use one of: generic, ideal, {', '.join(sorted(self.runtimes))}")
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -146,6 +218,10 @@ class HardwareProfile:
             return self
         raw = copy.deepcopy(self.raw)
         for key, value in overrides.items():
+            inert = _inert(key)
+            if inert:
+                raise ProfileError(f"cannot be overridden: {inert}", source=self.path or self.name, field=key,
+                                   fix="override a number the costs are computed from (hwprofiles/README.md)")
             parts = key.split(".")
             node = raw
             for part in parts[:-1]:
@@ -161,7 +237,32 @@ class HardwareProfile:
                 value = _like(value, current, key, self.path or self.name)
             node[parts[-1]] = value
             raw.setdefault("sources", {})[key] = "command-line override"
-        return parse_profile(raw, origin=self.path or self.name)
+        profile = parse_profile(raw, origin=self.path or self.name)
+        return dataclasses.replace(profile, base=self.original)
+
+
+#: fields no cost is computed from, and why an override of them would change nothing
+INERT_FIELDS = {
+    "schema_version": "the file format's version",
+    "name": "a label", "description": "a label", "gpu.name": "a label", "cpu.name": "a label",
+    "cpu.numa_note": "a note; NUMA effects are in the runtimes' cpu_bandwidth_efficiency",
+    "pcie.generation": "a label; the h2d/d2h curves and pcie.bandwidth_scale carry the bandwidth",
+    "pcie.d2h": "the engine issues no device-to-host copies (experts are read-only)",
+    "pcie.duplex_slowdown": "the engine issues no device-to-host copies, so H2D never runs duplex",
+    "sources": "documentation", "gpu.expert_ffn": "a list of curves (edit the profile YAML)",
+    "gpu.attention": "a list of curves (edit the profile YAML)", "cpu.expert_ffn": "a list of curves (edit the "
+    "profile YAML)", "pcie.h2d": "a curve; scale it with pcie.bandwidth_scale",
+}
+
+
+def _inert(key: str) -> str:
+    """Why overriding ``key`` would change no cost ('' when it acts)."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        why = INERT_FIELDS.get(".".join(parts[:i]))
+        if why:
+            return why
+    return ""
 
 
 def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool | int | float:
@@ -178,17 +279,21 @@ def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool
 
 
 OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",
-                    "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency"}
+                    "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency", "cpu.dram_combined_gbps",
+                    "gpu.kernels_per_layer"}
 
 #: keys each section may hold; anything else is a typo that would otherwise be ignored silently
 SECTION_KEYS = {
-    "": {"schema_version", "name", "description", "gpu", "cpu", "pcie", "sync", "sources"},
+    "": {"schema_version", "name", "description", "gpu", "cpu", "pcie", "sync", "sources", "runtimes"},
     "gpu": {"name", "memory_gib", "reserved_gib", "launch_us", "graph_launch_us", "cuda_graph", "peak_tflops",
-            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency"},
+            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency",
+            "kernels_per_layer"},
     "cpu": {"name", "cores", "dram_bandwidth_gbps", "peak_tflops", "amx_switch_tokens", "expert_ffn",
-            "numa_note", "roofline_efficiency", "bandwidth_efficiency"},
+            "numa_note", "roofline_efficiency", "bandwidth_efficiency", "dram_combined_gbps"},
     "pcie": {"generation", "h2d", "d2h", "latency_us", "copy_engines", "duplex_slowdown", "bandwidth_scale"},
     "sync": {"per_layer_us"},
+    "runtime": {"launch_us", "graph", "kernels_per_layer", "cpu_compute_efficiency", "cpu_bandwidth_efficiency",
+                "host_us_per_step"},
 }
 
 
@@ -237,10 +342,10 @@ class _Reader:
             raise self.fail(key, f"must be true or false, got {value!r}", "write true or false")
         return value
 
-    def known_keys(self, data: dict, section: str) -> None:
+    def known_keys(self, data: dict, section: str, prefix: str | None = None) -> None:
         unknown = sorted(str(k) for k in set(data) - SECTION_KEYS[section])
         if unknown:
-            where = f"{section}.{unknown[0]}" if section else unknown[0]
+            where = f"{prefix or section}.{unknown[0]}" if (prefix or section) else unknown[0]
             raise self.fail(where, "unknown field", f"valid fields here: {', '.join(sorted(SECTION_KEYS[section]))}")
 
     def text(self, data: dict, key: str, default: Any = ...) -> str:
@@ -313,8 +418,38 @@ class _Reader:
     def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
         return tuple(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
                                     tokens=int(self.number(item, f"{where}.tokens", integer=True)),
-                                    curve=self.curve(item, where, "context", "time_us", extra=("model", "tokens")))
+                                    curve=self.curve(item, where, "context", "time_us",
+                                                     extra=("model", "tokens", "dtype")),
+                                    dtype=self.text(item, f"{where}.dtype", default="bf16"))
                      for where, item in self.entries(items, key))
+
+    def runtimes(self, data: Any) -> dict[str, RuntimeSpec]:
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise self.fail("runtimes", "must be a mapping of runtime name to its numbers", "see hwprofiles/README.md")
+        out = {}
+        for name, r in data.items():
+            key = f"runtimes.{name}"
+            if not isinstance(r, dict):
+                raise self.fail(key, "must be a mapping", "see hwprofiles/README.md")
+            self.known_keys(r, "runtime", prefix=key)
+            graph = "none" if r.get("graph") is None else self.text(r, f"{key}.graph")
+            if graph not in GRAPH_MODES:
+                raise self.fail(f"{key}.graph", f"unknown graph mode '{graph}'", f"use one of {', '.join(GRAPH_MODES)}")
+            compute = r.get("cpu_compute_efficiency", {})
+            if not isinstance(compute, dict):
+                raise self.fail(f"{key}.cpu_compute_efficiency", "must be a mapping of CPU kernel to factor",
+                                "write e.g. {amx: 0.25, avx512: 1.0}")
+            out[str(name)] = RuntimeSpec(
+                name=str(name), launch_us=self.number(r, f"{key}.launch_us", positive=False), graph=graph,
+                kernels_per_layer=int(self.number(r, f"{key}.kernels_per_layer", positive=False, default=0,
+                                                  integer=True)),
+                cpu_compute_efficiency={k: self.number(compute, f"{key}.cpu_compute_efficiency.{k}")
+                                        for k in compute},
+                cpu_bandwidth_efficiency=self.number(r, f"{key}.cpu_bandwidth_efficiency", default=1.0),
+                host_us_per_step=self.number(r, f"{key}.host_us_per_step", positive=False, default=0.0))
+        return out
 
 
 def _numeric_paths(data: Any, prefix: str = "") -> list[str]:
@@ -371,6 +506,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
         roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6, maximum=1.0),
         bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None, maximum=1.0),
+        kernels_per_layer=int(r.number(g, "gpu.kernels_per_layer", positive=False, default=0, integer=True)),
     )
     if gpu.reserved_gib >= gpu.memory_gib:
         raise r.fail("gpu.reserved_gib", f"{gpu.reserved_gib} GiB reserved of {gpu.memory_gib} GiB",
@@ -390,6 +526,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         numa_note=r.text(c, "cpu.numa_note", default=""),
         roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5, maximum=1.0),
         bandwidth_efficiency=r.number(c, "cpu.bandwidth_efficiency", default=None, maximum=1.0),
+        dram_combined_gbps=r.number(c, "cpu.dram_combined_gbps", default=None),
     )
     if switch is not None and "amx" not in cpu.peak_tflops:
         raise r.fail("cpu.peak_tflops.amx", "amx_switch_tokens is set but there is no AMX peak",
@@ -408,9 +545,17 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
     s = r.section(data, "sync")
     r.known_keys(s, "sync")
     sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False))
+    runtimes = r.runtimes(data.get("runtimes"))
+    kernels = set(cpu.peak_tflops) | {c.kernel for c in cpu.expert_ffn}
+    for name, runtime in runtimes.items():
+        for kernel in runtime.cpu_compute_efficiency:
+            if kernel not in kernels:
+                raise r.fail(f"runtimes.{name}.cpu_compute_efficiency.{kernel}",
+                             f"this CPU has no '{kernel}' kernel, so the factor would change nothing",
+                             f"use one of {', '.join(sorted(kernels))}")
     return HardwareProfile(name=r.text(data, "name"), gpu=gpu, cpu=cpu, pcie=pcie, sync=sync,
                            sources=dict(sources), description=str(data.get("description", "")),
-                           path=origin, raw=data)
+                           path=origin, raw=data, runtimes=runtimes)
 
 
 def available_profiles() -> list[str]:

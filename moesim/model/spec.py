@@ -58,6 +58,8 @@ class ModelSpec:
     #: "gqa" (standard multi/grouped-query) or "mla" (DeepSeek multi-head latent attention)
     attention: str = "gqa"
     kv_lora_rank: int = 0
+    #: MLA query compression rank (0: queries projected straight from the hidden state, as DeepSeek-V2-Lite)
+    q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     vocab_size: int = 0
     expert_dtype: str = "bf16"
@@ -113,17 +115,39 @@ class ModelSpec:
         return self.expert_matrices * self.hidden_size * self.shared_intermediate_size
 
     def attention_params_per_layer(self) -> int:
-        """Approximate projection weights of one attention block (q, k, v, o)."""
+        """Projection weights of one attention block (q, k, v, o; MLA: its low-rank factors).
+
+        MLA after DeepSeek-V3's modelling code (arXiv 2412.19437 Sec. 2.1.1): queries
+        through ``q_lora_rank`` (or straight from the hidden state when it is 0), keys and
+        values through the ``kv_lora_rank`` latent plus a shared rope key; ``head_dim`` is
+        the no-rope query/key head and the value head. DeepSeek-V3: 187.1M per layer.
+        """
+        h, heads, d = self.hidden_size, self.num_attention_heads, self.head_dim
         if self.attention == "mla":
-            q = self.hidden_size * self.num_attention_heads * (self.head_dim + self.qk_rope_head_dim)
-            kv = self.hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim)
-            kv_up = self.kv_lora_rank * self.num_attention_heads * 2 * self.head_dim
-            o = self.num_attention_heads * self.head_dim * self.hidden_size
-            return q + kv + kv_up + o
-        q = self.hidden_size * self.num_attention_heads * self.head_dim
-        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        o = self.num_attention_heads * self.head_dim * self.hidden_size
+            q_head = d + self.qk_rope_head_dim
+            q = h * self.q_lora_rank + self.q_lora_rank * heads * q_head if self.q_lora_rank else h * heads * q_head
+            kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            kv_up = self.kv_lora_rank * heads * 2 * d
+            return q + kv_down + kv_up + heads * d * h
+        q = h * heads * d
+        kv = 2 * h * self.num_kv_heads * d
+        o = heads * d * h
         return q + kv + o
+
+    @property
+    def gate_params(self) -> int:
+        """Router weights of one MoE layer."""
+        return self.hidden_size * self.num_experts
+
+    @property
+    def dense_ffn_params(self) -> int:
+        """Weights of the FFN of one dense layer (0 when the model has none)."""
+        return self.expert_matrices * self.hidden_size * self.dense_intermediate_size if self.num_dense_layers else 0
+
+    @property
+    def lm_head_params(self) -> int:
+        """Output projection to the vocabulary (vocab x hidden)."""
+        return self.vocab_size * self.hidden_size
 
     # -- (de)serialisation -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -188,7 +212,7 @@ class ModelSpec:
     def _count_fields() -> tuple[str, ...]:
         return ("num_shared_experts", "shared_intermediate_size", "num_dense_layers",
                 "dense_intermediate_size", "num_attention_heads", "num_kv_heads", "head_dim",
-                "kv_lora_rank", "qk_rope_head_dim", "vocab_size", "total_params")
+                "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "vocab_size", "total_params")
 
     def routing_mismatch(self, other: "ModelSpec") -> str | None:
         """Name the first routing-shape field where ``other`` differs, or None if they agree."""

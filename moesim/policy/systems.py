@@ -218,6 +218,10 @@ class SystemSpec:
     #: default parameters of the composition, as ``--set`` would give them (engine.* and memory.* too);
     #: the user's own ``--set`` wins
     defaults: tuple[tuple[str, str], ...] = ()
+    #: the software it runs on, a key of the profile's ``runtimes`` (launch costs, CPU kernel efficiency;
+    #: 001_66a328d79a3cae8d.txt Sec. 2.3); ``generic`` takes the gpu section's launch_us and cuda_graph.
+    #: ``--set runtime=NAME`` swaps it.
+    runtime: str = "generic"
 
     def roles(self) -> dict[str, str]:
         return {role: getattr(self, role) for role in ROLES}
@@ -251,22 +255,25 @@ register_system("static-hot", SystemSpec(
     "Fiddler-style: hottest experts pinned on the GPU, the rest on the CPU", cache="static-hot", assign="resident"))
 register_system("all-in-gpu", SystemSpec(
     "reference, not a bound: every expert resident on the GPU, GPU memory not enforced (CPU-assisted "
-    "schedules within the memory budget may beat it)", cache="all", assign="gpu", ignores_memory=True))
+    "schedules within the memory budget may beat it)", cache="all", assign="gpu", ignores_memory=True,
+    runtime="ideal"))
 register_system("oracle", SystemSpec(
     "bound within the memory budget: per metric (TPOT, TTFT, makespan), the best of schedules that know the "
     "whole trace (Belady cache with perfect next-layer prefetch and the best CPU/GPU split per layer; the "
-    "trace's hottest experts pinned with the best split; Belady and LRU demand paging) and of every listed "
-    "system under the same memory budget; the notes name the schedule behind each metric",
-    portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), portfolio_catalogue=True))
+    "trace's hottest experts pinned with the best split; Belady and LRU demand paging; these on an ideal "
+    "runtime without launch or host costs) and of every listed system under the same memory budget; the notes "
+    "name the schedule behind each metric",
+    portfolio=("oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru"), portfolio_catalogue=True,
+    runtime="ideal"))
 register_system("oracle-prefetch", SystemSpec(
     "Belady cache, perfect next-layer prefetch, best CPU/GPU split per layer",
-    cache="belady", assign="best", prefetch="perfect", listed=False))
+    cache="belady", assign="best", prefetch="perfect", listed=False, runtime="ideal"))
 register_system("oracle-pinned", SystemSpec(
     "the trace's hottest experts pinned, best CPU/GPU split per layer", cache="static-hot", assign="best",
-    listed=False))
+    listed=False, runtime="ideal"))
 register_system("belady", SystemSpec(
     "every expert on the GPU, Belady's optimal eviction per layer, demand loads", cache="belady", assign="gpu",
-    listed=False))
+    listed=False, runtime="ideal"))
 
 
 def system_names(all_systems: bool = False) -> list[str]:

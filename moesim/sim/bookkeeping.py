@@ -14,9 +14,12 @@ import numpy as np
 
 from moesim.policy.base import LayerPlan, LayerView
 
-#: breakdown categories (000 Sec. VI-E) plus the non-MoE part of a layer
+#: breakdown categories (000 Sec. VI-E) plus the rest of the forward pass: attention (MoE and dense
+#: layers), dense layers' FFNs, embedding, LM head, sampling, the runtime's kernel/graph launches and
+#: host work (moesim.hw.cost, docs/engine.md)
 BREAKDOWN = ("attention", "predict", "cache_management", "gpu_compute", "wait_cache",
-             "shared_expert", "cpu_other", "sync")
+             "shared_expert", "cpu_other", "sync", "dense_ffn", "embedding", "lm_head", "sampling", "launch",
+             "host")
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Counters:
     deferred_weight_mass: float = 0.0
     gpu_busy_s: float = 0.0
     cpu_busy_s: float = 0.0
+    #: seconds CPU experts lost to sharing host DRAM with copies
+    dram_shared_s: float = 0.0
     breakdown: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in BREAKDOWN})
 
 

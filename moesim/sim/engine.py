@@ -26,6 +26,7 @@ transfer. A step then costs one SimPy timeout, which is what lets a
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
 from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions,  # noqa: F401
                                     substitution_mass, weight_mass)
+from moesim.sim.dram import Lane, Ledger, share, stretch
 from moesim.sim.memory import MemoryPlan
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
@@ -57,6 +59,9 @@ class SimConfig:
     kernels_per_shared: int = 3
     #: staging buffers for streamed experts (ping-pong: 2, 000 Alg. 1)
     staging_slots: int = 2
+    #: issue copies in chunks of this many bytes, so that demand loads overtake a running prefetch at a
+    #: chunk boundary (each chunk pays pcie.latency_us); 0: whole-expert copies, never preempted
+    copy_chunk_bytes: int = 0
     timeline: bool = False
     decisions: bool = False
     #: verify plans against the invariants while running (tests)
@@ -77,6 +82,8 @@ class Transfer:
     end: float | None = None
     #: place in the prefetch queue (counts from the queue's first ever entry)
     queued_at: int = -1
+    engine: int = 0
+    retired: bool = False
 
 
 class CopyEngines:
@@ -87,19 +94,33 @@ class CopyEngines:
     ahead of every queued prefetch. Prefetches wait in a FIFO queue (all have
     the same priority, so submission order is service order), and
     :meth:`advance` starts every queued prefetch that an engine falling idle at
-    or before ``t`` picks. A transfer already running is never preempted.
+    or before ``t`` picks. A transfer already running is not preempted, except
+    with ``chunk_bytes`` > 0: a copy is then issued in chunks of that size, and
+    a demand transfer overtakes a running prefetch at its next chunk boundary
+    (the prefetch's rest goes back to the head of the queue).
+
+    A transfer reads pinned host memory; against CPU work already laid out in
+    ``ledger`` it is slowed by DRAM sharing (moesim.sim.dram). Entries of
+    ``unretired`` whose end no longer matches their transfer's are stale (the
+    transfer was re-laid) and skipped.
     """
 
-    def __init__(self, duration: Callable[[int], float], engines: int) -> None:
+    def __init__(self, duration: Callable[[int], float], engines: int, ledger: Ledger | None = None,
+                 combined_bps: float = float("inf"), chunk_bytes: int = 0) -> None:
         self._duration = duration
         self._durations: dict[int, float] = {}
         self.free = [0.0] * engines
+        self.last: list[Transfer | None] = [None] * engines
         self.queue: deque[Transfer] = deque()
         self._head = 0  # queued_at of the queue's first entry
         self._tail = 0  # queued_at the next entry gets
         self.unretired: list[tuple[float, int, Transfer]] = []
         self.busy_s = 0.0
         self.bytes = 0
+        self.ledger = ledger
+        self.combined_bps = combined_bps
+        self.chunk_bytes = chunk_bytes
+        self.preemptions = 0
 
     def duration(self, nbytes: int) -> float:
         value = self._durations.get(nbytes)
@@ -116,8 +137,7 @@ class CopyEngines:
         if self.queue:
             self.advance(at)
         if transfer.priority == 0:
-            i = self._engine()
-            self._begin(i, transfer, self.free[i] if self.free[i] > at else at)
+            self.submit_demands([transfer], at)
             return
         transfer.queued_at = self._tail
         self._tail += 1
@@ -131,15 +151,53 @@ class CopyEngines:
         free = self.free
         for transfer in transfers:
             i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+            if self.chunk_bytes and free[i] > at:
+                self._preempt(i, at)
             self._begin(i, transfer, free[i] if free[i] > at else at)
+
+    def _preempt(self, i: int, at: float) -> None:
+        """Cut engine ``i``'s running prefetch at its first chunk boundary after ``at``; requeue its rest."""
+        running = self.last[i]
+        if running is None or running.priority != 1 or running.start is None or running.end is None \
+                or not running.start < at < running.end:
+            return
+        chunk = self.duration(min(self.chunk_bytes, running.nbytes))
+        done_chunks = math.ceil((at - running.start) / chunk - 1e-9)
+        boundary = running.start + done_chunks * chunk
+        rest = running.nbytes - done_chunks * self.chunk_bytes
+        if rest <= 0 or boundary >= running.end:
+            return
+        self.preemptions += 1
+        self.busy_s -= running.end - boundary
+        self.bytes -= rest
+        part = Transfer(running.layer, running.expert, running.nbytes - rest, 1, "chunk", running.seq,
+                        running.issued, running.step, running.start, boundary, engine=i)
+        heapq.heappush(self.unretired, (boundary, part.seq, part))
+        running.nbytes, running.start, running.end, running.issued = rest, None, None, boundary
+        self._head -= 1
+        running.queued_at = self._head
+        self.queue.appendleft(running)
+        self.free[i] = boundary
+        self.last[i] = None
 
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
+        transfer.engine = i
         duration = self.duration(transfer.nbytes)
+        ledger = self.ledger
+        if ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
+            duration = stretch(start, duration, transfer.nbytes / duration, ledger, self.combined_bps) - start
         transfer.end = self.free[i] = start + duration
+        self.last[i] = transfer
         self.busy_s += duration
         self.bytes += transfer.nbytes
         heapq.heappush(self.unretired, (transfer.end, transfer.seq, transfer))
+
+    def relay(self, transfer: Transfer, start: float, end: float) -> None:
+        """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""
+        self.busy_s += (end - start) - (transfer.end - transfer.start)  # type: ignore[operator]
+        transfer.start, transfer.end = start, end
+        heapq.heappush(self.unretired, (end, transfer.seq, transfer))
 
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free
@@ -178,8 +236,10 @@ class CopyEngines:
         """
         self.advance(horizon)
         busy, nbytes = self.busy_s, self.bytes
+        seen: set[int] = set()
         for end, _, transfer in self.unretired:
-            if end > horizon:
+            if end > horizon and transfer.end == end and id(transfer) not in seen:
+                seen.add(id(transfer))
                 start = transfer.start if transfer.start is not None else horizon
                 busy -= end - max(start, horizon)
                 if start >= horizon:
@@ -267,14 +327,29 @@ class Simulator:
         self.cpu_free = 0.0
         self.deferred_until = 0.0
         self._seq = 0
-        self.pcie = CopyEngines(costs.h2d, profile.pcie.copy_engines)
-        self.expert_launch_s = costs.launches(self.config.kernels_per_expert)
-        self.shared_launch_s = costs.launches(self.config.kernels_per_shared) if model.shared_intermediate_size else 0.0
+        self.dram = Ledger()
+        self.dram_combined_bps = profile.dram_combined_gbps * 1e9
+        chunk = self.config.copy_chunk_bytes
+        self.pcie = CopyEngines((lambda n: costs.h2d_chunked(n, chunk)) if chunk > 0 else costs.h2d,
+                                profile.pcie.copy_engines, self.dram, self.dram_combined_bps, max(chunk, 0))
+        # the most a copy engine set draws from host DRAM: CPU work whose own rate plus this stays within
+        # the combined bandwidth can never contend, and is kept off the DRAM ledger (the common case)
+        copy_s = self.pcie.duration(costs.expert_bytes) if costs.expert_bytes else 0.0
+        self._copy_rate = costs.expert_bytes / copy_s * profile.pcie.copy_engines if copy_s else 0.0
+        # launches depend on the phase (a whole-decode-step CUDA Graph, 001 Sec. 3.3): set per step
+        self._launch = {phase: (costs.launches(self.config.kernels_per_expert, phase),
+                                costs.launches(self.config.kernels_per_shared, phase)
+                                if model.shared_intermediate_size else 0.0) for phase in PHASES}
+        self.expert_launch_s, self.shared_launch_s = self._launch["prefill"]
         # per-run memo tables: the cost model is pure, and these lookups sit on the hot path
         self._attention: dict[tuple[int, int], float] = {}
         self._cpu: dict[int, float] = {}
-        self._gpu: dict[int, float] = {}
-        self._shared: dict[int, float] = {}
+        self._cpu_rate: dict[int, float] = {}
+        self._gpu_by_phase: dict[str, dict[int, float]] = {phase: {} for phase in PHASES}
+        self._shared_by_phase: dict[str, dict[int, float]] = {phase: {} for phase in PHASES}
+        self._gpu = self._gpu_by_phase["prefill"]
+        self._shared = self._shared_by_phase["prefill"]
+        self._fixed: dict[tuple[int, int, int, str], dict[str, float]] = {}
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
 
@@ -312,15 +387,20 @@ class Simulator:
             pcie.advance(t)
         done = pcie.unretired
         while done and done[0][0] <= t:
-            transfer = heapq.heappop(done)[2]
-            if transfer.kind != "stage":
+            end, _, transfer = heapq.heappop(done)
+            if transfer.end != end or transfer.retired:
+                continue  # stale: the transfer was re-laid later
+            transfer.retired = True
+            if transfer.kind != "stage" and transfer.kind != "chunk":
                 layer, expert = transfer.layer, transfer.expert
                 del pending[(layer, expert)]
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
                 resident[layer].add(expert)
             if self.timeline is not None:
-                self._span("pcie", 0, transfer.start or 0.0, transfer.end or 0.0, transfer.kind, transfer.step,
-                           transfer.layer, transfer.expert)
+                self._span("pcie", transfer.engine, transfer.start or 0.0, transfer.end or 0.0, transfer.kind,
+                           transfer.step, transfer.layer, transfer.expert)
+        if self.dram.intervals:
+            self.dram.prune(t)
 
     def _submit_loads(self, layer: int, experts: list[int], step: int, at: float) -> None:
         """Demand loads of one plan, submitted together (the common case of every cache miss)."""
@@ -357,6 +437,9 @@ class Simulator:
         value = self._cpu.get(tokens)
         if value is None:
             value = self._cpu[tokens] = self.costs.cpu_expert(tokens)
+            rate = self.costs.expert_bytes / value if value > 0 else 0.0
+            # 0: this expert and every copy together stay within the combined bandwidth
+            self._cpu_rate[tokens] = rate if rate + self._copy_rate > self.dram_combined_bps else 0.0
         return value
 
     def _gpu_s(self, tokens: int) -> float:
@@ -383,15 +466,57 @@ class Simulator:
         """Run one forward pass (every layer of ``step``) from ``start``; return when it ends.
 
         The one entry point for a step: the trace replay above and the serving
-        loop (which assembles its steps from requests) both call it.
+        loop (which assembles its steps from requests) both call it. Order: the
+        runtime's host work and graph launch, embedding, dense layers, the MoE
+        layers, LM head and sampling.
         """
         first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
         context = int(step.position[first].max()) + 1
         phase = PHASES[int(step.phase.min())]
-        t = start
+        tokens = first.stop - first.start
+        sequences = len(np.unique(step.request[first])) if tokens > 1 else 1
+        self.expert_launch_s, self.shared_launch_s = self._launch[phase]
+        self._gpu, self._shared = self._gpu_by_phase[phase], self._shared_by_phase[phase]
+        self._layer_launch = self.costs.layer_launches(phase)
+        head, tail = self._step_work(tokens, context, sequences, phase)
+        t = start + head
+        if self.timeline is not None:
+            self._step_spans(step.step, start, tokens, before=True)
         for layer, rows in step.layers():
             t = self._layer(step, layer, rows, context, phase, t)
-        return t
+        if self.timeline is not None:
+            self._step_spans(step.step, t, tokens, before=False)
+        return t + tail
+
+    def _step_spans(self, s: int, t: float, tokens: int, before: bool) -> None:
+        """Timeline spans of the GPU work before the first MoE layer (from ``t``) or after the last."""
+        work = self._fixed[next(reversed(self._fixed))] if self._fixed else {}
+        if before:
+            t += work["host"] + work["launch"]
+            kinds = ("embedding", "attention", "dense_ffn")
+        else:
+            kinds = ("lm_head", "sampling")
+        for kind in kinds:
+            self._span("gpu", 0, t, t + work[kind], kind, s, -1, tokens=tokens)
+            t += work[kind]
+
+    def _step_work(self, tokens: int, context: int, sequences: int, phase: str) -> tuple[float, float]:
+        """Seconds before the first MoE layer and after the last one, counted in the breakdown."""
+        key = (tokens, context, sequences, phase)
+        work = self._fixed.pop(key, None)  # re-inserted last: _step_spans reads the current step's entry
+        if work is None:
+            costs = self.costs
+            work = dict(costs.step_fixed(tokens, context, sequences))
+            work["launch"] = costs.step_launch(phase) + costs.model.num_dense_layers * costs.layer_launches(phase)
+            work["host"] = costs.host_per_step
+        self._fixed[key] = work
+        breakdown, counters = self.counters.breakdown, self.counters
+        for category, seconds in work.items():
+            breakdown[category] += seconds
+        counters.gpu_busy_s += work["attention"] + work["dense_ffn"] + work["embedding"] + work["lm_head"] \
+            + work["sampling"]
+        head = work["host"] + work["launch"] + work["embedding"] + work["attention"] + work["dense_ffn"]
+        return head, work["lm_head"] + work["sampling"]
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
         experts = step.experts[rows]
@@ -420,6 +545,9 @@ class Simulator:
         counters.gpu_busy_s += attention
         breakdown = counters.breakdown
         breakdown["attention"] += attention
+        if self._layer_launch:
+            breakdown["launch"] += self._layer_launch
+            t0 += self._layer_launch
         t1 = t0 + attention
         if tl is not None:
             self._span("gpu", 0, t0, t1, "attention", s, layer, tokens=tokens)
@@ -500,7 +628,10 @@ class Simulator:
 
     def _cpu_track(self, experts: list[int], count: dict[int, int] | None, s: int, layer: int, t1: float,
                    kind: str = "expert") -> float:
-        """CPU experts one after another after a sync; returns when the last finishes."""
+        """CPU experts one after another after a sync; returns when the last finishes.
+
+        Copies running or queued while they run share host DRAM with them (moesim.sim.dram).
+        """
         if not experts:
             return t1
         costs, counters = self.costs, self.counters
@@ -508,23 +639,74 @@ class Simulator:
         sync = costs.sync_s if kind == "expert" else 0.0  # deferred work follows on the same submission
         t = start + sync
         counters.breakdown["sync"] += sync
-        if self.timeline is None:
+        pcie = self.pcie
+        if (pcie.queue or max(pcie.free) > t) and self._contends(experts, count):
+            t = self._cpu_shared(experts, count, s, layer, t, kind)
+        elif self.timeline is None:
             if count is None:
-                t += len(experts) * self._cpu_s(1)
+                d = self._cpu_s(1)
+                if self._cpu_rate[1]:  # 0: cannot contend for DRAM, kept off the ledger
+                    self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
+                t += len(experts) * d
             else:
-                cpu = self._cpu
+                cpu, rate, add = self._cpu, self._cpu_rate, self.dram.add
                 for e in experts:
                     n = count[e]
-                    t += cpu[n] if n in cpu else self._cpu_s(n)
+                    d = cpu[n] if n in cpu else self._cpu_s(n)
+                    if rate[n]:
+                        add(t, t + d, rate[n])
+                    t += d
         else:
             for e in experts:
                 n = 1 if count is None else count[e]
                 d = self._cpu_s(n)
+                self.dram.add(t, t + d, self._cpu_rate[n])
                 self._span("cpu", 0, t, t + d, kind, s, layer, e, n)
                 t += d
         counters.cpu_busy_s += t - start - sync
         self.cpu_free = t
         return t
+
+    def _contends(self, experts: list[int], count: dict[int, int] | None) -> bool:
+        """Whether any of these CPU experts could exceed the combined DRAM bandwidth beside copies."""
+        if count is None:
+            self._cpu_s(1)
+            return self._cpu_rate[1] > 0
+        return any(self._cpu_rate[count[e]] > 0 for e in experts if self._cpu_s(count[e]) >= 0)
+
+    def _cpu_shared(self, experts: list[int], count: dict[int, int] | None, s: int, layer: int, t: float,
+                    kind: str) -> float:
+        """Lay out CPU experts from ``t`` beside the copy engines' work, both slowed where they overlap."""
+        pcie = self.pcie
+        pcie.advance(t)
+        counts = [1 if count is None else count[e] for e in experts]
+        jobs = [(self._cpu_s(n), self._cpu_rate[n]) for n in counts]
+        lanes = [Lane(free=t) for _ in pcie.free]
+        placed = sorted((x for end, _, x in pcie.unretired if end > t and x.end == end), key=lambda x: x.start)
+        for x in placed:
+            running = x.start < t  # type: ignore[operator]
+            work = x.end - t if running else pcie.duration(x.nbytes)  # type: ignore[operator]
+            lanes[x.engine].jobs.append([t if running else x.start, work, x.nbytes / pcie.duration(x.nbytes), x])
+        free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
+        for x in pcie.queue:  # simulated for their draw on DRAM; placed later by the engine itself
+            i = min(range(len(free)), key=free.__getitem__)
+            d = pcie.duration(x.nbytes)
+            lanes[i].jobs.append([max(free[i], x.issued), d, x.nbytes / d, None])
+            free[i] = max(free[i], x.issued) + d
+        ends, laid = share(t, jobs, lanes, self.dram_combined_bps)
+        for i, lane in enumerate(laid):
+            for transfer, a, b in lane:
+                if transfer is not None and abs(b - transfer.end) > 1e-12:
+                    pcie.relay(transfer, min(a, transfer.start), b)
+                    pcie.free[i] = max(pcie.free[i], b)
+        begin = t
+        for e, n, end in zip(experts, counts, ends):
+            self.dram.add(begin, end, self._cpu_rate[n])
+            if self.timeline is not None:
+                self._span("cpu", 0, begin, end, kind, s, layer, e, n)
+            begin = end
+        self.counters.dram_shared_s += (ends[-1] - t) - sum(d for d, _ in jobs)
+        return ends[-1]
 
     def _gpu_track(self, experts: list[int], streamed: list[int], staged: dict[int, Transfer],
                    count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float) -> float:

@@ -40,6 +40,8 @@ class ReplaySettings:
     hw: dict[str, Any] = field(default_factory=dict)
     cache: CacheRequest = field(default_factory=CacheRequest)
     system: dict[str, str] = field(default_factory=dict)
+    #: ``--set runtime=NAME``: the system's runtime swapped for another of the profile's
+    runtime: str | None = None
 
 
 def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
@@ -75,6 +77,8 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
             _set_field(out.memory, "memory", rest, raw)
         elif section == "hw" and rest:
             out.hw[rest] = coerce(raw, None, key)
+        elif key == "runtime":
+            out.runtime = str(raw)
         elif key == "cache.slots_per_layer":
             per_layer = parse_slot_list(raw, key)
         elif key == "cache.slots":
@@ -96,6 +100,7 @@ def common_parameters() -> list[str]:
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
     return keys + ["cache.slots (total expert slots; default all that fit)",
                    "cache.slots_per_layer (N per layer, or one per layer: 2,1,2,...)",
+                   "runtime=<generic|a key of the profile's runtimes>",
                    "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]
 
 
@@ -123,7 +128,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
     checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
-    costs = CostModel(profile, model, parsed.memory.expert_dtype or None)
+    costs = CostModel(profile, model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype,
+                      parsed.runtime or SYSTEMS[system].runtime)
     memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
                          non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
@@ -226,7 +232,7 @@ def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] 
                              if k.partition(".")[0] in ("engine", "memory", "hw")})
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
-    costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None)
+    costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype)
     bound = physical_lower_bound(trace, meta.model, costs, slots=slots, rewrites=rewrites)
     return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots")}
 

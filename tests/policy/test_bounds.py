@@ -42,9 +42,13 @@ def test_bound_of_a_one_step_trace_by_hand(tmp_path):
                              [{"phase": "decode", "tokens": {0: (0, [[[0, 1]], [[2, 3]]])}}])
     costs = CostModel(tiny_profile(), model)
     bound = physical_lower_bound(str(trace), model, costs)
-    # attention 50 us per layer; 4 experts of one token: GPU 100 us, CPU 1000 us each. Three go wholly
-    # to the GPU (400 us vs 1000 us), then x of the fourth: 400 + 100x = 1000 (1 - x) -> x = 6/11
-    floor = 2 * 50e-6 + 3 * 100e-6 + 100e-6 * 6 / 11
+    # attention 50 us per layer plus the step's embedding, LM head and sampling (rooflines on the toy GPU,
+    # 1000 GB/s x 0.6: 1 x 64, 100 x 64 bf16 weights and 3 passes over 100 fp32 logits) = fixed GPU work F;
+    # 4 experts of one token: GPU 100 us, CPU 1000 us each. Three go wholly to the GPU, then x of the
+    # fourth: F + 300 us + 100x = 1000 (1 - x) us
+    fixed = 2 * 50e-6 + (64 * 2 + 100 * 64 * 2 + 3 * 4 * 100) / 600e9
+    x = (1000e-6 - fixed - 300e-6) / 1100e-6
+    floor = fixed + 3 * 100e-6 + 100e-6 * x
     assert bound["makespan_s"] == pytest.approx(floor)
     assert bound["tpot_ms_mean"] == pytest.approx(floor * 1e3)
     # with one slot, three of the four experts must cross PCIe (0.49 s each) or run on the CPU (1 ms each):
@@ -139,9 +143,12 @@ def test_window_term_by_hand(tmp_path):
                              [{"phase": "decode", "tokens": {0: (5, [[[0, 1]]])}},
                               {"phase": "decode", "tokens": {0: (6, [[[2, 3]]])}}])
     costs = CostModel(tiny_profile(), model)
-    # each step alone: attention 50 us, two experts of 100 us (GPU) / 1 ms (CPU), nothing to copy with 2 slots:
-    # 150 + 100 x = 1000 (1 - x) -> x = 850/1100 -> 227.27 us
-    step = 50e-6 + 100e-6 + 100e-6 * 850 / 1100
+    # each step alone: attention 50 us plus the step's embedding, LM head and sampling (f, a few ns on this
+    # tiny vocabulary), two experts of 100 us (GPU) / 1 ms (CPU), nothing to copy with 2 slots:
+    # 150 + f + 100 x = 1000 (1 - x) -> x = (850 - f) / 1100 -> about 227.27 us
+    f = sum(costs.step_fixed(1, 7, 1).values()) * 1e6
+    assert 0 < f < 1
+    step = (50 + f + 100 + 100 * (850 - f) / 1100) * 1e-6
     alone = physical_lower_bound(str(trace), model, costs)
     assert alone["step_floor_s"] == pytest.approx([step, step])
     # together: four distinct experts, two slots: CPU left 2 ms - 1 ms (U - 2) = copies tau (U - 2)

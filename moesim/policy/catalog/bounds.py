@@ -131,11 +131,14 @@ def capacity_floor(cpu: list[float], load_s: float, slots: int | None) -> float:
 
 def step_fixed_gpu(step: Step, model: ModelSpec, costs: CostModel) -> float:
     """GPU work of one step that no schedule avoids or moves: every layer's attention and gate at the step's
-    context, and its shared experts. The one place the bound steps this work (whatever the GPU must run
+    context, its shared experts, and the step's dense layers, embedding, LM head and sampling. The one place
+    the bound steps this work (whatever the GPU must run
     besides routed experts belongs here)."""
     first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
     context = int(step.position[first].max()) + 1
-    fixed = 0.0
+    sequences = len(np.unique(step.request[first]))
+    # dense layers, embedding, LM head and sampling: GPU work every step does besides its MoE layers
+    fixed = sum(costs.step_fixed(first.stop - first.start, context, sequences).values())
     for _, rows in step.layers():
         tokens = rows.stop - rows.start
         fixed += costs.attention(tokens, context) + costs.gpu_shared(tokens)

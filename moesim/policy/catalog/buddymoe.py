@@ -328,4 +328,4 @@ register_system("buddymoe", SystemSpec(
     "BuddyMoE (002): LRU expert cache, next-layer prefetch of top_k experts in decoding, missing experts "
     "replaced by resident buddies "
     "from co-activation lists (TAE and distribution gates, budget rho)",
-    cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy"))
+    cache="lru", assign="gpu", prefetch="next-layer", substitute="buddy", runtime="llamacpp"))

@@ -495,4 +495,5 @@ class DaliSystem(ObservingSystem):
 register_system("dali", SystemSpec(
     "DALI (003): greedy CPU/GPU assignment, residual-based prefetch into a buffer, workload-aware cache "
     "replacement over token windows; uncached GPU experts are transferred for one use",
-    cache="dali-workload", assign="dali-greedy", prefetch="dali-residual", system_class=DaliSystem))
+    cache="dali-workload", assign="dali-greedy", prefetch="dali-residual", system_class=DaliSystem,
+    runtime="ktransformers-eager"))

@@ -53,4 +53,4 @@ class FiddlerAssign(Assignment):
 register_system("fiddler", SystemSpec(
     "Fiddler (baseline of 001): profiled hot experts pinned on the GPU; a cold expert is copied over when "
     "T_CPU > T_PCIe + T_GPU (long prompts), else computed on the CPU",
-    cache="static-hot", assign="fiddler", defaults=(("engine.staging_slots", "1"),)))
+    cache="static-hot", assign="fiddler", defaults=(("engine.staging_slots", "1"),), runtime="pytorch-eager"))

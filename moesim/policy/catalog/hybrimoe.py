@@ -251,4 +251,5 @@ class HybriMoESystem(ComposedSystem):
 register_system("hybrimoe", SystemSpec(
     "HybriMoE (baseline of 000): score-aware cache, hybrid head/tail CPU-GPU scheduling, layer-wise prefetch "
     "of 1 expert into the next layer with wait_prefetch",
-    cache="score-aware", assign="hybrimoe", prefetch="hybrimoe-layer", system_class=HybriMoESystem))
+    cache="score-aware", assign="hybrimoe", prefetch="hybrimoe-layer", system_class=HybriMoESystem,
+    runtime="ktransformers-eager"))

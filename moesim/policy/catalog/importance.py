@@ -315,4 +315,4 @@ register_system("importance", SystemSpec(
     "Importance-driven scheduling (004): expert-cache router, top-score next-layer prefetch, score-history "
     "eviction with in-use protection, two-pointer CPU-load balancer",
     cache="score-history", assign="two-pointer", prefetch="top-score", substitute="importance-router",
-    system_class=ImportanceSystem))
+    system_class=ImportanceSystem, runtime="ktransformers-eager"))

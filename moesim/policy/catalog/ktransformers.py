@@ -7,11 +7,12 @@ What the engine and cost model already provide, and this module relies on:
   ``cpu_expert`` reads that kernel's curve.
 * Shared experts on the GPU overlapping the CPU's routed experts (001 Sec. 3.3):
   the engine runs the GPU track (shared experts) and the CPU track in parallel.
-* CUDA-Graph launch model (001 Sec. 3.3): with ``gpu.cuda_graph: true`` the cost
-  model charges ``graph_launch_us`` per kernel instead of ``launch_us``; the
-  shipped KTransformers testbed profiles (a100-40g, rtx4080) set it, the SMoE
-  testbed (rtx4090) does not (000 Sec. VI-A runs without CUDA Graphs). Toggle
-  with ``--set hw.gpu.cuda_graph=true`` (or ``false``).
+* Runtime ``ktransformers`` (profile ``runtimes.ktransformers``, 001 Sec. 3.3, 6.4): the
+  whole decode step in one CUDA Graph (one ``gpu.graph_launch_us`` per decode step, no
+  per-kernel launches; prefill launched eagerly), the fused AVX-512/AMX kernels and
+  NUMA-aware placement as the profile's CPU curves. ``--set runtime=ktransformers-eager``
+  (as SMoE ran it, 000 Sec. VI-A) or ``--set hw.runtimes.ktransformers.graph=none`` turns
+  the graph off; ``cpu-only`` is the same placement on the ``generic`` runtime.
 
 Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
 ``ktransformers-ed`` (Expert Deferral, 001 Sec. 4).
@@ -104,9 +105,9 @@ class ExpertDeferral(Deferral):
 
 register_system("ktransformers", SystemSpec(
     "KTransformers (001 Sec. 3): routed experts on the CPU (AMX/AVX-512 by tokens per expert), attention and "
-    "shared experts on the GPU, CUDA Graph per profile; cache.per_layer static GPU experts (default 0)",
-    cache="ktrans-static", assign="resident"))
+    "shared experts on the GPU, one CUDA Graph per decode step; cache.per_layer static GPU experts (default 0)",
+    cache="ktrans-static", assign="resident", runtime="ktransformers"))
 register_system("ktransformers-ed", SystemSpec(
     "KTransformers with Expert Deferral (001 Sec. 4): each token's defer.deferred lowest-score experts "
     "overlap the next layer; decode only, never the last layer",
-    cache="ktrans-static", assign="resident", defer="ktrans-deferral"))
+    cache="ktrans-static", assign="resident", defer="ktrans-deferral", runtime="ktransformers"))

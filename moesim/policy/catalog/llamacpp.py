@@ -107,4 +107,5 @@ register_system("llamacpp", SystemSpec(
     "llama.cpp --n-cpu-moe N: experts of the first N MoE layers on the CPU, all others resident on the GPU "
     "(whole layers of the shared memory budget; N=-1 picks the smallest that fits); batches of 32+ tokens "
     "offload CPU layers to the GPU",
-    cache="llamacpp-layers", assign="llamacpp", system_class=LlamaCppSystem))
+    cache="llamacpp-layers", assign="llamacpp", system_class=LlamaCppSystem,
+    runtime="llamacpp"))

@@ -93,4 +93,4 @@ register_system("mixtral-offloading", SystemSpec(
     "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (the last experts "
     "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts; speculative "
     "next-layer loading with --set prefetch=speculative", cache="mixoff-lru", assign="gpu",
-    defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE),)))
+    defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE),), runtime="pytorch-eager"))

@@ -325,4 +325,4 @@ class MoEInfinitySystem(ObservingSystem):
 register_system("moe-infinity", SystemSpec(
     "MoE-Infinity: request-level expert activation matrices; prefetch by matching past requests' matrices, "
     "least-frequently-used eviction over the current requests' activations, every expert on the GPU",
-    cache="request-lfu", assign="gpu", prefetch="eam-match", system_class=MoEInfinitySystem))
+    cache="request-lfu", assign="gpu", prefetch="eam-match", system_class=MoEInfinitySystem, runtime="pytorch-eager"))

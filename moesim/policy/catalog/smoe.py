@@ -461,10 +461,11 @@ register_system("smoe", SystemSpec(
     "SMoE (000): prefill by T_CPU > T_GPU + T_PCIe with ping-pong streaming (Alg. 1); decode with a "
     "prefill-filled LFU cache and token-wise prefetch, Fixed-N, 2 experts (3 on Qwen3) per layer (Sec. IV-D, IV-E, "
     "Table I)",
-    cache="smoe-lfu", assign="smoe", prefetch="smoe-token", system_class=SMoESystem))
+    cache="smoe-lfu", assign="smoe", prefetch="smoe-token", system_class=SMoESystem,
+    runtime="ktransformers-eager"))
 register_system("smoe-flex", SystemSpec(
     "SMoE-Flex (000 Sec. IV-D, VI-D): SMoE with token-wise prefetch off on the half of the layers where the "
     "predictor is least accurate (ranked online over the first decode steps, or on prefetch.calibration) and 3 "
     "experts prefetched on the rest",
     cache="smoe-lfu", assign="smoe", prefetch="smoe-token", system_class=SMoESystem,
-    defaults=(("prefetch.n", "3"), ("prefetch.flex_off_fraction", "0.5"))))
+    defaults=(("prefetch.n", "3"), ("prefetch.flex_off_fraction", "0.5")), runtime="ktransformers-eager"))

@@ -1,0 +1,106 @@
+"""Host DRAM shared by CPU experts and copies: hand-worked overlaps (moesim.sim.dram, docs/engine.md)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesim.sim.dram import Lane, Ledger, share, slowdown, stretch
+from moesim.sim.engine import Transfer
+from moesim.sim.run import prepare
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+
+def test_slowdown_only_past_the_combined_bandwidth():
+    assert slowdown(4.0, 2.0, 6.0) == 1.0
+    assert slowdown(8.0, 4.0, 6.0) == 0.5
+
+
+def test_full_overlap_slows_both():
+    # CPU 10 s alone at 8 B/s, copy 10 s alone at 4 B/s, 6 B/s combined: both at half speed
+    ends, placed = share(0.0, [(10.0, 8.0)], [Lane(jobs=[[0.0, 10.0, 4.0, "copy"]])], 6.0)
+    assert ends == [pytest.approx(20.0)]
+    assert placed == [[("copy", 0.0, pytest.approx(20.0))]]
+
+
+def test_partial_overlap():
+    # the copy starts at 5: CPU alone for 5 s (5 left), then both at half speed: CPU ends at 15 having
+    # given the copy 5 s of its work; the copy's other 5 s run alone: ends at 20
+    ends, placed = share(0.0, [(10.0, 8.0)], [Lane(jobs=[[5.0, 10.0, 4.0, "copy"]])], 6.0)
+    assert ends == [pytest.approx(15.0)]
+    assert placed[0][0][1:] == (5.0, pytest.approx(20.0))
+
+
+def test_no_overlap_no_cost():
+    ends, placed = share(0.0, [(10.0, 8.0)], [Lane(jobs=[[10.0, 10.0, 4.0, "copy"]])], 6.0)
+    assert ends == [pytest.approx(10.0)]
+    assert placed[0][0][1:] == (10.0, pytest.approx(20.0))
+    # overlapping but within the combined bandwidth: no cost either
+    ends, placed = share(0.0, [(10.0, 2.0)], [Lane(jobs=[[0.0, 10.0, 4.0, "copy"]])], 6.0)
+    assert ends == [pytest.approx(10.0)] and placed[0][0][2] == pytest.approx(10.0)
+
+
+def test_copy_placed_later_is_slowed_by_cpu_work_laid_out():
+    ledger = Ledger()
+    ledger.add(2.0, 12.0, 8.0)
+    # 4 s alone from 0: 2 s alone, then half speed: 2 s of work take 4 s -> 6
+    assert stretch(0.0, 4.0, 4.0, ledger, 6.0) == pytest.approx(6.0)
+    # 20 s alone: 2 alone, 10 s at half (5 of work), 13 alone -> 25
+    assert stretch(0.0, 20.0, 4.0, ledger, 6.0) == pytest.approx(25.0)
+    assert stretch(12.0, 4.0, 4.0, ledger, 6.0) == pytest.approx(16.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cpu=st.lists(st.tuples(st.floats(0.1, 10), st.floats(0.1, 10)), min_size=1, max_size=4),
+       copies=st.lists(st.tuples(st.floats(0, 20), st.floats(0.1, 10), st.floats(0.1, 10)), max_size=4),
+       combined=st.floats(0.5, 30))
+def test_sharing_never_speeds_up_and_conserves_work(cpu, copies, combined):
+    """Nobody finishes earlier than alone; nobody later than if everything ran at the slowest factor."""
+    jobs = sorted(copies)
+    ends, placed = share(0.0, cpu, [Lane(jobs=[[a, w, r, i] for i, (a, w, r) in enumerate(jobs)])], combined)
+    alone = sum(w for w, _ in cpu)
+    worst = min([1.0] + [slowdown(r, max(p for _, _, p in jobs), combined) for _, r in cpu]) if jobs else 1.0
+    assert ends[-1] >= alone - 1e-9
+    assert ends[-1] <= alone / worst + 1e-9
+    lane = placed[0]
+    assert [tag for tag, _, _ in lane] == list(range(len(jobs)))
+    for (tag, start, end), (a, w, _) in zip(lane, jobs):
+        assert start >= a - 1e-9 and end - start >= w - 1e-9
+
+
+def _simulator(tmp_path, combined_gbps: float):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = write_tiny_trace(tmp_path / "d.parquet", model, [{"phase": "decode", "tokens": {0: (0, [[[0]]])}}])
+    return prepare(str(path), tiny_profile(), "cpu-only", {"hw.cpu.dram_combined_gbps": str(combined_gbps)})
+
+
+def test_engine_cpu_expert_and_running_copy_share_dram(tmp_path):
+    """The worked example of docs/engine.md, Sec. 'Host DRAM'.
+
+    Toy profile: a CPU expert takes 1000 us for its 49,152 bytes (49.152 MB/s); a copy of the same
+    bytes takes 10 us + 49,152 B / 100 kB/s = 491,530 us (99,998 B/s). With the combined bandwidth set
+    to half their sum, both run at half speed while they overlap. The copy starts at 0; the CPU starts
+    after the 20 us sync: 20 us of copy alone, then 2,000 us together (the CPU's 1,000 us of work), the
+    copy having done 20 + 1,000 us of its work; its other 490,510 us run alone.
+    """
+    cpu_rate, copy_time = 49_152 / 1000e-6, 10e-6 + 49_152 / 1e5
+    copy_rate = 49_152 / copy_time
+    sim = _simulator(tmp_path, (cpu_rate + copy_rate) / 2 / 1e9)
+    copy = Transfer(0, 3, 49_152, 0, "load", 1, 0.0)
+    sim.pcie.submit_demands([copy], 0.0)
+    cpu_end = sim._cpu_track([0], None, 0, 0, 0.0)
+    assert cpu_end == pytest.approx(20e-6 + 2000e-6, rel=1e-9)
+    assert copy.end == pytest.approx(cpu_end + copy_time - 20e-6 - 1000e-6, rel=1e-9)
+    assert sim.counters.dram_shared_s == pytest.approx(1000e-6, rel=1e-9)
+
+
+def test_engine_copy_issued_during_cpu_work_is_slowed(tmp_path):
+    cpu_rate, copy_time = 49_152 / 1000e-6, 10e-6 + 49_152 / 1e5
+    sim = _simulator(tmp_path, (cpu_rate + 49_152 / copy_time) / 2 / 1e9)
+    cpu_end = sim._cpu_track([0], None, 0, 0, 0.0)
+    assert cpu_end == pytest.approx(1020e-6)  # nothing to share with while it was laid out
+    copy = Transfer(0, 3, 49_152, 0, "load", 1, 520e-6)
+    sim.pcie.submit_demands([copy], 520e-6)
+    # 500 us of CPU work left at half speed: 250 us of the copy's work, then alone
+    assert copy.end == pytest.approx(1020e-6 + copy_time - 250e-6, rel=1e-9)
