@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from moesim.policy.systems import own_weights
+
 
 def _fmt(value: Any, digits: int = 2) -> str:
     if isinstance(value, float):
@@ -68,9 +70,12 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
         columns.append(("time vs lower bound", "right"))
     for col, justify in columns:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    other_weights = {name: own_weights(name) for name in by_system if own_weights(name)}
     for name, m in by_system.items():
         gap = "-"
-        if bound and not math.isnan(m["tpot_ms_mean"]) and bound[1] > 0:
+        if name in other_weights:
+            gap = "other weights"  # the oracle schedules the replay's weights, not this system's
+        elif bound and not math.isnan(m["tpot_ms_mean"]) and bound[1] > 0:
             gap = f"{m['tpot_ms_mean'] / bound[1]:.2f}x"
         row = [name, _fmt(m["ttft_ms"]), _fmt(m["tpot_ms_mean"]), _fmt(m["tpot_ms_p99"]),
                _fmt(m["decode_tokens_per_s"]), f"{m['gpu_hit_rate']:.1%}", f"{m['pcie_h2d_bytes'] / 2**30:,.2f}",
@@ -84,6 +89,10 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
         console.print(f"TPOT vs {bound[0]}: relative to that bound's TPOT (1.00x is the bound itself; the oracle "
                       "is, per metric, the best of its clairvoyant schedules and of every listed system under the "
                       "same GPU memory budget)")
+    for name, weights in other_weights.items():
+        console.print(f"{name}: runs its own weights by default ({weights}), so the oracle, which schedules the "
+                      f"replay's weights, is no bound for it; compare with --set {weights.split(', ')[0]} "
+                      "--system oracle")
     if "all-in-gpu" in by_system:
         console.print("all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory, so "
                       "schedules within the budget may beat it")

@@ -281,6 +281,13 @@ def system_names(all_systems: bool = False) -> list[str]:
     return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]
 
 
+def own_weights(name: str) -> str:
+    """The weight settings a system's defaults impose (``memory.expert_dtype=int4`` for mixtral-offloading),
+    or "" when it runs the replay's weights."""
+    spec = SYSTEMS.get(name)
+    return ", ".join(f"{k}={v}" for k, v in spec.defaults if k.startswith("memory.")) if spec else ""
+
+
 def portfolio_members(name: str) -> tuple[str, ...]:
     """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
     listed system that keeps to the memory budget, keeps the replay's weight dtypes (a system whose
@@ -292,8 +299,7 @@ def portfolio_members(name: str) -> tuple[str, ...]:
     out = list(spec.portfolio)
     if spec.portfolio_catalogue:
         out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
-                and not SYSTEMS[n].ignores_memory
-                and not any(key.startswith("memory.") for key, _ in SYSTEMS[n].defaults)]
+                and not SYSTEMS[n].ignores_memory and not own_weights(n)]
     return tuple(out)
 
 
