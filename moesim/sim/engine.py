@@ -600,7 +600,9 @@ class Simulator:
         counters.breakdown["cpu_other"] += max(max(cpu_end, self.deferred_until) - gpu_end, 0.0)
         self.deferred_until = 0.0
         if plan.deferred:
-            self.deferred_until = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred")
+            # deferred work follows the immediate experts' submission; with none, it is the submission
+            self.deferred_until = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred",
+                                                  sync=not plan.cpu)
             counters.deferred_weight_mass += weight_mass(view, plan.deferred)
             if layer == self.model.num_layers - 1:
                 end = max(end, self.deferred_until)  # nothing later to overlap with
@@ -627,8 +629,8 @@ class Simulator:
         return view.substituted(plan.substitutions)
 
     def _cpu_track(self, experts: list[int], count: dict[int, int] | None, s: int, layer: int, t1: float,
-                   kind: str = "expert") -> float:
-        """CPU experts one after another after a sync; returns when the last finishes.
+                   kind: str = "expert", sync: bool = True) -> float:
+        """CPU experts one after another after a sync (``sync``); returns when the last finishes.
 
         Copies running or queued while they run share host DRAM with them (moesim.sim.dram).
         """
@@ -636,7 +638,7 @@ class Simulator:
             return t1
         costs, counters = self.costs, self.counters
         start = max(t1, self.cpu_free)
-        sync = costs.sync_s if kind == "expert" else 0.0  # deferred work follows on the same submission
+        sync = costs.sync_s if sync else 0.0
         t = start + sync
         counters.breakdown["sync"] += sync
         pcie = self.pcie

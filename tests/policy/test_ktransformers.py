@@ -146,4 +146,38 @@ def test_default_defers_three_but_keeps_two_immediate(top_k, expected):
     deferral = ExpertDeferral()
     deferral.configure(ctx)
     assert deferral.deferred == expected
-    assert any("at least 2 immediate" in n for n in ctx.notes) == (expected < 3)
+    assert any("at least 2 of top-" in n for n in ctx.notes)  # a model 001 Sec. 6.3 has no count for
+
+
+# ----------------------------------------------------------------------------- 001 Sec. 6.3 defaults
+@pytest.mark.parametrize("preset, dtype, expected", [
+    ("deepseek-v3", "bf16", 3), ("deepseek-v3", "int4", 6), ("deepseek-v2.5", "bf16", 4),
+    ("deepseek-v2.5", "int4", 4), ("qwen2-57b-a14b", "bf16", 2), ("qwen2-57b-a14b", "int4", 4),
+])
+def test_default_deferral_count_is_the_papers_per_model_and_precision(preset, dtype, expected):
+    model = load_preset(preset)
+    deferral = ExpertDeferral()
+    deferral.configure(RunContext(model=model, costs=CostModel(load_profile("a100-40g"), model, dtype),
+                                  capacity=[0] * model.num_layers))
+    assert deferral.deferred == expected
+
+
+def test_default_deferral_elsewhere_follows_the_rule_of_thumb_with_a_note():
+    model = load_preset("qwen3-30b-a3b")  # top-8, not in 001's evaluation
+    ctx = RunContext(model=model, costs=CostModel(load_profile("a100-40g"), model), capacity=[0] * model.num_layers)
+    deferral = ExpertDeferral()
+    deferral.configure(ctx)
+    assert deferral.deferred == 3 and any("no deferral count for qwen3-30b-a3b" in n for n in ctx.notes)
+
+
+def test_a_layer_whose_cpu_experts_are_all_deferred_still_pays_its_sync(tmp_path, monkeypatch):
+    """Handing work to the CPU costs the sync whether the work is immediate or deferred: with every CPU
+    expert of a layer deferred, each layer-step still pays sync.per_layer_us once."""
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    trace = decode_trace(tmp_path / "t.parquet", model, 4)  # one prefill step, four decode steps
+    monkeypatch.setattr(ExpertDeferral, "choose", lambda self, view, plan: list(plan.cpu)
+                        if view.phase == "decode" and view.layer < view.num_layers - 1 else [])
+    result = simulate(str(trace), tiny_profile(sync_us=500.0), "ktransformers-ed",
+                      {"defer.deferred": "1", "engine.check": "true"})
+    assert result.counters.deferred == 4 * 2 * 2  # 4 decode steps x 2 layers x both experts
+    assert result.counters.breakdown["sync"] == pytest.approx(5 * 3 * 500e-6)

@@ -62,6 +62,18 @@ class KTransformersStatic(StaticCache):
         return self._hot[layer][:min(self.per_layer, capacity)]
 
 
+#: expert dtypes 001 counts as quantized builds (its Int4 runs)
+QUANTIZED = ("int4", "int8", "fp8")
+#: deferred experts per token by (model preset, quantized experts): 001 Sec. 6.3 ("for DS-3, we defer 3
+#: experts in the BF16 model and 6 in the quantized model. For DS-2, we defer 4 ... For QW-2, ... 2 ... and
+#: 4"); DS-2 is DeepSeek-V2.5-1210 and QW-2 Qwen2-57B-A14B (Sec. 6.1)
+DEFERRED_BY_MODEL = {
+    ("deepseek-v3", False): 3, ("deepseek-v3", True): 6,
+    ("deepseek-v2.5", False): 4, ("deepseek-v2.5", True): 4,
+    ("qwen2-57b-a14b", False): 2, ("qwen2-57b-a14b", True): 4,
+}
+
+
 @register_component
 @dataclass
 class ExpertDeferral(Deferral):
@@ -79,16 +91,21 @@ class ExpertDeferral(Deferral):
 
     name = "ktrans-deferral"
     columns = ("weights",)
-    #: deferred experts per token (001 Sec. 4.2: 3 for DeepSeek-V3 BF16, 6 for its Int4 build);
-    #: -1: Sec. 4.2's rule of thumb, 3 but at least 2 immediate (none for a top-2 model)
+    #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and weight precision
+    #: (DEFERRED_BY_MODEL), else Sec. 4.2's rule of thumb, 3 but at least 2 immediate (none for top-2)
     deferred: int = -1
 
     def configure(self, ctx: RunContext) -> None:
         if self.deferred < 0:
-            self.deferred = max(min(3, ctx.model.top_k - 2), 0)
-            if self.deferred < 3:
-                ctx.notes.append(f"ktrans-deferral: {self.deferred} deferred expert(s) per token: top-{ctx.model.top_k} "
-                                 "keeps at least 2 immediate (001 Sec. 4.2); set defer.deferred to override")
+            quantized = ctx.costs.dtype in QUANTIZED
+            chosen = DEFERRED_BY_MODEL.get((ctx.model.name, quantized))
+            if chosen is not None:
+                self.deferred = chosen
+            else:
+                self.deferred = max(min(3, ctx.model.top_k - 2), 0)
+                ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 gives no deferral count for {ctx.model.name}; "
+                                 f"{self.deferred} deferred expert(s) per token by Sec. 4.2's rule (3, keeping at "
+                                 f"least 2 of top-{ctx.model.top_k} immediate); set defer.deferred to override")
         if not 0 <= self.deferred < ctx.model.top_k:
             raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
