@@ -484,8 +484,8 @@ class DaliSystem(ObservingSystem):
         assert isinstance(cache, WorkloadAwareCache)
         layers = range(state.num_layers) if layer is None else [layer]
         busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
-        stale = [(l, x) for l in layers for x in state.resident[l]
-                 if x not in cache.cached(l) and (l, x) not in busy]
+        # resident minus cached, per layer as one set difference: most resident experts are cached
+        stale = [(l, x) for l in layers for x in state.resident[l] - cache.cached(l) if (l, x) not in busy]
         if not stale:
             return None
         turns = state.num_layers
