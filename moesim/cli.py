@@ -709,6 +709,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
     _check_outputs(json=json_out, requests_out=requests_out, plot=plot_out)
+    out = err_console if json_out == "-" else console  # stdout holds the JSON only
     for trace_file in traces:
         checked_meta(trace_file, ())
     parsed = _parse_settings(settings)
@@ -746,20 +747,20 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
                       f"{m['tpot_ms_p50']:.1f} / {m['tpot_ms_p99']:.1f}", f"{m['e2e_ms_p99']:.1f}",
                       f"{m['throughput_rps']:.3f}", str(m["preemptions"]),
                       *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
-    console.print(table)
+    out.print(table)
     for name, reason in skipped.items():
         from rich.markup import escape
-        console.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+        out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
     if json_out:
         _write_json(rows[0] if len(rows) == 1 else rows, json_out)
     if requests_out and last is not None:
         with _output(requests_out, "--requests-out") as path:
             write_requests(request_frame(last), path)
-        console.print(f"wrote {requests_out}")
+        out.print(f"wrote {requests_out}")
     if plot_out:
         with _output(plot_out, "--plot") as path:
             plot_latency_vs_qps(rows, path)
-        console.print(f"wrote {plot_out}")
+        out.print(f"wrote {plot_out}")
 
 
 def _skippable_in_serving(err: MoesimError) -> bool:

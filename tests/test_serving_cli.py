@@ -105,3 +105,13 @@ def test_serve_sim_all_runs_every_system_that_can_serve(files, tmp_path, capsys)
     skipped = {name for name in system_names() if f"skipped {name}:" in out}
     assert served | skipped == set(system_names()) and not served & skipped
     assert {"cpu-only", "gpu-only-lru", "static-hot", "fiddler", "llamacpp"} <= served and "oracle" in skipped
+
+
+def test_serve_sim_json_to_stdout_is_json_only(files, capsys):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "gpu-only-lru", "--qps", "50", "--requests", "4",
+                 "--json", "-"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["requests"] == 4  # the table went to stderr
+    assert "serving on" in err
