@@ -101,12 +101,14 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
     smoothed = m + epsilon
     np.fill_diagonal(smoothed, 0.0)
     q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
+    # per row, by q descending and then by id (a stable sort keeps ids ascending among ties)
+    orders = np.argsort(-q, axis=1, kind="stable")
     out = []
     for i in range(n):
         if not active[i]:
             out.append([])
             continue
-        order = np.lexsort((np.arange(n), -q[i]))
+        order = orders[i]
         order = order[order != i]
         covered = np.cumsum(q[i, order])
         size = int(np.searchsorted(covered, alpha - 1e-12) + 1)  # minimal prefix reaching alpha
