@@ -274,37 +274,48 @@ class RequestLFUCache(CachePolicy):
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)
 
-    def _priority(self, view: LayerView, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(priority by the current requests, by the whole run) of every expert of ``layer``."""
+    def _priority(self, view: LayerView, layer: int,
+                  batch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(priority by the current requests, by the whole run) of every expert of ``layer``; ``batch``: the
+        current requests' EAM when the caller already has it."""
         layers = view.cache.num_layers
         depth = 1 - layer / layers
         if self.tracker is None:
             flat = np.zeros(view.cache_experts())
             return flat, flat
-        current = self.tracker.batch_eam(view)[layer]
+        current = (self.tracker.batch_eam(view) if batch is None else batch)[layer]
         total = self.tracker.total[layer] if self.tracker.total is not None else current
-        share = lambda row: row / row.sum() * depth if row.sum() > 0 else row  # noqa: E731
+
+        def share(row: np.ndarray) -> np.ndarray:
+            row_sum = row.sum()
+            return row / row_sum * depth if row_sum > 0 else row
         return share(current), share(total)
+
+    def _ranked(self, view: LayerView, layer: int, candidates: list[int],
+                batch: np.ndarray | None = None) -> list[tuple[float, float, int]]:
+        """(current priority, run priority, expert) of each candidate, as Python numbers for sorting."""
+        current, total = self._priority(view, layer, batch)
+        return list(zip(current[candidates].tolist(), total[candidates].tolist(), candidates))
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        current, total = self._priority(view, layer)
-        return sorted(candidates, key=lambda e: (current[e], total[e], e))[:n]
+        return [e for *_, e in sorted(self._ranked(view, layer, candidates))[:n]]
 
     def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
                      layer: int) -> list[tuple[int, int]]:
         if n <= 0:
             return []
+        batch = self.tracker.batch_eam(view) if self.tracker is not None else None  # the same for every layer
         ranked = []
         for other, resident in enumerate(view.cache.resident):
             candidates = [e for e in resident if (other, e) not in protected]
             if not candidates:
                 continue
-            current, total = self._priority(view, other)
-            ranked += [(current[e], total[e], -other, e, other) for e in candidates]
+            ranked += [(current, total, -other, e, other)
+                       for current, total, e in self._ranked(view, other, candidates, batch)]
         ranked.sort()
         return [(other, e) for *_, e, other in ranked[:n]]
 
