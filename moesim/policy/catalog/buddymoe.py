@@ -121,10 +121,13 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                        ) -> list[tuple[int, int, int]]:
     """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token and budget ``rho``)."""
     out = []
-    for t in range(experts.shape[0]):
-        if allowed is not None and not allowed[t]:
+    # each expert's resident buddies within the search limit, found once per layer: residency does not
+    # change while the layer is planned
+    usable: dict[int, list[int]] = {}
+    gate = np.asarray(allowed).tolist() if allowed is not None else None
+    for t, row in enumerate(np.asarray(experts).tolist()):
+        if gate is not None and not gate[t]:
             continue
-        row = [int(e) for e in experts[t]]
         used = set(row)
         replaced = 0
         for slot, e in enumerate(row):
@@ -132,8 +135,10 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                 continue
             if rho and replaced >= rho:
                 break
-            for b in buddies[e][:search_limit]:
-                if b in resident and b not in used:
+            if e not in usable:
+                usable[e] = [b for b in buddies[e][:search_limit] if b in resident]
+            for b in usable[e]:
+                if b not in used:
                     out.append((t, slot, b))
                     used.add(b)
                     replaced += 1
