@@ -208,7 +208,8 @@ class BuddySubstitution(Substitution):
     def _calibrate(self, path: str, ctx: RunContext) -> None:
         model = ctx.model
         names = set(pq.read_schema(path).names)
-        columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names]
+        # the top-k probabilities come from weights when the trace has them, else from scores (never both)
+        columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names][:1]
         table = pq.read_table(path, columns=columns)
         layers = table.column("layer").to_numpy()
         k = model.top_k
