@@ -348,7 +348,9 @@ class WorkloadAwareCache(CachePolicy):
         """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
         s = self._scores[layer]
         cached = self._cached[layer]
-        incoming = sorted((e for e in range(self._experts) if e not in cached), key=lambda e: (-s[e], e))
+        uncached = np.array([e for e in range(self._experts) if e not in cached], dtype=np.int64)
+        # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
+        incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
         outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (s[e], e))
         swaps_in, swaps_out = [], []
         for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
