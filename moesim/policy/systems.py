@@ -169,7 +169,7 @@ class ComposedSystem:
                 continue
             if quota(layer) <= 0 or (pool_left is not None and pool_left <= 0):
                 if protected is None:
-                    protected = _Protected.of(view, plan, wanted, evicted)
+                    protected = _Protected(view, plan, wanted, evicted)
                 victim = self._prefetch_victim(view, layer, quota(layer) <= 0, protected)
                 if victim is None:
                     continue
@@ -196,30 +196,39 @@ class ComposedSystem:
         return pairs[0] if pairs else None
 
 
-@dataclass
 class _Protected:
     """What a prefetch may not evict: the wanted experts, every load in flight, the layer's GPU experts and
-    what this plan already evicts; as (layer, expert) pairs and per layer."""
+    what this plan already evicts (``evicted``, which grows as the plan does). Built per layer, or as
+    (layer, expert) pairs over all layers, only when asked for, then kept up to date with :meth:`add`."""
 
-    pairs: set[tuple[int, int]]
-    by_layer: dict[int, set[int]]
+    def __init__(self, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
+                 evicted: set[tuple[int, int]]) -> None:
+        self.view, self.plan, self.wanted, self.evicted = view, plan, wanted, evicted
+        self._pairs: set[tuple[int, int]] | None = None
+        self._by_layer: dict[int, set[int]] = {}
 
-    @classmethod
-    def of(cls, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
-           evicted: set[tuple[int, int]]) -> _Protected:
-        pairs = set(wanted) | {(l, e) for l, f in enumerate(view.cache.in_flight) for e in f}
-        pairs |= {(view.layer, e) for e in plan.gpu} | evicted
-        by_layer: dict[int, set[int]] = {}
-        for l, e in pairs:
-            by_layer.setdefault(l, set()).add(e)
-        return cls(pairs, by_layer)
-
-    def add(self, pair: tuple[int, int]) -> None:
-        self.pairs.add(pair)
-        self.by_layer.setdefault(pair[0], set()).add(pair[1])
+    @property
+    def pairs(self) -> set[tuple[int, int]]:
+        if self._pairs is None:
+            view = self.view
+            pairs = set(self.wanted) | {(l, e) for l, f in enumerate(view.cache.in_flight) for e in f}
+            self._pairs = pairs | {(view.layer, e) for e in self.plan.gpu} | self.evicted
+        return self._pairs
 
     def in_layer(self, layer: int) -> set[int]:
-        return self.by_layer.get(layer, set())
+        if layer not in self._by_layer:
+            view = self.view
+            mine = {e for l, e in self.wanted if l == layer} | view.cache.in_flight[layer]
+            if layer == view.layer:
+                mine |= set(self.plan.gpu)
+            self._by_layer[layer] = mine | {e for l, e in self.evicted if l == layer}
+        return self._by_layer[layer]
+
+    def add(self, pair: tuple[int, int]) -> None:
+        if self._pairs is not None:
+            self._pairs.add(pair)
+        if pair[0] in self._by_layer:
+            self._by_layer[pair[0]].add(pair[1])
 
 
 @dataclass(frozen=True)
