@@ -274,48 +274,46 @@ class RequestLFUCache(CachePolicy):
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)
 
-    def _priority(self, view: LayerView, layer: int,
+    def _priority(self, view: LayerView, layers: list[int],
                   batch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(priority by the current requests, by the whole run) of every expert of ``layer``; ``batch``: the
-        current requests' EAM when the caller already has it."""
-        layers = view.cache.num_layers
-        depth = 1 - layer / layers
+        """(priority by the current requests, by the whole run) of every expert, one row per layer of
+        ``layers``: each row's share of its activations times the layer's depth weight ``1 - layer / L``;
+        ``batch``: the current requests' EAM when the caller already has it."""
+        num_layers = view.cache.num_layers
         if self.tracker is None:
-            flat = np.zeros(view.cache_experts())
+            flat = np.zeros((len(layers), view.cache_experts()))
             return flat, flat
-        current = (self.tracker.batch_eam(view) if batch is None else batch)[layer]
-        total = self.tracker.total[layer] if self.tracker.total is not None else current
+        current = (self.tracker.batch_eam(view) if batch is None else batch)[layers]
+        total = self.tracker.total[layers] if self.tracker.total is not None else current
+        depth = np.array([[1 - layer / num_layers] for layer in layers])
 
-        def share(row: np.ndarray) -> np.ndarray:
-            row_sum = row.sum()
-            return row / row_sum * depth if row_sum > 0 else row
+        def share(rows: np.ndarray) -> np.ndarray:
+            sums = rows.sum(axis=1, keepdims=True)  # activation counts: exact in any order
+            return np.where(sums > 0, rows / np.where(sums > 0, sums, 1.0) * depth, rows)
         return share(current), share(total)
-
-    def _ranked(self, view: LayerView, layer: int, candidates: list[int],
-                batch: np.ndarray | None = None) -> list[tuple[float, float, int]]:
-        """(current priority, run priority, expert) of each candidate, as Python numbers for sorting."""
-        current, total = self._priority(view, layer, batch)
-        return list(zip(current[candidates].tolist(), total[candidates].tolist(), candidates))
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        return [e for *_, e in sorted(self._ranked(view, layer, candidates))[:n]]
+        current, total = self._priority(view, [layer])
+        ranked = zip(current[0, candidates].tolist(), total[0, candidates].tolist(), candidates)
+        return [e for *_, e in sorted(ranked)[:n]]
 
     def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
                      layer: int) -> list[tuple[int, int]]:
         if n <= 0:
             return []
-        batch = self.tracker.batch_eam(view) if self.tracker is not None else None  # the same for every layer
+        resident = view.cache.resident
+        current, total = self._priority(view, list(range(len(resident))))  # every layer's at once
         ranked = []
-        for other, resident in enumerate(view.cache.resident):
-            candidates = [e for e in resident if (other, e) not in protected]
+        for other, experts in enumerate(resident):
+            candidates = [e for e in experts if (other, e) not in protected]
             if not candidates:
                 continue
-            ranked += [(current, total, -other, e, other)
-                       for current, total, e in self._ranked(view, other, candidates, batch)]
+            ranked += zip(current[other, candidates].tolist(), total[other, candidates].tolist(),
+                          [-other] * len(candidates), candidates, [other] * len(candidates))
         ranked.sort()
         return [(other, e) for *_, e, other in ranked[:n]]
 
