@@ -307,15 +307,15 @@ class RequestLFUCache(CachePolicy):
             return []
         resident = view.cache.resident
         current, total = self._priority(view, list(range(len(resident))))  # every layer's at once
-        ranked = []
+        free = np.zeros(current.shape, dtype=bool)  # resident and not protected
         for other, experts in enumerate(resident):
-            candidates = [e for e in experts if (other, e) not in protected]
-            if not candidates:
-                continue
-            ranked += zip(current[other, candidates].tolist(), total[other, candidates].tolist(),
-                          [-other] * len(candidates), candidates, [other] * len(candidates))
-        ranked.sort()
-        return [(other, e) for *_, e, other in ranked[:n]]
+            free[other, list(experts)] = True
+        for other, e in protected:
+            free[other, e] = False
+        layer_of, expert_of = np.nonzero(free)
+        # lowest current priority, then lowest run priority, then the later layer, then the lower id
+        order = np.lexsort((expert_of, -layer_of, total[layer_of, expert_of], current[layer_of, expert_of]))[:n]
+        return list(zip(layer_of[order].tolist(), expert_of[order].tolist()))
 
 
 class MoEInfinitySystem(ObservingSystem):
