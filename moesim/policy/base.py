@@ -71,10 +71,16 @@ class LayerView:
         for row, slot, expert in substitutions:
             experts[row, slot] = expert
         active, counts = active_experts(experts, self.cache_experts())
-        return dataclasses.replace(self, experts=experts, active=active, counts=counts)
+        # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
+        values = {name: getattr(self, name) for name in _VIEW_FIELDS}
+        values.update(experts=experts, active=active, counts=counts)
+        return LayerView(**values)
 
     def cache_experts(self) -> int:
         return self.costs.model.num_experts
+
+
+_VIEW_FIELDS = tuple(f.name for f in dataclasses.fields(LayerView))
 
 
 def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:

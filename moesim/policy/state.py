@@ -87,7 +87,7 @@ class CacheState:
 
     def held(self) -> int:
         """Slots taken over all layers."""
-        return sum(len(r) for r in self.resident) + sum(len(f) for f in self.in_flight)
+        return sum(map(len, self.resident)) + sum(map(len, self.in_flight))
 
     def free(self, layer: int) -> int:
         """Slots ``layer`` may still take: its quota's room, and the pool's when there is one."""

@@ -162,16 +162,20 @@ class ComposedSystem:
                 quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
             return quota_left[layer]
 
+        protected: _Protected | None = None  # built at the first eviction, then kept up to date
         for layer, expert in wanted:
             if (state.has(layer, expert) and (layer, expert) not in evicted) \
                     or (layer == view.layer and expert in plan.gpu):
                 continue
             if quota(layer) <= 0 or (pool_left is not None and pool_left <= 0):
-                victim = self._prefetch_victim(view, plan, layer, quota(layer) <= 0, wanted, evicted)
+                if protected is None:
+                    protected = _Protected(view, plan, wanted, evicted)
+                victim = self._prefetch_victim(view, layer, quota(layer) <= 0, protected)
                 if victim is None:
                     continue
                 plan.evictions.append(victim)
                 evicted.add(victim)
+                protected.add(victim)
                 if victim[0] in quota_left:
                     quota_left[victim[0]] += 1
                 if pool_left is not None:
@@ -181,18 +185,50 @@ class ComposedSystem:
             if pool_left is not None:
                 pool_left -= 1
 
-    def _prefetch_victim(self, view: LayerView, plan: LayerPlan, layer: int, own_layer: bool,
-                         wanted: list[tuple[int, int]], evicted: set[tuple[int, int]]) -> tuple[int, int] | None:
+    def _prefetch_victim(self, view: LayerView, layer: int, own_layer: bool,
+                         protected: _Protected) -> tuple[int, int] | None:
         """One resident expert to drop for a prefetch into ``layer``: from that layer when its quota is
         full, else (a full model-wide pool) wherever the cache policy chooses."""
-        state = view.cache
-        protected = {(l, e) for l, e in wanted} | {(l, e) for l, f in enumerate(state.in_flight) for e in f}
-        protected |= {(view.layer, e) for e in plan.gpu} | evicted
         if own_layer:
-            victims = self.cache.victims(view, layer, 1, {e for (l, e) in protected if l == layer})
+            victims = self.cache.victims(view, layer, 1, protected.in_layer(layer))
             return (layer, victims[0]) if victims else None
-        pairs = self.cache.pool_victims(view, 1, protected, layer)
+        pairs = self.cache.pool_victims(view, 1, protected.pairs, layer)
         return pairs[0] if pairs else None
+
+
+class _Protected:
+    """What a prefetch may not evict: the wanted experts, every load in flight, the layer's GPU experts and
+    what this plan already evicts (``evicted``, which grows as the plan does). Built per layer, or as
+    (layer, expert) pairs over all layers, only when asked for, then kept up to date with :meth:`add`."""
+
+    def __init__(self, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
+                 evicted: set[tuple[int, int]]) -> None:
+        self.view, self.plan, self.wanted, self.evicted = view, plan, wanted, evicted
+        self._pairs: set[tuple[int, int]] | None = None
+        self._by_layer: dict[int, set[int]] = {}
+
+    @property
+    def pairs(self) -> set[tuple[int, int]]:
+        if self._pairs is None:
+            view = self.view
+            pairs = set(self.wanted) | {(l, e) for l, f in enumerate(view.cache.in_flight) for e in f}
+            self._pairs = pairs | {(view.layer, e) for e in self.plan.gpu} | self.evicted
+        return self._pairs
+
+    def in_layer(self, layer: int) -> set[int]:
+        if layer not in self._by_layer:
+            view = self.view
+            mine = {e for l, e in self.wanted if l == layer} | view.cache.in_flight[layer]
+            if layer == view.layer:
+                mine |= set(self.plan.gpu)
+            self._by_layer[layer] = mine | {e for l, e in self.evicted if l == layer}
+        return self._by_layer[layer]
+
+    def add(self, pair: tuple[int, int]) -> None:
+        if self._pairs is not None:
+            self._pairs.add(pair)
+        if pair[0] in self._by_layer:
+            self._by_layer[pair[0]].add(pair[1])
 
 
 @dataclass(frozen=True)

@@ -101,12 +101,14 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
     smoothed = m + epsilon
     np.fill_diagonal(smoothed, 0.0)
     q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
+    # per row, by q descending and then by id (a stable sort keeps ids ascending among ties)
+    orders = np.argsort(-q, axis=1, kind="stable")
     out = []
     for i in range(n):
         if not active[i]:
             out.append([])
             continue
-        order = np.lexsort((np.arange(n), -q[i]))
+        order = orders[i]
         order = order[order != i]
         covered = np.cumsum(q[i, order])
         size = int(np.searchsorted(covered, alpha - 1e-12) + 1)  # minimal prefix reaching alpha
@@ -119,10 +121,13 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                        ) -> list[tuple[int, int, int]]:
     """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token and budget ``rho``)."""
     out = []
-    for t in range(experts.shape[0]):
-        if allowed is not None and not allowed[t]:
+    # each expert's resident buddies within the search limit, found once per layer: residency does not
+    # change while the layer is planned
+    usable: dict[int, list[int]] = {}
+    gate = np.asarray(allowed).tolist() if allowed is not None else None
+    for t, row in enumerate(np.asarray(experts).tolist()):
+        if gate is not None and not gate[t]:
             continue
-        row = [int(e) for e in experts[t]]
         used = set(row)
         replaced = 0
         for slot, e in enumerate(row):
@@ -130,8 +135,10 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                 continue
             if rho and replaced >= rho:
                 break
-            for b in buddies[e][:search_limit]:
-                if b in resident and b not in used:
+            if e not in usable:
+                usable[e] = [b for b in buddies[e][:search_limit] if b in resident]
+            for b in usable[e]:
+                if b not in used:
                     out.append((t, slot, b))
                     used.add(b)
                     replaced += 1
@@ -201,7 +208,8 @@ class BuddySubstitution(Substitution):
     def _calibrate(self, path: str, ctx: RunContext) -> None:
         model = ctx.model
         names = set(pq.read_schema(path).names)
-        columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names]
+        # the top-k probabilities come from weights when the trace has them, else from scores (never both)
+        columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names][:1]
         table = pq.read_table(path, columns=columns)
         layers = table.column("layer").to_numpy()
         k = model.top_k

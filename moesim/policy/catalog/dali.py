@@ -348,7 +348,9 @@ class WorkloadAwareCache(CachePolicy):
         """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
         s = self._scores[layer]
         cached = self._cached[layer]
-        incoming = sorted((e for e in range(self._experts) if e not in cached), key=lambda e: (-s[e], e))
+        uncached = np.array([e for e in range(self._experts) if e not in cached], dtype=np.int64)
+        # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
+        incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
         outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (s[e], e))
         swaps_in, swaps_out = [], []
         for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
@@ -453,10 +455,11 @@ class DaliSystem(ObservingSystem):
         state = view.cache
         wanted = self.prefetch.candidates(view)
         evicted = set(plan.evictions)
+        held = state.held()  # the state does not change while a plan is made
         for target, e in wanted:
             if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
                 continue
-            quota, pool = self._room(view, plan, target, evicted)
+            quota, pool = self._room(view, plan, target, evicted, held)
             if min(quota, pool) <= 0:
                 stale = self._stale_entry(view, plan, target if quota <= 0 else None, wanted, evicted)
                 if stale is None:
@@ -466,15 +469,16 @@ class DaliSystem(ObservingSystem):
             plan.prefetches.append((target, e))
 
     def _room(self, view: LayerView, plan: LayerPlan, target: int,
-              evicted: set[tuple[int, int]]) -> tuple[int, int]:
-        """Free slots of ``target``'s quota and of the whole (cache + buffer) after this plan so far."""
+              evicted: set[tuple[int, int]], held: int) -> tuple[int, int]:
+        """Free slots of ``target``'s quota and of the whole (cache + buffer, ``held`` of them taken before
+        the plan) after this plan so far."""
         state = view.cache
         dropped = sum(1 for (l, _) in evicted if l == target)
         queued = sum(1 for (l, _) in plan.prefetches if l == target)
         quota = state.capacity[target] - state.used(target) + dropped - queued
         if state.pool is None:
             return quota, quota
-        return quota, state.pool - state.held() + len(evicted) - len(plan.prefetches)
+        return quota, state.pool - held + len(evicted) - len(plan.prefetches)
 
     def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
                      evicted: set[tuple[int, int]]) -> tuple[int, int] | None:

@@ -92,7 +92,7 @@ class ScoreAwareCache(CachePolicy):
         """``S = alpha * TopP(s) + (1 - alpha) * S`` for this layer."""
         scores = self.layer_scores(view)
         p = min(self.top_p, len(scores))
-        top = np.lexsort((np.arange(len(scores)), -scores))[:p]
+        top = np.argsort(-scores, kind="stable")[:p]  # highest first, ids ascending among ties
         row = self._priority[view.layer]
         row *= 1.0 - self.alpha
         row[top] += self.alpha * scores[top]
@@ -123,8 +123,10 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     """
     costs = view.costs
     count = dict(zip(view.active, view.counts))
-    cached = [e for e in view.active if view.cache.has(view.layer, e)]
-    uncached = [e for e in view.active if not view.cache.has(view.layer, e)]
+    cached: list[int] = []
+    uncached: list[int] = []
+    for e in view.active:
+        (cached if view.cache.has(view.layer, e) else uncached).append(e)
     by_load = lambda e: (-count[e], e)  # noqa: E731
     order = sorted(cached, key=by_load) + sorted(uncached, key=by_load)
     uncached_set = set(uncached)

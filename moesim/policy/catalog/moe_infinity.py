@@ -274,16 +274,22 @@ class RequestLFUCache(CachePolicy):
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)
 
-    def _priority(self, view: LayerView, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(priority by the current requests, by the whole run) of every expert of ``layer``."""
-        layers = view.cache.num_layers
-        depth = 1 - layer / layers
+    def _priority(self, view: LayerView, layers: list[int],
+                  batch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(priority by the current requests, by the whole run) of every expert, one row per layer of
+        ``layers``: each row's share of its activations times the layer's depth weight ``1 - layer / L``;
+        ``batch``: the current requests' EAM when the caller already has it."""
+        num_layers = view.cache.num_layers
         if self.tracker is None:
-            flat = np.zeros(view.cache_experts())
+            flat = np.zeros((len(layers), view.cache_experts()))
             return flat, flat
-        current = self.tracker.batch_eam(view)[layer]
-        total = self.tracker.total[layer] if self.tracker.total is not None else current
-        share = lambda row: row / row.sum() * depth if row.sum() > 0 else row  # noqa: E731
+        current = (self.tracker.batch_eam(view) if batch is None else batch)[layers]
+        total = self.tracker.total[layers] if self.tracker.total is not None else current
+        depth = np.array([[1 - layer / num_layers] for layer in layers])
+
+        def share(rows: np.ndarray) -> np.ndarray:
+            sums = rows.sum(axis=1, keepdims=True)  # activation counts: exact in any order
+            return np.where(sums > 0, rows / np.where(sums > 0, sums, 1.0) * depth, rows)
         return share(current), share(total)
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
@@ -291,22 +297,25 @@ class RequestLFUCache(CachePolicy):
         if n <= 0:
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        current, total = self._priority(view, layer)
-        return sorted(candidates, key=lambda e: (current[e], total[e], e))[:n]
+        current, total = self._priority(view, [layer])
+        ranked = zip(current[0, candidates].tolist(), total[0, candidates].tolist(), candidates)
+        return [e for *_, e in sorted(ranked)[:n]]
 
     def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
                      layer: int) -> list[tuple[int, int]]:
         if n <= 0:
             return []
-        ranked = []
-        for other, resident in enumerate(view.cache.resident):
-            candidates = [e for e in resident if (other, e) not in protected]
-            if not candidates:
-                continue
-            current, total = self._priority(view, other)
-            ranked += [(current[e], total[e], -other, e, other) for e in candidates]
-        ranked.sort()
-        return [(other, e) for *_, e, other in ranked[:n]]
+        resident = view.cache.resident
+        current, total = self._priority(view, list(range(len(resident))))  # every layer's at once
+        free = np.zeros(current.shape, dtype=bool)  # resident and not protected
+        for other, experts in enumerate(resident):
+            free[other, list(experts)] = True
+        for other, e in protected:
+            free[other, e] = False
+        layer_of, expert_of = np.nonzero(free)
+        # lowest current priority, then lowest run priority, then the later layer, then the lower id
+        order = np.lexsort((expert_of, -layer_of, total[layer_of, expert_of], current[layer_of, expert_of]))[:n]
+        return list(zip(layer_of[order].tolist(), expert_of[order].tolist()))
 
 
 class MoEInfinitySystem(ObservingSystem):
