@@ -341,6 +341,7 @@ class Simulator:
                                 costs.launches(self.config.kernels_per_shared, phase)
                                 if model.shared_intermediate_size else 0.0) for phase in PHASES}
         self.expert_launch_s, self.shared_launch_s = self._launch["prefill"]
+        self._layer_launches = {phase: costs.layer_launches(phase) for phase in PHASES}
         # per-run memo tables: the cost model is pure, and these lookups sit on the hot path
         self._attention: dict[tuple[int, int], float] = {}
         self._cpu: dict[int, float] = {}
@@ -350,6 +351,7 @@ class Simulator:
         self._gpu = self._gpu_by_phase["prefill"]
         self._shared = self._shared_by_phase["prefill"]
         self._fixed: dict[tuple[int, int, int, str], dict[str, float]] = {}
+        self._step_fixed: dict[str, float] = {}
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
 
@@ -477,7 +479,7 @@ class Simulator:
         sequences = len(np.unique(step.request[first])) if tokens > 1 else 1
         self.expert_launch_s, self.shared_launch_s = self._launch[phase]
         self._gpu, self._shared = self._gpu_by_phase[phase], self._shared_by_phase[phase]
-        self._layer_launch = self.costs.layer_launches(phase)
+        self._layer_launch = self._layer_launches[phase]
         head, tail = self._step_work(tokens, context, sequences, phase)
         t = start + head
         if self.timeline is not None:
@@ -490,7 +492,7 @@ class Simulator:
 
     def _step_spans(self, s: int, t: float, tokens: int, before: bool) -> None:
         """Timeline spans of the GPU work before the first MoE layer (from ``t``) or after the last."""
-        work = self._fixed[next(reversed(self._fixed))] if self._fixed else {}
+        work = self._step_fixed
         if before:
             t += work["host"] + work["launch"]
             kinds = ("embedding", "attention", "dense_ffn")
@@ -503,13 +505,14 @@ class Simulator:
     def _step_work(self, tokens: int, context: int, sequences: int, phase: str) -> tuple[float, float]:
         """Seconds before the first MoE layer and after the last one, counted in the breakdown."""
         key = (tokens, context, sequences, phase)
-        work = self._fixed.pop(key, None)  # re-inserted last: _step_spans reads the current step's entry
+        work = self._fixed.get(key)
         if work is None:
             costs = self.costs
             work = dict(costs.step_fixed(tokens, context, sequences))
             work["launch"] = costs.step_launch(phase) + costs.model.num_dense_layers * costs.layer_launches(phase)
             work["host"] = costs.host_per_step
-        self._fixed[key] = work
+            self._fixed[key] = work
+        self._step_fixed = work  # the current step's, for its timeline spans
         breakdown, counters = self.counters.breakdown, self.counters
         for category, seconds in work.items():
             breakdown[category] += seconds
