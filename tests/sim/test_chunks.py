@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moesim.errors import ConfigError
-from moesim.sim.engine import CopyEngines, Transfer
+from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.run import parse_settings
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.sim.dram import Lane, Ledger, share, slowdown, stretch
-from moesim.sim.engine import Transfer
+from moesim.sim.copies import Transfer
 from moesim.sim.run import prepare
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 

@@ -1,0 +1,213 @@
+"""PCIe host-to-device copy engines, advanced lazily by the forward pass (moesim.sim.engine).
+
+Demand loads overtake queued prefetches but never a transfer already running
+(unless copies are issued in chunks); copies read host DRAM and are slowed where
+CPU experts share it (moesim.sim.dram).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from moesim.sim.dram import Ledger, stretch
+
+
+@dataclass(eq=False, slots=True)
+class Transfer:
+    layer: int
+    expert: int
+    nbytes: int
+    priority: int  # 0 demand, 1 prefetch
+    kind: str  # "load", "prefetch", "stage"
+    seq: int
+    issued: float
+    step: int = -1
+    start: float | None = None
+    end: float | None = None
+    #: place in the prefetch queue (counts from the queue's first ever entry)
+    queued_at: int = -1
+    engine: int = 0
+    retired: bool = False
+
+
+class CopyEngines:
+    """Host-to-device copy engines: demand transfers first, then prefetches in order; advanced lazily.
+
+    Transfers are submitted at non-decreasing times. Demand transfers are placed
+    on an engine at once: no later submission can overtake them, and they go
+    ahead of every queued prefetch. Prefetches wait in a FIFO queue (all have
+    the same priority, so submission order is service order), and
+    :meth:`advance` starts every queued prefetch that an engine falling idle at
+    or before ``t`` picks. A transfer already running is not preempted, except
+    with ``chunk_bytes`` > 0: a copy is then issued in chunks of that size, and
+    a demand transfer overtakes a running prefetch at its next chunk boundary
+    (the prefetch's rest goes back to the head of the queue).
+
+    A transfer reads pinned host memory; against CPU work already laid out in
+    ``ledger`` it is slowed by DRAM sharing (moesim.sim.dram). Entries of
+    ``unretired`` whose end no longer matches their transfer's are stale (the
+    transfer was re-laid) and skipped.
+    """
+
+    def __init__(self, duration: Callable[[int], float], engines: int, ledger: Ledger | None = None,
+                 combined_bps: float = float("inf"), chunk_bytes: int = 0) -> None:
+        self._duration = duration
+        self._durations: dict[int, float] = {}
+        self.free = [0.0] * engines
+        self.last: list[Transfer | None] = [None] * engines
+        self.queue: deque[Transfer] = deque()
+        self._head = 0  # queued_at of the queue's first entry
+        self._tail = 0  # queued_at the next entry gets
+        self.unretired: list[tuple[float, int, Transfer]] = []
+        self.busy_s = 0.0
+        self.bytes = 0
+        self.ledger = ledger
+        self.combined_bps = combined_bps
+        self.chunk_bytes = chunk_bytes
+        self.preemptions = 0
+
+    def duration(self, nbytes: int) -> float:
+        value = self._durations.get(nbytes)
+        if value is None:
+            value = self._durations[nbytes] = self._duration(nbytes)
+        return value
+
+    def _engine(self) -> int:
+        free = self.free
+        return 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+
+    def submit(self, transfer: Transfer) -> None:
+        at = transfer.issued
+        if self.queue:
+            self.advance(at)
+        if transfer.priority == 0:
+            self.submit_demands([transfer], at)
+            return
+        transfer.queued_at = self._tail
+        self._tail += 1
+        self.queue.append(transfer)
+        self.advance(at)
+
+    def submit_demands(self, transfers: list[Transfer], at: float) -> None:
+        """Several demand transfers issued at ``at``, in order (see :meth:`submit`)."""
+        if self.queue:
+            self.advance(at)
+        free = self.free
+        for transfer in transfers:
+            i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
+            if self.chunk_bytes and free[i] > at:
+                self._preempt(i, at)
+            self._begin(i, transfer, free[i] if free[i] > at else at)
+
+    def _preempt(self, i: int, at: float) -> None:
+        """Cut engine ``i``'s running prefetch at its first chunk boundary after ``at``; requeue its rest."""
+        running = self.last[i]
+        if running is None or running.priority != 1 or running.start is None or running.end is None \
+                or not running.start < at < running.end:
+            return
+        chunk = self.duration(min(self.chunk_bytes, running.nbytes))
+        done_chunks = math.ceil((at - running.start) / chunk - 1e-9)
+        boundary = running.start + done_chunks * chunk
+        rest = running.nbytes - done_chunks * self.chunk_bytes
+        if rest <= 0 or boundary >= running.end:
+            return
+        self.preemptions += 1
+        self.busy_s -= running.end - boundary
+        self.bytes -= rest
+        part = Transfer(running.layer, running.expert, running.nbytes - rest, 1, "chunk", running.seq,
+                        running.issued, running.step, running.start, boundary, engine=i)
+        heapq.heappush(self.unretired, (boundary, part.seq, part))
+        running.nbytes, running.start, running.end, running.issued = rest, None, None, boundary
+        self._head -= 1
+        running.queued_at = self._head
+        self.queue.appendleft(running)
+        self.free[i] = boundary
+        self.last[i] = None
+
+    def _begin(self, i: int, transfer: Transfer, start: float) -> None:
+        transfer.start = start
+        transfer.engine = i
+        duration = self.duration(transfer.nbytes)
+        ledger = self.ledger
+        if ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
+            duration = stretch(start, duration, transfer.nbytes / duration, ledger, self.combined_bps) - start
+        transfer.end = self.free[i] = start + duration
+        self.last[i] = transfer
+        self.busy_s += duration
+        self.bytes += transfer.nbytes
+        heapq.heappush(self.unretired, (transfer.end, transfer.seq, transfer))
+
+    def relay(self, transfer: Transfer, start: float, end: float) -> None:
+        """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""
+        self.busy_s += (end - start) - (transfer.end - transfer.start)  # type: ignore[operator]
+        transfer.start, transfer.end = start, end
+        heapq.heappush(self.unretired, (end, transfer.seq, transfer))
+
+    def advance(self, t: float) -> None:
+        queue, free = self.queue, self.free
+        while queue:
+            i = self._engine()
+            start = free[i] if free[i] > queue[0].issued else queue[0].issued
+            if start > t:
+                return
+            self._head += 1
+            self._begin(i, queue.popleft(), start)
+
+    def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
+        """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""
+        self.advance(t)
+        dropped = [x for x in self.queue if x.kind == kind and (x.layer, x.expert) not in keep]
+        if dropped:
+            gone = set(map(id, dropped))
+            self.queue = deque(x for x in self.queue if id(x) not in gone)
+            for place, x in enumerate(self.queue):
+                x.queued_at = place
+            self._head, self._tail = 0, len(self.queue)
+        return dropped
+
+    def finish(self, transfer: Transfer) -> float:
+        """End time of ``transfer``, starting queued work as the engines free up."""
+        while transfer.end is None:
+            self.advance(min(self.free))
+        return transfer.end
+
+    def busy_until(self, horizon: float) -> tuple[float, int]:
+        """Busy seconds and bytes of transfers started before ``horizon``, cut at it.
+
+        Prefetches still queued or running when the last token is out are work the
+        run did not need; only their part inside the run counts. Call after every
+        transfer ending by ``horizon`` was retired.
+        """
+        self.advance(horizon)
+        busy, nbytes = self.busy_s, self.bytes
+        seen: set[int] = set()
+        for end, _, transfer in self.unretired:
+            if end > horizon and transfer.end == end and id(transfer) not in seen:
+                seen.add(id(transfer))
+                start = transfer.start if transfer.start is not None else horizon
+                busy -= end - max(start, horizon)
+                if start >= horizon:
+                    nbytes -= transfer.nbytes
+        return busy, nbytes
+
+    def estimate_end(self, transfer: Transfer) -> float:
+        """End of a started transfer, or when it would end if nothing else were submitted.
+
+        Call after :meth:`advance` up to now, so that every queued transfer starts
+        later than now. With one engine and transfers of equal size (expert
+        loads) this is a closed form; otherwise the queue ahead is replayed.
+        """
+        if transfer.end is not None:
+            return transfer.end
+        ahead = transfer.queued_at - self._head
+        if len(self.free) == 1 and len(self._durations) == 1:
+            return self.free[0] + (ahead + 1) * self.duration(transfer.nbytes)
+        free = list(self.free)
+        for queued in list(self.queue)[:ahead + 1]:
+            i = min(range(len(free)), key=free.__getitem__)
+            free[i] = max(free[i], queued.issued) + self.duration(queued.nbytes)
+        return free[i]
