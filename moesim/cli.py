@@ -19,7 +19,7 @@ from rich.console import Console
 from moesim.errors import MoesimError
 
 console = Console(width=None if Console().is_terminal else 160)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
 
 
 def json_safe(data: object) -> object:
@@ -315,9 +315,10 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True,
               help="Hardware profile: a name in hwprofiles/ or a YAML path.")
-@click.option("--system", "system", default=DEFAULT_SYSTEM, show_default=True,
-              help="System to replay, or 'all' to compare every system (see `moesim systems`; "
-                   "`moesim systems NAME` lists its parameters).")
+@click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
+              help="System to replay; several separated by commas or repeated to compare them; 'all' for every "
+                   f"system (see `moesim systems`; `moesim systems NAME` lists its parameters).  "
+                   f"[default: {DEFAULT_SYSTEM}]")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
                    "(see --help-params).")
@@ -334,14 +335,14 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
-def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
+def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...], model_preset: str | None,
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
            window: str | None, decisions_out: str | None, seed: int, help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
     from moesim.analysis.report import render_comparison_table, render_metrics
-    from moesim.policy.systems import system_names
+    systems, everything = _system_choice(system)
     if help_params:
-        _print_system(system if system != "all" else DEFAULT_SYSTEM)
+        _print_system(systems[0] if len(systems) == 1 and not everything else DEFAULT_SYSTEM)
         return
     if trace_file is None:
         raise MoesimError("no trace given", field="TRACE",
@@ -356,7 +357,6 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
     if steps and not plot_out:
         raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
                           fix="add --plot OUT.png")
-    systems = system_names() if system == "all" else [system]
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
     if len(systems) > 1 and (per_run_files or steps):
         raise MoesimError("--timeline, --chrome-trace, --decisions and --window need a single system",
@@ -374,7 +374,7 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
                                                         or (plot_out and len(systems) == 1)),
                                             decisions=bool(decisions_out), runs=runs)
             except MoesimError as err:
-                if len(systems) == 1 or not _skippable(err, parsed):
+                if not everything or not _skippable(err, parsed):  # a system named is one the user wants
                     raise
                 skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
                 first_error = first_error or err
@@ -403,6 +403,22 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
             with _output(plot_out, "--plot") as path:
                 plot_breakdown(list(metrics_by_system.values()), path)
             out.print(f"wrote {plot_out}")
+
+
+def _system_choice(values: tuple[str, ...] | list[str] | str) -> tuple[list[str], bool]:
+    """The systems of ``--system`` (comma-separated, repeatable; 'all' for the catalogue) and whether
+    'all' was asked for (then a system that cannot run on this trace is skipped, not an error)."""
+    from moesim.policy.systems import system_names
+    names = [n.strip() for value in ([values] if isinstance(values, str) else values)
+             for n in value.split(",") if n.strip()]
+    if not names:
+        raise MoesimError("no system given", field="--system", fix="e.g. --system gpu-only-lru or --system all")
+    if "all" in names:
+        return system_names(), True
+    from moesim.sim.run import members
+    for name in names:
+        members(name)  # an unknown name fails now, before anything runs
+    return list(dict.fromkeys(names)), False  # in the order given, each once
 
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
@@ -687,8 +703,9 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
 @cli.command("serve-sim")
 @click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True, help="Hardware profile: a name or a YAML path.")
-@click.option("--system", "system", default="gpu-only-lru", show_default=True,
-              help="System, several separated by commas, or 'all' (one run per system and QPS).")
+@click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
+              help="System; several separated by commas or repeated, or 'all' (one run per system and QPS).  "
+                   f"[default: {DEFAULT_SYSTEM}]")
 @click.option("--qps", default="1", show_default=True, help="Arrival rate(s), requests/s, comma-separated.")
 @click.option("--requests", "requests", default=None, type=click.IntRange(min=1),
               help="Requests sent (workload.requests, default 100).")
@@ -701,7 +718,7 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
               help="Per-request TTFT, TPOT, latency and queueing (one run only).")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png", help="Latency percentiles vs QPS per system.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests: int | None, scheduler: str | None,
+def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str, requests: int | None, scheduler: str | None,
               settings: tuple[str, ...], slo: str | None, json_out: str | None, requests_out: str | None,
               plot_out: str | None, seed: int) -> None:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
@@ -718,11 +735,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
     if scheduler is not None:
         parsed["scheduler"] = scheduler
     slos = parse_slo(slo)
-    if system == "all":
-        from moesim.policy.systems import system_names
-        systems = system_names()
-    else:
-        systems = [s.strip() for s in system.split(",") if s.strip()]
+    systems, everything = _system_choice(system)
     rates = [r.strip() for r in qps.split(",") if r.strip()]
     if requests_out and len(systems) * len(rates) > 1:
         raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
@@ -734,7 +747,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: str, qps: str, requests:
                 last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed)
                 rows.append(serving_metrics(last, slos))
         except MoesimError as err:
-            if system != "all" or not _skippable_in_serving(err):
+            if not everything or not _skippable_in_serving(err):
                 raise
             skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
     from rich.table import Table

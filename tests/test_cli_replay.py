@@ -76,6 +76,34 @@ def test_all_systems_in_one_table(files, tmp_path, capsys):
                                                     for s in ("cpu-only", "gpu-only-lru", "static-hot"))
 
 
+def test_several_systems_by_comma_or_repeated_option(files, tmp_path, capsys):
+    trace, hw = files
+    out_json = tmp_path / "some.json"
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "cpu-only,static-hot", "--system", "gpu-only-lru",
+                        "--set", "cache.slots_per_layer=2", "--json", str(out_json)], capsys)
+    assert code == 0
+    by_system = json.loads(out_json.read_text())
+    assert set(by_system) == {"cpu-only", "static-hot", "gpu-only-lru"}  # every one named
+    assert by_system["cpu-only"]["tpot_ms_mean"] != by_system["gpu-only-lru"]["tpot_ms_mean"]
+    for name in by_system:
+        assert name in out
+
+
+def test_a_named_system_that_cannot_run_is_an_error_not_a_skip(files, capsys):
+    trace, hw = files  # no scores column: importance cannot run; with 'all' it is skipped, named it is refused
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only,importance",
+                          "--set", "cache.slots_per_layer=2"], capsys)
+    assert code == 2
+    assert "scores" in err and "skipped" not in out
+
+
+def test_an_unknown_system_in_a_list_fails_before_any_replay(files, capsys):
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only,nope"], capsys)
+    assert code == 2 and "unknown system 'nope'" in err
+    assert "cpu-only" not in out  # nothing was replayed
+
+
 def test_every_output_is_written(files, tmp_path, capsys):
     trace, hw = files
     paths = {k: tmp_path / f"{k}{ext}" for k, ext in

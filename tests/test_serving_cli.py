@@ -60,7 +60,7 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     (["--slo", "ttft=5"], "--slo"),
     (["--set", "workload.arrival=bursty"], "workload.arrival"),
     (["--scheduler", "fifo"], "scheduler"),
-    (["--system", "a,b", "--requests-out", "x.parquet"], "--requests-out"),
+    (["--system", "cpu-only,gpu-only-lru", "--requests-out", "x.parquet"], "--requests-out"),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files
