@@ -85,7 +85,7 @@ def test_api_and_cli_share_the_default_system(files, tmp_path, capsys):
     from moesim.cli import replay as replay_command
     assert inspect.signature(moesim.replay).parameters["system"].default == DEFAULT_SYSTEM
     option = next(p for p in replay_command.params if p.name == "system")
-    assert option.default == DEFAULT_SYSTEM == "gpu-only-lru"
+    assert list(option.default) == [DEFAULT_SYSTEM] and DEFAULT_SYSTEM == "gpu-only-lru"
     out_json = tmp_path / "m.json"
     assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--json", str(out_json)]) == 0
     from_cli = json.loads(out_json.read_text())

@@ -50,8 +50,8 @@ def test_every_trace_mutation_fails_trace_validate(corpus):
 
 
 def test_internal_error_is_one_line_asking_for_a_report(monkeypatch, capsys):
-    import moesim.cli as cli
-    monkeypatch.setattr(cli, "_parse_settings", lambda s: 1 / 0)
+    import moesim.cli.replay_cmd as replay_cmd
+    monkeypatch.setattr(replay_cmd, "parse_settings", lambda s: 1 / 0)
     assert main(["replay", "traces/mixtral-8x7b-humaneval.parquet", "--system", "gpu-only-lru"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "please report" in err and "ZeroDivisionError" in err

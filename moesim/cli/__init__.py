@@ -1,0 +1,76 @@
+"""The ``moesim`` command line.
+
+Every command turns bad input into one line on stderr and exit status 2
+(:class:`moesim.errors.MoesimError`); nothing here prints a traceback for a
+user mistake. Each command lives in its own module and registers with the
+``moesim`` group of :mod:`moesim.cli.app` when imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from moesim.cli import measure_cmd, replay_cmd, results_cmd, serve_cmd, trace_cmd  # noqa: F401 - registers them
+from moesim.cli.app import cli, err_console, json_safe  # noqa: F401 - json_safe: part of the package's API
+from moesim.cli.replay_cmd import replay  # noqa: F401 - the command object, for embedding
+from moesim.errors import MoesimError
+
+
+def _say(text: str) -> None:
+    err_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _usage_line(err: click.UsageError) -> str:
+    """click's usage error as one line, pointing to the command's --help."""
+    command = err.ctx.command_path if err.ctx is not None else "moesim"
+    return f"moesim: error: {err.format_message()} (see '{command} --help')".replace("\n", " ")
+
+
+def _internal_error(err: BaseException) -> str:
+    import traceback
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return (f"moesim: internal error{where}: {text[:300]}; please report this with the command line "
+            "and the output of the same command with --debug")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; bad input exits 2 with one line, an internal error exits 1 with one line
+    asking for a report (``--debug`` anywhere on the command line shows the traceback instead)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        cli.main(args=args, prog_name="moesim", standalone_mode=False)
+    except MoesimError as err:
+        _say(f"moesim: error: {err}")
+        return err.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        _say("moesim: interrupted")
+        return 130
+    except click.UsageError as err:
+        _say(_usage_line(err))
+        return 2
+    except click.ClickException as err:
+        _say(f"moesim: error: {err.format_message()}".replace("\n", " "))
+        return 2
+    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return 0
+    except Exception as err:  # noqa: BLE001 - the last resort: one line, never a traceback
+        if debug:
+            raise
+        _say(_internal_error(err))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Commands that run real models and kernels: ``capture``, ``profile``, ``validate --real``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from moesim.cli.app import cli, console, err_console, parse_settings, write_json
+from moesim.errors import MoesimError
+
+
+@cli.command("capture")
+@click.option("--model", "model", required=True, metavar="PATH_OR_ID",
+              help="Checkpoint directory (config.json + *.safetensors) or Hugging Face model id.")
+@click.option("--prompts", required=True, type=click.Path(dir_okay=False),
+              help="Prompts: JSONL (field 'prompt' or 'text', or 'token_ids') or plain text, one per line.")
+@click.option("--max-new-tokens", required=True, type=click.IntRange(min=0),
+              help="Greedy tokens generated (and fed back: one decode step each) per prompt.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Prompts generated together (left-padded) in one batch.")
+@click.option("--calibration-prompts", default=None, type=click.Path(dir_okay=False),
+              help="Prompts for fitting pred_residual and pred_next_token (never written to the trace).")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Weights dtype; auto keeps the checkpoint's.")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda if present), cpu, cuda, cuda:N.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
+def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, calibration_prompts: str | None,
+                    dtype: str, device: str, out: str) -> None:
+    """Record a Hugging Face MoE model's router decisions under greedy generation into a v1 trace."""
+    from moesim.trace.capture import CaptureConfig, capture
+    from moesim.trace.capture.model import require_torch
+    require_torch()
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    config = CaptureConfig(model=model, prompts=Path(prompts), out=Path(out), max_new_tokens=max_new_tokens,
+                           batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
+                           else None, dtype=dtype, device=device)
+    from moesim.progress import Progress
+    # on a terminal capture draws its own token bar; otherwise plain lines say it is alive
+    with Progress("capture", console=err_console, enabled=not err_console.is_terminal) as bar:
+        bar.advance(0, label=f"{model} -> {out}")
+        report = capture(config, progress=err_console.is_terminal)
+    for line in report.summary_lines():
+        console.print(line, markup=False, highlight=False)
+
+
+def _command_line() -> str:
+    return "moesim " + " ".join(sys.argv[1:])
+
+
+def _progress_labels(total: int, title: str):
+    """Progress advanced once per label (:class:`moesim.progress.Progress`: a bar on a terminal, plain
+    lines on stderr otherwise)."""
+    from moesim.progress import Progress
+    bar = Progress(title, total=total, console=err_console)
+
+    def step(label: str) -> None:
+        bar.advance(1, label=label)
+    return bar, step
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise MoesimError("the real backend needs torch", field="torch",
+                          fix="pip install -e '.[torch]'") from None
+
+
+def _measure(models, device: str, threads: int, quick: bool, name: str, out: Path) -> Path:
+    _require_torch()
+    from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile
+    from backends.torch_backend import check_device
+    check_device(device)
+    config = ProfileConfig(models=tuple(models), device=device, threads=threads, quick=quick,
+                           command=_command_line(), name=name)
+    bar, step = _progress_labels(len(measurement_labels(config)), "profile")
+    with bar:
+        data = measure_profile(config, progress=step)
+    return write_profile(data, out)
+
+
+@cli.command("profile")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cuda: this GPU; cpu: the CPU-only stand-in (no GPU needed).")
+@click.option("--model", "model_names", required=True, multiple=True,
+              help="Model preset name or preset YAML: a shape measured (repeat for several shapes).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Torch threads of the CPU expert pool (0: every core).")
+@click.option("--quick", is_flag=True, help="Fewer points and repetitions (a quick look, not a reference).")
+@click.option("--name", default="", help="Profile name (default: HOST-DEVICE).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output profile YAML.")
+def profile_command(device: str, model_names: tuple[str, ...], threads: int, quick: bool, name: str,
+                    out: str) -> None:
+    """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
+    from moesim.model.presets import load_preset
+    models = [load_preset(model_name) for model_name in model_names]
+    path = _measure(models, device, threads, quick, name, Path(out))
+    console.print(f"wrote {path} (load it with --hw {path} or --profile {path})")
+
+
+@cli.command("validate")
+@click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
+@click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
+@click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
+@click.option("--profile", "profile_path", default=None,
+              help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--layers", default=None, type=click.IntRange(min=1),
+              help="Run only the first N MoE layers of the trace (models larger than host memory).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Torch threads of the CPU expert pool (0: every core).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Parameter for both executors, e.g. cache.slots_per_layer=4.")
+@click.option("--quick-profile", is_flag=True, help="Measure the profile with fewer points (tests).")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Report directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+def validate_command(real: bool, trace_file: str, systems: str, profile_path: str | None, device: str,
+                     layers: int | None, threads: int, settings: tuple[str, ...], quick_profile: bool, out: str,
+                     as_json: bool) -> None:
+    """Run the same trace and systems on real kernels and in the simulator; report errors and decision agreement."""
+    from moesim.analysis.validation import (MEASURED_PROFILE_SETTINGS, run_validation, truncate_trace,
+                                            write_report)
+    from moesim.hw.profile import load_profile
+    from moesim.sim.run import members
+    from moesim.trace.validate import checked_meta as read_meta
+    if not real:
+        raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    if not names:
+        raise MoesimError("no system given", field="--systems", fix="e.g. --systems cpu-only,gpu-only-lru")
+    for name in names:
+        members(name)  # unknown systems fail here, before anything runs
+    out_dir = Path(out)
+    read_meta(trace_file)
+    if layers is not None:
+        trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
+    parsed = parse_settings(settings)
+    if profile_path is None:
+        profile_path = str(_measure([read_meta(trace_file).model], device, threads, quick_profile, "",
+                                    out_dir / "profile.yaml"))
+    _require_torch()
+    profile = load_profile(profile_path)
+    if "measured by moesim profile" in profile.sources.get("gpu", ""):
+        parsed = {**MEASURED_PROFILE_SETTINGS, **parsed}
+    bar, step = _progress_labels(2 * len(names), "validate")
+    with bar:
+        report, results = run_validation(trace_file, names, profile, device=device, settings=parsed,
+                                         threads=threads, command=_command_line(), profile_label=profile_path,
+                                         progress=step)
+    files = write_report(report, results, out_dir)
+    if as_json:
+        write_json(report.to_dict(), None)
+        return
+    from rich.table import Table
+    table = Table(title=f"{Path(trace_file).name}: simulated vs measured on {device}", title_justify="left")
+    for col in ("system", "TTFT real/sim ms", "error", "TPOT real/sim ms", "error", "same decisions"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for c in report.systems:
+        table.add_row(c.system, f"{c.real['ttft_ms']:.3f} / {c.sim['ttft_ms']:.3f}", f"{c.ttft_error_pct:+.1f}%",
+                      f"{c.real['tpot_ms_mean']:.3f} / {c.sim['tpot_ms_mean']:.3f}", f"{c.tpot_error_pct:+.1f}%",
+                      f"{c.decisions.share:.1%}")
+    console.print(table)
+    console.print(f"ranking by TPOT: {'same' if report.same_ranking('tpot_ms_mean') else 'DIFFERENT'}; "
+                  f"wrote {files['markdown']}, {files['json']}, {files['plot']}")

@@ -1,0 +1,271 @@
+"""``moesim replay`` (one system, several, or all) and ``moesim systems``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
+from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.errors import MoesimError
+
+
+def _parse_window(text: str | None) -> tuple[int, int] | None:
+    """``--window STEP:STEP`` (inclusive; ``STEP`` alone is one step) as (first, last)."""
+    if text is None:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        lo = int(first)
+        hi = int(last) if sep else lo
+    except ValueError:
+        raise MoesimError(f"'{text}' is not STEP:STEP", field="--window", fix="e.g. --window 10:12") from None
+    if lo < 0 or hi < lo:
+        raise MoesimError(f"'{text}' is not a range of steps", field="--window",
+                          fix="give FIRST:LAST with 0 <= FIRST <= LAST, e.g. --window 10:12")
+    return lo, hi
+
+
+@cli.command()
+@click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
+@click.option("--hw", default=DEFAULT_HW, show_default=True,
+              help="Hardware profile: a name in hwprofiles/ or a YAML path.")
+@click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
+              help="System to replay; several separated by commas or repeated to compare them; 'all' for every "
+                   f"system (see `moesim systems`; `moesim systems NAME` lists its parameters).  "
+                   f"[default: {DEFAULT_SYSTEM}]")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
+                   "(see --help-params).")
+@click.option("--model", "model_preset", default=None, help="Check the trace against this model preset.")
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
+@click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
+@click.option("--chrome-trace", "chrome_out", default=None, metavar="OUT.json",
+              help="Write a Chrome/Perfetto trace of the timeline.")
+@click.option("--plot", "plot_out", default=None, metavar="OUT.png",
+              help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
+@click.option("--window", "window", default=None, metavar="STEP:STEP",
+              help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
+@click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
+@click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
+def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...],
+           model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
+           plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
+           help_params: bool) -> None:
+    """Replay TRACE through the simulator under one system or all of them."""
+    from moesim.analysis.report import render_comparison_table, render_metrics
+    systems, everything = system_choice(system)
+    if help_params:
+        _print_system(systems[0] if len(systems) == 1 and not everything else DEFAULT_SYSTEM)
+        return
+    if trace_file is None:
+        raise MoesimError("no trace given", field="TRACE",
+                          fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
+    from moesim.trace.validate import checked_meta
+    check_outputs(json=json_out, timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out,
+                   decisions=decisions_out)
+    out = err_console if json_out == "-" else console  # stdout holds the JSON only
+    parsed = parse_settings(settings)
+    checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
+    steps = _parse_window(window)
+    if steps and not plot_out:
+        raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
+                          fix="add --plot OUT.png")
+    per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
+    if len(systems) > 1 and (per_run_files or steps):
+        raise MoesimError("--timeline, --chrome-trace, --decisions and --window need a single system",
+                          field="--system", fix="pass --system NAME")
+    from moesim.policy.systems import SYSTEMS
+    results = {}
+    skipped: dict[str, str] = {}
+    runs: dict = {}  # replays a portfolio bound (oracle) reuses: it runs every listed system too
+    first_error: MoesimError | None = None
+    with _replay_progress(trace_file, systems) as bar:
+        for name in sorted(systems, key=lambda n: bool(n in SYSTEMS and SYSTEMS[n].portfolio)):
+            try:
+                results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed, bar,
+                                            record=bool(timeline_out or chrome_out or decisions_out
+                                                        or (plot_out and len(systems) == 1)),
+                                            decisions=bool(decisions_out), runs=runs)
+            except MoesimError as err:
+                if not everything or not _skippable(err, parsed):  # a system named is one the user wants
+                    raise
+                skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
+                first_error = first_error or err
+    if not results:
+        raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips
+    metrics_by_system = {name: results[name][0] for name in systems if name in results}
+    _add_gap_to_lower_bound(metrics_by_system, runs, trace_file, hw, parsed)
+    if len(systems) == 1:
+        metrics_, frames = results[systems[0]]
+        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
+        _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
+                       meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
+    else:
+        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}")
+        from moesim.analysis.identical import decision_logs, identical_lines
+        for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
+                                                                     seed=seed)):
+            out.print(line, markup=False, highlight=False)
+        for name, reason in skipped.items():
+            from rich.markup import escape
+            out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+        if json_out:
+            write_json(metrics_by_system, json_out)
+        if plot_out:
+            from moesim.analysis.plots import plot_breakdown
+            with open_output(plot_out, "--plot") as path:
+                plot_breakdown(list(metrics_by_system.values()), path)
+            out.print(f"wrote {plot_out}")
+
+
+def system_choice(values: tuple[str, ...] | list[str] | str) -> tuple[list[str], bool]:
+    """The systems of ``--system`` (comma-separated, repeatable; 'all' for the catalogue) and whether
+    'all' was asked for (then a system that cannot run on this trace is skipped, not an error)."""
+    from moesim.policy.systems import system_names
+    names = [n.strip() for value in ([values] if isinstance(values, str) else values)
+             for n in value.split(",") if n.strip()]
+    if not names:
+        raise MoesimError("no system given", field="--system", fix="e.g. --system gpu-only-lru or --system all")
+    if "all" in names:
+        return system_names(), True
+    from moesim.sim.run import members
+    for name in names:
+        members(name)  # an unknown name fails now, before anything runs
+    return list(dict.fromkeys(names)), False  # in the order given, each once
+
+
+def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
+                            settings: dict[str, str]) -> None:
+    """Each system's distance from its physical lower bound (its own memory plan, workload and defaults,
+    e.g. mixtral-offloading's int4 experts)."""
+    from moesim.sim.run import result_lower_bound, with_system_defaults
+    memos: dict[tuple, dict] = {}
+    for name, m in by_system.items():
+        own = with_system_defaults(name, settings)
+        memo = memos.setdefault(tuple(sorted(own.items())), {})
+        bound = result_lower_bound(trace_file, hw, own, runs[name], memo)
+        m["lower_bound"] = bound
+        m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
+
+
+def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:
+    """Errors that concern one system only (a missing column, a cache it cannot fit), not the run;
+    a --set value outside its valid range is the user's mistake for every system."""
+    from moesim.errors import ConfigError
+    if err.field in settings and "outside" in err.detail:
+        return False
+    return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
+
+
+def _replay_progress(trace_file: str, systems: list[str]):
+    """Progress over every row each replay reads (an oracle's members run once, shared with the table)."""
+    import pyarrow.parquet as pq
+
+    from moesim.progress import Progress
+    from moesim.sim.run import members
+    from moesim.trace.io import read_meta
+    read_meta(trace_file)  # a malformed trace fails here, with one line
+    rows = pq.ParquetFile(trace_file).metadata.num_rows
+    replays = {member for name in systems for member in members(name)}
+    return Progress("replay", total=max(rows * len(replays), 1), unit="rows", console=err_console)
+
+
+def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
+                seed: int, bar, record: bool, decisions: bool, runs: dict | None = None) -> tuple[dict, dict]:
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.engine import result_to_frames
+    from moesim.sim.run import simulate
+    bar.advance(0, label=system)
+    result = simulate(trace_file, hw, system, settings, reuse=runs, model_preset=model_preset, seed=seed,
+                      progress=lambda rows: bar.advance(rows), timeline=record, decisions=decisions)
+    if runs is not None:
+        runs[system] = result
+    return metrics(result), result_to_frames(result)
+
+
+def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
+                   chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict,
+                   steps: tuple[int, int] | None = None, out: Console = console) -> None:
+    if json_out:
+        write_json(metrics_, json_out)
+    if timeline_out:
+        from moesim.analysis.timeline import write_timeline
+        with open_output(timeline_out, "--timeline") as path:
+            write_timeline(frames["timeline"], path)
+        out.print(f"wrote {timeline_out}")
+    if decisions_out:
+        from moesim.analysis.timeline import write_decisions
+        with open_output(decisions_out, "--decisions") as path:
+            write_decisions(frames["decisions"], path)
+        out.print(f"wrote {decisions_out}")
+    if chrome_out:
+        from moesim.analysis.chrome import write_chrome_trace
+        with open_output(chrome_out, "--chrome-trace") as path:
+            write_chrome_trace(frames["timeline"], path, meta)
+        out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
+    if plot_out:
+        from moesim.analysis.plots import plot_gantt
+        with open_output(plot_out, "--plot") as path:
+            plot_gantt(frames["timeline"], path, steps=steps,
+                       title=f"{meta['system']} on {Path(meta['trace']).name}")
+        out.print(f"wrote {plot_out}")
+
+
+@cli.command("systems")
+@click.argument("name", required=False, metavar="[NAME]")
+def systems_cmd(name: str | None) -> None:
+    """List the systems; with NAME, every parameter of that system with its default, unit and meaning."""
+    if name:
+        _print_system(name)
+        return
+    from rich.table import Table
+
+    from moesim.policy.systems import SYSTEMS
+    narrow = Console(width=min(console.width, 100))
+    table = Table(title="systems (`moesim systems NAME` lists a system's --set parameters)", title_justify="left",
+                  show_lines=False)
+    table.add_column("system", style="bold", no_wrap=True)
+    table.add_column("components (cache / assign / prefetch, + substitute, defer)", ratio=2)
+    table.add_column("what it does", ratio=3)
+    for system, spec in SYSTEMS.items():
+        label = system if spec.listed else f"{system}*"
+        if spec.portfolio:
+            parts = "best of " + ", ".join(spec.portfolio)
+        else:
+            parts = " / ".join((spec.cache, spec.assign, spec.prefetch))
+            parts += "".join(f" + {getattr(spec, r)}" for r in ("substitute", "defer") if getattr(spec, r) != "none")
+        table.add_row(label, parts, spec.description)
+    narrow.print(table)
+    narrow.print("* part of oracle, not run by --system all. Every system also takes engine.*, memory.*, "
+                 "cache.slots_per_layer and hw.<profile field>, e.g. hw.pcie.bandwidth_scale.", markup=False,
+                 highlight=False)
+
+
+def _print_system(name: str) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, system_parameter_docs
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import SYSTEMS
+    if name not in SYSTEMS:
+        raise ConfigError(f"unknown system '{name}'", field="NAME", fix=f"use one of: {', '.join(SYSTEMS)}")
+    console.print(f"[bold]{name}[/]: {SYSTEMS[name].description}", highlight=False)
+    table = Table(title_justify="left", width=min(console.width, 120))
+    table.add_column("--set key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    table.add_column("meaning", ratio=1, overflow="fold")
+    for key, doc, note in system_parameter_docs(name):
+        if doc is None:
+            table.add_row(f"[cyan]{key}[/]", "", "", note, style="dim" if key.endswith("= none") else None)
+        else:
+            meaning = doc.meaning or "(undocumented)"
+            table.add_row(key, format_default(doc.default), doc.unit or "-", meaning)
+    console.print(table)
+    console.print("hw.<field>: any hardware-profile field, e.g. hw.pcie.bandwidth_scale=0.5, hw.cpu.cores=16 "
+                  "(hwprofiles/README.md documents them).", markup=False, highlight=False)

@@ -1,0 +1,118 @@
+"""``moesim sweep``, ``moesim plot`` and ``moesim report``: grids of replays and their figures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from moesim.cli.app import check_outputs, cli, console, err_console, open_output
+from moesim.errors import MoesimError
+
+
+@cli.command("sweep")
+@click.argument("spec_file", metavar="SPEC.yaml", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="RESULTS.parquet",
+              help="Results, one row per point; points already in it are skipped.")
+@click.option("--workers", default=None, type=click.IntRange(min=1), help="Parallel workers [default: all cores].")
+@click.option("--engine", default="local", show_default=True, type=click.Choice(["local", "ray"]),
+              help="local: a process pool (the better choice on one machine: no start-up, no copies); "
+                   "ray: Ray tasks, for a cluster (--address) or sweeps larger than one machine.")
+@click.option("--address", default=None, metavar="ADDR",
+              help="Ray cluster to join (auto, or HEAD_IP:6379) [default: start a local Ray instance].")
+def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None) -> None:
+    """Replay every point of a grid over traces, hardware profiles, systems and --set parameters.
+
+    \b
+    SPEC.yaml (relative paths are relative to its folder):
+      traces: [traces/mixtral-8x7b-humaneval.parquet]
+      hw: [a100-40g, h100-pcie]
+      systems: [gpu-only-lru, static-hot]        # or: all
+      seeds: [0]
+      set: {engine.staging_slots: 2}             # fixed for every point
+      grid: {cache.slots_per_layer: [1, 2, 3]}   # cartesian product
+      zip:                                       # varied together
+        - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
+
+    Each finished point is saved at once (OUT.parts/, merged into OUT), so an
+    interrupted sweep resumes where it stopped. A failed point is recorded with
+    its error; the exit status is then 1.
+    """
+    from moesim.sweep import load_spec, run_sweep
+    check_outputs(out=out)
+    existed = Path(out).exists()
+    spec = load_spec(spec_file)
+    frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
+                               progress=True, console=err_console)
+    console.print(f"{summary.points} points: {summary.ran} run, {summary.skipped} already in {out}, "
+                  f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
+    if summary.failed:
+        errors = frame[frame["status"] != "ok"]
+        if summary.failed == summary.points and not any(_internal(e) for e in errors["error"]):
+            if not existed:  # nothing worth keeping: every point failed on its input
+                Path(out).unlink(missing_ok=True)
+            raise MoesimError(f"all {summary.points} points failed on bad input; the first: {errors['error'].iloc[0]}",
+                              source=spec_file, fix="fix the spec (reasons in column 'error' of the output)")
+        for _, row in errors.head(5).iterrows():
+            err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
+                              markup=False, highlight=False, soft_wrap=True)
+        if len(errors) > 5:
+            err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
+        sys.exit(1)
+
+
+def _internal(error: str) -> bool:
+    """A point's error from a bug (recorded with where it was raised), not from its input."""
+    import re
+    return re.search(r"\(at [\w.]+\.py:\d+\)$", str(error)) is not None
+
+
+@cli.command("plot")
+@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.option("--x", "x", required=True, metavar="PARAM|METRIC",
+              help="Column on the x axis, e.g. cache.slots_per_layer, or a metric such as gpu_memory_gib.")
+@click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
+@click.option("--hue", default=None, metavar="PARAM",
+              help="One line (or bar, or marker colour) per value of this column [scatter default: system].")
+@click.option("--facet", default=None, metavar="PARAM", help="One panel per value of this column.")
+@click.option("--kind", type=click.Choice(["auto", "line", "scatter"]), default="auto", show_default=True,
+              help="line: y averaged per x value; scatter: one marker per run with the Pareto front "
+                   "(auto: scatter when --x is a metric, not a parameter).")
+@click.option("--pareto/--no-pareto", default=True, show_default=True, help="Draw the Pareto front (scatter).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="FIG.png|svg|pdf")
+def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, kind: str, pareto: bool,
+             out: str) -> None:
+    """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)
+    or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
+    --y ttft_ms, with the Pareto front of the deployable systems)."""
+    from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
+    check_outputs(out=out)
+    frame = load_results(results)
+    if kind == "auto":
+        kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
+    if kind == "scatter":
+        with open_output(out, "--out") as path:
+            plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None),
+                         facet=facet, pareto=pareto, path=path, source=results)
+    else:
+        with open_output(out, "--out") as path:
+            plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
+    console.print(f"wrote {out}")
+
+
+@cli.command("report")
+@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="REPORT.html")
+@click.option("--gantt/--no-gantt", default=True, show_default=True,
+              help="Replay one point again to draw its CPU/GPU/PCIe Gantt chart (needs its trace).")
+@click.option("--title", default=None, help="Page title [default: the results file name].")
+def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
+    """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
+    from moesim.analysis.figures import load_results
+    from moesim.analysis.html_report import write_report
+    check_outputs(out=out)
+    frame = load_results(results)
+    with open_output(out, "--out") as path:
+        write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)
+    console.print(f"wrote {out}")

@@ -1,0 +1,93 @@
+"""``moesim serve-sim``: requests arriving over time, batched by a scheduler."""
+
+from __future__ import annotations
+
+import click
+
+from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
+from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.cli.replay_cmd import system_choice
+from moesim.errors import MoesimError
+
+
+@cli.command("serve-sim")
+@click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=click.Path(dir_okay=False))
+@click.option("--hw", default=DEFAULT_HW, show_default=True, help="Hardware profile: a name or a YAML path.")
+@click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
+              help="System; several separated by commas or repeated, or 'all' (one run per system and QPS).  "
+                   f"[default: {DEFAULT_SYSTEM}]")
+@click.option("--qps", default="1", show_default=True, help="Arrival rate(s), requests/s, comma-separated.")
+@click.option("--requests", "requests", default=None, type=click.IntRange(min=1),
+              help="Requests sent (workload.requests, default 100).")
+@click.option("--scheduler", default=None, help="static | vllm | sarathi | llamacpp (default vllm).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="workload.*, scheduler.* or any replay parameter, e.g. workload.arrival=gamma.")
+@click.option("--slo", default=None, metavar="ttft_ms=..,tpot_ms=..", help="SLOs for goodput.")
+@click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
+@click.option("--requests-out", "requests_out", default=None, metavar="OUT.parquet",
+              help="Per-request TTFT, TPOT, latency and queueing (one run only).")
+@click.option("--plot", "plot_out", default=None, metavar="OUT.png", help="Latency percentiles vs QPS per system.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str, requests: int | None,
+              scheduler: str | None, settings: tuple[str, ...], slo: str | None, json_out: str | None,
+              requests_out: str | None, plot_out: str | None, seed: int) -> None:
+    """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
+    from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
+    from moesim.sim.serving import serve
+    from moesim.trace.validate import checked_meta
+    check_outputs(json=json_out, requests_out=requests_out, plot=plot_out)
+    out = err_console if json_out == "-" else console  # stdout holds the JSON only
+    for trace_file in traces:
+        checked_meta(trace_file, ())
+    parsed = parse_settings(settings)
+    if requests is not None:
+        parsed["workload.requests"] = str(requests)
+    if scheduler is not None:
+        parsed["scheduler"] = scheduler
+    slos = parse_slo(slo)
+    systems, everything = system_choice(system)
+    rates = [r.strip() for r in qps.split(",") if r.strip()]
+    if requests_out and len(systems) * len(rates) > 1:
+        raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
+                          fix="pass a single --system and --qps")
+    rows, last, skipped = [], None, {}
+    for name in systems:
+        try:
+            for rate in rates:
+                last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed)
+                rows.append(serving_metrics(last, slos))
+        except MoesimError as err:
+            if not everything or not _skippable_in_serving(err):
+                raise
+            skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
+    from rich.table import Table
+    table = Table(title=f"serving on {hw}", title_justify="left")
+    for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
+                *(("goodput",) if slos else ())):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for m in rows:
+        table.add_row(m["system"], f"{m['qps']:g}", f"{m['ttft_ms_p50']:.1f} / {m['ttft_ms_p99']:.1f}",
+                      f"{m['tpot_ms_p50']:.1f} / {m['tpot_ms_p99']:.1f}", f"{m['e2e_ms_p99']:.1f}",
+                      f"{m['throughput_rps']:.3f}", str(m["preemptions"]),
+                      *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
+    out.print(table)
+    for name, reason in skipped.items():
+        from rich.markup import escape
+        out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+    if json_out:
+        write_json(rows[0] if len(rows) == 1 else rows, json_out)
+    if requests_out and last is not None:
+        with open_output(requests_out, "--requests-out") as path:
+            write_requests(request_frame(last), path)
+        out.print(f"wrote {requests_out}")
+    if plot_out:
+        with open_output(plot_out, "--plot") as path:
+            plot_latency_vs_qps(rows, path)
+        out.print(f"wrote {plot_out}")
+
+
+def _skippable_in_serving(err: MoesimError) -> bool:
+    """With --system all: errors of one system (it cannot serve, or lacks a column), not of the run."""
+    from moesim.errors import ConfigError
+    return isinstance(err, ConfigError) and err.field not in ("--set", "--model", "--slo", "scheduler") \
+        and not (err.field or "").startswith(("workload.", "scheduler."))

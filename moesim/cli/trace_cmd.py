@@ -1,0 +1,213 @@
+"""``moesim trace``: validate, inspect, compare, import and synthesize traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.errors import MoesimError
+
+
+@cli.group()
+def trace() -> None:
+    """Inspect, validate, import, synthesize and compare router traces."""
+
+
+@trace.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False))
+def trace_validate(file: str) -> None:
+    """Check FILE against trace format v1."""
+    from moesim.trace.validate import validate_trace
+    summary = validate_trace(file)
+    console.print(f"{file}: valid trace v1, {summary.rows:,} rows, {summary.steps:,} steps, "
+                  f"columns: {', '.join(summary.columns)}")
+
+
+@trace.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON under stable keys.")
+def trace_inspect(file: str, as_json: bool) -> None:
+    """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
+    from moesim.trace.stats import render_stats, trace_stats
+    from moesim.trace.validate import checked_meta
+    checked_meta(file)
+    stats = trace_stats(file)
+    if as_json:
+        write_json(stats, None)
+    else:
+        render_stats(stats, console, title=file)
+
+
+@trace.command("compare")
+@click.argument("first", type=click.Path(dir_okay=False))
+@click.argument("second", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON.")
+def trace_compare(first: str, second: str, as_json: bool) -> None:
+    """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
+    of per-layer expert popularity, reuse and co-activation differences."""
+    from moesim.trace.stats import compare_traces, render_comparison
+    from moesim.trace.validate import checked_meta
+    checked_meta(first)
+    checked_meta(second)
+    both = compare_traces(first, second)
+    if as_json:
+        write_json(both, None)
+    else:
+        render_comparison(both["a"], both["b"], console, names=(first, second), distances=both["distances"])
+
+
+@trace.command("import")
+@click.option("--format", "fmt", default=None, help="Source log format (see --list-formats).")
+@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
+@click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
+def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, list_formats: bool) -> None:
+    """Convert another tool's per-token routing log into a v1 trace."""
+    from moesim.trace.importers import import_trace
+    if list_formats:
+        _print_formats()
+        return
+    for name, value, fix in (("--format", fmt, "see moesim trace import --list-formats"),
+                             ("SOURCES", sources, "name the log files to convert"),
+                             ("--out", out, "e.g. --out trace.parquet")):
+        if not value:
+            raise MoesimError("missing", field=name, fix=fix)
+    check_outputs(out=out)
+    from moesim.progress import Progress
+    with Progress("trace import", unit="files", console=err_console) as bar, open_output(out, "--out") as path:
+        bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
+        report = import_trace(fmt, [Path(s) for s in sources], path)
+        bar.advance(len(sources))
+    for line in report.summary_lines():
+        console.print(line)
+
+
+def _print_formats() -> None:
+    """One line per import format: its name and the first line of its module's description."""
+    import importlib
+
+    from moesim.trace.importers import AGGREGATE_FORMATS, FORMATS
+    for name in sorted(FORMATS):
+        module = importlib.import_module(FORMATS[name].__module__)
+        doc = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
+        doc = doc.removeprefix(f"``{name}``:").strip()
+        console.print(f"{name:<20} {doc}", markup=False, highlight=False, soft_wrap=True)
+    for name in AGGREGATE_FORMATS:
+        console.print(f"{name:<20} (refused: aggregate expert counts, not per-token routing)", markup=False,
+                      highlight=False, soft_wrap=True)
+
+
+@trace.command("synth")
+@click.option("--model", "model", default=None,
+              help="Model preset name or preset YAML [default with --fit: the real trace's model].")
+@click.option("--requests", default=None, type=click.IntRange(min=1),
+              help="Requests [default: 1, with --fit the real trace's].")
+@click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
+              help="Prompt tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--decode-len", default=None, type=click.IntRange(min=0, max=1 << 24),
+              help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
+@click.option("--batch", default=None, type=click.IntRange(min=1),
+              help="Requests decoded together in one step [default: 1, with --fit the real trace's].")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
+@click.option("--fit", "fit", default=None, type=click.Path(dir_okay=False), metavar="REAL.parquet",
+              help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first.")
+@click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
+@click.option("--help-params", is_flag=True,
+              help="List the generator parameters (default for --model, meaning) and exit.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False))
+def trace_synth(model: str | None, requests: int | None, prompt_len: int | None, decode_len: int | None,
+                batch: int | None, seed: int, settings: tuple[str, ...], fit: str | None, no_scores: bool,
+                help_params: bool, out: str | None) -> None:
+    """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
+    from moesim.trace.synth import SynthConfig, synthesize
+    if help_params:
+        _print_synth_params(model)
+        return
+    if out is None:
+        raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
+    check_outputs(out=out)
+    shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
+    fitted: dict[str, str] = {}
+    if fit is not None:
+        result = _fit(fit, seed)
+        shape.update(result.shape)
+        fitted = result.settings()
+        if model is None:
+            from moesim.trace.io import read_meta
+            model = read_meta(fit).model
+    if model is None:
+        raise MoesimError("missing", field="--model", fix="name a preset, e.g. --model mixtral-8x7b, or --fit REAL")
+    given = {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len, "batch": batch}
+    shape.update({k: v for k, v in given.items() if v is not None})
+    config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **parse_settings(settings)},
+                                       scores=not no_scores, **shape)
+    if fit is not None:
+        config.fitted_to = fit
+    _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
+    with open_output(out, "--out") as path:
+        synthesize(config, path)
+    console.print(f"wrote {out}")
+
+
+#: positions and steps are int32 in a trace; rows beyond this would take days to write anyway
+SYNTH_MAX_ROWS = 2**31 - 1
+
+
+def _check_synth_size(model, requests: int, prompt_len: int, decode_len: int) -> None:
+    tokens = prompt_len + decode_len
+    if tokens > 2**31 - 1:
+        raise MoesimError(f"{tokens:,} tokens per request exceed the trace's int32 positions",
+                          field="--prompt-len/--decode-len", fix="use fewer than 2,147,483,647 tokens per request")
+    rows = requests * tokens * model.num_layers
+    if rows > SYNTH_MAX_ROWS:
+        raise MoesimError(f"{requests:,} requests x {tokens:,} tokens x {model.num_layers} layers = {rows:,} rows, "
+                          f"beyond the limit of {SYNTH_MAX_ROWS:,}", field="--requests/--prompt-len/--decode-len",
+                          fix="synthesize fewer or shorter requests")
+
+
+def _fit(real: str, seed: int):
+    """Fit the generator to ``real``, print fitted parameters and statistics against the real ones."""
+    from rich.table import Table
+
+    from moesim.progress import Progress
+    from moesim.trace.synth import fit_params
+    with Progress("fit", unit="candidate traces", console=err_console) as bar:
+        result = fit_params(real, seed=seed, progress=lambda name: bar.advance(1, label=name))
+    table = Table(title=f"fitted to {real} ({result.evaluations} candidate traces)", title_justify="left")
+    for col in ("statistic", "real", "synthetic", "difference"):
+        table.add_column(col, justify="left" if col == "statistic" else "right")
+    errors = result.relative_errors()
+    for stat, value in result.target.items():
+        fitted = result.fitted.get(stat)
+        table.add_row(stat, f"{value:.3f}", "-" if fitted is None else f"{fitted:.3f}",
+                      f"{errors[stat]:.1%}" if stat in errors else "-")
+    console.print(table)
+    p = result.params
+    console.print(f"parameters: skew_first={p.skew_first} skew_last={p.skew_last} request_bias={p.request_bias} "
+                  f"cluster_strength={p.cluster_strength} token_corr={p.token_corr} score_scale={p.score_scale}",
+                  markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    return result
+
+
+def _print_synth_params(model: str | None) -> None:
+    from rich.table import Table
+
+    from moesim.analysis.params import format_default, parameter_docs
+    from moesim.model.presets import load_preset
+    from moesim.trace.synth import SynthParams
+    defaults = SynthParams.for_model(load_preset(model)) if model else None
+    table = Table(title=f"generator parameters (--set KEY=VALUE), defaults for {model or 'no model'}"
+                        + ("" if model else "; pass --model for a model's own defaults"), title_justify="left")
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("default", no_wrap=True)
+    table.add_column("meaning", overflow="fold")
+    for doc in parameter_docs(SynthParams):
+        value = getattr(defaults, doc.name) if defaults else doc.default
+        table.add_row(doc.name, format_default(value), doc.meaning or "(undocumented)")
+    console.print(table)
