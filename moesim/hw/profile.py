@@ -212,8 +212,9 @@ class HardwareProfile:
     def gpu_reserved_bytes(self) -> int:
         return int(self.gpu.reserved_gib * 2**30)
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "HardwareProfile":
-        """A copy with dotted-path overrides applied (``pcie.bandwidth_scale``, ``cpu.cores``, ...)."""
+    def with_overrides(self, overrides: dict[str, Any], source: str = "command-line override") -> "HardwareProfile":
+        """A copy with dotted-path overrides applied (``pcie.bandwidth_scale``, ``cpu.cores``, ...);
+        ``source`` is recorded under ``sources`` for each (a fitted number names what it was fitted to)."""
         if not overrides:
             return self
         raw = copy.deepcopy(self.raw)
@@ -236,7 +237,7 @@ class HardwareProfile:
             if isinstance(value, str) and isinstance(current, (bool, int, float)):
                 value = _like(value, current, key, self.path or self.name)
             node[parts[-1]] = value
-            raw.setdefault("sources", {})[key] = "command-line override"
+            raw.setdefault("sources", {})[key] = source
         profile = parse_profile(raw, origin=self.path or self.name)
         return dataclasses.replace(profile, base=self.original)
 
