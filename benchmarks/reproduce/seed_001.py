@@ -7,7 +7,10 @@ benchmarks/reproduce/calibrate.py fitted (``common.testbed``); Expert Deferral d
 in BF16 and 6 / 4 / 4 quantized (Sec. 6.3). KTransformers' runtime runs the decode step as one CUDA
 Graph (``runtimes.ktransformers.graph: decode_step``, Sec. 3.3). Baselines: ``fiddler`` and ``llamacpp`` (llama.cpp ran
 FP16 in the paper, replayed here in BF16: the same bytes). Traces are synthetic, shaped like each model
-(``moesim trace synth``).
+(``moesim trace synth``). The baselines as 001 ran them (Sec. 2.3, 6.1: "both baselines implement a
+Fiddler-style offloading approach, executing routed experts on the CPU while processing other
+computations on the GPU"): ``fiddler`` with ``assign.copy_cold=false`` and ``llamacpp-experts``
+(llama.cpp with 001's expert-level offloading).
 
 Shortened for time: 128 decode tokens instead of up to 512; prefill at the two ends of Fig. 11's range
 (32 and 8192 tokens) only.
@@ -23,7 +26,8 @@ benchmarks/reproduce_seeds.py combines as the claim's qualifier says: the smalle
 * Sec. 3.2 / 3.3 / 6.4: the AVX-512/AMX switch over AMX only (decode, up to 1.20x) and over AVX-512
   only (prefill, up to 10.81x), switched off by overriding the profile (``hw.cpu.amx_switch_tokens``),
   and one CUDA Graph over none (decode, up to 1.23x: KTransformers' runtime swapped for the same one
-  without the graph, ``runtime=ktransformers-eager``; a calibration row);
+  without the graph, ``runtime=ktransformers-eager``; a calibration row); Fig. 14a's first prefill step,
+  Fiddler with KTransformers' fused AMX MoE kernel over Fiddler (up to 3.14x at 8192 tokens);
 * Sec. 4.2 / Fig. 10: CPU and GPU utilisation of DS-3 BF16 decoding without deferral (74% / 28%, the
   CPU figure reserved for calibration) and with 3 deferred (100% / 37%), as shares of the whole run;
   without deferral, the share of the run when CPU and GPU both work (5%) and when neither does (3%);
@@ -65,7 +69,7 @@ PAPER_VALUES = {"001-s62-decode-vs-fiddler-min": 2.42, "001-s62-decode-vs-fiddle
                 "001-s1-prefill-vs-existing-min": 4.62, "001-s1-prefill-vs-existing-max": 19.74,
                 "001-s64-decode-cuda-graph": 1.23, "001-s32-decode-avx512-vs-amx": 1.20,
                 "001-s32-prefill-amx-vs-avx512": 10.81, "001-s42-layer-time-ed2": 1 / (1 - 0.19),
-                "001-s42-layer-time-ed3": 1 / (1 - 0.26)}
+                "001-s42-layer-time-ed3": 1 / (1 - 0.26), "001-s64-prefill-amx-vs-fiddler": 3.14}
 #: 001 Sec. 4.2 / Fig. 10: DS-3 BF16 CPU and GPU utilisation (%) without and with 3 deferred experts
 UTILISATION = {"001-s42-cpu-util-no-ed": 74.0, "001-s42-gpu-util-no-ed": 28.0, "001-s1-cpu-util-ed": 100.0,
                "001-s1-gpu-util-ed": 37.0}
@@ -74,6 +78,11 @@ SHARES = {"001-s42-overlap-no-ed": 5.0, "001-s42-sync-idle-no-ed": 3.0}
 #: settings that switch one KTransformers mechanism off: its CUDA Graph (Sec. 3.3; the same runtime
 #: without the graph) and the kernel switch (Sec. 3.2, by the profile's switch point)
 NO_GRAPH = {"runtime": "ktransformers-eager"}
+#: 001 Fig. 14a's first step: Fiddler with its PyTorch MoE replaced by KTransformers' fused AMX kernel (the
+#: kernel's own speed, 1.0 of the curves, instead of PyTorch's 1/3.98), nothing else of KTransformers
+FIDDLER_WITH_AMX_KERNEL = {"hw.runtimes.pytorch-eager.cpu_compute_efficiency.amx": "1.0"}
+#: each baseline's label -> (system, settings) as 001 Sec. 6.1 ran it: routed experts on the CPU
+BASELINES = {"fiddler": ("fiddler", {"assign.copy_cold": "false"}), "llamacpp": ("llamacpp-experts", {})}
 AMX_ONLY = {"hw.cpu.amx_switch_tokens": "1"}
 AVX512_ONLY = {"hw.cpu.amx_switch_tokens": "1000000"}
 DECODE_TPS_NO_DEFERRAL = 5.87
@@ -87,7 +96,9 @@ def ratio_row(claim_id: str, claim: str, moesim_value: float) -> dict:
 
 def run(path: str, profile: str, system: str, dtype: str, extra: dict | None = None,
         timeline: bool = False) -> dict:
-    settings = {"memory.expert_dtype": dtype, "memory.non_expert_dtype": dtype, **(extra or {})}
+    """One replay's metrics; ``system`` may be a baseline's label (``BASELINES``)."""
+    system, own = BASELINES.get(system, (system, {}))
+    settings = {"memory.expert_dtype": dtype, "memory.non_expert_dtype": dtype, **own, **(extra or {})}
     result = simulate(path, testbed(profile), system, settings, timeline=timeline)
     out = metrics(result)
     if timeline:
@@ -196,6 +207,9 @@ def prefill_rows() -> list[dict]:
             path = synthetic_trace(model, prompt, 0)
             ttft = {s: run(path, profile, s, dtype)["ttft_ms"] for s in ("ktransformers", "fiddler", "llamacpp")}
             if prompt == max(PROMPTS):
+                kernel = run(path, profile, "fiddler", dtype, FIDDLER_WITH_AMX_KERNEL)["ttft_ms"]
+                out.append(ratio_row("001-s64-prefill-amx-vs-fiddler", f"{label} prefill {prompt} tokens Fiddler with "
+                                     "the fused AMX MoE kernel / Fiddler", ttft["fiddler"] / kernel))
                 avx512 = run(path, profile, "ktransformers", dtype, AVX512_ONLY)["ttft_ms"]
                 out.append(ratio_row("001-s32-prefill-amx-vs-avx512", f"{label} prefill {prompt} tokens AMX/AVX-512 "
                                      "switch / AVX-512 only", avx512 / ttft["ktransformers"]))
