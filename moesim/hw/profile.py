@@ -248,8 +248,9 @@ INERT_FIELDS = {
     "name": "a label", "description": "a label", "gpu.name": "a label", "cpu.name": "a label",
     "cpu.numa_note": "a note; NUMA effects are in the runtimes' cpu_bandwidth_efficiency",
     "pcie.generation": "a label; the h2d/d2h curves and pcie.bandwidth_scale carry the bandwidth",
-    "pcie.d2h": "the engine issues no device-to-host copies (experts are read-only)",
-    "pcie.duplex_slowdown": "the engine issues no device-to-host copies, so H2D never runs duplex",
+    "pcie.d2h": "a curve (it times mixtral-offloading's write-backs); scale it with pcie.bandwidth_scale",
+    "pcie.duplex_slowdown": "the only device-to-host copies (mixtral-offloading's write-backs) follow their load on "
+    "the same copy engine, so H2D never runs duplex",
     "sources": "documentation", "gpu.expert_ffn": "a list of curves (edit the profile YAML)",
     "gpu.attention": "a list of curves (edit the profile YAML)", "cpu.expert_ffn": "a list of curves (edit the "
     "profile YAML)", "pcie.h2d": "a curve; scale it with pcie.bandwidth_scale",

@@ -84,6 +84,8 @@ class Transfer:
     queued_at: int = -1
     engine: int = 0
     retired: bool = False
+    #: copy time when it is not ``duration(nbytes)``: a device-to-host write-back (``nbytes`` 0: no H2D bytes)
+    seconds: float = 0.0
 
 
 class CopyEngines:
@@ -183,9 +185,9 @@ class CopyEngines:
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
         transfer.engine = i
-        duration = self.duration(transfer.nbytes)
+        duration = transfer.seconds or self.duration(transfer.nbytes)
         ledger = self.ledger
-        if ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
+        if transfer.nbytes and ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
             duration = stretch(start, duration, transfer.nbytes / duration, ledger, self.combined_bps) - start
         transfer.end = self.free[i] = start + duration
         self.last[i] = transfer
@@ -393,7 +395,7 @@ class Simulator:
             if transfer.end != end or transfer.retired:
                 continue  # stale: the transfer was re-laid later
             transfer.retired = True
-            if transfer.kind != "stage" and transfer.kind != "chunk":
+            if transfer.kind != "stage" and transfer.kind != "chunk" and transfer.kind != "writeback":
                 layer, expert = transfer.layer, transfer.expert
                 del pending[(layer, expert)]
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
@@ -404,18 +406,29 @@ class Simulator:
         if self.dram.intervals:
             self.dram.prune(t)
 
-    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float) -> None:
-        """Demand loads of one plan, submitted together (the common case of every cache miss)."""
+    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float,
+                      writebacks: list[tuple[int, int]] | None = None) -> None:
+        """Demand loads of one plan, submitted together (the common case of every cache miss); each
+        write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot."""
         start_load, pending = self.cache.start_load, self.pending
         nbytes = self.costs.expert_bytes
         batch = []
-        for e in experts:
+        back = writebacks or []
+        for i, e in enumerate(experts):
             self._seq += 1
             transfer = Transfer(layer, e, nbytes, 0, "load", self._seq, at, step)
             start_load(layer, e)
             pending[(layer, e)] = transfer
             batch.append(transfer)
+            if i < len(back):
+                batch.append(self._writeback(back[i], step, at))
+        batch += [self._writeback(x, step, at) for x in back[len(experts):]]
         self.pcie.submit_demands(batch, at)
+
+    def _writeback(self, evicted: tuple[int, int], step: int, at: float) -> Transfer:
+        self._seq += 1
+        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", self._seq, at, step,
+                        seconds=self.costs.d2h(self.costs.expert_bytes))
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
@@ -586,8 +599,8 @@ class Simulator:
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
-        if plan.loads:
-            self._submit_loads(layer, plan.loads, s, t1)
+        if plan.loads or plan.writebacks:
+            self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
         staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
             if streamed else {}
@@ -690,7 +703,7 @@ class Simulator:
         placed = sorted((x for end, _, x in pcie.unretired if end > t and x.end == end), key=lambda x: x.start)
         for x in placed:
             running = x.start < t  # type: ignore[operator]
-            work = x.end - t if running else pcie.duration(x.nbytes)  # type: ignore[operator]
+            work = x.end - t if running else x.seconds or pcie.duration(x.nbytes)  # type: ignore[operator]
             lanes[x.engine].jobs.append([t if running else x.start, work, x.nbytes / pcie.duration(x.nbytes), x])
         free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
         for x in pcie.queue:  # simulated for their draw on DRAM; placed later by the engine itself
@@ -773,6 +786,7 @@ class Simulator:
         assert not set(gpu) & set(cpu), "expert on both CPU and GPU"
         computed = set(gpu) | set(cpu) | set(plan.deferred)
         assert computed == set(view.active), f"plan computes {sorted(computed)}, routed {sorted(view.active)}"
+        assert set(plan.writebacks) <= set(plan.evictions), "plan writes back an expert it does not evict"
         for lay, e in plan.evictions:
             assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
             assert e not in self.cache.in_flight[lay], f"plan evicts in-flight expert {e}"
