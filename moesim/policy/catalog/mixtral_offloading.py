@@ -30,7 +30,9 @@ issues the host-to-device copy of the loaded expert and the device-to-host copy 
 evicted one on the same stream, one after the other. The plan lists each evicted expert
 as a write-back (``LayerPlan.writebacks``); the engine puts its device-to-host copy
 (``pcie.d2h``) on the copy engine right after the load that takes its slot, so the next
-load waits for it (``cache.writeback=false`` drops it).
+load waits for it (``cache.writeback=false`` drops it). One difference: on the original's
+single stream the loaded expert's kernels also queue behind the write-back issued just before
+them; here the expert waits for its own load only, while the next load waits for the write-back.
 """
 
 from __future__ import annotations
