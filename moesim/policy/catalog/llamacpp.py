@@ -129,4 +129,4 @@ register_system("llamacpp", SystemSpec(
 register_system("llamacpp-experts", SystemSpec(
     "llama.cpp as 001 extended it: every routed expert on the CPU (Fiddler-style expert offloading), attention "
     "and shared experts on the GPU, llama.cpp's launches; batches of 32+ tokens offload experts to the GPU",
-    cache="llamacpp-experts", assign="llamacpp", system_class=LlamaCppSystem, runtime="llamacpp"))
+    cache="llamacpp-experts", assign="llamacpp", system_class=LlamaCppSystem, uses_cache=False, runtime="llamacpp"))
