@@ -271,3 +271,53 @@ def test_003_hybrimoe_caches_as_many_experts_as_dali():
 def test_004_compares_with_the_best_of_several_baselines_not_hybrimoe_alone():
     seed = load_script("seed_004")
     assert len(seed.BASELINES) >= 3 and "hybrimoe" in seed.BASELINES
+
+
+# ---------------------------------------------------------------- calibration (benchmarks/reproduce/calibrate.py)
+
+def test_newton_solves_a_hand_worked_pair():
+    """(a + 2b) / 5 = 1 and (3a + b) / 5 = 1 have the one solution a = 1, b = 2."""
+    import numpy as np
+    from calibrate import newton
+
+    def residual(x):
+        a, b = x
+        return np.array([math.log((a + 2 * b) / 5), math.log((3 * a + b) / 5)])
+
+    a, b = newton(residual, np.array([0.5, 0.5]), np.array([0.01, 0.01]), np.array([100.0, 100.0]), tolerance=1e-6)
+    assert (a, b) == pytest.approx((1.0, 2.0), rel=1e-4)
+
+
+def test_integer_fit_takes_the_nearest_count():
+    """A ratio 1 + 0.0153 k equals 1.23 at k = 15.03: the fit is 15, not 14 or 16."""
+    from calibrate import solve_integer
+    assert solve_integer(lambda k: math.log((1 + 0.0153 * round(k)) / 1.23), 24, 1, 400) == 15
+
+
+def test_the_fitted_numbers_are_the_calibration_rows_and_at_most_two_per_testbed(claims):
+    import calibrate
+    import common
+    by_id = {c.id: c for c in claims}
+    fits = common.fitted_numbers()
+    assert [f["claim"] for f in fits] == [n.claim for group in calibrate.FITS for n in group]
+    assert {f["claim"] for f in fits} == {c.id for c in claims if c.calibration}
+    per_testbed: dict[str, int] = {}
+    for fit in fits:
+        testbed = by_id[fit["claim"]].setup["testbed"]
+        assert testbed in fit["profiles"], fit["claim"]  # fitted to a row of a testbed it is set on
+        per_testbed[testbed] = per_testbed.get(testbed, 0) + 1
+        assert fit["source"].startswith("fitted to ") and ("Table" in fit["source"] or "Fig." in fit["source"])
+    assert per_testbed and max(per_testbed.values()) <= 2
+
+
+def test_scorecard_testbeds_carry_the_fitted_numbers_with_their_source():
+    import common
+    fits = {f["claim"]: f for f in common.fitted_numbers()}
+    sync = fits["000-t1-qwen3-mean-ktransformers-tps"]
+    profile = common.testbed("rtx4090")
+    assert profile.sync.per_layer_us == pytest.approx(sync["value"])
+    assert profile.sources["sync.per_layer_us"] == sync["source"]
+    assert profile.runtime("ktransformers-eager").kernels_per_layer == fits["001-s64-decode-cuda-graph"]["value"]
+    # the shipped profile itself is untouched: the scorecard's numbers are overrides
+    from moesim.hw.profile import load_profile
+    assert load_profile(REPO / "hwprofiles" / "rtx4090.yaml").sync.per_layer_us == 12

@@ -1,7 +1,9 @@
 """Reproduce SMoE's headline comparisons (000_dba2fecbbc66318b.txt) in moesim.
 
 Setup as the paper deployed it (Sec. VI-A, Sec. IV-D): hwprofiles/rtx4090.yaml (RTX 4090 24GB,
-EPYC 7T83 limited to 10 cores, PCIe 4.0 x16), 4-bit experts and 4-bit non-expert weights
+EPYC 7T83 limited to 10 cores, PCIe 4.0 x16) with the two numbers benchmarks/reproduce/calibrate.py
+fitted to Table I's KTransformers means (``common.testbed``), no CUDA Graph for any system (Sec. VI-A:
+"we do not use CUDA Graphs", so KTransformers runs ``runtime=ktransformers-eager`` as SMoE and HybriMoE do), 4-bit experts and 4-bit non-expert weights
 (``memory.expert_dtype=int4``, ``memory.non_expert_dtype=int4``: about 10 GB of attention-related
 weights on the GPU, Sec. IV-D), 8 cached experts per layer in decoding (Sec. VI-D), SMoE prefetching 2
 experts per layer on DeepSeek-V3 and 3 on Qwen3, SMoE-Flex 3 on half of the layers, HybriMoE 1
@@ -35,13 +37,14 @@ from moesim.analysis.metrics import metrics
 from moesim.sim.run import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import magnitude_row, print_table, synthetic_trace  # noqa: E402
+from common import magnitude_row, print_table, synthetic_trace, testbed  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-HW = str(ROOT / "hwprofiles" / "rtx4090.yaml")
+TESTBED = "rtx4090"
 PAPER = "000 SMoE"
 DTYPES = {"memory.expert_dtype": "int4", "memory.non_expert_dtype": "int4"}
 DECODE_SLOTS = {"cache.slots_per_layer": "8"}
+#: Sec. VI-A: no CUDA Graph in any experiment; KTransformers' own runtime would run the decode step as one
+NO_GRAPH = {"runtime": "ktransformers-eager"}
 
 #: Table I, mean over the six datasets (AC_Prompts, Flores-101, Gsm8k, Humaneval, TriviaQA, Xsum)
 TABLE_I = {
@@ -74,20 +77,37 @@ def speedup_row(claim: str, paper_value: float, moesim_value: float, claim_id: s
 
 def system_settings(system: str, model: str) -> dict[str, str]:
     settings = dict(DTYPES)
-    if system != "ktransformers":
+    if system == "ktransformers":
+        settings.update(NO_GRAPH)
+    else:
         settings.update(DECODE_SLOTS)
     if system == "smoe":
         settings["prefetch.n"] = SMOE_PREFETCH[model]
     return settings
 
 
+def decode_tps(model: str, system: str) -> float:
+    """Decode tokens/s of ``system`` on the Table I setup of ``model`` (64-token prompt, 128 decoded)."""
+    path = synthetic_trace(model, 64, 128, scores=True)
+    return metrics(simulate(path, testbed(TESTBED), system, system_settings(system, model)))["decode_tokens_per_s"]
+
+
+def calibration_figures(claim_ids: list[str]) -> dict[str, float]:
+    """moesim's figure for the calibration rows asked for (benchmarks/reproduce/calibrate.py)."""
+    out = {}
+    for model, short in SHORT.items():
+        claim_id = f"000-t1-{short}-mean-ktransformers-tps"
+        if claim_id in claim_ids:
+            out[claim_id] = decode_tps(model, "ktransformers")
+    return out
+
+
 def decode_rows() -> list[dict]:
     out = []
     for model, systems in TABLE_I.items():
-        path = synthetic_trace(model, 64, 128, scores=True)
         tps = {}
         for system, values in systems.items():
-            tps[system] = metrics(simulate(path, HW, system, system_settings(system, model)))["decode_tokens_per_s"]
+            tps[system] = decode_tps(model, system)
             out.append({**magnitude_row(PAPER, f"Table I {model} decode tokens/s, {system}",
                                         sum(values) / len(values), tps[system]),
                         "claim_id": f"000-t1-{SHORT[model]}-mean-{system}-tps"})
@@ -104,7 +124,8 @@ def prefill_rows() -> list[dict]:
         m = SHORT[model]
         for prompt in PREFILL_PROMPTS:
             path = synthetic_trace(model, prompt, 0, scores=False)
-            ttft = {s: metrics(simulate(path, HW, s, system_settings(s, model)))["ttft_ms"]
+            hw = testbed(TESTBED)
+            ttft = {s: metrics(simulate(path, hw, s, system_settings(s, model)))["ttft_ms"]
                     for s in ("ktransformers", "smoe", "hybrimoe")}
             over_kt, over_hybri = ttft["ktransformers"] / ttft["smoe"], ttft["hybrimoe"] / ttft["smoe"]
             if model == "deepseek-v3":

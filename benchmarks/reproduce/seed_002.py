@@ -35,11 +35,10 @@ from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table, testbed  # noqa: E402
 
 PAPER = "002 BuddyMoE"
-ROOT = Path(__file__).resolve().parents[2]
-HW = str(ROOT / "hwprofiles" / "a100-40g.yaml")
+TESTBED_NAME = "a100-40g"  # with the fitted numbers of benchmarks/reproduce/calibration.yaml
 #: cache rate -> (Original t/s, BuddyMoE tau=0.95 |B|=16 rho=3 t/s): Tables 2, 3, 4
 TABLES = {0.75: (34.23, 36.75), 0.5: (28.56, 30.21), 0.375: (24.78, 27.33)}
 CALIBRATION_REQUESTS, REPLAY_REQUESTS = 4, 2
@@ -84,8 +83,8 @@ def rows(workdir: str | None = None) -> list[dict]:
         for rate, (original_tps, buddy_tps) in TABLES.items():
             slots = str(int(round(rate * 64)))
             base = {"cache.slots_per_layer": slots}
-            original = metrics(simulate(replay, HW, "buddymoe", {**base, "substitute": "none"}))
-            buddy = metrics(simulate(replay, HW, "buddymoe", {
+            original = metrics(simulate(replay, testbed(TESTBED_NAME), "buddymoe", {**base, "substitute": "none"}))
+            buddy = metrics(simulate(replay, testbed(TESTBED_NAME), "buddymoe", {
                 **base, "substitute.calibration": calibration, "substitute.alpha": "0.95",
                 "substitute.k_max": "16", "substitute.rho": "3"}))
             out.append(row(f"c={rate}: BuddyMoE / Original decode throughput", buddy_tps / original_tps,

@@ -41,11 +41,10 @@ from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table, testbed  # noqa: E402
 
 PAPER = "003 DALI"
-ROOT = Path(__file__).resolve().parents[2]
-HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
+TESTBED_NAME = "rtx3090"  # with the fitted numbers of benchmarks/reproduce/calibration.yaml
 #: (model, batch) -> (Opt_plan s, Greedy s), Table 4
 TABLE4 = {("deepseek-v2-lite", 16): (12.4, 14.4), ("deepseek-v2-lite", 32): (19.7, 22.4),
           ("mixtral-8x7b", 16): (22.6, 26.7), ("mixtral-8x7b", 32): (28.0, 30.4)}
@@ -90,8 +89,8 @@ def rows(workdir: str | None = None) -> list[dict]:
         for (model, batch), (opt_s, greedy_s) in TABLE4.items():
             path = trace(work, model, batch)
             settings = SETTINGS[model]
-            greedy = metrics(simulate(path, HW, "dali", settings))
-            optimal = metrics(simulate(path, HW, "dali", {**settings, "assign": "dali-optimal"}))
+            greedy = metrics(simulate(path, testbed(TESTBED_NAME), "dali", settings))
+            optimal = metrics(simulate(path, testbed(TESTBED_NAME), "dali", {**settings, "assign": "dali-optimal"}))
             moesim = moe_time(greedy) / moe_time(optimal)
             short = "ds" if model.startswith("deepseek") else "mixtral"
             out.append(row(f"Table 4 {model} batch {batch}: Greedy / Opt_plan MoE time", greedy_s / opt_s,
@@ -100,7 +99,7 @@ def rows(workdir: str | None = None) -> list[dict]:
                 print(f"skipped DALI vs HybriMoE ({model}, batch {batch}): no 'hybrimoe' system is registered")
                 continue
             hybrimoe = {**{k: v for k, v in settings.items() if k not in DALI_ONLY}, **CACHED[model]}
-            hybri = metrics(simulate(path, HW, "hybrimoe", hybrimoe))
+            hybri = metrics(simulate(path, testbed(TESTBED_NAME), "hybrimoe", hybrimoe))
             speedup = greedy["decode_tokens_per_s"] / hybri["decode_tokens_per_s"]
             out.append(row(f"Fig. 12 {model} batch {batch}: DALI / HybriMoE decode speed",
                            DECODE_SPEEDUP_OVER_HYBRIMOE, speedup, speedup > 1, "003-f12-decode-vs-hybrimoe"))

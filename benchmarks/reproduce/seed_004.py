@@ -35,11 +35,10 @@ from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table  # noqa: E402
+from common import print_table, testbed  # noqa: E402
 
 PAPER = "004 importance-driven"
-ROOT = Path(__file__).resolve().parents[2]
-HW = str(ROOT / "hwprofiles" / "rtx3090.yaml")
+TESTBED_NAME = "rtx3090"  # with the fitted numbers of benchmarks/reproduce/calibration.yaml
 TESTBED = {"hw.gpu.memory_gib": "12", "hw.cpu.cores": "6"}
 ALPHA = {"substitute.alpha": "0.35"}
 VS_BEST = {3: 0.27, 1: 0.20}  # S1 TPOT reduction over the best baseline (Sec. 6.2)
@@ -63,7 +62,7 @@ def trace(workdir: Path, batch: int) -> str:
 
 
 def tpot(path: str, system: str, settings: dict) -> float:
-    return metrics(simulate(path, HW, system, {**TESTBED, **settings}))["tpot_ms_mean"]
+    return metrics(simulate(path, testbed(TESTBED_NAME), system, {**TESTBED, **settings}))["tpot_ms_mean"]
 
 
 def row(claim: str, paper_reduction: float, before: float, after: float, claim_id: str) -> dict:

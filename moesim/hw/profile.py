@@ -212,8 +212,9 @@ class HardwareProfile:
     def gpu_reserved_bytes(self) -> int:
         return int(self.gpu.reserved_gib * 2**30)
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "HardwareProfile":
-        """A copy with dotted-path overrides applied (``pcie.bandwidth_scale``, ``cpu.cores``, ...)."""
+    def with_overrides(self, overrides: dict[str, Any], source: str = "command-line override") -> "HardwareProfile":
+        """A copy with dotted-path overrides applied (``pcie.bandwidth_scale``, ``cpu.cores``, ...);
+        ``source`` is recorded under ``sources`` for each (a fitted number names what it was fitted to)."""
         if not overrides:
             return self
         raw = copy.deepcopy(self.raw)
@@ -236,7 +237,7 @@ class HardwareProfile:
             if isinstance(value, str) and isinstance(current, (bool, int, float)):
                 value = _like(value, current, key, self.path or self.name)
             node[parts[-1]] = value
-            raw.setdefault("sources", {})[key] = "command-line override"
+            raw.setdefault("sources", {})[key] = source
         profile = parse_profile(raw, origin=self.path or self.name)
         return dataclasses.replace(profile, base=self.original)
 
@@ -247,8 +248,9 @@ INERT_FIELDS = {
     "name": "a label", "description": "a label", "gpu.name": "a label", "cpu.name": "a label",
     "cpu.numa_note": "a note; NUMA effects are in the runtimes' cpu_bandwidth_efficiency",
     "pcie.generation": "a label; the h2d/d2h curves and pcie.bandwidth_scale carry the bandwidth",
-    "pcie.d2h": "the engine issues no device-to-host copies (experts are read-only)",
-    "pcie.duplex_slowdown": "the engine issues no device-to-host copies, so H2D never runs duplex",
+    "pcie.d2h": "a curve (it times mixtral-offloading's write-backs); scale it with pcie.bandwidth_scale",
+    "pcie.duplex_slowdown": "the only device-to-host copies (mixtral-offloading's write-backs) follow their load on "
+    "the same copy engine, so H2D never runs duplex",
     "sources": "documentation", "gpu.expert_ffn": "a list of curves (edit the profile YAML)",
     "gpu.attention": "a list of curves (edit the profile YAML)", "cpu.expert_ffn": "a list of curves (edit the "
     "profile YAML)", "pcie.h2d": "a curve; scale it with pcie.bandwidth_scale",

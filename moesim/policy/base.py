@@ -111,6 +111,9 @@ class LayerPlan:
     prefetches: list[tuple[int, int]] = field(default_factory=list)
     #: (layer, expert) to drop before loading, making room
     evictions: list[tuple[int, int]] = field(default_factory=list)
+    #: evicted (layer, expert) whose weights are copied device-to-host first (mixtral-offloading's swap);
+    #: the i-th follows the i-th demand load on the copy engine, in stream order
+    writebacks: list[tuple[int, int]] = field(default_factory=list)
     #: (token row, slot in top-k, new expert) rewrites of the routing
     substitutions: list[tuple[int, int, int]] = field(default_factory=list)
     #: experts whose CPU computation overlaps the next layer (001 Sec. 4)

@@ -32,6 +32,8 @@ class Transfer:
     queued_at: int = -1
     engine: int = 0
     retired: bool = False
+    #: copy time when it is not ``duration(nbytes)``: a device-to-host write-back (``nbytes`` 0: no H2D bytes)
+    seconds: float = 0.0
 
 
 class CopyEngines:
@@ -131,9 +133,9 @@ class CopyEngines:
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
         transfer.engine = i
-        duration = self.duration(transfer.nbytes)
+        duration = transfer.seconds or self.duration(transfer.nbytes)
         ledger = self.ledger
-        if ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
+        if transfer.nbytes and ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
             duration = stretch(start, duration, transfer.nbytes / duration, ledger, self.combined_bps) - start
         transfer.end = self.free[i] = start + duration
         self.last[i] = transfer

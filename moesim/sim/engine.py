@@ -195,7 +195,7 @@ class Simulator:
             if transfer.end != end or transfer.retired:
                 continue  # stale: the transfer was re-laid later
             transfer.retired = True
-            if transfer.kind != "stage" and transfer.kind != "chunk":
+            if transfer.kind != "stage" and transfer.kind != "chunk" and transfer.kind != "writeback":
                 layer, expert = transfer.layer, transfer.expert
                 del pending[(layer, expert)]
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
@@ -206,18 +206,29 @@ class Simulator:
         if self.dram.intervals:
             self.dram.prune(t)
 
-    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float) -> None:
-        """Demand loads of one plan, submitted together (the common case of every cache miss)."""
+    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float,
+                      writebacks: list[tuple[int, int]] | None = None) -> None:
+        """Demand loads of one plan, submitted together (the common case of every cache miss); each
+        write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot."""
         start_load, pending = self.cache.start_load, self.pending
         nbytes = self.costs.expert_bytes
         batch = []
-        for e in experts:
+        back = writebacks or []
+        for i, e in enumerate(experts):
             self._seq += 1
             transfer = Transfer(layer, e, nbytes, 0, "load", self._seq, at, step)
             start_load(layer, e)
             pending[(layer, e)] = transfer
             batch.append(transfer)
+            if i < len(back):
+                batch.append(self._writeback(back[i], step, at))
+        batch += [self._writeback(x, step, at) for x in back[len(experts):]]
         self.pcie.submit_demands(batch, at)
+
+    def _writeback(self, evicted: tuple[int, int], step: int, at: float) -> Transfer:
+        self._seq += 1
+        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", self._seq, at, step,
+                        seconds=self.costs.d2h(self.costs.expert_bytes))
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
@@ -388,8 +399,8 @@ class Simulator:
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
-        if plan.loads:
-            self._submit_loads(layer, plan.loads, s, t1)
+        if plan.loads or plan.writebacks:
+            self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
         staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
             if streamed else {}
@@ -492,8 +503,9 @@ class Simulator:
         placed = sorted((x for end, _, x in pcie.unretired if end > t and x.end == end), key=lambda x: x.start)
         for x in placed:
             running = x.start < t  # type: ignore[operator]
-            work = x.end - t if running else pcie.duration(x.nbytes)  # type: ignore[operator]
-            lanes[x.engine].jobs.append([t if running else x.start, work, x.nbytes / pcie.duration(x.nbytes), x])
+            work = x.end - t if running else x.seconds or pcie.duration(x.nbytes)  # type: ignore[operator]
+            rate = x.nbytes / pcie.duration(x.nbytes) if x.nbytes else 0.0  # a write-back reads no host DRAM
+            lanes[x.engine].jobs.append([t if running else x.start, work, rate, x])
         free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
         for x in pcie.queue:  # simulated for their draw on DRAM; placed later by the engine itself
             i = min(range(len(free)), key=free.__getitem__)
@@ -575,6 +587,7 @@ class Simulator:
         assert not set(gpu) & set(cpu), "expert on both CPU and GPU"
         computed = set(gpu) | set(cpu) | set(plan.deferred)
         assert computed == set(view.active), f"plan computes {sorted(computed)}, routed {sorted(view.active)}"
+        assert set(plan.writebacks) <= set(plan.evictions), "plan writes back an expert it does not evict"
         for lay, e in plan.evictions:
             assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
             assert e not in self.cache.in_flight[lay], f"plan evicts in-flight expert {e}"

@@ -73,3 +73,19 @@ def test_one_placeholder_buffer_by_default_and_the_users_setting_wins(tmp_path):
     # two buffers: the second copy follows the first straight away (110 us each)
     assert copies2.start_s.iloc[1] == pytest.approx(copies2.end_s.iloc[0])
     assert two["ttft_ms"] < one["ttft_ms"]
+
+
+def test_without_copies_every_cold_expert_runs_on_the_cpu_even_in_a_long_prefill(tmp_path):
+    """001 Sec. 6.1's Fiddler: routed experts on the CPU; the 64-token prefill copies nothing and takes as long
+    as static-hot's (same pinned experts, every other one on the CPU)."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    routing = random_routing(np.random.default_rng(3), model, requests=1, prompt=64, decode=8)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, routing)
+    profile = tiny_profile(pcie_gbps=0.49152, cpu_us=(100.0, 10000.0))
+    common = {"engine.check": "true", "cache.slots_per_layer": "2"}
+    copying = metrics(simulate(str(trace), profile, "fiddler", common))
+    on_cpu = metrics(simulate(str(trace), profile, "fiddler", {**common, "assign.copy_cold": "false"}))
+    static = metrics(simulate(str(trace), profile, "static-hot", common))
+    assert copying["streamed_experts"] > 0 and on_cpu["streamed_experts"] == 0
+    assert on_cpu["ttft_ms"] == pytest.approx(static["ttft_ms"])
+    assert on_cpu["ttft_ms"] > copying["ttft_ms"]

@@ -75,3 +75,22 @@ def test_cpu_layers_compute_on_cpu_in_decode_and_offload_large_prefills(tmp_path
                           {"cache.n_cpu_moe": "1", "assign.op_offload_min_batch": "0"}, decisions=True)
     log = result_to_frames(no_offload)["decisions"]
     assert set(log[(log.step == 0) & (log.layer == 0)].action) == {"cpu"}
+
+
+def test_001s_extension_keeps_every_expert_on_the_cpu_where_stock_llamacpp_holds_layers(tmp_path):
+    """llamacpp-experts (001 Sec. 6.1): with memory for every layer, stock llama.cpp holds them all on the GPU
+    and decodes on it; the extension computes every decode expert on the CPU (1 token: cpu(1) = 1000 us each)."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    path = trace(tmp_path, model, prompt=4, decode=3)
+    profile = tiny_profile()
+    stock = simulate(str(path), profile, "llamacpp", {"engine.check": "true"}, decisions=True)
+    extended = simulate(str(path), profile, "llamacpp-experts", {"engine.check": "true"}, decisions=True)
+    assert [len(r) for r in stock.initial_resident] == [4, 4]
+    assert [len(r) for r in extended.initial_resident] == [0, 0]
+    log = result_to_frames(extended)["decisions"]
+    assert set(log.action) == {"cpu"}
+    assert set(result_to_frames(stock)["decisions"].action) == {"gpu_hit"}
+    # each decode layer: two experts of one token on the CPU, one after another
+    breakdown = metrics(extended)["breakdown_ms"]
+    decode_experts = 3 * 2 * 2  # decode steps x layers x top_k
+    assert breakdown["cpu_other"] >= decode_experts * 1.0 - 1e-9

@@ -69,3 +69,39 @@ def test_speculative_loading_falls_back_to_the_previous_token_without_the_column
                       {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch": "speculative"})
     assert any("speculative: the trace has no pred_next_layer" in note for note in result.notes)
     assert metrics(result)["prefetches"] > 0
+
+
+def test_each_swap_writes_the_evicted_expert_back_before_the_next_load(tmp_path):
+    """ExpertCache._swap copies the evicted expert device-to-host after the load, on the same stream.
+
+    One slot holding expert 7; decode steps routed to 0 then 1 (bf16, 49,152 bytes, 100 kB/s both ways:
+    c = 10 us + 491.52 ms per copy). On the link: load 0 [a, a+c], write-back 7 [a+c, a+2c], load 1 (issued
+    earlier, it waits) [a+2c, a+3c], write-back 0 [a+3c, a+4c]; expert 1 runs once load 1 is in, at a+3c.
+    Without write-backs load 1 starts when step 1 issues it, before a+c+c.
+    """
+    from moesim.sim.engine import result_to_frames
+    model = tiny_model(layers=1, experts=8, top_k=1)
+    routing = [{"phase": "decode", "tokens": {0: (0, [[[0]]])}}, {"phase": "decode", "tokens": {0: (1, [[[1]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, routing)
+    settings = {"engine.check": "true", "cache.slots_per_layer": "1", "memory.expert_dtype": "bf16"}
+    swap = simulate(str(path), tiny_profile(), "mixtral-offloading", settings, timeline=True)
+    plain = simulate(str(path), tiny_profile(), "mixtral-offloading", {**settings, "cache.writeback": "false"},
+                     timeline=True)
+    c = 10e-6 + 49_152 / 1e5
+    frame = result_to_frames(swap)["timeline"]
+    link = frame[frame.resource == "pcie"].sort_values("start_s")
+    # the last write-back is still on the link when the last token is out: the timeline ends before it
+    assert list(zip(link.kind, link.expert)) == [("load", 0), ("writeback", 7), ("load", 1)]
+    a = link.start_s.iloc[0]
+    assert link.start_s.tolist() == pytest.approx([a, a + c, a + 2 * c], rel=1e-9)
+    assert link.end_s.tolist() == pytest.approx([a + c, a + 2 * c, a + 3 * c], rel=1e-9)
+    gpu = frame[(frame.resource == "gpu") & (frame.kind == "expert")].set_index("expert")
+    assert gpu.loc[1, "start_s"] == pytest.approx(a + 3 * c, rel=1e-9)
+    plain_link = result_to_frames(plain)["timeline"]
+    plain_link = plain_link[plain_link.resource == "pcie"].sort_values("start_s")
+    assert plain_link.kind.tolist() == ["load", "load"] and plain_link.start_s.iloc[1] < a + 2 * c
+    assert swap.makespan_s > plain.makespan_s
+    # three whole copies and the start of the fourth on the link during the run, against two; write-backs
+    # move no host-to-device bytes
+    assert 3 * c < swap.pcie_busy_s < 3.01 * c and plain.pcie_busy_s == pytest.approx(2 * c)
+    assert swap.pcie_bytes == plain.pcie_bytes == 2 * 49_152

@@ -16,7 +16,11 @@ tokens per expert, i.e. in the prefill; in decoding the two systems agree.
 
 Fiddler's one placeholder buffer is the system's default
 ``engine.staging_slots=1``: the next copy waits until the current copied expert
-has run (``--set engine.staging_slots=2`` lets them overlap). Difference from the
+has run (``--set engine.staging_slots=2`` lets them overlap). ``assign.copy_cold=false`` computes every
+cold expert on the CPU, prefill included: the Fiddler that 001_66a328d79a3cae8d.txt Sec. 2.3 and 6.1
+profiled and compared with ("executing routed experts on the CPU while processing other computations
+on the GPU"; its Sec. 6.4 speeds Fiddler's prefill up 3.14x by replacing the PyTorch MoE on the CPU
+alone, which a prefill copying its heavy experts to the GPU would not show). Difference from the
 original that the engine imposes: Fiddler picks the popular experts globally over
 (layer, expert) pairs, moesim gives every layer the same number of slots, so the
 hottest experts are taken per layer.
@@ -37,6 +41,8 @@ class FiddlerAssign(Assignment):
     """Resident experts on the GPU; others copied over when that beats the CPU, else on the CPU."""
 
     name = "fiddler"
+    #: copy a cold expert to the GPU when that beats the CPU (false: every cold expert on the CPU, 001's setup)
+    copy_cold: bool = True
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         costs = view.costs
@@ -44,6 +50,9 @@ class FiddlerAssign(Assignment):
         for expert, tokens in zip(view.active, view.counts):
             if view.resident(expert):
                 gpu.append(expert)
+                continue
+            if not self.copy_cold:
+                cpu.append(expert)
                 continue
             t_gpu = costs.expert_load + costs.gpu_expert(tokens) + view.expert_launch_s
             (gpu if costs.cpu_expert(tokens) > t_gpu else cpu).append(expert)

@@ -20,6 +20,12 @@ used as whole layers). Slots left over from the last whole layer stay unused,
 as in llama.cpp. Copies for op offload go through the staging buffers
 (ping-pong), whereas llama.cpp copies the activated experts of a layer in one
 batch before the multiplication.
+
+``llamacpp-experts`` is llama.cpp as 001_66a328d79a3cae8d.txt Sec. 6.1 extended it for its comparison:
+"expert-level offloading analogous to Fiddler", every routed expert on the CPU and the rest of the
+model on the GPU, whatever GPU memory is left; ggml's op offload of large batches stays as in
+llama.cpp (``assign.op_offload_min_batch``), and the runtime is llama.cpp's (C++ launches of 5 us,
+about 3,000 kernels per decoded DeepSeek-V3 token, no CUDA Graph: 001 Sec. 2.3).
 """
 
 from __future__ import annotations
@@ -75,6 +81,17 @@ class LlamaCppLayers(CachePolicy):
 
 @register_component
 @dataclass
+class LlamaCppExpertOffload(LlamaCppLayers):
+    """001's extension: the experts of every MoE layer stay in host memory (``--n-cpu-moe`` = all layers)."""
+
+    name = "llamacpp-experts"
+
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        return SlotSpread([0] * layers)
+
+
+@register_component
+@dataclass
 class LlamaCppAssign(Assignment):
     """Resident experts on the GPU; the others on the CPU unless the batch is large enough for op offload."""
 
@@ -109,3 +126,7 @@ register_system("llamacpp", SystemSpec(
     "offload CPU layers to the GPU",
     cache="llamacpp-layers", assign="llamacpp", system_class=LlamaCppSystem,
     runtime="llamacpp"))
+register_system("llamacpp-experts", SystemSpec(
+    "llama.cpp as 001 extended it: every routed expert on the CPU (Fiddler-style expert offloading), attention "
+    "and shared experts on the GPU, llama.cpp's launches; batches of 32+ tokens offload experts to the GPU",
+    cache="llamacpp-experts", assign="llamacpp", system_class=LlamaCppSystem, uses_cache=False, runtime="llamacpp"))

@@ -25,20 +25,25 @@ repository lists it as not yet available, so it is off by default;
 request's previous token's experts at the next layer stand in, noted;
 ``prefetch.size`` guesses per layer, 2 = Mixtral's top-k).
 
-Not modelled, because the engine has no mechanism for it: a swap also copies
-the evicted expert back to pinned host memory (device-to-host traffic beside
-each load).
+A swap also copies the evicted expert back to pinned host memory: ``ExpertCache._swap``
+issues the host-to-device copy of the loaded expert and the device-to-host copy of the
+evicted one on the same stream, one after the other. The plan lists each evicted expert
+as a write-back (``LayerPlan.writebacks``); the engine puts its device-to-host copy
+(``pcie.d2h``) on the copy engine right after the load that takes its slot, so the next
+load waits for it (``cache.writeback=false`` drops it). One difference: on the original's
+single stream the loaded expert's kernels also queue behind the write-back issued just before
+them; here the expert waits for its own load only, while the next load waits for the write-back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moesim.policy.base import LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import LRUCache
 from moesim.policy.catalog.importance import ranked_predictions
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch
-from moesim.policy.systems import SystemSpec, register_component, register_system
+from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 #: 2312.17238 Sec. 3.3 (HQQ experts); int4 is the narrowest expert dtype moesim models
 DEFAULT_EXPERT_DTYPE = "int4"
@@ -51,6 +56,8 @@ class LastExpertsLRU(LRUCache):
     expert ``i`` when ``i < offload_per_layer``)."""
 
     name = "mixoff-lru"
+    #: a swap copies the evicted expert back to host memory first (``ExpertCache._swap``)
+    writeback: bool = True
     _experts: int = 0
 
     def configure(self, ctx: RunContext) -> None:
@@ -89,8 +96,20 @@ class SpeculativePrefetch(Prefetch):
         return [(view.layer + 1, e) for e in ranked_predictions(predicted)[:self.size]]
 
 
+@dataclass
+class MixtralOffloadingSystem(ComposedSystem):
+    """Every eviction is a swap: the evicted expert is written back to host memory (device-to-host)."""
+
+    def plan(self, view: LayerView) -> LayerPlan:
+        plan = super().plan(view)
+        if plan.evictions and getattr(self.cache, "writeback", False):
+            plan.writebacks = list(plan.evictions)
+        return plan
+
+
 register_system("mixtral-offloading", SystemSpec(
     "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (the last experts "
-    "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts; speculative "
-    "next-layer loading with --set prefetch=speculative", cache="mixoff-lru", assign="gpu",
+    "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts, each swap writing "
+    "the evicted expert back to host memory; speculative next-layer loading with --set prefetch=speculative",
+    cache="mixoff-lru", assign="gpu", system_class=MixtralOffloadingSystem,
     defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE),), runtime="pytorch-eager"))
