@@ -18,7 +18,7 @@ from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.trace.io import read_meta, trace_columns
-from moesim.trace.validate import checked_meta
+from moesim.trace.validate import checked_meta, settle
 
 
 @dataclass
@@ -202,6 +202,13 @@ def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[
 
     ``reuse``: replays of members already run with the same inputs (``--system all`` runs them anyway).
     """
+    result = _simulate(trace, hw, system, settings, reuse, **kwargs)
+    settle(trace)  # the columns the run did not read, checked beside it: a fault there refuses the result
+    return result
+
+
+def _simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None,
+              reuse: dict[str, SimResult] | None, **kwargs: Any) -> SimResult:
     names = members(system)
     if names == (system,):
         return prepare(trace, hw, system, settings, **kwargs).run()

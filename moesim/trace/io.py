@@ -23,6 +23,15 @@ from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_C
 
 ROW_GROUP_ROWS = 262_144
 PathLike = str | os.PathLike
+#: columns written without a dictionary: float16 router probabilities repeat too little for one to pay
+#: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
+#: is 5 to 8 times slower than plain ones (benchmarks/validate_speed.py reads this column in full)
+PLAIN_COLUMNS = ("scores",)
+
+
+def parquet_options(columns: Sequence[str]) -> dict[str, Any]:
+    """Writer options of a trace with these columns (zstd; dictionaries except :data:`PLAIN_COLUMNS`)."""
+    return {"compression": "zstd", "use_dictionary": [c for c in columns if c not in PLAIN_COLUMNS]}
 
 
 # ----------------------------------------------------------------------------- writing
@@ -71,7 +80,8 @@ class TraceWriter:
         self.rows = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = tmp_path_for(self.path)  # also removes leftovers of writers that died
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
+        options = parquet_options(self.columns)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, **options)
 
     def write(self, data: Mapping[str, Any]) -> None:
         missing = [c for c in self.columns if c not in data]
