@@ -687,7 +687,8 @@ Finished = Callable[[dict[str, Any]], None]
 
 def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
                started: Callable[[], None], finished: Finished) -> None:
-    """Points in a process pool; one worker: in this process."""
+    """Points in a process pool; one worker: in this process. Each worker decodes a trace once for all its
+    points and systems (``moesim.trace.io.iter_steps`` keeps it per process)."""
     jobs = [(p, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in points]
     if workers == 1 or len(jobs) == 1:
         started()
@@ -860,7 +861,8 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
 
 
 def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
-    """One point in a Ray worker: the trace copied to local disk once per machine (and validated once per
-    worker process), the profile already parsed (from the object store)."""
+    """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
+    once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
+    object store)."""
     import ray
     return run_point(point, local_copy(trace, ray.get), profile)

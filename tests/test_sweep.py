@@ -142,6 +142,33 @@ def test_rows_hold_parameters_and_the_metrics_of_a_direct_replay(files):
     assert frame.iloc[0]["demand_loads"] == frame.iloc[0]["pcie_h2d_bytes"] == 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files, monkeypatch, workers):
+    """Issue 13: the trace is read-only; a worker (this process, or each forked pool worker) decodes it
+    once per set of columns its systems read, whatever the number of points."""
+    import moesim.trace.io as io
+    log = files / "decodes.log"
+    real = io._decode_steps
+
+    def logged(path, columns, batch_rows):
+        with open(log, "a") as fh:  # forked workers inherit the patch; the file collects every process
+            fh.write(f"{os.getpid()} {Path(path).name} {sorted(columns) if columns is not None else None}\n")
+        yield from real(path, columns, batch_rows)
+    monkeypatch.setattr(io, "_decode_steps", logged)
+    monkeypatch.setattr(io, "_DECODED", type(io._DECODED)())
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
+                                grid={"cache.slots_per_layer": [1, 2, 3, 4]}))
+    frame, summary = run_sweep(spec, workers=workers)
+    assert summary.failed == 0 and summary.ran == 12
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(set(lines)) and 1 <= len({line.split()[0] for line in lines}) <= workers
+    assert {line.split(" ", 1)[1] for line in lines} == {"t.parquet []"}  # these systems read no optional column
+    alone = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), "static-hot",
+                             {"cache.slots_per_layer": "2"}))
+    assert frame.loc[(frame.system == "static-hot") & (frame["cache.slots_per_layer"] == 2),
+                     "tpot_ms_mean"].item() == alone["tpot_ms_mean"]
+
+
 def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
     path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 9, 2]})
     with pytest.raises(SystemExit) as exit_:

@@ -1,13 +1,15 @@
 """Reading, writing and validating v1 traces.
 
 The writer streams row groups into a temporary file and renames it into place
-on close, so a trace appears whole or not at all. The reader streams one
-forward pass (``step``) at a time with memory bounded by one row group.
+on close, so a trace appears whole or not at all. The reader yields one
+forward pass (``step``) at a time and keeps the decoded trace per process
+(bounded in bytes) for the next run of the same file.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -218,12 +220,75 @@ def _phase_codes(column: pa.Array) -> np.ndarray:
     return np.array([PHASES.index(v) if v in PHASES else -1 for v in values], dtype=np.int8)
 
 
+#: decoded traces kept per process, least recently used dropped first, up to this many bytes in all
+DECODED_CACHE_BYTES = 512 << 20
+#: numpy's own size of one array object, counted beside its data (predictor columns hold one per row)
+_ARRAY_OVERHEAD = 112
+#: (file stamp, optional columns read) -> (its steps, their size in bytes)
+_DECODED: OrderedDict[tuple, tuple[list[Step], int]] = OrderedDict()
+
+
 def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
                batch_rows: int = 65_536) -> Iterator[Step]:
-    """Yield one :class:`Step` at a time; memory stays bounded by one batch plus one step.
+    """Yield one :class:`Step` at a time, in trace order. Their arrays are read-only.
 
     ``columns`` limits which optional columns are read (default: all present).
+    A trace read to the end is kept decoded in this process (up to
+    :data:`DECODED_CACHE_BYTES` for all files, by file stamp and columns): the
+    systems and points of a sweep worker, ``replay --system all`` and repeated
+    API calls decode it once. A trace too big for that is streamed, memory
+    bounded by one batch plus one step.
     """
+    key = _decoded_key(path, columns)
+    if key is not None and key in _DECODED:
+        _DECODED.move_to_end(key)
+        yield from _DECODED[key][0]
+        return
+    kept: list[Step] | None = []
+    size = 0
+    for step in _decode_steps(path, columns, batch_rows):
+        if kept is not None:
+            size += _step_bytes(step)
+            if size > DECODED_CACHE_BYTES:
+                kept = None  # too big to keep: stream it
+            else:
+                kept.append(step)
+        yield step
+    if kept is not None and key is not None:
+        _DECODED[key] = (kept, size)
+        while sum(n for _, n in _DECODED.values()) > DECODED_CACHE_BYTES:
+            _DECODED.popitem(last=False)
+
+
+def _decoded_key(path: PathLike, columns: Sequence[str] | None) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # _open names the problem
+    wanted = None if columns is None else tuple(sorted(set(columns)))
+    return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size, wanted)
+
+
+def _step_bytes(step: Step) -> int:
+    arrays = [a for a in (step.request, step.position, step.layer, step.phase, step.experts, step.weights,
+                          step.scores, step.token_id) if a is not None]
+    arrays += [a for values in step.predictors.values() for a in values]
+    return sum(a.nbytes + _ARRAY_OVERHEAD for a in arrays)
+
+
+def _read_only(step: Step) -> Step:
+    """Steps may be shared by several runs: nothing may write into them."""
+    for a in (step.request, step.position, step.layer, step.phase, step.experts, step.weights, step.scores,
+              step.token_id):
+        if a is not None:
+            a.flags.writeable = False
+    for values in step.predictors.values():
+        for a in values:
+            a.flags.writeable = False
+    return step
+
+
+def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int) -> Iterator[Step]:
     pf = _open(path)
     meta = read_meta(path)
     top_k, num_experts = meta.model.top_k, meta.model.num_experts
@@ -239,12 +304,12 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
                 return [x for v in vals for x in v]
             return vals[0] if len(vals) == 1 else np.concatenate(vals)
         preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
-        return Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
-                    layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
-                    weights=cat("weights") if "weights" in optional else None,
-                    scores=cat("scores") if "scores" in optional else None,
-                    token_id=cat("token_id") if "token_id" in optional else None,
-                    predictors=preds)
+        return _read_only(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
+                               layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
+                               weights=cat("weights") if "weights" in optional else None,
+                               scores=cat("scores") if "scores" in optional else None,
+                               token_id=cat("token_id") if "token_id" in optional else None,
+                               predictors=preds))
 
     for batch in pf.iter_batches(batch_size=batch_rows, columns=read_cols):
         cols: dict[str, Any] = {}
