@@ -1,9 +1,10 @@
 """Cost of the trace validation pass relative to a replay (target: under 5%).
 
 Every entry point validates a trace before work starts. The columns a replay
-reads are checked before it; a column it does not read (``scores``, for most
-systems) is checked on a thread beside it, and the results are refused if that
-check fails (``moesim.trace.validate.settle``). For each system this prints, on
+reads are checked before it; an optional column it does not read (``scores``,
+``weights``, predictions, token ids, for most systems) is checked on a thread
+beside it, and the results are refused if that check fails
+(``moesim.trace.validate.settle``). For each system this prints, on
 the bundled Mixtral trace and a DeepSeek-V3 synthetic trace (one request,
 64-token prompt, 2,000 decode tokens, with scores):
 

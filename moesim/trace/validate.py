@@ -4,9 +4,9 @@ Every command that reads a trace runs this pass before any work starts
 (:func:`checked_meta`, memoised per file and process), and ``moesim trace
 validate`` is the same pass. Checks are vectorised over columns, batch by
 batch (bounded memory); row numbers in messages are 0-based positions in the
-file. A column a run does not read (:data:`LAZY_COLUMNS`) is checked on a
-thread beside the run, and :func:`settle` refuses the run's results if it
-failed. What is checked:
+file. An optional column a run does not read (:data:`LAZY_COLUMNS`) is
+checked on a thread beside the run, and :func:`settle` refuses the run's
+results if it failed. What is checked:
 
 * the file: Parquet magic bytes at both ends, readable footer and pages;
 * the metadata: size, nesting, ``schema_version``, the model shape and its limits;
@@ -43,10 +43,10 @@ SUM_TOLERANCE = 2e-2
 SCORE_MAX = 1.0 + 1e-3
 PARQUET_MAGIC = b"PAR1"
 #: checked before a run only when it reads them (and by `trace validate`), otherwise on a thread beside the
-#: run: ``scores`` is num_experts float16 values per row, whose Parquet decoding alone (dictionary-encoded
-#: 2-byte values) costs about a fifth of a one-system replay of a DeepSeek-V3 trace
+#: run: a run reads only the optional columns its system lists (``needed_columns``), and ``scores`` alone,
+#: num_experts float16 values per row, costs a third of a DeepSeek-V3 cpu-only replay to decode
 #: (benchmarks/validate_speed.py)
-LAZY_COLUMNS = ("scores",)
+LAZY_COLUMNS = OPTIONAL_COLUMNS
 REWRITE = "rewrite the file with moesim (trace import, synth or capture)"
 
 
@@ -200,12 +200,12 @@ def _check_lazy(path: PathLike, columns: list[str], meta: TraceMeta) -> None:
     """The row checks of lazy ``columns`` alone (:func:`validate_trace` has checked the rest, and their
     types), reading only them, in one thread."""
     name = str(path)
+    weight_sum = _weight_sum(meta, name) if meta.weights_renormalized else None
     offset = 0
     try:
         for batch in _open(path).iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False):
             _check_nulls(batch, name, offset)
-            if "scores" in batch.schema.names:
-                _check_scores(_matrix(batch, "scores", meta.model.num_experts), name, offset)
+            _check_optional(batch, name, meta, weight_sum, offset)
             offset += batch.num_rows
     except (pa.ArrowException, OSError) as err:
         raise _unreadable(err, name, offset) from None
@@ -328,6 +328,13 @@ def _check_batch(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: 
             row = _first(dup)
             raise _fail(f"duplicate expert in {experts[row].tolist()}", name, "experts", offset + row,
                         "each routed expert appears once per row")
+    _check_optional(batch, name, meta, weight_sum, offset)
+
+
+def _check_optional(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: float | None,
+                    offset: int) -> None:
+    """The row checks of the optional columns in ``batch``."""
+    model = meta.model
     if "weights" in batch.schema.names:
         _check_weights(_matrix(batch, "weights", model.top_k), weight_sum, name, offset)
     if "scores" in batch.schema.names:
