@@ -358,7 +358,8 @@ def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
     assert 3 <= len(finished) < 16, "the kill should land midway"
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert len(done.stderr.strip().splitlines()) <= 1 and "Traceback" not in done.stderr
+    # nothing but progress lines (one every 10 s when stderr is not a terminal: a slow machine prints more)
+    assert [line for line in done.stderr.splitlines() if not line.startswith("sweep: ")] == []
     frame = pd.read_parquet(out)
     assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
     by_id = frame.set_index("point_id")["finished_at"]
