@@ -338,6 +338,15 @@ def replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ..
            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
            window: str | None, decisions_out: str | None, seed: int, help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
+    from moesim.trace.io import keeping_decoded
+    with keeping_decoded() if system == "all" else contextlib.nullcontext():  # every system: one decode
+        _replay(trace_file, hw, system, settings, model_preset, json_out, timeline_out, chrome_out, plot_out,
+                window, decisions_out, seed, help_params)
+
+
+def _replay(trace_file: str | None, hw: str, system: str, settings: tuple[str, ...], model_preset: str | None,
+            json_out: str | None, timeline_out: str | None, chrome_out: str | None, plot_out: str | None,
+            window: str | None, decisions_out: str | None, seed: int, help_params: bool) -> None:
     from moesim.analysis.report import render_comparison_table, render_metrics
     from moesim.policy.systems import system_names
     if help_params:

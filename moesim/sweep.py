@@ -689,11 +689,13 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
                started: Callable[[], None], finished: Finished) -> None:
     """Points in a process pool; one worker: in this process. Each worker decodes a trace once for all its
     points and systems (``moesim.trace.io.iter_steps`` keeps it per process)."""
+    from moesim.trace.io import keeping_decoded
     jobs = [(p, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in points]
     if workers == 1 or len(jobs) == 1:
         started()
-        for job in jobs:
-            finished(run_point(*job))
+        with keeping_decoded():
+            for job in jobs:
+                finished(run_point(*job))
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -725,7 +727,9 @@ _INHERITED_FDS: list[int] = []
 
 
 def _worker_init(parent: int, close_fds: list[int]) -> None:
-    """In each pool worker: die with the sweep process, and drop its lock."""
+    """In each pool worker: die with the sweep process, drop its lock, keep traces decoded."""
+    from moesim.trace.io import keep_decoded
+    keep_decoded()
     for fd in close_fds:
         try:
             os.close(fd)
@@ -865,4 +869,7 @@ def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]
     once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
     object store)."""
     import ray
+
+    from moesim.trace.io import keep_decoded
+    keep_decoded()
     return run_point(point, local_copy(trace, ray.get), profile)

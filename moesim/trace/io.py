@@ -1,15 +1,16 @@
 """Reading, writing and validating v1 traces.
 
 The writer streams row groups into a temporary file and renames it into place
-on close, so a trace appears whole or not at all. The reader yields one
-forward pass (``step``) at a time and keeps the decoded trace per process
-(bounded in bytes) for the next run of the same file.
+on close, so a trace appears whole or not at all. The reader streams one
+forward pass (``step``) at a time with memory bounded by one row group; a
+sweep worker keeps the decoded trace (bounded in bytes) for its next points.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -220,8 +221,10 @@ def _phase_codes(column: pa.Array) -> np.ndarray:
     return np.array([PHASES.index(v) if v in PHASES else -1 for v in values], dtype=np.int8)
 
 
-#: decoded traces kept per process, least recently used dropped first, up to this many bytes in all
+#: decoded traces kept per process while :func:`keeping_decoded` is on (sweep workers, ``replay --system
+#: all``), least recently used dropped first, up to this many bytes in all
 DECODED_CACHE_BYTES = 512 << 20
+_KEEP = [False]
 #: numpy's own size of one array object, counted beside its data (predictor columns hold one per row)
 _ARRAY_OVERHEAD = 112
 #: (file stamp, optional columns read) -> (its steps, their size in bytes)
@@ -233,12 +236,15 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
     """Yield one :class:`Step` at a time, in trace order. Their arrays are read-only.
 
     ``columns`` limits which optional columns are read (default: all present).
-    A trace read to the end is kept decoded in this process (up to
-    :data:`DECODED_CACHE_BYTES` for all files, by file stamp and columns): the
-    systems and points of a sweep worker, ``replay --system all`` and repeated
-    API calls decode it once. A trace too big for that is streamed, memory
-    bounded by one batch plus one step.
+    Memory stays bounded by one batch plus one step, except while
+    :func:`keeping_decoded` is on: then a trace read to the end is kept decoded
+    in this process (up to :data:`DECODED_CACHE_BYTES` for all files, by file
+    stamp and columns), so that the points and systems of a sweep worker and
+    ``replay --system all`` decode it once.
     """
+    if not _KEEP[0]:
+        yield from _decode_steps(path, columns, batch_rows)
+        return
     key = _decoded_key(path, columns)
     if key is not None and key in _DECODED:
         _DECODED.move_to_end(key)
@@ -258,6 +264,25 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
         _DECODED[key] = (kept, size)
         while sum(n for _, n in _DECODED.values()) > DECODED_CACHE_BYTES:
             _DECODED.popitem(last=False)
+
+
+@contextmanager
+def keeping_decoded() -> Iterator[None]:
+    """Keep traces decoded (:func:`iter_steps`) while inside; what was kept goes on leaving, unless the
+    caller had it on already."""
+    before = _KEEP[0]
+    _KEEP[0] = True
+    try:
+        yield
+    finally:
+        _KEEP[0] = before
+        if not before:
+            _DECODED.clear()
+
+
+def keep_decoded() -> None:
+    """Keep traces decoded for the rest of this process (a sweep worker's)."""
+    _KEEP[0] = True
 
 
 def _decoded_key(path: PathLike, columns: Sequence[str] | None) -> tuple | None:

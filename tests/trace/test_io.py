@@ -108,6 +108,7 @@ def decodes(monkeypatch):
     """Count the Parquet decodes behind iter_steps (a fresh cache)."""
     import moesim.trace.io as io
     monkeypatch.setattr(io, "_DECODED", type(io._DECODED)())
+    monkeypatch.setattr(io, "_KEEP", [True])  # as in a sweep worker
     calls: list[tuple] = []
     real = io._decode_steps
 
@@ -179,3 +180,19 @@ def test_the_least_recently_used_trace_goes_first(tmp_path, decodes, monkeypatch
     assert [k[0] for k in io._DECODED] == [str(paths[0].resolve()), str(paths[2].resolve())]
     list(iter_steps(paths[0]))
     assert len(decodes) == 3
+
+
+def test_traces_are_kept_only_where_asked(tmp_path, decodes, monkeypatch):
+    """A single replay streams (memory bounded by a batch); keeping_decoded keeps them inside, and drops
+    what it kept on leaving."""
+    import moesim.trace.io as io
+    monkeypatch.setattr(io, "_KEEP", [False])
+    path = write_trace(tmp_path / "t.parquet", _trace_data(), TraceMeta(model=MODEL))
+    list(iter_steps(path))
+    list(iter_steps(path))
+    assert len(decodes) == 2 and io._DECODED == {}
+    with io.keeping_decoded():
+        list(iter_steps(path))
+        list(iter_steps(path))
+        assert len(decodes) == 3 and len(io._DECODED) == 1
+    assert io._DECODED == {} and io._KEEP == [False]
