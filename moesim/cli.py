@@ -593,7 +593,7 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
 @click.option("--engine", default="local", show_default=True, type=click.Choice(["local", "ray"]),
               help="local: a process pool whose workers each decode a trace once for all their points; the "
                    "better choice on one machine, where Ray runs on the same cores and only adds its start-up "
-                   "and shut-down (about 9 s for a local instance on 2 cores) and 1-2 s per worker to import "
+                   "and shut-down (5-9 s for a local instance, measured on 2 cores) and 1-2 s per worker to import "
                    "moesim. ray: Ray tasks (trace, profile and decoded trace shared per worker the same way), "
                    "for a cluster (--address) or sweeps larger than one machine.")
 @click.option("--address", default=None, metavar="ADDR",
