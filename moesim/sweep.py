@@ -702,6 +702,8 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
 
     import moesim.analysis.metrics  # noqa: F401 - imported once here, not in every forked worker
     import pandas  # noqa: F401
+    from moesim.trace.validate import wait_for_checks
+    wait_for_checks()  # no validation thread may be running when the workers fork
     # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook; the pool
     # forks all its workers at the first submit, before the progress bar starts its thread
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None

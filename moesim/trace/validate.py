@@ -137,6 +137,14 @@ def settle(path: PathLike) -> None:
     state.deferred = None
 
 
+def wait_for_checks() -> None:
+    """Wait for every check still running beside a run (their errors stay for :func:`settle`): before a
+    fork, no thread may hold a lock the child would inherit."""
+    for state in list(_CHECKED.values()):
+        if state.deferred is not None:
+            state.deferred.thread.join()
+
+
 def _start_deferred(path: PathLike, columns: frozenset[str], meta: TraceMeta) -> _Deferred:
     def check() -> None:
         try:

@@ -260,3 +260,16 @@ def test_composite_order_key_agrees_with_row_by_row_comparison(keys):
     truth = all(a < b for a, b in zip(keys, keys[1:]))
     fits = sum(int(c.max()).bit_length() for c in columns) <= 62
     assert _increasing(columns) == (truth and fits)
+
+
+def test_wait_for_checks_leaves_no_check_running_and_keeps_errors(tmp_path, monkeypatch):
+    """Before a sweep forks its workers: every thread checking beside a run has ended; a fault found
+    still refuses the run that settles."""
+    import moesim.trace.validate as validate
+    monkeypatch.setattr(validate, "_CHECKED", {})
+    path = _bad_scores(tmp_path, row=4, value=np.inf)
+    validate.checked_meta(path, ())
+    validate.wait_for_checks()
+    assert not validate._CHECKED[validate._stamp(path)].deferred.thread.is_alive()
+    with pytest.raises(TraceFormatError, match="field 'scores', row 4: score inf"):
+        validate.settle(path)
