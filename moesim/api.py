@@ -174,7 +174,7 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from moesim.trace.io import read_meta, read_table
+    from moesim.trace.io import parquet_options, read_meta, read_table
     from moesim.util import tmp_path_for
     read_meta(trace)
     table = read_table(trace)
@@ -193,7 +193,7 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(out)
     try:
-        pq.write_table(sliced, tmp)
+        pq.write_table(sliced, tmp, **parquet_options(sliced.column_names))
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -687,18 +687,23 @@ Finished = Callable[[dict[str, Any]], None]
 
 def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
                started: Callable[[], None], finished: Finished) -> None:
-    """Points in a process pool; one worker: in this process."""
+    """Points in a process pool; one worker: in this process. Each worker decodes a trace once for all its
+    points and systems (``moesim.trace.io.iter_steps`` keeps it per process)."""
+    from moesim.trace.io import keeping_decoded
     jobs = [(p, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in points]
     if workers == 1 or len(jobs) == 1:
         started()
-        for job in jobs:
-            finished(run_point(*job))
+        with keeping_decoded():
+            for job in jobs:
+                finished(run_point(*job))
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import moesim.analysis.metrics  # noqa: F401 - imported once here, not in every forked worker
     import pandas  # noqa: F401
+    from moesim.trace.validate import wait_for_checks
+    wait_for_checks()  # no validation thread may be running when the workers fork
     # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook; the pool
     # forks all its workers at the first submit, before the progress bar starts its thread
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
@@ -724,7 +729,9 @@ _INHERITED_FDS: list[int] = []
 
 
 def _worker_init(parent: int, close_fds: list[int]) -> None:
-    """In each pool worker: die with the sweep process, and drop its lock."""
+    """In each pool worker: die with the sweep process, drop its lock, keep traces decoded."""
+    from moesim.trace.io import keep_decoded
+    keep_decoded()
     for fd in close_fds:
         try:
             os.close(fd)
@@ -860,7 +867,11 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
 
 
 def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
-    """One point in a Ray worker: the trace copied to local disk once per machine (and validated once per
-    worker process), the profile already parsed (from the object store)."""
+    """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
+    once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
+    object store)."""
     import ray
+
+    from moesim.trace.io import keep_decoded
+    keep_decoded()
     return run_point(point, local_copy(trace, ray.get), profile)

@@ -92,3 +92,19 @@ def random_routing(rng: np.random.Generator, model: ModelSpec, requests: int, pr
     for d in range(decode):
         steps.append({"phase": "decode", "tokens": {r: (prompt + d, pick(1)) for r in range(requests)}})
     return steps
+
+
+def with_scores(path: Path, out: Path, bad: dict[int, float] | None = None) -> Path:
+    """``path`` with a ``scores`` column (uniform probabilities) added, row ``r``'s first score set to
+    ``bad[r]``: a trace whose only fault, if any, lies in a column most systems never read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from moesim.trace.io import read_meta
+    table = pq.read_table(path)
+    experts = read_meta(path).model.num_experts
+    scores = np.full((table.num_rows, experts), 1.0 / experts, dtype=np.float16)
+    for row, value in (bad or {}).items():
+        scores[row, 0] = value
+    column = pa.FixedSizeListArray.from_arrays(pa.array(scores.ravel(), pa.float16()), experts)
+    pq.write_table(table.append_column("scores", column), out)
+    return out

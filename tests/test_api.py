@@ -84,6 +84,18 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
         moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slot=2)
 
 
+def test_a_fault_in_a_column_the_system_does_not_read_still_refuses_the_replay(files, tmp_path):
+    """gpu-only-lru never reads scores; a NaN there is checked beside the run and refuses its result."""
+    from moesim.errors import TraceFormatError
+    from tests.factories import with_scores
+    trace, hw = files
+    good = with_scores(trace, tmp_path / "good.parquet")
+    assert moesim.replay(str(good), hw=hw, system="gpu-only-lru", timeline=False).metrics.iloc[0]["tpot_ms_mean"] > 0
+    bad = with_scores(trace, tmp_path / "bad.parquet", bad={9: float("nan")})
+    with pytest.raises(TraceFormatError, match=r"bad.parquet, field 'scores', row 9: score nan"):
+        moesim.replay(str(bad), hw=hw, system="gpu-only-lru", timeline=False)
+
+
 def test_sweep_returns_one_tidy_row_per_point(files):
     trace, hw = files
     frame = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["cpu-only", "gpu-only-lru"],

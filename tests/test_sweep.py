@@ -142,6 +142,33 @@ def test_rows_hold_parameters_and_the_metrics_of_a_direct_replay(files):
     assert frame.iloc[0]["demand_loads"] == frame.iloc[0]["pcie_h2d_bytes"] == 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files, monkeypatch, workers):
+    """Issue 13: the trace is read-only; a worker (this process, or each forked pool worker) decodes it
+    once per set of columns its systems read, whatever the number of points."""
+    import moesim.trace.io as io
+    log = files / "decodes.log"
+    real = io._decode_steps
+
+    def logged(path, columns, batch_rows):
+        with open(log, "a") as fh:  # forked workers inherit the patch; the file collects every process
+            fh.write(f"{os.getpid()} {Path(path).name} {sorted(columns) if columns is not None else None}\n")
+        yield from real(path, columns, batch_rows)
+    monkeypatch.setattr(io, "_decode_steps", logged)
+    monkeypatch.setattr(io, "_DECODED", type(io._DECODED)())
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
+                                grid={"cache.slots_per_layer": [1, 2, 3, 4]}))
+    frame, summary = run_sweep(spec, workers=workers)
+    assert summary.failed == 0 and summary.ran == 12
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(set(lines)) and 1 <= len({line.split()[0] for line in lines}) <= workers
+    assert {line.split(" ", 1)[1] for line in lines} == {"t.parquet []"}  # these systems read no optional column
+    alone = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), "static-hot",
+                             {"cache.slots_per_layer": "2"}))
+    assert frame.loc[(frame.system == "static-hot") & (frame["cache.slots_per_layer"] == 2),
+                     "tpot_ms_mean"].item() == alone["tpot_ms_mean"]
+
+
 def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
     path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 9, 2]})
     with pytest.raises(SystemExit) as exit_:
@@ -331,7 +358,8 @@ def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
     assert 3 <= len(finished) < 16, "the kill should land midway"
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert len(done.stderr.strip().splitlines()) <= 1 and "Traceback" not in done.stderr
+    # nothing but progress lines (one every 10 s when stderr is not a terminal: a slow machine prints more)
+    assert [line for line in done.stderr.splitlines() if not line.startswith("sweep: ")] == []
     frame = pd.read_parquet(out)
     assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
     by_id = frame.set_index("point_id")["finished_at"]

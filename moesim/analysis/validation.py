@@ -136,7 +136,7 @@ def _short(rows: list[tuple]) -> str:
 # ----------------------------------------------------------------------------- running
 def truncate_trace(trace: str, layers: int, out: Path) -> Path:
     """The first ``layers`` MoE layers of ``trace`` as a trace of its own (for models too big for host memory)."""
-    from moesim.trace.io import read_meta
+    from moesim.trace.io import parquet_options, read_meta
     from moesim.trace.schema import META_KEY
     meta = read_meta(trace)
     if not 1 <= layers <= meta.model.num_layers:
@@ -150,7 +150,7 @@ def truncate_trace(trace: str, layers: int, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(out)
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table, tmp, **parquet_options(table.column_names))
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -57,8 +58,18 @@ def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: t
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
            help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
-    from moesim.analysis.report import render_comparison_table, render_metrics
+    from moesim.trace.io import keeping_decoded
     systems, everything = system_choice(system)
+    with keeping_decoded() if len(systems) > 1 else contextlib.nullcontext():  # several systems: one decode
+        _replay(trace_file, hw, systems, everything, settings, model_preset, json_out, timeline_out, chrome_out,
+                plot_out, window, decisions_out, seed, help_params)
+
+
+def _replay(trace_file: str | None, hw: str, systems: list[str], everything: bool, settings: tuple[str, ...],
+            model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
+            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
+            help_params: bool) -> None:
+    from moesim.analysis.report import render_comparison_table, render_metrics
     if help_params:
         _print_system(systems[0] if len(systems) == 1 and not everything else DEFAULT_SYSTEM)
         return

@@ -17,8 +17,8 @@ from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
 from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
-from moesim.trace.io import read_meta, trace_columns
-from moesim.trace.validate import checked_meta
+from moesim.trace.io import keeping_decoded, read_meta, trace_columns
+from moesim.trace.validate import checked_meta, settle
 
 
 @dataclass
@@ -202,22 +202,30 @@ def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[
 
     ``reuse``: replays of members already run with the same inputs (``--system all`` runs them anyway).
     """
+    result = _simulate(trace, hw, system, settings, reuse, **kwargs)
+    settle(trace)  # the columns the run did not read, checked beside it: a fault there refuses the result
+    return result
+
+
+def _simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None,
+              reuse: dict[str, SimResult] | None, **kwargs: Any) -> SimResult:
     names = members(system)
     if names == (system,):
         return prepare(trace, hw, system, settings, **kwargs).run()
     own = SYSTEMS[system].portfolio
     runs: list[SimResult] = []
     skipped: dict[str, str] = {}
-    for member in names:
-        if reuse and member in reuse:
-            runs.append(reuse[member])
-            continue
-        try:
-            runs.append(prepare(trace, hw, member, settings, **kwargs).run())
-        except ConfigError as err:
-            if member in own:
-                raise  # the bound's own schedules must run
-            skipped[member] = str(err)  # a listed system that cannot run this trace or setting
+    with keeping_decoded():  # the members replay the same trace: decoded once
+        for member in names:
+            if reuse and member in reuse:
+                runs.append(reuse[member])
+                continue
+            try:
+                runs.append(prepare(trace, hw, member, settings, **kwargs).run())
+            except ConfigError as err:
+                if member in own:
+                    raise  # the bound's own schedules must run
+                skipped[member] = str(err)  # a listed system that cannot run this trace or setting
     return portfolio_result(system, runs, skipped)
 
 

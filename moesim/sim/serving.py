@@ -430,6 +430,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
           decisions: bool = False) -> ServeResult:
     """Serve ``workload.requests`` requests drawn from ``traces`` under ``system`` and a scheduler."""
     from moesim.sim.run import members, prepare
+    from moesim.trace.validate import checked_meta, settle
     parsed = split_settings(settings)
     if members(system) != (system,):
         raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
@@ -440,6 +441,8 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     if any(hasattr(c, "_future") for c in sim.system.components.values()):
         raise ConfigError(f"'{system}' plans with the trace's future routing, which a served order does not have",
                           field="--system", fix="serve an online system (see `moesim systems`)")
+    for trace in traces[1:]:  # (prepare checked the first)
+        checked_meta(trace, sim.system.needed_columns())
     pool = RequestPool(list(traces), sim.system.needed_columns())
     kv = kv_budget_tokens(sim.memory, sim.model.kv_bytes_per_token(), sim.system.ignores_memory)
     if parsed.workload.kv_tokens:
@@ -451,4 +454,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     scheduler.set_kv_tokens(kv)
     for t in pool.requests[:parsed.workload.requests]:
         scheduler.check(Request(0, 0.0, t.prompt, t.output))
-    return ServingRun(sim, pool, scheduler, parsed.workload, seed=seed).run()
+    result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed).run()
+    for trace in traces:
+        settle(trace)  # the columns the run did not read, checked beside it
+    return result

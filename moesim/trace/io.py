@@ -2,12 +2,15 @@
 
 The writer streams row groups into a temporary file and renames it into place
 on close, so a trace appears whole or not at all. The reader streams one
-forward pass (``step``) at a time with memory bounded by one row group.
+forward pass (``step``) at a time with memory bounded by one row group; a
+sweep worker keeps the decoded trace (bounded in bytes) for its next points.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -23,6 +26,15 @@ from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_C
 
 ROW_GROUP_ROWS = 262_144
 PathLike = str | os.PathLike
+#: columns written without a dictionary: float16 router probabilities repeat too little for one to pay
+#: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
+#: is 5 to 8 times slower than plain ones (benchmarks/validate_speed.py reads this column in full)
+PLAIN_COLUMNS = ("scores",)
+
+
+def parquet_options(columns: Sequence[str]) -> dict[str, Any]:
+    """Writer options of a trace with these columns (zstd; dictionaries except :data:`PLAIN_COLUMNS`)."""
+    return {"compression": "zstd", "use_dictionary": [c for c in columns if c not in PLAIN_COLUMNS]}
 
 
 # ----------------------------------------------------------------------------- writing
@@ -71,7 +83,8 @@ class TraceWriter:
         self.rows = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = tmp_path_for(self.path)  # also removes leftovers of writers that died
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
+        options = parquet_options(self.columns)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, **options)
 
     def write(self, data: Mapping[str, Any]) -> None:
         missing = [c for c in self.columns if c not in data]
@@ -208,12 +221,99 @@ def _phase_codes(column: pa.Array) -> np.ndarray:
     return np.array([PHASES.index(v) if v in PHASES else -1 for v in values], dtype=np.int8)
 
 
+#: decoded traces kept per process while :func:`keeping_decoded` is on (sweep workers, ``replay --system
+#: all``), least recently used dropped first, up to this many bytes in all
+DECODED_CACHE_BYTES = 512 << 20
+_KEEP = [False]
+#: numpy's own size of one array object, counted beside its data (predictor columns hold one per row)
+_ARRAY_OVERHEAD = 112
+#: (file stamp, optional columns read) -> (its steps, their size in bytes)
+_DECODED: OrderedDict[tuple, tuple[list[Step], int]] = OrderedDict()
+
+
 def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
                batch_rows: int = 65_536) -> Iterator[Step]:
-    """Yield one :class:`Step` at a time; memory stays bounded by one batch plus one step.
+    """Yield one :class:`Step` at a time, in trace order. Their arrays are read-only.
 
     ``columns`` limits which optional columns are read (default: all present).
+    Memory stays bounded by one batch plus one step, except while
+    :func:`keeping_decoded` is on: then a trace read to the end is kept decoded
+    in this process (up to :data:`DECODED_CACHE_BYTES` for all files, by file
+    stamp and columns), so that the points and systems of a sweep worker and
+    ``replay --system all`` decode it once.
     """
+    if not _KEEP[0]:
+        yield from _decode_steps(path, columns, batch_rows)
+        return
+    key = _decoded_key(path, columns)
+    if key is not None and key in _DECODED:
+        _DECODED.move_to_end(key)
+        yield from _DECODED[key][0]
+        return
+    kept: list[Step] | None = []
+    size = 0
+    for step in _decode_steps(path, columns, batch_rows):
+        if kept is not None:
+            size += _step_bytes(step)
+            if size > DECODED_CACHE_BYTES:
+                kept = None  # too big to keep: stream it
+            else:
+                kept.append(step)
+        yield step
+    if kept is not None and key is not None:
+        _DECODED[key] = (kept, size)
+        while sum(n for _, n in _DECODED.values()) > DECODED_CACHE_BYTES:
+            _DECODED.popitem(last=False)
+
+
+@contextmanager
+def keeping_decoded() -> Iterator[None]:
+    """Keep traces decoded (:func:`iter_steps`) while inside; what was kept goes on leaving, unless the
+    caller had it on already."""
+    before = _KEEP[0]
+    _KEEP[0] = True
+    try:
+        yield
+    finally:
+        _KEEP[0] = before
+        if not before:
+            _DECODED.clear()
+
+
+def keep_decoded() -> None:
+    """Keep traces decoded for the rest of this process (a sweep worker's)."""
+    _KEEP[0] = True
+
+
+def _decoded_key(path: PathLike, columns: Sequence[str] | None) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # _open names the problem
+    wanted = None if columns is None else tuple(sorted(set(columns)))
+    return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size, wanted)
+
+
+def _step_bytes(step: Step) -> int:
+    arrays = [a for a in (step.request, step.position, step.layer, step.phase, step.experts, step.weights,
+                          step.scores, step.token_id) if a is not None]
+    arrays += [a for values in step.predictors.values() for a in values]
+    return sum(a.nbytes + _ARRAY_OVERHEAD for a in arrays)
+
+
+def _read_only(step: Step) -> Step:
+    """Steps may be shared by several runs: nothing may write into them."""
+    for a in (step.request, step.position, step.layer, step.phase, step.experts, step.weights, step.scores,
+              step.token_id):
+        if a is not None:
+            a.flags.writeable = False
+    for values in step.predictors.values():
+        for a in values:
+            a.flags.writeable = False
+    return step
+
+
+def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int) -> Iterator[Step]:
     pf = _open(path)
     meta = read_meta(path)
     top_k, num_experts = meta.model.top_k, meta.model.num_experts
@@ -229,12 +329,12 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
                 return [x for v in vals for x in v]
             return vals[0] if len(vals) == 1 else np.concatenate(vals)
         preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
-        return Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
-                    layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
-                    weights=cat("weights") if "weights" in optional else None,
-                    scores=cat("scores") if "scores" in optional else None,
-                    token_id=cat("token_id") if "token_id" in optional else None,
-                    predictors=preds)
+        return _read_only(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
+                               layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
+                               weights=cat("weights") if "weights" in optional else None,
+                               scores=cat("scores") if "scores" in optional else None,
+                               token_id=cat("token_id") if "token_id" in optional else None,
+                               predictors=preds))
 
     for batch in pf.iter_batches(batch_size=batch_rows, columns=read_cols):
         cols: dict[str, Any] = {}

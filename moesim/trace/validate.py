@@ -4,7 +4,9 @@ Every command that reads a trace runs this pass before any work starts
 (:func:`checked_meta`, memoised per file and process), and ``moesim trace
 validate`` is the same pass. Checks are vectorised over columns, batch by
 batch (bounded memory); row numbers in messages are 0-based positions in the
-file. What is checked:
+file. An optional column a run does not read (:data:`LAZY_COLUMNS`) is
+checked on a thread beside the run, and :func:`settle` refuses the run's
+results if it failed. What is checked:
 
 * the file: Parquet magic bytes at both ends, readable footer and pages;
 * the metadata: size, nesting, ``schema_version``, the model shape and its limits;
@@ -21,6 +23,7 @@ file. What is checked:
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -39,9 +42,11 @@ SUM_TOLERANCE = 2e-2
 #: scores are float16 probabilities: allow their rounding above 1
 SCORE_MAX = 1.0 + 1e-3
 PARQUET_MAGIC = b"PAR1"
-#: checked only when a run reads them (or by `trace validate`): ``scores`` is num_experts float16 values per
-#: row, whose decoding alone costs about a third of a one-system replay of a DeepSeek-V3 trace
-LAZY_COLUMNS = ("scores",)
+#: checked before a run only when it reads them (and by `trace validate`), otherwise on a thread beside the
+#: run: a run reads only the optional columns its system lists (``needed_columns``), and ``scores`` alone,
+#: num_experts float16 values per row, costs a third of a DeepSeek-V3 cpu-only replay to decode
+#: (benchmarks/validate_speed.py)
+LAZY_COLUMNS = OPTIONAL_COLUMNS
 REWRITE = "rewrite the file with moesim (trace import, synth or capture)"
 
 
@@ -64,26 +69,93 @@ class _Carry:
 
 
 # ----------------------------------------------------------------------------- entry points
-#: per file stamp: (its metadata, the optional columns whose values were checked; None = all)
-_CHECKED: dict[tuple, tuple[TraceMeta, frozenset[str] | None]] = {}
+@dataclass
+class _Deferred:
+    """A check of lazy columns running on its own thread (pyarrow decodes them without holding the GIL)."""
+
+    columns: frozenset[str]
+    thread: threading.Thread
+    error: BaseException | None = None
+
+
+@dataclass
+class _Checked:
+    """What the validation pass has covered of one file (by stamp)."""
+
+    meta: TraceMeta
+    #: the lazy columns the file has
+    lazy: frozenset[str]
+    #: those checked
+    done: frozenset[str]
+    deferred: _Deferred | None = None
+
+
+_CHECKED: dict[tuple, _Checked] = {}
 
 
 def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceMeta:
-    """The trace's metadata after the validation pass over every column but :data:`LAZY_COLUMNS`, which
-    are checked when listed in ``columns`` (the optional columns a run reads; None: all). Each file (by
-    stamp) and column is checked once per process, so ``replay --system all`` and sweep workers pay once."""
+    """The trace's metadata after the validation pass over every column but the :data:`LAZY_COLUMNS` not
+    listed in ``columns`` (the optional columns a run reads; None: all). Those are checked on a thread
+    started here, beside the run: a caller that reports results calls :func:`settle` first (``simulate``
+    does). Each file (by stamp) and column is checked once per process, so ``replay --system all`` and
+    sweep workers pay once."""
     key = _stamp(path)
-    wanted = None if columns is None else frozenset(columns)
-    if key is not None and key in _CHECKED:
-        meta, done = _CHECKED[key]
-        if done is None or (wanted is not None and wanted <= done):
-            return meta
-        wanted = None if wanted is None else wanted | done
-    validate_trace(path, wanted)
-    meta = read_meta(path)
-    if key is not None:
-        _CHECKED[key] = (meta, wanted)
-    return meta
+    if key is None:
+        validate_trace(path, columns)  # raises the file's own error
+        return read_meta(path)
+    state = _CHECKED.get(key)
+    if state is None:
+        validate_trace(path, columns)
+        lazy = frozenset(c for c in LAZY_COLUMNS if c in _open(path).schema_arrow.names)
+        state = _CHECKED[key] = _Checked(read_meta(path), lazy, lazy if columns is None else lazy & set(columns))
+    needed = state.lazy - state.done if columns is None else (state.lazy & set(columns)) - state.done
+    if needed and state.deferred is not None and needed <= state.deferred.columns:
+        settle(path)  # a run that reads them waits for the thread already checking them
+    elif needed:
+        _check_lazy(path, sorted(needed), state.meta)
+        state.done |= needed
+    rest = state.lazy - state.done
+    if rest and state.deferred is None:
+        state.deferred = _start_deferred(path, rest, state.meta)
+    return state.meta
+
+
+def settle(path: PathLike) -> None:
+    """Wait for the check of ``path``'s lazy columns started by :func:`checked_meta`; raise its error.
+
+    Call before reporting anything computed from the trace: a fault in a column the run did not read
+    still refuses the run (exit 2), and nothing gets written."""
+    key = _stamp(path)
+    state = _CHECKED.get(key) if key is not None else None
+    if state is None or state.deferred is None:
+        return
+    deferred = state.deferred
+    deferred.thread.join()
+    if deferred.error is not None:
+        raise deferred.error  # the state keeps it: every later run of this file is refused too
+    state.done |= deferred.columns
+    state.deferred = None
+
+
+def wait_for_checks() -> None:
+    """Wait for every check still running beside a run (their errors stay for :func:`settle`): before a
+    fork, no thread may hold a lock the child would inherit."""
+    for state in list(_CHECKED.values()):
+        if state.deferred is not None:
+            state.deferred.thread.join()
+
+
+def _start_deferred(path: PathLike, columns: frozenset[str], meta: TraceMeta) -> _Deferred:
+    def check() -> None:
+        try:
+            _check_lazy(path, sorted(columns), meta)
+        except BaseException as err:  # noqa: BLE001 - handed to settle(), in the thread that reports
+            deferred.error = err
+
+    # not a daemon: an interpreter that exits first waits for it rather than tearing pyarrow down under it
+    deferred = _Deferred(columns, threading.Thread(target=check, name="moesim-check-lazy"))
+    deferred.thread.start()
+    return deferred
 
 
 def _stamp(path: PathLike) -> tuple | None:
@@ -128,10 +200,28 @@ def validate_trace(path: PathLike, columns: Iterable[str] | None = None) -> Trac
             _check_batch(batch, name, meta, weight_sum, offset, carry)
             offset += batch.num_rows
     except (pa.ArrowException, OSError) as err:
-        raise TraceFormatError(f"unreadable data after row {offset} ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0][:120]})", source=name,
-                               fix="the file is damaged: " + REWRITE) from None
+        raise _unreadable(err, name, offset) from None
     return TraceSummary(rows=offset, steps=carry.steps, columns=known, requests=len(carry.requests))
+
+
+def _check_lazy(path: PathLike, columns: list[str], meta: TraceMeta) -> None:
+    """The row checks of lazy ``columns`` alone (:func:`validate_trace` has checked the rest, and their
+    types), reading only them, in one thread."""
+    name = str(path)
+    weight_sum = _weight_sum(meta, name) if meta.weights_renormalized else None
+    offset = 0
+    try:
+        for batch in _open(path).iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False):
+            _check_nulls(batch, name, offset)
+            _check_optional(batch, name, meta, weight_sum, offset)
+            offset += batch.num_rows
+    except (pa.ArrowException, OSError) as err:
+        raise _unreadable(err, name, offset) from None
+
+
+def _unreadable(err: Exception, name: str, offset: int) -> TraceFormatError:
+    return TraceFormatError(f"unreadable data after row {offset} ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:120]})", source=name, fix="the file is damaged: " + REWRITE)
 
 
 # ----------------------------------------------------------------------------- file level
@@ -214,15 +304,7 @@ def _fail(message: str, name: str, field_: str, row: int, fix: str) -> TraceForm
 def _check_batch(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: float | None, offset: int,
                  carry: _Carry) -> None:
     model = meta.model
-    n = batch.num_rows
-    for i, col in enumerate(batch.schema.names):
-        column = batch.column(i)
-        nulls = column.null_count
-        if not nulls and isinstance(column, (pa.ListArray, pa.FixedSizeListArray, pa.LargeListArray)):
-            nulls = column.flatten().null_count
-        if nulls:
-            row = _first_null_row(column)
-            raise _fail("null value", name, col, offset + row, "every row needs a value in every column")
+    _check_nulls(batch, name, offset)
     phase = _phase_codes(batch.column("phase"))
     if (phase < 0).any():
         row = _first(phase < 0)
@@ -249,12 +331,18 @@ def _check_batch(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: 
         raise _fail(f"expert id in {experts[row].tolist()} outside [0, {model.num_experts})", name, "experts",
                     offset + row, "expert ids must index the model's routed experts")
     if model.top_k > 1:
-        ordered = np.sort(experts, axis=1)
-        dup = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+        dup = _duplicate_rows(experts)
         if dup.any():
             row = _first(dup)
             raise _fail(f"duplicate expert in {experts[row].tolist()}", name, "experts", offset + row,
                         "each routed expert appears once per row")
+    _check_optional(batch, name, meta, weight_sum, offset)
+
+
+def _check_optional(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: float | None,
+                    offset: int) -> None:
+    """The row checks of the optional columns in ``batch``."""
+    model = meta.model
     if "weights" in batch.schema.names:
         _check_weights(_matrix(batch, "weights", model.top_k), weight_sum, name, offset)
     if "scores" in batch.schema.names:
@@ -268,6 +356,17 @@ def _check_batch(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_sum: 
     for pred in PREDICTOR_COLUMNS:
         if pred in batch.schema.names:
             _check_predictor(batch.column(pred), pred, model.num_experts, name, offset)
+
+
+def _check_nulls(batch: pa.RecordBatch, name: str, offset: int) -> None:
+    for i, col in enumerate(batch.schema.names):
+        column = batch.column(i)
+        nulls = column.null_count
+        if not nulls and isinstance(column, (pa.ListArray, pa.FixedSizeListArray, pa.LargeListArray)):
+            nulls = column.flatten().null_count
+        if nulls:
+            row = _first_null_row(column)
+            raise _fail("null value", name, col, offset + row, "every row needs a value in every column")
 
 
 def _first_null_row(column: pa.Array) -> int:
@@ -285,10 +384,45 @@ def _matrix(batch: pa.RecordBatch, col: str, width: int) -> np.ndarray:
     return batch.column(col).flatten().to_numpy(zero_copy_only=False).reshape(batch.num_rows, width)
 
 
+def _duplicate_rows(experts: np.ndarray) -> np.ndarray:
+    """Rows holding an expert twice: every pair of columns compared (top_k up to 16), else rows sorted."""
+    k = experts.shape[1]
+    if k > 16:
+        ordered = np.sort(experts, axis=1)
+        return (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    columns = np.ascontiguousarray(experts.T)
+    dup = np.zeros(len(experts), dtype=bool)
+    for i in range(k):
+        for j in range(i + 1, k):
+            dup |= columns[i] == columns[j]
+    return dup
+
+
+def _increasing(columns: list[np.ndarray]) -> bool:
+    """Rows strictly increasing in these (non-negative) key columns, if their bit widths fit one int64
+    (one composite key, compared once); False when they do not fit or the rows are not in order."""
+    widths = [int(c.max()).bit_length() if len(c) else 0 for c in columns]
+    if sum(widths) > 62:
+        return False
+    composite = np.zeros(len(columns[0]), dtype=np.int64)
+    for column, width in zip(columns, widths):
+        composite = (composite << width) | column
+    return bool((composite[1:] > composite[:-1]).all())
+
+
 def _check_order(keys: dict[str, np.ndarray], name: str, offset: int, carry: _Carry) -> None:
     """Rows strictly increasing in (step, layer, request, position): sorted, no duplicate rows."""
-    stacked = np.stack([keys[c] for c in SORT_KEYS], axis=1)
-    with_prev = stacked if carry.last_key is None else np.vstack([carry.last_key[None, :], stacked])
+    columns = [keys[c] if carry.last_key is None else np.concatenate(([carry.last_key[i]], keys[c]))
+               for i, c in enumerate(SORT_KEYS)]
+    if not _increasing(columns):
+        _order_fault(columns, name, offset, carry)
+    carry.steps += int(np.count_nonzero(np.diff(columns[0]))) + (1 if carry.last_key is None else 0)
+    carry.last_key = np.array([c[-1] for c in columns])
+
+
+def _order_fault(columns: list[np.ndarray], name: str, offset: int, carry: _Carry) -> None:
+    """Name the first row out of order (or duplicated), if any."""
+    with_prev = np.stack(columns, axis=1)
     diff = with_prev[1:] - with_prev[:-1]
     nonzero = diff != 0
     first_nz = np.where(nonzero.any(axis=1), nonzero.argmax(axis=1), -1)
@@ -301,8 +435,6 @@ def _check_order(keys: dict[str, np.ndarray], name: str, offset: int, carry: _Ca
         what = "duplicate row" if sign[i] == 0 else f"{field_} out of order"
         raise _fail(f"{what} (rows must be sorted by step, layer, request, position)", name, field_,
                     offset + row, "sort the rows by step, layer, request, position")
-    carry.steps += int(np.count_nonzero(np.diff(with_prev[:, 0]))) + (1 if carry.last_key is None else 0)
-    carry.last_key = stacked[-1].copy()
 
 
 def _check_requests(keys: dict[str, np.ndarray], phase: np.ndarray, name: str, offset: int,
@@ -348,24 +480,21 @@ def _check_requests(keys: dict[str, np.ndarray], phase: np.ndarray, name: str, o
 
 
 def _check_weights(weights: np.ndarray, expected_sum: float | None, name: str, offset: int) -> None:
-    bad = ~np.isfinite(weights).all(axis=1)
-    if bad.any():
-        row = _first(bad)
+    # each test over the whole batch first; rows are located only when one fails
+    if not np.isfinite(weights).all():
+        row = _first(~np.isfinite(weights).all(axis=1))
         raise _fail(f"weight {weights[row].tolist()} is not finite", name, "weights", offset + row,
                     "weights are the router's gate values (finite numbers)")
-    bad = (weights < 0).any(axis=1)
-    if bad.any():
-        row = _first(bad)
+    if (weights < 0).any():
+        row = _first((weights < 0).any(axis=1))
         raise _fail(f"negative weight in {weights[row].tolist()}", name, "weights", offset + row,
                     "weights are gate values >= 0")
-    if weights.shape[1] > 1:
-        bad = (weights[:, 1:] > weights[:, :-1]).any(axis=1)
-        if bad.any():
-            row = _first(bad)
-            raise _fail(f"weights {weights[row].tolist()} are not highest first", name, "weights", offset + row,
-                        "order each row's experts and weights by weight, highest first")
+    if weights.shape[1] > 1 and (weights[:, 1:] > weights[:, :-1]).any():
+        row = _first((weights[:, 1:] > weights[:, :-1]).any(axis=1))
+        raise _fail(f"weights {weights[row].tolist()} are not highest first", name, "weights", offset + row,
+                    "order each row's experts and weights by weight, highest first")
     if expected_sum is not None:
-        sums = weights.sum(axis=1, dtype=np.float64)
+        sums = np.ascontiguousarray(weights.T, dtype=np.float64).sum(axis=0)  # row sums, vectorised across rows
         bad = np.abs(sums - expected_sum) > SUM_TOLERANCE * expected_sum
         if bad.any():
             row = _first(bad)
@@ -373,7 +502,22 @@ def _check_weights(weights: np.ndarray, expected_sum: float | None, name: str, o
                         "weights", offset + row, "renormalize the weights, or set weights_renormalized: false")
 
 
+def _largest_float16_at_most(limit: float) -> int:
+    """The bit pattern of the largest float16 <= ``limit`` (> 0)."""
+    value = np.float16(limit)
+    if float(value) > limit:
+        value = np.nextafter(value, np.float16(0))
+    return int(np.array(value).view(np.uint16))
+
+
+#: float16 values in [+0, SCORE_MAX] are exactly the bit patterns 0 .. this (IEEE order of positive
+#: numbers); negatives (sign bit), inf and NaN all lie above, so one integer max over the bits checks a batch
+SCORE_BITS_MAX = _largest_float16_at_most(SCORE_MAX)
+
+
 def _check_scores(scores: np.ndarray, name: str, offset: int) -> None:
+    if scores.dtype == np.float16 and (scores.size == 0 or int(scores.view(np.uint16).max()) <= SCORE_BITS_MAX):
+        return  # the common case in one pass; -0.0 (bits 0x8000) and faults go on to the exact check below
     bad = ~np.isfinite(scores).all(axis=1) | (scores < 0).any(axis=1) | (scores > SCORE_MAX).any(axis=1)
     if bad.any():
         row = _first(bad)

@@ -349,13 +349,6 @@ def run_case(case: Case, command: list[str], limit_s: float = 30.0) -> tuple[str
     return outcome, text
 
 
-def lazy_exempt(case: Case, command: list[str]) -> bool:
-    """A one-system replay of a trace whose only fault is in ``scores``, which that system never reads
-    (``LAZY_COLUMNS``: its numbers do not depend on the column; validate, sweeps and --system all refuse it)."""
-    one_system = "--system" not in command or command[command.index("--system") + 1] != "all"
-    return case.family == "trace" and "score" in case.name and command[0] == "replay" and one_system
-
-
 def classify(case: Case, code: int, stderr: str) -> str:
     if code == 0:
         return "accepted"

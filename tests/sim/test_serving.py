@@ -232,6 +232,21 @@ def test_pool_reads_several_traces_of_one_model(tmp_path):
         RequestPool([a, c], [])
 
 
+def test_a_fault_in_an_unread_column_of_any_served_trace_refuses_the_run(tmp_path):
+    from moesim.errors import TraceFormatError
+    from tests.factories import with_scores
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    rng = np.random.default_rng(5)
+    a = str(write_tiny_trace(tmp_path / "a.parquet", model, request_routing(rng, model, [(2, 2)])))
+    b = str(write_tiny_trace(tmp_path / "b.parquet", model, request_routing(rng, model, [(1, 3)])))
+    bad = str(with_scores(Path(b), tmp_path / "b-bad.parquet", bad={3: -1.0}))
+    workload = {"workload.requests": "2", "workload.qps": "5"}
+    assert len(request_frame(serve([a, str(with_scores(Path(b), tmp_path / "b-ok.parquet"))], tiny_profile(),
+                                   "cpu-only", workload))) == 2
+    with pytest.raises(TraceFormatError, match="b-bad.parquet, field 'scores', row 3"):
+        serve([a, bad], tiny_profile(), "cpu-only", workload)
+
+
 def test_a_request_missing_rows_on_a_layer_is_refused(tmp_path):
     from moesim.sim.serving import RequestPool
     model = tiny_model(layers=2, experts=4, top_k=1)

@@ -85,3 +85,114 @@ def test_atomic_write_keeps_the_previous_file(tmp_path):
         with TraceWriter(path, TraceMeta(model=MODEL)) as writer:
             writer.write({"request": [0]})  # lacks columns
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+
+
+def test_scores_are_written_plain_the_other_columns_with_dictionaries(tmp_path):
+    """Dictionary pages of float16 scores save little and decode 5-8x slower than plain ones: the writer
+    leaves them out for ``scores`` only."""
+    import pyarrow.parquet as pq
+    data = _trace_data()
+    path = write_trace(tmp_path / "t.parquet", data, TraceMeta(model=MODEL))
+    pf = pq.ParquetFile(path)
+    group = pf.metadata.row_group(0)
+    dictionary = {pf.schema_arrow.names[i]: group.column(i).has_dictionary_page for i in range(group.num_columns)}
+    assert dictionary["scores"] is False
+    assert dictionary["step"] and dictionary["token_id"]
+    back = np.concatenate([s.scores for s in iter_steps(path)])
+    assert np.array_equal(back, data["scores"])
+
+
+# ----------------------------------------------------------------------------- decoded once per process
+@pytest.fixture
+def decodes(monkeypatch):
+    """Count the Parquet decodes behind iter_steps (a fresh cache)."""
+    import moesim.trace.io as io
+    monkeypatch.setattr(io, "_DECODED", type(io._DECODED)())
+    monkeypatch.setattr(io, "_KEEP", [True])  # as in a sweep worker
+    calls: list[tuple] = []
+    real = io._decode_steps
+
+    def counted(path, columns, batch_rows):
+        calls.append((str(path), None if columns is None else tuple(columns)))
+        yield from real(path, columns, batch_rows)
+    monkeypatch.setattr(io, "_decode_steps", counted)
+    return calls
+
+
+def _as_tuples(steps) -> list:
+    return [(s.step, s.experts.tolist(), s.position.tolist(), s.scores.tolist() if s.scores is not None else None)
+            for s in steps]
+
+
+def test_a_trace_read_to_the_end_is_decoded_once_per_process_and_columns(tmp_path, decodes):
+    data = _trace_data()
+    path = write_trace(tmp_path / "t.parquet", data, TraceMeta(model=MODEL))
+    first = list(iter_steps(path, columns=()))
+    again = list(iter_steps(str(path), columns=[]))
+    assert decodes == [(str(path), ())] and again == first and all(a is b for a, b in zip(first, again))
+    with_scores = list(iter_steps(path, columns=["scores"]))  # other columns: a decode of their own
+    assert len(decodes) == 2 and with_scores[0].scores is not None and first[0].scores is None
+    assert _as_tuples(list(iter_steps(path, columns=["scores"]))) == _as_tuples(with_scores) and len(decodes) == 2
+
+
+def test_shared_steps_are_read_only(tmp_path, decodes):
+    path = write_trace(tmp_path / "t.parquet", _trace_data(), TraceMeta(model=MODEL))
+    step = next(iter(list(iter_steps(path))))
+    for array in (step.experts, step.layer, step.weights, step.scores, step.predictors["pred_residual"][0]):
+        with pytest.raises(ValueError, match="read-only"):
+            array[0] = 1
+
+
+def test_a_rewritten_file_is_decoded_again(tmp_path, decodes):
+    path = tmp_path / "t.parquet"
+    write_trace(path, _trace_data(seed=0), TraceMeta(model=MODEL))
+    before = _as_tuples(iter_steps(path))
+    write_trace(path, _trace_data(seed=1), TraceMeta(model=MODEL))
+    after = _as_tuples(iter_steps(path))
+    assert len(decodes) == 2 and after != before
+    assert after == _as_tuples(_trace_steps_fresh(path))
+
+
+def _trace_steps_fresh(path):
+    import moesim.trace.io as io
+    return list(io._decode_steps(path, None, 65_536))
+
+
+def test_a_trace_over_the_limit_or_read_partly_is_not_kept(tmp_path, decodes, monkeypatch):
+    import moesim.trace.io as io
+    path = write_trace(tmp_path / "t.parquet", _trace_data(), TraceMeta(model=MODEL))
+    next(iter(iter_steps(path)))  # a reader that stops early
+    assert io._DECODED == {}
+    monkeypatch.setattr(io, "DECODED_CACHE_BYTES", 2_000)  # less than the trace
+    streamed = _as_tuples(iter_steps(path))
+    assert io._DECODED == {} and streamed == _as_tuples(iter_steps(path)) and len(decodes) == 3
+
+
+def test_the_least_recently_used_trace_goes_first(tmp_path, decodes, monkeypatch):
+    import moesim.trace.io as io
+    paths = [write_trace(tmp_path / f"t{i}.parquet", _trace_data(seed=i), TraceMeta(model=MODEL)) for i in range(3)]
+    list(iter_steps(paths[0]))
+    size = next(iter(io._DECODED.values()))[1]
+    monkeypatch.setattr(io, "DECODED_CACHE_BYTES", 2 * size + size // 2)  # room for two
+    list(iter_steps(paths[1]))
+    list(iter_steps(paths[0]))  # now the most recent
+    list(iter_steps(paths[2]))  # evicts paths[1]
+    assert [k[0] for k in io._DECODED] == [str(paths[0].resolve()), str(paths[2].resolve())]
+    list(iter_steps(paths[0]))
+    assert len(decodes) == 3
+
+
+def test_traces_are_kept_only_where_asked(tmp_path, decodes, monkeypatch):
+    """A single replay streams (memory bounded by a batch); keeping_decoded keeps them inside, and drops
+    what it kept on leaving."""
+    import moesim.trace.io as io
+    monkeypatch.setattr(io, "_KEEP", [False])
+    path = write_trace(tmp_path / "t.parquet", _trace_data(), TraceMeta(model=MODEL))
+    list(iter_steps(path))
+    list(iter_steps(path))
+    assert len(decodes) == 2 and io._DECODED == {}
+    with io.keeping_decoded():
+        list(iter_steps(path))
+        list(iter_steps(path))
+        assert len(decodes) == 3 and len(io._DECODED) == 1
+    assert io._DECODED == {} and io._KEEP == [False]

@@ -9,6 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.cli import main
 from moesim.errors import TraceFormatError
@@ -147,3 +149,127 @@ def test_not_parquet(tmp_path, capsys):
     path = tmp_path / "routes.parquet"
     path.write_text('{"layer": 0, "experts": [1, 2]}\n')
     _check(path, capsys, "not a Parquet file", "moesim trace import")
+
+
+# ----------------------------------------------------------------------------- scores: fast check, beside the run
+def _bad_scores(tmp_path, row: int, value: float, name: str = "bad-scores.parquet"):
+    table = _valid(tmp_path)
+    scores = np.full((ROWS, 8), 0.125, np.float16)
+    scores[row, 3] = value
+    column = pa.FixedSizeListArray.from_arrays(pa.array(scores.ravel()), 8)
+    return _save(tmp_path, _replace(table, "scores", column), name)
+
+
+def test_score_bit_bound_is_exactly_the_valid_range():
+    """Every float16 bit pattern: at most SCORE_BITS_MAX iff a number in [+0, SCORE_MAX]; the only valid
+    value above it is -0.0, which the exact check lets through."""
+    from moesim.trace.validate import SCORE_BITS_MAX, SCORE_MAX
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = bits.view(np.float16).astype(np.float64)
+    valid = np.isfinite(values) & (values >= 0) & (values <= SCORE_MAX)
+    assert ((bits <= SCORE_BITS_MAX) == (valid & (bits != 0x8000))).all()
+    assert values[SCORE_BITS_MAX] <= SCORE_MAX < np.nextafter(np.float16(values[SCORE_BITS_MAX]), np.float16(2))
+
+
+SPECIAL = [0.0, -0.0, 0.5, 1.0, 1.0009765625, 1.001953125, -0.5, -1e-7, 7.0, np.inf, -np.inf, np.nan, 6e-8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(SPECIAL), min_size=3, max_size=3), min_size=1, max_size=12))
+def test_fast_score_check_agrees_with_the_exact_one(rows):
+    """The one-pass bit test refuses exactly the batches the value test refuses, naming the same first row."""
+    from moesim.trace.validate import SCORE_MAX, _check_scores
+    scores = np.array(rows, dtype=np.float16)
+    wide = scores.astype(np.float64)
+    bad_rows = ~(np.isfinite(wide) & (wide >= 0) & (wide <= SCORE_MAX)).all(axis=1)
+    if bad_rows.any():
+        with pytest.raises(TraceFormatError, match=f"row {int(np.argmax(bad_rows)) + 10}:"):
+            _check_scores(scores, "f.parquet", 10)
+    else:
+        _check_scores(scores, "f.parquet", 10)
+
+
+def test_unread_scores_are_checked_beside_the_run_and_refuse_it(tmp_path, monkeypatch):
+    """checked_meta returns before the scores check ends (it runs on a thread while the run goes on);
+    settle waits for it and raises its error, naming file, field and row, for this and every later run."""
+    import threading
+
+    import moesim.trace.validate as validate
+    path = _bad_scores(tmp_path, row=6, value=np.nan)
+    release = threading.Event()
+    original = validate._check_lazy
+
+    def held(*args):
+        assert release.wait(30)
+        original(*args)
+    monkeypatch.setattr(validate, "_check_lazy", held)
+    monkeypatch.setattr(validate, "_CHECKED", {})
+    meta = validate.checked_meta(path, ())  # a run that does not read scores starts now
+    assert meta.model == MODEL
+    state = validate._CHECKED[validate._stamp(path)]
+    assert state.deferred is not None and state.deferred.thread.is_alive() and state.done == frozenset()
+    release.set()
+    for _ in range(2):  # the first run's result is refused, and the next one's
+        with pytest.raises(TraceFormatError, match=r"bad-scores.parquet, field 'scores', row 6: score nan"):
+            validate.settle(path)
+    with pytest.raises(TraceFormatError, match="field 'scores', row 6"):
+        validate.checked_meta(path, ["scores"])  # a run that reads them waits for the same check
+
+
+def test_a_run_that_reads_scores_checks_them_before_it_starts(tmp_path, monkeypatch):
+    import moesim.trace.validate as validate
+    monkeypatch.setattr(validate, "_CHECKED", {})
+    path = _bad_scores(tmp_path, row=2, value=-0.5)
+    with pytest.raises(TraceFormatError, match="field 'scores', row 2: score -0.5"):
+        validate.checked_meta(path, ["scores"])
+
+
+def test_valid_scores_checked_beside_the_run_are_checked_once(tmp_path, monkeypatch):
+    import moesim.trace.validate as validate
+    _valid(tmp_path)
+    path = tmp_path / "valid.parquet"
+    monkeypatch.setattr(validate, "_CHECKED", {})
+    calls = []
+    original = validate._check_lazy
+    monkeypatch.setattr(validate, "_check_lazy", lambda *args: (calls.append(args[1]), original(*args)))
+    validate.checked_meta(path, ())
+    validate.settle(path)
+    validate.checked_meta(path, ["scores"])
+    validate.checked_meta(path)
+    validate.settle(path)
+    state = validate._CHECKED[validate._stamp(path)]
+    assert calls == [["scores"]] and state.done == frozenset({"scores"}) and state.deferred is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 40), st.integers(0, 2**16))
+def test_duplicate_rows_by_column_pairs_equal_those_by_sorting(top_k, rows, seed):
+    from moesim.trace.validate import _duplicate_rows
+    experts = np.random.default_rng(seed).integers(0, top_k + 3, size=(rows, top_k)).astype(np.int16)
+    ordered = np.sort(experts, axis=1)
+    assert (_duplicate_rows(experts) == (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)).all()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(0, 3)] * 3, st.sampled_from([0, 1, 5, 2**40, 2**60])), min_size=1, max_size=30))
+def test_composite_order_key_agrees_with_row_by_row_comparison(keys):
+    """Strictly increasing rows are recognised as such when the key widths fit one int64; the answer is
+    never a wrong yes (a False only sends the batch to the exact check)."""
+    from moesim.trace.validate import _increasing
+    columns = [np.array(c, dtype=np.int64) for c in zip(*keys)]
+    truth = all(a < b for a, b in zip(keys, keys[1:]))
+    fits = sum(int(c.max()).bit_length() for c in columns) <= 62
+    assert _increasing(columns) == (truth and fits)
+
+
+def test_wait_for_checks_leaves_no_check_running_and_keeps_errors(tmp_path, monkeypatch):
+    """Before a sweep forks its workers: every thread checking beside a run has ended; a fault found
+    still refuses the run that settles."""
+    import moesim.trace.validate as validate
+    monkeypatch.setattr(validate, "_CHECKED", {})
+    path = _bad_scores(tmp_path, row=4, value=np.inf)
+    validate.checked_meta(path, ())
+    validate.wait_for_checks()
+    assert not validate._CHECKED[validate._stamp(path)].deferred.thread.is_alive()
+    with pytest.raises(TraceFormatError, match="field 'scores', row 4: score inf"):
+        validate.settle(path)
