@@ -298,12 +298,13 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     from moesim.policy.systems import build_system
     from moesim.trace.validate import checked_meta
 
+    models = {}
     for i, trace in enumerate(spec.traces):
         path = spec.resolve(trace)
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")
-        checked_meta(path)  # the whole validation pass, once, before any point runs
+        models[trace] = checked_meta(path).model  # the whole validation pass, once, before any point runs
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
@@ -319,6 +320,12 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         checked.add(key)
         parsed = _reraise(lambda: parse_settings(settings), spec, None)
         _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None)
+        quotas = parsed.cache.slots_per_layer or []
+        for model in {models[t] for t in spec.traces}:
+            if any(q > model.num_experts for q in quotas):  # more slots than experts: wrong on any GPU
+                raise ConfigError(f"cache.slots_per_layer={max(quotas)} outside [0, {model.num_experts}] "
+                                  f"({model.name} has {model.num_experts} experts per layer)", source=spec.source,
+                                  field="cache.slots_per_layer", fix=f"use 0..{model.num_experts}")
         for member in members(point.system):
             _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None)
 

@@ -169,18 +169,29 @@ def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files
                      "tpot_ms_mean"].item() == alone["tpot_ms_mean"]
 
 
+@pytest.mark.parametrize("value, words", [(-1, "is negative"), (9, "outside [0, 6]")])
+def test_slots_wrong_for_every_gpu_fail_the_spec_before_any_point(files, capsys, value, words):
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, value]})
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and words in err and "cache.slots_per_layer" in err
+    assert not (files / "r.parquet").exists() and not (files / "r.parquet.parts").exists()
+
+
 def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
-    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 9, 2]})
+    # 6 slots per layer do not fit beside a 0.471 GiB workspace on this 0.5 GiB GPU: that point alone fails
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 6, 2]},
+                      set={"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715})
     with pytest.raises(SystemExit) as exit_:
         main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "2"])
     assert exit_.value.code == 1
     out, err = capsys.readouterr()
     assert "3 points: 3 run, 0 already" in out and "1 failed" in out
-    assert "cache.slots_per_layer=9 outside [0, 6]" in err
+    assert "does not fit" in err
     frame = pd.read_parquet(files / "r.parquet")
     assert sorted(frame["status"]) == ["error", "ok", "ok"]
     failed = frame[frame["status"] == "error"].iloc[0]
-    assert failed["cache.slots_per_layer"] == 9 and np.isnan(failed["tpot_ms_mean"])
+    assert failed["cache.slots_per_layer"] == 6 and np.isnan(failed["tpot_ms_mean"])
     assert not (files / "r.parquet.parts").exists()  # complete: parts merged and removed
 
 

@@ -35,6 +35,13 @@ class CacheRequest:
         if self.slots is not None and self.slots_per_layer is not None:
             raise ConfigError("both cache.slots and cache.slots_per_layer given", field="cache.slots",
                               fix="give one: cache.slots is the total, cache.slots_per_layer the quota per layer")
+        # negative counts are wrong for every model: refused here, before a sweep runs any point
+        if self.slots is not None and self.slots < 0:
+            raise ConfigError(f"cache.slots={self.slots} is negative", field="cache.slots", fix="use 0 or more")
+        negative = [q for q in self.slots_per_layer or [] if q < 0]
+        if negative:
+            raise ConfigError(f"cache.slots_per_layer={negative[0]} is negative", field="cache.slots_per_layer",
+                              fix="use 0 or more per layer")
 
 
 @dataclass(frozen=True)
@@ -139,8 +146,6 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
 
 def _check_request(request: CacheRequest, layers: int, experts: int) -> list[int] | None:
     """The explicit per-layer quotas, validated (None when the user gave none)."""
-    if request.slots is not None and request.slots < 0:
-        raise ConfigError(f"cache.slots={request.slots} is negative", field="cache.slots", fix="use 0 or more")
     quotas = request.slots_per_layer
     if quotas is None:
         return None
