@@ -39,6 +39,11 @@ def files(tmp_path):
     return tmp_path
 
 
+#: a 0.5 GiB GPU whose workspace leaves room for about six of the tiny model's experts: 6 slots per layer
+#: (12 experts) do not fit, 1 or 2 do; the way a point fails on its own while the spec is valid
+TIGHT_GPU = {"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715}
+
+
 def write_spec(folder: Path, **spec) -> Path:
     path = folder / "spec.yaml"
     path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
@@ -179,9 +184,7 @@ def test_slots_wrong_for_every_gpu_fail_the_spec_before_any_point(files, capsys,
 
 
 def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
-    # 6 slots per layer do not fit beside a 0.471 GiB workspace on this 0.5 GiB GPU: that point alone fails
-    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 6, 2]},
-                      set={"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715})
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 6, 2]}, set=TIGHT_GPU)
     with pytest.raises(SystemExit) as exit_:
         main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "2"])
     assert exit_.value.code == 1
@@ -197,7 +200,8 @@ def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
 
 def test_rerun_skips_finished_points_and_retries_failed_ones(files):
     out = files / "r.parquet"
-    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 9]}))
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 6]},
+                                set=TIGHT_GPU))
     first, summary = run_sweep(spec, out, workers=1)
     assert (summary.ran, summary.failed) == (3, 1)
     again, summary = run_sweep(spec, out, workers=1)
@@ -205,11 +209,12 @@ def test_rerun_skips_finished_points_and_retries_failed_ones(files):
     ok = first["status"] == "ok"
     assert again.loc[ok, "finished_at"].tolist() == first.loc[ok, "finished_at"].tolist()
     # a grown grid runs only its new points; rows of the old ones stay in the file
-    grown = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [2, 4]}))
+    grown = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [2, 3]},
+                                 set=TIGHT_GPU))
     frame, summary = run_sweep(grown, out, workers=1)
     assert (summary.ran, summary.skipped) == (1, 1)
-    assert frame["cache.slots_per_layer"].tolist() == [2, 4]
-    assert sorted(pd.read_parquet(out)["cache.slots_per_layer"]) == [1, 2, 4, 9]
+    assert frame["cache.slots_per_layer"].tolist() == [2, 3]
+    assert sorted(pd.read_parquet(out)["cache.slots_per_layer"]) == [1, 2, 3, 6]
 
 
 def test_parts_survive_an_interrupted_run(files):
@@ -426,11 +431,11 @@ def test_address_needs_the_ray_engine(files, capsys):
 def test_ray_engine_gives_the_local_results(files):
     pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
     spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
-                                grid={"cache.slots_per_layer": [1, 2, 9]}))
+                                grid={"cache.slots_per_layer": [1, 2, 6]}, set=TIGHT_GPU))
     local, _ = run_sweep(spec, files / "local.parquet", workers=2)
     ray_frame, summary = run_sweep(spec, files / "ray.parquet", workers=2, engine="ray")
     assert summary.ran == 9
     compared = [c for c in local.columns if c not in WALL_CLOCK_COLUMNS]
     pd.testing.assert_frame_equal(local[compared], ray_frame[compared])
-    assert (local["status"] == "error").sum() == 2  # 9 slots do not exist for 6 experts (cpu-only ignores it)
+    assert (local["status"] == "error").sum() == 2  # 6 slots per layer do not fit (cpu-only caches nothing)
     assert ray_frame["worker"].nunique() >= 1
