@@ -14,7 +14,8 @@ from moesim.hw.cost import CostModel
 from moesim.model.presets import load_preset
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, TopScorePrefetch,
-                                              ranked_predictions, token_thresholds, two_pointer)
+                                              token_thresholds, two_pointer)
+from moesim.policy.prefetch import ranked_predictions
 from moesim.policy.state import CacheState
 from moesim.sim.engine import result_to_frames
 from moesim.sim.run import simulate

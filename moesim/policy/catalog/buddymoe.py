@@ -60,8 +60,7 @@ import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
-from moesim.policy.catalog.importance import ranked_predictions
-from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 
 

@@ -46,8 +46,7 @@ from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.catalog.smoe import ranked_predictions
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.cache import LRUCache
-from moesim.policy.catalog.importance import ranked_predictions
-from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import SystemSpec, register_component, register_system
 
 #: 2312.17238 Sec. 3.3 (HQQ experts); int4 is the narrowest expert dtype moesim models

@@ -48,7 +48,7 @@ from moesim.hw.cost import roofline_s
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 EVICTION_MODES = ("fixed", "adaptive")
@@ -154,17 +154,6 @@ class SMoEAssign(Assignment):
 
 
 # ----------------------------------------------------------------------------- prefetch
-def ranked_predictions(rows: list[np.ndarray]) -> list[int]:
-    """Experts predicted for a layer, by how many tokens predict them, then best rank, then id."""
-    votes: dict[int, list[int]] = {}
-    for row in rows:
-        for rank, expert in enumerate(row.tolist()):
-            entry = votes.setdefault(int(expert), [0, rank])
-            entry[0] += 1
-            entry[1] = min(entry[1], rank)
-    return sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
-
-
 def token_predictor_accuracy(path: str, num_layers: int, top_k: int) -> np.ndarray:
     """Per layer: mean fraction of a decode token's next-token experts that ``pred_next_token`` names.
 
