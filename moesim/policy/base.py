@@ -101,6 +101,17 @@ def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], li
     return order.tolist(), counts[order].tolist()
 
 
+def highest(scores: np.ndarray, p: int) -> np.ndarray:
+    """Ids of the ``p`` highest scores, highest first, ids ascending among ties (a stable sort's first p);
+    only the scores at least the p-th highest are sorted."""
+    if p <= 0:
+        return np.zeros(0, dtype=np.intp)
+    if p >= len(scores):
+        return np.argsort(-scores, kind="stable")
+    near = np.flatnonzero(scores >= np.partition(scores, len(scores) - p)[len(scores) - p])
+    return near[np.argsort(-scores[near], kind="stable")][:p]
+
+
 @dataclass(slots=True)
 class LayerPlan:
     """What the executor does for one layer, in order: evict, load, compute, prefetch."""

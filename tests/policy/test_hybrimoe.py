@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
-from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.base import LayerView, RunContext, active_experts, highest
 from moesim.policy.catalog.hybrimoe import LayerWisePrefetch, ScoreAwareCache, hybrid_schedule
 from moesim.policy.state import CacheState
 from moesim.sim.run import simulate
@@ -217,3 +219,11 @@ def test_waiting_for_prefetches_shows_as_wait_cache(tmp_path):
     # waiting for every prefetch, used or not, holds the whole layer back
     assert waiting["tpot_ms_mean"] > free["tpot_ms_mean"]
     assert waiting["breakdown_ms"]["wait_cache"] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), min_size=1, max_size=30), st.integers(0, 35))
+def test_top_p_is_a_stable_sorts_first_p(scores, p):
+    """TopP: the p highest scores, highest first, ids ascending among ties (ties are common here)."""
+    scores = np.array(scores)
+    assert highest(scores, p).tolist() == np.argsort(-scores, kind="stable")[:p].tolist()
