@@ -103,9 +103,9 @@ class ScoreAwareCache(CachePolicy):
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
+        row = self._priority[layer]
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        priority = dict(zip(candidates, self._priority[layer, candidates].tolist()))
-        candidates.sort(key=lambda e: (priority[e], e))
+        candidates.sort(key=lambda e: (row[e], e))
         return candidates[:n]
 
 
