@@ -59,7 +59,7 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext, highest
+from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy, SlotSpread
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import LastTokenPredictor, NoPrefetch, Prefetch
@@ -357,7 +357,7 @@ class WorkloadAwareCache(CachePolicy):
         mask[list(cached)] = False
         uncached = np.flatnonzero(mask)
         # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
-        incoming = uncached[highest(s[uncached], self.u_size)].tolist()
+        incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
         score = s.tolist()
         outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score[e], e))
         swaps_in, swaps_out = [], []
