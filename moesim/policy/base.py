@@ -51,6 +51,8 @@ class LayerView:
     shared_launch_s: float = 0.0
     #: request id of every token row
     requests: np.ndarray | None = None
+    #: the last :meth:`substituted` call's rewrites and result (the system and the executor both ask)
+    _rewritten: tuple[list, "LayerView"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
@@ -67,6 +69,8 @@ class LayerView:
         """This view with the routing rewritten: (token row, top-k slot, new expert) each."""
         if not substitutions:
             return self
+        if self._rewritten is not None and self._rewritten[0] == substitutions:
+            return self._rewritten[1]
         experts = self.experts.copy()
         for row, slot, expert in substitutions:
             experts[row, slot] = expert
@@ -74,13 +78,15 @@ class LayerView:
         # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
         values = {name: getattr(self, name) for name in _VIEW_FIELDS}
         values.update(experts=experts, active=active, counts=counts)
-        return LayerView(**values)
+        view = LayerView(**values)
+        self._rewritten = (list(substitutions), view)
+        return view
 
     def cache_experts(self) -> int:
         return self.costs.model.num_experts
 
 
-_VIEW_FIELDS = tuple(f.name for f in dataclasses.fields(LayerView))
+_VIEW_FIELDS = tuple(f.name for f in dataclasses.fields(LayerView) if f.name != "_rewritten")
 
 
 def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:
@@ -93,6 +99,17 @@ def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], li
     ids = np.flatnonzero(counts)
     order = ids[np.argsort(-counts[ids], kind="stable")]
     return order.tolist(), counts[order].tolist()
+
+
+def highest(scores: np.ndarray, p: int) -> np.ndarray:
+    """Ids of the ``p`` highest scores, highest first, ids ascending among ties (a stable sort's first p);
+    only the scores at least the p-th highest are sorted."""
+    if p <= 0:
+        return np.zeros(0, dtype=np.intp)
+    if p >= len(scores):
+        return np.argsort(-scores, kind="stable")
+    near = np.flatnonzero(scores >= np.partition(scores, len(scores) - p)[len(scores) - p])
+    return near[np.argsort(-scores[near], kind="stable")][:p]
 
 
 @dataclass(slots=True)

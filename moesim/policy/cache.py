@@ -236,8 +236,8 @@ def make_room(cache: CachePolicy, view: LayerView, layer: int, incoming: list[in
     pool_room = state.pool - state.held() + len(pairs)
     fits = min(own_room + len(pairs), wanted)
     if fits > pool_room:
-        taken = {(layer, e) for e in keep} | set(pairs) | \
-            {(l, e) for l, flight in enumerate(state.in_flight) for e in flight}
+        # loads in flight elsewhere need no protecting: victims are resident, and they are not yet
+        taken = {(layer, e) for e in keep} | set(pairs)
         pairs += cache.pool_victims(view, fits - pool_room, taken, layer)
         fits = min(fits, state.pool - state.held() + len(pairs))
     return max(fits, 0), pairs

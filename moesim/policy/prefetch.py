@@ -10,6 +10,38 @@ from moesim.policy.base import Component, LayerView, RunContext
 from moesim.policy.future import FutureRouting
 
 
+def ranked_predictions(predicted: list[np.ndarray]) -> list[int]:
+    """Experts predicted by any token, most tokens first, then best position in a token's list, then id."""
+    rows = [np.asarray(row) for row in predicted]
+    if len(rows) == 1:
+        row = rows[0].tolist()
+        if len(set(row)) == len(row):  # one token, no repeats: one vote each, positions in list order
+            return row
+    if len(rows) > 16:
+        return _ranked_at_once(rows)
+    votes: dict[int, list[int]] = {}
+    for row in rows:
+        for position, e in enumerate(row.tolist()):
+            entry = votes.setdefault(int(e), [0, position])
+            entry[0] += 1
+            entry[1] = min(entry[1], position)
+    return sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
+
+
+def _ranked_at_once(rows: list[np.ndarray]) -> list[int]:
+    """:func:`ranked_predictions` of many tokens with array operations (a prefill's thousands)."""
+    flat = np.concatenate(rows).astype(np.int64)
+    if not flat.size:
+        return []
+    lengths = np.array([len(row) for row in rows])
+    positions = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # place in its row
+    votes = np.bincount(flat)
+    best = np.full(votes.size, np.iinfo(np.int64).max)
+    np.minimum.at(best, flat, positions)
+    ids = np.flatnonzero(votes)
+    return ids[np.lexsort((ids, best[ids], -votes[ids]))].tolist()
+
+
 class Prefetch(Component):
     role = "prefetch"
 

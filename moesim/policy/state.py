@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from moesim.errors import ConfigError
 
 
@@ -54,9 +56,128 @@ def describe_quotas(capacity: list[int], pool: int | None = None) -> str:
     return f"{total} slots: {', '.join(parts)}"
 
 
+class PoolMirror:
+    """Whole-model figures of a pooled cache, kept by its :class:`CountedSlots`: the slots all layers hold
+    together, and a layers x experts mask of the resident experts (widened when a larger id arrives)."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        self.held = 0
+        self.resident_mask = np.zeros((layers, max(width, 1)), dtype=bool)
+        self.sets: list[CountedSlots] = []
+
+    def widen(self, width: int) -> None:
+        mask = np.zeros((self.resident_mask.shape[0], width), dtype=bool)
+        mask[:, :self.resident_mask.shape[1]] = self.resident_mask
+        self.resident_mask = mask
+        for slots in self.sets:
+            if slots.row is not None:
+                slots.row = mask[slots.layer]
+
+
+class CountedSlots(set):
+    """One layer's resident or in-flight experts in a pooled cache, mirrored in its :class:`PoolMirror`.
+
+    With a model-wide pool, a plan asks how many slots all layers hold together
+    (:meth:`CacheState.held`) several times per layer, and pool-wide eviction looks at every resident
+    expert of every layer; the mirror answers both at once instead of walking every layer's set. Every
+    mutating set method keeps it exact, so executors may change the sets directly (the simulator's
+    per-transfer bookkeeping adds and discards in place).
+    """
+
+    __slots__ = ("mirror", "layer", "row")
+
+    def __init__(self, experts, mirror: PoolMirror, layer: int, resident: bool) -> None:
+        super().__init__()
+        self.mirror, self.layer = mirror, layer
+        self.row = mirror.resident_mask[layer] if resident else None
+        mirror.sets.append(self)
+        self.update(experts)
+
+    def __reduce__(self):
+        return set, (list(self),)  # a copy is a plain set: the mirror belongs to the live cache
+
+    def _mark(self, expert: int, value: bool) -> None:
+        try:
+            self.row[expert] = value
+        except IndexError:
+            self.mirror.widen(expert + 1)
+            self.row[expert] = value
+
+    def add(self, expert: int) -> None:
+        if expert not in self:
+            set.add(self, expert)
+            self.mirror.held += 1
+            if self.row is not None:
+                self._mark(expert, True)
+
+    def discard(self, expert: int) -> None:
+        if expert in self:
+            set.discard(self, expert)
+            self.mirror.held -= 1
+            if self.row is not None:
+                self.row[expert] = False
+
+    def remove(self, expert: int) -> None:
+        if expert not in self:
+            raise KeyError(expert)
+        self.discard(expert)
+
+    def pop(self) -> int:
+        if not self:
+            raise KeyError("pop from an empty set")
+        expert = next(iter(self))
+        self.discard(expert)
+        return expert
+
+    def __repr__(self) -> str:
+        return repr(set(self))
+
+    def _rebuilt(self, change, *others) -> "CountedSlots":
+        before = len(self)
+        change(self, *others)
+        self.mirror.held += len(self) - before
+        if self.row is not None:
+            self.row[:] = False
+            for expert in self:
+                self._mark(expert, True)
+        return self
+
+    def clear(self) -> None:
+        self._rebuilt(set.clear)
+
+    def update(self, *others) -> None:
+        self._rebuilt(set.update, *others)
+
+    def difference_update(self, *others) -> None:
+        self._rebuilt(set.difference_update, *others)
+
+    def intersection_update(self, *others) -> None:
+        self._rebuilt(set.intersection_update, *others)
+
+    def symmetric_difference_update(self, other) -> None:
+        self._rebuilt(set.symmetric_difference_update, other)
+
+    def __ior__(self, other):
+        return self._rebuilt(set.__ior__, other)
+
+    def __isub__(self, other):
+        return self._rebuilt(set.__isub__, other)
+
+    def __iand__(self, other):
+        return self._rebuilt(set.__iand__, other)
+
+    def __ixor__(self, other):
+        return self._rebuilt(set.__ixor__, other)
+
+
 @dataclass
 class CacheState:
-    """Resident and in-flight experts per layer, within per-layer quotas and an optional model-wide pool."""
+    """Resident and in-flight experts per layer, within per-layer quotas and an optional model-wide pool.
+
+    With a pool the per-layer sets are :class:`CountedSlots` mirrored in one :class:`PoolMirror`
+    (``mirror``: slots held, resident mask); per-layer quotas never need whole-model figures and keep
+    plain sets.
+    """
 
     #: most experts (resident + in flight) each layer may hold
     capacity: list[int]
@@ -64,12 +185,17 @@ class CacheState:
     in_flight: list[set[int]] = field(default_factory=list)
     #: most experts all layers together may hold (None: only the per-layer quotas bind)
     pool: int | None = None
+    mirror: PoolMirror | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.resident:
             self.resident = [set() for _ in self.capacity]
         if not self.in_flight:
             self.in_flight = [set() for _ in self.capacity]
+        if self.pool is not None:
+            self.mirror = mirror = PoolMirror(len(self.capacity), max(self.capacity, default=1))
+            self.resident = [CountedSlots(s, mirror, layer, True) for layer, s in enumerate(self.resident)]
+            self.in_flight = [CountedSlots(s, mirror, layer, False) for layer, s in enumerate(self.in_flight)]
 
     @property
     def num_layers(self) -> int:
@@ -87,6 +213,8 @@ class CacheState:
 
     def held(self) -> int:
         """Slots taken over all layers."""
+        if self.mirror is not None:
+            return self.mirror.held
         return sum(map(len, self.resident)) + sum(map(len, self.in_flight))
 
     def free(self, layer: int) -> int:
@@ -108,7 +236,8 @@ class CacheState:
             raise ConfigError(f"initial resident set of layer {layer} has {len(experts)} experts but only "
                               f"{self.free(layer) + self.used(layer)} slots are left for it",
                               field="cache.slots_per_layer")
-        self.resident[layer] = set(experts)
+        self.resident[layer].clear()
+        self.resident[layer].update(experts)
 
     def evict(self, layer: int, expert: int) -> None:
         if expert not in self.resident[layer]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.buddymoe import BuddySubstitution, buddy_lists, coactivation, substitute_buddies, tae
+from moesim.policy.catalog.buddymoe import (BuddySubstitution, buddy_lists, coactivation, substitute_buddies,
+                                          substitute_buddies_at_once, tae)
 from moesim.policy.state import CacheState
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
@@ -183,3 +186,85 @@ def test_default_prefetcher_leaves_misses_for_substitution(ds_like):
                              {**base, "prefetch.size": "0", "prefetch.prefill": "true"}))
     assert default["prefetches"] < flood["prefetches"]
     assert default["substituted_experts"] > flood["substituted_experts"]
+
+
+def _reference_coactivation(experts, num_experts, probabilities=None):
+    """Eq. 4's counts one slot pair at a time, as the paper describes them."""
+    m = np.zeros((num_experts, num_experts))
+    p = None if probabilities is None else probabilities / probabilities.sum(axis=1, keepdims=True)
+    for a in range(experts.shape[1]):
+        for b in range(experts.shape[1]):
+            if a != b:
+                np.add.at(m, (experts[:, a], experts[:, b]), 1.0 if p is None else np.minimum(p[:, a], p[:, b]))
+    return m
+
+
+def _reference_buddy_lists(m, alpha, k_max, epsilon):
+    """Eq. 4-6 expert by expert: q sorted descending (ids ascending among ties), shortest prefix reaching alpha."""
+    smoothed = m + epsilon
+    np.fill_diagonal(smoothed, 0.0)
+    q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
+    out = []
+    for i in range(m.shape[0]):
+        if m[i].sum() <= 0:
+            out.append([])
+            continue
+        order = [e for e in sorted(range(m.shape[0]), key=lambda e: (-q[i, e], e)) if e != i]
+        covered = np.cumsum(q[i, order])
+        size = int(np.searchsorted(covered, alpha - 1e-12) + 1)
+        out.append(order[:max(1, min(size, k_max))])
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 4), st.integers(0, 40), st.booleans(), st.data())
+def test_calibration_matches_the_equations_expert_by_expert(experts, k, tokens, weighted, data):
+    """Co-activation counts and buddy lists computed for a whole layer at once are the per-expert equations'
+    numbers exactly (weighted sums included: the same terms in the same order)."""
+    k = min(k, experts)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    routed = np.array([rng.choice(experts, size=k, replace=False) for _ in range(tokens)]).reshape(tokens, k).astype(np.int64)
+    probabilities = rng.random((tokens, k)) + 0.01 if weighted else None
+    m = coactivation(routed, experts, probabilities)
+    assert np.array_equal(m, _reference_coactivation(routed, experts, probabilities))
+    alpha = data.draw(st.sampled_from([0.3, 0.6, 0.95, 1.0]))
+    k_max = data.draw(st.integers(1, 6))
+    epsilon = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
+    assert buddy_lists(m, alpha, k_max, epsilon) == _reference_buddy_lists(m, alpha, k_max, epsilon)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_alg1_for_many_tokens_at_once_picks_what_token_by_token_does(data):
+    """The prefill's all-tokens-at-once Alg. 1 makes exactly the per-token loop's replacements."""
+    experts, k = data.draw(st.integers(3, 10)), data.draw(st.integers(1, 4))
+    k = min(k, experts)
+    rows = data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k, unique=True),
+                              max_size=30))
+    routed = np.array(rows, dtype=np.int16).reshape(len(rows), k)
+    resident = data.draw(st.sets(st.integers(0, experts - 1)))
+    on_gpu = resident | data.draw(st.sets(st.integers(0, experts - 1), max_size=2))
+    buddies = [data.draw(st.lists(st.integers(0, experts - 1).filter(lambda b, e=e: b != e), unique=True,
+                                  max_size=5)) for e in range(experts)]
+    limit = data.draw(st.integers(1, 6))
+    allowed = np.array(data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows))), dtype=bool) \
+        if data.draw(st.booleans()) else None
+    rho = data.draw(st.integers(0, 3))
+    expected = substitute_buddies(routed, on_gpu, resident, buddies, limit, allowed, rho)
+    assert substitute_buddies_at_once(routed, on_gpu, resident, buddies, limit, allowed, rho) == expected
+
+
+@pytest.mark.parametrize("rho", [0, 1, 2])
+def test_alg1_at_once_on_a_prefill_sized_batch(rho):
+    """Hundreds of tokens, budgets that bind: the same replacements as the per-token loop."""
+    rng = np.random.default_rng(rho)
+    experts, k = 16, 4
+    routed = np.array([rng.choice(experts, size=k, replace=False) for _ in range(500)])
+    resident = set(rng.choice(experts, size=6, replace=False).tolist())
+    buddies = [[int(b) for b in rng.permutation(experts) if b != e][:5] for e in range(experts)]
+    allowed = rng.random(500) < 0.8
+    expected = substitute_buddies(routed, resident, resident, buddies, 4, allowed, rho)
+    assert len({t for t, _, _ in expected}) > 100  # many tokens substitute, some several times
+    if rho:
+        assert max(np.bincount([t for t, _, _ in expected])) == rho
+    assert substitute_buddies_at_once(routed, resident, resident, buddies, 4, allowed, rho) == expected

@@ -7,6 +7,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
@@ -207,3 +209,17 @@ def test_optimal_decision_time_is_55_percent_by_default(mixtral_like):
 def test_solve_share_outside_0_1_is_refused(mixtral_like):
     with pytest.raises(ConfigError, match="assign.solve_share"):
         simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", {**SETTINGS, "assign.solve_share": "1.5"})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=4), min_size=1, max_size=3), st.integers(1, 5))
+def test_residual_prefetch_ranks_by_workload_then_id(rows, size):
+    """Most predicted workload first, ids ascending among equals; one token or several, repeats or not."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prefetch = ResidualPrefetch(size=size)
+    prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8, 8],
+                                  columns=("pred_residual",)))
+    workload = np.bincount([e for row in rows for e in row], minlength=8)
+    expected = sorted(np.flatnonzero(workload).tolist(), key=lambda e: (-workload[e], e))[:size]
+    view = _view([[0, 1]] * len(rows), {"pred_residual": [np.array(row) for row in rows]})
+    assert prefetch.candidates(view) == [(1, e) for e in expected]

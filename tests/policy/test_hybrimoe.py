@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
-from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.base import LayerView, RunContext, active_experts, highest
 from moesim.policy.catalog.hybrimoe import LayerWisePrefetch, ScoreAwareCache, hybrid_schedule
 from moesim.policy.state import CacheState
 from moesim.sim.run import simulate
@@ -108,6 +110,8 @@ def test_prefill_schedules_over_cached_experts_only():
     assert set(gpu) <= {0, 1} and {2, 4} <= set(cpu)
     from moesim.policy.catalog.hybrimoe import HybridScheduling
     assert HybridScheduling().split(barred) == (gpu, cpu)
+    gpu, cpu = HybridScheduling().split(prefill)  # the first layout's prefill: heavy uncached e2 on the CPU
+    assert set(gpu) <= {0, 1, 5} and 2 in cpu
     assert HybridScheduling(prefill_loads=True).split(barred) == hybrid_schedule(allowed)
 
 
@@ -235,3 +239,11 @@ def test_scheduling_time_is_charged_as_003_table_6_reports_it(tmp_path):
     assert (fixed["makespan_s"] - free["makespan_s"]) * 1e3 == pytest.approx(plans * 0.1, rel=1e-9)
     share = metrics(simulate(str(trace), profile, "hybrimoe", common))
     assert share["breakdown_ms"]["predict"] / (share["makespan_s"] * 1e3) == pytest.approx(0.0301, rel=0.15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.9]), min_size=1, max_size=30), st.integers(0, 35))
+def test_top_p_is_a_stable_sorts_first_p(scores, p):
+    """TopP: the p highest scores, highest first, ids ascending among ties (ties are common here)."""
+    scores = np.array(scores)
+    assert highest(scores, p).tolist() == np.argsort(-scores, kind="stable")[:p].tolist()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
@@ -13,6 +15,7 @@ from moesim.model.presets import load_preset
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, TopScorePrefetch,
                                               token_thresholds, two_pointer)
+from moesim.policy.prefetch import ranked_predictions
 from moesim.policy.state import CacheState
 from moesim.sim.engine import result_to_frames
 from moesim.sim.run import simulate
@@ -208,3 +211,17 @@ def test_a_queued_prefetch_the_layer_uses_is_kept_as_its_load(tmp_path):
     # expert 5 runs once its weights are there (3 is resident and goes first)
     assert gpu.loc[5, "start_s"] * 1e6 == pytest.approx(2070)
     assert gpu.loc[3, "end_s"] * 1e6 < 2070 and 6 not in copies.index
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), max_size=6), min_size=0, max_size=40))
+def test_ranked_predictions_order_by_votes_then_position_then_id(rows):
+    """Most tokens first, then the best place in a token's list, then the lower id: one token or thousands."""
+    votes: dict[int, list[int]] = {}
+    for row in rows:
+        for position, e in enumerate(row):
+            entry = votes.setdefault(e, [0, position])
+            entry[0] += 1
+            entry[1] = min(entry[1], position)
+    expected = sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
+    assert ranked_predictions([np.array(row, dtype=np.int16) for row in rows]) == expected

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
-from moesim.policy.catalog.moe_infinity import ActivationTracker, request_eams
+from moesim.policy.base import LayerView, RunContext
+from moesim.policy.catalog.moe_infinity import ActivationTracker, RequestLFUCache, request_eams
+from moesim.policy.state import CacheState
 from moesim.sim.run import prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
@@ -132,3 +136,42 @@ def test_a_calibration_trace_of_another_shape_is_one_clear_error(sequential_requ
     assert err.value.field == "prefetch.calibration"
     with pytest.raises(ConfigError, match="cannot read calibration trace") as err:
         simulate(sequential_requests, tiny_profile(), "moe-infinity", {"prefetch.calibration": str(tmp_path / "no")})
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_pool_victims_are_the_least_by_the_documented_order(data):
+    """Pool eviction takes, over every layer's resident unprotected experts, the least (current priority,
+    run priority, later layer first, lower id): checked against a plain sort of every candidate."""
+    layers, experts = 4, 6
+    tracker = ActivationTracker(layers, experts, eamc_size=0, last_step={0: 10, 1: 10})
+    tracker.total = np.zeros((layers, experts))
+    cache = RequestLFUCache()
+    cache.configure(RunContext(model=tiny_model(layers=layers, experts=experts, top_k=2), costs=None,
+                               capacity=[experts] * layers, pool=layers * experts))
+    cache.tracker = tracker
+    state = CacheState([experts] * layers, pool=layers * experts)
+    for layer in range(layers):
+        state.preload(layer, sorted(data.draw(st.sets(st.integers(0, experts - 1)))))
+    # a few layers' routing observed, two requests sharing the batch; counts small so priorities tie often
+    for step in range(data.draw(st.integers(0, 2))):
+        for layer in range(layers):
+            routed = np.array(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=2, max_size=2,
+                                                          unique=True), min_size=1, max_size=3)))
+            requests = np.array(data.draw(st.lists(st.integers(0, 1), min_size=len(routed),
+                                                   max_size=len(routed))))
+            tracker.observe(LayerView(step, layer, "decode", routed, [], [], state, None, requests=requests))
+    view = LayerView(5, data.draw(st.integers(0, layers - 1)), "decode", np.array([[0, 1]]), [0, 1], [1, 1],
+                     state, None, requests=np.array([0]))
+    protected = data.draw(st.sets(st.tuples(st.integers(0, layers - 1), st.integers(0, experts - 1))))
+    n = data.draw(st.integers(1, layers * experts))
+    current, total = cache._priorities(view)
+    batch = tracker.batch_eam(view)
+    for layer in range(layers):  # the priorities are the module docstring's, row by row
+        row, runs = batch[layer], tracker.total[layer]
+        weight = 1 - layer / layers
+        assert np.array_equal(current[layer], row / row.sum() * weight if row.sum() else row)
+        assert np.array_equal(total[layer], runs / runs.sum() * weight if runs.sum() else runs)
+    candidates = [(l, e) for l in range(layers) for e in state.resident[l] if (l, e) not in protected]
+    expected = sorted(candidates, key=lambda c: (current[c], total[c], -c[0], c[1]))[:n]
+    assert cache.pool_victims(view, n, protected, view.layer) == expected

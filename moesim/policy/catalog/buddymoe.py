@@ -53,14 +53,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
-from moesim.policy.catalog.importance import ranked_predictions
-from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 
 
@@ -76,22 +76,33 @@ def tae(top_k_probabilities: np.ndarray) -> np.ndarray:
     k = p.shape[-1]
     if k < 2:
         return np.zeros(p.shape[:-1])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(p > 0, p * np.log(p), 0.0)
-    return -terms.sum(axis=-1) / np.log(k)
+    positive = p > 0
+    if positive.all():  # the usual case: no 0 log 0 to define
+        terms = p * np.log(p)
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(positive, p * np.log(p), 0.0)
+    return -terms.sum(axis=-1) / _log(k)
+
+
+@lru_cache(maxsize=None)
+def _log(k: int) -> np.floating:
+    return np.log(k)
 
 
 def coactivation(experts: np.ndarray, num_experts: int, probabilities: np.ndarray | None = None) -> np.ndarray:
     """M(i, j): tokens routing to both i and j (weighted by min(p_i, p_j) when probabilities are given)."""
-    m = np.zeros((num_experts, num_experts))
     k = experts.shape[1]
     p = renormalized(probabilities) if probabilities is not None else None
-    for a in range(k):
-        for b in range(k):
-            if a != b:
-                w = 1.0 if p is None else np.minimum(p[:, a], p[:, b])
-                np.add.at(m, (experts[:, a], experts[:, b]), w)
-    return m
+    pairs = [(a, b) for a in range(k) for b in range(k) if a != b]
+    if not pairs or not len(experts):
+        return np.zeros((num_experts, num_experts))
+    # every (token, a, b) cell at once, in the order slot pair by slot pair, token by token: a weighted
+    # count adds the same terms in the same order as one pass per slot pair would
+    cells = np.concatenate([experts[:, a] * num_experts + experts[:, b] for a, b in pairs])
+    w = None if p is None else np.concatenate([np.minimum(p[:, a], p[:, b]) for a, b in pairs])
+    return np.bincount(cells, weights=w, minlength=num_experts * num_experts).astype(np.float64) \
+        .reshape(num_experts, num_experts)
 
 
 def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list[list[int]]:
@@ -101,19 +112,13 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
     smoothed = m + epsilon
     np.fill_diagonal(smoothed, 0.0)
     q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
-    # per row, by q descending and then by id (a stable sort keeps ids ascending among ties)
+    # per row, by q descending and then by id (a stable sort keeps ids ascending among ties), itself left out
     orders = np.argsort(-q, axis=1, kind="stable")
-    out = []
-    for i in range(n):
-        if not active[i]:
-            out.append([])
-            continue
-        order = orders[i]
-        order = order[order != i]
-        covered = np.cumsum(q[i, order])
-        size = int(np.searchsorted(covered, alpha - 1e-12) + 1)  # minimal prefix reaching alpha
-        out.append([int(e) for e in order[:max(1, min(size, k_max))]])
-    return out
+    peers = orders[orders != np.arange(n)[:, None]].reshape(n, n - 1)
+    covered = np.cumsum(np.take_along_axis(q, peers, axis=1), axis=1)  # non-decreasing along each row
+    sizes = (covered < alpha - 1e-12).sum(axis=1) + 1  # minimal prefix reaching alpha
+    sizes = np.maximum(1, np.minimum(sizes, k_max)).tolist()
+    return [peers[i, :sizes[i]].tolist() if active[i] else [] for i in range(n)]
 
 
 def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int], buddies: list[list[int]],
@@ -144,6 +149,57 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                     replaced += 1
                     break
     return out
+
+
+def substitute_buddies_at_once(experts: np.ndarray, on_gpu: set[int], resident: set[int],
+                               buddies: list[list[int]], search_limit: int, allowed: np.ndarray | None = None,
+                               rho: int = 0) -> list[tuple[int, int, int]]:
+    """:func:`substitute_buddies` for many tokens (a prefill's thousands): the same picks, found slot by slot
+    for every token at once. Slot s of token t is replaced when its expert is off the GPU, t's gate is open
+    and its budget not spent; by the first usable buddy that is neither one of t's experts nor already
+    picked for an earlier slot of t."""
+    experts = np.asarray(experts, dtype=np.int64)
+    tokens, k = experts.shape
+    if not tokens:
+        return []
+    ids = np.unique(experts)
+    off_gpu = np.array([e not in on_gpu for e in ids.tolist()])
+    usable = [[b for b in buddies[e][:search_limit] if b in resident] if off else []
+              for e, off in zip(ids.tolist(), off_gpu.tolist())]
+    width = max(map(len, usable), default=0)
+    if width == 0:
+        return []
+    # per routed expert id, its usable buddies in order, padded with -1
+    table = np.full((int(ids[-1]) + 1, width), -1, dtype=np.int64)
+    for e, row in zip(ids.tolist(), usable):
+        table[e, :len(row)] = row
+    missing = np.zeros(int(ids[-1]) + 1, dtype=bool)
+    missing[ids] = off_gpu
+    open_gate = np.ones(tokens, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool)
+    width_ids = max(int(ids[-1]), int(table.max())) + 1
+    used = np.zeros((tokens, width_ids), dtype=bool)  # U_t: the token's experts, then its picks
+    used[np.arange(tokens)[:, None], experts] = True
+    replaced = np.zeros(tokens, dtype=np.int64)
+    picks = []
+    for slot in range(k):
+        wants = open_gate & missing[experts[:, slot]]
+        if rho:
+            wants &= replaced < rho
+        rows = np.flatnonzero(wants)
+        if not rows.size:
+            continue
+        candidates = table[experts[rows, slot]]  # (rows, width)
+        free = (candidates >= 0) & ~used[rows[:, None], candidates]
+        found = free.any(axis=1)
+        rows, chosen = rows[found], candidates[found, free[found].argmax(axis=1)]
+        used[rows, chosen] = True
+        replaced[rows] += 1
+        picks.append((rows, np.full(rows.size, slot), chosen))
+    if not picks:
+        return []
+    t, slot, b = (np.concatenate(part) for part in zip(*picks))
+    order = np.lexsort((slot, t))
+    return list(zip(t[order].tolist(), slot[order].tolist(), b[order].tolist()))
 
 
 @register_component
@@ -200,6 +256,9 @@ class BuddySubstitution(Substitution):
             ctx.notes.append("buddy: buddy lists and TAE percentiles calibrated on the replayed trace itself "
                              "(set substitute.calibration=PATH for a held-out calibration trace)")
         self._calibrate(path, ctx)
+        # the gate reads weights when the trace has them, else scores: the replay reads only that one
+        if ctx.columns:
+            self.columns = tuple(c for c in ("weights", "scores") if c in ctx.columns)[:1]
         if self.beta <= 1.0 and ctx.capacity and max(ctx.capacity) < ctx.model.top_k:
             ctx.notes.append(f"buddy: {max(ctx.capacity)} GPU slot(s) per layer for top-{ctx.model.top_k} routing: a "
                              f"decode token's buddy is already its own expert or the gate (delta >= beta = "
@@ -259,8 +318,8 @@ class BuddySubstitution(Substitution):
         if missing == 0 or missing / len(view.active) >= self.beta:
             return []
         limit = self.search_limit or self.k_max
-        return substitute_buddies(view.experts, on_gpu, resident, self._buddies[layer], limit,
-                                  self._allowed(view), self.rho)
+        substitute = substitute_buddies if view.tokens <= 16 else substitute_buddies_at_once
+        return substitute(view.experts, on_gpu, resident, self._buddies[layer], limit, self._allowed(view), self.rho)
 
 
 @register_component

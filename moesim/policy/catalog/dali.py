@@ -72,17 +72,17 @@ def expert_times(view: LayerView) -> tuple[list[int], np.ndarray, np.ndarray]:
     costs, layer = view.costs, view.layer
     resident = view.cache.resident[layer]
     experts = list(view.active)
-    t_gpu, t_cpu = np.empty(len(experts)), np.empty(len(experts))
-    for i, (e, n) in enumerate(zip(experts, view.counts)):
+    t_gpu, t_cpu = [], []
+    for e, n in zip(experts, view.counts):
         if e in resident:
             transfer = 0.0
         elif e in view.arrivals:
             transfer = max(view.arrivals[e] - view.now, 0.0)
         else:
             transfer = costs.expert_load
-        t_gpu[i] = max(transfer, costs.gpu_expert(n) + view.expert_launch_s)
-        t_cpu[i] = costs.cpu_expert(n)
-    return experts, t_gpu, t_cpu
+        t_gpu.append(max(transfer, costs.gpu_expert(n) + view.expert_launch_s))
+        t_cpu.append(costs.cpu_expert(n))
+    return experts, np.array(t_gpu, dtype=np.float64), np.array(t_cpu, dtype=np.float64)
 
 
 def makespan(t_gpu: np.ndarray, t_cpu: np.ndarray, on_gpu: np.ndarray) -> float:
@@ -92,18 +92,19 @@ def makespan(t_gpu: np.ndarray, t_cpu: np.ndarray, on_gpu: np.ndarray) -> float:
 
 def greedy_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
     """Alg. 1 of 003: boolean GPU mask."""
-    order = np.argsort(-np.abs(t_gpu - t_cpu), kind="stable")
-    on_gpu = np.zeros(len(t_gpu), dtype=bool)
+    gpu, cpu = t_gpu.tolist(), t_cpu.tolist()  # the same doubles, without numpy scalars
+    order = sorted(range(len(gpu)), key=lambda i: -abs(gpu[i] - cpu[i]))  # stable: ties keep their order
+    on_gpu = [False] * len(gpu)
     total_gpu = total_cpu = 0.0
     for i in order:
-        if t_gpu[i] == 0 and t_cpu[i] == 0:
+        if gpu[i] == 0 and cpu[i] == 0:
             continue
-        if total_gpu + t_gpu[i] <= total_cpu + t_cpu[i]:
+        if total_gpu + gpu[i] <= total_cpu + cpu[i]:
             on_gpu[i] = True
-            total_gpu += t_gpu[i]
+            total_gpu += gpu[i]
         else:
-            total_cpu += t_cpu[i]
-    return on_gpu
+            total_cpu += cpu[i]
+    return np.array(on_gpu, dtype=bool)
 
 
 def optimal_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
@@ -279,6 +280,10 @@ class ResidualPrefetch(Prefetch):
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_residual")
         if view.layer + 1 >= self._layers or not predicted:
             return []
+        if len(predicted) == 1:
+            row = np.asarray(predicted[0]).tolist()
+            if len(set(row)) == len(row):  # one token, no repeats: one each, ids ascending among equals
+                return [(view.layer + 1, e) for e in sorted(row)[:self.size]]
         flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in predicted]) if predicted else np.array([])
         if flat.size == 0:
             return []
@@ -348,10 +353,13 @@ class WorkloadAwareCache(CachePolicy):
         """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
         s = self._scores[layer]
         cached = self._cached[layer]
-        uncached = np.array([e for e in range(self._experts) if e not in cached], dtype=np.int64)
+        mask = np.ones(self._experts, dtype=bool)
+        mask[list(cached)] = False
+        uncached = np.flatnonzero(mask)
         # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
         incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
-        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (s[e], e))
+        score = s.tolist()
+        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score[e], e))
         swaps_in, swaps_out = [], []
         for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
             if self.strict and s[new] <= s[old]:
@@ -456,12 +464,15 @@ class DaliSystem(ObservingSystem):
         wanted = self.prefetch.candidates(view)
         evicted = set(plan.evictions)
         held = state.held()  # the state does not change while a plan is made
+        entries: list[tuple[int, int]] | None = None  # the buffer's entries, found at the first need
         for target, e in wanted:
             if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
                 continue
             quota, pool = self._room(view, plan, target, evicted, held)
             if min(quota, pool) <= 0:
-                stale = self._stale_entry(view, plan, target if quota <= 0 else None, wanted, evicted)
+                if entries is None:
+                    entries = self._buffer_entries(view)
+                stale = self._stale_entry(view, plan, target if quota <= 0 else None, wanted, evicted, entries)
                 if stale is None:
                     continue
                 plan.evictions.append(stale)
@@ -480,19 +491,23 @@ class DaliSystem(ObservingSystem):
             return quota, quota
         return quota, state.pool - held + len(evicted) - len(plan.prefetches)
 
-    def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
-                     evicted: set[tuple[int, int]]) -> tuple[int, int] | None:
-        """A buffer entry (resident, not cached) nobody needs now: in ``layer`` when given, else the one
-        whose layer comes round last in the forward pass."""
-        cache, state = self.cache, view.cache
+    def _buffer_entries(self, view: LayerView) -> list[tuple[int, int]]:
+        """Every (layer, expert) resident and not cached: what the prefetch buffer holds."""
+        cache, resident = self.cache, view.cache.resident
         assert isinstance(cache, WorkloadAwareCache)
-        layers = range(state.num_layers) if layer is None else [layer]
+        # few: most layers hold only cached experts, passed over by a subset test
+        return [(l, x) for l in range(len(resident)) if not resident[l] <= cache.cached(l)
+                for x in resident[l] - cache.cached(l)]
+
+    def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
+                     evicted: set[tuple[int, int]], entries: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """A buffer entry (of ``entries``) nobody needs now: in ``layer`` when given, else the one whose
+        layer comes round last in the forward pass."""
         busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
-        # resident minus cached, per layer as one set difference: most resident experts are cached
-        stale = [(l, x) for l in layers for x in state.resident[l] - cache.cached(l) if (l, x) not in busy]
+        stale = [(l, x) for l, x in entries if (layer is None or l == layer) and (l, x) not in busy]
         if not stale:
             return None
-        turns = state.num_layers
+        turns = view.cache.num_layers
         return max(stale, key=lambda p: ((p[0] - view.layer - 1) % turns, -p[1]))
 
 

@@ -50,11 +50,10 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext, highest
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.dali import SolveClock
-from moesim.policy.catalog.smoe import ranked_predictions
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 
@@ -89,7 +88,8 @@ class ScoreAwareCache(CachePolicy):
     def layer_scores(self, view: LayerView) -> np.ndarray:
         """Mean router scores of this layer's tokens (from routed weights when the trace lacks scores)."""
         if view.scores is not None:
-            return view.scores.astype(np.float64).mean(axis=0)
+            scores = view.scores.astype(np.float64)
+            return np.add.reduce(scores, axis=0) / scores.shape[0]  # ndarray.mean's sum and division
         dense = np.zeros(view.cache_experts())
         weights = view.weights if view.weights is not None else np.full(view.experts.shape, 1.0 / view.experts.shape[1])
         np.add.at(dense, view.experts.ravel(), weights.ravel())
@@ -98,8 +98,7 @@ class ScoreAwareCache(CachePolicy):
     def observe(self, view: LayerView) -> None:
         """``S = alpha * TopP(s) + (1 - alpha) * S`` for this layer."""
         scores = self.layer_scores(view)
-        p = min(self.top_p, len(scores))
-        top = np.argsort(-scores, kind="stable")[:p]  # highest first, ids ascending among ties
+        top = highest(scores, self.top_p)
         row = self._priority[view.layer]
         row *= 1.0 - self.alpha
         row[top] += self.alpha * scores[top]

@@ -47,7 +47,7 @@ from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, register_component, register_system
 
 
@@ -80,8 +80,8 @@ class ObservingSystem(ComposedSystem):
 # ----------------------------------------------------------------------------- router (Alg. 1)
 def token_thresholds(scores: np.ndarray, k: int, alpha: float) -> tuple[float, float, float]:
     """(T, L, R) = ((1 + alpha) beta, beta, (1 - alpha) beta), beta the (k+1)-th highest score."""
-    ordered = np.sort(scores.astype(np.float64))[::-1]
-    beta = float(ordered[k]) if k < len(ordered) else 0.0
+    n = len(scores)
+    beta = float(np.partition(scores.astype(np.float64), n - 1 - k)[n - 1 - k]) if k < n else 0.0
     return (1 + alpha) * beta, beta, (1 - alpha) * beta
 
 
@@ -123,36 +123,25 @@ class ImportanceRouter(Substitution):
         k = view.experts.shape[1]
         scores = view.scores.astype(np.float64)
         bounds = [token_thresholds(scores[t], k, self.alpha) for t in range(view.tokens)]
-        top_set = {int(e) for t in range(view.tokens) for e in view.experts[t] if scores[t, e] > bounds[t][0]}
+        rows = view.experts.tolist()
+        token_scores = scores.tolist()  # Python floats: the same numbers, compared without numpy scalars
+        top_set = {e for row, s, (high, _, _) in zip(rows, token_scores, bounds) for e in row if s[e] > high}
         available = view.cache.resident[view.layer] | top_set
         out: list[tuple[int, int, int]] = []
-        for t in range(view.tokens):
-            high, low, floor = bounds[t]
-            row = [int(e) for e in view.experts[t]]
+        for t, (row, s, (high, low, floor)) in enumerate(zip(rows, token_scores, bounds)):
             # low-score experts needing a load or the CPU, lowest score first (they go first)
-            needy = sorted((slot for slot, e in enumerate(row) if scores[t, e] <= high and e not in available),
-                           key=lambda slot: (scores[t, row[slot]], slot))
+            needy = sorted((slot for slot, e in enumerate(row) if s[e] <= high and e not in available),
+                           key=lambda slot: (s[row[slot]], slot))
             if not needy:
                 continue
             routed = set(row)
-            alternatives = sorted((e for e in available if e not in routed and floor <= scores[t, e] <= low),
-                                  key=lambda e: (-scores[t, e], e))
+            alternatives = sorted((e for e in available if e not in routed and floor <= s[e] <= low),
+                                  key=lambda e: (-s[e], e))
             out += [(t, slot, e) for slot, e in zip(needy, alternatives)]
         return out
 
 
 # ----------------------------------------------------------------------------- prefetch (Sec. 5.2)
-def ranked_predictions(predicted: list[np.ndarray]) -> list[int]:
-    """Experts predicted by any token, most tokens first, then best position in a token's list, then id."""
-    votes: dict[int, list[int]] = {}
-    for row in predicted:
-        for position, e in enumerate(np.asarray(row).tolist()):
-            entry = votes.setdefault(int(e), [0, position])
-            entry[0] += 1
-            entry[1] = min(entry[1], position)
-    return sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
-
-
 @register_component
 @dataclass
 class TopScorePrefetch(Prefetch):
@@ -204,6 +193,8 @@ class ScoreHistoryCache(CachePolicy):
     n: int = 8
     _history: list[deque] = field(default_factory=list, repr=False)
     _sums: list[np.ndarray] = field(default_factory=list, repr=False)
+    #: each layer's averages as Python floats, kept until the layer's history moves (None: recompute)
+    _averages: list[list[float] | None] = field(default_factory=list, repr=False)
     _seen: tuple[int, int] = (-1, -1)
 
     def configure(self, ctx: RunContext) -> None:
@@ -212,18 +203,21 @@ class ScoreHistoryCache(CachePolicy):
             raise ConfigError(f"n must be at least 1, got {self.n}", field="cache.n", fix="--set cache.n=8")
         self._history = [deque() for _ in ctx.capacity]
         self._sums = [np.zeros(ctx.model.num_experts) for _ in ctx.capacity]
+        self._averages = [None for _ in ctx.capacity]
         self._seen = (-1, -1)
 
     def observe(self, view: LayerView) -> None:
         if (view.step, view.layer) == self._seen or view.scores is None:
             return
         self._seen = (view.step, view.layer)
-        mean = view.scores.astype(np.float64).mean(axis=0)
+        scores = view.scores.astype(np.float64)
+        mean = np.add.reduce(scores, axis=0) / scores.shape[0]  # ndarray.mean's sum and division
         history, layer = self._history[view.layer], view.layer
         history.append(mean)
         self._sums[layer] += mean
         if len(history) > self.n:
             self._sums[layer] -= history.popleft()
+        self._averages[layer] = None
 
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)  # in systems without observe hooks, layers with GPU experts still count
@@ -231,16 +225,27 @@ class ScoreHistoryCache(CachePolicy):
     def average(self, layer: int) -> np.ndarray:
         return self._sums[layer] / max(len(self._history[layer]), 1)
 
+    def _average_of(self, layer: int) -> list[float]:
+        """:meth:`average` as a list, computed once per change of the layer's history."""
+        averages = self._averages[layer] if self._averages else None
+        if averages is None:
+            averages = self.average(layer).tolist()
+            if self._averages:
+                self._averages[layer] = averages
+        return averages
+
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        avg = self.average(layer)
+        avg = self._average_of(layer)
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        if n == 1:
+            return [min(candidates, key=lambda e: (avg[e], e))] if candidates else []
         return sorted(candidates, key=lambda e: (avg[e], e))[:n]
 
     def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
-        avg = self.average(layer)
+        avg = self._average_of(layer)
         return sorted(missing, key=lambda e: (-avg[e], e))
 
 

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import LRUCache
-from moesim.policy.catalog.importance import ranked_predictions
-from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 #: 2312.17238 Sec. 3.3 (HQQ experts); int4 is the narrowest expert dtype moesim models

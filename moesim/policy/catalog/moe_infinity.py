@@ -79,7 +79,13 @@ def row_owners(view: LayerView) -> np.ndarray:
 
 @dataclass
 class ActivationTracker:
-    """EAMs of the requests being served and the EAMC of finished ones (shared by prefetch and cache)."""
+    """EAMs of the requests being served and the EAMC of finished ones (shared by prefetch and cache).
+
+    EAM cells are token counts (whole numbers in float64), so sums of them are exact in any order: the
+    batch's EAM is kept up to date as layers are observed instead of summed afresh for every layer, and
+    ``row_version[layer]`` counts the changes of each layer's counts (the batch's and the run's), so a
+    reader recomputes only the rows that moved.
+    """
 
     num_layers: int
     num_experts: int
@@ -92,8 +98,22 @@ class ActivationTracker:
     #: the request each collection entry came from (None: a held-out calibration trace's)
     owners: deque = field(default_factory=deque)
     total: np.ndarray | None = None
+    row_version: np.ndarray | None = None
+    #: changes whenever the batch EAM is summed afresh (another set of requests)
+    batch_generation: int = 0
     _seen: tuple[int, int] = (-1, -1)
     _step: int = -1
+    _ids_at: tuple[int, int] = (-1, -1)
+    _ids: tuple[int, ...] = ()
+    #: the batch whose EAM is kept (its requests) and that EAM: the sum of their live EAMs
+    _batch_ids: tuple[int, ...] | None = None
+    _batch: np.ndarray | None = None
+    #: the collection stacked as one matrix (None: rebuilt at the next match)
+    _stack: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.row_version is None:
+            self.row_version = np.zeros(self.num_layers, dtype=np.int64)
 
     @classmethod
     def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
@@ -112,6 +132,15 @@ class ActivationTracker:
         while len(self.collection) > self.eamc_size:
             self.collection.popleft()
             self.owners.popleft()
+        self._stack = None
+
+    def batch_ids(self, view: LayerView) -> tuple[int, ...]:
+        """The distinct requests of the view's token rows, ascending (found once per layer)."""
+        if (view.step, view.layer) != self._ids_at:
+            owners = row_owners(view)
+            self._ids = (int(owners[0]),) if owners.size == 1 else tuple(np.unique(owners).tolist())
+            self._ids_at = (view.step, view.layer)
+        return self._ids
 
     def observe(self, view: LayerView) -> None:
         """Add this layer's routing to the batch's EAMs; retire requests whose last step has passed."""
@@ -122,33 +151,53 @@ class ActivationTracker:
             self._step = view.step
             for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
                 self.add_to_collection(self.live.pop(r), r)
-        owners = row_owners(view)
-        layer = view.layer
-        for r in np.unique(owners):
-            eam = self.live.setdefault(int(r), np.zeros((self.num_layers, self.num_experts)))
-            np.add.at(eam[layer], view.experts[owners == r].ravel().astype(np.int64), 1)
-        assert self.total is not None
-        np.add.at(self.total[layer], view.experts.ravel().astype(np.int64), 1)
+                if self._batch_ids is not None and r in self._batch_ids:
+                    self._batch_ids = None  # the kept batch EAM no longer sums live EAMs
+        layer, ids = view.layer, self.batch_ids(view)
+        counts = np.bincount(view.experts.ravel(), minlength=self.num_experts)  # tokens per expert
+        if len(ids) == 1:
+            per_request = [(ids[0], counts)]
+        else:
+            owners = row_owners(view)
+            per_request = [(r, np.bincount(view.experts[owners == r].ravel(), minlength=self.num_experts))
+                           for r in ids]
+        for r, routed in per_request:
+            eam = self.live.get(r)
+            if eam is None:
+                eam = self.live[r] = np.zeros((self.num_layers, self.num_experts))
+            eam[layer] += routed
+            if self._batch_ids is not None and r in self._batch_ids:
+                self._batch[layer] += routed
+        assert self.total is not None and self.row_version is not None
+        self.total[layer] += counts
+        self.row_version[layer] += 1
 
     def batch_eam(self, view: LayerView) -> np.ndarray:
-        ids = np.unique(row_owners(view))
-        out = np.zeros((self.num_layers, self.num_experts))
-        for r in ids:
-            if int(r) in self.live:
-                out += self.live[int(r)]
-        return out
+        """The sum of the live EAMs of the view's requests (kept between layers; read-only)."""
+        ids = self.batch_ids(view)
+        if ids != self._batch_ids or self._batch is None:
+            out = np.zeros((self.num_layers, self.num_experts))
+            for r in ids:
+                if r in self.live:
+                    out += self.live[r]
+            self._batch_ids, self._batch = ids, out
+            self.batch_generation += 1
+        return self._batch
 
     def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
         """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix, leaving out the
         entries of the requests in ``exclude`` (the batch's own: leave-one-out)."""
+        kept = [i for i, owner in enumerate(self.owners) if owner is None or owner not in exclude]
+        if not kept:
+            return None
         norm = float(np.linalg.norm(eam))
         if norm == 0:
             return None
-        entries = [v for v, owner in zip(self.collection, self.owners) if owner is None or owner not in exclude]
-        if not entries:
-            return None
-        similarity = np.stack(entries) @ (eam.ravel() / norm)
-        return entries[int(np.argmax(similarity))].reshape(self.num_layers, self.num_experts)
+        if self._stack is None:
+            self._stack = np.stack(list(self.collection))
+        entries = self._stack if len(kept) == len(self.owners) else self._stack[kept]
+        similarity = entries @ (eam.ravel() / norm)
+        return self.collection[kept[int(np.argmax(similarity))]].reshape(self.num_layers, self.num_experts)
 
 
 _TRACKERS: dict[int, ActivationTracker] = {}
@@ -229,7 +278,7 @@ class EamPrefetch(Prefetch):
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         tracker = self.tracker
         assert tracker is not None
-        match = tracker.best_match(tracker.batch_eam(view), frozenset(int(r) for r in np.unique(row_owners(view))))
+        match = tracker.best_match(tracker.batch_eam(view), frozenset(tracker.batch_ids(view)))
         if match is None:
             return []
         layers = tracker.num_layers
@@ -247,13 +296,25 @@ class EamPrefetch(Prefetch):
 @register_component
 @dataclass
 class RequestLFUCache(CachePolicy):
-    """Model-wide pool, layer-aware least-frequently-used over the current requests' EAM (MoE-Infinity)."""
+    """Model-wide pool, layer-aware least-frequently-used over the current requests' EAM (MoE-Infinity).
+
+    The priorities of every layer are kept as two layers x experts matrices; a row is recomputed only when
+    the tracker's counts of that layer have moved (``ActivationTracker.row_version``) or the batch changed.
+    """
 
     name = "request-lfu"
     layout = "pool"
     eamc_size: int = 0
     tracker: ActivationTracker | None = field(default=None, repr=False)
     _start: list[int] = field(default_factory=list, repr=False)
+    #: (by the current requests, by the whole run) priority of every expert of every layer
+    _current: np.ndarray | None = field(default=None, repr=False)
+    _total: np.ndarray | None = field(default=None, repr=False)
+    #: the tracker's row versions and batch generation the kept priorities were computed from
+    _versions: np.ndarray | None = field(default=None, repr=False)
+    _generation: int = -1
+    #: each layer's depth weight 1 - layer / L, as a column
+    _depth: np.ndarray | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         tracker = _TRACKERS.get(id(ctx))
@@ -263,6 +324,10 @@ class RequestLFUCache(CachePolicy):
         self.tracker = tracker
         pool = ctx.pool if ctx.pool is not None else sum(ctx.capacity)
         self._start = even_quotas(pool, len(ctx.capacity), ctx.model.num_experts)
+        layers = ctx.model.num_layers
+        self._depth = np.array([[1 - layer / layers] for layer in range(layers)])
+        self._current = self._total = self._versions = None
+        self._generation = -1
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         return list(range(min(self._start[layer], capacity))) if self._start else []
@@ -274,48 +339,87 @@ class RequestLFUCache(CachePolicy):
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)
 
-    def _priority(self, view: LayerView, layers: list[int],
-                  batch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(priority by the current requests, by the whole run) of every expert, one row per layer of
-        ``layers``: each row's share of its activations times the layer's depth weight ``1 - layer / L``;
-        ``batch``: the current requests' EAM when the caller already has it."""
-        num_layers = view.cache.num_layers
-        if self.tracker is None:
-            flat = np.zeros((len(layers), view.cache_experts()))
+    def _priorities(self, view: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        """(priority by the current requests, by the whole run) of every expert of every layer: each
+        row's share of its activations times the layer's depth weight ``1 - layer / L``."""
+        tracker = self.tracker
+        if tracker is None or tracker.total is None or self._depth is None:
+            flat = np.zeros((view.cache.num_layers, view.cache_experts()))
             return flat, flat
-        current = (self.tracker.batch_eam(view) if batch is None else batch)[layers]
-        total = self.tracker.total[layers] if self.tracker.total is not None else current
-        depth = np.array([[1 - layer / num_layers] for layer in layers])
-
-        def share(rows: np.ndarray) -> np.ndarray:
-            sums = rows.sum(axis=1, keepdims=True)  # activation counts: exact in any order
-            return np.where(sums > 0, rows / np.where(sums > 0, sums, 1.0) * depth, rows)
-        return share(current), share(total)
+        batch = tracker.batch_eam(view)
+        if self._current is None or self._generation != tracker.batch_generation:
+            self._current, self._total = np.zeros(batch.shape), np.zeros(batch.shape)
+            stale = np.arange(batch.shape[0])
+        else:
+            stale = np.flatnonzero(self._versions != tracker.row_version)
+        if stale.size == 1:  # the layer just observed
+            layer = int(stale[0])
+            depth = float(self._depth[layer, 0])
+            self._current[layer] = row_share(batch[layer], depth)
+            self._total[layer] = row_share(tracker.total[layer], depth)
+        elif stale.size:
+            depth = self._depth[stale]
+            self._current[stale] = share(batch[stale], depth)
+            self._total[stale] = share(tracker.total[stale], depth)
+        if stale.size:
+            self._versions = tracker.row_version.copy()
+            self._generation = tracker.batch_generation
+        return self._current, self._total
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        current, total = self._priority(view, [layer])
-        ranked = zip(current[0, candidates].tolist(), total[0, candidates].tolist(), candidates)
+        current, total = self._priorities(view)
+        ranked = zip(current[layer, candidates].tolist(), total[layer, candidates].tolist(), candidates)
         return [e for *_, e in sorted(ranked)[:n]]
 
     def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
                      layer: int) -> list[tuple[int, int]]:
         if n <= 0:
             return []
-        resident = view.cache.resident
-        current, total = self._priority(view, list(range(len(resident))))  # every layer's at once
-        free = np.zeros(current.shape, dtype=bool)  # resident and not protected
-        for other, experts in enumerate(resident):
-            free[other, list(experts)] = True
-        for other, e in protected:
-            free[other, e] = False
-        layer_of, expert_of = np.nonzero(free)
+        current, total = self._priorities(view)
+        state = view.cache
+        layers, width = current.shape
+        mask = state.mirror.resident_mask if state.mirror is not None else resident_mask(state.resident, width)
+        guarded = [(l, e) for l, e in protected if e in state.resident[l]]
+        if guarded or mask.shape[1] != width:
+            free = np.zeros((layers, width), dtype=bool)
+            free[:, :mask.shape[1]] = mask  # a mirror mask is only as wide as the largest id it has seen
+            if guarded:
+                free[tuple(zip(*guarded))] = False
+            mask = free
+        cells = np.flatnonzero(mask)  # layer * width + expert of every resident, unprotected expert
+        current_of = current.ravel()[cells]
+        if n < cells.size:  # only cells at most the n-th least current priority can be chosen
+            near = np.flatnonzero(current_of <= np.partition(current_of, n - 1)[n - 1])
+            cells, current_of = cells[near], current_of[near]
+        layer_of, expert_of = np.divmod(cells, width)
         # lowest current priority, then lowest run priority, then the later layer, then the lower id
-        order = np.lexsort((expert_of, -layer_of, total[layer_of, expert_of], current[layer_of, expert_of]))[:n]
+        order = np.lexsort((expert_of, -layer_of, total.ravel()[cells], current_of))[:n]
         return list(zip(layer_of[order].tolist(), expert_of[order].tolist()))
+
+
+def share(rows: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Each row's share of its activations times its depth weight (rows with none stay 0); activation
+    counts, so the shares do not depend on which rows are computed together."""
+    sums = rows.sum(axis=1, keepdims=True)
+    return np.where(sums > 0, rows / np.where(sums > 0, sums, 1.0) * depth, rows)
+
+
+def row_share(row: np.ndarray, depth: float) -> np.ndarray:
+    """:func:`share` of one row (the same numbers, without the matrix's broadcasting)."""
+    total = row.sum()
+    return row / total * depth if total > 0 else row
+
+
+def resident_mask(resident: list[set[int]], width: int) -> np.ndarray:
+    """Layers x experts, True where resident (a cache without a pool keeps no mask of its own)."""
+    mask = np.zeros((len(resident), width), dtype=bool)
+    for layer, experts in enumerate(resident):
+        mask[layer, list(experts)] = True
+    return mask
 
 
 class MoEInfinitySystem(ObservingSystem):

@@ -48,7 +48,7 @@ from moesim.hw.cost import roofline_s
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
-from moesim.policy.prefetch import Prefetch
+from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 EVICTION_MODES = ("fixed", "adaptive")
@@ -82,9 +82,10 @@ class SMoELFUCache(CachePolicy):
 
     def observe(self, view: LayerView) -> None:
         """Count this layer's activations (every phase, every device)."""
-        self._freq[view.layer, view.active] += view.counts
+        active = np.asarray(view.active, dtype=np.intp)  # indexing a layer's row: cheaper than (layer, list)
+        self._freq[view.layer][active] += np.asarray(view.counts, dtype=np.int64)
         self._clock += 1
-        self._stamp[view.layer, view.active] = self._clock
+        self._stamp[view.layer][active] = self._clock
 
     def frequency(self, layer: int, expert: int) -> int:
         return int(self._freq[layer, expert])
@@ -154,17 +155,6 @@ class SMoEAssign(Assignment):
 
 
 # ----------------------------------------------------------------------------- prefetch
-def ranked_predictions(rows: list[np.ndarray]) -> list[int]:
-    """Experts predicted for a layer, by how many tokens predict them, then best rank, then id."""
-    votes: dict[int, list[int]] = {}
-    for row in rows:
-        for rank, expert in enumerate(row.tolist()):
-            entry = votes.setdefault(int(expert), [0, rank])
-            entry[0] += 1
-            entry[1] = min(entry[1], rank)
-    return sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
-
-
 def token_predictor_accuracy(path: str, num_layers: int, top_k: int) -> np.ndarray:
     """Per layer: mean fraction of a decode token's next-token experts that ``pred_next_token`` names.
 
@@ -299,8 +289,10 @@ class TokenWisePrefetch(Prefetch):
     _online: OnlineAccuracy | None = field(default=None, repr=False)
     _decode_steps: int = 0
     _notes: list[str] = field(default_factory=list, repr=False)
+    _predict_s: dict[int, float] = field(default_factory=dict, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
+        self._predict_s = {}
         if self.eviction not in EVICTION_MODES:
             raise ConfigError(f"unknown eviction mode '{self.eviction}'", field="prefetch.eviction",
                               fix=f"use one of {', '.join(EVICTION_MODES)}")
@@ -355,7 +347,12 @@ class TokenWisePrefetch(Prefetch):
         return ranked_predictions(self.predicted_rows(view))
 
     def predict_s(self, view: LayerView) -> float:
-        return self.predict_us * 1e-6 if self.predict_us >= 0 else predictor_s(view)
+        if self.predict_us >= 0:
+            return self.predict_us * 1e-6
+        seconds = self._predict_s.get(view.tokens)  # the cost model is fixed for the run
+        if seconds is None:
+            seconds = self._predict_s[view.tokens] = predictor_s(view)
+        return seconds
 
     def _warm_up(self, view: LayerView) -> None:
         """Online SMoE-Flex: score the predictor until the warm-up ends, then switch the worst layers off."""

@@ -1,0 +1,71 @@
+"""CacheState with a model-wide pool: the counted sets keep the slot tally and the resident mask exact."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesim.policy.state import CacheState
+
+LAYERS, EXPERTS = 3, 6
+
+operations = st.lists(st.tuples(
+    st.sampled_from(["add", "discard", "remove", "pop", "clear", "update", "difference_update",
+                     "intersection_update", "symmetric_difference_update", "ior", "isub", "iand", "ixor"]),
+    st.booleans(), st.integers(0, LAYERS - 1), st.frozensets(st.integers(0, 2 * EXPERTS), max_size=4),
+    st.integers(0, 2 * EXPERTS)), max_size=40)
+
+
+def apply(target: set, op: str, items: frozenset, expert: int) -> None:
+    if op in ("add", "discard"):
+        getattr(target, op)(expert)
+    elif op == "remove":
+        if expert in target:
+            target.remove(expert)
+    elif op == "pop":
+        if target:
+            target.pop()
+    elif op == "clear":
+        target.clear()
+    elif op in ("ior", "isub", "iand", "ixor"):
+        getattr(target, f"__{op}__")(set(items))
+    else:
+        getattr(target, op)(items)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_tally_and_mask_follow_every_set_mutation(ops):
+    state = CacheState([EXPERTS] * LAYERS, pool=LAYERS * EXPERTS)
+    truth_resident = [set() for _ in range(LAYERS)]
+    truth_in_flight = [set() for _ in range(LAYERS)]
+    for op, resident, layer, items, expert in ops:
+        sets, truth = (state.resident, truth_resident) if resident else (state.in_flight, truth_in_flight)
+        apply(sets[layer], op, items, expert)
+        apply(truth[layer], op, items, expert)
+        assert sets[layer] == truth[layer]
+        assert state.held() == sum(map(len, truth_resident)) + sum(map(len, truth_in_flight))
+        mask = state.mirror.resident_mask
+        expected = np.zeros((LAYERS, max(mask.shape[1], 2 * EXPERTS + 1)), dtype=bool)
+        for l, experts in enumerate(truth_resident):
+            expected[l, list(experts)] = True
+        assert np.array_equal(mask, expected[:, :mask.shape[1]])
+        assert not expected[:, mask.shape[1]:].any()  # the mask widened for every larger id
+
+
+def test_pool_state_works_through_its_methods_and_copies_as_plain_sets():
+    state = CacheState([2, 2], pool=3)
+    state.preload(0, [0, 1])
+    state.start_load(1, 4)
+    assert state.held() == 3 and state.free(1) == 0
+    state.finish_load(1, 4)
+    state.evict(0, 1)
+    assert state.held() == 2 and state.mirror.resident_mask[:, :5].nonzero()[1].tolist() == [0, 4]
+    copied = pickle.loads(pickle.dumps(state.resident[1]))
+    assert type(copied) is set and copied == {4} and repr(state.resident[1]) == "{4}"
+    assert type(state.resident[0] | {3}) is set
+    without_pool = CacheState([2, 2])
+    assert type(without_pool.resident[0]) is set and without_pool.mirror is None

@@ -1,0 +1,37 @@
+"""Plan bookkeeping: the gate-weight mass a plan's substitutions touch."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesim.policy.base import LayerPlan, LayerView
+from moesim.sim.bookkeeping import substitution_mass
+
+
+def _view(weights: np.ndarray) -> LayerView:
+    experts = np.zeros(weights.shape, dtype=np.int16)
+    return LayerView(0, 0, "decode", experts, [0], [weights.size], None, None, weights=weights)
+
+
+def test_substitution_mass_adds_the_rewritten_entries():
+    weights = np.array([[0.5, 0.25], [0.125, 0.0625]], dtype=np.float32)
+    plan = LayerPlan(substitutions=[(0, 1, 3), (1, 0, 2), (1, 1, 4)])
+    assert substitution_mass(_view(weights), plan) == 0.25 + 0.125 + 0.0625
+    assert substitution_mass(_view(weights), LayerPlan()) == 0.0
+    assert substitution_mass(LayerView(0, 0, "decode", np.zeros((1, 2)), [], [], None, None), plan) == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([np.float16, np.float32, np.float64]), st.integers(1, 40), st.data())
+def test_substitution_mass_is_the_entry_by_entry_sum_in_the_weights_dtype(dtype, tokens, data):
+    """The mass is a running sum in the weights' dtype, entry by entry in plan order (a prefill rewrites
+    thousands of entries at once): the very number a Python sum over the entries gives."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    weights = rng.random((tokens, 4)).astype(dtype)
+    entries = data.draw(st.lists(st.tuples(st.integers(0, tokens - 1), st.integers(0, 3)), min_size=1,
+                                 max_size=200))
+    plan = LayerPlan(substitutions=[(row, slot, 0) for row, slot in entries])
+    expected = float(sum(weights[row, slot] for row, slot in entries))
+    assert substitution_mass(_view(weights), plan) == expected
