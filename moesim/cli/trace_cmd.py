@@ -20,7 +20,9 @@ def trace() -> None:
 def trace_validate(file: str) -> None:
     """Check FILE against trace format v1."""
     from moesim.trace.validate import validate_trace
-    summary = validate_trace(file)
+    from moesim.trace.validated import record_validated
+    summary = validate_trace(file)  # always the whole pass, recorded or not
+    record_validated(file)
     console.print(f"{file}: valid trace v1, {summary.rows:,} rows, {summary.steps:,} steps, "
                   f"columns: {', '.join(summary.columns)}")
 

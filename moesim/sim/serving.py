@@ -342,6 +342,9 @@ class ServingRun:
         self._work = self.env.event()
         self._finished = {i: self.env.event() for i in range(workload.requests)}
         self._left = workload.requests
+        # every step advances a token, so without preemption a request finishes within all the tokens left;
+        # four times that allows recomputation after preemptions, more means a livelock
+        self._step_limit = 4 * sum(t.prompt + t.output for t in self.served) + 16
         self.kv_peak = 0
         #: requests over the time of the last arrival (open loops only)
         self.offered = float("nan")
@@ -392,12 +395,19 @@ class ServingRun:
     def _server(self):
         env, sim = self.env, self.sim
         index = 0
+        since_finish, left = 0, self._left
         while self._left:
             batch = self.scheduler.next_batch()
             if not batch.entries:
                 self._work = env.event()
                 yield self._work
                 continue
+            since_finish = 0 if self._left != left else since_finish + 1
+            left = self._left
+            if since_finish > self._step_limit:
+                raise RuntimeError(f"serving made no progress: {since_finish} steps without a request finishing "
+                                   f"under scheduler '{self.scheduler.name}' (requests preempted and recomputed "
+                                   "in a loop)")
             start = env.now
             step = build_step(index, batch.entries, self.served, self.layers)
             self.batches.append([(r.rid, r.done, n) for r, n in batch.entries])

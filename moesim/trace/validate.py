@@ -35,6 +35,7 @@ from moesim.errors import TraceFormatError
 from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
 from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SORT_KEYS,
                                  TraceMeta, column_type)
+from moesim.trace.validated import record_validated, was_validated
 
 BATCH_ROWS = 65_536
 #: relative tolerance of weight sums (float32 weights, float16 scores they may come from)
@@ -105,8 +106,11 @@ def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceM
         return read_meta(path)
     state = _CHECKED.get(key)
     if state is None:
-        validate_trace(path, columns)
         lazy = frozenset(c for c in LAZY_COLUMNS if c in _open(path).schema_arrow.names)
+        if was_validated(path):  # this very file passed the whole pass before (moesim.trace.validated)
+            _CHECKED[key] = _Checked(read_meta(path), lazy, lazy)
+            return _CHECKED[key].meta
+        validate_trace(path, columns)
         state = _CHECKED[key] = _Checked(read_meta(path), lazy, lazy if columns is None else lazy & set(columns))
     needed = state.lazy - state.done if columns is None else (state.lazy & set(columns)) - state.done
     if needed and state.deferred is not None and needed <= state.deferred.columns:
@@ -115,7 +119,9 @@ def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceM
         _check_lazy(path, sorted(needed), state.meta)
         state.done |= needed
     rest = state.lazy - state.done
-    if rest and state.deferred is None:
+    if not rest:
+        record_validated(path)
+    elif state.deferred is None:
         state.deferred = _start_deferred(path, rest, state.meta)
     return state.meta
 
@@ -135,6 +141,8 @@ def settle(path: PathLike) -> None:
         raise deferred.error  # the state keeps it: every later run of this file is refused too
     state.done |= deferred.columns
     state.deferred = None
+    if state.done == state.lazy:
+        record_validated(path)
 
 
 def wait_for_checks() -> None:

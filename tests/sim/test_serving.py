@@ -21,7 +21,8 @@ from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "traces" / "mixtral-8x7b-humaneval.parquet"
-FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=int(__import__('os').environ.get('MOESIM_SERVING_EXAMPLES', 20)), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 STATELESS = ["cpu-only", "static-hot", "all-in-gpu"]  # no state carried from one request to the next
 
 
