@@ -79,6 +79,14 @@ class CostModel:
         self.dtype = self.expert_dtype or self.model.expert_dtype
         self.expert_bytes = self.model.expert_bytes(self.dtype)
         self._memo: dict[tuple[str, int], float] = {}
+        m = self.model
+        # what every attention call needs and never changes: its parameters and KV bytes per context
+        # token, and the profile's curves for this model (else the model-less ones) by token count
+        self._attention_sizes = (m.attention_params_per_layer() + m.gate_params,
+                                 m.kv_bytes_per_token() / max(m.num_layers + m.num_dense_layers, 1))
+        own = [c for c in self.profile.gpu.attention if c.model == m.name]
+        self._attention_curves = sorted(own or [c for c in self.profile.gpu.attention if not c.model],
+                                        key=lambda c: c.tokens)
         self.runtime: RuntimeSpec = self.profile.runtime(self.runtime_name)
         if self.runtime_name != "generic" and not self.profile.runtimes:
             self.fallbacks.add(f"runtime {self.runtime_name}: profile has no runtimes section, generic launch "
@@ -185,8 +193,7 @@ class CostModel:
 
     def _attention_shape(self, tokens: int, context: int, dtype: str) -> tuple[float, float]:
         m = self.model
-        params = m.attention_params_per_layer() + m.gate_params
-        kv_bytes = m.kv_bytes_per_token() / max(m.num_layers + m.num_dense_layers, 1)
+        params, kv_bytes = self._attention_sizes
         flops = 2.0 * tokens * params + 4.0 * tokens * context * max(m.num_attention_heads, 1) * max(m.head_dim, 1)
         return flops, params * bytes_per_param(dtype, m.quant_group_size) + kv_bytes * context
 
@@ -204,8 +211,7 @@ class CostModel:
         proportional growth above the last); scaled to ``non_expert_dtype`` and to
         overridden numbers by the roofline ratio.
         """
-        own = [c for c in self.profile.gpu.attention if c.model == self.model.name]
-        curves = sorted(own or [c for c in self.profile.gpu.attention if not c.model], key=lambda c: c.tokens)
+        curves = self._attention_curves
         tokens, context = max(tokens, 1), max(context, 1)
         if not curves:
             self.fallbacks.add(f"gpu attention {self.model.name}")

@@ -111,18 +111,16 @@ class LRUCache(CachePolicy):
         if n <= 0:
             return []
         stamp = self._stamp[layer]
-        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        # stamps are distinct, so the order candidates come in never matters
+        candidates = view.cache.resident[layer] - protected if protected else view.cache.resident[layer]
         if n == 1 and candidates:
             return [min(candidates, key=stamp.__getitem__)]
         return sorted(candidates, key=stamp.__getitem__)[:n]
 
     def touch(self, view: LayerView, used: list[int]) -> None:
-        stamp = self._stamp[view.layer]
         clock = self._clock
-        for e in used:
-            clock += 1
-            stamp[e] = clock
-        self._clock = clock
+        self._stamp[view.layer].update(zip(used, range(clock + 1, clock + 1 + len(used))))
+        self._clock = clock + len(used)
 
 
 @dataclass

@@ -256,6 +256,17 @@ class CacheState:
                                  f"({self.pool} slots) without evicting")
         self.in_flight[layer].add(expert)
 
+    def start_loads(self, layer: int, experts: list[int]) -> None:
+        """:meth:`start_load` of each of ``experts`` in turn, its checks made once for all of them."""
+        resident, in_flight = self.resident[layer], self.in_flight[layer]
+        if len(resident) + len(in_flight) + len(experts) > self.capacity[layer] or self.pool is not None \
+                or not resident.isdisjoint(experts) or not in_flight.isdisjoint(experts) \
+                or len(set(experts)) < len(experts):
+            for expert in experts:  # the one at fault named as start_load names it
+                self.start_load(layer, expert)
+            return
+        in_flight.update(experts)
+
     def finish_load(self, layer: int, expert: int) -> None:
         self.in_flight[layer].discard(expert)
         self.resident[layer].add(expert)

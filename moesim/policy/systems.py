@@ -121,8 +121,12 @@ class ComposedSystem:
         layer = view.layer
         state = view.cache
         resident, in_flight = state.resident[layer], state.in_flight[layer]
-        present = [e for e in gpu if e in resident or e in in_flight]
-        missing = [e for e in gpu if e not in resident and e not in in_flight]
+        if in_flight:
+            present = [e for e in gpu if e in resident or e in in_flight]
+            missing = [e for e in gpu if e not in resident and e not in in_flight]
+        else:  # the common case, one set to look in
+            present = [e for e in gpu if e in resident]
+            missing = [e for e in gpu if e not in resident] if len(present) < len(gpu) else []
         if missing:
             missing = self.cache.admission_order(view, layer, missing)
             fits, evict = make_room(self.cache, view, layer, missing, set(present))

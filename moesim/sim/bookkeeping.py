@@ -96,9 +96,13 @@ def placement_decisions(view: LayerView, plan: LayerPlan, resident: set[int]) ->
 
 def weight_mass(view: LayerView, experts: list[int]) -> float:
     """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
-    if view.weights is None:
+    if view.weights is None or not experts:
         return 0.0
-    return float(view.weights[np.isin(view.experts, experts)].sum())
+    if view.experts.size * len(experts) > 4096:
+        return float(view.weights[np.isin(view.experts, experts)].sum())
+    # a decode layer: the mask np.isin gives, without its sorting set-up
+    chosen = np.fromiter(experts, dtype=view.experts.dtype, count=len(experts))
+    return float(view.weights[(view.experts[..., None] == chosen).any(axis=-1)].sum())
 
 
 def substitution_mass(view: LayerView, plan: LayerPlan) -> float:

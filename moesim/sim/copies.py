@@ -99,6 +99,11 @@ class CopyEngines:
         if self.queue:
             self.advance(at)
         free = self.free
+        ledger = self.ledger
+        if len(free) == 1 and not self.chunk_bytes and not (ledger is not None and ledger.intervals
+                                                            and ledger.intervals[-1][1] > at):
+            self._begin_in_turn(transfers, at)
+            return
         for transfer in transfers:
             i = 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
             if self.chunk_bytes and free[i] > at:
@@ -142,6 +147,25 @@ class CopyEngines:
         self.busy_s += duration
         self.bytes += transfer.nbytes
         heapq.heappush(self.unretired, (transfer.end, transfer.seq, transfer))
+
+    def _begin_in_turn(self, transfers: list[Transfer], at: float) -> None:
+        """:meth:`_begin` of each transfer in turn on the one engine, from ``at``, when no CPU work in the
+        DRAM ledger reaches past ``at`` (nothing to stretch them): the common case of every cache miss."""
+        t = self.free[0]
+        if t < at:
+            t = at
+        busy, nbytes = self.busy_s, self.bytes
+        durations, unretired, push = self._durations, self.unretired, heapq.heappush
+        for transfer in transfers:
+            transfer.start = t
+            duration = transfer.seconds or durations.get(transfer.nbytes) or self.duration(transfer.nbytes)
+            transfer.end = t = t + duration
+            busy += duration
+            nbytes += transfer.nbytes
+            push(unretired, (t, transfer.seq, transfer))
+        self.free[0] = t
+        self.last[0] = transfers[-1] if transfers else self.last[0]
+        self.busy_s, self.bytes = busy, nbytes
 
     def relay(self, transfer: Transfer, start: float, end: float) -> None:
         """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""

@@ -154,6 +154,7 @@ class Simulator:
         self._shared = self._shared_by_phase["prefill"]
         self._fixed: dict[tuple[int, int, int, str], dict[str, float]] = {}
         self._step_fixed: dict[str, float] = {}
+        self._writeback_s: float | None = None
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
 
@@ -210,25 +211,31 @@ class Simulator:
                       writebacks: list[tuple[int, int]] | None = None) -> None:
         """Demand loads of one plan, submitted together (the common case of every cache miss); each
         write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot."""
-        start_load, pending = self.cache.start_load, self.pending
+        self.cache.start_loads(layer, experts)
+        pending = self.pending
         nbytes = self.costs.expert_bytes
         batch = []
-        back = writebacks or []
+        back = writebacks or ()
+        seq = self._seq
         for i, e in enumerate(experts):
-            self._seq += 1
-            transfer = Transfer(layer, e, nbytes, 0, "load", self._seq, at, step)
-            start_load(layer, e)
-            pending[(layer, e)] = transfer
+            seq += 1
+            pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
-            if i < len(back):
+            if i < len(back):  # the write-back of the expert whose slot this load takes, right after it
+                self._seq = seq
                 batch.append(self._writeback(back[i], step, at))
+                seq = self._seq
+        self._seq = seq
         batch += [self._writeback(x, step, at) for x in back[len(experts):]]
         self.pcie.submit_demands(batch, at)
 
     def _writeback(self, evicted: tuple[int, int], step: int, at: float) -> Transfer:
         self._seq += 1
-        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", self._seq, at, step,
-                        seconds=self.costs.d2h(self.costs.expert_bytes))
+        seconds = self._writeback_s
+        if seconds is None:
+            seconds = self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
+        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", self._seq, at, step, None, None, -1, 0, False,
+                        seconds)
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
