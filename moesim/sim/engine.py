@@ -411,16 +411,18 @@ class Simulator:
         streamed = plan.streamed
         staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
             if streamed else {}
-        if not plan.prefetch_after_gpu:
+        if plan.prefetches and not plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
         gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1)
-        if plan.prefetch_after_gpu:
+        if plan.prefetches and plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, gpu_end)
         # the previous layer's deferred experts are added into this layer's output
-        end = max(gpu_end, cpu_end, self.deferred_until)
-        counters.breakdown["cpu_other"] += max(max(cpu_end, self.deferred_until) - gpu_end, 0.0)
+        cpu_side = cpu_end if cpu_end > self.deferred_until else self.deferred_until
+        end = gpu_end if gpu_end > cpu_side else cpu_side
+        if cpu_side > gpu_end:
+            counters.breakdown["cpu_other"] += cpu_side - gpu_end
         self.deferred_until = 0.0
         if plan.deferred:
             # deferred work follows the immediate experts' submission; with none, it is the submission
