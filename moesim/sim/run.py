@@ -183,6 +183,7 @@ def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str]
     complete = {r.system: summary(r) for r in runs}
     order = order or [r.system for r in runs]
     runs = sorted(runs, key=lambda r: order.index(r.system))
+    pruned = {name: pruned[name] for name in order if name in pruned}
     table: dict[str, dict[str, float]] = {}
     for name in order:
         if name in complete:
