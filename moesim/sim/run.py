@@ -233,33 +233,54 @@ def _simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict
     names = members(system)
     if names == (system,):
         return prepare(trace, hw, system, settings, **kwargs).run()
+    with keeping_decoded():  # the members replay the same trace: decoded once
+        sims, runs, skipped = prepare_members(trace, hw, system, settings, reuse, **kwargs)
+        return run_members(trace, system, sims, runs, skipped, kwargs.get("progress"))
+
+
+def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None,
+                    reuse: dict[str, SimResult] | None = None, **kwargs: Any
+                    ) -> tuple[dict[str, Simulator], dict[str, SimResult], dict[str, str]]:
+    """A portfolio's members set up to run: (their simulators, replays reused, members that cannot run here)."""
     own = SYSTEMS[system].portfolio
+    sims: dict[str, Simulator] = {}
     runs: dict[str, SimResult] = {}
     skipped: dict[str, str] = {}
+    for member in members(system):
+        if reuse and member in reuse:
+            runs[member] = reuse[member]
+            continue
+        try:
+            sims[member] = prepare(trace, hw, member, settings, **kwargs)
+        except ConfigError as err:
+            if member in own:
+                raise  # the bound's own schedules must run
+            skipped[member] = str(err)  # a listed system that cannot run this trace or setting
+    return sims, runs, skipped
+
+
+def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
+                skipped: dict[str, str], progress: Callable[[int], None] | None = None) -> PortfolioResult:
+    """Run a portfolio's prepared members, each to its end or (``engine.prune``) until it provably is best
+    on no metric (moesim.sim.portfolio), and combine them."""
+    names = members(system)
+    own = SYSTEMS[system].portfolio
+    runs = dict(runs)
     pruned: dict[str, Pruned] = {}
-    prune = parse_settings(with_system_defaults(system, settings)).engine.prune
-    with keeping_decoded():  # the members replay the same trace: decoded once
-        sims: dict[str, Simulator] = {}
-        for member in names:
-            if reuse and member in reuse:
-                runs[member] = reuse[member]
-                continue
+    if sims and not next(iter(sims.values())).config.prune:
+        for name, sim in sims.items():
             try:
-                sim = prepare(trace, hw, member, settings, **kwargs)
-                if prune:
-                    sims[member] = sim
-                else:
-                    runs[member] = sim.run()
+                runs[name] = sim.run()
             except ConfigError as err:
-                if member in own:
-                    raise  # the bound's own schedules must run
-                skipped[member] = str(err)  # a listed system that cannot run this trace or setting
-        if sims:
-            shape = TraceShape.of(trace, next(iter(sims.values())).model.num_experts)
-            racing = [Member(name, sim, step_floors(sim, shape), shape) for name, sim in sims.items()]
-            done, pruned = branch_and_bound(racing, {name: summary(r) for name, r in runs.items()}, list(names),
-                                            shape, own, skipped, kwargs.get("progress"))
-            runs.update(done)
+                if name in own:
+                    raise
+                skipped[name] = str(err)
+    elif sims:
+        shape = TraceShape.of(trace, next(iter(sims.values())).model.num_experts)
+        racing = [Member(name, sim, step_floors(sim, shape), shape) for name, sim in sims.items()]
+        done, pruned = branch_and_bound(racing, {name: summary(r) for name, r in runs.items()}, list(names),
+                                        shape, own, skipped, progress)
+        runs.update(done)
     order = [name for name in names if name in runs or name in pruned]
     return portfolio_result(system, list(runs.values()), skipped, pruned, order)
 
