@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect
+from dataclasses import dataclass, field
 
 from moesim.policy.base import Component, LayerView, RunContext
 
@@ -63,7 +64,9 @@ class SplitCosts:
     link_free: list[float]
 
     @classmethod
-    def of(cls, view: LayerView, copy_engines: int = 1) -> "SplitCosts":
+    def of(cls, view: LayerView, copy_engines: int = 1,
+           per_tokens: dict[int, tuple[float, float]] | None = None) -> "SplitCosts":
+        """``per_tokens``: a memo of (gpu_expert(n), cpu_expert(n)) by tokens ``n`` kept by the caller."""
         costs = view.costs
         resident = view.cache.resident[view.layer]
         engines = sorted([view.now] * copy_engines)
@@ -71,12 +74,19 @@ class SplitCosts:
             engines[0] = max(engines[0], at)
             engines.sort()
         shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
-        return cls(
-            now=view.now,
-            gpu={e: costs.gpu_expert(n) + view.expert_launch_s for e, n in zip(view.active, view.counts)},
-            cpu={e: costs.cpu_expert(n) for e, n in zip(view.active, view.counts)},
-            ready={e: view.now if e in resident else view.arrivals.get(e) for e in view.active},
-            load=costs.expert_load, shared=shared, sync=costs.sync_s, link_free=engines)
+        memo = {} if per_tokens is None else per_tokens
+        launch = view.expert_launch_s
+        gpu, cpu = {}, {}
+        for e, n in zip(view.active, view.counts):
+            pair = memo.get(n)
+            if pair is None:
+                pair = memo[n] = (costs.gpu_expert(n), costs.cpu_expert(n))
+            gpu[e] = pair[0] + launch
+            cpu[e] = pair[1]
+        now, arrivals = view.now, view.arrivals
+        return cls(now=now, gpu=gpu, cpu=cpu,
+                   ready={e: now if e in resident else arrivals.get(e) for e in view.active},
+                   load=costs.expert_load, shared=shared, sync=costs.sync_s, link_free=engines)
 
     def estimate(self, gpu: list[int], cpu: list[int]) -> float:
         """Time from plan to layer end, as the engine would run the split.
@@ -98,8 +108,42 @@ class SplitCosts:
         gpu_t = self.now + self.shared
         for at, e in ready:
             gpu_t = (gpu_t if gpu_t > at else at) + self.gpu[e]
-        cpu_t = self.now + self.sync + sum(self.cpu[e] for e in cpu) if cpu else self.now
+        cpu_t = self.now + self.sync + sum(map(self.cpu.__getitem__, cpu)) if cpu else self.now
         return max(gpu_t, cpu_t) - self.now
+
+    def prefix_estimates(self, order: list[int], lengths: list[int]) -> list[float]:
+        """``estimate(order[:i], order[i:])`` for each ``i`` of ``lengths`` (ascending), the same numbers:
+        the loads of a prefix are those of the shorter prefix plus its new experts, so each expert's arrival
+        is computed once and kept in arrival order."""
+        engines = list(self.link_free)
+        ready: list[tuple[float, int]] = []
+        #: the GPU stream's time after each expert of ``ready``: only what follows a new expert changes
+        chain: list[float] = []
+        out: list[float] = []
+        done = 0
+        now, shared, gpu, cpu = self.now, self.shared, self.gpu, self.cpu
+        for i in lengths:
+            first = len(ready)
+            for e in order[done:i]:
+                at = self.ready[e]
+                if at is None:
+                    engines[0] += self.load
+                    at = engines[0]
+                    if len(engines) > 1:
+                        engines.sort()
+                item = (at, e)
+                p = bisect(ready, item)
+                ready.insert(p, item)
+                first = min(first, p)
+            done = i
+            del chain[first:]
+            gpu_t = chain[-1] if chain else now + shared
+            for at, e in ready[first:]:
+                gpu_t = (gpu_t if gpu_t > at else at) + gpu[e]
+                chain.append(gpu_t)
+            cpu_t = now + self.sync + sum(map(cpu.__getitem__, order[i:])) if i < len(order) else now
+            out.append(max(gpu_t, cpu_t) - now)
+        return out
 
 
 @dataclass
@@ -113,12 +157,15 @@ class BestSplit(Assignment):
 
     name = "best"
     _copy_engines: int = 1
+    #: (gpu_expert(n), cpu_expert(n)) by tokens n, for this run's cost model
+    _per_tokens: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def configure(self, ctx: RunContext) -> None:
         self._copy_engines = ctx.costs.profile.pcie.copy_engines
+        self._per_tokens = {}
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
-        table = SplitCosts.of(view, self._copy_engines)
+        table = SplitCosts.of(view, self._copy_engines, self._per_tokens)
         active = list(view.active)
 
         def gpu_cost(e: int) -> float:
@@ -129,8 +176,10 @@ class BestSplit(Assignment):
         order = sorted(active, key=lambda e: (gpu_cost(e) - table.cpu[e], e))
         present = [e for e in active if table.ready[e] is not None]
         candidates = [(present, [e for e in active if e not in present])]
-        candidates += [(order[:i], order[i:]) for i in self._prefix_lengths(table, order)]
-        best = min(candidates, key=lambda c: table.estimate(c[0], c[1]))
+        lengths = self._prefix_lengths(table, order)
+        candidates += [(order[:i], order[i:]) for i in lengths]
+        estimates = [table.estimate(*candidates[0])] + table.prefix_estimates(order, lengths)
+        best = candidates[estimates.index(min(estimates))]  # the first of the shortest, as min() over them
         return list(best[0]), list(best[1])
 
     @staticmethod

@@ -65,6 +65,9 @@ class SimConfig:
     decisions: bool = False
     #: verify plans against the invariants while running (tests)
     check: bool = False
+    #: a portfolio bound (oracle) stops a member once it provably cannot be best on any metric
+    #: (moesim.sim.portfolio); false runs every member to the end, for every member's full metrics
+    prune: bool = True
 
 
 @dataclass
@@ -157,17 +160,29 @@ class Simulator:
         self._writeback_s: float | None = None
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
+        #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
+        self.watch: Callable[[StepRecord], bool] | None = None
 
     # ------------------------------------------------------------------ public
     def run(self, driver: Callable[[], Iterator[simpy.Event]] | None = None) -> SimResult:
         """Run to the end; ``driver`` is the process issuing steps through :meth:`run_step` (default: the trace's)."""
-        wall = time.perf_counter()
-        self.system.configure(self.ctx)
-        initial = [sorted(self.system.initial(layer, cap)) for layer, cap in enumerate(self.cache.capacity)]
-        for layer, experts in enumerate(initial):
-            self.cache.preload(layer, experts)
-        forward = self.env.process((driver or self._forward)())
+        forward = self.start(driver)
         self.env.run(until=forward)
+        return self.finish()
+
+    def start(self, driver: Callable[[], Iterator[simpy.Event]] | None = None) -> simpy.Process:
+        """Configure the system, preload its cache and start the forward pass (``run`` runs it to the end;
+        a portfolio bound runs its members a few steps at a time)."""
+        self._wall = time.perf_counter()
+        self.system.configure(self.ctx)
+        self._initial = [sorted(self.system.initial(layer, cap)) for layer, cap in enumerate(self.cache.capacity)]
+        for layer, experts in enumerate(self._initial):
+            self.cache.preload(layer, experts)
+        return self.env.process((driver or self._forward)())
+
+    def finish(self) -> SimResult:
+        """The result of a forward pass that has ended."""
+        wall, initial = self._wall, self._initial
         makespan = self.steps[-1].end if self.steps else 0.0
         self._retire(makespan)
         pcie_busy, pcie_bytes = self.pcie.busy_until(makespan)
@@ -283,6 +298,8 @@ class Simulator:
                                          requests))
             if self.progress is not None:
                 self.progress(step.rows)
+            if self.watch is not None and self.watch(self.steps[-1]):
+                return
 
     def run_step(self, step: Step, start: float) -> float:
         """Run one forward pass (every layer of ``step``) from ``start``; return when it ends.

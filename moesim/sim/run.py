@@ -17,6 +17,7 @@ from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
 from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
+from moesim.sim.portfolio import Member, Pruned, TraceShape, branch_and_bound, step_floors, summary
 from moesim.trace.io import keeping_decoded, read_meta, trace_columns
 from moesim.trace.validate import checked_meta, settle
 
@@ -164,19 +165,35 @@ class PortfolioResult(SimResult):
     best: dict[str, tuple[str, float]] = field(default_factory=dict)
     #: member -> its metrics of ``PORTFOLIO_METRICS``
     members: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: member -> what its lower bound depends on (:func:`floor_inputs`)
+    #: member -> what its lower bound depends on (:func:`floor_inputs`); complete members only
     inputs: dict[str, tuple[int | None, dict]] = field(default_factory=dict)
+    #: member -> where it was stopped and why: it provably was best on no metric (``engine.prune``,
+    #: moesim.sim.portfolio); its row of ``members`` holds its lower bounds there, not metrics
+    pruned: dict[str, Pruned] = field(default_factory=dict)
 
 
-def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str] | None = None) -> PortfolioResult:
-    """Combine the members' replays of a portfolio bound: each metric the minimum over its members."""
-    table = {}
-    for r in runs:
-        lat = latency_metrics(r.steps)
-        table[r.system] = {"tpot_ms_mean": lat["tpot_ms_mean"], "ttft_ms": lat["ttft_ms"], "makespan_s": r.makespan_s}
+def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str] | None = None,
+                     pruned: dict[str, Pruned] | None = None, order: list[str] | None = None) -> PortfolioResult:
+    """Combine the members' replays of a portfolio bound: each metric the minimum over its members.
+
+    ``pruned``: members stopped early, provably best on no metric; ``order``: every member in portfolio
+    order (the tie-break, and the order of the members table; default: ``runs``'s).
+    """
+    pruned = pruned or {}
+    complete = {r.system: summary(r) for r in runs}
+    order = order or [r.system for r in runs]
+    runs = sorted(runs, key=lambda r: order.index(r.system))
+    pruned = {name: pruned[name] for name in order if name in pruned}
+    table: dict[str, dict[str, float]] = {}
+    for name in order:
+        if name in complete:
+            table[name] = complete[name]
+        elif name in pruned:
+            table[name] = {"pruned_after_step": float(pruned[name].step),
+                           **{f"{m}_at_least": v for m, v in pruned[name].lower.items()}}
     best: dict[str, tuple[str, float]] = {}
     for metric in PORTFOLIO_METRICS:
-        values = [(v[metric], name) for name, v in table.items() if not math.isnan(v[metric])]
+        values = [(v[metric], name) for name, v in complete.items() if not math.isnan(v[metric])]
         if values:
             value, name = min(values, key=lambda x: (x[0], list(table).index(x[1])))
             best[metric] = (name, value)
@@ -185,11 +202,15 @@ def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str]
     fields = {f.name: getattr(lead, f.name) for f in dataclasses.fields(SimResult)}
     out = PortfolioResult(**fields, best=best, members=table, inputs={r.system: floor_inputs(r) for r in runs})
     out.system = system
-    out.sim_wall_s = sum(r.sim_wall_s for r in runs)
+    out.pruned = dict(pruned)
+    out.sim_wall_s = sum(r.sim_wall_s for r in runs) + sum(p.wall_s for p in pruned.values())
     out.notes = list(lead.notes)
     said = ", ".join(f"{metric.split('_')[0].upper()} {value * (1 if metric != 'makespan_s' else 1e3):.3f} ms "
                      f"from {name}" for metric, (name, value) in best.items())
-    out.notes.append(f"{system}: best of {len(runs)} schedules per metric: {said}")
+    out.notes.append(f"{system}: best of {len(runs) + len(pruned)} schedules per metric: {said}")
+    if pruned:
+        out.notes.append(f"{system}: schedules stopped once provably best on no metric (engine.prune=false runs "
+                         "them to the end): " + "; ".join(f"{k} {v.reason}" for k, v in pruned.items()))
     if skipped:
         out.notes.append(f"{system}: schedules that could not run here: "
                          + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
@@ -212,21 +233,56 @@ def _simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict
     names = members(system)
     if names == (system,):
         return prepare(trace, hw, system, settings, **kwargs).run()
-    own = SYSTEMS[system].portfolio
-    runs: list[SimResult] = []
-    skipped: dict[str, str] = {}
     with keeping_decoded():  # the members replay the same trace: decoded once
-        for member in names:
-            if reuse and member in reuse:
-                runs.append(reuse[member])
-                continue
+        sims, runs, skipped = prepare_members(trace, hw, system, settings, reuse, **kwargs)
+        return run_members(trace, system, sims, runs, skipped, kwargs.get("progress"))
+
+
+def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None,
+                    reuse: dict[str, SimResult] | None = None, **kwargs: Any
+                    ) -> tuple[dict[str, Simulator], dict[str, SimResult], dict[str, str]]:
+    """A portfolio's members set up to run: (their simulators, replays reused, members that cannot run here)."""
+    own = SYSTEMS[system].portfolio
+    sims: dict[str, Simulator] = {}
+    runs: dict[str, SimResult] = {}
+    skipped: dict[str, str] = {}
+    for member in members(system):
+        if reuse and member in reuse:
+            runs[member] = reuse[member]
+            continue
+        try:
+            sims[member] = prepare(trace, hw, member, settings, **kwargs)
+        except ConfigError as err:
+            if member in own:
+                raise  # the bound's own schedules must run
+            skipped[member] = str(err)  # a listed system that cannot run this trace or setting
+    return sims, runs, skipped
+
+
+def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
+                skipped: dict[str, str], progress: Callable[[int], None] | None = None) -> PortfolioResult:
+    """Run a portfolio's prepared members, each to its end or (``engine.prune``) until it provably is best
+    on no metric (moesim.sim.portfolio), and combine them."""
+    names = members(system)
+    own = SYSTEMS[system].portfolio
+    runs = dict(runs)
+    pruned: dict[str, Pruned] = {}
+    if sims and not next(iter(sims.values())).config.prune:
+        for name, sim in sims.items():
             try:
-                runs.append(prepare(trace, hw, member, settings, **kwargs).run())
+                runs[name] = sim.run()
             except ConfigError as err:
-                if member in own:
-                    raise  # the bound's own schedules must run
-                skipped[member] = str(err)  # a listed system that cannot run this trace or setting
-    return portfolio_result(system, runs, skipped)
+                if name in own:
+                    raise
+                skipped[name] = str(err)
+    elif sims:
+        shape = TraceShape.of(trace, next(iter(sims.values())).model.num_experts)
+        racing = [Member(name, sim, step_floors(sim, shape), shape) for name, sim in sims.items()]
+        done, pruned = branch_and_bound(racing, {name: summary(r) for name, r in runs.items()}, list(names),
+                                        shape, own, skipped, progress)
+        runs.update(done)
+    order = [name for name in names if name in runs or name in pruned]
+    return portfolio_result(system, list(runs.values()), skipped, pruned, order)
 
 
 def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None, *,
