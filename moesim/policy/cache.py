@@ -201,13 +201,15 @@ class BeladyCache(CachePolicy):
         """Farthest next use first; with ``incoming`` known, an expert is evicted only for one used sooner."""
         if n <= 0:
             return []
-        candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        candidates.sort(key=lambda e: (-self._next(view, layer, e), e))
+        # each expert's next use looked up once: the ranking and the comparisons below share them
+        upcoming = {e: self._next(view, layer, e) for e in view.cache.resident[layer] if e not in protected}
+        candidates = sorted(upcoming, key=lambda e: (-upcoming[e], e))
         if incoming is None:
             return candidates[:n]
+        arriving = {e: self._next(view, layer, e) for e in incoming}
         chosen = []
-        for victim, newcomer in zip(candidates, self.admission_order(view, layer, list(incoming))):
-            if len(chosen) == n or self._next(view, layer, victim) <= self._next(view, layer, newcomer):
+        for victim, newcomer in zip(candidates, sorted(arriving, key=lambda e: (arriving[e], e))):
+            if len(chosen) == n or upcoming[victim] <= arriving[newcomer]:
                 break
             chosen.append(victim)
         return chosen
