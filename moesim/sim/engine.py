@@ -158,6 +158,7 @@ class Simulator:
         self._fixed: dict[tuple[int, int, int, str], dict[str, float]] = {}
         self._step_fixed: dict[str, float] = {}
         self._writeback_s: float | None = None
+        self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
         #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
@@ -292,10 +293,11 @@ class Simulator:
             start = env.now
             # layers run back to back and nothing else issues work, so one timeout per step suffices
             yield env.timeout(self.run_step(step, start) - start)
-            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-            requests = np.unique(step.request[first]).tolist()
-            self.steps.append(StepRecord(step.step, PHASES[int(step.phase.min())], start, env.now, step.tokens,
-                                         requests))
+            first, second = step.layer_bounds[:2].tolist()
+            # one token: its request (np.unique's sort costs more than the rest of a small step's set-up)
+            requests = [int(step.request[first])] if second - first == 1 else \
+                np.unique(step.request[first:second]).tolist()
+            self.steps.append(StepRecord(step.step, self._step_phase, start, env.now, second - first, requests))
             if self.progress is not None:
                 self.progress(step.rows)
             if self.watch is not None and self.watch(self.steps[-1]):
@@ -309,10 +311,10 @@ class Simulator:
         runtime's host work and graph launch, embedding, dense layers, the MoE
         layers, LM head and sampling.
         """
-        first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-        context = int(step.position[first].max()) + 1
-        phase = PHASES[int(step.phase.min())]
+        first = slice(*step.layer_bounds[:2].tolist())
         tokens = first.stop - first.start
+        context = (int(step.position[first.start]) if tokens == 1 else int(step.position[first].max())) + 1
+        phase = self._step_phase = PHASES[int(step.phase.min())]
         sequences = len(np.unique(step.request[first])) if tokens > 1 else 1
         self.expert_launch_s, self.shared_launch_s = self._launch[phase]
         self._gpu, self._shared = self._gpu_by_phase[phase], self._shared_by_phase[phase]
