@@ -70,3 +70,25 @@ def test_pool_state_works_through_its_methods_and_copies_as_plain_sets():
     assert type(state.resident[0] | {3}) is set
     without_pool = CacheState([2, 2])
     assert type(without_pool.resident[0]) is set and without_pool.mirror is None
+
+
+@given(st.lists(st.integers(0, EXPERTS - 1), max_size=5), st.frozensets(st.integers(0, EXPERTS - 1), max_size=3),
+       st.integers(0, 5), st.sampled_from([None, 4]))
+@settings(max_examples=200, deadline=None)
+def test_start_loads_is_start_load_of_each_in_turn(experts, resident, capacity, pool):
+    """The batch form changes the state exactly as one start_load per expert, and fails on the same expert
+    with the same message."""
+    def run(batch: bool):
+        state = CacheState([max(capacity, len(resident)), 3], pool=pool)
+        state.preload(0, sorted(resident))
+        try:
+            if batch:
+                state.start_loads(0, experts)
+            else:
+                for expert in experts:
+                    state.start_load(0, expert)
+        except AssertionError as err:
+            return str(err), None
+        return None, (set(state.in_flight[0]), set(state.resident[0]), state.held())
+
+    assert run(True) == run(False)
