@@ -101,6 +101,15 @@ def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], li
     return order.tolist(), counts[order].tolist()
 
 
+def token_mean(scores: np.ndarray) -> np.ndarray:
+    """Mean router scores over the token rows, in float64 (``ndarray.mean``'s sum and division); one
+    row is its own mean (a decode layer's every time), taken without the reduction."""
+    if scores.shape[0] == 1:
+        return scores[0].astype(np.float64)
+    scores = scores.astype(np.float64)
+    return np.add.reduce(scores, axis=0) / scores.shape[0]
+
+
 def highest(scores: np.ndarray, p: int) -> np.ndarray:
     """Ids of the ``p`` highest scores, highest first, ids ascending among ties (a stable sort's first p);
     only the scores at least the p-th highest are sorted."""
@@ -110,6 +119,16 @@ def highest(scores: np.ndarray, p: int) -> np.ndarray:
         return np.argsort(-scores, kind="stable")
     near = np.flatnonzero(scores >= np.partition(scores, len(scores) - p)[len(scores) - p])
     return near[np.argsort(-scores[near], kind="stable")][:p]
+
+
+def highest_set(scores: np.ndarray, p: int) -> np.ndarray:
+    """The ids :func:`highest` picks, in no particular order (for updates where only the set matters):
+    without ties at the p-th score, the scores at least the p-th highest, unsorted."""
+    if 0 < p < len(scores):
+        near = np.flatnonzero(scores >= np.partition(scores, len(scores) - p)[len(scores) - p])
+        if near.size == p:
+            return near
+    return highest(scores, p)
 
 
 @dataclass(slots=True)

@@ -50,7 +50,7 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext, highest
+from moesim.policy.base import LayerPlan, LayerView, RunContext, highest_set, token_mean
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.dali import SolveClock
 from moesim.policy.prefetch import Prefetch, ranked_predictions
@@ -88,8 +88,7 @@ class ScoreAwareCache(CachePolicy):
     def layer_scores(self, view: LayerView) -> np.ndarray:
         """Mean router scores of this layer's tokens (from routed weights when the trace lacks scores)."""
         if view.scores is not None:
-            scores = view.scores.astype(np.float64)
-            return np.add.reduce(scores, axis=0) / scores.shape[0]  # ndarray.mean's sum and division
+            return token_mean(view.scores)
         dense = np.zeros(view.cache_experts())
         weights = view.weights if view.weights is not None else np.full(view.experts.shape, 1.0 / view.experts.shape[1])
         np.add.at(dense, view.experts.ravel(), weights.ravel())
@@ -98,7 +97,7 @@ class ScoreAwareCache(CachePolicy):
     def observe(self, view: LayerView) -> None:
         """``S = alpha * TopP(s) + (1 - alpha) * S`` for this layer."""
         scores = self.layer_scores(view)
-        top = highest(scores, self.top_p)
+        top = highest_set(scores, self.top_p)
         row = self._priority[view.layer]
         row *= 1.0 - self.alpha
         row[top] += self.alpha * scores[top]
@@ -110,10 +109,9 @@ class ScoreAwareCache(CachePolicy):
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        row = self._priority[layer]
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        candidates.sort(key=lambda e: (row[e], e))
-        return candidates[:n]
+        priority = self._priority[layer].take(candidates).tolist()
+        return [e for _, e in sorted(zip(priority, candidates))[:n]]
 
 
 #: 003 Table 6 (App. A.4): HybriMoE's scheduling overhead, 3.01% of end-to-end inference time on average
@@ -133,10 +131,9 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     """
     costs = view.costs
     count = dict(zip(view.active, view.counts))
-    cached: list[int] = []
-    uncached: list[int] = []
-    for e in view.active:
-        (cached if view.cache.has(view.layer, e) else uncached).append(e)
+    resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+    cached = [e for e in view.active if e in resident or e in in_flight]
+    uncached = [e for e in view.active if e not in resident and e not in in_flight]
     by_load = lambda e: (-count[e], e)  # noqa: E731
     order = sorted(cached, key=by_load) + sorted(uncached, key=by_load)
     uncached_set = set(uncached)

@@ -45,7 +45,7 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext, token_mean
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, register_component, register_system
@@ -210,8 +210,7 @@ class ScoreHistoryCache(CachePolicy):
         if (view.step, view.layer) == self._seen or view.scores is None:
             return
         self._seen = (view.step, view.layer)
-        scores = view.scores.astype(np.float64)
-        mean = np.add.reduce(scores, axis=0) / scores.shape[0]  # ndarray.mean's sum and division
+        mean = token_mean(view.scores)
         history, layer = self._history[view.layer], view.layer
         history.append(mean)
         self._sums[layer] += mean

@@ -381,16 +381,11 @@ class RequestLFUCache(CachePolicy):
             return []
         current, total = self._priorities(view)
         state = view.cache
-        layers, width = current.shape
-        mask = state.mirror.resident_mask if state.mirror is not None else resident_mask(state.resident, width)
-        guarded = [(l, e) for l, e in protected if e in state.resident[l]]
-        if guarded or mask.shape[1] != width:
-            free = np.zeros((layers, width), dtype=bool)
-            free[:, :mask.shape[1]] = mask  # a mirror mask is only as wide as the largest id it has seen
-            if guarded:
-                free[tuple(zip(*guarded))] = False
-            mask = free
-        cells = np.flatnonzero(mask)  # layer * width + expert of every resident, unprotected expert
+        width = current.shape[1]
+        cells = resident_cells(state, width)  # layer * width + expert of every resident expert, ascending
+        guarded = sorted(l * width + e for l, e in protected if e in state.resident[l])
+        if guarded:
+            cells = np.delete(cells, np.searchsorted(cells, guarded))
         current_of = current.ravel()[cells]
         if n < cells.size:  # only cells at most the n-th least current priority can be chosen
             near = np.flatnonzero(current_of <= np.partition(current_of, n - 1)[n - 1])
@@ -412,6 +407,16 @@ def row_share(row: np.ndarray, depth: float) -> np.ndarray:
     """:func:`share` of one row (the same numbers, without the matrix's broadcasting)."""
     total = row.sum()
     return row / total * depth if total > 0 else row
+
+
+def resident_cells(state, width: int) -> np.ndarray:
+    """``layer * width + expert`` of every resident expert, ascending (from the pool's mask when it keeps one)."""
+    mask = state.mirror.resident_mask if state.mirror is not None else resident_mask(state.resident, width)
+    cells = np.flatnonzero(mask)
+    if mask.shape[1] != width:  # a mirror mask is only as wide as the largest id it has seen
+        layer_of, expert_of = np.divmod(cells, mask.shape[1])
+        cells = layer_of * width + expert_of
+    return cells
 
 
 def resident_mask(resident: list[set[int]], width: int) -> np.ndarray:
