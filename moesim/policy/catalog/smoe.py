@@ -94,10 +94,11 @@ class SMoELFUCache(CachePolicy):
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        freq, stamp = self._freq[layer], self._stamp[layer]
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        candidates.sort(key=lambda e: (freq[e], stamp[e], e))
-        return candidates[:n]
+        # least frequent, then least recent, then lowest id; the counters read in one call each
+        frequency, recency = self._freq[layer][candidates].tolist(), self._stamp[layer][candidates].tolist()
+        ranked = sorted(zip(frequency, recency, candidates))
+        return [e for _, _, e in ranked[:n]]
 
 
 # ----------------------------------------------------------------------------- assignment
@@ -123,10 +124,14 @@ class SMoEAssign(Assignment):
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         gpu, cpu = [], []
         queued = self._queue_s(view) if self.queue_aware else 0.0
+        times: dict[int, tuple[float, float]] = {}  # tokens -> (T_CPU, T_GPU): a layer has few counts
         for expert, tokens in zip(view.active, view.counts):
             transfer = self.transfer_s(view, expert)
             copies = self.queue_aware and transfer == view.costs.expert_load
-            if self.prefers_gpu(view, expert, tokens, transfer + (queued if copies else 0.0)):
+            if tokens not in times:
+                times[tokens] = self.compute_s(view, tokens)
+            t_cpu, t_gpu = times[tokens]
+            if t_cpu > t_gpu + (transfer + (queued if copies else 0.0)):
                 gpu.append(expert)
                 queued += view.costs.expert_load if copies else 0.0
             else:
@@ -138,10 +143,14 @@ class SMoEAssign(Assignment):
         """Time until this layer's loads already in flight have arrived."""
         return max([0.0] + [at - view.now for at in view.arrivals.values()])
 
-    def prefers_gpu(self, view: LayerView, expert: int, tokens: int, transfer: float | None = None) -> bool:
+    @staticmethod
+    def compute_s(view: LayerView, tokens: int) -> tuple[float, float]:
+        """``T_CPU`` and ``T_GPU`` (launches included) of an expert with ``tokens`` tokens."""
         costs = view.costs
-        t_cpu = costs.cpu_expert(tokens)
-        t_gpu = costs.gpu_expert(tokens) + view.expert_launch_s
+        return costs.cpu_expert(tokens), costs.gpu_expert(tokens) + view.expert_launch_s
+
+    def prefers_gpu(self, view: LayerView, expert: int, tokens: int, transfer: float | None = None) -> bool:
+        t_cpu, t_gpu = self.compute_s(view, tokens)
         return t_cpu > t_gpu + (self.transfer_s(view, expert) if transfer is None else transfer)
 
     def transfer_s(self, view: LayerView, expert: int) -> float:
