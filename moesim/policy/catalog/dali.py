@@ -73,6 +73,7 @@ def expert_times(view: LayerView) -> tuple[list[int], np.ndarray, np.ndarray]:
     resident = view.cache.resident[layer]
     experts = list(view.active)
     t_gpu, t_cpu = [], []
+    compute: dict[int, tuple[float, float]] = {}  # tokens -> (GPU kernel with launches, CPU): few counts
     for e, n in zip(experts, view.counts):
         if e in resident:
             transfer = 0.0
@@ -80,8 +81,11 @@ def expert_times(view: LayerView) -> tuple[list[int], np.ndarray, np.ndarray]:
             transfer = max(view.arrivals[e] - view.now, 0.0)
         else:
             transfer = costs.expert_load
-        t_gpu.append(max(transfer, costs.gpu_expert(n) + view.expert_launch_s))
-        t_cpu.append(costs.cpu_expert(n))
+        if n not in compute:
+            compute[n] = (costs.gpu_expert(n) + view.expert_launch_s, costs.cpu_expert(n))
+        gpu, cpu = compute[n]
+        t_gpu.append(transfer if transfer > gpu else gpu)
+        t_cpu.append(cpu)
     return experts, np.array(t_gpu, dtype=np.float64), np.array(t_cpu, dtype=np.float64)
 
 
@@ -339,6 +343,10 @@ class WorkloadAwareCache(CachePolicy):
     def cached(self, layer: int) -> set[int]:
         return self._cached[layer]
 
+    def cached_sets(self) -> list[set[int]]:
+        """Every layer's cached experts, by layer."""
+        return self._cached
+
     def observe(self, view: LayerView) -> bool:
         """Add this iteration's workload (Alg. 2 lines 5-6); True when the layer's window just closed."""
         if (view.step, view.layer) == self._seen:
@@ -496,8 +504,8 @@ class DaliSystem(ObservingSystem):
         cache, resident = self.cache, view.cache.resident
         assert isinstance(cache, WorkloadAwareCache)
         # few: most layers hold only cached experts, passed over by a subset test
-        return [(l, x) for l in range(len(resident)) if not resident[l] <= cache.cached(l)
-                for x in resident[l] - cache.cached(l)]
+        return [(l, x) for l, (held, kept) in enumerate(zip(resident, cache.cached_sets())) if not held <= kept
+                for x in held - kept]
 
     def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
                      evicted: set[tuple[int, int]], entries: list[tuple[int, int]]) -> tuple[int, int] | None:
