@@ -51,10 +51,10 @@ print(seconds)
 """ % SETTINGS
 
 
-def timed(root: Path, trace: Path, system: str, count: bool = False) -> float:
+def timed(root: Path, trace: Path, system: str, count: bool = False, core: int = 0) -> float:
     """Seconds of one replay, or with ``count`` its instructions (callgrind's ``Collected`` figure)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    pin = ["taskset", "-c", "0"] if sys.platform.startswith("linux") else []
+    pin = ["taskset", "-c", str(core)] if sys.platform.startswith("linux") and shutil.which("taskset") else []
     grind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null"] if count else []
     done = subprocess.run(pin + grind + [sys.executable, "-c", ONE, str(trace), system, "count" if count else "time"],
                           env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=True)
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--systems", required=True, help="comma-separated systems both checkouts have")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2000, help="decode tokens after a 64-token prompt")
+    parser.add_argument("--core", type=int, default=0, help="the core every replay is pinned to")
     parser.add_argument("--count", choices=["seconds", "instructions"], default="seconds",
                         help="time each replay (best of --rounds) or count its instructions (one round suffices)")
     args = parser.parse_args()
@@ -82,8 +83,8 @@ def main() -> None:
                        cwd=folder, check=True)
         # untimed: the first replay of a new file validates it and records that it did
         # (moesim.trace.validated); a user's repeated replays of one trace pay that once
-        timed(args.before, trace, "cpu-only")
-        timed(HERE, trace, "cpu-only")
+        timed(args.before, trace, "cpu-only", core=args.core)
+        timed(HERE, trace, "cpu-only", core=args.core)
         count = args.count == "instructions"
         if count and not shutil.which("valgrind"):
             sys.exit("--count instructions needs valgrind (callgrind) on PATH")
@@ -92,8 +93,8 @@ def main() -> None:
             before = after = float("inf")
             try:
                 for _ in range(args.rounds):
-                    before = min(before, timed(args.before, trace, system, count))
-                    after = min(after, timed(HERE, trace, system, count))
+                    before = min(before, timed(args.before, trace, system, count, args.core))
+                    after = min(after, timed(HERE, trace, system, count, args.core))
             except subprocess.CalledProcessError as err:
                 lines = (err.stderr or "").strip().splitlines()
                 print(f"{system:<20} FAILED: {lines[-1] if lines else err}", flush=True)

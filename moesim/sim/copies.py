@@ -175,6 +175,15 @@ class CopyEngines:
 
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free
+        if len(free) == 1:  # one engine: no choosing (the common case, as every profile has it)
+            while queue:
+                issued = queue[0].issued
+                start = free[0] if free[0] > issued else issued
+                if start > t:
+                    return
+                self._head += 1
+                self._begin(0, queue.popleft(), start)
+            return
         while queue:
             i = self._engine()
             start = free[i] if free[i] > queue[0].issued else queue[0].issued
