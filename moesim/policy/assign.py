@@ -88,6 +88,17 @@ class SplitCosts:
                    ready={e: now if e in resident else arrivals.get(e) for e in view.active},
                    load=costs.expert_load, shared=shared, sync=costs.sync_s, link_free=engines)
 
+    def _arrival(self, expert: int, engines: list[float]) -> float:
+        """When ``expert``'s weights are on the GPU: known if resident or arriving, else after one more
+        load on the copy engine free first (``engines``, kept sorted, is updated)."""
+        at = self.ready[expert]
+        if at is None:
+            engines[0] += self.load
+            at = engines[0]
+            if len(engines) > 1:
+                engines.sort()
+        return at
+
     def estimate(self, gpu: list[int], cpu: list[int]) -> float:
         """Time from plan to layer end, as the engine would run the split.
 
@@ -97,13 +108,7 @@ class SplitCosts:
         engines = list(self.link_free)
         ready: list[tuple[float, int]] = []
         for e in gpu:
-            at = self.ready[e]
-            if at is None:
-                engines[0] += self.load
-                at = engines[0]
-                if len(engines) > 1:
-                    engines.sort()
-            ready.append((at, e))
+            ready.append((self._arrival(e, engines), e))
         ready.sort()
         gpu_t = self.now + self.shared
         for at, e in ready:
@@ -125,13 +130,7 @@ class SplitCosts:
         for i in lengths:
             first = len(ready)
             for e in order[done:i]:
-                at = self.ready[e]
-                if at is None:
-                    engines[0] += self.load
-                    at = engines[0]
-                    if len(engines) > 1:
-                        engines.sort()
-                item = (at, e)
+                item = (self._arrival(e, engines), e)
                 p = bisect(ready, item)
                 ready.insert(p, item)
                 first = min(first, p)
