@@ -238,20 +238,19 @@ class Simulator:
             pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
             if i < len(back):  # the write-back of the expert whose slot this load takes, right after it
-                self._seq = seq
-                batch.append(self._writeback(back[i], step, at))
-                seq = self._seq
+                seq += 1
+                batch.append(self._writeback(back[i], step, at, seq))
+        for evicted in back[len(experts):]:
+            seq += 1
+            batch.append(self._writeback(evicted, step, at, seq))
         self._seq = seq
-        batch += [self._writeback(x, step, at) for x in back[len(experts):]]
         self.pcie.submit_demands(batch, at)
 
-    def _writeback(self, evicted: tuple[int, int], step: int, at: float) -> Transfer:
-        self._seq += 1
+    def _writeback(self, evicted: tuple[int, int], step: int, at: float, seq: int) -> Transfer:
         seconds = self._writeback_s
         if seconds is None:
             seconds = self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
-        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", self._seq, at, step, None, None, -1, 0, False,
-                        seconds)
+        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", seq, at, step, None, None, -1, 0, False, seconds)
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1

@@ -30,7 +30,7 @@ sampling (``_step_work``); per MoE layer its launches, attention and shared
 experts, which the GPU stream runs before its routed experts; and the routed
 experts: each runs on the GPU for at least ``gpu_expert(n)`` plus its launch
 or on the CPU for at least ``cpu_expert(n)``, so a layer lasts at least the
-fractional balance of GPU stream and CPU (``balanced_floor``). A member that
+fractional balance of GPU stream and CPU (``balanced_groups``). A member that
 defers CPU experts past their layer (001 Sec. 4) balances them over the whole
 step instead (its CPU work still ends inside the step). A member that rewrites
 routing (002, 004) counts the routed experts of single-token layers only (a
@@ -51,8 +51,9 @@ import simpy
 
 from moesim.errors import ConfigError
 from moesim.policy.base import active_experts
-from moesim.policy.catalog.bounds import balanced_floor
+from moesim.policy.catalog.bounds import balanced_groups
 from moesim.policy.systems import NoDeferral, NoSubstitution
+from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimResult, Simulator, StepRecord
 from moesim.trace.io import iter_steps
 from moesim.trace.schema import PHASES
@@ -115,21 +116,6 @@ class TraceShape:
                 for r in reqs:
                     out.setdefault(r, [i, i])[1] = i
         return {r: (a, b) for r, (a, b) in out.items()}
-
-
-def balanced_groups(fixed: float, groups: list[tuple[float, float, int]]) -> float:
-    """``balanced_floor`` over experts given as (gpu seconds, cpu seconds, how many): min over fractional
-    splits of max(fixed + GPU share, CPU share)."""
-    gpu_total, cpu_total = fixed, sum(c * m for _, c, m in groups)
-    if gpu_total >= cpu_total:
-        return gpu_total
-    for g, c, m in sorted(groups, key=lambda x: (x[0] / x[1]) if x[1] > 0 else math.inf):
-        if gpu_total + m * g >= cpu_total - m * c:
-            x = (cpu_total - gpu_total) / (g + c) if g + c > 0 else 0.0
-            return gpu_total + x * g
-        gpu_total += m * g
-        cpu_total -= m * c
-    return max(gpu_total, cpu_total)
 
 
 def step_floors(sim: Simulator, shape: TraceShape) -> np.ndarray:
@@ -359,7 +345,6 @@ def branch_and_bound(members: list[Member], complete: dict[str, dict[str, float]
 
 def summary(result: SimResult) -> dict[str, float]:
     """A member's values of ``METRICS``."""
-    from moesim.sim.bookkeeping import latency_metrics
     lat = latency_metrics(result.steps)
     return {"tpot_ms_mean": lat["tpot_ms_mean"], "ttft_ms": lat["ttft_ms"], "makespan_s": result.makespan_s}
 

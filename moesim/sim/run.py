@@ -14,10 +14,9 @@ from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
 from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
-from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
-from moesim.sim.portfolio import Member, Pruned, TraceShape, branch_and_bound, step_floors, summary
+from moesim.sim.portfolio import METRICS, Member, Pruned, TraceShape, branch_and_bound, step_floors, summary
 from moesim.trace.io import keeping_decoded, read_meta, trace_columns
 from moesim.trace.validate import checked_meta, settle
 
@@ -153,7 +152,7 @@ def members(system: str) -> tuple[str, ...]:
 
 
 #: metrics a portfolio takes, each from its best member (lower is better)
-PORTFOLIO_METRICS = ("tpot_ms_mean", "ttft_ms", "makespan_s")
+PORTFOLIO_METRICS = METRICS
 
 
 @dataclass

@@ -30,13 +30,18 @@ def test_copy_or_cpu_rule_on_hand_example():
     assert FiddlerAssign().split(one_token) == ([], [0, 1])
 
 
-def test_fiddler_equals_static_hot_in_decode_and_wins_long_prefills(tmp_path):
+def prompt_of_64(tmp_path):
+    """A 64-token prompt and 8 decode tokens over 2 layers of 8 experts (top-2), 2 pinned per layer."""
     model = tiny_model(layers=2, experts=8, top_k=2)
     routing = random_routing(np.random.default_rng(3), model, requests=1, prompt=64, decode=8)
     trace = write_tiny_trace(tmp_path / "t.parquet", model, routing)
     # cpu(n) = 100 n us: one token costs less on the CPU than a 110 us copy; 16 tokens cost more
     profile = tiny_profile(pcie_gbps=0.49152, cpu_us=(100.0, 10000.0))
-    common = {"engine.check": "true", "cache.slots_per_layer": "2"}
+    return trace, profile, {"engine.check": "true", "cache.slots_per_layer": "2"}
+
+
+def test_fiddler_equals_static_hot_in_decode_and_wins_long_prefills(tmp_path):
+    trace, profile, common = prompt_of_64(tmp_path)
     fiddler = metrics(simulate(str(trace), profile, "fiddler", common))
     static = metrics(simulate(str(trace), profile, "static-hot", common))
     # same pinned experts; one token per expert in decoding never pays for a copy
@@ -78,11 +83,7 @@ def test_one_placeholder_buffer_by_default_and_the_users_setting_wins(tmp_path):
 def test_without_copies_every_cold_expert_runs_on_the_cpu_even_in_a_long_prefill(tmp_path):
     """001 Sec. 6.1's Fiddler: routed experts on the CPU; the 64-token prefill copies nothing and takes as long
     as static-hot's (same pinned experts, every other one on the CPU)."""
-    model = tiny_model(layers=2, experts=8, top_k=2)
-    routing = random_routing(np.random.default_rng(3), model, requests=1, prompt=64, decode=8)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model, routing)
-    profile = tiny_profile(pcie_gbps=0.49152, cpu_us=(100.0, 10000.0))
-    common = {"engine.check": "true", "cache.slots_per_layer": "2"}
+    trace, profile, common = prompt_of_64(tmp_path)
     copying = metrics(simulate(str(trace), profile, "fiddler", common))
     on_cpu = metrics(simulate(str(trace), profile, "fiddler", {**common, "assign.copy_cold": "false"}))
     static = metrics(simulate(str(trace), profile, "static-hot", common))

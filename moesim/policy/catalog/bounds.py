@@ -85,17 +85,21 @@ Rewrites = dict[tuple[int, int], list[tuple[int, int, int]]]
 
 def balanced_floor(gpu_fixed: float, gpu: list[float], cpu: list[float]) -> float:
     """min over fractional splits of max(gpu_fixed + GPU share, CPU share) (the LP relaxation)."""
-    gpu_total, cpu_total = gpu_fixed, float(sum(cpu))
+    return balanced_groups(gpu_fixed, [(g, c, 1) for g, c in zip(gpu, cpu)])
+
+
+def balanced_groups(gpu_fixed: float, groups: list[tuple[float, float, int]]) -> float:
+    """:func:`balanced_floor` over experts given as (gpu seconds, cpu seconds, how many alike): fill the
+    GPU with the experts it runs cheapest against the CPU first, the last one fractionally."""
+    gpu_total, cpu_total = gpu_fixed, float(sum(c * m for _, c, m in groups))
     if gpu_total >= cpu_total:
         return gpu_total
-    order = sorted(range(len(gpu)), key=lambda i: (gpu[i] / cpu[i]) if cpu[i] > 0 else float("inf"))
-    for i in order:
-        g, c = gpu[i], cpu[i]
-        if gpu_total + g >= cpu_total - c:
+    for g, c, m in sorted(groups, key=lambda x: (x[0] / x[1]) if x[1] > 0 else float("inf")):
+        if gpu_total + m * g >= cpu_total - m * c:
             x = (cpu_total - gpu_total) / (g + c) if g + c > 0 else 0.0
             return gpu_total + x * g
-        gpu_total += g
-        cpu_total -= c
+        gpu_total += m * g
+        cpu_total -= m * c
     return max(gpu_total, cpu_total)
 
 

@@ -185,6 +185,15 @@ class SolveClock:
     _plans: int = 0
     _period: float = 0.0
 
+    @classmethod
+    def checked(cls, share: float, solve_us: float, typical: float) -> "SolveClock":
+        """A clock for the ``assign.solve_share`` / ``assign.solve_us`` settings, the share checked first
+        (``typical``: the paper's share, named in the fix)."""
+        if not 0.0 <= share < 1.0:
+            raise ConfigError(f"assign.solve_share={share} outside [0, 1)", field="assign.solve_share",
+                              fix=f"use a share of the run such as {typical} (0: free)")
+        return cls(share, solve_us)
+
     def charge(self, view: LayerView) -> float:
         """Seconds of decision time for this plan."""
         if self.solve_us >= 0:
@@ -216,10 +225,7 @@ class DaliGreedy(Assignment):
     _clock: SolveClock | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
-        if not 0.0 <= self.solve_share < 1.0:
-            raise ConfigError(f"assign.solve_share={self.solve_share} outside [0, 1)", field="assign.solve_share",
-                              fix=f"use a share of the run such as {GREEDY_SHARE} (0: free)")
-        self._clock = SolveClock(self.solve_share, self.solve_us)
+        self._clock = SolveClock.checked(self.solve_share, self.solve_us, GREEDY_SHARE)
 
     def choose(self, t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
         return greedy_assignment(t_gpu, t_cpu)

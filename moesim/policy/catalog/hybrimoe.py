@@ -179,10 +179,7 @@ class HybridScheduling(Assignment):
     _clock: SolveClock | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
-        if not 0.0 <= self.solve_share < 1.0:
-            raise ConfigError(f"assign.solve_share={self.solve_share} outside [0, 1)", field="assign.solve_share",
-                              fix=f"use a share of the run such as {SCHEDULING_SHARE} (0: free)")
-        self._clock = SolveClock(self.solve_share, self.solve_us)
+        self._clock = SolveClock.checked(self.solve_share, self.solve_us, SCHEDULING_SHARE)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         if self._clock is None:
