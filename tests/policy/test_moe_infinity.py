@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
-from moesim.policy.catalog.moe_infinity import ActivationTracker, RequestLFUCache, request_eams
+from moesim.policy.catalog.moe_infinity import ActivationTracker, EvictionOrder, RequestLFUCache, request_eams
 from moesim.policy.state import CacheState
 from moesim.sim.run import prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
@@ -175,3 +175,41 @@ def test_pool_victims_are_the_least_by_the_documented_order(data):
     candidates = [(l, e) for l in range(layers) for e in state.resident[l] if (l, e) not in protected]
     expected = sorted(candidates, key=lambda c: (current[c], total[c], -c[0], c[1]))[:n]
     assert cache.pool_victims(view, n, protected, view.layer) == expected
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_kept_eviction_order_equals_the_ranking_afresh_through_a_run(data):
+    """The eviction order kept between pool evictions (``EvictionOrder``) answers every call as ranking
+    every resident expert afresh does, while routing is observed, requests join and finish, the batch
+    changes and experts are evicted and loaded between calls."""
+    layers, experts = 3, 5
+    last_step = {r: data.draw(st.integers(0, 4)) for r in range(4)}
+    tracker = ActivationTracker(layers, experts, eamc_size=2, last_step=last_step)
+    tracker.total = np.zeros((layers, experts))
+    cache = RequestLFUCache()
+    cache.configure(RunContext(model=tiny_model(layers=layers, experts=experts, top_k=2), costs=None,
+                               capacity=[experts] * layers, pool=layers * experts - 2))
+    cache.tracker, cache._order = tracker, EvictionOrder(tracker, layers, experts)
+    state = CacheState([experts] * layers, pool=layers * experts - 2)
+    for layer in range(layers):
+        state.preload(layer, sorted(data.draw(st.sets(st.integers(0, experts - 1), max_size=4))))
+    cells = st.tuples(st.integers(0, layers - 1), st.integers(0, experts - 1))
+    for step in range(data.draw(st.integers(1, 4))):
+        for layer in range(layers):
+            routed = np.array(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=2, max_size=2,
+                                                          unique=True), min_size=1, max_size=3)))
+            requests = np.array(data.draw(st.lists(st.integers(0, 3), min_size=len(routed), max_size=len(routed))))
+            view = LayerView(step, layer, "decode", routed, [], [], state, None, requests=requests)
+            tracker.observe(view)
+            for _ in range(data.draw(st.integers(0, 2))):  # evictions and loads since the last call
+                l, e = data.draw(cells)
+                if e in state.resident[l]:
+                    state.evict(l, e)
+                elif state.held() < state.pool:
+                    state.start_load(l, e)
+                    state.finish_load(l, e)
+            protected = data.draw(st.sets(cells, max_size=4))
+            n = data.draw(st.integers(1, layers * experts))
+            expected = cache.ranked_victims(view, n, protected)
+            assert cache.pool_victims(view, n, protected, layer) == expected

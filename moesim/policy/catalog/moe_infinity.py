@@ -41,14 +41,16 @@ serving system sees its end of sequence.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
-from moesim.policy.base import LayerView, RunContext
+from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import Prefetch
@@ -110,6 +112,10 @@ class ActivationTracker:
     _batch: np.ndarray | None = None
     #: the collection stacked as one matrix (None: rebuilt at the next match)
     _stack: np.ndarray | None = None
+    #: observations that moved counts so far, and what the latest one added: (layer, experts, tokens of
+    #: each), added to the run's counts and to the kept batch EAM alike (None: not to the batch EAM alike)
+    observations: int = 0
+    last_added: tuple[int, list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.row_version is None:
@@ -171,6 +177,10 @@ class ActivationTracker:
         assert self.total is not None and self.row_version is not None
         self.total[layer] += counts
         self.row_version[layer] += 1
+        self.observations += 1
+        batch = self._batch_ids
+        self.last_added = (layer, *active_experts(view.experts, self.num_experts)) \
+            if batch is not None and all(r in batch for r in ids) else None
 
     def batch_eam(self, view: LayerView) -> np.ndarray:
         """The sum of the live EAMs of the view's requests (kept between layers; read-only)."""
@@ -315,6 +325,8 @@ class RequestLFUCache(CachePolicy):
     _generation: int = -1
     #: each layer's depth weight 1 - layer / L, as a column
     _depth: np.ndarray | None = field(default=None, repr=False)
+    #: the resident experts in eviction order, kept between pool evictions
+    _order: "EvictionOrder | None" = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         tracker = _TRACKERS.get(id(ctx))
@@ -328,6 +340,7 @@ class RequestLFUCache(CachePolicy):
         self._depth = np.array([[1 - layer / layers] for layer in range(layers)])
         self._current = self._total = self._versions = None
         self._generation = -1
+        self._order = EvictionOrder(tracker, layers, ctx.model.num_experts) if tracker is not None else None
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         return list(range(min(self._start[layer], capacity))) if self._start else []
@@ -377,6 +390,18 @@ class RequestLFUCache(CachePolicy):
 
     def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
                      layer: int) -> list[tuple[int, int]]:
+        """The ``n`` resident experts of least (current priority, run priority, later layer, lower id)
+        outside ``protected``, over every layer; :class:`EvictionOrder` keeps that order between calls,
+        :meth:`ranked_victims` ranks every resident expert afresh (the same answer)."""
+        if n <= 0:
+            return []
+        order = self._order
+        if order is not None and order.sync(view):
+            return order.least(n, protected, view.cache.resident)
+        return self.ranked_victims(view, n, protected)
+
+    def ranked_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]]) -> list[tuple[int, int]]:
+        """:meth:`pool_victims` from every resident expert's priorities, ranked afresh."""
         if n <= 0:
             return []
         current, total = self._priorities(view)
@@ -394,6 +419,164 @@ class RequestLFUCache(CachePolicy):
         # lowest current priority, then lowest run priority, then the later layer, then the lower id
         order = np.lexsort((expert_of, -layer_of, total.ravel()[cells], current_of))[:n]
         return list(zip(layer_of[order].tolist(), expert_of[order].tolist()))
+
+
+class EvictionOrder:
+    """The pool's resident experts in :class:`RequestLFUCache` eviction order, kept up to date between calls.
+
+    The order is ascending (current priority, run priority, -layer, expert), each priority an expert's
+    activation count over its layer's total times the layer's depth weight. Within one layer both
+    shares are counts over the same total and weight, so they rank the layer's experts as the counts do
+    (distinct whole counts below ``2 ** count_bits`` give distinct, equally ordered floats): a layer's
+    experts are ranked by one integer per expert, ``(batch count, run count, expert)`` packed, updated
+    expert by expert as the tracker observes routing. Across layers the priorities themselves are
+    compared, computed as the from-scratch ranking computes them, but only for each layer's least expert
+    (its head, in one sorted list) and, while victims are taken, for the next experts of the layers
+    reached. A layer's head is recomputed when its counts move or its resident experts change (the
+    pool's resident mask against the copy taken at the previous call).
+    """
+
+    def __init__(self, tracker: ActivationTracker, num_layers: int, num_experts: int) -> None:
+        self.tracker = tracker
+        self.expert_bits = max(num_experts - 1, 1).bit_length()
+        self.count_bits = (63 - self.expert_bits) // 2
+        self.batch_shift = self.count_bits + self.expert_bits
+        self.expert_mask, self.count_mask = (1 << self.expert_bits) - 1, (1 << self.count_bits) - 1
+        #: one batch token and one run token of an expert, in its packed key
+        self.unit = (1 << self.batch_shift) | (1 << self.expert_bits)
+        self.depth = [1 - layer / num_layers for layer in range(num_layers)]
+        #: per layer, every expert's packed key
+        self.keys: list[list[int]] = []
+        #: each layer's batch and run totals
+        self.batch_sum: list[int] = []
+        self.run_sum: list[int] = []
+        #: False once a count reaches 2 ** count_bits (the from-scratch ranking answers from then on)
+        self.exact = True
+        self.heads: list[tuple[float, float, int, int] | None] = [None] * num_layers
+        #: the heads of the layers that hold resident experts, ascending
+        self.order: list[tuple[float, float, int, int]] = []
+        #: layer -> its resident experts' keys ascending (sorted when a call reaches past the layer's head)
+        self.ranked: dict[int, list[int]] = {}
+        #: the pool's resident mask at the previous call, and both as 64-bit words when rows allow
+        self.shadow: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
+        self._words: tuple[np.ndarray, np.ndarray] | None = None
+        self.generation = -1
+        self.observations = -1
+        self.versions: np.ndarray | None = None
+
+    def sync(self, view: LayerView) -> bool:
+        """Catch up with the tracker's counts and the pool's residents; False when only a from-scratch
+        ranking can answer (no pool mask, or counts past ``2 ** count_bits``)."""
+        tracker, state = self.tracker, view.cache
+        batch = tracker.batch_eam(view)
+        if state.mirror is None or tracker.total is None:
+            return False
+        mask = state.mirror.resident_mask
+        if tracker.batch_generation != self.generation or self.shadow is None or self.shadow.shape != mask.shape:
+            self._rebuild(batch, tracker.total, mask)
+            return self.exact
+        dirty: set[int] = set()
+        if tracker.observations != self.observations:
+            added = tracker.last_added
+            if added is not None and tracker.observations == self.observations + 1:
+                layer, experts, tokens = added
+                keys, unit = self.keys[layer], self.unit
+                for expert, count in zip(experts, tokens):
+                    keys[expert] += count * unit
+                moved = sum(tokens)
+                self.batch_sum[layer] += moved
+                self.run_sum[layer] += moved
+                self.exact = self.exact and self.run_sum[layer] <= self.count_mask
+                dirty.add(layer)
+            else:
+                rows = np.flatnonzero(self.versions != tracker.row_version).tolist()
+                self._count(batch, tracker.total, rows)
+                dirty.update(rows)
+                self.versions = tracker.row_version.copy()
+            self.observations = tracker.observations
+        if mask is not self._mask:
+            self._mask = mask
+            self._words = (mask.view(np.uint64), self.shadow.view(np.uint64)) if mask.shape[1] % 8 == 0 else None
+        words = self._words
+        moved_rows = np.nonzero(words[0] != words[1] if words is not None else mask != self.shadow)[0]
+        if moved_rows.size:
+            dirty.update(moved_rows.tolist())
+            np.copyto(self.shadow, mask)
+        if dirty:
+            self._heads(dirty, state.resident)
+        return self.exact
+
+    def _rebuild(self, batch: np.ndarray, total: np.ndarray, mask: np.ndarray) -> None:
+        layers = len(self.depth)
+        self.keys = [[] for _ in range(layers)]
+        self.batch_sum, self.run_sum, self.exact = [0] * layers, [0] * layers, True
+        self._count(batch, total, list(range(layers)))
+        self.shadow, self._mask = mask.copy(), None
+        self.generation, self.observations = self.tracker.batch_generation, self.tracker.observations
+        self.versions = self.tracker.row_version.copy()
+        self.heads, self.order, self.ranked = [None] * layers, [], {}
+        self._heads(range(layers), [set(np.flatnonzero(row).tolist()) for row in mask])
+
+    def _count(self, batch: np.ndarray, total: np.ndarray, rows: list[int]) -> None:
+        """Pack the keys and totals of ``rows`` afresh from the counts."""
+        if not rows:
+            return
+        b, t = batch[rows].astype(np.int64), total[rows].astype(np.int64)
+        keys = (b << self.batch_shift) | (t << self.expert_bits) | np.arange(b.shape[1], dtype=np.int64)
+        for layer, packed, in_batch, in_run in zip(rows, keys.tolist(), b.sum(axis=1).tolist(),
+                                                   t.sum(axis=1).tolist()):
+            self.keys[layer], self.batch_sum[layer], self.run_sum[layer] = packed, in_batch, in_run
+            self.exact = self.exact and in_run <= self.count_mask
+
+    def _heads(self, layers, resident: list[set[int]]) -> None:
+        """Put each of ``layers``' least resident expert, with its priorities, in the sorted heads."""
+        heads, order, ranked, keys = self.heads, self.order, self.ranked, self.keys
+        for layer in layers:
+            old = heads[layer]
+            if old is not None:
+                del order[bisect_left(order, old)]
+            ranked.pop(layer, None)
+            experts = resident[layer]
+            if experts:
+                head = heads[layer] = self._priority(layer, min(map(keys[layer].__getitem__, experts)))
+                insort(order, head)
+            else:
+                heads[layer] = None
+
+    def _priority(self, layer: int, key: int) -> tuple[float, float, int, int]:
+        """(current priority, run priority, -layer, expert) as the from-scratch ranking computes them."""
+        batch_sum, run_sum, depth = self.batch_sum[layer], self.run_sum[layer], self.depth[layer]
+        return ((key >> self.batch_shift) / batch_sum * depth if batch_sum else 0.0,
+                ((key >> self.expert_bits) & self.count_mask) / run_sum * depth if run_sum else 0.0,
+                -layer, key & self.expert_mask)
+
+    def least(self, n: int, protected: set[tuple[int, int]], resident: list[set[int]]) -> list[tuple[int, int]]:
+        """The ``n`` first resident experts outside ``protected``: the layers' ranked experts merged, a
+        layer's next expert considered once its previous one is taken or passed over."""
+        out: list[tuple[int, int]] = []
+        order, waiting = self.order, []  # waiting: (priority, place in its layer's ranking)
+        i, heads = 0, len(order)
+        while True:
+            if i < heads and (not waiting or order[i] < waiting[0][0]):
+                priority, place = order[i], 0
+                i += 1
+            elif waiting:
+                priority, place = heappop(waiting)
+            else:
+                break
+            layer = -priority[2]
+            cell = (layer, priority[3])
+            if cell not in protected:
+                out.append(cell)
+                if len(out) == n:
+                    break
+            ranked = self.ranked.get(layer)
+            if ranked is None:
+                ranked = self.ranked[layer] = sorted(map(self.keys[layer].__getitem__, resident[layer]))
+            if place + 1 < len(ranked):
+                heappush(waiting, (self._priority(layer, ranked[place + 1]), place + 1))
+        return out
 
 
 def share(rows: np.ndarray, depth: np.ndarray) -> np.ndarray:
