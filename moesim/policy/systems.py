@@ -97,6 +97,8 @@ class ComposedSystem:
         return 0
 
     def plan(self, view: LayerView) -> LayerPlan:
+        if not self._substituting and not self._deferring:  # most systems: placing the experts is the plan
+            return self._place(view)
         substitutions = self.substitute.rewrite(view) if self._substituting else []
         if substitutions:
             self.rewrites[(view.step, view.layer)] = list(substitutions)
