@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -76,7 +77,7 @@ class LayerView:
             experts[row, slot] = expert
         active, counts = active_experts(experts, self.cache_experts())
         # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
-        values = {name: getattr(self, name) for name in _VIEW_FIELDS}
+        values = dict(zip(_VIEW_FIELDS, _view_fields_of(self)))
         values.update(experts=experts, active=active, counts=counts)
         view = LayerView(**values)
         self._rewritten = (list(substitutions), view)
@@ -87,6 +88,8 @@ class LayerView:
 
 
 _VIEW_FIELDS = tuple(f.name for f in dataclasses.fields(LayerView) if f.name != "_rewritten")
+#: the values of :data:`_VIEW_FIELDS` of a view, in one call
+_view_fields_of = operator.attrgetter(*_VIEW_FIELDS)
 
 
 def active_experts(experts: np.ndarray, num_experts: int) -> tuple[list[int], list[int]]:

@@ -97,6 +97,8 @@ class ComposedSystem:
         return 0
 
     def plan(self, view: LayerView) -> LayerPlan:
+        if not self._substituting and not self._deferring:  # most systems: placing the experts is the plan
+            return self._place(view)
         substitutions = self.substitute.rewrite(view) if self._substituting else []
         if substitutions:
             self.rewrites[(view.step, view.layer)] = list(substitutions)
@@ -166,20 +168,19 @@ class ComposedSystem:
                 quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
             return quota_left[layer]
 
-        protected: _Protected | None = None  # built at the first eviction, then kept up to date
+        victims: _Victims | None = None  # built at the first eviction, then kept for the plan
         for layer, expert in wanted:
             if (state.has(layer, expert) and (layer, expert) not in evicted) \
                     or (layer == view.layer and expert in plan.gpu):
                 continue
             if quota(layer) <= 0 or (pool_left is not None and pool_left <= 0):
-                if protected is None:
-                    protected = _Protected(view, plan, wanted, evicted)
-                victim = self._prefetch_victim(view, layer, quota(layer) <= 0, protected)
+                if victims is None:
+                    victims = _Victims(self.cache, view, plan, wanted, evicted)
+                victim = victims.next(layer, quota(layer) <= 0)
                 if victim is None:
                     continue
                 plan.evictions.append(victim)
                 evicted.add(victim)
-                protected.add(victim)
                 if victim[0] in quota_left:
                     quota_left[victim[0]] += 1
                 if pool_left is not None:
@@ -189,50 +190,54 @@ class ComposedSystem:
             if pool_left is not None:
                 pool_left -= 1
 
-    def _prefetch_victim(self, view: LayerView, layer: int, own_layer: bool,
-                         protected: _Protected) -> tuple[int, int] | None:
-        """One resident expert to drop for a prefetch into ``layer``: from that layer when its quota is
-        full, else (a full model-wide pool) wherever the cache policy chooses."""
-        if own_layer:
-            victims = self.cache.victims(view, layer, 1, protected.in_layer(layer))
-            return (layer, victims[0]) if victims else None
-        pairs = self.cache.pool_victims(view, 1, protected.pairs, layer)
-        return pairs[0] if pairs else None
 
+class _Victims:
+    """Resident experts a prefetch may drop, one at a time, in the cache policy's order.
 
-class _Protected:
-    """What a prefetch may not evict: the wanted experts, every load in flight, the layer's GPU experts and
-    what this plan already evicts (``evicted``, which grows as the plan does). Built per layer, or as
-    (layer, expert) pairs over all layers, only when asked for, then kept up to date with :meth:`add`."""
+    Never one of the wanted experts, a load in flight, the layer's GPU experts or what the plan already
+    evicts (``evicted``, which grows as the plan does). From a layer whose quota is full, the cache
+    policy ranks the layer's candidates once for as many victims as the layer has wanted experts (its
+    ``victims(n)`` are the first ``n`` of one ranking, so this is the order that asking for one at a time
+    gives) and later victims come off that list; when it runs out (a pool eviction took some), it is
+    ranked again. From a full model-wide pool, each victim is the cache policy's pool choice.
+    """
 
-    def __init__(self, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
+    def __init__(self, cache: CachePolicy, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
                  evicted: set[tuple[int, int]]) -> None:
-        self.view, self.plan, self.wanted, self.evicted = view, plan, wanted, evicted
+        self.cache, self.view, self.plan, self.wanted, self.evicted = cache, view, plan, wanted, evicted
+        self._ranked: dict[int, list[int]] = {}
         self._pairs: set[tuple[int, int]] | None = None
-        self._by_layer: dict[int, set[int]] = {}
 
-    @property
-    def pairs(self) -> set[tuple[int, int]]:
+    def next(self, layer: int, own_layer: bool) -> tuple[int, int] | None:
+        """The next (layer, expert) to evict for a prefetch into ``layer``: from that layer when its quota
+        is full (``own_layer``), else (a full model-wide pool) wherever the cache policy chooses."""
+        victim = self._from_layer(layer) if own_layer else self._from_pool(layer)
+        if victim is not None and self._pairs is not None:
+            self._pairs.add(victim)
+        return victim
+
+    def _from_layer(self, layer: int) -> tuple[int, int] | None:
+        ranked, evicted = self._ranked.get(layer), self.evicted
+        while ranked and (layer, ranked[0]) in evicted:
+            ranked.pop(0)
+        if not ranked:
+            view = self.view
+            wanted_here = [e for l, e in self.wanted if l == layer]
+            keep = set(wanted_here) | view.cache.in_flight[layer] | {e for l, e in evicted if l == layer}
+            if layer == view.layer:
+                keep.update(self.plan.gpu)
+            ranked = self._ranked[layer] = list(self.cache.victims(view, layer, len(wanted_here), keep))
+            if not ranked:
+                return None
+        return layer, ranked.pop(0)
+
+    def _from_pool(self, layer: int) -> tuple[int, int] | None:
         if self._pairs is None:
             view = self.view
             pairs = set(self.wanted) | {(l, e) for l, f in enumerate(view.cache.in_flight) for e in f}
             self._pairs = pairs | {(view.layer, e) for e in self.plan.gpu} | self.evicted
-        return self._pairs
-
-    def in_layer(self, layer: int) -> set[int]:
-        if layer not in self._by_layer:
-            view = self.view
-            mine = {e for l, e in self.wanted if l == layer} | view.cache.in_flight[layer]
-            if layer == view.layer:
-                mine |= set(self.plan.gpu)
-            self._by_layer[layer] = mine | {e for l, e in self.evicted if l == layer}
-        return self._by_layer[layer]
-
-    def add(self, pair: tuple[int, int]) -> None:
-        if self._pairs is not None:
-            self._pairs.add(pair)
-        if pair[0] in self._by_layer:
-            self._by_layer[pair[0]].add(pair[1])
+        pairs = self.cache.pool_victims(self.view, 1, self._pairs, layer)
+        return pairs[0] if pairs else None
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,16 @@ class SpeculativePrefetch(Prefetch):
 class MixtralOffloadingSystem(ComposedSystem):
     """Every eviction is a swap: the evicted expert is written back to host memory (device-to-host)."""
 
+    _writes_back: bool = field(default=False, init=False, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        super().configure(ctx)
+        # decided once per run: plan() runs for every layer of every step
+        self._writes_back = bool(getattr(self.cache, "writeback", False))
+
     def plan(self, view: LayerView) -> LayerPlan:
         plan = super().plan(view)
-        if plan.evictions and getattr(self.cache, "writeback", False):
+        if plan.evictions and self._writes_back:
             plan.writebacks = list(plan.evictions)
         return plan
 
