@@ -49,8 +49,8 @@ stopped. Three floors, each taken from the engine's own costs
    (:class:`MemberFloors`). The mean TPOT weighs a window by the fewest
    requests of its steps.
 
-Copies and waits are otherwise left out, and so are synchronisations, DRAM
-sharing and decision overheads: each only lengthens a step.
+Left out besides (each only lengthens a step): waits, DRAM sharing, decision
+overheads, and synchronisations outside floor 2.
 """
 
 from __future__ import annotations
@@ -241,8 +241,9 @@ class _Costs:
     """A member's memoised costs of the parts of a step (the engine's own figures)."""
 
     sim: Simulator
-    #: attention seconds by (tokens, context), shared by members with the same profile, model and
-    #: non-expert dtype (the only inputs of ``CostModel.attention``)
+    #: attention seconds by (tokens, context) and the GPU work outside the MoE layers by (tokens, context,
+    #: sequences), shared by members with the same profile, model and non-expert dtype (the only inputs of
+    #: ``CostModel.attention`` and ``CostModel.step_fixed``)
     attention_memo: dict = field(default_factory=dict)
     head_memo: dict = field(default_factory=dict)
 
@@ -265,8 +266,10 @@ class _Costs:
         if value is None:
             sim, (tokens, context, sequences, phase) = self.sim, key
             costs = sim.costs
-            value = self.head_memo[key] = (sum(costs.step_fixed(tokens, context, sequences).values())
-                                           + costs.step_launch(phase)
+            gpu = self.attention_memo.get(key[:3])
+            if gpu is None:
+                gpu = self.attention_memo[key[:3]] = sum(costs.step_fixed(tokens, context, sequences).values())
+            value = self.head_memo[key] = (gpu + costs.step_launch(phase)
                                            + sim.model.num_dense_layers * costs.layer_launches(phase)
                                            + costs.host_per_step)
         return value
