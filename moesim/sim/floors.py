@@ -71,8 +71,8 @@ from moesim.trace.schema import PHASES
 
 #: window lengths (decode steps) of the capacity floors
 WINDOW_STEPS = (1, 2, 4, 8, 16, 32, 64)
-#: routed decode experts beyond which the window floors are left out (their tables would hold 8 bytes each)
-WINDOW_USES_MAX = 16_000_000
+#: routed decode experts beyond which the window floors are left out (their tables take ~50 bytes per expert)
+WINDOW_USES_MAX = 4_000_000
 
 
 @dataclass
