@@ -140,3 +140,15 @@ def test_window_floors_raise_a_demand_paging_member(tmp_path):
     member = racing[0]
     assert member.floors.extra_span[0] > 10 * member.left[0]
     assert sum(_run(member)) >= member.left_span[0]
+
+
+def test_window_floors_are_left_out_past_their_memory_limit(tmp_path, monkeypatch):
+    """Past ``WINDOW_USES_MAX`` routed decode experts the trace keeps no pairs and the windows are empty."""
+    import moesim.sim.floors as floors
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=2, decode_len=6, seed=3), path)
+    assert Windows.of(TraceShape.of(str(path), 6)).by_length
+    monkeypatch.setattr(floors, "WINDOW_USES_MAX", 10)
+    shape = TraceShape.of(str(path), 6)
+    assert shape.decode_pairs is None and not Windows.of(shape).by_length
