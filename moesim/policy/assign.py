@@ -234,9 +234,12 @@ class BestSplit(Assignment):
             if best == 0:
                 return present, [e for e in active if e not in resident]
             return order[:best - 1], order[best - 1:]
-        for at in sorted(arrivals.values()):
-            engines[0] = max(engines[0], at)
-            engines.sort()
+        if len(engines) == 1:  # SplitCosts.of's walk over the arrivals ends at the latest
+            engines[0] = max(now, max(arrivals.values(), default=now))
+        else:
+            for at in sorted(arrivals.values()):
+                engines[0] = max(engines[0], at)
+                engines.sort()
         ready: dict[int, float | None] = {}
         keyed = []
         for e in active:
