@@ -158,12 +158,23 @@ class BestSplit(Assignment):
     _copy_engines: int = 1
     #: (gpu_expert(n), cpu_expert(n)) by tokens n, for this run's cost model
     _per_tokens: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: by tokens n: the CPU time of m experts of n tokens each, for m = 0..16
+    _cpu_sums: dict[int, list[float]] = field(default_factory=dict)
 
     def configure(self, ctx: RunContext) -> None:
         self._copy_engines = ctx.costs.profile.pcie.copy_engines
         self._per_tokens = {}
+        self._cpu_sums = {}
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
+        counts = view.counts
+        n = len(counts)
+        if 0 < n <= 16 and counts.count(counts[0]) == n:  # every decode layer
+            return self._split_alike(view, counts[0])
+        return self._split_any(view)
+
+    def _split_any(self, view: LayerView) -> tuple[list[int], list[int]]:
+        """The search over every candidate, with per-expert tables (any layer)."""
         table = SplitCosts.of(view, self._copy_engines, self._per_tokens)
         active = list(view.active)
 
@@ -180,6 +191,94 @@ class BestSplit(Assignment):
         estimates = [table.estimate(*candidates[0])] + table.prefix_estimates(order, lengths)
         best = candidates[estimates.index(min(estimates))]  # the first of the shortest, as min() over them
         return list(best[0]), list(best[1])
+
+    def _split_alike(self, view: LayerView, tokens: int) -> tuple[list[int], list[int]]:
+        """:meth:`_split_any` when every expert has ``tokens`` tokens (at most 16 experts): the same
+        candidates, estimates computed by the same operations in the same order (so the same numbers and
+        the same choice), with one GPU and one CPU time for all instead of per-expert tables."""
+        costs = view.costs
+        pair = self._per_tokens.get(tokens)
+        if pair is None:
+            pair = self._per_tokens[tokens] = (costs.gpu_expert(tokens), costs.cpu_expert(tokens))
+        g, c = pair[0] + view.expert_launch_s, pair[1]
+        sums = self._cpu_sums.get(tokens)
+        if sums is None:  # CPU time of m such experts, summed as SplitCosts.estimate sums it
+            sums = self._cpu_sums[tokens] = [sum([c] * m) for m in range(17)]
+        now, load = view.now, costs.expert_load
+        shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
+        base, cpu_at = now + shared, now + costs.sync_s
+        resident, arrivals, active = view.cache.resident[view.layer], view.arrivals, view.active
+        n = len(active)
+        engines = [now] * self._copy_engines
+        if not arrivals and (load + g) - c > g - c and now + load > now:
+            # nothing arriving: the resident experts (in id order) then the missing ones (loaded in id order,
+            # each arriving after the last), so each prefix's GPU chain is the shorter prefix's plus one expert
+            present = [e for e in active if e in resident]
+            missing = sorted(e for e in active if e not in resident)
+            r = len(present)
+            order = sorted(present) + missing
+            estimates = []
+            gpu_t = base
+            for i in range(n + 1):
+                if i:
+                    at = now
+                    if i > r:
+                        engines[0] += load
+                        at = engines[0]
+                        if len(engines) > 1:
+                            engines.sort()
+                    gpu_t = (gpu_t if gpu_t > at else at) + g
+                estimates.append(max(gpu_t, cpu_at + sums[n - i] if i < n else now) - now)
+            estimates.insert(0, estimates[r])  # resident on the GPU, the rest on the CPU: prefix r's numbers
+            best = estimates.index(min(estimates))
+            if best == 0:
+                return present, [e for e in active if e not in resident]
+            return order[:best - 1], order[best - 1:]
+        if len(engines) == 1:  # SplitCosts.of's walk over the arrivals ends at the latest
+            engines[0] = max(now, max(arrivals.values(), default=now))
+        else:
+            for at in sorted(arrivals.values()):
+                engines[0] = max(engines[0], at)
+                engines.sort()
+        ready: dict[int, float | None] = {}
+        keyed = []
+        for e in active:
+            at = now if e in resident else arrivals.get(e)
+            ready[e] = at
+            keyed.append((((load if at is None else max(at - now, 0.0)) + g) - c, e))
+        keyed.sort()
+        order = [e for _, e in keyed]
+        present = [e for e in active if ready[e] is not None]
+        gpu_t = base
+        for at, e in sorted((ready[e], e) for e in present):  # type: ignore[type-var]
+            gpu_t = (gpu_t if gpu_t > at else at) + g
+        estimates = [max(gpu_t, cpu_at + sums[n - len(present)] if len(present) < n else now) - now]
+        # SplitCosts.prefix_estimates over every length, with the one GPU time
+        queue: list[tuple[float, int]] = []
+        chain: list[float] = []
+        for i in range(n + 1):
+            first = len(queue)
+            if i:
+                e = order[i - 1]
+                at = ready[e]  # type: ignore[assignment]
+                if at is None:
+                    engines[0] += load
+                    at = engines[0]
+                    if len(engines) > 1:
+                        engines.sort()
+                item = (at, e)
+                first = bisect(queue, item)
+                queue.insert(first, item)
+            del chain[first:]
+            gpu_t = chain[-1] if chain else base
+            for at, _ in queue[first:]:
+                gpu_t = (gpu_t if gpu_t > at else at) + g
+                chain.append(gpu_t)
+            estimates.append(max(gpu_t, cpu_at + sums[n - i] if i < n else now) - now)
+        best = estimates.index(min(estimates))
+        if best == 0:
+            return present, [e for e in active if ready[e] is None]
+        return order[:best - 1], order[best - 1:]
 
     @staticmethod
     def _prefix_lengths(table: SplitCosts, order: list[int]) -> list[int]:

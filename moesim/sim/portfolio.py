@@ -7,9 +7,10 @@ each later step lasts at least its *floor*, work the member pays whatever it
 plans (:func:`step_floors`). So each metric of ``PORTFOLIO_METRICS`` has a
 lower bound at every step (:meth:`Member.lower`):
 
-* makespan: now plus the floors of the steps left;
+* makespan: now plus the floors of the steps left (with the window terms of
+  the windows left);
 * mean TPOT: the decode durations so far and the floors left, each once per
-  request in the step, over the trace's decode entries;
+  request in the step (with the window terms), over the trace's decode entries;
 * mean TTFT: per request, its span if its prefill is over, else its start to
   now plus the floors up to its last prefill step, else those floors.
 
@@ -24,25 +25,15 @@ Order: members advance a few steps at a time, always the one whose TPOT bound
 is lowest (best-first search): the best member tends to finish first, and a
 member is never run beyond the point where its bound passes the eventual best.
 
-Floor of one step (seconds), from the engine's own costs (moesim.sim.engine):
-the runtime's host work and launches, embedding, dense layers, LM head and
-sampling (``_step_work``); per MoE layer its launches, attention and shared
-experts, which the GPU stream runs before its routed experts; and the routed
-experts: each runs on the GPU for at least ``gpu_expert(n)`` plus its launch
-or on the CPU for at least ``cpu_expert(n)``, so a layer lasts at least the
-fractional balance of GPU stream and CPU (``balanced_groups``). A member that
-defers CPU experts past their layer (001 Sec. 4) balances them over the whole
-step instead (its CPU work still ends inside the step). A member that rewrites
-routing (002, 004) counts the routed experts of single-token layers only (a
-token keeps ``top_k`` distinct experts, one token each); its other layers
-count attention and shared experts only. Copies and waits are left out.
+Floors (moesim.sim.floors): per step, the work a member pays whatever it plans;
+exact steps for a member whose placement is fixed; and per window of decode
+steps, the copies or CPU work that experts beyond those its memory holds cost.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,13 +41,10 @@ import numpy as np
 import simpy
 
 from moesim.errors import ConfigError
-from moesim.policy.base import active_experts
-from moesim.policy.catalog.bounds import balanced_groups
-from moesim.policy.systems import NoDeferral, NoSubstitution
+from moesim.policy.catalog.bounds import balanced_groups  # noqa: F401  (the floors' balance, for tests)
 from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import SimResult, Simulator, StepRecord
-from moesim.trace.io import iter_steps
-from moesim.trace.schema import PHASES
+from moesim.sim.floors import MemberFloors, TraceShape, Traits, Windows, step_floors  # noqa: F401
 
 #: metrics a portfolio takes, each from its best member (lower is better); values in the members' units
 METRICS = ("tpot_ms_mean", "ttft_ms", "makespan_s")
@@ -64,106 +52,6 @@ METRICS = ("tpot_ms_mean", "ttft_ms", "makespan_s")
 MARGIN = 1e-6
 #: steps a member runs before the search looks again (as a share of the trace's steps)
 CHUNK_SHARE = 0.01
-
-
-@dataclass
-class TraceShape:
-    """The steps every member replays: what their records and floors depend on."""
-
-    phases: list[str]
-    #: per step: requests in it (its first layer's)
-    requests: list[list[int]]
-    #: per step: trace rows (what a progress bar counts)
-    rows: list[int]
-    #: per step: (tokens, context, sequences, phase) as the engine's ``run_step`` derives them
-    work: list[tuple[int, int, int, str]]
-    #: per step: ((layer tokens, token counts of its routed experts), how many MoE layers have them)
-    layers: list[tuple[tuple[tuple[int, tuple[int, ...]], int], ...]]
-
-    @classmethod
-    def of(cls, trace: str, num_experts: int) -> TraceShape:
-        out = cls([], [], [], [], [])
-        for step in iter_steps(trace, columns=()):
-            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-            tokens = first.stop - first.start
-            phase = PHASES[int(step.phase.min())]
-            requests = np.unique(step.request[first])
-            out.phases.append(phase)
-            out.requests.append(requests.tolist())
-            out.rows.append(step.rows)
-            out.work.append((tokens, int(step.position[first].max()) + 1, len(requests) if tokens > 1 else 1,
-                             phase))
-            kinds: Counter = Counter()
-            for _, rows in step.layers():
-                experts = step.experts[rows]
-                if rows.stop - rows.start == 1:  # the validated trace row has distinct experts
-                    kinds[(1, (1,) * experts.shape[1])] += 1
-                else:
-                    kinds[(rows.stop - rows.start, tuple(sorted(active_experts(experts, num_experts)[1])))] += 1
-            out.layers.append(tuple(sorted(kinds.items())))
-        return out
-
-    @property
-    def decode_weight(self) -> np.ndarray:
-        """Per step: its entries in the mean TPOT (requests of a decode step, else 0)."""
-        return np.array([len(r) if p == "decode" else 0 for p, r in zip(self.phases, self.requests)], dtype=float)
-
-    def spans(self) -> dict[int, tuple[int, int]]:
-        """Request -> (first, last) step of its prefill, in the order TTFT averages them."""
-        out: dict[int, list[int]] = {}
-        for i, (phase, reqs) in enumerate(zip(self.phases, self.requests)):
-            if phase == "prefill":
-                for r in reqs:
-                    out.setdefault(r, [i, i])[1] = i
-        return {r: (a, b) for r, (a, b) in out.items()}
-
-
-def step_floors(sim: Simulator, shape: TraceShape) -> np.ndarray:
-    """Seconds each step of ``shape`` lasts at least when ``sim`` replays it (the module docstring)."""
-    costs = sim.costs
-    shared_on = bool(sim.model.shared_intermediate_size)
-    substitutes = not isinstance(sim.system.substitute, NoSubstitution)
-    defers = not isinstance(sim.system.defer, NoDeferral)
-    head_memo: dict[tuple[int, int, int, str], float] = {}
-    layer_memo: dict[tuple, tuple[float, list[tuple[float, float, int]]]] = {}
-
-    def head_tail(key: tuple[int, int, int, str]) -> float:
-        value = head_memo.get(key)
-        if value is None:
-            tokens, context, sequences, phase = key
-            value = head_memo[key] = (sum(costs.step_fixed(tokens, context, sequences).values())
-                                      + costs.step_launch(phase)
-                                      + sim.model.num_dense_layers * costs.layer_launches(phase)
-                                      + costs.host_per_step)
-        return value
-
-    def layer(tokens: int, counts: tuple[int, ...], phase: str) -> tuple[float, list[tuple[float, float, int]]]:
-        """(GPU-stream seconds before routed experts plus, unless deferred, the layer's expert balance;
-        the experts as (gpu, cpu, how many) when they are balanced over the step instead)."""
-        key = (tokens, counts, phase)
-        value = layer_memo.get(key)
-        if value is None:
-            expert_launch, shared_launch = sim._launch[phase]
-            shared = costs.gpu_shared(tokens) + shared_launch if shared_on else 0.0
-            groups: list[tuple[float, float, int]] = []
-            if not substitutes or tokens == 1:
-                groups = [(costs.gpu_expert(n) + expert_launch, costs.cpu_expert(n), m)
-                          for n, m in sorted(Counter(counts).items())]
-            value = layer_memo[key] = ((shared, groups) if defers else (balanced_groups(shared, groups), []))
-        return value
-
-    floors = np.empty(len(shape.work))
-    for i, (work, kinds) in enumerate(zip(shape.work, shape.layers)):
-        tokens, context, _, phase = work
-        total = head_tail(work)
-        step_groups: list[tuple[float, float, int]] = []
-        launch = sim._layer_launches[phase]
-        for (layer_tokens, counts), m in kinds:
-            fixed, groups = layer(layer_tokens, counts, phase)
-            total += m * (launch + sim._attention_s(layer_tokens, context) + fixed)
-            step_groups += [(g, c, n * m) for g, c, n in groups]
-        floors[i] = balanced_groups(total, step_groups) if step_groups else total
-    return floors
 
 
 @dataclass
@@ -184,10 +72,13 @@ class Member:
 
     name: str
     sim: Simulator
-    floors: np.ndarray
+    #: its floors (per-step floors alone: no window terms)
+    floors: MemberFloors | np.ndarray
     shape: TraceShape
-    #: suffix sums of the floors, and of the floors times each step's TPOT entries
+    #: suffix sums of the floors (with the window terms: ``left_span``), and of the floors times each step's
+    #: TPOT entries (with the window terms)
     left: np.ndarray = field(init=False)
+    left_span: np.ndarray = field(init=False)
     left_tpot: np.ndarray = field(init=False)
     process: simpy.Process | None = None
     decode_sum: float = 0.0
@@ -197,9 +88,14 @@ class Member:
     _stop: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
-        self.left = np.concatenate([np.cumsum(self.floors[::-1])[::-1], [0.0]])
+        if isinstance(self.floors, np.ndarray):
+            zeros = np.zeros(len(self.floors) + 1)
+            self.floors = MemberFloors(self.floors, zeros, zeros)
+        steps = self.floors.steps
+        self.left = np.concatenate([np.cumsum(steps[::-1])[::-1], [0.0]])
+        self.left_span = self.left + self.floors.extra_span
         weight = self.shape.decode_weight
-        self.left_tpot = np.concatenate([np.cumsum((self.floors * weight)[::-1])[::-1], [0.0]])
+        self.left_tpot = np.concatenate([np.cumsum((steps * weight)[::-1])[::-1], [0.0]]) + self.floors.extra_tpot
         self.sim.watch = self._watch
 
     @property
@@ -239,7 +135,7 @@ class Member:
         k, steps = self.done, self.sim.steps
         now = steps[-1].end if steps else 0.0
         if metric == "makespan_s":
-            return now + float(self.left[k])
+            return now + float(self.left_span[k])
         if metric == "tpot_ms_mean":
             return (self.decode_sum + float(self.left_tpot[k])) / entries * 1e3 if entries else math.nan
         if not spans:
@@ -253,6 +149,30 @@ class Member:
             else:
                 total += float(self.left[first] - self.left[last + 1])
         return total / len(spans) * 1e3
+
+
+def racing_members(sims: dict[str, Simulator], shape: TraceShape, own: tuple[str, ...],
+                   skipped: dict[str, str]) -> list[Member]:
+    """The members of a portfolio ready for :func:`branch_and_bound`, each with its floors. A member whose
+    floors need the experts it starts with is started (configured) here; one that cannot be is skipped
+    (added to ``skipped``), unless it is one of the bound's ``own`` schedules."""
+    windows = Windows.of(shape)
+    shared: dict = {}
+    out = []
+    for name, sim in sims.items():
+        wall = time.perf_counter()
+        try:
+            process = sim.start() if Traits.of(sim).placed else None
+        except ConfigError as err:
+            if name in own:
+                raise
+            skipped[name] = str(err)
+            continue
+        started = time.perf_counter() - wall
+        member = Member(name, sim, MemberFloors.of(sim, shape, windows, shared), shape, process=process)
+        member.wall_s = started
+        out.append(member)
+    return out
 
 
 def beats(lower: float, best: float) -> bool:

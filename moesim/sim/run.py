@@ -16,7 +16,7 @@ from moesim.policy.base import coerce
 from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
 from moesim.sim.engine import SimConfig, SimResult, Simulator
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
-from moesim.sim.portfolio import METRICS, Member, Pruned, TraceShape, branch_and_bound, step_floors, summary
+from moesim.sim.portfolio import METRICS, Pruned, TraceShape, branch_and_bound, racing_members, summary
 from moesim.trace.io import keeping_decoded, read_meta, trace_columns
 from moesim.trace.validate import checked_meta, settle
 
@@ -107,8 +107,11 @@ def common_parameters() -> list[str]:
 def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,
             *, model_preset: str | None = None, seed: int = 0,
             progress: Callable[[int], None] | None = None, timeline: bool | None = None,
-            decisions: bool | None = None) -> Simulator:
-    """Build a ready-to-run :class:`Simulator`, checking everything a user can get wrong."""
+            decisions: bool | None = None, kv_tokens: int | None = None) -> Simulator:
+    """Build a ready-to-run :class:`Simulator`, checking everything a user can get wrong.
+
+    ``kv_tokens``: the trace's :func:`peak_kv_tokens`, when the caller has it (a portfolio's members share it).
+    """
     meta = read_meta(trace)
     model = meta.model
     if model_preset:
@@ -130,7 +133,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype,
                       parsed.runtime or SYSTEMS[system].runtime)
-    memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=peak_kv_tokens(trace),
+    kv_tokens = peak_kv_tokens(trace) if kv_tokens is None else kv_tokens
+    memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=kv_tokens,
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
                          non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
     return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
@@ -245,12 +249,18 @@ def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings
     sims: dict[str, Simulator] = {}
     runs: dict[str, SimResult] = {}
     skipped: dict[str, str] = {}
+    # what every member's set-up reads alike, read once: the profile file and the trace's peak context
+    profile = hw if isinstance(hw, HardwareProfile) else None
+    kv_tokens = kwargs.pop("kv_tokens", None)
     for member in members(system):
         if reuse and member in reuse:
             runs[member] = reuse[member]
             continue
         try:
-            sims[member] = prepare(trace, hw, member, settings, **kwargs)
+            sims[member] = prepare(trace, profile or hw, member, settings, kv_tokens=kv_tokens, **kwargs)
+            # read after a member's set-up has checked the trace and found the profile
+            profile = profile or load_profile(hw)  # type: ignore[arg-type]
+            kv_tokens = peak_kv_tokens(trace) if kv_tokens is None else kv_tokens
         except ConfigError as err:
             if member in own:
                 raise  # the bound's own schedules must run
@@ -276,7 +286,7 @@ def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[
                 skipped[name] = str(err)
     elif sims:
         shape = TraceShape.of(trace, next(iter(sims.values())).model.num_experts)
-        racing = [Member(name, sim, step_floors(sim, shape), shape) for name, sim in sims.items()]
+        racing = racing_members(sims, shape, own, skipped)
         done, pruned = branch_and_bound(racing, {name: summary(r) for name, r in runs.items()}, list(names),
                                         shape, own, skipped, progress)
         runs.update(done)

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.sim.bookkeeping import Counters
@@ -182,3 +184,20 @@ def test_prune_off_runs_every_member_to_the_end(tmp_path):
     assert all("tpot_ms_mean" in v for v in full.members.values())
     assert not any("provably" in n for n in full.notes)
     assert pruned.pruned and full.sim_wall_s > 0
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 3), experts=st.integers(3, 8), requests=st.integers(1, 3), batch=st.integers(1, 3),
+       decode=st.integers(2, 12), seed=st.integers(0, 99),
+       slots=st.sampled_from(["cache.slots_per_layer=0", "cache.slots_per_layer=1", "cache.slots=3"]),
+       pcie=st.sampled_from([0.0001, 0.01, 1.0]))
+def test_pruned_oracle_equals_the_full_run_on_any_trace(tmp_path_factory, layers, experts, requests, batch, decode,
+                                                        seed, slots, pcie):
+    """Whatever the trace, batch, cache and copy speed, the members stopped early change nothing reported."""
+    model = tiny_model(layers=layers, experts=experts, top_k=2, shared=True)
+    path = tmp_path_factory.mktemp("bb") / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=requests, prompt_len=3, decode_len=decode,
+                                         batch=batch, seed=seed), path)
+    key, value = slots.split("=")
+    pruned, full = _both(str(path), tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=pcie), {key: value})
+    _check_same(pruned, full)

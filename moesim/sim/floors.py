@@ -1,0 +1,483 @@
+"""Floors of a portfolio member's remaining steps: time it spends whatever it plans (moesim.sim.portfolio).
+
+Every member replays the same steps (:class:`TraceShape`). After ``k`` steps, a
+member's bound on a metric is its exact record so far plus a floor on the
+steps left; the tighter the floor, the earlier a member that cannot be best is
+stopped. Three floors, each taken from the engine's own costs
+(moesim.sim.engine) and each at most what the engine can produce:
+
+1. Per step, any member (:func:`step_floors`): the runtime's host work and
+   launches, embedding, dense layers, LM head and sampling; per MoE layer its
+   launches and attention, which run before its experts, then its shared and
+   routed experts: each routed expert runs on the GPU for at least
+   ``gpu_expert(n)`` plus its launch or on the CPU for at least
+   ``cpu_expert(n)``, so a layer lasts at least the fractional balance of GPU
+   stream and CPU (``balanced_groups``). A member that defers CPU experts past
+   their layer (001 Sec. 4) balances them over the whole step instead. A member
+   that rewrites routing (002, 004) counts the routed experts of single-token
+   layers only (a token keeps ``top_k`` distinct experts, one token each).
+2. Per step, a member whose placement is fixed (:func:`placed_floors`): a
+   plain composition that never prefetches nor rewrites routing and puts every
+   routed expert on the CPU (``AllCPU``) or the resident ones on the GPU and
+   the rest on the CPU (``ResidentOnGPU``). It never copies an expert, so the
+   experts resident at its start stay so, every layer's split is known, and a
+   layer lasts exactly its launches and attention, then the longer of GPU
+   stream (shared experts, GPU experts) and CPU (one synchronisation, CPU
+   experts); with deferral, the step is at least every layer's GPU side, and
+   at least the GPU side up to some layer plus the CPU work of that layer and
+   all later ones (the CPU works one expert at a time and starts a layer's
+   experts after its attention).
+3. Per window of consecutive decode steps, a plain composition that never
+   rewrites routing (:class:`Windows`, :func:`window_terms`): at most
+   ``memory.slots`` experts (per layer: the layer's quota, when the member has
+   no pool and no reserved buffer) are held when a window starts, resident or
+   in flight; each other (layer, expert) the window uses is copied inside it
+   (one copy engine's time ``tau`` each, spread over the engines) or computed
+   on the CPU (``c``, the least CPU time of one expert), at least once. With
+   ``M`` such misses and ``F`` the window's fixed work (host work, launches and
+   attention, during which the CPU runs nothing unless the member defers), the
+   window lasts at least the least over splits of ``M`` into copies and CPU
+   experts of what its resources need (:func:`window_need`): every expert on the
+   GPU without prefetch, ``F + tau M`` (a layer's copies run after its attention
+   and before its end); without prefetch, ``F + M c tau / (c + tau)`` (a layer
+   lasts the longer of its CPU experts and its copies); with prefetch, copies may
+   overlap anything: ``max(F, tau (F + c M) / (c + tau))``.
+
+   Each window length (1, 2, 4, ... steps) partitions every decode run; the
+   windows that start at or after step ``k`` bound the steps they cover, the
+   other steps keep their per-step floors, and the best length counts
+   (:class:`MemberFloors`). The mean TPOT weighs a window by the fewest
+   requests of its steps.
+
+Left out besides (each only lengthens a step): waits, DRAM sharing, decision
+overheads, and synchronisations outside floor 2.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.policy.assign import AllCPU, AllGPU, ResidentOnGPU
+from moesim.policy.base import active_experts
+from moesim.policy.catalog.bounds import balanced_groups
+from moesim.policy.prefetch import NoPrefetch
+from moesim.policy.systems import ComposedSystem, NoDeferral, NoSubstitution
+from moesim.sim.engine import Simulator
+from moesim.trace.io import iter_steps
+from moesim.trace.schema import PHASES
+
+#: window lengths (decode steps) of the capacity floors
+WINDOW_STEPS = (1, 2, 4, 8, 16, 32, 64)
+#: routed decode experts beyond which the window floors are left out (their tables take ~50 bytes per expert)
+WINDOW_USES_MAX = 4_000_000
+
+
+@dataclass
+class TraceShape:
+    """The steps every member replays: what their records and floors depend on."""
+
+    phases: list[str]
+    #: per step: requests in it (its first layer's)
+    requests: list[list[int]]
+    #: per step: trace rows (what a progress bar counts)
+    rows: list[int]
+    #: per step: (tokens, context, sequences, phase) as the engine's ``run_step`` derives them
+    work: list[tuple[int, int, int, str]]
+    #: per step: ((layer tokens, token counts of its routed experts), how many MoE layers have them)
+    layers: list[tuple[tuple[tuple[int, tuple[int, ...]], int], ...]]
+    #: the trace read (placed floors read its routing again)
+    path: str = ""
+    #: (layer, expert) pairs routed in each decode step, as ``layer * num_experts + expert`` (None: too many)
+    decode_pairs: list[np.ndarray] | None = None
+    num_experts: int = 0
+    num_layers: int = 0
+
+    @classmethod
+    def of(cls, trace: str, num_experts: int) -> TraceShape:
+        out = cls([], [], [], [], [], path=trace, decode_pairs=[], num_experts=num_experts)
+        uses = 0
+        for step in iter_steps(trace, columns=()):
+            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
+            tokens = first.stop - first.start
+            phase = PHASES[int(step.phase.min())]
+            requests = np.unique(step.request[first])
+            out.phases.append(phase)
+            out.requests.append(requests.tolist())
+            out.rows.append(step.rows)
+            out.work.append((tokens, int(step.position[first].max()) + 1, len(requests) if tokens > 1 else 1,
+                             phase))
+            kinds: Counter = Counter()
+            for _, rows in step.layers():
+                experts = step.experts[rows]
+                if rows.stop - rows.start == 1:  # the validated trace row has distinct experts
+                    kinds[(1, (1,) * experts.shape[1])] += 1
+                else:
+                    kinds[(rows.stop - rows.start, tuple(sorted(active_experts(experts, num_experts)[1])))] += 1
+            out.layers.append(tuple(sorted(kinds.items())))
+            out.num_layers = max(out.num_layers, int(step.layer.max()) + 1 if step.rows else 0)
+            if out.decode_pairs is not None:
+                pairs = (step.layer.astype(np.int64)[:, None] * num_experts + step.experts).ravel() \
+                    if phase == "decode" else np.zeros(0, dtype=np.int64)
+                uses += pairs.size
+                out.decode_pairs.append(pairs)
+                if uses > WINDOW_USES_MAX:
+                    out.decode_pairs = None
+        return out
+
+    @property
+    def decode_weight(self) -> np.ndarray:
+        """Per step: its entries in the mean TPOT (requests of a decode step, else 0)."""
+        return np.array([len(r) if p == "decode" else 0 for p, r in zip(self.phases, self.requests)], dtype=float)
+
+    def spans(self) -> dict[int, tuple[int, int]]:
+        """Request -> (first, last) step of its prefill, in the order TTFT averages them."""
+        out: dict[int, list[int]] = {}
+        for i, (phase, reqs) in enumerate(zip(self.phases, self.requests)):
+            if phase == "prefill":
+                for r in reqs:
+                    out.setdefault(r, [i, i])[1] = i
+        return {r: (a, b) for r, (a, b) in out.items()}
+
+
+@dataclass
+class Windows:
+    """Windows of consecutive decode steps and the distinct (layer, expert) pairs each routes, per layer."""
+
+    #: per window length: (first step of each window, one past its last step, distinct pairs per layer)
+    by_length: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, shape: TraceShape) -> Windows:
+        out = cls()
+        if shape.decode_pairs is None or not shape.num_layers:
+            return out
+        sizes = np.array([p.size for p in shape.decode_pairs])
+        if not sizes.sum():
+            return out
+        pairs = np.concatenate(shape.decode_pairs)
+        steps = np.repeat(np.arange(len(sizes)), sizes)
+        order = np.lexsort((steps, pairs))  # by pair, then step: a pair's uses in step order
+        pairs, steps = pairs[order], steps[order]
+        layer = pairs // shape.num_experts
+        runs = decode_runs(shape.phases)
+        for length in WINDOW_STEPS:
+            starts, ends, window_of = _windows(runs, length, len(shape.phases))
+            if not len(starts):
+                continue
+            win = window_of[steps]
+            new = np.ones(len(pairs), dtype=bool)
+            new[1:] = (pairs[1:] != pairs[:-1]) | (win[1:] != win[:-1])
+            distinct = np.bincount(win[new] * shape.num_layers + layer[new],
+                                   minlength=len(starts) * shape.num_layers).reshape(len(starts), shape.num_layers)
+            out.by_length[length] = (starts, ends, distinct)
+        return out
+
+
+def decode_runs(phases: list[str]) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of consecutive decode steps."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for i, phase in enumerate(phases + ["end"]):
+        if phase == "decode":
+            start = i if start is None else start
+        elif start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _windows(runs: list[tuple[int, int]], length: int, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each run cut into windows of ``length`` steps from its start: (starts, ends, window of each step or -1)."""
+    starts = [s for a, b in runs for s in range(a, b, length)]
+    ends = [min(s + length, b) for a, b in runs for s in range(a, b, length)]
+    window_of = np.full(steps, -1, dtype=np.int64)
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        window_of[s:e] = i
+    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64), window_of
+
+
+# ----------------------------------------------------------------------------- what a member is
+@dataclass(frozen=True)
+class Traits:
+    """What a member's composition guarantees about its schedule (the module docstring)."""
+
+    #: its routed experts are what the trace routes
+    keeps_routing: bool
+    #: CPU work may run past its layer
+    defers: bool
+    #: a plain composition (``ComposedSystem`` itself: no planning step of its own)
+    plain: bool
+    #: never copies ahead of the layer that uses the copy
+    no_prefetch: bool
+    #: "cpu": every routed expert on the CPU; "resident": resident ones on the GPU; "gpu": every one on
+    #: the GPU; "": any split
+    placement: str
+
+    @classmethod
+    def of(cls, sim: Simulator) -> Traits:
+        system = sim.system
+        assign = getattr(system, "assign", None)
+        placement = {AllCPU: "cpu", ResidentOnGPU: "resident", AllGPU: "gpu"}.get(type(assign), "")  # type: ignore
+        return cls(keeps_routing=isinstance(system.substitute, NoSubstitution),
+                   defers=not isinstance(system.defer, NoDeferral), plain=type(system) is ComposedSystem,
+                   no_prefetch=isinstance(system.prefetch, NoPrefetch), placement=placement)
+
+    @property
+    def placed(self) -> bool:
+        """Every layer's split is known from the experts resident at the start (placed floors)."""
+        return self.plain and self.keeps_routing and self.no_prefetch and self.placement in ("cpu", "resident")
+
+    @property
+    def windowed(self) -> bool:
+        return self.plain and self.keeps_routing
+
+
+# ----------------------------------------------------------------------------- per-step floors
+@dataclass
+class _Costs:
+    """A member's memoised costs of the parts of a step (the engine's own figures)."""
+
+    sim: Simulator
+    #: attention seconds by (tokens, context) and the GPU work outside the MoE layers by (tokens, context,
+    #: sequences), shared by members with the same profile, model and non-expert dtype (the only inputs of
+    #: ``CostModel.attention`` and ``CostModel.step_fixed``)
+    attention_memo: dict = field(default_factory=dict)
+    head_memo: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, sim: Simulator, shared: dict | None = None) -> _Costs:
+        costs = sim.costs
+        key = (id(costs.profile), costs.model, costs.non_expert_dtype)
+        return cls(sim, {} if shared is None else shared.setdefault(key, {}))
+
+    def attention(self, tokens: int, context: int) -> float:
+        key = (tokens, context)
+        value = self.attention_memo.get(key)
+        if value is None:
+            value = self.attention_memo[key] = self.sim.costs.attention(tokens, context)
+        return value
+
+    def head_tail(self, key: tuple[int, int, int, str]) -> float:
+        """Host work, launches and GPU work of a step outside its MoE layers."""
+        value = self.head_memo.get(key)
+        if value is None:
+            sim, (tokens, context, sequences, phase) = self.sim, key
+            costs = sim.costs
+            gpu = self.attention_memo.get(key[:3])
+            if gpu is None:
+                gpu = self.attention_memo[key[:3]] = sum(costs.step_fixed(tokens, context, sequences).values())
+            value = self.head_memo[key] = (gpu + costs.step_launch(phase)
+                                           + sim.model.num_dense_layers * costs.layer_launches(phase)
+                                           + costs.host_per_step)
+        return value
+
+    def shared(self, tokens: int, phase: str) -> float:
+        sim = self.sim
+        if not sim.model.shared_intermediate_size:
+            return 0.0
+        return sim.costs.gpu_shared(tokens) + sim._launch[phase][1]
+
+    def fixed(self, shape: TraceShape, i: int) -> float:
+        """Step ``i``'s work outside its experts: head and tail, and every MoE layer's launches and attention."""
+        tokens, context, _, phase = work = shape.work[i]
+        total = self.head_tail(work)
+        launch = self.sim._layer_launches[phase]
+        for (layer_tokens, _), m in shape.layers[i]:
+            total += m * (launch + self.attention(layer_tokens, context))
+        return total
+
+
+def step_floors(sim: Simulator, shape: TraceShape) -> np.ndarray:
+    """Seconds each step of ``shape`` lasts at least when ``sim`` replays it (floor 1 of the module docstring)."""
+    return _balanced_floors(sim, shape, _Costs.of(sim))
+
+
+def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.ndarray:
+    costs = sim.costs
+    traits = Traits.of(sim)
+    layer_memo: dict[tuple, tuple[float, list[tuple[float, float, int]]]] = {}
+
+    def layer(tokens: int, counts: tuple[int, ...], phase: str) -> tuple[float, list[tuple[float, float, int]]]:
+        """(GPU-stream seconds before routed experts plus, unless deferred, the layer's expert balance;
+        the experts as (gpu, cpu, how many) when they are balanced over the step instead)."""
+        key = (tokens, counts, phase)
+        value = layer_memo.get(key)
+        if value is None:
+            expert_launch = sim._launch[phase][0]
+            shared = parts.shared(tokens, phase)
+            groups: list[tuple[float, float, int]] = []
+            if traits.keeps_routing or tokens == 1:
+                groups = [(costs.gpu_expert(n) + expert_launch, costs.cpu_expert(n), m)
+                          for n, m in sorted(Counter(counts).items())]
+            value = layer_memo[key] = ((shared, groups) if traits.defers else (balanced_groups(shared, groups), []))
+        return value
+
+    floors = np.empty(len(shape.work))
+    for i, (work, kinds) in enumerate(zip(shape.work, shape.layers)):
+        _, context, _, phase = work
+        total = parts.head_tail(work)
+        step_groups: list[tuple[float, float, int]] = []
+        launch = sim._layer_launches[phase]
+        for (layer_tokens, counts), m in kinds:
+            fixed, groups = layer(layer_tokens, counts, phase)
+            total += m * (launch + parts.attention(layer_tokens, context) + fixed)
+            step_groups += [(g, c, n * m) for g, c, n in groups]
+        floors[i] = balanced_groups(total, step_groups) if step_groups else total
+    return floors
+
+
+def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list[set[int]]) -> np.ndarray:
+    """Floor 2 of the module docstring: each step of a member whose GPU experts are those of ``on_gpu`` (per
+    layer) that the layer routes, the others on the CPU."""
+    costs, defers = sim.costs, Traits.of(sim).defers
+    sync = costs.sync_s
+    layers = len(on_gpu)
+    mask = np.zeros((layers, sim.model.num_experts), dtype=bool)
+    for layer, experts in enumerate(on_gpu):
+        mask[layer, sorted(experts)] = True
+    every_layer = np.arange(layers)
+    floors = np.empty(len(shape.work))
+    for i, step in enumerate(iter_steps(shape.path, columns=())):
+        tokens, context, _, phase = work = shape.work[i]
+        expert_launch = sim._launch[phase][0]
+        launch = sim._layer_launches[phase]
+        if step.rows == layers and np.array_equal(step.layer, every_layer):  # one token: a row per layer
+            gpu_n = mask[every_layer[:, None], step.experts].sum(axis=1)
+            cpu_n = step.experts.shape[1] - gpu_n
+            before = np.full(layers, launch + parts.attention(1, context))
+            gpu_side = parts.shared(1, phase) + gpu_n * (costs.gpu_expert(1) + expert_launch)
+            cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + sync, 0.0)
+            floors[i] = parts.head_tail(work) + _layers_floor(before.tolist(), gpu_side.tolist(),
+                                                              cpu_side.tolist(), defers)
+            continue
+        before, gpu_list, cpu_list = [], [], []
+        for layer, rows in step.layers():
+            n_rows = rows.stop - rows.start
+            if n_rows == 1:
+                active, counts = step.experts[rows.start].tolist(), [1] * step.experts.shape[1]
+            else:
+                active, counts = active_experts(step.experts[rows], sim.model.num_experts)
+            resident = on_gpu[layer]
+            gpu = parts.shared(n_rows, phase)
+            cpu = 0.0
+            for e, n in zip(active, counts):
+                if e in resident:
+                    gpu += costs.gpu_expert(n) + expert_launch
+                else:
+                    cpu += costs.cpu_expert(n)
+            before.append(launch + parts.attention(n_rows, context))
+            gpu_list.append(gpu)
+            cpu_list.append(cpu + sync if cpu > 0 else 0.0)
+        floors[i] = parts.head_tail(work) + _layers_floor(before, gpu_list, cpu_list, defers)
+    return floors
+
+
+def _layers_floor(before: list[float], gpu: list[float], cpu: list[float], defers: bool) -> float:
+    """MoE layers, each ``before`` then its GPU and CPU sides side by side; with deferral, the CPU side of a
+    layer may run on through later layers (one CPU, after the layer's ``before``)."""
+    if not defers:
+        return sum(b + max(g, c) for b, g, c in zip(before, gpu, cpu))
+    best = done = sum(b + g for b, g in zip(before, gpu))
+    prefix = 0.0
+    cpu_left = sum(cpu)
+    for b, g, c in zip(before, gpu, cpu):
+        best = max(best, prefix + b + cpu_left)
+        prefix += b + g
+        cpu_left -= c
+    return max(best, done)
+
+
+# ----------------------------------------------------------------------------- window floors
+def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np.ndarray,
+                 fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Floor 3 of the module docstring: for each ``k``, what the windows starting at or after step ``k`` add
+    to the makespan's and to the mean TPOT's sums of step floors (seconds; TPOT entries weighted)."""
+    steps = len(floors)
+    extra_span, extra_tpot = np.zeros(steps + 1), np.zeros(steps + 1)
+    traits = Traits.of(sim)
+    if not traits.windowed or not windows.by_length or sim.memory.ignores_memory:
+        return extra_span, extra_tpot
+    memory, costs = sim.memory, sim.costs
+    nbytes = costs.expert_bytes
+    tau = min(costs.h2d(nbytes), sim.pcie.duration(nbytes)) / max(sim.profile.pcie.copy_engines, 1)
+    most = max((t for t, _, _, p in shape.work if p == "decode"), default=1)
+    c = min(costs.cpu_expert(n) for n in range(1, most + 1))
+    per_layer = memory.pool is None and not memory.reserved_slots
+    weight = shape.decode_weight
+    cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    floors_at, fixed_at, tpot_at = cum(floors), cum(fixed), cum(floors * weight)
+    for starts, ends, distinct in windows.by_length.values():
+        if per_layer:
+            quota = np.asarray(memory.capacity[:distinct.shape[1]], dtype=np.int64)
+            misses = np.maximum(distinct - quota, 0).sum(axis=1)
+        else:
+            misses = np.maximum(distinct.sum(axis=1) - memory.slots, 0)
+        need = window_need(traits, fixed_at[ends] - fixed_at[starts], misses, tau, c)
+        span = floors_at[ends] - floors_at[starts]
+        tpot = tpot_at[ends] - tpot_at[starts]
+        fewest = np.array([weight[a:b].min() for a, b in zip(starts, ends)])
+        for extra, add in ((extra_span, np.maximum(need - span, 0.0)),
+                           (extra_tpot, np.maximum(need * fewest - tpot, 0.0))):
+            at = np.zeros(steps + 1)
+            np.add.at(at, starts, add)
+            np.maximum(extra, np.cumsum(at[::-1])[::-1], out=extra)
+    return extra_span, extra_tpot
+
+
+def window_need(traits: Traits, fixed: np.ndarray, misses: np.ndarray, tau: float, cpu: float) -> np.ndarray:
+    """Seconds windows last at least with ``fixed`` seconds of host work, launches and attention and
+    ``misses`` experts beyond those held at their start, each copied (``tau`` per copy and engine) or run on
+    the CPU (``cpu`` at least) (floor 3 of the module docstring). With ``n`` misses on the CPU and ``k``
+    copied (``n + k >= misses``), the window lasts at least:
+
+    * every expert on the GPU: ``fixed + tau k`` without prefetch (a layer's copies run after its
+      attention, before its end), else the longer of ``fixed`` and ``tau k``;
+    * no prefetch: ``fixed`` plus, per layer, the longer of its CPU experts and its copies, at least
+      ``c tau / (c + tau)`` per miss; with deferral the CPU may run on through later layers' attention:
+      the longer of ``fixed + tau k`` and ``c n``;
+    * prefetch: the longer of ``fixed + c n`` (no deferral; else ``fixed`` and ``c n``) and ``tau k``;
+
+    each at its least over ``k``.
+    """
+    if traits.placement == "gpu":
+        return fixed + tau * misses if traits.no_prefetch else np.maximum(fixed, tau * misses)
+    if cpu + tau <= 0:
+        return fixed
+    either = cpu * tau / (cpu + tau)  # max(c n, tau k) over n + k = 1 at its least
+    if traits.no_prefetch:
+        if traits.defers:
+            return np.maximum(fixed, cpu * (fixed + tau * misses) / (cpu + tau))
+        return fixed + misses * either
+    if traits.defers:
+        return np.maximum(fixed, misses * either)
+    return np.maximum(fixed, tau * (fixed + cpu * misses) / (cpu + tau))
+
+
+@dataclass
+class MemberFloors:
+    """A member's floors: per step (what TTFT sums), and the window terms the makespan and TPOT add."""
+
+    steps: np.ndarray
+    #: per ``k``: seconds the windows from step ``k`` on add to the steps' floors (makespan), and the TPOT's
+    #: request-weighted seconds
+    extra_span: np.ndarray
+    extra_tpot: np.ndarray
+
+    @classmethod
+    def of(cls, sim: Simulator, shape: TraceShape, windows: Windows | None = None,
+           shared: dict | None = None) -> MemberFloors:
+        """Floors of ``sim`` (a placed member must have started: its floors need the experts it starts with).
+        ``shared``: cost tables members share (one dict for all)."""
+        parts = _Costs.of(sim, shared)
+        traits = Traits.of(sim)
+        floors = _balanced_floors(sim, shape, parts)
+        if traits.placed and shape.path:
+            on_gpu = [set(r) for r in sim.cache.resident] if traits.placement == "resident" else \
+                [set() for _ in sim.cache.resident]
+            floors = np.maximum(floors, placed_floors(sim, shape, parts, on_gpu))
+        fixed = np.array([parts.fixed(shape, i) for i in range(len(shape.work))])
+        extra_span, extra_tpot = window_terms(sim, shape, windows or Windows(), floors, fixed)
+        return cls(floors, extra_span, extra_tpot)

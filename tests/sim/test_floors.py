@@ -1,0 +1,154 @@
+"""A portfolio member's floors (moesim.sim.floors): by hand, exact where the placement is fixed, and never above
+what a replay takes, step by step and over every suffix of steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moesim.sim.floors import (MemberFloors, TraceShape, Traits, Windows, _layers_floor, decode_runs,
+                               window_need)
+from moesim.sim.portfolio import racing_members
+from moesim.sim.run import members, prepare
+from moesim.trace.io import read_meta
+from moesim.trace.synth import SynthConfig, synthesize
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_layers_floor_by_hand():
+    """Two layers, each 1 ms of launches and attention, GPU sides 2 and 1 ms, CPU sides 3 and 4 ms.
+    Side by side: (1 + 3) + (1 + 4) = 9. Deferred: the GPU sides alone take 1 + 2 + 1 + 1 = 5; the CPU may
+    start after the first attention (1 + 3 + 4 = 8) or must wait for the second layer's (1 + 2 + 1 + 4 = 8)."""
+    assert _layers_floor([1.0, 1.0], [2.0, 1.0], [3.0, 4.0], defers=False) == 9.0
+    assert _layers_floor([1.0, 1.0], [2.0, 1.0], [3.0, 4.0], defers=True) == 8.0
+    # a long second GPU side: the GPU alone bounds it (1 + 2 + 1 + 9 = 13)
+    assert _layers_floor([1.0, 1.0], [2.0, 9.0], [3.0, 4.0], defers=True) == 13.0
+
+
+def _traits(placement: str = "", no_prefetch: bool = True, defers: bool = False) -> Traits:
+    return Traits(keeps_routing=True, defers=defers, plain=True, no_prefetch=no_prefetch, placement=placement)
+
+
+def test_window_need_by_hand():
+    """Fixed work 2 s, 3 misses, a copy 2 s (tau), a CPU expert 1 s (c).
+
+    Every expert on the GPU without prefetch: 2 + 3 x 2 = 8. No prefetch, any split: each miss costs at least
+    c tau / (c + tau) = 2/3 per layer: 2 + 2 = 4. Prefetch: the longer of 2 + n and 2 k, n + k = 3, at least
+    at 2 + 3 - k = 2 k, k = 5/3: 10/3. Prefetch with deferral: the longer of 2, n and 2 k: k = 1, 2. No prefetch
+    with deferral: the longer of 2 + 2 k and 3 - k: k = 1/3, 8/3."""
+    need = lambda traits: float(window_need(traits, np.array([2.0]), np.array([3]), 2.0, 1.0)[0])  # noqa: E731
+    assert need(_traits("gpu")) == 8.0
+    assert need(_traits()) == pytest.approx(4.0)
+    assert need(_traits(no_prefetch=False)) == pytest.approx(10 / 3)
+    assert need(_traits(no_prefetch=False, defers=True)) == pytest.approx(2.0)
+    assert need(_traits(defers=True)) == pytest.approx(8 / 3)
+    assert need(_traits("gpu", no_prefetch=False)) == 6.0  # copies overlap: the longer of 2 and 3 x 2
+
+
+def test_windows_count_distinct_experts_per_layer(tmp_path):
+    """A prefill then four decode steps of one token, two layers, four experts (top 1): layer 0 routes
+    expert 0, 1, 0, 2 in the decode steps, layer 1 always 3. Windows of two decode steps: {0, 1} and {0, 2}
+    in layer 0, {3} in layer 1; of four: {0, 1, 2} and {3}."""
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    layer0 = [0, 1, 0, 2]
+    steps = [{"phase": "prefill", "tokens": {0: (0, [[[1], [2]], [[0], [3]]])}}]
+    steps += [{"phase": "decode", "tokens": {0: (2 + i, [[[e]], [[3]]])}} for i, e in enumerate(layer0)]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    shape = TraceShape.of(str(path), model.num_experts)
+    assert decode_runs(shape.phases) == [(1, 5)]
+    windows = Windows.of(shape)
+    starts, ends, distinct = windows.by_length[2]
+    assert starts.tolist() == [1, 3] and ends.tolist() == [3, 5]
+    assert distinct.tolist() == [[2, 1], [2, 1]]
+    starts, ends, distinct = windows.by_length[4]
+    assert starts.tolist() == [1] and distinct.tolist() == [[3, 1]]
+
+
+def _members(path: str, profile, slots: dict[str, str], names: tuple[str, ...] | None = None):
+    shape = TraceShape.of(path, read_meta(path).model.num_experts)
+    sims = {}
+    for name in names or members("oracle"):
+        sims[name] = prepare(path, profile, name, slots)
+    return shape, racing_members(sims, shape, (), {})
+
+
+def _run(member):
+    member.advance(len(member.shape.rows) + 1, lambda: False)
+    return np.array([s.end - s.start for s in member.sim.steps])
+
+
+def test_placed_floors_are_the_steps_themselves(tmp_path):
+    """cpu-only and static-hot never copy an expert: their floors are their steps (side by side; no DRAM
+    sharing without copies), prefill and decode alike."""
+    model = tiny_model(layers=2, experts=6, top_k=2, shared=True)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=2, prompt_len=3, decode_len=5, batch=2, seed=1),
+               path)
+    shape, racing = _members(str(path), tiny_profile(shared_us=(80.0, 800.0)), {"cache.slots_per_layer": "2"},
+                             ("cpu-only", "static-hot", "ktransformers-ed"))
+    for member in racing:
+        floors = member.floors.steps
+        durations = _run(member)
+        if member.name == "ktransformers-ed":
+            assert (durations >= floors * (1 - 1e-12)).all()
+        else:
+            np.testing.assert_allclose(floors, durations, rtol=1e-12)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 3), experts=st.integers(3, 8), top_k=st.integers(1, 2), requests=st.integers(1, 3),
+       batch=st.integers(1, 3), decode=st.integers(2, 14), seed=st.integers(0, 99),
+       slots=st.sampled_from(["cache.slots_per_layer=0", "cache.slots_per_layer=1", "cache.slots_per_layer=2",
+                              "cache.slots=3"]),
+       pcie=st.sampled_from([0.0001, 0.001, 1.0]), engines=st.integers(1, 2))
+def test_floors_never_exceed_a_replay(tmp_path_factory, layers, experts, top_k, requests, batch, decode, seed,
+                                      slots, pcie, engines):
+    """For every member of the oracle: each step lasts at least its floor, and from every step ``k`` on, the
+    steps take at least the makespan floor and their request-weighted durations at least the TPOT floor
+    (window terms included): slow and fast copies, one or two copy engines, caches from none to a few."""
+    model = tiny_model(layers=layers, experts=experts, top_k=min(top_k, experts), shared=True)
+    path = tmp_path_factory.mktemp("floors") / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=requests, prompt_len=2, decode_len=decode,
+                                         batch=batch, seed=seed), path)
+    profile = tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=pcie, copy_engines=engines)
+    key, value = slots.split("=")
+    shape, racing = _members(str(path), profile, {key: value})
+    weight = shape.decode_weight
+    for member in racing:
+        durations = _run(member)
+        assert (durations >= member.floors.steps * (1 - 1e-12)).all(), member.name
+        span = np.concatenate([np.cumsum(durations[::-1])[::-1], [0.0]])
+        tpot = np.concatenate([np.cumsum((durations * weight)[::-1])[::-1], [0.0]])
+        assert (span >= member.left_span * (1 - 1e-12) - 1e-15).all(), member.name
+        assert (tpot >= member.left_tpot * (1 - 1e-12) - 1e-15).all(), member.name
+
+
+def test_window_floors_raise_a_demand_paging_member(tmp_path):
+    """gpu-only-lru with one slot per layer on slow copies: every decode step that routes a new expert
+    copies it, so the windows' floor lies far above the per-step floors (which let every expert run on the
+    GPU with no copy) and still below the replay."""
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=2, decode_len=12, seed=3), path)
+    shape, racing = _members(str(path), tiny_profile(), {"cache.slots_per_layer": "1"}, ("gpu-only-lru",))
+    member = racing[0]
+    assert member.floors.extra_span[0] > 10 * member.left[0]
+    assert sum(_run(member)) >= member.left_span[0]
+
+
+def test_window_floors_are_left_out_past_their_memory_limit(tmp_path, monkeypatch):
+    """Past ``WINDOW_USES_MAX`` routed decode experts the trace keeps no pairs and the windows are empty."""
+    import moesim.sim.floors as floors
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=2, decode_len=6, seed=3), path)
+    assert Windows.of(TraceShape.of(str(path), 6)).by_length
+    monkeypatch.setattr(floors, "WINDOW_USES_MAX", 10)
+    shape = TraceShape.of(str(path), 6)
+    assert shape.decode_pairs is None and not Windows.of(shape).by_length
