@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.buddymoe import (BuddySubstitution, buddy_lists, coactivation, substitute_buddies,
-                                          substitute_buddies_at_once, tae)
+from moesim.policy.catalog.buddymoe import (TAE_ROUNDING, BuddySubstitution, TaeGate, buddy_lists, coactivation,
+                                          substitute_buddies, substitute_buddies_at_once, tae, token_tae)
 from moesim.policy.state import CacheState
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
@@ -54,6 +54,81 @@ def test_alg1_skips_a_buddy_already_in_the_tokens_set():
     assert substitute_buddies(np.array([[3, 4]]), {0, 1, 2}, {0, 1, 2}, buddies, 16, rho=1) == [(0, 0, 0)]
     # the TAE gate forbids token 0
     assert substitute_buddies(np.array([[3, 4]]), {0, 1, 2}, {0, 1, 2}, buddies, 16, np.array([False])) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_tae_gate_token_by_token_decides_as_the_layer_tae(data):
+    """TaeGate's per-token plain-float TAE opens exactly the tokens ``tae(p) > tau`` opens, ties with tau
+    and values a rounding away from it included (those fall back to :func:`tae`)."""
+    k, tokens = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 16))
+    cells = st.one_of(st.just(0.0), st.floats(1e-6, 1.0), st.floats(0.0, 1e-300))
+    p = np.array(data.draw(st.lists(cells, min_size=k * tokens, max_size=k * tokens))).reshape(tokens, k)
+    p = p.astype(data.draw(st.sampled_from([np.float64, np.float32])))
+    exact = tae(p)
+    assert all(abs(token_tae(p[t].tolist()) - exact[t]) < TAE_ROUNDING / 1000 for t in range(tokens))
+    near = float(exact[data.draw(st.integers(0, tokens - 1))])
+    tau = data.draw(st.one_of(st.floats(-0.1, 1.1), st.just(near), st.just(float(np.nextafter(near, 2.0))),
+                              st.just(float(np.nextafter(near, -1.0))), st.just(-np.inf)))
+    gate = TaeGate(p, tau)
+    assert [gate[t] for t in range(tokens)] == (exact > tau).tolist()
+
+
+def test_tae_gate_settles_a_token_at_tau_with_the_layer_tae():
+    """A token whose TAE is tau itself is closed (Eq. 1's gate is TAE > tau), by numpy's value."""
+    p = np.array([[0.75, 0.25], [0.5, 0.5]])
+    gate = TaeGate(p, float(tae(p)[0]))
+    assert (gate[0], gate[1]) == (False, True) and gate._exact is not None
+
+
+def test_token_tae_in_plain_floats_is_numpys_tae_to_rounding():
+    rng = np.random.default_rng(0)
+    p = rng.random((500, 8)).astype(np.float32)
+    p[::7, 3] = 0.0  # zero probabilities: 0 log 0 = 0
+    exact = tae(p)
+    assert max(abs(token_tae(row) - v) for row, v in zip(p.tolist(), exact.tolist())) < TAE_ROUNDING / 1000
+    assert token_tae([0.5, 0.5]) == pytest.approx(1.0) and token_tae([1.0, 0.0]) == 0.0 and token_tae([1.0]) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_tae_gate_decides_as_numpys_tae(data):
+    """The gate opens exactly where numpy's TAE exceeds tau, tau one of the tokens' own TAEs included
+    (a percentile often is one): there plain floats cannot settle it and numpy's TAE does."""
+    k = data.draw(st.integers(1, 8))
+    tokens = data.draw(st.integers(1, 6))
+    p = np.array(data.draw(st.lists(st.floats(0.0, 1.0, width=32), min_size=k * tokens, max_size=k * tokens)),
+                 dtype=np.float32).reshape(tokens, k)
+    exact = tae(p)
+    tau = data.draw(st.sampled_from(exact.tolist() + [-np.inf, 0.0, 0.5]))
+    gate = TaeGate(p, tau)
+    assert [gate[t] for t in range(tokens)] == (exact > tau).tolist()
+
+
+def test_tae_gate_near_tau_falls_back_to_numpy():
+    p = np.array([[0.6, 0.4], [0.9, 0.1]], dtype=np.float32)
+    tau = float(tae(p)[0])  # token 0's TAE is tau itself: not above it
+    gate = TaeGate(p, tau)
+    assert gate[0] is False and gate._exact is not None
+    far = TaeGate(p, 0.9)
+    assert far[0] is True and far[1] is False and far._exact is None  # settled in plain floats
+
+
+def test_alg1_asks_the_gate_only_for_tokens_with_a_replacement():
+    buddies = [[1], [0], [0], [0, 2], [1, 0]]
+    asked = []
+
+    class Recording:
+        def __getitem__(self, t):
+            asked.append(t)
+            return t != 3
+
+    # token 0 has nothing missing; token 1 a missing expert with a free buddy; token 2 a missing expert
+    # whose only buddy is already its own; token 3 a replacement, but its gate is closed
+    routed = np.array([[0, 1], [0, 3], [1, 4], [2, 3]])
+    buddies[4] = [1]
+    out = substitute_buddies(routed, {0, 1, 2}, {0, 1, 2}, buddies, 16, Recording())
+    assert out == [(1, 1, 2)] and asked == [1, 3]
 
 
 def _view(experts, resident, weights=None, experts_total=5):

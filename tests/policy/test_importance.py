@@ -14,7 +14,7 @@ from moesim.hw.cost import CostModel
 from moesim.model.presets import load_preset
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, TopScorePrefetch,
-                                              token_thresholds, two_pointer)
+                                              layer_thresholds, token_thresholds, two_pointer)
 from moesim.policy.prefetch import ranked_predictions
 from moesim.policy.state import CacheState
 from moesim.sim.engine import result_to_frames
@@ -54,6 +54,47 @@ def test_router_replaces_a_low_score_expert_with_a_resident_alternative():
     assert router.rewrite(_view([[0, 1]], [SCORES], {5})) == []
     # alpha = 0.2: T = 0.18, so expert 1 (0.20) is top-score and never replaced
     assert ImportanceRouter(alpha=0.2).rewrite(_view([[0, 1]], [SCORES], {3})) == []
+
+
+def _reference_router(experts, scores, resident, alpha):
+    """Alg. 1 as Sec. 5.1 words it, token by token over full score rows."""
+    k = experts.shape[1]
+    bounds = [token_thresholds(row, k, alpha) for row in scores.astype(np.float64)]
+    top = {int(e) for t, row in enumerate(experts) for e in row if scores[t, e] > bounds[t][0]}
+    available = set(resident) | top
+    out = []
+    for t, row in enumerate(experts.tolist()):
+        high, low, floor = bounds[t]
+        s = scores[t].astype(np.float64)
+        needy = sorted((slot for slot, e in enumerate(row) if s[e] <= high and e not in available),
+                       key=lambda slot: (s[row[slot]], slot))
+        alternatives = sorted((e for e in available if e not in row and floor <= s[e] <= low), key=lambda e: (-s[e], e))
+        out += [(t, slot, e) for slot, e in zip(needy, alternatives)]
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_router_for_a_layer_picks_what_token_by_token_alg1_does(data):
+    """Thresholds for all tokens from one partition, scores read per token only when it has a replacement to
+    make: the same picks as Alg. 1 token by token (ties of scores included: scores drawn from a few values)."""
+    n, k = data.draw(st.integers(2, 10)), data.draw(st.integers(1, 4))
+    k = min(k, n)
+    tokens = data.draw(st.integers(1, 8))
+    values = st.sampled_from([0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4]) | st.floats(0.0, 1.0, width=16)
+    scores = np.array(data.draw(st.lists(values, min_size=tokens * n, max_size=tokens * n)),
+                      dtype=np.float16).reshape(tokens, n)
+    experts = np.array([data.draw(st.permutations(range(n)))[:k] for _ in range(tokens)])
+    resident = data.draw(st.sets(st.integers(0, n - 1)))
+    alpha = data.draw(st.sampled_from([0.0, 0.25, 0.3, 0.5, 1.0]))
+    assert layer_thresholds(scores.astype(np.float64), k, alpha) == \
+        [token_thresholds(row, k, alpha) for row in scores.astype(np.float64)]
+    model = tiny_model(layers=1, experts=n, top_k=k)
+    state = CacheState(capacity=[n])
+    state.preload(0, sorted(resident))
+    active, counts = active_experts(experts, n)
+    view = LayerView(0, 0, "decode", experts, active, counts, state, CostModel(tiny_profile(), model), scores=scores)
+    assert ImportanceRouter(alpha=alpha).rewrite(view) == _reference_router(experts, scores, resident, alpha)
 
 
 def test_router_counts_only_resident_experts_as_in_gpu():

@@ -52,6 +52,7 @@ its "Random".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -90,6 +91,49 @@ def _log(k: int) -> np.floating:
     return np.log(k)
 
 
+#: how far one token's TAE in plain floats (:func:`token_tae`) may lie from :func:`tae`'s, with room to
+#: spare: both round the same sums and logarithms, in other orders (a few ulps, under 1e-13 for k <= 64)
+TAE_ROUNDING = 1e-9
+
+
+def token_tae(probabilities: list[float]) -> float:
+    """Eq. 1 for one token's top-k probabilities, in plain floats (:func:`tae` to within TAE_ROUNDING)."""
+    k = len(probabilities)
+    if k < 2:
+        return 0.0
+    total = max(sum(probabilities), 1e-12)
+    entropy = 0.0
+    for p in probabilities:
+        p /= total
+        if p > 0:
+            entropy -= p * math.log(p)
+    return entropy / math.log(k)
+
+
+class TaeGate:
+    """The TAE gate of one layer's tokens (Sec. 3.1): ``gate[t]`` is True where token t's TAE exceeds tau.
+
+    A token is looked at only when asked about (Alg. 1 asks only for a token with a replacement to make).
+    Its TAE in plain floats settles the comparison unless it lies within TAE_ROUNDING of tau; then
+    numpy's :func:`tae` of the layer's tokens decides, as it always did.
+    """
+
+    def __init__(self, probabilities: np.ndarray, tau: float) -> None:
+        self.probabilities, self.tau = probabilities, tau
+        self._exact: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.probabilities)
+
+    def __getitem__(self, token: int) -> bool:
+        value = token_tae(self.probabilities[token].tolist())
+        if abs(value - self.tau) > TAE_ROUNDING:
+            return value > self.tau
+        if self._exact is None:
+            self._exact = tae(self.probabilities) > self.tau
+        return bool(self._exact[token])
+
+
 def coactivation(experts: np.ndarray, num_experts: int, probabilities: np.ndarray | None = None) -> np.ndarray:
     """M(i, j): tokens routing to both i and j (weighted by min(p_i, p_j) when probabilities are given)."""
     k = experts.shape[1]
@@ -122,32 +166,32 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
 
 
 def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int], buddies: list[list[int]],
-                       search_limit: int, allowed: np.ndarray | None = None, rho: int = 0
+                       search_limit: int, allowed: Sequence[bool] | None = None, rho: int = 0
                        ) -> list[tuple[int, int, int]]:
-    """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token and budget ``rho``)."""
+    """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token, an array or a :class:`TaeGate`, and
+    budget ``rho``)."""
     out = []
     # each expert's resident buddies within the search limit, found once per layer: residency does not
     # change while the layer is planned
     usable: dict[int, list[int]] = {}
-    gate = np.asarray(allowed).tolist() if allowed is not None else None
     for t, row in enumerate(np.asarray(experts).tolist()):
-        if gate is not None and not gate[t]:
-            continue
         used = set(row)
-        replaced = 0
+        picks = []
         for slot, e in enumerate(row):
             if e in on_gpu:
                 continue
-            if rho and replaced >= rho:
+            if rho and len(picks) >= rho:
                 break
             if e not in usable:
                 usable[e] = [b for b in buddies[e][:search_limit] if b in resident]
             for b in usable[e]:
                 if b not in used:
-                    out.append((t, slot, b))
+                    picks.append((t, slot, b))
                     used.add(b)
-                    replaced += 1
                     break
+        # a token's picks depend on its own experts alone: its gate is asked only when it has some
+        if picks and (allowed is None or allowed[t]):
+            out += picks
     return out
 
 
@@ -301,25 +345,35 @@ class BuddySubstitution(Substitution):
     def buddies(self, layer: int) -> list[list[int]]:
         return self._buddies[layer]
 
-    def _allowed(self, view: LayerView) -> np.ndarray | None:
+    def _probabilities(self, view: LayerView) -> np.ndarray | None:
+        """The tokens' top-k probabilities: the routed weights, else the routed experts' scores."""
         if view.weights is not None:
-            p = view.weights
-        elif view.scores is not None:
-            p = np.take_along_axis(view.scores.astype(np.float64), view.experts.astype(np.int64), axis=1)
-        else:
-            return None
-        return tae(p) > self._tau[view.layer]
+            return view.weights
+        if view.scores is not None:
+            return np.take_along_axis(view.scores.astype(np.float64), view.experts.astype(np.int64), axis=1)
+        return None
+
+    def _allowed(self, view: LayerView) -> np.ndarray | None:
+        p = self._probabilities(view)
+        return None if p is None else tae(p) > self._tau[view.layer]
+
+    def _gate(self, view: LayerView) -> TaeGate | None:
+        p = self._probabilities(view)
+        return None if p is None else TaeGate(p, self._tau[view.layer])
 
     def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
         layer = view.layer
-        resident = view.cache.resident[layer]
-        on_gpu = resident | view.cache.in_flight[layer]
+        resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
+        on_gpu = resident | in_flight if in_flight else resident
         missing = sum(1 for e in view.active if e not in on_gpu)
         if missing == 0 or missing / len(view.active) >= self.beta:
             return []
         limit = self.search_limit or self.k_max
-        substitute = substitute_buddies if view.tokens <= 16 else substitute_buddies_at_once
-        return substitute(view.experts, on_gpu, resident, self._buddies[layer], limit, self._allowed(view), self.rho)
+        if view.tokens <= 16:
+            return substitute_buddies(view.experts, on_gpu, resident, self._buddies[layer], limit, self._gate(view),
+                                      self.rho)
+        return substitute_buddies_at_once(view.experts, on_gpu, resident, self._buddies[layer], limit,
+                                          self._allowed(view), self.rho)
 
 
 @register_component

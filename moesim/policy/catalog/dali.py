@@ -359,7 +359,9 @@ class WorkloadAwareCache(CachePolicy):
             return False
         self._seen = (view.step, view.layer)
         layer = view.layer
-        self._scores[layer][view.active] += view.counts
+        scores = self._scores[layer]
+        for e, n in zip(view.active, view.counts):  # a decode layer's few experts: no index arrays to build
+            scores[e] += n
         self._windows[layer] += 1
         return self._windows[layer] % self.w_size == 0
 
@@ -478,15 +480,17 @@ class DaliSystem(ObservingSystem):
         wanted = self.prefetch.candidates(view)
         evicted = set(plan.evictions)
         held = state.held()  # the state does not change while a plan is made
-        entries: list[tuple[int, int]] | None = None  # the buffer's entries, found at the first need
+        # the buffer's entries, found at the first need: one layer's (a full quota) or every layer's (a full pool)
+        entries: dict[int | None, list[tuple[int, int]]] = {}
         for target, e in wanted:
             if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
                 continue
             quota, pool = self._room(view, plan, target, evicted, held)
             if min(quota, pool) <= 0:
-                if entries is None:
-                    entries = self._buffer_entries(view)
-                stale = self._stale_entry(view, plan, target if quota <= 0 else None, wanted, evicted, entries)
+                where = target if quota <= 0 else None
+                if where not in entries:
+                    entries[where] = self._buffer_entries(view, where)
+                stale = self._stale_entry(view, plan, where, wanted, evicted, entries[where])
                 if stale is None:
                     continue
                 plan.evictions.append(stale)
@@ -505,10 +509,13 @@ class DaliSystem(ObservingSystem):
             return quota, quota
         return quota, state.pool - held + len(evicted) - len(plan.prefetches)
 
-    def _buffer_entries(self, view: LayerView) -> list[tuple[int, int]]:
-        """Every (layer, expert) resident and not cached: what the prefetch buffer holds."""
+    def _buffer_entries(self, view: LayerView, layer: int | None = None) -> list[tuple[int, int]]:
+        """Every (layer, expert) resident and not cached: what the prefetch buffer holds (in ``layer`` alone
+        when given)."""
         cache, resident = self.cache, view.cache.resident
         assert isinstance(cache, WorkloadAwareCache)
+        if layer is not None:
+            return [(layer, x) for x in resident[layer] - cache.cached(layer)]
         # few: most layers hold only cached experts, passed over by a subset test
         return [(l, x) for l, (held, kept) in enumerate(zip(resident, cache.cached_sets())) if not held <= kept
                 for x in held - kept]

@@ -111,6 +111,8 @@ class ScoreAwareCache(CachePolicy):
             return []
         candidates = [e for e in view.cache.resident[layer] if e not in protected]
         priority = self._priority[layer].take(candidates).tolist()
+        if n == 1:  # the usual single victim: the lowest (priority, id), without sorting the rest
+            return [min(zip(priority, candidates))[1]] if candidates else []
         return [e for _, e in sorted(zip(priority, candidates))[:n]]
 
 
@@ -137,6 +139,10 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     by_load = lambda e: (-count[e], e)  # noqa: E731
     order = sorted(cached, key=by_load) + sorted(uncached, key=by_load)
     uncached_set = set(uncached)
+    # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
+    by_tokens = {n: (costs.gpu_expert(n) + view.expert_launch_s, costs.cpu_expert(n)) for n in set(view.counts)}
+    gpu_time = {e: by_tokens[n][0] for e, n in count.items()}
+    cpu_time = {e: by_tokens[n][1] for e, n in count.items()}
     shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
     gpu_t, cpu_t, move_t = shared, 0.0, 0.0
     gpu: list[int] = []
@@ -147,8 +153,8 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
         gpu_end = gpu_t
         if first in uncached_set:
             gpu_end = max(gpu_end, move_t + costs.expert_load) if loads else math.inf
-        gpu_end += costs.gpu_expert(count[first]) + view.expert_launch_s
-        cpu_end = cpu_t + (costs.sync_s if not cpu else 0.0) + costs.cpu_expert(count[last])
+        gpu_end += gpu_time[first]
+        cpu_end = cpu_t + (costs.sync_s if not cpu else 0.0) + cpu_time[last]
         if gpu_end <= cpu_end:
             if first in uncached_set:
                 move_t += costs.expert_load

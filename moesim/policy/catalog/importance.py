@@ -85,6 +85,16 @@ def token_thresholds(scores: np.ndarray, k: int, alpha: float) -> tuple[float, f
     return (1 + alpha) * beta, beta, (1 - alpha) * beta
 
 
+def layer_thresholds(scores: np.ndarray, k: int, alpha: float) -> list[tuple[float, float, float]]:
+    """:func:`token_thresholds` of every token row at once (one partition of the layer's scores; the
+    (k+1)-th highest score is the same number in any float width)."""
+    n = scores.shape[1]
+    if k >= n:
+        return [token_thresholds(row, k, alpha) for row in scores]
+    betas = np.partition(scores, n - 1 - k, axis=1)[:, n - 1 - k].tolist()
+    return [((1 + alpha) * beta, beta, (1 - alpha) * beta) for beta in betas]
+
+
 @register_component
 @dataclass
 class ImportanceRouter(Substitution):
@@ -121,23 +131,27 @@ class ImportanceRouter(Substitution):
             raise ConfigError("substitute 'importance-router' got a layer without router scores", field="scores",
                               fix="replay a trace with the 'scores' column")
         k = view.experts.shape[1]
-        scores = view.scores.astype(np.float64)
-        bounds = [token_thresholds(scores[t], k, self.alpha) for t in range(view.tokens)]
+        scores = view.scores
+        bounds = layer_thresholds(scores, k, self.alpha)
         rows = view.experts.tolist()
-        token_scores = scores.tolist()  # Python floats: the same numbers, compared without numpy scalars
-        top_set = {e for row, s, (high, _, _) in zip(rows, token_scores, bounds) for e in row if s[e] > high}
+        # scores as Python floats (the same numbers, compared without numpy scalars): each token's routed
+        # experts', and its other experts' only where it has an expert to replace
+        routed_scores = [scores[t].take(row).tolist() for t, row in enumerate(rows)]
+        top_set = {e for row, r, (high, _, _) in zip(rows, routed_scores, bounds)
+                   for e, score in zip(row, r) if score > high}
         available = view.cache.resident[view.layer] | top_set
         out: list[tuple[int, int, int]] = []
-        for t, (row, s, (high, low, floor)) in enumerate(zip(rows, token_scores, bounds)):
+        for t, (row, r, (high, low, floor)) in enumerate(zip(rows, routed_scores, bounds)):
             # low-score experts needing a load or the CPU, lowest score first (they go first)
-            needy = sorted((slot for slot, e in enumerate(row) if s[e] <= high and e not in available),
-                           key=lambda slot: (s[row[slot]], slot))
+            needy = sorted((slot for slot, e in enumerate(row) if r[slot] <= high and e not in available),
+                           key=lambda slot: (r[slot], slot))
             if not needy:
                 continue
-            routed = set(row)
-            alternatives = sorted((e for e in available if e not in routed and floor <= s[e] <= low),
-                                  key=lambda e: (-s[e], e))
-            out += [(t, slot, e) for slot, e in zip(needy, alternatives)]
+            others = [e for e in available if e not in row]
+            # alternatives: highest score first, then lowest id
+            alternatives = sorted((-score, e) for e, score in zip(others, scores[t].take(others).tolist())
+                                  if floor <= score <= low)
+            out += [(t, slot, e) for slot, (_, e) in zip(needy, alternatives)]
         return out
 
 
