@@ -259,7 +259,8 @@ class CacheState:
     def start_loads(self, layer: int, experts: list[int]) -> None:
         """:meth:`start_load` of each of ``experts`` in turn, its checks made once for all of them."""
         resident, in_flight = self.resident[layer], self.in_flight[layer]
-        if len(resident) + len(in_flight) + len(experts) > self.capacity[layer] or self.pool is not None \
+        if len(resident) + len(in_flight) + len(experts) > self.capacity[layer] \
+                or (self.pool is not None and self.held() + len(experts) > self.pool) \
                 or not resident.isdisjoint(experts) or not in_flight.isdisjoint(experts) \
                 or len(set(experts)) < len(experts):
             for expert in experts:  # the one at fault named as start_load names it
