@@ -27,8 +27,10 @@ stopped. Three floors, each taken from the engine's own costs
    at least the GPU side up to some layer plus the CPU work of that layer and
    all later ones (the CPU works one expert at a time and starts a layer's
    experts after its attention).
-3. Per window of consecutive decode steps, a plain composition that never
-   rewrites routing (:class:`Windows`, :func:`window_terms`): at most
+3. Per window of consecutive decode steps, a member that never rewrites
+   routing (:class:`Windows`, :func:`window_terms`; a system with a planning
+   step of its own is taken to prefetch and split as it likes, since only the
+   memory plan and the engine bind it): at most
    ``memory.slots`` experts (per layer: the layer's quota, when the member has
    no pool and no reserved buffer) are held when a window starts, resident or
    in flight; each other (layer, expert) the window uses is copied inside it
@@ -219,11 +221,15 @@ class Traits:
     @classmethod
     def of(cls, sim: Simulator) -> Traits:
         system = sim.system
+        plain = type(system) is ComposedSystem
         assign = getattr(system, "assign", None)
         placement = {AllCPU: "cpu", ResidentOnGPU: "resident", AllGPU: "gpu"}.get(type(assign), "")  # type: ignore
+        # a system with a planning step of its own may place and copy as it likes: only what every plan
+        # obeys holds for it (the engine runs deferral from ``defer`` alone, whoever plans)
         return cls(keeps_routing=isinstance(system.substitute, NoSubstitution),
-                   defers=not isinstance(system.defer, NoDeferral), plain=type(system) is ComposedSystem,
-                   no_prefetch=isinstance(system.prefetch, NoPrefetch), placement=placement)
+                   defers=not isinstance(system.defer, NoDeferral), plain=plain,
+                   no_prefetch=plain and isinstance(system.prefetch, NoPrefetch),
+                   placement=placement if plain else "")
 
     @property
     def placed(self) -> bool:
@@ -232,7 +238,7 @@ class Traits:
 
     @property
     def windowed(self) -> bool:
-        return self.plain and self.keeps_routing
+        return self.keeps_routing
 
 
 # ----------------------------------------------------------------------------- per-step floors

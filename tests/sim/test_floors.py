@@ -142,6 +142,23 @@ def test_window_floors_raise_a_demand_paging_member(tmp_path):
     assert sum(_run(member)) >= member.left_span[0]
 
 
+def test_window_floors_bind_a_system_that_plans_on_its_own(tmp_path):
+    """llamacpp plans its layers itself (``LlamaCppSystem``): taken to prefetch and split as it likes, it
+    still holds at most its slots, so on slow copies every new expert of a window runs on the CPU or is
+    copied; its windows add to its per-step floors, which alone let every expert run on the GPU. Traits say
+    what the floors assume of it."""
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=2, decode_len=12, seed=3), path)
+    shape, racing = _members(str(path), tiny_profile(pcie_gbps=0.001), {"cache.slots_per_layer": "1"},
+                             ("llamacpp",))
+    member = racing[0]
+    traits = Traits.of(member.sim)
+    assert (traits.plain, traits.no_prefetch, traits.placement, traits.windowed) == (False, False, "", True)
+    assert member.floors.extra_span[0] > 2 * member.left[0]
+    assert sum(_run(member)) >= member.left_span[0]
+
+
 def test_window_floors_are_left_out_past_their_memory_limit(tmp_path, monkeypatch):
     """Past ``WINDOW_USES_MAX`` routed decode experts the trace keeps no pairs and the windows are empty."""
     import moesim.sim.floors as floors
