@@ -77,9 +77,8 @@ class LayerView:
             experts[row, slot] = expert
         active, counts = active_experts(experts, self.cache_experts())
         # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
-        values = dict(zip(_VIEW_FIELDS, _view_fields_of(self)))
-        values.update(experts=experts, active=active, counts=counts)
-        view = LayerView(**values)
+        view = LayerView(*_view_fields_of(self))
+        view.experts, view.active, view.counts = experts, active, counts
         self._rewritten = (list(substitutions), view)
         return view
 

@@ -147,7 +147,7 @@ class ImportanceRouter(Substitution):
                            key=lambda slot: (r[slot], slot))
             if not needy:
                 continue
-            others = [e for e in available if e not in row]
+            others = list(available.difference(row))  # any order: the alternatives are sorted below
             # alternatives: highest score first, then lowest id
             alternatives = sorted((-score, e) for e, score in zip(others, scores[t].take(others).tolist())
                                   if floor <= score <= low)
@@ -252,7 +252,7 @@ class ScoreHistoryCache(CachePolicy):
         if n <= 0:
             return []
         avg = self._average_of(layer)
-        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        candidates = view.cache.resident[layer].difference(protected)  # ranked below by a total order
         if n == 1:
             return [min(candidates, key=lambda e: (avg[e], e))] if candidates else []
         return sorted(candidates, key=lambda e: (avg[e], e))[:n]
@@ -305,6 +305,8 @@ class TwoPointerBalancer(Assignment):
     """
 
     name = "two-pointer"
+    _costs: object = field(default=None, repr=False)
+    _cpu_times: dict = field(default_factory=dict, repr=False)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         if view.phase != "decode":
@@ -316,8 +318,22 @@ class TwoPointerBalancer(Assignment):
         if not rest:
             return gpu, []
         pending = max((at - view.now for at in view.arrivals.values()), default=0.0)
-        load, cpu = two_pointer(rest, view.costs.expert_load, view.costs.cpu_expert, max(pending, 0.0))
+        if view.costs is not self._costs:
+            self._costs, self._cpu_times = view.costs, _CpuTimes(view.costs.cpu_expert)
+        load, cpu = two_pointer(rest, view.costs.expert_load, self._cpu_times.__getitem__, max(pending, 0.0))
         return gpu + load, cpu
+
+
+class _CpuTimes(dict):
+    """``cpu_expert(tokens)`` by token count, each computed once (a plain lookup in the balancer's loop)."""
+
+    def __init__(self, cpu_expert) -> None:
+        super().__init__()
+        self.cpu_expert = cpu_expert
+
+    def __missing__(self, tokens: int) -> float:
+        value = self[tokens] = self.cpu_expert(tokens)
+        return value
 
 
 class ImportanceSystem(ObservingSystem):
