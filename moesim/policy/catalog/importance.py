@@ -69,11 +69,15 @@ class ObservingSystem(ComposedSystem):
     view first.
     """
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # looked up once: _place runs for every layer of every step
+        self._observers = [observe for component in (self.cache, self.assign, self.prefetch)
+                           if (observe := getattr(component, "observe", None)) is not None]
+
     def _place(self, view: LayerView) -> LayerPlan:
-        for component in (self.cache, self.assign, self.prefetch):
-            observe = getattr(component, "observe", None)
-            if observe is not None:
-                observe(view)
+        for observe in self._observers:
+            observe(view)
         return super()._place(view)
 
 
@@ -91,7 +95,9 @@ def layer_thresholds(scores: np.ndarray, k: int, alpha: float) -> list[tuple[flo
     n = scores.shape[1]
     if k >= n:
         return [token_thresholds(row, k, alpha) for row in scores]
-    betas = np.partition(scores, n - 1 - k, axis=1)[:, n - 1 - k].tolist()
+    part = scores.copy()  # np.partition's copy and partition, without its wrapper
+    part.partition(n - 1 - k, axis=1)
+    betas = part[:, n - 1 - k].tolist()
     return [((1 + alpha) * beta, beta, (1 - alpha) * beta) for beta in betas]
 
 
@@ -139,7 +145,8 @@ class ImportanceRouter(Substitution):
         routed_scores = [scores[t].take(row).tolist() for t, row in enumerate(rows)]
         top_set = {e for row, r, (high, _, _) in zip(rows, routed_scores, bounds)
                    for e, score in zip(row, r) if score > high}
-        available = view.cache.resident[view.layer] | top_set
+        resident = view.cache.resident[view.layer]
+        available = resident | top_set if top_set else resident  # read only
         out: list[tuple[int, int, int]] = []
         for t, (row, r, (high, low, floor)) in enumerate(zip(rows, routed_scores, bounds)):
             # low-score experts needing a load or the CPU, lowest score first (they go first)
@@ -186,7 +193,7 @@ class TopScorePrefetch(Prefetch):
         predicted = view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:
             return []
-        ranked = ranked_predictions([np.asarray(p)[:self.per_token] for p in predicted])
+        ranked = ranked_predictions([p[:self.per_token] for p in predicted])
         return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
 
 
@@ -312,7 +319,8 @@ class TwoPointerBalancer(Assignment):
         if view.phase != "decode":
             return list(view.active), []
         layer = view.layer
-        on_gpu = view.cache.resident[layer] | view.cache.in_flight[layer]
+        resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
+        on_gpu = resident | in_flight if in_flight else resident  # read only
         gpu = [e for e in view.active if e in on_gpu]
         rest = {e: n for e, n in zip(view.active, view.counts) if e not in on_gpu}
         if not rest:
