@@ -214,8 +214,6 @@ class ScoreHistoryCache(CachePolicy):
     n: int = 8
     _history: list[deque] = field(default_factory=list, repr=False)
     _sums: list[np.ndarray] = field(default_factory=list, repr=False)
-    #: each layer's averages as Python floats, kept until the layer's history moves (None: recompute)
-    _averages: list[list[float] | None] = field(default_factory=list, repr=False)
     _seen: tuple[int, int] = (-1, -1)
 
     def configure(self, ctx: RunContext) -> None:
@@ -224,7 +222,6 @@ class ScoreHistoryCache(CachePolicy):
             raise ConfigError(f"n must be at least 1, got {self.n}", field="cache.n", fix="--set cache.n=8")
         self._history = [deque() for _ in ctx.capacity]
         self._sums = [np.zeros(ctx.model.num_experts) for _ in ctx.capacity]
-        self._averages = [None for _ in ctx.capacity]
         self._seen = (-1, -1)
 
     def observe(self, view: LayerView) -> None:
@@ -237,7 +234,6 @@ class ScoreHistoryCache(CachePolicy):
         self._sums[layer] += mean
         if len(history) > self.n:
             self._sums[layer] -= history.popleft()
-        self._averages[layer] = None
 
     def touch(self, view: LayerView, used: list[int]) -> None:
         self.observe(view)  # in systems without observe hooks, layers with GPU experts still count
@@ -245,28 +241,27 @@ class ScoreHistoryCache(CachePolicy):
     def average(self, layer: int) -> np.ndarray:
         return self._sums[layer] / max(len(self._history[layer]), 1)
 
-    def _average_of(self, layer: int) -> list[float]:
-        """:meth:`average` as a list, computed once per change of the layer's history."""
-        averages = self._averages[layer] if self._averages else None
-        if averages is None:
-            averages = self.average(layer).tolist()
-            if self._averages:
-                self._averages[layer] = averages
-        return averages
+    def _average_of(self, layer: int, experts: list[int]) -> list[float]:
+        """:meth:`average` of just ``experts`` (the same quotients; a decision ranks a few experts of many)."""
+        count = max(len(self._history[layer]), 1)
+        return [total / count for total in self._sums[layer].take(experts).tolist()]
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        avg = self._average_of(layer)
-        candidates = view.cache.resident[layer].difference(protected)  # ranked below by a total order
+        candidates = list(view.cache.resident[layer].difference(protected))  # ranked below by a total order
+        if not candidates:
+            return []
+        ranked = zip(self._average_of(layer, candidates), candidates)  # (average, id)
         if n == 1:
-            return [min(candidates, key=lambda e: (avg[e], e))] if candidates else []
-        return sorted(candidates, key=lambda e: (avg[e], e))[:n]
+            return [min(ranked)[1]]
+        return [e for _, e in sorted(ranked)[:n]]
 
     def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
-        avg = self._average_of(layer)
-        return sorted(missing, key=lambda e: (-avg[e], e))
+        if len(missing) < 2:
+            return list(missing)
+        return [e for _, e in sorted(zip([-a for a in self._average_of(layer, missing)], missing))]
 
 
 @register_component
