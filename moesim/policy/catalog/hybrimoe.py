@@ -142,7 +142,8 @@ class ScoreAwareCache(CachePolicy):
 SCHEDULING_SHARE = 0.0301
 
 
-def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], list[int]]:
+def hybrid_schedule(view: LayerView, loads: bool = True,
+                    times: dict[tuple[int, float], tuple[float, float]] | None = None) -> tuple[list[int], list[int]]:
     """HybriMoE's hybrid scheduling: (gpu in execution order, cpu in execution order).
 
     Experts resident or in flight count as cached (the layer waits for its
@@ -152,6 +153,7 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     the GPU starts with the shared experts, the CPU with a synchronisation, and
     an uncached head waits for its transfer behind the ones before it. With
     ``loads`` false the GPU never takes an uncached expert: the CPU gets them all.
+    ``times`` keeps the per-token-count expert times between calls with the same cost model.
     """
     costs = view.costs
     resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
@@ -165,9 +167,17 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     order = cached + uncached
     first_uncached = len(cached)
     # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
-    by_tokens = {n: (costs.gpu_expert(n) + view.expert_launch_s, costs.cpu_expert(n)) for n in set(view.counts)}
-    gpu_time = [by_tokens[-m][0] for m, _ in order]
-    cpu_time = [by_tokens[-m][1] for m, _ in order]
+    if times is None:
+        times = {}
+    launch = view.expert_launch_s
+    gpu_time: list[float] = []
+    cpu_time: list[float] = []
+    for m, _ in order:
+        both = times.get((-m, launch))
+        if both is None:
+            both = times[(-m, launch)] = (costs.gpu_expert(-m) + launch, costs.cpu_expert(-m))
+        gpu_time.append(both[0])
+        cpu_time.append(both[1])
     shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
     expert_load, sync_s = costs.expert_load, costs.sync_s
     gpu_t, cpu_t, move_t = shared, 0.0, 0.0
@@ -209,6 +219,8 @@ class HybridScheduling(Assignment):
     solve_share: float = SCHEDULING_SHARE
     _last_solve_s: float = field(default=0.0, repr=False)
     _clock: SolveClock | None = field(default=None, repr=False)
+    _costs: object = field(default=None, repr=False)
+    _times: dict = field(default_factory=dict, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         self._clock = SolveClock.checked(self.solve_share, self.solve_us, SCHEDULING_SHARE)
@@ -217,7 +229,9 @@ class HybridScheduling(Assignment):
         if self._clock is None:
             self._clock = SolveClock(self.solve_share, self.solve_us)
         self._last_solve_s = self._clock.charge(view)
-        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill")
+        if view.costs is not self._costs:  # expert times are kept per cost model
+            self._costs, self._times = view.costs, {}
+        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill", times=self._times)
 
 
 def ranked_until_uncached(ranked, cached, n: int) -> list[int]:
