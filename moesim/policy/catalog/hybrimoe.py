@@ -96,11 +96,31 @@ class ScoreAwareCache(CachePolicy):
 
     def observe(self, view: LayerView) -> None:
         """``S = alpha * TopP(s) + (1 - alpha) * S`` for this layer."""
-        scores = self.layer_scores(view)
-        top = highest_set(scores, self.top_p)
+        if view.scores is not None and view.scores.shape[0] == 1:
+            # one token (every decode layer) is its own mean: TopP is chosen on the scores as stored (widening
+            # to float64 is exact and keeps their order) and only the chosen ones are widened
+            scores = view.scores[0]
+            top = self._top_set(scores)
+            chosen = scores[top].astype(np.float64)
+        else:
+            scores = self.layer_scores(view)
+            top = highest_set(scores, self.top_p)
+            chosen = scores[top]
         row = self._priority[view.layer]
         row *= 1.0 - self.alpha
-        row[top] += self.alpha * scores[top]
+        row[top] += self.alpha * chosen
+
+    def _top_set(self, scores: np.ndarray) -> np.ndarray:
+        """:func:`highest_set` of ``scores`` in their own dtype: the ones at least the ``top_p``-th highest when
+        no tie crosses it (partitioned in place on a copy), else the exact choice in float64."""
+        k = len(scores) - self.top_p
+        if k > 0:
+            part = scores.copy()
+            part.partition(k)
+            near = (scores >= part[k]).nonzero()[0]
+            if near.size == self.top_p:
+                return near
+        return highest_set(scores.astype(np.float64), self.top_p)
 
     def priority(self, layer: int) -> np.ndarray:
         return self._priority[layer]
@@ -109,7 +129,9 @@ class ScoreAwareCache(CachePolicy):
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        # the (priority, id) order is total, so the candidates' order does not matter
+        resident = view.cache.resident[layer]
+        candidates = list(resident.difference(protected) if protected else resident)
         priority = self._priority[layer].take(candidates).tolist()
         if n == 1:  # the usual single victim: the lowest (priority, id), without sorting the rest
             return [min(zip(priority, candidates))[1]] if candidates else []
@@ -120,7 +142,8 @@ class ScoreAwareCache(CachePolicy):
 SCHEDULING_SHARE = 0.0301
 
 
-def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], list[int]]:
+def hybrid_schedule(view: LayerView, loads: bool = True,
+                    times: dict[tuple[int, float], tuple[float, float]] | None = None) -> tuple[list[int], list[int]]:
     """HybriMoE's hybrid scheduling: (gpu in execution order, cpu in execution order).
 
     Experts resident or in flight count as cached (the layer waits for its
@@ -130,40 +153,53 @@ def hybrid_schedule(view: LayerView, loads: bool = True) -> tuple[list[int], lis
     the GPU starts with the shared experts, the CPU with a synchronisation, and
     an uncached head waits for its transfer behind the ones before it. With
     ``loads`` false the GPU never takes an uncached expert: the CPU gets them all.
+    ``times`` keeps the per-token-count expert times between calls with the same cost model.
     """
     costs = view.costs
-    count = dict(zip(view.active, view.counts))
     resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
-    cached = [e for e in view.active if e in resident or e in in_flight]
-    uncached = [e for e in view.active if e not in resident and e not in in_flight]
-    by_load = lambda e: (-count[e], e)  # noqa: E731
-    order = sorted(cached, key=by_load) + sorted(uncached, key=by_load)
-    uncached_set = set(uncached)
+    # (-tokens, id) pairs sort most tokens first, then id
+    cached: list[tuple[int, int]] = []
+    uncached: list[tuple[int, int]] = []
+    for e, n in zip(view.active, view.counts):
+        (cached if e in resident or e in in_flight else uncached).append((-n, e))
+    cached.sort()
+    uncached.sort()
+    order = cached + uncached
+    first_uncached = len(cached)
     # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
-    by_tokens = {n: (costs.gpu_expert(n) + view.expert_launch_s, costs.cpu_expert(n)) for n in set(view.counts)}
-    gpu_time = {e: by_tokens[n][0] for e, n in count.items()}
-    cpu_time = {e: by_tokens[n][1] for e, n in count.items()}
+    if times is None:
+        times = {}
+    launch = view.expert_launch_s
+    gpu_time: list[float] = []
+    cpu_time: list[float] = []
+    for m, _ in order:
+        both = times.get((-m, launch))
+        if both is None:
+            both = times[(-m, launch)] = (costs.gpu_expert(-m) + launch, costs.cpu_expert(-m))
+        gpu_time.append(both[0])
+        cpu_time.append(both[1])
     shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
+    expert_load, sync_s = costs.expert_load, costs.sync_s
     gpu_t, cpu_t, move_t = shared, 0.0, 0.0
     gpu: list[int] = []
     cpu: list[int] = []
     head, tail = 0, len(order) - 1
     while head <= tail:
-        first, last = order[head], order[tail]
+        uncached_head = head >= first_uncached
         gpu_end = gpu_t
-        if first in uncached_set:
-            gpu_end = max(gpu_end, move_t + costs.expert_load) if loads else math.inf
-        gpu_end += gpu_time[first]
-        cpu_end = cpu_t + (costs.sync_s if not cpu else 0.0) + cpu_time[last]
+        if uncached_head:
+            gpu_end = max(gpu_end, move_t + expert_load) if loads else math.inf
+        gpu_end += gpu_time[head]
+        cpu_end = cpu_t + (sync_s if not cpu else 0.0) + cpu_time[tail]
         if gpu_end <= cpu_end:
-            if first in uncached_set:
-                move_t += costs.expert_load
+            if uncached_head:
+                move_t += expert_load
             gpu_t = gpu_end
-            gpu.append(first)
+            gpu.append(order[head][1])
             head += 1
         else:
             cpu_t = cpu_end
-            cpu.append(last)
+            cpu.append(order[tail][1])
             tail -= 1
     return gpu, cpu
 
@@ -183,6 +219,8 @@ class HybridScheduling(Assignment):
     solve_share: float = SCHEDULING_SHARE
     _last_solve_s: float = field(default=0.0, repr=False)
     _clock: SolveClock | None = field(default=None, repr=False)
+    _costs: object = field(default=None, repr=False)
+    _times: dict = field(default_factory=dict, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         self._clock = SolveClock.checked(self.solve_share, self.solve_us, SCHEDULING_SHARE)
@@ -191,7 +229,9 @@ class HybridScheduling(Assignment):
         if self._clock is None:
             self._clock = SolveClock(self.solve_share, self.solve_us)
         self._last_solve_s = self._clock.charge(view)
-        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill")
+        if view.costs is not self._costs:  # expert times are kept per cost model
+            self._costs, self._times = view.costs, {}
+        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill", times=self._times)
 
 
 def ranked_until_uncached(ranked, cached, n: int) -> list[int]:
@@ -251,7 +291,8 @@ class LayerWisePrefetch(Prefetch):
             ranked = np.lexsort((np.arange(len(row)), -row)).tolist()
         else:
             return []
-        return [(target, e) for e in ranked_until_uncached(ranked, lambda e: view.cache.has(target, e), self.n)]
+        resident, in_flight = view.cache.resident[target], view.cache.in_flight[target]
+        return [(target, e) for e in ranked_until_uncached(ranked, lambda e: e in resident or e in in_flight, self.n)]
 
 
 @dataclass
