@@ -133,6 +133,23 @@ def highest_set(scores: np.ndarray, p: int) -> np.ndarray:
     return highest(scores, p)
 
 
+class PerTokens(dict):
+    """A cost model's figures by token count, each computed once: a plain lookup on a policy's per-layer path
+    (``CostModel``'s own memo costs a call and a tuple key). :meth:`of` starts afresh for another cost model."""
+
+    def __init__(self, costs: CostModel, compute) -> None:
+        super().__init__()
+        self.costs, self.compute = costs, compute
+
+    def __missing__(self, tokens: int):
+        value = self[tokens] = self.compute(self.costs, tokens)
+        return value
+
+    @classmethod
+    def of(cls, current: PerTokens | None, costs: CostModel, compute) -> PerTokens:
+        return current if current is not None and current.costs is costs else cls(costs, compute)
+
+
 @dataclass(slots=True)
 class LayerPlan:
     """What the executor does for one layer, in order: evict, load, compute, prefetch."""

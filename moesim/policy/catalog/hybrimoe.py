@@ -50,7 +50,8 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext, highest_set, token_mean
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, highest_set, token_mean
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.dali import SolveClock
 from moesim.policy.prefetch import Prefetch, ranked_predictions
@@ -142,8 +143,13 @@ class ScoreAwareCache(CachePolicy):
 SCHEDULING_SHARE = 0.0301
 
 
+def expert_times(costs: CostModel, tokens: int) -> tuple[float, float]:
+    """(GPU kernel, CPU) seconds of one expert with ``tokens`` tokens."""
+    return costs.gpu_expert(tokens), costs.cpu_expert(tokens)
+
+
 def hybrid_schedule(view: LayerView, loads: bool = True,
-                    times: dict[tuple[int, float], tuple[float, float]] | None = None) -> tuple[list[int], list[int]]:
+                    times: PerTokens | None = None) -> tuple[list[int], list[int]]:
     """HybriMoE's hybrid scheduling: (gpu in execution order, cpu in execution order).
 
     Experts resident or in flight count as cached (the layer waits for its
@@ -153,7 +159,7 @@ def hybrid_schedule(view: LayerView, loads: bool = True,
     the GPU starts with the shared experts, the CPU with a synchronisation, and
     an uncached head waits for its transfer behind the ones before it. With
     ``loads`` false the GPU never takes an uncached expert: the CPU gets them all.
-    ``times`` keeps the per-token-count expert times between calls with the same cost model.
+    ``times``: the cost model's (GPU kernel, CPU) expert times by token count, kept between calls.
     """
     costs = view.costs
     resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
@@ -167,17 +173,14 @@ def hybrid_schedule(view: LayerView, loads: bool = True,
     order = cached + uncached
     first_uncached = len(cached)
     # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
-    if times is None:
-        times = {}
+    times = PerTokens.of(times, costs, expert_times)
     launch = view.expert_launch_s
     gpu_time: list[float] = []
     cpu_time: list[float] = []
     for m, _ in order:
-        both = times.get((-m, launch))
-        if both is None:
-            both = times[(-m, launch)] = (costs.gpu_expert(-m) + launch, costs.cpu_expert(-m))
-        gpu_time.append(both[0])
-        cpu_time.append(both[1])
+        gpu, cpu_s = times[-m]
+        gpu_time.append(gpu + launch)
+        cpu_time.append(cpu_s)
     shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
     expert_load, sync_s = costs.expert_load, costs.sync_s
     gpu_t, cpu_t, move_t = shared, 0.0, 0.0
@@ -219,8 +222,7 @@ class HybridScheduling(Assignment):
     solve_share: float = SCHEDULING_SHARE
     _last_solve_s: float = field(default=0.0, repr=False)
     _clock: SolveClock | None = field(default=None, repr=False)
-    _costs: object = field(default=None, repr=False)
-    _times: dict = field(default_factory=dict, repr=False)
+    _times: PerTokens | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         self._clock = SolveClock.checked(self.solve_share, self.solve_us, SCHEDULING_SHARE)
@@ -229,8 +231,7 @@ class HybridScheduling(Assignment):
         if self._clock is None:
             self._clock = SolveClock(self.solve_share, self.solve_us)
         self._last_solve_s = self._clock.charge(view)
-        if view.costs is not self._costs:  # expert times are kept per cost model
-            self._costs, self._times = view.costs, {}
+        self._times = PerTokens.of(self._times, view.costs, expert_times)
         return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill", times=self._times)
 
 

@@ -45,7 +45,8 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext, token_mean
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, token_mean
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, register_component, register_system
@@ -307,8 +308,7 @@ class TwoPointerBalancer(Assignment):
     """
 
     name = "two-pointer"
-    _costs: object = field(default=None, repr=False)
-    _cpu_times: dict = field(default_factory=dict, repr=False)
+    _cpu_times: PerTokens | None = field(default=None, repr=False)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         if view.phase != "decode":
@@ -321,22 +321,13 @@ class TwoPointerBalancer(Assignment):
         if not rest:
             return gpu, []
         pending = max((at - view.now for at in view.arrivals.values()), default=0.0)
-        if view.costs is not self._costs:
-            self._costs, self._cpu_times = view.costs, _CpuTimes(view.costs.cpu_expert)
-        load, cpu = two_pointer(rest, view.costs.expert_load, self._cpu_times.__getitem__, max(pending, 0.0))
+        cpu_times = self._cpu_times = PerTokens.of(self._cpu_times, view.costs, _cpu_expert)
+        load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
         return gpu + load, cpu
 
 
-class _CpuTimes(dict):
-    """``cpu_expert(tokens)`` by token count, each computed once (a plain lookup in the balancer's loop)."""
-
-    def __init__(self, cpu_expert) -> None:
-        super().__init__()
-        self.cpu_expert = cpu_expert
-
-    def __missing__(self, tokens: int) -> float:
-        value = self[tokens] = self.cpu_expert(tokens)
-        return value
+def _cpu_expert(costs: CostModel, tokens: int) -> float:
+    return costs.cpu_expert(tokens)
 
 
 class ImportanceSystem(ObservingSystem):
