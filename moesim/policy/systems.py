@@ -199,13 +199,17 @@ class _Victims:
     policy ranks the layer's candidates once for as many victims as the layer has wanted experts (its
     ``victims(n)`` are the first ``n`` of one ranking, so this is the order that asking for one at a time
     gives) and later victims come off that list; when it runs out (a pool eviction took some), it is
-    ranked again. From a full model-wide pool, each victim is the cache policy's pool choice.
+    ranked again, unless the ranking held fewer than asked for: then every candidate was in it, and
+    candidates only leave as the plan grows, so ranking again would find none. From a full model-wide
+    pool, each victim is the cache policy's pool choice.
     """
 
     def __init__(self, cache: CachePolicy, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
                  evicted: set[tuple[int, int]]) -> None:
         self.cache, self.view, self.plan, self.wanted, self.evicted = cache, view, plan, wanted, evicted
         self._ranked: dict[int, list[int]] = {}
+        #: layers whose candidates have all been ranked (and taken or evicted since)
+        self._exhausted: set[int] = set()
         self._pairs: set[tuple[int, int]] | None = None
 
     def next(self, layer: int, own_layer: bool) -> tuple[int, int] | None:
@@ -221,12 +225,16 @@ class _Victims:
         while ranked and (layer, ranked[0]) in evicted:
             ranked.pop(0)
         if not ranked:
+            if layer in self._exhausted:
+                return None
             view = self.view
             wanted_here = [e for l, e in self.wanted if l == layer]
             keep = set(wanted_here) | view.cache.in_flight[layer] | {e for l, e in evicted if l == layer}
             if layer == view.layer:
                 keep.update(self.plan.gpu)
             ranked = self._ranked[layer] = list(self.cache.victims(view, layer, len(wanted_here), keep))
+            if len(ranked) < len(wanted_here):
+                self._exhausted.add(layer)
             if not ranked:
                 return None
         return layer, ranked.pop(0)
