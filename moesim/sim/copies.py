@@ -94,6 +94,18 @@ class CopyEngines:
         self.queue.append(transfer)
         self.advance(at)
 
+    def submit_prefetches(self, transfers: list[Transfer], at: float) -> None:
+        """Several prefetches issued at ``at``, queued in order (:meth:`submit` of each in turn)."""
+        if self.queue:
+            self.advance(at)
+        tail = self._tail
+        for transfer in transfers:
+            transfer.queued_at = tail
+            tail += 1
+        self._tail = tail
+        self.queue.extend(transfers)
+        self.advance(at)
+
     def submit_demands(self, transfers: list[Transfer], at: float) -> None:
         """Several demand transfers issued at ``at``, in order (see :meth:`submit`)."""
         if self.queue:

@@ -452,11 +452,20 @@ class Simulator:
         return end
 
     def _prefetch(self, plan: LayerPlan, s: int, layer: int, at: float) -> None:
+        """The plan's prefetches, queued in plan order at ``at`` (as :meth:`_submit` would, one call)."""
+        cache, pending, prefetched, decisions = self.cache, self.pending, self.prefetched, self.decisions
+        nbytes, seq = self.costs.expert_bytes, self._seq
+        batch = []
         for lay, e in plan.prefetches:
-            self._submit(lay, e, "prefetch", s, at)
-            self.prefetched.add((lay, e))
-            if self.decisions is not None:
-                self.decisions.append((s, layer, e, "prefetch", lay))
+            seq += 1
+            cache.start_load(lay, e)
+            pending[(lay, e)] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
+            batch.append(transfer)
+            prefetched.add((lay, e))
+            if decisions is not None:
+                decisions.append((s, layer, e, "prefetch", lay))
+        self._seq = seq
+        self.pcie.submit_prefetches(batch, at)
 
     def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
         """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""

@@ -384,12 +384,17 @@ class TokenWisePrefetch(Prefetch):
         if not self.enabled(view.layer):
             return []
         ranked = self.predicted(view)
-        cached = lambda e: view.cache.has(view.layer, e)  # noqa: E731
-        if self.eviction == "fixed":
-            picks = [e for e in ranked if not cached(e)][:self.n]
-        else:
-            picks = [e for e in ranked[:self.n] if not cached(e)]
-        return [(view.layer, e) for e in picks]
+        layer = view.layer
+        resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
+        if self.eviction == "adaptive":
+            return [(layer, e) for e in ranked[:self.n] if e not in resident and e not in in_flight]
+        picks: list[tuple[int, int]] = []  # Fixed-N: the first n uncached, however far down the ranking
+        for e in ranked:
+            if e not in resident and e not in in_flight:
+                picks.append((layer, e))
+                if len(picks) == self.n:
+                    break
+        return picks
 
 
 # ----------------------------------------------------------------------------- system
