@@ -160,11 +160,14 @@ class BestSplit(Assignment):
     _per_tokens: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: by tokens n: the CPU time of m experts of n tokens each, for m = 0..16
     _cpu_sums: dict[int, list[float]] = field(default_factory=dict)
+    #: by tokens n: the layer's shared experts on the GPU (kernels only)
+    _shared: dict[int, float] = field(default_factory=dict)
 
     def configure(self, ctx: RunContext) -> None:
         self._copy_engines = ctx.costs.profile.pcie.copy_engines
         self._per_tokens = {}
         self._cpu_sums = {}
+        self._shared = {}
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         counts = view.counts
@@ -195,7 +198,13 @@ class BestSplit(Assignment):
     def _split_alike(self, view: LayerView, tokens: int) -> tuple[list[int], list[int]]:
         """:meth:`_split_any` when every expert has ``tokens`` tokens (at most 16 experts): the same
         candidates, estimates computed by the same operations in the same order (so the same numbers and
-        the same choice), with one GPU and one CPU time for all instead of per-expert tables."""
+        the same choice), with one GPU and one CPU time for all instead of per-expert tables.
+
+        _past_valley: the prefixes stop at the first whose GPU finish reaches its CPU finish. A longer
+        prefix's GPU chain holds the same experts and more (each adding ``g`` > 0 after its weights are
+        there), so its finish, rounded at every step as this one's, is no earlier; its estimate (the
+        later of the two finishes) is then no smaller, and the first of the shortest comes no later.
+        """
         costs = view.costs
         pair = self._per_tokens.get(tokens)
         if pair is None:
@@ -205,7 +214,10 @@ class BestSplit(Assignment):
         if sums is None:  # CPU time of m such experts, summed as SplitCosts.estimate sums it
             sums = self._cpu_sums[tokens] = [sum([c] * m) for m in range(17)]
         now, load = view.now, costs.expert_load
-        shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
+        shared = self._shared.get(view.tokens)
+        if shared is None:
+            shared = self._shared[view.tokens] = costs.gpu_shared(view.tokens)
+        shared = shared + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
         base, cpu_at = now + shared, now + costs.sync_s
         resident, arrivals, active = view.cache.resident[view.layer], view.arrivals, view.active
         n = len(active)
@@ -228,7 +240,13 @@ class BestSplit(Assignment):
                         if len(engines) > 1:
                             engines.sort()
                     gpu_t = (gpu_t if gpu_t > at else at) + g
-                estimates.append(max(gpu_t, cpu_at + sums[n - i] if i < n else now) - now)
+                cpu_t = cpu_at + sums[n - i] if i < n else now
+                if gpu_t >= cpu_t:
+                    estimates.append(gpu_t - now)
+                    if i >= r:  # past the valley: longer prefixes' estimates only grow (see _past_valley)
+                        break
+                else:
+                    estimates.append(cpu_t - now)
             estimates.insert(0, estimates[r])  # resident on the GPU, the rest on the CPU: prefix r's numbers
             best = estimates.index(min(estimates))
             if best == 0:
@@ -274,7 +292,11 @@ class BestSplit(Assignment):
             for at, _ in queue[first:]:
                 gpu_t = (gpu_t if gpu_t > at else at) + g
                 chain.append(gpu_t)
-            estimates.append(max(gpu_t, cpu_at + sums[n - i] if i < n else now) - now)
+            cpu_t = cpu_at + sums[n - i] if i < n else now
+            if gpu_t >= cpu_t:
+                estimates.append(gpu_t - now)
+                break  # past the valley (see _past_valley)
+            estimates.append(cpu_t - now)
         best = estimates.index(min(estimates))
         if best == 0:
             return present, [e for e in active if ready[e] is None]
