@@ -12,11 +12,11 @@ from moesim.policy.future import FutureRouting
 
 def ranked_predictions(predicted: list[np.ndarray]) -> list[int]:
     """Experts predicted by any token, most tokens first, then best position in a token's list, then id."""
-    rows = [np.asarray(row) for row in predicted]
-    if len(rows) == 1:
-        row = rows[0].tolist()
+    if len(predicted) == 1:
+        row = np.asarray(predicted[0]).tolist()
         if len(set(row)) == len(row):  # one token, no repeats: one vote each, positions in list order
             return row
+    rows = [np.asarray(row) for row in predicted]
     if len(rows) > 16:
         return _ranked_at_once(rows)
     votes: dict[int, list[int]] = {}

@@ -293,7 +293,8 @@ class LayerWisePrefetch(Prefetch):
         else:
             return []
         resident, in_flight = view.cache.resident[target], view.cache.in_flight[target]
-        return [(target, e) for e in ranked_until_uncached(ranked, lambda e: e in resident or e in in_flight, self.n)]
+        cached = resident.union(in_flight) if in_flight else resident
+        return [(target, e) for e in ranked_until_uncached(ranked, cached.__contains__, self.n)]
 
 
 @dataclass
