@@ -96,6 +96,17 @@ class TraceShape:
     decode_pairs: list[np.ndarray] | None = None
     num_experts: int = 0
     num_layers: int = 0
+    _alike: dict[tuple, list[int]] | None = field(default=None, repr=False)
+
+    def alike(self) -> dict[tuple, list[int]]:
+        """Steps of one kind of layer (every decode step), by (kind, phase): each is its head and tail plus
+        ``m`` alike layers, so floors take them at once."""
+        if self._alike is None:
+            self._alike = {}
+            for i, (work, kinds) in enumerate(zip(self.work, self.layers)):
+                if len(kinds) == 1:
+                    self._alike.setdefault((kinds[0], work[3]), []).append(i)
+        return self._alike
 
     @classmethod
     def of(cls, trace: str, num_experts: int) -> TraceShape:
@@ -105,20 +116,24 @@ class TraceShape:
             first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
             tokens = first.stop - first.start
             phase = PHASES[int(step.phase.min())]
-            requests = np.unique(step.request[first])
+            requests = step.request[first] if tokens == 1 else np.unique(step.request[first])
             out.phases.append(phase)
             out.requests.append(requests.tolist())
             out.rows.append(step.rows)
             out.work.append((tokens, int(step.position[first].max()) + 1, len(requests) if tokens > 1 else 1,
                              phase))
-            kinds: Counter = Counter()
-            for _, rows in step.layers():
-                experts = step.experts[rows]
-                if rows.stop - rows.start == 1:  # the validated trace row has distinct experts
-                    kinds[(1, (1,) * experts.shape[1])] += 1
-                else:
-                    kinds[(rows.stop - rows.start, tuple(sorted(active_experts(experts, num_experts)[1])))] += 1
-            out.layers.append(tuple(sorted(kinds.items())))
+            if len(step.layer_bounds) == step.rows + 1:  # a row per layer (a decode step): one kind
+                # the validated trace row has distinct experts
+                out.layers.append((((1, (1,) * step.experts.shape[1]), step.rows),) if step.rows else ())
+            else:
+                kinds: Counter = Counter()
+                for _, rows in step.layers():
+                    experts = step.experts[rows]
+                    if rows.stop - rows.start == 1:
+                        kinds[(1, (1,) * experts.shape[1])] += 1
+                    else:
+                        kinds[(rows.stop - rows.start, tuple(sorted(active_experts(experts, num_experts)[1])))] += 1
+                out.layers.append(tuple(sorted(kinds.items())))
             out.num_layers = max(out.num_layers, int(step.layer.max()) + 1 if step.rows else 0)
             if out.decode_pairs is not None:
                 pairs = (step.layer.astype(np.int64)[:, None] * num_experts + step.experts).ravel() \
@@ -150,6 +165,16 @@ class Windows:
 
     #: per window length: (first step of each window, one past its last step, distinct pairs per layer)
     by_length: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    _fewest: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def fewest(self, length: int, weight: np.ndarray) -> np.ndarray:
+        """Each window of ``length`` steps: its smallest step weight (``TraceShape.decode_weight`` of the
+        shape these windows come from: fewest TPOT entries in a step), kept for every member."""
+        value = self._fewest.get(length)
+        if value is None:
+            starts, ends, _ = self.by_length[length]
+            value = self._fewest[length] = np.array([weight[a:b].min() for a, b in zip(starts, ends)])
+        return value
 
     @classmethod
     def of(cls, shape: TraceShape) -> Windows:
@@ -249,14 +274,16 @@ class _Costs:
     sim: Simulator
     #: attention seconds by (tokens, context) and the GPU work outside the MoE layers by (tokens, context,
     #: sequences), shared by members with the same profile, model and non-expert dtype (the only inputs of
-    #: ``CostModel.attention`` and ``CostModel.step_fixed``)
+    #: ``CostModel.attention`` and ``CostModel.step_fixed``); each member's set-up builds its own profile
+    #: object, so profiles are told apart by value (their text, the profile before overrides included)
     attention_memo: dict = field(default_factory=dict)
     head_memo: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, sim: Simulator, shared: dict | None = None) -> _Costs:
         costs = sim.costs
-        key = (id(costs.profile), costs.model, costs.non_expert_dtype)
+        profile = costs.profile
+        key = (repr(profile), repr(profile.base), costs.model, costs.non_expert_dtype)
         return cls(sim, {} if shared is None else shared.setdefault(key, {}))
 
     def attention(self, tokens: int, context: int) -> float:
@@ -275,16 +302,56 @@ class _Costs:
             gpu = self.attention_memo.get(key[:3])
             if gpu is None:
                 gpu = self.attention_memo[key[:3]] = sum(costs.step_fixed(tokens, context, sequences).values())
-            value = self.head_memo[key] = (gpu + costs.step_launch(phase)
-                                           + sim.model.num_dense_layers * costs.layer_launches(phase)
-                                           + costs.host_per_step)
+            step_launch, dense_launches, host = self._launches(phase)
+            value = self.head_memo[key] = gpu + step_launch + dense_launches + host
         return value
+
+    def _launches(self, phase: str) -> tuple[float, float, float]:
+        """The member's own runtime costs of a step: its graph launch, its dense layers' launches, host work."""
+        launches = self.head_memo.get(phase)
+        if launches is None:
+            costs = self.sim.costs
+            launches = self.head_memo[phase] = (costs.step_launch(phase),
+                                                self.sim.model.num_dense_layers * costs.layer_launches(phase),
+                                                costs.host_per_step)
+        return launches
+
+    def alike_steps(self, layer_tokens: int, steps: list[int], shape: TraceShape) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`head_tail` of each of ``steps`` and :meth:`attention` of ``layer_tokens`` tokens at its
+        context, as arrays (the steps' GPU work kept for members alike)."""
+        key = ("steps", layer_tokens, tuple(steps))
+        shared = self.attention_memo.get(key)
+        if shared is None:
+            gpu = [self.attention_memo.get(shape.work[i][:3]) for i in steps]
+            if None in gpu:
+                costs = self.sim.costs
+                gpu = [sum(costs.step_fixed(*shape.work[i][:3]).values()) if g is None else g
+                       for g, i in zip(gpu, steps)]
+            attention = [self.attention(layer_tokens, shape.work[i][1]) for i in steps]
+            shared = self.attention_memo[key] = (np.array(gpu), np.array(attention))
+        gpu, attention = shared
+        phases = {shape.work[i][3] for i in steps}
+        if len(phases) > 1:
+            return np.array([self.head_tail(shape.work[i]) for i in steps]), attention
+        step_launch, dense_launches, host = self._launches(phases.pop())
+        return gpu + step_launch + dense_launches + host, attention  # head_tail's sum, term by term
 
     def shared(self, tokens: int, phase: str) -> float:
         sim = self.sim
         if not sim.model.shared_intermediate_size:
             return 0.0
         return sim.costs.gpu_shared(tokens) + sim._launch[phase][1]
+
+    def fixed_all(self, shape: TraceShape) -> np.ndarray:
+        """:meth:`fixed` of every step (those of one kind of layer at once, by the same operations)."""
+        out = np.empty(len(shape.work))
+        for (((layer_tokens, _), m), phase), steps in shape.alike().items():
+            head, attention = self.alike_steps(layer_tokens, steps, shape)
+            out[steps] = head + m * (self.sim._layer_launches[phase] + attention)
+        for i, kinds in enumerate(shape.layers):
+            if len(kinds) != 1:
+                out[i] = self.fixed(shape, i)
+        return out
 
     def fixed(self, shape: TraceShape, i: int) -> float:
         """Step ``i``'s work outside its experts: head and tail, and every MoE layer's launches and attention."""
@@ -322,7 +389,16 @@ def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.nda
         return value
 
     floors = np.empty(len(shape.work))
+    # without deferral, steps of one kind of layer at once, by the walk's own operations
+    alike = {} if traits.defers else shape.alike()
+    for (((layer_tokens, counts), m), phase), steps in alike.items():
+        fixed, _ = layer(layer_tokens, counts, phase)
+        launch = sim._layer_launches[phase]
+        head, attention = parts.alike_steps(layer_tokens, steps, shape)
+        floors[steps] = head + m * (launch + attention + fixed)
     for i, (work, kinds) in enumerate(zip(shape.work, shape.layers)):
+        if len(kinds) == 1 and alike:
+            continue
         _, context, _, phase = work
         total = parts.head_tail(work)
         step_groups: list[tuple[float, float, int]] = []
@@ -346,7 +422,13 @@ def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list
         mask[layer, sorted(experts)] = True
     every_layer = np.arange(layers)
     floors = np.empty(len(shape.work))
-    for i, step in enumerate(iter_steps(shape.path, columns=())):
+    done = _placed_decode_floors(sim, shape, parts, mask, floors, defers)
+    left = np.flatnonzero(~done)
+    for i, step in enumerate(iter_steps(shape.path, columns=()) if len(left) else ()):
+        if i > left[-1]:
+            break
+        if done[i]:
+            continue
         tokens, context, _, phase = work = shape.work[i]
         expert_launch = sim._launch[phase][0]
         launch = sim._layer_launches[phase]
@@ -379,6 +461,55 @@ def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list
             cpu_list.append(cpu + sync if cpu > 0 else 0.0)
         floors[i] = parts.head_tail(work) + _layers_floor(before, gpu_list, cpu_list, defers)
     return floors
+
+
+def _placed_decode_floors(sim: Simulator, shape: TraceShape, parts: _Costs, mask: np.ndarray,
+                          floors: np.ndarray, defers: bool) -> np.ndarray:
+    """:func:`placed_floors` of the one-token decode steps (a row per layer, layers in order) at once, into
+    ``floors``; which steps it filled. By the same operations in the same order as the step-by-step walk
+    and :func:`_layers_floor` (sums and differences over the layers taken one after another), so the same
+    numbers."""
+    done = np.zeros(len(shape.work), dtype=bool)
+    layers, num_experts = mask.shape
+    if shape.decode_pairs is None or not layers:
+        return done
+    top_k = sim.model.top_k
+    one_kind = (((1, (1,) * top_k), layers),)
+    steps = [i for i, (work, kinds, pairs) in enumerate(zip(shape.work, shape.layers, shape.decode_pairs))
+             if work[0] == 1 and work[3] == "decode" and kinds == one_kind and pairs.size == layers * top_k]
+    if not steps:
+        return done
+    pairs = np.stack([shape.decode_pairs[i] for i in steps]).reshape(len(steps), layers, top_k)
+    in_order = (pairs // num_experts == np.arange(layers)[None, :, None]).all(axis=(1, 2))
+    steps = [i for i, ok in zip(steps, in_order.tolist()) if ok]
+    if not steps:
+        return done
+    pairs = pairs[in_order]
+    costs = sim.costs
+    gpu_n = mask.ravel()[pairs].sum(axis=2)
+    cpu_n = top_k - gpu_n
+    before = np.array([sim._layer_launches["decode"] + parts.attention(1, shape.work[i][1]) for i in steps])
+    gpu_side = parts.shared(1, "decode") + gpu_n * (costs.gpu_expert(1) + sim._launch["decode"][0])
+    cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + costs.sync_s, 0.0)
+    before = np.repeat(before[:, None], layers, axis=1)
+    if defers:
+        layer_sums = _deferring_layers_floor(before, gpu_side, cpu_side)
+    else:
+        layer_sums = np.cumsum(before + np.maximum(gpu_side, cpu_side), axis=1)[:, -1]  # in layer order
+    floors[steps] = np.array([parts.head_tail(shape.work[i]) for i in steps]) + layer_sums
+    done[steps] = True
+    return done
+
+
+def _deferring_layers_floor(before: np.ndarray, gpu: np.ndarray, cpu: np.ndarray) -> np.ndarray:
+    """:func:`_layers_floor` with deferral of many steps at once (a row each), its running sums kept."""
+    steps = before.shape[0]
+    gpu_prefix = np.cumsum(before + gpu, axis=1)
+    done = gpu_prefix[:, -1]
+    prefix = np.concatenate([np.zeros((steps, 1)), gpu_prefix[:, :-1]], axis=1)
+    cpu_total = np.cumsum(cpu, axis=1)[:, -1]
+    cpu_left = np.subtract.accumulate(np.concatenate([cpu_total[:, None], cpu], axis=1), axis=1)[:, :-1]
+    return np.maximum(done, (prefix + before + cpu_left).max(axis=1))
 
 
 def _layers_floor(before: list[float], gpu: list[float], cpu: list[float], defers: bool) -> float:
@@ -415,7 +546,7 @@ def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np
     weight = shape.decode_weight
     cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
     floors_at, fixed_at, tpot_at = cum(floors), cum(fixed), cum(floors * weight)
-    for starts, ends, distinct in windows.by_length.values():
+    for length, (starts, ends, distinct) in windows.by_length.items():
         if per_layer:
             quota = np.asarray(memory.capacity[:distinct.shape[1]], dtype=np.int64)
             misses = np.maximum(distinct - quota, 0).sum(axis=1)
@@ -424,7 +555,7 @@ def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np
         need = window_need(traits, fixed_at[ends] - fixed_at[starts], misses, tau, c)
         span = floors_at[ends] - floors_at[starts]
         tpot = tpot_at[ends] - tpot_at[starts]
-        fewest = np.array([weight[a:b].min() for a, b in zip(starts, ends)])
+        fewest = windows.fewest(length, weight)
         for extra, add in ((extra_span, np.maximum(need - span, 0.0)),
                            (extra_tpot, np.maximum(need * fewest - tpot, 0.0))):
             at = np.zeros(steps + 1)
@@ -484,6 +615,6 @@ class MemberFloors:
             on_gpu = [set(r) for r in sim.cache.resident] if traits.placement == "resident" else \
                 [set() for _ in sim.cache.resident]
             floors = np.maximum(floors, placed_floors(sim, shape, parts, on_gpu))
-        fixed = np.array([parts.fixed(shape, i) for i in range(len(shape.work))])
+        fixed = parts.fixed_all(shape)
         extra_span, extra_tpot = window_terms(sim, shape, windows or Windows(), floors, fixed)
         return cls(floors, extra_span, extra_tpot)
