@@ -3,6 +3,7 @@ what a replay takes, step by step and over every suffix of steps."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moesim.sim.floors import (MemberFloors, TraceShape, Traits, Windows, _layers_floor, decode_runs,
-                               window_need)
+from moesim.sim.floors import (MemberFloors, TraceShape, Traits, Windows, _Costs, _layers_floor, decode_runs,
+                               placed_floors, window_need)
 from moesim.sim.portfolio import racing_members
 from moesim.sim.run import members, prepare
 from moesim.trace.io import read_meta
@@ -83,13 +84,15 @@ def _run(member):
     return np.array([s.end - s.start for s in member.sim.steps])
 
 
-def test_placed_floors_are_the_steps_themselves(tmp_path):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_placed_floors_are_the_steps_themselves(tmp_path, batch):
     """cpu-only and static-hot never copy an expert: their floors are their steps (side by side; no DRAM
-    sharing without copies), prefill and decode alike."""
+    sharing without copies), prefill and decode alike; one-token decode steps (``batch`` 1, taken at once)
+    as well as batched ones (step by step)."""
     model = tiny_model(layers=2, experts=6, top_k=2, shared=True)
     path = tmp_path / "t.parquet"
-    synthesize(SynthConfig.from_settings(model=model, requests=2, prompt_len=3, decode_len=5, batch=2, seed=1),
-               path)
+    synthesize(SynthConfig.from_settings(model=model, requests=2, prompt_len=3, decode_len=5, batch=batch,
+                                         seed=1), path)
     shape, racing = _members(str(path), tiny_profile(shared_us=(80.0, 800.0)), {"cache.slots_per_layer": "2"},
                              ("cpu-only", "static-hot", "ktransformers-ed"))
     for member in racing:
@@ -99,6 +102,25 @@ def test_placed_floors_are_the_steps_themselves(tmp_path):
             assert (durations >= floors * (1 - 1e-12)).all()
         else:
             np.testing.assert_allclose(floors, durations, rtol=1e-12)
+
+
+def test_one_token_steps_at_once_are_the_walk_bit_for_bit(tmp_path):
+    """The one-token decode steps' placed floors taken at once (with and without deferral) are the numbers
+    the step-by-step walk gives (the walk: the same shape without its decode pairs)."""
+    model = tiny_model(layers=3, experts=6, top_k=2, shared=True)
+    path = tmp_path / "t.parquet"
+    synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=3, decode_len=9, batch=1, seed=2),
+               path)
+    shape, racing = _members(str(path), tiny_profile(shared_us=(80.0, 800.0)), {"cache.slots_per_layer": "2"},
+                             ("static-hot", "ktransformers-ed"))
+    walk = dataclasses.replace(shape, decode_pairs=None)
+    assert sum(kinds == (((1, (1, 1)), 3),) for kinds in shape.layers) == 9  # every decode step is one token
+    for member in racing:
+        sim = member.sim
+        on_gpu = [set(r) for r in sim.cache.resident]
+        parts = _Costs.of(sim)
+        at_once, stepwise = placed_floors(sim, shape, parts, on_gpu), placed_floors(sim, walk, parts, on_gpu)
+        assert at_once.tolist() == stepwise.tolist(), member.name
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
