@@ -206,10 +206,11 @@ def _fixed_list(column: pa.ChunkedArray | pa.Array, width: int) -> np.ndarray:
 
 
 def _var_list(column: pa.Array) -> list[np.ndarray]:
-    offsets = column.offsets.to_numpy()
+    """Each row's list as a read-only view of one array (views of a read-only array are read-only)."""
+    offsets = (column.offsets.to_numpy() - column.offsets[0].as_py()).tolist()
     values = column.flatten().to_numpy(zero_copy_only=False)
-    base = offsets[0]
-    return [values[offsets[i] - base:offsets[i + 1] - base] for i in range(len(column))]
+    values.flags.writeable = False
+    return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def _phase_codes(column: pa.Array) -> np.ndarray:
@@ -308,8 +309,9 @@ def _read_only(step: Step) -> Step:
         if a is not None:
             a.flags.writeable = False
     for values in step.predictors.values():
-        for a in values:
-            a.flags.writeable = False
+        if values and values[0].flags.writeable:  # rows from _var_list are read-only views already
+            for a in values:
+                a.flags.writeable = False
     return step
 
 
@@ -326,7 +328,7 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
         def cat(key: str) -> Any:
             vals = [p[key] for p in parts]
             if key in PREDICTOR_COLUMNS:
-                return [x for v in vals for x in v]
+                return vals[0] if len(vals) == 1 else [x for v in vals for x in v]
             return vals[0] if len(vals) == 1 else np.concatenate(vals)
         preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
         return _read_only(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
