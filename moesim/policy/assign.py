@@ -200,10 +200,11 @@ class BestSplit(Assignment):
         candidates, estimates computed by the same operations in the same order (so the same numbers and
         the same choice), with one GPU and one CPU time for all instead of per-expert tables.
 
-        _past_valley: the prefixes stop at the first whose GPU finish reaches its CPU finish. A longer
-        prefix's GPU chain holds the same experts and more (each adding ``g`` > 0 after its weights are
-        there), so its finish, rounded at every step as this one's, is no earlier; its estimate (the
-        later of the two finishes) is then no smaller, and the first of the shortest comes no later.
+        Past the valley: the prefixes stop at the first whose GPU finish reaches its CPU finish (and, for
+        the resident split's numbers, not before prefix ``r``). A longer prefix's GPU chain holds the same
+        experts and more, each adding ``g`` >= 0 once its weights are there, so its finish, rounded at
+        every step as this one's, is no earlier; its estimate (the later of the two finishes) is then no
+        smaller, and the first of the shortest is among the prefixes already estimated.
         """
         costs = view.costs
         pair = self._per_tokens.get(tokens)
@@ -243,7 +244,7 @@ class BestSplit(Assignment):
                 cpu_t = cpu_at + sums[n - i] if i < n else now
                 if gpu_t >= cpu_t:
                     estimates.append(gpu_t - now)
-                    if i >= r:  # past the valley: longer prefixes' estimates only grow (see _past_valley)
+                    if i >= r:  # past the valley: longer prefixes' estimates only grow
                         break
                 else:
                     estimates.append(cpu_t - now)
@@ -295,7 +296,7 @@ class BestSplit(Assignment):
             cpu_t = cpu_at + sums[n - i] if i < n else now
             if gpu_t >= cpu_t:
                 estimates.append(gpu_t - now)
-                break  # past the valley (see _past_valley)
+                break  # past the valley
             estimates.append(cpu_t - now)
         best = estimates.index(min(estimates))
         if best == 0:
