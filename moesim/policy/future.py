@@ -75,19 +75,28 @@ def _load_future(path: str, mtime_ns: int, num_layers: int, num_experts: int) ->
     key, expert = code // num_experts, code % num_experts
     # per (step, layer): most tokens first, then lower id
     order = np.lexsort((expert, -counts, key))
-    key_o, expert_o = key[order], expert[order]
-    cuts = np.flatnonzero(np.diff(key_o)) + 1
-    firsts = key_o[np.concatenate(([0], cuts))] if len(key_o) else key_o
-    routed = {(int(k) // num_layers, int(k) % num_layers): group.tolist()
-              for k, group in zip(firsts, np.split(expert_o, cuts))}
+    key_o, experts_in_order = key[order], expert[order].tolist()
+    starts, ends = _runs(key_o)
+    routed = {(step, layer): experts_in_order[a:b] for step, layer, a, b in
+              zip(*(x.tolist() for x in np.divmod(key_o[starts], num_layers)), starts.tolist(), ends.tolist())}
     # per (layer, expert): the steps that use it, in order
     step_of, layer_of = key // num_layers, key % num_layers
-    order = np.lexsort((step_of, expert, layer_of))
-    pair = (layer_of * num_experts + expert)[order]
-    cuts = np.flatnonzero(np.diff(pair)) + 1
+    pair = layer_of * num_experts + expert
+    # (layer, expert, step) is unique per use, so one sort key orders them as a lexsort would, faster
+    order = np.argsort(pair * (int(step_of.max(initial=0)) + 1) + step_of)
+    pair, steps_in_order = pair[order], step_of[order].tolist()
+    starts, ends = _runs(pair)
     uses: list[dict[int, list[int]]] = [dict() for _ in range(num_layers)]
-    for first, group in zip(pair[np.concatenate(([0], cuts))] if len(pair) else pair,
-                            np.split(step_of[order], cuts)):
-        uses[int(first) // num_experts][int(first) % num_experts] = group.tolist()
+    for layer, e, a, b in zip(*(x.tolist() for x in np.divmod(pair[starts], num_experts)), starts.tolist(),
+                              ends.tolist()):
+        uses[layer][e] = steps_in_order[a:b]
     return FutureRouting(uses=uses, routed=routed, step_order=np.unique(steps).astype(int).tolist())
+
+
+def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) of each run of equal neighbours in ``values``."""
+    if not len(values):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    return np.concatenate(([0], cuts)), np.concatenate((cuts, [len(values)]))
 
