@@ -123,6 +123,8 @@ class _Costs:
     #: object, so profiles are told apart by value (their text, the profile before overrides included)
     attention_memo: dict = field(default_factory=dict)
     head_memo: dict = field(default_factory=dict)
+    #: the member's own runtime costs of a step by phase (:meth:`_launches`)
+    launch_memo: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, sim: Simulator, shared: dict | None = None) -> _Costs:
@@ -142,21 +144,23 @@ class _Costs:
         """Host work, launches and GPU work of a step outside its MoE layers."""
         value = self.head_memo.get(key)
         if value is None:
-            sim, (tokens, context, sequences, phase) = self.sim, key
-            costs = sim.costs
-            gpu = self.attention_memo.get(key[:3])
-            if gpu is None:
-                gpu = self.attention_memo[key[:3]] = sum(costs.step_fixed(tokens, context, sequences).values())
-            step_launch, dense_launches, host = self._launches(phase)
-            value = self.head_memo[key] = gpu + step_launch + dense_launches + host
+            step_launch, dense_launches, host = self._launches(key[3])
+            value = self.head_memo[key] = self._outside_gpu(key[:3]) + step_launch + dense_launches + host
+        return value
+
+    def _outside_gpu(self, key: tuple[int, int, int]) -> float:
+        """GPU work of a step outside its MoE layers, by (tokens, context, sequences)."""
+        value = self.attention_memo.get(key)
+        if value is None:
+            value = self.attention_memo[key] = sum(self.sim.costs.step_fixed(*key).values())
         return value
 
     def _launches(self, phase: str) -> tuple[float, float, float]:
         """The member's own runtime costs of a step: its graph launch, its dense layers' launches, host work."""
-        launches = self.head_memo.get(phase)
+        launches = self.launch_memo.get(phase)
         if launches is None:
             costs = self.sim.costs
-            launches = self.head_memo[phase] = (costs.step_launch(phase),
+            launches = self.launch_memo[phase] = (costs.step_launch(phase),
                                                 self.sim.model.num_dense_layers * costs.layer_launches(phase),
                                                 costs.host_per_step)
         return launches
@@ -167,11 +171,7 @@ class _Costs:
         key = ("steps", layer_tokens, tuple(steps))
         shared = self.attention_memo.get(key)
         if shared is None:
-            gpu = [self.attention_memo.get(shape.work[i][:3]) for i in steps]
-            if None in gpu:
-                costs = self.sim.costs
-                gpu = [sum(costs.step_fixed(*shape.work[i][:3]).values()) if g is None else g
-                       for g, i in zip(gpu, steps)]
+            gpu = [self._outside_gpu(shape.work[i][:3]) for i in steps]
             attention = [self.attention(layer_tokens, shape.work[i][1]) for i in steps]
             shared = self.attention_memo[key] = (np.array(gpu), np.array(attention))
         gpu, attention = shared
