@@ -22,7 +22,7 @@ class Transfer:
     expert: int
     nbytes: int
     priority: int  # 0 demand, 1 prefetch
-    kind: str  # "load", "prefetch", "stage"
+    kind: str  # "load", "prefetch", "stage", "chunk" (a preempted prefetch's done part), "writeback"
     seq: int
     issued: float
     step: int = -1
@@ -34,6 +34,10 @@ class Transfer:
     retired: bool = False
     #: copy time when it is not ``duration(nbytes)``: a device-to-host write-back (``nbytes`` 0: no H2D bytes)
     seconds: float = 0.0
+    #: seconds the engine stays busy after ``end`` with the write-back of ``evicted`` (the expert whose slot
+    #: this load takes): the pair is one engine job, while the loaded expert is ready at ``end``
+    tail: float = 0.0
+    evicted: tuple[int, int] | None = None
 
 
 class CopyEngines:
@@ -52,7 +56,9 @@ class CopyEngines:
     A transfer reads pinned host memory; against CPU work already laid out in
     ``ledger`` it is slowed by DRAM sharing (moesim.sim.dram). Entries of
     ``unretired`` whose end no longer matches their transfer's are stale (the
-    transfer was re-laid) and skipped.
+    transfer was re-laid) and skipped. A load's ``tail`` (its write-back) keeps
+    the engine busy after the load is retired; ``tails`` holds, per engine, the
+    last retired transfer with one, the only one whose tail may still run.
     """
 
     def __init__(self, duration: Callable[[int], float], engines: int, ledger: Ledger | None = None,
@@ -71,6 +77,7 @@ class CopyEngines:
         self.combined_bps = combined_bps
         self.chunk_bytes = chunk_bytes
         self.preemptions = 0
+        self.tails: list[Transfer | None] = [None] * engines
 
     def duration(self, nbytes: int) -> float:
         value = self._durations.get(nbytes)
@@ -154,9 +161,12 @@ class CopyEngines:
         ledger = self.ledger
         if transfer.nbytes and ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
             duration = stretch(start, duration, transfer.nbytes / duration, ledger, self.combined_bps) - start
-        transfer.end = self.free[i] = start + duration
+        transfer.end = end = start + duration
+        self.free[i] = end + transfer.tail
         self.last[i] = transfer
         self.busy_s += duration
+        if transfer.tail:  # added apart: the same sum as when the write-back was a transfer of its own
+            self.busy_s += transfer.tail
         self.bytes += transfer.nbytes
         heapq.heappush(self.unretired, (transfer.end, transfer.seq, transfer))
 
@@ -175,6 +185,9 @@ class CopyEngines:
             busy += duration
             nbytes += transfer.nbytes
             push(unretired, (t, transfer.seq, transfer))
+            if transfer.tail:
+                t += transfer.tail
+                busy += transfer.tail
         self.free[0] = t
         self.last[0] = transfers[-1] if transfers else self.last[0]
         self.busy_s, self.bytes = busy, nbytes
@@ -184,6 +197,12 @@ class CopyEngines:
         self.busy_s += (end - start) - (transfer.end - transfer.start)  # type: ignore[operator]
         transfer.start, transfer.end = start, end
         heapq.heappush(self.unretired, (end, transfer.seq, transfer))
+
+    def relay_tail(self, transfer: Transfer, end: float) -> None:
+        """Move the end of ``transfer``'s write-back tail to ``end`` (DRAM sharing slowed it)."""
+        tail = end - transfer.end  # type: ignore[operator]
+        self.busy_s += tail - transfer.tail
+        transfer.tail = tail
 
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free
@@ -231,12 +250,15 @@ class CopyEngines:
         """
         self.advance(horizon)
         busy, nbytes = self.busy_s, self.bytes
+        for retired in self.tails:  # a retired load whose write-back runs past the horizon
+            if retired is not None and retired.end + retired.tail > horizon:  # type: ignore[operator]
+                busy -= retired.end + retired.tail - max(retired.end, horizon)  # type: ignore[operator]
         seen: set[int] = set()
         for end, _, transfer in self.unretired:
             if end > horizon and transfer.end == end and id(transfer) not in seen:
                 seen.add(id(transfer))
                 start = transfer.start if transfer.start is not None else horizon
-                busy -= end - max(start, horizon)
+                busy -= end + transfer.tail - max(start, horizon)
                 if start >= horizon:
                     nbytes -= transfer.nbytes
         return busy, nbytes

@@ -100,6 +100,8 @@ class SimResult:
     rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
+#: the transfers that make an expert resident when they end (not stage, chunk or write-back)
+CACHED_KINDS = frozenset({"load", "prefetch"})
 TIMELINE_COLUMNS = ("resource", "lane", "start_s", "end_s", "kind", "step", "layer", "expert", "tokens")
 DECISION_COLUMNS = ("step", "layer", "expert", "action", "target_layer")
 
@@ -186,6 +188,9 @@ class Simulator:
         wall, initial = self._wall, self._initial
         makespan = self.steps[-1].end if self.steps else 0.0
         self._retire(makespan)
+        if self.timeline is not None:
+            for transfer in self.pcie.tails:
+                self._writeback_span(transfer, makespan)
         pcie_busy, pcie_bytes = self.pcie.busy_until(makespan)
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters,
                          pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
@@ -212,21 +217,32 @@ class Simulator:
             if transfer.end != end or transfer.retired:
                 continue  # stale: the transfer was re-laid later
             transfer.retired = True
-            if transfer.kind != "stage" and transfer.kind != "chunk" and transfer.kind != "writeback":
+            if transfer.kind in CACHED_KINDS:
                 layer, expert = transfer.layer, transfer.expert
                 del pending[(layer, expert)]
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
                 resident[layer].add(expert)
+                if transfer.tail:
+                    if self.timeline is not None:
+                        self._writeback_span(pcie.tails[transfer.engine], t)  # ended before this one began
+                    pcie.tails[transfer.engine] = transfer
             if self.timeline is not None:
                 self._span("pcie", transfer.engine, transfer.start or 0.0, transfer.end or 0.0, transfer.kind,
                            transfer.step, transfer.layer, transfer.expert)
         if self.dram.intervals:
             self.dram.prune(t)
 
+    def _writeback_span(self, load: Transfer | None, t: float) -> None:
+        """The timeline span of ``load``'s write-back tail if it ended by ``t`` (as a retired transfer's)."""
+        if load is not None and load.evicted is not None and load.end + load.tail <= t:  # type: ignore[operator]
+            self._span("pcie", load.engine, load.end, load.end + load.tail, "writeback", load.step,  # type: ignore
+                       *load.evicted)
+
     def _submit_loads(self, layer: int, experts: list[int], step: int, at: float,
                       writebacks: list[tuple[int, int]] | None = None) -> None:
         """Demand loads of one plan, submitted together (the common case of every cache miss); each
-        write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot."""
+        write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot,
+        as that load's tail (:class:`~moesim.sim.copies.Transfer`), the others after the loads."""
         self.cache.start_loads(layer, experts)
         pending = self.pending
         nbytes = self.costs.expert_bytes
@@ -237,20 +253,23 @@ class Simulator:
             seq += 1
             pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
-            if i < len(back):  # the write-back of the expert whose slot this load takes, right after it
-                seq += 1
-                batch.append(self._writeback(back[i], step, at, seq))
+            if i < len(back):
+                transfer.tail = self._writeback_s if self._writeback_s is not None else self._writeback_seconds()
+                transfer.evicted = back[i]
         for evicted in back[len(experts):]:
             seq += 1
             batch.append(self._writeback(evicted, step, at, seq))
         self._seq = seq
         self.pcie.submit_demands(batch, at)
 
+    def _writeback_seconds(self) -> float:
+        if self._writeback_s is None:
+            self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
+        return self._writeback_s
+
     def _writeback(self, evicted: tuple[int, int], step: int, at: float, seq: int) -> Transfer:
-        seconds = self._writeback_s
-        if seconds is None:
-            seconds = self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
-        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", seq, at, step, None, None, -1, 0, False, seconds)
+        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", seq, at, step, None, None, -1, 0, False,
+                        self._writeback_seconds())
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
@@ -536,12 +555,17 @@ class Simulator:
         counts = [1 if count is None else count[e] for e in experts]
         jobs = [(self._cpu_s(n), self._cpu_rate[n]) for n in counts]
         lanes = [Lane(free=t) for _ in pcie.free]
+        for done in pcie.tails:  # a retired load's write-back still running
+            if done is not None and done.end + done.tail > t:  # type: ignore[operator]
+                lanes[done.engine].jobs.append([t, done.end + done.tail - t, 0.0, ("tail", done)])
         placed = sorted((x for end, _, x in pcie.unretired if end > t and x.end == end), key=lambda x: x.start)
         for x in placed:
             running = x.start < t  # type: ignore[operator]
             work = x.end - t if running else x.seconds or pcie.duration(x.nbytes)  # type: ignore[operator]
             rate = x.nbytes / pcie.duration(x.nbytes) if x.nbytes else 0.0  # a write-back reads no host DRAM
             lanes[x.engine].jobs.append([t if running else x.start, work, rate, x])
+            if x.tail:
+                lanes[x.engine].jobs.append([x.end, x.tail, 0.0, ("tail", x)])
         free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
         for x in pcie.queue:  # simulated for their draw on DRAM; placed later by the engine itself
             i = min(range(len(free)), key=free.__getitem__)
@@ -551,8 +575,14 @@ class Simulator:
         ends, laid = share(t, jobs, lanes, self.dram_combined_bps)
         for i, lane in enumerate(laid):
             for transfer, a, b in lane:
-                if transfer is not None and abs(b - transfer.end) > 1e-12:
-                    pcie.relay(transfer, min(a, transfer.start), b)
+                if isinstance(transfer, tuple):  # a write-back tail: it follows its load, wherever that ended
+                    load = transfer[1]
+                    if abs(b - (load.end + load.tail)) > 1e-12:
+                        pcie.relay_tail(load, b)
+                    pcie.free[i] = max(pcie.free[i], b)
+                elif transfer is not None and abs(b - transfer.end) > 1e-12:
+                    # one running at t keeps its start; a later one starts when the lane reaches it
+                    pcie.relay(transfer, transfer.start if transfer.start < t else a, b)
                     pcie.free[i] = max(pcie.free[i], b)
         begin = t
         for e, n, end in zip(experts, counts, ends):

@@ -104,3 +104,38 @@ def test_engine_copy_issued_during_cpu_work_is_slowed(tmp_path):
     sim.pcie.submit_demands([copy], 520e-6)
     # 500 us of CPU work left at half speed: 250 us of the copy's work, then alone
     assert copy.end == pytest.approx(1020e-6 + copy_time - 250e-6, rel=1e-9)
+
+
+def test_engine_copy_queued_behind_a_slowed_copy_starts_when_it_ends(tmp_path):
+    """Two copies back to back, the first slowed by a CPU expert (as above, +1,000 us): the second starts
+    when the first ends, not where it was first laid, and the engine's busy time counts no overlap."""
+    cpu_rate, copy_time = 49_152 / 1000e-6, 10e-6 + 49_152 / 1e5
+    sim = _simulator(tmp_path, (cpu_rate + 49_152 / copy_time) / 2 / 1e9)
+    first, second = Transfer(0, 3, 49_152, 0, "load", 1, 0.0), Transfer(0, 2, 49_152, 0, "load", 2, 0.0)
+    sim.pcie.submit_demands([first, second], 0.0)
+    assert second.start == pytest.approx(copy_time, rel=1e-12)
+    sim._cpu_track([0], None, 0, 0, 0.0)
+    assert first.end == pytest.approx(copy_time + 1000e-6, rel=1e-9)
+    assert second.start == pytest.approx(first.end, rel=1e-12)
+    assert second.end == pytest.approx(2 * copy_time + 1000e-6, rel=1e-9)
+    assert sim.pcie.busy_s == pytest.approx(2 * copy_time + 1000e-6, rel=1e-9)
+
+
+def test_engine_write_back_tail_follows_its_slowed_load(tmp_path):
+    """A load with a write-back tail (rate 0: it reads no host DRAM), slowed as above: the expert is
+    ready when the load ends; the engine stays busy for the write-back after it."""
+    cpu_rate, copy_time = 49_152 / 1000e-6, 10e-6 + 49_152 / 1e5
+    sim = _simulator(tmp_path, (cpu_rate + 49_152 / copy_time) / 2 / 1e9)
+    load = Transfer(0, 3, 49_152, 0, "load", 1, 0.0, tail=300e-6, evicted=(0, 2))
+    sim.pcie.submit_demands([load], 0.0)
+    assert sim.pcie.free[0] == pytest.approx(copy_time + 300e-6, rel=1e-12)
+    sim._cpu_track([0], None, 0, 0, 0.0)
+    assert load.end == pytest.approx(copy_time + 1000e-6, rel=1e-9)
+    assert load.tail == pytest.approx(300e-6, rel=1e-9)
+    assert sim.pcie.free[0] == pytest.approx(load.end + 300e-6, rel=1e-12)
+    assert sim.pcie.busy_s == pytest.approx(copy_time + 1000e-6 + 300e-6, rel=1e-9)
+    # the write-back still runs at the end: only its part before the horizon counts
+    horizon = load.end + 100e-6
+    sim.pending[(0, 3)] = load  # as the engine's own loads are
+    sim._retire(horizon)
+    assert sim.pcie.busy_until(horizon)[0] == pytest.approx(copy_time + 1000e-6 + 100e-6, rel=1e-9)

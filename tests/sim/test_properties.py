@@ -14,7 +14,8 @@ from moesim.sim.engine import result_to_frames
 from moesim.sim.run import simulate
 from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
 
-SYSTEMS = ["cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle-prefetch", "oracle-pinned"]
+SYSTEMS = ["cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle-prefetch", "oracle-pinned",
+           "mixtral-offloading", "hybrimoe"]
 EPS = 1e-12
 
 
@@ -33,12 +34,18 @@ def scenarios(draw):
         pcie_gbps=draw(st.sampled_from([0.0001, 0.001, 0.01, 1.0])),
         sync_us=draw(st.floats(0, 50)),
         copy_engines=draw(st.integers(1, 2)),
+        # host DRAM shared by CPU experts and copies: from none to both slowed many times over
+        dram_combined_gbps=draw(st.sampled_from([None, 0.0001, 0.001, 0.01])),
     )
     slots = draw(st.integers(model.top_k, experts))
     return model, routing, profile, slots
 
 
 def run(model, routing, profile, system, slots, **extra):
+    profile = dict(profile)
+    combined = profile.pop("dram_combined_gbps", None)
+    if combined is not None:
+        extra["hw.cpu.dram_combined_gbps"] = str(combined)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_tiny_trace(Path(tmp) / "t.parquet", model, routing))
         result = simulate(path, tiny_profile(**profile), system, {"cache.slots_per_layer": str(slots), **extra},
@@ -68,8 +75,6 @@ def test_invariants(scenario, system):
     # time never goes backwards: spans are ordered, steps follow each other, one lane never overlaps itself
     assert (timeline.end_s >= timeline.start_s).all()
     for (resource, lane), spans in timeline.groupby(["resource", "lane"]):
-        if resource == "pcie":
-            continue  # several copy engines share lane 0 in the record; checked below by count
         spans = spans.sort_values("start_s")
         assert (spans.start_s.values[1:] >= spans.end_s.values[:-1] - EPS).all(), resource
     pcie = timeline[timeline.resource == "pcie"].sort_values("start_s")
