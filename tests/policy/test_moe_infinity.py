@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
-from moesim.policy.base import LayerView, RunContext
+from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.moe_infinity import ActivationTracker, EvictionOrder, RequestLFUCache, request_eams
 from moesim.policy.state import CacheState
 from moesim.sim.run import prepare, simulate
@@ -160,7 +160,8 @@ def test_pool_victims_are_the_least_by_the_documented_order(data):
                                                           unique=True), min_size=1, max_size=3)))
             requests = np.array(data.draw(st.lists(st.integers(0, 1), min_size=len(routed),
                                                    max_size=len(routed))))
-            tracker.observe(LayerView(step, layer, "decode", routed, [], [], state, None, requests=requests))
+            tracker.observe(LayerView(step, layer, "decode", routed, *active_experts(routed, experts), state, None,
+                                      requests=requests))
     view = LayerView(5, data.draw(st.integers(0, layers - 1)), "decode", np.array([[0, 1]]), [0, 1], [1, 1],
                      state, None, requests=np.array([0]))
     protected = data.draw(st.sets(st.tuples(st.integers(0, layers - 1), st.integers(0, experts - 1))))
@@ -200,7 +201,8 @@ def test_kept_eviction_order_equals_the_ranking_afresh_through_a_run(data):
             routed = np.array(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=2, max_size=2,
                                                           unique=True), min_size=1, max_size=3)))
             requests = np.array(data.draw(st.lists(st.integers(0, 3), min_size=len(routed), max_size=len(routed))))
-            view = LayerView(step, layer, "decode", routed, [], [], state, None, requests=requests)
+            view = LayerView(step, layer, "decode", routed, *active_experts(routed, experts), state, None,
+                             requests=requests)
             tracker.observe(view)
             for _ in range(data.draw(st.integers(0, 2))):  # evictions and loads since the last call
                 l, e = data.draw(cells)

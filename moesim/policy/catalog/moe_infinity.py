@@ -50,7 +50,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
-from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.base import LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import Prefetch
@@ -150,9 +150,10 @@ class ActivationTracker:
 
     def observe(self, view: LayerView) -> None:
         """Add this layer's routing to the batch's EAMs; retire requests whose last step has passed."""
-        if (view.step, view.layer) == self._seen:
+        seen = (view.step, view.layer)
+        if seen == self._seen:  # the cache and the prefetch both observe every layer
             return
-        self._seen = (view.step, view.layer)
+        self._seen = seen
         if view.step != self._step:
             self._step = view.step
             for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
@@ -179,7 +180,8 @@ class ActivationTracker:
         self.row_version[layer] += 1
         self.observations += 1
         batch = self._batch_ids
-        self.last_added = (layer, *active_experts(view.experts, self.num_experts)) \
+        # the view's distinct experts and their tokens: what this layer added, expert by expert
+        self.last_added = (layer, view.active, view.counts) \
             if batch is not None and all(r in batch for r in ids) else None
 
     def batch_eam(self, view: LayerView) -> np.ndarray:
@@ -482,9 +484,14 @@ class EvictionOrder:
             if added is not None and tracker.observations == self.observations + 1:
                 layer, experts, tokens = added
                 keys, unit = self.keys[layer], self.unit
-                for expert, count in zip(experts, tokens):
-                    keys[expert] += count * unit
-                moved = sum(tokens)
+                moved = len(tokens)
+                if tokens.count(1) == moved:  # one token each (every decode layer of one request)
+                    for expert in experts:
+                        keys[expert] += unit
+                else:
+                    for expert, count in zip(experts, tokens):
+                        keys[expert] += count * unit
+                    moved = sum(tokens)
                 self.batch_sum[layer] += moved
                 self.run_sum[layer] += moved
                 self.exact = self.exact and self.run_sum[layer] <= self.count_mask
