@@ -90,19 +90,13 @@ class CopyEngines:
         return 0 if len(free) == 1 else min(range(len(free)), key=free.__getitem__)
 
     def submit(self, transfer: Transfer) -> None:
-        at = transfer.issued
-        if self.queue:
-            self.advance(at)
         if transfer.priority == 0:
-            self.submit_demands([transfer], at)
-            return
-        transfer.queued_at = self._tail
-        self._tail += 1
-        self.queue.append(transfer)
-        self.advance(at)
+            self.submit_demands([transfer], transfer.issued)
+        else:
+            self.submit_prefetches([transfer], transfer.issued)
 
     def submit_prefetches(self, transfers: list[Transfer], at: float) -> None:
-        """Several prefetches issued at ``at``, queued in order (:meth:`submit` of each in turn)."""
+        """Several prefetches issued at ``at``, queued in order behind the queued ones."""
         if self.queue:
             self.advance(at)
         tail = self._tail

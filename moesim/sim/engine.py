@@ -254,7 +254,7 @@ class Simulator:
             pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
             if i < len(back):
-                transfer.tail = self._writeback_s if self._writeback_s is not None else self._writeback_seconds()
+                transfer.tail = self._writeback_seconds()
                 transfer.evicted = back[i]
         for evicted in back[len(experts):]:
             seq += 1

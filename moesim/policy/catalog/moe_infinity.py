@@ -484,14 +484,9 @@ class EvictionOrder:
             if added is not None and tracker.observations == self.observations + 1:
                 layer, experts, tokens = added
                 keys, unit = self.keys[layer], self.unit
-                moved = len(tokens)
-                if tokens.count(1) == moved:  # one token each (every decode layer of one request)
-                    for expert in experts:
-                        keys[expert] += unit
-                else:
-                    for expert, count in zip(experts, tokens):
-                        keys[expert] += count * unit
-                    moved = sum(tokens)
+                for expert, count in zip(experts, tokens):
+                    keys[expert] += count * unit
+                moved = sum(tokens)
                 self.batch_sum[layer] += moved
                 self.run_sum[layer] += moved
                 self.exact = self.exact and self.run_sum[layer] <= self.count_mask
