@@ -58,12 +58,20 @@ def describe_quotas(capacity: list[int], pool: int | None = None) -> str:
 
 class PoolMirror:
     """Whole-model figures of a pooled cache, kept by its :class:`CountedSlots`: the slots all layers hold
-    together, and a layers x experts mask of the resident experts (widened when a larger id arrives)."""
+    together, a layers x experts mask of the resident experts (widened when a larger id arrives) and, for
+    a reader that keeps its own order of the residents, a journal of the changes since it last looked."""
+
+    #: entries past which a journal is dropped, checked as experts arrive (its reader then starts afresh)
+    JOURNAL_LIMIT = 1 << 16
 
     def __init__(self, layers: int, width: int) -> None:
         self.held = 0
         self.resident_mask = np.zeros((layers, max(width, 1)), dtype=bool)
         self.sets: list[CountedSlots] = []
+        #: every resident expert added, ``(layer, expert)``, or dropped, ``(layer, ~expert)``, one by one
+        #: in order since the reader emptied it; None when nobody reads it or a change was not noted one
+        #: by one (a bulk update, an overflow)
+        self.journal: list[tuple[int, int]] | None = None
 
     def widen(self, width: int) -> None:
         mask = np.zeros((self.resident_mask.shape[0], width), dtype=bool)
@@ -106,16 +114,26 @@ class CountedSlots(set):
     def add(self, expert: int) -> None:
         if expert not in self:
             set.add(self, expert)
-            self.mirror.held += 1
+            mirror = self.mirror
+            mirror.held += 1
             if self.row is not None:
                 self._mark(expert, True)
+                journal = mirror.journal
+                if journal is not None:
+                    journal.append((self.layer, expert))
+                    if len(journal) > mirror.JOURNAL_LIMIT:  # unread that long
+                        mirror.journal = None
 
     def discard(self, expert: int) -> None:
         if expert in self:
             set.discard(self, expert)
-            self.mirror.held -= 1
+            mirror = self.mirror
+            mirror.held -= 1
             if self.row is not None:
                 self.row[expert] = False
+                journal = mirror.journal
+                if journal is not None:
+                    journal.append((self.layer, ~expert))
 
     def remove(self, expert: int) -> None:
         if expert not in self:
@@ -137,6 +155,7 @@ class CountedSlots(set):
         change(self, *others)
         self.mirror.held += len(self) - before
         if self.row is not None:
+            self.mirror.journal = None  # not noted one by one: a reader starts afresh
             self.row[:] = False
             for expert in self:
                 self._mark(expert, True)

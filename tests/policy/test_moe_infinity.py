@@ -183,7 +183,8 @@ def test_pool_victims_are_the_least_by_the_documented_order(data):
 def test_kept_eviction_order_equals_the_ranking_afresh_through_a_run(data):
     """The eviction order kept between pool evictions (``EvictionOrder``) answers every call as ranking
     every resident expert afresh does, while routing is observed, requests join and finish, the batch
-    changes and experts are evicted and loaded between calls."""
+    changes and experts are evicted and loaded between calls, one by one (journalled) or in bulk, and
+    while the pool's journal overflows."""
     layers, experts = 3, 5
     last_step = {r: data.draw(st.integers(0, 4)) for r in range(4)}
     tracker = ActivationTracker(layers, experts, eamc_size=2, last_step=last_step)
@@ -195,6 +196,7 @@ def test_kept_eviction_order_equals_the_ranking_afresh_through_a_run(data):
     state = CacheState([experts] * layers, pool=layers * experts - 2)
     for layer in range(layers):
         state.preload(layer, sorted(data.draw(st.sets(st.integers(0, experts - 1), max_size=4))))
+    state.mirror.JOURNAL_LIMIT = data.draw(st.sampled_from([1, 3, 1 << 16]))  # small: the journal overflows
     cells = st.tuples(st.integers(0, layers - 1), st.integers(0, experts - 1))
     for step in range(data.draw(st.integers(1, 4))):
         for layer in range(layers):
@@ -206,7 +208,9 @@ def test_kept_eviction_order_equals_the_ranking_afresh_through_a_run(data):
             tracker.observe(view)
             for _ in range(data.draw(st.integers(0, 2))):  # evictions and loads since the last call
                 l, e = data.draw(cells)
-                if e in state.resident[l]:
+                if data.draw(st.integers(0, 9)) == 0:  # a bulk change: not journalled, the order starts afresh
+                    state.resident[l] ^= {e} if e in state.resident[l] or state.held() < state.pool else set()
+                elif e in state.resident[l]:
                     state.evict(l, e)
                 elif state.held() < state.pool:
                     state.start_load(l, e)

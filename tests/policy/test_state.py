@@ -1,4 +1,5 @@
-"""CacheState with a model-wide pool: the counted sets keep the slot tally and the resident mask exact."""
+"""CacheState with a model-wide pool: the counted sets keep the slot tally, the resident mask and the journal
+exact."""
 
 from __future__ import annotations
 
@@ -55,6 +56,48 @@ def test_tally_and_mask_follow_every_set_mutation(ops):
             expected[l, list(experts)] = True
         assert np.array_equal(mask, expected[:, :mask.shape[1]])
         assert not expected[:, mask.shape[1]:].any()  # the mask widened for every larger id
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_journal_replays_every_resident_change_or_is_dropped(ops):
+    """A reader that replays the journal in order holds the resident sets; a bulk change drops the
+    journal (the reader starts afresh from the sets), and in-flight changes are not journalled."""
+    state = CacheState([EXPERTS] * LAYERS, pool=LAYERS * EXPERTS)
+    state.mirror.journal = []
+    replayed = [set() for _ in range(LAYERS)]
+    for op, resident, layer, items, expert in ops:
+        sets = state.resident if resident else state.in_flight
+        if op == "pop":
+            if sets[layer]:
+                sets[layer].pop()
+        else:
+            apply(sets[layer], op, items, expert)
+        journal = state.mirror.journal
+        if journal is None:
+            assert op not in ("add", "discard", "remove", "pop") and resident
+            replayed = [set(experts) for experts in state.resident]
+            state.mirror.journal = []
+            continue
+        for l, e in journal:
+            if e >= 0:
+                assert e not in replayed[l]
+                replayed[l].add(e)
+            else:
+                replayed[l].remove(~e)
+        journal.clear()
+        assert replayed == [set(experts) for experts in state.resident]
+
+
+def test_an_unread_journal_is_dropped_past_its_limit():
+    state = CacheState([8], pool=8)
+    state.mirror.journal, state.mirror.JOURNAL_LIMIT = [], 3
+    for expert in range(3):
+        state.resident[0].add(expert)
+    state.resident[0].discard(0)
+    assert state.mirror.journal == [(0, 0), (0, 1), (0, 2), (0, ~0)]
+    state.resident[0].add(5)
+    assert state.mirror.journal is None
 
 
 def test_pool_state_works_through_its_methods_and_copies_as_plain_sets():

@@ -399,7 +399,7 @@ class RequestLFUCache(CachePolicy):
             return []
         order = self._order
         if order is not None and order.sync(view):
-            return order.least(n, protected, view.cache.resident)
+            return order.least(n, protected)
         return self.ranked_victims(view, n, protected)
 
     def ranked_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -430,12 +430,12 @@ class EvictionOrder:
     activation count over its layer's total times the layer's depth weight. Within one layer both
     shares are counts over the same total and weight, so they rank the layer's experts as the counts do
     (distinct whole counts below ``2 ** count_bits`` give distinct, equally ordered floats): a layer's
-    experts are ranked by one integer per expert, ``(batch count, run count, expert)`` packed, updated
-    expert by expert as the tracker observes routing. Across layers the priorities themselves are
-    compared, computed as the from-scratch ranking computes them, but only for each layer's least expert
-    (its head, in one sorted list) and, while victims are taken, for the next experts of the layers
-    reached. A layer's head is recomputed when its counts move or its resident experts change (the
-    pool's resident mask against the copy taken at the previous call).
+    experts are ranked by one integer per expert, ``(batch count, run count, expert)`` packed, and each
+    layer keeps its resident experts' keys sorted, updated key by key as the tracker observes routing
+    and as the pool's journal (:class:`~moesim.policy.state.PoolMirror`) reports experts loaded and
+    evicted. Across layers the priorities themselves are compared, computed as the from-scratch ranking
+    computes them, but only for each layer's least expert (its head, in one sorted list) and, while
+    victims are taken, for the next experts of the layers reached.
     """
 
     def __init__(self, tracker: ActivationTracker, num_layers: int, num_experts: int) -> None:
@@ -454,75 +454,87 @@ class EvictionOrder:
         self.run_sum: list[int] = []
         #: False once a count reaches 2 ** count_bits (the from-scratch ranking answers from then on)
         self.exact = True
+        #: per layer, its resident experts' keys ascending
+        self.ranked: list[list[int]] = []
         self.heads: list[tuple[float, float, int, int] | None] = [None] * num_layers
         #: the heads of the layers that hold resident experts, ascending
         self.order: list[tuple[float, float, int, int]] = []
-        #: layer -> its resident experts' keys ascending (sorted when a call reaches past the layer's head)
-        self.ranked: dict[int, list[int]] = {}
-        #: the pool's resident mask at the previous call, and both as 64-bit words when rows allow
-        self.shadow: np.ndarray | None = None
-        self._mask: np.ndarray | None = None
-        self._words: tuple[np.ndarray, np.ndarray, int] | None = None
+        #: the pool whose journal this order follows
+        self.mirror = None
         self.generation = -1
         self.observations = -1
         self.versions: np.ndarray | None = None
 
     def sync(self, view: LayerView) -> bool:
         """Catch up with the tracker's counts and the pool's residents; False when only a from-scratch
-        ranking can answer (no pool mask, or counts past ``2 ** count_bits``)."""
+        ranking can answer (no pool, or counts past ``2 ** count_bits``)."""
         tracker, state = self.tracker, view.cache
         batch = tracker.batch_eam(view)
-        if state.mirror is None or tracker.total is None:
+        mirror = state.mirror
+        if mirror is None or tracker.total is None:
             return False
-        mask = state.mirror.resident_mask
-        if tracker.batch_generation != self.generation or self.shadow is None or self.shadow.shape != mask.shape:
-            self._rebuild(batch, tracker.total, mask)
+        if tracker.batch_generation != self.generation or mirror is not self.mirror or mirror.journal is None:
+            self._rebuild(batch, tracker.total, state)
             return self.exact
         dirty: set[int] = set()
+        journal, resident = mirror.journal, state.resident
+        if journal:
+            self._residents(journal, dirty)
+            journal.clear()
         if tracker.observations != self.observations:
             added = tracker.last_added
             if added is not None and tracker.observations == self.observations + 1:
-                layer, experts, tokens = added
-                keys, unit = self.keys[layer], self.unit
-                for expert, count in zip(experts, tokens):
-                    keys[expert] += count * unit
-                moved = sum(tokens)
-                self.batch_sum[layer] += moved
-                self.run_sum[layer] += moved
-                self.exact = self.exact and self.run_sum[layer] <= self.count_mask
-                dirty.add(layer)
+                self._add(*added, resident[added[0]])
+                dirty.add(added[0])
             else:
                 rows = np.flatnonzero(self.versions != tracker.row_version).tolist()
                 self._count(batch, tracker.total, rows)
+                self._rank(rows, resident)
                 dirty.update(rows)
                 self.versions = tracker.row_version.copy()
             self.observations = tracker.observations
-        if mask is not self._mask:
-            self._mask = mask
-            # flat views, as 64-bit words when rows allow: a 1-d nonzero is several times a 2-d one's speed
-            if mask.shape[1] % 8 == 0:
-                self._words = (mask.view(np.uint64).ravel(), self.shadow.view(np.uint64).ravel(), mask.shape[1] // 8)
-            else:
-                self._words = (mask.ravel(), self.shadow.ravel(), mask.shape[1])
-        now, before, per_row = self._words
-        moved = (now != before).nonzero()[0]
-        if moved.size:
-            dirty.update((moved // per_row).tolist())
-            np.copyto(self.shadow, mask)
         if dirty:
-            self._heads(dirty, state.resident)
+            self._heads(dirty)
         return self.exact
 
-    def _rebuild(self, batch: np.ndarray, total: np.ndarray, mask: np.ndarray) -> None:
+    def _residents(self, journal: list[tuple[int, int]], dirty: set[int]) -> None:
+        """Replay the journal's loads and evictions, in order, on the ranked keys."""
+        keys, ranked = self.keys, self.ranked
+        for layer, expert in journal:
+            if expert >= 0:
+                insort(ranked[layer], keys[layer][expert])
+            else:
+                keep = ranked[layer]
+                del keep[bisect_left(keep, keys[layer][~expert])]
+        dirty.update(layer for layer, _ in journal)
+
+    def _add(self, layer: int, experts: list[int], tokens: list[int], resident: set[int]) -> None:
+        """One observed layer's tokens per expert, added to the keys (and the ranked keys of residents)."""
+        keys, keep, unit = self.keys[layer], self.ranked[layer], self.unit
+        for expert, count in zip(experts, tokens):
+            old = keys[expert]
+            new = keys[expert] = old + count * unit
+            if expert in resident:
+                del keep[bisect_left(keep, old)]
+                insort(keep, new)
+        moved = sum(tokens)
+        self.batch_sum[layer] += moved
+        self.run_sum[layer] += moved
+        self.exact = self.exact and self.run_sum[layer] <= self.count_mask
+
+    def _rebuild(self, batch: np.ndarray, total: np.ndarray, state) -> None:
         layers = len(self.depth)
         self.keys = [[] for _ in range(layers)]
         self.batch_sum, self.run_sum, self.exact = [0] * layers, [0] * layers, True
         self._count(batch, total, list(range(layers)))
-        self.shadow, self._mask = mask.copy(), None
+        self.mirror = state.mirror
+        self.mirror.journal = []
         self.generation, self.observations = self.tracker.batch_generation, self.tracker.observations
         self.versions = self.tracker.row_version.copy()
-        self.heads, self.order, self.ranked = [None] * layers, [], {}
-        self._heads(range(layers), [set(np.flatnonzero(row).tolist()) for row in mask])
+        self.ranked = [[] for _ in range(layers)]
+        self._rank(range(layers), state.resident)
+        self.heads, self.order = [None] * layers, []
+        self._heads(range(layers))
 
     def _count(self, batch: np.ndarray, total: np.ndarray, rows: list[int]) -> None:
         """Pack the keys and totals of ``rows`` afresh from the counts."""
@@ -535,17 +547,21 @@ class EvictionOrder:
             self.keys[layer], self.batch_sum[layer], self.run_sum[layer] = packed, in_batch, in_run
             self.exact = self.exact and in_run <= self.count_mask
 
-    def _heads(self, layers, resident: list[set[int]]) -> None:
+    def _rank(self, layers, resident: list[set[int]]) -> None:
+        """Sort each of ``layers``' resident experts' keys afresh."""
+        for layer in layers:
+            self.ranked[layer] = sorted(map(self.keys[layer].__getitem__, resident[layer]))
+
+    def _heads(self, layers) -> None:
         """Put each of ``layers``' least resident expert, with its priorities, in the sorted heads."""
-        heads, order, ranked, keys = self.heads, self.order, self.ranked, self.keys
+        heads, order, ranked = self.heads, self.order, self.ranked
         for layer in layers:
             old = heads[layer]
             if old is not None:
                 del order[bisect_left(order, old)]
-            ranked.pop(layer, None)
-            experts = resident[layer]
-            if experts:
-                head = heads[layer] = self._priority(layer, min(map(keys[layer].__getitem__, experts)))
+            keep = ranked[layer]
+            if keep:
+                head = heads[layer] = self._priority(layer, keep[0])
                 insort(order, head)
             else:
                 heads[layer] = None
@@ -557,11 +573,11 @@ class EvictionOrder:
                 ((key >> self.expert_bits) & self.count_mask) / run_sum * depth if run_sum else 0.0,
                 -layer, key & self.expert_mask)
 
-    def least(self, n: int, protected: set[tuple[int, int]], resident: list[set[int]]) -> list[tuple[int, int]]:
+    def least(self, n: int, protected: set[tuple[int, int]]) -> list[tuple[int, int]]:
         """The ``n`` first resident experts outside ``protected``: the layers' ranked experts merged, a
         layer's next expert considered once its previous one is taken or passed over."""
         out: list[tuple[int, int]] = []
-        order, waiting = self.order, []  # waiting: (priority, place in its layer's ranking)
+        order, ranked, waiting = self.order, self.ranked, []  # waiting: (priority, place in its layer's ranking)
         i, heads = 0, len(order)
         while True:
             if i < heads and (not waiting or order[i] < waiting[0][0]):
@@ -577,11 +593,9 @@ class EvictionOrder:
                 out.append(cell)
                 if len(out) == n:
                     break
-            ranked = self.ranked.get(layer)
-            if ranked is None:
-                ranked = self.ranked[layer] = sorted(map(self.keys[layer].__getitem__, resident[layer]))
-            if place + 1 < len(ranked):
-                heappush(waiting, (self._priority(layer, ranked[place + 1]), place + 1))
+            keep = ranked[layer]
+            if place + 1 < len(keep):
+                heappush(waiting, (self._priority(layer, keep[place + 1]), place + 1))
         return out
 
 
