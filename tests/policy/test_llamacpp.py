@@ -10,7 +10,7 @@ from moesim.errors import ConfigError
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import parse_profile
 from moesim.policy.base import RunContext
-from moesim.policy.catalog.llamacpp import LlamaCppLayers
+from moesim.policy.catalog.llamacpp import LlamaCppLayers, placement
 from moesim.sim.engine import result_to_frames
 from moesim.sim.run import simulate
 from tests.factories import profile_dict, random_routing, tiny_model, tiny_profile, write_tiny_trace
@@ -42,7 +42,13 @@ def test_first_n_layers_on_cpu_the_rest_resident(tmp_path):
                      trace_path=str(trace(tmp_path, model)))
     placement.configure(ctx)
     assert [placement.initial(layer, 4) for layer in range(3)] == [[], [], [0, 1, 2, 3]]
-    assert "--n-cpu-moe 2" in ctx.notes[-1]
+    assert ctx.notes[-1] == "llamacpp: experts of MoE layers 0..1 on the CPU, layer 2 all on the GPU (--n-cpu-moe 2)"
+
+
+def test_placement_note_names_every_layer_range():
+    assert placement(0, 3) == "experts of all 3 MoE layers on the GPU"
+    assert placement(3, 3) == "experts of all 3 MoE layers on the CPU"
+    assert placement(1, 3) == "experts of MoE layer 0 on the CPU, layers 1..2 all on the GPU"
 
 
 def test_memory_decides_the_smallest_n(tmp_path):

@@ -39,6 +39,20 @@ from moesim.policy.cache import CachePolicy, SlotSpread
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 
+def placement(cpu_layers: int, layers: int) -> str:
+    """Where ``--n-cpu-moe cpu_layers`` puts the experts of a model's ``layers`` MoE layers, in words."""
+    if cpu_layers <= 0:
+        return f"experts of all {layers} MoE layers on the GPU"
+    if cpu_layers >= layers:
+        return f"experts of all {layers} MoE layers on the CPU"
+    return f"experts of MoE {span(0, cpu_layers)} on the CPU, {span(cpu_layers, layers)} all on the GPU"
+
+
+def span(first: int, end: int) -> str:
+    """``layer 4`` or ``layers 4..9`` for the layers from ``first`` up to (not including) ``end``."""
+    return f"layer {first}" if end - first == 1 else f"layers {first}..{end - 1}"
+
+
 @register_component
 @dataclass
 class LlamaCppLayers(CachePolicy):
@@ -68,8 +82,7 @@ class LlamaCppLayers(CachePolicy):
         layers = ctx.model.num_layers
         self._experts = ctx.model.num_experts
         self._cpu_layers = next((i for i, c in enumerate(ctx.capacity) if c > 0), layers)
-        ctx.notes.append(f"llamacpp: experts of MoE layers 0..{self._cpu_layers - 1} on the CPU "
-                         f"(--n-cpu-moe {self._cpu_layers}), layers {self._cpu_layers}..{layers - 1} all on the GPU")
+        ctx.notes.append(f"llamacpp: {placement(self._cpu_layers, layers)} (--n-cpu-moe {self._cpu_layers})")
 
     @property
     def cpu_layers(self) -> int:
