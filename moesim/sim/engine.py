@@ -414,6 +414,8 @@ class Simulator:
         pcie = self.pcie
         if pcie.queue or pcie.unretired:
             self._retire(t1)
+        elif len(self.dram.intervals) > 64:  # CPU work with no copy to meet: forget it now and then
+            self.dram.prune(t1)
 
         view = self._view(step, layer, rows, phase, t1)
         plan = self.system.plan(view)

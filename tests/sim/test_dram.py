@@ -139,3 +139,21 @@ def test_engine_write_back_tail_follows_its_slowed_load(tmp_path):
     sim.pending[(0, 3)] = load  # as the engine's own loads are
     sim._retire(horizon)
     assert sim.pcie.busy_until(horizon)[0] == pytest.approx(copy_time + 1000e-6 + 100e-6, rel=1e-9)
+
+
+def test_engine_ledger_stays_short_when_no_copy_runs(tmp_path):
+    """CPU work that no copy can meet any more is forgotten as the replay goes on (a long CPU-only replay
+    used to keep an interval per layer)."""
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    steps = [{"phase": "decode", "tokens": {0: (i, [[[i % 4]], [[(i + 1) % 4]]])}} for i in range(300)]
+    path = write_tiny_trace(tmp_path / "long.parquet", model, steps)
+    sim = prepare(str(path), tiny_profile(), "cpu-only", {"hw.cpu.dram_combined_gbps": "0.00001"})
+    lengths, add = [], sim.dram.add
+
+    def counted_add(start: float, end: float, rate: float) -> None:
+        add(start, end, rate)
+        lengths.append(len(sim.dram.intervals))
+
+    sim.dram.add = counted_add
+    sim.run()
+    assert len(lengths) == 600 and max(lengths) == 65  # one interval per layer, 64 kept at most between prunes
