@@ -8,15 +8,15 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from moesim.model.spec import ModelSpec
+from moesim.trace.io import read_table
 
 NEVER = 1 << 62
 
 
 def _routing(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    table = pq.read_table(path, columns=["step", "layer", "experts"])
+    table = read_table(path, ["step", "layer", "experts"])
     steps = table.column("step").to_numpy()
     layers = table.column("layer").to_numpy()
     experts = table.column("experts").combine_chunks()

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pyarrow.parquet as pq
+import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
 from moesim.policy.state import describe_quotas
+from moesim.trace.io import read_table
 
 GIB = 2**30
 
@@ -100,10 +101,16 @@ class MemoryPlan:
 
 def peak_kv_tokens(trace_path: str) -> int:
     """Largest total context held at once: per step, the sum over its requests of their context."""
-    table = pq.read_table(trace_path, columns=["step", "request", "position"])
-    frame = table.to_pandas()
-    per_request = frame.groupby(["step", "request"], sort=False)["position"].max() + 1
-    return int(per_request.groupby(level=0).sum().max()) if len(per_request) else 0
+    table = read_table(trace_path, ["step", "request", "position"])
+    step, request, position = (table.column(name).to_numpy().astype(np.int64) for name in ("step", "request", "position"))
+    if not step.size:
+        return 0
+    # each (step, request) pair's context is its largest position + 1; a step holds the sum of its pairs'
+    pairs, pair_of_row = np.unique((step << 32) | request, return_inverse=True)
+    context = np.zeros(pairs.size, dtype=np.int64)
+    np.maximum.at(context, pair_of_row, position + 1)
+    _, step_of_pair = np.unique(pairs >> 32, return_inverse=True)
+    return int(np.bincount(step_of_pair, weights=context).max())
 
 
 def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_bytes: int, kv_tokens: int,

@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.policy.base import coerce
 from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
 from moesim.sim.engine import SimResult, Simulator, StepRecord
 from moesim.sim.memory import MemoryPlan
-from moesim.trace.io import Step, read_meta, trace_columns
+from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
@@ -162,7 +161,7 @@ class RequestPool:
 
 def _read_requests(path: str, columns: list[str], layers: int) -> list[TraceRequest]:
     names = ["request", "phase", "position", "layer", "experts", *columns]
-    table = pq.read_table(path, columns=names)
+    table = read_table(path, names)
     request = table.column("request").to_numpy()
     layer = table.column("layer").to_numpy()
     position = table.column("position").to_numpy()

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
+from moesim.errors import TraceFormatError
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.buddymoe import (TAE_ROUNDING, BuddySubstitution, TaeGate, buddy_lists, coactivation,
@@ -148,6 +149,13 @@ def _configured(tmp_path, **params):
     model = tiny_model(layers=1, experts=5, top_k=2)
     sub.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
     return sub
+
+
+def test_a_missing_calibration_trace_is_one_clear_error(tmp_path):
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    sub = BuddySubstitution(calibration=str(tmp_path / "missing.parquet"))
+    with pytest.raises(TraceFormatError, match="missing.parquet: file not found"):
+        sub.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
 
 
 def test_distribution_gate_beta(tmp_path):

@@ -196,3 +196,16 @@ def test_readme_python_example_runs():
         os.chdir(here)
     run = namespace["run"]
     assert run.raw_metrics["expert_slots"] == 64 and run.raw_metrics["tpot_ms_mean"] > 0
+
+
+def test_peak_kv_tokens_sums_the_contexts_a_step_holds(tmp_path):
+    """Step 0 holds request 0 at position 5 (context 6) and request 1's three-token prompt (context 3): 9;
+    step 1 only request 0 at position 6 (context 7). Every layer's rows repeat the step's tokens."""
+    from moesim.sim.memory import peak_kv_tokens
+    model = tiny_model(layers=2, experts=4, top_k=1)
+    one = [[[0]], [[1]]]
+    prompt = [[[0], [1], [2]], [[1], [2], [3]]]
+    path = write_tiny_trace(tmp_path / "kv.parquet", model, [
+        {"phase": "prefill", "tokens": {0: (5, one), 1: (0, prompt)}},
+        {"phase": "decode", "tokens": {0: (6, one)}}])
+    assert peak_kv_tokens(str(path)) == 9

@@ -57,12 +57,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
+from moesim.trace.io import read_table, trace_columns
 
 
 def renormalized(probabilities: np.ndarray) -> np.ndarray:
@@ -310,10 +310,10 @@ class BuddySubstitution(Substitution):
 
     def _calibrate(self, path: str, ctx: RunContext) -> None:
         model = ctx.model
-        names = set(pq.read_schema(path).names)
+        names = set(trace_columns(path))
         # the top-k probabilities come from weights when the trace has them, else from scores (never both)
         columns = ["layer", "experts"] + [c for c in ("weights", "scores") if c in names][:1]
-        table = pq.read_table(path, columns=columns)
+        table = read_table(path, columns)
         layers = table.column("layer").to_numpy()
         k = model.top_k
         experts = table.column("experts").combine_chunks().flatten().to_numpy().reshape(-1, k).astype(np.int64)

@@ -47,20 +47,20 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, TraceFormatError
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import Prefetch
 from moesim.policy.state import even_quotas
 from moesim.policy.systems import SystemSpec, register_component, register_system
+from moesim.trace.io import read_table
 
 
 def request_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.ndarray]:
     """Every request's complete EAM from a trace file."""
-    table = pq.read_table(path, columns=["request", "layer", "experts"])
+    table = read_table(path, ["request", "layer", "experts"])
     requests = table.column("request").to_numpy().astype(np.int64)
     layers = table.column("layer").to_numpy().astype(np.int64)
     experts = table.column("experts").combine_chunks()
@@ -123,8 +123,11 @@ class ActivationTracker:
 
     @classmethod
     def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
-        last = pq.read_table(path, columns=["step", "request"]).group_by("request").aggregate([("step", "max")])
-        last_step = dict(zip(last.column("request").to_pylist(), last.column("step_max").to_pylist()))
+        table = read_table(path, ["step", "request"])
+        requests, row_of = np.unique(table.column("request").to_numpy(), return_inverse=True)
+        last = np.full(requests.size, -1, dtype=np.int64)
+        np.maximum.at(last, row_of, table.column("step").to_numpy())
+        last_step = dict(zip(requests.tolist(), last.tolist()))
         tracker = cls(num_layers, num_experts, eamc_size, last_step)
         tracker.total = np.zeros((num_layers, num_experts))
         return tracker
@@ -221,9 +224,10 @@ def calibration_eams(path: str, num_layers: int, num_experts: int) -> dict[int, 
     """Every request's EAM of a calibration trace, refused with one line when it cannot be read or does
     not fit the model."""
     try:
-        table = pq.read_table(path, columns=["layer", "experts"])
-    except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(f"cannot read calibration trace {path}: {err}", field="prefetch.calibration",
+        table = read_table(path, ["layer", "experts"])
+    except (OSError, ValueError, KeyError, TraceFormatError) as err:
+        reason = err.detail if isinstance(err, TraceFormatError) else err
+        raise ConfigError(f"cannot read calibration trace {path}: {reason}", field="prefetch.calibration",
                           fix="give a moesim trace of the replayed model, 'others' or 'none'") from None
     layers = table.column("layer").to_numpy()
     experts = table.column("experts").combine_chunks().flatten().to_numpy()
