@@ -67,14 +67,16 @@ class SMoELFUCache(CachePolicy):
     """
 
     name = "smoe-lfu"
-    _freq: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
-    _stamp: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
+    #: per layer, each expert's activation count and the observation that last routed to it (plain lists:
+    #: a layer touches its top-k experts, where numpy's per-call overhead would exceed the work)
+    _freq: list[list[int]] = field(default_factory=list, repr=False)
+    _stamp: list[list[int]] = field(default_factory=list, repr=False)
     _clock: int = 0
 
     def configure(self, ctx: RunContext) -> None:
-        shape = (ctx.model.num_layers, ctx.model.num_experts)
-        self._freq = np.zeros(shape, dtype=np.int64)
-        self._stamp = np.zeros(shape, dtype=np.int64)
+        layers, experts = ctx.model.num_layers, ctx.model.num_experts
+        self._freq = [[0] * experts for _ in range(layers)]
+        self._stamp = [[0] * experts for _ in range(layers)]
         self._clock = 0
 
     def initial(self, layer: int, capacity: int) -> list[int]:
@@ -82,22 +84,22 @@ class SMoELFUCache(CachePolicy):
 
     def observe(self, view: LayerView) -> None:
         """Count this layer's activations (every phase, every device)."""
-        active = np.asarray(view.active, dtype=np.intp)  # indexing a layer's row: cheaper than (layer, list)
-        self._freq[view.layer][active] += np.asarray(view.counts, dtype=np.int64)
         self._clock += 1
-        self._stamp[view.layer][active] = self._clock
+        clock, freq, stamp = self._clock, self._freq[view.layer], self._stamp[view.layer]
+        for expert, tokens in zip(view.active, view.counts):
+            freq[expert] += tokens
+            stamp[expert] = clock
 
     def frequency(self, layer: int, expert: int) -> int:
-        return int(self._freq[layer, expert])
+        return self._freq[layer][expert]
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        candidates = [e for e in view.cache.resident[layer] if e not in protected]
-        # least frequent, then least recent, then lowest id; the counters read in one call each
-        frequency, recency = self._freq[layer][candidates].tolist(), self._stamp[layer][candidates].tolist()
-        ranked = sorted(zip(frequency, recency, candidates))
+        freq, stamp = self._freq[layer], self._stamp[layer]
+        # least frequent, then least recent, then lowest id
+        ranked = sorted((freq[e], stamp[e], e) for e in view.cache.resident[layer] if e not in protected)
         return [e for _, _, e in ranked[:n]]
 
 
