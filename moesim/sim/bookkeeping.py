@@ -8,7 +8,6 @@ comparable row for row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -109,10 +108,14 @@ def substitution_mass(view: LayerView, plan: LayerPlan) -> float:
     """Gate weight of the (row, slot) entries a plan rewrites."""
     if view.weights is None or not plan.substitutions:
         return 0.0
-    n = len(plan.substitutions)
-    cells = np.fromiter(chain.from_iterable(plan.substitutions), dtype=np.int64, count=3 * n).reshape(n, 3)
-    # a running sum in the weights' own dtype, entry by entry: the numbers a Python sum over them gives
-    return float(np.cumsum(view.weights[cells[:, 0], cells[:, 1]])[-1])
+    weights = view.weights
+    # a running sum in the weights' own dtype (numpy scalars add in it), entry by entry: a plan rewrites a
+    # few entries, where building index arrays would cost more than the sum
+    total = None
+    for row, slot, _ in plan.substitutions:
+        value = weights[row, slot]
+        total = value if total is None else total + value
+    return float(total)
 
 
 def _percentile(values: list[float], q: float) -> float:
