@@ -102,14 +102,17 @@ class MemoryPlan:
 def peak_kv_tokens(trace_path: str) -> int:
     """Largest total context held at once: per step, the sum over its requests of their context."""
     table = read_table(trace_path, ["step", "request", "position"])
-    step, request, position = (table.column(name).to_numpy().astype(np.int64) for name in ("step", "request", "position"))
+    step, request, position = (table.column(name).to_numpy().astype(np.int64)
+                               for name in ("step", "request", "position"))
     if not step.size:
         return 0
     # each (step, request) pair's context is its largest position + 1; a step holds the sum of its pairs'
-    pairs, pair_of_row = np.unique((step << 32) | request, return_inverse=True)
+    _, request = np.unique(request, return_inverse=True)  # ids 0..R-1, so one int64 key per pair
+    requests = int(request.max()) + 1
+    pairs, pair_of_row = np.unique(step * requests + request, return_inverse=True)
     context = np.zeros(pairs.size, dtype=np.int64)
     np.maximum.at(context, pair_of_row, position + 1)
-    _, step_of_pair = np.unique(pairs >> 32, return_inverse=True)
+    _, step_of_pair = np.unique(pairs // requests, return_inverse=True)
     return int(np.bincount(step_of_pair, weights=context).max())
 
 
