@@ -26,7 +26,7 @@ from moesim.sweep import (WALL_CLOCK_COLUMNS, Point, ResultStore, ShippedFile, l
                           parse_spec, require_ray, run_sweep)
 from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -258,7 +258,7 @@ def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
     stored = pd.read_parquet(out)
     assert sorted(stored["memory.expert_dtype"]) == ["", "bf16"]
     mixed = pd.DataFrame([{"point_id": "a", "status": "ok", "k": 4}, {"point_id": "b", "status": "ok", "k": "auto"}])
-    from moesim.sweep import _arrow_table
+    from moesim.sweep.store import _arrow_table
     assert _arrow_table(mixed).column("k").to_pylist() == ["4", "auto"]
 
 

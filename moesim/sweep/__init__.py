@@ -1,0 +1,66 @@
+"""Sweeps: many replays over traces, hardware profiles, systems and any ``--set`` parameter.
+
+A sweep spec (YAML file or dict)::
+
+    traces: [traces/mixtral-8x7b-humaneval.parquet]   # or `trace:`; relative to the spec file's folder
+    hw: [a100-40g, h100-pcie]                         # profile names or YAML paths
+    systems: [gpu-only-lru, static-hot]               # or `system:`; `all` = every listed system
+    seeds: [0]                                        # or `seed:` (default 0)
+    model: mixtral-8x7b                               # optional: check traces against this preset
+    set: {engine.staging_slots: 2}                    # fixed for every point
+    grid:                                             # cartesian product
+      cache.slots_per_layer: [1, 2, 3]
+    zip:                                              # varied together (equal-length lists), crossed with the rest
+      - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
+
+Keys may use ``__`` for ``.`` (``cache__slots_per_layer``). Every point is a
+(trace, hw, system, seed, settings) combination; its id is a hash of those
+parameters as written in the spec (the spec file's location and the current
+folder do not enter it, nor does the trace file's content).
+
+Results are tidy: one row per point with every parameter and metric as a
+column (``breakdown_ms`` becomes ``breakdown_<category>_ms``, notes are joined
+by "; "), plus ``point_id``, ``status`` (``ok`` or ``error``), ``error``,
+``point_wall_s``, ``finished_at``, ``worker``, and ``trace_path``/``hw_path``
+(the files as resolved when the point ran).
+
+Storage, robust to ``kill -9``: each finished point is written as its own
+Parquet file ``OUT.parts/<point_id>.parquet`` (temporary file, fsync, rename),
+so a point is either complete on disk or absent. The combined file ``OUT`` is
+rewritten atomically from time to time and at the end; once it holds every
+row the parts folder is removed. A rerun reads ``OUT`` and any parts, skips the
+points whose status is ``ok`` and runs the rest (failed points are retried).
+Rows of points outside the current spec are kept, so extending a grid only
+runs the new points; start a fresh file to drop old ones. A lock file in the
+parts folder stops two sweeps from writing the same output at once.
+
+Engines: ``local`` runs points in a process pool (``workers`` processes,
+default all cores; one worker runs them in this process, which also sees
+systems registered at run time); ``ray`` runs them as Ray tasks on a local Ray
+instance or an existing cluster (``address``). With Ray, each trace file
+is put in the object store once and copied to local disk once per machine (and
+validated once per worker process); each profile is parsed once by the driver
+and shared through the object store as the parsed object. On one machine the
+local pool is the better choice: Ray adds worker start-up and scheduling. On a cluster, every node needs moesim (and
+any catalog module the systems come from) installed; other files a setting
+names (``cache.calibration=PATH``) must exist at that path on the nodes.
+
+Note: ``moesim.sweep`` is the function :func:`moesim.api.sweep`; import this
+module's names with ``from moesim.sweep import ...``.
+"""
+
+from __future__ import annotations
+
+from moesim.sweep.spec import (DEFAULT_HW, SPEC_KEYS, Point, SweepSpec, check_spec, load_spec, normalize_key,
+                               parse_spec, setting_str)
+from moesim.sweep.point import cached_profile, describe_error, error_row, flatten_metrics, run_point
+from moesim.sweep.store import FLUSH_EVERY_S, PARTS_SUFFIX, SWEEP_METADATA, ResultStore
+from moesim.sweep.engines import (ENGINES, LOCATION_COLUMNS, WALL_CLOCK_COLUMNS, ProgressBar, SweepSummary,
+                                  default_workers, die_with_parent, run_sweep)
+from moesim.sweep.ray_engine import ShippedFile, local_copy, require_ray
+
+__all__ = ["DEFAULT_HW", "ENGINES", "FLUSH_EVERY_S", "LOCATION_COLUMNS", "PARTS_SUFFIX", "SPEC_KEYS",
+           "SWEEP_METADATA", "WALL_CLOCK_COLUMNS", "Point", "ProgressBar", "ResultStore", "ShippedFile",
+           "SweepSpec", "SweepSummary", "cached_profile", "check_spec", "default_workers", "describe_error",
+           "die_with_parent", "error_row", "flatten_metrics", "load_spec", "local_copy", "normalize_key",
+           "parse_spec", "require_ray", "run_point", "run_sweep", "setting_str"]

@@ -1,0 +1,115 @@
+"""The Ray engine: points as Ray tasks, trace files shipped through the object store once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from moesim.errors import ConfigError
+from moesim.sweep.point import Finished, cached_profile, describe_error, error_row, run_point
+from moesim.sweep.spec import Point, SweepSpec
+
+
+def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
+             started: Callable[[], None], finished: Finished) -> None:
+    """Points as Ray tasks, one CPU each; trace and profile files put in the object store once."""
+    ray = require_ray()
+    started_here = not ray.is_initialized()
+    if started_here:
+        import logging
+        kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+        try:
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(num_cpus=workers, **kwargs)
+        except Exception as err:  # noqa: BLE001 - Ray raises many kinds; all mean the same to the user
+            with_reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"Ray did not start: {with_reason}", field="--engine",
+                              fix="run `ray stop --force` and retry, or use --engine local") from None
+    try:
+        remote = ray.remote(num_cpus=1)(_ray_point)
+        shipped: dict[str, ShippedFile] = {}
+        profiles: dict[str, Any] = {}
+        pending: dict[Any, Point] = {}
+        for p in points:
+            trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
+            if trace not in shipped:
+                shipped[trace] = ShippedFile.put(ray, Path(trace))
+            if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
+                profiles[hw] = ray.put(cached_profile(hw))
+            pending[remote.remote(p, shipped[trace], profiles[hw])] = p
+        started()
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
+            for ref in ready:
+                point = pending.pop(ref)
+                try:
+                    row = ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - a task whose worker died
+                    row = error_row(point, describe_error(err))
+                finished(row)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def require_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("the ray engine needs Ray, which is not installed", field="--engine",
+                          fix="pip install 'moesim[sweep]' (ray>=2.9), or use --engine local") from None
+    return ray
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    """A file put in Ray's object store once; the reference sits in a list so that Ray passes it
+    to tasks unresolved and a worker fetches it only when it has no copy yet."""
+
+    name: str
+    digest: str
+    ref: list[Any]
+
+    @classmethod
+    def put(cls, ray: Any, path: Path) -> "ShippedFile":
+        data = path.read_bytes()
+        return cls(path.name, hashlib.sha256(data).hexdigest(), [ray.put(data)])
+
+
+#: per worker process: content digest -> local copy
+_LOCAL_COPIES: dict[str, str] = {}
+
+
+def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
+    """This process's copy of ``shipped``, fetched on first use only.
+
+    Copies live in a content-addressed folder under the temporary directory,
+    so workers of one machine (and later sweeps) share them.
+    """
+    if shipped.digest not in _LOCAL_COPIES:
+        import tempfile
+        folder = Path(tempfile.gettempdir()) / "moesim-sweep-files" / shipped.digest[:32]
+        path = folder / shipped.name
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{shipped.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(fetch(shipped.ref[0]))
+            os.replace(tmp, path)
+        _LOCAL_COPIES[shipped.digest] = str(path)
+    return _LOCAL_COPIES[shipped.digest]
+
+
+def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
+    """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
+    once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
+    object store)."""
+    import ray
+
+    from moesim.trace.io import keep_decoded
+    keep_decoded()
+    return run_point(point, local_copy(trace, ray.get), profile)

@@ -1,0 +1,273 @@
+"""Sweep specs: their parsing, their points, and the checks made before any point runs."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from moesim.errors import ConfigError, MoesimError
+from moesim.util import read_yaml
+
+SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
+DEFAULT_HW = "rtx4090"
+
+
+# ----------------------------------------------------------------------------- points
+@dataclass(frozen=True)
+class Point:
+    """One replay of a sweep; ``trace`` and ``hw`` as written in the spec."""
+
+    trace: str
+    hw: str
+    system: str
+    seed: int = 0
+    model: str | None = None
+    #: ``--set`` keys and values (typed as in the spec), sorted by key
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def point_id(self) -> str:
+        key = {"trace": self.trace, "hw": self.hw, "system": self.system, "seed": self.seed,
+               "model": self.model, "settings": self.settings_str()}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    def settings_str(self) -> dict[str, str]:
+        """Settings as the strings ``--set`` would pass."""
+        return {k: setting_str(v) for k, v in self.settings}
+
+    def columns(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"point_id": self.point_id, "trace": self.trace, "hw": self.hw,
+                               "system": self.system, "seed": self.seed}
+        if self.model is not None:
+            out["model"] = self.model
+        out.update(self.settings)
+        return out
+
+
+def setting_str(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def normalize_key(key: str) -> str:
+    """``cache__slots_per_layer`` -> ``cache.slots_per_layer`` (Python-friendly spelling)."""
+    return str(key).replace("__", ".")
+
+
+# ----------------------------------------------------------------------------- spec
+@dataclass
+class SweepSpec:
+    """A parsed sweep spec: the axes, and the folder relative paths resolve against."""
+
+    traces: list[str]
+    hw: list[str]
+    systems: list[str]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    model: str | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    zips: list[dict[str, list[Any]]] = field(default_factory=list)
+    base_dir: Path = field(default_factory=Path.cwd)
+    source: str = "sweep spec"
+
+    def points(self) -> list[Point]:
+        """Every point, in spec order (traces outermost), duplicates dropped."""
+        axes = [[{k: v} for v in values] for k, values in self.grid.items()]
+        axes += [[dict(zip(group, row)) for row in zip(*group.values())] for group in self.zips]
+        seen: dict[str, Point] = {}
+        for trace, hw, system, seed in itertools.product(self.traces, self.hw, self.systems, self.seeds):
+            for combo in itertools.product(*axes):
+                settings = dict(self.fixed)
+                for part in combo:
+                    settings.update(part)
+                point = Point(trace, hw, system, seed, self.model, tuple(sorted(settings.items())))
+                seen.setdefault(point.point_id, point)
+        return list(seen.values())
+
+    def parameter_keys(self) -> list[str]:
+        """``--set`` keys in spec order: fixed, grid, then zipped."""
+        keys = list(self.fixed) + list(self.grid)
+        for group in self.zips:
+            keys += list(group)
+        return keys
+
+    def resolve(self, path: str) -> str:
+        """A trace or profile path relative to the spec's folder (profile names stay names)."""
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return str(p)
+        return str(self.base_dir / p)
+
+    def resolve_hw(self, hw: str) -> str:
+        if hw.endswith((".yaml", ".yml")) or "/" in hw:
+            return self.resolve(hw)
+        return hw
+
+
+def load_spec(spec: str | os.PathLike | dict[str, Any]) -> SweepSpec:
+    """Parse a spec file or dict; every mistake is one :class:`ConfigError` line naming the key."""
+    if isinstance(spec, dict):
+        return parse_spec(spec, source="sweep spec", base_dir=Path.cwd())
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError("sweep spec not found", source=str(path), fix="check the path")
+    data = read_yaml(path, ConfigError)
+    return parse_spec(data, source=str(path), base_dir=path.resolve().parent)
+
+
+def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
+    if not isinstance(data, dict):
+        raise ConfigError("a sweep spec is a mapping", source=source,
+                          fix="write keys such as traces:, systems:, hw:, grid: (see `moesim sweep --help`)")
+    unknown = [k for k in data if k not in SPEC_KEYS]
+    if unknown:
+        raise ConfigError(f"unknown key '{unknown[0]}'", source=source, field=str(unknown[0]),
+                          fix=f"valid keys: {', '.join(SPEC_KEYS)}; put --set parameters under grid:, zip: or set:")
+
+    def axis(singular: str, plural: str, default: list[Any] | None) -> list[Any]:
+        if singular != plural and singular in data and plural in data:
+            raise ConfigError(f"both '{singular}' and '{plural}' given", source=source, field=plural,
+                              fix="keep one of them")
+        value = data.get(plural, data.get(singular, default))
+        if value is None:
+            raise ConfigError(f"'{plural}' is missing", source=source, field=plural,
+                              fix=f"add e.g. {plural}: [...]")
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ConfigError(f"'{plural}' is empty", source=source, field=plural, fix="list at least one value")
+        return values
+
+    traces = [str(t) for t in axis("trace", "traces", None)]
+    hws = [str(h) for h in axis("hw", "hw", [DEFAULT_HW])]
+    systems = [str(s) for s in axis("system", "systems", None)]
+    seeds = axis("seed", "seeds", [0])
+    for i, seed in enumerate(seeds):
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ConfigError(f"seed {seed!r} is not an integer in [0, 2**63)", source=source, field="seeds",
+                              row=i, fix="use whole numbers from 0 to 9223372036854775807")
+    model = data.get("model")
+    fixed = _settings_map(data.get("set") or {}, "set", source)
+    grid = {k: _values(v, f"grid.{k}", source) for k, v in _settings_map(data.get("grid") or {}, "grid",
+                                                                          source).items()}
+    zips_raw = data.get("zip") or []
+    zips_raw = [zips_raw] if isinstance(zips_raw, dict) else zips_raw
+    if not isinstance(zips_raw, list):
+        raise ConfigError("'zip' must be a mapping or a list of mappings", source=source, field="zip",
+                          fix="write zip: {key: [..], other: [..]} with equal-length lists")
+    zips = []
+    for i, group in enumerate(zips_raw):
+        group = {k: _values(v, f"zip.{k}", source) for k, v in _settings_map(group, f"zip[{i}]", source).items()}
+        lengths = {k: len(v) for k, v in group.items()}
+        if len(set(lengths.values())) > 1:
+            raise ConfigError(f"zipped lists differ in length ({lengths})", source=source, field=f"zip[{i}]",
+                              fix="give every key of a zip group the same number of values")
+        if group:
+            zips.append(group)
+    spec = SweepSpec(traces=traces, hw=hws, systems=_expand_systems(systems, source), seeds=seeds,
+                     model=str(model) if model is not None else None, fixed=fixed, grid=grid, zips=zips,
+                     base_dir=base_dir, source=source)
+    _check_disjoint(spec)
+    return spec
+
+
+def _settings_map(value: Any, where: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{where}' must be a mapping of --set keys", source=source, field=where,
+                          fix="write e.g. cache.slots_per_layer: [1, 2, 4]")
+    return {normalize_key(k): v for k, v in value.items()}
+
+
+def _values(value: Any, where: str, source: str) -> list[Any]:
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise ConfigError("empty list of values", source=source, field=where, fix="list at least one value")
+    for i, v in enumerate(values):
+        if isinstance(v, (dict, list)) or v is None:
+            raise ConfigError(f"value {v!r} is not a number or string", source=source, field=where, row=i,
+                              fix="list plain values, e.g. [1, 2, 4]")
+    return values
+
+
+def _expand_systems(systems: list[str], source: str) -> list[str]:
+    from moesim.policy.systems import SYSTEMS, system_names
+    out: list[str] = []
+    for name in systems:
+        if name == "all":
+            out += system_names()
+        elif name in SYSTEMS:
+            out.append(name)
+        else:
+            raise ConfigError(f"unknown system '{name}'", source=source, field="systems",
+                              fix=f"use one of: {', '.join(SYSTEMS)}, all")
+    return list(dict.fromkeys(out))
+
+
+def _check_disjoint(spec: SweepSpec) -> None:
+    seen: dict[str, str] = {}
+    sections = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
+    for section, keys in sections:
+        for key in keys:
+            if key in seen:
+                raise ConfigError(f"'{key}' appears in both {seen[key]} and {section}", source=spec.source,
+                                  field=key, fix="vary each parameter in one place only")
+            seen[key] = section
+
+
+def check_spec(spec: SweepSpec, points: list[Point]) -> None:
+    """Fail now, with one line, on anything that would make every point of a kind fail.
+
+    Missing or malformed traces, unknown profiles, unknown ``--set`` keys or
+    values of the wrong type. A cache that does not fit on one GPU is not a
+    spec error: it fails its points only, which are recorded with the reason.
+    """
+    from moesim.hw.profile import load_profile
+    from moesim.model.presets import load_preset
+    from moesim.sim.run import members, parse_settings
+    from moesim.policy.systems import build_system
+    from moesim.trace.validate import checked_meta
+
+    models = {}
+    for i, trace in enumerate(spec.traces):
+        path = spec.resolve(trace)
+        if not Path(path).is_file():
+            raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
+                              row=i, fix="give a path relative to the spec file's folder, or an absolute one")
+        models[trace] = checked_meta(path).model  # the whole validation pass, once, before any point runs
+    if spec.model:
+        _reraise(lambda: load_preset(spec.model), spec, "model")
+    profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
+    checked: set[tuple] = set()
+    for point in points:
+        settings = point.settings_str()
+        if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in settings):
+            from moesim.sim.serving import split_settings  # a serving point: the rest are replay settings
+            settings = _reraise(lambda: split_settings(settings).replay, spec, None)
+        key = (point.hw, point.system, tuple(sorted(settings.items())))
+        if key in checked:
+            continue
+        checked.add(key)
+        parsed = _reraise(lambda: parse_settings(settings), spec, None)
+        _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None)
+        quotas = parsed.cache.slots_per_layer or []
+        for model in {models[t] for t in spec.traces}:
+            if any(q > model.num_experts for q in quotas):  # more slots than experts: wrong on any GPU
+                raise ConfigError(f"cache.slots_per_layer={max(quotas)} outside [0, {model.num_experts}] "
+                                  f"({model.name} has {model.num_experts} experts per layer)", source=spec.source,
+                                  field="cache.slots_per_layer", fix=f"use 0..{model.num_experts}")
+        for member in members(point.system):
+            _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None)
+
+
+def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> Any:
+    try:
+        return call()
+    except MoesimError as err:
+        where = f" ({err.source})" if err.source and err.source != spec.source else ""
+        raise ConfigError(f"{err.detail}{where}", source=spec.source, field=field_ or err.field,
+                          row=err.row, fix=err.fix) from None
