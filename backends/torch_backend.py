@@ -22,7 +22,7 @@ executed for real:
   ``sync``); deferred experts (001 Sec. 4) are added one layer later.
 
 Times come from CUDA events (device work and copies) and the host clock
-(CPU experts, step boundaries). The result is a :class:`~moesim.sim.engine.SimResult`
+(CPU experts, step boundaries). The result is a :class:`~moesim.sim.result.SimResult`
 with the simulator's timeline and decision-log schema, so
 :func:`moesim.analysis.metrics.metrics` and ``result_to_frames`` read it unchanged.
 """
@@ -46,7 +46,7 @@ from moesim.policy.base import LayerPlan, LayerView, active_experts
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import (Counters, account_plan, placement_decisions, substitution_mass,
                                     weight_mass)
-from moesim.sim.engine import SimResult, StepRecord
+from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 

@@ -107,7 +107,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     import pandas as pd
 
     from moesim.analysis.metrics import metrics
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
     result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=seed,
                       timeline=timeline, decisions=decisions)

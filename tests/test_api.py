@@ -13,7 +13,7 @@ import moesim
 from moesim.analysis.metrics import metrics
 from moesim.api import settings_from, slice_trace
 from moesim.errors import ConfigError
-from moesim.sim.engine import DECISION_COLUMNS, TIMELINE_COLUMNS
+from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 from moesim.sim.run import simulate
 from moesim.trace.validate import validate_trace
 from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace

@@ -32,7 +32,7 @@ from matplotlib.lines import Line2D
 
 from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.errors import ConfigError
-from moesim.sim.engine import BREAKDOWN
+from moesim.sim.bookkeeping import BREAKDOWN
 
 #: Okabe-Ito colours (as in moesim.analysis.plots) without the yellow, which vanishes on white, then
 #: Paul Tol's muted scheme: 15 colours that stay apart; markers tell repeats apart beyond that
@@ -506,7 +506,7 @@ def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.
 def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None = None,
               steps: int = 2) -> Figure:
     """Replay one results row again with its timeline and draw ``steps`` decode steps of it."""
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
     point = dict(point)
     trace = str(point.get("trace_path") or point["trace"])

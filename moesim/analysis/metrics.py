@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from moesim.sim.bookkeeping import latency_metrics  # noqa: F401  (defined with the engine's records)
-from moesim.sim.engine import SimResult
+from moesim.sim.result import SimResult
 
 
 def _memory_gib(plan: Any) -> dict[str, float]:

@@ -21,7 +21,7 @@ from matplotlib.patches import Patch
 
 from moesim.analysis.timeline import RESOURCES, check_timeline
 from moesim.errors import ConfigError
-from moesim.sim.engine import BREAKDOWN
+from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.util import tmp_path_for
 
 #: bars above which a Gantt chart stops being readable

@@ -1,10 +1,10 @@
 """Timeline and decision-log files, and busy time computed from a timeline.
 
 A timeline is a DataFrame with the columns of
-:data:`moesim.sim.engine.TIMELINE_COLUMNS`: one row per interval a resource
+:data:`moesim.sim.result.TIMELINE_COLUMNS`: one row per interval a resource
 (``gpu``, ``cpu``, ``pcie``) spent on one piece of work, on one of its lanes
 (stream, core pool or copy engine). The decision log has the columns of
-:data:`moesim.sim.engine.DECISION_COLUMNS`. Both are written as Parquet with a
+:data:`moesim.sim.result.DECISION_COLUMNS`. Both are written as Parquet with a
 fixed Arrow schema, so files from the simulator and the real backend read the
 same way.
 """
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
-from moesim.sim.engine import DECISION_COLUMNS, TIMELINE_COLUMNS
+from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 from moesim.util import tmp_path_for
 
 RESOURCES = ("pcie", "gpu", "cpu")

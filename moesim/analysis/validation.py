@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
-from moesim.sim.engine import SimResult
+from moesim.sim.result import SimResult
 from moesim.util import atomic_write_text, tmp_path_for
 
 #: a measured profile's expert and attention curves include kernel launches (backends.profiler)
@@ -189,7 +189,7 @@ def run_validation(trace: str, systems: list[str], profile: Any, *, device: str,
 def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, SimResult]], out_dir: Path) -> dict:
     """validation.md, validation.json, validation.png, and per system the real and simulated logs."""
     from moesim.analysis.timeline import write_decisions, write_timeline
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"json": out_dir / "validation.json", "markdown": out_dir / "validation.md",

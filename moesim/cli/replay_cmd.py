@@ -189,7 +189,7 @@ def _replay_progress(trace_file: str, systems: list[str]):
 def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str], model_preset: str | None,
                 seed: int, bar, record: bool, decisions: bool, runs: dict | None = None) -> tuple[dict, dict]:
     from moesim.analysis.metrics import metrics
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
     bar.advance(0, label=system)
     result = simulate(trace_file, hw, system, settings, reuse=runs, model_preset=model_preset, seed=seed,

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from moesim.sim.dram import Ledger, stretch
+from moesim.sim.dram import Lane, Ledger, stretch
 
 
 @dataclass(eq=False, slots=True)
@@ -197,6 +197,45 @@ class CopyEngines:
         tail = end - transfer.end  # type: ignore[operator]
         self.busy_s += tail - transfer.tail
         transfer.tail = tail
+
+    def lanes_from(self, t: float) -> list[Lane]:
+        """Each engine's work from ``t`` as a :class:`~moesim.sim.dram.Lane` for :func:`~moesim.sim.dram.share`:
+        transfers running or placed, write-back tails, and the queued ones where they would go (simulated for
+        their draw on DRAM only; the engine places them itself later)."""
+        self.advance(t)
+        lanes = [Lane(free=t) for _ in self.free]
+        for done in self.tails:  # a retired load's write-back still running
+            if done is not None and done.end + done.tail > t:  # type: ignore[operator]
+                lanes[done.engine].jobs.append([t, done.end + done.tail - t, 0.0, ("tail", done)])
+        placed = sorted((x for end, _, x in self.unretired if end > t and x.end == end), key=lambda x: x.start)
+        for x in placed:
+            running = x.start < t  # type: ignore[operator]
+            work = x.end - t if running else x.seconds or self.duration(x.nbytes)  # type: ignore[operator]
+            rate = x.nbytes / self.duration(x.nbytes) if x.nbytes else 0.0  # a write-back reads no host DRAM
+            lanes[x.engine].jobs.append([t if running else x.start, work, rate, x])
+            if x.tail:
+                lanes[x.engine].jobs.append([x.end, x.tail, 0.0, ("tail", x)])
+        free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
+        for x in self.queue:
+            i = min(range(len(free)), key=free.__getitem__)
+            d = self.duration(x.nbytes)
+            lanes[i].jobs.append([max(free[i], x.issued), d, x.nbytes / d, None])
+            free[i] = max(free[i], x.issued) + d
+        return lanes
+
+    def relay_laid(self, laid: list[list[tuple]], t: float) -> None:
+        """Move the transfers and tails of :meth:`lanes_from` to where :func:`~moesim.sim.dram.share` laid them."""
+        for i, lane in enumerate(laid):
+            for transfer, a, b in lane:
+                if isinstance(transfer, tuple):  # a write-back tail: it follows its load, wherever that ended
+                    load = transfer[1]
+                    if abs(b - (load.end + load.tail)) > 1e-12:
+                        self.relay_tail(load, b)
+                    self.free[i] = max(self.free[i], b)
+                elif transfer is not None and abs(b - transfer.end) > 1e-12:
+                    # one running at t keeps its start; a later one starts when the lane reaches it
+                    self.relay(transfer, transfer.start if transfer.start < t else a, b)
+                    self.free[i] = max(self.free[i], b)
 
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import simpy
@@ -39,11 +39,11 @@ from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
-from moesim.sim.bookkeeping import (BREAKDOWN, Counters, account_plan, placement_decisions,  # noqa: F401
-                                    substitution_mass, weight_mass)
+from moesim.sim.bookkeeping import Counters, account_plan, placement_decisions, substitution_mass, weight_mass
 from moesim.sim.copies import CopyEngines, Transfer
-from moesim.sim.dram import Lane, Ledger, share
+from moesim.sim.dram import Ledger, share
 from moesim.sim.memory import MemoryPlan
+from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
@@ -70,40 +70,8 @@ class SimConfig:
     prune: bool = True
 
 
-@dataclass
-class StepRecord:
-    step: int
-    phase: str
-    start: float
-    end: float
-    tokens: int
-    requests: list[int]
-
-
-@dataclass
-class SimResult:
-    system: str
-    steps: list[StepRecord]
-    counters: Counters
-    pcie_busy_s: float
-    pcie_bytes: int
-    makespan_s: float
-    memory: MemoryPlan
-    notes: list[str]
-    timeline: list[tuple] | None
-    decisions: list[tuple] | None
-    sim_wall_s: float
-    cost_fallbacks: list[str]
-    initial_resident: list[list[int]] = field(default_factory=list)
-    pcie_engines: int = 1
-    #: (step, layer) -> routing rewrites the system made (substitution); the bound replays them
-    rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
-
-
 #: the transfers that make an expert resident when they end (not stage, chunk or write-back)
 CACHED_KINDS = frozenset({"load", "prefetch"})
-TIMELINE_COLUMNS = ("resource", "lane", "start_s", "end_s", "kind", "step", "layer", "expert", "tokens")
-DECISION_COLUMNS = ("step", "layer", "expert", "action", "target_layer")
 
 
 class Simulator:
@@ -553,39 +521,10 @@ class Simulator:
                     kind: str) -> float:
         """Lay out CPU experts from ``t`` beside the copy engines' work, both slowed where they overlap."""
         pcie = self.pcie
-        pcie.advance(t)
         counts = [1 if count is None else count[e] for e in experts]
         jobs = [(self._cpu_s(n), self._cpu_rate[n]) for n in counts]
-        lanes = [Lane(free=t) for _ in pcie.free]
-        for done in pcie.tails:  # a retired load's write-back still running
-            if done is not None and done.end + done.tail > t:  # type: ignore[operator]
-                lanes[done.engine].jobs.append([t, done.end + done.tail - t, 0.0, ("tail", done)])
-        placed = sorted((x for end, _, x in pcie.unretired if end > t and x.end == end), key=lambda x: x.start)
-        for x in placed:
-            running = x.start < t  # type: ignore[operator]
-            work = x.end - t if running else x.seconds or pcie.duration(x.nbytes)  # type: ignore[operator]
-            rate = x.nbytes / pcie.duration(x.nbytes) if x.nbytes else 0.0  # a write-back reads no host DRAM
-            lanes[x.engine].jobs.append([t if running else x.start, work, rate, x])
-            if x.tail:
-                lanes[x.engine].jobs.append([x.end, x.tail, 0.0, ("tail", x)])
-        free = [max(t, lane.jobs[-1][0] + lane.jobs[-1][1]) if lane.jobs else t for lane in lanes]
-        for x in pcie.queue:  # simulated for their draw on DRAM; placed later by the engine itself
-            i = min(range(len(free)), key=free.__getitem__)
-            d = pcie.duration(x.nbytes)
-            lanes[i].jobs.append([max(free[i], x.issued), d, x.nbytes / d, None])
-            free[i] = max(free[i], x.issued) + d
-        ends, laid = share(t, jobs, lanes, self.dram_combined_bps)
-        for i, lane in enumerate(laid):
-            for transfer, a, b in lane:
-                if isinstance(transfer, tuple):  # a write-back tail: it follows its load, wherever that ended
-                    load = transfer[1]
-                    if abs(b - (load.end + load.tail)) > 1e-12:
-                        pcie.relay_tail(load, b)
-                    pcie.free[i] = max(pcie.free[i], b)
-                elif transfer is not None and abs(b - transfer.end) > 1e-12:
-                    # one running at t keeps its start; a later one starts when the lane reaches it
-                    pcie.relay(transfer, transfer.start if transfer.start < t else a, b)
-                    pcie.free[i] = max(pcie.free[i], b)
+        ends, laid = share(t, jobs, pcie.lanes_from(t), self.dram_combined_bps)
+        pcie.relay_laid(laid, t)
         begin = t
         for e, n, end in zip(experts, counts, ends):
             self.dram.add(begin, end, self._cpu_rate[n])
@@ -659,15 +598,3 @@ class Simulator:
         for lay, e in plan.evictions:
             assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
             assert e not in self.cache.in_flight[lay], f"plan evicts in-flight expert {e}"
-
-
-def result_to_frames(result: SimResult) -> dict[str, Any]:
-    """Timeline and decision log as pandas DataFrames (None when not recorded)."""
-    import pandas as pd
-    out: dict[str, Any] = {"timeline": None, "decisions": None}
-    if result.timeline is not None:
-        frame = pd.DataFrame(result.timeline, columns=list(TIMELINE_COLUMNS))
-        out["timeline"] = frame.sort_values(["start_s", "resource", "lane"], kind="stable").reset_index(drop=True)
-    if result.decisions is not None:
-        out["decisions"] = pd.DataFrame(result.decisions, columns=list(DECISION_COLUMNS))
-    return out

@@ -41,10 +41,10 @@ import numpy as np
 import simpy
 
 from moesim.errors import ConfigError
-from moesim.policy.catalog.bounds import balanced_groups  # noqa: F401  (the floors' balance, for tests)
 from moesim.sim.bookkeeping import latency_metrics
-from moesim.sim.engine import SimResult, Simulator, StepRecord
-from moesim.sim.floors import MemberFloors, Traits, step_floors  # noqa: F401
+from moesim.sim.engine import Simulator
+from moesim.sim.floors import MemberFloors, Traits
+from moesim.sim.result import SimResult, StepRecord
 from moesim.sim.shape import TraceShape, Windows
 
 #: metrics a portfolio takes, each from its best member (lower is better); values in the members' units

@@ -31,7 +31,8 @@ import numpy as np
 from moesim.errors import ConfigError
 from moesim.policy.base import coerce
 from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
-from moesim.sim.engine import SimResult, Simulator, StepRecord
+from moesim.sim.engine import Simulator
+from moesim.sim.result import SimResult, StepRecord
 from moesim.sim.memory import MemoryPlan
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS

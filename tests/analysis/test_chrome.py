@@ -15,7 +15,7 @@ from moesim.analysis.timeline import busy_time
 from moesim.errors import ConfigError
 from moesim.hw.profile import parse_profile
 from moesim.model.spec import ModelSpec
-from moesim.sim.engine import TIMELINE_COLUMNS, result_to_frames
+from moesim.sim.result import TIMELINE_COLUMNS, result_to_frames
 from moesim.sim.run import simulate
 from moesim.trace import TraceMeta, write_trace
 

@@ -13,7 +13,7 @@ from moesim.analysis.figures import (fig_breakdown, fig_gantt, fig_hit_rate_vs_p
                                      is_bound, load_results, plot_results, representative, standard_figures)
 from moesim.cli import main
 from moesim.errors import ConfigError
-from moesim.sim.engine import BREAKDOWN
+from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.sweep import load_spec, run_sweep
 from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
 

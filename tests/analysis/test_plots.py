@@ -13,7 +13,8 @@ from matplotlib.patches import Rectangle
 
 from moesim.analysis.plots import default_window, plot_breakdown, plot_gantt
 from moesim.errors import ConfigError
-from moesim.sim.engine import BREAKDOWN, TIMELINE_COLUMNS
+from moesim.sim.bookkeeping import BREAKDOWN
+from moesim.sim.result import TIMELINE_COLUMNS
 
 
 def _frame(rows: list[tuple]) -> pd.DataFrame:

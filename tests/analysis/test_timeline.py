@@ -10,7 +10,7 @@ import pytest
 
 from moesim.analysis.timeline import busy_time, union_length, write_decisions, write_timeline
 from moesim.errors import ConfigError
-from moesim.sim.engine import DECISION_COLUMNS, TIMELINE_COLUMNS
+from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 
 
 def _frame(rows: list[tuple]) -> pd.DataFrame:

@@ -11,7 +11,7 @@ from backends.devices import Clock, CopyEngine, HostWork  # noqa: E402
 from backends.torch_backend import LayerRouting, RealConfig, RealExecutor, check_device, prepare_real  # noqa: E402
 from moesim.analysis.metrics import metrics  # noqa: E402
 from moesim.errors import ConfigError  # noqa: E402
-from moesim.sim.engine import TIMELINE_COLUMNS, result_to_frames  # noqa: E402
+from moesim.sim.result import TIMELINE_COLUMNS, result_to_frames  # noqa: E402
 from moesim.sim.run import simulate  # noqa: E402
 from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace  # noqa: E402
 

@@ -54,7 +54,7 @@ def test_fiddler_equals_static_hot_in_decode_and_wins_long_prefills(tmp_path):
 
 def test_one_placeholder_buffer_by_default_and_the_users_setting_wins(tmp_path):
     """Fiddler copies a cold expert into its single placeholder: the next copy waits for that expert to run."""
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     model = tiny_model(layers=1, experts=8, top_k=2)
     # 32 tokens, each routed to one of 4 cold experts (pinned: 6, 7): 8 tokens each, copying beats the CPU
     rows = [[[e, 6 + (i % 2)] for i, e in enumerate([0, 1, 2, 3] * 8)]]

@@ -17,7 +17,7 @@ from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCach
                                               layer_thresholds, token_thresholds, two_pointer)
 from moesim.policy.prefetch import ranked_predictions
 from moesim.policy.state import CacheState
-from moesim.sim.engine import result_to_frames
+from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from moesim.trace.synth import SynthConfig, synthesize
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace

@@ -11,7 +11,7 @@ from moesim.hw.cost import CostModel
 from moesim.hw.profile import parse_profile
 from moesim.policy.base import RunContext
 from moesim.policy.catalog.llamacpp import LlamaCppLayers, placement
-from moesim.sim.engine import result_to_frames
+from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from tests.factories import profile_dict, random_routing, tiny_model, tiny_profile, write_tiny_trace
 

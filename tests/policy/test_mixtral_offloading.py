@@ -37,7 +37,7 @@ def test_never_used_residents_are_evicted_lowest_id_first(tmp_path):
     path = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "decode", "tokens": {0: (0, [[[0]]])}}])
     result = simulate(str(path), tiny_profile(), "mixtral-offloading",
                       {"engine.check": "true", "cache.slots_per_layer": "3"}, decisions=True)
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     log = result_to_frames(result)["decisions"]
     assert log[log.action == "evict"].expert.tolist() == [5]
 
@@ -79,7 +79,7 @@ def test_each_swap_writes_the_evicted_expert_back_before_the_next_load(tmp_path)
     earlier, it waits) [a+2c, a+3c], write-back 0 [a+3c, a+4c]; expert 1 runs once load 1 is in, at a+3c.
     Without write-backs load 1 starts when step 1 issues it, before a+c+c.
     """
-    from moesim.sim.engine import result_to_frames
+    from moesim.sim.result import result_to_frames
     model = tiny_model(layers=1, experts=8, top_k=1)
     routing = [{"phase": "decode", "tokens": {0: (0, [[[0]]])}}, {"phase": "decode", "tokens": {0: (1, [[[1]]])}}]
     path = write_tiny_trace(tmp_path / "t.parquet", model, routing)

@@ -14,7 +14,7 @@ from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.smoe import SMoEAssign, TokenWisePrefetch, token_predictor_accuracy
 from moesim.policy.state import CacheState
 from moesim.policy.systems import build_system
-from moesim.sim.engine import result_to_frames
+from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from moesim.trace import TraceMeta, write_trace
 from tests.factories import tiny_model, tiny_profile

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.sim.bookkeeping import Counters
-from moesim.sim.engine import SimResult, StepRecord
-from moesim.sim.portfolio import Member, TraceShape, balanced_groups, branch_and_bound, step_floors
+from moesim.sim.result import SimResult, StepRecord
+from moesim.policy.catalog.bounds import balanced_groups
+from moesim.sim.floors import step_floors
+from moesim.sim.portfolio import Member, TraceShape, branch_and_bound
 from moesim.sim.run import portfolio_result, prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
 from tests.factories import tiny_model, tiny_profile

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics
-from moesim.sim.engine import result_to_frames
+from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
 
