@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.moe_infinity import ActivationTracker, EvictionOrder, RequestLFUCache, request_eams
+from moesim.policy.catalog.moe_infinity import RequestLFUCache
+from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, request_eams
+from moesim.policy.catalog.moe_infinity.order import EvictionOrder
 from moesim.policy.state import CacheState
 from moesim.sim.run import prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize

@@ -1,0 +1,299 @@
+"""MoE-Infinity baseline: request-level activation tracing for prefetch and caching.
+
+MoE-Infinity (Xue et al., arXiv 2401.14361; cited as a baseline in
+004_91681cee0e4a4add.txt Sec. 6.1 and 002_95ae8307b42d2a8d.txt Sec. 2.3)
+traces, per request, an Expert Activation Matrix (EAM): layers x experts,
+tokens of the request routed to each expert so far. Finished requests' EAMs
+form the EAM collection (EAMC). While a forward pass runs, the EAM of the
+requests in the batch is matched against the EAMC by cosine similarity; the
+best match predicts the coming layers: expert e of layer l' (l < l' <= l +
+``lookahead``) gets priority ``ratio(l', e) * (1 - (l' - l) / L)``, its share
+of the matched EAM's tokens at l' discounted by distance, and the
+highest-priority experts are prefetched. The cache is one model-wide pool of
+expert slots (any layer may take any free slot; ``CachePolicy.layout = "pool"``)
+with layer-aware eviction: the victim is the resident expert of lowest priority
+``ratio(l, e) * (1 - l / L)`` over all layers, its share of the current requests'
+activations at its layer discounted by depth, the same discount as the prefetch
+priority (experts of early layers are kept: prefetching has the least time to
+hide their loads); ties go to the run-wide count, then to the later layer. The
+pool starts with the first experts of every layer, spread evenly.
+
+EAMC seeding (``prefetch.calibration``). MoE-Infinity builds its EAMC offline
+from traced requests before serving, and 004 Sec. 6.2 notes that its prefetch
+"requires historical router's data" and loses accuracy "when records are
+incomplete"; so the collection is seeded from a calibration trace by default:
+
+* ``others`` (default): the replayed trace's requests, leave-one-out: the EAMC
+  holds every request's complete EAM, and a batch is matched only against the
+  EAMs of requests it does not hold, so no request predicts itself from its own
+  future routing (a stand-in for a held-out trace of the same workload);
+* a trace path: that trace's requests (a held-out calibration trace of the
+  same model);
+* ``none``: the collection starts empty and fills online.
+
+The report says which. The EAMC keeps at most ``eamc_size`` requests (first
+in, first out; a seed larger than that keeps its lowest request ids); a
+finished request already in the collection is not added twice. Each token row's request
+comes with the view (``LayerView.requests``); a request counts as finished
+after its last step in the trace, read once from the trace file: the moment a
+serving system sees its end of sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.policy.base import LayerView, RunContext
+from moesim.policy.cache import CachePolicy
+from moesim.policy.catalog.importance import ObservingSystem
+from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, calibration_eams
+from moesim.policy.catalog.moe_infinity.order import EvictionOrder
+from moesim.policy.prefetch import Prefetch
+from moesim.policy.state import even_quotas
+from moesim.policy.systems import SystemSpec, register_component, register_system
+
+_TRACKERS: dict[int, ActivationTracker] = {}
+#: ``prefetch.calibration`` value for leave-one-out seeding from the replayed trace
+OTHERS = "others"
+
+
+@register_component
+@dataclass
+class EamPrefetch(Prefetch):
+    """Activation-matrix matching prefetch (MoE-Infinity); see the module docstring."""
+
+    name = "eam-match"
+    #: finished requests' EAMs kept for matching
+    eamc_size: int = 100
+    #: later layers of the same pass to prefetch for
+    lookahead: int = 2
+    #: experts per target layer at most (0: the model's top-k)
+    per_layer: int = 0
+    #: what seeds the EAMC: "others" (the replayed trace, leave-one-out), a trace path, or "none" (start empty)
+    calibration: str = OTHERS
+    tracker: ActivationTracker | None = field(default=None, repr=False)
+    _per_layer: int = 0
+
+    def configure(self, ctx: RunContext) -> None:
+        if ctx.trace_path is None:
+            raise ConfigError("eam-match needs the trace file for each request's end of sequence", field="prefetch",
+                              fix="replay from a trace file")
+        m = ctx.model
+        self.tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
+        self._per_layer = self.per_layer or m.top_k
+        self._seed(ctx)
+        _TRACKERS[id(ctx)] = self.tracker
+
+    def _seed(self, ctx: RunContext) -> None:
+        """Fill the EAMC before the run (see the module docstring)."""
+        tracker, m = self.tracker, ctx.model
+        assert tracker is not None and ctx.trace_path is not None
+        source = self.calibration.strip()
+        if source.lower() in ("", "none"):
+            ctx.notes.append("eam-match: EAM collection starts empty and fills with the replayed trace's finished "
+                             "requests (prefetch.calibration=none)")
+            return
+        leave_one_out = source.lower() == OTHERS
+        path = ctx.trace_path if leave_one_out else source
+        eams = calibration_eams(path, m.num_layers, m.num_experts)
+        for request in sorted(eams)[:max(self.eamc_size, 0)]:
+            tracker.add_to_collection(eams[request], request if leave_one_out else None)
+        seeded = len(tracker.collection)
+        if leave_one_out:
+            ctx.notes.append(f"eam-match: EAM collection seeded with {seeded} request(s) of the replayed trace, each "
+                             f"batch matched only against requests it does not hold (leave-one-out; set "
+                             f"prefetch.calibration=PATH for a held-out trace, or none to start empty)")
+        else:
+            ctx.notes.append(f"eam-match: EAM collection seeded with {seeded} request(s) of {path}")
+
+    def observe(self, view: LayerView) -> None:
+        assert self.tracker is not None
+        self.tracker.observe(view)
+
+    def candidates(self, view: LayerView) -> list[tuple[int, int]]:
+        tracker = self.tracker
+        assert tracker is not None
+        match = tracker.best_match(tracker.batch_eam(view), frozenset(tracker.batch_ids(view)))
+        if match is None:
+            return []
+        layers = tracker.num_layers
+        ranked: list[tuple[float, int, int]] = []
+        for target in range(view.layer + 1, min(view.layer + 1 + self.lookahead, layers)):
+            row = match[target]
+            if row.sum() <= 0:
+                continue
+            priority = row / row.sum() * (1 - (target - view.layer) / layers)
+            best = [e for e in np.argsort(-priority, kind="stable")[:self._per_layer] if priority[e] > 0]
+            ranked += [(-float(priority[e]), target, int(e)) for e in best]
+        return [(target, e) for _, target, e in sorted(ranked)]
+
+
+@register_component
+@dataclass
+class RequestLFUCache(CachePolicy):
+    """Model-wide pool, layer-aware least-frequently-used over the current requests' EAM (MoE-Infinity).
+
+    The priorities of every layer are kept as two layers x experts matrices; a row is recomputed only when
+    the tracker's counts of that layer have moved (``ActivationTracker.row_version``) or the batch changed.
+    """
+
+    name = "request-lfu"
+    layout = "pool"
+    eamc_size: int = 0
+    tracker: ActivationTracker | None = field(default=None, repr=False)
+    _start: list[int] = field(default_factory=list, repr=False)
+    #: (by the current requests, by the whole run) priority of every expert of every layer
+    _current: np.ndarray | None = field(default=None, repr=False)
+    _total: np.ndarray | None = field(default=None, repr=False)
+    #: the tracker's row versions and batch generation the kept priorities were computed from
+    _versions: np.ndarray | None = field(default=None, repr=False)
+    _generation: int = -1
+    #: each layer's depth weight 1 - layer / L, as a column
+    _depth: np.ndarray | None = field(default=None, repr=False)
+    #: the resident experts in eviction order, kept between pool evictions
+    _order: "EvictionOrder | None" = field(default=None, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        tracker = _TRACKERS.get(id(ctx))
+        if tracker is None and ctx.trace_path is not None:
+            m = ctx.model
+            tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
+        self.tracker = tracker
+        pool = ctx.pool if ctx.pool is not None else sum(ctx.capacity)
+        self._start = even_quotas(pool, len(ctx.capacity), ctx.model.num_experts)
+        layers = ctx.model.num_layers
+        self._depth = np.array([[1 - layer / layers] for layer in range(layers)])
+        self._current = self._total = self._versions = None
+        self._generation = -1
+        self._order = EvictionOrder(tracker, layers, ctx.model.num_experts) if tracker is not None else None
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return list(range(min(self._start[layer], capacity))) if self._start else []
+
+    def observe(self, view: LayerView) -> None:
+        if self.tracker is not None:
+            self.tracker.observe(view)
+
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        self.observe(view)
+
+    def _priorities(self, view: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        """(priority by the current requests, by the whole run) of every expert of every layer: each
+        row's share of its activations times the layer's depth weight ``1 - layer / L``."""
+        tracker = self.tracker
+        if tracker is None or tracker.total is None or self._depth is None:
+            flat = np.zeros((view.cache.num_layers, view.cache_experts()))
+            return flat, flat
+        batch = tracker.batch_eam(view)
+        if self._current is None or self._generation != tracker.batch_generation:
+            self._current, self._total = np.zeros(batch.shape), np.zeros(batch.shape)
+            stale = np.arange(batch.shape[0])
+        else:
+            stale = np.flatnonzero(self._versions != tracker.row_version)
+        if stale.size == 1:  # the layer just observed
+            layer = int(stale[0])
+            depth = float(self._depth[layer, 0])
+            self._current[layer] = row_share(batch[layer], depth)
+            self._total[layer] = row_share(tracker.total[layer], depth)
+        elif stale.size:
+            depth = self._depth[stale]
+            self._current[stale] = share(batch[stale], depth)
+            self._total[stale] = share(tracker.total[stale], depth)
+        if stale.size:
+            self._versions = tracker.row_version.copy()
+            self._generation = tracker.batch_generation
+        return self._current, self._total
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        if n <= 0:
+            return []
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        current, total = self._priorities(view)
+        ranked = zip(current[layer, candidates].tolist(), total[layer, candidates].tolist(), candidates)
+        return [e for *_, e in sorted(ranked)[:n]]
+
+    def pool_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]],
+                     layer: int) -> list[tuple[int, int]]:
+        """The ``n`` resident experts of least (current priority, run priority, later layer, lower id)
+        outside ``protected``, over every layer; :class:`EvictionOrder` keeps that order between calls,
+        :meth:`ranked_victims` ranks every resident expert afresh (the same answer)."""
+        if n <= 0:
+            return []
+        order = self._order
+        if order is not None and order.sync(view):
+            return order.least(n, protected)
+        return self.ranked_victims(view, n, protected)
+
+    def ranked_victims(self, view: LayerView, n: int, protected: set[tuple[int, int]]) -> list[tuple[int, int]]:
+        """:meth:`pool_victims` from every resident expert's priorities, ranked afresh."""
+        if n <= 0:
+            return []
+        current, total = self._priorities(view)
+        state = view.cache
+        width = current.shape[1]
+        cells = resident_cells(state, width)  # layer * width + expert of every resident expert, ascending
+        guarded = sorted(l * width + e for l, e in protected if e in state.resident[l])
+        if guarded:
+            cells = np.delete(cells, np.searchsorted(cells, guarded))
+        current_of = current.ravel()[cells]
+        if n < cells.size:  # only cells at most the n-th least current priority can be chosen
+            near = np.flatnonzero(current_of <= np.partition(current_of, n - 1)[n - 1])
+            cells, current_of = cells[near], current_of[near]
+        layer_of, expert_of = np.divmod(cells, width)
+        # lowest current priority, then lowest run priority, then the later layer, then the lower id
+        order = np.lexsort((expert_of, -layer_of, total.ravel()[cells], current_of))[:n]
+        return list(zip(layer_of[order].tolist(), expert_of[order].tolist()))
+
+
+def share(rows: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Each row's share of its activations times its depth weight (rows with none stay 0); activation
+    counts, so the shares do not depend on which rows are computed together."""
+    sums = rows.sum(axis=1, keepdims=True)
+    return np.where(sums > 0, rows / np.where(sums > 0, sums, 1.0) * depth, rows)
+
+
+def row_share(row: np.ndarray, depth: float) -> np.ndarray:
+    """:func:`share` of one row (the same numbers, without the matrix's broadcasting)."""
+    total = row.sum()
+    return row / total * depth if total > 0 else row
+
+
+def resident_cells(state, width: int) -> np.ndarray:
+    """``layer * width + expert`` of every resident expert, ascending (from the pool's mask when it keeps one)."""
+    mask = state.mirror.resident_mask if state.mirror is not None else resident_mask(state.resident, width)
+    cells = np.flatnonzero(mask)
+    if mask.shape[1] != width:  # a mirror mask is only as wide as the largest id it has seen
+        layer_of, expert_of = np.divmod(cells, mask.shape[1])
+        cells = layer_of * width + expert_of
+    return cells
+
+
+def resident_mask(resident: list[set[int]], width: int) -> np.ndarray:
+    """Layers x experts, True where resident (a cache without a pool keeps no mask of its own)."""
+    mask = np.zeros((len(resident), width), dtype=bool)
+    for layer, experts in enumerate(resident):
+        mask[layer, list(experts)] = True
+    return mask
+
+
+class MoEInfinitySystem(ObservingSystem):
+    """Prefetch and cache share one activation tracker (configured in that order)."""
+
+    def configure(self, ctx: RunContext) -> None:
+        self.prefetch.configure(ctx)
+        for role, component in self.components.items():
+            if role != "prefetch":
+                component.configure(ctx)
+        self.notes = ctx.notes
+        self.rewrites = {}
+        _TRACKERS.pop(id(ctx), None)
+
+
+register_system("moe-infinity", SystemSpec(
+    "MoE-Infinity: request-level expert activation matrices; prefetch by matching past requests' matrices, "
+    "least-frequently-used eviction over the current requests' activations, every expert on the GPU",
+    cache="request-lfu", assign="gpu", prefetch="eam-match", system_class=MoEInfinitySystem, runtime="pytorch-eager"))

@@ -1,0 +1,189 @@
+"""MoE-Infinity's Expert Activation Matrices (EAMs): per request, tokens routed to each (layer, expert),
+and the collection of finished requests' EAMs that predicts the coming layers (see the package docstring).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.errors import ConfigError, TraceFormatError
+from moesim.policy.base import LayerView
+from moesim.trace.io import read_table
+
+
+def request_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.ndarray]:
+    """Every request's complete EAM from a trace file."""
+    table = read_table(path, ["request", "layer", "experts"])
+    requests = table.column("request").to_numpy().astype(np.int64)
+    layers = table.column("layer").to_numpy().astype(np.int64)
+    experts = table.column("experts").combine_chunks()
+    width = experts.type.list_size
+    flat = experts.flatten().to_numpy().reshape(-1, width).astype(np.int64)
+    out: dict[int, np.ndarray] = {}
+    for r in np.unique(requests):
+        rows = requests == r
+        cells = (layers[rows, None] * num_experts + flat[rows]).ravel()
+        out[int(r)] = np.bincount(cells, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    return out
+
+
+def row_owners(view: LayerView) -> np.ndarray:
+    """Request id of every token row (an executor that gives none serves one request, id 0)."""
+    return view.requests if view.requests is not None else np.zeros(view.tokens, dtype=np.int64)
+
+
+@dataclass
+class ActivationTracker:
+    """EAMs of the requests being served and the EAMC of finished ones (shared by prefetch and cache).
+
+    EAM cells are token counts (whole numbers in float64), so sums of them are exact in any order: the
+    batch's EAM is kept up to date as layers are observed instead of summed afresh for every layer, and
+    ``row_version[layer]`` counts the changes of each layer's counts (the batch's and the run's), so a
+    reader recomputes only the rows that moved.
+    """
+
+    num_layers: int
+    num_experts: int
+    eamc_size: int
+    #: request -> its last step (its end of sequence)
+    last_step: dict[int, int]
+    live: dict[int, np.ndarray] = field(default_factory=dict)
+    #: normalised EAMs, flattened, oldest first
+    collection: deque = field(default_factory=deque)
+    #: the request each collection entry came from (None: a held-out calibration trace's)
+    owners: deque = field(default_factory=deque)
+    total: np.ndarray | None = None
+    row_version: np.ndarray | None = None
+    #: changes whenever the batch EAM is summed afresh (another set of requests)
+    batch_generation: int = 0
+    _seen: tuple[int, int] = (-1, -1)
+    _step: int = -1
+    _ids_at: tuple[int, int] = (-1, -1)
+    _ids: tuple[int, ...] = ()
+    #: the batch whose EAM is kept (its requests) and that EAM: the sum of their live EAMs
+    _batch_ids: tuple[int, ...] | None = None
+    _batch: np.ndarray | None = None
+    #: the collection stacked as one matrix (None: rebuilt at the next match)
+    _stack: np.ndarray | None = None
+    #: observations that moved counts so far, and what the latest one added: (layer, experts, tokens of
+    #: each), added to the run's counts and to the kept batch EAM alike (None: not to the batch EAM alike)
+    observations: int = 0
+    last_added: tuple[int, list[int], list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.row_version is None:
+            self.row_version = np.zeros(self.num_layers, dtype=np.int64)
+
+    @classmethod
+    def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
+        table = read_table(path, ["step", "request"])
+        requests, row_of = np.unique(table.column("request").to_numpy(), return_inverse=True)
+        last = np.full(requests.size, -1, dtype=np.int64)
+        np.maximum.at(last, row_of, table.column("step").to_numpy())
+        last_step = dict(zip(requests.tolist(), last.tolist()))
+        tracker = cls(num_layers, num_experts, eamc_size, last_step)
+        tracker.total = np.zeros((num_layers, num_experts))
+        return tracker
+
+    def add_to_collection(self, eam: np.ndarray, request: int | None = None) -> None:
+        norm = float(np.linalg.norm(eam))
+        if norm == 0 or self.eamc_size <= 0 or (request is not None and request in self.owners):
+            return
+        self.collection.append(eam.ravel() / norm)
+        self.owners.append(request)
+        while len(self.collection) > self.eamc_size:
+            self.collection.popleft()
+            self.owners.popleft()
+        self._stack = None
+
+    def batch_ids(self, view: LayerView) -> tuple[int, ...]:
+        """The distinct requests of the view's token rows, ascending (found once per layer)."""
+        if (view.step, view.layer) != self._ids_at:
+            owners = row_owners(view)
+            self._ids = (int(owners[0]),) if owners.size == 1 else tuple(np.unique(owners).tolist())
+            self._ids_at = (view.step, view.layer)
+        return self._ids
+
+    def observe(self, view: LayerView) -> None:
+        """Add this layer's routing to the batch's EAMs; retire requests whose last step has passed."""
+        seen = (view.step, view.layer)
+        if seen == self._seen:  # the cache and the prefetch both observe every layer
+            return
+        self._seen = seen
+        if view.step != self._step:
+            self._step = view.step
+            for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
+                self.add_to_collection(self.live.pop(r), r)
+                if self._batch_ids is not None and r in self._batch_ids:
+                    self._batch_ids = None  # the kept batch EAM no longer sums live EAMs
+        layer, ids = view.layer, self.batch_ids(view)
+        counts = np.bincount(view.experts.ravel(), minlength=self.num_experts)  # tokens per expert
+        if len(ids) == 1:
+            per_request = [(ids[0], counts)]
+        else:
+            owners = row_owners(view)
+            per_request = [(r, np.bincount(view.experts[owners == r].ravel(), minlength=self.num_experts))
+                           for r in ids]
+        for r, routed in per_request:
+            eam = self.live.get(r)
+            if eam is None:
+                eam = self.live[r] = np.zeros((self.num_layers, self.num_experts))
+            eam[layer] += routed
+            if self._batch_ids is not None and r in self._batch_ids:
+                self._batch[layer] += routed
+        assert self.total is not None and self.row_version is not None
+        self.total[layer] += counts
+        self.row_version[layer] += 1
+        self.observations += 1
+        batch = self._batch_ids
+        # the view's distinct experts and their tokens: what this layer added, expert by expert
+        self.last_added = (layer, view.active, view.counts) \
+            if batch is not None and all(r in batch for r in ids) else None
+
+    def batch_eam(self, view: LayerView) -> np.ndarray:
+        """The sum of the live EAMs of the view's requests (kept between layers; read-only)."""
+        ids = self.batch_ids(view)
+        if ids != self._batch_ids or self._batch is None:
+            out = np.zeros((self.num_layers, self.num_experts))
+            for r in ids:
+                if r in self.live:
+                    out += self.live[r]
+            self._batch_ids, self._batch = ids, out
+            self.batch_generation += 1
+        return self._batch
+
+    def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
+        """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix, leaving out the
+        entries of the requests in ``exclude`` (the batch's own: leave-one-out)."""
+        kept = [i for i, owner in enumerate(self.owners) if owner is None or owner not in exclude]
+        if not kept:
+            return None
+        norm = float(np.linalg.norm(eam))
+        if norm == 0:
+            return None
+        if self._stack is None:
+            self._stack = np.stack(list(self.collection))
+        entries = self._stack if len(kept) == len(self.owners) else self._stack[kept]
+        similarity = entries @ (eam.ravel() / norm)
+        return self.collection[kept[int(np.argmax(similarity))]].reshape(self.num_layers, self.num_experts)
+
+
+def calibration_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.ndarray]:
+    """Every request's EAM of a calibration trace, refused with one line when it cannot be read or does
+    not fit the model."""
+    try:
+        table = read_table(path, ["layer", "experts"])
+    except (OSError, ValueError, KeyError, TraceFormatError) as err:
+        reason = err.detail if isinstance(err, TraceFormatError) else err
+        raise ConfigError(f"cannot read calibration trace {path}: {reason}", field="prefetch.calibration",
+                          fix="give a moesim trace of the replayed model, 'others' or 'none'") from None
+    layers = table.column("layer").to_numpy()
+    experts = table.column("experts").combine_chunks().flatten().to_numpy()
+    if (layers.size and int(layers.max()) >= num_layers) or (experts.size and int(experts.max()) >= num_experts):
+        raise ConfigError(f"calibration trace {path} routes beyond the model's {num_layers} layers x {num_experts} "
+                          f"experts", field="prefetch.calibration",
+                          fix="give a trace of the replayed model, 'others' or 'none'")
+    return request_eams(path, num_layers, num_experts)
