@@ -150,7 +150,7 @@ class PerTokens(dict):
         return current if current is not None and current.costs is costs else cls(costs, compute)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class LayerPlan:
     """What the executor does for one layer, in order: evict, load, compute, prefetch."""
 
@@ -179,6 +179,26 @@ class LayerPlan:
     prefetch_after_gpu: bool = False
     #: drop prefetches still queued (not yet on the wire) before this plan's loads (004 Sec. 5.2)
     cancel_queued_prefetches: bool = False
+
+    # written out: every layer makes a plan, and a list literal costs a third of a default_factory call
+    def __init__(self, gpu: list[int] | None = None, cpu: list[int] | None = None, loads: list[int] | None = None,
+                 streamed: list[int] | None = None, prefetches: list[tuple[int, int]] | None = None,
+                 evictions: list[tuple[int, int]] | None = None, writebacks: list[tuple[int, int]] | None = None,
+                 substitutions: list[tuple[int, int, int]] | None = None, deferred: list[int] | None = None,
+                 overhead_s: dict[str, float] | None = None, prefetch_after_gpu: bool = False,
+                 cancel_queued_prefetches: bool = False) -> None:
+        self.gpu = [] if gpu is None else gpu
+        self.cpu = [] if cpu is None else cpu
+        self.loads = [] if loads is None else loads
+        self.streamed = [] if streamed is None else streamed
+        self.prefetches = [] if prefetches is None else prefetches
+        self.evictions = [] if evictions is None else evictions
+        self.writebacks = [] if writebacks is None else writebacks
+        self.substitutions = [] if substitutions is None else substitutions
+        self.deferred = [] if deferred is None else deferred
+        self.overhead_s = {} if overhead_s is None else overhead_s
+        self.prefetch_after_gpu = prefetch_after_gpu
+        self.cancel_queued_prefetches = cancel_queued_prefetches
 
 
 @dataclass

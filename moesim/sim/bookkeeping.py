@@ -56,7 +56,7 @@ def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int,
     ``count`` maps experts to their tokens; None when every expert has one token.
     """
     layer = view.layer
-    c.activations += int(view.experts.size)
+    c.activations += view.experts.size
     c.distinct_activations += len(view.active)
     if resident:
         c.hits += len(resident.intersection(view.active))

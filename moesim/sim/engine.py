@@ -72,6 +72,8 @@ class SimConfig:
 
 #: the transfers that make an expert resident when they end (not stage, chunk or write-back)
 CACHED_KINDS = frozenset({"load", "prefetch"})
+#: breakdown categories of a step's work outside its MoE layers, besides the dense layers' attention
+FIXED_CATEGORIES = ("dense_ffn", "embedding", "lm_head", "sampling", "launch", "host")
 
 
 class Simulator:
@@ -125,8 +127,9 @@ class Simulator:
         self._shared_by_phase: dict[str, dict[int, float]] = {phase: {} for phase in PHASES}
         self._gpu = self._gpu_by_phase["prefill"]
         self._shared = self._shared_by_phase["prefill"]
-        self._fixed: dict[tuple[int, int, int, str], dict[str, float]] = {}
+        self._fixed: dict[tuple[int, int, str], dict[str, float]] = {}
         self._step_fixed: dict[str, float] = {}
+        self._dense_attention = 0.0
         self._writeback_s: float | None = None
         self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
@@ -317,7 +320,7 @@ class Simulator:
 
     def _step_spans(self, s: int, t: float, tokens: int, before: bool) -> None:
         """Timeline spans of the GPU work before the first MoE layer (from ``t``) or after the last."""
-        work = self._step_fixed
+        work = {**self._step_fixed, "attention": self._dense_attention}
         if before:
             t += work["host"] + work["launch"]
             kinds = ("embedding", "attention", "dense_ffn")
@@ -329,21 +332,23 @@ class Simulator:
 
     def _step_work(self, tokens: int, context: int, sequences: int, phase: str) -> tuple[float, float]:
         """Seconds before the first MoE layer and after the last one, counted in the breakdown."""
-        key = (tokens, context, sequences, phase)
+        key = (tokens, sequences, phase)
         work = self._fixed.get(key)
-        if work is None:
+        if work is None:  # all but the dense layers' attention, which grows with the context
             costs = self.costs
             work = dict(costs.step_fixed(tokens, context, sequences))
+            del work["attention"]
             work["launch"] = costs.step_launch(phase) + costs.model.num_dense_layers * costs.layer_launches(phase)
             work["host"] = costs.host_per_step
             self._fixed[key] = work
+        attention = self._dense_attention = self.model.num_dense_layers * self._attention_s(tokens, context)
         self._step_fixed = work  # the current step's, for its timeline spans
         breakdown, counters = self.counters.breakdown, self.counters
-        for category, seconds in work.items():
-            breakdown[category] += seconds
-        counters.gpu_busy_s += work["attention"] + work["dense_ffn"] + work["embedding"] + work["lm_head"] \
-            + work["sampling"]
-        head = work["host"] + work["launch"] + work["embedding"] + work["attention"] + work["dense_ffn"]
+        for category in FIXED_CATEGORIES:
+            breakdown[category] += work[category]
+        breakdown["attention"] += attention
+        counters.gpu_busy_s += attention + work["dense_ffn"] + work["embedding"] + work["lm_head"] + work["sampling"]
+        head = work["host"] + work["launch"] + work["embedding"] + attention + work["dense_ffn"]
         return head, work["lm_head"] + work["sampling"]
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
@@ -487,7 +492,9 @@ class Simulator:
             t = self._cpu_shared(experts, count, s, layer, t, kind)
         elif self.timeline is None:
             if count is None:
-                d = self._cpu_s(1)
+                d = self._cpu.get(1)
+                if d is None:
+                    d = self._cpu_s(1)
                 if self._cpu_rate[1]:  # 0: cannot contend for DRAM, kept off the ledger
                     self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
                 t += len(experts) * d

@@ -153,6 +153,10 @@ def trace_columns(path: PathLike) -> list[str]:
     return list(_open(path).schema_arrow.names)
 
 
+#: layer ids of a step with one row per layer -> its (layer, row slice) pairs, the same for every such step
+_ONE_ROW_LAYERS: dict[tuple[int, ...], list[tuple[int, slice]]] = {}
+
+
 @dataclass
 class Step:
     """All rows of one forward pass, as numpy arrays in trace order."""
@@ -186,8 +190,16 @@ class Step:
         return self._bounds
 
     def layers(self) -> list[tuple[int, slice]]:
-        """(layer, row slice) for every layer present in this step, in order."""
+        """(layer, row slice) for every layer present in this step, in order (a shared list: do not change it)."""
         bounds = self.layer_bounds
+        if len(bounds) - 1 == len(self.layer):  # one row per layer, as every decode step of one sequence
+            ids = tuple(self.layer.tolist())
+            pairs = _ONE_ROW_LAYERS.get(ids)
+            if pairs is None:
+                if len(_ONE_ROW_LAYERS) >= 64:
+                    _ONE_ROW_LAYERS.clear()
+                pairs = _ONE_ROW_LAYERS[ids] = [(layer, slice(i, i + 1)) for i, layer in enumerate(ids)]
+            return pairs
         ids = self.layer[bounds[:-1]].tolist()
         edges = bounds.tolist()
         return [(layer, slice(edges[i], edges[i + 1])) for i, layer in enumerate(ids)]
@@ -331,7 +343,9 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
                 return vals[0] if len(vals) == 1 else [x for v in vals for x in v]
             return vals[0] if len(vals) == 1 else np.concatenate(vals)
         preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
-        return _read_only(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
+        # one piece: views of the batch's read-only columns; several: new arrays, made read-only here
+        done = (lambda step: step) if len(parts) == 1 else _read_only
+        return done(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
                                layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
                                weights=cat("weights") if "weights" in optional else None,
                                scores=cat("scores") if "scores" in optional else None,
@@ -354,6 +368,9 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
                 cols[name] = _phase_codes(col)
             else:
                 cols[name] = col.to_numpy(zero_copy_only=False)
+        for values in cols.values():
+            if isinstance(values, np.ndarray):
+                values.flags.writeable = False  # steps may be shared by several runs; their views inherit this
         steps = cols["step"]
         cuts = np.flatnonzero(np.diff(steps)) + 1
         starts = np.concatenate(([0], cuts))
