@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.model.spec import ModelSpec
-from moesim.trace.io import TraceWriter, iter_steps, read_meta, write_trace
+from moesim.trace.io import Step, TraceWriter, iter_steps, read_meta, write_trace
 from moesim.trace.schema import TraceMeta
 
 MODEL = ModelSpec(name="tiny", num_layers=3, num_experts=6, top_k=2, hidden_size=8, moe_intermediate_size=16)
@@ -196,3 +198,23 @@ def test_traces_are_kept_only_where_asked(tmp_path, decodes, monkeypatch):
         list(iter_steps(path))
         assert len(decodes) == 3 and len(io._DECODED) == 1
     assert io._DECODED == {} and io._KEEP == [False]
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 3)), min_size=1, max_size=12, unique_by=lambda p: p[0]))
+@settings(max_examples=60, deadline=None)
+def test_layers_pair_each_layer_with_its_rows_whether_one_row_per_layer_or_more(layers):
+    """A step's (layer, rows) pairs, including the shared list of steps with one row per layer."""
+    layers = sorted(layers)
+    ids = np.repeat([layer for layer, _ in layers], [rows for _, rows in layers]).astype(np.int16)
+    n = len(ids)
+    step = Step(step=0, request=np.zeros(n, np.int32), position=np.arange(n, dtype=np.int32), layer=ids,
+                phase=np.zeros(n, np.int8), experts=np.zeros((n, 2), np.int16))
+    pairs = step.layers()
+    assert [layer for layer, _ in pairs] == [layer for layer, _ in layers]
+    for (layer, rows), (_, count) in zip(pairs, layers):
+        assert rows.stop - rows.start == count and set(ids[rows].tolist()) == {layer}
+    assert pairs[-1][1].stop == n
+    # a second step with the same layers gets the same pairs (shared when every layer has one row)
+    again = Step(step=1, request=step.request, position=step.position, layer=ids.copy(), phase=step.phase,
+                 experts=step.experts).layers()
+    assert again == pairs
