@@ -127,8 +127,7 @@ class SMoEAssign(Assignment):
         gpu, cpu = [], []
         queued = self._queue_s(view) if self.queue_aware else 0.0
         times: dict[int, tuple[float, float]] = {}  # tokens -> (T_CPU, T_GPU): a layer has few counts
-        for expert, tokens in zip(view.active, view.counts):
-            transfer = self.transfer_s(view, expert)
+        for expert, tokens, transfer in zip(view.active, view.counts, self.transfers_s(view, view.active)):
             copies = self.queue_aware and transfer == view.costs.expert_load
             if tokens not in times:
                 times[tokens] = self.compute_s(view, tokens)
@@ -156,13 +155,16 @@ class SMoEAssign(Assignment):
         return t_cpu > t_gpu + (self.transfer_s(view, expert) if transfer is None else transfer)
 
     def transfer_s(self, view: LayerView, expert: int) -> float:
-        if view.resident(expert):
-            return 0.0
-        if expert in view.cache.in_flight[view.layer]:
-            return max(view.arrivals.get(expert, view.now) - view.now, 0.0)
-        if view.phase == "prefill" or self.decode_on_demand:
-            return view.costs.expert_load
-        return math.inf
+        return self.transfers_s(view, [expert])[0]
+
+    def transfers_s(self, view: LayerView, experts: list[int]) -> list[float]:
+        """``T_PCIe`` of each of ``experts``: 0 resident, the rest of its copy in flight, else one expert load
+        in the prefill (or with ``decode_on_demand``) and infinite in decoding."""
+        layer, now, arrivals = view.layer, view.now, view.arrivals
+        resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
+        missing = view.costs.expert_load if view.phase == "prefill" or self.decode_on_demand else math.inf
+        return [0.0 if e in resident else max(arrivals.get(e, now) - now, 0.0) if e in in_flight else missing
+                for e in experts]
 
 
 # ----------------------------------------------------------------------------- prefetch
