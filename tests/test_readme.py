@@ -20,7 +20,7 @@ README = (ROOT / "README.md").read_text()
 #: commands of the "Using it" block that cannot run in the test suite, and why
 NEEDS = {
     "moesim capture": "needs a Hugging Face checkpoint",
-    "moesim validate --real": "executes real kernels for minutes (docs/validation.md)",
+    "moesim validate --real": "executes real kernels for minutes (docs/validation/README.md)",
     "moesim trace compare A.parquet": "placeholder file names",
     "moesim trace validate FILE.parquet": "placeholder file name",
     "moesim sweep spec.yaml": "the README shows no spec.yaml (`moesim sweep --help` does, tested in test_sweep)",
