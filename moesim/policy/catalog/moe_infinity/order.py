@@ -1,6 +1,6 @@
 """MoE-Infinity's model-wide eviction order, kept between calls (:class:`EvictionOrder`).
 
-The ranking is :class:`~moesim.policy.catalog.moe_infinity.RequestLFUCache`'s (see its module); this
+The ranking is :class:`~moesim.policy.catalog.moe_infinity.RequestLFUCache`'s (see the package docstring); this
 module only keeps it up to date cheaply as routing is observed and experts are loaded and evicted.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from heapq import heappop, heappush
+
 import numpy as np
 
 from moesim.policy.base import LayerView
