@@ -94,6 +94,17 @@ def random_routing(rng: np.random.Generator, model: ModelSpec, requests: int, pr
     return steps
 
 
+def write_sweep_files(folder: Path, seed: int) -> Path:
+    """A tiny trace ``t.parquet`` (one request, 4 + 8 tokens) and profile ``hw.yaml`` in ``folder``, for sweep
+    specs that name them relative to their own folder."""
+    import yaml
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    write_tiny_trace(folder / "t.parquet", model,
+                     random_routing(np.random.default_rng(seed), model, requests=1, prompt=4, decode=8))
+    (folder / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return folder
+
+
 def with_scores(path: Path, out: Path, bad: dict[int, float] | None = None) -> Path:
     """``path`` with a ``scores`` column (uniform probabilities) added, row ``r``'s first score set to
     ``bad[r]``: a trace whose only fault, if any, lies in a column most systems never read."""

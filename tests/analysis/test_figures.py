@@ -15,7 +15,7 @@ from moesim.cli import main
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.sweep import load_spec, run_sweep
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import write_sweep_files
 
 
 def results() -> pd.DataFrame:
@@ -121,10 +121,7 @@ def test_standard_set_and_bounds():
 
 @pytest.fixture
 def sweep_results(tmp_path):
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    write_tiny_trace(tmp_path / "t.parquet", model,
-                     random_routing(np.random.default_rng(11), model, requests=1, prompt=4, decode=8))
-    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    write_sweep_files(tmp_path, seed=11)
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
         "traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only", "gpu-only-lru", "static-hot"],
         "grid": {"cache.slots_per_layer": [1, 2, 3]}}))

@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 import yaml
 
@@ -15,7 +14,7 @@ from moesim.analysis.html_report import render_report
 from moesim.cli import main
 from moesim.sweep import load_spec, run_sweep
 from tests.analysis.test_figures import results
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import write_sweep_files
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -50,10 +49,7 @@ def find_browser() -> str | None:
 
 @pytest.fixture
 def sweep_results(tmp_path):
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    write_tiny_trace(tmp_path / "t.parquet", model,
-                     random_routing(np.random.default_rng(13), model, requests=1, prompt=4, decode=8))
-    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    write_sweep_files(tmp_path, seed=13)
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
         "traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only", "gpu-only-lru", "all-in-gpu"],
         "grid": {"cache.slots_per_layer": [1, 2, 3, 6]},  # 6 per layer do not fit this small GPU: failed points

@@ -24,7 +24,7 @@ from moesim.errors import ConfigError
 from moesim.sim.run import simulate
 from moesim.sweep import (WALL_CLOCK_COLUMNS, Point, ResultStore, ShippedFile, load_spec, local_copy,
                           parse_spec, require_ray, run_sweep)
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import write_sweep_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,10 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def files(tmp_path):
     """A tiny trace and profile next to where the spec will be (relative paths resolve against its folder)."""
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    write_tiny_trace(tmp_path / "t.parquet", model,
-                     random_routing(np.random.default_rng(5), model, requests=1, prompt=4, decode=8))
-    (tmp_path / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    write_sweep_files(tmp_path, seed=5)
     return tmp_path
 
 
