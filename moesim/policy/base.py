@@ -155,32 +155,33 @@ class LayerPlan:
     """What the executor does for one layer, in order: evict, load, compute, prefetch."""
 
     #: experts computed on the GPU, in execution order
-    gpu: list[int] = field(default_factory=list)
+    gpu: list[int]
     #: experts computed on the CPU pool, in execution order
-    cpu: list[int] = field(default_factory=list)
+    cpu: list[int]
     #: demand loads into this layer's cache slots (a subset of ``gpu`` neither resident nor in flight)
-    loads: list[int] = field(default_factory=list)
+    loads: list[int]
     #: GPU experts streamed through the staging buffers (ping-pong, 000 Alg. 1): loaded, used, not cached
-    streamed: list[int] = field(default_factory=list)
+    streamed: list[int]
     #: (layer, expert) loads for later use, queued behind demand loads
-    prefetches: list[tuple[int, int]] = field(default_factory=list)
+    prefetches: list[tuple[int, int]]
     #: (layer, expert) to drop before loading, making room
-    evictions: list[tuple[int, int]] = field(default_factory=list)
+    evictions: list[tuple[int, int]]
     #: evicted (layer, expert) whose weights are copied device-to-host first (mixtral-offloading's swap);
     #: the i-th follows the i-th demand load on the copy engine, in stream order
-    writebacks: list[tuple[int, int]] = field(default_factory=list)
+    writebacks: list[tuple[int, int]]
     #: (token row, slot in top-k, new expert) rewrites of the routing
-    substitutions: list[tuple[int, int, int]] = field(default_factory=list)
+    substitutions: list[tuple[int, int, int]]
     #: experts whose CPU computation overlaps the next layer (001 Sec. 4)
-    deferred: list[int] = field(default_factory=list)
+    deferred: list[int]
     #: extra time on the critical path, seconds, by breakdown category ("predict", "cache_management")
-    overhead_s: dict[str, float] = field(default_factory=dict)
+    overhead_s: dict[str, float]
     #: submit ``prefetches`` once this layer's GPU experts finish instead of at plan time (000 Sec. IV-D)
     prefetch_after_gpu: bool = False
     #: drop prefetches still queued (not yet on the wire) before this plan's loads (004 Sec. 5.2)
     cancel_queued_prefetches: bool = False
 
-    # written out: every layer makes a plan, and a list literal costs a third of a default_factory call
+    # written out (empty lists and dict by default): every layer makes a plan, and a list literal costs a
+    # third of a default_factory call
     def __init__(self, gpu: list[int] | None = None, cpu: list[int] | None = None, loads: list[int] | None = None,
                  streamed: list[int] | None = None, prefetches: list[tuple[int, int]] | None = None,
                  evictions: list[tuple[int, int]] | None = None, writebacks: list[tuple[int, int]] | None = None,

@@ -32,8 +32,8 @@ from moesim.errors import ConfigError
 from moesim.policy.base import coerce
 from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
 from moesim.sim.engine import Simulator
-from moesim.sim.result import SimResult, StepRecord
 from moesim.sim.memory import MemoryPlan
+from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
 

@@ -343,14 +343,14 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
                 return vals[0] if len(vals) == 1 else [x for v in vals for x in v]
             return vals[0] if len(vals) == 1 else np.concatenate(vals)
         preds = {c: cat(c) for c in optional if c in PREDICTOR_COLUMNS}
+        step = Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
+                    layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
+                    weights=cat("weights") if "weights" in optional else None,
+                    scores=cat("scores") if "scores" in optional else None,
+                    token_id=cat("token_id") if "token_id" in optional else None,
+                    predictors=preds)
         # one piece: views of the batch's read-only columns; several: new arrays, made read-only here
-        done = (lambda step: step) if len(parts) == 1 else _read_only
-        return done(Step(step=int(parts[0]["step"][0]), request=cat("request"), position=cat("position"),
-                               layer=cat("layer"), phase=cat("phase"), experts=cat("experts"),
-                               weights=cat("weights") if "weights" in optional else None,
-                               scores=cat("scores") if "scores" in optional else None,
-                               token_id=cat("token_id") if "token_id" in optional else None,
-                               predictors=preds))
+        return step if len(parts) == 1 else _read_only(step)
 
     for batch in pf.iter_batches(batch_size=batch_rows, columns=read_cols):
         cols: dict[str, Any] = {}

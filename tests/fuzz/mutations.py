@@ -6,6 +6,7 @@ Each mutation takes the valid object and a random generator (for the row, column
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
