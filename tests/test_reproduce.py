@@ -321,3 +321,24 @@ def test_scorecard_testbeds_carry_the_fitted_numbers_with_their_source():
     # the shipped profile itself is untouched: the scorecard's numbers are overrides
     from moesim.hw.profile import load_profile
     assert load_profile(REPO / "hwprofiles" / "rtx4090.yaml").sync.per_layer_us == 12
+
+
+def test_001_numa_step_gains_only_where_an_expert_streams():
+    """001 Fig. 14a's NUMA step, as seed_001 runs it: weights read 1.63x faster (the decode figure), the
+    compute ceiling unchanged. A one-token expert is memory-bound and gains all of it; an 8192-token one is
+    compute-bound and gains nothing, so a prefill's gain lies between, set by its mix of expert loads."""
+    from moesim.hw.cost import CostModel
+    from moesim.hw.profile import load_profile
+    from moesim.model.presets import load_preset
+    from moesim.sim.run import parse_settings
+    seed = load_script("seed_001")
+    base = load_profile(REPO / "hwprofiles" / "a100-40g.yaml")
+    model = load_preset("deepseek-v3")
+
+    def cpu_expert(settings: dict[str, str], tokens: int) -> float:
+        profile = base.with_overrides(parse_settings(settings).hw)
+        return CostModel(profile, model, "bf16", "bf16", "pytorch-eager").cpu_expert(tokens)
+
+    without, with_numa = seed.FIDDLER_WITH_AMX_KERNEL, seed.FIDDLER_WITH_AMX_KERNEL_NUMA
+    assert cpu_expert(without, 1) / cpu_expert(with_numa, 1) == pytest.approx(seed.NUMA_DECODE_GAIN, rel=1e-3)
+    assert cpu_expert(without, 8192) / cpu_expert(with_numa, 8192) == pytest.approx(1.0)
