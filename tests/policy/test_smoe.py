@@ -118,7 +118,7 @@ def planned(eviction: str):
     for expert, times in history.items():
         for _ in range(times):
             system.cache.observe(view_for(model, profile, [[expert, 7]], phase="decode"))
-    system.cache._freq[0][7] = 0  # the filler expert 7 only made the rows two wide
+    system.cache._order[0][7] = (0, 0, 7)  # the filler expert 7 only made the rows two wide
     view = view_for(model, profile, [[0, 2]], phase="decode", resident=[0, 1, 2, 3], preds=[[0, 5, 1, 6]])
     return system.plan(view)
 

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
-from moesim.hw.cost import roofline_s
+from moesim.hw.cost import CostModel, roofline_s
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
@@ -67,16 +67,15 @@ class SMoELFUCache(CachePolicy):
     """
 
     name = "smoe-lfu"
-    #: per layer, each expert's activation count and the observation that last routed to it (plain lists:
-    #: a layer touches its top-k experts, where numpy's per-call overhead would exceed the work)
-    _freq: list[list[int]] = field(default_factory=list, repr=False)
-    _stamp: list[list[int]] = field(default_factory=list, repr=False)
+    #: per layer, each expert's eviction order (activation count, the observation that last routed to it,
+    #: id), kept as the counts change: plain lists, since a layer touches its top-k experts only, where
+    #: numpy's per-call overhead would exceed the work
+    _order: list[list[tuple[int, int, int]]] = field(default_factory=list, repr=False)
     _clock: int = 0
 
     def configure(self, ctx: RunContext) -> None:
         layers, experts = ctx.model.num_layers, ctx.model.num_experts
-        self._freq = [[0] * experts for _ in range(layers)]
-        self._stamp = [[0] * experts for _ in range(layers)]
+        self._order = [[(0, 0, e) for e in range(experts)] for _ in range(layers)]
         self._clock = 0
 
     def initial(self, layer: int, capacity: int) -> list[int]:
@@ -85,25 +84,29 @@ class SMoELFUCache(CachePolicy):
     def observe(self, view: LayerView) -> None:
         """Count this layer's activations (every phase, every device)."""
         self._clock += 1
-        clock, freq, stamp = self._clock, self._freq[view.layer], self._stamp[view.layer]
+        clock, order = self._clock, self._order[view.layer]
         for expert, tokens in zip(view.active, view.counts):
-            freq[expert] += tokens
-            stamp[expert] = clock
+            order[expert] = (order[expert][0] + tokens, clock, expert)
 
     def frequency(self, layer: int, expert: int) -> int:
-        return self._freq[layer][expert]
+        return self._order[layer][expert][0]
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
         if n <= 0:
             return []
-        freq, stamp = self._freq[layer], self._stamp[layer]
+        resident = view.cache.resident[layer]
+        candidates = resident.difference(protected) if protected else resident
         # least frequent, then least recent, then lowest id
-        ranked = sorted((freq[e], stamp[e], e) for e in view.cache.resident[layer] if e not in protected)
-        return [e for _, _, e in ranked[:n]]
+        return sorted(candidates, key=self._order[layer].__getitem__)[:n]
 
 
 # ----------------------------------------------------------------------------- assignment
+def cpu_and_gpu_s(costs: CostModel, tokens: int) -> tuple[float, float]:
+    """An expert's CPU time and GPU kernel time (without launches) with ``tokens`` tokens."""
+    return costs.cpu_expert(tokens), costs.gpu_expert(tokens)
+
+
 @register_component
 @dataclass
 class SMoEAssign(Assignment):
@@ -123,18 +126,20 @@ class SMoEAssign(Assignment):
     #: already given to the GPU, most tokens first) instead of one expert's copy alone
     queue_aware: bool = False
 
+    _times: PerTokens | None = field(default=None, repr=False)
+
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         gpu, cpu = [], []
-        queued = self._queue_s(view) if self.queue_aware else 0.0
-        times: dict[int, tuple[float, float]] = {}  # tokens -> (T_CPU, T_GPU): a layer has few counts
+        queue_aware, load = self.queue_aware, view.costs.expert_load
+        queued = self._queue_s(view) if queue_aware else 0.0
+        times = self._times = PerTokens.of(self._times, view.costs, cpu_and_gpu_s)
+        launch = view.expert_launch_s
         for expert, tokens, transfer in zip(view.active, view.counts, self.transfers_s(view, view.active)):
-            copies = self.queue_aware and transfer == view.costs.expert_load
-            if tokens not in times:
-                times[tokens] = self.compute_s(view, tokens)
+            copies = queue_aware and transfer == load
             t_cpu, t_gpu = times[tokens]
-            if t_cpu > t_gpu + (transfer + (queued if copies else 0.0)):
+            if t_cpu > t_gpu + launch + (transfer + (queued if copies else 0.0)):  # T_GPU: kernel and launches
                 gpu.append(expert)
-                queued += view.costs.expert_load if copies else 0.0
+                queued += load if copies else 0.0
             else:
                 cpu.append(expert)
         return gpu, cpu
