@@ -113,6 +113,9 @@ def test_prefill_schedules_over_cached_experts_only():
     gpu, cpu = HybridScheduling().split(prefill)  # the first layout's prefill: heavy uncached e2 on the CPU
     assert set(gpu) <= {0, 1, 5} and 2 in cpu
     assert HybridScheduling(prefill_loads=True).split(barred) == hybrid_schedule(allowed)
+    # decode_loads=false: a decode layer keeps its uncached experts on the CPU, as the prefill does
+    gpu, cpu = HybridScheduling(decode_loads=False).split(allowed)
+    assert (gpu, cpu) == hybrid_schedule(allowed, loads=False) and set(gpu) <= {0, 1} and {2, 4} <= set(cpu)
 
 
 def test_layer_wise_prefetch_targets_the_next_layer():

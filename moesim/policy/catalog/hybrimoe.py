@@ -216,6 +216,9 @@ class HybridScheduling(Assignment):
     name = "hybrimoe"
     #: let the prefill load uncached experts on demand as decoding does (000 Sec. VI-B: it does not)
     prefill_loads: bool = False
+    #: let decoding load uncached experts on demand (HybriMoE's rule); false: they run on the CPU and only
+    #: the layer-wise prefetch moves experts, as 000's reproduction of HybriMoE decodes (Sec. VI-E)
+    decode_loads: bool = True
     #: scheduling time per layer, microseconds, on the critical path (negative: ``solve_share`` of the run)
     solve_us: float = -1.0
     #: scheduling time as a share of end-to-end time (003 Table 6: HybriMoE 3.01% on average)
@@ -232,7 +235,8 @@ class HybridScheduling(Assignment):
             self._clock = SolveClock(self.solve_share, self.solve_us)
         self._last_solve_s = self._clock.charge(view)
         self._times = PerTokens.of(self._times, view.costs, expert_times)
-        return hybrid_schedule(view, loads=self.prefill_loads or view.phase != "prefill", times=self._times)
+        loads = self.prefill_loads if view.phase == "prefill" else self.decode_loads
+        return hybrid_schedule(view, loads=loads, times=self._times)
 
 
 def ranked_until_uncached(ranked, cached, n: int) -> list[int]:
