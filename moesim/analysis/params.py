@@ -111,7 +111,7 @@ def parameter_docs(cls: type) -> list[ParamDoc]:
             comments.update({k: v for k, v in _field_comments(base).items() if v or k not in comments})
     out = []
     for field in dataclasses.fields(cls):
-        if field.name.startswith("_"):
+        if field.name.startswith("_") or not field.init:  # state, not a parameter
             continue
         if field.default is not dataclasses.MISSING:
             default: Any = field.default

@@ -239,7 +239,7 @@ class Component:
     def parameters(cls) -> dict[str, Any]:
         if not dataclasses.is_dataclass(cls):
             return {}
-        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.init}
 
     def set_param(self, key: str, raw: str) -> None:
         params = self.parameters()

@@ -136,6 +136,7 @@ class StaticCache(CachePolicy):
     """
 
     name = "static-hot"
+    #: calibration trace (path) the hottest experts are counted on; empty: the replayed trace itself, flagged
     calibration: str = ""
     _hot: list[list[int]] = field(default_factory=list)
 

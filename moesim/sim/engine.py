@@ -61,7 +61,9 @@ class SimConfig:
     #: issue copies in chunks of this many bytes, so that demand loads overtake a running prefetch at a
     #: chunk boundary (each chunk pays pcie.latency_us); 0: whole-expert copies, never preempted
     copy_chunk_bytes: int = 0
+    #: record every span of GPU, CPU and copy-engine work (timeline plots, Chrome traces); costs time and memory
     timeline: bool = False
+    #: log every placement, load, prefetch and eviction the plans decide (the decision log)
     decisions: bool = False
     #: verify plans against the invariants while running (tests)
     check: bool = False

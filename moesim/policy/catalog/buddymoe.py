@@ -267,6 +267,7 @@ class BuddySubstitution(Substitution):
     search_limit: int = 0
     #: TAE gate threshold; negative: the tau_percentile-th percentile on the calibration trace
     tau: float = -1.0
+    #: with ``tau`` negative: which percentile of each layer's TAE on the calibration trace is the threshold
     tau_percentile: float = 10.0
     #: distribution gate: no substitution in a layer when this share of its experts is off the GPU
     #: ("off" or above 1: the gate never closes)

@@ -74,7 +74,8 @@ class EamPrefetch(Prefetch):
     per_layer: int = 0
     #: what seeds the EAMC: "others" (the replayed trace, leave-one-out), a trace path, or "none" (start empty)
     calibration: str = OTHERS
-    tracker: ActivationTracker | None = field(default=None, repr=False)
+    #: the activation matrices, shared with the request-lfu cache (built in configure, not a parameter)
+    tracker: ActivationTracker | None = field(default=None, repr=False, init=False)
     _per_layer: int = 0
 
     def configure(self, ctx: RunContext) -> None:
@@ -142,8 +143,11 @@ class RequestLFUCache(CachePolicy):
 
     name = "request-lfu"
     layout = "pool"
+    #: finished requests' EAMs kept when no moe-infinity prefetch shares its tracker (0: none; the cache then
+    #: ranks by the current requests' and the whole run's counts alone)
     eamc_size: int = 0
-    tracker: ActivationTracker | None = field(default=None, repr=False)
+    #: the prefetch's activation matrices when it runs beside this cache, else its own (not a parameter)
+    tracker: ActivationTracker | None = field(default=None, repr=False, init=False)
     _start: list[int] = field(default_factory=list, repr=False)
     #: (by the current requests, by the whole run) priority of every expert of every layer
     _current: np.ndarray | None = field(default=None, repr=False)
