@@ -150,6 +150,12 @@ class PerTokens(dict):
         return current if current is not None and current.costs is costs else cls(costs, compute)
 
 
+def expert_times(costs: CostModel, tokens: int) -> tuple[float, float]:
+    """(GPU kernel, CPU) seconds of one expert with ``tokens`` tokens, launches not included (a
+    :class:`PerTokens` compute function)."""
+    return costs.gpu_expert(tokens), costs.cpu_expert(tokens)
+
+
 @dataclass(slots=True, init=False)
 class LayerPlan:
     """What the executor does for one layer, in order: evict, load, compute, prefetch."""

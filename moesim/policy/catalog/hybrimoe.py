@@ -50,8 +50,8 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
-from moesim.hw.cost import CostModel
-from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, highest_set, token_mean
+from moesim.policy.base import (LayerPlan, LayerView, PerTokens, RunContext, expert_times, highest_set,
+                                token_mean)
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.dali import SolveClock
 from moesim.policy.prefetch import Prefetch, ranked_predictions
@@ -141,11 +141,6 @@ class ScoreAwareCache(CachePolicy):
 
 #: 003 Table 6 (App. A.4): HybriMoE's scheduling overhead, 3.01% of end-to-end inference time on average
 SCHEDULING_SHARE = 0.0301
-
-
-def expert_times(costs: CostModel, tokens: int) -> tuple[float, float]:
-    """(GPU kernel, CPU) seconds of one expert with ``tokens`` tokens."""
-    return costs.gpu_expert(tokens), costs.cpu_expert(tokens)
 
 
 def hybrid_schedule(view: LayerView, loads: bool = True,

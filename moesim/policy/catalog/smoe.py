@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
-from moesim.hw.cost import CostModel, roofline_s
+from moesim.hw.cost import roofline_s
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, expert_times
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
@@ -102,11 +102,6 @@ class SMoELFUCache(CachePolicy):
 
 
 # ----------------------------------------------------------------------------- assignment
-def cpu_and_gpu_s(costs: CostModel, tokens: int) -> tuple[float, float]:
-    """An expert's CPU time and GPU kernel time (without launches) with ``tokens`` tokens."""
-    return costs.cpu_expert(tokens), costs.gpu_expert(tokens)
-
-
 @register_component
 @dataclass
 class SMoEAssign(Assignment):
@@ -125,18 +120,18 @@ class SMoEAssign(Assignment):
     #: T_PCIe counts the copies queued ahead of an expert (this layer's loads in flight and the experts
     #: already given to the GPU, most tokens first) instead of one expert's copy alone
     queue_aware: bool = False
-
+    #: (GPU kernel, CPU) seconds by token count, kept between layers
     _times: PerTokens | None = field(default=None, repr=False)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         gpu, cpu = [], []
         queue_aware, load = self.queue_aware, view.costs.expert_load
         queued = self._queue_s(view) if queue_aware else 0.0
-        times = self._times = PerTokens.of(self._times, view.costs, cpu_and_gpu_s)
+        times = self._times = PerTokens.of(self._times, view.costs, expert_times)
         launch = view.expert_launch_s
         for expert, tokens, transfer in zip(view.active, view.counts, self.transfers_s(view, view.active)):
             copies = queue_aware and transfer == load
-            t_cpu, t_gpu = times[tokens]
+            t_gpu, t_cpu = times[tokens]
             if t_cpu > t_gpu + launch + (transfer + (queued if copies else 0.0)):  # T_GPU: kernel and launches
                 gpu.append(expert)
                 queued += load if copies else 0.0
