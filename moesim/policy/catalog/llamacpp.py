@@ -30,7 +30,7 @@ about 3,000 kernels per decoded DeepSeek-V3 token, no CUDA Graph: 001 Sec. 2.3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
@@ -98,6 +98,8 @@ class LlamaCppExpertOffload(LlamaCppLayers):
     """001's extension: the experts of every MoE layer stay in host memory (``--n-cpu-moe`` = all layers)."""
 
     name = "llamacpp-experts"
+    #: fixed at every MoE layer (not a parameter: its spread ignores it)
+    n_cpu_moe: int = field(default=-1, init=False)
 
     def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
         return SlotSpread([0] * layers)

@@ -143,9 +143,6 @@ class RequestLFUCache(CachePolicy):
 
     name = "request-lfu"
     layout = "pool"
-    #: finished requests' EAMs kept when no moe-infinity prefetch shares its tracker (0: none; the cache then
-    #: ranks by the current requests' and the whole run's counts alone)
-    eamc_size: int = 0
     #: the prefetch's activation matrices when it runs beside this cache, else its own (not a parameter)
     tracker: ActivationTracker | None = field(default=None, repr=False, init=False)
     _start: list[int] = field(default_factory=list, repr=False)
@@ -164,7 +161,9 @@ class RequestLFUCache(CachePolicy):
         tracker = _TRACKERS.get(id(ctx))
         if tracker is None and ctx.trace_path is not None:
             m = ctx.model
-            tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
+            # its own tracker needs no EAM collection: the cache ranks by the current requests' and the
+            # whole run's counts, never by a matched EAM
+            tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, 0)
         self.tracker = tracker
         pool = ctx.pool if ctx.pool is not None else sum(ctx.capacity)
         self._start = even_quotas(pool, len(ctx.capacity), ctx.model.num_experts)
