@@ -238,6 +238,10 @@ class Component:
     #: optional trace columns the component reads from its views
     columns: ClassVar[tuple[str, ...]] = ()
 
+    def for_model(self, model: ModelSpec) -> None:
+        """Called once the model is known, before GPU memory is planned: settle defaults that depend on the
+        model and size what the memory plan reads (a prefetch buffer, say); default does nothing."""
+
     def configure(self, ctx: RunContext) -> None:
         """Called once before the run; default does nothing."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
 from moesim.policy.base import Component, LayerPlan, LayerView, RunContext
 from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
@@ -78,6 +79,11 @@ class ComposedSystem:
 
     def needed_columns(self) -> list[str]:
         return sorted({c for component in self.components.values() for c in component.columns})
+
+    def for_model(self, model: ModelSpec) -> None:
+        """Let each component settle its model-dependent defaults before the memory plan reads them."""
+        for component in self.components.values():
+            component.for_model(model)
 
     def configure(self, ctx: RunContext) -> None:
         for component in self.components.values():

@@ -131,6 +131,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     built = build_system(system, parsed.system)
+    built.for_model(model)
     checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype,
                       parsed.runtime or SYSTEMS[system].runtime)

@@ -15,7 +15,7 @@ from moesim.errors import ConfigError
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.dali import (ResidualPrefetch, SolveClock, WorkloadAwareCache, greedy_assignment,
-                                        makespan, optimal_assignment)
+                                        makespan, optimal_assignment, paper_setting)
 from moesim.policy.state import CacheState
 from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
@@ -223,3 +223,38 @@ def test_residual_prefetch_ranks_by_workload_then_id(rows, size):
     expected = sorted(np.flatnonzero(workload).tolist(), key=lambda e: (-workload[e], e))[:size]
     view = _view([[0, 1]] * len(rows), {"pred_residual": [np.array(row) for row in rows]})
     assert prefetch.candidates(view) == [(1, e) for e in expected]
+
+
+@pytest.mark.parametrize("preset,setting,noted", [
+    ("mixtral-8x7b", (1, 1), False), ("deepseek-v2-lite", (8, 4), False), ("qwen1.5-moe-a2.7b", (8, 4), False),
+    ("deepseek-v3", (8, 4), False), ("qwen3-235b-a22b", (8, 4), False), ("olmoe-1b-7b", (8, 4), True)])
+def test_u_size_and_prefetch_size_follow_003_per_model(preset, setting, noted):
+    """003 Fig. 12 / Sec. 6.4: (u_size, prefetch size) = (1, 1) on Mixtral, (8, 4) on DeepSeek and Qwen; a
+    family 003 did not run (OLMoE, 64 experts per layer) takes the setting of the nearest expert count."""
+    from moesim.model.presets import load_preset
+    got, note = paper_setting(load_preset(preset))
+    assert got == setting
+    assert (note is not None) == noted
+    if noted:
+        assert "003 gives no u_size or prefetch size for olmoe-1b-7b" in note and "(64)" in note
+
+
+def test_an_unrun_family_with_few_experts_takes_mixtrals_setting():
+    import dataclasses
+    from moesim.model.presets import load_preset
+    eight = dataclasses.replace(load_preset("mixtral-8x7b"), name="other-8e")
+    assert paper_setting(eight)[0] == (1, 1)
+
+
+def test_dali_defaults_size_the_buffer_and_the_swaps_per_model(mixtral_like, tmp_path):
+    """The prefetch buffer (twice the prefetch size) is planned with the model's setting, and the cache
+    swaps the model's u_size per window; an explicit --set wins."""
+    from moesim.model.presets import load_preset
+    from moesim.sim.run import prepare
+    deepseek = str(synthesize(SynthConfig.from_settings(model=load_preset("deepseek-v2-lite"), requests=1,
+                                                        prompt_len=8, decode_len=4, seed=1), tmp_path / "ds.parquet"))
+    for trace, extra, (u_size, size) in ((mixtral_like, {}, (1, 1)), (deepseek, {}, (8, 4)),
+                                            (deepseek, {"cache.u_size": "2", "prefetch.size": "3"}, (2, 3))):
+        sim = prepare(trace, "hwprofiles/rtx3090.yaml", "dali", {"memory.expert_dtype": "int4", **extra})
+        assert (sim.system.cache.u_size, sim.system.prefetch.size) == (u_size, size)
+        assert sim.memory.reserved_slots == 2 * size

@@ -28,6 +28,11 @@ changes the share, ``assign.solve_us`` charges a fixed time per layer instead
   initial cached set is ``cache_size`` experts drawn at random per layer
   (Sec. 4, "we randomly select"), seeded by the run's seed.
 
+Per-model settings (``cache.u_size`` and ``prefetch.size`` at -1, the default): 003 Fig. 12 and
+Sec. 6.4 run Mixtral with ``u_size`` 1 and a prefetch size of 1, DeepSeek and Qwen with 8 and 4
+(``w_size`` 4 for all); a model of another family takes the setting of the paper's models nearest in
+experts per layer (Mixtral's 8, or DeepSeek-V2-Lite's 64 and Qwen1.5-MoE's 60), and the report says so.
+
 The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
 changes only through Alg. 2; a GPU expert that is not cached is transferred
 for this use only (streamed through the staging buffers, Fig. 9's E3/E7);
@@ -52,12 +57,14 @@ with score 0 whenever fewer than ``u_size`` uncached experts were used; set
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy, SlotSpread
@@ -264,6 +271,32 @@ class DaliOptimal(DaliGreedy):
         return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
 
 
+# ----------------------------------------------------------------------------- per-model settings (Sec. 6.4)
+#: (u_size, prefetch size) by model family, 003 Fig. 12 caption and Sec. 6.4 (w_size is 4 for all)
+PAPER_SETTINGS = {"mixtral": (1, 1), "deepseek": (8, 4), "qwen": (8, 4)}
+#: experts per layer between Mixtral's 8 and DeepSeek-V2-Lite's 64 on a log scale: a model of another
+#: family with fewer takes Mixtral's setting, one with more DeepSeek's and Qwen's
+NEAREST_SPLIT = math.sqrt(8 * 64)
+
+
+def paper_setting(model: ModelSpec) -> tuple[tuple[int, int], str | None]:
+    """003's (u_size, prefetch size) for ``model``, and a note when the paper did not run its family."""
+    name = model.name.lower()
+    for family, setting in PAPER_SETTINGS.items():
+        if name.startswith(family):
+            return setting, None
+    mixtral_like = model.num_experts < NEAREST_SPLIT
+    setting = PAPER_SETTINGS["mixtral" if mixtral_like else "deepseek"]
+    return setting, (f"dali: 003 gives no u_size or prefetch size for {model.name}; using those of its "
+                     f"{'Mixtral' if mixtral_like else 'DeepSeek and Qwen'} runs ({setting[0]} and {setting[1]}), "
+                     f"the nearest in experts per layer ({model.num_experts})")
+
+
+def _note_once(ctx: RunContext, note: str | None) -> None:
+    if note and note not in ctx.notes:
+        ctx.notes.append(note)
+
+
 # ----------------------------------------------------------------------------- prefetch (Sec. 4.2)
 @register_component
 @dataclass
@@ -272,13 +305,24 @@ class ResidualPrefetch(Prefetch):
 
     name = "dali-residual"
     columns = ("pred_residual",)
-    #: experts prefetched per layer ("prefetch size": 1 for Mixtral, 4 for DeepSeek and Qwen, Fig. 12)
-    size: int = 1
+    #: experts prefetched per layer ("prefetch size"; -1: 003's for the model, 1 for Mixtral, 4 for DeepSeek
+    #: and Qwen, Fig. 12)
+    size: int = -1
     _layers: int = 0
+    _note: str | None = field(default=None, repr=False)
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
 
+    def for_model(self, model: ModelSpec) -> None:
+        if self.size == -1:
+            (_, self.size), self._note = paper_setting(model)
+        if self.size < 0:  # before the memory plan sizes the buffer from it
+            raise ConfigError(f"prefetch.size={self.size} is negative", field="prefetch.size",
+                              fix="use 0 or more (-1: 003's size for the model)")
+
     def configure(self, ctx: RunContext) -> None:
+        self.for_model(ctx.model)
+        _note_once(ctx, self._note)
         self._layers = ctx.model.num_layers
         self._fallback = None
         if "pred_residual" not in ctx.columns:
@@ -312,8 +356,8 @@ class WorkloadAwareCache(CachePolicy):
     name = "dali-workload"
     #: iterations per window (Fig. 12: 4)
     w_size: int = 4
-    #: experts swapped per window (1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
-    u_size: int = 1
+    #: experts swapped per window (-1: 003's for the model, 1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
+    u_size: int = -1
     #: model-wide slots for prefetched experts, besides the cache (-1: twice the prefetch size)
     prefetch_slots: int = -1
     #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
@@ -325,12 +369,19 @@ class WorkloadAwareCache(CachePolicy):
     _seen: tuple[int, int] = (-1, -1)
     _seed: int = 0
     _experts: int = 0
+    _note: str | None = field(default=None, repr=False)
+
+    def for_model(self, model: ModelSpec) -> None:
+        if self.u_size == -1:
+            (self.u_size, _), self._note = paper_setting(model)
 
     def configure(self, ctx: RunContext) -> None:
+        self.for_model(ctx.model)
+        _note_once(ctx, self._note)
         if self.w_size < 1 or self.u_size < 0:
             raise ConfigError(f"w_size >= 1, u_size >= 0 required (got {self.w_size}, "
                               f"{self.u_size}, {self.prefetch_slots})", field="cache.w_size",
-                              fix="--set cache.w_size=4 --set cache.u_size=1")
+                              fix="--set cache.w_size=4 --set cache.u_size=8 (-1: 003's for the model)")
         experts = ctx.model.num_experts
         self._experts = experts
         self._scores = [np.zeros(experts) for _ in ctx.capacity]
