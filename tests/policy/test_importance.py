@@ -266,3 +266,20 @@ def test_ranked_predictions_order_by_votes_then_position_then_id(rows):
             entry[1] = min(entry[1], position)
     expected = sorted(votes, key=lambda e: (-votes[e][0], votes[e][1], e))
     assert ranked_predictions([np.array(row, dtype=np.int16) for row in rows]) == expected
+
+
+@pytest.mark.parametrize("preset,alpha,noted", [("qwen2-57b-a14b", 0.25, False), ("deepseek-v3", 0.3, True)])
+def test_router_alpha_follows_004_per_model(preset, alpha, noted):
+    """004 Sec. 6.2: 0.35 in S1, 0.3 in S2, 0.25 in S3 (Qwen2-57B-A14B); S2's 0.3, noted, for other models;
+    an explicit alpha is kept."""
+    from moesim.model.presets import load_preset
+    model = load_preset(preset)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4] * model.num_layers,
+                     columns=("scores",))
+    router = ImportanceRouter()
+    router.configure(ctx)
+    assert router.alpha == alpha
+    assert any("004 sets alpha for its three models only" in note for note in ctx.notes) == noted
+    explicit = ImportanceRouter(alpha=0.4)
+    explicit.configure(ctx)
+    assert explicit.alpha == 0.4

@@ -102,6 +102,12 @@ def layer_thresholds(scores: np.ndarray, k: int, alpha: float) -> list[tuple[flo
     return [((1 + alpha) * beta, beta, (1 - alpha) * beta) for beta in betas]
 
 
+#: 004 Sec. 6.2: "we use a ratio of 0.35 in S1, 0.3 in S2, and 0.25 in S3" (Table 1's models, preset names)
+PAPER_ALPHA = {"deepseek-moe-16b": 0.35, "xverse-moe-a4.2b": 0.3, "qwen2-57b-a14b": 0.25}
+#: for a model 004 did not run: S2's ratio, the middle one
+DEFAULT_ALPHA = 0.3
+
+
 @register_component
 @dataclass
 class ImportanceRouter(Substitution):
@@ -122,11 +128,18 @@ class ImportanceRouter(Substitution):
 
     name = "importance-router"
     columns = ("scores",)
-    #: substitution threshold alpha (0.35, 0.3, 0.25 in the paper's settings S1-S3, Sec. 6.2)
-    alpha: float = 0.3
+    #: substitution threshold alpha (-1: 004's for the model, Sec. 6.2: 0.35 in S1 on deepseek-moe-16b, 0.3 in
+    #: S2 on XVERSE-MoE-A4.2B, 0.25 in S3 on Qwen2-57B-A14B; S2's 0.3 for a model 004 did not run, noted)
+    alpha: float = -1.0
 
     def configure(self, ctx: RunContext) -> None:
         require_column(ctx, "scores", "substitute 'importance-router'", "router scores decide top- and low-score")
+        if self.alpha == -1.0:
+            self.alpha = PAPER_ALPHA.get(ctx.model.name.lower(), DEFAULT_ALPHA)
+            if ctx.model.name.lower() not in PAPER_ALPHA:
+                ctx.notes.append(f"importance-router: 004 sets alpha for its three models only; using "
+                                 f"{DEFAULT_ALPHA} (S2's, the middle of 0.35, 0.3, 0.25) for {ctx.model.name} "
+                                 f"(set substitute.alpha)")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"alpha must lie in [0, 1], got {self.alpha}", field="substitute.alpha",
                               fix="--set substitute.alpha=0.3")
