@@ -270,10 +270,11 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if isinstance(default, int):
-            return _in_range(int(raw), key)
-        if isinstance(default, float):
-            return _in_range(float(raw), key)
+        if isinstance(default, (int, float)):
+            value = type(default)(raw)
+            # a negative default is the parameter's "choose for me" (-1: the paper's value for the model, say):
+            # it may be asked for again by name; any other negative is refused
+            return value if value == default < 0 else _in_range(value, key)
         if default is None:
             if raw.lower() in ("true", "false"):
                 return raw.lower() == "true"
