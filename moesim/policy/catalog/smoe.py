@@ -144,19 +144,6 @@ class SMoEAssign(Assignment):
         """Time until this layer's loads already in flight have arrived."""
         return max([0.0] + [at - view.now for at in view.arrivals.values()])
 
-    @staticmethod
-    def compute_s(view: LayerView, tokens: int) -> tuple[float, float]:
-        """``T_CPU`` and ``T_GPU`` (launches included) of an expert with ``tokens`` tokens."""
-        costs = view.costs
-        return costs.cpu_expert(tokens), costs.gpu_expert(tokens) + view.expert_launch_s
-
-    def prefers_gpu(self, view: LayerView, expert: int, tokens: int, transfer: float | None = None) -> bool:
-        t_cpu, t_gpu = self.compute_s(view, tokens)
-        return t_cpu > t_gpu + (self.transfer_s(view, expert) if transfer is None else transfer)
-
-    def transfer_s(self, view: LayerView, expert: int) -> float:
-        return self.transfers_s(view, [expert])[0]
-
     def transfers_s(self, view: LayerView, experts: list[int]) -> list[float]:
         """``T_PCIe`` of each of ``experts``: 0 resident, the rest of its copy in flight, else one expert load
         in the prefill (or with ``decode_on_demand``) and infinite in decoding."""
