@@ -268,6 +268,25 @@ def test_003_hybrimoe_caches_as_many_experts_as_dali():
         assert int(seed.CACHED[model]["cache.slots_per_layer"]) == dali_cached == experts[model] // 2
 
 
+def test_000_hybrimoe_moves_experts_only_by_its_prefetch_while_decoding(tmp_path):
+    """000 Sec. VI-E compares HybriMoE and SMoE "for the same amount of data transferred over PCIe", and
+    Sec. VI-F has SMoE's hit rate higher "because it updates one more expert per iteration" (2 prefetched
+    against HybriMoE's 1): in 000's reproduction HybriMoE's decode transfers are its layer-wise prefetches.
+    With HybriMoE's own rule (the system's default) decoding also loads uncached experts on demand."""
+    from moesim.sim.run import simulate
+    from moesim.trace.synth import SynthConfig, synthesize
+
+    seed = load_script("seed_000")
+    path = tmp_path / "ds3.parquet"
+    synthesize(SynthConfig.from_settings(model="deepseek-v3", prompt_len=16, decode_len=6, seed=0, scores=True), path)
+    decode_layers = 6 * 58
+    as_reproduced = simulate(str(path), "rtx4090", "hybrimoe", seed.system_settings("hybrimoe", "deepseek-v3"))
+    own_rule = simulate(str(path), "rtx4090", "hybrimoe", {**seed.DTYPES, **seed.DECODE_SLOTS})
+    assert as_reproduced.counters.demand_loads == 0  # the prefill loads none either (000 Sec. VI-B)
+    assert 0 < as_reproduced.counters.prefetches <= decode_layers  # at most one per decode layer
+    assert own_rule.counters.demand_loads > decode_layers  # several per decode layer on 8 of 256 cached
+
+
 def test_004_compares_with_the_best_of_several_baselines_not_hybrimoe_alone():
     seed = load_script("seed_004")
     assert len(seed.BASELINES) >= 3 and "hybrimoe" in seed.BASELINES

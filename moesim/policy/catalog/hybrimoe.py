@@ -212,7 +212,8 @@ class HybridScheduling(Assignment):
     #: let the prefill load uncached experts on demand as decoding does (000 Sec. VI-B: it does not)
     prefill_loads: bool = False
     #: let decoding load uncached experts on demand (HybriMoE's rule and public code); false: they run on the
-    #: CPU and only the layer-wise prefetch moves experts (a what-if: docs/reproduction.md, Table I rows)
+    #: CPU and only the layer-wise prefetch moves experts, as 000 reproduced HybriMoE (Sec. VI-E, VI-F;
+    #: docs/reproduction.md)
     decode_loads: bool = True
     #: scheduling time per layer, microseconds, on the critical path (negative: ``solve_share`` of the run)
     solve_us: float = -1.0
