@@ -287,6 +287,26 @@ def test_000_hybrimoe_moves_experts_only_by_its_prefetch_while_decoding(tmp_path
     assert own_rule.counters.demand_loads > decode_layers  # several per decode layer on 8 of 256 cached
 
 
+def test_001_llamacpp_beats_fiddler_on_short_prompts_and_loses_on_long_ones(tmp_path):
+    """001 Sec. 6.2: "Llama.cpp outperforms Fiddler in short-prompt scenarios ..., whereas Fiddler surpasses
+    Llama.cpp for longer prompts due to better utilization of AMX instructions": its experts stay on the
+    CPU in the prefill. With ggml's op offload (every activated expert copied from 32 tokens up) it would be
+    the slowest of the three on short prompts."""
+    from moesim.trace.synth import SynthConfig, synthesize
+
+    seed = load_script("seed_001")
+    ttft = {}
+    for prompt in (32, 2048):
+        path = tmp_path / f"qw2-{prompt}.parquet"
+        synthesize(SynthConfig.from_settings(model="qwen2-57b-a14b", prompt_len=prompt, decode_len=0, seed=0), path)
+        ttft[prompt] = {label: seed.run(str(path), "a100-40g", label, "bf16")["ttft_ms"]
+                        for label in ("fiddler", "llamacpp")}
+        ttft[prompt]["op offload"] = seed.run(str(path), "a100-40g", "llamacpp", "bf16",
+                                              {"assign.op_offload_min_batch": "32"})["ttft_ms"]
+    assert ttft[32]["llamacpp"] < ttft[32]["fiddler"] < ttft[32]["op offload"]
+    assert ttft[2048]["fiddler"] < ttft[2048]["llamacpp"]
+
+
 def test_004_compares_with_the_best_of_several_baselines_not_hybrimoe_alone():
     seed = load_script("seed_004")
     assert len(seed.BASELINES) >= 3 and "hybrimoe" in seed.BASELINES

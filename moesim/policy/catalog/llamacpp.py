@@ -23,9 +23,14 @@ batch before the multiplication.
 
 ``llamacpp-experts`` is llama.cpp as 001_66a328d79a3cae8d.txt Sec. 6.1 extended it for its comparison:
 "expert-level offloading analogous to Fiddler", every routed expert on the CPU and the rest of the
-model on the GPU, whatever GPU memory is left; ggml's op offload of large batches stays as in
-llama.cpp (``assign.op_offload_min_batch``), and the runtime is llama.cpp's (C++ launches of 5 us,
-about 3,000 kernels per decoded DeepSeek-V3 token, no CUDA Graph: 001 Sec. 2.3).
+model on the GPU, whatever GPU memory is left, and the runtime is llama.cpp's (C++ launches of 5 us,
+about 3,000 kernels per decoded DeepSeek-V3 token, no CUDA Graph: 001 Sec. 2.3). Its prefill keeps the
+experts on the CPU too (``assign.op_offload_min_batch=0``): 001 Sec. 6.2 finds it faster than Fiddler on
+short prompts ("superior operator fusion") and slower on long ones, where Fiddler wins by "better
+utilization of AMX instructions in its oneDNN backend". Copying every activated expert to the GPU from
+32 tokens up would make it the slowest of the three on short prompts (a 32-token prompt activates most
+experts of every layer) and, on Qwen2-57B at 8,192 tokens, faster than Fiddler
+(``--set assign.op_offload_min_batch=32`` gives stock ggml's rule).
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ register_system("llamacpp", SystemSpec(
     cache="llamacpp-layers", assign="llamacpp", system_class=LlamaCppSystem,
     runtime="llamacpp"))
 register_system("llamacpp-experts", SystemSpec(
-    "llama.cpp as 001 extended it: every routed expert on the CPU (Fiddler-style expert offloading), attention "
-    "and shared experts on the GPU, llama.cpp's launches; batches of 32+ tokens offload experts to the GPU",
-    cache="llamacpp-experts", assign="llamacpp", system_class=LlamaCppSystem, uses_cache=False, runtime="llamacpp"))
+    "llama.cpp as 001 extended it: every routed expert on the CPU (Fiddler-style expert offloading), prefill "
+    "included (no op offload, 001 Sec. 6.2), attention and shared experts on the GPU, llama.cpp's launches",
+    cache="llamacpp-experts", assign="llamacpp", system_class=LlamaCppSystem, uses_cache=False, runtime="llamacpp",
+    defaults=(("assign.op_offload_min_batch", "0"),)))
