@@ -3,13 +3,14 @@
 Setup as the paper deployed it (Sec. VI-A, Sec. IV-D): hwprofiles/rtx4090.yaml (RTX 4090 24GB,
 EPYC 7T83 limited to 10 cores, PCIe 4.0 x16) with the two numbers benchmarks/reproduce/calibrate.py
 fitted to Table I's KTransformers means (``common.testbed``), no CUDA Graph for any system (Sec. VI-A:
-"we do not use CUDA Graphs", so KTransformers runs ``runtime=ktransformers-eager`` as SMoE and HybriMoE do), 4-bit experts and 4-bit non-expert weights
-(``memory.expert_dtype=int4``, ``memory.non_expert_dtype=int4``: about 10 GB of attention-related
-weights on the GPU, Sec. IV-D), 8 cached experts per layer in decoding (Sec. VI-D), SMoE prefetching 2
-experts per layer on DeepSeek-V3 and 3 on Qwen3, SMoE-Flex 3 on half of the layers, HybriMoE 1
-(Sec. VI-D), HybriMoE moving experts in decoding only by that prefetch (``HYBRIMOE_AS_REPRODUCED``).
-Traces are synthetic, shaped like each model (``moesim trace synth``, with predictor columns); the
-paper used real prompts, so only the shape of the comparison can agree.
+"we do not use CUDA Graphs", so KTransformers runs ``runtime=ktransformers-eager`` as SMoE and HybriMoE
+do), 4-bit experts and 4-bit non-expert weights (``memory.expert_dtype=int4``,
+``memory.non_expert_dtype=int4``: about 10 GB of attention-related weights on the GPU, Sec. IV-D),
+8 cached experts per layer in decoding (Sec. VI-D), SMoE prefetching 2 experts per layer on
+DeepSeek-V3 and 3 on Qwen3, SMoE-Flex 3 on half of the layers, HybriMoE 1 (Sec. VI-D), HybriMoE
+moving experts in decoding only by that prefetch (``HYBRIMOE_AS_REPRODUCED``). Traces are synthetic,
+shaped like each model (``moesim trace synth``, with predictor columns); the paper used real prompts,
+so only the shape of the comparison can agree.
 
 Shortened for time: decoding runs 128 tokens after a 64-token prompt (the paper decodes whole answers
 of six datasets), and the prefill traces carry no ``scores`` column (HybriMoE then ranks by gate
