@@ -280,8 +280,9 @@ def test_000_hybrimoe_moves_experts_only_by_its_prefetch_while_decoding(tmp_path
     path = tmp_path / "ds3.parquet"
     synthesize(SynthConfig.from_settings(model="deepseek-v3", prompt_len=16, decode_len=6, seed=0, scores=True), path)
     decode_layers = 6 * 58
-    as_reproduced = simulate(str(path), "rtx4090", "hybrimoe", seed.system_settings("hybrimoe", "deepseek-v3"))
-    own_rule = simulate(str(path), "rtx4090", "hybrimoe", {**seed.DTYPES, **seed.DECODE_SLOTS})
+    settings = seed.system_settings("hybrimoe", "deepseek-v3")
+    as_reproduced = simulate(str(path), "rtx4090", "hybrimoe", settings)
+    own_rule = simulate(str(path), "rtx4090", "hybrimoe", {**settings, "assign.decode_loads": "true"})
     assert as_reproduced.counters.demand_loads == 0  # the prefill loads none either (000 Sec. VI-B)
     assert 0 < as_reproduced.counters.prefetches <= decode_layers  # at most one per decode layer
     assert own_rule.counters.demand_loads > decode_layers  # several per decode layer on 8 of 256 cached
