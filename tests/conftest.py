@@ -3,6 +3,14 @@
 import os
 import tempfile
 
+from hypothesis import settings
+
+# CI runs the same examples every time (a landing never hangs on a new random draw); elsewhere each run
+# explores new ones. Loaded before the test modules import, so their own settings inherit it.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 
 def pytest_configure(config) -> None:
     # records of validated traces (moesim.trace.validated) go to a folder of this session, not ~/.cache

@@ -8,7 +8,8 @@ A request is ``prompt`` prefill tokens followed by ``output`` decode tokens.
 Its KV cache holds one entry per computed token; the scheduler never lets the
 running requests hold more than ``kv_tokens`` entries. When a decode cannot get
 its entry, the most recently admitted request is preempted and recomputed later
-(its KV freed, its computed tokens prefilled again), as vLLM does by default
+(its KV freed, its computed tokens prefilled again; it waits at the head of the
+queue from the next step on), as vLLM does by default
 (Kwon et al., SOSP'23, "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", Sec. 4.5, recomputation).
 
@@ -197,6 +198,7 @@ class ContinuousBatching(Scheduler):
     def next_batch(self) -> Batch:
         batch = Batch()
         while not batch.entries and (self.running or self.waiting):
+            preempted = len(batch.preempted)
             if self.priority == "prefill":
                 self._prefill(batch)
                 if not batch.entries:
@@ -207,8 +209,10 @@ class ContinuousBatching(Scheduler):
             if not batch.entries:
                 if not self.running:
                     break  # the head of the queue waits for KV that only finishing requests free
-                # running prompts hold all the KV and none can go on: the newest yields (recompute)
-                self._preempt(self.running[-1], batch)
+                # a decode that yielded freed KV: the others try again before anyone else yields
+                if len(batch.preempted) == preempted:
+                    # running prompts hold all the KV and none can go on: the newest yields (recompute)
+                    self._preempt(self.running[-1], batch)
         return batch
 
     # ------------------------------------------------------------------ parts of a step
@@ -260,6 +264,8 @@ class ContinuousBatching(Scheduler):
                 free -= n
         while self.waiting and len(batch.entries) < self.max_batch:
             request = self.waiting[0]
+            if request in batch.preempted:
+                break  # it yielded in this step: back in the queue for the next (vLLM requeues after the step)
             n = self._piece(request, batch, free)
             if not n:
                 break  # first come, first served: nobody overtakes the head of the queue

@@ -114,6 +114,26 @@ def test_kv_exhaustion_preempts_the_newest_and_recomputes():
     assert steps == [[(0, 1)], [(1, 5)], [(1, 1)], [(1, 1)]]
 
 
+def test_a_decode_that_yields_lets_an_older_prompt_go_on():
+    """The newest request, decoding, yields its KV when it runs out; the older one, mid-prompt, uses it in
+    the same step instead of yielding too, and the one that yielded is not readmitted before the next step
+    (both yielding and both prefilling again, step after step, was a livelock)."""
+    s = ContinuousBatching(max_batch=8, max_tokens=4, chunk_tokens=2, priority="prefill")
+    old, new = req(0, 5, 3), req(1, 4, 1)
+    s.add(old)
+    s.add(new)
+    s.set_kv_tokens(8)
+    s.advance(s.next_batch())
+    s.advance(s.next_batch())  # 2 + 2 prompt tokens each: 8 entries, old one prompt token short
+    batch = s.next_batch()
+    assert batch.preempted == [new] and old.preemptions == 0
+    assert [(r.rid, n) for r, n in batch.entries] == [(0, 1)]
+    s.advance(batch)
+    steps = plan(s, kv=8)  # every step does work until both are done
+    assert old.finished and new.finished and old.preemptions == 0
+    assert sum(n for step in steps for rid, n in step if rid == 0) == 3  # the older one's three decode tokens
+
+
 def test_presets_cite_their_defaults():
     assert build_scheduler("sarathi", {}).max_tokens == 512
     assert build_scheduler("llamacpp", {}).max_batch == 4

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics
 from moesim.analysis.serving import request_frame, serving_metrics
@@ -55,7 +55,20 @@ def run_serve(tmp: str, model, routing, profile, system: str, extra: dict[str, s
     return path, serve([path], tiny_profile(**profile), system, extra)
 
 
+def _livelock_pool():
+    """Two requests that once yielded their KV to each other in turn without end (vllm, chunked prompts)."""
+    model = tiny_model(layers=1, experts=2, top_k=1)
+    experts = [[1, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]  # per request, by position
+    routing = []
+    for r, (prompt, ids) in enumerate(zip((1, 3, 3), experts)):
+        routing.append({"phase": "prefill", "tokens": {r: (0, [[[e] for e in ids[:prompt]]])}})
+        routing += [{"phase": "decode", "tokens": {r: (p, [[[ids[p]]]])}} for p in range(prompt, len(ids))]
+    profile = dict(gpu_us=(10.0, 5000.0), cpu_us=(10.0, 50000.0), attention_us=1.0, pcie_gbps=0.001)
+    return model, routing, profile
+
+
 @FAST
+@example(_livelock_pool(), "gpu-only-lru", "vllm", "gamma", 5)
 @given(pools(), st.sampled_from(["gpu-only-lru", "cpu-only", "static-hot"]),
        st.sampled_from(["static", "vllm", "sarathi", "llamacpp"]), st.sampled_from(["poisson", "gamma", "closed"]),
        st.integers(0, 30))
