@@ -141,10 +141,11 @@ def coactivation(experts: np.ndarray, num_experts: int, probabilities: np.ndarra
     pairs = [(a, b) for a in range(k) for b in range(k) if a != b]
     if not pairs or not len(experts):
         return np.zeros((num_experts, num_experts))
-    # every (token, a, b) cell at once, in the order slot pair by slot pair, token by token: a weighted
-    # count adds the same terms in the same order as one pass per slot pair would
-    cells = np.concatenate([experts[:, a] * num_experts + experts[:, b] for a, b in pairs])
-    w = None if p is None else np.concatenate([np.minimum(p[:, a], p[:, b]) for a, b in pairs])
+    first, second = (np.array(slots) for slots in zip(*pairs))
+    # every (token, a, b) cell at once, in the order slot pair by slot pair, token by token (the transposed
+    # ravel): a weighted count adds the same terms in the same order as one pass per slot pair would
+    cells = (experts[:, first] * num_experts + experts[:, second]).T.ravel()
+    w = None if p is None else np.minimum(p[:, first], p[:, second]).T.ravel()
     return np.bincount(cells, weights=w, minlength=num_experts * num_experts).astype(np.float64) \
         .reshape(num_experts, num_experts)
 
@@ -206,7 +207,7 @@ def substitute_buddies_at_once(experts: np.ndarray, on_gpu: set[int], resident: 
     tokens, k = experts.shape
     if not tokens:
         return []
-    ids = np.unique(experts)
+    ids = np.flatnonzero(np.bincount(experts.ravel()))  # the routed ids, ascending (np.unique without its sort)
     off_gpu = np.array([e not in on_gpu for e in ids.tolist()])
     usable = [[b for b in buddies[e][:search_limit] if b in resident] if off else []
               for e, off in zip(ids.tolist(), off_gpu.tolist())]
