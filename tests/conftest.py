@@ -5,8 +5,8 @@ import tempfile
 
 from hypothesis import settings
 
-# CI runs the same examples every time (a landing never hangs on a new random draw); elsewhere each run
-# explores new ones. Loaded before the test modules import, so their own settings inherit it.
+# CI draws the same examples every run, so whether a change lands does not depend on a new random draw;
+# elsewhere each run explores new ones. Loaded before the test modules import: their settings inherit it.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
