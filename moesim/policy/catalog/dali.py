@@ -66,7 +66,8 @@ import numpy as np
 from moesim.errors import ConfigError
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext
+from moesim.policy.base import expert_times as kernel_and_cpu_times
 from moesim.policy.cache import CachePolicy, SlotSpread
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import LastTokenPredictor, NoPrefetch, Prefetch
@@ -76,24 +77,30 @@ from moesim.policy.systems import SystemSpec, register_component, register_syste
 # ----------------------------------------------------------------------------- cost vectors (Eq. 4-6)
 def expert_times(view: LayerView) -> tuple[list[int], np.ndarray, np.ndarray]:
     """(experts, t_gpu, t_cpu) for the layer's activated experts (Eq. 5-6 with the cache, Sec. 4.3)."""
-    costs, layer = view.costs, view.layer
-    resident = view.cache.resident[layer]
+    experts, t_gpu, t_cpu = expert_time_lists(view)
+    return experts, np.array(t_gpu, dtype=np.float64), np.array(t_cpu, dtype=np.float64)
+
+
+def expert_time_lists(view: LayerView, times: PerTokens | None = None) -> tuple[list[int], list[float], list[float]]:
+    """:func:`expert_times` as lists (a decode layer's few experts: no arrays to build); ``times``: the cost
+    model's (GPU kernel, CPU) expert times by token count, kept between calls."""
+    times = PerTokens.of(times, view.costs, kernel_and_cpu_times)
+    resident, arrivals, now, launch = view.cache.resident[view.layer], view.arrivals, view.now, view.expert_launch_s
+    expert_load = view.costs.expert_load
     experts = list(view.active)
     t_gpu, t_cpu = [], []
-    compute: dict[int, tuple[float, float]] = {}  # tokens -> (GPU kernel with launches, CPU): few counts
     for e, n in zip(experts, view.counts):
         if e in resident:
             transfer = 0.0
-        elif e in view.arrivals:
-            transfer = max(view.arrivals[e] - view.now, 0.0)
+        elif e in arrivals:
+            transfer = max(arrivals[e] - now, 0.0)
         else:
-            transfer = costs.expert_load
-        if n not in compute:
-            compute[n] = (costs.gpu_expert(n) + view.expert_launch_s, costs.cpu_expert(n))
-        gpu, cpu = compute[n]
+            transfer = expert_load
+        gpu, cpu = times[n]
+        gpu += launch
         t_gpu.append(transfer if transfer > gpu else gpu)
         t_cpu.append(cpu)
-    return experts, np.array(t_gpu, dtype=np.float64), np.array(t_cpu, dtype=np.float64)
+    return experts, t_gpu, t_cpu
 
 
 def makespan(t_gpu: np.ndarray, t_cpu: np.ndarray, on_gpu: np.ndarray) -> float:
@@ -103,7 +110,11 @@ def makespan(t_gpu: np.ndarray, t_cpu: np.ndarray, on_gpu: np.ndarray) -> float:
 
 def greedy_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
     """Alg. 1 of 003: boolean GPU mask."""
-    gpu, cpu = t_gpu.tolist(), t_cpu.tolist()  # the same doubles, without numpy scalars
+    return np.array(greedy_mask(t_gpu.tolist(), t_cpu.tolist()), dtype=bool)
+
+
+def greedy_mask(gpu: list[float], cpu: list[float]) -> list[bool]:
+    """:func:`greedy_assignment` on lists of the same doubles."""
     order = sorted(range(len(gpu)), key=lambda i: -abs(gpu[i] - cpu[i]))  # stable: ties keep their order
     on_gpu = [False] * len(gpu)
     total_gpu = total_cpu = 0.0
@@ -115,7 +126,7 @@ def greedy_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
             total_gpu += gpu[i]
         else:
             total_cpu += cpu[i]
-    return np.array(on_gpu, dtype=bool)
+    return on_gpu
 
 
 def optimal_assignment(t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
@@ -230,12 +241,10 @@ class DaliGreedy(Assignment):
     solve_share: float = GREEDY_SHARE
     _last_solve_s: float = field(default=0.0, repr=False)
     _clock: SolveClock | None = field(default=None, repr=False)
+    _times: PerTokens | None = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
         self._clock = SolveClock.checked(self.solve_share, self.solve_us, GREEDY_SHARE)
-
-    def choose(self, t_gpu: np.ndarray, t_cpu: np.ndarray) -> np.ndarray:
-        return greedy_assignment(t_gpu, t_cpu)
 
     def _charge(self, view: LayerView) -> float:
         if self._clock is None:
@@ -243,10 +252,11 @@ class DaliGreedy(Assignment):
         return self._clock.charge(view)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
-        experts, t_gpu, t_cpu = expert_times(view)
-        on_gpu = self.choose(t_gpu, t_cpu)
+        self._times = PerTokens.of(self._times, view.costs, kernel_and_cpu_times)
+        experts, t_gpu, t_cpu = expert_time_lists(view, self._times)
+        on_gpu = greedy_mask(t_gpu, t_cpu)
         self._last_solve_s = self._charge(view)
-        return ([e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g])
+        return [e for e, g in zip(experts, on_gpu) if g], [e for e, g in zip(experts, on_gpu) if not g]
 
 
 @register_component
@@ -465,6 +475,14 @@ class WorkloadAwareCache(CachePolicy):
 class DaliSystem(ObservingSystem):
     """DALI's planning steps (003 Sec. 4, Fig. 9); see the module docstring."""
 
+    #: (layer, expert) pairs that may be buffer entries: prefetched, and not yet found cached or gone (None:
+    #: not known yet, every layer is looked at)
+    _buffer_pairs: set[tuple[int, int]] | None = None
+
+    def configure(self, ctx: RunContext) -> None:
+        super().configure(ctx)
+        self._buffer_pairs = None
+
     def _buffer(self) -> int:
         """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in)."""
         cache = self.cache
@@ -530,35 +548,44 @@ class DaliSystem(ObservingSystem):
         state = view.cache
         wanted = self.prefetch.candidates(view)
         evicted = set(plan.evictions)
-        held = state.held()  # the state does not change while a plan is made
+        # free slots after the plan so far: of each target's quota (found at its first need), of the whole
+        room: dict[int, int] = {}
+        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.prefetches)
         # the buffer's entries, found at the first need: one layer's (a full quota) or every layer's (a full pool)
         entries: dict[int | None, list[tuple[int, int]]] = {}
+        swaps = len(plan.prefetches)  # the window's swap-ins, cached experts
         for target, e in wanted:
             if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
                 continue
-            quota, pool = self._room(view, plan, target, evicted, held)
-            if min(quota, pool) <= 0:
-                where = target if quota <= 0 else None
+            if target not in room:
+                room[target] = self._quota_left(view, plan, target, evicted)
+            if room[target] <= 0 or (pool_left is not None and pool_left <= 0):
+                where = target if room[target] <= 0 else None
                 if where not in entries:
                     entries[where] = self._buffer_entries(view, where)
                 stale = self._stale_entry(view, plan, where, wanted, evicted, entries[where])
                 if stale is None:
+                    entries[where] = []  # none now, and the plan only takes more away: none later either
                     continue
                 plan.evictions.append(stale)
                 evicted.add(stale)
+                if stale[0] in room:
+                    room[stale[0]] += 1
+                if pool_left is not None:
+                    pool_left += 1
             plan.prefetches.append((target, e))
+            room[target] -= 1
+            if pool_left is not None:
+                pool_left -= 1
+        if self._buffer_pairs is not None:  # after the loop: a pair is not in flight before the plan runs
+            self._buffer_pairs.update(plan.prefetches[swaps:])
 
-    def _room(self, view: LayerView, plan: LayerPlan, target: int,
-              evicted: set[tuple[int, int]], held: int) -> tuple[int, int]:
-        """Free slots of ``target``'s quota and of the whole (cache + buffer, ``held`` of them taken before
-        the plan) after this plan so far."""
+    def _quota_left(self, view: LayerView, plan: LayerPlan, target: int, evicted: set[tuple[int, int]]) -> int:
+        """Free slots of ``target``'s quota after this plan so far."""
         state = view.cache
         dropped = sum(1 for (l, _) in evicted if l == target)
         queued = sum(1 for (l, _) in plan.prefetches if l == target)
-        quota = state.capacity[target] - state.used(target) + dropped - queued
-        if state.pool is None:
-            return quota, quota
-        return quota, state.pool - held + len(evicted) - len(plan.prefetches)
+        return state.capacity[target] - state.used(target) + dropped - queued
 
     def _buffer_entries(self, view: LayerView, layer: int | None = None) -> list[tuple[int, int]]:
         """Every (layer, expert) resident and not cached: what the prefetch buffer holds (in ``layer`` alone
@@ -567,14 +594,30 @@ class DaliSystem(ObservingSystem):
         assert isinstance(cache, WorkloadAwareCache)
         if layer is not None:
             return [(layer, x) for x in resident[layer] - cache.cached(layer)]
-        # few: most layers hold only cached experts, passed over by a subset test
-        return [(l, x) for l, (held, kept) in enumerate(zip(resident, cache.cached_sets())) if not held <= kept
-                for x in held - kept]
+        kept, in_flight = cache.cached_sets(), view.cache.in_flight
+        if self._buffer_pairs is None:  # the first time, every layer
+            self._buffer_pairs = {(l, x) for l, (held, cached) in enumerate(zip(resident, kept))
+                                  if not held <= cached for x in held - cached}
+        # only a prefetch puts an uncached expert in a layer, so the entries are among the prefetched pairs;
+        # a pair leaves them once its expert is cached, or neither resident nor arriving
+        entries = []
+        for pair in list(self._buffer_pairs):
+            l, x = pair
+            if x in resident[l]:
+                if x in kept[l]:
+                    self._buffer_pairs.discard(pair)
+                else:
+                    entries.append(pair)
+            elif x not in in_flight[l]:
+                self._buffer_pairs.discard(pair)
+        return entries
 
     def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
                      evicted: set[tuple[int, int]], entries: list[tuple[int, int]]) -> tuple[int, int] | None:
         """A buffer entry (of ``entries``) nobody needs now: in ``layer`` when given, else the one whose
         layer comes round last in the forward pass."""
+        if not entries:
+            return None
         busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
         stale = [(l, x) for l, x in entries if (layer is None or l == layer) and (l, x) not in busy]
         if not stale:
