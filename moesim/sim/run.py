@@ -274,6 +274,13 @@ def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[
                 skipped: dict[str, str], progress: Callable[[int], None] | None = None) -> PortfolioResult:
     """Run a portfolio's prepared members, each to its end or (``engine.prune``) until it provably is best
     on no metric (moesim.sim.portfolio), and combine them."""
+    # one decode of the trace, with the optional columns of every member, each member seeing its own
+    with keeping_decoded(columns={c for sim in sims.values() for c in sim.system.needed_columns()}):
+        return _run_members(trace, system, sims, runs, skipped, progress)
+
+
+def _run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
+                 skipped: dict[str, str], progress: Callable[[int], None] | None) -> PortfolioResult:
     names = members(system)
     own = SYSTEMS[system].portfolio
     runs = dict(runs)

@@ -235,13 +235,107 @@ def _phase_codes(column: pa.Array) -> np.ndarray:
 
 
 #: decoded traces kept per process while :func:`keeping_decoded` is on (sweep workers, ``replay --system
-#: all``), least recently used dropped first, up to this many bytes in all
+#: all``, a portfolio's members), least recently used dropped first, up to this many bytes in all
 DECODED_CACHE_BYTES = 512 << 20
 _KEEP = [False]
+#: optional columns decoded for every reader while keeping, besides its own (:func:`keeping_decoded`)
+_WIDEN: list[tuple[str, ...] | None] = [()]
 #: numpy's own size of one array object, counted beside its data (predictor columns hold one per row)
 _ARRAY_OVERHEAD = 112
-#: (file stamp, optional columns read) -> (its steps, their size in bytes)
-_DECODED: OrderedDict[tuple, tuple[list[Step], int]] = OrderedDict()
+#: (file stamp, optional columns decoded) -> its decode, shared by its readers
+_DECODED: OrderedDict[tuple, _SharedDecode] = OrderedDict()
+
+
+class _SharedDecode:
+    """One decode of a trace, read by several readers at their own pace (a portfolio's members race
+    through it step by step; a sweep worker's later points read it again).
+
+    Steps are decoded as the furthest reader needs them and kept for the others.
+    While the steps kept fit in :data:`DECODED_CACHE_BYTES` they all stay (and
+    the whole decode, once read to its end, serves later readers); past it, the
+    decode leaves the cache and keeps only what a current reader has yet to read.
+    A reader asking for fewer optional columns than were decoded gets views of
+    the same arrays without the others, built once per step and column set.
+    """
+
+    def __init__(self, key: tuple, source: Iterator[Step]) -> None:
+        self.key, self.source = key, source
+        self.steps: list[Step] = []
+        self.first = 0  # index of steps[0] (above 0 once steps nobody needs are dropped)
+        self.size = 0
+        self.keep = True  # within the cache's bytes: kept whole
+        self.done = False
+        self.readers: dict[int, int] = {}  # reader -> index of its next step
+        self.narrowed: dict[tuple[str, ...] | None, list[Step]] = {}
+
+    def read(self, columns: tuple[str, ...] | None) -> Iterator[Step]:
+        reader = object()
+        me = id(reader)
+        self.readers[me] = self.first
+        views = None if columns == self.key[-1] else self.narrowed.setdefault(columns, [])
+        try:
+            while True:
+                at = self.readers[me]
+                if at - self.first >= len(self.steps) and not self._more():
+                    return
+                step = self.steps[at - self.first]
+                self.readers[me] = at + 1
+                if views is not None:
+                    if len(views) <= at - self.first:
+                        views.append(_narrow(step, columns))
+                    step = views[at - self.first]
+                if not self.keep:
+                    self._drop_read()
+                yield step
+        finally:
+            del self.readers[me]
+            if not self.done and not self.readers:
+                self._forget()  # read partly by everyone: not kept (its source is closed)
+
+    def _more(self) -> bool:
+        """Decode one more step; False at the end."""
+        if self.done:
+            return False
+        step = next(self.source, None)
+        if step is None:
+            self.done = True
+            _trim_cache()
+            return False
+        self.steps.append(step)
+        self.size += _step_bytes(step)
+        if self.keep and self.size > DECODED_CACHE_BYTES:
+            self.keep = False  # too big to keep: shared only while read, and left to later readers to decode
+            _DECODED.pop(self.key, None)
+        return True
+
+    def _drop_read(self) -> None:
+        """Drop the steps every reader is past."""
+        cut = min(self.readers.values()) - self.first
+        if cut > 0:
+            del self.steps[:cut]
+            for views in self.narrowed.values():
+                del views[:cut]
+            self.first += cut
+
+    def _forget(self) -> None:
+        if _DECODED.get(self.key) is self:
+            del _DECODED[self.key]
+        self.source.close()  # type: ignore[attr-defined]
+
+
+def _narrow(step: Step, columns: tuple[str, ...] | None) -> Step:
+    """``step`` as a decode of ``columns`` only would give it (the same arrays)."""
+    wanted = OPTIONAL_COLUMNS if columns is None else columns
+    return Step(step.step, step.request, step.position, step.layer, step.phase, step.experts,
+                step.weights if "weights" in wanted else None, step.scores if "scores" in wanted else None,
+                step.token_id if "token_id" in wanted else None,
+                {name: rows for name, rows in step.predictors.items() if name in wanted}, step._bounds)
+
+
+def _trim_cache() -> None:
+    """Drop the least recently used decodes until the rest fit (their current readers read on)."""
+    while sum(d.size for d in _DECODED.values()) > DECODED_CACHE_BYTES and _DECODED:
+        _DECODED.popitem(last=False)
 
 
 def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
@@ -250,45 +344,55 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
 
     ``columns`` limits which optional columns are read (default: all present).
     Memory stays bounded by one batch plus one step, except while
-    :func:`keeping_decoded` is on: then a trace read to the end is kept decoded
-    in this process (up to :data:`DECODED_CACHE_BYTES` for all files, by file
-    stamp and columns), so that the points and systems of a sweep worker and
-    ``replay --system all`` decode it once.
+    :func:`keeping_decoded` is on: then the file is decoded once for every
+    reader in this process that asks for the same columns or fewer (several at
+    a time, or one after another while it stays within
+    :data:`DECODED_CACHE_BYTES` for all files), so that a portfolio's members,
+    the points and systems of a sweep worker and ``replay --system all``
+    decode it once. A reader joins a decode when it asks for its first step.
     """
     if not _KEEP[0]:
         yield from _decode_steps(path, columns, batch_rows)
         return
-    key = _decoded_key(path, columns)
-    if key is not None and key in _DECODED:
-        _DECODED.move_to_end(key)
-        yield from _DECODED[key][0]
+    wanted = None if columns is None else tuple(sorted(set(columns)))
+    stamp = _file_stamp(path)
+    if stamp is None:  # _open names the problem
+        yield from _decode_steps(path, columns, batch_rows)
         return
-    kept: list[Step] | None = []
-    size = 0
-    for step in _decode_steps(path, columns, batch_rows):
-        if kept is not None:
-            size += _step_bytes(step)
-            if size > DECODED_CACHE_BYTES:
-                kept = None  # too big to keep: stream it
-            else:
-                kept.append(step)
-        yield step
-    if kept is not None and key is not None:
-        _DECODED[key] = (kept, size)
-        while sum(n for _, n in _DECODED.values()) > DECODED_CACHE_BYTES:
-            _DECODED.popitem(last=False)
+    shared = _reusable(stamp, wanted)
+    if shared is None:
+        widen = _WIDEN[0]
+        decoded = None if wanted is None or widen is None else tuple(sorted(set(wanted) | set(widen)))
+        key = (*stamp, decoded)
+        shared = _DECODED[key] = _SharedDecode(key, _decode_steps(path, decoded, batch_rows))
+    _DECODED.move_to_end(shared.key)
+    yield from shared.read(wanted)
+
+
+def _reusable(stamp: tuple, wanted: tuple[str, ...] | None) -> _SharedDecode | None:
+    """A kept decode of this file with at least the ``wanted`` optional columns (the fewest such)."""
+    best = None
+    for key, shared in _DECODED.items():
+        decoded = key[-1]
+        if key[:-1] != stamp or not (decoded is None or (wanted is not None and set(wanted) <= set(decoded))):
+            continue
+        if best is None or (decoded is not None and (best.key[-1] is None or len(decoded) < len(best.key[-1]))):
+            best = shared
+    return best
 
 
 @contextmanager
-def keeping_decoded() -> Iterator[None]:
+def keeping_decoded(columns: Sequence[str] | None = ()) -> Iterator[None]:
     """Keep traces decoded (:func:`iter_steps`) while inside; what was kept goes on leaving, unless the
-    caller had it on already."""
-    before = _KEEP[0]
+    caller had it on already. ``columns``: optional columns to decode for every reader (None: all),
+    so that readers asking for different ones share one decode (a portfolio's members: their union)."""
+    before, widen = _KEEP[0], _WIDEN[0]
     _KEEP[0] = True
+    _WIDEN[0] = None if columns is None else tuple(sorted(set(columns)))
     try:
         yield
     finally:
-        _KEEP[0] = before
+        _KEEP[0], _WIDEN[0] = before, widen
         if not before:
             _DECODED.clear()
 
@@ -298,13 +402,12 @@ def keep_decoded() -> None:
     _KEEP[0] = True
 
 
-def _decoded_key(path: PathLike, columns: Sequence[str] | None) -> tuple | None:
+def _file_stamp(path: PathLike) -> tuple | None:
     try:
         st = os.stat(path)
     except OSError:
-        return None  # _open names the problem
-    wanted = None if columns is None else tuple(sorted(set(columns)))
-    return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size, wanted)
+        return None
+    return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _step_bytes(step: Step) -> int:

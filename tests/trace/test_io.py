@@ -174,7 +174,7 @@ def test_the_least_recently_used_trace_goes_first(tmp_path, decodes, monkeypatch
     import moesim.trace.io as io
     paths = [write_trace(tmp_path / f"t{i}.parquet", _trace_data(seed=i), TraceMeta(model=MODEL)) for i in range(3)]
     list(iter_steps(paths[0]))
-    size = next(iter(io._DECODED.values()))[1]
+    size = next(iter(io._DECODED.values())).size
     monkeypatch.setattr(io, "DECODED_CACHE_BYTES", 2 * size + size // 2)  # room for two
     list(iter_steps(paths[1]))
     list(iter_steps(paths[0]))  # now the most recent
@@ -198,6 +198,88 @@ def test_traces_are_kept_only_where_asked(tmp_path, decodes, monkeypatch):
         list(iter_steps(path))
         assert len(decodes) == 3 and len(io._DECODED) == 1
     assert io._DECODED == {} and io._KEEP == [False]
+
+
+def _fields(step) -> tuple:
+    """Everything a reader sees of a step: which optional columns it has, and the values."""
+    def value(a):
+        return None if a is None else a.tolist()
+    return (step.step, step.experts.tolist(), value(step.weights), value(step.scores), value(step.token_id),
+            {name: [row.tolist() for row in rows] for name, rows in step.predictors.items()})
+
+
+def _alternate(*readers) -> list[list]:
+    """Advance the readers one step each in turn (as a portfolio's members race), to the end."""
+    got: list[list] = [[] for _ in readers]
+    live = list(enumerate(readers))
+    while live:
+        for i, reader in list(live):
+            step = next(reader, None)
+            if step is None:
+                live.remove((i, reader))
+            else:
+                got[i].append(step)
+    return got
+
+
+def test_readers_at_once_share_one_decode(tmp_path, decodes):
+    """Two readers advancing in turn (a portfolio's members) decode the file once and get the same steps."""
+    import moesim.trace.io as io
+    path = write_trace(tmp_path / "t.parquet", _trace_data(steps=6), TraceMeta(model=MODEL))
+    first, second = _alternate(iter_steps(path, columns=["scores"]), iter_steps(path, columns=["scores"]))
+    assert len(decodes) == 1 and [s.step for s in first] == list(range(6))
+    assert all(a is b for a, b in zip(first, second))
+    assert len(io._DECODED) == 1 and list(iter_steps(path, columns=["scores"]))[5] is first[5]
+
+
+def test_readers_of_fewer_columns_see_only_theirs(tmp_path, decodes):
+    """Widened to a portfolio's union, one decode serves every column set, each reader getting what a
+    decode of its own columns gives."""
+    import moesim.trace.io as io
+    path = write_trace(tmp_path / "t.parquet", _trace_data(), TraceMeta(model=MODEL))
+    wanted = [(), ("scores",), ("pred_next_layer", "weights")]
+    with io.keeping_decoded(columns=["scores", "weights", "pred_next_layer"]):
+        got = _alternate(*(iter_steps(path, columns=c) for c in wanted))
+        assert decodes == [(str(path), ("pred_next_layer", "scores", "weights"))]
+        later = list(iter_steps(path, columns=["weights"]))  # a subset again: served by the same decode
+        assert len(decodes) == 1
+    for columns, steps in zip(wanted, got):
+        assert [_fields(s) for s in steps] == [_fields(s) for s in io._decode_steps(path, columns, 65_536)]
+    assert [_fields(s) for s in later] == [_fields(s) for s in io._decode_steps(path, ["weights"], 65_536)]
+    assert got[1][0].scores is not None and got[0][0].scores is None and got[2][0].predictors.keys() == \
+        {"pred_next_layer"}
+    assert got[0][0].experts is got[1][0].experts  # views of the same arrays, not copies
+
+
+def test_a_decode_over_the_limit_keeps_only_what_a_reader_has_yet_to_read(tmp_path, decodes, monkeypatch):
+    import moesim.trace.io as io
+    path = write_trace(tmp_path / "t.parquet", _trace_data(steps=8), TraceMeta(model=MODEL))
+    step_bytes = io._step_bytes(_trace_steps_fresh(path)[0])
+    decodes.clear()
+    monkeypatch.setattr(io, "DECODED_CACHE_BYTES", 2 * step_bytes + step_bytes // 2)  # two steps and a half
+    ahead, behind = iter_steps(path), iter_steps(path)
+    got_behind = [next(behind)]  # both have joined (a reader joins at its first step)
+    for _ in range(5):
+        next(ahead)
+    shared = behind.gi_frame.f_locals["shared"]
+    assert io._DECODED == {}  # past the limit: out of the cache, no new reader joins it
+    assert [s.step for s in shared.steps] == [1, 2, 3, 4]  # what the reader behind has yet to read
+    got_behind += list(behind)
+    assert [s.step for s in ahead] == [5, 6, 7] and shared.steps == [] and len(decodes) == 1
+    assert _as_tuples(iter_steps(path)) == _as_tuples(got_behind) and len(decodes) == 2  # not kept
+    assert _as_tuples(got_behind) == _as_tuples(_trace_steps_fresh(path))
+
+
+def test_a_reader_that_stops_early_leaves_the_others_their_decode(tmp_path, decodes):
+    import moesim.trace.io as io
+    path = write_trace(tmp_path / "t.parquet", _trace_data(steps=5), TraceMeta(model=MODEL))
+    quitter, stayer = iter_steps(path), iter_steps(path)
+    next(quitter), next(stayer)
+    quitter.close()  # a member pruned by the portfolio
+    steps = [0, *[s.step for s in stayer]]
+    assert steps == list(range(5)) and len(decodes) == 1 and len(io._DECODED) == 1
+    list(iter_steps(path))
+    assert len(decodes) == 1
 
 
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 3)), min_size=1, max_size=12, unique_by=lambda p: p[0]))
