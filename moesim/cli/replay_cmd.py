@@ -58,9 +58,12 @@ def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: t
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
            help_params: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
+    from moesim.sim.run import columns_read
     from moesim.trace.io import keeping_decoded
     systems, everything = system_choice(system)
-    with keeping_decoded() if len(systems) > 1 else contextlib.nullcontext():  # several systems: one decode
+    several = len(systems) > 1  # one decode, with every optional column they read
+    columns = set().union(*(columns_read(name, parse_settings(settings)) for name in systems)) if several else ()
+    with keeping_decoded(columns) if several else contextlib.nullcontext():
         _replay(trace_file, hw, systems, everything, settings, model_preset, json_out, timeline_out, chrome_out,
                 plot_out, window, decisions_out, seed, help_params)
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, MoesimError
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
@@ -220,6 +220,19 @@ def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str]
         out.notes.append(f"{system}: schedules that could not run here: "
                          + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
     return out
+
+
+def columns_read(system: str, settings: dict[str, str] | None = None) -> set[str]:
+    """The optional trace columns a replay of ``system`` with ``settings`` reads (a portfolio: its members');
+    none for settings that do not build (the replay itself then says what is wrong)."""
+    columns: set[str] = set()
+    try:
+        for member in members(system):
+            columns.update(build_system(member, parse_settings(with_system_defaults(member, settings)).system)
+                           .needed_columns())
+    except MoesimError:
+        pass
+    return columns
 
 
 def simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None = None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import Finished, describe_error, error_row, run_point
+from moesim.sweep.point import Finished, columns_of, describe_error, error_row, run_point
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -128,12 +128,13 @@ class ProgressBar:
 def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
                started: Callable[[], None], finished: Finished) -> None:
     """Points in a process pool; one worker: in this process. Each worker decodes a trace once for all its
-    points and systems (``moesim.trace.io.iter_steps`` keeps it per process)."""
+    points and systems (``moesim.trace.io.iter_steps`` keeps it per process, with every column they read)."""
     from moesim.trace.io import keeping_decoded
     jobs = [(p, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in points]
+    columns = columns_of(points)
     if workers == 1 or len(jobs) == 1:
         started()
-        with keeping_decoded():
+        with keeping_decoded(columns):
             for job in jobs:
                 finished(run_point(*job))
         return
@@ -148,7 +149,7 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
     # forks all its workers at the first submit, before the progress bar starts its thread
     context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
-                             initializer=_worker_init, initargs=(os.getpid(), _INHERITED_FDS[:])) as pool:
+                             initializer=_worker_init, initargs=(os.getpid(), _INHERITED_FDS[:], columns)) as pool:
         futures = {pool.submit(run_point, *job): job[0] for job in jobs}
         started()
         try:
@@ -163,10 +164,11 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
             raise
 
 
-def _worker_init(parent: int, close_fds: list[int]) -> None:
-    """In each pool worker: die with the sweep process, drop its lock, keep traces decoded."""
+def _worker_init(parent: int, close_fds: list[int], columns: list[str]) -> None:
+    """In each pool worker: die with the sweep process, drop its lock, keep traces decoded (with
+    ``columns``)."""
     from moesim.trace.io import keep_decoded
-    keep_decoded()
+    keep_decoded(columns)
     for fd in close_fds:
         try:
             os.close(fd)

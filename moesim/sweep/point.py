@@ -57,6 +57,13 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
     return row
 
 
+def columns_of(points: list[Point]) -> list[str]:
+    """The optional trace columns any of ``points`` reads: a worker decodes a trace with them all, once."""
+    from moesim.sim.run import columns_read
+    distinct = {(p.system, tuple(p.settings_str().items())) for p in points}
+    return sorted({c for system, settings in distinct for c in columns_read(system, dict(settings))})
+
+
 #: per process: (profile file, its mtime and size) -> parsed profile; parsing the YAML costs about 0.1 s,
 #: as much as replaying a short trace
 _PROFILES: dict[tuple[str, int, int], Any] = {}

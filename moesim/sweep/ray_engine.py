@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import Finished, cached_profile, describe_error, error_row, run_point
+from moesim.sweep.point import Finished, cached_profile, columns_of, describe_error, error_row, run_point
 from moesim.sweep.spec import Point, SweepSpec
 
 
@@ -35,13 +35,14 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
         shipped: dict[str, ShippedFile] = {}
         profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
+        columns = columns_of(points)  # every worker decodes a trace once, with the columns any point reads
         for p in points:
             trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
             if trace not in shipped:
                 shipped[trace] = ShippedFile.put(ray, Path(trace))
             if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
                 profiles[hw] = ray.put(cached_profile(hw))
-            pending[remote.remote(p, shipped[trace], profiles[hw])] = p
+            pending[remote.remote(p, shipped[trace], profiles[hw], columns)] = p
         started()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
@@ -104,12 +105,12 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: Any) -> dict[str, Any]:
+def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str]) -> dict[str, Any]:
     """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
     once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
     object store)."""
     import ray
 
     from moesim.trace.io import keep_decoded
-    keep_decoded()
+    keep_decoded(columns)
     return run_point(point, local_copy(trace, ray.get), profile)

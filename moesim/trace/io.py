@@ -397,9 +397,11 @@ def keeping_decoded(columns: Sequence[str] | None = ()) -> Iterator[None]:
             _DECODED.clear()
 
 
-def keep_decoded() -> None:
-    """Keep traces decoded for the rest of this process (a sweep worker's)."""
+def keep_decoded(columns: Sequence[str] | None = ()) -> None:
+    """Keep traces decoded for the rest of this process (a sweep worker's), with ``columns`` as in
+    :func:`keeping_decoded`."""
     _KEEP[0] = True
+    _WIDEN[0] = None if columns is None else tuple(sorted(set(columns)))
 
 
 def _file_stamp(path: PathLike) -> tuple | None:

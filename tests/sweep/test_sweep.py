@@ -24,7 +24,7 @@ from moesim.errors import ConfigError
 from moesim.sim.run import simulate
 from moesim.sweep import (WALL_CLOCK_COLUMNS, Point, ResultStore, ShippedFile, load_spec, local_copy,
                           parse_spec, require_ray, run_sweep)
-from tests.factories import write_sweep_files
+from tests.factories import with_scores, write_sweep_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,10 +145,16 @@ def test_rows_hold_parameters_and_the_metrics_of_a_direct_replay(files):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files, monkeypatch, workers):
+@pytest.mark.parametrize("systems, decoded", [
+    (["cpu-only", "gpu-only-lru", "static-hot"], "[]"),  # these systems read no optional column
+    # gpu-only-lru reads none, hybrimoe three (the trace has one of them): one decode with the three
+    (["gpu-only-lru", "hybrimoe", "cpu-only"], "['pred_next_layer', 'scores', 'weights']")])
+def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files, monkeypatch, workers, systems,
+                                                                          decoded):
     """Issue 13: the trace is read-only; a worker (this process, or each forked pool worker) decodes it
-    once per set of columns its systems read, whatever the number of points."""
+    once, with every optional column its points' systems read, whatever the number of points."""
     import moesim.trace.io as io
+    with_scores(files / "t.parquet", files / "t.parquet")
     log = files / "decodes.log"
     real = io._decode_steps
 
@@ -158,17 +164,17 @@ def test_each_worker_decodes_the_trace_once_for_all_its_points_and_systems(files
         yield from real(path, columns, batch_rows)
     monkeypatch.setattr(io, "_decode_steps", logged)
     monkeypatch.setattr(io, "_DECODED", type(io._DECODED)())
-    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
-                                grid={"cache.slots_per_layer": [1, 2, 3, 4]}))
+    spec = load_spec(write_spec(files, systems=systems, grid={"cache.slots_per_layer": [1, 2, 3, 4]}))
     frame, summary = run_sweep(spec, workers=workers)
     assert summary.failed == 0 and summary.ran == 12
     lines = log.read_text().splitlines()
     assert len(lines) == len(set(lines)) and 1 <= len({line.split()[0] for line in lines}) <= workers
-    assert {line.split(" ", 1)[1] for line in lines} == {"t.parquet []"}  # these systems read no optional column
-    alone = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), "static-hot",
-                             {"cache.slots_per_layer": "2"}))
-    assert frame.loc[(frame.system == "static-hot") & (frame["cache.slots_per_layer"] == 2),
-                     "tpot_ms_mean"].item() == alone["tpot_ms_mean"]
+    assert {line.split(" ", 1)[1] for line in lines} == {f"t.parquet {decoded}"}
+    for system in systems:  # each point as its replay alone, which decodes only what it reads
+        alone = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), system,
+                                 {"cache.slots_per_layer": "2"}))
+        assert frame.loc[(frame.system == system) & (frame["cache.slots_per_layer"] == 2),
+                         "tpot_ms_mean"].item() == alone["tpot_ms_mean"]
 
 
 @pytest.mark.parametrize("value, words", [(-1, "is negative"), (9, "outside [0, 6]")])
