@@ -179,10 +179,11 @@ class ComposedSystem:
             if (state.has(layer, expert) and (layer, expert) not in evicted) \
                     or (layer == view.layer and expert in plan.gpu):
                 continue
-            if quota(layer) <= 0 or (pool_left is not None and pool_left <= 0):
+            full = quota(layer) <= 0
+            if full or (pool_left is not None and pool_left <= 0):
                 if victims is None:
                     victims = _Victims(self.cache, view, plan, wanted, evicted)
-                victim = victims.next(layer, quota(layer) <= 0)
+                victim = victims.next(layer, full)
                 if victim is None:
                     continue
                 plan.evictions.append(victim)
