@@ -258,3 +258,27 @@ def test_dali_defaults_size_the_buffer_and_the_swaps_per_model(mixtral_like, tmp
         sim = prepare(trace, "hwprofiles/rtx3090.yaml", "dali", {"memory.expert_dtype": "int4", **extra})
         assert (sim.system.cache.u_size, sim.system.prefetch.size) == (u_size, size)
         assert sim.memory.reserved_slots == 2 * size
+
+
+def test_the_buffer_entries_are_every_resident_uncached_expert(tmp_path, monkeypatch):
+    """The prefetch buffer's entries, kept from the pairs the system prefetched, are at every eviction
+    choice the resident experts the cache does not hold (a scan of every layer), less what the plan uses."""
+    from moesim.model.presets import load_preset
+    from moesim.policy.catalog.dali import DaliSystem
+    trace = str(synthesize(SynthConfig.from_settings(model=load_preset("deepseek-v3"), requests=1,
+                                                     prompt_len=8, decode_len=12, seed=3), tmp_path / "ds.parquet"))
+    real = DaliSystem._stale_entry
+    chosen = []
+
+    def checked(self, view, plan, layer, wanted, evicted, entries):
+        busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
+        scan = {(l, x) for l, (held, kept) in enumerate(zip(view.cache.resident, self.cache.cached_sets()))
+                if layer in (None, l) for x in held - kept} - busy
+        assert {pair for pair in entries if pair not in busy} == scan
+        stale = real(self, view, plan, layer, wanted, evicted, entries)
+        chosen.append(stale)
+        return stale
+    monkeypatch.setattr(DaliSystem, "_stale_entry", checked)
+    simulate(trace, "hwprofiles/rtx4090.yaml", "dali", {"memory.expert_dtype": "int4", "engine.check": "true",
+                                                        "memory.non_expert_dtype": "int4"})
+    assert any(stale is not None for stale in chosen) and None in chosen

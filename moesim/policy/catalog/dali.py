@@ -475,13 +475,14 @@ class WorkloadAwareCache(CachePolicy):
 class DaliSystem(ObservingSystem):
     """DALI's planning steps (003 Sec. 4, Fig. 9); see the module docstring."""
 
-    #: (layer, expert) pairs that may be buffer entries: prefetched, and not yet found cached or gone (None:
-    #: not known yet, every layer is looked at)
-    _buffer_pairs: set[tuple[int, int]] | None = None
+    #: (layer, expert) pairs that may be buffer entries: prefetched, and not yet found cached or gone
+    _buffer_pairs: set[tuple[int, int]]
+    #: whether every layer was looked at once for uncached experts (the run may start with some)
+    _scanned: bool = False
 
     def configure(self, ctx: RunContext) -> None:
         super().configure(ctx)
-        self._buffer_pairs = None
+        self._buffer_pairs, self._scanned = set(), False
 
     def _buffer(self) -> int:
         """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in)."""
@@ -577,8 +578,7 @@ class DaliSystem(ObservingSystem):
             room[target] -= 1
             if pool_left is not None:
                 pool_left -= 1
-        if self._buffer_pairs is not None:  # after the loop: a pair is not in flight before the plan runs
-            self._buffer_pairs.update(plan.prefetches[swaps:])
+        self._buffer_pairs.update(plan.prefetches[swaps:])  # after the loop: not in flight before the plan runs
 
     def _quota_left(self, view: LayerView, plan: LayerPlan, target: int, evicted: set[tuple[int, int]]) -> int:
         """Free slots of ``target``'s quota after this plan so far."""
@@ -595,9 +595,10 @@ class DaliSystem(ObservingSystem):
         if layer is not None:
             return [(layer, x) for x in resident[layer] - cache.cached(layer)]
         kept, in_flight = cache.cached_sets(), view.cache.in_flight
-        if self._buffer_pairs is None:  # the first time, every layer
-            self._buffer_pairs = {(l, x) for l, (held, cached) in enumerate(zip(resident, kept))
-                                  if not held <= cached for x in held - cached}
+        if not self._scanned:  # the first time, every layer
+            self._buffer_pairs.update((l, x) for l, (held, cached) in enumerate(zip(resident, kept))
+                                      if not held <= cached for x in held - cached)
+            self._scanned = True
         # only a prefetch puts an uncached expert in a layer, so the entries are among the prefetched pairs;
         # a pair leaves them once its expert is cached, or neither resident nor arriving
         entries = []
