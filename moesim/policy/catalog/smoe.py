@@ -128,8 +128,14 @@ class SMoEAssign(Assignment):
         queue_aware, load = self.queue_aware, view.costs.expert_load
         queued = self._queue_s(view) if queue_aware else 0.0
         times = self._times = PerTokens.of(self._times, view.costs, expert_times)
-        launch = view.expert_launch_s
-        for expert, tokens, transfer in zip(view.active, view.counts, self.transfers_s(view, view.active)):
+        launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
+        resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+        missing = load if view.phase == "prefill" or self.decode_on_demand else math.inf
+        for expert, tokens in zip(view.active, view.counts):
+            # T_PCIe: 0 resident, the rest of its copy in flight, else one expert load in the prefill (or on
+            # demand) and never in decoding
+            transfer = 0.0 if expert in resident else \
+                max(arrivals.get(expert, now) - now, 0.0) if expert in in_flight else missing
             copies = queue_aware and transfer == load
             t_gpu, t_cpu = times[tokens]
             if t_cpu > t_gpu + launch + (transfer + (queued if copies else 0.0)):  # T_GPU: kernel and launches
@@ -143,15 +149,6 @@ class SMoEAssign(Assignment):
     def _queue_s(view: LayerView) -> float:
         """Time until this layer's loads already in flight have arrived."""
         return max([0.0] + [at - view.now for at in view.arrivals.values()])
-
-    def transfers_s(self, view: LayerView, experts: list[int]) -> list[float]:
-        """``T_PCIe`` of each of ``experts``: 0 resident, the rest of its copy in flight, else one expert load
-        in the prefill (or with ``decode_on_demand``) and infinite in decoding."""
-        layer, now, arrivals = view.layer, view.now, view.arrivals
-        resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
-        missing = view.costs.expert_load if view.phase == "prefill" or self.decode_on_demand else math.inf
-        return [0.0 if e in resident else max(arrivals.get(e, now) - now, 0.0) if e in in_flight else missing
-                for e in experts]
 
 
 # ----------------------------------------------------------------------------- prefetch
