@@ -138,6 +138,7 @@ class Simulator:
                               trace_path=trace_path, seed=seed, columns=columns)
         #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
         self.watch: Callable[[StepRecord], bool] | None = None
+        self._steps: Iterator[Step] | None = None  # the trace's steps as the forward pass reads them
 
     # ------------------------------------------------------------------ public
     def run(self, driver: Callable[[], Iterator[simpy.Event]] | None = None) -> SimResult:
@@ -155,6 +156,12 @@ class Simulator:
         for layer, experts in enumerate(self._initial):
             self.cache.preload(layer, experts)
         return self.env.process((driver or self._forward)())
+
+    def stop_reading(self) -> None:
+        """Let go of the trace: a replay stopped before its end (a portfolio member found not best) no
+        longer holds steps of a decode it shares with others (moesim.trace.io)."""
+        if self._steps is not None:
+            self._steps.close()  # type: ignore[attr-defined]
 
     def finish(self) -> SimResult:
         """The result of a forward pass that has ended."""
@@ -280,7 +287,8 @@ class Simulator:
     # ------------------------------------------------------------------ the forward pass
     def _forward(self) -> Iterator[simpy.Event]:
         env = self.env
-        for step in iter_steps(self.trace_path, columns=self.system.needed_columns()):
+        self._steps = iter_steps(self.trace_path, columns=self.system.needed_columns())
+        for step in self._steps:
             start = env.now
             # layers run back to back and nothing else issues work, so one timeout per step suffices
             yield env.timeout(self.run_step(step, start) - start)

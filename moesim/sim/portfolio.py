@@ -230,6 +230,7 @@ def branch_and_bound(members: list[Member], complete: dict[str, dict[str, float]
         pruned[member.name] = Pruned(k, len(shape.rows), lower, f"after step {k} of {len(shape.rows)}: {said}",
                                      member.wall_s)
         live.remove(member)
+        member.sim.stop_reading()
         if progress is not None:
             progress(sum(shape.rows[k:]))
 
@@ -250,6 +251,7 @@ def branch_and_bound(members: list[Member], complete: dict[str, dict[str, float]
                 raise  # the bound's own schedules must run
             skipped[member.name] = str(err)
             live.remove(member)
+            member.sim.stop_reading()
             continue
         if stop_at and member.done < len(shape.rows):
             prune(member, stop_at[0])

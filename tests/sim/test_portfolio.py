@@ -203,3 +203,22 @@ def test_pruned_oracle_equals_the_full_run_on_any_trace(tmp_path_factory, layers
     key, value = slots.split("=")
     pruned, full = _both(str(path), tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=pcie), {key: value})
     _check_same(pruned, full)
+
+
+def test_a_replay_stopped_early_lets_go_of_the_decode_it_shares():
+    """A member found not best stops reading: the decode it shares with the others no longer keeps steps
+    for it (over the cache's limit a decode keeps only what a current reader has yet to read)."""
+    import moesim.trace.io as io
+    trace = str(ROOT / "tests" / "data" / "golden-dsv2lite.parquet")
+    with io.keeping_decoded():
+        stopped, going_on = (prepare(trace, "rtx4090", "gpu-only-lru") for _ in range(2))
+        processes = [sim.start() for sim in (stopped, going_on)]
+        for sim in (stopped, going_on):
+            sim.env.run(until=1e-9)  # each reads its first step
+        shared = next(iter(io._DECODED.values()))
+        assert len(shared.readers) == 2 and len(stopped.steps) == 0
+        stopped.stop_reading()
+        assert len(shared.readers) == 1
+        going_on.env.run(until=processes[1])
+        assert metrics(going_on.finish())["makespan_s"] == metrics(simulate(trace, "rtx4090", "gpu-only-lru"))[
+            "makespan_s"]
