@@ -105,6 +105,10 @@ class _Replay:
         self.steps: list[StepRecord] = []
         self.watch = None
         self.stopped = False
+        self.reading = True
+
+    def stop_reading(self) -> None:
+        self.reading = False
 
     def finish(self) -> SimResult:
         memory = SimpleNamespace(ignores_memory=False, slots=0)
@@ -153,6 +157,7 @@ def test_a_member_stops_at_the_step_its_bounds_pass_the_best():
     assert members[1].lower("ttft_ms", shape.spans(), 4.0) == 1000.0
     done, pruned = branch_and_bound(members, {}, ["A", "B", "C"], shape, (), {})
     assert set(done) == {"A", "C"} and list(pruned) == ["B"]
+    assert not members[1].sim.reading and members[0].sim.reading  # the one stopped early let go of the trace
     assert pruned["B"].step == 3 and pruned["B"].steps == 5
     assert pruned["B"].lower == {"tpot_ms_mean": 1250.0, "ttft_ms": 3000.0, "makespan_s": 8.0}
     assert "after step 3 of 5" in pruned["B"].reason and "TPOT ms >= 1250 > 1000 (A)" in pruned["B"].reason
