@@ -265,14 +265,14 @@ class _SharedDecode:
         self.size = 0
         self.keep = True  # within the cache's bytes: kept whole
         self.done = False
-        self.readers: dict[int, int] = {}  # reader -> index of its next step
-        self.narrowed: dict[tuple[str, ...] | None, list[Step]] = {}
+        self.readers: dict[object, int] = {}  # reader -> index of its next step
+        self.narrowed: dict[tuple[str, ...], list[Step]] = {}
 
     def read(self, columns: tuple[str, ...] | None) -> Iterator[Step]:
-        reader = object()
-        me = id(reader)
+        me = object()  # this reader's key
         self.readers[me] = self.first
-        views = None if columns == self.key[-1] else self.narrowed.setdefault(columns, [])
+        # a reader of every column (None) reads only a decode of every column
+        views = None if columns is None or columns == self.key[-1] else self.narrowed.setdefault(columns, [])
         try:
             while True:
                 at = self.readers[me]
@@ -323,9 +323,8 @@ class _SharedDecode:
         self.source.close()  # type: ignore[attr-defined]
 
 
-def _narrow(step: Step, columns: tuple[str, ...] | None) -> Step:
-    """``step`` as a decode of ``columns`` only would give it (the same arrays)."""
-    wanted = OPTIONAL_COLUMNS if columns is None else columns
+def _narrow(step: Step, wanted: tuple[str, ...]) -> Step:
+    """``step`` as a decode of the ``wanted`` optional columns only would give it (the same arrays)."""
     return Step(step.step, step.request, step.position, step.layer, step.phase, step.experts,
                 step.weights if "weights" in wanted else None, step.scores if "scores" in wanted else None,
                 step.token_id if "token_id" in wanted else None,
@@ -354,7 +353,7 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
     if not _KEEP[0]:
         yield from _decode_steps(path, columns, batch_rows)
         return
-    wanted = None if columns is None else tuple(sorted(set(columns)))
+    wanted = _column_set(columns)
     stamp = _file_stamp(path)
     if stamp is None:  # _open names the problem
         yield from _decode_steps(path, columns, batch_rows)
@@ -362,7 +361,7 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
     shared = _reusable(stamp, wanted)
     if shared is None:
         widen = _WIDEN[0]
-        decoded = None if wanted is None or widen is None else tuple(sorted(set(wanted) | set(widen)))
+        decoded = None if wanted is None or widen is None else _column_set((*wanted, *widen))
         key = (*stamp, decoded)
         shared = _DECODED[key] = _SharedDecode(key, _decode_steps(path, decoded, batch_rows))
     _DECODED.move_to_end(shared.key)
@@ -371,14 +370,15 @@ def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
 
 def _reusable(stamp: tuple, wanted: tuple[str, ...] | None) -> _SharedDecode | None:
     """A kept decode of this file with at least the ``wanted`` optional columns (the fewest such)."""
-    best = None
-    for key, shared in _DECODED.items():
-        decoded = key[-1]
-        if key[:-1] != stamp or not (decoded is None or (wanted is not None and set(wanted) <= set(decoded))):
-            continue
-        if best is None or (decoded is not None and (best.key[-1] is None or len(decoded) < len(best.key[-1]))):
-            best = shared
-    return best
+    def covers(decoded: tuple[str, ...] | None) -> bool:
+        return decoded is None or (wanted is not None and set(wanted) <= set(decoded))
+    matches = [shared for key, shared in _DECODED.items() if key[:-1] == stamp and covers(key[-1])]
+    return min(matches, key=lambda shared: (shared.key[-1] is None, len(shared.key[-1] or ())), default=None)
+
+
+def _column_set(columns: Sequence[str] | None) -> tuple[str, ...] | None:
+    """Optional columns as a cache key: sorted, each once (None: all)."""
+    return None if columns is None else tuple(sorted(set(columns)))
 
 
 @contextmanager
@@ -387,8 +387,7 @@ def keeping_decoded(columns: Sequence[str] | None = ()) -> Iterator[None]:
     caller had it on already. ``columns``: optional columns to decode for every reader (None: all),
     so that readers asking for different ones share one decode (a portfolio's members: their union)."""
     before, widen = _KEEP[0], _WIDEN[0]
-    _KEEP[0] = True
-    _WIDEN[0] = None if columns is None else tuple(sorted(set(columns)))
+    keep_decoded(columns)
     try:
         yield
     finally:

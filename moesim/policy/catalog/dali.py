@@ -560,8 +560,9 @@ class DaliSystem(ObservingSystem):
                 continue
             if target not in room:
                 room[target] = self._quota_left(view, plan, target, evicted)
-            if room[target] <= 0 or (pool_left is not None and pool_left <= 0):
-                where = target if room[target] <= 0 else None
+            full = room[target] <= 0
+            if full or (pool_left is not None and pool_left <= 0):
+                where = target if full else None
                 if where not in entries:
                     entries[where] = self._buffer_entries(view, where)
                 stale = self._stale_entry(view, plan, where, wanted, evicted, entries[where])
