@@ -61,7 +61,8 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
 
 
 @trace.command("import")
-@click.option("--format", "fmt", default=None, help="Source log format (see --list-formats).")
+@click.option("--format", "fmt", default=None,
+              help="Source log format (see --list-formats); by default told from the files' first records.")
 @click.argument("sources", nargs=-1, type=click.Path(exists=True))
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
 @click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
@@ -71,8 +72,7 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
     if list_formats:
         _print_formats()
         return
-    for name, value, fix in (("--format", fmt, "see moesim trace import --list-formats"),
-                             ("SOURCES", sources, "name the log files to convert"),
+    for name, value, fix in (("SOURCES", sources, "name the log files to convert"),
                              ("--out", out, "e.g. --out trace.parquet")):
         if not value:
             raise MoesimError("missing", field=name, fix=fix)

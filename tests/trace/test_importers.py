@@ -11,6 +11,7 @@ import pytest
 from moesim.cli import main
 from moesim.errors import ConfigError, TraceFormatError
 from moesim.trace.importers import import_trace
+from moesim.trace.importers.detect import detect_format, format_of
 from moesim.trace.io import iter_steps, read_meta, read_table
 from moesim.trace.validate import validate_trace
 
@@ -288,3 +289,58 @@ def test_malformed_line_names_file_line_field_and_fix(tmp_path, capsys, line, fi
 def test_unknown_format(tmp_path):
     with pytest.raises(ConfigError, match="unknown import format 'nope'"):
         import_trace("nope", [tmp_path], tmp_path / "t.parquet")
+
+
+# ----------------------------------------------------------------------------- format detection
+@needs_real
+@pytest.mark.parametrize("fmt, files", [
+    ("flame-moe", ["DynaNDE-Simulator-flame-moe-290m/flame-moe-290m_layers2-9_2048tok_top6.npz"]),
+    ("cerebras-olmoe", ["cerebras-assesment2-olmoe/moe_routes.jsonl"]),
+    ("vllm-qwen3-prefill", ["soryxie-vllm-qwen3-30b-a3b/token_distri_8.jsonl"]),
+    ("vllm-qwen3-prefill", ["soryxie-vllm-qwen3-30b-a3b/token_distri_16_prefill_forward2_ids.npz"]),
+    ("vllm-moe-logger", ["vLLM-MoE-Logger-qwen1.5-moe/moe_layer0.jsonl", "vLLM-MoE-Logger-qwen1.5-moe/moe_layer8.jsonl"]),
+    ("speculative-moe", ["speculative-moe/gsm8k_2_routing.jsonl", "speculative-moe/routing_raw.jsonl"]),
+])
+def test_every_real_log_is_told_by_its_first_records(fmt, files):
+    assert detect_format([REAL / f for f in files]) == fmt
+
+
+def test_fixtures_are_told_apart_and_import_as_with_their_format(tmp_path):
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)  # meta without model_id: 4 experts per route
+    cerebras = _jsonl(tmp_path / "m.jsonl", [{"type": "meta"}, {"type": "route", "token_idx": 0, "layer": 0,
+                                                                 "topk_ids": list(range(8)), "topk_weights": [0.125] * 8}])
+    named = _jsonl(tmp_path / "named.jsonl", [{"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924"}])
+    qwen3 = _jsonl(tmp_path / "q.jsonl", [{"topk_weights": [1, 8], "topk_ids": [list(range(8))]}])
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    np.savez(tmp_path / "f.npz", layers=np.arange(2, 4), token_ids=np.zeros(3), indices=np.zeros((2, 3, 6)),
+             scores=np.zeros((2, 3, 6)))
+    np.savez(tmp_path / "ids.npz", topk_ids=np.zeros((48, 2, 8)))
+    found = {path.name: format_of(path) for path in (logger, cerebras, named, qwen3, raw, tmp_path / "f.npz",
+                                                      tmp_path / "ids.npz")}
+    assert found == {"moe_layer3.jsonl": "vllm-moe-logger", "m.jsonl": "cerebras-olmoe", "named.jsonl": "cerebras-olmoe",
+                     "q.jsonl": "vllm-qwen3-prefill", "raw.jsonl": "speculative-moe", "f.npz": "flame-moe",
+                     "ids.npz": "vllm-qwen3-prefill"}
+    given = import_trace("speculative-moe", [raw], tmp_path / "given.parquet")
+    told = import_trace(None, [raw], tmp_path / "told.parquet")
+    assert _table(tmp_path / "given.parquet").equals(_table(tmp_path / "told.parquet"))
+    assert told.notes[-1].startswith("format speculative-moe told from") and given.notes == told.notes[:-1]
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b"", b"\xff\xfe\x00", b'{"dataset": "x"}\n', b"[1, 2]\n",
+                                     b"PK\x03\x04 truncated"])
+def test_a_log_no_format_lays_out_so_is_one_line_naming_it(tmp_path, capsys, content):
+    path = tmp_path / ("log.npz" if content.startswith(b"PK") else "log.jsonl")
+    path.write_bytes(content)
+    out = tmp_path / "t.parquet"
+    assert format_of(path) is None
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "--format NAME" in err and not out.exists()
+
+
+def test_logs_of_two_formats_are_refused_together(tmp_path):
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)
+    with pytest.raises(TraceFormatError, match=r"different formats \(raw.jsonl: speculative-moe; "
+                                               r"moe_layer3.jsonl: vllm-moe-logger\)"):
+        import_trace(None, [raw, logger], tmp_path / "t.parquet")

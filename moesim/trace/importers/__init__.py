@@ -1,7 +1,7 @@
 """Importers: other tools' per-token router logs -> trace format v1.
 
 ``import_trace(fmt, sources, out)`` is what ``moesim trace import --format NAME``
-calls. Each format module reads its logs, drops rows that are not real routing
+calls; without a format, the files' first records tell it (:mod:`.detect`). Each format module reads its logs, drops rows that are not real routing
 (profiling dummies, warm-up and idle batches) and repairs known logger defects,
 counting every dropped or repaired row by reason in the returned
 :class:`ImportReport` and in the trace's ``source`` metadata.
@@ -24,6 +24,7 @@ from moesim.errors import ConfigError, TraceFormatError
 from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, speculative_moe,
                                     vllm_moe_logger)
 from moesim.trace.importers._common import ImportReport, refuse_aggregates
+from moesim.trace.importers.detect import detect_format
 
 FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
     speculative_moe.FORMAT: speculative_moe.import_files,
@@ -39,14 +40,15 @@ def available_formats() -> list[str]:
     return sorted(FORMATS)
 
 
-def import_trace(fmt: str, sources: list[Path], out: Path) -> ImportReport:
-    """Convert ``sources`` (log files of format ``fmt``) into the v1 trace ``out``."""
+def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportReport:
+    """Convert ``sources`` (log files of format ``fmt``; None: told from their first records) into the v1
+    trace ``out``."""
     sources = [Path(s) for s in sources]
     if fmt in AGGREGATE_FORMATS:
         raise TraceFormatError("OLMoE-routing-stats holds aggregate expert counts per layer, not per-token "
                                "routing; no trace can be built from it", source=", ".join(map(str, sources)),
                                field="--format", fix="use it to check a trace's skew; import a per-token log")
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown import format '{fmt}'", field="--format",
                           fix=f"use one of {', '.join(available_formats())}")
     if not sources:
@@ -55,12 +57,15 @@ def import_trace(fmt: str, sources: list[Path], out: Path) -> ImportReport:
     for path in sources:
         if not path.is_file():
             raise TraceFormatError("not a file", source=str(path), fix="name the log files, not their folder")
+    detected = fmt is None
+    if fmt is None:
+        fmt = detect_format(sources)
     out = Path(out)
     if out.exists() and out.is_dir():
         raise TraceFormatError("output path is a directory", source=str(out), field="--out",
                                fix="give a file name ending in .parquet")
     try:
-        return FORMATS[fmt](sources, out)
+        report = FORMATS[fmt](sources, out)
     except UnicodeDecodeError as err:
         raise TraceFormatError(f"not UTF-8 text (byte {err.start})", source=_which(sources),
                                fix=f"give the {fmt} log as written by its tool") from None
@@ -71,6 +76,9 @@ def import_trace(fmt: str, sources: list[Path], out: Path) -> ImportReport:
         raise TraceFormatError(f"cannot be read as a {fmt} log ({type(err).__name__}: "
                                f"{str(err).splitlines()[0][:120] if str(err) else ''})", source=_which(sources),
                                fix="check --format and that the files are complete") from None
+    if detected:
+        report.notes.append(f"format {fmt} told from the files' first records (give --format to choose another)")
+    return report
 
 
 def _which(sources: list[Path]) -> str:

@@ -1,0 +1,111 @@
+"""Which tool wrote a routing log, told from its first records (``moesim trace import`` without ``--format``).
+
+Each format's files have a layout no other format shares (the record layouts are
+documented in each format's module):
+
+* ``.npz`` holding ``layers, token_ids, indices, scores``: ``flame-moe``; one
+  holding ``topk_ids``: the ``vllm-qwen3-prefill`` extract;
+* JSON lines with ``problem_id, experts, gating_probs``: ``speculative-moe``;
+* JSON lines with ``topk_ids`` and ``topk_weights`` and no ``type``:
+  ``vllm-qwen3-prefill`` (its ``topk_weights`` is a shape);
+* a ``{"type": "meta"}`` line, then ``{"type": "route"}`` lines: the vLLM MoE
+  logger of ``cerebras-olmoe`` (OLMoE, top-8) or ``vllm-moe-logger``
+  (Qwen1.5-MoE, top-4), told apart by the meta's ``model_id`` or, without
+  one, by the first route's number of experts.
+
+Only the first records are read, so detection costs nothing on large logs; the
+importer still checks every line.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from moesim.errors import TraceFormatError
+from moesim.trace.importers import cerebras_olmoe, flame_moe, qwen3_prefill, speculative_moe, vllm_moe_logger
+
+#: non-blank lines read from a JSON-lines log to tell its format
+HEAD_RECORDS = 2
+#: the first records of a logger log, by model: (words of its meta's model_id, experts per route)
+_LOGGER_MODELS = ((cerebras_olmoe.FORMAT, "olmoe", cerebras_olmoe.TOP_K),
+                  (vllm_moe_logger.FORMAT, "qwen1.5-moe", vllm_moe_logger.TOP_K))
+
+
+def detect_format(sources: list[Path]) -> str:
+    """The import format of ``sources`` (every file must be of the same one)."""
+    found = {path: format_of(path) for path in sources}
+    for path, fmt in found.items():
+        if fmt is None:
+            raise TraceFormatError("cannot tell which tool wrote this log", source=str(path), field="--format",
+                                   fix="name its format: --format NAME (moesim trace import --list-formats)")
+    formats = sorted(set(found.values()))  # type: ignore[arg-type]
+    if len(formats) > 1:
+        which = "; ".join(f"{path.name}: {fmt}" for path, fmt in found.items())
+        raise TraceFormatError(f"the files are logs of different formats ({which})",
+                               source=", ".join(map(str, sources)), field="--format",
+                               fix="import each format into a trace of its own")
+    return formats[0]
+
+
+def format_of(path: Path) -> str | None:
+    """The format whose layout ``path`` has, or None when no format's does (or it cannot be read)."""
+    if path.suffix == ".npz":
+        return _npz_format(path)
+    records = _head(path)
+    if not records:
+        return None
+    first = records[0]
+    if {"problem_id", "experts", "gating_probs"} <= first.keys():
+        return speculative_moe.FORMAT
+    if "type" not in first and {"topk_ids", "topk_weights"} <= first.keys():
+        return qwen3_prefill.FORMAT
+    if first.get("type") == "meta":
+        return _logger_format(first, records[1:])
+    return None
+
+
+def _npz_format(path: Path) -> str | None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            arrays = {name.removesuffix(".npy") for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return None
+    if {"layers", "token_ids", "indices", "scores"} <= arrays:
+        return flame_moe.FORMAT
+    if "topk_ids" in arrays:
+        return qwen3_prefill.FORMAT
+    return None
+
+
+def _head(path: Path) -> list[dict[str, Any]]:
+    """The first :data:`HEAD_RECORDS` JSON objects of a JSON-lines file; [] if it does not start with one."""
+    records: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for text in handle:
+                if not text.strip():
+                    continue
+                record = json.loads(text)
+                if not isinstance(record, dict):
+                    break
+                records.append(record)
+                if len(records) == HEAD_RECORDS:
+                    break
+    except (OSError, UnicodeDecodeError, ValueError):
+        return records
+    return records
+
+
+def _logger_format(meta: dict[str, Any], routes: list[dict[str, Any]]) -> str | None:
+    model = str(meta.get("model_id", "")).lower()
+    for fmt, words, _ in _LOGGER_MODELS:
+        if words in model:
+            return fmt
+    experts = routes[0].get("topk_ids") if routes and routes[0].get("type") == "route" else None
+    for fmt, _, top_k in _LOGGER_MODELS:
+        if isinstance(experts, list) and len(experts) == top_k:
+            return fmt
+    return None
