@@ -32,6 +32,7 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,16 @@ class ReplayResult:
         return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
 
 
+def checked_run_inputs(hw: Any, seed: Any) -> None:
+    """One-line errors for a ``hw`` or ``seed`` of the wrong kind (the command line's types check them there)."""
+    from moesim.hw.profile import HardwareProfile
+    if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
+        raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",
+                          fix=f"e.g. hw={DEFAULT_HW!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be a whole number in [0, 2**63), got {seed!r}", field="seed", fix="e.g. seed=0")
+
+
 def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,
            settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
            timeline: bool = True, decisions: bool = True, **params: Any) -> ReplayResult:
@@ -109,11 +120,12 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
-    result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=seed,
+    checked_run_inputs(hw, seed)
+    result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=int(seed),
                       timeline=timeline, decisions=decisions)
     raw = metrics(result)
     frames = result_to_frames(result)
-    row = {"trace": str(trace), "hw": str(hw), "system": system, "seed": seed,
+    row = {"trace": str(trace), "hw": str(hw), "system": system, "seed": int(seed),
            **sweep_module.flatten_metrics(raw)}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw)
@@ -239,6 +251,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
              if v is not None}
     merged = settings_from({**short, **(settings or {})}, **params)
     slos = parse_slo(slo) if isinstance(slo, str) or slo is None else {k: float(v) for k, v in slo.items()}
-    result = run_serving(paths, hw, system, merged, seed=seed)
+    checked_run_inputs(hw, seed)
+    result = run_serving(paths, hw, system, merged, seed=int(seed))
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
                     traces=paths)

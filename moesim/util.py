@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import tempfile
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,15 +43,17 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_stale_tmps(path: Path) -> int:
-    """Remove ``.NAME.PID.tmp`` leftovers of ``path`` whose writer process is gone; return how many."""
+    """Remove ``.NAME.PID.tmp`` (and staged ``.STEM.PID.tmp.SUFFIX``) leftovers of ``path`` whose writer
+    process is gone; return how many."""
     path = Path(path)
     removed = 0
+    patterns = ((f".{path.name}.", ".tmp"), (f".{path.stem}.", f".tmp{path.suffix}"))
     try:
-        candidates = list(path.parent.glob(f".{path.name}.*.tmp"))
+        candidates = [(tmp, head, tail) for head, tail in patterns for tmp in path.parent.glob(f"{head}*{tail}")]
     except OSError:
         return 0
-    for tmp in candidates:
-        pid_text = tmp.name[len(path.name) + 2:-len(".tmp")]
+    for tmp, head, tail in candidates:
+        pid_text = tmp.name[len(head):-len(tail)]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -85,21 +88,70 @@ def check_output_path(path: str | os.PathLike, option: str = "--out") -> Path:
     return path
 
 
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one regular file (existing or not; special files such as /dev/null never
+    count: writing one twice loses nothing)."""
+    a, b = Path(a), Path(b)
+    if is_special_file(a) or is_special_file(b):
+        return False
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
 def output_error(path: Path, err: OSError, option: str | None = None) -> ConfigError:
     reason = err.strerror or str(err)
     return ConfigError(f"cannot write the output: {reason}", source=str(path), field=option,
                        fix="check the path, the free space and the permissions")
 
 
+#: inside :func:`staged_outputs`: the (staged file, target) pairs written so far
+_STAGED: ContextVar[list[tuple[Path, Path]] | None] = ContextVar("moesim_staged_outputs", default=None)
+
+
+@contextlib.contextmanager
+def staged_outputs() -> Iterator[None]:
+    """Outputs opened with :func:`output_file` in this block are written beside their targets and moved
+    into place together when the block ends without an error: a failure while writing one (a full disk, a
+    plot that cannot be drawn) leaves every output of the command as it was."""
+    staged: list[tuple[Path, Path]] = []
+    token = _STAGED.set(staged)
+    try:
+        yield
+    except BaseException:
+        for tmp, _ in staged:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise
+    else:
+        for tmp, target in staged:
+            try:
+                os.replace(tmp, target)
+            except FileNotFoundError:
+                continue  # the writer wrote nothing
+            except OSError as err:
+                raise output_error(target, err) from None
+    finally:
+        _STAGED.reset(token)
+
+
 @contextlib.contextmanager
 def output_file(path: str | os.PathLike, option: str | None = None) -> Iterator[Path]:
-    """Where a writer should put ``path``'s content: ``path`` itself, or for a special file
-    (``/dev/null``, a pipe) a temporary file whose bytes are then copied into it, so that no
-    writer's atomic rename ever replaces a device node. OS errors become one-line errors."""
+    """Where a writer should put ``path``'s content: ``path`` itself, a staged file beside it inside
+    :func:`staged_outputs`, or for a special file (``/dev/null``, a pipe) a temporary file whose bytes
+    are then copied into it, so that no writer's atomic rename ever replaces a device node. OS errors
+    become one-line errors."""
     path = Path(path)
     try:
         if not is_special_file(path):
-            yield path
+            staged = _STAGED.get()
+            if staged is None:
+                yield path
+                return
+            # same folder (the rename is atomic), same suffix (writers such as matplotlib go by it)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+            staged.append((tmp, path))
+            yield tmp
             return
         with tempfile.TemporaryDirectory(prefix="moesim-out-") as folder:
             staged = Path(folder) / path.name

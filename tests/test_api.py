@@ -84,6 +84,22 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
         moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slot=2)
 
 
+@pytest.mark.parametrize("kwargs, words", [
+    ({"seed": -1}, "seed must be a whole number in [0, 2**63), got -1"),
+    ({"seed": "abc"}, "got 'abc'"),
+    ({"seed": 3.7}, "got 3.7"),
+    ({"seed": True}, "got True"),
+    ({"hw": None}, "hw must be a profile name, a YAML path or a HardwareProfile, got None"),
+])
+def test_a_seed_or_hw_of_the_wrong_kind_is_refused_in_one_line(files, kwargs, words):
+    trace, hw = files
+    for call in (moesim.replay, moesim.serve):
+        with pytest.raises(ConfigError) as err:
+            call(trace, **{"hw": hw, "system": "cpu-only", **kwargs})
+        assert words in str(err.value) and "\n" not in str(err.value)
+    assert moesim.replay(trace, hw=hw, system="cpu-only", seed=np.int64(3)).metrics.seed.iloc[0] == 3
+
+
 def test_a_fault_in_a_column_the_system_does_not_read_still_refuses_the_replay(files, tmp_path):
     """gpu-only-lru never reads scores; a NaN there is checked beside the run and refuses its result."""
     from moesim.errors import TraceFormatError

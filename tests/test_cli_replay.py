@@ -158,6 +158,45 @@ def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
         assert word in lines[0]
 
 
+@pytest.mark.parametrize("outputs, words", [
+    (["--timeline", "{trace}"], ["'--timeline'", "would overwrite an input (TRACE"]),
+    (["--decisions", "{trace}"], ["'--decisions'", "would overwrite an input (TRACE"]),
+    (["--json", "{hw}"], ["'--json'", "would overwrite an input (--hw"]),
+    (["--json", "{dir}/m.json", "--chrome-trace", "{dir}/./m.json"], ["'--chrome-trace'", "another output (--json"]),
+    (["--timeline", "-"], ["'--timeline'", "'-' (standard output) is for --json only"]),
+    (["--set", "cache.slots_per_layer=[1,2,"], ["'[1,2,' is not a valid int or a list of ints"]),
+    (["--set", "cache.slots_per_layer=2", "--set", "cache.slots_per_layer=1"], ["given twice"]),
+])
+def test_an_output_never_replaces_an_input_or_another_output(files, tmp_path, capsys, outputs, words):
+    trace, hw = files
+    before = {path: Path(path).read_bytes() for path in (trace, hw)}
+    args = [a.format(trace=trace, hw=hw, dir=tmp_path) for a in outputs]
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", *args], capsys)
+    assert code == 2 and err.count("\n") == 1 and all(word in err for word in words), err
+    assert {path: Path(path).read_bytes() for path in (trace, hw)} == before
+    assert not (tmp_path / "m.json").exists() and not Path("-").exists()
+
+
+def test_special_files_take_several_outputs(files, capsys):
+    trace, hw = files
+    code, _, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", "--json", "/dev/null",
+                      "--timeline", "/dev/null"], capsys)
+    assert code == 0
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(files):
+    """`moesim replay T | head -1`: exit 0, nothing on stderr (rich would exit 1 on the broken pipe); the
+    reader here, `true`, is gone before the first write."""
+    import subprocess
+    import sys
+    trace, hw = files
+    for command in (["systems"], ["replay", trace, "--hw", hw, "--system", "gpu-only-lru"]):
+        done = subprocess.run(f"{sys.executable} -m moesim.cli {' '.join(command)} | true; "
+                              "echo ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                              text=True, timeout=120)
+        assert done.stdout.strip() == "0" and done.stderr == "", (command, done.stdout, done.stderr)
+
+
 def test_cache_that_cannot_fit_prints_the_arithmetic(files, capsys):
     trace, hw = files
     # 10M-parameter tiny model: ~0.018 GiB of non-expert weights; 49,152-byte experts: ~0.0003 GiB left

@@ -19,6 +19,7 @@ from moesim.cli import measure_cmd, replay_cmd, results_cmd, serve_cmd, trace_cm
 from moesim.cli.app import cli, err_console, json_safe  # noqa: F401 - json_safe: part of the package's API
 from moesim.cli.replay_cmd import replay  # noqa: F401 - the command object, for embedding
 from moesim.errors import MoesimError
+from moesim.util import staged_outputs
 
 
 def _say(text: str) -> None:
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        cli.main(args=args, prog_name="moesim", standalone_mode=False)
+        with staged_outputs():  # a command's outputs land together, or none of them does
+            cli.main(args=args, prog_name="moesim", standalone_mode=False)
     except MoesimError as err:
         _say(f"moesim: error: {err}")
         return err.exit_code
@@ -60,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as err:
         _say(f"moesim: error: {err.format_message()}".replace("\n", " "))
         return 2
-    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`
-        with contextlib.suppress(OSError):
-            sys.stdout = open(os.devnull, "w")
+    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`: the reader has all it wanted
+        with contextlib.suppress(OSError):  # what is still buffered goes nowhere, without a second error at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as err:  # noqa: BLE001 - the last resort: one line, never a traceback
         if debug:

@@ -11,8 +11,18 @@ from rich.console import Console
 
 from moesim.errors import MoesimError
 
-console = Console(width=None if Console().is_terminal else 160)
-err_console = Console(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
+
+
+class PipeConsole(Console):
+    """A console whose reader may go away (``moesim systems | head``): rich would exit with status 1
+    there; the command line ends as a pipe's writer should, quietly (moesim.cli.main)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+console = PipeConsole(width=None if Console().is_terminal else 160)
+err_console = PipeConsole(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
 
 
 def json_safe(data: object) -> object:
@@ -45,12 +55,47 @@ def write_json(data: object, out: str | None) -> None:
             atomic_write_text(path, text + "\n")
 
 
-def check_outputs(**outputs: str | None) -> None:
-    """Every output path can be written: checked before any work starts (one line, exit 2)."""
-    from moesim.util import check_output_path
+def check_outputs(inputs: list[tuple[str, str | None]] | None = None, **outputs: str | None) -> None:
+    """Every output path can be written, and none is one of the command's ``inputs`` ((option, path) pairs)
+    or another output: checked before any work starts (one line, exit 2)."""
+    from moesim.util import check_output_path, same_file
     for option, path in outputs.items():
-        if path and path != "-":
-            check_output_path(path, "--" + option.replace("_", "-"))
+        if path == "-" and option != "json":
+            raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
+                              fix="give a file name")
+    named = [("--" + option.replace("_", "-"), path) for option, path in outputs.items() if path and path != "-"]
+    read = [(option, path) for option, path in inputs or () if path]
+    written: list[tuple[str, str]] = []
+    for option, path in named:
+        check_output_path(path, option)
+        for what, others in (("an input", read), ("another output", written)):
+            for other, other_path in others:
+                if same_file(path, other_path):
+                    raise MoesimError(f"would overwrite {what} ({other} {other_path})", source=path,
+                                      field=option, fix="write it to another file")
+        written.append((option, path))
+
+
+def to_stdout(path: str | None) -> bool:
+    """Whether an output goes to standard output: '-', or a name of it such as /dev/stdout (the table then
+    goes to stderr, so that stdout holds the JSON only)."""
+    import os
+    if path == "-":
+        return True
+    if not path:
+        return False
+    try:
+        here, there = os.stat(path), os.fstat(1)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def profile_input(hw: str) -> str:
+    """The file a ``--hw`` name or path reads (for :func:`check_outputs`)."""
+    from moesim.hw.profile import PROFILE_DIR
+    path = Path(hw)
+    return str(path if path.exists() or path.suffix else PROFILE_DIR / f"{hw}.yaml")
 
 
 def open_output(path: str | Path, option: str):
@@ -68,6 +113,9 @@ def cli() -> None:
     Bad input exits 2 with one line naming the file, the field and the fix;
     add --debug anywhere on the command line to see a traceback of an internal error.
     """
+    # pyarrow imports pandas at its first conversion and takes a Ctrl-C in that import for a missing pandas
+    # (the command then runs on to the end); imported before any work, pandas leaves Ctrl-C to stop it
+    import pandas  # noqa: F401
 
 
 def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
@@ -76,5 +124,7 @@ def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
         if "=" not in item:
             raise MoesimError(f"--set '{item}' is not KEY=VALUE", fix="write e.g. --set cache.slots_per_layer=4")
         key, value = item.split("=", 1)
+        if key.strip() in out:
+            raise MoesimError(f"--set {key.strip()} given twice", field=key.strip(), fix="give it once")
         out[key.strip()] = value.strip()
     return out

@@ -9,7 +9,8 @@ import click
 from rich.console import Console
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
-from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
+                            profile_input, to_stdout, write_json)
 from moesim.errors import MoesimError
 
 
@@ -80,9 +81,9 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         raise MoesimError("no trace given", field="TRACE",
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
     from moesim.trace.validate import checked_meta
-    check_outputs(json=json_out, timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out,
-                   decisions=decisions_out)
-    out = err_console if json_out == "-" else console  # stdout holds the JSON only
+    check_outputs([("TRACE", trace_file), ("--hw", profile_input(hw))], json=json_out, timeline=timeline_out,
+                  chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
+    out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     parsed = parse_settings(settings)
     checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     steps = _parse_window(window)
@@ -240,7 +241,7 @@ def systems_cmd(name: str | None) -> None:
     from rich.table import Table
 
     from moesim.policy.systems import SYSTEMS
-    narrow = Console(width=min(console.width, 100))
+    narrow = PipeConsole(width=min(console.width, 100))
     table = Table(title="systems (`moesim systems NAME` lists a system's --set parameters)", title_justify="left",
                   show_lines=False)
     table.add_column("system", style="bold", no_wrap=True)

@@ -55,15 +55,23 @@ def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
 
 def parse_slot_list(raw: Any, key: str) -> list[int]:
     """``2``, ``[2,1,2]`` or ``2,1,2`` as a list of ints (one number applies to every layer)."""
+    bad = ConfigError(f"'{raw}' is not a valid int or a list of ints", field=key,
+                      fix="write e.g. cache.slots_per_layer=2 or cache.slots_per_layer=[2,1,2,...]")
     if isinstance(raw, (list, tuple)):
         items = list(raw)
     else:
-        items = [x for x in str(raw).strip().strip("[]()").replace(" ", "").split(",") if x != ""]
+        text = str(raw).strip()
+        if text[:1] in ("[", "(") or text[-1:] in ("]", ")"):  # brackets only as a matching pair
+            if len(text) < 2 or {"[": "]", "(": ")"}.get(text[0]) != text[-1]:
+                raise bad
+            text = text[1:-1].strip()
+        items = [x.strip() for x in text.split(",")] if text else []
+        if "" in items:  # "2,,1" or "2,": a number left out
+            raise bad
     try:
-        return [int(x) for x in items] if items else []
+        return [int(x) for x in items]
     except ValueError:
-        raise ConfigError(f"'{raw}' is not a valid int or a list of ints", field=key,
-                          fix="write e.g. cache.slots_per_layer=2 or cache.slots_per_layer=[2,1,2,...]") from None
+        raise bad from None
 
 
 def parse_settings(settings: dict[str, str]) -> ReplaySettings:
@@ -153,7 +161,7 @@ def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[s
 def members(system: str) -> tuple[str, ...]:
     """The single systems a replay of ``system`` runs (a portfolio bound runs several)."""
     if system not in SYSTEMS:
-        raise ConfigError(f"unknown system '{system}'", field="--system", fix=f"use one of: {', '.join(SYSTEMS)}, all")
+        raise ConfigError(f"unknown system '{system}'", field="--system", fix=f"use one of: {', '.join(SYSTEMS)}")
     return portfolio_members(system)
 
 

@@ -271,6 +271,8 @@ def test_qwen3_fixture_keeps_forward_2_only(tmp_path):
      "gating_probs", "needs 'gating_probs'"),
     (json.dumps(_spec_row(0, 1, [1, 2, 3], [0.5, 0.3])), "experts", "exactly 2"),
     (json.dumps(_spec_row(0, 1, [1, 9], [0.6, 0.4])), "experts", "8 routed experts"),
+    (json.dumps(_spec_row(0, -1, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),
+    (json.dumps(_spec_row(0, 1.5, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),
 ])
 def test_malformed_line_names_file_line_field_and_fix(tmp_path, capsys, line, field, fix):
     path = tmp_path / "bad.jsonl"
@@ -344,3 +346,10 @@ def test_logs_of_two_formats_are_refused_together(tmp_path):
     with pytest.raises(TraceFormatError, match=r"different formats \(raw.jsonl: speculative-moe; "
                                                r"moe_layer3.jsonl: vllm-moe-logger\)"):
         import_trace(None, [raw, logger], tmp_path / "t.parquet")
+
+
+def test_the_output_never_replaces_a_source_log(tmp_path, capsys):
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    text = raw.read_text()
+    assert main(["trace", "import", str(raw), "--out", str(raw)]) == 2
+    assert "would overwrite an input (SOURCES" in capsys.readouterr().err and raw.read_text() == text

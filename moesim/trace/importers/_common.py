@@ -56,10 +56,11 @@ def get_field(obj: dict[str, Any], name: str, path: Path, line: int) -> Any:
 
 
 def get_int(obj: dict[str, Any], name: str, path: Path, line: int) -> int:
+    """An index field (layer, token index or position, problem id): an integer, 0 or more."""
     value = get_field(obj, name, path, line)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"expected an integer, got {value!r}", source=where(path, line), field=name,
-                               fix=f"'{name}' must be an integer")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TraceFormatError(f"expected an integer >= 0, got {value!r}", source=where(path, line), field=name,
+                               fix=f"'{name}' must be a whole number, 0 or more")
     return value
 
 
