@@ -228,3 +228,19 @@ def test_bundled_trace_no_row_beats_the_oracle_on_the_same_weights(capsys):
         if SYSTEMS[name].uses_cache and name not in ("dali", "fiddler", "llamacpp"):
             assert m["expert_slots"] == 60, name
     assert "mixtral-offloading: runs its own weights by default (memory.expert_dtype=int4)" in " ".join(err.split())
+
+
+def test_systems_as_json_list_every_system_and_a_systems_parameters(capsys):
+    from moesim.policy.systems import SYSTEMS
+    code, out, _ = run(["systems", "--json", "-"], capsys)
+    listed = json.loads(out)
+    assert code == 0 and [s["name"] for s in listed] == list(SYSTEMS)
+    smoe = next(s for s in listed if s["name"] == "smoe")
+    assert (smoe["cache"], smoe["assign"], smoe["prefetch"], smoe["portfolio"]) == ("smoe-lfu", "smoe", "smoe-token", [])
+    oracle = next(s for s in listed if s["name"] == "oracle")
+    assert "oracle-pinned" in oracle["portfolio"] and "cache" not in oracle
+    code, out, _ = run(["systems", "smoe", "--json", "-"], capsys)
+    one = json.loads(out)
+    assert code == 0 and {"role": "cache", "component": "smoe-lfu"}.items() <= one["components"][0].items()
+    n = next(p for p in one["parameters"] if p["key"] == "prefetch.n")
+    assert (n["default"], n["type"]) == (-1, "int") and "Table I" in n["meaning"]

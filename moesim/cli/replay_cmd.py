@@ -233,8 +233,14 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
 
 @cli.command("systems")
 @click.argument("name", required=False, metavar="[NAME]")
-def systems_cmd(name: str | None) -> None:
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Write the list (with NAME: the system's parameters) as JSON ('-': stdout).")
+def systems_cmd(name: str | None, json_out: str | None) -> None:
     """List the systems; with NAME, every parameter of that system with its default, unit and meaning."""
+    if json_out:
+        check_outputs(json=json_out)
+        write_json(_system_json(name) if name else _systems_json(), json_out)
+        return
     if name:
         _print_system(name)
         return
@@ -259,6 +265,29 @@ def systems_cmd(name: str | None) -> None:
     narrow.print("* part of oracle, not run by --system all. Every system also takes engine.*, memory.*, "
                  "cache.slots_per_layer and hw.<profile field>, e.g. hw.pcie.bandwidth_scale.", markup=False,
                  highlight=False)
+
+
+def _systems_json() -> list[dict]:
+    """What ``moesim systems`` lists, one record per system."""
+    from moesim.policy.systems import SYSTEMS
+    return [{"name": system, "description": spec.description, "listed": spec.listed, "runtime": spec.runtime,
+             "portfolio": list(spec.portfolio), **({} if spec.portfolio else spec.roles())}
+            for system, spec in SYSTEMS.items()]
+
+
+def _system_json(name: str) -> dict:
+    """What ``moesim systems NAME`` lists: the components in use and every --set parameter."""
+    from moesim.analysis.params import system_parameter_docs
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import SYSTEMS
+    if name not in SYSTEMS:
+        raise ConfigError(f"unknown system '{name}'", field="NAME", fix=f"use one of: {', '.join(SYSTEMS)}")
+    rows = system_parameter_docs(name)
+    return {"name": name, "description": SYSTEMS[name].description,
+            "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
+                           for key, doc, note in rows if doc is None],
+            "parameters": [{"key": key, "default": doc.default, "type": doc.type, "unit": doc.unit,
+                            "meaning": doc.meaning} for key, doc, _ in rows if doc is not None]}
 
 
 def _print_system(name: str) -> None:
