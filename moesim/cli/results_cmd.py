@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from moesim.cli.app import check_outputs, cli, console, err_console, open_output
 from moesim.errors import MoesimError
+
+if TYPE_CHECKING:
+    from moesim.sweep import SweepSummary
 
 
 @cli.command("sweep")
@@ -39,24 +44,30 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
         - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
 
     Each finished point is saved at once (OUT.parts/, merged into OUT), so an
-    interrupted sweep resumes where it stopped. A failed point is recorded with
+    interrupted sweep resumes where it stopped; a finished point runs again when
+    its trace or profile file has changed since. A failed point is recorded with
     its error; the exit status is then 1.
     """
     from moesim.sweep import load_spec, run_sweep
-    check_outputs(out=out)
+    check_outputs([("SPEC", spec_file)], out=out)
     existed = Path(out).exists()
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
                                progress=True, console=err_console)
-    console.print(f"{summary.points} points: {summary.ran} run, {summary.skipped} already in {out}, "
-                  f"{summary.failed} failed ({summary.wall_s:.1f} s) -> {out}", markup=False, highlight=False)
+    errors = frame[frame["status"] != "ok"] if summary.failed else frame.iloc[:0]
+    bad_input = summary.failed == summary.points and not any(_internal(e) for e in errors["error"])
+    if bad_input and not existed:  # nothing worth keeping: every point failed on its input
+        Path(out).unlink(missing_ok=True)
+        raise MoesimError(f"all {summary.points} points failed on bad input, nothing written; the first: "
+                          f"{_without_fix(errors['error'].iloc[0])}", source=spec_file,
+                          fix=_fix_of(errors["error"].iloc[0]) or "fix the spec")
+    console.print(_summary_line(summary, out), markup=False, highlight=False)
+    if bad_input:
+        raise MoesimError(f"all {summary.points} points failed on bad input; the first: "
+                          f"{_without_fix(errors['error'].iloc[0])}", source=spec_file,
+                          fix=f"{_fix_of(errors['error'].iloc[0]) or 'fix the spec'} (every reason: column "
+                              f"'error' of {out})")
     if summary.failed:
-        errors = frame[frame["status"] != "ok"]
-        if summary.failed == summary.points and not any(_internal(e) for e in errors["error"]):
-            if not existed:  # nothing worth keeping: every point failed on its input
-                Path(out).unlink(missing_ok=True)
-            raise MoesimError(f"all {summary.points} points failed on bad input; the first: {errors['error'].iloc[0]}",
-                              source=spec_file, fix="fix the spec (reasons in column 'error' of the output)")
         for _, row in errors.head(5).iterrows():
             err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
                               markup=False, highlight=False, soft_wrap=True)
@@ -65,10 +76,34 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
         sys.exit(1)
 
 
+def _summary_line(summary: SweepSummary, out: str) -> str:
+    ran = f"{summary.ran} run"
+    why = [f"{n} {what}" for n, what in ((summary.changed, "because their trace or profile changed"),
+                                         (summary.retried, "retried after a worker process died")) if n]
+    if why:
+        ran += f" ({', '.join(why)})"
+    return (f"{summary.points} points: {ran}, {summary.skipped} already in {out}, {summary.failed} failed "
+            f"({summary.wall_s:.1f} s) -> {out}")
+
+
+#: the " (fix: ...)" a :class:`MoesimError` line ends with
+_FIX = re.compile(r" \(fix: (.*)\)$")
+
+
+def _fix_of(error: str) -> str | None:
+    match = _FIX.search(str(error))
+    return match.group(1) if match else None
+
+
+def _without_fix(error: str) -> str:
+    """A point's one-line error without its fix, which the sweep's own error line carries (once)."""
+    return _FIX.sub("", str(error))
+
+
 def _internal(error: str) -> bool:
-    """A point's error from a bug (recorded with where it was raised), not from its input."""
-    import re
-    return re.search(r"\(at [\w.]+\.py:\d+\)$", str(error)) is not None
+    """A point's error from a bug (recorded with where it was raised) or a dead worker, not from its input."""
+    from moesim.sweep.point import WORKER_DIED
+    return re.search(r"\(at [\w.]+\.py:\d+\)$", str(error)) is not None or str(error).startswith(WORKER_DIED)
 
 
 @cli.command("plot")
@@ -90,7 +125,7 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
     --y ttft_ms, with the Pareto front of the deployable systems)."""
     from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
-    check_outputs(out=out)
+    check_outputs([("RESULTS", results)], out=out)
     frame = load_results(results)
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
@@ -114,7 +149,7 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
     from moesim.analysis.figures import load_results
     from moesim.analysis.html_report import write_report
-    check_outputs(out=out)
+    check_outputs([("RESULTS", results)], out=out)
     frame = load_results(results)
     with open_output(out, "--out") as path:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)

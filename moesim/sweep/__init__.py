@@ -16,27 +16,40 @@ A sweep spec (YAML file or dict)::
 Keys may use ``__`` for ``.`` (``cache__slots_per_layer``). Every point is a
 (trace, hw, system, seed, settings) combination; its id is a hash of those
 parameters as written in the spec (the spec file's location and the current
-folder do not enter it, nor does the trace file's content).
+folder do not enter it, nor do the files' contents: see ``input_fingerprint``).
 
 Results are tidy: one row per point with every parameter and metric as a
 column (``breakdown_ms`` becomes ``breakdown_<category>_ms``, notes are joined
 by "; "), plus ``point_id``, ``status`` (``ok`` or ``error``), ``error``,
-``point_wall_s``, ``finished_at``, ``worker``, and ``trace_path``/``hw_path``
-(the files as resolved when the point ran).
+``point_wall_s``, ``finished_at``, ``worker``, ``trace_path``/``hw_path``
+(the files as resolved when the point ran) and ``input_fingerprint`` (the
+profile file's content hash and the trace file's size and modification time,
+hashed, when the sweep started; files a setting names, such as
+``cache.calibration=PATH``, do not enter it).
 
 Storage, robust to ``kill -9``: each finished point is written as its own
 Parquet file ``OUT.parts/<point_id>.parquet`` (temporary file, fsync, rename),
 so a point is either complete on disk or absent. The combined file ``OUT`` is
 rewritten atomically from time to time and at the end; once it holds every
 row the parts folder is removed. A rerun reads ``OUT`` and any parts, skips the
-points whose status is ``ok`` and runs the rest (failed points are retried).
-Rows of points outside the current spec are kept, so extending a grid only
+points whose status is ``ok`` and whose input fingerprint is unchanged, and
+runs the rest: failed points, and points whose trace or profile file changed
+since (rows of results written before fingerprints were recorded count as
+changed: the rerun cannot tell, so it runs them again rather than keep
+results that may be stale). A refused output (not a sweep result) is left as
+it was, with no parts folder. Rows of points outside the current spec are kept, so extending a grid only
 runs the new points; start a fresh file to drop old ones. A lock file in the
 parts folder stops two sweeps from writing the same output at once.
 
 Engines: ``local`` runs points in a process pool (``workers`` processes,
 default all cores; one worker runs them in this process, which also sees
-systems registered at run time); ``ray`` runs them as Ray tasks on a local Ray
+systems registered at run time). Its workers ignore SIGINT: on Ctrl-C the
+sweep process cancels the points not started, terminates the workers and
+keeps what finished. A worker that dies (``kill -9``, the OOM killer) breaks
+the pool: the pool is rebuilt for the points not finished, and the point that
+worker was running is retried once, then recorded as failed naming the dead
+workers (the other workers' points, stopped by the breaking pool, simply run
+again). ``ray`` runs them as Ray tasks on a local Ray
 instance or an existing cluster (``address``). With Ray, each trace file
 is put in the object store once and copied to local disk once per machine (and
 validated once per worker process); each profile is parsed once by the driver
@@ -53,14 +66,17 @@ from __future__ import annotations
 
 from moesim.sweep.spec import (DEFAULT_HW, SPEC_KEYS, Point, SweepSpec, check_spec, load_spec, normalize_key,
                                parse_spec, setting_str)
-from moesim.sweep.point import cached_profile, describe_error, error_row, flatten_metrics, run_point
+from moesim.sweep.point import (WORKER_DIED, cached_profile, describe_error, error_row, flatten_metrics,
+                               input_fingerprint, run_point)
 from moesim.sweep.store import FLUSH_EVERY_S, PARTS_SUFFIX, SWEEP_METADATA, ResultStore
-from moesim.sweep.engines import (ENGINES, LOCATION_COLUMNS, WALL_CLOCK_COLUMNS, ProgressBar, SweepSummary,
-                                  default_workers, die_with_parent, run_sweep)
+from moesim.sweep.engines import (ENGINES, INPUT_COLUMNS, LOCATION_COLUMNS, RETRIES_AFTER_WORKER_DEATH,
+                                  WALL_CLOCK_COLUMNS, ProgressBar, SweepSummary, default_workers, die_with_parent,
+                                  run_sweep)
 from moesim.sweep.ray_engine import ShippedFile, local_copy, require_ray
 
-__all__ = ["DEFAULT_HW", "ENGINES", "FLUSH_EVERY_S", "LOCATION_COLUMNS", "PARTS_SUFFIX", "SPEC_KEYS",
-           "SWEEP_METADATA", "WALL_CLOCK_COLUMNS", "Point", "ProgressBar", "ResultStore", "ShippedFile",
-           "SweepSpec", "SweepSummary", "cached_profile", "check_spec", "default_workers", "describe_error",
-           "die_with_parent", "error_row", "flatten_metrics", "load_spec", "local_copy", "normalize_key",
-           "parse_spec", "require_ray", "run_point", "run_sweep", "setting_str"]
+__all__ = ["DEFAULT_HW", "ENGINES", "FLUSH_EVERY_S", "INPUT_COLUMNS", "LOCATION_COLUMNS", "PARTS_SUFFIX",
+           "RETRIES_AFTER_WORKER_DEATH", "SPEC_KEYS", "SWEEP_METADATA", "WALL_CLOCK_COLUMNS", "WORKER_DIED", "Point",
+           "ProgressBar", "ResultStore", "ShippedFile", "SweepSpec", "SweepSummary", "cached_profile", "check_spec",
+           "default_workers", "describe_error", "die_with_parent", "error_row", "flatten_metrics",
+           "input_fingerprint", "load_spec", "local_copy", "normalize_key", "parse_spec", "require_ray", "run_point",
+           "run_sweep", "setting_str"]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import Finished, columns_of, describe_error, error_row, run_point
+from moesim.sweep.point import (WORKER_DIED, Finished, columns_of, describe_error, error_row, input_fingerprint,
+                                run_point)
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -19,6 +22,10 @@ ENGINES = ("local", "ray")
 WALL_CLOCK_COLUMNS = ("sim_wall_s", "point_wall_s", "finished_at", "worker")
 #: where the trace and profile were found when the point ran (for replaying a point again, e.g. a Gantt chart)
 LOCATION_COLUMNS = ("trace_path", "hw_path")
+#: what the trace and profile files were when the point ran (:func:`moesim.sweep.point.input_fingerprint`)
+INPUT_COLUMNS = ("input_fingerprint",)
+#: a point as a pool worker gets it: the point, its trace file, its profile (name or file)
+Job = tuple[Point, str, str]
 
 
 @dataclass
@@ -28,6 +35,11 @@ class SweepSummary:
     ran: int
     failed: int
     wall_s: float
+    #: of ``ran``: points finished before whose trace or profile file has changed since (or whose
+    #: results, from an older moesim, do not record them)
+    changed: int = 0
+    #: of ``ran``: points run again because the worker process running them died
+    retried: int = 0
 
 
 def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers: int | None = None,
@@ -49,31 +61,38 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     bar = ProgressBar(progress, console)
     complete = False
     failed = 0
+    retried = 0
     try:
-        done = store.done_ids()
-        todo = [p for p in points if p.point_id not in done]
+        # taken before any point runs: a file edited meanwhile makes the next resume run its points again
+        prints = {(t, h): input_fingerprint(spec.resolve(t), spec.resolve_hw(h))
+                  for t in spec.traces for h in spec.hw}
+        done = store.done_inputs()
+        # a finished point runs again when its inputs changed, or are unknown (results of older versions)
+        todo = [p for p in points if p.point_id not in done or done[p.point_id] != prints[p.trace, p.hw]]
+        changed = sum(p.point_id in done for p in todo)
 
         by_id = {p.point_id: p for p in todo}
 
         def finished(row: dict[str, Any]) -> None:
             nonlocal failed
             point = by_id[row["point_id"]]
-            row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw))
+            row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw),
+                       input_fingerprint=prints[point.trace, point.hw])
             store.add(row)
             failed += row["status"] != "ok"
             bar.advance(failed)
 
         if todo:
             runner = _run_ray if engine == "ray" else _run_local
-            runner(spec, todo, workers or default_workers(), address,
-                   lambda: bar.start(len(points), len(points) - len(todo)), finished)
+            retried = runner(spec, todo, workers or default_workers(), address,
+                             lambda: bar.start(len(points), len(points) - len(todo)), finished) or 0
         complete = True
     finally:
         bar.stop()
         store.close(complete=complete)
     frame = _ordered(store.frame([p.point_id for p in points]), spec)
     summary = SweepSummary(points=len(points), skipped=len(points) - len(todo), ran=len(todo), failed=failed,
-                           wall_s=time.perf_counter() - started)
+                           wall_s=time.perf_counter() - started, changed=changed, retried=retried)
     return frame, summary
 
 
@@ -92,7 +111,7 @@ def _ordered(frame: Any, spec: SweepSpec) -> Any:
     head = ["point_id", "trace", "hw", "system", "seed", "model", *dict.fromkeys(spec.parameter_keys()),
             "status", "error"]
     head = [c for c in head if c in frame.columns]
-    tail = [c for c in WALL_CLOCK_COLUMNS + LOCATION_COLUMNS if c in frame.columns]
+    tail = [c for c in WALL_CLOCK_COLUMNS + LOCATION_COLUMNS + INPUT_COLUMNS if c in frame.columns]
     middle = [c for c in frame.columns if c not in head and c not in tail]
     return frame[head + middle + tail].reset_index(drop=True)
 
@@ -126,9 +145,10 @@ class ProgressBar:
 
 
 def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
-               started: Callable[[], None], finished: Finished) -> None:
+               started: Callable[[], None], finished: Finished) -> int:
     """Points in a process pool; one worker: in this process. Each worker decodes a trace once for all its
-    points and systems (``moesim.trace.io.iter_steps`` keeps it per process, with every column they read)."""
+    points and systems (``moesim.trace.io.iter_steps`` keeps it per process, with every column they read).
+    Returns how many points were run again because their worker process died."""
     from moesim.trace.io import keeping_decoded
     jobs = [(p, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in points]
     columns = columns_of(points)
@@ -137,36 +157,156 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
         with keeping_decoded(columns):
             for job in jobs:
                 finished(run_point(*job))
-        return
+        return 0
+    return _run_pool(jobs, min(workers, len(jobs)), columns, started, finished)
+
+
+#: how many times a point whose worker process died (kill -9, the OOM killer, a crash) runs again before
+#: it is recorded as failed
+RETRIES_AFTER_WORKER_DEATH = 1
+
+
+def _run_pool(jobs: list[Job], workers: int, columns: list[str], started: Callable[[], None],
+              finished: Finished) -> int:
+    """``jobs`` on a process pool, rebuilt for the points not finished whenever a worker dies (which
+    breaks a ``ProcessPoolExecutor`` for good); returns how many points were retried after their worker
+    died."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import moesim.analysis.metrics  # noqa: F401 - imported once here, not in every forked worker
     import pandas  # noqa: F401
     from moesim.trace.validate import wait_for_checks
-    wait_for_checks()  # no validation thread may be running when the workers fork
-    # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook; the pool
-    # forks all its workers at the first submit, before the progress bar starts its thread
-    context = multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context,
-                             initializer=_worker_init, initargs=(os.getpid(), _INHERITED_FDS[:], columns)) as pool:
-        futures = {pool.submit(run_point, *job): job[0] for job in jobs}
+    # fork (on Linux) lets workers see systems registered at run time, e.g. in a notebook
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+    taken_by = context.RawArray("q", len(jobs))  # per job: the pid of the worker that took it up
+    deaths: dict[int, list[str]] = {}
+    todo = list(range(len(jobs)))
+    # each break is blamed on the points its dead workers ran, which fail at their last death; only
+    # workers dying idle could break pools beyond this bound
+    max_breaks = (RETRIES_AFTER_WORKER_DEATH + 1) * len(jobs) + 1
+    for _ in range(max_breaks):
+        wait_for_checks()  # no validation thread may be running when the workers fork
+        # (a rebuilt pool forks while the progress bar's thread runs: harmless, workers never print)
+        lost = _pool_pass(context, [(i, jobs[i]) for i in todo], workers, columns, taken_by, started, finished)
+        started = _nothing  # the progress bar runs from the first pool on
+        todo = []
+        for index, death in lost.items():
+            if death is not None:
+                deaths.setdefault(index, []).append(death)
+            if len(deaths.get(index, ())) > RETRIES_AFTER_WORKER_DEATH:
+                finished(error_row(jobs[index][0], f"{WORKER_DIED} while running it, on every try: "
+                                                   + "; ".join(deaths[index])))
+            else:
+                taken_by[index] = 0
+                todo.append(index)
+        if not todo:
+            return len(deaths)
+    for index in todo:  # workers kept dying while idle: give up rather than loop
+        finished(error_row(jobs[index][0], f"{WORKER_DIED} again and again (the process pool broke "
+                                           f"{max_breaks} times)"))
+    return len(deaths)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _pool_pass(context: Any, jobs: list[tuple[int, Job]], workers: int, columns: list[str], taken_by: Any,
+               started: Callable[[], None], finished: Finished) -> dict[int, str | None]:
+    """``jobs`` (index, job) on one process pool. Returns the jobs lost when it broke: index -> how the
+    worker running it died, or None when the job is not to blame (not started, or its worker was only
+    stopped by the pool once another died)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context, initializer=_worker_init,
+                               initargs=(os.getpid(), _INHERITED_FDS[:], columns, taken_by))
+    by_index = dict(jobs)
+    lost: list[int] = []
+    try:
+        # the pool forks all its workers at the first submit (before the progress bar starts its thread);
+        # a Ctrl-C then waits until each has set itself to ignore SIGINT
+        with _sigint_blocked():
+            futures = {pool.submit(_pool_point, index, *job): index for index, job in jobs}
+        processes = {p.pid: p for p in set(multiprocessing.active_children()) - before}
         started()
-        try:
-            for future in as_completed(futures):
-                try:
-                    row = future.result()
-                except Exception as err:  # noqa: BLE001 - e.g. a worker killed by the OS
-                    row = error_row(futures[future], describe_error(err))
-                finished(row)
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+        for future in as_completed(futures):
+            try:
+                row = future.result()
+            except BrokenProcessPool:  # a worker died: every job not finished fails so
+                lost.append(futures[future])
+                continue
+            except Exception as err:  # noqa: BLE001 - e.g. a row that could not be sent back
+                row = error_row(by_index[futures[future]][0], describe_error(err))
+            finished(row)
+        pool.shutdown()  # a broken pool reaps its workers here: their exit codes are known after
+    except BaseException:  # Ctrl-C (KeyboardInterrupt), or a failure to save a row
+        _stop(pool, before)
+        raise
+    return _blame(lost, taken_by, processes)
 
 
-def _worker_init(parent: int, close_fds: list[int], columns: list[str]) -> None:
-    """In each pool worker: die with the sweep process, drop its lock, keep traces decoded (with
-    ``columns``)."""
+def _blame(lost: list[int], taken_by: Any, processes: dict[int, Any]) -> dict[int, str | None]:
+    """How the worker of each lost job died, for the jobs whose worker's death broke the pool. When one
+    worker dies the pool SIGTERMs the others: their jobs are innocent, unless every worker running a job
+    died so (a `kill` of a worker, not `kill -9`: which came first is not known, all are blamed)."""
+    ended = {i: processes[taken_by[i]] for i in lost
+             if taken_by[i] in processes and processes[taken_by[i]].exitcode is not None}
+    culprits = {i for i, p in ended.items() if p.exitcode != -signal.SIGTERM} or set(ended)
+    return {i: _death(ended[i]) if i in culprits else None for i in lost}
+
+
+def _death(process: Any) -> str:
+    code = process.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    return f"pid {process.pid} {how}"
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back (delivered on leaving, not lost) in this thread and in what it forks meanwhile."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop(pool: Any, before: set[Any]) -> None:
+    """Cancel the pool's points not started and end the running ones now, as Python 3.14's
+    ``ProcessPoolExecutor.terminate_workers()`` does: a point may run for a minute, and the workers
+    ignore SIGINT."""
+    import multiprocessing
+    pool.shutdown(wait=False, cancel_futures=True)
+    workers = set(multiprocessing.active_children()) - before
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(timeout=2.0)
+
+
+#: in a pool worker: the shared array where it notes each job it takes up (see :func:`_blame`)
+_TAKEN_BY: Any = None
+
+
+def _pool_point(index: int, point: Point, trace_path: str, hw: str) -> dict[str, Any]:
+    """:func:`run_point` in a pool worker, noting first which worker runs job ``index``."""
+    _TAKEN_BY[index] = os.getpid()
+    return run_point(point, trace_path, hw)
+
+
+def _worker_init(parent: int, close_fds: list[int], columns: list[str], taken_by: Any) -> None:
+    """In each pool worker: leave Ctrl-C to the sweep process (which stops the pool), die with it, drop
+    its lock, keep traces decoded (with ``columns``)."""
+    global _TAKEN_BY
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the pool forked it
+    _TAKEN_BY = taken_by
     from moesim.trace.io import keep_decoded
     keep_decoded(columns)
     for fd in close_fds:
@@ -180,7 +320,6 @@ def _worker_init(parent: int, close_fds: list[int], columns: list[str]) -> None:
 def die_with_parent(parent: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG); elsewhere, a
     watchdog thread polls the parent pid. Either way no worker outlives a ``kill -9`` of the sweep."""
-    import signal
     if sys.platform.startswith("linux"):
         try:
             import ctypes

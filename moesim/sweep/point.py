@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import time
@@ -15,6 +17,8 @@ from moesim.sweep.spec import Point
 
 #: called with each finished point's row
 Finished = Callable[[dict[str, Any]], None]
+#: how the error of a point whose worker process died begins (not the point's input: tells ``moesim sweep``)
+WORKER_DIED = "its worker process died"
 
 
 def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +84,18 @@ def cached_profile(hw: str) -> Any:
     if key not in _PROFILES:
         _PROFILES[key] = load_profile(path)
     return _PROFILES[key]
+
+
+def input_fingerprint(trace_path: str, hw: str) -> str:
+    """What a point's result depends on besides its parameters, which its id holds: the content of its
+    profile (a small YAML file; a profile name stands for the bundled file) and the identity of its trace
+    (size and modification time: hashing gigabytes of trace would cost more than replaying it). A
+    resume runs a finished point again when this changed."""
+    trace = os.stat(trace_path)
+    profile = Path(_profile_file(hw))
+    key = {"trace": [trace.st_size, trace.st_mtime_ns],
+           "hw": hashlib.sha256(profile.read_bytes()).hexdigest() if profile.is_file() else hw}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def describe_error(err: BaseException) -> str:

@@ -37,7 +37,11 @@ class ResultStore:
         if self.out is not None:
             self._check_out()
             self._lock()
-            self._load()
+            try:
+                self._load()
+            except BaseException:  # a refused output: leave nothing behind (the parts folder, if empty)
+                self._unlock(remove_dir=True)
+                raise
 
     @property
     def parts_dir(self) -> Path:
@@ -46,6 +50,10 @@ class ResultStore:
 
     def done_ids(self) -> set[str]:
         return {pid for pid, row in self.rows.items() if row.get("status") == "ok"}
+
+    def done_inputs(self) -> dict[str, str | None]:
+        """Finished point id -> the fingerprint of the input files it ran on (None: not recorded)."""
+        return {pid: self.rows[pid].get("input_fingerprint") for pid in self.done_ids()}
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows[row["point_id"]] = row

@@ -201,6 +201,30 @@ def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
     assert not (files / "r.parquet.parts").exists()  # complete: parts merged and removed
 
 
+def test_a_sweep_whose_every_point_fails_on_its_input_writes_nothing_and_says_so_once(files, capsys):
+    out = files / "r.parquet"
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [5, 6]}, set=TIGHT_GPU)
+    assert main(["sweep", str(path), "--out", str(out), "--workers", "1"]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == ""  # no summary line naming an output that is not there
+    assert err.count("\n") == 1 and err.startswith(f"moesim: error: {path}: all 2 points failed on bad input")
+    assert "nothing written" in err and "does not fit" in err
+    assert err.count("(fix: ") == 1 and err.rstrip().endswith("(fix: use at most 7 slots in all "
+                                                              "(cache.slots_per_layer <= 3))")
+    assert not out.exists() and not (files / "r.parquet.parts").exists()
+    # into an existing results file: the failed rows are kept there, and the line says where
+    good = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1]}, set=TIGHT_GPU)
+    assert main(["sweep", str(good), "--out", str(out), "--workers", "1"]) == 0
+    bad = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [5, 6]}, set=TIGHT_GPU)
+    capsys.readouterr()
+    assert main(["sweep", str(bad), "--out", str(out), "--workers", "1"]) == 2
+    stdout, err = capsys.readouterr()
+    line = " ".join(stdout.split())  # rich wraps long lines
+    assert line.startswith("2 points: 2 run, 0 already") and line.endswith(f"-> {out}")
+    assert err.count("\n") == 1 and err.count("(fix: ") == 1 and f"column 'error' of {out}" in err
+    assert sorted(pd.read_parquet(out)["status"]) == ["error", "error", "ok"]
+
+
 def test_rerun_skips_finished_points_and_retries_failed_ones(files):
     out = files / "r.parquet"
     spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 6]},
@@ -220,14 +244,58 @@ def test_rerun_skips_finished_points_and_retries_failed_ones(files):
     assert sorted(pd.read_parquet(out)["cache.slots_per_layer"]) == [1, 2, 3, 6]
 
 
+def test_a_resume_runs_again_the_points_whose_profile_or_trace_changed(files, capsys):
+    """Issue: a point's id holds the file names only; the files' fingerprint, stored with its row, tells
+    a resume that an edited profile (its content) or a rewritten trace (its size and mtime) needs a rerun."""
+    out = files / "r.parquet"
+    path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2]})
+    spec = load_spec(path)
+    first, _ = run_sweep(spec, out, workers=1)
+    again, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped, summary.changed) == (0, 2, 0)
+    assert again["finished_at"].tolist() == first["finished_at"].tolist()
+
+    profile = yaml.safe_load((files / "hw.yaml").read_text())
+    profile["pcie"]["h2d"]["gbps"] = [g / 4 for g in profile["pcie"]["h2d"]["gbps"]]  # slower expert loads
+    (files / "hw.yaml").write_text(yaml.safe_dump(profile))
+    edited, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped, summary.changed) == (2, 0, 2)
+    direct = metrics(simulate(str(files / "t.parquet"), str(files / "hw.yaml"), "gpu-only-lru",
+                              {"cache.slots_per_layer": "1"}))
+    assert edited["tpot_ms_mean"].iloc[0] == direct["tpot_ms_mean"] > first["tpot_ms_mean"].iloc[0]
+    assert edited["input_fingerprint"].nunique() == 1
+    assert edited["input_fingerprint"].iloc[0] != first["input_fingerprint"].iloc[0]
+
+    trace = files / "t.parquet"
+    os.utime(trace, ns=(trace.stat().st_atime_ns, trace.stat().st_mtime_ns + 10**9))  # rewritten, same size
+    code = main(["sweep", str(path), "--out", str(out), "--workers", "1"])
+    assert code == 0
+    assert capsys.readouterr().out.startswith("2 points: 2 run (2 because their trace or profile changed), 0 already")
+    assert run_sweep(spec, out, workers=1)[1].ran == 0
+
+
+def test_results_of_older_versions_without_fingerprints_are_run_again(files):
+    """Rows written before fingerprints were recorded cannot tell whether their inputs changed: run again."""
+    out = files / "r.parquet"
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru"]))
+    run_sweep(spec, out, workers=1)
+    old = pq.read_table(out)
+    pq.write_table(old.drop_columns(["input_fingerprint"]), out)
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped, summary.changed) == (2, 0, 2)
+    assert frame["input_fingerprint"].notna().all()
+    assert run_sweep(spec, out, workers=1)[1].ran == 0
+
+
 def test_parts_survive_an_interrupted_run(files):
     """Rows written as parts but never merged (the process died) are read back on the next run."""
     out = files / "r.parquet"
     spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2]}))
     points = spec.points()
-    from moesim.sweep import run_point
+    from moesim.sweep import input_fingerprint, run_point
     store = ResultStore(out)
-    store.add({**run_point(points[0], str(files / "t.parquet"), str(files / "hw.yaml")), "trace_path": "x"})
+    store.add({**run_point(points[0], str(files / "t.parquet"), str(files / "hw.yaml")), "trace_path": "x",
+               "input_fingerprint": input_fingerprint(str(files / "t.parquet"), str(files / "hw.yaml"))})
     store._unlock(remove_dir=False)  # as if killed: no merge, lock released by the OS
     assert not out.exists() and (files / "r.parquet.parts" / f"{points[0].point_id}.parquet").exists()
     frame, summary = run_sweep(spec, out, workers=1)
@@ -246,12 +314,20 @@ def test_a_second_writer_is_refused(files):
     ResultStore(out).close(complete=True)  # free again
 
 
-def test_output_that_is_not_a_sweep_result_is_refused(files):
+@pytest.mark.parametrize("content, words", [("trace", "not a sweep result"), ("garbage", "not a readable Parquet")])
+def test_output_that_is_not_a_sweep_result_is_refused_leaving_nothing_behind(files, content, words):
     other = files / "other.parquet"
-    pq.write_table(pq.read_table(files / "t.parquet"), other)
+    if content == "trace":
+        pq.write_table(pq.read_table(files / "t.parquet"), other)
+    else:
+        other.write_text("not parquet\n")
+    before = other.read_bytes()
     spec = load_spec(write_spec(files, systems=["cpu-only"]))
-    with pytest.raises(ConfigError, match="not a sweep result"):
+    with pytest.raises(ConfigError, match=words):
         run_sweep(spec, other)
+    assert other.read_bytes() == before
+    assert not (files / "other.parquet.parts").exists()  # no lock folder left behind
+    assert sorted(p.name for p in files.iterdir()) == ["hw.yaml", "other.parquet", "spec.yaml", "t.parquet"]
 
 
 def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
@@ -355,6 +431,112 @@ def test_kill_9_of_the_sweep_alone_leaves_no_worker_and_resume_loses_nothing(tmp
     assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
     assert set(frame["point_id"]) == {p.point_id for p in load_spec(spec).points()}
     assert not parts.exists()
+
+
+#: `python -c` running the CLI with every point but those of 1 slot per layer slow (60 s) in the pool workers
+#: (forked: they inherit the patch), so that a Ctrl-C lands while workers are busy
+SLOW_POINTS = """
+import sys, time
+from moesim.sweep import engines
+from moesim.cli import main
+real = engines.run_point
+def slow(point, trace, hw):
+    if dict(point.settings)["cache.slots_per_layer"] != 1:
+        time.sleep(60)
+    return real(point, trace, hw)
+engines.run_point = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
+@pytest.mark.parametrize("to", ["group", "sweep"])
+def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to):
+    """Issue: Ctrl-C (SIGINT to the process group, as a terminal sends it, or to the sweep process
+    only) cancels the pool's pending points and ends its workers at once, without their tracebacks;
+    the points finished are kept for the resume."""
+    path = write_spec(files, systems=["gpu-only-lru", "cpu-only"], grid={"cache.slots_per_layer": [1, 2, 3]})
+    out, parts = files / "r.parquet", files / "r.parquet.parts"
+    args = ["sweep", str(path), "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_POINTS, *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not list(parts.glob("*.parquet")) and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.2)  # the first point's worker has taken up a slow one
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2 and proc.poll() is None
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT) if to == "group" else proc.send_signal(signal.SIGINT)
+    try:
+        stdout, stderr = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the sweep still ran 10 s after SIGINT")
+    assert proc.returncode == 130 and time.monotonic() - sent < 5
+    assert stderr.strip() == "moesim: interrupted" and stdout == ""  # no worker traceback
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()], "a worker outlived the sweep"
+    finished = {p.stem for p in parts.glob("*.parquet")}
+    assert len(finished) == 1  # the one quick point of gpu-only-lru; cpu-only's was not started
+    done = subprocess.run([sys.executable, "-m", "moesim.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "6 points: 5 run, 1 already" in done.stdout
+    assert set(pd.read_parquet(out)["point_id"]) == {p.point_id for p in load_spec(path).points()}
+
+
+def _dies_on(slots: int, times: int, marks: Path):
+    """A run_point that SIGKILLs its own worker process on the points of ``slots`` slots per layer, the
+    first ``times`` times (counted in files under ``marks``: the workers are separate processes)."""
+    from moesim.sweep import run_point
+
+    def dying(point, trace, hw):
+        if dict(point.settings)["cache.slots_per_layer"] == slots:
+            deaths = len(list(marks.glob(f"{point.point_id}.*")))
+            if deaths < times:
+                (marks / f"{point.point_id}.{deaths}").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return run_point(point, trace, hw)
+    return dying
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_worker_killed_mid_sweep_costs_only_its_own_point(files, monkeypatch, capsys, times):
+    """Issue: a pool worker killed (kill -9, the OOM killer) broke the pool and failed every point left.
+    The pool is rebuilt for the points not finished; the dead worker's point is retried once, and recorded
+    as failed, naming the worker and the signal, when its worker dies again."""
+    from moesim.sweep import engines
+    marks = files / "marks"
+    marks.mkdir()
+    monkeypatch.setattr(engines, "run_point", _dies_on(2, times, marks))
+    path = write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2, 3]})
+    spec = load_spec(path)
+    frame, summary = run_sweep(spec, files / "r.parquet", workers=2)
+    assert (summary.ran, summary.retried, summary.failed) == (6, 2, 2 if times == 2 else 0)
+    assert len(list(marks.iterdir())) == 2 * times  # no point was charged with another's death
+    dying = frame["cache.slots_per_layer"] == 2
+    assert (frame.loc[~dying, "status"] == "ok").all()  # the points beside them did not suffer
+    if times == 1:
+        assert (frame.loc[dying, "status"] == "ok").all()
+        alone, _ = run_sweep(spec, workers=1)
+        assert frame["tpot_ms_mean"].tolist() == alone["tpot_ms_mean"].tolist()
+        return
+    for error in frame.loc[dying, "error"]:
+        assert error.startswith("its worker process died while running it, on every try: pid ")
+        assert error.count("killed by SIGKILL") == 2
+    # the CLI, on a sweep of the dying points only: exit 1 (a dead worker is no bad input, exit 2), the results
+    # kept, the reasons shown
+    for mark in marks.iterdir():
+        mark.unlink()
+    only = write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [2]})
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", str(only), "--out", str(files / "only.parquet"), "--workers", "2"])
+    assert exit_.value.code == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("2 points: 2 run (2 retried after a worker process died), 0 already in")
+    assert err.count("killed by SIGKILL") == 4 and len(list(marks.iterdir())) == 4
+    assert pd.read_parquet(files / "only.parquet")["status"].tolist() == ["error", "error"]
 
 
 @pytest.mark.slow
