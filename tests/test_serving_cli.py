@@ -61,6 +61,7 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     (["--set", "workload.arrival=bursty"], "workload.arrival"),
     (["--scheduler", "fifo"], "scheduler"),
     (["--system", "cpu-only,gpu-only-lru", "--requests-out", "x.parquet"], "--requests-out"),
+    (["--seed", "-1"], "--seed"),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files
@@ -115,3 +116,29 @@ def test_serve_sim_json_to_stdout_is_json_only(files, capsys):
     assert code == 0, err
     assert json.loads(out)["requests"] == 4  # the table went to stderr
     assert "serving on" in err
+
+
+def test_serve_sim_reports_finished_requests_on_a_piped_stderr(files, capsys, monkeypatch):
+    trace, hw = files
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")  # a line per advance
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only,static-hot", "--qps", "50,100",
+                 "--requests", "3"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("serve-sim: ")]
+    counts = [int(line.split()[1].split("/")[0]) for line in lines[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 12 and all("/12 requests" in line for line in lines)
+    assert any("(cpu-only at 50 req/s)" in line for line in lines)
+    assert any("(static-hot at 100 req/s)" in line for line in lines)
+    assert lines[-1].startswith("serve-sim: done, 12/12 requests (100%)")
+
+
+def test_serve_sim_refuses_a_workload_beyond_host_memory_in_one_line(files, tmp_path, capsys):
+    trace, hw = files
+    out = tmp_path / "m.json"
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only", "--requests", str(10**12),
+                 "--json", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "workload.requests" in err and "GiB of host memory" in err and "serve at most" in err
+    assert not out.exists()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
-from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings, profile_input,
+                            to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 
@@ -27,7 +28,7 @@ from moesim.errors import MoesimError
 @click.option("--requests-out", "requests_out", default=None, metavar="OUT.parquet",
               help="Per-request TTFT, TPOT, latency and queueing (one run only).")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png", help="Latency percentiles vs QPS per system.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str, requests: int | None,
               scheduler: str | None, settings: tuple[str, ...], slo: str | None, json_out: str | None,
               requests_out: str | None, plot_out: str | None, seed: int) -> None:
@@ -35,8 +36,9 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
-    check_outputs(json=json_out, requests_out=requests_out, plot=plot_out)
-    out = err_console if json_out == "-" else console  # stdout holds the JSON only
+    check_outputs([("TRACE", t) for t in traces] + [("--hw", profile_input(hw))], json=json_out,
+                  requests_out=requests_out, plot=plot_out)
+    out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:
         checked_meta(trace_file, ())
     parsed = parse_settings(settings)
@@ -51,15 +53,18 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
                           fix="pass a single --system and --qps")
     rows, last, skipped = [], None, {}
-    for name in systems:
-        try:
-            for rate in rates:
-                last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed)
-                rows.append(serving_metrics(last, slos))
-        except MoesimError as err:
-            if not everything or not _skippable_in_serving(err):
-                raise
-            skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
+    with _serving_progress(parsed, len(systems) * len(rates)) as bar:
+        for name in systems:
+            try:
+                for rate in rates:
+                    bar.advance(0, label=f"{name} at {rate} req/s")
+                    last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed,
+                                 progress=bar.advance)
+                    rows.append(serving_metrics(last, slos))
+            except MoesimError as err:
+                if not everything or not _skippable_in_serving(err):
+                    raise
+                skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
     from rich.table import Table
     table = Table(title=f"serving on {hw}", title_justify="left")
     for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
@@ -84,6 +89,15 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(plot_out, "--plot") as path:
             plot_latency_vs_qps(rows, path)
         out.print(f"wrote {plot_out}")
+
+
+def _serving_progress(settings: dict[str, str], runs: int):
+    """Progress over the requests every run finishes (systems x rates runs of workload.requests each)."""
+    from moesim.progress import Progress
+    from moesim.sim.serving import split_settings
+    # --qps replaces workload.qps in every run, so a --set value of it is never checked here
+    requests = split_settings({k: v for k, v in settings.items() if k != "workload.qps"}).workload.requests
+    return Progress("serve-sim", total=requests * runs, unit="requests", console=err_console)
 
 
 def _skippable_in_serving(err: MoesimError) -> bool:

@@ -17,146 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-
 from moesim.errors import ProfileError
+from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, AttentionCurve, CPUSpec, Curve, ExpertCurve, GPUSpec,
+                             PCIeSpec, RuntimeSpec, SyncSpec)
+from moesim.model.spec import DTYPE_BITS
 from moesim.util import read_yaml
 
 PROFILE_SCHEMA_VERSION = 1
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "hwprofiles"
 
-
-@dataclass(frozen=True)
-class Curve:
-    """``y`` tabulated at increasing ``x`` (tokens, or bytes), with the document it came from."""
-
-    x: tuple[float, ...]
-    y: tuple[float, ...]
-    source: str
-
-
-@dataclass(frozen=True)
-class ExpertCurve:
-    """Time (µs) of one expert FFN of a given shape vs tokens routed to it."""
-
-    hidden: int
-    intermediate: int
-    dtype: str
-    curve: Curve
-    kernel: str = "gpu"  # "gpu", or the CPU kernel family: "avx512" | "amx"
-    threads: int = 0  # CPU threads the curve was measured with (0 = the profile's cores)
-
-
-@dataclass(frozen=True)
-class AttentionCurve:
-    """Time (µs) of one attention layer (projections, gate, SDPA) of ``model`` vs context, at ``tokens`` tokens.
-
-    Attention cost depends on the model's dimensions, so each curve names the
-    model preset it was measured or derived for; a curve without ``model``
-    ("") applies to any model that has no curve of its own. ``dtype`` is the
-    weight dtype it was measured in; another ``memory.non_expert_dtype`` scales
-    it by the roofline ratio (moesim.hw.cost).
-    """
-
-    model: str
-    tokens: int
-    curve: Curve  # x = context length
-    dtype: str = "bf16"
-
-
-#: CUDA Graph use of a runtime: none; every kernel replayed from graphs (per-kernel graph_launch_us);
-#: the whole decode step in one graph (one graph_launch_us per decode step, 001 Sec. 3.3)
-GRAPH_MODES = ("none", "kernel", "decode_step")
-
-
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """The software a system runs on, as its costs on this machine (001_66a328d79a3cae8d.txt Sec. 2.3, 3, 6.4).
-
-    CPU efficiencies are speed factors relative to the profile's CPU curves
-    (1.0: as fast as the curves), applied by the regime the roofline says binds
-    at that size: ``cpu_compute_efficiency[kernel]`` where compute binds,
-    ``cpu_bandwidth_efficiency`` where DRAM bandwidth binds.
-    """
-
-    name: str
-    #: host time per GPU kernel launch, µs
-    launch_us: float
-    graph: str = "none"
-    #: GPU kernels per decoder layer besides routed and shared experts (norms, attention block, gate, residuals)
-    kernels_per_layer: int = 0
-    cpu_compute_efficiency: dict[str, float] = field(default_factory=dict)
-    cpu_bandwidth_efficiency: float = 1.0
-    #: host work per forward pass not hidden behind the GPU (graph build, scheduling), µs
-    host_us_per_step: float = 0.0
-
-    def cpu_compute(self, kernel: str) -> float:
-        return self.cpu_compute_efficiency.get(kernel, 1.0)
-
-
-class _Roofline:
-    """The roofline fallback's efficiencies, shared by the GPU and the CPU sections."""
-
-    roofline_efficiency: float
-    bandwidth_efficiency: float | None
-
-    @property
-    def effective_bandwidth_efficiency(self) -> float:
-        return self.roofline_efficiency if self.bandwidth_efficiency is None else self.bandwidth_efficiency
-
-
-@dataclass(frozen=True)
-class GPUSpec(_Roofline):
-    name: str
-    memory_gib: float
-    reserved_gib: float
-    launch_us: float
-    graph_launch_us: float
-    cuda_graph: bool
-    peak_tflops: dict[str, float]
-    mem_bandwidth_gbps: float
-    expert_ffn: tuple[ExpertCurve, ...] = ()
-    attention: tuple[AttentionCurve, ...] = ()
-    #: achievable fraction of ``peak_tflops`` for the roofline fallback
-    roofline_efficiency: float = 0.6
-    #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)
-    bandwidth_efficiency: float | None = None
-    #: non-expert GPU kernels per decoder layer under the generic runtime (see RuntimeSpec)
-    kernels_per_layer: int = 0
-
-
-@dataclass(frozen=True)
-class CPUSpec(_Roofline):
-    name: str
-    cores: int
-    dram_bandwidth_gbps: float
-    peak_tflops: dict[str, float]  # per kernel family: avx512, amx
-    amx_switch_tokens: int | None  # tokens per expert from which AMX is used; None = no AMX
-    expert_ffn: tuple[ExpertCurve, ...] = ()
-    numa_note: str = ""
-    #: achievable DRAM bandwidth when CPU kernels and H2D copies read host memory at once (None: the
-    #: CPU's own achievable bandwidth, dram_bandwidth_gbps x bandwidth efficiency)
-    dram_combined_gbps: float | None = None
-    #: achievable fraction of ``peak_tflops`` (1.0 when the peaks are measured kernel ceilings)
-    roofline_efficiency: float = 0.5
-    #: achievable fraction of ``dram_bandwidth_gbps`` (None: same as roofline_efficiency)
-    bandwidth_efficiency: float | None = None
-
-
-@dataclass(frozen=True)
-class PCIeSpec:
-    generation: int
-    h2d: Curve  # x = bytes, y = GB/s
-    d2h: Curve
-    latency_us: float
-    copy_engines: int
-    #: bandwidth factor when H2D and D2H run at once
-    duplex_slowdown: float
-    bandwidth_scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class SyncSpec:
-    per_layer_us: float  # CPU-GPU submit + synchronize when a layer hands work to the CPU
+#: How far a curve's time may fall below an earlier point's (as a factor) before the curve is refused. The
+#: work grows with tokens, context and bytes, so a true time hardly falls (a library may switch to a faster
+#: kernel at a larger size); a measured one also dips from noise: on a busy 2-core machine, medians
+#: of `moesim profile` fell 1.9x (CPU expert FFN, 16 to 64 tokens) and 1.5x (a host copy's time net of its
+#: latency, 48 to 64 KiB) where the quiet machine measured rising times. A fall beyond this factor is a typo
+#: or points out of order, which interpolation would turn into a big batch (or context, or copy) cheaper
+#: than a small one.
+TIME_FALL_LIMIT = 4.0
 
 
 @dataclass(frozen=True)
@@ -360,13 +237,24 @@ class _Reader:
             raise self.fail(key, f"must be text, got a {type(data[name]).__name__}", f"write '{name}' as text")
         return str(data[name])
 
-    def peaks(self, data: dict, key: str) -> dict[str, float]:
+    def peaks(self, data: dict, key: str, names: tuple[str, ...], what: str) -> dict[str, float]:
+        """Peak TFLOPS keyed by ``names`` (dtypes, or CPU kernel families): another key would never be read."""
         peaks = self.section(data, key)
         if not peaks:
             raise self.fail(key, "is empty", "give the peak TFLOPS per dtype or kernel (e.g. bf16: 165)")
+        for k in peaks:
+            self.one_of(str(k), f"{key}.{k}", names, what)
         return {str(k): self.number(peaks, f"{key}.{k}") for k in peaks}
 
-    def curve(self, data: Any, key: str, x_name: str, y_name: str, extra: tuple[str, ...] = ()) -> Curve:
+    def one_of(self, value: str, key: str, names: tuple[str, ...], what: str) -> str:
+        if value not in names:
+            raise self.fail(key, f"unknown {what} '{value}'", f"use one of {', '.join(names)}")
+        return value
+
+    def curve(self, data: Any, key: str, x_name: str, y_name: str, extra: tuple[str, ...] = (),
+              copy_latency_us: float | None = None) -> Curve:
+        """A tabulated curve: ``y`` is a time (µs), or with ``copy_latency_us`` a bandwidth (GB/s) net of that
+        latency, a copy of x bytes taking ``latency + x / y``."""
         if not isinstance(data, dict):
             raise self.fail(key, "must be a mapping with lists", f"give '{x_name}', '{y_name}' and 'source'")
         allowed = {x_name, y_name, "source", *extra}
@@ -384,9 +272,25 @@ class _Reader:
             raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
         if any(b <= a for a, b in zip(xs, xs[1:])):
             raise self.fail(key, f"'{x_name}' must increase strictly", "sort the points")
+        times = ys if copy_latency_us is None else [copy_latency_us + x / y * 1e-3 for x, y in zip(xs, ys)]
+        self.time_hardly_falls(key, x_name, y_name, xs, times)
         if not data.get("source"):
             raise self.fail(f"{key}.source", "curve has no source", "name the spec sheet, paper table or measurement")
         return Curve(tuple(float(v) for v in xs), tuple(float(v) for v in ys), str(data["source"]))
+
+    def time_hardly_falls(self, key: str, x_name: str, y_name: str, xs: list, times_us: list) -> None:
+        """Refuse a point whose time is below an earlier point's divided by TIME_FALL_LIMIT."""
+        slowest = 0
+        for i in range(1, len(times_us)):
+            if times_us[i] * TIME_FALL_LIMIT < times_us[slowest]:
+                what = "copy time" if y_name == "gbps" else "time"
+                raise self.fail(f"{key}.{y_name}[{i}]",
+                                f"{what} falls from {times_us[slowest]:g} µs at {x_name} {xs[slowest]:g} to "
+                                f"{times_us[i]:g} µs at {xs[i]:g}, more than {TIME_FALL_LIMIT:g}x; more work never "
+                                "takes so much less time", "check the point and the order of the lists; measured "
+                                f"dips of up to {TIME_FALL_LIMIT:g}x are accepted (hwprofiles/README.md)")
+            if times_us[i] > times_us[slowest]:
+                slowest = i
 
     def entries(self, items: Any, key: str) -> Iterator[tuple[str, dict]]:
         """(dotted path, mapping) of each entry of an optional list of curves."""
@@ -404,12 +308,13 @@ class _Reader:
         curves = []
         for where, item in self.entries(items, key):
             kernel = str(item.get("kernel", "avx512" if cpu else "gpu"))
-            if cpu and kernel not in ("avx512", "amx", "avx2"):
-                raise self.fail(f"{where}.kernel", f"unknown CPU kernel '{kernel}'", "use avx512, amx or avx2")
+            if cpu:
+                self.one_of(kernel, f"{where}.kernel", CPU_KERNELS, "CPU kernel")
             curves.append(ExpertCurve(
                 hidden=int(self.number(item, f"{where}.hidden", integer=True)),
                 intermediate=int(self.number(item, f"{where}.intermediate", integer=True)),
-                dtype=self.text(item, f"{where}.dtype"),
+                # a curve is looked up by dtype: one no model can have would never be used
+                dtype=self.one_of(self.text(item, f"{where}.dtype"), f"{where}.dtype", tuple(DTYPE_BITS), "dtype"),
                 curve=self.curve(item, where, "tokens", "time_us",
                                  extra=("hidden", "intermediate", "dtype", "kernel", "threads")),
                 kernel=kernel,
@@ -422,7 +327,8 @@ class _Reader:
                                     tokens=int(self.number(item, f"{where}.tokens", integer=True)),
                                     curve=self.curve(item, where, "context", "time_us",
                                                      extra=("model", "tokens", "dtype")),
-                                    dtype=self.text(item, f"{where}.dtype", default="bf16"))
+                                    dtype=self.one_of(self.text(item, f"{where}.dtype", default="bf16"),
+                                                      f"{where}.dtype", tuple(DTYPE_BITS), "dtype"))
                      for where, item in self.entries(items, key))
 
     def runtimes(self, data: Any) -> dict[str, RuntimeSpec]:
@@ -477,21 +383,34 @@ def _has_source(path: str, sources: dict[str, str]) -> bool:
     return any(".".join(parts[:i]).replace(".[", "[") in sources for i in range(1, len(parts) + 1))
 
 
-def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
-    r = _Reader(origin)
-    if not isinstance(data, dict):
-        raise ProfileError("a profile must be a YAML mapping", source=origin)
-    version = data.get("schema_version")
-    if isinstance(version, bool) or version != PROFILE_SCHEMA_VERSION:
-        raise r.fail("schema_version", f"unknown or missing schema_version {version!r}",
-                     f"set schema_version: {PROFILE_SCHEMA_VERSION}")
+def _checked_sources(r: _Reader, data: dict) -> dict[str, str]:
+    """The ``sources`` mapping, once every number of the profile has a key in it."""
     sources = data.get("sources")
     if not isinstance(sources, dict) or not sources:
         raise r.fail("sources", "profile has no sources", "map each number (or its section) to its source")
     for path in _numeric_paths(data):
         if not _has_source(path, sources):
             raise r.fail(path, "number has no source", f"add '{path}' (or a prefix of it) under 'sources'")
+    return dict(sources)
 
+
+def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
+    r = _Reader(origin)
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else f"a YAML {type(data).__name__}"
+        raise ProfileError(f"a profile must be a YAML mapping, got {got}", source=origin,
+                           fix="write sections schema_version, name, gpu, cpu, pcie, sync and sources "
+                               "(hwprofiles/README.md; start from a shipped profile)")
+    version = data.get("schema_version")
+    if isinstance(version, bool) or version != PROFILE_SCHEMA_VERSION:
+        raise r.fail("schema_version", f"unknown or missing schema_version {version!r}",
+                     f"set schema_version: {PROFILE_SCHEMA_VERSION}")
+    # every field's shape is checked before the sources: a list where a section belongs has no numbers to source
+    profile = _parse_sections(r, data, origin)
+    return dataclasses.replace(profile, sources=_checked_sources(r, data))
+
+
+def _parse_sections(r: _Reader, data: dict, origin: str) -> HardwareProfile:
     r.known_keys(data, "")
     g = r.section(data, "gpu")
     r.known_keys(g, "gpu")
@@ -502,7 +421,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         launch_us=r.number(g, "gpu.launch_us", positive=False),
         graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False),
         cuda_graph=r.flag(g, "gpu.cuda_graph", False),
-        peak_tflops=r.peaks(g, "gpu.peak_tflops"),
+        peak_tflops=r.peaks(g, "gpu.peak_tflops", tuple(DTYPE_BITS), "dtype"),
         mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
         expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
@@ -522,7 +441,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
         name=r.text(c, "cpu.name"),
         cores=int(r.number(c, "cpu.cores", integer=True, maximum=1 << 16)),
         dram_bandwidth_gbps=r.number(c, "cpu.dram_bandwidth_gbps"),
-        peak_tflops=r.peaks(c, "cpu.peak_tflops"),
+        peak_tflops=r.peaks(c, "cpu.peak_tflops", CPU_KERNELS, "CPU kernel"),
         amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens", integer=True)),
         expert_ffn=r.expert_curves(c.get("expert_ffn"), "cpu.expert_ffn", cpu=True),
         numa_note=r.text(c, "cpu.numa_note", default=""),
@@ -535,11 +454,12 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
                      "add cpu.peak_tflops.amx or set amx_switch_tokens: null")
     p = r.section(data, "pcie")
     r.known_keys(p, "pcie")
+    latency_us = r.number(p, "pcie.latency_us", positive=False)
     pcie = PCIeSpec(
         generation=int(r.number(p, "pcie.generation", integer=True, maximum=16)),
-        h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps"),
-        d2h=r.curve(p.get("d2h"), "pcie.d2h", "size_bytes", "gbps"),
-        latency_us=r.number(p, "pcie.latency_us", positive=False),
+        h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps", copy_latency_us=latency_us),
+        d2h=r.curve(p.get("d2h"), "pcie.d2h", "size_bytes", "gbps", copy_latency_us=latency_us),
+        latency_us=latency_us,
         copy_engines=int(r.number(p, "pcie.copy_engines", integer=True, maximum=64)),
         duplex_slowdown=r.number(p, "pcie.duplex_slowdown", maximum=1.0),
         bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0),
@@ -556,7 +476,7 @@ def parse_profile(data: Any, *, origin: str) -> HardwareProfile:
                              f"this CPU has no '{kernel}' kernel, so the factor would change nothing",
                              f"use one of {', '.join(sorted(kernels))}")
     return HardwareProfile(name=r.text(data, "name"), gpu=gpu, cpu=cpu, pcie=pcie, sync=sync,
-                           sources=dict(sources), description=str(data.get("description", "")),
+                           sources={}, description=str(data.get("description", "")),
                            path=origin, raw=data, runtimes=runtimes)
 
 

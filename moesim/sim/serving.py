@@ -22,9 +22,10 @@ preempted and recomputed (counted per request).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -251,6 +252,62 @@ def kv_budget_tokens(memory: MemoryPlan, kv_bytes_per_token: int, ignores_memory
     return max(left, 0) // kv_bytes_per_token
 
 
+# ----------------------------------------------------------------------------- host memory
+#: Host bytes a served request holds whatever its length (its record, scheduler state, arrival time and the
+#: objects of its arrival), and per entry of the batch log (one request in one step: a prompt's prefill, or
+#: one decode token). A run's records must all live until its percentiles are taken, so memory grows with
+#: the request count and cannot be made lazy. Both are floors: about 10% under the peak tracemalloc measured
+#: (460 and 82 bytes, Python 3.11) under a load that batches every request at once, the least a run takes
+#: (tests/sim/test_serving.py checks them); a lightly loaded run takes up to about 450 bytes per entry, its
+#: engine recording one step per decode token.
+REQUEST_BYTES = 360
+ENTRY_BYTES = 72
+
+
+def serving_bytes(pool: list[TraceRequest], requests: int) -> int:
+    """Least host memory a run of ``requests`` requests drawn in turn from ``pool`` takes: every request
+    has its prompt prefilled in at least one step and each decode token in a step of its own."""
+    def entries(part: list[TraceRequest]) -> int:
+        return sum(t.output + (1 if t.prompt else 0) for t in part)
+    rounds, rest = divmod(requests, len(pool))
+    return requests * REQUEST_BYTES + (rounds * entries(pool) + entries(pool[:rest])) * ENTRY_BYTES
+
+
+def host_bytes_available() -> int | None:
+    """Memory this process may still take: the kernel's MemAvailable, or less under a cgroup limit
+    (where an out-of-memory kill comes from in a container); None where neither can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2, then v1
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
+            used = int(Path("/sys/fs/cgroup", usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" or a huge number: no limit
+            limits.append(max(int(limit) - used, 0))
+        break
+    return min(limits) if limits else None
+
+
+def check_host_memory(pool: list[TraceRequest], requests: int, available: int | None) -> None:
+    """Refuse, before anything is allocated, a run whose floor of host memory exceeds ``available``."""
+    need = serving_bytes(pool, requests)
+    if available is None or need <= available:
+        return
+    per_request = need / requests
+    fits = int(available // per_request)
+    raise ConfigError(f"{requests:,} requests need at least {need / 2**30:,.1f} GiB of host memory "
+                      f"({per_request:,.0f} bytes each), {available / 2**30:,.1f} GiB are available",
+                      field="workload.requests",
+                      fix=f"serve at most {fits:,} requests per run (--requests), or split the load into runs")
+
+
 # ----------------------------------------------------------------------------- the serving run
 @dataclass
 class RequestRecord:
@@ -328,8 +385,10 @@ class ServingRun:
     """Drives one :class:`Simulator` with a scheduler and an arrival process (SimPy processes on its env)."""
 
     def __init__(self, sim: Simulator, pool: RequestPool, scheduler: Scheduler, workload: WorkloadConfig,
-                 seed: int = 0) -> None:
+                 seed: int = 0, progress: Callable[[int], None] | None = None) -> None:
         self.sim, self.pool, self.scheduler, self.workload = sim, pool, scheduler, workload
+        #: called with the number of requests each step finished
+        self.progress = progress
         self.rng = np.random.default_rng(seed)
         self.env = sim.env
         self.layers = sim.model.num_layers
@@ -340,7 +399,8 @@ class ServingRun:
         #: per step, (request, first position, tokens) of each entry: what ran when
         self.batches: list[list[tuple[int, int, int]]] = []
         self._work = self.env.event()
-        self._finished = {i: self.env.event() for i in range(workload.requests)}
+        #: a closed loop's client waits on its request's event; open loops need none (memory per request)
+        self._finished: dict[int, Any] = {}
         self._left = workload.requests
         # every step advances a token, so without preemption a request finishes within all the tokens left;
         # four times that allows recomputation after preemptions, more means a livelock
@@ -377,6 +437,7 @@ class ServingRun:
     def _client(self, first: int):
         stride = self.workload.concurrency
         for i in range(first, self.workload.requests, stride):
+            self._finished[i] = self.env.event()
             self._submit(i)
             yield self._finished[i]
 
@@ -425,10 +486,15 @@ class ServingRun:
             if record.scheduled_s != record.scheduled_s:  # nan: first time it runs
                 record.scheduled_s = start
             record.computed_tokens += n
-        for request in self.scheduler.advance(batch):
+        finished = self.scheduler.advance(batch)
+        for request in finished:
             self.records[request.rid].finish_s = end
-            self._finished[request.rid].succeed()
+            waiting = self._finished.pop(request.rid, None)
+            if waiting is not None:
+                waiting.succeed()
             self._left -= 1
+        if finished and self.progress is not None:
+            self.progress(len(finished))
         for request, _ in batch.entries:
             record = self.records[request.rid]
             if record.first_token_s != record.first_token_s and request.done >= max(request.prompt, 1):
@@ -437,10 +503,16 @@ class ServingRun:
 
 def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | None = None, *,
           model_preset: str | None = None, seed: int = 0, timeline: bool = False,
-          decisions: bool = False) -> ServeResult:
-    """Serve ``workload.requests`` requests drawn from ``traces`` under ``system`` and a scheduler."""
+          decisions: bool = False, progress: Callable[[int], None] | None = None) -> ServeResult:
+    """Serve ``workload.requests`` requests drawn from ``traces`` under ``system`` and a scheduler.
+
+    ``progress`` is called with the number of requests each step finished. A run whose records cannot
+    fit in host memory (:func:`serving_bytes`) is refused before it starts.
+    """
     from moesim.sim.run import members, prepare
     from moesim.trace.validate import checked_meta, settle
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:  # numpy's generators refuse it
+        raise ConfigError(f"must be a whole number >= 0, got {seed!r}", field="seed", fix="use e.g. --seed 0")
     parsed = split_settings(settings)
     if members(system) != (system,):
         raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
@@ -454,6 +526,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     for trace in traces[1:]:  # (prepare checked the first)
         checked_meta(trace, sim.system.needed_columns())
     pool = RequestPool(list(traces), sim.system.needed_columns())
+    check_host_memory(pool.requests, parsed.workload.requests, host_bytes_available())
     kv = kv_budget_tokens(sim.memory, sim.model.kv_bytes_per_token(), sim.system.ignores_memory)
     if parsed.workload.kv_tokens:
         if kv is not None and parsed.workload.kv_tokens > kv:
@@ -464,7 +537,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     scheduler.set_kv_tokens(kv)
     for t in pool.requests[:parsed.workload.requests]:
         scheduler.check(Request(0, 0.0, t.prompt, t.output))
-    result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed).run()
+    result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()
     for trace in traces:
         settle(trace)  # the columns the run did not read, checked beside it
     return result

@@ -101,22 +101,31 @@ def anchor_defaults(num_experts: int, top_k: int) -> dict[str, float]:
             for key in _ANCHORS["coarse"]}
 
 
+#: Largest logit-scale parameter (skew, request_bias, cluster_strength, score_scale). Scores are stored as
+#: float16, whose smallest positive value is about e^-17: once logit gaps pass 17 every expert but the top
+#: one scores 0. At 100 one term outweighs the others (defaults 0.1 to 2.5) far past that point, so larger
+#: values change nothing but the risk of float64 logits overflowing (1e308 gave nan scores, which replay
+#: refuses).
+LOGIT_LIMIT = 100.0
+
+
 @dataclass
 class SynthParams:
-    """Generator parameters, settable with ``--set key=value``."""
+    """Generator parameters, settable with ``--set key=value``; :data:`PARAM_RANGES` holds their ranges."""
 
-    #: Zipf exponent of expert popularity at the first and the last MoE layer
+    #: Zipf exponent of expert popularity at the first MoE layer (0 to 100; 0: every expert equally popular)
     skew_first: float = 0.3
+    #: Zipf exponent of expert popularity at the last MoE layer (0 to 100)
     skew_last: float = 0.6
-    #: std of a request's own per-expert logit offset (prompt-specific hot experts)
+    #: std of a request's own per-expert logit offset (prompt-specific hot experts; 0 to 100)
     request_bias: float = 0.5
-    #: experts per co-activation cluster (0 = one per expert, no clusters)
+    #: experts per co-activation cluster (0 to the model's experts; 0 = one per expert, no clusters)
     cluster_size: int = 0
-    #: std of the logit component shared by a cluster
+    #: std of the logit component shared by a cluster (0 to 100)
     cluster_strength: float = 0.6
-    #: AR(1) correlation of a request's logit noise from one token to the next
+    #: AR(1) correlation of a request's logit noise from one token to the next (0 to 1)
     token_corr: float = 0.5
-    #: logit multiplier inside the score softmax (larger = a few high scores, many low)
+    #: logit multiplier inside the score softmax (larger = a few high scores, many low; above 0, at most 100)
     score_scale: float = 1.0
     #: recall of pred_next_layer: HybriMoE's layer-wise predictor, 72.6% on DeepSeek and
     #: 77.6% on Qwen (003_46c415738ddfa491.txt Table 5, average column)
@@ -140,16 +149,27 @@ class SynthParams:
         return cls(**values)
 
     def check(self, num_experts: int) -> None:
-        for name in ("recall_next_layer", "recall_residual", "recall_next_token", "token_corr"):
+        """Refuse a value outside its range (nan and inf included: no comparison admits them)."""
+        for name, (low, high, low_allowed) in PARAM_RANGES.items():
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"must lie in [0, 1], got {value}", field=name, fix=f"--set {name}=0.5")
-        for name in ("request_bias", "cluster_strength", "score_scale"):
-            if getattr(self, name) < 0:
-                raise ConfigError("must not be negative", field=name, fix=f"--set {name}=0.5")
+            if not (low <= value <= high if low_allowed else low < value <= high):
+                span = f"{'[' if low_allowed else '('}{low:g}, {high:g}]"
+                raise ConfigError(f"must lie in {span}, got {value}", field=name,
+                                  fix=f"--set {name}=VALUE with VALUE in {span}")
         if not 0 <= self.cluster_size <= num_experts:
-            raise ConfigError(f"must lie in [0, {num_experts}]", field="cluster_size",
-                              fix="--set cluster_size=2")
+            raise ConfigError(f"must lie in [0, {num_experts}] (the model's experts), got {self.cluster_size}",
+                              field="cluster_size", fix=f"--set cluster_size=VALUE with VALUE in [0, {num_experts}]")
+
+
+#: valid values of each float parameter of :class:`SynthParams`: (lowest, highest, whether the lowest is
+#: allowed); correlations and recalls are probabilities, the rest logit scales (see LOGIT_LIMIT). A
+#: score_scale of 0 makes every score equal, so the routed experts would be picked by a sort's tie order.
+PARAM_RANGES: dict[str, tuple[float, float, bool]] = {
+    "skew_first": (0.0, LOGIT_LIMIT, True), "skew_last": (0.0, LOGIT_LIMIT, True),
+    "request_bias": (0.0, LOGIT_LIMIT, True), "cluster_strength": (0.0, LOGIT_LIMIT, True),
+    "score_scale": (0.0, LOGIT_LIMIT, False), "token_corr": (0.0, 1.0, True),
+    "recall_next_layer": (0.0, 1.0, True), "recall_residual": (0.0, 1.0, True), "recall_next_token": (0.0, 1.0, True),
+}
 
 
 def _coerce(name: str, text: str, kind: type) -> Any:

@@ -233,3 +233,91 @@ def test_command_line_overrides_take_the_type_they_replace():
     assert profile.with_overrides({"cpu.cores": "4"}).cpu.cores == 4
     with pytest.raises(ProfileError, match="not a valid bool"):
         profile.with_overrides({"gpu.cuda_graph": "yes please"})
+
+
+# -- names the cost model looks up, curve shapes, the file's top level -----------------
+@pytest.mark.parametrize("path, value, field, valid", [
+    (("gpu", "expert_ffn", 0, "dtype"), "bf61", "gpu.expert_ffn[0].dtype", "bf16, fp16, fp8, int8, int4"),
+    (("cpu", "expert_ffn"), [{"hidden": 64, "intermediate": 32, "dtype": "int3", "kernel": "amx", "tokens": [1],
+                              "time_us": [5], "source": "x"}], "cpu.expert_ffn[0].dtype", "bf16, fp16, fp8"),
+    (("gpu", "attention"), [{"tokens": 1, "context": [1], "time_us": [5], "dtype": "b16", "source": "x"}],
+     "gpu.attention[0].dtype", "bf16, fp16, fp8"),
+    (("gpu", "peak_tflops", "bf61"), 100, "gpu.peak_tflops.bf61", "bf16, fp16, fp8"),
+    (("cpu", "peak_tflops", "avx521"), 1, "cpu.peak_tflops.avx521", "avx512, amx, avx2"),
+])
+def test_a_name_no_cost_would_look_up_is_refused(path, value, field, valid):
+    data = minimal()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    err = fails(data, "unknown")
+    assert err.field == field and valid in str(err)
+
+
+def test_every_shipped_dtype_is_accepted():
+    for dtype in ("bf16", "fp16", "fp8", "int8", "int4"):
+        data = minimal()
+        data["gpu"]["expert_ffn"][0]["dtype"] = dtype
+        assert parse_profile(data, origin="toy.yaml").gpu.expert_ffn[0].dtype == dtype
+
+
+@pytest.mark.parametrize("times, bad_point", [
+    ([1000, 10], 1),  # the lists reversed
+    ([100, 24], 1),  # a little over 4x
+    ([10, 1000, 240], 2),  # a fall after a rise, measured from the slowest point before it
+])
+def test_a_time_that_falls_more_than_the_limit_is_refused_naming_the_point(times, bad_point):
+    data = minimal()
+    data["gpu"]["expert_ffn"][0].update(tokens=[1, 10, 100][:len(times)], time_us=times)
+    err = fails(data, "time falls from .* more than 4x")
+    assert err.field == f"gpu.expert_ffn[0].time_us[{bad_point}]"
+    data = minimal()
+    data["gpu"]["attention"] = [{"tokens": 1, "context": [1, 10, 100][:len(times)], "time_us": times,
+                                 "source": "x"}]
+    assert fails(data, "time falls").field == f"gpu.attention[0].time_us[{bad_point}]"
+
+
+@pytest.mark.parametrize("times", [[100, 30], [10, 1000, 260], [50, 50, 49]])
+def test_a_measured_dip_within_the_limit_is_accepted_and_used(times):
+    """Noise and a library's kernel switch dip measured curves; interpolation uses them as they are."""
+    from moesim.hw.cost import interp_loglog
+    data = minimal()
+    data["gpu"]["expert_ffn"][0].update(tokens=[1, 10, 100][:len(times)], time_us=times)
+    curve = parse_profile(data, origin="toy.yaml").gpu.expert_ffn[0].curve
+    assert curve.y == tuple(float(t) for t in times) and interp_loglog(curve, 10 ** (len(times) - 1)) == times[-1]
+
+
+def test_copy_time_of_a_pcie_curve_may_not_fall_beyond_the_limit():
+    data = minimal()
+    data["pcie"]["latency_us"] = 0
+    data["pcie"]["h2d"] = {"size_bytes": [1000, 1_000_000], "gbps": [1, 5000], "source": "x"}  # 1 µs, then 0.2
+    assert fails(data, "copy time falls from 1 µs").field == "pcie.h2d.gbps[1]"
+    data["pcie"]["latency_us"] = 5  # 6 µs, then 5.2: the latency dominates both copies
+    assert parse_profile(data, origin="toy.yaml").pcie.h2d.y == (1.0, 5000.0)
+    data["pcie"]["h2d"]["gbps"] = [20, 5]  # bandwidth falling with size: copy time still grows
+    assert parse_profile(data, origin="toy.yaml").pcie.h2d.y == (20.0, 5.0)
+
+
+@pytest.mark.parametrize("section", ["gpu", "cpu", "pcie", "sync"])
+def test_a_section_written_as_a_list_must_be_a_mapping_not_unsourced_numbers(section):
+    data = minimal()
+    data[section] = [1, 2]
+    data["sources"] = {"gpu.name": "x"}  # gpu[0] and gpu[1] have no source either: the shape comes first
+    err = fails(data, "must be a mapping")
+    assert err.field == section and f"add a '{section}' mapping" in str(err)
+    data = minimal()
+    data["gpu"]["peak_tflops"] = [100]
+    assert fails(data, "must be a mapping").field == "gpu.peak_tflops"
+
+
+@pytest.mark.parametrize("text, got", [("", "an empty file"), ("- 1\n- 2\n", "a YAML list"),
+                                       ("just text\n", "a YAML str")])
+def test_a_file_that_is_no_mapping_says_how_to_fix_it(tmp_path: Path, text, got):
+    path = tmp_path / "hw.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=f"a profile must be a YAML mapping, got {got}") as err:
+        load_profile(path)
+    message = str(err.value)
+    assert message.startswith(str(path)) and "(fix: write sections schema_version, name, gpu" in message
+    assert "\n" not in message

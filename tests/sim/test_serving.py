@@ -294,3 +294,75 @@ def test_chunked_prefill_keeps_decodes_flowing(tmp_path):
     assert vllm_mix == 0 and sarathi_mix == 5  # 80 prompt tokens in chunks of 16 beside a decode token each
     assert sarathi_gap < vllm_gap / 2
     assert sarathi_ttft > vllm_ttft
+
+
+# ----------------------------------------------------------------------------- progress and host memory
+def test_progress_counts_every_finished_request_once(tmp_path):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(5), model, [(3, 2), (1, 4)])))
+    for arrival in ("poisson", "closed"):
+        calls: list[int] = []
+        result = serve([path], tiny_profile(), "cpu-only", {"workload.arrival": arrival, "workload.requests": "7",
+                                                            "workload.qps": "5"}, progress=calls.append)
+        assert sum(calls) == 7 and all(n >= 1 for n in calls)
+        assert len(calls) == len({r.finish_s for r in result.requests})  # one call per step that finished any
+
+
+def test_host_memory_floor_counts_requests_and_batch_entries():
+    from moesim.sim.serving import ENTRY_BYTES, REQUEST_BYTES, TraceRequest, serving_bytes
+    empty = np.zeros((1, 0, 1))
+    pool = [TraceRequest("a", 0, 3, 5, empty), TraceRequest("a", 1, 0, 2, empty)]
+    # 5 requests: a, b, a, b, a; entries: a's prefill + 5 decodes = 6, b's 2 decodes (no prompt)
+    assert serving_bytes(pool, 5) == 5 * REQUEST_BYTES + (3 * 6 + 2 * 2) * ENTRY_BYTES
+
+
+def _serve_peak_bytes(path: str, requests: int) -> int:
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        serve([path], tiny_profile(), "cpu-only", {"workload.requests": str(requests), "workload.qps": "1e6"})
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_host_memory_floor_is_below_what_a_run_takes_and_close_to_it(tmp_path):
+    """At a rate that batches every request at once (the floor's case), the measured peak per extra request
+    is at least the floor (the refusal never turns away a run that fits) and within 2x of it."""
+    from moesim.sim.serving import RequestPool, serving_bytes
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(6), model, [(4, 20), (2, 3)])))
+    _serve_peak_bytes(path, 50)  # caches and imports out of the way
+    measured = _serve_peak_bytes(path, 600) - _serve_peak_bytes(path, 200)
+    pool = RequestPool([path], []).requests
+    floor = serving_bytes(pool, 600) - serving_bytes(pool, 200)
+    assert floor <= measured <= 2 * floor
+
+
+def test_a_run_that_cannot_fit_in_host_memory_is_refused_before_it_starts(tmp_path):
+    from moesim.sim.serving import TraceRequest, check_host_memory, host_bytes_available, serving_bytes
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(7), model, [(2, 1)])))
+    with pytest.raises(ConfigError, match=r"workload\.requests.*need at least .* GiB of host memory") as err:
+        serve([path], tiny_profile(), "cpu-only", {"workload.requests": str(10**12)})  # 400 TB
+    assert "serve at most" in str(err.value) and "\n" not in str(err.value)
+    available = host_bytes_available()
+    assert available is None or 0 < available < 10**15
+    pool = [TraceRequest("a", 0, 2, 1, np.zeros((1, 3, 1)))]
+    need = serving_bytes(pool, 1000)
+    check_host_memory(pool, 1000, need)  # exactly enough
+    check_host_memory(pool, 1000, None)  # unknown: the run goes ahead
+    with pytest.raises(ConfigError, match="serve at most 999 requests"):
+        check_host_memory(pool, 1000, need - 1)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_a_seed_numpy_cannot_take_is_a_config_error(tmp_path, seed):
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(8), model, [(2, 1)])))
+    with pytest.raises(ConfigError, match="field 'seed'"):
+        serve([path], tiny_profile(), "cpu-only", {"workload.requests": "2"}, seed=seed)

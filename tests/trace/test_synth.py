@@ -149,3 +149,49 @@ def test_mixtral_defaults_match_real_skew_and_reuse_within_20_percent(name, tmp_
     synth = trace_stats(synthesize(config, tmp_path / "synth.parquet"))
     for key in ("top10_share", "reuse_prev_token"):
         assert synth[key] == pytest.approx(real[key], rel=0.2), key
+
+
+#: every numeric generator parameter with its documented range on mixtral-8x7b (8 experts): (low, high, low allowed)
+RANGES = {"skew_first": (0, 100, True), "skew_last": (0, 100, True), "request_bias": (0, 100, True),
+          "cluster_size": (0, 8, True), "cluster_strength": (0, 100, True), "token_corr": (0, 1, True),
+          "score_scale": (0, 100, False), "recall_next_layer": (0, 1, True), "recall_residual": (0, 1, True),
+          "recall_next_token": (0, 1, True)}
+
+
+def _bad_values(name: str) -> list[str]:
+    low, high, low_allowed = RANGES[name]
+    below = str(low) if not low_allowed else str(low - 1 if name == "cluster_size" else low - 0.01)
+    above = str(high + 1) if name == "cluster_size" else str(high * 1.01)
+    return ["nan", "inf", "-inf", below, above, "1e308" if high > 1 else "-1e308"]
+
+
+def test_every_numeric_parameter_has_a_range():
+    import dataclasses
+
+    from moesim.trace.synth import SynthParams
+    numeric = {f.name for f in dataclasses.fields(SynthParams) if f.type in ("float", "int")}
+    assert numeric == set(RANGES)
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n in RANGES for v in _bad_values(n)])
+def test_cli_synth_refuses_a_parameter_outside_its_range(tmp_path, capsys, name, value):
+    out = tmp_path / "syn.parquet"
+    code = main(["trace", "synth", "--model", "mixtral-8x7b", "--requests", "1", "--prompt-len", "2",
+                 "--decode-len", "2", "--set", f"{name}={value}", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"field '{name}'" in err
+    low, high, low_allowed = RANGES[name]
+    if name != "cluster_size" or value not in ("nan", "inf", "-inf", "1e308"):  # not an int: a parse error
+        assert f"{'[' if low_allowed else '('}{low:g}, {high:g}]" in err.split("(fix:")[1]  # the range, in the fix
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, value", [("skew_first", "0"), ("skew_last", "100"), ("score_scale", "100"),
+                                         ("request_bias", "100"), ("cluster_strength", "0"), ("token_corr", "1"),
+                                         ("cluster_size", "8"), ("recall_residual", "0")])
+def test_synth_accepts_the_ends_of_each_range(tmp_path, name, value):
+    path = small(tmp_path, settings={name: value})
+    assert validate_trace(path).rows == 3 * 11 * 32
+    table = read_table(path, ["weights"]).column("weights").combine_chunks()
+    assert np.isfinite(table.flatten().to_numpy()).all()
