@@ -248,11 +248,11 @@ def read_yaml(path: Path, error: type[MoesimError]) -> Any:
     if path.is_dir():
         raise error("is a folder, not a YAML file", source=source, fix="give the path of a .yaml file")
     try:
-        size = path.stat().st_size
-        if size > YAML_MAX_BYTES:
-            raise error(f"file is {size:,} bytes; YAML inputs are limited to {YAML_MAX_BYTES:,}", source=source,
+        with open(path, "rb") as handle:  # read up to the limit: a pipe (`<(...)`) has no size to ask
+            raw = handle.read(YAML_MAX_BYTES + 1)
+        if len(raw) > YAML_MAX_BYTES:
+            raise error(f"file is over {YAML_MAX_BYTES:,} bytes, the limit of a YAML input", source=source,
                         fix="give the right file")
-        raw = path.read_bytes()
     except OSError as err:
         raise error(f"cannot read: {err.strerror or err}", source=source,
                     fix="check the path and permissions") from None

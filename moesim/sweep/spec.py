@@ -115,10 +115,12 @@ def load_spec(spec: str | os.PathLike | dict[str, Any]) -> SweepSpec:
     if isinstance(spec, dict):
         return parse_spec(spec, source="sweep spec", base_dir=Path.cwd())
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists() or path.is_dir():
         raise ConfigError("sweep spec not found", source=str(path), fix="check the path")
     data = read_yaml(path, ConfigError)
-    return parse_spec(data, source=str(path), base_dir=path.resolve().parent)
+    # a spec from a pipe (`moesim sweep <(...)`) has no folder of its own: its paths are the current folder's
+    base_dir = path.resolve().parent if path.is_file() else Path.cwd()
+    return parse_spec(data, source=str(path), base_dir=base_dir)
 
 
 def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:

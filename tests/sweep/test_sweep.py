@@ -122,6 +122,27 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     assert not (files / "r.parquet").exists()
 
 
+def test_a_spec_read_from_a_pipe_resolves_its_paths_in_the_current_folder(files, monkeypatch):
+    """`moesim sweep <(printf ...)`: the spec is /dev/fd/N, a pipe with no folder of its own."""
+    monkeypatch.chdir(files)
+    read, write = os.pipe()
+    os.write(write, yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"]}).encode())
+    os.close(write)
+    try:
+        spec = load_spec(f"/dev/fd/{read}")
+    finally:
+        os.close(read)
+    assert spec.resolve("t.parquet") == str(files / "t.parquet") and spec.systems == ["cpu-only"]
+
+
+def test_a_spec_over_the_yaml_limit_is_refused_unread(tmp_path):
+    from moesim.util import YAML_MAX_BYTES
+    path = tmp_path / "big.yaml"
+    path.write_text("systems: [cpu-only]\n" + "#" * YAML_MAX_BYTES)
+    with pytest.raises(ConfigError, match="over 4,194,304 bytes, the limit of a YAML input"):
+        load_spec(path)
+
+
 # ----------------------------------------------------------------------------- running
 def test_rows_hold_parameters_and_the_metrics_of_a_direct_replay(files):
     spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru"],
