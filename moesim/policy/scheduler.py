@@ -218,18 +218,18 @@ class ContinuousBatching(Scheduler):
     # ------------------------------------------------------------------ parts of a step
     def _decode(self, batch: Batch) -> None:
         """One token for every running request past its prefill, preempting the newest when KV runs out."""
-        free = self.kv_free() - batch.tokens
-        queue = [r for r in self.running if not r.prefilling]
+        tokens = batch.tokens  # preemptions below add no entries: counted once (a step may hold thousands)
+        free = self.kv_free() - tokens
+        queue = deque(r for r in self.running if not r.prefilling)
         taken: list[Request] = []
         while queue:
-            request = queue.pop(0)
-            if len(batch.entries) + len(taken) >= self.max_batch or batch.tokens + len(taken) >= self.max_tokens:
+            request = queue.popleft()
+            if len(batch.entries) + len(taken) >= self.max_batch or tokens + len(taken) >= self.max_tokens:
                 break
-            while free < 1 and self._victims(request, taken):
-                victim = self._victims(request, taken)[-1]
+            while free < 1 and (victim := self._victim(request)) is not None:
                 free += victim.done
-                if victim in queue:
-                    queue.remove(victim)
+                if queue and queue[-1] is victim:  # not yet given its token (the newest is the queue's last)
+                    queue.pop()
                 self._preempt(victim, batch)
             if free < 1:  # nothing left to preempt: this request waits itself
                 self._preempt(request, batch)
@@ -238,15 +238,18 @@ class ContinuousBatching(Scheduler):
             free -= 1
         batch.entries += [(r, 1) for r in taken]
 
-    def _victims(self, request: Request, taken: list[Request]) -> list[Request]:
-        """Running requests that may be preempted for ``request``: admitted later, not in this batch."""
-        scheduled = set(map(id, taken))
-        later = self.running[self.running.index(request) + 1:]
-        return [r for r in later if id(r) not in scheduled]
+    def _victim(self, request: Request) -> Request | None:
+        """The running request to preempt for ``request``: the newest, if admitted after it. Those taken
+        into this batch so far were all admitted before it (the decode goes in admission order)."""
+        newest = self.running[-1]
+        return None if newest is request else newest
 
     def _preempt(self, request: Request, batch: Batch) -> None:
         """Free ``request``'s KV; it waits at the head of the queue and prefills its tokens again."""
-        self.running.remove(request)
+        if self.running[-1] is request:  # the common case: the newest yields
+            self.running.pop()
+        else:
+            del self.running[next(i for i, r in enumerate(self.running) if r is request)]
         request.prefill_until = max(request.prefill_until, request.done)
         request.recomputed += request.done
         request.done = 0
@@ -264,7 +267,7 @@ class ContinuousBatching(Scheduler):
                 free -= n
         while self.waiting and len(batch.entries) < self.max_batch:
             request = self.waiting[0]
-            if request in batch.preempted:
+            if any(request is p for p in batch.preempted):
                 break  # it yielded in this step: back in the queue for the next (vLLM requeues after the step)
             n = self._piece(request, batch, free)
             if not n:

@@ -213,9 +213,12 @@ def build_step(index: int, entries: list[tuple[Request, int]], pool: list[TraceR
     """The rows of one batch, ordered as a trace orders a step: by layer, then request, then position."""
     entries = sorted(entries, key=lambda e: e[0].rid)
     parts = [(r, pool[r.rid], r.done, n) for r, n in entries]
-    positions = np.concatenate([np.arange(a, a + n) for _, _, a, n in parts])
-    ids = np.concatenate([np.full(n, r.rid) for r, _, _, n in parts]).astype(np.int32)
-    phases = np.concatenate([np.where(np.arange(a, a + n) < r.prefill_until, 0, 1) for r, _, a, n in parts])
+    # per token row, as whole arrays (a step may batch thousands of requests): its request, position, phase
+    counts = np.array([n for _, _, _, n in parts])
+    ids = np.repeat(np.array([r.rid for r, _, _, _ in parts]), counts).astype(np.int32)
+    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # 0, 1, ... per request
+    positions = np.repeat(np.array([a for _, _, a, _ in parts]), counts) + offset
+    phases = np.where(positions < np.repeat(np.array([r.prefill_until for r, _, _, _ in parts]), counts), 0, 1)
 
     def gather(key: str | None) -> np.ndarray:
         arrays = [(t.experts if key is None else t.optional[key])[:, a:a + n] for _, t, a, n in parts]
