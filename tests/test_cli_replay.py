@@ -184,17 +184,24 @@ def test_special_files_take_several_outputs(files, capsys):
     assert code == 0
 
 
-def test_a_reader_that_stops_early_ends_the_command_quietly(files):
-    """`moesim replay T | head -1`: exit 0, nothing on stderr (rich would exit 1 on the broken pipe); the
-    reader here, `true`, is gone before the first write."""
+def test_a_reader_that_stops_early_ends_the_command_quietly_and_its_files_still_land(files, tmp_path):
+    """`moesim replay T --json m.json | head -1`: exit 0, no error on stderr (rich and click would exit 1
+    on the broken pipe), and the files written; the reader here, `true`, is gone before the first write."""
     import subprocess
     import sys
     trace, hw = files
-    for command in (["systems"], ["replay", trace, "--hw", hw, "--system", "gpu-only-lru"]):
+    replay_args = ["replay", trace, "--hw", hw, "--system", "gpu-only-lru"]
+    for command, written in ((["systems"], None), (["systems", "--json", "-"], None), (replay_args, None),
+                             ([*replay_args, "--json", str(tmp_path / "m.json")], tmp_path / "m.json"),
+                             ([*replay_args, "--json", "-"], None)):
         done = subprocess.run(f"{sys.executable} -m moesim.cli {' '.join(command)} | true; "
                               "echo ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
                               text=True, timeout=120)
-        assert done.stdout.strip() == "0" and done.stderr == "", (command, done.stdout, done.stderr)
+        # (with --json - the table goes to stderr, as it should)
+        quiet = "Traceback" not in done.stderr and "error" not in done.stderr
+        assert done.stdout.strip() == "0" and quiet and (done.stderr == "" or "-" in command), command
+        if written is not None:
+            assert json.loads(written.read_text())["tpot_ms_mean"] > 0
 
 
 def test_cache_that_cannot_fit_prints_the_arithmetic(files, capsys):

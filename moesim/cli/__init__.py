@@ -8,15 +8,13 @@ user mistake. Each command lives in its own module and registers with the
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from pathlib import Path
 
 import click
 
 from moesim.cli import measure_cmd, replay_cmd, results_cmd, serve_cmd, trace_cmd  # noqa: F401 - registers them
-from moesim.cli.app import cli, err_console, json_safe  # noqa: F401 - json_safe: part of the package's API
+from moesim.cli.app import cli, err_console, json_safe, stream_to_devnull  # noqa: F401 - json_safe: public
 from moesim.cli.replay_cmd import replay  # noqa: F401 - the command object, for embedding
 from moesim.errors import MoesimError
 from moesim.util import staged_outputs
@@ -49,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     try:
         with staged_outputs():  # a command's outputs land together, or none of them does
-            cli.main(args=args, prog_name="moesim", standalone_mode=False)
+            try:
+                cli.main(args=args, prog_name="moesim", standalone_mode=False)
+            except BrokenPipeError:  # `moesim trace inspect T --json - | head`: the reader has what it wanted,
+                stream_to_devnull(sys.stdout)  # and what the command wrote lands
     except MoesimError as err:
         _say(f"moesim: error: {err}")
         return err.exit_code
@@ -62,10 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as err:
         _say(f"moesim: error: {err.format_message()}".replace("\n", " "))
         return 2
-    except BrokenPipeError:  # e.g. `moesim trace inspect T | head`: the reader has all it wanted
-        with contextlib.suppress(OSError):  # what is still buffered goes nowhere, without a second error at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as err:  # noqa: BLE001 - the last resort: one line, never a traceback
         if debug:
             raise

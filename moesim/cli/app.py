@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -14,11 +15,21 @@ from moesim.errors import MoesimError
 
 
 class PipeConsole(Console):
-    """A console whose reader may go away (``moesim systems | head``): rich would exit with status 1
-    there; the command line ends as a pipe's writer should, quietly (moesim.cli.main)."""
+    """A console whose reader may go away (``moesim replay T --json m.json | head``): rich would exit with
+    status 1 there; this console falls silent and the command goes on, so the files it writes still land."""
 
     def on_broken_pipe(self) -> None:
-        raise BrokenPipeError
+        self.quiet = True
+        stream_to_devnull(self.file)
+
+
+def stream_to_devnull(stream: Any) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: what is still buffered for a reader that went away
+    goes nowhere, without a second error when Python flushes it at exit."""
+    import contextlib
+    import os
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 console = PipeConsole(width=None if Console().is_terminal else 160)
@@ -48,7 +59,12 @@ def json_safe(data: object) -> object:
 def write_json(data: object, out: str | None) -> None:
     text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     if out in (None, "-"):
-        click.echo(text)
+        import sys
+        try:  # not click.echo: click exits with status 1 when the reader goes away
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--json - | head`: the reader has what it wanted; the command goes on
+            stream_to_devnull(sys.stdout)
     else:
         from moesim.util import atomic_write_text
         with open_output(out, "--json") as path:

@@ -81,6 +81,7 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
     with Progress("trace import", unit="files", console=err_console) as bar, open_output(out, "--out") as path:
         bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
         report = import_trace(fmt, [Path(s) for s in sources], path)
+        report.out = Path(out)  # where it lands, not the file it was written to first
         bar.advance(len(sources))
     for line in report.summary_lines():
         console.print(line)

@@ -353,3 +353,17 @@ def test_the_output_never_replaces_a_source_log(tmp_path, capsys):
     text = raw.read_text()
     assert main(["trace", "import", str(raw), "--out", str(raw)]) == 2
     assert "would overwrite an input (SOURCES" in capsys.readouterr().err and raw.read_text() == text
+
+
+def test_the_summary_names_the_output_and_it_lands_when_stdout_is_closed(tmp_path):
+    import subprocess
+    import sys
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    out = tmp_path / "t.parquet"
+    command = f"{sys.executable} -m moesim.cli trace import {raw} --out {out}"
+    shown = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith(f"wrote {out} (speculative-moe")
+    out.unlink()
+    closed = subprocess.run(f"{command} | true; echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash",
+                            capture_output=True, text=True, timeout=120)
+    assert closed.stdout.strip() == "0" and validate_trace(out) is not None
