@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,6 @@ import click
 from rich.console import Console
 
 from moesim.errors import MoesimError
-
 
 
 class PipeConsole(Console):
@@ -26,8 +28,6 @@ class PipeConsole(Console):
 def stream_to_devnull(stream: Any) -> None:
     """Point ``stream``'s file descriptor at /dev/null: what is still buffered for a reader that went away
     goes nowhere, without a second error when Python flushes it at exit."""
-    import contextlib
-    import os
     with contextlib.suppress(OSError, ValueError, AttributeError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
@@ -59,7 +59,6 @@ def json_safe(data: object) -> object:
 def write_json(data: object, out: str | None) -> None:
     text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     if out in (None, "-"):
-        import sys
         try:  # not click.echo: click exits with status 1 when the reader goes away
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
@@ -95,7 +94,6 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, **outputs:
 def to_stdout(path: str | None) -> bool:
     """Whether an output goes to standard output: '-', or a name of it such as /dev/stdout (the table then
     goes to stderr, so that stdout holds the JSON only)."""
-    import os
     if path == "-":
         return True
     if not path:
