@@ -32,7 +32,6 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 
 from __future__ import annotations
 
-import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +100,8 @@ def checked_run_inputs(hw: Any, seed: Any) -> None:
     if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
         raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",
                           fix=f"e.g. hw={DEFAULT_HW!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
-        raise ConfigError(f"seed must be a whole number in [0, 2**63), got {seed!r}", field="seed", fix="e.g. seed=0")
+    from moesim.sim.run import checked_seed
+    checked_seed(seed)
 
 
 def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,

@@ -105,13 +105,6 @@ def to_stdout(path: str | None) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def profile_input(hw: str) -> str:
-    """The file a ``--hw`` name or path reads (for :func:`check_outputs`)."""
-    from moesim.hw.profile import PROFILE_DIR
-    path = Path(hw)
-    return str(path if path.exists() or path.suffix else PROFILE_DIR / f"{hw}.yaml")
-
-
 def open_output(path: str | Path, option: str):
     """Where a writer puts ``path``'s content (a special file such as /dev/null is written directly,
     never replaced); an OS error while writing becomes one line naming the file."""

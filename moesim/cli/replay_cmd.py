@@ -10,8 +10,9 @@ from rich.console import Console
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            profile_input, to_stdout, write_json)
+                            to_stdout, write_json)
 from moesim.errors import MoesimError
+from moesim.hw.profile import profile_path
 
 
 def _parse_window(text: str | None) -> tuple[int, int] | None:
@@ -81,7 +82,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         raise MoesimError("no trace given", field="TRACE",
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", trace_file), ("--hw", profile_input(hw))], json=json_out, timeline=timeline_out,
+    check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))], json=json_out, timeline=timeline_out,
                   chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     parsed = parse_settings(settings)

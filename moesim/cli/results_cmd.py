@@ -58,15 +58,14 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     bad_input = summary.failed == summary.points and not any(_internal(e) for e in errors["error"])
     if bad_input and not existed:  # nothing worth keeping: every point failed on its input
         Path(out).unlink(missing_ok=True)
-        raise MoesimError(f"all {summary.points} points failed on bad input, nothing written; the first: "
-                          f"{_without_fix(errors['error'].iloc[0])}", source=spec_file,
-                          fix=_fix_of(errors["error"].iloc[0]) or "fix the spec")
-    console.print(_summary_line(summary, out), markup=False, highlight=False)
+    else:
+        console.print(_summary_line(summary, out), markup=False, highlight=False)
     if bad_input:
-        raise MoesimError(f"all {summary.points} points failed on bad input; the first: "
-                          f"{_without_fix(errors['error'].iloc[0])}", source=spec_file,
-                          fix=f"{_fix_of(errors['error'].iloc[0]) or 'fix the spec'} (every reason: column "
-                              f"'error' of {out})")
+        first = errors["error"].iloc[0]
+        fix = _fix_of(first) or "fix the spec"
+        raise MoesimError(f"all {summary.points} points failed on bad input{'' if existed else ', nothing written'}; "
+                          f"the first: {_without_fix(first)}", source=spec_file,
+                          fix=f"{fix} (every reason: column 'error' of {out})" if existed else fix)
     if summary.failed:
         for _, row in errors.head(5).iterrows():
             err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
-from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings, profile_input,
+from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings,
                             to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
+from moesim.hw.profile import profile_path
 
 
 @cli.command("serve-sim")
@@ -36,7 +37,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", t) for t in traces] + [("--hw", profile_input(hw))], json=json_out,
+    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))], json=json_out,
                   requests_out=requests_out, plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:

@@ -343,8 +343,7 @@ class _Reader:
                 raise self.fail(key, "must be a mapping", "see hwprofiles/README.md")
             self.known_keys(r, "runtime", prefix=key)
             graph = "none" if r.get("graph") is None else self.text(r, f"{key}.graph")
-            if graph not in GRAPH_MODES:
-                raise self.fail(f"{key}.graph", f"unknown graph mode '{graph}'", f"use one of {', '.join(GRAPH_MODES)}")
+            self.one_of(graph, f"{key}.graph", GRAPH_MODES, "graph mode")
             compute = r.get("cpu_compute_efficiency", {})
             if not isinstance(compute, dict):
                 raise self.fail(f"{key}.cpu_compute_efficiency", "must be a mapping of CPU kernel to factor",
@@ -484,11 +483,15 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
+def profile_path(name_or_path: str | Path) -> Path:
+    """The YAML file behind a profile name (``hwprofiles/NAME.yaml``) or path (which may not exist)."""
+    path = Path(name_or_path)
+    return PROFILE_DIR / f"{name_or_path}.yaml" if not path.exists() and not path.suffix else path
+
+
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """Load ``hwprofiles/NAME.yaml`` by name, or any profile YAML by path."""
-    path = Path(name_or_path)
-    if not path.exists() and not path.suffix:
-        path = PROFILE_DIR / f"{name_or_path}.yaml"
+    path = profile_path(name_or_path)
     if not path.exists():
         raise ProfileError("hardware profile not found", source=str(name_or_path),
                            fix=f"use a path or one of: {', '.join(available_profiles())}")

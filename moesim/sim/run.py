@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,6 +157,14 @@ def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[s
     spec = SYSTEMS.get(system)
     own = {k: v for k, v in spec.defaults if k.partition(".")[0] in ("engine", "memory", "hw")} if spec else {}
     return {**own, **(settings or {})}
+
+
+def checked_seed(seed: Any) -> int:
+    """``seed`` as an int, refused in one line unless a whole number in [0, 2**63) (numpy's generators and the
+    command line's --seed take no other)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be a whole number in [0, 2**63), got {seed!r}", field="seed", fix="e.g. seed=0")
+    return int(seed)
 
 
 def members(system: str) -> tuple[str, ...]:

@@ -22,7 +22,6 @@ preempted and recomputed (counted per request).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -512,10 +511,9 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     ``progress`` is called with the number of requests each step finished. A run whose records cannot
     fit in host memory (:func:`serving_bytes`) is refused before it starts.
     """
-    from moesim.sim.run import members, prepare
+    from moesim.sim.run import checked_seed, members, prepare
     from moesim.trace.validate import checked_meta, settle
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:  # numpy's generators refuse it
-        raise ConfigError(f"must be a whole number >= 0, got {seed!r}", field="seed", fix="use e.g. --seed 0")
+    seed = checked_seed(seed)
     parsed = split_settings(settings)
     if members(system) != (system,):
         raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",

@@ -75,8 +75,8 @@ _PROFILES: dict[tuple[str, int, int], Any] = {}
 
 def cached_profile(hw: str) -> Any:
     """The profile named or pointed to by ``hw``, parsed once per process while its file is unchanged."""
-    from moesim.hw.profile import load_profile
-    path = Path(_profile_file(hw))
+    from moesim.hw.profile import load_profile, profile_path
+    path = profile_path(hw)
     if not path.is_file():
         return load_profile(hw)  # raises the usual one-line error
     stat = path.stat()
@@ -91,8 +91,9 @@ def input_fingerprint(trace_path: str, hw: str) -> str:
     profile (a small YAML file; a profile name stands for the bundled file) and the identity of its trace
     (size and modification time: hashing gigabytes of trace would cost more than replaying it). A
     resume runs a finished point again when this changed."""
+    from moesim.hw.profile import profile_path
     trace = os.stat(trace_path)
-    profile = Path(_profile_file(hw))
+    profile = profile_path(hw)
     key = {"trace": [trace.st_size, trace.st_mtime_ns],
            "hw": hashlib.sha256(profile.read_bytes()).hexdigest() if profile.is_file() else hw}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -110,12 +111,3 @@ def describe_error(err: BaseException) -> str:
 def error_row(point: Point, message: str) -> dict[str, Any]:
     return {**point.columns(), "status": "error", "error": message,
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
-
-
-def _profile_file(hw: str) -> str:
-    """The YAML file behind a profile name or path (Ray workers get the file, not the name)."""
-    from moesim.hw.profile import PROFILE_DIR
-    path = Path(hw)
-    if not path.exists() and not path.suffix:
-        path = PROFILE_DIR / f"{hw}.yaml"
-    return str(path)
