@@ -20,6 +20,16 @@ YAML_MAX_BYTES = 4 * 2**20
 #: nodes of a YAML document once aliases are expanded ("billion laughs" grows past this at once)
 YAML_MAX_NODES = 200_000
 
+#: the file formats moesim writes, each with the suffixes its file may be named with (the first is suggested):
+#: a name promising another format (``trace.csv``) is refused rather than given Parquet
+OUTPUT_FORMATS: dict[str, tuple[str, ...]] = {
+    "Parquet": (".parquet",),
+    "HTML": (".html", ".htm"),
+    "YAML": (".yaml", ".yml"),
+    "a figure (PNG, SVG or PDF)": (".png", ".svg", ".pdf"),
+}
+FIGURE = "a figure (PNG, SVG or PDF)"
+
 
 # ----------------------------------------------------------------------------- output files
 def is_special_file(path: Path) -> bool:
@@ -61,8 +71,9 @@ def clean_stale_tmps(path: Path) -> int:
     return removed
 
 
-def check_output_path(path: str | os.PathLike, option: str = "--out") -> Path:
-    """Fail now, with one line, if ``path`` cannot receive an output file (before any work is done)."""
+def check_output_path(path: str | os.PathLike, option: str = "--out", written_as: str | None = None) -> Path:
+    """Fail now, with one line, if ``path`` cannot receive an output file (before any work is done);
+    ``written_as``: its format (a key of :data:`OUTPUT_FORMATS`), which its name must end in."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError("the output path is a folder", source=str(path), field=option,
@@ -72,6 +83,8 @@ def check_output_path(path: str | os.PathLike, option: str = "--out") -> Path:
             raise ConfigError("cannot write to this special file", source=str(path), field=option,
                               fix="give a writable file")
         return path
+    if written_as is not None:
+        check_suffix(path, option, written_as)
     parent = path.parent
     if not parent.exists():
         raise ConfigError(f"folder {parent} does not exist", source=str(path), field=option,
@@ -86,6 +99,15 @@ def check_output_path(path: str | os.PathLike, option: str = "--out") -> Path:
                           fix="remove it or write elsewhere")
     clean_stale_tmps(path)
     return path
+
+
+def check_suffix(path: Path, option: str, written_as: str) -> None:
+    """``path``'s name ends in a suffix of format ``written_as`` (:data:`OUTPUT_FORMATS`)."""
+    suffixes = OUTPUT_FORMATS[written_as]
+    if path.suffix.lower() not in suffixes:
+        named = f"'{path.suffix}'" if path.suffix else "no suffix"
+        raise ConfigError(f"this output is written as {written_as}, but its name has {named}", source=str(path),
+                          field=option, fix=f"name it e.g. {path.with_suffix(suffixes[0]).name}")
 
 
 def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -136,11 +158,12 @@ def staged_outputs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def output_file(path: str | os.PathLike, option: str | None = None) -> Iterator[Path]:
+def output_file(path: str | os.PathLike, option: str | None = None, written_as: str | None = None) -> Iterator[Path]:
     """Where a writer should put ``path``'s content: ``path`` itself, a staged file beside it inside
     :func:`staged_outputs`, or for a special file (``/dev/null``, a pipe) a temporary file whose bytes
-    are then copied into it, so that no writer's atomic rename ever replaces a device node. OS errors
-    become one-line errors."""
+    are then copied into it, so that no writer's atomic rename ever replaces a device node (named with
+    the first suffix of format ``written_as`` when the special file's name has none of them: writers
+    such as matplotlib go by it). OS errors become one-line errors."""
     path = Path(path)
     try:
         if not is_special_file(path):
@@ -154,7 +177,9 @@ def output_file(path: str | os.PathLike, option: str | None = None) -> Iterator[
             yield tmp
             return
         with tempfile.TemporaryDirectory(prefix="moesim-out-") as folder:
-            staged = Path(folder) / path.name
+            suffixes = OUTPUT_FORMATS[written_as] if written_as else ("",)
+            name = path.name if not written_as or path.suffix.lower() in suffixes else path.name + suffixes[0]
+            staged = Path(folder) / name
             yield staged
             if staged.exists():
                 with open(staged, "rb") as src, open(path, "wb") as dst:

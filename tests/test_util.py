@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,36 @@ def test_a_command_that_fails_after_writing_one_output_keeps_the_old_one(tmp_pat
     assert code == 2 and "No space left on device" in capsys.readouterr().err
     assert kept.read_text() == "precious" and not (tmp_path / "g.png").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "t.parquet"]
+
+
+@pytest.mark.parametrize("command, suggested", [
+    (["trace", "synth", "--model", "mixtral-8x7b", "--out", "{dir}/t.csv"], "t.parquet"),
+    (["trace", "synth", "--model", "mixtral-8x7b", "--out", "{dir}/t"], "t.parquet"),
+    (["trace", "import", "{readme}", "--out", "{dir}/t.pq"], "t.parquet"),
+    (["replay", "{trace}", "--system", "cpu-only", "--timeline", "{dir}/t.csv"], "t.parquet"),
+    (["replay", "{trace}", "--system", "cpu-only", "--decisions", "{dir}/d.json"], "d.parquet"),
+    (["replay", "{trace}", "--system", "cpu-only", "--plot", "{dir}/g.jpg"], "g.png"),
+    (["serve-sim", "{trace}", "--qps", "1", "--requests-out", "{dir}/r.csv"], "r.parquet"),
+    (["sweep", "{dir}/spec.yaml", "--out", "{dir}/r.csv"], "r.parquet"),
+    (["plot", "{dir}/r.parquet", "--x", "a", "--y", "b", "--out", "{dir}/f.gif"], "f.png"),
+    (["report", "{dir}/r.parquet", "--out", "{dir}/r.pdf"], "r.html"),
+    (["profile", "--model", "mixtral-8x7b", "--device", "cpu", "--out", "{dir}/p.json"], "p.yaml"),
+])
+def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path, capsys, command, suggested):
+    """`--out trace.csv` would get Parquet under a CSV name: one line naming the format and the name to use."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"  # an input that exists (click checks)
+    args = [a.format(dir=tmp_path, trace=tmp_path / "missing.parquet", readme=readme) for a in command]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "this output is written as" in err, err
+    assert err.endswith(f"(fix: name it e.g. {suggested})"), err
+    assert list(tmp_path.iterdir()) == []  # nothing read, nothing written
+
+
+def test_a_figure_to_a_special_file_is_a_png(tmp_path):
+    """A special file's name has no suffix: its figure is drawn as PNG (it used to fail on the suffix)."""
+    from moesim.util import FIGURE
+    with output_file("/dev/null", "--plot", FIGURE) as path:
+        assert path.name == "null.png"
+    with output_file(os.devnull, "--plot") as path:
+        assert path.name == "null"

@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 from moesim.analysis.timeline import RESOURCES, check_timeline
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
-from moesim.util import tmp_path_for
+from moesim.util import FIGURE, OUTPUT_FORMATS, check_suffix, tmp_path_for
 
 #: bars above which a Gantt chart stops being readable
 MAX_BARS = 2000
@@ -30,7 +30,7 @@ MAX_BARS = 2000
 DEFAULT_STEPS = 2
 #: about the width of the Gantt plot area in pixels at the saved size and dpi
 BAR_PIXELS = 1800
-FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+FORMATS = {suffix: suffix[1:] for suffix in OUTPUT_FORMATS[FIGURE]}
 
 LANE_LABELS = {"pcie": "PCIe H2D", "gpu": "GPU", "cpu": "CPU"}
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
@@ -73,10 +73,8 @@ class DisplayFigure(Figure):
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Save ``fig`` as PNG, SVG or PDF by suffix; the file appears whole at ``path`` or not at all."""
     path = Path(path)
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ConfigError(f"unknown figure format '{path.suffix}'", source=str(path),
-                          fix=f"end the file name with one of {', '.join(FORMATS)}")
+    check_suffix(path, "path", FIGURE)
+    fmt = FORMATS[path.suffix.lower()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
     try:

@@ -70,24 +70,26 @@ def write_json(data: object, out: str | None) -> None:
             atomic_write_text(path, text + "\n")
 
 
-def check_outputs(inputs: list[tuple[str, str | None]] | None = None, **outputs: str | None) -> None:
-    """Every output path can be written, and none is one of the command's ``inputs`` ((option, path) pairs)
+def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: dict[str, str] | None = None,
+                  **outputs: str | None) -> None:
+    """Every output path can be written, is named for its format (``formats``: an output's key of
+    :data:`moesim.util.OUTPUT_FORMATS`) and is none of the command's ``inputs`` ((option, path) pairs)
     or another output: checked before any work starts (one line, exit 2)."""
     from moesim.util import check_output_path, same_file
     for option, path in outputs.items():
         if path == "-" and option != "json":
             raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
                               fix="give a file name")
-    named = [("--" + option.replace("_", "-"), path) for option, path in outputs.items() if path and path != "-"]
+    named = [(key, "--" + key.replace("_", "-"), path) for key, path in outputs.items() if path and path != "-"]
     read = [(option, path) for option, path in inputs or () if path]
     written: list[tuple[str, str]] = []
-    for option, path in named:
-        check_output_path(path, option)
+    for key, option, path in named:
         for what, others in (("an input", read), ("another output", written)):
             for other, other_path in others:
                 if same_file(path, other_path):
                     raise MoesimError(f"would overwrite {what} ({other} {other_path})", source=path,
                                       field=option, fix="write it to another file")
+        check_output_path(path, option, (formats or {}).get(key))
         written.append((option, path))
 
 
@@ -105,11 +107,11 @@ def to_stdout(path: str | None) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def open_output(path: str | Path, option: str):
+def open_output(path: str | Path, option: str, written_as: str | None = None):
     """Where a writer puts ``path``'s content (a special file such as /dev/null is written directly,
     never replaced); an OS error while writing becomes one line naming the file."""
     from moesim.util import output_file
-    return output_file(path, option)
+    return output_file(path, option, written_as)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import cli, console, err_console, parse_settings, write_json
+from moesim.cli.app import check_outputs, cli, console, err_console, parse_settings, write_json
 from moesim.errors import MoesimError
 
 
@@ -32,6 +32,8 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     """Record a Hugging Face MoE model's router decisions under greedy generation into a v1 trace."""
     from moesim.trace.capture import CaptureConfig, capture
     from moesim.trace.capture.model import require_torch
+    check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": "Parquet"},
+                  out=out)
     require_torch()
     import transformers
     transformers.logging.set_verbosity_error()
@@ -97,6 +99,7 @@ def _measure(models, device: str, threads: int, quick: bool, name: str, out: Pat
 def profile_command(device: str, model_names: tuple[str, ...], threads: int, quick: bool, name: str,
                     out: str) -> None:
     """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
+    check_outputs([("--model", name) for name in model_names], {"out": "YAML"}, out=out)
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
     path = _measure(models, device, threads, quick, name, Path(out))

@@ -13,6 +13,7 @@ from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_consol
                             to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
+from moesim.util import FIGURE
 
 
 def _parse_window(text: str | None) -> tuple[int, int] | None:
@@ -82,8 +83,9 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         raise MoesimError("no trace given", field="TRACE",
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))], json=json_out, timeline=timeline_out,
-                  chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
+    check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))],
+                  {"timeline": "Parquet", "decisions": "Parquet", "plot": FIGURE}, json=json_out,
+                  timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     parsed = parse_settings(settings)
     checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
@@ -134,7 +136,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             write_json(metrics_by_system, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
-            with open_output(plot_out, "--plot") as path:
+            with open_output(plot_out, "--plot", FIGURE) as path:
                 plot_breakdown(list(metrics_by_system.values()), path)
             out.print(f"wrote {plot_out}")
 
@@ -226,7 +228,7 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
         out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
-        with open_output(plot_out, "--plot") as path:
+        with open_output(plot_out, "--plot", FIGURE) as path:
             plot_gantt(frames["timeline"], path, steps=steps,
                        title=f"{meta['system']} on {Path(meta['trace']).name}")
         out.print(f"wrote {plot_out}")

@@ -11,6 +11,7 @@ import click
 
 from moesim.cli.app import check_outputs, cli, console, err_console, open_output
 from moesim.errors import MoesimError
+from moesim.util import FIGURE
 
 if TYPE_CHECKING:
     from moesim.sweep import SweepSummary
@@ -49,7 +50,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     its error; the exit status is then 1.
     """
     from moesim.sweep import load_spec, run_sweep
-    check_outputs([("SPEC", spec_file)], out=out)
+    check_outputs([("SPEC", spec_file)], {"out": "Parquet"}, out=out)
     existed = Path(out).exists()
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
@@ -124,16 +125,16 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
     --y ttft_ms, with the Pareto front of the deployable systems)."""
     from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
-    check_outputs([("RESULTS", results)], out=out)
+    check_outputs([("RESULTS", results)], {"out": FIGURE}, out=out)
     frame = load_results(results)
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
     if kind == "scatter":
-        with open_output(out, "--out") as path:
+        with open_output(out, "--out", FIGURE) as path:
             plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None),
                          facet=facet, pareto=pareto, path=path, source=results)
     else:
-        with open_output(out, "--out") as path:
+        with open_output(out, "--out", FIGURE) as path:
             plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     console.print(f"wrote {out}")
 
@@ -148,7 +149,7 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
     from moesim.analysis.figures import load_results
     from moesim.analysis.html_report import write_report
-    check_outputs([("RESULTS", results)], out=out)
+    check_outputs([("RESULTS", results)], {"out": "HTML"}, out=out)
     frame = load_results(results)
     with open_output(out, "--out") as path:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)

@@ -10,6 +10,7 @@ from moesim.cli.app import (check_outputs, cli, console, err_console, open_outpu
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
+from moesim.util import FIGURE
 
 
 @cli.command("serve-sim")
@@ -37,8 +38,9 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))], json=json_out,
-                  requests_out=requests_out, plot=plot_out)
+    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))],
+                  {"requests_out": "Parquet", "plot": FIGURE}, json=json_out, requests_out=requests_out,
+                  plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:
         checked_meta(trace_file, ())
@@ -87,7 +89,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
             write_requests(request_frame(last), path)
         out.print(f"wrote {requests_out}")
     if plot_out:
-        with open_output(plot_out, "--plot") as path:
+        with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)
         out.print(f"wrote {plot_out}")
 
