@@ -150,3 +150,6 @@ def test_slice_keeps_the_first_steps_and_the_metadata(files, tmp_path):
     assert set(only.column("request").to_pylist()) == {1}
     with pytest.raises(ConfigError, match="the slice is empty"):
         slice_trace(trace, tmp_path / "e.parquet", requests=[7])
+    with pytest.raises(ConfigError, match=r"written as Parquet, but its name has '\.csv' \(fix: name it e\.g\. s\.parquet"):
+        slice_trace(trace, tmp_path / "s.csv", steps=3)
+    assert not (tmp_path / "s.csv").exists()

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import (WORKER_DIED, Finished, columns_of, describe_error, error_row, input_fingerprint,
-                                run_point)
+from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, WORKER_DIED, Finished, columns_of, describe_error,
+                                error_row, input_fingerprint, run_point)
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -159,11 +159,6 @@ def _run_local(spec: SweepSpec, points: list[Point], workers: int, address: str 
                 finished(run_point(*job))
         return 0
     return _run_pool(jobs, min(workers, len(jobs)), columns, started, finished)
-
-
-#: how many times a point whose worker process died (kill -9, the OOM killer, a crash) runs again before
-#: it is recorded as failed
-RETRIES_AFTER_WORKER_DEATH = 1
 
 
 def _run_pool(jobs: list[Job], workers: int, columns: list[str], started: Callable[[], None],

@@ -19,6 +19,9 @@ from moesim.sweep.spec import Point
 Finished = Callable[[dict[str, Any]], None]
 #: how the error of a point whose worker process died begins (not the point's input: tells ``moesim sweep``)
 WORKER_DIED = "its worker process died"
+#: how many times a point whose worker process died (kill -9, the OOM killer, a crash) runs again before
+#: it is recorded as failed, with either engine
+RETRIES_AFTER_WORKER_DEATH = 1
 
 
 def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import Finished, cached_profile, columns_of, describe_error, error_row, run_point
+from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, Finished, cached_profile, columns_of, describe_error,
+                                error_row, run_point)
 from moesim.sweep.spec import Point, SweepSpec
 
 
@@ -31,7 +32,7 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
             raise ConfigError(f"Ray did not start: {with_reason}", field="--engine",
                               fix="run `ray stop --force` and retry, or use --engine local") from None
     try:
-        remote = ray.remote(num_cpus=1)(_ray_point)
+        remote = ray.remote(num_cpus=1, max_retries=RETRIES_AFTER_WORKER_DEATH)(_ray_point)  # as the local pool
         shipped: dict[str, ShippedFile] = {}
         profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
