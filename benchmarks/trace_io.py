@@ -6,7 +6,13 @@ streams it back with iter_steps. Write and read each run in their own process,
 so the write's peak memory does not count towards the read's. Prints rows/s and
 peak RSS (ru_maxrss) of each; exits non-zero if reading peaks at 1 GiB or more.
 
+``--prefill`` instead times the first decode of a process (the one every replay
+pays) of a 4,096-token DeepSeek-V3 prefill with router ``scores``, in fresh
+processes alternating between the allocator moesim decodes into (the C
+library's) and pyarrow's default (mimalloc), five each, with peak RSS.
+
     .venv/bin/python benchmarks/trace_io.py --rows 10000000 --tokens 64
+    .venv/bin/python benchmarks/trace_io.py --prefill
 """
 
 from __future__ import annotations
@@ -88,14 +94,58 @@ def read(path: Path) -> dict:
             "peak_rss_mib": peak_rss_mib(), "checksum": checksum}
 
 
+def first_decode(path: Path) -> dict:
+    import pyarrow as pa
+    start = time.perf_counter()
+    steps = list(iter_steps(path))
+    return {"seconds": time.perf_counter() - start, "steps": len(steps), "peak_rss_mib": peak_rss_mib(),
+            "pool": pa.default_memory_pool().backend_name}
+
+
+def compare_pools(rounds: int = 5) -> None:
+    import os
+    import statistics
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prefill.parquet"
+        # in its own process: a child inherits its parent's peak RSS
+        subprocess.run([sys.executable, __file__, "--out", str(path), "--phase", "prefill"], check=True)
+        runs: dict[str, list[dict]] = {"system": [], "mimalloc": []}
+        for _ in range(rounds):
+            for pool in runs:
+                env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+                if pool != "system":  # moesim's own choice when none is set
+                    env["ARROW_DEFAULT_MEMORY_POOL"] = pool
+                done = subprocess.run([sys.executable, __file__, "--out", str(path), "--phase", "decode"],
+                                      check=True, capture_output=True, text=True, env=env)
+                runs[pool].append(json.loads(done.stdout))
+        print("first decode of a 4,096-token DeepSeek-V3 prefill with scores, fresh process each:")
+        for pool, rows in runs.items():
+            seconds = [r["seconds"] for r in rows]
+            print(f"  {rows[0]['pool']:<9} median {statistics.median(seconds):.2f} s "
+                  f"(range {min(seconds):.2f}-{max(seconds):.2f}), peak RSS "
+                  f"{statistics.median(r['peak_rss_mib'] for r in rows):.0f} MiB, {rows[0]['steps']} step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--tokens", type=int, default=64, help="tokens per step (batch size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="trace path (default: a temporary file)")
-    parser.add_argument("--phase", choices=("write", "read"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", action="store_true", help="time a prefill's first decode per allocator")
+    parser.add_argument("--phase", choices=("write", "read", "prefill", "decode"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.prefill:
+        compare_pools()
+        return
+    if args.phase == "prefill":
+        from moesim.trace.synth import SynthConfig, synthesize
+        synthesize(SynthConfig.from_settings(model="deepseek-v3", requests=1, prompt_len=4096, decode_len=0,
+                                             batch=1, seed=0, settings={}, scores=True), args.out)
+        return
+    if args.phase == "decode":
+        print(json.dumps(first_decode(args.out)))
+        return
     if args.phase == "write":
         print(json.dumps(write(args.out, args.rows, args.tokens, args.seed)))
         return

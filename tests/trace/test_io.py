@@ -300,3 +300,30 @@ def test_layers_pair_each_layer_with_its_rows_whether_one_row_per_layer_or_more(
     again = Step(step=1, request=step.request, position=step.position, layer=ids.copy(), phase=step.phase,
                  experts=step.experts).layers()
     assert again == pairs
+
+
+@pytest.mark.parametrize("chosen, expected", [(None, "system"), ("mimalloc", "mimalloc")])
+def test_traces_decode_into_the_c_allocator_unless_the_user_chose_one(tmp_path, chosen, expected):
+    """mimalloc, pyarrow's default, made a prefill's first decode slower and bigger (benchmarks/trace_io.py
+    --prefill); a pool named in ARROW_DEFAULT_MEMORY_POOL is the user's and stays."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.factories import random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(0), model, requests=1, prompt=3, decode=2))
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if chosen:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
+    code = ("import sys, pyarrow as pa; from moesim.trace.io import iter_steps; "
+            "before = pa.default_memory_pool().backend_name; n = sum(1 for _ in iter_steps(sys.argv[1])); "
+            "print(before, pa.default_memory_pool().backend_name, n)")
+    done = subprocess.run([sys.executable, "-c", code, str(trace)], env=env, capture_output=True, text=True,
+                          check=True)
+    before, after, steps = done.stdout.split()
+    if chosen is None and before == "system":
+        pytest.skip("this pyarrow's default pool is the C library's already")
+    assert before != after or chosen  # the decode switched it (or left the user's choice alone)
+    assert (after, int(steps)) == (expected, 3)
