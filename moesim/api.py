@@ -186,8 +186,8 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     import pyarrow.parquet as pq
 
     from moesim.trace.io import parquet_options, read_meta, read_table
-    from moesim.util import check_suffix, tmp_path_for
-    check_suffix(Path(out), "out", "Parquet")
+    from moesim.util import PARQUET, check_suffix, tmp_path_for
+    check_suffix(Path(out), "out", PARQUET)
     read_meta(trace)
     table = read_table(trace)
     mask = None

@@ -22,13 +22,13 @@ YAML_MAX_NODES = 200_000
 
 #: the file formats moesim writes, each with the suffixes its file may be named with (the first is suggested):
 #: a name promising another format (``trace.csv``) is refused rather than given Parquet
+PARQUET, HTML, YAML, FIGURE = "Parquet", "HTML", "YAML", "a figure (PNG, SVG or PDF)"
 OUTPUT_FORMATS: dict[str, tuple[str, ...]] = {
-    "Parquet": (".parquet",),
-    "HTML": (".html", ".htm"),
-    "YAML": (".yaml", ".yml"),
-    "a figure (PNG, SVG or PDF)": (".png", ".svg", ".pdf"),
+    PARQUET: (".parquet",),
+    HTML: (".html", ".htm"),
+    YAML: (".yaml", ".yml"),
+    FIGURE: (".png", ".svg", ".pdf"),
 }
-FIGURE = "a figure (PNG, SVG or PDF)"
 
 
 # ----------------------------------------------------------------------------- output files

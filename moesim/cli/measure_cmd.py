@@ -9,6 +9,7 @@ import click
 
 from moesim.cli.app import check_outputs, cli, console, err_console, parse_settings, write_json
 from moesim.errors import MoesimError
+from moesim.util import PARQUET, YAML
 
 
 @cli.command("capture")
@@ -32,7 +33,7 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     """Record a Hugging Face MoE model's router decisions under greedy generation into a v1 trace."""
     from moesim.trace.capture import CaptureConfig, capture
     from moesim.trace.capture.model import require_torch
-    check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": "Parquet"},
+    check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": PARQUET},
                   out=out)
     require_torch()
     import transformers
@@ -99,7 +100,7 @@ def _measure(models, device: str, threads: int, quick: bool, name: str, out: Pat
 def profile_command(device: str, model_names: tuple[str, ...], threads: int, quick: bool, name: str,
                     out: str) -> None:
     """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
-    check_outputs([("--model", name) for name in model_names], {"out": "YAML"}, out=out)
+    check_outputs([("--model", name) for name in model_names], {"out": YAML}, out=out)
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
     path = _measure(models, device, threads, quick, name, Path(out))

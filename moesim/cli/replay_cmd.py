@@ -13,7 +13,7 @@ from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_consol
                             to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
-from moesim.util import FIGURE
+from moesim.util import FIGURE, PARQUET
 
 
 def _parse_window(text: str | None) -> tuple[int, int] | None:
@@ -84,7 +84,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
     from moesim.trace.validate import checked_meta
     check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))],
-                  {"timeline": "Parquet", "decisions": "Parquet", "plot": FIGURE}, json=json_out,
+                  {"timeline": PARQUET, "decisions": PARQUET, "plot": FIGURE}, json=json_out,
                   timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     parsed = parse_settings(settings)

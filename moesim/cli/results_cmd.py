@@ -11,7 +11,7 @@ import click
 
 from moesim.cli.app import check_outputs, cli, console, err_console, open_output
 from moesim.errors import MoesimError
-from moesim.util import FIGURE
+from moesim.util import FIGURE, HTML, PARQUET
 
 if TYPE_CHECKING:
     from moesim.sweep import SweepSummary
@@ -50,7 +50,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     its error; the exit status is then 1.
     """
     from moesim.sweep import load_spec, run_sweep
-    check_outputs([("SPEC", spec_file)], {"out": "Parquet"}, out=out)
+    check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out)
     existed = Path(out).exists()
     spec = load_spec(spec_file)
     frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
@@ -149,7 +149,7 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
     from moesim.analysis.figures import load_results
     from moesim.analysis.html_report import write_report
-    check_outputs([("RESULTS", results)], {"out": "HTML"}, out=out)
+    check_outputs([("RESULTS", results)], {"out": HTML}, out=out)
     frame = load_results(results)
     with open_output(out, "--out") as path:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)

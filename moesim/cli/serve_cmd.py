@@ -10,7 +10,7 @@ from moesim.cli.app import (check_outputs, cli, console, err_console, open_outpu
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
-from moesim.util import FIGURE
+from moesim.util import FIGURE, PARQUET
 
 
 @cli.command("serve-sim")
@@ -39,7 +39,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
     check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))],
-                  {"requests_out": "Parquet", "plot": FIGURE}, json=json_out, requests_out=requests_out,
+                  {"requests_out": PARQUET, "plot": FIGURE}, json=json_out, requests_out=requests_out,
                   plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:

@@ -8,6 +8,7 @@ import click
 
 from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
 from moesim.errors import MoesimError
+from moesim.util import PARQUET
 
 
 @cli.group()
@@ -76,7 +77,7 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
                              ("--out", out, "e.g. --out trace.parquet")):
         if not value:
             raise MoesimError("missing", field=name, fix=fix)
-    check_outputs([("SOURCES", source) for source in sources], {"out": "Parquet"}, out=out)
+    check_outputs([("SOURCES", source) for source in sources], {"out": PARQUET}, out=out)
     from moesim.progress import Progress
     with Progress("trace import", unit="files", console=err_console) as bar, open_output(out, "--out") as path:
         bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
@@ -132,7 +133,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
         return
     if out is None:
         raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
-    check_outputs([("--fit", fit)], {"out": "Parquet"}, out=out)
+    check_outputs([("--fit", fit)], {"out": PARQUET}, out=out)
     shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
     fitted: dict[str, str] = {}
     if fit is not None:

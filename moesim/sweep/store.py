@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 from moesim.errors import ConfigError
 from moesim.sweep.spec import setting_str
-from moesim.util import check_suffix, clean_stale_tmps, pid_alive
+from moesim.util import PARQUET, check_suffix, clean_stale_tmps, pid_alive
 
 #: seconds between rewrites of the combined output while a sweep runs
 FLUSH_EVERY_S = 5.0
@@ -99,7 +99,7 @@ class ResultStore:
         if self.out.is_dir():
             raise ConfigError("the sweep output is a folder", source=str(self.out), field="--out",
                               fix="give a file name ending in .parquet")
-        check_suffix(self.out, "--out", "Parquet")
+        check_suffix(self.out, "--out", PARQUET)
 
     def _lock(self) -> None:
         self.parts_dir.mkdir(parents=True, exist_ok=True)

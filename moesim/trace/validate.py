@@ -548,5 +548,5 @@ def _check_predictor(column: pa.Array, pred: str, num_experts: int, name: str, o
 
 def check_path_writable(path: PathLike) -> Path:
     """An output trace path that can be written (one line naming the problem otherwise)."""
-    from moesim.util import check_output_path
-    return check_output_path(path, "--out", "Parquet")
+    from moesim.util import PARQUET, check_output_path
+    return check_output_path(path, "--out", PARQUET)
