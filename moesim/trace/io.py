@@ -502,6 +502,13 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
         yield assemble(pending)
 
 
+def iter_columns(path: PathLike, columns: Sequence[str], batch_rows: int = 1 << 20) -> Iterator[dict[str, np.ndarray]]:
+    """Plain columns of a trace (``step``, ``request``, ...) as numpy arrays, ``batch_rows`` rows at a
+    time in trace order: a whole-trace pass in bounded memory."""
+    for batch in _open(path).iter_batches(batch_size=batch_rows, columns=list(columns)):
+        yield {name: batch.column(name).to_numpy(zero_copy_only=False) for name in columns}
+
+
 def read_table(path: PathLike, columns: Sequence[str] | None = None) -> pa.Table:
     """Read a whole (small) trace as an arrow table."""
     return _open(path).read(columns=list(columns) if columns else None)

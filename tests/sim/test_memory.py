@@ -209,3 +209,5 @@ def test_peak_kv_tokens_sums_the_contexts_a_step_holds(tmp_path):
         {"phase": "prefill", "tokens": {0: (5, one), 1: (0, prompt)}},
         {"phase": "decode", "tokens": {0: (6, one)}}])
     assert peak_kv_tokens(str(path)) == 9
+    # read a few rows at a time, a step's rows split across batches: the same sums
+    assert [peak_kv_tokens(str(path), batch_rows=n) for n in (1, 2, 3, 5, 7)] == [9] * 5
