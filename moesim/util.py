@@ -177,8 +177,9 @@ def output_file(path: str | os.PathLike, option: str | None = None, written_as: 
             yield tmp
             return
         with tempfile.TemporaryDirectory(prefix="moesim-out-") as folder:
-            suffixes = OUTPUT_FORMATS[written_as] if written_as else ("",)
-            name = path.name if not written_as or path.suffix.lower() in suffixes else path.name + suffixes[0]
+            name = path.name
+            if written_as and path.suffix.lower() not in OUTPUT_FORMATS[written_as]:
+                name += OUTPUT_FORMATS[written_as][0]
             staged = Path(folder) / name
             yield staged
             if staged.exists():
