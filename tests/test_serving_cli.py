@@ -62,12 +62,27 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     (["--scheduler", "fifo"], "scheduler"),
     (["--system", "cpu-only,gpu-only-lru", "--requests-out", "x.parquet"], "--requests-out"),
     (["--seed", "-1"], "--seed"),
+    (["--qps", "-1"], "--qps"),
+    (["--qps", "0"], "--qps"),
+    (["--qps", "1,,2"], "empty rate"),
+    (["--qps", ""], "empty rate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files
     code = main(["serve-sim", trace, "--hw", hw, *args])
     err = capsys.readouterr().err
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_rate_is_checked_before_the_first_run(files, capsys, monkeypatch):
+    import moesim.sim.serving
+    runs = []
+    monkeypatch.setattr(moesim.sim.serving, "serve", lambda *args, **kwargs: runs.append(args))
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--qps", "1,2,fast"])
+    err = capsys.readouterr().err
+    assert code == 2 and runs == []
+    assert "'--qps'" in err and "'fast'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_api_serve_and_sweep_over_workload(files, tmp_path):

@@ -51,7 +51,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         parsed["scheduler"] = scheduler
     slos = parse_slo(slo)
     systems, everything = system_choice(system)
-    rates = [r.strip() for r in qps.split(",") if r.strip()]
+    rates = _rates(qps, parsed)
     if requests_out and len(systems) * len(rates) > 1:
         raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
                           fix="pass a single --system and --qps")
@@ -92,6 +92,24 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)
         out.print(f"wrote {plot_out}")
+
+
+def _rates(qps: str, settings: dict[str, str]) -> list[str]:
+    """The arrival rates of ``--qps``, each checked with the other settings before any run starts."""
+    from moesim.errors import ConfigError
+    from moesim.sim.serving import split_settings
+    rates = [r.strip() for r in qps.split(",")]
+    if not all(rates):
+        raise ConfigError(f"an empty rate in '{qps}'", field="--qps", fix="give rates in requests/s, e.g. 0.5,1,2")
+    for rate in rates:
+        try:
+            split_settings({**settings, "workload.qps": rate})
+        except ConfigError as err:
+            if err.field != "workload.qps":
+                raise
+            raise ConfigError(f"'{rate}' is not a rate in requests/s", field="--qps",
+                              fix="give positive finite rates, e.g. 0.5,1,2") from err
+    return rates
 
 
 def _serving_progress(settings: dict[str, str], runs: int):
