@@ -50,7 +50,8 @@ the pool: the pool is rebuilt for the points not finished, and the point that
 worker was running is retried once, then recorded as failed naming the dead
 workers (the other workers' points, stopped by the breaking pool, simply run
 again). ``ray`` runs them as Ray tasks on a local Ray
-instance or an existing cluster (``address``). With Ray, each trace file
+instance or an existing cluster (``address``); Ray too runs a point whose
+worker died once more, and the summary counts those points. With Ray, each trace file
 is put in the object store once and copied to local disk once per machine (and
 validated once per worker process); each profile is parsed once by the driver
 and shared through the object store as the parsed object. On one machine the

@@ -15,8 +15,9 @@ from moesim.sweep.spec import Point, SweepSpec
 
 
 def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | None,
-             started: Callable[[], None], finished: Finished) -> None:
-    """Points as Ray tasks, one CPU each; trace and profile files put in the object store once."""
+             started: Callable[[], None], finished: Finished) -> int:
+    """Points as Ray tasks, one CPU each; trace and profile files put in the object store once. Returns
+    how many points Ray ran again after their worker died."""
     ray = require_ray()
     started_here = not ray.is_initialized()
     if started_here:
@@ -33,6 +34,7 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
                               fix="run `ray stop --force` and retry, or use --engine local") from None
     try:
         remote = ray.remote(num_cpus=1, max_retries=RETRIES_AFTER_WORKER_DEATH)(_ray_point)  # as the local pool
+        attempts = ray.remote(num_cpus=0)(Attempts).remote()  # Ray tells the driver nothing of its retries
         shipped: dict[str, ShippedFile] = {}
         profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
@@ -43,7 +45,7 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
                 shipped[trace] = ShippedFile.put(ray, Path(trace))
             if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
                 profiles[hw] = ray.put(cached_profile(hw))
-            pending[remote.remote(p, shipped[trace], profiles[hw], columns)] = p
+            pending[remote.remote(p, shipped[trace], profiles[hw], columns, attempts)] = p
         started()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
@@ -54,9 +56,23 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
                 except Exception as err:  # noqa: BLE001 - a task whose worker died
                     row = error_row(point, describe_error(err))
                 finished(row)
+        return ray.get(attempts.retried.remote())
     finally:
         if started_here:
             ray.shutdown()
+
+
+class Attempts:
+    """Run as a Ray actor: how many times each point was started (a second start is Ray's retry)."""
+
+    def __init__(self) -> None:
+        self.starts: dict[str, int] = {}
+
+    def start(self, point_id: str) -> None:
+        self.starts[point_id] = self.starts.get(point_id, 0) + 1
+
+    def retried(self) -> int:
+        return sum(n > 1 for n in self.starts.values())
 
 
 def require_ray() -> Any:
@@ -106,12 +122,13 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str]) -> dict[str, Any]:
+def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str], attempts: Any) -> dict[str, Any]:
     """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
     once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
     object store)."""
     import ray
 
     from moesim.trace.io import keep_decoded
+    ray.get(attempts.start.remote(point.point_id))  # noted before the work that may kill this worker
     keep_decoded(columns)
     return run_point(point, local_copy(trace, ray.get), profile)

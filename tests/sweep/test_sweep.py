@@ -645,3 +645,28 @@ def test_ray_engine_gives_the_local_results(files):
     pd.testing.assert_frame_equal(local[compared], ray_frame[compared])
     assert (local["status"] == "error").sum() == 2  # 6 slots per layer do not fit (cpu-only caches nothing)
     assert ray_frame["worker"].nunique() >= 1
+
+
+@pytest.mark.slow
+def test_ray_reports_the_points_it_ran_again_after_their_worker_died(files, monkeypatch):
+    """As the local pool does: a point whose Ray worker died is run again once and counted in the summary."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    from moesim.sweep import ray_engine
+    marks = files / "marks"
+    marks.mkdir()
+    real = ray_engine._ray_point
+
+    def dies_once_on_two_slots(point, trace, profile, columns, attempts):  # a closure: Ray ships it whole
+        mark = marks / point.point_id
+        if dict(point.settings)["cache.slots_per_layer"] == 2 and not mark.exists():
+            mark.touch()
+            import ray
+            ray.get(attempts.start.remote(point.point_id))  # started, as the real one notes first
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(point, trace, profile, columns, attempts)
+
+    monkeypatch.setattr(ray_engine, "_ray_point", dies_once_on_two_slots)
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2]}))
+    frame, summary = run_sweep(spec, files / "r.parquet", workers=2, engine="ray")
+    assert (summary.ran, summary.retried, summary.failed) == (4, 2, 0)
+    assert (frame["status"] == "ok").all() and len(list(marks.iterdir())) == 2
