@@ -7,7 +7,9 @@ one system per process (so peak RSS is that run's own), on one core. Prints
 expert activations simulated per second (best of three runs; the set-up before
 the first step is timed apart), peak RSS, and each system's speed over a naive
 per-expert SimPy model of the same work measured in the same run
-(``benchmarks/naive_simpy.py``), so figures from different machines compare.
+(``benchmarks/naive_simpy.py``), so figures from different machines compare;
+each target is judged on that ratio (on a machine where the naive model is
+faster than where the targets were set, their absolute figures are easier).
 A system that fails is reported with its error and the others go on.
 ``--big-rows N`` also streams an N-row trace (10 million in the targets)
 through ``cpu-only`` and reports its peak RSS.
@@ -33,9 +35,15 @@ import time
 from pathlib import Path
 
 SETTINGS = {"memory.non_expert_dtype": "int4", "memory.expert_dtype": "int4"}
-#: activations per second: every catalogue system 300,000, cpu-only 1.5 million, the oracle portfolio 100,000
+#: activations per second on the machine the targets were set on, where the naive SimPy model ran about
+#: 43,000/s: every catalogue system 300,000, cpu-only 1.5 million, the oracle portfolio 100,000
 DEFAULT_TARGET = 300_000
 TARGETS = {"cpu-only": 1_500_000, "oracle": 100_000}
+#: the same targets as speed over the naive model of the same run, which is what carries to another machine:
+#: 7x and 30x as stated with them, the oracle's 100,000 / 43,000
+NAIVE_PER_S_THEN = 43_000
+DEFAULT_RATIO = 7.0
+RATIOS = {"cpu-only": 30.0, "oracle": 100_000 / NAIVE_PER_S_THEN}
 PREFILL_TARGET_S = 1.0
 
 
@@ -131,6 +139,10 @@ def report(title: str, rows: list[dict], naive_per_s: float | None = None,
             mark = f"  (target under {seconds_target:g} s: {'met' if r['seconds'] < seconds_target else 'MISSED'})"
         elif r["system"] == "naive-simpy":
             mark = "  (baseline)"
+        elif naive_per_s:  # judged by the speed over naive: a faster machine makes the absolute figure easy
+            ratio = RATIOS.get(r["system"], DEFAULT_RATIO)
+            met = r["per_s"] >= ratio * naive_per_s
+            mark = f"  (target {ratio:.1f}x naive, {ratio * naive_per_s:,.0f}/s here: {'met' if met else 'MISSED'})"
         else:
             target = TARGETS.get(r["system"], DEFAULT_TARGET)
             mark = f"  (target {target:,}/s: {'met' if r['per_s'] >= target else 'MISSED'})"
