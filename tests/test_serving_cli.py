@@ -66,6 +66,7 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     (["--qps", "0"], "--qps"),
     (["--qps", "1,,2"], "empty rate"),
     (["--qps", ""], "empty rate"),
+    (["--qps", "1,2", "--set", "workload.arrival=closed"], "would run alike"),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from moesim.errors import ConfigError
-from moesim.sim.serving import ServeResult
+from moesim.sim.serving import RATED_ARRIVALS, ServeResult
 
 REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
                    "scheduled_s", "first_token_s", "finish_s", "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms",
@@ -82,7 +82,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     w = result.workload
     end = float(frame.finish_s.max())
     out: dict[str, Any] = {"system": result.engine.system, "scheduler": result.scheduler, "arrival": w.arrival,
-                           "qps": w.qps if w.arrival in ("poisson", "gamma") else float("nan"),
+                           "qps": w.qps if w.arrival in RATED_ARRIVALS else float("nan"),
                            "requests": len(frame), "offered_qps": result.offered_qps,
                            "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
                            "kv_peak_tokens": result.kv_peak}

@@ -97,7 +97,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
 def _rates(qps: str, settings: dict[str, str]) -> list[str]:
     """The arrival rates of ``--qps``, each checked with the other settings before any run starts."""
     from moesim.errors import ConfigError
-    from moesim.sim.serving import split_settings
+    from moesim.sim.serving import RATED_ARRIVALS, split_settings
     rates = [r.strip() for r in qps.split(",")]
     if not all(rates):
         raise ConfigError(f"an empty rate in '{qps}'", field="--qps", fix="give rates in requests/s, e.g. 0.5,1,2")
@@ -109,6 +109,10 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
                 raise
             raise ConfigError(f"'{rate}' is not a rate in requests/s", field="--qps",
                               fix="give positive finite rates, e.g. 0.5,1,2") from err
+    arrival = split_settings({**settings, "workload.qps": rates[0]}).workload.arrival
+    if len(rates) > 1 and arrival not in RATED_ARRIVALS:  # every run would be the same
+        raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
+                          field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
     return rates
 
 

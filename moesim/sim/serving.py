@@ -38,6 +38,8 @@ from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
+#: the arrival processes ``workload.qps`` sets the rate of
+RATED_ARRIVALS = ("poisson", "gamma")
 
 
 @dataclass
@@ -100,7 +102,7 @@ def _check_workload(w: WorkloadConfig) -> None:
                           fix=f"use one of {', '.join(ARRIVALS)}")
     if w.requests < 1:
         raise ConfigError("at least one request is needed", field="workload.requests", fix="use >= 1")
-    if w.arrival in ("poisson", "gamma") and not w.qps > 0:
+    if w.arrival in RATED_ARRIVALS and not w.qps > 0:
         raise ConfigError(f"qps must be positive, got {w.qps}", field="workload.qps", fix="use e.g. 0.5")
     if w.arrival == "gamma" and not w.cv > 0:
         raise ConfigError(f"cv must be positive, got {w.cv}", field="workload.cv", fix="use e.g. 2")
