@@ -59,8 +59,9 @@ def test_router_replaces_a_low_score_expert_with_a_resident_alternative():
 def _reference_router(experts, scores, resident, alpha):
     """Alg. 1 as Sec. 5.1 words it, token by token over full score rows."""
     k = experts.shape[1]
-    bounds = [token_thresholds(row, k, alpha) for row in scores.astype(np.float64)]
-    top = {int(e) for t, row in enumerate(experts) for e in row if scores[t, e] > bounds[t][0]}
+    wide = scores.astype(np.float64)  # a float16 score against a float bound compares in float16 (NEP 50)
+    bounds = [token_thresholds(row, k, alpha) for row in wide]
+    top = {int(e) for t, row in enumerate(experts) for e in row if wide[t, e] > bounds[t][0]}
     available = set(resident) | top
     out = []
     for t, row in enumerate(experts.tolist()):
