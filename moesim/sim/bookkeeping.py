@@ -158,3 +158,17 @@ def latency_metrics(steps: list[Any]) -> dict[str, float]:
         "decode_tokens": decode_tokens,
         "prefill_tokens": prefill_tokens,
     }
+
+
+def check_plan(view: LayerView, plan: LayerPlan) -> None:
+    """What every plan must hold (``engine.check``): each routed expert computed once, on one side; no
+    eviction of an expert the layer uses or of one in flight; write-backs only of evicted experts."""
+    gpu, cpu = plan.gpu, plan.cpu
+    assert len(set(gpu)) == len(gpu) and len(set(cpu)) == len(cpu), "expert planned twice"
+    assert not set(gpu) & set(cpu), "expert on both CPU and GPU"
+    computed = set(gpu) | set(cpu) | set(plan.deferred)
+    assert computed == set(view.active), f"plan computes {sorted(computed)}, routed {sorted(view.active)}"
+    assert set(plan.writebacks) <= set(plan.evictions), "plan writes back an expert it does not evict"
+    for lay, e in plan.evictions:
+        assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
+        assert e not in view.cache.in_flight[lay], f"plan evicts in-flight expert {e}"

@@ -39,7 +39,8 @@ from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
-from moesim.sim.bookkeeping import Counters, account_plan, placement_decisions, substitution_mass, weight_mass
+from moesim.sim.bookkeeping import (Counters, account_plan, check_plan, placement_decisions, substitution_mass,
+                                   weight_mass)
 from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.dram import Ledger, share
 from moesim.sim.memory import MemoryPlan
@@ -405,7 +406,7 @@ class Simulator:
         if plan.substitutions:
             view = self._substitute(view, plan)
         if self.config.check:
-            self._check_plan(view, plan)
+            check_plan(view, plan)
         # one token per expert (every decode layer): no per-expert counts needed
         count = None if len(view.active) == view.experts.size else dict(zip(view.active, view.counts))
         resident = self.cache.resident[layer]
@@ -570,6 +571,8 @@ class Simulator:
         resident = self.cache.resident[layer]
         pending = self.pending
         gpu_cost = self._gpu
+        if not streamed and count is None and tl is None:  # a decode layer with nothing streamed
+            return self._gpu_one_token(experts, resident, layer, gpu_t)
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
         finished: dict[int, float] = {}
         compute = waited = 0.0
@@ -604,14 +607,28 @@ class Simulator:
         counters.breakdown["wait_cache"] += waited
         return gpu_t
 
-    # ------------------------------------------------------------------ checks
-    def _check_plan(self, view: LayerView, plan: LayerPlan) -> None:
-        gpu, cpu = plan.gpu, plan.cpu
-        assert len(set(gpu)) == len(gpu) and len(set(cpu)) == len(cpu), "expert planned twice"
-        assert not set(gpu) & set(cpu), "expert on both CPU and GPU"
-        computed = set(gpu) | set(cpu) | set(plan.deferred)
-        assert computed == set(view.active), f"plan computes {sorted(computed)}, routed {sorted(view.active)}"
-        assert set(plan.writebacks) <= set(plan.evictions), "plan writes back an expert it does not evict"
-        for lay, e in plan.evictions:
-            assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
-            assert e not in self.cache.in_flight[lay], f"plan evicts in-flight expert {e}"
+    def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float) -> float:
+        """:meth:`_gpu_track`'s experts of one token each, none streamed, no timeline: the same sums."""
+        counters, pending = self.counters, self.pending
+        d = self._gpu.get(1)
+        if d is None:
+            d = self._gpu_s(1)
+        compute = waited = 0.0
+        for e in experts:
+            if e not in resident:
+                transfer = pending.get((layer, e))
+                if transfer is not None:
+                    end = transfer.end
+                    if end is None:
+                        end = self.pcie.finish(transfer)
+                    if end > gpu_t:
+                        waited += end - gpu_t
+                        gpu_t = end
+                        if transfer.kind == "prefetch":
+                            counters.late_prefetches += 1
+            gpu_t += d
+            compute += d
+        counters.gpu_busy_s += compute
+        counters.breakdown["gpu_compute"] += compute
+        counters.breakdown["wait_cache"] += waited
+        return gpu_t
