@@ -103,13 +103,12 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
         raise ConfigError(f"an empty rate in '{qps}'", field="--qps", fix="give rates in requests/s, e.g. 0.5,1,2")
     for rate in rates:
         try:
-            split_settings({**settings, "workload.qps": rate})
+            arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
         except ConfigError as err:
             if err.field != "workload.qps":
                 raise
             raise ConfigError(f"'{rate}' is not a rate in requests/s", field="--qps",
                               fix="give positive finite rates, e.g. 0.5,1,2") from err
-    arrival = split_settings({**settings, "workload.qps": rates[0]}).workload.arrival
     if len(rates) > 1 and arrival not in RATED_ARRIVALS:  # every run would be the same
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
