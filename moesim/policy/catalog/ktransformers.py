@@ -115,6 +115,9 @@ class ExpertDeferral(Deferral):
         if view.phase != "decode" or view.layer == view.num_layers - 1 or self.deferred <= 0:
             return []
         top_k = view.experts.shape[1]
+        if view.experts.shape[0] == 1:  # one token: its validated row has distinct experts
+            late = set(view.experts[0, top_k - self.deferred:].tolist())
+            return [e for e in plan.cpu if e in late]
         immediate = np.unique(view.experts[:, :top_k - self.deferred])
         late = set(np.unique(view.experts[:, top_k - self.deferred:]).tolist()) - set(immediate.tolist())
         return [e for e in plan.cpu if e in late]
