@@ -263,6 +263,14 @@ class CacheState:
             raise AssertionError(f"plan evicts expert {expert} of layer {layer}, which is not resident")
         self.resident[layer].discard(expert)
 
+    def evict_all(self, pairs: list[tuple[int, int]]) -> None:
+        """:meth:`evict` of each (layer, expert) in turn."""
+        resident = self.resident
+        for layer, expert in pairs:
+            if expert not in resident[layer]:
+                self.evict(layer, expert)  # names the one at fault
+            resident[layer].discard(expert)
+
     def start_load(self, layer: int, expert: int) -> None:
         resident, in_flight = self.resident[layer], self.in_flight[layer]
         if expert in resident or expert in in_flight:

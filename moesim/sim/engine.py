@@ -229,13 +229,14 @@ class Simulator:
         nbytes = self.costs.expert_bytes
         batch = []
         back = writebacks or ()
+        tail = self._writeback_seconds() if back else 0.0
         seq = self._seq
         for i, e in enumerate(experts):
             seq += 1
             pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
             if i < len(back):
-                transfer.tail = self._writeback_seconds()
+                transfer.tail = tail
                 transfer.evicted = back[i]
         for evicted in back[len(experts):]:
             seq += 1
@@ -419,11 +420,12 @@ class Simulator:
             t1 += sum(plan.overhead_s.values())
 
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
-        for lay, e in plan.evictions:
-            self.cache.evict(lay, e)
-            self.prefetched.discard((lay, e))
+        if plan.evictions:
+            self.cache.evict_all(plan.evictions)
+            if self.prefetched:
+                self.prefetched.difference_update(plan.evictions)
             if self.decisions is not None:
-                self.decisions.append((s, layer, e, "evict", lay))
+                self.decisions += [(s, layer, e, "evict", lay) for lay, e in plan.evictions]
         if self.decisions is not None:
             self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:

@@ -135,3 +135,26 @@ def test_start_loads_is_start_load_of_each_in_turn(experts, resident, capacity, 
         return None, (set(state.in_flight[0]), set(state.resident[0]), state.held())
 
     assert run(True) == run(False)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, EXPERTS - 1)), max_size=6),
+       st.frozensets(st.integers(0, EXPERTS - 1), max_size=4), st.sampled_from([None, 8]))
+@settings(max_examples=200, deadline=None)
+def test_evict_all_is_evict_of_each_in_turn(pairs, resident, pool):
+    """The batch form leaves the same residents and slot count as one evict per pair, and fails on the
+    same pair with the same message (an expert not resident, or evicted twice)."""
+    def run(batch: bool):
+        state = CacheState([4, 4], pool=pool)
+        for layer in (0, 1):
+            state.preload(layer, sorted(resident))
+        try:
+            if batch:
+                state.evict_all(pairs)
+            else:
+                for layer, expert in pairs:
+                    state.evict(layer, expert)
+        except AssertionError as err:
+            return str(err), None
+        return None, ([set(s) for s in state.resident], state.held())
+
+    assert run(True) == run(False)
