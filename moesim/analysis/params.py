@@ -132,7 +132,7 @@ def system_parameter_docs(system: str) -> list[tuple[str, ParamDoc | None, str]]
     The system's own defaults (``SystemSpec.defaults``) replace the component's.
     """
     from moesim.policy.systems import COMPONENTS, ROLES, SYSTEMS
-    from moesim.sim.engine import SimConfig
+    from moesim.sim.config import SimConfig
     from moesim.sim.run import MemoryConfig
     spec = SYSTEMS[system]
     own = dict(spec.defaults)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -41,36 +40,13 @@ from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
 from moesim.sim.bookkeeping import (Counters, account_plan, check_plan, placement_decisions, substitution_mass,
                                    weight_mass)
+from moesim.sim.config import SimConfig
 from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.dram import Ledger, share
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
-
-
-@dataclass
-class SimConfig:
-    """Engine parameters, reachable as ``--set engine.<name>=value``."""
-
-    #: kernel launches per GPU expert (gate/up GEMM, activation, down GEMM)
-    kernels_per_expert: int = 3
-    #: kernel launches for the shared experts of a layer
-    kernels_per_shared: int = 3
-    #: staging buffers for streamed experts (ping-pong: 2, 000 Alg. 1)
-    staging_slots: int = 2
-    #: issue copies in chunks of this many bytes, so that demand loads overtake a running prefetch at a
-    #: chunk boundary (each chunk pays pcie.latency_us); 0: whole-expert copies, never preempted
-    copy_chunk_bytes: int = 0
-    #: record every span of GPU, CPU and copy-engine work (timeline plots, Chrome traces); costs time and memory
-    timeline: bool = False
-    #: log every placement, load, prefetch and eviction the plans decide (the decision log)
-    decisions: bool = False
-    #: verify plans against the invariants while running (tests)
-    check: bool = False
-    #: a portfolio bound (oracle) stops a member once it provably cannot be best on any metric
-    #: (moesim.sim.portfolio); false runs every member to the end, for every member's full metrics
-    prune: bool = True
 
 
 #: the transfers that make an expert resident when they end (not stage, chunk or write-back)

@@ -15,7 +15,8 @@ from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
 from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
-from moesim.sim.engine import SimConfig, Simulator
+from moesim.sim.config import SimConfig
+from moesim.sim.engine import Simulator
 from moesim.sim.result import SimResult
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.sim.portfolio import METRICS, Pruned, TraceShape, branch_and_bound, racing_members, summary

@@ -53,7 +53,7 @@ from moesim.policy.assign import Assignment
 from moesim.policy.base import (LayerPlan, LayerView, PerTokens, RunContext, expert_times, highest_set,
                                 token_mean)
 from moesim.policy.cache import CachePolicy
-from moesim.policy.catalog.dali import SolveClock
+from moesim.policy.catalog.dali.assign import SolveClock
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 

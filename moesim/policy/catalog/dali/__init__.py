@@ -1,0 +1,238 @@
+"""DALI: workload-aware offloading (003_46c415738ddfa491.txt, Sec. 4).
+
+Components:
+
+* ``dali-greedy`` (assign, Sec. 4.1, Alg. 1): each activated expert costs
+  ``t_cpu(w)`` on the CPU and ``t_gpu(w) = max(transfer, compute)`` on the GPU
+  (Eq. 5-6; transfer 0 when the expert is cached, its remaining time when it
+  is arriving); experts in descending ``|t_gpu - t_cpu|`` order go to the GPU
+  when ``T_gpu + t_gpu <= T_cpu + t_cpu``, else to the CPU.
+* ``dali-optimal`` (assign, Eq. 3-9): the exact minimum of
+  ``max(T_gpu, T_cpu)`` over all assignments, by branch and bound over groups
+  of identical experts (exact; no solver dependency). Eq. 9 (GPU memory) never
+  binds here: GPU experts that are not cached go through the staging buffers.
+
+Decision time: both are charged on the critical path of every layer (category
+``predict``: the breakdown's decision-time slot, 000 Sec. VI-E) as 003 reports
+it, a share of end-to-end time: 4.50% for greedy (Table 6, App. A.4), 55% for
+the exact solve (Sec. 6.3); see :class:`SolveClock`. ``assign.solve_share``
+changes the share, ``assign.solve_us`` charges a fixed time per layer instead
+(0: free).
+* ``dali-residual`` (prefetch, Sec. 4.2): the experts of the next layer with
+  the largest predicted workload (tokens predicting them in ``pred_residual``,
+  the residual-corrected gate of Eq. 10), ``size`` of them.
+* ``dali-workload`` (cache, Sec. 4.3, Alg. 2): per layer, workload scores
+  (tokens per expert) summed over a window of ``w_size`` iterations; at the end
+  of each window the ``u_size`` highest-scoring experts not cached replace the
+  ``u_size`` lowest-scoring cached ones, and the scores restart at zero. The
+  initial cached set is ``cache_size`` experts drawn at random per layer
+  (Sec. 4, "we randomly select"), seeded by the run's seed.
+
+Per-model settings (``cache.u_size`` and ``prefetch.size`` at -1, the default): 003 Fig. 12 and
+Sec. 6.4 run Mixtral with ``u_size`` 1 and a prefetch size of 1, DeepSeek and Qwen with 8 and 4
+(``w_size`` 4 for all); a model of another family takes the setting of the paper's models nearest in
+experts per layer (Mixtral's 8, or DeepSeek-V2-Lite's 64 and Qwen1.5-MoE's 60), and the report says so.
+
+The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
+changes only through Alg. 2; a GPU expert that is not cached is transferred
+for this use only (streamed through the staging buffers, Fig. 9's E3/E7);
+prefetched experts land in a model-wide prefetch buffer of ``cache.prefetch_slots``
+slots (default: twice the prefetch size, so the next layer's prefetch never
+overwrites the experts the current layer is using), apart from the cache: the
+buffer is its own part of the one GPU memory budget (``moesim.sim.memory``), not
+carved out of the cache, so a cache of 1 slot per layer holds 1 expert per layer.
+When the buffer is full, the entry whose layer comes round last in the forward
+pass makes room. Used as a plain cache in another system (``--set
+cache=dali-workload``) the component evicts the lowest window score and
+admits the highest, and sees the layers whose plan ran experts on the GPU.
+
+Interpretation of Alg. 2: the printed loop tests ``i mod w_size == 0`` from
+``i = 0``, which would replace after the first token; the text says "after
+processing a window of w_size tokens", which is what is done. A swap happens
+only where the incoming expert's window score exceeds the outgoing one's
+(``strict=True``, default): Alg. 2 swaps unconditionally, which loads experts
+with score 0 whenever fewer than ``u_size`` uncached experts were used; set
+``cache.strict=false`` for the literal rule. "Token" is one forward pass.
+
+The assignment lives in ``assign.py``, the prefetch and the cache in ``workload.py``, the system here.
+"""
+
+from __future__ import annotations
+
+from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.cache import SlotSpread
+from moesim.policy.catalog.dali.assign import (DaliGreedy, DaliOptimal, SolveClock, expert_time_lists, expert_times,
+                                               greedy_assignment, greedy_mask, makespan, optimal_assignment)
+from moesim.policy.catalog.dali.workload import ResidualPrefetch, WorkloadAwareCache, paper_setting
+from moesim.policy.catalog.importance import ObservingSystem
+from moesim.policy.prefetch import NoPrefetch
+from moesim.policy.systems import SystemSpec, register_system
+
+# the components register on import (moesim.policy.catalog imports this package)
+__all__ = ["DaliGreedy", "DaliOptimal", "DaliSystem", "ResidualPrefetch", "SolveClock", "WorkloadAwareCache",
+           "expert_time_lists", "expert_times", "greedy_assignment", "greedy_mask", "makespan", "optimal_assignment",
+           "paper_setting"]
+
+
+# ----------------------------------------------------------------------------- the system
+class DaliSystem(ObservingSystem):
+    """DALI's planning steps (003 Sec. 4, Fig. 9); see the module docstring."""
+
+    #: (layer, expert) pairs that may be buffer entries: prefetched, and not yet found cached or gone
+    _buffer_pairs: set[tuple[int, int]]
+    #: whether every layer was looked at once for uncached experts (the run may start with some)
+    _scanned: bool = False
+
+    def configure(self, ctx: RunContext) -> None:
+        super().configure(ctx)
+        self._buffer_pairs, self._scanned = set(), False
+
+    def _buffer(self) -> int:
+        """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in)."""
+        cache = self.cache
+        if not isinstance(cache, WorkloadAwareCache) or isinstance(self.prefetch, NoPrefetch):
+            return 0
+        if cache.prefetch_slots >= 0:
+            return cache.prefetch_slots
+        return 2 * getattr(self.prefetch, "size", 1)
+
+    def reserved_slots(self, layers: int) -> int:
+        return self._buffer()
+
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """The cache's quotas, each layer allowed the buffer on top, the whole held to cache + buffer."""
+        buffer = self._buffer()
+        cache = self.cache.spread(total, layers, experts, requested)
+        if not buffer:
+            return cache
+        return SlotSpread([min(q + buffer, experts) for q in cache.capacity], sum(cache.capacity) + buffer)
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        return self.cache.initial(layer, max(capacity - self._buffer(), 0))
+
+    def _place(self, view: LayerView) -> LayerPlan:
+        cache = self.cache
+        if not isinstance(cache, WorkloadAwareCache):
+            return super()._place(view)  # another cache swapped in: the generic steps
+        window_closed = cache.observe(view)
+        gpu, cpu = self.assign.split(view)
+        plan = LayerPlan(cpu=cpu)
+        solve_s = getattr(self.assign, "_last_solve_s", 0.0)
+        if solve_s:
+            plan.overhead_s["predict"] = solve_s
+        layer, state = view.layer, view.cache
+        present = [e for e in gpu if state.has(layer, e)]
+        ready = [e for e in present if e in state.resident[layer]]
+        arriving = sorted((e for e in present if e not in state.resident[layer]),
+                          key=lambda e: view.arrivals.get(e, 0.0))
+        plan.streamed = [e for e in gpu if not state.has(layer, e)]
+        plan.gpu = ready + arriving + plan.streamed
+        if window_closed:
+            self._swap(view, plan, set(gpu))
+        self._prefetch(view, plan)
+        return plan
+
+    def _swap(self, view: LayerView, plan: LayerPlan, in_use: set[int]) -> None:
+        """The window's replacement: evict the dropped experts, load the new ones (or promote them
+        from the prefetch buffer, where they already are)."""
+        cache, layer, state = self.cache, view.layer, view.cache
+        assert isinstance(cache, WorkloadAwareCache)
+        protected = in_use | state.in_flight[layer]
+        swaps_in, swaps_out = cache.replacement(layer, state.resident[layer], protected)
+        for e in swaps_out:
+            plan.evictions.append((layer, e))
+        for e in swaps_in:
+            if not state.has(layer, e):
+                plan.prefetches.append((layer, e))
+
+    def _prefetch(self, view: LayerView, plan: LayerPlan) -> None:
+        """Prefetched experts go to buffer slots; stale buffer entries make room, never cached experts."""
+        if not self._prefetching:
+            return
+        state = view.cache
+        wanted = self.prefetch.candidates(view)
+        evicted = set(plan.evictions)
+        # free slots after the plan so far: of each target's quota (found at its first need), of the whole
+        room: dict[int, int] = {}
+        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.prefetches)
+        # the buffer's entries, found at the first need: one layer's (a full quota) or every layer's (a full pool)
+        entries: dict[int | None, list[tuple[int, int]]] = {}
+        swaps = len(plan.prefetches)  # the window's swap-ins, cached experts
+        for target, e in wanted:
+            if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
+                continue
+            if target not in room:
+                room[target] = self._quota_left(view, plan, target, evicted)
+            full = room[target] <= 0
+            if full or (pool_left is not None and pool_left <= 0):
+                where = target if full else None
+                if where not in entries:
+                    entries[where] = self._buffer_entries(view, where)
+                stale = self._stale_entry(view, plan, where, wanted, evicted, entries[where])
+                if stale is None:
+                    entries[where] = []  # none now, and the plan only takes more away: none later either
+                    continue
+                plan.evictions.append(stale)
+                evicted.add(stale)
+                if stale[0] in room:
+                    room[stale[0]] += 1
+                if pool_left is not None:
+                    pool_left += 1
+            plan.prefetches.append((target, e))
+            room[target] -= 1
+            if pool_left is not None:
+                pool_left -= 1
+        self._buffer_pairs.update(plan.prefetches[swaps:])  # after the loop: not in flight before the plan runs
+
+    def _quota_left(self, view: LayerView, plan: LayerPlan, target: int, evicted: set[tuple[int, int]]) -> int:
+        """Free slots of ``target``'s quota after this plan so far."""
+        state = view.cache
+        dropped = sum(1 for (l, _) in evicted if l == target)
+        queued = sum(1 for (l, _) in plan.prefetches if l == target)
+        return state.capacity[target] - state.used(target) + dropped - queued
+
+    def _buffer_entries(self, view: LayerView, layer: int | None = None) -> list[tuple[int, int]]:
+        """Every (layer, expert) resident and not cached: what the prefetch buffer holds (in ``layer`` alone
+        when given)."""
+        cache, resident = self.cache, view.cache.resident
+        assert isinstance(cache, WorkloadAwareCache)
+        if layer is not None:
+            return [(layer, x) for x in resident[layer] - cache.cached(layer)]
+        kept, in_flight = cache.cached_sets(), view.cache.in_flight
+        if not self._scanned:  # the first time, every layer
+            self._buffer_pairs.update((l, x) for l, (held, cached) in enumerate(zip(resident, kept))
+                                      if not held <= cached for x in held - cached)
+            self._scanned = True
+        # only a prefetch puts an uncached expert in a layer, so the entries are among the prefetched pairs;
+        # a pair leaves them once its expert is cached, or neither resident nor arriving
+        entries = []
+        for pair in list(self._buffer_pairs):
+            l, x = pair
+            if x in resident[l]:
+                if x in kept[l]:
+                    self._buffer_pairs.discard(pair)
+                else:
+                    entries.append(pair)
+            elif x not in in_flight[l]:
+                self._buffer_pairs.discard(pair)
+        return entries
+
+    def _stale_entry(self, view: LayerView, plan: LayerPlan, layer: int | None, wanted: list[tuple[int, int]],
+                     evicted: set[tuple[int, int]], entries: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """A buffer entry (of ``entries``) nobody needs now: in ``layer`` when given, else the one whose
+        layer comes round last in the forward pass."""
+        if not entries:
+            return None
+        busy = set(wanted) | evicted | {(view.layer, x) for x in plan.gpu}
+        stale = [(l, x) for l, x in entries if (layer is None or l == layer) and (l, x) not in busy]
+        if not stale:
+            return None
+        turns = view.cache.num_layers
+        return max(stale, key=lambda p: ((p[0] - view.layer - 1) % turns, -p[1]))
+
+
+register_system("dali", SystemSpec(
+    "DALI (003): greedy CPU/GPU assignment, residual-based prefetch into a buffer, workload-aware cache "
+    "replacement over token windows; uncached GPU experts are transferred for one use",
+    cache="dali-workload", assign="dali-greedy", prefetch="dali-residual", system_class=DaliSystem,
+    runtime="ktransformers-eager"))

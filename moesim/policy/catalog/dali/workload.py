@@ -1,0 +1,206 @@
+"""DALI's residual-based prefetch (Sec. 4.2) and workload-aware cache (Sec. 4.3, Alg. 2) of
+003_46c415738ddfa491.txt, with the per-model settings of Sec. 6.4."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
+from moesim.policy.base import LayerView, RunContext
+from moesim.policy.cache import CachePolicy
+from moesim.policy.prefetch import LastTokenPredictor, Prefetch
+from moesim.policy.systems import register_component
+
+
+# ----------------------------------------------------------------------------- per-model settings (Sec. 6.4)
+#: (u_size, prefetch size) by model family, 003 Fig. 12 caption and Sec. 6.4 (w_size is 4 for all)
+PAPER_SETTINGS = {"mixtral": (1, 1), "deepseek": (8, 4), "qwen": (8, 4)}
+#: experts per layer between Mixtral's 8 and DeepSeek-V2-Lite's 64 on a log scale: a model of another
+#: family with fewer takes Mixtral's setting, one with more DeepSeek's and Qwen's
+NEAREST_SPLIT = math.sqrt(8 * 64)
+
+
+def paper_setting(model: ModelSpec) -> tuple[tuple[int, int], str | None]:
+    """003's (u_size, prefetch size) for ``model``, and a note when the paper did not run its family."""
+    name = model.name.lower()
+    for family, setting in PAPER_SETTINGS.items():
+        if name.startswith(family):
+            return setting, None
+    mixtral_like = model.num_experts < NEAREST_SPLIT
+    setting = PAPER_SETTINGS["mixtral" if mixtral_like else "deepseek"]
+    return setting, (f"dali: 003 gives no u_size or prefetch size for {model.name}; using those of its "
+                     f"{'Mixtral' if mixtral_like else 'DeepSeek and Qwen'} runs ({setting[0]} and {setting[1]}), "
+                     f"the nearest in experts per layer ({model.num_experts})")
+
+
+def _note_once(ctx: RunContext, note: str | None) -> None:
+    if note and note not in ctx.notes:
+        ctx.notes.append(note)
+
+
+# ----------------------------------------------------------------------------- prefetch (Sec. 4.2)
+@register_component
+@dataclass
+class ResidualPrefetch(Prefetch):
+    """Residual-Based Prefetching (003 Sec. 4.2): the next layer's top experts by predicted workload."""
+
+    name = "dali-residual"
+    columns = ("pred_residual",)
+    #: experts prefetched per layer ("prefetch size"; -1: 003's for the model, 1 for Mixtral, 4 for DeepSeek
+    #: and Qwen, Fig. 12)
+    size: int = -1
+    _layers: int = 0
+    _note: str | None = field(default=None, repr=False)
+
+    _fallback: LastTokenPredictor | None = field(default=None, repr=False)
+
+    def for_model(self, model: ModelSpec) -> None:
+        if self.size == -1:
+            (_, self.size), self._note = paper_setting(model)
+        if self.size < 0:  # before the memory plan sizes the buffer from it
+            raise ConfigError(f"prefetch.size={self.size} is negative", field="prefetch.size",
+                              fix="use 0 or more (-1: 003's size for the model)")
+
+    def configure(self, ctx: RunContext) -> None:
+        self.for_model(ctx.model)
+        _note_once(ctx, self._note)
+        self._layers = ctx.model.num_layers
+        self._fallback = None
+        if "pred_residual" not in ctx.columns:
+            self._fallback = LastTokenPredictor()
+            ctx.notes.append("dali-residual: the trace has no pred_residual column; each token is predicted to "
+                             "use, at the next layer, what its request's previous token used there")
+
+    def candidates(self, view: LayerView) -> list[tuple[int, int]]:
+        predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_residual")
+        if view.layer + 1 >= self._layers or not predicted:
+            return []
+        if len(predicted) == 1:
+            row = np.asarray(predicted[0]).tolist()
+            if len(set(row)) == len(row):  # one token, no repeats: one each, ids ascending among equals
+                return [(view.layer + 1, e) for e in sorted(row)[:self.size]]
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in predicted]) if predicted else np.array([])
+        if flat.size == 0:
+            return []
+        workload = np.bincount(flat)
+        ids = np.flatnonzero(workload)
+        order = ids[np.argsort(-workload[ids], kind="stable")]
+        return [(view.layer + 1, int(e)) for e in order[:self.size]]
+
+
+# ----------------------------------------------------------------------------- cache (Sec. 4.3)
+@register_component
+@dataclass
+class WorkloadAwareCache(CachePolicy):
+    """Workload-Aware Cache Replacement (003 Sec. 4.3, Alg. 2)."""
+
+    name = "dali-workload"
+    #: iterations per window (Fig. 12: 4)
+    w_size: int = 4
+    #: experts swapped per window (-1: 003's for the model, 1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
+    u_size: int = -1
+    #: model-wide slots for prefetched experts, besides the cache (-1: twice the prefetch size)
+    prefetch_slots: int = -1
+    #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
+    strict: bool = True
+    _scores: list[np.ndarray] = field(default_factory=list, repr=False)
+    _last: list[np.ndarray] = field(default_factory=list, repr=False)
+    _windows: list[int] = field(default_factory=list, repr=False)
+    _cached: list[set[int]] = field(default_factory=list, repr=False)
+    _seen: tuple[int, int] = (-1, -1)
+    _seed: int = 0
+    _experts: int = 0
+    _note: str | None = field(default=None, repr=False)
+
+    def for_model(self, model: ModelSpec) -> None:
+        if self.u_size == -1:
+            (self.u_size, _), self._note = paper_setting(model)
+
+    def configure(self, ctx: RunContext) -> None:
+        self.for_model(ctx.model)
+        _note_once(ctx, self._note)
+        if self.w_size < 1 or self.u_size < 0:
+            raise ConfigError(f"w_size >= 1, u_size >= 0 required (got {self.w_size}, "
+                              f"{self.u_size}, {self.prefetch_slots})", field="cache.w_size",
+                              fix="--set cache.w_size=4 --set cache.u_size=8 (-1: 003's for the model)")
+        experts = ctx.model.num_experts
+        self._experts = experts
+        self._scores = [np.zeros(experts) for _ in ctx.capacity]
+        self._last = [np.zeros(experts) for _ in ctx.capacity]
+        self._windows = [0 for _ in ctx.capacity]
+        self._cached = [set() for _ in ctx.capacity]
+        self._seen = (-1, -1)
+        self._seed = ctx.seed
+
+    def initial(self, layer: int, capacity: int) -> list[int]:
+        rng = np.random.default_rng([self._seed, layer])
+        chosen = sorted(int(e) for e in rng.permutation(self._experts)[:capacity])
+        self._cached[layer] = set(chosen)
+        return chosen
+
+    def cached(self, layer: int) -> set[int]:
+        return self._cached[layer]
+
+    def cached_sets(self) -> list[set[int]]:
+        """Every layer's cached experts, by layer."""
+        return self._cached
+
+    def observe(self, view: LayerView) -> bool:
+        """Add this iteration's workload (Alg. 2 lines 5-6); True when the layer's window just closed."""
+        if (view.step, view.layer) == self._seen:
+            return False
+        self._seen = (view.step, view.layer)
+        layer = view.layer
+        scores = self._scores[layer]
+        for e, n in zip(view.active, view.counts):  # a decode layer's few experts: no index arrays to build
+            scores[e] += n
+        self._windows[layer] += 1
+        return self._windows[layer] % self.w_size == 0
+
+    def replacement(self, layer: int, on_gpu: set[int], protected: set[int]) -> tuple[list[int], list[int]]:
+        """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
+        s = self._scores[layer]
+        cached = self._cached[layer]
+        mask = np.ones(self._experts, dtype=bool)
+        mask[list(cached)] = False
+        uncached = np.flatnonzero(mask)
+        # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
+        incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
+        score = s.tolist()
+        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score[e], e))
+        swaps_in, swaps_out = [], []
+        for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
+            if self.strict and s[new] <= s[old]:
+                break
+            swaps_in.append(new)
+            swaps_out.append(old)
+        cached.difference_update(swaps_out)
+        cached.update(swaps_in)
+        self._last[layer] = s.copy()
+        s[:] = 0.0
+        return swaps_in, swaps_out
+
+    # -- plain-cache interface, for systems that swap this component in -----------------------
+    def touch(self, view: LayerView, used: list[int]) -> None:
+        if self.observe(view):
+            self._last[view.layer] = self._scores[view.layer].copy()
+            self._scores[view.layer][:] = 0.0
+
+    def _rank(self, layer: int) -> np.ndarray:
+        return self._scores[layer] + 1e-9 * self._last[layer]
+
+    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+                incoming: list[int] | None = None) -> list[int]:
+        if n <= 0:
+            return []
+        rank = self._rank(layer)
+        candidates = [e for e in view.cache.resident[layer] if e not in protected]
+        return sorted(candidates, key=lambda e: (rank[e], e))[:n]
+
+    def admission_order(self, view: LayerView, layer: int, missing: list[int]) -> list[int]:
+        rank = self._rank(layer)
+        return sorted(missing, key=lambda e: (-rank[e], e))
