@@ -119,3 +119,26 @@ def with_scores(path: Path, out: Path, bad: dict[int, float] | None = None) -> P
     column = pa.FixedSizeListArray.from_arrays(pa.array(scores.ravel(), pa.float16()), experts)
     pq.write_table(table.append_column("scores", column), out)
     return out
+
+
+#: sweep settings of a 0.5 GiB GPU whose workspace leaves room for about six of the tiny model's experts:
+#: 6 slots per layer (12 experts) do not fit, 1 or 2 do; the way a point fails on its own while the spec is valid
+TIGHT_GPU = {"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715}
+
+
+def write_spec(folder: Path, **spec) -> Path:
+    """``folder/spec.yaml``: a sweep spec over ``t.parquet`` and ``hw.yaml`` (:func:`write_sweep_files`) with ``spec``."""
+    import yaml
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
+    return path
+
+
+def spec_for_kill(folder: Path) -> Path:
+    """A sweep of 16 points of about 0.3-0.6 s each on the bundled Mixtral trace, long enough to interrupt."""
+    import shutil
+    shutil.copy(Path(__file__).resolve().parents[1] / "traces" / "mixtral-8x7b-humaneval.parquet",
+                folder / "mix.parquet")
+    # rtx4090 holds 60 of Mixtral's 256 experts: every point streams experts over PCIe
+    return write_spec(folder, traces=["mix.parquet"], hw=["rtx4090"], systems=["gpu-only-lru", "static-hot"],
+                      grid={"cache.slots": [16, 32, 48, 60], "hw.pcie.bandwidth_scale": [0.5, 1.0]})

@@ -1,11 +1,11 @@
-"""`moesim sweep`: spec expansion, point ids, results on disk, resuming (also after kill -9), engines."""
+"""`moesim sweep`: spec expansion, point ids, results on disk, resuming (also after kill -9), the local pool
+(the Ray engine: test_ray_engine.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,29 +22,10 @@ from moesim.analysis.metrics import metrics
 from moesim.cli import main
 from moesim.errors import ConfigError
 from moesim.sim.run import simulate
-from moesim.sweep import (WALL_CLOCK_COLUMNS, Point, ResultStore, ShippedFile, load_spec, local_copy,
-                          parse_spec, require_ray, run_sweep)
-from tests.factories import with_scores, write_sweep_files
+from moesim.sweep import Point, ResultStore, load_spec, parse_spec, run_sweep
+from tests.factories import TIGHT_GPU, spec_for_kill, with_scores, write_spec
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def files(tmp_path):
-    """A tiny trace and profile next to where the spec will be (relative paths resolve against its folder)."""
-    write_sweep_files(tmp_path, seed=5)
-    return tmp_path
-
-
-#: a 0.5 GiB GPU whose workspace leaves room for about six of the tiny model's experts: 6 slots per layer
-#: (12 experts) do not fit, 1 or 2 do; the way a point fails on its own while the spec is valid
-TIGHT_GPU = {"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715}
-
-
-def write_spec(folder: Path, **spec) -> Path:
-    path = folder / "spec.yaml"
-    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
-    return path
 
 
 # ----------------------------------------------------------------------------- spec
@@ -362,16 +343,8 @@ def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
     assert _arrow_table(mixed).column("k").to_pylist() == ["4", "auto"]
 
 
-def _spec_for_kill(folder: Path) -> Path:
-    """16 points of about 0.3-0.6 s each: the bundled Mixtral trace."""
-    shutil.copy(REPO / "traces" / "mixtral-8x7b-humaneval.parquet", folder / "mix.parquet")
-    # rtx4090 holds 60 of Mixtral's 256 experts: every point streams experts over PCIe
-    return write_spec(folder, traces=["mix.parquet"], hw=["rtx4090"], systems=["gpu-only-lru", "static-hot"],
-                      grid={"cache.slots": [16, 32, 48, 60], "hw.pcie.bandwidth_scale": [0.5, 1.0]})
-
-
 def test_kill_9_midway_then_rerun_completes_only_the_missing_points(tmp_path):
-    spec = _spec_for_kill(tmp_path)
+    spec = spec_for_kill(tmp_path)
     out = tmp_path / "r.parquet"
     parts = tmp_path / "r.parquet.parts"
     cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2"]
@@ -425,7 +398,7 @@ def _workers_of(pid: int) -> list[int]:
 def test_kill_9_of_the_sweep_alone_leaves_no_worker_and_resume_loses_nothing(tmp_path):
     """kill -9 of the sweep process only (not its group), at random moments: its pool workers die with it,
     the next run is not blocked by the lock, and every point ends up in the results exactly once."""
-    spec = _spec_for_kill(tmp_path)
+    spec = spec_for_kill(tmp_path)
     out = tmp_path / "r.parquet"
     parts = tmp_path / "r.parquet.parts"
     cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2"]
@@ -558,115 +531,3 @@ def test_a_worker_killed_mid_sweep_costs_only_its_own_point(files, monkeypatch, 
     assert out.startswith("2 points: 2 run (2 retried after a worker process died), 0 already in")
     assert err.count("killed by SIGKILL") == 4 and len(list(marks.iterdir())) == 4
     assert pd.read_parquet(files / "only.parquet")["status"].tolist() == ["error", "error"]
-
-
-@pytest.mark.slow
-def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
-    """kill -9 of a Ray sweep midway: the resume starts Ray again (or says in one line why not) and every
-    point ends up in the results exactly once, the finished ones not recomputed."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
-    spec = _spec_for_kill(tmp_path)
-    out = tmp_path / "r.parquet"
-    parts = tmp_path / "r.parquet.parts"
-    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2",
-           "--engine", "ray"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list(parts.glob("*.parquet"))) < 3 and proc.poll() is None:
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    finished = {p.stem: pq.read_table(p).column("finished_at")[0].as_py() for p in parts.glob("*.parquet")}
-    assert 3 <= len(finished) < 16, "the kill should land midway"
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    # nothing but progress lines (one every 10 s when stderr is not a terminal: a slow machine prints more)
-    assert [line for line in done.stderr.splitlines() if not line.startswith("sweep: ")] == []
-    frame = pd.read_parquet(out)
-    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
-    by_id = frame.set_index("point_id")["finished_at"]
-    assert {pid: by_id[pid] for pid in finished} == finished
-
-
-def test_ray_start_up_failure_is_one_line(monkeypatch, files, capsys):
-    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
-
-    def fail(**kwargs):
-        raise RuntimeError("The current node timed out during startup.\nmore lines")
-    monkeypatch.setattr(ray, "init", fail)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    code = main(["sweep", str(write_spec(files, systems=["gpu-only-lru"])), "--out", str(files / "r.parquet"),
-                 "--engine", "ray"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "Ray did not start: The current node timed out" in err
-    assert "ray stop --force" in err
-
-
-# ----------------------------------------------------------------------------- ray
-def test_shipped_files_are_fetched_once_per_process(tmp_path):
-    data = os.urandom(64)
-    fetched = []
-    shipped = ShippedFile("trace.parquet", hashlib.sha256(data).hexdigest(), ["ref"])
-
-    def fetch(ref):
-        fetched.append(ref)
-        return data
-
-    first = local_copy(shipped, fetch)
-    assert local_copy(shipped, fetch) == first
-    assert Path(first).read_bytes() == data and Path(first).name == "trace.parquet"
-    assert len(fetched) <= 1  # 0 when an earlier process of this machine left the same content
-
-
-def test_ray_missing_is_one_clear_line(monkeypatch, files, capsys):
-    monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(ConfigError, match="needs Ray"):
-        require_ray()
-    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
-                 "--engine", "ray"])
-    assert code == 2 and "pip install 'moesim[sweep]'" in capsys.readouterr().err
-
-
-def test_address_needs_the_ray_engine(files, capsys):
-    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
-                 "--address", "auto"])
-    assert code == 2 and "--address needs --engine ray" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_ray_engine_gives_the_local_results(files):
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
-    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
-                                grid={"cache.slots_per_layer": [1, 2, 6]}, set=TIGHT_GPU))
-    local, _ = run_sweep(spec, files / "local.parquet", workers=2)
-    ray_frame, summary = run_sweep(spec, files / "ray.parquet", workers=2, engine="ray")
-    assert summary.ran == 9
-    compared = [c for c in local.columns if c not in WALL_CLOCK_COLUMNS]
-    pd.testing.assert_frame_equal(local[compared], ray_frame[compared])
-    assert (local["status"] == "error").sum() == 2  # 6 slots per layer do not fit (cpu-only caches nothing)
-    assert ray_frame["worker"].nunique() >= 1
-
-
-@pytest.mark.slow
-def test_ray_reports_the_points_it_ran_again_after_their_worker_died(files, monkeypatch):
-    """As the local pool does: a point whose Ray worker died is run again once and counted in the summary."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
-    from moesim.sweep import ray_engine
-    marks = files / "marks"
-    marks.mkdir()
-    real = ray_engine._ray_point
-
-    def dies_once_on_two_slots(point, trace, profile, columns, attempts):  # a closure: Ray ships it whole
-        mark = marks / point.point_id
-        if dict(point.settings)["cache.slots_per_layer"] == 2 and not mark.exists():
-            mark.touch()
-            import ray
-            ray.get(attempts.start.remote(point.point_id))  # started, as the real one notes first
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(point, trace, profile, columns, attempts)
-
-    monkeypatch.setattr(ray_engine, "_ray_point", dies_once_on_two_slots)
-    spec = load_spec(write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2]}))
-    frame, summary = run_sweep(spec, files / "r.parquet", workers=2, engine="ray")
-    assert (summary.ran, summary.retried, summary.failed) == (4, 2, 0)
-    assert (frame["status"] == "ok").all() and len(list(marks.iterdir())) == 2

@@ -1,0 +1,133 @@
+"""`moesim sweep --engine ray`: the local results, resuming after kill -9, retries, and one-line failures."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.sweep import WALL_CLOCK_COLUMNS, ShippedFile, load_spec, local_copy, require_ray, run_sweep
+from tests.factories import TIGHT_GPU, spec_for_kill, write_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_ray_sweep_then_resume_loses_nothing(tmp_path):
+    """kill -9 of a Ray sweep midway: the resume starts Ray again (or says in one line why not) and every
+    point ends up in the results exactly once, the finished ones not recomputed."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    spec = spec_for_kill(tmp_path)
+    out = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    cmd = [sys.executable, "-m", "moesim.cli", "sweep", str(spec), "--out", str(out), "--workers", "2",
+           "--engine", "ray"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(parts.glob("*.parquet"))) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    finished = {p.stem: pq.read_table(p).column("finished_at")[0].as_py() for p in parts.glob("*.parquet")}
+    assert 3 <= len(finished) < 16, "the kill should land midway"
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # nothing but progress lines (one every 10 s when stderr is not a terminal: a slow machine prints more)
+    assert [line for line in done.stderr.splitlines() if not line.startswith("sweep: ")] == []
+    frame = pd.read_parquet(out)
+    assert len(frame) == 16 and frame["point_id"].is_unique and (frame["status"] == "ok").all()
+    by_id = frame.set_index("point_id")["finished_at"]
+    assert {pid: by_id[pid] for pid in finished} == finished
+
+
+def test_ray_start_up_failure_is_one_line(monkeypatch, files, capsys):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+
+    def fail(**kwargs):
+        raise RuntimeError("The current node timed out during startup.\nmore lines")
+    monkeypatch.setattr(ray, "init", fail)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    code = main(["sweep", str(write_spec(files, systems=["gpu-only-lru"])), "--out", str(files / "r.parquet"),
+                 "--engine", "ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Ray did not start: The current node timed out" in err
+    assert "ray stop --force" in err
+
+
+def test_shipped_files_are_fetched_once_per_process(tmp_path):
+    data = os.urandom(64)
+    fetched = []
+    shipped = ShippedFile("trace.parquet", hashlib.sha256(data).hexdigest(), ["ref"])
+
+    def fetch(ref):
+        fetched.append(ref)
+        return data
+
+    first = local_copy(shipped, fetch)
+    assert local_copy(shipped, fetch) == first
+    assert Path(first).read_bytes() == data and Path(first).name == "trace.parquet"
+    assert len(fetched) <= 1  # 0 when an earlier process of this machine left the same content
+
+
+def test_ray_missing_is_one_clear_line(monkeypatch, files, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match="needs Ray"):
+        require_ray()
+    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
+                 "--engine", "ray"])
+    assert code == 2 and "pip install 'moesim[sweep]'" in capsys.readouterr().err
+
+
+def test_address_needs_the_ray_engine(files, capsys):
+    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(files / "r.parquet"),
+                 "--address", "auto"])
+    assert code == 2 and "--address needs --engine ray" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ray_engine_gives_the_local_results(files):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    spec = load_spec(write_spec(files, systems=["cpu-only", "gpu-only-lru", "static-hot"],
+                                grid={"cache.slots_per_layer": [1, 2, 6]}, set=TIGHT_GPU))
+    local, _ = run_sweep(spec, files / "local.parquet", workers=2)
+    ray_frame, summary = run_sweep(spec, files / "ray.parquet", workers=2, engine="ray")
+    assert summary.ran == 9
+    compared = [c for c in local.columns if c not in WALL_CLOCK_COLUMNS]
+    pd.testing.assert_frame_equal(local[compared], ray_frame[compared])
+    assert (local["status"] == "error").sum() == 2  # 6 slots per layer do not fit (cpu-only caches nothing)
+    assert ray_frame["worker"].nunique() >= 1
+
+
+@pytest.mark.slow
+def test_ray_reports_the_points_it_ran_again_after_their_worker_died(files, monkeypatch):
+    """As the local pool does: a point whose Ray worker died is run again once and counted in the summary."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    from moesim.sweep import ray_engine
+    marks = files / "marks"
+    marks.mkdir()
+    real = ray_engine._ray_point
+
+    def dies_once_on_two_slots(point, trace, profile, columns, attempts):  # a closure: Ray ships it whole
+        mark = marks / point.point_id
+        if dict(point.settings)["cache.slots_per_layer"] == 2 and not mark.exists():
+            mark.touch()
+            import ray
+            ray.get(attempts.start.remote(point.point_id))  # started, as the real one notes first
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(point, trace, profile, columns, attempts)
+
+    monkeypatch.setattr(ray_engine, "_ray_point", dies_once_on_two_slots)
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2]}))
+    frame, summary = run_sweep(spec, files / "r.parquet", workers=2, engine="ray")
+    assert (summary.ran, summary.retried, summary.failed) == (4, 2, 0)
+    assert (frame["status"] == "ok").all() and len(list(marks.iterdir())) == 2
