@@ -228,9 +228,10 @@ def make_room(cache: CachePolicy, view: LayerView, layer: int, incoming: list[in
     wanted = len(incoming)
     if wanted <= free:
         return wanted, []
-    keep = protected | state.in_flight[layer]
+    in_flight = state.in_flight[layer]
+    keep = protected | in_flight if in_flight else protected
     if state.pool is None:
-        evict = cache.victims(view, layer, wanted - free, keep, incoming[free:])
+        evict = cache.victims(view, layer, wanted - free, keep, incoming[free:] if free else incoming)
         return free + len(evict), [(layer, e) for e in evict]
     # the quota of the layer binds first: room there comes from the layer itself
     own_room = state.capacity[layer] - state.used(layer)
