@@ -1,4 +1,4 @@
-"""Plan bookkeeping: the gate-weight mass a plan's substitutions touch."""
+"""Plan bookkeeping: the gate-weight mass a plan's substitutions and deferrals touch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.policy.base import LayerPlan, LayerView
-from moesim.sim.bookkeeping import substitution_mass
+from moesim.sim.bookkeeping import substitution_mass, weight_mass
 
 
 def _view(weights: np.ndarray) -> LayerView:
@@ -35,3 +35,17 @@ def test_substitution_mass_is_the_entry_by_entry_sum_in_the_weights_dtype(dtype,
     plan = LayerPlan(substitutions=[(row, slot, 0) for row, slot in entries])
     expected = float(sum(weights[row, slot] for row, slot in entries))
     assert substitution_mass(_view(weights), plan) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([np.float16, np.float32]), st.integers(1, 12), st.integers(1, 3), st.data())
+def test_weight_mass_is_the_sum_of_the_masked_entries_whatever_the_path(dtype, top_k, tokens, data):
+    """One token (read from its row) and a few tokens (a broadcast mask) give the very number np.isin's
+    mask selects and sums: the same entries, in row order, summed by numpy in the weights' dtype."""
+    experts = np.array([data.draw(st.permutations(range(16)))[:top_k] for _ in range(tokens)], dtype=np.int16)
+    weights = np.array(data.draw(st.lists(st.floats(0, 1, width=16), min_size=experts.size, max_size=experts.size)),
+                       dtype=dtype).reshape(experts.shape)
+    chosen = data.draw(st.lists(st.integers(0, 15), unique=True, max_size=16))
+    view = LayerView(0, 0, "decode", experts, [], [], None, None, weights=weights)
+    expected = float(weights[np.isin(experts, chosen)].sum()) if chosen else 0.0
+    assert weight_mass(view, chosen) == expected
