@@ -97,15 +97,12 @@ def weight_mass(view: LayerView, experts: list[int]) -> float:
     """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
     if view.weights is None or not experts:
         return 0.0
-    if view.experts.shape[0] == 1:
-        # one token: the entries np.isin's mask selects, in row order, without building the mask
-        chosen = set(experts)
-        return float(view.weights[0, [i for i, e in enumerate(view.experts[0].tolist()) if e in chosen]].sum())
     if view.experts.size * len(experts) > 4096:
         return float(view.weights[np.isin(view.experts, experts)].sum())
-    # a few tokens: the mask np.isin gives, without its sorting set-up
-    chosen = np.fromiter(experts, dtype=view.experts.dtype, count=len(experts))
-    return float(view.weights[(view.experts[..., None] == chosen).any(axis=-1)].sum())
+    # a decode layer: the entries np.isin's mask selects, in the same (row-major) order, without its set-up
+    chosen = set(experts)
+    picked = [i for i, e in enumerate(view.experts.ravel().tolist()) if e in chosen]
+    return float(view.weights.ravel()[picked].sum())
 
 
 def substitution_mass(view: LayerView, plan: LayerPlan) -> float:

@@ -14,8 +14,8 @@ from moesim.analysis.metrics import metrics
 from moesim.errors import ConfigError
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.dali import (ResidualPrefetch, SolveClock, WorkloadAwareCache, greedy_assignment,
-                                        makespan, optimal_assignment, paper_setting)
+from moesim.policy.catalog.dali.assign import SolveClock, greedy_assignment, makespan, optimal_assignment
+from moesim.policy.catalog.dali.workload import ResidualPrefetch, WorkloadAwareCache, paper_setting
 from moesim.policy.state import CacheState
 from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import StaticCache
@@ -114,12 +112,10 @@ class ExpertDeferral(Deferral):
     def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
         if view.phase != "decode" or view.layer == view.num_layers - 1 or self.deferred <= 0:
             return []
-        top_k = view.experts.shape[1]
-        if view.experts.shape[0] == 1:  # one token: its validated row has distinct experts
-            late = set(view.experts[0, top_k - self.deferred:].tolist())
-            return [e for e in plan.cpu if e in late]
-        immediate = np.unique(view.experts[:, :top_k - self.deferred])
-        late = set(np.unique(view.experts[:, top_k - self.deferred:]).tolist()) - set(immediate.tolist())
+        # a decode layer holds a few tokens: plain sets of their slots
+        split = view.experts.shape[1] - self.deferred
+        immediate = set(view.experts[:, :split].ravel().tolist())
+        late = set(view.experts[:, split:].ravel().tolist()) - immediate
         return [e for e in plan.cpu if e in late]
 
 

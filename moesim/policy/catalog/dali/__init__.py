@@ -61,17 +61,11 @@ from __future__ import annotations
 
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import SlotSpread
-from moesim.policy.catalog.dali.assign import (DaliGreedy, DaliOptimal, SolveClock, expert_time_lists, expert_times,
-                                               greedy_assignment, greedy_mask, makespan, optimal_assignment)
-from moesim.policy.catalog.dali.workload import ResidualPrefetch, WorkloadAwareCache, paper_setting
+from moesim.policy.catalog.dali import assign  # noqa: F401 - registers dali-greedy and dali-optimal
+from moesim.policy.catalog.dali.workload import WorkloadAwareCache
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import NoPrefetch
 from moesim.policy.systems import SystemSpec, register_system
-
-# the components register on import (moesim.policy.catalog imports this package)
-__all__ = ["DaliGreedy", "DaliOptimal", "DaliSystem", "ResidualPrefetch", "SolveClock", "WorkloadAwareCache",
-           "expert_time_lists", "expert_times", "greedy_assignment", "greedy_mask", "makespan", "optimal_assignment",
-           "paper_setting"]
 
 
 # ----------------------------------------------------------------------------- the system
