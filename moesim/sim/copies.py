@@ -313,3 +313,19 @@ class CopyEngines:
             i = min(range(len(free)), key=free.__getitem__)
             free[i] = max(free[i], queued.issued) + self.duration(queued.nbytes)
         return free[i]
+
+    def estimate_ends(self, layer: int, experts: set[int], pending: dict[tuple[int, int], Transfer]
+                      ) -> dict[int, float]:
+        """:meth:`estimate_end` of the transfer ``pending[(layer, e)]`` of each of ``experts`` (a layer's loads
+        in flight), by expert; the closed form of one engine and one copy size is taken inline."""
+        durations, head, out = self._durations, self._head, {}
+        one_engine = len(self.free) == 1
+        for expert in experts:
+            transfer = pending[(layer, expert)]
+            end = transfer.end
+            if end is None:
+                duration = durations.get(transfer.nbytes) if one_engine and len(durations) == 1 else None
+                end = self.free[0] + (transfer.queued_at - head + 1) * duration if duration is not None \
+                    else self.estimate_end(transfer)
+            out[expert] = end
+        return out

@@ -347,7 +347,7 @@ class Simulator:
         else:
             active, counts = active_experts(experts, self.model.num_experts)
         in_flight = self.cache.in_flight[layer]
-        arrivals = {e: self.pcie.estimate_end(self.pending[(layer, e)]) for e in in_flight} if in_flight else {}
+        arrivals = self.pcie.estimate_ends(layer, in_flight, self.pending) if in_flight else {}
         return LayerView(
             step.step, layer, phase, experts, active, counts, self.cache, self.costs,
             None if step.weights is None else step.weights[rows],
