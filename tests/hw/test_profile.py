@@ -182,6 +182,15 @@ def test_invalid_yaml_names_the_line(tmp_path: Path):
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_numbers_in_exponent_notation_are_numbers(tmp_path: Path):
+    """YAML 1.1 would read ``1e3`` as text; a profile reads it as the number it is."""
+    path = tmp_path / "exp.yaml"
+    text = yaml.safe_dump(minimal(), sort_keys=False).replace("mem_bandwidth_gbps: 1000", "mem_bandwidth_gbps: 1e3")
+    path.write_text(text.replace("latency_us: 5", "latency_us: 5.0E+0"))
+    profile = load_profile(path)
+    assert profile.gpu.mem_bandwidth_gbps == 1000.0 and profile.pcie.latency_us == 5.0
+
+
 def test_unknown_profile_name_lists_the_shipped_ones():
     with pytest.raises(ProfileError, match="hardware profile not found.*rtx4090"):
         load_profile("rtx9999")

@@ -49,6 +49,15 @@ def test_grid_zip_and_axes_expand_to_their_product(tmp_path):
                                      "engine.kernels_per_expert"]
 
 
+def test_a_spec_file_reads_exponent_notation_as_numbers(tmp_path):
+    """A grid of ``2.5e-1`` and ``1e-1`` is a grid of numbers (YAML 1.1 would keep them as text and a plot
+    would order them as text)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text("trace: t.parquet\nsystem: cpu-only\ngrid: {hw.pcie.bandwidth_scale: [2.5e-1, 1e-1, 0.75]}\n")
+    values = [dict(p.settings)["hw.pcie.bandwidth_scale"] for p in load_spec(path).points()]
+    assert values == [0.25, 0.1, 0.75] and all(isinstance(v, float) for v in values)
+
+
 def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
     point = Point("t.parquet", "rtx4090", "gpu-only-lru", 0, None, (("cache.slots_per_layer", 2),))
     canonical = json.dumps({"trace": "t.parquet", "hw": "rtx4090", "system": "gpu-only-lru", "seed": 0,
