@@ -53,11 +53,18 @@ def test_all_systems_in_one_table(files, tmp_path, capsys):
     code, out, _ = run(["replay", trace, "--hw", hw, "--system", "all", "--set", "cache.slots_per_layer=2",
                         "--json", str(out_json)], capsys)
     assert code == 0
-    by_system = json.loads(out_json.read_text())
+    listed = json.loads(out_json.read_text())
     from moesim.policy.systems import system_names
-    skipped = set(system_names()) - set(by_system)
+    assert set(listed) == set(system_names())  # every system, those skipped with their reason
+    skipped = {name for name, m in listed.items() if "skipped" in m}
+    by_system = {name: m for name, m in listed.items() if name not in skipped}
     for name in skipped:  # systems that cannot run on this trace are named with the reason
-        assert f"skipped {name}:" in out
+        assert f"skipped {name}:" in out and listed[name]["skipped"]
+    assert skipped and f"{len(skipped)} of {len(listed)} systems skipped" in out
+    assert "scores" in listed["importance"]["skipped"]
+    for m in listed.values():  # what the file came from
+        assert m["inputs"] == {"trace": trace, "hw": hw, "settings": {"cache.slots_per_layer": "2"}, "seed": 0,
+                               "model": None}
     flat = " ".join(out.split())  # the console wraps long notes
     assert "needs the trace column 'scores'" in flat  # importance-driven caching refuses without scores
     assert not skipped & {"cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"}
@@ -146,6 +153,7 @@ def test_every_output_is_written(files, tmp_path, capsys):
     (["--system", "gpu-only-lru", "--set", "hw.gpu.memory_gib=1.2"], ["does not fit", "GiB", "slots"]),
     (["--system", "gpu-only-lru", "--model", "mixtral-8x7b"], ["does not match preset", "num_layers"]),
     (["--system", "all", "--set", "cache.slots_per_layer=2", "--timeline", "x.parquet"], ["need a single system"]),
+    (["--window", "50:60", "--plot", "g.png"], ["no step in 50:60", "the trace has steps 0 to 6"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files
@@ -223,7 +231,7 @@ def test_bundled_trace_no_row_beats_the_oracle_on_the_same_weights(capsys):
     code = main(["replay", trace, "--hw", "rtx4090", "--system", "all", "--json", "-"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    by_system = json.loads(out)
+    by_system = {name: m for name, m in json.loads(out).items() if "skipped" not in m}
     oracle = by_system["oracle"]
     assert oracle["expert_slots"] == 60
     from moesim.policy.systems import SYSTEMS, own_weights

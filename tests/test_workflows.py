@@ -137,6 +137,15 @@ def test_replay_help_params_is_systems_name(capsys):
     assert capsys.readouterr().out == via_replay
 
 
+def test_replay_help_params_of_several_systems_lists_each(capsys):
+    assert main(["replay", "--system", "smoe,dali", "--help-params"]) == 0
+    via_replay = capsys.readouterr().out
+    assert main(["systems", "smoe"]) == 0
+    smoe = capsys.readouterr().out
+    assert main(["systems", "dali"]) == 0
+    assert via_replay == smoe + capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- Gantt window
 def test_window_chooses_the_steps_of_the_gantt_and_the_title_says_so(files, tmp_path, capsys, monkeypatch):
     trace, hw, _ = files

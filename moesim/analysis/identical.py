@@ -38,9 +38,12 @@ def _key(m: dict[str, Any]) -> tuple:
 
 
 def identical_groups(by_system: dict[str, dict[str, Any]]) -> list[list[str]]:
-    """Systems whose row metrics agree, in table order; only groups of two or more."""
+    """Systems whose row metrics agree, in table order; only groups of two or more (entries of systems that
+    were skipped, as ``replay --json`` lists them, are left out)."""
     groups: dict[tuple, list[str]] = {}
     for name, m in by_system.items():
+        if "skipped" in m:
+            continue
         groups.setdefault(_key(m), []).append(name)
     return [names for names in groups.values() if len(names) > 1]
 

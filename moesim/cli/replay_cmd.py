@@ -55,7 +55,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
               help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
-@click.option("--help-params", is_flag=True, help="List the --set parameters of --system (default, unit, meaning).")
+@click.option("--help-params", is_flag=True,
+              help="List the --set parameters of each --system (default, unit, meaning).")
 def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...],
            model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
@@ -77,7 +78,8 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             help_params: bool) -> None:
     from moesim.analysis.report import render_comparison_table, render_metrics
     if help_params:
-        _print_system(systems[0] if len(systems) == 1 and not everything else DEFAULT_SYSTEM)
+        for name in systems:  # each system asked for, in turn
+            _print_system(name)
         return
     if trace_file is None:
         raise MoesimError("no trace given", field="TRACE",
@@ -93,6 +95,8 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     if steps and not plot_out:
         raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
                           fix="add --plot OUT.png")
+    if steps:
+        _check_window(trace_file, steps)
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
     if len(systems) > 1 and (per_run_files or steps):
         raise MoesimError("--timeline, --chrome-trace, --decisions and --window need a single system",
@@ -118,6 +122,9 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips
     metrics_by_system = {name: results[name][0] for name in systems if name in results}
     _add_gap_to_lower_bound(metrics_by_system, runs, trace_file, hw, parsed)
+    inputs = {"trace": trace_file, "hw": hw, "settings": parsed, "seed": seed, "model": model_preset}
+    for m in metrics_by_system.values():
+        m["inputs"] = inputs  # what a saved JSON came from
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
         render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
@@ -132,13 +139,26 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         for name, reason in skipped.items():
             from rich.markup import escape
             out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+        if skipped:
+            out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
+                      "each under its name with its reason as 'skipped')", highlight=False)
         if json_out:
-            write_json(metrics_by_system, json_out)
+            write_json({name: metrics_by_system.get(name) or {"system": name, "skipped": skipped[name],
+                                                                "inputs": inputs} for name in systems}, json_out)
         if plot_out:
             from moesim.analysis.plots import plot_breakdown
             with open_output(plot_out, "--plot", FIGURE) as path:
                 plot_breakdown(list(metrics_by_system.values()), path)
             out.print(f"wrote {plot_out}")
+
+
+def _check_window(trace_file: str, steps: tuple[int, int]) -> None:
+    """A --window that holds none of the trace's steps fails before the replay (the Gantt would have none)."""
+    from moesim.trace.io import step_range
+    have = step_range(trace_file)
+    if have is None or steps[1] < have[0] or steps[0] > have[1]:
+        raise MoesimError(f"no step in {steps[0]}:{steps[1]}", field="--window",
+                          fix=f"the trace has steps {have[0]} to {have[1]}" if have else "the trace has no steps")
 
 
 def system_choice(values: tuple[str, ...] | list[str] | str) -> tuple[list[str], bool]:
@@ -161,14 +181,18 @@ def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: 
                             settings: dict[str, str]) -> None:
     """Each system's distance from its physical lower bound (its own memory plan, workload and defaults,
     e.g. mixtral-offloading's int4 experts)."""
+    from moesim.progress import Progress
     from moesim.sim.run import result_lower_bound, with_system_defaults
     memos: dict[tuple, dict] = {}
-    for name, m in by_system.items():
-        own = with_system_defaults(name, settings)
-        memo = memos.setdefault(tuple(sorted(own.items())), {})
-        bound = result_lower_bound(trace_file, hw, own, runs[name], memo)
-        m["lower_bound"] = bound
-        m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
+    with Progress("lower bounds", total=len(by_system), unit="systems", console=err_console) as bar:
+        for name, m in by_system.items():
+            bar.advance(0, label=name)
+            own = with_system_defaults(name, settings)
+            memo = memos.setdefault(tuple(sorted(own.items())), {})
+            bound = result_lower_bound(trace_file, hw, own, runs[name], memo)
+            m["lower_bound"] = bound
+            m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
+            bar.advance(1)
 
 
 def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:

@@ -149,6 +149,21 @@ def read_meta(path: PathLike) -> TraceMeta:
     return TraceMeta.from_json(kv[META_KEY], origin=str(path))
 
 
+def step_range(path: PathLike) -> tuple[int, int] | None:
+    """The first and last step of a trace (None: no rows), from the row groups' statistics when every one
+    has them, else from the step column."""
+    pf = _open(path)
+    at = pf.schema_arrow.get_field_index("step")
+    groups = [pf.metadata.row_group(i) for i in range(pf.metadata.num_row_groups)]
+    stats = [g.column(at).statistics for g in groups if g.num_rows]
+    if not stats:
+        return None
+    if all(st is not None and st.has_min_max for st in stats):
+        return int(min(st.min for st in stats)), int(max(st.max for st in stats))
+    steps = pf.read(columns=["step"]).column(0).to_numpy()
+    return int(steps.min()), int(steps.max())
+
+
 def trace_columns(path: PathLike) -> list[str]:
     return list(_open(path).schema_arrow.names)
 
