@@ -149,8 +149,23 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=kv_tokens,
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
                          non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
-    return Simulator(trace, model, profile, built, costs, memory, parsed.engine,
-                     columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
+    sim = Simulator(trace, model, profile, built, costs, memory, parsed.engine,
+                    columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
+    note = partial_layers_note(meta.source, model.num_layers)
+    if note:
+        sim.ctx.notes.append(note)
+    return sim
+
+
+def partial_layers_note(source: dict, num_layers: int) -> str:
+    """A note when an imported trace logged only some of the model's MoE layers ('' when it logged all):
+    only those are replayed, so a step's time leaves the others out."""
+    present = source.get("layers_present") or []
+    if not present or len(present) >= num_layers:
+        return ""
+    shown = ", ".join(map(str, present[:8])) + (", ..." if len(present) > 8 else "")
+    return (f"the trace logs {len(present)} of the model's {num_layers} MoE layers ({shown}): only those are "
+            "replayed, so times leave the other layers out (the memory plan still spreads slots over all)")
 
 
 def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[str, str]:

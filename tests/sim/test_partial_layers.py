@@ -1,0 +1,30 @@
+"""A trace that logged only some MoE layers (an importer's ``layers_present``) is replayed with a note."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moesim.sim.run import simulate
+from moesim.trace.io import write_trace
+from moesim.trace.schema import TraceMeta
+from tests.factories import tiny_profile, tiny_model
+
+
+def _write(path, layers: list[int], num_layers: int = 3):
+    model = tiny_model(layers=num_layers, experts=6, top_k=2)
+    steps = 4
+    data = {"step": np.repeat(np.arange(steps), len(layers)), "layer": np.tile(layers, steps),
+            "request": np.zeros(steps * len(layers), dtype=np.int64),
+            "position": np.repeat(np.arange(steps), len(layers)), "phase": ["decode"] * (steps * len(layers)),
+            "experts": np.tile(np.array([[0, 1]], dtype=np.int16), (steps * len(layers), 1))}
+    source = {"kind": "imported", "layers_present": layers}
+    return str(write_trace(path, data, TraceMeta(model=model, source=source)))
+
+
+def test_a_trace_of_some_layers_is_replayed_with_a_note_naming_them(tmp_path):
+    result = simulate(_write(tmp_path / "l1.parquet", [1]), tiny_profile(), "cpu-only")
+    assert any("logs 1 of the model's 3 MoE layers (1): only those are replayed" in n for n in result.notes)
+    every = simulate(_write(tmp_path / "all.parquet", [0, 1, 2]), tiny_profile(), "cpu-only")
+    assert not any("MoE layers" in n for n in every.notes)
+    # one layer of three: a third of the expert activations
+    assert result.counters.activations * 3 == every.counters.activations
