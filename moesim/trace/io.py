@@ -128,6 +128,20 @@ def write_trace(path: PathLike, data: Mapping[str, Any], meta: TraceMeta) -> Pat
 
 
 # ----------------------------------------------------------------------------- reading
+#: the first and last four bytes of every Parquet file
+PARQUET_MAGIC = b"PAR1"
+
+
+def not_parquet(path: PathLike, head: bytes, detail: str = "") -> TraceFormatError:
+    """The error of a file Parquet cannot open: cut short or damaged when it starts as Parquet does
+    (``head``: its first bytes), else some other format (a tool's log)."""
+    if head[:4] == PARQUET_MAGIC:
+        return TraceFormatError("a Parquet file cut short or damaged (its footer is missing or broken)",
+                                source=str(path), fix="copy it again, or re-run the command that wrote it")
+    return TraceFormatError(f"not a Parquet file{detail}", source=str(path),
+                            fix="convert the log with `moesim trace import`")
+
+
 def _open(path: PathLike) -> pq.ParquetFile:
     path = Path(path)
     if not path.exists():
@@ -135,8 +149,12 @@ def _open(path: PathLike) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError):
-        raise TraceFormatError("not a Parquet file", source=str(path),
-                               fix="convert the log with `moesim trace import`") from None
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(4)
+        except OSError:  # a folder, say
+            head = b""
+        raise not_parquet(path, head) from None
 
 
 def read_meta(path: PathLike) -> TraceMeta:

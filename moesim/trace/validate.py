@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from moesim.errors import TraceFormatError
-from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
+from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_parquet, read_meta
 from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SORT_KEYS,
                                  TraceMeta, column_type)
 from moesim.trace.validated import record_validated, was_validated
@@ -42,7 +42,6 @@ BATCH_ROWS = 65_536
 SUM_TOLERANCE = 2e-2
 #: scores are float16 probabilities: allow their rounding above 1
 SCORE_MAX = 1.0 + 1e-3
-PARQUET_MAGIC = b"PAR1"
 #: checked before a run only when it reads them (and by `trace validate`), otherwise on a thread beside the
 #: run: a run reads only the optional columns its system lists (``needed_columns``), and ``scores`` alone,
 #: num_experts float16 values per row, costs a third of a DeepSeek-V3 cpu-only replay to decode
@@ -250,8 +249,7 @@ def _check_magic(path: PathLike) -> None:
         raise TraceFormatError(f"cannot read: {err.strerror or err}", source=name,
                                fix="check the path and permissions") from None
     if head != PARQUET_MAGIC or tail != PARQUET_MAGIC or size < 12:
-        raise TraceFormatError("not a Parquet file (wrong magic bytes)", source=name,
-                               fix="convert the log with `moesim trace import`")
+        raise not_parquet(name, head, " (wrong magic bytes)")
 
 
 def _weight_sum(meta: TraceMeta, name: str) -> float:

@@ -151,6 +151,13 @@ def test_not_parquet(tmp_path, capsys):
     _check(path, capsys, "not a Parquet file", "moesim trace import")
 
 
+def test_a_parquet_file_cut_short_is_damaged_not_foreign(tmp_path, capsys):
+    whole = _save(tmp_path, _valid(tmp_path))
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(whole.read_bytes()[:-100])
+    _check(path, capsys, "cut short or damaged", "copy it again")
+
+
 # ----------------------------------------------------------------------------- scores: fast check, beside the run
 def _bad_scores(tmp_path, row: int, value: float, name: str = "bad-scores.parquet"):
     table = _valid(tmp_path)
