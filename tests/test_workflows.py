@@ -174,7 +174,7 @@ def test_window_chooses_the_steps_of_the_gantt_and_the_title_says_so(files, tmp_
 
 
 @pytest.mark.parametrize("window, words", [("4:3", "not a range"), ("a:b", "not STEP:STEP"),
-                                           ("90:99", "the timeline has steps 0 to 6")])
+                                           ("90:99", "the trace has steps 0 to 6")])
 def test_bad_window_is_one_line(files, tmp_path, capsys, window, words):
     trace, hw, _ = files
     code = main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--plot",

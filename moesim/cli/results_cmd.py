@@ -53,8 +53,13 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out)
     existed = Path(out).exists()
     spec = load_spec(spec_file)
-    frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
-                               progress=True, console=err_console)
+    try:
+        frame, summary = run_sweep(spec, out, workers=workers, engine=engine, address=address,
+                                   progress=True, console=err_console)
+    except KeyboardInterrupt:
+        err_console.print(f"sweep: every finished point is kept in {out}.parts/; the same command resumes",
+                          markup=False, highlight=False, soft_wrap=True)
+        raise
     errors = frame[frame["status"] != "ok"] if summary.failed else frame.iloc[:0]
     bad_input = summary.failed == summary.points and not any(_internal(e) for e in errors["error"])
     if bad_input and not existed:  # nothing worth keeping: every point failed on its input

@@ -478,7 +478,9 @@ def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to
         proc.communicate()
         pytest.fail("the sweep still ran 10 s after SIGINT")
     assert proc.returncode == 130 and time.monotonic() - sent < 5
-    assert stderr.strip() == "moesim: interrupted" and stdout == ""  # no worker traceback
+    lines = [line for line in stderr.splitlines() if line.strip()]  # no worker traceback
+    assert lines[-1] == "moesim: interrupted" and stdout == "", stderr
+    assert lines[:-1] == [f"sweep: every finished point is kept in {out}.parts/; the same command resumes"], stderr
     assert not [w for w in workers if Path(f"/proc/{w}").exists()], "a worker outlived the sweep"
     finished = {p.stem for p in parts.glob("*.parquet")}
     assert len(finished) == 1  # the one quick point of gpu-only-lru; cpu-only's was not started
