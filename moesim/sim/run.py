@@ -160,8 +160,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
 def partial_layers_note(source: dict, num_layers: int) -> str:
     """A note when an imported trace logged only some of the model's MoE layers ('' when it logged all):
     only those are replayed, so a step's time leaves the others out."""
-    present = source.get("layers_present") or []
-    if not present or len(present) >= num_layers:
+    present = source.get("layers_present") if isinstance(source, dict) else None
+    if not isinstance(present, list) or not present or len(present) >= num_layers:
         return ""
     shown = ", ".join(map(str, present[:8])) + (", ..." if len(present) > 8 else "")
     return (f"the trace logs {len(present)} of the model's {num_layers} MoE layers ({shown}): only those are "
