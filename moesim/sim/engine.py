@@ -471,13 +471,14 @@ class Simulator:
         """
         if not experts:
             return t1
-        costs, counters = self.costs, self.counters
-        start = max(t1, self.cpu_free)
-        sync = costs.sync_s if sync else 0.0
+        counters = self.counters
+        start = t1 if t1 > self.cpu_free else self.cpu_free
+        sync = self.costs.sync_s if sync else 0.0
         t = start + sync
         counters.breakdown["sync"] += sync
         pcie = self.pcie
-        if (pcie.queue or max(pcie.free) > t) and self._contends(experts, count):
+        free = pcie.free
+        if (pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)) and self._contends(experts, count):
             t = self._cpu_shared(experts, count, s, layer, t, kind)
         elif self.timeline is None:
             if count is None:
