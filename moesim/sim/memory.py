@@ -149,13 +149,16 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
         expert_bytes=expert_bytes, capacity=[])
     layers, experts = model.num_layers, model.num_experts
     if system.ignores_memory:
-        return _with(plan, capacity=[experts] * layers, ignores_memory=True)
+        return _with(plan, capacity=[experts] * layers, ignores_memory=True,
+                     notes=_unused_request(request, system.name, "holds every expert whatever the memory"))
     if plan.free_bytes < 0:
-        raise ConfigError(f"the model does not fit on the GPU even without experts: {plan.arithmetic()}",
+        raise ConfigError(f"the model does not fit on the GPU of {_named(profile)} even without experts: "
+                          f"{plan.arithmetic()}",
                           field="memory", fix="use a larger GPU profile, --set memory.non_expert_dtype=int4, "
                           "or a shorter trace")
     if not system.uses_cache:
-        return _with(plan, capacity=[0] * layers)
+        return _with(plan, capacity=[0] * layers,
+                     notes=_unused_request(request, system.name, "keeps no expert cache on the GPU"))
     reserved = system.reserved_slots(layers)
     requested = _check_request(request, layers, experts)
     fit = plan.total_slots
@@ -166,12 +169,25 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
         asked = f"cache.slots={request.slots}" if request.slots is not None else \
             f"cache.slots_per_layer (total {total})"
         extra = f" + {reserved} prefetch-buffer slots" if reserved else ""
-        raise ConfigError(f"{asked}{extra} does not fit: {plan.arithmetic()}",
+        raise ConfigError(f"{asked}{extra} does not fit on the GPU of {_named(profile)}: {plan.arithmetic()}",
                           field="cache.slots" if request.slots is not None else "cache.slots_per_layer",
                           fix=f"use at most {max(fit - reserved, 0)} slots in all "
                               f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
     spread = system.spread(total, layers, experts, requested)
     return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved)
+
+
+def _named(profile: HardwareProfile) -> str:
+    """The profile as the user gave it: its file when it came from one."""
+    return f"{profile.name} ({profile.path})" if profile.path else profile.name
+
+
+def _unused_request(request: CacheRequest, system: str, why: str) -> list[str]:
+    """A note when the user sized a cache that ``system`` does not have (the setting changes nothing)."""
+    asked = [f"cache.slots={request.slots}"] if request.slots is not None else []
+    if request.slots_per_layer is not None:
+        asked.append("cache.slots_per_layer=" + ",".join(map(str, request.slots_per_layer)))
+    return [f"{' and '.join(asked)} changes nothing: {system} {why}"] if asked else []
 
 
 def _check_request(request: CacheRequest, layers: int, experts: int) -> list[int] | None:

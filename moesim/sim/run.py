@@ -151,6 +151,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
                          non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
     sim = Simulator(trace, model, profile, built, costs, memory, parsed.engine,
                     columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
+    sim.ctx.notes.extend(memory.notes)
     note = partial_layers_note(meta.source, model.num_layers)
     if note:
         sim.ctx.notes.append(note)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings, strategies as st
 
 from moesim.errors import ConfigError
@@ -94,15 +96,33 @@ def test_slot_settings(small):
         prepare(small, profile, "gpu-only-lru", {"cache.slots": "3", "cache.slots_per_layer": "1"})
 
 
-def test_a_cache_larger_than_memory_names_the_arithmetic(small):
+def test_a_cache_larger_than_memory_names_the_arithmetic(small, tmp_path):
     plan = prepare(small, tiny_profile(), "gpu-only-lru").memory
     raw = profile_dict()
     # memory for everything else plus 5.5 experts: 5 slots
     raw["gpu"]["memory_gib"] = (plan.gpu_bytes - plan.free_bytes + 5.5 * plan.expert_bytes) / 2**30
     tight = parse_profile(raw, origin="tight")
     assert prepare(small, tight, "gpu-only-lru").memory.capacity == [1, 2, 2]
-    with pytest.raises(ConfigError, match=r"does not fit: GPU .* = 5 slots"):
+    with pytest.raises(ConfigError, match=rf"does not fit on the GPU of {tight.name} \(tight\): GPU .* = 5 slots"):
         prepare(small, tight, "gpu-only-lru", {"cache.slots_per_layer": "2"})
+    # a profile read from a file is named by its path, where the user would look
+    path = tmp_path / "tight.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"the GPU of {tight.name} \({re.escape(str(path))}\)"):
+        prepare(small, str(path), "gpu-only-lru", {"cache.slots_per_layer": "2"})
+
+
+def test_a_cache_size_a_system_has_no_cache_for_is_noted(small):
+    profile = tiny_profile()
+    for system, why in (("cpu-only", "keeps no expert cache"), ("all-in-gpu", "holds every expert")):
+        notes = prepare(small, profile, system, {"cache.slots_per_layer": "2"}).ctx.notes
+        assert [n for n in notes if n.startswith(f"cache.slots_per_layer=2 changes nothing: {system} {why}")]
+        assert not [n for n in prepare(small, profile, system).ctx.notes if "changes nothing" in n]
+    notes = prepare(small, profile, "cpu-only", {"cache.slots": "5"}).ctx.notes
+    assert "cache.slots=5 changes nothing: cpu-only keeps no expert cache on the GPU" in notes
+    # a system with a cache uses the setting: no note
+    assert not [n for n in prepare(small, profile, "gpu-only-lru", {"cache.slots": "5"}).ctx.notes
+                if "changes nothing" in n]
 
 
 def test_dali_buffer_sits_beside_its_cache(small):
