@@ -388,6 +388,10 @@ def result_lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str
         for metric in PORTFOLIO_METRICS:
             member = result.best.get(metric, (None, 0.0))[0]
             out[metric] = floor(*result.inputs[member])[metric] if member else float("nan")
-        out["slots"] = {m: result.inputs[name][0] for m, (name, _) in result.best.items()}
+        # ``slots`` an int (or None) as for any system: the most any metric's floor holds; each metric's apart
+        by_metric = {m: result.inputs[name][0] for m, (name, _) in result.best.items()}
+        held = [s for s in by_metric.values() if s is not None]
+        out["slots"] = max(held) if held else None
+        out["slots_by_metric"] = by_metric
         return out
     return floor(*floor_inputs(result))

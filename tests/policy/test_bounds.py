@@ -96,6 +96,14 @@ def test_oracle_is_the_per_metric_best_of_its_members(tmp_path):
     assert {part.split("=")[0] for part in m["portfolio_best"].split("; ")} == {"tpot_ms_mean", "ttft_ms",
                                                                                  "makespan_s"}
     assert any("best of" in note and "from" in note for note in oracle.notes)
+    # its lower bound has the shape of any system's (slots a number), each metric's slots beside it
+    bound = result_lower_bound(path, profile, settings_, oracle)
+    assert bound["slots_by_metric"] == {metric: oracle.inputs[member][0] for metric, (member, _) in oracle.best.items()}
+    # members differ here (dali holds a prefetch buffer of 2 beside its cache): slots is the most any floor holds
+    assert sorted(bound["slots_by_metric"].values()) == [2, 4, 4]
+    assert bound["slots"] == 4
+    single = result_lower_bound(path, profile, settings_, simulate(path, profile, "gpu-only-lru", settings_))
+    assert single["slots"] == 2 and "slots_by_metric" not in single
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
