@@ -45,6 +45,7 @@ def test_json_has_the_stable_keys(files, tmp_path, capsys):
     assert metrics["tpot_ms_mean"] > 0 and 0 <= metrics["gpu_hit_rate"] <= 1
     assert set(metrics["breakdown_ms"]) >= {"gpu_compute", "wait_cache", "shared_expert", "cpu_other"}
     assert "TPOT" in out
+    assert out.rstrip().endswith(f"wrote {out_json}")  # where the JSON went, as for every other output
 
 
 def test_all_systems_in_one_table(files, tmp_path, capsys):

@@ -68,6 +68,7 @@ def write_json(data: object, out: str | None) -> None:
         from moesim.util import atomic_write_text
         with open_output(out, "--json") as path:
             atomic_write_text(path, text + "\n")
+        console.print(f"wrote {out}", highlight=False)  # stdout holds no JSON here
 
 
 def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: dict[str, str] | None = None,
