@@ -41,6 +41,12 @@ KIND_STYLE = {
     "load": ("#D55E00", "demand load"),
     "prefetch": ("#009E73", "prefetch"),
     "stage": ("#E69F00", "streamed (staging)"),
+    "chunk": ("#009E73", "prefetch"),  # the part of a prefetch done before a demand load cut in
+    "writeback": ("#F0E442", "write-back (D2H)"),
+    "deferred": ("#56B4E9", "deferred CPU expert"),
+    # the rest of the forward pass, around the MoE layers: one entry, they sit at each step's ends
+    **{kind: ("#555555", "embedding, dense layers, LM head, sampling")
+       for kind in ("embedding", "dense_ffn", "lm_head", "sampling")},
 }
 BREAKDOWN_STYLE = {
     "attention": ("#999999", "attention + gate"),
@@ -51,6 +57,13 @@ BREAKDOWN_STYLE = {
     "shared_expert": ("#CC79A7", "shared experts"),
     "cpu_other": ("#009E73", "CPU not overlapped"),
     "sync": ("#E69F00", "CPU-GPU sync"),
+    # the rest of the forward pass in greys (the eight colours above are all there are)
+    "dense_ffn": ("#666666", "dense-layer FFN"),
+    "embedding": ("#CCCCCC", "embedding"),
+    "lm_head": ("#444444", "LM head"),
+    "sampling": ("#E6E6E6", "sampling"),
+    "launch": ("#000000", "kernel launches"),
+    "host": ("#B3B3B3", "host work"),
 }
 
 
@@ -227,7 +240,8 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
         ax.spines[side].set_visible(False)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=0)
     ax.set_axisbelow(True)
-    handles = [Patch(facecolor=_colour(k), label=KIND_STYLE.get(k, (None, k))[1]) for k in kinds]
+    labels = {KIND_STYLE.get(k, (None, k))[1]: _colour(k) for k in kinds}  # kinds that share a label: one entry
+    handles = [Patch(facecolor=colour, label=label) for label, colour in labels.items()]
     if handles:
         # below the axes: the title above says what is shown and may be long
         fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9)

@@ -11,7 +11,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from moesim.analysis.plots import default_window, plot_breakdown, plot_gantt
+from moesim.analysis.plots import BREAKDOWN_STYLE, KIND_STYLE, default_window, plot_breakdown, plot_gantt
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.sim.result import TIMELINE_COLUMNS
@@ -55,6 +55,38 @@ def test_gantt_lanes_bars_and_legend() -> None:
     assert legend == ["attention + gate", "shared experts", "routed expert", "prefetch", "streamed (staging)"]
     assert fig.axes[0].get_xlabel() == "time (ms)"
     assert fig.axes[0].get_xlim() == pytest.approx((0.0, 1000.0))
+
+
+def test_every_kind_and_category_the_engine_writes_has_a_colour(tiny_replay) -> None:
+    """Unstyled kinds fell back to black (Gantt) or matplotlib's cycle (breakdown), clashing with styled ones."""
+    kinds = {"attention", "shared", "expert", "deferred", "embedding", "dense_ffn", "lm_head", "sampling",
+             "load", "prefetch", "stage", "chunk", "writeback"}
+    assert set(tiny_replay["kind"]) <= kinds  # what a replay writes is among those checked here
+    assert kinds <= set(KIND_STYLE) and set(BREAKDOWN) <= set(BREAKDOWN_STYLE)
+    breakdown = [colour for colour, _ in BREAKDOWN_STYLE.values()]
+    assert len(set(breakdown)) == len(breakdown)  # a stacked bar tells every category apart
+    # kinds of one label share a colour and one legend entry
+    by_label: dict[str, set[str]] = {}
+    for colour, label in KIND_STYLE.values():
+        by_label.setdefault(label, set()).add(colour)
+    assert all(len(colours) == 1 for colours in by_label.values())
+    ends = _frame([("gpu", 0, 0.0, 1e-3, "embedding", 0, -1, -1, 1), ("gpu", 0, 1e-3, 2e-3, "attention", 0, 0, -1, 1),
+                   ("gpu", 0, 2e-3, 3e-3, "lm_head", 0, -1, -1, 1), ("gpu", 0, 3e-3, 4e-3, "sampling", 0, -1, -1, 1)])
+    legend = [t.get_text() for t in plot_gantt(ends, window=(0.0, 4e-3)).legends[0].get_texts()]
+    assert legend == ["attention + gate", "embedding, dense layers, LM head, sampling"]
+
+
+@pytest.fixture(scope="module")
+def tiny_replay(tmp_path_factory) -> pd.DataFrame:
+    """The timeline of a small replay whose spans cover most kinds (loads, prefetches, streaming, write-backs, CPU)."""
+    from moesim.sim.run import simulate
+    from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
+    model = tiny_model()
+    routing = random_routing(np.random.default_rng(0), model, requests=1, prompt=3, decode=4)
+    trace = str(write_tiny_trace(tmp_path_factory.mktemp("t") / "t.parquet", model, routing))
+    runs = [simulate(trace, tiny_profile(), system, {"cache.slots_per_layer": "1"}, timeline=True)
+            for system in ("hybrimoe", "mixtral-offloading")]
+    return pd.DataFrame([span for run in runs for span in run.timeline], columns=list(TIMELINE_COLUMNS))
 
 
 def test_gantt_bars_sit_in_their_resource_lane() -> None:
