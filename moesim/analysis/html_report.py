@@ -59,14 +59,15 @@ def figure_data_uri(fig: Figure) -> str:
 
 
 def write_report(frame: pd.DataFrame, path: str | os.PathLike, *, title: str = "moesim sweep",
-                 gantt: bool = True, source: str | None = None) -> Path:
-    """Write the report of a results frame to ``path`` (atomically) and return the path."""
-    page = render_report(frame, title=title, gantt=gantt, source=source)
+                 gantt: bool = True, source: str | None = None, missing: list[str] | None = None) -> Path:
+    """Write the report of a results frame to ``path`` (atomically) and return the path; ``missing``
+    collects why a figure could not be drawn (the page says so too)."""
+    page = render_report(frame, title=title, gantt=gantt, source=source, missing=missing)
     return atomic_write_text(Path(path), page)
 
 
 def render_report(frame: pd.DataFrame, *, title: str = "moesim sweep", gantt: bool = True,
-                  source: str | None = None) -> str:
+                  source: str | None = None, missing: list[str] | None = None) -> str:
     ok = frame[frame["status"] == "ok"]
     parts = [f"<h1>{_e(title)}</h1>", _summary(frame, source)]
     if not ok.empty and "ttft_ms_p90" in ok.columns:  # a sweep of serving runs (workload.*)
@@ -77,6 +78,8 @@ def render_report(frame: pd.DataFrame, *, title: str = "moesim sweep", gantt: bo
         parts += [_best_table(ok), "<h2>Figures</h2>"]
         for name, (fig, caption) in F.standard_figures(ok, gantt=gantt).items():
             parts.append(_figure(name, fig, caption))
+            if fig is None and missing is not None:
+                missing.append(caption)
     else:
         parts.append('<p class="error">No point finished: nothing to plot.</p>')
     parts += [_failures(frame), _all_rows(frame)]

@@ -156,6 +156,9 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     from moesim.analysis.html_report import write_report
     check_outputs([("RESULTS", results)], {"out": HTML}, out=out)
     frame = load_results(results)
+    missing: list[str] = []
     with open_output(out, "--out") as path:
-        write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results)
+        write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results, missing=missing)
     console.print(f"wrote {out}")
+    for reason in missing:
+        console.print(f"[yellow]note:[/] {reason}", highlight=False)

@@ -58,6 +58,20 @@ def sweep_results(tmp_path):
     return tmp_path / "r.parquet"
 
 
+def test_cli_report_says_which_figure_it_could_not_draw(tmp_path, capsys):
+    """The page says why the Gantt chart is missing; so does the command, where the user is looking."""
+    path = tmp_path / "r.parquet"
+    results().to_parquet(path)  # its points name traces/x.parquet, which is not there to replay
+    report = tmp_path / "report.html"
+    assert main(["report", str(path), "--out", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {report}" in out
+    note = next(line for line in out.splitlines() if line.startswith("note: no Gantt chart:"))
+    assert "x.parquet" in note and note.removeprefix("note: ") in report.read_text().replace("&#x27;", "'")
+    assert main(["report", str(path), "--out", str(report), "--no-gantt"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_cli_report_renders_in_a_headless_browser_with_every_image_loaded(sweep_results, tmp_path):
     report = tmp_path / "report.html"
     assert main(["report", str(sweep_results), "--out", str(report)]) == 0
