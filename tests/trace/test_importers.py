@@ -328,7 +328,7 @@ def test_fixtures_are_told_apart_and_import_as_with_their_format(tmp_path):
     assert told.notes[-1].startswith("format speculative-moe told from") and given.notes == told.notes[:-1]
 
 
-@pytest.mark.parametrize("content", [b"hello\n", b"", b"\xff\xfe\x00", b'{"dataset": "x"}\n', b"[1, 2]\n",
+@pytest.mark.parametrize("content", [b"hello\n", b"\xff\xfe\x00", b'{"dataset": "x"}\n', b"[1, 2]\n",
                                      b"PK\x03\x04 truncated"])
 def test_a_log_no_format_lays_out_so_is_one_line_naming_it(tmp_path, capsys, content):
     path = tmp_path / ("log.npz" if content.startswith(b"PK") else "log.jsonl")
@@ -338,6 +338,19 @@ def test_a_log_no_format_lays_out_so_is_one_line_naming_it(tmp_path, capsys, con
     assert main(["trace", "import", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and "--format NAME" in err and not out.exists()
+
+
+@pytest.mark.parametrize("name,content", [("log.jsonl", b""), ("log.jsonl", b"\n \n"), ("log.npz", b"")])
+def test_an_empty_log_is_called_empty(tmp_path, capsys, name, content):
+    """Not 'cannot tell which tool wrote this log': no tool's format would help."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moesim: error: {path}: file has no records (it is empty or blank) (fix: give a log the tool " \
+                  "has written records to)\n"
+    assert not out.exists()
 
 
 def test_logs_of_two_formats_are_refused_together(tmp_path):

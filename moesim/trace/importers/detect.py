@@ -38,6 +38,9 @@ def detect_format(sources: list[Path]) -> str:
     """The import format of ``sources`` (every file must be of the same one)."""
     found = {path: format_of(path) for path in sources}
     for path, fmt in found.items():
+        if fmt is None and _blank(path):  # no record to tell a format by: say that, not that the layout is odd
+            raise TraceFormatError("file has no records (it is empty or blank)", source=str(path),
+                                   fix="give a log the tool has written records to")
         if fmt is None:
             raise TraceFormatError("cannot tell which tool wrote this log", source=str(path), field="--format",
                                    fix="name its format: --format NAME (moesim trace import --list-formats)")
@@ -78,6 +81,16 @@ def _npz_format(path: Path) -> str | None:
     if "topk_ids" in arrays:
         return qwen3_prefill.FORMAT
     return None
+
+
+def _blank(path: Path) -> bool:
+    """Whether ``path`` is empty or holds only whitespace (an unreadable file is not blank: it is reported
+    as what it is by the importer)."""
+    try:
+        with open(path, "rb") as handle:
+            return all(not chunk.strip() for chunk in iter(lambda: handle.read(1 << 16), b""))
+    except OSError:
+        return False
 
 
 def _head(path: Path) -> list[dict[str, Any]]:
