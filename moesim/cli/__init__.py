@@ -24,10 +24,23 @@ def _say(text: str) -> None:
     err_console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _usage_line(err: click.UsageError) -> str:
-    """click's usage error as one line, pointing to the command's --help."""
-    command = err.ctx.command_path if err.ctx is not None else "moesim"
+def _usage_line(err: click.UsageError, args: list[str]) -> str:
+    """click's usage error as one line, pointing to the command's --help (click's parser errors, an option
+    without its value say, carry no context: the command is then read off the command line)."""
+    command = err.ctx.command_path if err.ctx is not None else _command_path(args)
     return f"moesim: error: {err.format_message()} (see '{command} --help')".replace("\n", " ")
+
+
+def _command_path(args: list[str]) -> str:
+    """'moesim trace import' for ``["trace", "import", "x", "--format"]``: the commands named, in turn."""
+    path, command = ["moesim"], cli
+    for arg in args:
+        sub = command.commands.get(arg) if isinstance(command, click.Group) else None
+        if sub is None:
+            break
+        path.append(arg)
+        command = sub
+    return " ".join(path)
 
 
 def _internal_error(err: BaseException) -> str:
@@ -57,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt):
         _say("moesim: interrupted")
         return 130
+    except click.exceptions.NoArgsIsHelpError as err:  # `moesim`, `moesim trace`: the help, as it is laid out
+        err.show()
+        return 2
     except click.UsageError as err:
-        _say(_usage_line(err))
+        _say(_usage_line(err, args))
         return 2
     except click.ClickException as err:
         _say(f"moesim: error: {err.format_message()}".replace("\n", " "))

@@ -83,10 +83,26 @@ def test_internal_error_is_one_line_asking_for_a_report(monkeypatch, capsys):
         main(["--debug", "replay", "traces/mixtral-8x7b-humaneval.parquet", "--system", "gpu-only-lru"])
 
 
-def test_usage_errors_are_one_line(capsys):
-    assert main(["replay", "--bogus"]) == 2
+@pytest.mark.parametrize("args, command", [
+    (["replay", "--bogus"], "moesim replay"),
+    # click's parser errors carry no command: it is read off the command line
+    (["replay", "t.parquet", "--hw"], "moesim replay"),
+    (["trace", "import", "x.jsonl", "--format"], "moesim trace import"),
+    (["--bogus"], "moesim"),
+])
+def test_usage_errors_are_one_line_pointing_to_the_commands_help(capsys, args, command):
+    assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--bogus" in err and "moesim replay --help" in err
+    assert err.count("\n") == 1 and args[-1] in err and err.rstrip().endswith(f"(see '{command} --help')")
+
+
+@pytest.mark.parametrize("args", [[], ["trace"]])
+def test_a_group_without_its_command_shows_its_help(capsys, args):
+    """Not the help flattened into one error line."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Usage: {' '.join(['moesim', *args])} [OPTIONS] COMMAND [ARGS]...\n")
+    assert "\nCommands:\n" in err and "moesim: error" not in err
 
 
 def test_special_files_are_written_not_replaced(tmp_path, capsys):
