@@ -45,6 +45,8 @@ def test_json_has_the_stable_keys(files, tmp_path, capsys):
     assert metrics["tpot_ms_mean"] > 0 and 0 <= metrics["gpu_hit_rate"] <= 1
     assert set(metrics["breakdown_ms"]) >= {"gpu_compute", "wait_cache", "shared_expert", "cpu_other"}
     assert "TPOT" in out
+    title = " ".join(out.split("┌")[0].split())  # the table's title, however it wrapped
+    assert title.startswith("gpu-only-lru on t.parquet") and title.endswith("(cache.slots_per_layer=2)")
     assert out.rstrip().endswith(f"wrote {out_json}")  # where the JSON went, as for every other output
 
 

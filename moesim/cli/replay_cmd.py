@@ -125,13 +125,14 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     inputs = {"trace": trace_file, "hw": hw, "settings": parsed, "seed": seed, "model": model_preset}
     for m in metrics_by_system.values():
         m["inputs"] = inputs  # what a saved JSON came from
+    given = f" ({', '.join(f'{k}={v}' for k, v in parsed.items())})" if parsed else ""  # what the table is of
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
-        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}")
+        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}{given}")
         _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
-        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}")
+        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}{given}")
         from moesim.analysis.identical import decision_logs, identical_lines
         for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
                                                                      seed=seed)):
