@@ -184,10 +184,13 @@ def _named(profile: HardwareProfile) -> str:
 
 def _unused_request(request: CacheRequest, system: str, why: str) -> list[str]:
     """A note when the user sized a cache that ``system`` does not have (the setting changes nothing)."""
-    asked = [f"cache.slots={request.slots}"] if request.slots is not None else []
-    if request.slots_per_layer is not None:
-        asked.append("cache.slots_per_layer=" + ",".join(map(str, request.slots_per_layer)))
-    return [f"{' and '.join(asked)} changes nothing: {system} {why}"] if asked else []
+    if request.slots is not None:
+        asked = f"cache.slots={request.slots}"
+    elif request.slots_per_layer is not None:
+        asked = "cache.slots_per_layer=" + ",".join(map(str, request.slots_per_layer))
+    else:
+        return []
+    return [f"{asked} changes nothing: {system} {why}"]
 
 
 def _check_request(request: CacheRequest, layers: int, experts: int) -> list[int] | None:
