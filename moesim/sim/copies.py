@@ -324,6 +324,7 @@ class CopyEngines:
             transfer = pending[(layer, expert)]
             end = transfer.end
             if end is None:
+                # checked per transfer: estimate_end of a new copy size below adds it to ``durations``
                 duration = durations.get(transfer.nbytes) if one_engine and len(durations) == 1 else None
                 end = self.free[0] + (transfer.queued_at - head + 1) * duration if duration is not None \
                     else self.estimate_end(transfer)
