@@ -32,18 +32,42 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from moesim import sweep as sweep_module
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, MoesimError
 
 DEFAULT_HW = "rtx4090"
 #: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
 #: every system on the command line; the API replays one system per call)
 DEFAULT_SYSTEM = "gpu-only-lru"
+
+
+#: command-line options that errors raised below the API name, as a Python caller spells them
+PYTHON_NAMES = {"--system": "system", "--model": "model", "--engine": "engine", "--workers": "workers",
+                "--address": "address", "--out": "out", "--slo": "slo", "--window": "window"}
+
+
+@contextlib.contextmanager
+def python_names() -> Any:
+    """Errors in a caller's own terms: ``field 'system'`` rather than ``--system``, and a ``--set`` parameter
+    as the keyword argument it came from (``cache__alpha``)."""
+    try:
+        yield
+    except MoesimError as err:
+        name = PYTHON_NAMES.get(err.field or "")
+        if err.field == "--set":
+            key = re.search(r"parameter '([^']+)'", err.detail)
+            name = key.group(1).replace(".", "__") if key else "settings"
+        if name is None:
+            raise
+        err.rename_field(name)
+        raise
 
 
 def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
@@ -104,6 +128,7 @@ def checked_run_inputs(hw: Any, seed: Any) -> None:
     checked_seed(seed)
 
 
+@python_names()
 def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,
            settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
            timeline: bool = True, decisions: bool = True, **params: Any) -> ReplayResult:
@@ -130,6 +155,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
                         system=system, trace=str(trace), raw_metrics=raw)
 
 
+@python_names()
 def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike | None = None,
           workers: int | None = None, engine: str = "local", address: str | None = None,
           progress: bool | None = None) -> Any:
@@ -175,6 +201,7 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     return text
 
 
+@python_names()
 def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int | None = None,
                 requests: Sequence[int] | None = None) -> Path:
     """Write the first ``steps`` forward passes (and/or only ``requests``) of ``trace`` to ``out``.
@@ -233,6 +260,7 @@ class ServeRun:
         return f"<b>{self.system}</b> serving {len(self.requests)} requests<table>{rows}</table>"
 
 
+@python_names()
 def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEFAULT_HW,
           system: str = "gpu-only-lru", *, qps: float | None = None, requests: int | None = None,
           scheduler: str | None = None, slo: Mapping[str, float] | str | None = None,

@@ -21,6 +21,11 @@ class MoesimError(Exception):
         self.detail = message
         super().__init__(self._format())
 
+    def rename_field(self, field: str) -> None:
+        """Name the field as the caller knows it (the Python API's keyword for a command-line option)."""
+        self.field = field
+        self.args = (self._format(),)
+
     def _format(self) -> str:
         parts = []
         if self.source:

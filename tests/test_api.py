@@ -84,6 +84,24 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
         moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slot=2)
 
 
+@pytest.mark.parametrize("call, field", [
+    (lambda trace, hw: moesim.replay(trace, hw=hw, system="nope"), "system"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, system="cpu-only", cache__alpha=0.3), "cache__alpha"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, engine__bogus=1), "engine__bogus"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, model="qwen3-30b-a3b"), "model"),
+    (lambda trace, hw: moesim.serve(trace, hw=hw, system="oracle"), "system"),
+    (lambda trace, hw: moesim.sweep({"traces": [trace], "systems": ["cpu-only"], "hw": [hw]}, workers=0),
+     "workers"),
+])
+def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, field):
+    """The command line says --system and --set; a Python caller gave system= and cache__alpha=."""
+    trace, hw = files
+    with pytest.raises(ConfigError) as err:
+        call(trace, hw)
+    assert err.value.field == field
+    assert f"field '{field}'" in str(err.value) and "--" not in str(err.value).split(":")[0]
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"seed": -1}, "seed must be a whole number in [0, 2**63), got -1"),
     ({"seed": "abc"}, "got 'abc'"),
