@@ -15,21 +15,26 @@ import numpy as np
 import torch
 
 from backends.devices import Work
-from backends.kernels import expert_params, random_fill
+from backends.kernels import expert_params, random_fill, torch_dtype
 from moesim.errors import ConfigError
+from moesim.util import host_bytes_available
 
 GIB = 2**30
 
 
-def _host_bytes_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def check_host_memory(model, expert_dtype: str) -> None:
+    """Refuse a real run whose routed experts cannot fit in host memory, before anything is measured
+    (``moesim validate`` measures a profile first, which takes minutes)."""
+    itemsize = torch_dtype(expert_dtype).itemsize
+    _check_fits(model.num_layers * model.num_experts * expert_params(model, model.moe_intermediate_size) * itemsize)
+
+
+def _check_fits(total: int) -> None:
+    available = host_bytes_available()
+    if available is not None and total > 0.9 * available:
+        raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
+                          f"{available / GIB:.1f} GiB is available", field="--layers",
+                          fix="run fewer MoE layers (moesim validate --layers N)")
 
 
 # ----------------------------------------------------------------------------- weights and buffers
@@ -43,12 +48,7 @@ def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: t
     key = (model.num_layers, model.num_experts, params, dtype, pin, generator.initial_seed())
     if key not in _HOST_EXPERTS:
         _HOST_EXPERTS.clear()  # free the previous shape's weights before taking memory for these
-        total = model.num_layers * model.num_experts * params * dtype.itemsize
-        available = _host_bytes_available()
-        if available is not None and total > 0.9 * available:
-            raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
-                              f"{available / GIB:.1f} GiB is available", field="--layers",
-                              fix="run fewer MoE layers (moesim validate --layers N)")
+        _check_fits(model.num_layers * model.num_experts * params * dtype.itemsize)
         host = torch.empty(model.num_layers, model.num_experts, params, dtype=dtype, pin_memory=pin)
         _HOST_EXPERTS[key] = random_fill(host, generator)
     return _HOST_EXPERTS[key]

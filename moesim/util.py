@@ -1,4 +1,4 @@
-"""Small helpers shared across layers: safe output files and reading YAML with one-line errors."""
+"""Small helpers shared across layers: safe output files, reading YAML with one-line errors, the host memory left."""
 
 from __future__ import annotations
 
@@ -331,3 +331,25 @@ def _yaml_fix(err: yaml.constructor.ConstructorError) -> str:
     if err.problem and "duplicate key" in err.problem:
         return "keep one of the two keys"
     return "remove the tag and write plain values"
+
+
+def host_bytes_available() -> int | None:
+    """Memory this process may still take: the kernel's MemAvailable, or less under a cgroup limit
+    (where an out-of-memory kill comes from in a container); None where neither can be read."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2, then v1
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
+            used = int(Path("/sys/fs/cgroup", usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" or a huge number: no limit
+            limits.append(max(int(limit) - used, 0))
+        break
+    return min(limits) if limits else None

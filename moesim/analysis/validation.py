@@ -144,7 +144,7 @@ def truncate_trace(trace: str, layers: int, out: Path) -> Path:
                           fix=f"use 1..{meta.model.num_layers}")
     table = pq.read_table(trace)
     table = table.filter(pc.less(table["layer"], layers))
-    model = dataclasses.replace(meta.model, num_layers=layers)
+    model = meta.model.truncated(layers)
     meta = dataclasses.replace(meta, model=model, source={**meta.source, "truncated_to_layers": layers})
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), _as_bytes(META_KEY): meta.to_json()})
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -144,10 +144,12 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     if layers is not None:
         trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
     parsed = parse_settings(settings)
-    if profile_path is None:
-        profile_path = str(_measure([read_meta(trace_file).model], device, threads, quick_profile, "",
-                                    out_dir / "profile.yaml"))
     _require_torch()
+    from backends.weights import check_host_memory
+    model = read_meta(trace_file).model
+    check_host_memory(model, parsed.get("memory.expert_dtype") or model.expert_dtype)  # before minutes of profiling
+    if profile_path is None:
+        profile_path = str(_measure([model], device, threads, quick_profile, "", out_dir / "profile.yaml"))
     profile = load_profile(profile_path)
     if "measured by moesim profile" in profile.sources.get("gpu", ""):
         parsed = {**MEASURED_PROFILE_SETTINGS, **parsed}

@@ -36,6 +36,7 @@ from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
+from moesim.util import host_bytes_available
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
 #: the arrival processes ``workload.qps`` sets the rate of
@@ -275,28 +276,6 @@ def serving_bytes(pool: list[TraceRequest], requests: int) -> int:
         return sum(t.output + (1 if t.prompt else 0) for t in part)
     rounds, rest = divmod(requests, len(pool))
     return requests * REQUEST_BYTES + (rounds * entries(pool) + entries(pool[:rest])) * ENTRY_BYTES
-
-
-def host_bytes_available() -> int | None:
-    """Memory this process may still take: the kernel's MemAvailable, or less under a cgroup limit
-    (where an out-of-memory kill comes from in a container); None where neither can be read."""
-    limits = []
-    try:
-        with open("/proc/meminfo") as f:
-            limits += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit_file, usage_file in (("memory.max", "memory.current"),  # cgroup v2, then v1
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
-            used = int(Path("/sys/fs/cgroup", usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 1 << 60:  # "max" or a huge number: no limit
-            limits.append(max(int(limit) - used, 0))
-        break
-    return min(limits) if limits else None
 
 
 def check_host_memory(pool: list[TraceRequest], requests: int, available: int | None) -> None:

@@ -74,6 +74,19 @@ def test_truncating_to_too_many_layers_is_one_line(trace, tmp_path, capsys):
     assert code == 2 and "--layers 7 outside 1..3" in err and len(err.strip().splitlines()) == 1
 
 
+def test_experts_too_big_for_host_memory_are_refused_before_the_profile_is_measured(trace, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Measuring a profile takes minutes; the memory check that follows it can be made first."""
+    pytest.importorskip("torch")
+    import backends.weights
+    monkeypatch.setattr(backends.weights, "host_bytes_available", lambda: 1000)
+    out = tmp_path / "v"
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "routed experts need" in err and "(moesim validate --layers N)" in err
+    assert not (out / "profile.yaml").exists()
+
+
 def test_validate_needs_real_and_known_systems(trace, tmp_path, capsys):
     assert main(["validate", "--trace", trace, "--systems", "cpu-only", "--out", str(tmp_path)]) == 2
     assert "pass --real" in capsys.readouterr().err

@@ -89,6 +89,21 @@ def test_non_expert_bytes_is_total_minus_routed_experts() -> None:
     assert spec.non_expert_bytes() == (46_702_792_704 - 45_097_156_608) * 2
 
 
+def test_a_model_cut_to_its_first_layers_keeps_their_non_expert_weights_only() -> None:
+    """Mixtral cut to 2 of 32 layers (moesim validate --layers 2): the 30 dropped layers take their experts,
+    attention (q, k, v, o: 41.9M) and gate (32.8K) with them; embeddings and LM head stay."""
+    mixtral = load_preset("mixtral-8x7b")
+    two = mixtral.truncated(2)
+    assert two.num_layers == 2 and two.routed_expert_params == 2 * 8 * 3 * 4096 * 14336
+    per_layer = (4096 * 32 * 128) * 2 + 2 * 4096 * 8 * 128 + 4096 * 8
+    assert two.total_params == mixtral.total_params - 30 * (8 * 3 * 4096 * 14336 + per_layer)
+    assert mixtral.non_expert_bytes() - two.non_expert_bytes() == 30 * per_layer * 2
+    assert two.non_expert_bytes() < 0.7 * 2**30  # not the dropped layers' 81 GiB of experts
+    assert mixtral.truncated(32) == mixtral
+    deepseek = load_preset("deepseek-v3").truncated(1)  # shared experts leave with their layer too
+    assert deepseek.non_expert_bytes() < load_preset("deepseek-v3").non_expert_bytes() / 4
+
+
 def test_shared_params_and_flops_use_the_merged_shared_width() -> None:
     spec = load_preset("qwen2-57b-a14b")
     assert spec.shared_params == 3 * 3584 * 20480

@@ -342,7 +342,8 @@ def test_host_memory_floor_is_below_what_a_run_takes_and_close_to_it(tmp_path):
 
 
 def test_a_run_that_cannot_fit_in_host_memory_is_refused_before_it_starts(tmp_path):
-    from moesim.sim.serving import TraceRequest, check_host_memory, host_bytes_available, serving_bytes
+    from moesim.sim.serving import TraceRequest, check_host_memory, serving_bytes
+    from moesim.util import host_bytes_available
     model = tiny_model(layers=1, experts=4, top_k=1)
     path = str(write_tiny_trace(tmp_path / "t.parquet", model,
                                 request_routing(np.random.default_rng(7), model, [(2, 1)])))
