@@ -107,6 +107,29 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
     console.print(f"wrote {path} (load it with --hw {path} or --profile {path})")
 
 
+def _executable_systems(systems: str) -> list[str]:
+    """The systems of ``--systems``, each one that real kernels can execute: checked before a profile is
+    measured (minutes), so that a wrong name fails at once."""
+    from moesim.sim.run import members
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    example = "e.g. --systems cpu-only,gpu-only-lru,static-hot (`moesim systems` lists them)"
+    if not names:
+        raise MoesimError("no system given", field="--systems", fix=example)
+    for name in names:
+        if name == "all":
+            raise MoesimError("validate runs the systems it is given by name, not 'all'", field="--systems",
+                              fix=example)
+        try:
+            schedules = members(name)
+        except MoesimError as err:
+            err.rename_field("--systems")
+            raise
+        if schedules != (name,):
+            raise MoesimError(f"'{name}' is a bound over several schedules, not one executable system",
+                              field="--systems", fix=f"validate its members one by one: {','.join(schedules)}")
+    return names
+
+
 @cli.command("validate")
 @click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
 @click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
@@ -130,20 +153,18 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     from moesim.analysis.validation import (MEASURED_PROFILE_SETTINGS, run_validation, truncate_trace,
                                             write_report)
     from moesim.hw.profile import load_profile
-    from moesim.sim.run import members
+    from moesim.sim.run import check_settings
     from moesim.trace.validate import checked_meta as read_meta
     if not real:
         raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
-    names = [s.strip() for s in systems.split(",") if s.strip()]
-    if not names:
-        raise MoesimError("no system given", field="--systems", fix="e.g. --systems cpu-only,gpu-only-lru")
-    for name in names:
-        members(name)  # unknown systems fail here, before anything runs
+    names = _executable_systems(systems)
     out_dir = Path(out)
     read_meta(trace_file)
     if layers is not None:
         trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
     parsed = parse_settings(settings)
+    for name in names:
+        check_settings(name, parsed)
     _require_torch()
     from backends.weights import check_host_memory
     model = read_meta(trace_file).model

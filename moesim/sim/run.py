@@ -176,6 +176,13 @@ def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[s
     return {**own, **(settings or {})}
 
 
+def check_settings(system: str, settings: dict[str, str] | None) -> None:
+    """The checks of :func:`prepare` that need neither trace nor profile: every parameter known to ``system``
+    and a value it takes (``moesim validate`` runs them before it measures a profile)."""
+    parsed = parse_settings(with_system_defaults(system, settings))
+    build_system(system, parsed.system)
+
+
 def checked_seed(seed: Any) -> int:
     """``seed`` as an int, refused in one line unless a whole number in [0, 2**63) (numpy's generators and the
     command line's --seed take no other)."""

@@ -87,6 +87,21 @@ def test_experts_too_big_for_host_memory_are_refused_before_the_profile_is_measu
     assert not (out / "profile.yaml").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--systems", "all"], "field '--systems': validate runs the systems it is given by name, not 'all'"),
+    (["--systems", "cpu-only,oracle"], "field '--systems': 'oracle' is a bound over several schedules"),
+    (["--systems", "nope"], "field '--systems': unknown system 'nope'"),
+    (["--systems", "cpu-only", "--set", "cache.alpha=1"], "unknown parameter 'cache.alpha' for system 'cpu-only'"),
+    (["--systems", "cpu-only", "--set", "engine.staging_slots=0"], "at least one staging buffer is needed"),
+])
+def test_wrong_systems_and_settings_fail_before_the_profile_is_measured(trace, tmp_path, capsys, args, words):
+    out = tmp_path / "v"
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, *args, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+    assert not (out / "profile.yaml").exists()
+
+
 def test_validate_needs_real_and_known_systems(trace, tmp_path, capsys):
     assert main(["validate", "--trace", trace, "--systems", "cpu-only", "--out", str(tmp_path)]) == 2
     assert "pass --real" in capsys.readouterr().err
