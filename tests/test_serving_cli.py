@@ -56,6 +56,22 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     assert rows[1]["e2e_ms_mean"] >= rows[0]["e2e_ms_mean"]
 
 
+def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_path, capsys):
+    """ktransformers-ed defers nothing on a top-2 model (001 Sec. 4.2 keeps 2 immediate): its rows equal
+    ktransformers', and the note saying why is printed, as replay prints it."""
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "ktransformers,ktransformers-ed,gpu-only-lru",
+                 "--qps", "1,100", "--requests", "4", "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "note: ktrans-deferral: 001 Sec. 6.3 gives no deferral count for tiny" in out
+    assert out.count("note: ktrans-deferral") == 1  # once, not once per run
+    for rate in ("1", "100"):
+        assert f"identical rows ktransformers, ktransformers-ed at {rate} req/s (" in " ".join(out.split())
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert all("cost_fallbacks" in r["engine"] for r in rows)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--slo", "ttft=5"], "--slo"),
     (["--set", "workload.arrival=bursty"], "workload.arrival"),

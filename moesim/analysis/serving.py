@@ -102,7 +102,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     engine = metrics(result.engine)
     out["engine"] = {k: engine[k] for k in ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches",
                                             "cpu_util", "gpu_util", "pcie_util", "slots_per_layer", "breakdown_ms",
-                                            "sim_wall_s", "notes")}
+                                            "sim_wall_s", "notes", "cost_fallbacks")}
     return out
 
 

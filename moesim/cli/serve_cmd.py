@@ -79,6 +79,8 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
                       f"{m['throughput_rps']:.3f}", str(m["preemptions"]),
                       *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
     out.print(table)
+    for line in serving_notes(rows):
+        out.print(line, markup=False, highlight=False)
     for name, reason in skipped.items():
         from rich.markup import escape
         out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
@@ -92,6 +94,27 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)
         out.print(f"wrote {plot_out}")
+
+
+#: what a serving row shows: two systems alike in all of these at one rate are one row twice
+SERVED = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p99", "throughput_rps", "preemptions")
+
+
+def serving_notes(rows: list[dict]) -> list[str]:
+    """The runs' notes, each once, and the systems whose rows are identical at a rate (the notes, or a
+    ``moesim replay`` of the two, say why)."""
+    lines = [f"note: {n}" for n in sorted({n for m in rows for n in m["engine"].get("notes", [])})]
+    fallbacks = sorted({f for m in rows for f in m["engine"].get("cost_fallbacks", [])})
+    if fallbacks:
+        lines.append(f"note: roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+    alike: dict[tuple, list[str]] = {}
+    for m in rows:
+        alike.setdefault((m["qps"], *(m[k] for k in SERVED)), []).append(m["system"])
+    for key, names in alike.items():
+        if len(names) > 1:
+            lines.append(f"identical rows {', '.join(names)} at {key[0]:g} req/s (the notes say which mechanism "
+                         f"did not act; `moesim replay TRACE --system {','.join(names)}` explains in full)")
+    return lines
 
 
 def _rates(qps: str, settings: dict[str, str]) -> list[str]:
