@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -41,6 +41,8 @@ class FutureRouting:
     uses: list[dict[int, list[int]]]
     routed: dict[tuple[int, int], list[int]]
     step_order: list[int]
+    #: per step, the MoE layers it routes, in order (all of the model's, unless the trace logged only some)
+    layers_of: dict[int, list[int]]
 
     @classmethod
     def load(cls, path: str | None, model: ModelSpec) -> "FutureRouting":
@@ -55,13 +57,17 @@ class FutureRouting:
         i = bisect_left(steps, from_step)
         return steps[i] if i < len(steps) else NEVER
 
-    def next_position(self, step: int, layer: int, num_layers: int) -> tuple[int, int] | None:
-        """The (step, layer) that runs after this one, if any."""
-        if layer + 1 < num_layers and (step, layer + 1) in self.routed:
-            return step, layer + 1
+    def next_position(self, step: int, layer: int) -> tuple[int, int] | None:
+        """The (step, layer) that runs after this one, if any: the step's next layer in the trace, else the
+        next step's first (a trace that logged only some of the model's layers replays only those)."""
+        layers = self.layers_of.get(step, [])
+        i = bisect_right(layers, layer)
+        if i < len(layers):
+            return step, layers[i]
         i = bisect_left(self.step_order, step + 1)
         if i < len(self.step_order):
-            return self.step_order[i], 0
+            following = self.step_order[i]
+            return following, self.layers_of[following][0]
         return None
 
 
@@ -90,7 +96,11 @@ def _load_future(path: str, mtime_ns: int, num_layers: int, num_experts: int) ->
     for layer, e, a, b in zip(*(x.tolist() for x in np.divmod(pair[starts], num_experts)), starts.tolist(),
                               ends.tolist()):
         uses[layer][e] = steps_in_order[a:b]
-    return FutureRouting(uses=uses, routed=routed, step_order=np.unique(steps).astype(int).tolist())
+    layers_of: dict[int, list[int]] = {}
+    for step, layer in routed:  # in (step, layer) order, as the keys were sorted
+        layers_of.setdefault(step, []).append(layer)
+    return FutureRouting(uses=uses, routed=routed, step_order=np.unique(steps).astype(int).tolist(),
+                         layers_of=layers_of)
 
 
 def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -61,15 +61,13 @@ class PerfectPrefetch(Prefetch):
 
     name = "perfect"
     _future: FutureRouting | None = field(default=None, repr=False)
-    _num_layers: int = 0
 
     def configure(self, ctx: RunContext) -> None:
         self._future = FutureRouting.load(ctx.trace_path, ctx.model)
-        self._num_layers = ctx.model.num_layers
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         assert self._future is not None
-        nxt = self._future.next_position(view.step, view.layer, self._num_layers)
+        nxt = self._future.next_position(view.step, view.layer)
         if nxt is None:
             return []
         step, layer = nxt
