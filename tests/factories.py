@@ -142,3 +142,17 @@ def spec_for_kill(folder: Path) -> Path:
     # rtx4090 holds 60 of Mixtral's 256 experts: every point streams experts over PCIe
     return write_spec(folder, traces=["mix.parquet"], hw=["rtx4090"], systems=["gpu-only-lru", "static-hot"],
                       grid={"cache.slots": [16, 32, 48, 60], "hw.pcie.bandwidth_scale": [0.5, 1.0]})
+
+
+def write_partial_trace(path: Path, layers: list[int], num_layers: int = 3, steps: int = 4,
+                        requests: int = 1) -> Path:
+    """A decode trace that logged only ``layers`` of a ``num_layers``-layer model (as an importer's per-layer
+    logs are), ``requests`` requests batched in every step, each routed to experts 0 and 1."""
+    model = tiny_model(layers=num_layers, experts=6, top_k=2)
+    per_step = len(layers) * requests
+    data = {"step": np.repeat(np.arange(steps), per_step), "layer": np.tile(np.repeat(layers, requests), steps),
+            "request": np.tile(np.arange(requests), steps * len(layers)),
+            "position": np.repeat(np.arange(steps), per_step), "phase": ["decode"] * (steps * per_step),
+            "experts": np.tile(np.array([[0, 1]], dtype=np.int16), (steps * per_step, 1))}
+    source = {"kind": "imported", "layers_present": layers}
+    return write_trace(path, data, TraceMeta(model=model, source=source))

@@ -144,6 +144,8 @@ class RequestPool:
         self.model = read_meta(traces[0]).model
         columns = [c for c in columns if c in trace_columns(traces[0])]
         self.requests: list[TraceRequest] = []
+        #: the MoE layers the traces route (all of the model's, unless they logged only some: those are served)
+        self.layers: list[int] = []
         for path in traces:
             model = read_meta(path).model
             if (model.num_layers, model.num_experts, model.top_k) != \
@@ -154,7 +156,13 @@ class RequestPool:
             if missing:
                 raise ConfigError(f"column(s) {missing} of {traces[0]} are missing here", source=path,
                                   field=missing[0], fix="serve traces with the same optional columns together")
-            self.requests += _read_requests(path, columns, self.model.num_layers)
+            logged = np.unique(read_table(path, ["layer"]).column("layer").to_numpy()).tolist()
+            if self.layers and logged != self.layers:
+                raise ConfigError(f"the trace logs MoE layers {_listed(logged)}, {traces[0]} logs "
+                                  f"{_listed(self.layers)}", source=path, field="layer",
+                                  fix="serve traces that logged the same layers together")
+            self.layers = logged
+            self.requests += _read_requests(path, columns, logged)
         if not self.requests:
             raise ConfigError("the traces hold no requests", source=traces[0], field="request",
                               fix="give a trace with rows")
@@ -163,7 +171,12 @@ class RequestPool:
         return len(self.requests)
 
 
-def _read_requests(path: str, columns: list[str], layers: int) -> list[TraceRequest]:
+def _listed(layers: list[int]) -> str:
+    return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+
+
+def _read_requests(path: str, columns: list[str], layer_ids: list[int]) -> list[TraceRequest]:
+    """Each request's rows as (layer, token) arrays over ``layer_ids``, the layers the trace logged."""
     names = ["request", "phase", "position", "layer", "experts", *columns]
     table = read_table(path, names)
     request = table.column("request").to_numpy()
@@ -176,13 +189,14 @@ def _read_requests(path: str, columns: list[str], layers: int) -> list[TraceRequ
         data[name] = _rows(table.column(name))[order]
     request, layer, position, phase = request[order], layer[order], position[order], phase[order]
     out = []
+    layers, logged = len(layer_ids), np.asarray(layer_ids)
     cuts = np.flatnonzero(np.diff(request)) + 1
     for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(request)]))):
         rid = int(request[lo])
         n = hi - lo
         tokens = n // layers
         fix = "serving needs every token of a request on every layer, prompt before decode"
-        if n % layers or not (layer[lo:hi] == np.repeat(np.arange(layers), tokens)).all():
+        if n % layers or not (layer[lo:hi] == np.repeat(logged, tokens)).all():
             raise ConfigError(f"request {rid} does not have the same tokens on every layer", source=path,
                               field="layer", fix=fix)
         pos = position[lo:lo + tokens]
@@ -211,8 +225,11 @@ def _rows(column: Any) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False)
 
 
-def build_step(index: int, entries: list[tuple[Request, int]], pool: list[TraceRequest], layers: int) -> Step:
-    """The rows of one batch, ordered as a trace orders a step: by layer, then request, then position."""
+def build_step(index: int, entries: list[tuple[Request, int]], pool: list[TraceRequest], layer_ids: list[int]
+               ) -> Step:
+    """The rows of one batch, ordered as a trace orders a step: by layer (``layer_ids``, those the traces
+    logged), then request, then position."""
+    layers = len(layer_ids)
     entries = sorted(entries, key=lambda e: e[0].rid)
     parts = [(r, pool[r.rid], r.done, n) for r, n in entries]
     # per token row, as whole arrays (a step may batch thousands of requests): its request, position, phase
@@ -231,7 +248,7 @@ def build_step(index: int, entries: list[tuple[Request, int]], pool: list[TraceR
     optional = pool[entries[0][0].rid].optional
     predictors = {k: list(gather(k)) for k in optional if k in PREDICTOR_COLUMNS}
     return Step(step=index, request=np.tile(ids, layers), position=np.tile(positions, layers).astype(np.int32),
-                layer=np.repeat(np.arange(layers, dtype=np.int16), tokens),
+                layer=np.repeat(np.asarray(layer_ids, dtype=np.int16), tokens),
                 phase=np.tile(phases, layers).astype(np.int8), experts=gather(None),
                 weights=gather("weights") if "weights" in optional else None,
                 scores=gather("scores") if "scores" in optional else None,
@@ -374,7 +391,7 @@ class ServingRun:
         self.progress = progress
         self.rng = np.random.default_rng(seed)
         self.env = sim.env
-        self.layers = sim.model.num_layers
+        self.layers = pool.layers
         self.served = [pool.requests[i % len(pool)] for i in range(workload.requests)]
         self.records = [RequestRecord(i, t.source, t.request, t.prompt, t.output, float("nan"))
                         for i, t in enumerate(self.served)]

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from moesim.errors import ConfigError
 from moesim.policy.systems import SYSTEMS
 from moesim.sim.run import simulate
-from moesim.trace.io import write_trace
-from moesim.trace.schema import TraceMeta
-from tests.factories import tiny_profile, tiny_model
+from tests.factories import tiny_model, tiny_profile, write_partial_trace
 
 
-def _write(path, layers: list[int], num_layers: int = 3):
-    model = tiny_model(layers=num_layers, experts=6, top_k=2)
-    steps = 4
-    data = {"step": np.repeat(np.arange(steps), len(layers)), "layer": np.tile(layers, steps),
-            "request": np.zeros(steps * len(layers), dtype=np.int64),
-            "position": np.repeat(np.arange(steps), len(layers)), "phase": ["decode"] * (steps * len(layers)),
-            "experts": np.tile(np.array([[0, 1]], dtype=np.int16), (steps * len(layers), 1))}
-    source = {"kind": "imported", "layers_present": layers}
-    return str(write_trace(path, data, TraceMeta(model=model, source=source)))
+def _write(path, layers: list[int], num_layers: int = 3) -> str:
+    return str(write_partial_trace(path, layers, num_layers))
 
 
 def test_a_trace_of_some_layers_is_replayed_with_a_note_naming_them(tmp_path):

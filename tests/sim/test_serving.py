@@ -367,3 +367,18 @@ def test_a_seed_numpy_cannot_take_is_a_config_error(tmp_path, seed):
                                 request_routing(np.random.default_rng(8), model, [(2, 1)])))
     with pytest.raises(ConfigError, match="field 'seed'"):
         serve([path], tiny_profile(), "cpu-only", {"workload.requests": "2"}, seed=seed)
+
+
+def test_a_trace_that_logged_some_layers_is_served_on_those_layers(tmp_path):
+    """The vLLM MoE logger writes one file per layer (layer 12 of 24, say): serving runs the logged layers,
+    as a replay does, with the replay's note."""
+    from tests.factories import write_partial_trace
+    path = str(write_partial_trace(tmp_path / "l1.parquet", [1], num_layers=3, steps=5, requests=2))
+    result = serve([path], tiny_profile(), "cpu-only", {"workload.requests": "2", "workload.qps": "100"})
+    assert any("logs 1 of the model's 3 MoE layers (1)" in n for n in result.engine.notes)
+    # 2 requests x 5 tokens x 1 layer x top-2
+    assert result.engine.counters.activations == 2 * 5 * 2
+    both = str(write_partial_trace(tmp_path / "l12.parquet", [1, 2], num_layers=3, steps=5, requests=2))
+    with pytest.raises(ConfigError, match=r"logs MoE layers 1, 2, .*l1.parquet logs 1 \(fix: serve traces that "
+                                          r"logged the same layers together"):
+        serve([path, both], tiny_profile(), "cpu-only", {"workload.requests": "2"})
