@@ -14,7 +14,7 @@ from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
-from moesim.policy.systems import SYSTEMS, build_system, portfolio_members
+from moesim.policy.systems import SYSTEMS, ComposedSystem, build_system, portfolio_members
 from moesim.sim.config import SimConfig
 from moesim.sim.engine import Simulator
 from moesim.sim.result import SimResult
@@ -176,11 +176,11 @@ def with_system_defaults(system: str, settings: dict[str, str] | None) -> dict[s
     return {**own, **(settings or {})}
 
 
-def check_settings(system: str, settings: dict[str, str] | None) -> None:
+def check_settings(system: str, settings: dict[str, str] | None) -> ComposedSystem:
     """The checks of :func:`prepare` that need neither trace nor profile: every parameter known to ``system``
-    and a value it takes (``moesim validate`` runs them before it measures a profile)."""
+    and a value it takes (``moesim validate`` runs them before it measures a profile); the system so built."""
     parsed = parse_settings(with_system_defaults(system, settings))
-    build_system(system, parsed.system)
+    return build_system(system, parsed.system)
 
 
 def checked_seed(seed: Any) -> int:

@@ -501,6 +501,19 @@ class ServingRun:
                 record.first_token_s = end
 
 
+def check_servable(system: str, replay_settings: dict[str, str]) -> None:
+    """Refuse a system that cannot serve, before anything runs: a portfolio of schedules (a bound), or one
+    that plans with the trace's future routing, which requests served in another order do not follow."""
+    from moesim.sim.run import check_settings, members
+    schedules = members(system)
+    if schedules != (system,):
+        raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
+                          field="--system", fix=f"use one of its members: {', '.join(schedules)}")
+    if any(hasattr(c, "_future") for c in check_settings(system, replay_settings).components.values()):
+        raise ConfigError(f"'{system}' plans with the trace's future routing, which a served order does not have",
+                          field="--system", fix="serve an online system (see `moesim systems`)")
+
+
 def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | None = None, *,
           model_preset: str | None = None, seed: int = 0, timeline: bool = False,
           decisions: bool = False, progress: Callable[[int], None] | None = None) -> ServeResult:
@@ -509,19 +522,14 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     ``progress`` is called with the number of requests each step finished. A run whose records cannot
     fit in host memory (:func:`serving_bytes`) is refused before it starts.
     """
-    from moesim.sim.run import checked_seed, members, prepare
+    from moesim.sim.run import checked_seed, prepare
     from moesim.trace.validate import checked_meta, settle
     seed = checked_seed(seed)
     parsed = split_settings(settings)
-    if members(system) != (system,):
-        raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
-                          field="--system", fix=f"use one of its members: {', '.join(members(system))}")
+    check_servable(system, parsed.replay)
     scheduler = build_scheduler(parsed.scheduler, parsed.scheduler_params)
     sim = prepare(traces[0], hw, system, parsed.replay, model_preset=model_preset, seed=seed,
                   timeline=timeline, decisions=decisions)
-    if any(hasattr(c, "_future") for c in sim.system.components.values()):
-        raise ConfigError(f"'{system}' plans with the trace's future routing, which a served order does not have",
-                          field="--system", fix="serve an online system (see `moesim systems`)")
     for trace in traces[1:]:  # (prepare checked the first)
         checked_meta(trace, sim.system.needed_columns())
     pool = RequestPool(list(traces), sim.system.needed_columns())

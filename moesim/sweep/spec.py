@@ -75,6 +75,8 @@ class SweepSpec:
     zips: list[dict[str, list[Any]]] = field(default_factory=list)
     base_dir: Path = field(default_factory=Path.cwd)
     source: str = "sweep spec"
+    #: systems the spec names itself (not through ``all``): one that cannot run a point's kind is a spec error
+    named: tuple[str, ...] = ()
 
     def points(self) -> list[Point]:
         """Every point, in spec order (traces outermost), duplicates dropped."""
@@ -173,7 +175,7 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
             zips.append(group)
     spec = SweepSpec(traces=traces, hw=hws, systems=_expand_systems(systems, source), seeds=seeds,
                      model=str(model) if model is not None else None, fixed=fixed, grid=grid, zips=zips,
-                     base_dir=base_dir, source=source)
+                     base_dir=base_dir, source=source, named=tuple(s for s in systems if s != "all"))
     _check_disjoint(spec)
     return spec
 
@@ -248,8 +250,10 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     for point in points:
         settings = point.settings_str()
         if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in settings):
-            from moesim.sim.serving import split_settings  # a serving point: the rest are replay settings
-            settings = _reraise(lambda: split_settings(settings).replay, spec, None)
+            from moesim.sim.serving import check_servable, split_settings  # a serving point
+            settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
+            if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
+                _reraise(lambda: check_servable(point.system, settings), spec, "systems")
         key = (point.hw, point.system, tuple(sorted(settings.items())))
         if key in checked:
             continue

@@ -197,6 +197,27 @@ def test_slots_wrong_for_every_gpu_fail_the_spec_before_any_point(files, capsys,
     assert not (files / "r.parquet").exists() and not (files / "r.parquet.parts").exists()
 
 
+@pytest.mark.parametrize("system, words", [("oracle", "'oracle' is a portfolio of schedules"),
+                                           ("belady", "'belady' plans with the trace's future routing")])
+def test_a_system_named_for_serving_that_cannot_serve_fails_the_spec(files, capsys, system, words):
+    path = write_spec(files, systems=["cpu-only", system], grid={"workload.qps": [1, 4], "workload.requests": [2]})
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "field 'systems'" in err and words in err
+    assert not (files / "r.parquet").exists()
+
+
+def test_systems_all_in_a_serving_sweep_runs_and_records_those_that_cannot_serve(files, capsys):
+    """`all` is every listed system: the oracle cannot serve, which fails its points only."""
+    path = write_spec(files, systems="all", grid={"workload.qps": [4], "workload.requests": [2]})
+    with pytest.raises(SystemExit) as exit_:
+        main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "1"])
+    assert exit_.value.code == 1
+    frame = pd.read_parquet(files / "r.parquet")
+    failed = frame[frame["status"] == "error"]
+    assert "oracle" in set(failed["system"]) and (frame["status"] == "ok").sum() >= 10
+
+
 def test_a_failing_point_is_recorded_and_the_rest_run(files, capsys):
     path = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 6, 2]}, set=TIGHT_GPU)
     with pytest.raises(SystemExit) as exit_:
