@@ -49,7 +49,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
 
 def _json_prompt(path: Path, row: int, line: str) -> Prompt:
-    fix = 'write one object per line, e.g. {"prompt": "..."}'
+    fix = 'write one object per line, e.g. {"prompt": "..."} or, pre-tokenised, {"token_ids": [1, 2, 3]}'
     try:
         obj = json.loads(line)
     except ValueError as err:
