@@ -92,11 +92,10 @@ class ModelSpec:
         """The model cut to its first ``layers`` MoE layers (``moesim validate --layers``): the dropped
         layers' routed experts, attention, gate and shared experts leave ``total_params`` with them, so that
         the non-expert weights are those of the layers kept (plus embeddings, LM head and dense layers)."""
+        routed_per_layer = self.expert_params * self.num_experts
+        per_layer = routed_per_layer + self.attention_params_per_layer() + self.gate_params + self.shared_params
         dropped = self.num_layers - layers
-        per_layer = self.routed_expert_params // self.num_layers + self.attention_params_per_layer() \
-            + self.gate_params + self.shared_params
-        kept_routed = self.routed_expert_params // self.num_layers * layers
-        total = max(self.total_params - dropped * per_layer, kept_routed) if self.total_params else 0
+        total = max(self.total_params - dropped * per_layer, routed_per_layer * layers) if self.total_params else 0
         return dataclasses.replace(self, num_layers=layers, total_params=total)
 
     def non_expert_bytes(self, dtype: str = "bf16") -> int:
