@@ -104,8 +104,8 @@ def test_readme_cli_example_runs_as_written(sandbox, command, capsys):
         if command.startswith(prefix):
             pytest.skip(reason)
     args = shlex.split(command)[1:]
-    if "--format" in args and not Path(args[-3]).exists():
-        pytest.skip("the real traces of ../shared are not here")
+    if any(a.startswith("../shared/") and not Path(a).exists() for a in args):
+        pytest.skip("the real traces of ../shared are not beside this checkout")
     code = main(args)
     out, err = capsys.readouterr()
     assert code == 0, err
