@@ -144,6 +144,11 @@ def truncate_trace(trace: str, layers: int, out: Path) -> Path:
                           fix=f"use 1..{meta.model.num_layers}")
     table = pq.read_table(trace)
     table = table.filter(pc.less(table["layer"], layers))
+    if table.num_rows == 0:  # a trace that logged only later layers (an importer's per-layer log)
+        logged = sorted(pc.unique(pq.read_table(trace, columns=["layer"])["layer"]).to_pylist())
+        raise ConfigError(f"the trace logs MoE layers {', '.join(map(str, logged[:8]))}, none of the first {layers}",
+                          source=trace, field="--layers",
+                          fix=f"use --layers {logged[0] + 1} or more (it keeps layers 0 to N-1)")
     model = meta.model.truncated(layers)
     meta = dataclasses.replace(meta, model=model, source={**meta.source, "truncated_to_layers": layers})
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), _as_bytes(META_KEY): meta.to_json()})

@@ -102,6 +102,18 @@ def test_wrong_systems_and_settings_fail_before_the_profile_is_measured(trace, t
     assert not (out / "profile.yaml").exists()
 
 
+def test_cutting_a_trace_of_later_layers_to_none_of_them_is_refused_naming_its_layers(tmp_path, capsys):
+    """An importer's per-layer log (layer 2 of 3 here) holds nothing in the first layer: no empty trace is written."""
+    from tests.factories import write_partial_trace
+    trace = str(write_partial_trace(tmp_path / "l2.parquet", [2], num_layers=3))
+    out = tmp_path / "v"
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--layers", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "the trace logs MoE layers 2, none of the first 1 (fix: use --layers 3 or more" in err
+    assert not (out / "trace-1-layers.parquet").exists()
+
+
 def test_validate_needs_real_and_known_systems(trace, tmp_path, capsys):
     assert main(["validate", "--trace", trace, "--systems", "cpu-only", "--out", str(tmp_path)]) == 2
     assert "pass --real" in capsys.readouterr().err
