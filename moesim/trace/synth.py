@@ -522,7 +522,8 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     from moesim.trace.stats import trace_stats
     from moesim.trace.io import read_meta
     real_stats = trace_stats(real)
-    model = read_meta(real).model
+    meta = read_meta(real)
+    model = meta.model
     shape = trace_shape(real_stats)
     base = SynthParams.for_model(model)
     base.renormalize = bool(real_stats.get("weights_renormalized", base.renormalize))
@@ -531,6 +532,11 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
             setattr(base, "recall_" + column.removeprefix("pred_"), round(float(recall), 4))
     target = {stat: float(real_stats[stat]) for stat, _ in FIT_TARGETS if real_stats.get(stat) is not None}
     notes: list[str] = []
+    logged = meta.source.get("layers_present") if isinstance(meta.source, dict) else None
+    if isinstance(logged, list) and 0 < len(logged) < model.num_layers:
+        notes.append(f"the trace logs {len(logged)} of the model's {model.num_layers} MoE layers: the fit matches "
+                     f"their statistics with the mean over all {model.num_layers} synthetic layers, so how skew grows "
+                     "from the first layer to the last (skew_first, skew_last) is not what the trace shows")
     evaluations = 0
     with tempfile.TemporaryDirectory(prefix="moesim-fit-") as folder:
         def measure(params: SynthParams, name: str = "check") -> dict[str, Any]:

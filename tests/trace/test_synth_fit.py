@@ -75,3 +75,14 @@ def test_cli_fit_writes_a_trace_that_records_its_source(tmp_path, capsys):
     assert stats["model"] == "mixtral-8x7b" and stats["requests"] == 2
     assert stats["tokens_by_phase"]["decode"] == 40  # --decode-len wins over the fitted shape
     assert source["fitted_to"] == str(REAL) and source["params"]["token_corr"] < 0.5
+
+
+def test_a_fit_to_a_trace_of_some_layers_says_what_it_could_not_see(tmp_path):
+    """An importer's per-layer log holds one layer: the fit matches it with the mean over every synthetic
+    layer, and says so, since how skew grows over the layers is not in the trace."""
+    from tests.factories import write_partial_trace
+    partial = write_partial_trace(tmp_path / "l1.parquet", [1], num_layers=3, steps=6, requests=2)
+    whole = write_partial_trace(tmp_path / "all.parquet", [0, 1, 2], num_layers=3, steps=6, requests=2)
+    said = "the trace logs 1 of the model's 3 MoE layers: the fit matches their statistics with the mean over all 3"
+    assert any(said in note for note in fit_params(partial, rounds=1, steps=1).notes)
+    assert not any("MoE layers" in note for note in fit_params(whole, rounds=1, steps=1).notes)
