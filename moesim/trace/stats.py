@@ -417,6 +417,12 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
                 "reason": f"different expert counts ({a.num_experts} and {b.num_experts}): ids do not match"}
     layers = min(a.num_layers, b.num_layers)
     ca, cb = a.layer_counts(), b.layer_counts()
+    logged_a = [layer for layer in range(a.num_layers) if ca[layer].sum() > 0]
+    logged_b = [layer for layer in range(b.num_layers) if cb[layer].sum() > 0]
+    in_both = sorted(set(logged_a) & set(logged_b))
+    if not in_both:  # importers' per-layer logs of different layers
+        return {"comparable": False, "reason": f"no MoE layer is logged in both traces (A logs {_layers(logged_a)}, "
+                                               f"B logs {_layers(logged_b)})"}
     pa, pb = a.coactivation(), b.coactivation()
     _, top4_a = _coactivation_shares(pa)
     _, top4_b = _coactivation_shares(pb)
@@ -434,12 +440,16 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
         tv.append(float(0.5 * np.abs(pa[layer] / sa - pb[layer] / sb).sum()) if sa and sb else None)
         ta, tb = top4_a[layer], top4_b[layer]
         top4.append(float(tb - ta) if ta is not None and tb is not None else None)
-    out = {"comparable": True, "layers_compared": layers, "popularity_js": _per_layer(js),
+    out = {"comparable": True, "layers_compared": layers, "layers_in_both": in_both, "popularity_js": _per_layer(js),
            "reuse_diff": _per_layer(reuse), "coactivation_tv": _per_layer(tv),
            "coactivation_top4_diff": _per_layer(top4)}
     abs_reuse = [abs(v) for v in reuse if v is not None]
     out["reuse_diff"]["mean_abs"] = float(np.mean(abs_reuse)) if abs_reuse else None
     return out
+
+
+def _layers(layers: list[int]) -> str:
+    return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "") if layers else "none"
 
 
 def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
@@ -555,7 +565,9 @@ def render_distances(d: dict[str, Any], console: Any) -> None:
     if not d.get("comparable"):
         console.print(f"distances: not computed ({d.get('reason')})", markup=False)
         return
-    table = Table(title=f"distance of B from A ({d['layers_compared']} layers)", title_justify="left")
+    both = d.get("layers_in_both", [])
+    logged = f"; logged in both: {_layers(both)}" if len(both) < d["layers_compared"] else ""
+    table = Table(title=f"distance of B from A ({d['layers_compared']} layers{logged})", title_justify="left")
     for col in ("measure", "mean", "worst layer", "per layer"):
         table.add_column(col, justify="left" if col in ("measure", "per layer") else "right")
     rows = (("popularity JS divergence (0-1)", "popularity_js", False),

@@ -84,3 +84,18 @@ def test_cli_prints_and_writes_the_distances(tmp_path, model, capsys):
     assert set(data) == {"a", "b", "distances"}
     assert data["distances"]["popularity_js"]["by_layer"][0] == pytest.approx(1.0)
     assert np.isfinite(data["distances"]["coactivation_tv"]["mean"])
+
+
+def test_traces_of_different_logged_layers_say_they_share_none(tmp_path, capsys):
+    """Two of an importer's per-layer logs (layers 1 and 2 of 3) have no layer to compare; one of them and
+    a whole trace share one, which the title names."""
+    from tests.factories import write_partial_trace
+    one = write_partial_trace(tmp_path / "l1.parquet", [1])
+    two = write_partial_trace(tmp_path / "l2.parquet", [2])
+    whole = write_partial_trace(tmp_path / "all.parquet", [0, 1, 2])
+    d = compare_traces(one, two)["distances"]
+    assert not d["comparable"] and d["reason"] == "no MoE layer is logged in both traces (A logs 1, B logs 2)"
+    d = compare_traces(one, whole)["distances"]
+    assert d["comparable"] and d["layers_compared"] == 3 and d["layers_in_both"] == [1]
+    assert main(["trace", "compare", str(one), str(whole)]) == 0
+    assert "distance of B from A (3 layers; logged in both: 1)" in capsys.readouterr().out
