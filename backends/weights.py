@@ -37,6 +37,18 @@ def _check_fits(total: int) -> None:
                           fix="run fewer MoE layers (moesim validate --layers N)")
 
 
+def _check_stand_in_slots(slots: int, staging: int, slot_bytes: int) -> None:
+    """The CPU stand-in's "GPU" slots are host memory too, taken beside the routed experts already there: a
+    plan sized by the profile's GPU memory (the host's, as measured) would be killed for memory instead."""
+    total, available = (slots + staging) * slot_bytes, host_bytes_available()
+    if available is not None and total > 0.9 * available:
+        fits = max(int(0.8 * available // slot_bytes) - staging, 0)  # headroom: available memory moves
+        raise ConfigError(f"the CPU stand-in's {slots} expert slots and {staging} staging buffers need "
+                          f"{total / GIB:.1f} GiB of host memory beside the routed experts, {available / GIB:.1f} GiB "
+                          "is available", field="cache.slots",
+                          fix=f"--set cache.slots={fits} or fewer, or fewer layers (moesim validate --layers N)")
+
+
 # ----------------------------------------------------------------------------- weights and buffers
 #: the routed experts of the last run, kept for the next run of the same shape: filling tens of GiB of
 #: pinned host memory takes longer than many a run (validate runs several systems on one trace)
@@ -63,6 +75,8 @@ class ExpertWeights:
         self.host = host_experts(model, self.params, dtype, device.type == "cuda", generator)
         # slot pool: layer l owns rows [first[l], first[l] + capacity[l]) of one preallocated tensor
         self.first = np.concatenate([[0], np.cumsum(capacity)]).astype(int).tolist()
+        if device.type == "cpu":
+            _check_stand_in_slots(max(self.first[-1], 1), staging, self.params * dtype.itemsize)
         self.pool = torch.empty(max(self.first[-1], 1), self.params, dtype=dtype, device=device)
         self.staging = torch.empty(staging, self.params, dtype=dtype, device=device)
         self.capacity = capacity

@@ -210,11 +210,12 @@ def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, S
     return files
 
 
-def _ms(value: float) -> str:
+def ms_text(value: float) -> str:
+    """Milliseconds as the report prints them; '-' where undefined (TTFT of a trace without a prefill)."""
     return "-" if value is None or math.isnan(value) else f"{value:,.3f}"
 
 
-def _pct(value: float) -> str:
+def pct_text(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:+.1f}%"
 
 
@@ -228,8 +229,9 @@ def render_markdown(report: ValidationReport, plot_name: str) -> str:
               "identical decisions |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in report.systems:
         d = c.decisions
-        lines.append(f"| {c.system} | {_ms(c.real['ttft_ms'])} | {_ms(c.sim['ttft_ms'])} | {_pct(c.ttft_error_pct)} "
-                     f"| {_ms(c.real['tpot_ms_mean'])} | {_ms(c.sim['tpot_ms_mean'])} | {_pct(c.tpot_error_pct)} "
+        lines.append(f"| {c.system} | {ms_text(c.real['ttft_ms'])} | {ms_text(c.sim['ttft_ms'])} "
+                     f"| {pct_text(c.ttft_error_pct)} | {ms_text(c.real['tpot_ms_mean'])} "
+                     f"| {ms_text(c.sim['tpot_ms_mean'])} | {pct_text(c.tpot_error_pct)} "
                      f"| {d.share:.1%}{' (all)' if d.identical else ''} |")
     lines += ["", "Error: (simulated - measured) / measured. Identical decisions: rows of the two decision logs "
               "that match within each (step, layer), over the longer log.", ""]

@@ -150,8 +150,8 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                      layers: int | None, threads: int, settings: tuple[str, ...], quick_profile: bool, out: str,
                      as_json: bool) -> None:
     """Run the same trace and systems on real kernels and in the simulator; report errors and decision agreement."""
-    from moesim.analysis.validation import (MEASURED_PROFILE_SETTINGS, run_validation, truncate_trace,
-                                            write_report)
+    from moesim.analysis.validation import (MEASURED_PROFILE_SETTINGS, ms_text, pct_text, run_validation,
+                                            truncate_trace, write_report)
     from moesim.hw.profile import load_profile
     from moesim.sim.run import check_settings
     from moesim.trace.validate import checked_meta as read_meta
@@ -188,8 +188,9 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     for col in ("system", "TTFT real/sim ms", "error", "TPOT real/sim ms", "error", "same decisions"):
         table.add_column(col, justify="left" if col == "system" else "right")
     for c in report.systems:
-        table.add_row(c.system, f"{c.real['ttft_ms']:.3f} / {c.sim['ttft_ms']:.3f}", f"{c.ttft_error_pct:+.1f}%",
-                      f"{c.real['tpot_ms_mean']:.3f} / {c.sim['tpot_ms_mean']:.3f}", f"{c.tpot_error_pct:+.1f}%",
+        real, sim = c.real, c.sim
+        table.add_row(c.system, f"{ms_text(real['ttft_ms'])} / {ms_text(sim['ttft_ms'])}", pct_text(c.ttft_error_pct),
+                      f"{ms_text(real['tpot_ms_mean'])} / {ms_text(sim['tpot_ms_mean'])}", pct_text(c.tpot_error_pct),
                       f"{c.decisions.share:.1%}")
     console.print(table)
     console.print(f"ranking by TPOT: {'same' if report.same_ranking('tpot_ms_mean') else 'DIFFERENT'}; "

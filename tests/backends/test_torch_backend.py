@@ -140,3 +140,19 @@ def test_copy_engine_cancels_queued_prefetches_and_honours_not_before():
     again.wait()
     engine.close()
     assert torch.equal(c, src)
+
+
+def test_the_cpu_stand_ins_slots_that_would_not_fit_beside_the_experts_are_refused(monkeypatch):
+    """On --device cpu the "GPU" slots are host memory too: a plan sized by a measured profile's GPU memory
+    (the host's own) was killed for memory; it is refused with the slot count that fits (80% of what is left)."""
+    import backends.weights as weights
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    slot_bytes = weights.expert_params(model, model.moe_intermediate_size) * 2  # bf16
+    monkeypatch.setattr(weights, "host_bytes_available", lambda: 100 * slot_bytes)
+    generator = torch.Generator().manual_seed(0)
+    with pytest.raises(ConfigError) as err:
+        weights.ExpertWeights(model, torch.bfloat16, torch.device("cpu"), [60, 40], 2, generator)
+    assert "the CPU stand-in's 100 expert slots and 2 staging buffers need" in str(err.value)
+    assert err.value.field == "cache.slots" and "--set cache.slots=78 or fewer" in str(err.value)
+    fitted = weights.ExpertWeights(model, torch.bfloat16, torch.device("cpu"), [40, 38], 2, generator)
+    assert fitted.pool.shape[0] == 78
