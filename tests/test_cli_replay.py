@@ -262,3 +262,17 @@ def test_systems_as_json_list_every_system_and_a_systems_parameters(capsys):
     assert code == 0 and {"role": "cache", "component": "smoe-lfu"}.items() <= one["components"][0].items()
     n = next(p for p in one["parameters"] if p["key"] == "prefetch.n")
     assert (n["default"], n["type"]) == (-1, "int") and "Table I" in n["meaning"]
+
+
+def test_systems_skipped_for_one_reason_are_one_line():
+    """17 systems that do not fit one GPU read as one line, not 17 copies of the memory arithmetic."""
+    import io
+
+    from rich.console import Console
+
+    from moesim.cli.app import print_skipped
+    stream = io.StringIO()
+    print_skipped(Console(file=stream, width=400), {"cpu-only": "does not fit [1]", "smoe": "does not fit [1]",
+                                                     "importance": "needs scores"})
+    assert stream.getvalue().splitlines() == ["skipped cpu-only, smoe: does not fit [1]",
+                                              "skipped importance: needs scores"]

@@ -128,6 +128,16 @@ def cli() -> None:
     import pandas  # noqa: F401
 
 
+def print_skipped(out: Console, skipped: dict[str, str]) -> None:
+    """The systems skipped and why, one line per reason (17 systems that do not fit one GPU are one line)."""
+    from rich.markup import escape
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        out.print(f"[yellow]skipped {escape(', '.join(names))}:[/] {escape(reason)}", highlight=False)
+
+
 def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in settings:

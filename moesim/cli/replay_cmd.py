@@ -10,7 +10,7 @@ from rich.console import Console
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            to_stdout, write_json)
+                            print_skipped, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -137,9 +137,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
                                                                      seed=seed)):
             out.print(line, markup=False, highlight=False)
-        for name, reason in skipped.items():
-            from rich.markup import escape
-            out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+        print_skipped(out, skipped)
         if skipped:
             out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
                       "each under its name with its reason as 'skipped')", highlight=False)

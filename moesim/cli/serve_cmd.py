@@ -6,7 +6,7 @@ import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
 from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings,
-                            to_stdout, write_json)
+                            print_skipped, to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
@@ -81,9 +81,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     out.print(table)
     for line in serving_notes(rows):
         out.print(line, markup=False, highlight=False)
-    for name, reason in skipped.items():
-        from rich.markup import escape
-        out.print(f"[yellow]skipped {name}:[/] {escape(reason)}", highlight=False)
+    print_skipped(out, skipped)
     if json_out:
         write_json(rows[0] if len(rows) == 1 else rows, json_out)
     if requests_out and last is not None:
