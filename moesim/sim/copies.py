@@ -140,7 +140,9 @@ class CopyEngines:
         self.bytes -= rest
         part = Transfer(running.layer, running.expert, running.nbytes - rest, 1, "chunk", running.seq,
                         running.issued, running.step, running.start, boundary, engine=i)
-        heapq.heappush(self.unretired, (boundary, part.seq, part))
+        # keyed apart from its parent's entries: a stale one of the parent can end at this very boundary, and
+        # the same (time, seq) would make the heap compare two transfers
+        heapq.heappush(self.unretired, (boundary, -1 - part.seq, part))
         running.nbytes, running.start, running.end, running.issued = rest, None, None, boundary
         self._head -= 1
         running.queued_at = self._head

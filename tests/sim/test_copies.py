@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moesim.sim.copies import CopyEngines, Transfer
@@ -27,6 +27,8 @@ def _replay(submissions: list, engines: int, chunk: int) -> tuple[CopyEngines, d
 
 @settings(max_examples=150, deadline=None)
 @given(SUBMISSIONS, st.sampled_from([1, 2]), st.sampled_from([0, 30]))
+# a prefetch cut at 100 us, its original end: its done chunk and its stale entry once shared (time, seq)
+@example([(1, 100, True, 0), (0, 40, False, 17), (2, 100, False, 54)], 1, 30)
 def test_estimate_ends_is_estimate_end_of_each(submissions, engines, chunk):
     bulk, pending = _replay(submissions, engines, chunk)
     one_by_one, pending_again = _replay(submissions, engines, chunk)
