@@ -353,3 +353,9 @@ def host_bytes_available() -> int | None:
             limits.append(max(int(limit) - used, 0))
         break
     return min(limits) if limits else None
+
+
+def listed(values: list[int], most: int = 8) -> str:
+    """``values`` comma-separated, the first ``most`` of them and "..." past those (layer lists in one-line
+    messages)."""
+    return ", ".join(map(str, values[:most])) + (", ..." if len(values) > most else "")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -109,12 +109,18 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
                       f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
                       f"TTFT {_fmt(floor['ttft_ms'])} ms, TPOT {_fmt(floor['tpot_ms_mean'])} ms")
-    notes = sorted({n for m in by_system.values() for n in m.get("notes", [])})
-    for note in notes:
+    for note in shared_notes(by_system.values()):
         console.print(f"[yellow]note:[/] {note}")
-    fallbacks = sorted({f for m in by_system.values() for f in m.get("cost_fallbacks", [])})
+
+
+def shared_notes(runs: Iterable[dict[str, Any]]) -> list[str]:
+    """The notes of several runs' metrics, each once and sorted, then the cost-model fallbacks of them all."""
+    runs = list(runs)
+    notes = sorted({n for m in runs for n in m.get("notes", [])})
+    fallbacks = sorted({f for m in runs for f in m.get("cost_fallbacks", [])})
     if fallbacks:
-        console.print(f"[yellow]note:[/] roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+        notes.append(f"roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+    return notes
 
 
 def _print_spreads(by_system: dict[str, dict[str, Any]], console: Console) -> None:

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from moesim.errors import ConfigError
 from moesim.sim.result import SimResult
-from moesim.util import atomic_write_text, tmp_path_for
+from moesim.util import atomic_write_text, listed, tmp_path_for
 
 #: a measured profile's expert and attention curves include kernel launches (backends.profiler)
 MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
@@ -142,11 +142,11 @@ def truncate_trace(trace: str, layers: int, out: Path) -> Path:
     if not 1 <= layers <= meta.model.num_layers:
         raise ConfigError(f"--layers {layers} outside 1..{meta.model.num_layers}", source=trace, field="--layers",
                           fix=f"use 1..{meta.model.num_layers}")
-    table = pq.read_table(trace)
-    table = table.filter(pc.less(table["layer"], layers))
+    whole = pq.read_table(trace)
+    table = whole.filter(pc.less(whole["layer"], layers))
     if table.num_rows == 0:  # a trace that logged only later layers (an importer's per-layer log)
-        logged = sorted(pc.unique(pq.read_table(trace, columns=["layer"])["layer"]).to_pylist())
-        raise ConfigError(f"the trace logs MoE layers {', '.join(map(str, logged[:8]))}, none of the first {layers}",
+        logged = sorted(pc.unique(whole["layer"]).to_pylist())
+        raise ConfigError(f"the trace logs MoE layers {listed(logged)}, none of the first {layers}",
                           source=trace, field="--layers",
                           fix=f"use --layers {logged[0] + 1} or more (it keeps layers 0 to N-1)")
     model = meta.model.truncated(layers)

@@ -101,10 +101,8 @@ SERVED = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_p9
 def serving_notes(rows: list[dict]) -> list[str]:
     """The runs' notes, each once, and the systems whose rows are identical at a rate (the notes, or a
     ``moesim replay`` of the two, say why)."""
-    lines = [f"note: {n}" for n in sorted({n for m in rows for n in m["engine"].get("notes", [])})]
-    fallbacks = sorted({f for m in rows for f in m["engine"].get("cost_fallbacks", [])})
-    if fallbacks:
-        lines.append(f"note: roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+    from moesim.analysis.report import shared_notes
+    lines = [f"note: {n}" for n in shared_notes(m["engine"] for m in rows)]
     alike: dict[tuple, list[str]] = {}
     for m in rows:
         alike.setdefault((m["qps"], *(m[k] for k in SERVED)), []).append(m["system"])

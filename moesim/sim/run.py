@@ -22,6 +22,7 @@ from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
 from moesim.sim.portfolio import METRICS, Pruned, TraceShape, branch_and_bound, racing_members, summary
 from moesim.trace.io import keeping_decoded, read_meta, trace_columns
 from moesim.trace.validate import checked_meta, settle
+from moesim.util import listed
 
 
 @dataclass
@@ -164,7 +165,7 @@ def partial_layers_note(source: dict, num_layers: int) -> str:
     present = source.get("layers_present") if isinstance(source, dict) else None
     if not isinstance(present, list) or not present or len(present) >= num_layers:
         return ""
-    shown = ", ".join(map(str, present[:8])) + (", ..." if len(present) > 8 else "")
+    shown = listed(present)
     return (f"the trace logs {len(present)} of the model's {num_layers} MoE layers ({shown}): only those are "
             "replayed, so times leave the other layers out (the memory plan still spreads slots over all)")
 

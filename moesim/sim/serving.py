@@ -36,7 +36,7 @@ from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
-from moesim.util import host_bytes_available
+from moesim.util import host_bytes_available, listed
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
 #: the arrival processes ``workload.qps`` sets the rate of
@@ -156,13 +156,13 @@ class RequestPool:
             if missing:
                 raise ConfigError(f"column(s) {missing} of {traces[0]} are missing here", source=path,
                                   field=missing[0], fix="serve traces with the same optional columns together")
-            logged = np.unique(read_table(path, ["layer"]).column("layer").to_numpy()).tolist()
+            logged, requests = _read_requests(path, columns)
             if self.layers and logged != self.layers:
-                raise ConfigError(f"the trace logs MoE layers {_listed(logged)}, {traces[0]} logs "
-                                  f"{_listed(self.layers)}", source=path, field="layer",
+                raise ConfigError(f"the trace logs MoE layers {listed(logged)}, {traces[0]} logs "
+                                  f"{listed(self.layers)}", source=path, field="layer",
                                   fix="serve traces that logged the same layers together")
             self.layers = logged
-            self.requests += _read_requests(path, columns, logged)
+            self.requests += requests
         if not self.requests:
             raise ConfigError("the traces hold no requests", source=traces[0], field="request",
                               fix="give a trace with rows")
@@ -171,12 +171,8 @@ class RequestPool:
         return len(self.requests)
 
 
-def _listed(layers: list[int]) -> str:
-    return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
-
-
-def _read_requests(path: str, columns: list[str], layer_ids: list[int]) -> list[TraceRequest]:
-    """Each request's rows as (layer, token) arrays over ``layer_ids``, the layers the trace logged."""
+def _read_requests(path: str, columns: list[str]) -> tuple[list[int], list[TraceRequest]]:
+    """The MoE layers the trace logged, and each request's rows as (layer, token) arrays over them."""
     names = ["request", "phase", "position", "layer", "experts", *columns]
     table = read_table(path, names)
     request = table.column("request").to_numpy()
@@ -189,7 +185,8 @@ def _read_requests(path: str, columns: list[str], layer_ids: list[int]) -> list[
         data[name] = _rows(table.column(name))[order]
     request, layer, position, phase = request[order], layer[order], position[order], phase[order]
     out = []
-    layers, logged = len(layer_ids), np.asarray(layer_ids)
+    logged = np.unique(layer)
+    layers = len(logged)
     cuts = np.flatnonzero(np.diff(request)) + 1
     for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(request)]))):
         rid = int(request[lo])
@@ -209,7 +206,7 @@ def _read_requests(path: str, columns: list[str], layer_ids: list[int]) -> list[
                               field="phase", fix=fix)
         shaped = {k: v[lo:hi].reshape((layers, tokens) + v.shape[1:]) for k, v in data.items()}
         out.append(TraceRequest(path, rid, prompt, int(tokens - prompt), shaped.pop("experts"), shaped))
-    return out
+    return logged.tolist(), out
 
 
 def _rows(column: Any) -> np.ndarray:

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
 from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
+from moesim.util import listed
 
 CHUNK_ROWS = 65_536
 COACTIVATION_PEERS = 4
@@ -421,8 +422,9 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
     logged_b = [layer for layer in range(b.num_layers) if cb[layer].sum() > 0]
     in_both = sorted(set(logged_a) & set(logged_b))
     if not in_both:  # importers' per-layer logs of different layers
-        return {"comparable": False, "reason": f"no MoE layer is logged in both traces (A logs {_layers(logged_a)}, "
-                                               f"B logs {_layers(logged_b)})"}
+        said = [listed(logged) or "none" for logged in (logged_a, logged_b)]
+        return {"comparable": False,
+                "reason": f"no MoE layer is logged in both traces (A logs {said[0]}, B logs {said[1]})"}
     pa, pb = a.coactivation(), b.coactivation()
     _, top4_a = _coactivation_shares(pa)
     _, top4_b = _coactivation_shares(pb)
@@ -446,10 +448,6 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
     abs_reuse = [abs(v) for v in reuse if v is not None]
     out["reuse_diff"]["mean_abs"] = float(np.mean(abs_reuse)) if abs_reuse else None
     return out
-
-
-def _layers(layers: list[int]) -> str:
-    return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "") if layers else "none"
 
 
 def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
@@ -566,7 +564,7 @@ def render_distances(d: dict[str, Any], console: Any) -> None:
         console.print(f"distances: not computed ({d.get('reason')})", markup=False)
         return
     both = d.get("layers_in_both", [])
-    logged = f"; logged in both: {_layers(both)}" if len(both) < d["layers_compared"] else ""
+    logged = f"; logged in both: {listed(both)}" if len(both) < d["layers_compared"] else ""
     table = Table(title=f"distance of B from A ({d['layers_compared']} layers{logged})", title_justify="left")
     for col in ("measure", "mean", "worst layer", "per layer"):
         table.add_column(col, justify="left" if col in ("measure", "per layer") else "right")
