@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -275,5 +276,24 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> An
         return call()
     except MoesimError as err:
         where = f" ({err.source})" if err.source and err.source != spec.source else ""
+        fix = err.fix
+        if field_ is None and err.field == "--set":  # a parameter: name it where the spec gives it
+            field_, seed = _setting_field(spec, err.detail)
+            if seed:
+                fix = "seeds are not a --set parameter: list them at the top level, e.g. seeds: [0, 1]"
         raise ConfigError(f"{err.detail}{where}", source=spec.source, field=field_ or err.field,
-                          row=err.row, fix=err.fix) from None
+                          row=err.row, fix=fix) from None
+
+
+def _setting_field(spec: SweepSpec, detail: str) -> tuple[str | None, bool]:
+    """The spec's own name for the ``--set`` parameter an error names (``grid.cache.alpha``), and whether
+    it is a seed given as a parameter."""
+    named = re.search(r"parameter '([^']+)'", detail)
+    if named is None:
+        return None, False
+    key = named.group(1)
+    sections = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
+    for section, keys in sections:
+        if key in keys:
+            return f"{section}.{key}", key in ("seed", "seeds")
+    return None, False

@@ -112,6 +112,20 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     assert not (files / "r.parquet").exists()
 
 
+@pytest.mark.parametrize("sections, field, fix", [
+    ({"grid": {"cache.slot": [1]}}, "field 'grid.cache.slot'", "valid:"),
+    ({"set": {"cache.slot": 1}}, "field 'set.cache.slot'", "valid:"),
+    ({"zip": [{"engine.staging_slots": [1, 2]}, {"cache.slot": [1, 2]}]}, "field 'zip[1].cache.slot'", "valid:"),
+    ({"grid": {"seed": [0, 1]}}, "field 'grid.seed'", "list them at the top level, e.g. seeds: [0, 1]"),
+])
+def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, sections, field, fix):
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"], **sections}))
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert field in err and fix in err and err.count("\n") == 1
+
+
 def test_a_spec_read_from_a_pipe_resolves_its_paths_in_the_current_folder(files, monkeypatch):
     """`moesim sweep <(printf ...)`: the spec is /dev/fd/N, a pipe with no folder of its own."""
     monkeypatch.chdir(files)
