@@ -12,13 +12,15 @@ each target is judged on that ratio (on a machine where the naive model is
 faster than where the targets were set, their absolute figures are easier).
 A system that fails is reported with its error and the others go on.
 ``--big-rows N`` also streams an N-row trace (10 million in the targets)
-through ``cpu-only`` and reports its peak RSS.
+through ``cpu-only`` and reports its peak RSS. ``--markdown FILE`` also writes
+one table of every system's figures (the one in the README's performance section).
 
 DeepSeek-V3 does not fit a 24 GB GPU in bf16, so experts and the rest of the
 weights are int4 here, as in the 4-bit deployments of 000 and 001.
 
     .venv/bin/python benchmarks/replay_speed.py
     .venv/bin/python benchmarks/replay_speed.py --systems cpu-only --big-rows 10000000
+    .venv/bin/python benchmarks/replay_speed.py --markdown speed.md
 """
 
 from __future__ import annotations
@@ -128,6 +130,37 @@ def _has(program: str) -> bool:
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
+def target_ratio(system: str) -> float:
+    return RATIOS.get(system, DEFAULT_RATIO)
+
+
+def markdown_table(naive: dict, decode: list[dict], prefill: list[dict]) -> str:
+    """One row per system: decode speed, its ratio to the naive model and that target, the prefill's
+    seconds and both runs' peak RSS; a failed run shows its error."""
+    naive_per_s = naive.get("per_s")
+    lines = ["| system | decode activations/s | x naive | target | 4,096-token prefill | peak RSS (decode, prefill) |",
+             "|---|---:|---:|---|---:|---:|"]
+    if naive_per_s:
+        lines.append(f"| naive SimPy (baseline) | {naive_per_s:,.0f} | 1.0x | | | {naive['peak_rss_mib']:.0f} MiB |")
+    for d, p in zip(decode, prefill):
+        system = d["system"]
+        if "error" in d:
+            speed, ratio, target = f"failed: {d['error']}", "-", "-"
+        else:
+            speed = f"{d['per_s']:,.0f}"
+            ratio = f"{d['per_s'] / naive_per_s:.1f}x" if naive_per_s else "-"
+            goal = target_ratio(system)
+            met = naive_per_s and d["per_s"] >= goal * naive_per_s
+            target = f"{goal:.1f}x: {'met' if met else '**missed**'}"
+        if "error" in p:
+            seconds = "failed" if "error" in d else f"failed: {p['error']}"  # the decode cell names it once
+        else:
+            seconds = f"{p['seconds']:.2f} s" + ("" if p["seconds"] < PREFILL_TARGET_S else " (**missed**)")
+        rss = " / ".join(f"{r['peak_rss_mib']:.0f}" if "error" not in r else "-" for r in (d, p))
+        lines.append(f"| `{system}` | {speed} | {ratio} | {target} | {seconds} | {rss} MiB |")
+    return "\n".join(lines) + "\n"
+
+
 def report(title: str, rows: list[dict], naive_per_s: float | None = None,
            seconds_target: float | None = None) -> None:
     print(title)
@@ -140,7 +173,7 @@ def report(title: str, rows: list[dict], naive_per_s: float | None = None,
         elif r["system"] == "naive-simpy":
             mark = "  (baseline)"
         elif naive_per_s:  # judged by the speed over naive: a faster machine makes the absolute figure easy
-            ratio = RATIOS.get(r["system"], DEFAULT_RATIO)
+            ratio = target_ratio(r["system"])
             met = r["per_s"] >= ratio * naive_per_s
             mark = f"  (target {ratio:.1f}x naive, {ratio * naive_per_s:,.0f}/s here: {'met' if met else 'MISSED'})"
         else:
@@ -157,6 +190,8 @@ def main() -> None:
     parser.add_argument("--systems", default="", help="comma-separated systems (default: the whole catalogue)")
     parser.add_argument("--hw", default="rtx4090")
     parser.add_argument("--big-rows", type=int, default=0, help="also stream a trace of this many rows (cpu-only)")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="also write every system's figures as one Markdown table to this file")
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--trace", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
@@ -173,10 +208,14 @@ def main() -> None:
         synth(prefill, 4096, 0)
         naive = measure(decode, "naive-simpy", args.hw)
         naive_per_s = naive.get("per_s")
+        decode_rows = [measure(decode, s, args.hw) for s in systems]
         report("DeepSeek-V3, 64-token prompt + 2,000 decode tokens (58 layers x top-8), one core:",
-               [naive] + [measure(decode, s, args.hw) for s in systems], naive_per_s)
+               [naive] + decode_rows, naive_per_s)
         prefill_rows = [measure(prefill, s, args.hw) for s in systems]
         report("DeepSeek-V3, one 4,096-token prefill:", prefill_rows, seconds_target=PREFILL_TARGET_S)
+        if args.markdown:
+            args.markdown.write_text(markdown_table(naive, decode_rows, prefill_rows))
+            print(f"table written to {args.markdown}")
         if args.big_rows:
             sys.path.insert(0, str(Path(__file__).parent))
             from trace_io import write  # the I/O benchmark's random DeepSeek-V3 writer
