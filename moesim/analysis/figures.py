@@ -39,6 +39,8 @@ from moesim.sim.bookkeeping import BREAKDOWN
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
            "#332288", "#117733", "#882255", "#999933", "#AA4499", "#44AA99", "#661100", "#888888")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+#: bars have no marker: each round of the palette after the first hatches them apart
+HATCHES = ("", "///", "xxx", "...")
 BASE_PARAMETERS = ("trace", "hw", "system", "seed", "model")
 #: the y axis turns logarithmic when the largest value exceeds the smallest by this factor
 LOG_RATIO = 10.0
@@ -313,11 +315,14 @@ def sorted_values(series: pd.Series) -> list[Any]:
 def _style(i: int, system: str | None) -> dict[str, Any]:
     dashed = system is not None and is_bound(str(system))
     return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)],
-            "linestyle": (0, (4, 2)) if dashed else "-"}
+            "hatch": HATCHES[i // len(PALETTE) % len(HATCHES)], "linestyle": (0, (4, 2)) if dashed else "-"}
 
 
-def _handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Line2D:
-    """Legend entry: "line" (line and marker), "marker" (scatter) or "bar" (a square)."""
+def _handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Any:
+    """Legend entry: "line" (line and marker), "marker" (scatter) or "bar" (a square, hatched as its bars)."""
+    if kind == "bar":
+        from matplotlib.patches import Patch
+        return Patch(facecolor=style["color"], hatch=style["hatch"], edgecolor="white", linewidth=0)
     if kind == "line":
         return Line2D([], [], color=style["color"], marker=style["marker"], linestyle=style["linestyle"],
                       markersize=5)
@@ -352,8 +357,8 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
         stats = sub.groupby(x)[y].agg(["mean", "min", "max"]).reindex(groups)
         pos = np.arange(len(groups)) - 0.4 + (j + 0.5) * width
         err = np.vstack([stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
-        ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], zorder=3,
-               yerr=err if np.nan_to_num(err).any() else None, ecolor="#444444", capsize=2)
+        ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], hatch=styles[h]["hatch"],
+               edgecolor="white", linewidth=0, zorder=3, yerr=err if np.nan_to_num(err).any() else None, ecolor="#444444", capsize=2)
     ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=30 if len(groups) > 4 else 0,
                   ha="right" if len(groups) > 4 else "center")
 

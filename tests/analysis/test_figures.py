@@ -76,6 +76,22 @@ def test_categorical_x_draws_grouped_bars():
     assert heights[1] == pytest.approx(lru_a100)
 
 
+def test_bars_past_the_palette_are_hatched_apart():
+    """A hue per system of the catalogue is more than the palette's colours: a repeated colour is hatched,
+    in the bars and in the legend, so no two hues look the same."""
+    from moesim.analysis.figures import PALETTE
+    frame = results()
+    names = [f"system-{i:02d}" for i in range(len(PALETTE) + 2)]
+    frame = pd.concat([frame.assign(system=name) for name in names], ignore_index=True)
+    fig = plot_results(frame, x="hw", y="tpot_ms_mean", hue="system")
+    looks = [(tuple(p.get_facecolor()), p.get_hatch() or "") for p in fig.axes[0].patches]
+    per_hue = looks[::2]  # two profiles: each hue's bars come in pairs
+    assert len(per_hue) == len(names) and len(set(per_hue)) == len(names)
+    assert per_hue[len(PALETTE)][0] == per_hue[0][0] and per_hue[len(PALETTE)][1] == "///"
+    legend = [(tuple(h.get_facecolor()), h.get_hatch() or "") for h in fig.legends[0].legend_handles]
+    assert legend == per_hue
+
+
 def test_unknown_columns_name_what_there_is():
     with pytest.raises(ConfigError) as err:
         plot_results(results(), x="slots", y="tpot_ms_mean")
