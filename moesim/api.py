@@ -86,6 +86,11 @@ def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> d
     return out
 
 
+#: the figures a result's one-line repr shows
+REPR_METRICS = ("ttft_ms", "tpot_ms_mean", "decode_tokens_per_s", "gpu_hit_rate")
+SERVE_REPR_METRICS = ("qps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "throughput_rps")
+
+
 @dataclass
 class ReplayResult:
     """One replay: metrics as a one-row DataFrame, the timeline and the decision log."""
@@ -116,6 +121,16 @@ class ReplayResult:
 
     def _repr_html_(self) -> str:
         return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
+
+    def __repr__(self) -> str:
+        """One line for a console (the frames are a print away): what ran, its headline figures, what was kept."""
+        row = self.metrics.iloc[0] if len(self.metrics) else {}
+        figures = ", ".join(f"{key}={row[key]:.6g}" for key in REPR_METRICS if key in row)
+        kept = [f"{name}=<{len(frame):,} rows>" for name, frame in (("timeline", self.timeline),
+                                                                   ("decisions", self.decisions))
+                if frame is not None]
+        return f"ReplayResult(system={self.system!r}, trace={Path(self.trace).name!r}, {figures}" + \
+            "".join(f", {k}" for k in kept) + ")"
 
 
 def checked_run_inputs(hw: Any, seed: Any) -> None:
@@ -258,6 +273,10 @@ class ServeRun:
                 "e2e_ms_p99", "preemptions", "goodput_rps")
         rows = "".join(f"<tr><td>{k}</td><td>{self.metrics[k]}</td></tr>" for k in keys if k in self.metrics)
         return f"<b>{self.system}</b> serving {len(self.requests)} requests<table>{rows}</table>"
+
+    def __repr__(self) -> str:
+        figures = ", ".join(f"{key}={self.metrics[key]:.6g}" for key in SERVE_REPR_METRICS if key in self.metrics)
+        return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {figures})"
 
 
 @python_names()

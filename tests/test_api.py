@@ -53,6 +53,24 @@ def test_replay_gives_the_engines_metrics_timeline_and_decisions(files):
     assert len(loads) == direct["demand_loads"]
 
 
+def test_a_result_prints_as_one_line_of_its_headline_figures(files):
+    trace, hw = files
+    result = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    row = result.metrics.iloc[0]
+    text = repr(result)
+    assert "\n" not in text and text.startswith("ReplayResult(system='gpu-only-lru', trace='t.parquet', ")
+    assert f"tpot_ms_mean={row['tpot_ms_mean']:.6g}" in text and f"ttft_ms={row['ttft_ms']:.6g}" in text
+    assert f"timeline=<{len(result.timeline):,} rows>" in text
+    assert f"decisions=<{len(result.decisions):,} rows>" in text
+    bare = repr(moesim.replay(trace, hw=hw, system="gpu-only-lru", timeline=False, decisions=False))
+    assert "timeline=" not in bare and "decisions=" not in bare
+    run = moesim.serve(trace, hw=hw, system="cpu-only", qps=20, requests=3)
+    served = repr(run)
+    assert "\n" not in served and served.startswith("ServeRun(system='cpu-only', requests=3, qps=20, ")
+    assert f"tpot_ms_p99={run.metrics['tpot_ms_p99']:.6g}" in served
+    assert type(run.metrics["offered_qps"]) is float  # a plain float, as json and repr expect
+
+
 def test_settings_dict_and_keywords_are_the_same_replay(files):
     trace, hw = files
     by_kwargs = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=1, timeline=False)

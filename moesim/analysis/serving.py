@@ -83,7 +83,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     end = float(frame.finish_s.max())
     out: dict[str, Any] = {"system": result.engine.system, "scheduler": result.scheduler, "arrival": w.arrival,
                            "qps": w.qps if w.arrival in RATED_ARRIVALS else float("nan"),
-                           "requests": len(frame), "offered_qps": result.offered_qps,
+                           "requests": len(frame), "offered_qps": float(result.offered_qps),
                            "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
                            "kv_peak_tokens": result.kv_peak}
     for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
