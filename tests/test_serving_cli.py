@@ -56,6 +56,23 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     assert rows[1]["e2e_ms_mean"] >= rows[0]["e2e_ms_mean"]
 
 
+def test_serve_sim_prints_a_dash_for_the_tpot_of_prompts_alone(tmp_path, capsys):
+    """Requests of a prefill-only trace emit one token each: TPOT is undefined, and the table says "-"."""
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "p.parquet", model,
+                             request_routing(np.random.default_rng(5), model, [(12, 0), (9, 0)]))
+    profile = tmp_path / "hw.yaml"
+    profile.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    assert main(["serve-sim", str(trace), "--hw", str(profile), "--qps", "2", "--requests", "3",
+                 "--json", str(tmp_path / "m.json")]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if "gpu-only-lru" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[3] == "- / -" and "nan" not in table
+    assert cells[1] == "2" and cells[2].count("/") == 1 and "-" not in cells[2]
+    assert json.loads((tmp_path / "m.json").read_text())["tpot_ms_p50"] is None  # JSON has no NaN
+
+
 def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_path, capsys):
     """ktransformers-ed defers nothing on a top-2 model (001 Sec. 4.2 keeps 2 immediate): its rows equal
     ktransformers', and the note saying why is printed, as replay prints it."""

@@ -11,7 +11,8 @@ from rich.table import Table
 from moesim.policy.systems import own_weights
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def number_text(value: Any, digits: int = 2) -> str:
+    """A figure as the tables print it: thousands separated, "-" where undefined (NaN)."""
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
@@ -24,16 +25,16 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
     rows = [
-        ("TTFT", f"{_fmt(m['ttft_ms'])} ms"),
-        ("TPOT mean / p50 / p99", f"{_fmt(m['tpot_ms_mean'])} / {_fmt(m['tpot_ms_p50'])} / "
-                                  f"{_fmt(m['tpot_ms_p99'])} ms"),
-        ("decode throughput", f"{_fmt(m['decode_tokens_per_s'])} tok/s"),
-        ("prefill throughput", f"{_fmt(m['prefill_tokens_per_s'])} tok/s"),
+        ("TTFT", f"{number_text(m['ttft_ms'])} ms"),
+        ("TPOT mean / p50 / p99", f"{number_text(m['tpot_ms_mean'])} / {number_text(m['tpot_ms_p50'])} / "
+                                  f"{number_text(m['tpot_ms_p99'])} ms"),
+        ("decode throughput", f"{number_text(m['decode_tokens_per_s'])} tok/s"),
+        ("prefill throughput", f"{number_text(m['prefill_tokens_per_s'])} tok/s"),
         ("GPU hit rate", f"{m['gpu_hit_rate']:.1%}"),
         ("experts on GPU (token share)", f"{m['gpu_share_of_activations']:.1%}"),
         ("demand loads / streamed / prefetches", f"{m['demand_loads']:,} / {m['streamed_experts']:,} / "
                                                  f"{m['prefetches']:,}"),
-        ("late prefetches", _fmt(m["late_prefetches"])),
+        ("late prefetches", number_text(m["late_prefetches"])),
         ("PCIe H2D", f"{m['pcie_h2d_bytes'] / 2**30:,.2f} GiB"),
         ("utilisation CPU / GPU / PCIe", f"{m['cpu_util']:.0%} / {m['gpu_util']:.0%} / {m['pcie_util']:.0%}"),
         ("expert slots", str(m.get("slot_spread", m["expert_slots"]))),
@@ -45,7 +46,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
     breakdown = Table(title="time breakdown (ms, all layers)", title_justify="left")
     for key in m["breakdown_ms"]:
         breakdown.add_column(key, justify="right")
-    breakdown.add_row(*(_fmt(v, 1) for v in m["breakdown_ms"].values()))
+    breakdown.add_row(*(number_text(v, 1) for v in m["breakdown_ms"].values()))
     console.print(breakdown)
     _print_notes(m, console)
 
@@ -78,8 +79,8 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
             gap = "other weights"  # the oracle schedules the replay's weights, not this system's
         elif bound and not math.isnan(m["tpot_ms_mean"]) and bound[1] > 0:
             gap = f"{m['tpot_ms_mean'] / bound[1]:.2f}x"
-        row = [name, _fmt(m["ttft_ms"]), _fmt(m["tpot_ms_mean"]), _fmt(m["tpot_ms_p99"]),
-               _fmt(m["decode_tokens_per_s"]), f"{m['gpu_hit_rate']:.1%}", f"{m['pcie_h2d_bytes'] / 2**30:,.2f}",
+        row = [name, number_text(m["ttft_ms"]), number_text(m["tpot_ms_mean"]), number_text(m["tpot_ms_p99"]),
+               number_text(m["decode_tokens_per_s"]), f"{m['gpu_hit_rate']:.1%}", f"{m['pcie_h2d_bytes'] / 2**30:,.2f}",
                f"{m['cpu_util']:.0%}/{m['gpu_util']:.0%}/{m['pcie_util']:.0%}", gap]
         if floor:
             row.append(f"{m['gap_to_lower_bound']:.2f}x")
@@ -108,7 +109,7 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f"unavoidable GPU, CPU and PCIe work of its own workload, substitutions included, with at "
                       f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
                       f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
-                      f"TTFT {_fmt(floor['ttft_ms'])} ms, TPOT {_fmt(floor['tpot_ms_mean'])} ms")
+                      f"TTFT {number_text(floor['ttft_ms'])} ms, TPOT {number_text(floor['tpot_ms_mean'])} ms")
     for note in shared_notes(by_system.values()):
         console.print(f"[yellow]note:[/] {note}")
 

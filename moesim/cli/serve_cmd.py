@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
@@ -73,10 +75,12 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
                 *(("goodput",) if slos else ())):
         table.add_column(col, justify="left" if col == "system" else "right")
-    for m in rows:
-        table.add_row(m["system"], f"{m['qps']:g}", f"{m['ttft_ms_p50']:.1f} / {m['ttft_ms_p99']:.1f}",
-                      f"{m['tpot_ms_p50']:.1f} / {m['tpot_ms_p99']:.1f}", f"{m['e2e_ms_p99']:.1f}",
-                      f"{m['throughput_rps']:.3f}", str(m["preemptions"]),
+    from moesim.analysis.report import number_text
+    for m in rows:  # "-" where a figure is undefined: TPOT of prompts alone, the rate of a replayed arrival log
+        table.add_row(m["system"], "-" if math.isnan(m["qps"]) else f"{m['qps']:g}",
+                      f"{number_text(m['ttft_ms_p50'], 1)} / {number_text(m['ttft_ms_p99'], 1)}",
+                      f"{number_text(m['tpot_ms_p50'], 1)} / {number_text(m['tpot_ms_p99'], 1)}",
+                      number_text(m["e2e_ms_p99"], 1), number_text(m["throughput_rps"], 3), str(m["preemptions"]),
                       *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
     out.print(table)
     for line in serving_notes(rows):
