@@ -180,7 +180,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         ax.set_ylabel(label(y))
     if logy if logy is not None else _wide(data[y]):
         for ax in axes.flat:
-            _log_axis(ax)
+            log_axis(ax)
     if hue:
         handles = [_handle(styles[h], "line" if numeric_x else "bar") for h in hues]
         fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right center", frameon=False,
@@ -270,7 +270,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
         ax.set_visible(False)
     for ax, name in ((a, n) for a in axes.flat for n in ("x", "y")):
         if _wide(data[x if name == "x" else y]):
-            _log_axis(ax, name)
+            log_axis(ax, name)
     handles = [_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
         if hue else []
     names = [str(h) + (" (bound)" if hue == "system" and is_bound(str(h)) else "") for h in hues] if hue else []
@@ -370,7 +370,7 @@ def _tidy(ax: Any) -> None:
     ax.set_axisbelow(True)
 
 
-def _log_axis(ax: Any, which: str = "y") -> None:
+def log_axis(ax: Any, which: str = "y") -> None:
     """Log axis (``which``: "x" or "y") labelled with plain numbers at 1, 2, 5 times powers of ten."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     axis = ax.yaxis if which == "y" else ax.xaxis

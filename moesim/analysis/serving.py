@@ -132,16 +132,20 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     columns = [f"{metric}_p{q}" for q in PERCENTILES]
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
+    from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = dict(zip(PERCENTILES, ("-", "--", ":")))
     for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
         group = group.sort_values("qps")
-        for q, style in styles.items():
-            ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=f"C{i}", marker="o", markersize=3,
-                    label=f"{system} p{q}")
+        for q, style in styles.items():  # a colour and marker per system (the sweep figures' palette)
+            ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=PALETTE[i % len(PALETTE)],
+                    marker=MARKERS[i % len(MARKERS)], markersize=3, label=f"{system} p{q}")
     ax.set_xlabel("arrival rate (requests/s)")
     ax.set_ylabel(f"{metric.removesuffix('_ms').upper()} (ms)")
-    ax.set_yscale("log")
+    values = frame[columns].to_numpy(dtype=float)
+    values = values[np.isfinite(values) & (values > 0)]
+    if values.size and values.max() > LOG_RATIO * values.min():  # log only where it spans a decade or more
+        log_axis(ax)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
