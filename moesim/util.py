@@ -10,7 +10,7 @@ import stat
 import tempfile
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import yaml
 
@@ -355,7 +355,7 @@ def host_bytes_available() -> int | None:
     return min(limits) if limits else None
 
 
-def listed(values: list[int], most: int = 8) -> str:
+def listed(values: Sequence[object], most: int = 8) -> str:
     """``values`` comma-separated, the first ``most`` of them and "..." past those (layer lists in one-line
     messages)."""
     return ", ".join(map(str, values[:most])) + (", ..." if len(values) > most else "")

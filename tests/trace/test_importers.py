@@ -288,6 +288,23 @@ def test_malformed_line_names_file_line_field_and_fix(tmp_path, capsys, line, fi
     assert err_text.count("\n") == 1 and "Traceback" not in err_text
 
 
+@pytest.mark.parametrize("arrays, field, words", [
+    ({"token_ids": [1, 2]}, "layers", "no array 'layers' (it has: token_ids)"),
+    (None, None, "not a readable npz file"),
+])
+def test_a_flame_moe_npz_without_its_arrays_names_the_missing_one(tmp_path, arrays, field, words):
+    path = tmp_path / "f.npz"
+    if arrays is None:
+        np.save(tmp_path / "lone.npy", np.zeros(3))  # an .npy under an .npz name: no archive at all
+        (tmp_path / "lone.npy").rename(path)
+    else:
+        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [path], tmp_path / "t.parquet")
+    assert words in str(err.value) and (field is None or f"field '{field}'" in str(err.value))
+    assert not (tmp_path / "t.parquet").exists()
+
+
 def test_unknown_format(tmp_path):
     with pytest.raises(ConfigError, match="unknown import format 'nope'"):
         import_trace("nope", [tmp_path], tmp_path / "t.parquet")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moesim.errors import TraceFormatError
+from moesim.util import listed
 from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
                                             check_weights, new_report, order_by_weight, write_import)
 
@@ -33,12 +34,18 @@ SOURCE = {
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
+    names = ("layers", "token_ids", "indices", "scores")
     try:
         data = np.load(path)
-        arrays = {key: data[key] for key in ("layers", "token_ids", "indices", "scores")}
-    except KeyError as err:
-        raise TraceFormatError("npz lacks an array", source=str(path), field=str(err).strip("'\""),
-                               fix="use flame-moe-290m_layers2-9_2048tok_top6.npz (layers, token_ids, indices, scores)") from None
+        if not hasattr(data, "files"):  # a lone .npy array
+            raise ValueError(path)
+        missing = [key for key in names if key not in data.files]
+        if missing:
+            raise TraceFormatError(f"the npz has no array '{missing[0]}' (it has: {listed(data.files)})",
+                                   source=str(path), field=missing[0],
+                                   fix="use flame-moe-290m_layers2-9_2048tok_top6.npz (layers, token_ids, indices, "
+                                       "scores)")
+        arrays = {key: data[key] for key in names}
     except (OSError, ValueError):
         raise TraceFormatError("not a readable npz file", source=str(path), fix="give the .npz extract") from None
     layers, indices = arrays["layers"], arrays["indices"]
