@@ -68,20 +68,24 @@ DRY = (Shape("v2lite", "tiny-mla", None, 1, 12, 4, (2, 4)),
 def tiny_presets(folder: Path) -> dict[str, Path]:
     """Two tiny presets shaped like the real ones (MLA with shared experts; GQA without), for dry runs."""
     import yaml
+
+    from moesim.model.spec import ModelSpec
     folder.mkdir(parents=True, exist_ok=True)
     source = {"name": "dry-run shape of benchmarks/gpu_validation.py: small numbers for a fast CPU check"}
     mla = {"name": "tiny-mla", "num_layers": 3, "num_experts": 8, "top_k": 2, "hidden_size": 64,
            "moe_intermediate_size": 96, "num_shared_experts": 1, "shared_intermediate_size": 192,
            "num_dense_layers": 1, "dense_intermediate_size": 256, "num_attention_heads": 2, "num_kv_heads": 2,
            "head_dim": 32, "attention": "mla", "kv_lora_rank": 32, "qk_rope_head_dim": 16, "vocab_size": 1000,
-           "expert_dtype": "bf16", "total_params": 5_000_000, "sources": source}
+           "expert_dtype": "bf16", "sources": source}
     gqa = {"name": "tiny-gqa", "num_layers": 4, "num_experts": 16, "top_k": 4, "hidden_size": 64,
            "moe_intermediate_size": 48, "num_shared_experts": 0, "shared_intermediate_size": 0,
            "num_dense_layers": 0, "num_attention_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-           "attention": "gqa", "vocab_size": 1000, "expert_dtype": "bf16", "total_params": 5_000_000,
-           "sources": source}
+           "attention": "gqa", "vocab_size": 1000, "expert_dtype": "bf16", "sources": source}
     out = {}
     for data in (mla, gqa):
+        # the total the shapes give, as a released model's total_params would (load_preset checks it)
+        shape = ModelSpec.from_dict({k: v for k, v in data.items() if k not in ("sources", "total_params")})
+        data["total_params"] = shape.routed_expert_params + shape.counted_non_expert_params()
         path = folder / f"{data['name']}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         out[data["name"]] = path

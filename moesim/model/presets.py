@@ -40,5 +40,6 @@ def load_preset(name_or_path: str) -> ModelSpec:
         raise ConfigError("preset has no sources", source=str(path), field="sources",
                           fix="name the config file or paper table for every number")
     spec = ModelSpec.from_dict(data, origin=str(path))
+    spec.check_total_params(str(path))
     object.__setattr__(spec, "sources", dict(sources))
     return spec

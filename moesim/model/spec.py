@@ -98,6 +98,31 @@ class ModelSpec:
         total = max(self.total_params - dropped * per_layer, routed_per_layer * layers) if self.total_params else 0
         return dataclasses.replace(self, num_layers=layers, total_params=total)
 
+    def counted_non_expert_params(self) -> int:
+        """Everything but routed experts, counted from the shapes: embeddings and LM head (untied), every
+        layer's attention, the MoE layers' gates and shared experts, the dense layers' FFNs. The bundled
+        presets' ``total_params`` agree with it within 2.5% (tests/model/test_presets.py)."""
+        return (2 * self.vocab_size * self.hidden_size
+                + (self.num_layers + self.num_dense_layers) * self.attention_params_per_layer()
+                + self.num_layers * (self.gate_params + self.shared_params)
+                + self.num_dense_layers * self.dense_ffn_params)
+
+    def check_total_params(self, origin: str = "model") -> None:
+        """Refuse a ``total_params`` that the shapes contradict (an edited preset that kept the released
+        model's total): the non-expert weights it implies would fill GPU memory with nothing."""
+        if not self.total_params:
+            return
+        implied = self.total_params - self.routed_expert_params
+        counted = self.counted_non_expert_params()
+        plausible = implied >= 0 if not self.vocab_size else counted / 2 <= implied <= 2 * counted
+        if not plausible:
+            raise ConfigError(
+                f"total_params {self.total_params:,} leaves {implied:,} parameters besides the routed experts "
+                f"({self.routed_expert_params:,}), where the shapes count {counted:,} (embeddings, LM head, "
+                f"attention, gates, shared and dense FFNs)", source=origin, field="total_params",
+                fix=f"give the released model's total; these shapes come to about "
+                    f"{self.routed_expert_params + counted:,}")
+
     def non_expert_bytes(self, dtype: str = "bf16") -> int:
         """Bytes of everything but routed experts (attention, embeddings, dense and shared FFNs)."""
         params = max(self.total_params - self.routed_expert_params, 0)

@@ -177,6 +177,29 @@ def test_preset_yaml_path_loads(tmp_path: Path) -> None:
     assert spec.sources == {"*": "made up for a test"}
 
 
+def test_an_edited_preset_that_kept_the_released_total_is_refused(tmp_path: Path) -> None:
+    """Mixtral cut to 2 layers of 2 experts but still claiming 46.7B parameters would plan 86 GiB of
+    non-expert weights; the shapes count 0.35B besides the experts, and the error gives the total they imply."""
+    text = (PRESET_DIR / "mixtral-8x7b.yaml").read_text()
+    cut = text.replace("num_layers: 32", "num_layers: 2").replace("num_experts: 8", "num_experts: 2")
+    path = tmp_path / "cut.yaml"
+    path.write_text(cut)
+    with pytest.raises(ConfigError) as err:
+        load_preset(str(path))
+    assert err.value.field == "total_params" and str(path) in str(err.value)
+    shape = ModelSpec.from_dict({k: v for k, v in yaml.safe_load(cut).items() if k != "sources"})
+    implied = shape.routed_expert_params + shape.counted_non_expert_params()
+    assert f"about {implied:,}" in str(err.value)
+    path.write_text(cut.replace("total_params: 46702792704", f"total_params: {implied}"))
+    assert load_preset(str(path)).non_expert_bytes() == 2 * shape.counted_non_expert_params()
+
+
+def test_a_total_below_the_routed_experts_is_refused_without_a_vocabulary(tmp_path: Path) -> None:
+    path = _write_preset(tmp_path, GOOD_BODY + "total_params: 1000\nsources:\n  '*': x\n")
+    with pytest.raises(ConfigError, match="leaves -48,152 parameters besides the routed experts \\(49,152\\)"):
+        load_preset(path)
+
+
 def test_preset_without_sources_is_rejected(tmp_path: Path) -> None:
     path = _write_preset(tmp_path, GOOD_BODY)
     with pytest.raises(ConfigError) as err:
