@@ -276,3 +276,11 @@ def test_systems_skipped_for_one_reason_are_one_line():
                                                      "importance": "needs scores"})
     assert stream.getvalue().splitlines() == ["skipped cpu-only, smoe: does not fit [1]",
                                               "skipped importance: needs scores"]
+
+
+@pytest.mark.parametrize("command", [["replay"], ["trace", "synth"], ["profile"]])
+def test_a_model_option_lists_the_bundled_presets_in_its_help(command, capsys):
+    from moesim.model.presets import available_presets
+    assert main([*command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # click wraps the help: compare with spaces collapsed
+    assert "Presets: " + ", ".join(available_presets()) + "." in text

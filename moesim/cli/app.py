@@ -128,6 +128,12 @@ def cli() -> None:
     import pandas  # noqa: F401
 
 
+def preset_help(text: str) -> str:
+    """``text`` followed by the bundled model presets' names (the --help of a --model option)."""
+    from moesim.model.presets import available_presets
+    return f"{text} Presets: {', '.join(available_presets())}."
+
+
 def print_skipped(out: Console, skipped: dict[str, str]) -> None:
     """The systems skipped and why, one line per reason (17 systems that do not fit one GPU are one line)."""
     from rich.markup import escape

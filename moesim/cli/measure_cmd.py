@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import check_outputs, cli, console, err_console, parse_settings, write_json
+from moesim.cli.app import check_outputs, cli, console, err_console, parse_settings, preset_help, write_json
 from moesim.errors import MoesimError
 from moesim.util import PARQUET, YAML
 
@@ -91,7 +91,7 @@ def _measure(models, device: str, threads: int, quick: bool, name: str, out: Pat
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="cuda: this GPU; cpu: the CPU-only stand-in (no GPU needed).")
 @click.option("--model", "model_names", required=True, multiple=True,
-              help="Model preset name or preset YAML: a shape measured (repeat for several shapes).")
+              help=preset_help("Model preset name or preset YAML: a shape measured (repeat for several shapes)."))
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
               help="Torch threads of the CPU expert pool (0: every core).")
 @click.option("--quick", is_flag=True, help="Fewer points and repetitions (a quick look, not a reference).")

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            print_skipped, to_stdout, write_json)
+                            preset_help, print_skipped, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -43,7 +43,7 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
                    "(see --help-params).")
-@click.option("--model", "model_preset", default=None, help="Check the trace against this model preset.")
+@click.option("--model", "model_preset", default=None, help=preset_help("Check the trace against this model preset (a name or a preset YAML)."))
 @click.option("--json", "json_out", default=None, metavar="OUT",
               help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
 @click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import check_outputs, cli, console, err_console, open_output, parse_settings, write_json
+from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings, preset_help,
+                            write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET
 
@@ -105,7 +106,7 @@ def _print_formats() -> None:
 
 @trace.command("synth")
 @click.option("--model", "model", default=None,
-              help="Model preset name or preset YAML [default with --fit: the real trace's model].")
+              help=preset_help("Model preset name or preset YAML [default with --fit: the real trace's model]."))
 @click.option("--requests", default=None, type=click.IntRange(min=1),
               help="Requests [default: 1, with --fit the real trace's].")
 @click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
