@@ -278,9 +278,16 @@ def test_systems_skipped_for_one_reason_are_one_line():
                                               "skipped importance: needs scores"]
 
 
-@pytest.mark.parametrize("command", [["replay"], ["trace", "synth"], ["profile"]])
-def test_a_model_option_lists_the_bundled_presets_in_its_help(command, capsys):
+def _bundled(kind: str) -> list[str]:
+    from moesim.hw.profile import available_profiles
     from moesim.model.presets import available_presets
+    return available_presets() if kind == "Presets" else available_profiles()
+
+
+@pytest.mark.parametrize("command, kind", [(["replay"], "Presets"), (["trace", "synth"], "Presets"),
+                                           (["profile"], "Presets"), (["replay"], "Profiles"),
+                                           (["serve-sim"], "Profiles")])
+def test_model_and_hw_options_list_what_is_bundled_in_their_help(command, kind, capsys):
     assert main([*command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # click wraps the help: compare with spaces collapsed
-    assert "Presets: " + ", ".join(available_presets()) + "." in text
+    assert f"{kind}: " + ", ".join(_bundled(kind)) + "." in text

@@ -134,6 +134,12 @@ def preset_help(text: str) -> str:
     return f"{text} Presets: {', '.join(available_presets())}."
 
 
+def hw_help(text: str = "Hardware profile: a name or a YAML path.") -> str:
+    """``text`` followed by the bundled hardware profiles' names (the --help of a --hw option)."""
+    from moesim.hw.profile import available_profiles
+    return f"{text} Profiles: {', '.join(available_profiles())}."
+
+
 def print_skipped(out: Console, skipped: dict[str, str]) -> None:
     """The systems skipped and why, one line per reason (17 systems that do not fit one GPU are one line)."""
     from rich.markup import escape

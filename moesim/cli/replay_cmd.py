@@ -10,7 +10,7 @@ from rich.console import Console
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            preset_help, print_skipped, to_stdout, write_json)
+                            hw_help, preset_help, print_skipped, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -35,7 +35,7 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @cli.command()
 @click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True,
-              help="Hardware profile: a name in hwprofiles/ or a YAML path.")
+              help=hw_help())
 @click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
               help="System to replay; several separated by commas or repeated to compare them; 'all' for every "
                    f"system (see `moesim systems`; `moesim systems NAME` lists its parameters).  "

@@ -8,7 +8,7 @@ import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
 from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings,
-                            print_skipped, to_stdout, write_json)
+                            hw_help, print_skipped, to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
@@ -17,7 +17,7 @@ from moesim.util import FIGURE, PARQUET
 
 @cli.command("serve-sim")
 @click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=click.Path(dir_okay=False))
-@click.option("--hw", default=DEFAULT_HW, show_default=True, help="Hardware profile: a name or a YAML path.")
+@click.option("--hw", default=DEFAULT_HW, show_default=True, help=hw_help())
 @click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
               help="System; several separated by commas or repeated, or 'all' (one run per system and QPS).  "
                    f"[default: {DEFAULT_SYSTEM}]")
