@@ -10,7 +10,7 @@ import stat
 import tempfile
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 import yaml
 
@@ -197,24 +197,32 @@ def tmp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename; a special file is written directly."""
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file whose content appears at ``path`` whole, when the block ends without an error, through a
+    temporary file and a rename (a special file, such as /dev/stdout, is written directly)."""
     path = Path(path)
     if is_special_file(path):
         with open(path, "wb") as fh:
-            fh.write(data)
-        return path
+            yield fh
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename; a special file is written directly."""
+    with atomic_writer(path) as fh:
+        fh.write(data)
+    return Path(path)
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

@@ -173,6 +173,24 @@ def test_window_chooses_the_steps_of_the_gantt_and_the_title_says_so(files, tmp_
     assert f"steps 0-1 of {frame['step'].nunique()}" in drawn["fig"]._suptitle.get_text()
 
 
+def test_window_chooses_the_steps_of_the_chrome_trace_too(files, tmp_path):
+    trace, hw, _ = files
+    out = tmp_path / "t.json"
+    assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--chrome-trace", str(out),
+                 "--window", "3:4"]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["args"]["step"] for e in events if e["ph"] in ("X", "i")} == {3, 4}
+    assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2", "--chrome-trace", str(out)]) == 0
+    assert {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"} == set(range(7))
+
+
+def test_a_window_with_nothing_to_show_it_is_refused(files, tmp_path, capsys):
+    trace, hw, _ = files
+    assert main(["replay", trace, "--hw", hw, "--window", "3:4", "--json", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--window" in err and "add --plot OUT.png or --chrome-trace OUT.json" in err
+
+
 @pytest.mark.parametrize("window, words", [("4:3", "not a range"), ("a:b", "not STEP:STEP"),
                                            ("90:99", "the trace has steps 0 to 6")])
 def test_bad_window_is_one_line(files, tmp_path, capsys, window, words):

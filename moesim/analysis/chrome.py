@@ -18,17 +18,18 @@ spread over extra threads (``... #2``) instead of being dropped by the viewer.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pandas as pd
 
 from moesim.analysis.timeline import check_timeline
-from moesim.util import atomic_write_text
+from moesim.util import atomic_writer
 
 #: process id and display order of each resource group
 PROCESSES = {"pcie": (1, "PCIe (host to device)"), "gpu": (2, "GPU"), "cpu": (3, "CPU")}
@@ -100,9 +101,8 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
     return {"name": name, "ph": "M", "ts": 0, "pid": pid, "tid": tid, "args": args}
 
 
-def _step_events(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """An instant event and a counter sample where each step's first span starts."""
-    starts = frame.groupby("step", sort=True)["start_s"].min()
+def _step_events(starts: pd.Series) -> list[dict[str, Any]]:
+    """An instant event and a counter sample where each step's first span starts (``starts``: by step)."""
     pid = PROCESSES["gpu"][0]
     events: list[dict[str, Any]] = []
     for step, start in starts.items():
@@ -129,26 +129,60 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def to_chrome_trace(frame: pd.DataFrame, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The timeline ``frame`` as a Chrome Trace Event Format object; ``meta`` goes under ``otherData``."""
+def _trace_events(frame: pd.DataFrame) -> tuple[list[dict[str, Any]], Iterator[dict[str, Any]]]:
+    """The metadata events, and the step markers and spans of ``frame`` one by one in time order (built as
+    they are consumed: a long replay has millions)."""
     check_timeline(frame)
     frame = frame.reset_index(drop=True)
-    pid, tid, events = _threads(frame)
-    # step markers first, so a stable sort keeps them ahead of the step's first span
-    spans = _step_events(frame)
-    columns = zip(frame["resource"].astype(str), frame["start_s"], frame["end_s"], frame["kind"].astype(str),
-                  frame["step"], frame["layer"], frame["expert"], frame["tokens"], pid, tid)
-    for resource, start, end, kind, step, layer, expert, tokens, p, t in columns:
-        ts, stop = _us(float(start)), _us(float(end))
-        step, layer, expert, tokens = int(step), int(layer), int(expert), int(tokens)
-        spans.append({"name": event_name(kind, layer, expert, tokens), "cat": f"{resource},{kind}", "ph": "X",
-                      "ts": ts, "dur": round(stop - ts, 3), "pid": int(p), "tid": int(t),
-                      "args": {"step": step, "layer": layer, "expert": expert, "tokens": tokens}})
-    spans.sort(key=lambda e: e["ts"])
-    return {"traceEvents": events + spans, "displayTimeUnit": "ms", "otherData": _json_safe(meta or {})}
+    pid, tid, meta = _threads(frame)
+    step_starts = frame.groupby("step", sort=True)["start_s"].min()
+    markers = _step_events(step_starts)
+    starts = frame["start_s"].to_numpy(dtype=float)
+    # step markers first (two per step, at its first span's start), so a stable sort keeps them ahead of it
+    order = np.argsort(np.concatenate([np.repeat(step_starts.to_numpy(dtype=float), 2), starts]), kind="stable")
+    resource, kind = frame["resource"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()
+    ends = frame["end_s"].to_numpy(dtype=float)
+    ints = frame[["step", "layer", "expert", "tokens"]].to_numpy(dtype=np.int64)
+
+    def spans() -> Iterator[dict[str, Any]]:
+        for index in order.tolist():
+            if index < len(markers):
+                yield markers[index]
+                continue
+            row = index - len(markers)
+            step, layer, expert, tokens = ints[row].tolist()
+            start, stop = _us(float(starts[row])), _us(float(ends[row]))
+            yield {"name": event_name(kind[row], layer, expert, tokens), "cat": f"{resource[row]},{kind[row]}",
+                   "ph": "X", "ts": start, "dur": round(stop - start, 3), "pid": int(pid[row]),
+                   "tid": int(tid[row]), "args": {"step": step, "layer": layer, "expert": expert, "tokens": tokens}}
+    return meta, spans()
 
 
-def write_chrome_trace(frame: pd.DataFrame, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
-    """Write :func:`to_chrome_trace` as JSON; the file appears whole at ``path`` or not at all."""
-    trace = to_chrome_trace(frame, meta)
-    return atomic_write_text(Path(path), json.dumps(trace, separators=(",", ":"), allow_nan=False))
+def in_steps(frame: pd.DataFrame, steps: tuple[int, int] | None) -> pd.DataFrame:
+    """The rows of ``frame`` in steps ``first..last`` (inclusive); all of them for None."""
+    if steps is None:
+        return frame
+    return frame[frame["step"].between(steps[0], steps[1])]
+
+
+def to_chrome_trace(frame: pd.DataFrame, meta: dict[str, Any] | None = None,
+                    steps: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The timeline ``frame`` (its ``steps`` only, when given) as a Chrome Trace Event Format object;
+    ``meta`` goes under ``otherData``."""
+    head, events = _trace_events(in_steps(frame, steps))
+    return {"traceEvents": head + list(events), "displayTimeUnit": "ms", "otherData": _json_safe(meta or {})}
+
+
+def write_chrome_trace(frame: pd.DataFrame, path: str | os.PathLike, meta: dict[str, Any] | None = None,
+                       steps: tuple[int, int] | None = None) -> Path:
+    """Write :func:`to_chrome_trace` as JSON, an event at a time (a whole-run trace of a long replay is
+    hundreds of MB: never held as one object or string); the file appears whole at ``path`` or not at all."""
+    head, events = _trace_events(in_steps(frame, steps))
+    dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+    with atomic_writer(Path(path)) as fh:
+        fh.write(b'{"traceEvents":[')
+        for i, event in enumerate(itertools.chain(head, events)):
+            fh.write((b"," if i else b"") + dumps(event).encode())
+        tail = dumps(_json_safe(meta or {}))
+        fh.write(f'],"displayTimeUnit":"ms","otherData":{tail}}}'.encode())
+    return Path(path)

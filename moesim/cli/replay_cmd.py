@@ -52,7 +52,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png",
               help="Gantt of CPU, GPU and PCIe (with --system all: the time breakdown per system).")
 @click.option("--window", "window", default=None, metavar="STEP:STEP",
-              help="Steps the --plot Gantt shows, first and last inclusive [default: the first two].")
+              help="Steps the --plot Gantt and the --chrome-trace show, first and last inclusive [default: "
+                   "the Gantt the first two, the Chrome trace every step].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--help-params", is_flag=True,
@@ -92,9 +93,9 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     parsed = parse_settings(settings)
     checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     steps = _parse_window(window)
-    if steps and not plot_out:
-        raise MoesimError("--window chooses the steps of the --plot Gantt", field="--window",
-                          fix="add --plot OUT.png")
+    if steps and not (plot_out or chrome_out):
+        raise MoesimError("--window chooses the steps of the --plot Gantt and the --chrome-trace",
+                          field="--window", fix="add --plot OUT.png or --chrome-trace OUT.json")
     if steps:
         _check_window(trace_file, steps)
     per_run_files = [o for o in (timeline_out, chrome_out, decisions_out) if o]
@@ -152,7 +153,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
 
 
 def _check_window(trace_file: str, steps: tuple[int, int]) -> None:
-    """A --window that holds none of the trace's steps fails before the replay (the Gantt would have none)."""
+    """A --window that holds none of the trace's steps fails before the replay (its outputs would be empty)."""
     from moesim.trace.io import step_range
     have = step_range(trace_file)
     if have is None or steps[1] < have[0] or steps[0] > have[1]:
@@ -247,7 +248,7 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
         with open_output(chrome_out, "--chrome-trace") as path:
-            write_chrome_trace(frames["timeline"], path, meta)
+            write_chrome_trace(frames["timeline"], path, meta, steps=steps)
         out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt

@@ -237,6 +237,21 @@ def test_write_chrome_trace_loads_back(runs: dict, tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temporary file left
 
 
+def test_a_window_of_steps_keeps_their_spans_and_markers_only(runs: dict, tmp_path: Path) -> None:
+    _, frame = runs["gpu-only-lru"]
+    whole = to_chrome_trace(frame, {})
+    window = to_chrome_trace(frame, {}, steps=(1, 2))
+    spans = _spans(window)
+    assert {e["args"]["step"] for e in spans} == {1, 2}
+    assert len(spans) == sum(1 for e in _spans(whole) if e["args"]["step"] in (1, 2))
+    markers = [e["args"]["step"] for e in window["traceEvents"] if e.get("cat") == "step"]
+    assert markers == [1, 1, 2, 2]  # an instant and a counter sample per step
+    times = [e["ts"] for e in window["traceEvents"] if e["ph"] != "M"]
+    assert times == sorted(times)
+    path = write_chrome_trace(frame, tmp_path / "w.json", {}, steps=(1, 2))
+    assert json.loads(path.read_text()) == window
+
+
 def test_failed_write_keeps_previous_file(tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     path.write_text("previous")
