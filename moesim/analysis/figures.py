@@ -358,7 +358,8 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
         pos = np.arange(len(groups)) - 0.4 + (j + 0.5) * width
         err = np.vstack([stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
         ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], hatch=styles[h]["hatch"],
-               edgecolor="white", linewidth=0, zorder=3, yerr=err if np.nan_to_num(err).any() else None, ecolor="#444444", capsize=2)
+               edgecolor="white", linewidth=0, zorder=3, yerr=err if np.nan_to_num(err).any() else None,
+               ecolor="#444444", capsize=2)
     ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=30 if len(groups) > 4 else 0,
                   ha="right" if len(groups) > 4 else "center")
 

@@ -128,11 +128,12 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import pandas as pd
+
+    from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     columns = [f"{metric}_p{q}" for q in PERCENTILES]
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
-    from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     styles = dict(zip(PERCENTILES, ("-", "--", ":")))
     for i, (system, group) in enumerate(frame.groupby("system", sort=False)):

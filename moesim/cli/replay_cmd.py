@@ -43,7 +43,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Parameter, e.g. cache.slots_per_layer=4, hw.pcie.bandwidth_scale=0.5, cache=lru "
                    "(see --help-params).")
-@click.option("--model", "model_preset", default=None, help=preset_help("Check the trace against this model preset (a name or a preset YAML)."))
+@click.option("--model", "model_preset", default=None,
+              help=preset_help("Check the trace against this model preset (a name or a preset YAML)."))
 @click.option("--json", "json_out", default=None, metavar="OUT",
               help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
 @click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
