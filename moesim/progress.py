@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, TextIO
 
+from moesim.util import sigint_blocked
+
 #: seconds between plain progress lines when stderr is not a terminal
 DEFAULT_INTERVAL_S = 10.0
 
@@ -99,11 +101,13 @@ class Progress:
             if self.total:
                 columns.append(TimeRemainingColumn())
             self._bar = RichProgress(*columns, console=console, transient=True)
-            self._bar.start()
+            with sigint_blocked():  # its refresh thread never takes the main thread's Ctrl-C
+                self._bar.start()
             self._task = self._bar.add_task("", total=self.total, count=self._count())
         elif self.interval_s > 0:
             self._thread = threading.Thread(target=self._tick, name=f"progress-{self.title}", daemon=True)
-            self._thread.start()
+            with sigint_blocked():
+                self._thread.start()
 
     def stop(self, ok: bool = True) -> None:
         self._stop.set()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 from contextvars import ContextVar
@@ -195,6 +196,21 @@ def tmp_path_for(path: Path) -> Path:
     path = Path(path)
     clean_stale_tmps(path)
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT held back (delivered on leaving, not lost) in this thread and in the threads and processes it
+    starts meanwhile: a helper thread started so never takes a Ctrl-C meant for the main thread, which
+    would then not wake from a blocking wait until that wait ended by itself."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from moesim.errors import ConfigError
 from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, WORKER_DIED, Finished, columns_of, describe_error,
@@ -16,6 +15,7 @@ from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, WORKER_DIED, Finishe
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
+from moesim.util import sigint_blocked
 
 ENGINES = ("local", "ray")
 #: columns that depend on when and where a point ran, not on its parameters
@@ -212,7 +212,7 @@ def _pool_pass(context: Any, jobs: list[tuple[int, Job]], workers: int, columns:
     worker running it died, or None when the job is not to blame (not started, or its worker was only
     stopped by the pool once another died)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
     before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=context, initializer=_worker_init,
@@ -222,11 +222,11 @@ def _pool_pass(context: Any, jobs: list[tuple[int, Job]], workers: int, columns:
     try:
         # the pool forks all its workers at the first submit (before the progress bar starts its thread);
         # a Ctrl-C then waits until each has set itself to ignore SIGINT
-        with _sigint_blocked():
+        with sigint_blocked():
             futures = {pool.submit(_pool_point, index, *job): index for index, job in jobs}
         processes = {p.pid: p for p in set(multiprocessing.active_children()) - before}
         started()
-        for future in as_completed(futures):
+        for future in _completed(futures):
             try:
                 row = future.result()
             except BrokenProcessPool:  # a worker died: every job not finished fails so
@@ -258,17 +258,15 @@ def _death(process: Any) -> str:
     return f"pid {process.pid} {how}"
 
 
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT held back (delivered on leaving, not lost) in this thread and in what it forks meanwhile."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+def _completed(futures: Iterable[Any], poll_s: float = 0.25) -> Iterator[Any]:
+    """``futures`` as they finish, like ``as_completed``, but waking every ``poll_s`` seconds: a blocking wait
+    that never wakes would see a Ctrl-C only when a point ends (a minute later), should the signal reach
+    another thread of this process."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=poll_s, return_when=FIRST_COMPLETED)
+        yield from done
 
 
 def _stop(pool: Any, before: set[Any]) -> None:

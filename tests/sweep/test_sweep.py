@@ -526,6 +526,36 @@ def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to
     assert set(pd.read_parquet(out)["point_id"]) == {p.point_id for p in load_spec(path).points()}
 
 
+#: SLOW_POINTS with the Ctrl-C taken by another thread of the sweep process: a thread that does not block
+#: SIGINT sends it to itself once the first point is saved (the kernel may hand a process-wide signal to any
+#: such thread; the main thread must still see it while it waits for points that run a minute)
+SIGINT_IN_ANOTHER_THREAD = SLOW_POINTS.replace("engines.run_point = slow\n", """engines.run_point = slow
+import signal, threading
+from pathlib import Path
+parts = Path(sys.argv[sys.argv.index("--out") + 1] + ".parts")
+def interrupt():
+    while not list(parts.glob("*.parquet")):
+        time.sleep(0.02)
+    time.sleep(0.2)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=interrupt, daemon=True).start()
+""")
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
+def test_ctrl_c_taken_by_another_thread_still_stops_the_sweep_at_once(files):
+    path = write_spec(files, systems=["gpu-only-lru", "cpu-only"], grid={"cache.slots_per_layer": [1, 2, 3]})
+    out = files / "r.parquet"
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", SIGINT_IN_ANOTHER_THREAD, "sweep", str(path), "--out", str(out),
+                               "--workers", "2"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the sweep still ran 30 s after a Ctrl-C taken by a thread other than the main one")
+    assert done.returncode == 130 and done.stderr.strip().endswith("moesim: interrupted"), done.stderr
+    assert time.monotonic() - started < 20  # its slow points sleep a minute: they were stopped, not waited for
+
+
 def _dies_on(slots: int, times: int, marks: Path):
     """A run_point that SIGKILLs its own worker process on the points of ``slots`` slots per layer, the
     first ``times`` times (counted in files under ``marks``: the workers are separate processes)."""
