@@ -474,7 +474,10 @@ def test_kill_9_of_the_sweep_alone_leaves_no_worker_and_resume_loses_nothing(tmp
 #: `python -c` running the CLI with every point but those of 1 slot per layer slow (60 s) in the pool workers
 #: (forked: they inherit the patch), so that a Ctrl-C lands while workers are busy
 SLOW_POINTS = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as a terminal gives it: a test runner started in the background (nohup, `cmd &` in a script)
+# hands its children SIGINT ignored, and the sweep would rightly ignore it too
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from moesim.sweep import engines
 from moesim.cli import main
 real = engines.run_point
@@ -530,7 +533,7 @@ def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to
 #: SIGINT sends it to itself once the first point is saved (the kernel may hand a process-wide signal to any
 #: such thread; the main thread must still see it while it waits for points that run a minute)
 SIGINT_IN_ANOTHER_THREAD = SLOW_POINTS.replace("engines.run_point = slow\n", """engines.run_point = slow
-import signal, threading
+import threading
 from pathlib import Path
 parts = Path(sys.argv[sys.argv.index("--out") + 1] + ".parts")
 def interrupt():
