@@ -133,8 +133,12 @@ class ReplayResult:
             "".join(f", {k}" for k in kept) + ")"
 
 
-def checked_run_inputs(hw: Any, seed: Any) -> None:
-    """One-line errors for a ``hw`` or ``seed`` of the wrong kind (the command line's types check them there)."""
+def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM) -> None:
+    """One-line errors for a ``hw``, ``seed`` or ``system`` of the wrong kind (the command line's types check
+    them there)."""
+    if not isinstance(system, str):
+        raise ConfigError(f"system must be one system's name, got {system!r}", field="system",
+                          fix="run one system per call (moesim.sweep runs several: systems=[...])")
     from moesim.hw.profile import HardwareProfile
     if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
         raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",
@@ -159,7 +163,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
-    checked_run_inputs(hw, seed)
+    checked_run_inputs(hw, seed, system)
     result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=int(seed),
                       timeline=timeline, decisions=decisions)
     raw = metrics(result)
@@ -298,7 +302,12 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
              if v is not None}
     merged = settings_from({**short, **(settings or {})}, **params)
     slos = parse_slo(slo) if isinstance(slo, str) or slo is None else {k: float(v) for k, v in slo.items()}
-    checked_run_inputs(hw, seed)
-    result = run_serving(paths, hw, system, merged, seed=int(seed))
+    checked_run_inputs(hw, seed, system)
+    try:
+        result = run_serving(paths, hw, system, merged, seed=int(seed))
+    except MoesimError as err:  # a value given as a shorthand: its error under that keyword
+        if err.field in short and err.field not in (settings or {}) and err.field != "scheduler":
+            err.rename_field(err.field.removeprefix("workload."))
+        raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
                     traces=paths)

@@ -110,6 +110,10 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
     (lambda trace, hw: moesim.serve(trace, hw=hw, system="oracle"), "system"),
     (lambda trace, hw: moesim.sweep({"traces": [trace], "systems": ["cpu-only"], "hw": [hw]}, workers=0),
      "workers"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, system=["cpu-only"]), "system"),  # was a bare TypeError
+    (lambda trace, hw: moesim.serve(trace, hw=hw, system=["cpu-only"]), "system"),
+    (lambda trace, hw: moesim.serve(trace, hw=hw, qps=0), "qps"),  # the shorthand, not workload.qps
+    (lambda trace, hw: moesim.serve(trace, hw=hw, requests=0), "requests"),
 ])
 def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, field):
     """The command line says --system and --set; a Python caller gave system= and cache__alpha=."""
