@@ -33,6 +33,7 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -232,14 +233,20 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     import pyarrow.parquet as pq
 
     from moesim.trace.io import parquet_options, read_meta, read_table
-    from moesim.util import PARQUET, check_suffix, tmp_path_for
+    from moesim.util import PARQUET, check_suffix, same_file, tmp_path_for
     check_suffix(Path(out), "out", PARQUET)
+    if same_file(out, trace):
+        raise ConfigError(f"would overwrite the trace it slices ({trace})", source=str(out), field="out",
+                          fix="write the slice to another file")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
+        raise ConfigError(f"steps must be a whole number of forward passes, 1 or more; got {steps!r}",
+                          field="steps", fix="e.g. steps=40")
     read_meta(trace)
     table = read_table(trace)
     mask = None
     if steps is not None:
         first = pc.min(table["step"]).as_py()
-        mask = pc.less(table["step"], (first or 0) + steps)
+        mask = pc.less(table["step"], (first or 0) + int(steps))
     if requests is not None:
         chosen = pc.is_in(table["request"], value_set=_int_array(requests))
         mask = chosen if mask is None else pc.and_(mask, chosen)

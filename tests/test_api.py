@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
@@ -177,6 +179,23 @@ def test_sweep_with_out_is_resumable(files, tmp_path):
 def test_sweep_is_the_function_and_the_module_stays_importable():
     from moesim.sweep import run_sweep  # noqa: F401
     assert callable(moesim.sweep) and moesim.sweep.__module__ == "moesim.api"
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, True, "3"])
+def test_slice_refuses_steps_that_are_not_a_count_of_forward_passes(files, tmp_path, steps):
+    trace, _ = files
+    with pytest.raises(ConfigError, match="steps must be a whole number of forward passes") as err:
+        slice_trace(trace, tmp_path / "s.parquet", steps=steps)
+    assert err.value.field == "steps" and not (tmp_path / "s.parquet").exists()
+
+
+def test_slice_never_overwrites_the_trace_it_slices(files, tmp_path):
+    trace, _ = files
+    before = Path(trace).read_bytes()
+    with pytest.raises(ConfigError, match="would overwrite the trace it slices") as err:
+        slice_trace(trace, Path(trace).parent / "." / Path(trace).name, steps=2)
+    assert err.value.field == "out" and Path(trace).read_bytes() == before
+    assert validate_trace(slice_trace(trace, tmp_path / "n.parquet", steps=np.int64(2))).steps == 2
 
 
 def test_slice_keeps_the_first_steps_and_the_metadata(files, tmp_path):
