@@ -313,7 +313,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     try:
         result = run_serving(paths, hw, system, merged, seed=int(seed))
     except MoesimError as err:  # a value given as a shorthand: its error under that keyword
-        if err.field in short and err.field not in (settings or {}) and err.field != "scheduler":
+        if err.field in short and err.field not in (settings or {}):
             err.rename_field(err.field.removeprefix("workload."))
         raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 import pandas as pd
 
-from moesim.analysis.timeline import check_timeline
+from moesim.analysis.timeline import check_timeline, in_steps
 from moesim.util import atomic_writer
 
 #: process id and display order of each resource group
@@ -156,13 +156,6 @@ def _trace_events(frame: pd.DataFrame) -> tuple[list[dict[str, Any]], Iterator[d
                    "ph": "X", "ts": start, "dur": round(stop - start, 3), "pid": int(pid[row]),
                    "tid": int(tid[row]), "args": {"step": step, "layer": layer, "expert": expert, "tokens": tokens}}
     return meta, spans()
-
-
-def in_steps(frame: pd.DataFrame, steps: tuple[int, int] | None) -> pd.DataFrame:
-    """The rows of ``frame`` in steps ``first..last`` (inclusive); all of them for None."""
-    if steps is None:
-        return frame
-    return frame[frame["step"].between(steps[0], steps[1])]
 
 
 def to_chrome_trace(frame: pd.DataFrame, meta: dict[str, Any] | None = None,

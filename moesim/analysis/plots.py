@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from moesim.analysis.timeline import RESOURCES, check_timeline
+from moesim.analysis.timeline import RESOURCES, check_timeline, in_steps
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.util import FIGURE, OUTPUT_FORMATS, check_suffix, tmp_path_for
@@ -121,7 +121,7 @@ def default_window(frame: pd.DataFrame, steps: int = DEFAULT_STEPS, max_bars: in
 
 def step_window(frame: pd.DataFrame, first: int, last: int) -> tuple[float, float]:
     """``(start_s, end_s)`` spanning every interval of steps ``first`` to ``last`` (inclusive)."""
-    chosen = frame[(frame["step"] >= first) & (frame["step"] <= last)]
+    chosen = in_steps(frame, (first, last))
     if chosen.empty:
         steps = frame["step"]
         have = f"steps {int(steps.min())} to {int(steps.max())}" if len(steps) else "no steps"

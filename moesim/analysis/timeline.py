@@ -118,3 +118,10 @@ def busy_time(frame: pd.DataFrame, resource: str, lane: int | None = None) -> fl
         mask &= frame["lane"].to_numpy() == lane
     rows = frame.loc[mask]
     return union_length(rows["start_s"].to_numpy(dtype=float), rows["end_s"].to_numpy(dtype=float))
+
+
+def in_steps(frame: pd.DataFrame, steps: tuple[int, int] | None) -> pd.DataFrame:
+    """The rows of timeline ``frame`` in steps ``first..last`` (inclusive); all of them for None."""
+    if steps is None:
+        return frame
+    return frame[frame["step"].between(steps[0], steps[1])]

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from moesim.analysis.report import number_text
 from moesim.errors import ConfigError
 from moesim.sim.result import SimResult
 from moesim.util import atomic_write_text, listed, tmp_path_for
@@ -212,7 +213,7 @@ def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, S
 
 def ms_text(value: float) -> str:
     """Milliseconds as the report prints them; '-' where undefined (TTFT of a trace without a prefill)."""
-    return "-" if value is None or math.isnan(value) else f"{value:,.3f}"
+    return "-" if value is None else number_text(float(value), 3)
 
 
 def pct_text(value: float) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from moesim.errors import TraceFormatError
-from moesim.util import listed
 from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
                                             check_weights, new_report, order_by_weight, write_import)
+from moesim.util import listed
 
 FORMAT = "flame-moe"
 MODEL = "flame-moe-290m"
