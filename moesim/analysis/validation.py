@@ -78,6 +78,25 @@ class ValidationReport:
     def same_ranking(self, key: str) -> bool:
         return self.ranking("real", key) == self.ranking("sim", key)
 
+    def swapped_pairs(self, key: str) -> list[SwappedPair]:
+        """Pairs of systems the simulator orders differently from the measurement, by ``key``."""
+        real = {c.system: c.real[key] for c in self.systems}
+        sim = {c.system: c.sim[key] for c in self.systems}
+        return swapped_pairs(real, sim)
+
+    def ranking_text(self, key: str) -> str:
+        """"same", or "DIFFERENT" with each swapped pair and how far apart it is in each source: a swap of
+        two systems the simulator puts 0.3% apart is a near tie, one it puts 30% apart is a wrong answer."""
+        if self.same_ranking(key):
+            return "same"
+        swapped = self.swapped_pairs(key)
+        pairs = len(self.systems) * (len(self.systems) - 1) // 2
+        listed_pairs = "; ".join(
+            f"{p.real_faster} vs {p.sim_faster}: {p.real_faster} {gap_text(p.real_gap_pct)} faster measured, "
+            f"{gap_text(p.sim_gap_pct)} slower simulated" for p in swapped)
+        return f"DIFFERENT, {len(swapped)} of {pairs} pairs swapped: {listed_pairs}" if swapped else \
+            "DIFFERENT (a system is missing from one of them)"
+
     def to_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate",
                 "demand_loads", "prefetches", "evictions", "streamed_experts", "makespan_s", "cpu_util", "gpu_util",
@@ -92,8 +111,37 @@ class ValidationReport:
             "ranking": {"tpot_real": self.ranking("real", "tpot_ms_mean"),
                         "tpot_sim": self.ranking("sim", "tpot_ms_mean"),
                         "ttft_real": self.ranking("real", "ttft_ms"), "ttft_sim": self.ranking("sim", "ttft_ms"),
-                        "same_tpot": self.same_ranking("tpot_ms_mean"), "same_ttft": self.same_ranking("ttft_ms")},
+                        "same_tpot": self.same_ranking("tpot_ms_mean"), "same_ttft": self.same_ranking("ttft_ms"),
+                        "swapped_tpot": [dataclasses.asdict(p) for p in self.swapped_pairs("tpot_ms_mean")],
+                        "swapped_ttft": [dataclasses.asdict(p) for p in self.swapped_pairs("ttft_ms")]},
         }
+
+
+@dataclass(frozen=True)
+class SwappedPair:
+    """Two systems in opposite order: ``real_faster`` is faster when measured, ``sim_faster`` when simulated."""
+    real_faster: str
+    sim_faster: str
+    #: how much slower the measured loser is than the measured winner, in percent (and likewise simulated)
+    real_gap_pct: float
+    sim_gap_pct: float
+
+
+def swapped_pairs(real: dict[str, float], sim: dict[str, float]) -> list[SwappedPair]:
+    """Every pair of systems (lower is faster) that ``real`` and ``sim`` order oppositely, widest
+    simulated gap first; a tie or a missing value in either orders nothing."""
+    systems = [s for s in real if s in sim and not (math.isnan(real[s]) or math.isnan(sim[s]))]
+    out = []
+    for i, a in enumerate(systems):
+        for b in systems[i + 1:]:
+            if (real[a] - real[b]) * (sim[a] - sim[b]) < 0:
+                fast, slow = (a, b) if real[a] < real[b] else (b, a)
+                out.append(SwappedPair(fast, slow, error_pct(real[slow], real[fast]), error_pct(sim[fast], sim[slow])))
+    return sorted(out, key=lambda p: (-p.sim_gap_pct, p.real_faster, p.sim_faster))
+
+
+def gap_text(pct: float) -> str:
+    return f"{pct:.1f}%" if pct >= 0.1 else f"{pct:.2g}%"
 
 
 def error_pct(simulated: float, measured: float) -> float:
@@ -237,8 +285,7 @@ def render_markdown(report: ValidationReport, plot_name: str) -> str:
     lines += ["", "Error: (simulated - measured) / measured. Identical decisions: rows of the two decision logs "
               "that match within each (step, layer), over the longer log.", ""]
     for key, label in (("tpot_ms_mean", "TPOT"), ("ttft_ms", "TTFT")):
-        same = "same" if report.same_ranking(key) else "DIFFERENT"
-        lines.append(f"- ranking by {label}: {same} (real: {', '.join(report.ranking('real', key))}; simulated: "
+        lines.append(f"- ranking by {label}: {report.ranking_text(key)} (real: {', '.join(report.ranking('real', key))}; simulated: "
                      f"{', '.join(report.ranking('sim', key))})")
     lines += ["", f"![real vs simulated]({plot_name})", ""]
     for c in report.systems:

@@ -193,5 +193,5 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                       f"{ms_text(real['tpot_ms_mean'])} / {ms_text(sim['tpot_ms_mean'])}", pct_text(c.tpot_error_pct),
                       f"{c.decisions.share:.1%}")
     console.print(table)
-    console.print(f"ranking by TPOT: {'same' if report.same_ranking('tpot_ms_mean') else 'DIFFERENT'}; "
-                  f"wrote {files['markdown']}, {files['json']}, {files['plot']}")
+    console.print(f"ranking by TPOT: {report.ranking_text('tpot_ms_mean')}", highlight=False)
+    console.print(f"wrote {files['markdown']}, {files['json']}, {files['plot']}")

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from moesim.analysis.validation import compare_decisions, error_pct, rank, truncate_trace
+from moesim.analysis.validation import (DecisionComparison, SwappedPair, SystemComparison, ValidationReport,
+                                        compare_decisions, error_pct, rank, swapped_pairs, truncate_trace)
 from moesim.cli import main
 from moesim.trace.io import iter_steps, read_meta
 from tests.factories import random_routing, tiny_model, write_tiny_trace
@@ -54,6 +55,30 @@ def test_error_and_ranking():
     assert error_pct(9.0, 10.0) == pytest.approx(-10.0)
     assert np.isnan(error_pct(float("nan"), 10.0))
     assert rank({"b": 2.0, "a": 2.0, "c": 1.0, "d": float("nan")}) == ["c", "a", "b", "d"]
+
+
+def test_swapped_pairs_say_how_far_apart_each_source_puts_them():
+    real = {"a": 10.0, "b": 12.0, "c": 20.0, "d": float("nan")}
+    sim = {"a": 10.03, "b": 10.0, "c": 9.0, "d": 1.0}  # a/b: a near tie when simulated; c: wrong by far
+    pairs = swapped_pairs(real, sim)
+    assert [(p.real_faster, p.sim_faster) for p in pairs] == [("a", "c"), ("b", "c"), ("a", "b")]
+    assert pairs[0].real_gap_pct == pytest.approx(100.0) and pairs[0].sim_gap_pct == pytest.approx(103 / 9)
+    assert pairs[2].real_gap_pct == pytest.approx(20.0) and pairs[2].sim_gap_pct == pytest.approx(0.3)
+    assert swapped_pairs({"a": 1.0, "b": 1.0}, {"a": 2.0, "b": 1.0}) == []  # a measured tie orders nothing
+
+
+def test_ranking_text_names_each_swap_with_its_gaps():
+    same = DecisionComparison(True, 1.0, 0, 0)
+
+    def report(sim_a: float) -> ValidationReport:
+        systems = [SystemComparison("a", {"tpot_ms_mean": 40.0}, {"tpot_ms_mean": sim_a}, same),
+                   SystemComparison("b", {"tpot_ms_mean": 45.0}, {"tpot_ms_mean": 42.0}, same)]
+        return ValidationReport("t", "p", "cpu", "c", systems)
+
+    assert report(41.0).ranking_text("tpot_ms_mean") == "same"
+    assert report(42.126).ranking_text("tpot_ms_mean") == \
+        "DIFFERENT, 1 of 1 pairs swapped: a vs b: a 12.5% faster measured, 0.3% slower simulated"
+    assert report(42.126).swapped_pairs("tpot_ms_mean") == [SwappedPair("a", "b", 12.5, pytest.approx(0.3))]
 
 
 def test_truncated_trace_keeps_the_first_layers(trace, tmp_path):

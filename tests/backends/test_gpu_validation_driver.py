@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -60,6 +61,10 @@ def test_dry_run_of_every_step_and_the_report(tmp_path):
     assert "## tiny-gqa, 2 MoE layers, 6 cache slots per layer" in text
     assert "Where the largest error comes from" in text and "| sync |" in text
     assert "not tuned to these runs" in text
+    rankings = re.findall(r"^- ranking by (TPOT|TTFT): (.*)$", text, flags=re.M)
+    assert len(rankings) == 8  # both metrics of two shapes x two cache sizes
+    swap = r"[a-z-]+ vs [a-z-]+: \d+\.\d% faster measured, \d+\.\d% slower simulated"
+    assert all(re.fullmatch(rf"same|DIFFERENT(; {swap})+", verdict) for _, verdict in rankings), rankings
 
 
 def test_python_dash_m_moesim_exits_with_the_error_status(tmp_path):
