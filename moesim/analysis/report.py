@@ -6,6 +6,7 @@ import math
 from typing import Any, Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moesim.policy.systems import own_weights
@@ -53,7 +54,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
 
 def _print_notes(m: dict[str, Any], console: Console) -> None:
     for note in m.get("notes", []):
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(note)}")
     if m.get("cost_fallbacks"):
         console.print(f"[yellow]note:[/] roofline estimate used (no profile curve) for: "
                       f"{'; '.join(m['cost_fallbacks'])}")
@@ -110,17 +111,29 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
                       f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
                       f"TTFT {number_text(floor['ttft_ms'])} ms, TPOT {number_text(floor['tpot_ms_mean'])} ms")
-    for note in shared_notes(by_system.values()):
-        console.print(f"[yellow]note:[/] {note}")
+    for note in shared_notes(by_system.items()):
+        console.print(f"[yellow]note:[/] {escape(note)}")
 
 
-def shared_notes(runs: Iterable[dict[str, Any]]) -> list[str]:
-    """The notes of several runs' metrics, each once and sorted, then the cost-model fallbacks of them all."""
-    runs = list(runs)
-    notes = sorted({n for m in runs for n in m.get("notes", [])})
-    fallbacks = sorted({f for m in runs for f in m.get("cost_fallbacks", [])})
+def shared_notes(runs: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The notes of several systems' runs, each once and sorted, with the systems that gave it in brackets
+    unless every system did; then the cost-model fallbacks of them all. A note speaks of the component it
+    comes from (``static-hot: ...`` may come from fiddler's cache), so the bracket says whose run it was."""
+    by_note: dict[str, list[str]] = {}
+    systems: list[str] = []
+    fallbacks: set[str] = set()
+    for name, m in runs:
+        if name not in systems:
+            systems.append(name)
+        for note in m.get("notes", []):
+            givers = by_note.setdefault(note, [])
+            if name not in givers:
+                givers.append(name)
+        fallbacks.update(m.get("cost_fallbacks", []))
+    notes = [note if len(givers) == len(systems) else f"{note} [{', '.join(givers)}]"
+             for note, givers in sorted(by_note.items())]
     if fallbacks:
-        notes.append(f"roofline estimate used (no profile curve) for: {'; '.join(fallbacks)}")
+        notes.append(f"roofline estimate used (no profile curve) for: {'; '.join(sorted(fallbacks))}")
     return notes
 
 
