@@ -291,3 +291,13 @@ def test_model_and_hw_options_list_what_is_bundled_in_their_help(command, kind, 
     assert main([*command, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # click wraps the help: compare with spaces collapsed
     assert f"{kind}: " + ", ".join(_bundled(kind)) + "." in text
+
+
+def test_a_file_name_with_brackets_is_printed_as_it_is(files, tmp_path, capsys):
+    """rich would read "[bold]" in a name as a style tag and print "run.parquet"."""
+    named = tmp_path / "run[bold].parquet"
+    Path(files[0]).rename(named)
+    code, out, _ = run(["replay", str(named), "--hw", files[1], "--system", "cpu-only,gpu-only-lru"], capsys)
+    assert code == 0 and f"run[bold].parquet on {files[1]}" in out
+    code, out, _ = run(["trace", "inspect", str(named)], capsys)
+    assert code == 0 and "run[bold].parquet" in out

@@ -54,10 +54,10 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
 
 def _print_notes(m: dict[str, Any], console: Console) -> None:
     for note in m.get("notes", []):
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        console.print(f"[yellow]note:[/] {escape(note)}", markup=True)
     if m.get("cost_fallbacks"):
         console.print(f"[yellow]note:[/] roofline estimate used (no profile curve) for: "
-                      f"{'; '.join(m['cost_fallbacks'])}")
+                      f"{escape('; '.join(m['cost_fallbacks']))}", markup=True)
 
 
 def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Console, title: str = "") -> None:
@@ -112,7 +112,7 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
                       f"TTFT {number_text(floor['ttft_ms'])} ms, TPOT {number_text(floor['tpot_ms_mean'])} ms")
     for note in shared_notes(by_system.items()):
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        console.print(f"[yellow]note:[/] {escape(note)}", markup=True)
 
 
 def shared_notes(runs: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -32,8 +32,10 @@ def stream_to_devnull(stream: Any) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
-console = PipeConsole(width=None if Console().is_terminal else 160)
-err_console = PipeConsole(stderr=True, width=None if Console(stderr=True).is_terminal else 160)
+# markup off: file names, notes and errors are printed as they are ("run[v2].parquet" is no style tag); the few
+# styled lines ask for it with markup=True and escape what they quote
+console = PipeConsole(markup=False, width=None if Console().is_terminal else 160)
+err_console = PipeConsole(markup=False, stderr=True, width=None if Console(stderr=True).is_terminal else 160)
 
 
 def json_safe(data: object) -> object:
@@ -147,7 +149,7 @@ def print_skipped(out: Console, skipped: dict[str, str]) -> None:
     for name, reason in skipped.items():
         by_reason.setdefault(reason, []).append(name)
     for reason, names in by_reason.items():
-        out.print(f"[yellow]skipped {escape(', '.join(names))}:[/] {escape(reason)}", highlight=False)
+        out.print(f"[yellow]skipped {escape(', '.join(names))}:[/] {escape(reason)}", highlight=False, markup=True)
 
 
 def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
@@ -142,7 +143,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         print_skipped(out, skipped)
         if skipped:
             out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
-                      "each under its name with its reason as 'skipped')", highlight=False)
+                      "each under its name with its reason as 'skipped')", highlight=False, markup=True)
         if json_out:
             write_json({name: metrics_by_system.get(name) or {"system": name, "skipped": skipped[name],
                                                                 "inputs": inputs} for name in systems}, json_out)
@@ -275,7 +276,7 @@ def systems_cmd(name: str | None, json_out: str | None) -> None:
     from rich.table import Table
 
     from moesim.policy.systems import SYSTEMS
-    narrow = PipeConsole(width=min(console.width, 100))
+    narrow = PipeConsole(markup=False, width=min(console.width, 100))
     table = Table(title="systems (`moesim systems NAME` lists a system's --set parameters)", title_justify="left",
                   show_lines=False)
     table.add_column("system", style="bold", no_wrap=True)
@@ -320,13 +321,14 @@ def _system_json(name: str) -> dict:
 
 def _print_system(name: str) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from moesim.analysis.params import format_default, system_parameter_docs
     from moesim.errors import ConfigError
     from moesim.policy.systems import SYSTEMS
     if name not in SYSTEMS:
         raise ConfigError(f"unknown system '{name}'", field="NAME", fix=f"use one of: {', '.join(SYSTEMS)}")
-    console.print(f"[bold]{name}[/]: {SYSTEMS[name].description}", highlight=False)
+    console.print(f"[bold]{name}[/]: {escape(SYSTEMS[name].description)}", highlight=False, markup=True)
     table = Table(title_justify="left", width=min(console.width, 120))
     table.add_column("--set key", style="bold", no_wrap=True)
     table.add_column("default", no_wrap=True)
@@ -334,7 +336,7 @@ def _print_system(name: str) -> None:
     table.add_column("meaning", ratio=1, overflow="fold")
     for key, doc, note in system_parameter_docs(name):
         if doc is None:
-            table.add_row(f"[cyan]{key}[/]", "", "", note, style="dim" if key.endswith("= none") else None)
+            table.add_row(Text(key, style="cyan"), "", "", note, style="dim" if key.endswith("= none") else None)
         else:
             meaning = doc.meaning or "(undocumented)"
             table.add_row(key, format_default(doc.default), doc.unit or "-", meaning)

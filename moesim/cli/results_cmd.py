@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+from rich.markup import escape
 
 from moesim.cli.app import check_outputs, cli, console, err_console, open_output
 from moesim.errors import MoesimError
@@ -161,4 +162,4 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results, missing=missing)
     console.print(f"wrote {out}")
     for reason in missing:
-        console.print(f"[yellow]note:[/] {reason}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(reason)}", highlight=False, markup=True)
