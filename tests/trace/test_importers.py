@@ -310,6 +310,21 @@ def test_unknown_format(tmp_path):
         import_trace("nope", [tmp_path], tmp_path / "t.parquet")
 
 
+def test_a_folder_given_as_source_is_answered_with_its_log_files(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("moe_layer8.jsonl", "moe_layer0.jsonl", "README.md", "prompts.txt"):
+        (logs / name).write_text("{}\n")
+    code = main(["trace", "import", str(logs), "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.strip().endswith("not a file (fix: name its log files instead: moe_layer0.jsonl, moe_layer8.jsonl)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["trace", "import", str(empty), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert "this folder holds none" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- format detection
 @needs_real
 @pytest.mark.parametrize("fmt, files", [

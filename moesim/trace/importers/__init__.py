@@ -36,6 +36,18 @@ FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
 AGGREGATE_FORMATS = ("olmoe-routing-stats",)
 
 
+def _folder_fix(path: Path) -> str:
+    """What to name instead of a folder: its log files, which the user chooses (a folder may hold the logs
+    of several runs, or prompts and READMEs beside them)."""
+    if not path.is_dir():
+        return "check the path"
+    logs = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".json", ".npz"))
+    if not logs:
+        return "name log files (.jsonl, .json, .npz); this folder holds none"
+    shown = ", ".join(logs[:6]) + (f" and {len(logs) - 6} more" if len(logs) > 6 else "")
+    return f"name its log files instead: {shown}"
+
+
 def available_formats() -> list[str]:
     return sorted(FORMATS)
 
@@ -56,7 +68,7 @@ def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportRepor
     refuse_aggregates(sources)
     for path in sources:
         if not path.is_file():
-            raise TraceFormatError("not a file", source=str(path), fix="name the log files, not their folder")
+            raise TraceFormatError("not a file", source=str(path), fix=_folder_fix(path))
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(sources)
