@@ -116,6 +116,7 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
     (lambda trace, hw: moesim.serve(trace, hw=hw, system=["cpu-only"]), "system"),
     (lambda trace, hw: moesim.serve(trace, hw=hw, qps=0), "qps"),  # the shorthand, not workload.qps
     (lambda trace, hw: moesim.serve(trace, hw=hw, requests=0), "requests"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw).plot_timeline(steps=(100, 200)), "steps"),
 ])
 def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, field):
     """The command line says --system and --set; a Python caller gave system= and cache__alpha=."""

@@ -125,7 +125,7 @@ def step_window(frame: pd.DataFrame, first: int, last: int) -> tuple[float, floa
     if chosen.empty:
         steps = frame["step"]
         have = f"steps {int(steps.min())} to {int(steps.max())}" if len(steps) else "no steps"
-        raise ConfigError(f"no step in {first}:{last}", field="--window", fix=f"the timeline has {have}")
+        raise ConfigError(f"no step in {first}:{last}", field="steps", fix=f"the timeline has {have}")
     return float(chosen["start_s"].min()), float(chosen["end_s"].max())
 
 
