@@ -73,6 +73,16 @@ def write_json(data: object, out: str | None) -> None:
         console.print(f"wrote {out}", highlight=False)  # stdout holds no JSON here
 
 
+class JsonFlagCommand(click.Command):
+    """A command whose ``--json`` is a flag (JSON on stdout) that also takes ``--json -``, the form
+    ``replay`` and ``serve-sim`` use, so that one habit works everywhere; any other value after it stays an
+    argument (``inspect --json T.parquet`` reads T)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        flag = [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
+        return super().parse_args(ctx, flag)
+
+
 def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: dict[str, str] | None = None,
                   **outputs: str | None) -> None:
     """Every output path can be written, is named for its format (``formats``: an output's key of

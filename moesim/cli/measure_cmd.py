@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import check_outputs, cli, console, err_console, parse_settings, preset_help, write_json
+from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, parse_settings, preset_help,
+                            write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET, YAML
 
@@ -130,7 +131,7 @@ def _executable_systems(systems: str) -> list[str]:
     return names
 
 
-@cli.command("validate")
+@cli.command("validate", cls=JsonFlagCommand)
 @click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
 @click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
 @click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
@@ -145,7 +146,7 @@ def _executable_systems(systems: str) -> list[str]:
               help="Parameter for both executors, e.g. cache.slots_per_layer=4.")
 @click.option("--quick-profile", is_flag=True, help="Measure the profile with fewer points (tests).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report directory.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table (stdout; --json - the same).")
 def validate_command(real: bool, trace_file: str, systems: str, profile_path: str | None, device: str,
                      layers: int | None, threads: int, settings: tuple[str, ...], quick_profile: bool, out: str,
                      as_json: bool) -> None:

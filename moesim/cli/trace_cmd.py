@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings, preset_help,
-                            write_json)
+from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
+                            preset_help, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET
 
@@ -29,9 +29,9 @@ def trace_validate(file: str) -> None:
                   f"columns: {', '.join(summary.columns)}")
 
 
-@trace.command("inspect")
+@trace.command("inspect", cls=JsonFlagCommand)
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON under stable keys.")
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON under stable keys (stdout; --json - the same).")
 def trace_inspect(file: str, as_json: bool) -> None:
     """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
     from moesim.trace.stats import render_stats, trace_stats
@@ -44,10 +44,10 @@ def trace_inspect(file: str, as_json: bool) -> None:
         render_stats(stats, console, title=file)
 
 
-@trace.command("compare")
+@trace.command("compare", cls=JsonFlagCommand)
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON (stdout; --json - the same).")
 def trace_compare(first: str, second: str, as_json: bool) -> None:
     """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
     of per-layer expert popularity, reuse and co-activation differences."""

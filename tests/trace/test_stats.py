@@ -101,6 +101,19 @@ def test_inspect_json_prints_the_stable_keys(toy, capsys):
     assert printed["predictor_recall"]["pred_next_layer"] == pytest.approx(0.6)
 
 
+def test_json_dash_is_the_json_flag_as_replay_takes_it(toy, capsys):
+    """`--json -` (replay's form) works for inspect and compare too; a '-' anywhere else is still refused."""
+    assert main(["trace", "inspect", "--json", str(toy)]) == 0
+    flag = capsys.readouterr().out
+    for args in (["trace", "inspect", str(toy), "--json", "-"], ["trace", "inspect", "--json", "-", str(toy)]):
+        assert main(args) == 0
+        assert capsys.readouterr().out == flag
+    assert main(["trace", "compare", str(toy), str(toy), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["a"] == json.loads(flag)
+    assert main(["trace", "inspect", str(toy), "-"]) == 2
+    assert "unexpected extra argument (-)" in capsys.readouterr().err
+
+
 def test_inspect_and_compare_render_tables(toy, tmp_path, capsys):
     other = tmp_path / "other.parquet"
     write_toy(other)
