@@ -6,6 +6,9 @@ its one-line message and exits with status 2, never a traceback.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class MoesimError(Exception):
     """An error caused by user input; ``str(err)`` is one line naming where and how to fix."""
@@ -51,3 +54,18 @@ class ProfileError(MoesimError):
 
 class ConfigError(MoesimError):
     """An unknown system, parameter, preset, or a configuration that cannot run."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """"did you mean X? " for the choices ``name`` looks like a slip of (a prefix of them, the same letters
+    with other separators, or a close spelling), "" when none does: the start of a fix that then lists
+    every choice."""
+    choices = list(dict.fromkeys(choices))
+
+    def letters(text: str) -> str:
+        return "".join(ch for ch in text.lower() if ch.isalnum())
+
+    wanted = letters(name)
+    contained = [c for c in choices if letters(c).startswith(wanted)] if len(wanted) >= 3 else []
+    close = contained[:3] or difflib.get_close_matches(name, choices, n=1, cutoff=0.7)
+    return f"did you mean {' or '.join(close)}? " if close else ""

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.sim.bookkeeping import BREAKDOWN
 
 #: Okabe-Ito colours (as in moesim.analysis.plots) without the yellow, which vanishes on white, then
@@ -93,7 +93,8 @@ def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None)
     params = parameter_columns(frame)
     metrics = [c for c in frame.columns if c not in params and frame[c].dtype.kind in "biuf"]
     raise ConfigError(f"no column '{name}'", source=source, field=role,
-                      fix=f"parameters: {', '.join(params)}; metrics: {', '.join(metrics)}")
+                      fix=f"{did_you_mean(name, params + metrics)}parameters: {', '.join(params)}; "
+                          f"metrics: {', '.join(metrics)}")
 
 
 def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
 from moesim.policy.state import CacheState
@@ -255,7 +255,8 @@ class Component:
         params = self.parameters()
         if key not in params:
             raise ConfigError(f"unknown parameter '{self.role}.{key}' for {self.role} '{self.name}'",
-                              fix=f"valid: {', '.join(f'{self.role}.{p}' for p in params) or 'none'}")
+                              fix=f"{did_you_mean(f'{self.role}.{key}', [f'{self.role}.{p}' for p in params])}"
+                                  f"valid: {', '.join(f'{self.role}.{p}' for p in params) or 'none'}")
         setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}"))
 
 

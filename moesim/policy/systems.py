@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
 from moesim.policy.base import Component, LayerPlan, LayerView, RunContext
@@ -367,7 +367,7 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
     """Build a system, applying component swaps (``cache=lru``) and parameters (``cache.x=1``)."""
     if name not in SYSTEMS:
         raise ConfigError(f"unknown system '{name}'", field="--system",
-                          fix=f"use one of: {', '.join(SYSTEMS)}, all")
+                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}, all")
     spec = SYSTEMS[name]
     if spec.portfolio:
         raise ValueError(f"{name} is a portfolio of {spec.portfolio}: build its members")
@@ -383,15 +383,15 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         registry = COMPONENTS[role]
         if comp_name not in registry:
             raise ConfigError(f"unknown {role} component '{comp_name}'", field=role,
-                              fix=f"use one of: {', '.join(registry)}")
+                              fix=f"{did_you_mean(comp_name, registry)}use one of: {', '.join(registry)}")
         parts[role] = registry[comp_name]()
     for key, value in settings.items():
         role, _, param = key.partition(".")
         if role not in parts or param not in parts[role].parameters():
-            valid = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
-            valid += [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
+            keys = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
+            valid = keys + [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
             raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
-                              fix=f"valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots_per_layer "
+                              fix=f"{did_you_mean(key, [*keys, *ROLES, 'cache.slots_per_layer'])}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots_per_layer "
                                   "(`moesim systems` lists them all)")
         parts[role].set_param(param, value)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,

@@ -8,7 +8,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moesim.errors import ConfigError, MoesimError
+from moesim.errors import ConfigError, MoesimError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
@@ -52,7 +52,8 @@ def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
     names = {f.name: f.default for f in dataclasses.fields(obj)}
     if key not in names:
         raise ConfigError(f"unknown parameter '{section}.{key}'", field="--set",
-                          fix=f"valid: {', '.join(f'{section}.{n}' for n in names)}")
+                          fix=f"{did_you_mean(f'{section}.{key}', [f'{section}.{n}' for n in names])}"
+                              f"valid: {', '.join(f'{section}.{n}' for n in names)}")
     setattr(obj, key, coerce(raw, names[key], f"{section}.{key}"))
 
 
@@ -195,7 +196,8 @@ def checked_seed(seed: Any) -> int:
 def members(system: str) -> tuple[str, ...]:
     """The single systems a replay of ``system`` runs (a portfolio bound runs several)."""
     if system not in SYSTEMS:
-        raise ConfigError(f"unknown system '{system}'", field="--system", fix=f"use one of: {', '.join(SYSTEMS)}")
+        raise ConfigError(f"unknown system '{system}'", field="--system",
+                          fix=f"{did_you_mean(system, SYSTEMS)}use one of: {', '.join(SYSTEMS)}")
     return portfolio_members(system)
 
 

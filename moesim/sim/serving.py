@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.policy.base import coerce
 from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
 from moesim.sim.engine import Simulator
@@ -85,7 +85,8 @@ def split_settings(settings: dict[str, str] | None) -> ServingSettings:
         if section == "workload":
             if rest not in names:
                 raise ConfigError(f"unknown parameter '{key}'", field="--set",
-                                  fix=f"valid: {', '.join(f'workload.{n}' for n in names)}")
+                                  fix=f"{did_you_mean(key, [f'workload.{n}' for n in names])}"
+                                      f"valid: {', '.join(f'workload.{n}' for n in names)}")
             setattr(workload, rest, coerce(raw, names[rest], key))
         elif key == "scheduler":
             scheduler = str(raw)

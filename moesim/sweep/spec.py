@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from moesim.errors import ConfigError, MoesimError
+from moesim.errors import ConfigError, MoesimError, did_you_mean
 from moesim.util import read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
@@ -209,7 +209,7 @@ def _expand_systems(systems: list[str], source: str) -> list[str]:
             out.append(name)
         else:
             raise ConfigError(f"unknown system '{name}'", source=source, field="systems",
-                              fix=f"use one of: {', '.join(SYSTEMS)}, all")
+                              fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}, all")
     return list(dict.fromkeys(out))
 
 
