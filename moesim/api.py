@@ -285,6 +285,14 @@ class ServeRun:
         rows = "".join(f"<tr><td>{k}</td><td>{self.metrics[k]}</td></tr>" for k in keys if k in self.metrics)
         return f"<b>{self.system}</b> serving {len(self.requests)} requests<table>{rows}</table>"
 
+    def plot_requests(self, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
+        """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
+        marked. Displays as a PNG in Jupyter."""
+        from moesim.analysis.serving import plot_requests
+        label = f"{self.system}: {len(self.requests)} requests at {self.metrics.get('qps', float('nan')):g} req/s" \
+            if title is None else title
+        return plot_requests(self.requests, path, title=label)
+
     def __repr__(self) -> str:
         figures = ", ".join(f"{key}={self.metrics[key]:.6g}" for key in SERVE_REPR_METRICS if key in self.metrics)
         return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {figures})"

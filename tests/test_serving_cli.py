@@ -44,6 +44,15 @@ def test_serve_sim_writes_metrics_requests_and_figure(files, tmp_path, capsys):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_serve_sim_draws_each_request(files, tmp_path, capsys):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--qps", "50", "--requests", "6", "--requests-plot",
+                 str(tmp_path / "q.svg")])
+    assert code == 0, capsys.readouterr().err
+    svg = (tmp_path / "q.svg").read_text()
+    assert "6 requests at 50 req/s" in svg and "prefill to first token" in svg
+
+
 def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     trace, hw = files
     code = main(["serve-sim", trace, "--hw", hw, "--system", "gpu-only-lru,cpu-only", "--qps", "1,100",
@@ -94,6 +103,8 @@ def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_pat
     (["--set", "workload.arrival=bursty"], "workload.arrival"),
     (["--scheduler", "fifo"], "scheduler"),
     (["--system", "cpu-only,gpu-only-lru", "--requests-out", "x.parquet"], "--requests-out"),
+    (["--qps", "1,2", "--requests-plot", "x.png"], "--requests-plot needs one system and one QPS"),
+    (["--requests-plot", "x.txt"], "written as a figure"),
     (["--seed", "-1"], "--seed"),
     (["--qps", "-1"], "--qps"),
     (["--qps", "0"], "--qps"),
@@ -124,6 +135,9 @@ def test_api_serve_and_sweep_over_workload(files, tmp_path):
     run = moesim.serve(trace, hw=hw, system="cpu-only", qps=20, requests=5, slo={"ttft_ms": 1e6},
                        scheduler="sarathi", workload__arrival="gamma", workload__cv=2)
     assert len(run.requests) == 5 and run.metrics["slo_attainment"] == 1.0 and run.metrics["arrival"] == "gamma"
+    figure = run.plot_requests(tmp_path / "requests.png")
+    assert figure.axes[0].get_title(loc="left") == "cpu-only: 5 requests at 20 req/s"
+    assert (tmp_path / "requests.png").read_bytes()[:4] == b"\x89PNG" and figure._repr_png_()[:4] == b"\x89PNG"
     frame = moesim.sweep({"traces": [trace], "systems": ["cpu-only"], "hw": [hw],
                           "grid": {"workload__qps": [1, 50], "workload__requests": [4]}}, workers=1, progress=False)
     assert frame.status.tolist() == ["ok", "ok"]

@@ -156,6 +156,46 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     return fig
 
 
+#: the phases of a request's life on the request timeline, with their colours (the Okabe-Ito palette of the figures)
+REQUEST_PHASES = (("arrival_s", "scheduled_s", "#BBBBBB", "queued"),
+                  ("scheduled_s", "first_token_s", "#E69F00", "prefill to first token"),
+                  ("first_token_s", "finish_s", "#0072B2", "decode"))
+
+
+def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str = "") -> Any:
+    """Each request of one serving run as a row, in order of arrival: queued (arrival to its first
+    scheduled step), prefill until its first token, decode until it finishes; requests that were
+    preempted (their KV cache dropped and recomputed) are marked at their finish. ``frame``: the
+    per-request table (:func:`request_frame`, ``ServeRun.requests``). Displays as a PNG in Jupyter."""
+    from moesim.analysis.plots import DisplayFigure, save_figure
+    if len(frame) == 0:
+        raise ConfigError("no request to draw", field="requests", fix="serve at least one request")
+    rows = frame.sort_values(["arrival_s", "request"], kind="stable").reset_index(drop=True)
+    y = np.arange(len(rows))
+    fig = DisplayFigure(figsize=(9, min(2.0 + 0.12 * len(rows), 9.0)), layout="constrained")
+    ax = fig.add_subplot()
+    height = 0.8 if len(rows) <= 60 else 1.0  # many rows: touching bars read as areas
+    # milliseconds for a short run, seconds past 10 s (six-digit millisecond ticks read badly)
+    scale, unit = (1e3, "ms") if float(rows["finish_s"].max()) < 10.0 else (1.0, "s")
+    for start, end, colour, label in REQUEST_PHASES:
+        begin = rows[start].to_numpy(dtype=float) * scale
+        ax.barh(y, rows[end].to_numpy(dtype=float) * scale - begin, left=begin, height=height, color=colour,
+                linewidth=0, label=label)
+    preempted = rows["preemptions"].to_numpy() > 0
+    if preempted.any():
+        ax.plot(rows["finish_s"].to_numpy(dtype=float)[preempted] * scale, y[preempted], "x", color="#D55E00",
+                markersize=4, label=f"preempted ({int(preempted.sum())} request{'s' if preempted.sum() > 1 else ''})")
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first arrival on top
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("request, in order of arrival")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left" if len(rows) > 1 else "best")
+    ax.set_title(title or f"{len(rows)} requests", loc="left", fontsize=10)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
 def max_qps_under_slo(rows: Any, slo: dict[str, float], percentile: int = 90) -> dict[str, float]:
     """Per system, the highest QPS up to which every rate's ``percentile`` of each SLO metric meets it (nan: none)."""
     import pandas as pd

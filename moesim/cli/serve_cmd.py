@@ -31,18 +31,21 @@ from moesim.util import FIGURE, PARQUET
 @click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
 @click.option("--requests-out", "requests_out", default=None, metavar="OUT.parquet",
               help="Per-request TTFT, TPOT, latency and queueing (one run only).")
+@click.option("--requests-plot", "requests_plot", default=None, metavar="OUT.png",
+              help="Each request as a row: queued, prefill, decode, preemptions (one run only).")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png", help="Latency percentiles vs QPS per system.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str, requests: int | None,
               scheduler: str | None, settings: tuple[str, ...], slo: str | None, json_out: str | None,
-              requests_out: str | None, plot_out: str | None, seed: int) -> None:
+              requests_out: str | None, requests_plot: str | None, plot_out: str | None, seed: int) -> None:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
-    from moesim.analysis.serving import parse_slo, plot_latency_vs_qps, request_frame, serving_metrics, write_requests
+    from moesim.analysis.serving import (parse_slo, plot_latency_vs_qps, plot_requests, request_frame, serving_metrics,
+                                         write_requests)
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
     check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))],
-                  {"requests_out": PARQUET, "plot": FIGURE}, json=json_out, requests_out=requests_out,
-                  plot=plot_out)
+                  {"requests_out": PARQUET, "requests_plot": FIGURE, "plot": FIGURE}, json=json_out,
+                  requests_out=requests_out, requests_plot=requests_plot, plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:
         checked_meta(trace_file, ())
@@ -54,9 +57,10 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     slos = parse_slo(slo)
     systems, everything = system_choice(system)
     rates = _rates(qps, parsed)
-    if requests_out and len(systems) * len(rates) > 1:
-        raise MoesimError("--requests-out needs one system and one QPS", field="--requests-out",
-                          fix="pass a single --system and --qps")
+    for option, value in (("--requests-out", requests_out), ("--requests-plot", requests_plot)):
+        if value and len(systems) * len(rates) > 1:
+            raise MoesimError(f"{option} needs one system and one QPS", field=option,
+                              fix="pass a single --system and --qps")
     rows, last, skipped = [], None, {}
     with _serving_progress(parsed, len(systems) * len(rates)) as bar:
         for name in systems:
@@ -92,6 +96,11 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(requests_out, "--requests-out") as path:
             write_requests(request_frame(last), path)
         out.print(f"wrote {requests_out}")
+    if requests_plot and last is not None:
+        with open_output(requests_plot, "--requests-plot", FIGURE) as path:
+            plot_requests(request_frame(last), path, title=f"{systems[0]} on {hw}: {len(last.requests)} requests "
+                                                             f"at {rates[0]} req/s")
+        out.print(f"wrote {requests_plot}")
     if plot_out:
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)

@@ -6,7 +6,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from moesim.analysis.figures import PALETTE
-from moesim.analysis.serving import PERCENTILES, plot_latency_vs_qps
+from moesim.analysis.serving import PERCENTILES, plot_latency_vs_qps, plot_requests
+from moesim.errors import ConfigError
 
 
 def rows(systems: list[str], low: float, high: float) -> list[dict]:
@@ -43,3 +44,34 @@ def test_each_system_has_its_own_colour_past_ten_systems():
         assert len(styles) == len(PERCENTILES)  # the percentiles of one system: one line style each
     finally:
         plt.close(fig)
+
+
+def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arrival():
+    import pandas as pd
+    frame = pd.DataFrame({"request": [0, 1, 2], "arrival_s": [0.5, 0.0, 1.0], "scheduled_s": [0.7, 0.0, 1.0],
+                          "first_token_s": [0.9, 0.2, 1.5], "finish_s": [2.0, 0.6, 1.5], "preemptions": [1, 0, 0]})
+    fig = plot_requests(frame)
+    try:
+        ax = fig.axes[0]
+        bars = {c.get_label(): [(round(b.get_y() + b.get_height() / 2), round(b.get_x()), round(b.get_width()))
+                                for b in c] for c in ax.containers}
+        # rows by arrival: request 1 (row 0), request 0 (row 1), request 2 (row 2); times in ms
+        assert bars["queued"] == [(0, 0, 0), (1, 500, 200), (2, 1000, 0)]
+        assert bars["prefill to first token"] == [(0, 0, 200), (1, 700, 200), (2, 1000, 500)]
+        assert bars["decode"] == [(0, 200, 400), (1, 900, 1100), (2, 1500, 0)]
+        marks = [line for line in ax.get_lines() if line.get_label().startswith("preempted")]
+        assert len(marks) == 1 and marks[0].get_label() == "preempted (1 request)"
+        assert marks[0].get_xdata().tolist() == [2000.0] and marks[0].get_ydata().tolist() == [1]
+        assert ax.get_ylim()[0] > ax.get_ylim()[1]  # the first arrival on top
+        assert ax.get_xlabel() == "time (ms)"
+    finally:
+        plt.close(fig)
+    longer = frame.assign(finish_s=frame.finish_s * 10)  # past 10 s: seconds
+    fig = plot_requests(longer)
+    try:
+        assert fig.axes[0].get_xlabel() == "time (s)"
+        assert max(b.get_x() + b.get_width() for b in fig.axes[0].containers[2]) == pytest.approx(20.0)
+    finally:
+        plt.close(fig)
+    with pytest.raises(ConfigError, match="no request to draw"):
+        plot_requests(frame.iloc[:0])
