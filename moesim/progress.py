@@ -96,8 +96,10 @@ class Progress:
             from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
             from rich.progress import TimeRemainingColumn
             console = self.console or Console(file=self.stream)
-            columns = [TextColumn(f"[bold]{self.title}"), BarColumn(), TextColumn("{task.fields[count]}"),
-                       TextColumn("{task.description}"), TimeElapsedColumn()]
+            # the label names files and systems: printed as it is, never read as rich markup
+            columns = [TextColumn(self.title, style="bold", markup=False), BarColumn(),
+                       TextColumn("{task.fields[count]}", markup=False), TextColumn("{task.description}", markup=False),
+                       TimeElapsedColumn()]
             if self.total:
                 columns.append(TimeRemainingColumn())
             self._bar = RichProgress(*columns, console=console, transient=True)

@@ -88,6 +88,22 @@ def test_terminal_gets_a_rich_bar():
     assert "sweep: done" not in stream.getvalue()  # no plain lines on a terminal
 
 
+def test_a_label_is_shown_as_it_is_not_read_as_markup():
+    """A file named run[bold].jsonl in the bar's label: rich would take "[bold]" for a style tag."""
+    from rich.console import Console
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    stream = Terminal()
+    console = Console(file=stream, force_terminal=True, width=150)
+    with Progress("trace import", total=2, stream=stream, interval_s=0, console=console) as bar:
+        bar.advance(0, label="run[bold].jsonl")
+        bar._bar.refresh()
+        shown = stream.getvalue()
+    assert "0/2 (0%) run[bold].jsonl" in shown and "\x1b[1mtrace import" in shown  # the title still bold
+
+
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "MOESIM_PROGRESS_INTERVAL": "0"}, timeout=300)
