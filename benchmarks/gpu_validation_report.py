@@ -103,7 +103,8 @@ def render(out: Path) -> str:
             if name in TIMING_INDEPENDENT:
                 identical.append(dec["identical"])
         rankings += [rank["same_tpot"], rank["same_ttft"]]
-        lines += ["", f"- ranking by TPOT: {_ranking(rank, 'tpot')}", f"- ranking by TTFT: {_ranking(rank, 'ttft')}", ""]
+        lines += ["", f"- ranking by TPOT: {_ranking(rank, 'tpot')}", f"- ranking by TTFT: {_ranking(rank, 'ttft')}",
+                  ""]
     within = sum(e <= TARGET_PCT for e in errors)
     lines += ["## Targets", "",
               f"- |error| <= {TARGET_PCT:.0f}%: {within} of {len(errors)} TTFT and TPOT figures "

@@ -285,8 +285,8 @@ def render_markdown(report: ValidationReport, plot_name: str) -> str:
     lines += ["", "Error: (simulated - measured) / measured. Identical decisions: rows of the two decision logs "
               "that match within each (step, layer), over the longer log.", ""]
     for key, label in (("tpot_ms_mean", "TPOT"), ("ttft_ms", "TTFT")):
-        lines.append(f"- ranking by {label}: {report.ranking_text(key)} (real: {', '.join(report.ranking('real', key))}; simulated: "
-                     f"{', '.join(report.ranking('sim', key))})")
+        lines.append(f"- ranking by {label}: {report.ranking_text(key)} (real: "
+                     f"{', '.join(report.ranking('real', key))}; simulated: {', '.join(report.ranking('sim', key))})")
     lines += ["", f"![real vs simulated]({plot_name})", ""]
     for c in report.systems:
         if c.decisions.identical:

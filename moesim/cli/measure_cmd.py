@@ -146,7 +146,8 @@ def _executable_systems(systems: str) -> list[str]:
               help="Parameter for both executors, e.g. cache.slots_per_layer=4.")
 @click.option("--quick-profile", is_flag=True, help="Measure the profile with fewer points (tests).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report directory.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table (stdout; --json - the same).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as JSON instead of a table (stdout; --json - the same).")
 def validate_command(real: bool, trace_file: str, systems: str, profile_path: str | None, device: str,
                      layers: int | None, threads: int, settings: tuple[str, ...], quick_profile: bool, out: str,
                      as_json: bool) -> None:

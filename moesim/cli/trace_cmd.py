@@ -31,7 +31,8 @@ def trace_validate(file: str) -> None:
 
 @trace.command("inspect", cls=JsonFlagCommand)
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON under stable keys (stdout; --json - the same).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the statistics as JSON under stable keys (stdout; --json - the same).")
 def trace_inspect(file: str, as_json: bool) -> None:
     """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
     from moesim.trace.stats import render_stats, trace_stats
@@ -47,7 +48,8 @@ def trace_inspect(file: str, as_json: bool) -> None:
 @trace.command("compare", cls=JsonFlagCommand)
 @click.argument("first", type=click.Path(dir_okay=False))
 @click.argument("second", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print both statistics and the distances as JSON (stdout; --json - the same).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print both statistics and the distances as JSON (stdout; --json - the same).")
 def trace_compare(first: str, second: str, as_json: bool) -> None:
     """Statistics of two traces side by side, and how far apart their routing is: Jensen-Shannon divergence
     of per-layer expert popularity, reuse and co-activation differences."""
