@@ -167,6 +167,8 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
     scheduled step), prefill until its first token, decode until it finishes; requests that were
     preempted (their KV cache dropped and recomputed) are marked at their finish. ``frame``: the
     per-request table (:func:`request_frame`, ``ServeRun.requests``). Displays as a PNG in Jupyter."""
+    from matplotlib.ticker import MaxNLocator
+
     from moesim.analysis.plots import DisplayFigure, save_figure
     if len(frame) == 0:
         raise ConfigError("no request to draw", field="requests", fix="serve at least one request")
@@ -186,6 +188,7 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
         ax.plot(rows["finish_s"].to_numpy(dtype=float)[preempted] * scale, y[preempted], "x", color="#D55E00",
                 markersize=4, label=f"preempted ({int(preempted.sum())} request{'s' if preempted.sum() > 1 else ''})")
     ax.set_ylim(len(rows) - 0.5, -0.5)  # the first arrival on top
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # rows are requests: no 2.5th
     ax.set_xlabel(f"time ({unit})")
     ax.set_ylabel("request, in order of arrival")
     ax.grid(True, axis="x", alpha=0.3)

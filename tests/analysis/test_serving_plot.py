@@ -64,6 +64,7 @@ def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arr
         assert marks[0].get_xdata().tolist() == [2000.0] and marks[0].get_ydata().tolist() == [1]
         assert ax.get_ylim()[0] > ax.get_ylim()[1]  # the first arrival on top
         assert ax.get_xlabel() == "time (ms)"
+        assert all(float(t).is_integer() for t in ax.get_yticks())  # rows are requests
     finally:
         plt.close(fig)
     longer = frame.assign(finish_s=frame.finish_s * 10)  # past 10 s: seconds
