@@ -133,7 +133,8 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
     unknown = [k for k in data if k not in SPEC_KEYS]
     if unknown:
         raise ConfigError(f"unknown key '{unknown[0]}'", source=source, field=str(unknown[0]),
-                          fix=f"valid keys: {', '.join(SPEC_KEYS)}; put --set parameters under grid:, zip: or set:")
+                          fix=f"{did_you_mean(str(unknown[0]), SPEC_KEYS)}valid keys: {', '.join(SPEC_KEYS)}; "
+                              "put --set parameters under grid:, zip: or set:")
 
     def axis(singular: str, plural: str, default: list[Any] | None) -> list[Any]:
         if singular != plural and singular in data and plural in data:

@@ -79,7 +79,9 @@ def test_all_means_every_listed_system():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ({"trace": "t.parquet", "system": "cpu-only", "colour": 1}, "unknown key 'colour'"),
+    ({"trace": "t.parquet", "system": "cpu-only", "colour": 1}, "unknown key 'colour' (fix: valid keys:"),
+    ({"trace": "t.parquet", "systms": ["cpu-only"]}, "unknown key 'systms' (fix: did you mean systems? valid keys:"),
+    ({"trace": "t.parquet", "system": "gpu-only-lur"}, "did you mean gpu-only-lru?"),
     ({"trace": "t.parquet"}, "'systems' is missing"),
     ({"trace": "t.parquet", "system": "cpu-only", "systems": ["cpu-only"]}, "both 'system' and 'systems'"),
     ({"trace": "t.parquet", "system": "gpu-only-lur"}, "unknown system 'gpu-only-lur'"),
