@@ -67,5 +67,9 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
     wanted = letters(name)
     contained = [c for c in choices if letters(c).startswith(wanted)] if len(wanted) >= 3 else []
-    close = contained[:3] or difflib.get_close_matches(name, choices, n=1, cutoff=0.7)
+    if not contained:  # the closest spellings, all of them when several tie (int5: int8 or int4)
+        ratio = {c: difflib.SequenceMatcher(None, name, c).ratio() for c in choices}
+        best = max(ratio.values(), default=0.0)
+        contained = [c for c in choices if ratio[c] == best] if best >= 0.7 else []
+    close = contained[:3]
     return f"did you mean {' or '.join(close)}? " if close else ""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from moesim.cli import main
 from moesim.errors import did_you_mean
 from moesim.policy.systems import SYSTEMS
 
+TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "mixtral-8x7b-humaneval.parquet")
 METRICS = ["tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms"]
 
 
@@ -18,6 +21,7 @@ METRICS = ["tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms"]
     ("Fiddler", SYSTEMS, "did you mean fiddler? "),  # letters alike, case aside
     ("cache_slots", ["cache.slots_per_layer", "cache.calibration"], "did you mean cache.slots_per_layer? "),
     ("prefetch.nn", ["prefetch.n", "prefetch.eviction"], "did you mean prefetch.n? "),
+    ("int5", ["bf16", "int8", "int4"], "did you mean int8 or int4? "),  # equally close: both
     ("xyz", METRICS, ""),  # nothing alike: no guess
     ("tp", METRICS, ""),  # too short a prefix to mean anything
 ])
@@ -26,17 +30,24 @@ def test_did_you_mean(name, choices, expected):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["replay", "traces/mixtral-8x7b-humaneval.parquet", "--system", "hybridmoe"],
+    (["replay", TRACE, "--system", "hybridmoe"],
      "unknown system 'hybridmoe' (fix: did you mean hybrimoe? use one of: cpu-only"),
-    (["replay", "traces/mixtral-8x7b-humaneval.parquet", "--set", "cache_slots=3"],
+    (["replay", TRACE, "--set", "cache_slots=3"],
      "unknown parameter 'cache_slots' for system 'gpu-only-lru' (fix: did you mean cache.slots_per_layer? valid:"),
-    (["replay", "traces/mixtral-8x7b-humaneval.parquet", "--set", "memory.workspace=1"],
+    (["replay", TRACE, "--set", "memory.workspace=1"],
      "unknown parameter 'memory.workspace' (fix: did you mean memory.workspace_gib? valid:"),
-    (["replay", "traces/mixtral-8x7b-humaneval.parquet", "--set", "cache=lr"],
+    (["replay", TRACE, "--set", "cache=lr"],
      "unknown cache component 'lr' (fix: did you mean lru? use one of:"),
     (["systems", "fidler"], "unknown system 'fidler' (fix: did you mean fiddler?"),
+    (["replay", TRACE, "--hw", "rtx490"], "(fix: did you mean rtx4090? use a path"),
+    (["trace", "synth", "--model", "qwen3-30b", "--out", "{tmp}/never.parquet"], "did you mean qwen3-30b-a3b?"),
+    (["trace", "synth", "--model", "qwen3-30b-a3b", "--set", "skew_frist=0.2", "--out", "{tmp}/never.parquet"],
+     "did you mean skew_first?"),
+    (["serve-sim", TRACE, "--scheduler", "vlm"], "did you mean vllm?"),
+    (["serve-sim", TRACE, "--set", "workload.arrival=poison"],
+     "did you mean poisson?"),
 ])
-def test_a_slip_on_the_command_line_gets_its_likely_meaning(args, words, capsys):
-    assert main(args) == 2
+def test_a_slip_on_the_command_line_gets_its_likely_meaning(args, words, capsys, tmp_path):
+    assert main([a.format(tmp=tmp_path) for a in args]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from moesim.errors import ProfileError
+from moesim.errors import ProfileError, did_you_mean
 from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, AttentionCurve, CPUSpec, Curve, ExpertCurve, GPUSpec,
                              PCIeSpec, RuntimeSpec, SyncSpec)
 from moesim.model.spec import DTYPE_BITS
@@ -494,6 +494,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     path = profile_path(name_or_path)
     if not path.exists():
         raise ProfileError("hardware profile not found", source=str(name_or_path),
-                           fix=f"use a path or one of: {', '.join(available_profiles())}")
+                           fix=f"{did_you_mean(str(name_or_path), available_profiles())}use a path or one of: "
+                               f"{', '.join(available_profiles())}")
     data = read_yaml(path, ProfileError)
     return parse_profile(data, origin=str(path))

@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.util import read_yaml
 
@@ -31,7 +31,8 @@ def load_preset(name_or_path: str) -> ModelSpec:
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
         raise ConfigError(f"unknown model preset '{name_or_path}'",
-                          fix=f"use one of {', '.join(available_presets())} or a preset YAML path")
+                          fix=f"{did_you_mean(str(name_or_path), available_presets())}use one of "
+                              f"{', '.join(available_presets())} or a preset YAML path")
     data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError("a preset must be a YAML mapping", source=str(path))

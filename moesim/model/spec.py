@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 
 #: Bits per weight of each expert dtype.
 DTYPE_BITS: dict[str, int] = {"bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
@@ -80,7 +80,7 @@ class ModelSpec:
         dtype = dtype or self.expert_dtype
         if dtype not in DTYPE_BITS:
             raise ConfigError(f"unknown expert dtype '{dtype}'", field="expert_dtype",
-                              fix=f"use one of {', '.join(DTYPE_BITS)}")
+                              fix=f"{did_you_mean(str(dtype), DTYPE_BITS)}use one of {', '.join(DTYPE_BITS)}")
         per_param = DTYPE_BITS[dtype] / 8 + scale_bytes_per_param(dtype, self.quant_group_size)
         return int(round(self.expert_params * per_param))
 
@@ -196,7 +196,7 @@ class ModelSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown model field(s) {', '.join(unknown)}", source=origin,
-                              fix=f"valid fields: {', '.join(sorted(known))}")
+                              fix=f"{did_you_mean(unknown[0], known)}valid fields: {', '.join(sorted(known))}")
         required = ["name", "num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size"]
         for key in required:
             if key not in data:
@@ -238,7 +238,8 @@ class ModelSpec:
                               source=origin, field="top_k")
         if self.expert_dtype not in DTYPE_BITS:
             raise ConfigError(f"unknown dtype '{self.expert_dtype}'", source=origin, field="expert_dtype",
-                              fix=f"use one of {', '.join(DTYPE_BITS)}")
+                              fix=f"{did_you_mean(str(self.expert_dtype), DTYPE_BITS)}use one of "
+                                  f"{', '.join(DTYPE_BITS)}")
         if self.attention not in ("gqa", "mla"):
             raise ConfigError(f"unknown attention kind '{self.attention}'", source=origin,
                               field="attention", fix="use 'gqa' or 'mla'")

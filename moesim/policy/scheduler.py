@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.policy.base import Component
 
 
@@ -306,7 +306,8 @@ SCHEDULERS: dict[str, tuple[type[Scheduler], dict[str, object]]] = {
 def build_scheduler(name: str, params: dict[str, str]) -> Scheduler:
     """The scheduler ``name`` with ``scheduler.<field>`` parameters (strings, as ``--set`` gives them)."""
     if name not in SCHEDULERS:
-        raise ConfigError(f"unknown scheduler '{name}'", field="scheduler", fix=f"use one of {', '.join(SCHEDULERS)}")
+        raise ConfigError(f"unknown scheduler '{name}'", field="scheduler",
+                          fix=f"{did_you_mean(name, SCHEDULERS)}use one of {', '.join(SCHEDULERS)}")
     cls, defaults = SCHEDULERS[name]
     scheduler = cls(**defaults)  # type: ignore[arg-type]
     scheduler.name = name  # the preset's name, not the class's

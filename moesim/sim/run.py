@@ -101,7 +101,8 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
     out.cache = CacheRequest(slots=slots, slots_per_layer=per_layer)
     if out.memory.non_expert_dtype not in DTYPE_BITS:
         raise ConfigError(f"unknown dtype '{out.memory.non_expert_dtype}'", field="memory.non_expert_dtype",
-                          fix=f"use one of {', '.join(DTYPE_BITS)}")
+                          fix=f"{did_you_mean(out.memory.non_expert_dtype, DTYPE_BITS)}use one of "
+                              f"{', '.join(DTYPE_BITS)}")
     if out.engine.staging_slots < 1:
         raise ConfigError("at least one staging buffer is needed", field="engine.staging_slots", fix="use >= 1")
     return out

@@ -101,7 +101,7 @@ def split_settings(settings: dict[str, str] | None) -> ServingSettings:
 def _check_workload(w: WorkloadConfig) -> None:
     if w.arrival not in ARRIVALS:
         raise ConfigError(f"unknown arrival process '{w.arrival}'", field="workload.arrival",
-                          fix=f"use one of {', '.join(ARRIVALS)}")
+                          fix=f"{did_you_mean(w.arrival, ARRIVALS)}use one of {', '.join(ARRIVALS)}")
     if w.requests < 1:
         raise ConfigError("at least one request is needed", field="workload.requests", fix="use >= 1")
     if w.arrival in RATED_ARRIVALS and not w.qps > 0:

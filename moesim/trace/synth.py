@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.model.presets import load_preset
 from moesim.model.spec import ModelSpec
 from moesim.trace.io import TraceWriter
@@ -212,7 +212,7 @@ class SynthConfig:
         for key, value in (settings or {}).items():
             if key not in kinds:
                 raise ConfigError(f"unknown generator parameter '{key}'", field=key,
-                                  fix=f"valid keys: {', '.join(sorted(kinds))}")
+                                  fix=f"{did_you_mean(key, kinds)}valid keys: {', '.join(sorted(kinds))}")
             kind = types[str(kinds[key])]
             setattr(params, key, _coerce(key, value, kind) if isinstance(value, str) else kind(value))
         params.check(spec.num_experts)

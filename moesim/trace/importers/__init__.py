@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-from moesim.errors import ConfigError, TraceFormatError
+from moesim.errors import ConfigError, TraceFormatError, did_you_mean
 from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, speculative_moe,
                                     vllm_moe_logger)
 from moesim.trace.importers._common import ImportReport, refuse_aggregates
@@ -62,7 +62,7 @@ def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportRepor
                                field="--format", fix="use it to check a trace's skew; import a per-token log")
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown import format '{fmt}'", field="--format",
-                          fix=f"use one of {', '.join(available_formats())}")
+                          fix=f"{did_you_mean(fmt, available_formats())}use one of {', '.join(available_formats())}")
     if not sources:
         raise ConfigError("no source files given", field="SRC", fix="name at least one log file")
     refuse_aggregates(sources)
