@@ -104,12 +104,16 @@ class HardwareProfile:
             node = raw
             for part in parts[:-1]:
                 if not isinstance(node.get(part), dict):
+                    sections = sorted(k for k, v in node.items() if isinstance(v, dict))
                     raise ProfileError("no such profile field", source=self.path or self.name, field=key,
-                                       fix=f"valid top-level sections: {', '.join(sorted(self.raw))}")
+                                       fix=f"{did_you_mean(part, sections)}sections here: {', '.join(sections)}")
                 node = node[part]
             if parts[-1] not in node and key not in OPTIONAL_SCALARS:
+                section = ".".join(parts[:-1])
+                fields = sorted({*node, *(k.rpartition(".")[2] for k in OPTIONAL_SCALARS
+                                          if k.rpartition(".")[0] == section)})
                 raise ProfileError("no such profile field", source=self.path or self.name, field=key,
-                                   fix=f"fields here: {', '.join(sorted(node))}")
+                                   fix=f"{did_you_mean(parts[-1], fields)}fields here: {', '.join(fields)}")
             current = node.get(parts[-1])
             if isinstance(value, str) and isinstance(current, (bool, int, float)):
                 value = _like(value, current, key, self.path or self.name)
@@ -225,7 +229,9 @@ class _Reader:
         unknown = sorted(str(k) for k in set(data) - SECTION_KEYS[section])
         if unknown:
             where = f"{prefix or section}.{unknown[0]}" if (prefix or section) else unknown[0]
-            raise self.fail(where, "unknown field", f"valid fields here: {', '.join(sorted(SECTION_KEYS[section]))}")
+            valid = sorted(SECTION_KEYS[section])
+            raise self.fail(where, "unknown field",
+                            f"{did_you_mean(unknown[0], valid)}valid fields here: {', '.join(valid)}")
 
     def text(self, data: dict, key: str, default: Any = ...) -> str:
         name = key.split(".")[-1]

@@ -163,7 +163,8 @@ def test_unknown_schema_version():
 def test_unknown_field_is_not_ignored():
     data = minimal()
     data["pcie"]["bandwith_scale"] = 0.5
-    assert fails(data, "unknown field").field == "pcie.bandwith_scale"
+    err = fails(data, "unknown field")
+    assert err.field == "pcie.bandwith_scale" and "(fix: did you mean bandwidth_scale? valid fields here:" in str(err)
 
 
 def test_cuda_graph_must_be_boolean():
@@ -218,8 +219,14 @@ def test_unknown_override_key():
     with pytest.raises(ProfileError, match="no such profile field") as err:
         profile.with_overrides({"pcie.bandwith_scale": 0.5})
     assert err.value.field == "pcie.bandwith_scale" and "bandwidth_scale" not in str(err.value).split("fix")[0]
-    with pytest.raises(ProfileError, match="no such profile field"):
+    # the optional scalars a profile may leave out are offered too
+    assert "did you mean bandwidth_scale? fields here: bandwidth_scale, " in str(err.value)
+    with pytest.raises(ProfileError, match="no such profile field") as err:
+        profile.with_overrides({"pcei.latency_us": 1})
+    assert "(fix: did you mean pcie? sections here: " in str(err.value)
+    with pytest.raises(ProfileError, match="no such profile field") as err:
         profile.with_overrides({"disk.speed": 1})
+    assert "(fix: sections here: " in str(err.value)
 
 
 def test_override_with_a_bad_value_fails_cleanly():
