@@ -366,8 +366,14 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
 
 
 def _tidy(ax: Any) -> None:
+    from matplotlib.ticker import ScalarFormatter
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    for axis in (ax.xaxis, ax.yaxis):  # plain tick labels: a narrow range near 24 GiB read "0.0015 ... +2.399e1"
+        formatter = axis.get_major_formatter()
+        if isinstance(formatter, ScalarFormatter):
+            formatter.set_useOffset(False)
+            formatter.set_scientific(False)
     ax.grid(axis="y", color="#dddddd", linewidth=0.6, which="major")
     ax.set_axisbelow(True)
 

@@ -10,7 +10,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 from moesim.analysis.figures import (fig_breakdown, fig_gantt, fig_hit_rate_vs_prefetch, fig_tpot_vs_slots,
-                                     is_bound, load_results, plot_results, representative, standard_figures)
+                                     is_bound, load_results, plot_results, plot_scatter, representative,
+                                     standard_figures)
 from moesim.cli import main
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
@@ -64,6 +65,19 @@ def test_parameters_not_shown_are_averaged_with_a_min_max_band():
     assert "mean over hw" in fig._suptitle.get_text()
     linear = plot_results(results(), x="cache.slots_per_layer", y="gpu_hit_rate", hue="system", logy=False)
     assert linear.axes[0].get_yscale() == "linear"
+
+
+def test_a_narrow_range_is_labelled_in_plain_numbers():
+    """Planned GPU memory 23.9913-23.9943 GiB: matplotlib would label it "0.0015 ... +2.399e1"."""
+    frame = results().query("status == 'ok'").assign(
+        gpu_memory_gib=lambda f: 23.9913 + 0.003 * (f["cache.slots_per_layer"] == 4))
+    for fig in (plot_scatter(frame, x="gpu_memory_gib", y="tpot_ms_mean"),
+                plot_results(frame, x="gpu_memory_gib", y="tpot_ms_mean", hue="system")):
+        fig.canvas.draw()
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert ax.xaxis.get_offset_text().get_text() == "" and labels
+        assert all(label.startswith("23.99") for label in labels), labels
 
 
 def test_categorical_x_draws_grouped_bars():
