@@ -282,6 +282,8 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> An
             field_, seed = _setting_field(spec, err.detail)
             if seed:
                 fix = "seeds are not a --set parameter: list them at the top level, e.g. seeds: [0, 1]"
+        elif field_ is None and err.field:  # a profile field an hw.* override names: the spec's name for it
+            field_ = _spec_field(spec, f"hw.{err.field}")
         raise ConfigError(f"{err.detail}{where}", source=spec.source, field=field_ or err.field,
                           row=err.row, fix=fix) from None
 
@@ -293,8 +295,14 @@ def _setting_field(spec: SweepSpec, detail: str) -> tuple[str | None, bool]:
     if named is None:
         return None, False
     key = named.group(1)
+    field_ = _spec_field(spec, key)
+    return field_, field_ is not None and key in ("seed", "seeds")
+
+
+def _spec_field(spec: SweepSpec, key: str) -> str | None:
+    """``key`` as the spec gives it: ``set.KEY``, ``grid.KEY`` or ``zip[i].KEY`` (None: not there)."""
     sections = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
     for section, keys in sections:
         if key in keys:
-            return f"{section}.{key}", key in ("seed", "seeds")
-    return None, False
+            return f"{section}.{key}"
+    return None
