@@ -119,7 +119,8 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     ({"set": {"cache.slot": 1}}, "field 'set.cache.slot'", "valid:"),
     ({"zip": [{"engine.staging_slots": [1, 2]}, {"cache.slot": [1, 2]}]}, "field 'zip[1].cache.slot'", "valid:"),
     ({"grid": {"seed": [0, 1]}}, "field 'grid.seed'", "list them at the top level, e.g. seeds: [0, 1]"),
-    ({"grid": {"hw.pcie.bandwith_scale": [1.0]}}, "field 'grid.hw.pcie.bandwith_scale'", "did you mean bandwidth_scale?"),
+    ({"grid": {"hw.pcie.bandwith_scale": [1.0]}}, "field 'grid.hw.pcie.bandwith_scale'",
+     "did you mean bandwidth_scale?"),
     ({"set": {"hw.pcie.bandwidth_scale": "fast"}}, "field 'set.hw.pcie.bandwidth_scale'", "write a number"),
 ])
 def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, sections, field, fix):
