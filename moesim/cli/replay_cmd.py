@@ -12,7 +12,7 @@ from rich.markup import escape
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
                             hw_help, preset_help, print_skipped, to_stdout, write_json)
-from moesim.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
 
@@ -307,11 +307,8 @@ def _systems_json() -> list[dict]:
 def _system_json(name: str) -> dict:
     """What ``moesim systems NAME`` lists: the components in use and every --set parameter."""
     from moesim.analysis.params import system_parameter_docs
-    from moesim.errors import ConfigError
-    from moesim.policy.systems import SYSTEMS
-    if name not in SYSTEMS:
-        raise ConfigError(f"unknown system '{name}'", field="NAME",
-                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}")
+    from moesim.policy.systems import SYSTEMS, check_system_name
+    check_system_name(name, field="NAME")
     rows = system_parameter_docs(name)
     return {"name": name, "description": SYSTEMS[name].description,
             "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
@@ -325,11 +322,8 @@ def _print_system(name: str) -> None:
     from rich.text import Text
 
     from moesim.analysis.params import format_default, system_parameter_docs
-    from moesim.errors import ConfigError
-    from moesim.policy.systems import SYSTEMS
-    if name not in SYSTEMS:
-        raise ConfigError(f"unknown system '{name}'", field="NAME",
-                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}")
+    from moesim.policy.systems import SYSTEMS, check_system_name
+    check_system_name(name, field="NAME")
     console.print(f"[bold]{name}[/]: {escape(SYSTEMS[name].description)}", highlight=False, markup=True)
     table = Table(title_justify="left", width=min(console.width, 120))
     table.add_column("--set key", style="bold", no_wrap=True)

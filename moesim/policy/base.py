@@ -254,9 +254,9 @@ class Component:
     def set_param(self, key: str, raw: str) -> None:
         params = self.parameters()
         if key not in params:
+            valid = [f"{self.role}.{p}" for p in params]
             raise ConfigError(f"unknown parameter '{self.role}.{key}' for {self.role} '{self.name}'",
-                              fix=f"{did_you_mean(f'{self.role}.{key}', [f'{self.role}.{p}' for p in params])}"
-                                  f"valid: {', '.join(f'{self.role}.{p}' for p in params) or 'none'}")
+                              fix=f"{did_you_mean(f'{self.role}.{key}', valid)}valid: {', '.join(valid) or 'none'}")
         setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}"))
 
 

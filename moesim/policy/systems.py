@@ -363,11 +363,18 @@ def portfolio_members(name: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def check_system_name(name: str, field: str = "--system", source: str | None = None, or_all: bool = False) -> None:
+    """One line for a name that is no system: its likely meaning, then every system (and ``all`` where the
+    caller takes it)."""
+    if name not in SYSTEMS:
+        valid = [*SYSTEMS, "all"] if or_all else list(SYSTEMS)
+        raise ConfigError(f"unknown system '{name}'", source=source, field=field,
+                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(valid)}")
+
+
 def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:
     """Build a system, applying component swaps (``cache=lru``) and parameters (``cache.x=1``)."""
-    if name not in SYSTEMS:
-        raise ConfigError(f"unknown system '{name}'", field="--system",
-                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}, all")
+    check_system_name(name, or_all=True)
     spec = SYSTEMS[name]
     if spec.portfolio:
         raise ValueError(f"{name} is a portfolio of {spec.portfolio}: build its members")

@@ -14,7 +14,7 @@ from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
 from moesim.model.spec import DTYPE_BITS
 from moesim.policy.base import coerce
-from moesim.policy.systems import SYSTEMS, ComposedSystem, build_system, portfolio_members
+from moesim.policy.systems import SYSTEMS, ComposedSystem, build_system, check_system_name, portfolio_members
 from moesim.sim.config import SimConfig
 from moesim.sim.engine import Simulator
 from moesim.sim.result import SimResult
@@ -51,9 +51,9 @@ class ReplaySettings:
 def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
     names = {f.name: f.default for f in dataclasses.fields(obj)}
     if key not in names:
+        valid = [f"{section}.{n}" for n in names]
         raise ConfigError(f"unknown parameter '{section}.{key}'", field="--set",
-                          fix=f"{did_you_mean(f'{section}.{key}', [f'{section}.{n}' for n in names])}"
-                              f"valid: {', '.join(f'{section}.{n}' for n in names)}")
+                          fix=f"{did_you_mean(f'{section}.{key}', valid)}valid: {', '.join(valid)}")
     setattr(obj, key, coerce(raw, names[key], f"{section}.{key}"))
 
 
@@ -196,9 +196,7 @@ def checked_seed(seed: Any) -> int:
 
 def members(system: str) -> tuple[str, ...]:
     """The single systems a replay of ``system`` runs (a portfolio bound runs several)."""
-    if system not in SYSTEMS:
-        raise ConfigError(f"unknown system '{system}'", field="--system",
-                          fix=f"{did_you_mean(system, SYSTEMS)}use one of: {', '.join(SYSTEMS)}")
+    check_system_name(system)
     return portfolio_members(system)
 
 

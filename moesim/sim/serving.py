@@ -84,9 +84,9 @@ def split_settings(settings: dict[str, str] | None) -> ServingSettings:
         section, _, rest = key.partition(".")
         if section == "workload":
             if rest not in names:
+                valid = [f"workload.{n}" for n in names]
                 raise ConfigError(f"unknown parameter '{key}'", field="--set",
-                                  fix=f"{did_you_mean(key, [f'workload.{n}' for n in names])}"
-                                      f"valid: {', '.join(f'workload.{n}' for n in names)}")
+                                  fix=f"{did_you_mean(key, valid)}valid: {', '.join(valid)}")
             setattr(workload, rest, coerce(raw, names[rest], key))
         elif key == "scheduler":
             scheduler = str(raw)

@@ -201,16 +201,14 @@ def _values(value: Any, where: str, source: str) -> list[Any]:
 
 
 def _expand_systems(systems: list[str], source: str) -> list[str]:
-    from moesim.policy.systems import SYSTEMS, system_names
+    from moesim.policy.systems import check_system_name, system_names
     out: list[str] = []
     for name in systems:
         if name == "all":
             out += system_names()
-        elif name in SYSTEMS:
-            out.append(name)
         else:
-            raise ConfigError(f"unknown system '{name}'", source=source, field="systems",
-                              fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(SYSTEMS)}, all")
+            check_system_name(name, field="systems", source=source, or_all=True)
+            out.append(name)
     return list(dict.fromkeys(out))
 
 
