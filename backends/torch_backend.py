@@ -185,7 +185,7 @@ class RealExecutor:
         ctx = self.setup_ctx(system)
         system.configure(ctx)
         self.notes = ctx.notes
-        self.initial = [sorted(system.initial(layer, cap)) for layer, cap in enumerate(self.cache.capacity)]
+        self.initial = [sorted(system.initial(layer, quota)) for layer, quota in enumerate(self.memory.cache_quota)]
         for layer, experts in enumerate(self.initial):
             self.cache.preload(layer, experts)
             for e in experts:

@@ -20,10 +20,14 @@ from moesim.policy.state import CacheState, even_quotas
 
 @dataclass(frozen=True)
 class SlotSpread:
-    """How a cache uses its slots: per-layer quotas, and a model-wide pool when ``pool`` is set."""
+    """How a cache uses its slots: per-layer quotas, and a model-wide pool when ``pool`` is set.
+
+    ``cached``, when set, is the part of each layer's quota the cache itself fills; the rest is room for
+    a system's buffer beside the cache (DALI's prefetch buffer)."""
 
     capacity: list[int]
     pool: int | None = None
+    cached: list[int] | None = None
 
 
 class CachePolicy(Component):

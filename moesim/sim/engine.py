@@ -129,7 +129,8 @@ class Simulator:
         a portfolio bound runs its members a few steps at a time)."""
         self._wall = time.perf_counter()
         self.system.configure(self.ctx)
-        self._initial = [sorted(self.system.initial(layer, cap)) for layer, cap in enumerate(self.cache.capacity)]
+        self._initial = [sorted(self.system.initial(layer, quota))
+                         for layer, quota in enumerate(self.memory.cache_quota)]
         for layer, experts in enumerate(self._initial):
             self.cache.preload(layer, experts)
         return self.env.process((driver or self._forward)())

@@ -60,9 +60,16 @@ class MemoryPlan:
     pool: int | None = None
     #: slots the system keeps outside its cache (a prefetch buffer); counted in ``capacity``/``pool``
     reserved_slots: int = 0
+    #: experts each layer's cache fills, where ``capacity`` also holds buffer room (None: all of ``capacity``)
+    cached: list[int] | None = None
     #: True for a reference that holds every expert whatever the memory
     ignores_memory: bool = False
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def cache_quota(self) -> list[int]:
+        """Experts each layer's cache itself holds (its initial fill); the rest of ``capacity`` is buffer."""
+        return list(self.capacity) if self.cached is None else list(self.cached)
 
     @property
     def free_bytes(self) -> int:
@@ -92,8 +99,7 @@ class MemoryPlan:
         if self.ignores_memory:
             return f"every expert resident ({self.slots} slots; GPU memory not enforced)"
         if self.reserved_slots:
-            cache = [max(c - self.reserved_slots, 0) for c in self.capacity]
-            text = f"{describe_quotas(cache)} + a model-wide prefetch buffer of {self.reserved_slots}"
+            text = f"{describe_quotas(self.cache_quota)} + a model-wide prefetch buffer of {self.reserved_slots}"
         else:
             text = describe_quotas(self.capacity, self.pool)
         return f"{text} (of {self.total_slots} that fit)"
@@ -174,7 +180,8 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
                           fix=f"use at most {max(fit - reserved, 0)} slots in all "
                               f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
     spread = system.spread(total, layers, experts, requested)
-    return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved)
+    return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
+                 cached=None if spread.cached is None else list(spread.cached))
 
 
 def _named(profile: HardwareProfile) -> str:

@@ -134,6 +134,22 @@ def test_dali_buffer_sits_beside_its_cache(small):
     assert [len(r) for r in result.initial_resident] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("per_layer", [3, 4])
+def test_dali_cache_keeps_its_quota_where_the_buffer_meets_the_layer_size(small, per_layer):
+    """4 experts per layer and a buffer of 2: at 3 (or 4) slots per layer a layer's room is capped at 4,
+    yet the cache still holds 3 (4) experts per layer, not the capped room less the buffer (2)."""
+    sim = prepare(small, tiny_profile(), "dali", {"cache.slots_per_layer": str(per_layer), "engine.check": "true"})
+    memory = sim.memory
+    assert memory.capacity == [4, 4, 4] and memory.cache_quota == [per_layer] * 3
+    assert memory.pool == 3 * per_layer + 2
+    assert memory.describe().startswith(f"{3 * per_layer} slots: {per_layer} x 3 layers + a model-wide prefetch "
+                                        "buffer of 2")
+    result = sim.run()
+    assert [len(r) for r in result.initial_resident] == [per_layer] * 3
+    if per_layer == 4:  # every expert cached from the start: nothing to load
+        assert result.counters.demand_loads == result.counters.prefetches == 0
+
+
 def test_moe_infinity_pool_lets_one_layer_take_more(small):
     result = simulate(small, tiny_profile(), "moe-infinity", {"cache.slots": "3", "engine.check": "true"},
                       decisions=True)

@@ -94,15 +94,14 @@ class DaliSystem(ObservingSystem):
         return self._buffer()
 
     def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
-        """The cache's quotas, each layer allowed the buffer on top, the whole held to cache + buffer."""
+        """The cache's quotas, each layer allowed the buffer on top (at most all its experts), the whole
+        held to cache + buffer; the cache itself fills its own quotas."""
         buffer = self._buffer()
         cache = self.cache.spread(total, layers, experts, requested)
         if not buffer:
             return cache
-        return SlotSpread([min(q + buffer, experts) for q in cache.capacity], sum(cache.capacity) + buffer)
-
-    def initial(self, layer: int, capacity: int) -> list[int]:
-        return self.cache.initial(layer, max(capacity - self._buffer(), 0))
+        return SlotSpread([min(q + buffer, experts) for q in cache.capacity], sum(cache.capacity) + buffer,
+                          cached=list(cache.capacity))
 
     def _place(self, view: LayerView) -> LayerPlan:
         cache = self.cache
