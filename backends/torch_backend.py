@@ -555,7 +555,7 @@ class RealExecutor:
                          pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
                          timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
                          initial_resident=self.initial, pcie_engines=1,
-                         rewrites=self.system.rewrites)
+                         rewrites=self.system.rewrites, runtime="measured")
 
 
 def _spin(seconds: float) -> None:

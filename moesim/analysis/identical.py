@@ -141,9 +141,19 @@ def _costs(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
     if all(b.keys() == first.keys() and all(abs(b[k] - first[k]) <= 1e-9 * max(abs(first[k]), 1.0) for k in b)
            for b in breakdowns[1:]):
         busy = ", ".join(f"{k} {v:,.1f} ms" for k, v in first.items() if v > 0)
-        return f"their time breakdowns agree in every category ({busy}): whatever runtime costs the systems " \
-               f"declare differently come out equal on this profile"
+        return f"their time breakdowns agree in every category ({busy}): {_runtimes(names, by_system)}"
     return ""
+
+
+def _runtimes(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
+    """Why equal breakdowns need no runtime to explain them: one runtime, or runtimes costing the same here."""
+    runtimes: dict[str, list[str]] = {}
+    for name in names:
+        runtimes.setdefault(str(by_system[name].get("runtime", "?")), []).append(name)
+    if len(runtimes) == 1:
+        return f"they run on the same runtime ({next(iter(runtimes))})"
+    listed = " and ".join(f"{runtime} ({', '.join(group)})" for runtime, group in runtimes.items())
+    return f"their runtimes, {listed}, come out equal on this profile"
 
 
 def _portfolio(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:

@@ -51,6 +51,7 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "expert_slots": result.memory.slots,
         "slots_per_layer": result.memory.slots / len(result.memory.capacity) if result.memory.capacity else 0,
         "slot_spread": result.memory.describe(),
+        "runtime": result.runtime,
         **_memory_gib(result.memory),
         "sim_wall_s": result.sim_wall_s,
         # a portfolio bound: each metric the best of its schedules, and which schedule gave it

@@ -39,6 +39,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
         ("PCIe H2D", f"{m['pcie_h2d_bytes'] / 2**30:,.2f} GiB"),
         ("utilisation CPU / GPU / PCIe", f"{m['cpu_util']:.0%} / {m['gpu_util']:.0%} / {m['pcie_util']:.0%}"),
         ("expert slots", str(m.get("slot_spread", m["expert_slots"]))),
+        ("runtime", str(m.get("runtime", "-"))),
         ("simulated in", f"{m['sim_wall_s']:.2f} s"),
     ]
     for row in rows:
@@ -100,8 +101,11 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       f"replay's weights, is no bound for it; compare with --set {weights.split(', ')[0]} "
                       "--system oracle")
     if "all-in-gpu" in by_system:
-        console.print("all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory, so "
-                      "schedules within the budget may beat it")
+        ideal = by_system["all-in-gpu"].get("runtime") == "ideal"
+        console.print("all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory"
+                      + (" and runs on the ideal runtime (no kernel launches, no host work; a system with "
+                         "every expert resident still pays its own runtime's)" if ideal else "")
+                      + ", so schedules within the budget may beat it")
     if floor:
         slots = {m["lower_bound"].get("slots") for m in by_system.values()
                  if isinstance(m.get("lower_bound", {}).get("slots"), int)}
@@ -138,13 +142,23 @@ def shared_notes(runs: Iterable[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def _print_spreads(by_system: dict[str, dict[str, Any]], console: Console) -> None:
-    """How each system's expert slots spread over the layers, systems with the same spread on one line."""
-    spreads: dict[str, list[str]] = {}
-    for name, m in by_system.items():
-        if "slot_spread" in m:
-            spreads.setdefault(m["slot_spread"], []).append(name)
-    for text, names in sorted(spreads.items(), key=lambda kv: -len(kv[1])):
+    """How each system's expert slots spread over the layers, systems with the same spread on one line;
+    then the runtime each ran on (its launch costs and CPU kernel efficiency), on one line."""
+    for text, names in _grouped(by_system, "slot_spread"):
         console.print(f"expert slots of {', '.join(names)}: {text}", highlight=False)
+    runtimes = _grouped(by_system, "runtime")
+    if runtimes:
+        console.print("runtimes (launch costs, CPU kernel efficiency; --set runtime=NAME): "
+                      + "; ".join(f"{text} ({', '.join(names)})" for text, names in runtimes), highlight=False)
+
+
+def _grouped(by_system: dict[str, dict[str, Any]], key: str) -> list[tuple[str, list[str]]]:
+    """The values of ``key`` with the systems that have each, the most shared first."""
+    groups: dict[str, list[str]] = {}
+    for name, m in by_system.items():
+        if key in m:
+            groups.setdefault(str(m[key]), []).append(name)
+    return sorted(groups.items(), key=lambda kv: -len(kv[1]))
 
 
 def _first_cached(by_system: dict[str, dict[str, Any]]) -> str:

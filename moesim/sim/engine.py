@@ -155,7 +155,7 @@ class Simulator:
                          notes=list(self.ctx.notes), timeline=self.timeline, decisions=self.decisions,
                          sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks),
                          initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines,
-                         rewrites=self.system.rewrites)
+                         rewrites=self.system.rewrites, runtime=self.costs.runtime_name)
 
     # ------------------------------------------------------------------ recording
     def _span(self, resource: str, lane: int, start: float, end: float, kind: str, step: int, layer: int,

@@ -38,6 +38,8 @@ class SimResult:
     cost_fallbacks: list[str]
     initial_resident: list[list[int]] = field(default_factory=list)
     pcie_engines: int = 1
+    #: the runtime the replay charged launches and CPU kernel efficiency by (a key of the profile's runtimes)
+    runtime: str = "generic"
     #: (step, layer) -> routing rewrites the system made (substitution); the bound replays them
     rewrites: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 

@@ -43,6 +43,16 @@ def test_reason_names_the_idle_mechanism_and_its_own_note():
     assert "time breakdowns agree in every category (attention 5.0 ms, cpu_other 90.0 ms, sync 1.0 ms)" in reason
 
 
+def test_equal_breakdowns_name_the_runtimes():
+    same = {"cpu-only": row(runtime="generic"), "static-hot": row(runtime="generic")}
+    assert explain_identical(["cpu-only", "static-hot"], same).endswith("they run on the same runtime (generic).")
+    differ = {"cpu-only": row(runtime="generic"), "ktransformers": row(runtime="ktransformers"),
+              "llamacpp-experts": row(runtime="llamacpp")}
+    assert explain_identical(list(differ), differ).endswith(
+        "their runtimes, generic (cpu-only) and ktransformers (ktransformers) and llamacpp (llamacpp-experts), "
+        "come out equal on this profile.")
+
+
 def test_reason_says_where_decision_logs_differ():
     by_system = {"cpu-only": row(), "ktransformers": row(expert_slots=60)}
     logs = {"cpu-only": [(0, 0, 1, "cpu", 0), (0, 1, 3, "cpu", 1)],

@@ -26,3 +26,36 @@ def test_brackets_in_a_note_reach_the_terminal():
     out = io.StringIO()
     _print_notes({"notes": [f"{HOT} [fiddler, static-hot]"]}, Console(file=out, width=200))
     assert out.getvalue() == f"note: {HOT} [fiddler, static-hot]\n"
+
+
+def test_tables_name_each_systems_runtime(tmp_path):
+    """Every expert resident in both, yet gpu-only-lru pays kernel launches that all-in-gpu (ideal) does not:
+    the tables say which runtime each ran on."""
+    import numpy as np
+
+    from moesim.analysis.metrics import metrics
+    from moesim.analysis.report import render_comparison_table, render_metrics
+    from moesim.sim.run import simulate
+    from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
+
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    trace = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                 random_routing(np.random.default_rng(0), model, requests=1, prompt=3, decode=3)))
+    by_system = {name: metrics(simulate(trace, tiny_profile(), name))
+                 for name in ("gpu-only-lru", "static-hot", "all-in-gpu")}
+    assert {name: m["runtime"] for name, m in by_system.items()} == {
+        "gpu-only-lru": "generic", "static-hot": "generic", "all-in-gpu": "ideal"}
+    lru, ideal = by_system["gpu-only-lru"], by_system["all-in-gpu"]
+    assert lru["gpu_hit_rate"] == ideal["gpu_hit_rate"] == 1.0
+    # each GPU expert's kernels are launched (engine.kernels_per_expert x launch_us) on the generic runtime only
+    assert lru["breakdown_ms"]["gpu_compute"] > ideal["breakdown_ms"]["gpu_compute"]
+    out = io.StringIO()
+    render_comparison_table(by_system, Console(file=out, width=400))
+    text = out.getvalue()
+    assert "runtimes (launch costs, CPU kernel efficiency; --set runtime=NAME): generic (gpu-only-lru, " \
+           "static-hot); ideal (all-in-gpu)\n" in text
+    assert "all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory and runs on the " \
+           "ideal runtime (no kernel launches, no host work;" in text
+    out = io.StringIO()
+    render_metrics(by_system["gpu-only-lru"], Console(file=out, width=200))
+    assert [line for line in out.getvalue().splitlines() if "runtime" in line and "generic" in line]
