@@ -98,8 +98,8 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
                       "possible: see the next line)")
     for name, weights in other_weights.items():
         console.print(f"{name}: runs its own weights by default ({weights}), so the oracle, which schedules the "
-                      f"replay's weights, is no bound for it; compare with --set {weights.split(', ')[0]} "
-                      "--system oracle")
+                      "replay's weights, is no bound for it; compare with "
+                      + " ".join(f"--set {setting}" for setting in weights.split(", ")) + " --system oracle")
     if "all-in-gpu" in by_system:
         ideal = by_system["all-in-gpu"].get("runtime") == "ideal"
         console.print("all-in-gpu: a reference, not a bound: it holds every expert whatever the GPU memory"

@@ -25,9 +25,9 @@ def test_the_last_experts_start_on_the_gpu(trace):
     assert ours.initial_resident == [[5, 6, 7]] * 3
     lru = simulate(trace, tiny_profile(), "gpu-only-lru", settings)
     assert lru.initial_resident[0] == [0, 1, 2]
-    # with the first ids and bf16 experts the composition is gpu-only-lru's, to the last number
+    # with the first ids and bf16 weights the composition is gpu-only-lru's, to the last number
     same = simulate(trace, tiny_profile(), "mixtral-offloading",
-                    {**settings, "cache": "lru", "memory.expert_dtype": "bf16"})
+                    {**settings, "cache": "lru", "memory.expert_dtype": "bf16", "memory.non_expert_dtype": "bf16"})
     assert same.makespan_s == lru.makespan_s and same.counters.demand_loads == lru.counters.demand_loads
 
 
@@ -51,6 +51,20 @@ def test_experts_are_int4_by_default(trace):
     # every load moves one expert: 4-bit weights with one fp16 scale per 128 (49,152 -> 12,672 bytes)
     assert int4.pcie_bytes / bf16.pcie_bytes == pytest.approx(model.expert_bytes("int4") / model.expert_bytes("bf16"))
     assert model.expert_bytes("int4") == 3 * 64 * 128 // 2 + 3 * 64 * 128 // 128 * 2
+
+
+def test_attention_is_int4_by_default(trace):
+    """The demo quantizes attention to 4 bits (HQQ): the non-expert weights take a quarter of bf16's memory,
+    which leaves room for more expert slots."""
+    from moesim.sim.run import prepare
+    profile = tiny_profile()
+    int4 = prepare(trace, profile, "mixtral-offloading").memory
+    bf16 = prepare(trace, profile, "mixtral-offloading", {"memory.non_expert_dtype": "bf16"}).memory
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    assert (int4.non_expert_bytes, bf16.non_expert_bytes) == (model.non_expert_bytes("int4"),
+                                                              model.non_expert_bytes("bf16"))
+    assert int4.non_expert_bytes * 4 == bf16.non_expert_bytes
+    assert int4.total_slots > bf16.total_slots
 
 
 def test_speculative_loading_prefetches_the_guessed_experts(trace):

@@ -12,11 +12,16 @@ Initial residents: ``build_model.py`` offloads expert ``i`` of a layer when
 as the cache's insertion order does). The cache is filled when the model is
 loaded, before the first step, free as every system's initial cache.
 
-Expert precision: the report quantizes experts with HQQ (Sec. 3.3; its
-speed measurements use 2- to 4-bit experts with 4-bit attention, and the
-released demo checkpoint 2-bit experts). moesim's narrowest expert dtype is
-int4 (group scales), so the system defaults to ``memory.expert_dtype=int4``;
-``--set memory.expert_dtype=bf16`` replays unquantized experts.
+Precision: the report quantizes with HQQ (Sec. 3.3; its speed measurements
+use 2- to 4-bit experts with 4-bit attention, and the released demo
+``notebooks/demo.ipynb`` 2-bit experts, group 16, and 4-bit attention
+projections, group 64, with embeddings and LM head left in fp16). moesim's
+narrowest dtype is int4 (group scales), so the system defaults to
+``memory.expert_dtype=int4`` and ``memory.non_expert_dtype=int4``; the one
+non-expert dtype also counts the embeddings and LM head in int4, 0.39 GB
+less than the demo holds for Mixtral (about 4 int4 experts of GPU memory),
+where bf16 would count 2.0 GB more. ``--set memory.expert_dtype=bf16 --set
+memory.non_expert_dtype=bf16`` replays unquantized weights.
 
 Speculative expert loading (Sec. 3.2): the next layer's gate applied to the
 current hidden state guesses its experts, which are loaded early. The
@@ -44,8 +49,9 @@ from moesim.policy.cache import LRUCache
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
-#: 2312.17238 Sec. 3.3 (HQQ experts); int4 is the narrowest expert dtype moesim models
+#: 2312.17238 Sec. 3.3 (HQQ experts and attention); int4 is the narrowest dtype moesim models
 DEFAULT_EXPERT_DTYPE = "int4"
+DEFAULT_NON_EXPERT_DTYPE = "int4"
 
 
 @register_component
@@ -115,7 +121,9 @@ class MixtralOffloadingSystem(ComposedSystem):
 
 register_system("mixtral-offloading", SystemSpec(
     "Mixtral-offloading's open-source expert cache: per-layer LRU over fixed GPU slots (the last experts "
-    "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts, each swap writing "
-    "the evicted expert back to host memory; speculative next-layer loading with --set prefetch=speculative",
+    "loaded first), every expert on the GPU, resident experts first, HQQ-style int4 experts and attention, each "
+    "swap writing the evicted expert back to host memory; speculative next-layer loading with --set "
+    "prefetch=speculative",
     cache="mixoff-lru", assign="gpu", system_class=MixtralOffloadingSystem,
-    defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE),), runtime="pytorch-eager"))
+    defaults=(("memory.expert_dtype", DEFAULT_EXPERT_DTYPE), ("memory.non_expert_dtype", DEFAULT_NON_EXPERT_DTYPE)),
+    runtime="pytorch-eager"))
