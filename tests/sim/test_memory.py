@@ -33,7 +33,7 @@ def test_every_system_plans_from_the_same_budget():
     """No system plans memory on its own: llama.cpp used to count non-expert weights in the expert dtype
     and hold whole layers beyond the budget (and beat the oracle with memory.expert_dtype=int4)."""
     for dtype in ("bf16", "int4"):
-        settings = {"memory.expert_dtype": dtype}
+        settings = {"memory.expert_dtype": dtype, "memory.non_expert_dtype": "bf16"}  # over systems' defaults
         plans = {}
         for name in system_names():
             if SYSTEMS[name].portfolio:
