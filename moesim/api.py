@@ -140,6 +140,11 @@ def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM) -> None
     if not isinstance(system, str):
         raise ConfigError(f"system must be one system's name, got {system!r}", field="system",
                           fix="run one system per call (moesim.sweep runs several: systems=[...])")
+    if system == "all" or "," in system:  # the command line's --system all / a,b: several runs, one table
+        raise ConfigError(f"system={system!r} names several systems; a call replays one", field="system",
+                          fix="moesim.sweep({'traces': [TRACE], 'hw': [HW], 'systems': "
+                              + ("'all'" if system == "all" else repr(system.split(",")))
+                              + "}) gives one row per system")
     from moesim.hw.profile import HardwareProfile
     if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
         raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",

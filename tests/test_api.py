@@ -114,6 +114,7 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
      "workers"),
     (lambda trace, hw: moesim.replay(trace, hw=hw, system=["cpu-only"]), "system"),  # was a bare TypeError
     (lambda trace, hw: moesim.serve(trace, hw=hw, system=["cpu-only"]), "system"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, system="all"), "system"),  # was "did you mean all-in-gpu?"
     (lambda trace, hw: moesim.serve(trace, hw=hw, qps=0), "qps"),  # the shorthand, not workload.qps
     (lambda trace, hw: moesim.serve(trace, hw=hw, requests=0), "requests"),
     (lambda trace, hw: moesim.replay(trace, hw=hw).plot_timeline(steps=(100, 200)), "steps"),
@@ -213,3 +214,15 @@ def test_slice_keeps_the_first_steps_and_the_metadata(files, tmp_path):
     with pytest.raises(ConfigError, match=r"written as Parquet, but its name has '\.csv' \(fix: name it e\.g\. s\.parquet"):
         slice_trace(trace, tmp_path / "s.csv", steps=3)
     assert not (tmp_path / "s.csv").exists()
+
+
+@pytest.mark.parametrize("system, fix", [
+    ("all", "moesim.sweep({'traces': [TRACE], 'hw': [HW], 'systems': 'all'}) gives one row per system"),
+    ("cpu-only,fiddler", "'systems': ['cpu-only', 'fiddler']})"),
+])
+def test_several_systems_in_one_call_point_to_sweep(files, system, fix):
+    """The command line's --system all and --system a,b compare systems; in Python that is a sweep."""
+    trace, hw = files
+    with pytest.raises(ConfigError, match=f"system='{system}' names several systems; a call replays one") as err:
+        moesim.replay(trace, hw=hw, system=system)
+    assert fix in str(err.value)
