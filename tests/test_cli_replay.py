@@ -243,8 +243,11 @@ def test_bundled_trace_no_row_beats_the_oracle_on_the_same_weights(capsys):
             continue
         assert m["tpot_ms_mean"] >= oracle["tpot_ms_mean"] - 1e-9, name
         assert m["ttft_ms"] >= oracle["ttft_ms"] - 1e-9, name
-        if SYSTEMS[name].uses_cache and name not in ("dali", "fiddler", "llamacpp"):
+        if SYSTEMS[name].uses_cache and name not in ("dali", "fiddler", "llamacpp", "ktransformers",
+                                                      "ktransformers-ed"):
             assert m["expert_slots"] == 60, name
+    # KTransformers holds its static GPU experts only (cache.per_layer, none by default)
+    assert by_system["ktransformers"]["expert_slots"] == by_system["ktransformers-ed"]["expert_slots"] == 0
     assert "mixtral-offloading: runs its own weights by default (memory.expert_dtype=int4, " \
            "memory.non_expert_dtype=int4), so the oracle, which schedules the replay's weights, is no bound for it; " \
            "compare with --set memory.expert_dtype=int4 --set memory.non_expert_dtype=int4 --system oracle" \

@@ -116,6 +116,9 @@ def test_static_gpu_experts_per_layer(tmp_path):
                       {"cache.per_layer": "2", "cache.slots_per_layer": "3", "engine.check": "true"})
     assert [len(r) for r in result.initial_resident] == [2, 2]
     assert metrics(result)["demand_loads"] == 0 and metrics(result)["gpu_hit_rate"] > 0
+    # the memory plan holds the static experts only: the third slot per layer stays free memory
+    assert result.memory.capacity == [2, 2] and metrics(result)["expert_slots"] == 4
+    assert simulate(str(trace), tiny_profile(), "ktransformers").memory.capacity == [0, 0]
     with pytest.raises(ConfigError, match="cache.per_layer"):
         simulate(str(trace), tiny_profile(), "ktransformers", {"cache.per_layer": "4", "cache.slots_per_layer": "3"})
 

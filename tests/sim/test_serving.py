@@ -169,6 +169,10 @@ def test_kv_budget_is_the_memory_the_expert_cache_leaves(tmp_path):
         kv_budget_tokens(more, model.kv_bytes_per_token(), False)
     assert abs(fewer_tokens - 2 * mem.expert_bytes / model.kv_bytes_per_token()) <= 1
     assert kv_budget_tokens(mem, model.kv_bytes_per_token(), True) is None
+    # KTransformers without static GPU experts (its default) holds no expert slots: its KV gets what cpu-only's does
+    cpu = kv_budget_tokens(prepare(path, profile, "cpu-only").memory, model.kv_bytes_per_token(), False)
+    ktrans = kv_budget_tokens(prepare(path, profile, "ktransformers").memory, model.kv_bytes_per_token(), False)
+    assert ktrans == cpu > kv_budget_tokens(mem, model.kv_bytes_per_token(), False)
 
 
 def test_small_kv_preempts_and_recomputes(tmp_path):

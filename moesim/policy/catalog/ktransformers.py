@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerPlan, LayerView, RunContext
-from moesim.policy.cache import StaticCache
+from moesim.policy.cache import SlotSpread, StaticCache
 from moesim.policy.systems import Deferral, SystemSpec, register_component, register_system
 
 
@@ -36,7 +36,9 @@ class KTransformersStatic(StaticCache):
     KTransformers' injection rules can place some routed experts on the GPU
     (001 Sec. 5); which ones is a profiling choice, here the most activated on
     ``calibration`` (default: the replayed trace, flagged in the notes). With
-    ``per_layer=0`` (the default) every routed expert runs on the CPU.
+    ``per_layer=0`` (the default) every routed expert runs on the CPU. The memory
+    plan holds ``per_layer`` slots per layer, no more: the rest of the GPU stays
+    free for the KV cache (a served workload's batches).
     """
 
     name = "ktrans-static"
@@ -55,6 +57,11 @@ class KTransformersStatic(StaticCache):
             raise ConfigError(f"{self.per_layer} static GPU experts per layer do not fit: GPU memory holds "
                               f"{room} per layer", field="cache.per_layer", fix=f"use cache.per_layer <= {room}")
         super().configure(ctx)
+
+    def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
+        """The plan's quotas cut to ``per_layer``: slots this cache would never fill stay free memory."""
+        quotas = super().spread(total, layers, experts, requested).capacity
+        return SlotSpread([min(self.per_layer, q) for q in quotas])
 
     def initial(self, layer: int, capacity: int) -> list[int]:
         return self._hot[layer][:min(self.per_layer, capacity)]
