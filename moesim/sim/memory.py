@@ -180,8 +180,22 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
                           fix=f"use at most {max(fit - reserved, 0)} slots in all "
                               f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
     spread = system.spread(total, layers, experts, requested)
+    held = sum(spread.cached if spread.cached is not None else spread.capacity)
+    if spread.pool is not None and spread.cached is None:
+        held = min(held, spread.pool)
     return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
-                 cached=None if spread.cached is None else list(spread.cached))
+                 cached=None if spread.cached is None else list(spread.cached),
+                 notes=_smaller_cache(request, system, total, held))
+
+
+def _smaller_cache(request: CacheRequest, system, total: int, held: int) -> list[str]:
+    """A note when the cache holds fewer slots than the user asked for (its own size setting binds)."""
+    asked = _asked(request)
+    if not asked or held >= total:
+        return []
+    sized_by = getattr(system.cache, "sized_by", "")
+    return [f"{asked} asks for {total} slots; {system.name}'s cache '{system.cache.name}' holds {held} of them"
+            + (f" (its size is {sized_by})" if sized_by else "")]
 
 
 def _named(profile: HardwareProfile) -> str:
@@ -191,13 +205,17 @@ def _named(profile: HardwareProfile) -> str:
 
 def _unused_request(request: CacheRequest, system: str, why: str) -> list[str]:
     """A note when the user sized a cache that ``system`` does not have (the setting changes nothing)."""
+    asked = _asked(request)
+    return [f"{asked} changes nothing: {system} {why}"] if asked else []
+
+
+def _asked(request: CacheRequest) -> str:
+    """The cache size the user set, as they wrote it ("" when none)."""
     if request.slots is not None:
-        asked = f"cache.slots={request.slots}"
-    elif request.slots_per_layer is not None:
-        asked = "cache.slots_per_layer=" + ",".join(map(str, request.slots_per_layer))
-    else:
-        return []
-    return [f"{asked} changes nothing: {system} {why}"]
+        return f"cache.slots={request.slots}"
+    if request.slots_per_layer is not None:
+        return "cache.slots_per_layer=" + ",".join(map(str, request.slots_per_layer))
+    return ""
 
 
 def _check_request(request: CacheRequest, layers: int, experts: int) -> list[int] | None:

@@ -125,6 +125,19 @@ def test_a_cache_size_a_system_has_no_cache_for_is_noted(small):
                 if "changes nothing" in n]
 
 
+def test_a_cache_smaller_than_asked_says_so(small):
+    """A cache sized by its own setting (KTransformers' static experts) or by whole layers holds fewer
+    slots than cache.slots asks for: a note gives both numbers."""
+    profile = tiny_profile()
+    notes = prepare(small, profile, "ktransformers", {"cache.slots_per_layer": "2"}).ctx.notes
+    assert "cache.slots_per_layer=2 asks for 6 slots; ktransformers's cache 'ktrans-static' holds 0 of them " \
+           "(its size is cache.per_layer static experts per layer)" in notes
+    assert "cache.slots=6 asks for 6 slots; llamacpp's cache 'llamacpp-layers' holds 4 of them" in \
+        prepare(small, profile, "llamacpp", {"cache.slots": "6"}).ctx.notes
+    for system in ("gpu-only-lru", "dali", "moe-infinity"):  # every slot asked for is held
+        assert not [n for n in prepare(small, profile, system, {"cache.slots": "6"}).ctx.notes if "asks for" in n]
+
+
 def test_dali_buffer_sits_beside_its_cache(small):
     """DALI at 1 slot per layer caches 1 expert per layer; its prefetch buffer is extra memory."""
     sim = prepare(small, tiny_profile(), "dali", {"cache.slots_per_layer": "1", "engine.check": "true"})

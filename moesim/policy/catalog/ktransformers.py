@@ -21,6 +21,7 @@ Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from moesim.errors import ConfigError
 from moesim.policy.base import LayerPlan, LayerView, RunContext
@@ -42,6 +43,8 @@ class KTransformersStatic(StaticCache):
     """
 
     name = "ktrans-static"
+    #: what sizes this cache, for a note when a cache.slots setting asks for more
+    sized_by: ClassVar[str] = "cache.per_layer static experts per layer"
     #: routed experts per layer kept on the GPU (0: all on the CPU, as in 001's evaluation)
     per_layer: int = 0
 
