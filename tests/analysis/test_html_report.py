@@ -99,3 +99,14 @@ def test_cli_report_renders_in_a_headless_browser_with_every_image_loaded(sweep_
     assert found.group(1) == found.group(2) == "4"
     assert all(int(w) > 300 for w in found.group(3).split(","))
     assert "<h1>r.parquet</h1>" in done.stdout
+
+
+def test_every_point_names_the_runtime_it_ran_on(sweep_results, tmp_path):
+    report = tmp_path / "report.html"
+    assert main(["report", str(sweep_results), "--out", str(report), "--no-gantt"]) == 0
+    page = report.read_text()
+    table = page[page.index("<h2>All points</h2>"):]
+    head = re.findall(r"<th>([^<]*)</th>", table[:table.index("</thead>")])
+    assert head[-1] == "runtime"
+    runtimes = re.findall(r"<td>(generic|ideal)</td>\s*</tr>", table)
+    assert sorted(set(runtimes)) == ["generic", "ideal"]  # cpu-only and gpu-only-lru; all-in-gpu
