@@ -34,6 +34,8 @@ class CachePolicy(Component):
     role = "cache"
     #: "layer": per-layer quotas; "pool": one model-wide pool (a layer may take any free slot)
     layout: ClassVar[str] = "layer"
+    #: the setting that sizes the cache when not the memory plan's slots (named in a note when it holds fewer)
+    sized_by: ClassVar[str] = ""
 
     def spread(self, total: int, layers: int, experts: int, requested: list[int] | None = None) -> SlotSpread:
         """Spread ``total`` slots of the memory plan over the layers.

@@ -193,7 +193,7 @@ def _smaller_cache(request: CacheRequest, system, total: int, held: int) -> list
     asked = _asked(request)
     if not asked or held >= total:
         return []
-    sized_by = getattr(system.cache, "sized_by", "")
+    sized_by = system.cache.sized_by
     return [f"{asked} asks for {total} slots; {system.name}'s cache '{system.cache.name}' holds {held} of them"
             + (f" (its size is {sized_by})" if sized_by else "")]
 

@@ -43,7 +43,6 @@ class KTransformersStatic(StaticCache):
     """
 
     name = "ktrans-static"
-    #: what sizes this cache, for a note when a cache.slots setting asks for more
     sized_by: ClassVar[str] = "cache.per_layer static experts per layer"
     #: routed experts per layer kept on the GPU (0: all on the CPU, as in 001's evaluation)
     per_layer: int = 0
