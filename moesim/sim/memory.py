@@ -180,17 +180,15 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
                           fix=f"use at most {max(fit - reserved, 0)} slots in all "
                               f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
     spread = system.spread(total, layers, experts, requested)
-    held = sum(spread.cached if spread.cached is not None else spread.capacity)
-    if spread.pool is not None and spread.cached is None:
-        held = min(held, spread.pool)
-    return _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
-                 cached=None if spread.cached is None else list(spread.cached),
-                 notes=_smaller_cache(request, system, total, held))
+    planned = _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
+                    cached=None if spread.cached is None else list(spread.cached))
+    return _with(planned, notes=_smaller_cache(request, system, total, planned))
 
 
-def _smaller_cache(request: CacheRequest, system, total: int, held: int) -> list[str]:
+def _smaller_cache(request: CacheRequest, system, total: int, planned: MemoryPlan) -> list[str]:
     """A note when the cache holds fewer slots than the user asked for (its own size setting binds)."""
     asked = _asked(request)
+    held = planned.slots if planned.cached is None else sum(planned.cached)  # a buffer beside it is no cache
     if not asked or held >= total:
         return []
     sized_by = system.cache.sized_by
