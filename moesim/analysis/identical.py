@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from moesim.policy.systems import ROLES, SYSTEMS
+from moesim.policy.systems import COMPONENTS, ROLES, SYSTEMS, SystemSpec
 
 #: metrics that make a row: latency, throughput, traffic, hits and utilisation
 ROW_METRICS = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "makespan_s", "decode_tokens_per_s",
@@ -83,14 +83,49 @@ def _placement(m: dict[str, Any]) -> str:
     return f"{share:.1%} of expert activations ran on the GPU"
 
 
+def _schedule(name: str, by_system: dict[str, dict[str, Any]]) -> str | None:
+    """The system whose components made ``name``'s row: itself, or the one schedule a portfolio bound took
+    every metric from (None when its metrics came from several)."""
+    spec = SYSTEMS.get(name)
+    if spec is None or not spec.portfolio:
+        return name if spec is not None else None
+    sources = {pair.split("=", 1)[1] for pair in by_system[name].get("portfolio_best", "").split("; ") if "=" in pair}
+    return sources.pop() if len(sources) == 1 and next(iter(sources)) in SYSTEMS else None
+
+
+def _specs(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> dict[str, SystemSpec]:
+    """Each member's composition, a portfolio's under its label 'bound (schedule)'."""
+    out = {}
+    for name in names:
+        schedule = _schedule(name, by_system)
+        if schedule is not None:
+            out[name if schedule == name else f"{name} ({schedule})"] = SYSTEMS[schedule]
+    return out
+
+
+def _missing_phases(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> set[str]:
+    """The step phases this trace has none of (read off the runs' token counts)."""
+    counted = {"prefill": "prefill_tokens", "decode": "decode_tokens"}
+    return {phase for phase, key in counted.items() if all(by_system[n].get(key) == 0 for n in names)}
+
+
+def _idle_phase(role: str, component: str, missing: set[str]) -> str:
+    """Why a component had nothing to do: it acts only in phases the trace lacks ('' if not so)."""
+    cls = COMPONENTS.get(role, {}).get(component)
+    if cls is None or not set(cls.phases) <= missing:
+        return ""
+    return f"acts in {' and '.join(cls.phases)} steps only, of which the trace has none"
+
+
 def _mechanisms(names: Sequence[str], by_system: dict[str, dict[str, Any]], same_decisions: bool) -> list[str]:
     """Per role whose component differs among the members: what each component did (and why not, if noted)."""
-    specs = {n: SYSTEMS[n].roles() for n in names if n in SYSTEMS}
+    specs = {label: spec.roles() for label, spec in _specs(names, by_system).items()}
+    missing = _missing_phases(names, by_system)
     out = []
     for role in ROLES:
         users: dict[str, list[str]] = {}
-        for name, roles in specs.items():
-            users.setdefault(roles[role], []).append(name)
+        for label, roles in specs.items():
+            users.setdefault(roles[role], []).append(label)
         if len(users) < 2:
             continue
         if role == "assign":
@@ -100,25 +135,60 @@ def _mechanisms(names: Sequence[str], by_system: dict[str, dict[str, Any]], same
             continue
         for component, members in users.items():
             if component != "none":
-                out.append(_acted(role, component, members, by_system))
+                runs = [label.split(" (", 1)[0] for label in members]
+                out.append(_acted(role, component, members, runs, by_system, _idle_phase(role, component, missing)))
     return out
 
 
-def _acted(role: str, component: str, members: list[str], by_system: dict[str, dict[str, Any]]) -> str:
-    m = by_system[members[0]]
+def _acted(role: str, component: str, members: list[str], runs: list[str], by_system: dict[str, dict[str, Any]],
+           idle: str = "") -> str:
+    m = by_system[runs[0]]
     who = f"{', '.join(members)}: {role} '{component}'"
     counter = ACTED.get(role)
     if counter is not None and counter in m:
-        counts = {by_system[n][counter] for n in members}
+        counts = {by_system[n][counter] for n in runs}
         text = f"{who} never acted (0 {counter.replace('_', ' ')})" if counts == {0} else \
             f"{who} acted ({', '.join(f'{c:,}' for c in sorted(counts))} {counter.replace('_', ' ')})"
     elif role == "cache":
         text = f"{who} {_cache_use(m)}"
     else:
         text = f"{who} made no difference"
-    why = sorted({note.split(": ", 1)[1] for n in members for note in by_system[n].get("notes", [])
+    why = sorted({note.split(": ", 1)[1] for n in runs for note in by_system[n].get("notes", [])
                   if note.startswith(f"{component}: ")})
+    why = [f"it {idle}"] + why if idle else why
     return text + (f" because {'; '.join(why)}" if why else "")
+
+
+def _settings(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
+    """Members with the same components that differ in their systems' default settings: which settings, and
+    which of the components they configure act only in phases the trace lacks."""
+    specs = _specs(names, by_system)
+    if len(specs) < 2 or len({tuple(spec.roles().items()) for spec in specs.values()}) > 1:
+        return ""
+    defaults = {label: dict(spec.defaults) for label, spec in specs.items()}
+    keys = sorted({key for values in defaults.values() for key in values})
+    differing = [key for key in keys if len({values.get(key) for values in defaults.values()}) > 1]
+    if not differing:
+        return ""
+    roles = next(iter(specs.values())).roles()
+    listed = "; ".join(f"{label}: " + ", ".join(f"{key}={values.get(key, _default(roles, key))}"
+                                                  for key in differing)
+                       for label, values in defaults.items())
+    text = f"they share every component and differ in settings ({listed})"
+    missing = _missing_phases(names, by_system)
+    for role in sorted({key.split(".")[0] for key in differing if key.split(".")[0] in roles}):
+        idle = _idle_phase(role, roles[role], missing)
+        if idle:
+            text += f"; {role} '{roles[role]}' reads them and {idle}"
+    return text
+
+
+def _default(roles: dict[str, str], key: str) -> str:
+    """A setting's value where a system leaves it alone: its component's field default."""
+    role, _, field_name = key.partition(".")
+    cls = COMPONENTS.get(role, {}).get(roles.get(role, ""))
+    value = cls.parameters().get(field_name, "default") if cls is not None else "default"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _cache_use(m: dict[str, Any]) -> str:
@@ -160,7 +230,9 @@ def _portfolio(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> st
     for name in names:
         best = by_system[name].get("portfolio_best")
         if best:
-            return f"{name} is, per metric, the best of its schedules, and every one of its metrics came from {best}"
+            schedule = _schedule(name, by_system)
+            return f"{name} is, per metric, the best of its schedules, and every one of its metrics came from " + \
+                (schedule if schedule and schedule != name else best)
     return ""
 
 
@@ -171,16 +243,18 @@ def explain_identical(names: Sequence[str], by_system: dict[str, dict[str, Any]]
     portfolio = _portfolio(names, by_system)
     if portfolio:
         parts.append(portfolio)
-    logs = {n: decisions(n) for n in names} if decisions else {}
+    logs = {n: decisions(_schedule(n, by_system) or n) for n in names} if decisions else {}
     logs = {n: log for n, log in logs.items() if log is not None}
     same = False
     if len(logs) == len(names) and len(names) > 1:
         first_name, first = next(iter(logs.items()))
         differing = [n for n, log in logs.items() if log != first]
-        same = not differing
+        reordered = bool(differing) and all(sorted(logs[n]) == sorted(first) for n in differing)
+        same = not differing or reordered
         if same:
             parts.append(f"they made the same placement and transfer decisions on this trace "
-                         f"({Decisions(first).describe()})")
+                         f"({Decisions(first).describe()})" + (", in another order within some layers"
+                                                               if reordered else ""))
         else:
             other = differing[0]
             parts.append(f"their decision logs differ ({first_name}: {Decisions(first).describe()}; {other}: "
@@ -190,7 +264,7 @@ def explain_identical(names: Sequence[str], by_system: dict[str, dict[str, Any]]
     if len(placements) == 1 and placements != {""}:
         parts.append(f"in all of them {placements.pop()}")
     parts += _mechanisms(names, by_system, same)
-    for part in (_memory(names, by_system), _costs(names, by_system)):
+    for part in (_settings(names, by_system), _memory(names, by_system), _costs(names, by_system)):
         if part:
             parts.append(part)
     return "; ".join(parts) + "."

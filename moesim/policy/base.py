@@ -237,6 +237,8 @@ class Component:
     role: ClassVar[str] = ""
     #: optional trace columns the component reads from its views
     columns: ClassVar[tuple[str, ...]] = ()
+    #: the step phases in which the component acts (a decode-only one leaves prefill steps alone)
+    phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
 
     def for_model(self, model: ModelSpec) -> None:
         """Called once the model is known, before GPU memory is planned: settle defaults that depend on the

@@ -67,6 +67,55 @@ def test_reason_says_where_decision_logs_differ():
     assert "breakdowns agree" not in explain_identical(["cpu-only", "ktransformers"], by_system, logs.get)
 
 
+def test_a_decode_only_mechanism_on_a_prefill_only_trace_says_so():
+    """Expert Deferral acts in decoding only (001 Sec. 4.1): on a trace of prefill steps that is why it idled."""
+    by_system = {"ktransformers": row(prefill_tokens=512, decode_tokens=0),
+                 "ktransformers-ed": row(prefill_tokens=512, decode_tokens=0)}
+    reason = explain_identical(["ktransformers", "ktransformers-ed"], by_system)
+    assert "defer 'ktrans-deferral' never acted (0 deferred experts) because it acts in decode steps only, of " \
+           "which the trace has none" in reason
+    with_decode = {n: row(prefill_tokens=512, decode_tokens=16) for n in by_system}
+    assert "decode steps only" not in explain_identical(list(with_decode), with_decode)
+
+
+def test_systems_with_the_same_components_name_the_settings_they_differ_in():
+    by_system = {"smoe": row(prefill_tokens=64, decode_tokens=0), "smoe-flex": row(prefill_tokens=64, decode_tokens=0)}
+    reason = explain_identical(["smoe", "smoe-flex"], by_system)
+    # smoe leaves both settings at the smoe-token component's defaults
+    assert "they share every component and differ in settings (smoe: prefetch.flex_off_fraction=0.0, " \
+           "prefetch.n=-1; smoe-flex: prefetch.flex_off_fraction=0.5, prefetch.n=3); prefetch 'smoe-token' " \
+           "reads them and acts in decode steps only, of which the trace has none" in reason
+    decoding = {n: row(prefill_tokens=64, decode_tokens=8) for n in by_system}
+    reason = explain_identical(["smoe", "smoe-flex"], decoding)
+    assert "differ in settings" in reason and "decode steps only" not in reason
+
+
+def test_a_portfolio_is_explained_by_the_schedule_its_metrics_came_from():
+    best = "tpot_ms_mean=oracle-prefetch; makespan_s=oracle-prefetch"
+    by_system = {"all-in-gpu": row(gpu_share_of_activations=1.0, gpu_hit_rate=1.0),
+                 "oracle": row(gpu_share_of_activations=1.0, gpu_hit_rate=1.0, portfolio_best=best)}
+    logs = {"all-in-gpu": [(0, 0, 1, "gpu_hit", 0)], "oracle-prefetch": [(0, 0, 1, "gpu_hit", 0)]}
+    reason = explain_identical(["all-in-gpu", "oracle"], by_system, logs.get)
+    assert "every one of its metrics came from oracle-prefetch;" in reason
+    assert "they made the same placement and transfer decisions on this trace (1 gpu_hit)" in reason
+    # the portfolio's own nominal components ('cpu' assign) are not the schedule that made the row
+    assert "assign 'gpu' (all-in-gpu) and 'best' (oracle (oracle-prefetch)) put every expert on the same device" \
+        in reason
+    assert "'cpu' (oracle)" not in reason
+    mixed = dict(by_system, oracle=row(portfolio_best="tpot_ms_mean=oracle-prefetch; makespan_s=oracle-pinned"))
+    reason = explain_identical(["all-in-gpu", "oracle"], mixed, logs.get)
+    assert "came from tpot_ms_mean=oracle-prefetch; makespan_s=oracle-pinned" in reason and "assign" not in reason
+
+
+def test_decisions_in_another_order_within_a_layer_are_the_same_decisions():
+    by_system = {"dali": row(), "hybrimoe": row()}
+    logs = {"dali": [(0, 0, 1, "cpu", 0), (0, 0, 2, "gpu_hit", 0)],
+            "hybrimoe": [(0, 0, 2, "gpu_hit", 0), (0, 0, 1, "cpu", 0)]}
+    reason = explain_identical(["dali", "hybrimoe"], by_system, logs.get)
+    assert "same placement and transfer decisions on this trace (1 cpu, 1 gpu_hit), in another order within " \
+           "some layers" in reason
+
+
 def test_no_line_without_identical_rows():
     assert identical_lines({"cpu-only": row(), "dali": row(ttft_ms=3.0)}) == []
 

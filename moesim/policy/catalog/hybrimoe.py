@@ -262,6 +262,7 @@ class LayerWisePrefetch(Prefetch):
     """
 
     name = "hybrimoe-layer"
+    phases = ("decode",)
     columns = ("pred_next_layer",)
     #: experts prefetched into the next layer per step (000 Sec. VI-D: 1 is HybriMoE's best)
     n: int = 1

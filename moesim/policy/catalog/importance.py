@@ -127,6 +127,7 @@ class ImportanceRouter(Substitution):
     """
 
     name = "importance-router"
+    phases = ("decode",)
     columns = ("scores",)
     #: substitution threshold alpha (-1: 004's for the model, Sec. 6.2: 0.35 in S1 on deepseek-moe-16b, 0.3 in
     #: S2 on XVERSE-MoE-A4.2B, 0.25 in S3 on Qwen2-57B-A14B; S2's 0.3 for a model 004 did not run, noted)

@@ -97,6 +97,7 @@ class ExpertDeferral(Deferral):
     """
 
     name = "ktrans-deferral"
+    phases = ("decode",)
     columns = ("weights",)
     #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and weight precision
     #: (DEFERRED_BY_MODEL), else Sec. 4.2's rule of thumb, 3 but at least 2 immediate (none for top-2)

@@ -266,6 +266,7 @@ class TokenWisePrefetch(Prefetch):
     """
 
     name = "smoe-token"
+    phases = ("decode",)
     columns = ("pred_next_token",)
     #: experts prefetched per layer and step (-1: 000 Table I's, 2 for DeepSeek-V3, 3 for Qwen3)
     n: int = -1
