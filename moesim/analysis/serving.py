@@ -85,7 +85,8 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
                            "qps": w.qps if w.arrival in RATED_ARRIVALS else float("nan"),
                            "requests": len(frame), "offered_qps": float(result.offered_qps),
                            "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
-                           "kv_peak_tokens": result.kv_peak}
+                           "kv_peak_tokens": result.kv_peak, "kv_tokens_set": w.kv_tokens > 0,
+                           "kv_tokens_per_slot": result.kv_tokens_per_slot}
     for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
         out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
     out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
@@ -101,9 +102,25 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
         out["goodput_rps"] = float(ok.sum()) / end if end > 0 else float("nan")
     engine = metrics(result.engine)
     out["engine"] = {k: engine[k] for k in ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches",
-                                            "cpu_util", "gpu_util", "pcie_util", "slots_per_layer", "breakdown_ms",
+                                            "cpu_util", "gpu_util", "pcie_util", "expert_slots", "slots_per_layer",
+                                            "breakdown_ms",
                                             "sim_wall_s", "notes", "cost_fallbacks")}
     return out
+
+
+def preemption_note(m: dict[str, Any]) -> str:
+    """Why a run preempted: the KV entries it had and, where they were what the expert cache left, what a
+    slot given up would add ('' for a run without preemptions)."""
+    if not m["preemptions"]:
+        return ""
+    rate = "" if math.isnan(m["qps"]) else f" at {m['qps']:g} req/s"
+    head = (f"{m['system']}{rate}: {m['preemptions']:,} preemptions ({m['recomputed_tokens']:,} tokens prefilled "
+            f"again) with KV entries for {m['kv_tokens']:,} tokens")
+    if m["kv_tokens_set"]:
+        return f"{head} (workload.kv_tokens)"
+    slots = m["engine"]["expert_slots"]
+    return (f"{head}, the GPU memory its {slots:,} expert slots leave; each slot fewer holds "
+            f"{m['kv_tokens_per_slot']:,} more (--set cache.slots=N trades them, docs/serving.md)")
 
 
 def write_requests(frame: Any, path: str | os.PathLike) -> None:

@@ -343,6 +343,8 @@ class ServeResult:
     batches: list[list[tuple[int, int, int]]] = field(default_factory=list)
     #: most KV entries held during one step
     kv_peak: int = 0
+    #: KV entries that one expert slot's bytes would hold (0: unknown)
+    kv_tokens_per_slot: int = 0
 
 
 def arrival_times(w: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
@@ -543,6 +545,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     for t in pool.requests[:parsed.workload.requests]:
         scheduler.check(Request(0, 0.0, t.prompt, t.output))
     result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()
+    result.kv_tokens_per_slot = sim.memory.expert_bytes // sim.model.kv_bytes_per_token()
     for trace in traces:
         settle(trace)  # the columns the run did not read, checked beside it
     return result

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics
-from moesim.analysis.serving import request_frame, serving_metrics
+from moesim.analysis.serving import preemption_note, request_frame, serving_metrics
 from moesim.api import slice_trace
 from moesim.errors import ConfigError
 from moesim.sim.run import prepare, simulate
@@ -187,6 +187,24 @@ def test_small_kv_preempts_and_recomputes(tmp_path):
     # 3 prompts of 4 fill 12 entries; the first decode preempts the newest (5 tokens come back as prefill)
     assert tight["preemptions"] >= 1 and tight["recomputed_tokens"] >= 5
     assert tight["e2e_ms_mean"] > roomy["e2e_ms_mean"]
+    assert preemption_note(roomy) == ""
+    assert preemption_note(tight) == (f"cpu-only: {tight['preemptions']} preemptions ({tight['recomputed_tokens']} "
+                                      f"tokens prefilled again) with KV entries for 12 tokens (workload.kv_tokens)")
+
+
+def test_a_preempting_run_says_how_many_kv_entries_a_slot_would_add(tmp_path):
+    """Where the KV cache is what the expert cache leaves, the note names the trade: one slot's bytes in
+    KV entries (docs/serving.md)."""
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(1), model, [(4, 4)])))
+    m = serving_metrics(serve([path], tiny_profile(), "gpu-only-lru", {"workload.requests": "2"}))
+    assert m["kv_tokens_per_slot"] == model.expert_bytes("bf16") // model.kv_bytes_per_token() > 0
+    m.update(preemptions=3, recomputed_tokens=20, qps=0.5)
+    assert preemption_note(m) == (
+        f"gpu-only-lru at 0.5 req/s: 3 preemptions (20 tokens prefilled again) with KV entries for "
+        f"{m['kv_tokens']:,} tokens, the GPU memory its {m['engine']['expert_slots']} expert slots leave; each "
+        f"slot fewer holds {m['kv_tokens_per_slot']:,} more (--set cache.slots=N trades them, docs/serving.md)")
 
 
 def test_arrival_processes():
