@@ -234,6 +234,9 @@ def test_vllm_moe_logger_fixture_drops_dummies(tmp_path):
     steps = list(iter_steps(tmp_path / "t.parquet"))
     assert [s.tokens for s in steps] == [5, 2, 2, 1]
     assert steps[1].request.tolist() == [1, 2, 1, 2]  # decode slots 0, 1 of layers 3 and 9
+    assert "layers 3, 9 joined by line number across separate runs (identical forward sizes checked)" in report.notes
+    alone = import_trace("vllm-moe-logger", files[:1], tmp_path / "one.parquet")
+    assert not any("joined" in note for note in alone.notes)  # one layer's log joins nothing
     bad = _logger_fixture(tmp_path / "moe_layer12.jsonl", 12, sizes=(8, 4, 3, 5, 2, 1, 1))
     with pytest.raises(TraceFormatError, match="forward structure differs"):
         import_trace("vllm-moe-logger", files + [bad], tmp_path / "u.parquet")

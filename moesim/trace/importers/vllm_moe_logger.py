@@ -118,7 +118,9 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
     for (reason, rows_expected), size in zip(LEADING_FORWARDS, first.sizes):
         if size != rows_expected:
             report.notes.append(f"leading forward '{reason}' has {size} rows (upstream README: {rows_expected})")
-    report.notes.append("layers joined by line number across separate runs (identical forward sizes checked)")
+    if len(logs) > 1:
+        report.notes.append(f"layers {', '.join(str(log.layer) for log in logs)} joined by line number across "
+                            "separate runs (identical forward sizes checked)")
     report.notes.append("prefill prompt boundaries and decode slot-to-request mapping unknown: prefill is "
                         "pseudo-request 0, decode slot s is request 1+s")
     source = {**SOURCE, "files": [log.path.name for log in logs],
