@@ -93,13 +93,13 @@ def _schedule(name: str, by_system: dict[str, dict[str, Any]]) -> str | None:
     return sources.pop() if len(sources) == 1 and next(iter(sources)) in SYSTEMS else None
 
 
-def _specs(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> dict[str, SystemSpec]:
-    """Each member's composition, a portfolio's under its label 'bound (schedule)'."""
+def _specs(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> dict[str, tuple[str, SystemSpec]]:
+    """Each member's label (a portfolio's 'bound (schedule)'), its run's name and the composition that ran."""
     out = {}
     for name in names:
         schedule = _schedule(name, by_system)
         if schedule is not None:
-            out[name if schedule == name else f"{name} ({schedule})"] = SYSTEMS[schedule]
+            out[name if schedule == name else f"{name} ({schedule})"] = (name, SYSTEMS[schedule])
     return out
 
 
@@ -119,13 +119,13 @@ def _idle_phase(role: str, component: str, missing: set[str]) -> str:
 
 def _mechanisms(names: Sequence[str], by_system: dict[str, dict[str, Any]], same_decisions: bool) -> list[str]:
     """Per role whose component differs among the members: what each component did (and why not, if noted)."""
-    specs = {label: spec.roles() for label, spec in _specs(names, by_system).items()}
+    specs = _specs(names, by_system)
     missing = _missing_phases(names, by_system)
     out = []
     for role in ROLES:
         users: dict[str, list[str]] = {}
-        for label, roles in specs.items():
-            users.setdefault(roles[role], []).append(label)
+        for label, (_, spec) in specs.items():
+            users.setdefault(spec.roles()[role], []).append(label)
         if len(users) < 2:
             continue
         if role == "assign":
@@ -135,7 +135,7 @@ def _mechanisms(names: Sequence[str], by_system: dict[str, dict[str, Any]], same
             continue
         for component, members in users.items():
             if component != "none":
-                runs = [label.split(" (", 1)[0] for label in members]
+                runs = [specs[label][0] for label in members]
                 out.append(_acted(role, component, members, runs, by_system, _idle_phase(role, component, missing)))
     return out
 
@@ -163,14 +163,14 @@ def _settings(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str
     """Members with the same components that differ in their systems' default settings: which settings, and
     which of the components they configure act only in phases the trace lacks."""
     specs = _specs(names, by_system)
-    if len(specs) < 2 or len({tuple(spec.roles().items()) for spec in specs.values()}) > 1:
+    if len(specs) < 2 or len({tuple(spec.roles().items()) for _, spec in specs.values()}) > 1:
         return ""
-    defaults = {label: dict(spec.defaults) for label, spec in specs.items()}
+    defaults = {label: dict(spec.defaults) for label, (_, spec) in specs.items()}
     keys = sorted({key for values in defaults.values() for key in values})
     differing = [key for key in keys if len({values.get(key) for values in defaults.values()}) > 1]
     if not differing:
         return ""
-    roles = next(iter(specs.values())).roles()
+    roles = next(iter(specs.values()))[1].roles()
     listed = "; ".join(f"{label}: " + ", ".join(f"{key}={values.get(key, _default(roles, key))}"
                                                   for key in differing)
                        for label, values in defaults.items())
