@@ -5,8 +5,11 @@ either the same schedule in disguise or differ only in something this trace
 and profile never exercise. :func:`explain_identical` says which, from what
 the runs did: their decision logs (placements, loads, prefetches, evictions),
 the mechanisms each system has that the others lack and how often each acted
-(with the system's own notes on why it stayed idle), their memory plans, and
-their time breakdowns category by category.
+(with the system's own notes on why it stayed idle, and whether it acts only in
+a phase the trace lacks, ``Component.phases``), the settings that tell apart
+systems built from the same components, their memory plans, and their time
+breakdowns category by category. A portfolio bound is explained by the schedule
+its metrics came from when they all came from one.
 """
 
 from __future__ import annotations
