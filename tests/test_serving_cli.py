@@ -82,6 +82,21 @@ def test_serve_sim_prints_a_dash_for_the_tpot_of_prompts_alone(tmp_path, capsys)
     assert json.loads((tmp_path / "m.json").read_text())["tpot_ms_p50"] is None  # JSON has no NaN
 
 
+def test_serve_sim_says_why_runs_preempted(files, capsys):
+    """A KV cache too small for the load preempts; the note names the budget and each run's count."""
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only,gpu-only-lru", "--qps", "100",
+                 "--requests", "6", "--set", "workload.kv_tokens=12", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    rows = json.loads(captured.out)
+    assert all(r["preemptions"] > 0 for r in rows)
+    listed = "; ".join(f"{r['system']} {r['preemptions']} preemption{'s' if r['preemptions'] > 1 else ''}, "
+                       f"{r['recomputed_tokens']} tokens prefilled again" for r in rows)
+    assert f"note: KV entries for 12 tokens at 100 req/s (workload.kv_tokens): {listed}" in " ".join(
+        captured.err.split())
+
+
 def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_path, capsys):
     """ktransformers-ed defers nothing on a top-2 model (001 Sec. 4.2 keeps 2 immediate): its rows equal
     ktransformers', and the note saying why is printed, as replay prints it."""

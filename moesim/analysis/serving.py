@@ -108,19 +108,25 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     return out
 
 
-def preemption_note(m: dict[str, Any]) -> str:
-    """Why a run preempted: the KV entries it had and, where they were what the expert cache left, what a
-    slot given up would add ('' for a run without preemptions)."""
-    if not m["preemptions"]:
-        return ""
-    rate = "" if math.isnan(m["qps"]) else f" at {m['qps']:g} req/s"
-    head = (f"{m['system']}{rate}: {m['preemptions']:,} preemptions ({m['recomputed_tokens']:,} tokens prefilled "
-            f"again) with KV entries for {m['kv_tokens']:,} tokens")
-    if m["kv_tokens_set"]:
-        return f"{head} (workload.kv_tokens)"
-    slots = m["engine"]["expert_slots"]
-    return (f"{head}, the GPU memory its {slots:,} expert slots leave; each slot fewer holds "
-            f"{m['kv_tokens_per_slot']:,} more (--set cache.slots=N trades them, docs/serving.md)")
+def preemption_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """Why runs preempted: a line per rate and KV budget naming the runs that preempted, how often and the
+    tokens they prefilled again, and, where the budget is what the expert cache left, what a slot given up
+    would add (none for runs without preemptions)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for m in rows:
+        if m["preemptions"]:
+            slots = None if m["kv_tokens_set"] else m["engine"]["expert_slots"]
+            groups.setdefault((m["qps"], m["kv_tokens"], slots, m["kv_tokens_per_slot"]), []).append(m)
+    lines = []
+    for (qps, kv_tokens, slots, per_slot), runs in groups.items():
+        rate = "" if math.isnan(qps) else f" at {qps:g} req/s"
+        budget = "workload.kv_tokens" if slots is None else \
+            (f"the GPU memory {slots:,} expert slots leave; each slot fewer holds {per_slot:,} more: "
+             f"--set cache.slots=N trades them, docs/serving.md")
+        listed = "; ".join(f"{m['system']} {m['preemptions']:,} preemption{'s' if m['preemptions'] > 1 else ''}, "
+                           f"{m['recomputed_tokens']:,} tokens prefilled again" for m in runs)
+        lines.append(f"KV entries for {kv_tokens:,} tokens{rate} ({budget}): {listed}")
+    return lines
 
 
 def write_requests(frame: Any, path: str | os.PathLike) -> None:

@@ -115,9 +115,9 @@ def serving_notes(rows: list[dict]) -> list[str]:
     """The runs' notes, each once, and the systems whose rows are identical at a rate (the notes, or a
     ``moesim replay`` of the two, say why)."""
     from moesim.analysis.report import shared_notes
-    from moesim.analysis.serving import preemption_note
+    from moesim.analysis.serving import preemption_notes
     lines = [f"note: {n}" for n in shared_notes((m["system"], m["engine"]) for m in rows)]
-    lines += [f"note: {note}" for note in map(preemption_note, rows) if note]
+    lines += [f"note: {note}" for note in preemption_notes(rows)]
     alike: dict[tuple, list[str]] = {}
     for m in rows:
         alike.setdefault((m["qps"], *(m[k] for k in SERVED)), []).append(m["system"])

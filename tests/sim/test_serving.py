@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics
-from moesim.analysis.serving import preemption_note, request_frame, serving_metrics
+from moesim.analysis.serving import preemption_notes, request_frame, serving_metrics
 from moesim.api import slice_trace
 from moesim.errors import ConfigError
 from moesim.sim.run import prepare, simulate
@@ -187,24 +187,31 @@ def test_small_kv_preempts_and_recomputes(tmp_path):
     # 3 prompts of 4 fill 12 entries; the first decode preempts the newest (5 tokens come back as prefill)
     assert tight["preemptions"] >= 1 and tight["recomputed_tokens"] >= 5
     assert tight["e2e_ms_mean"] > roomy["e2e_ms_mean"]
-    assert preemption_note(roomy) == ""
-    assert preemption_note(tight) == (f"cpu-only: {tight['preemptions']} preemptions ({tight['recomputed_tokens']} "
-                                      f"tokens prefilled again) with KV entries for 12 tokens (workload.kv_tokens)")
+    assert preemption_notes([roomy]) == []
+    assert preemption_notes([roomy, tight]) == [
+        f"KV entries for 12 tokens (workload.kv_tokens): cpu-only {tight['preemptions']} "
+        f"preemption{'s' if tight['preemptions'] > 1 else ''}, "
+        f"{tight['recomputed_tokens']} tokens prefilled again"]
 
 
-def test_a_preempting_run_says_how_many_kv_entries_a_slot_would_add(tmp_path):
+def test_preempting_runs_say_how_many_kv_entries_a_slot_would_add(tmp_path):
     """Where the KV cache is what the expert cache leaves, the note names the trade: one slot's bytes in
-    KV entries (docs/serving.md)."""
+    KV entries (docs/serving.md); runs at one rate with one budget share a line."""
     model = tiny_model(layers=1, experts=4, top_k=1)
     path = str(write_tiny_trace(tmp_path / "t.parquet", model,
                                 request_routing(np.random.default_rng(1), model, [(4, 4)])))
     m = serving_metrics(serve([path], tiny_profile(), "gpu-only-lru", {"workload.requests": "2"}))
     assert m["kv_tokens_per_slot"] == model.expert_bytes("bf16") // model.kv_bytes_per_token() > 0
-    m.update(preemptions=3, recomputed_tokens=20, qps=0.5)
-    assert preemption_note(m) == (
-        f"gpu-only-lru at 0.5 req/s: 3 preemptions (20 tokens prefilled again) with KV entries for "
-        f"{m['kv_tokens']:,} tokens, the GPU memory its {m['engine']['expert_slots']} expert slots leave; each "
-        f"slot fewer holds {m['kv_tokens_per_slot']:,} more (--set cache.slots=N trades them, docs/serving.md)")
+    lru = dict(m, preemptions=3, recomputed_tokens=20, qps=0.5)
+    dali = dict(lru, system="dali", preemptions=1, recomputed_tokens=7)
+    later = dict(lru, qps=2.0)
+    budget = (f"KV entries for {m['kv_tokens']:,} tokens at {{}} req/s (the GPU memory "
+              f"{m['engine']['expert_slots']} expert slots leave; each slot fewer holds {m['kv_tokens_per_slot']:,} "
+              f"more: --set cache.slots=N trades them, docs/serving.md): ")
+    assert preemption_notes([lru, dali, later, m]) == [
+        budget.format("0.5") + "gpu-only-lru 3 preemptions, 20 tokens prefilled again; dali 1 preemption, 7 tokens "
+                               "prefilled again",
+        budget.format("2") + "gpu-only-lru 3 preemptions, 20 tokens prefilled again"]
 
 
 def test_arrival_processes():
