@@ -416,7 +416,8 @@ class ServingRun:
             record.preemptions = state.preemptions
             record.recomputed_tokens = state.recomputed
         return ServeResult(self.records, engine, self.workload, self.scheduler.name, self.scheduler.kv_tokens,
-                           self.offered, self.batches, self.kv_peak)
+                           self.offered, self.batches, self.kv_peak,
+                           self.sim.memory.expert_bytes // self.sim.model.kv_bytes_per_token())
 
     # ------------------------------------------------------------------ processes
     def _submit(self, i: int) -> None:
@@ -545,7 +546,6 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     for t in pool.requests[:parsed.workload.requests]:
         scheduler.check(Request(0, 0.0, t.prompt, t.output))
     result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()
-    result.kv_tokens_per_slot = sim.memory.expert_bytes // sim.model.kv_bytes_per_token()
     for trace in traces:
         settle(trace)  # the columns the run did not read, checked beside it
     return result
