@@ -5,8 +5,9 @@ either the same schedule in disguise or differ only in something this trace
 and profile never exercise. :func:`explain_identical` says which, from what
 the runs did: their decision logs (placements, loads, prefetches, evictions),
 the mechanisms each system has that the others lack and how often each acted
-(with the system's own notes on why it stayed idle, and whether it acts only in
-a phase the trace lacks, ``Component.phases``), the settings that tell apart
+(and why it stayed idle where the runs show it: it acts only in a phase the trace
+lacks, ``Component.phases``, or every routed expert was resident from the start; the
+component's own notes are quoted as context), the settings that tell apart
 systems built from the same components, their memory plans, and their time
 breakdowns category by category. A portfolio bound is explained by the schedule
 its metrics came from when they all came from one.
@@ -148,6 +149,7 @@ def _acted(role: str, component: str, members: list[str], runs: list[str], by_sy
     m = by_system[runs[0]]
     who = f"{', '.join(members)}: {role} '{component}'"
     counter = ACTED.get(role)
+    causes = [f"it {idle}"] if idle else []
     if counter is not None and counter in m:
         counts = {by_system[n][counter] for n in runs}
         text = f"{who} never acted (0 {counter.replace('_', ' ')})" if counts == {0} else \
@@ -156,10 +158,18 @@ def _acted(role: str, component: str, members: list[str], runs: list[str], by_sy
         text = f"{who} {_cache_use(m)}"
     else:
         text = f"{who} made no difference"
-    why = sorted({note.split(": ", 1)[1] for n in runs for note in by_system[n].get("notes", [])
-                  if note.startswith(f"{component}: ")})
-    why = [f"it {idle}"] + why if idle else why
-    return text + (f" because {'; '.join(why)}" if why else "")
+    # a component's notes give context (calibration source, defaults taken), not necessarily the cause
+    notes = sorted({note.split(": ", 1)[1] for n in runs for note in by_system[n].get("notes", [])
+                    if note.startswith(f"{component}: ")})
+    return text + (f" because {'; '.join(causes)}" if causes else "") + \
+        (f" (its note: {'; '.join(notes)})" if notes else "")
+
+
+def _all_resident(m: dict[str, Any]) -> bool:
+    """Every routed expert ran on the GPU from slots that held it from the start: no loads, streams, evictions
+    or CPU runs."""
+    return m.get("gpu_share_of_activations") == 1 and m.get("gpu_hit_rate") == 1 and \
+        not any(m.get(key) for key in ("demand_loads", "streamed_experts", "pcie_h2d_bytes", "evictions"))
 
 
 def _settings(names: Sequence[str], by_system: dict[str, dict[str, Any]]) -> str:
@@ -264,7 +274,10 @@ def explain_identical(names: Sequence[str], by_system: dict[str, dict[str, Any]]
                          f"{Decisions(logs[other]).describe()}; first difference at "
                          f"{_first_difference(first, logs[other])}) yet every timing agrees")
     placements = {_placement(by_system[n]) for n in names}
-    if len(placements) == 1 and placements != {""}:
+    if all(_all_resident(by_system[n]) for n in names):
+        parts.append("in all of them every routed expert ran on the GPU from slots that held it from the first "
+                     "step on (nothing loaded or evicted), so no cache, prefetch or substitution had a miss to act on")
+    elif len(placements) == 1 and placements != {""}:
         parts.append(f"in all of them {placements.pop()}")
     parts += _mechanisms(names, by_system, same)
     for part in (_settings(names, by_system), _memory(names, by_system), _costs(names, by_system)):

@@ -13,10 +13,13 @@ from moesim.policy.systems import own_weights
 
 
 def number_text(value: Any, digits: int = 2) -> str:
-    """A figure as the tables print it: thousands separated, "-" where undefined (NaN)."""
+    """A figure as the tables print it: thousands separated, "-" where undefined (NaN), and a small non-zero
+    figure with two significant digits rather than as 0.00 (a tiny model's TPOT is microseconds)."""
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
+        if 0 < abs(value) < 1:
+            digits = min(max(digits, 1 - math.floor(math.log10(abs(value)))), 9)
         return f"{value:,.{digits}f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
 
@@ -113,7 +116,7 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
         console.print(f"time vs lower bound: whole-run time over the system's physical lower bound (the "
                       f"unavoidable GPU, CPU and PCIe work of its own workload, substitutions included, with at "
                       f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
-                      f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {floor['makespan_s']:.3f} s, "
+                      f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {number_text(floor['makespan_s'], 3)} s, "
                       f"TTFT {number_text(floor['ttft_ms'])} ms, TPOT {number_text(floor['tpot_ms_mean'])} ms")
     for note in shared_notes(by_system.items()):
         console.print(f"[yellow]note:[/] {escape(note)}", markup=True)

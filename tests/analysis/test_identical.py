@@ -38,8 +38,8 @@ def test_reason_names_the_idle_mechanism_and_its_own_note():
     reason = explain_identical(["ktransformers", "ktransformers-ed"], by_system, logs.get)
     assert "same placement and transfer decisions on this trace (2 cpu)" in reason
     assert "every routed expert ran on the CPU" in reason
-    assert "ktransformers-ed: defer 'ktrans-deferral' never acted (0 deferred experts) because 0 deferred " \
-           "expert(s) per token: top-2 keeps at least 2 immediate" in reason
+    assert "ktransformers-ed: defer 'ktrans-deferral' never acted (0 deferred experts) (its note: 0 deferred " \
+           "expert(s) per token: top-2 keeps at least 2 immediate)" in reason
     assert "time breakdowns agree in every category (attention 5.0 ms, cpu_other 90.0 ms, sync 1.0 ms)" in reason
 
 
@@ -114,6 +114,26 @@ def test_decisions_in_another_order_within_a_layer_are_the_same_decisions():
     reason = explain_identical(["dali", "hybrimoe"], by_system, logs.get)
     assert "same placement and transfer decisions on this trace (1 cpu, 1 gpu_hit), in another order within " \
            "some layers" in reason
+
+
+def test_rows_with_every_expert_resident_say_so_once_and_quote_notes_as_context():
+    """A tiny captured model fits whole in the slots: prefetch and substitution had no miss to act on, and a
+    note on where they were calibrated is context, not the cause."""
+    resident = dict(gpu_share_of_activations=1.0, gpu_hit_rate=1.0, evictions=0)
+    by_system = {"llamacpp": row(**resident),
+                 "buddymoe": row(**resident, notes=["buddy: buddy lists calibrated on the replayed trace itself"])}
+    reason = explain_identical(["buddymoe", "llamacpp"], by_system)
+    assert "in all of them every routed expert ran on the GPU from slots that held it from the first step on " \
+           "(nothing loaded or evicted), so no cache, prefetch or substitution had a miss to act on" in reason
+    assert "buddymoe: substitute 'buddy' never acted (0 substituted experts) (its note: buddy lists calibrated " \
+           "on the replayed trace itself)" in reason
+    assert "because" not in reason
+    # a run that loaded or evicted experts had misses: no such claim
+    for changed in ({"demand_loads": 3, "pcie_h2d_bytes": 300}, {"evictions": 2}):
+        busy = {n: dict(m, **changed) for n, m in by_system.items()}
+        reason = explain_identical(["buddymoe", "llamacpp"], busy)
+        assert "no cache, prefetch or substitution" not in reason
+        assert "in all of them every routed expert ran on the GPU;" in reason
 
 
 def test_no_line_without_identical_rows():

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from moesim.analysis.report import _print_notes, shared_notes
+from moesim.analysis.report import _print_notes, number_text, shared_notes
 
 HOT = "static-hot: hot experts counted on the replayed trace itself"
 
@@ -59,3 +59,10 @@ def test_tables_name_each_systems_runtime(tmp_path):
     out = io.StringIO()
     render_metrics(by_system["gpu-only-lru"], Console(file=out, width=200))
     assert [line for line in out.getvalue().splitlines() if "runtime" in line and "generic" in line]
+
+
+def test_small_figures_keep_two_significant_digits():
+    """A tiny model's TPOT is microseconds: 0.00 ms would hide it and the ratios computed from it."""
+    assert [number_text(v) for v in (0.0023, 0.056, 0.56, 12.345, 0.0, 1234.5)] == \
+        ["0.0023", "0.056", "0.56", "12.35", "0.00", "1,234.50"]
+    assert number_text(0.0004, 3) == "0.00040" and number_text(float("nan")) == "-" and number_text(7) == "7"
