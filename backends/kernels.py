@@ -1,4 +1,4 @@
-"""The model's kernels in torch: expert FFN, attention over a KV cache, gate, RMSNorm.
+"""The model's kernels in torch: expert FFN, attention over a KV cache, gate, RMSNorm, dense layers, LM head.
 
 Weights hold random values: routing comes from the trace, so values do not
 change what runs or how long it takes. They are drawn small and every block
@@ -97,7 +97,7 @@ class Attention:
     """
 
     def __init__(self, model: ModelSpec, dtype: torch.dtype, device: torch.device, max_batch: int,
-                 max_context: int, generator: torch.Generator) -> None:
+                 max_context: int, generator: torch.Generator, gate: bool = True) -> None:
         self.model = model
         h = model.hidden_size
         self.heads, self.kv_heads, self.head_dim = attention_heads(model)
@@ -118,8 +118,13 @@ class Attention:
             self.k_cache = weight(max_batch, self.kv_heads, max_context, self.head_dim)
             self.v_cache = weight(max_batch, self.kv_heads, max_context, self.head_dim)
         self.w_o = weight(h, self.heads * self.head_dim)
-        self.w_gate = weight(model.num_experts, h)
+        self.w_gate = weight(model.num_experts, h) if gate else None
         self.scale = 1.0 / math.sqrt(self.head_dim + (self.rope if self.mla else 0))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block's weights and KV cache."""
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Attention output plus residual for ``x`` (rows = requests x tokens); runs the gate too."""
@@ -131,7 +136,8 @@ class Attention:
             mask = torch.arange(ctx, device=x.device)[None, :] <= q_pos
         out = self._mla(normed, b, t, ctx, mask) if self.mla else self._gqa(normed, b, t, ctx, mask)
         y = x + out @ self.w_o.t()
-        torch.softmax((rms_norm(y) @ self.w_gate.t()).float(), dim=-1).topk(self.model.top_k, dim=-1)
+        if self.w_gate is not None:
+            torch.softmax((rms_norm(y) @ self.w_gate.t()).float(), dim=-1).topk(self.model.top_k, dim=-1)
         return y
 
     def _gqa(self, x: torch.Tensor, b: int, t: int, ctx: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -154,3 +160,36 @@ class Attention:
                                              scale=self.scale, enable_gqa=True)
         out = torch.einsum("bhtc,hcd->bthd", out, self.w_uv)
         return out.reshape(b * t, self.heads * self.head_dim)
+
+
+class DenseLayer:
+    """A dense decoder layer (DeepSeek's first ones): attention without a router, then one SwiGLU FFN of
+    ``dense_intermediate_size``; the simulator counts these as the step's ``attention`` and ``dense_ffn``."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype, device: torch.device, max_batch: int,
+                 max_context: int, generator: torch.Generator) -> None:
+        self.model = model
+        self.attention = Attention(model, dtype, device, max_batch, max_context, generator, gate=False)
+        self.weights = random_fill(torch.empty(expert_params(model, model.dense_intermediate_size), dtype=dtype,
+                                               device=device), generator)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        return x + ffn(self.weights, rms_norm(x), m.hidden_size, m.dense_intermediate_size, m.expert_matrices)
+
+
+class LMHead:
+    """Final norm and output projection for the last token of each sequence, then the token choice over
+    fp32 logits (softmax and argmax), as the simulator's ``lm_head`` and ``sampling`` count them."""
+
+    def __init__(self, model: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 generator: torch.Generator) -> None:
+        self.weight = random_fill(torch.empty(model.vocab_size, model.hidden_size, dtype=dtype, device=device),
+                                  generator)
+
+    def logits(self, h: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+        return (rms_norm(h.index_select(0, last_rows)) @ self.weight.t()).float()
+
+    @staticmethod
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits, dim=-1).argmax(dim=-1)

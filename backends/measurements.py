@@ -28,6 +28,7 @@ KIB, MIB = 2**10, 2**20
 EXPERT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 ATTENTION_TOKENS = (1, 16, 128)
 CONTEXTS = (128, 512, 2048, 8192)
+OUTPUT_SEQUENCES = (1, 4, 16, 64)
 COPY_SIZES = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 128 * MIB)
 #: expert weights timed in rotation over at least this many bytes (at most MAX_ROTATION buffers): more
 #: than the last-level cache of the CPUs and GPUs at hand (32 MiB L3 here, 50 MB L2 on an H100), as in a real run
@@ -193,6 +194,7 @@ class Measurements:
         self.expert_tokens = (1, 4, 16, 64) if q else EXPERT_TOKENS
         self.attention_tokens = (1, 16) if q else ATTENTION_TOKENS
         self.contexts = (128, 512) if q else CONTEXTS
+        self.output_sequences = (1, 4) if q else OUTPUT_SEQUENCES
         self.rotation_bytes = (16 if q else 256) * MIB
         self.copy_sizes = tuple(sorted({*((4 * KIB, 64 * KIB, MIB) if q else COPY_SIZES),
                                         *(m.expert_bytes() for m in config.models)}))
@@ -252,16 +254,44 @@ class Measurements:
         return f"weights rotating over {pool} buffers, {pool * params * self.dtype.itemsize / MIB:.1f} MiB"
 
     def attention_curves(self, model: ModelSpec) -> list[tuple[int, list[int], list[float]]]:
-        """(tokens, contexts, µs) for one attention block with its gate, as the backend runs it."""
+        """(tokens, contexts, µs) for one attention block with its gate, as the backend runs it.
+
+        Calls rotate over blocks (weights and KV cache each) of more than ``rotation_bytes`` in all: a real
+        run reads every layer's block from memory, not from a cache the previous call left warm.
+        """
         from backends.kernels import Attention, Batch
+
+        def block() -> Attention:
+            return Attention(model, self.dtype, self.dev, 1, max(self.contexts), self.generator)
+        first = block()
+        blocks = [first] + [block() for _ in range(self.rotation(first.nbytes // self.dtype.itemsize) - 1)]
+        turn = [0]
+
+        def call(x, batch: Batch) -> None:
+            blocks[turn[0] % len(blocks)](x, batch)
+            turn[0] += 1
         curves = []
-        block = Attention(model, self.dtype, self.dev, 1, max(self.contexts), self.generator)
         for tokens in self.attention_tokens:
             contexts = [c for c in self.contexts if c >= tokens]
             x = self._random(tokens, model.hidden_size)
-            times = [self.timer.device(lambda c=c: block(x, Batch(1, tokens, c))) * 1e6 for c in contexts]
+            times = [self.timer.device(lambda c=c: call(x, Batch(1, tokens, c))) * 1e6 for c in contexts]
             curves.append((tokens, contexts, times))
         return curves
+
+    def output_curves(self, model: ModelSpec) -> tuple[list[float], list[float]]:
+        """µs of the LM head (final norm, projection of each sequence's last token) and of the token choice
+        (softmax, argmax) vs sequences, as the backend ends each step."""
+        from backends.kernels import LMHead
+        torch = self.torch
+        head = LMHead(model, self.dtype, self.dev, self.generator)
+        lm_head, sampling = [], []
+        for sequences in self.output_sequences:
+            h = self._random(sequences, model.hidden_size)
+            rows = torch.arange(sequences, device=self.dev)
+            lm_head.append(self.timer.device(lambda: head.logits(h, rows)) * 1e6)
+            logits = head.logits(h, rows)
+            sampling.append(self.timer.device(lambda: head.sample(logits)) * 1e6)
+        return lm_head, sampling
 
     def matmul_tflops(self, on_gpu: bool) -> float:
         """A bf16 matmul ceiling: 8192^3 on a CUDA GPU, 1024^3 on a CPU (large enough to be compute-bound)."""

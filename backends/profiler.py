@@ -95,6 +95,8 @@ class Measured:
     cpu_experts: list[ExpertMeasure] = field(default_factory=list)
     #: (model name, attention kind, tokens, contexts, µs)
     attention: list[tuple[str, str, int, list[int], list[float]]] = field(default_factory=list)
+    #: (hidden, vocab, sequences, LM head µs, sampling µs) per output shape
+    output: list[tuple[int, int, list[int], list[float], list[float]]] = field(default_factory=list)
     gpu_tflops: float = 0.0
     gpu_gbps: float = 0.0
     cpu_tflops: float = 0.0
@@ -118,10 +120,13 @@ class Measured:
 
 
 def _shapes(config: ProfileConfig) -> list[tuple[ModelSpec, int, str]]:
-    """(model, intermediate, label) of every distinct GPU FFN shape: routed experts, then shared ones."""
+    """(model, intermediate, label) of every distinct GPU FFN shape: routed experts, shared ones, and the FFN of
+    dense decoder layers (the simulator's ``dense_ffn`` reads the curve of that width)."""
     seen, out = set(), []
     for m in config.models:
-        for intermediate, kind in ((m.moe_intermediate_size, "experts"), (m.shared_intermediate_size, "shared")):
+        dense = m.dense_intermediate_size if m.num_dense_layers else 0
+        for intermediate, kind in ((m.moe_intermediate_size, "experts"), (m.shared_intermediate_size, "shared"),
+                                   (dense, "dense")):
             key = (m.hidden_size, intermediate, m.expert_matrices)
             if intermediate and key not in seen:
                 seen.add(key)
@@ -129,14 +134,21 @@ def _shapes(config: ProfileConfig) -> list[tuple[ModelSpec, int, str]]:
     return out
 
 
-def _routed_shapes(config: ProfileConfig) -> list[ModelSpec]:
-    seen, out = set(), []
+def _distinct(config: ProfileConfig, key: Callable[[ModelSpec], tuple]) -> list[ModelSpec]:
+    """The first model of each distinct ``key`` (a shape), in the configured order."""
+    first: dict[tuple, ModelSpec] = {}
     for m in config.models:
-        key = (m.hidden_size, m.moe_intermediate_size, m.expert_matrices)
-        if key not in seen:
-            seen.add(key)
-            out.append(m)
-    return out
+        first.setdefault(key(m), m)
+    return list(first.values())
+
+
+def _routed_shapes(config: ProfileConfig) -> list[ModelSpec]:
+    return _distinct(config, lambda m: (m.hidden_size, m.moe_intermediate_size, m.expert_matrices))
+
+
+def _output_shapes(config: ProfileConfig) -> list[ModelSpec]:
+    """One model per distinct (hidden, vocab) output shape that has a vocabulary."""
+    return [m for m in _distinct(config, lambda m: (m.hidden_size, m.vocab_size)) if m.vocab_size]
 
 
 def measurement_labels(config: ProfileConfig) -> list[str]:
@@ -149,6 +161,7 @@ def measurement_labels(config: ProfileConfig) -> list[str]:
         labels += [f"GPU stand-in {label}" for m, i, label in _shapes(config)
                    if (m.hidden_size, i, m.expert_matrices) not in routed]
     labels += [f"attention {m.name}" for m in config.models]
+    labels += [f"LM head and sampling {m.name}" for m in _output_shapes(config)]
     return labels + ["matmul and memory ceilings", "host-to-device copies", "device-to-host copies",
                      "both directions at once", "launch and hand-off overheads"]
 
@@ -183,6 +196,9 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None
         for m in config.models:
             say(f"attention {m.name}")
             out.attention += [(m.name, m.attention, t, c, us) for t, c, us in meas.attention_curves(m)]
+        for m in _output_shapes(config):
+            say(f"LM head and sampling {m.name}")
+            out.output.append((m.hidden_size, m.vocab_size, list(meas.output_sequences), *meas.output_curves(m)))
         say("matmul and memory ceilings")
         out.cpu_tflops, out.cpu_gbps = meas.matmul_tflops(False), meas.copy_gbps(False)
         if meas.cuda:
@@ -231,6 +247,12 @@ def profile_document(x: Measured) -> dict[str, Any]:
             "attention": [{"model": model, "tokens": t, "context": c, "time_us": _round(us),
                            "source": f"{measured} (attention block with gate, {kind}, batch 1)"}
                           for model, kind, t, c, us in x.attention],
+            "output": [{"kind": kind, "hidden": hidden, "vocab": vocab, "dtype": config.models[0].expert_dtype,
+                        "sequences": sequences, "time_us": _round(us), "source": f"{measured} ({what})"}
+                       for hidden, vocab, sequences, head_us, sampling_us in x.output
+                       for kind, us, what in (("lm_head", head_us, "final norm and LM head of each sequence's "
+                                                                   "last token"),
+                                              ("sampling", sampling_us, "softmax and argmax over fp32 logits"))],
         },
         "cpu": {
             "name": cpu["model"], "cores": x.threads, "dram_bandwidth_gbps": _round(x.cpu_gbps),

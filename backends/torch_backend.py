@@ -14,7 +14,10 @@ executed for real:
   its own stream (:class:`backends.devices.CopyEngine`), demand first;
 * attention (an SDPA over a KV cache of the trace's context length), the gate,
   shared experts and GPU experts run in order on the compute stream, each GPU
-  expert waiting for its weights' copy event;
+  expert waiting for its weights' copy event; each step also runs what the
+  simulator charges outside the MoE layers: the embedding rows, the dense
+  decoder layers before the first MoE layer, and the LM head and token choice
+  for each sequence's last token;
 * CPU experts run one after another on a worker thread with a set torch
   thread count, after the layer's activations were copied to the host, and
   their sum is copied back and added before the next layer (the two copies
@@ -34,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, allowed_cpus, host_threads
-from backends.kernels import Attention, Batch, expert_params, ffn, random_fill, torch_dtype
+from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, host_threads
+from backends.kernels import Attention, Batch, DenseLayer, LMHead, expert_params, ffn, random_fill, torch_dtype
+from backends.run_config import RealConfig, check_device, describe_device, trace_shape
 from backends.weights import ExpertWeights, LayerRouting
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
@@ -49,42 +52,6 @@ from moesim.sim.bookkeeping import (Counters, account_plan, placement_decisions,
 from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
-
-
-
-@dataclass
-class RealConfig:
-    """How the real backend runs."""
-
-    #: "cuda" (one GPU) or "cpu" (the GPU stand-in on the CPU as well)
-    device: str = "cuda"
-    #: torch intra-op threads of the CPU expert pool (0: every core)
-    cpu_threads: int = 0
-    #: steps executed once and discarded before the measured run (kernel selection, allocator, caches)
-    warmup_steps: int = 2
-    #: seed of the random weights
-    seed: int = 0
-
-    def threads(self) -> int:
-        return self.cpu_threads or len(allowed_cpus())
-
-
-def check_device(device: str) -> torch.device:
-    if device not in ("cuda", "cpu"):
-        raise ConfigError(f"unknown device '{device}'", field="--device", fix="use cuda or cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("no CUDA device is visible to torch", field="--device",
-                          fix="run on a machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu")
-    return torch.device(device)
-
-
-def trace_shape(trace_path: str) -> tuple[int, int, int]:
-    """(most requests in one step, longest context, most token rows of one layer in one step)."""
-    frame = pq.read_table(trace_path, columns=["step", "layer", "request", "position"]).to_pandas()
-    first = frame[frame["layer"] == frame["layer"].min()]
-    per_step = first.groupby("step")
-    return (int(per_step["request"].nunique().max()), int(frame["position"].max()) + 1,
-            int(per_step.size().max()))
 
 
 @dataclass
@@ -147,6 +114,9 @@ class RealExecutor:
                                       generator)
             self.embedding = random_fill(torch.empty(self.max_tokens, model.hidden_size, dtype=dtype, device=dev),
                                          generator)
+            self.dense = [DenseLayer(model, dtype, dev, self.max_batch, self.max_context, generator)
+                          for _ in range(model.num_dense_layers)]
+            self.lm_head = LMHead(model, dtype, dev, generator) if model.vocab_size else None
             pin = self.cuda
             shape = (2, self.max_tokens, model.hidden_size)
             self.x_host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
@@ -239,9 +209,13 @@ class RealExecutor:
         batches = self._batches(step.request[first], step.position[first])
         tokens = first.stop - first.start
         embedding = self.embedding
-        self.gpu.launch(lambda: self.act.__setitem__("h", embedding[:tokens].clone()))
+        work = self.gpu.launch(lambda: self.act.__setitem__("h", embedding[:tokens].clone()))
+        self._record("gpu", work, "embedding", step.step, -1, tokens=tokens)
+        for dense in self.dense:
+            self._dense_layer(dense, batches, step.step, tokens)
         for layer, rows in step.layers():
             self._layer(step, layer, rows, phase, batches)
+        self._head(batches, step.step, tokens)
         self.gpu.synchronize()
         end = self.clock.now()
         requests = np.unique(step.request[first]).tolist()
@@ -259,17 +233,44 @@ class RealExecutor:
             return [(slice(0, len(request)), Batch(len(ids), int(counts[0]), max(contexts)))]
         return [(slice(int(s), int(s + n)), Batch(1, int(n), c)) for s, n, c in zip(starts, counts, contexts)]
 
+    @staticmethod
+    def _attend(attention: Attention, h: torch.Tensor, batches: list[tuple[slice, Batch]]) -> torch.Tensor:
+        if len(batches) == 1:
+            return attention(h, batches[0][1])
+        return torch.cat([attention(h[sl], batch) for sl, batch in batches])
+
+    def _dense_layer(self, dense: DenseLayer, batches: list[tuple[slice, Batch]], s: int, tokens: int) -> None:
+        """A dense decoder layer before the first MoE layer, as the simulator places it."""
+        act = self.act
+        attend = self.gpu.launch(lambda: act.__setitem__("h", self._attend(dense.attention, act["h"], batches)))
+        self._record("gpu", attend, "attention", s, -1, tokens=tokens)
+        self._record("gpu", self.gpu.launch(lambda: act.__setitem__("h", dense.ffn(act["h"]))), "dense_ffn", s, -1,
+                     tokens=tokens)
+
+    @staticmethod
+    def _last_rows(batches: list[tuple[slice, Batch]]) -> list[int]:
+        """Each sequence's last token row in the step: where its next token's logits come from."""
+        return [sl.start + (r + 1) * batch.tokens - 1 for sl, batch in batches for r in range(batch.requests)]
+
+    def _head(self, batches: list[tuple[slice, Batch]], s: int, tokens: int) -> None:
+        """LM head on each sequence's last token, then the token choice (what every step ends with)."""
+        if self.lm_head is None:
+            return
+        last = self._last_rows(batches)
+        act, head, dev = self.act, self.lm_head, self.device
+        project = self.gpu.launch(lambda: act.__setitem__("logits", head.logits(act["h"], torch.tensor(last,
+                                                                                                     device=dev))))
+        self._record("gpu", project, "lm_head", s, -1, tokens=tokens)
+        self._record("gpu", self.gpu.launch(lambda: act.__setitem__("token", head.sample(act["logits"]))),
+                     "sampling", s, -1, tokens=tokens)
+
     # ------------------------------------------------------------------ one layer
     def _layer(self, step: Step, layer: int, rows: slice, phase: str, batches: list[tuple[slice, Batch]]) -> None:
         s = step.step
         tokens = rows.stop - rows.start
         act, attention = self.act, self.attention[layer]
-
-        def attend() -> None:
-            h = act["h"]
-            act["x"] = torch.cat([attention(h[sl], batch) for sl, batch in batches]) if len(batches) > 1 \
-                else attention(h, batches[0][1])
-        self._record("gpu", self.gpu.launch(attend), "attention", s, layer, tokens=tokens)
+        attend = self.gpu.launch(lambda: act.__setitem__("x", self._attend(attention, act["h"], batches)))
+        self._record("gpu", attend, "attention", s, layer, tokens=tokens)
 
         self._retire()
         view = self._view(step, layer, rows, phase)
@@ -509,7 +510,7 @@ class RealExecutor:
             t0, t1 = row.work.interval()
             self.timeline.append((row.resource, 0, t0, t1, row.kind, row.step, row.layer, row.expert, row.tokens))
             c.gpu_busy_s += t1 - t0
-            key = {"attention": "attention", "shared": "shared_expert", "expert": "gpu_compute"}[row.kind]
+            key = {"shared": "shared_expert", "expert": "gpu_compute"}.get(row.kind, row.kind)
             c.breakdown[key] += t1 - t0
         for run, _ in self.gpu_runs:
             if run.transfer is None:
@@ -562,12 +563,6 @@ def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "the CPU (GPU stand-in: a host thread and host memory)"
 
 
 # ----------------------------------------------------------------------------- entry points

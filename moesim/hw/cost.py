@@ -8,6 +8,9 @@ regime). When a profile has no curve for a shape, a roofline
 shape is added to :attr:`CostModel.fallbacks` so reports can say so. The
 shipped profiles' derived curves are tabulations of exactly this roofline, so
 a curve and the fallback never disagree (tests/hw/test_profile.py checks it).
+The LM head and token sampling read ``gpu.output`` curves where a profile has
+them for the model's hidden x vocab shape (``moesim profile`` measures them),
+else the roofline, as the embedding lookup always does.
 
 CPU kernels: AMX from ``cpu.amx_switch_tokens`` tokens per expert up, the
 CPU's vector family (AVX-512, or AVX2 where the CPU has no AVX-512) below it
@@ -31,6 +34,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moesim.hw.profile import Curve, ExpertCurve, HardwareProfile, RuntimeSpec
 from moesim.model.spec import DTYPE_BITS, ModelSpec, scale_bytes_per_param
@@ -233,15 +237,34 @@ class CostModel:
         return self._gpu_roof(self.profile, 0.0, nbytes, self.non_expert_dtype)
 
     def lm_head(self, sequences: int) -> float:
-        """Final norm and LM head for the last token of each sequence: vocab x hidden weights read once."""
+        """Final norm and LM head for the last token of each sequence (vocab x hidden weights read once)."""
         m = self.model
         params = m.lm_head_params
-        nbytes = params * bytes_per_param(self.non_expert_dtype, m.quant_group_size)
-        return self._gpu_roof(self.profile, 2.0 * sequences * params, nbytes, self.non_expert_dtype)
+
+        def roofline(profile: HardwareProfile, dtype: str) -> float:
+            nbytes = params * bytes_per_param(dtype, m.quant_group_size)
+            return self._gpu_roof(profile, 2.0 * sequences * params, nbytes, dtype)
+        return self._output("lm_head", sequences, roofline, self.non_expert_dtype)
 
     def sampling(self, sequences: int) -> float:
         """Softmax and token choice over each sequence's fp32 logits (read, write, read)."""
-        return self._gpu_roof(self.profile, 0.0, 3.0 * 4 * sequences * self.model.vocab_size, "bf16")
+        def roofline(profile: HardwareProfile, _dtype: str) -> float:
+            return self._gpu_roof(profile, 0.0, 3.0 * 4 * sequences * self.model.vocab_size, "bf16")
+        return self._output("sampling", sequences, roofline, "bf16")
+
+    def _output(self, kind: str, sequences: int, roofline: Callable[[HardwareProfile, str], float],
+                dtype: str) -> float:
+        """A profile's output curve of this kind for the model's hidden x vocab shape (scaled by the roofline
+        ratio to another dtype or overridden numbers), else the roofline."""
+        m = self.model
+        curve = next((c for c in self.profile.gpu.output
+                      if c.kind == kind and c.hidden == m.hidden_size and c.vocab == m.vocab_size), None)
+        if curve is None:
+            return roofline(self.profile, dtype)
+        value = interp_loglog(curve.curve, max(sequences, 1)) * US
+        if self.overridden or (kind == "lm_head" and curve.dtype != dtype):
+            value *= roofline(self.profile, dtype) / roofline(self.base, curve.dtype)
+        return value
 
     def step_fixed(self, tokens: int, context: int, sequences: int) -> dict[str, float]:
         """GPU work of a forward pass outside the MoE layers, by breakdown category (launches excluded):

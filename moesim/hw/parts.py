@@ -47,6 +47,23 @@ class AttentionCurve:
     dtype: str = "bf16"
 
 
+#: work at the end of a forward pass that an output curve times
+OUTPUT_KINDS = ("lm_head", "sampling")
+
+
+@dataclass(frozen=True)
+class OutputCurve:
+    """Time (µs) of the work that ends a forward pass vs sequences in the batch, for one output shape:
+    ``lm_head`` (final norm and vocab x hidden projection of each sequence's last token, in ``dtype``) or
+    ``sampling`` (softmax and argmax over each sequence's fp32 logits)."""
+
+    kind: str
+    hidden: int
+    vocab: int
+    dtype: str
+    curve: Curve  # x = sequences
+
+
 #: CUDA Graph use of a runtime: none; every kernel replayed from graphs (per-kernel graph_launch_us);
 #: the whole decode step in one graph (one graph_launch_us per decode step, 001 Sec. 3.3)
 GRAPH_MODES = ("none", "kernel", "decode_step")
@@ -100,6 +117,7 @@ class GPUSpec(_Roofline):
     mem_bandwidth_gbps: float
     expert_ffn: tuple[ExpertCurve, ...] = ()
     attention: tuple[AttentionCurve, ...] = ()
+    output: tuple[OutputCurve, ...] = ()
     #: achievable fraction of ``peak_tflops`` for the roofline fallback
     roofline_efficiency: float = 0.6
     #: achievable fraction of ``mem_bandwidth_gbps`` (None: same as roofline_efficiency)

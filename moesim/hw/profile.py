@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from moesim.errors import ProfileError, did_you_mean
-from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, AttentionCurve, CPUSpec, Curve, ExpertCurve, GPUSpec,
-                             PCIeSpec, RuntimeSpec, SyncSpec)
+from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, OUTPUT_KINDS, AttentionCurve, CPUSpec, Curve, ExpertCurve,
+                             GPUSpec, OutputCurve, PCIeSpec, RuntimeSpec, SyncSpec)
 from moesim.model.spec import DTYPE_BITS
 from moesim.util import read_yaml
 
@@ -133,7 +133,8 @@ INERT_FIELDS = {
     "pcie.duplex_slowdown": "the only device-to-host copies (mixtral-offloading's write-backs) follow their load on "
     "the same copy engine, so H2D never runs duplex",
     "sources": "documentation", "gpu.expert_ffn": "a list of curves (edit the profile YAML)",
-    "gpu.attention": "a list of curves (edit the profile YAML)", "cpu.expert_ffn": "a list of curves (edit the "
+    "gpu.attention": "a list of curves (edit the profile YAML)", "gpu.output": "a list of curves (edit the profile "
+    "YAML)", "cpu.expert_ffn": "a list of curves (edit the "
     "profile YAML)", "pcie.h2d": "a curve; scale it with pcie.bandwidth_scale",
 }
 
@@ -169,8 +170,8 @@ OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roof
 SECTION_KEYS = {
     "": {"schema_version", "name", "description", "gpu", "cpu", "pcie", "sync", "sources", "runtimes"},
     "gpu": {"name", "memory_gib", "reserved_gib", "launch_us", "graph_launch_us", "cuda_graph", "peak_tflops",
-            "mem_bandwidth_gbps", "expert_ffn", "attention", "roofline_efficiency", "bandwidth_efficiency",
-            "kernels_per_layer"},
+            "mem_bandwidth_gbps", "expert_ffn", "attention", "output", "roofline_efficiency",
+            "bandwidth_efficiency", "kernels_per_layer"},
     "cpu": {"name", "cores", "dram_bandwidth_gbps", "peak_tflops", "amx_switch_tokens", "expert_ffn",
             "numa_note", "roofline_efficiency", "bandwidth_efficiency", "dram_combined_gbps"},
     "pcie": {"generation", "h2d", "d2h", "latency_us", "copy_engines", "duplex_slowdown", "bandwidth_scale"},
@@ -337,6 +338,17 @@ class _Reader:
                                                       f"{where}.dtype", tuple(DTYPE_BITS), "dtype"))
                      for where, item in self.entries(items, key))
 
+    def output_curves(self, items: Any, key: str) -> tuple[OutputCurve, ...]:
+        return tuple(OutputCurve(kind=self.one_of(self.text(item, f"{where}.kind"), f"{where}.kind", OUTPUT_KINDS,
+                                                  "output kind"),
+                                 hidden=int(self.number(item, f"{where}.hidden", integer=True)),
+                                 vocab=int(self.number(item, f"{where}.vocab", integer=True)),
+                                 dtype=self.one_of(self.text(item, f"{where}.dtype", default="bf16"),
+                                                   f"{where}.dtype", tuple(DTYPE_BITS), "dtype"),
+                                 curve=self.curve(item, where, "sequences", "time_us",
+                                                  extra=("kind", "hidden", "vocab", "dtype")))
+                     for where, item in self.entries(items, key))
+
     def runtimes(self, data: Any) -> dict[str, RuntimeSpec]:
         if data is None:
             return {}
@@ -430,6 +442,7 @@ def _parse_sections(r: _Reader, data: dict, origin: str) -> HardwareProfile:
         mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
         expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
+        output=r.output_curves(g.get("output"), "gpu.output"),
         roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6, maximum=1.0),
         bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None, maximum=1.0),
         kernels_per_layer=int(r.number(g, "gpu.kernels_per_layer", positive=False, default=0, integer=True)),

@@ -38,7 +38,32 @@ def test_profile_loads_and_every_cost_has_a_curve(measured):
     assert costs.fallbacks == set()  # the tiny shape is measured, nothing falls back to the roofline
     assert labels == measurement_labels(config)
     # the stand-in's routed curve is the CPU pool's; shared experts of the tiny model have the routed shape
-    assert labels[:2] == ["CPU expert FFN tiny", "attention tiny"] and len(labels) == 7
+    assert labels[:3] == ["CPU expert FFN tiny", "attention tiny", "LM head and sampling tiny"] and len(labels) == 8
+
+
+def test_the_lm_head_and_sampling_are_measured_curves_the_cost_model_reads(measured):
+    """The step's end was a roofline the real backend never ran; now both are timed as the backend runs them."""
+    model, data, path, _, _ = measured
+    output = {c["kind"]: c for c in data["gpu"]["output"]}
+    assert set(output) == {"lm_head", "sampling"}
+    for curve in output.values():
+        assert (curve["hidden"], curve["vocab"], curve["sequences"]) == (64, 100, [1, 4])
+        assert all(t > 0 for t in curve["time_us"]) and "measured by moesim profile" in curve["source"]
+    costs = CostModel(load_profile(path), model)
+    assert costs.lm_head(1) == pytest.approx(output["lm_head"]["time_us"][0] * 1e-6)
+    assert costs.sampling(4) == pytest.approx(output["sampling"]["time_us"][1] * 1e-6)
+    # another vocabulary is another shape: the roofline stands in
+    other = CostModel(load_profile(path), dataclasses.replace(model, vocab_size=101))
+    assert other.lm_head(1) == pytest.approx(other._gpu_roof(other.profile, 2.0 * 101 * 64, 101 * 64 * 2, "bf16"))
+
+
+def test_dense_layers_ffn_shape_is_measured(tmp_path):
+    model = dataclasses.replace(tiny_model(), num_dense_layers=1, dense_intermediate_size=192)
+    config = ProfileConfig(models=(model,), device="cpu", threads=1, quick=True, command="x", name="dense")
+    data = measure_profile(config)
+    assert [(c["hidden"], c["intermediate"]) for c in data["gpu"]["expert_ffn"]] == [(64, 128), (64, 192)]
+    costs = CostModel(load_profile(write_profile(data, tmp_path / "dense.yaml")), model)
+    assert costs.dense_ffn(4) > 0 and costs.fallbacks == set()
 
 
 def test_profile_curves_cover_the_measured_points(measured):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,34 @@ def test_attention_batches_follow_requests():
     assert [(b.requests, b.tokens, b.context) for _, b in same] == [(3, 1, 10)]
     mixed = RealExecutor._batches(np.array([5, 5, 5, 6]), np.array([0, 1, 2, 30]))
     assert [(s.start, s.stop, b.requests, b.tokens, b.context) for s, b in mixed] == [(0, 3, 1, 3, 3), (3, 4, 1, 1, 31)]
+
+
+def test_the_lm_head_reads_each_sequences_last_token():
+    same = RealExecutor._batches(np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]))
+    assert RealExecutor._last_rows(same) == [1, 3]
+    mixed = RealExecutor._batches(np.array([5, 5, 5, 6]), np.array([0, 1, 2, 30]))
+    assert RealExecutor._last_rows(mixed) == [2, 3]
+
+
+def test_a_step_runs_what_the_simulator_charges_outside_the_moe_layers(tmp_path):
+    """Embedding, dense decoder layers, LM head and token choice: the simulator counts them in every step, so
+    the measured run executes them too (a comparison without them would set a modelled cost against nothing)."""
+    model = dataclasses.replace(tiny_model(layers=2, experts=8, top_k=2), num_dense_layers=1,
+                                dense_intermediate_size=96)
+    path = str(write_tiny_trace(tmp_path / "dense.parquet", model,
+                                random_routing(np.random.default_rng(2), model, 2, 8, 4)))
+    real = prepare_real(path, tiny_profile(), "cpu-only", {}, _config()).run()
+    sim = simulate(path, tiny_profile(), "cpu-only", {}, timeline=True)
+
+    def gpu_work(result):
+        frame = result_to_frames(result)["timeline"].query("resource == 'gpu'")
+        return frame.groupby(["kind", frame["layer"] >= 0], observed=True).size().to_dict()
+    steps = len(real.steps)
+    expected = {("embedding", False): steps, ("attention", False): steps, ("dense_ffn", False): steps,
+                ("attention", True): 2 * steps, ("lm_head", False): steps, ("sampling", False): steps}
+    assert gpu_work(real) == gpu_work(sim) == expected
+    breakdown = metrics(real)["breakdown_ms"]
+    assert all(breakdown[key] > 0 for key in ("embedding", "dense_ffn", "lm_head", "sampling"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")

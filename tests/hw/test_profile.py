@@ -258,6 +258,8 @@ def test_command_line_overrides_take_the_type_they_replace():
                               "time_us": [5], "source": "x"}], "cpu.expert_ffn[0].dtype", "bf16, fp16, fp8"),
     (("gpu", "attention"), [{"tokens": 1, "context": [1], "time_us": [5], "dtype": "b16", "source": "x"}],
      "gpu.attention[0].dtype", "bf16, fp16, fp8"),
+    (("gpu", "output"), [{"kind": "lm-head", "hidden": 64, "vocab": 100, "sequences": [1], "time_us": [5],
+                          "source": "x"}], "gpu.output[0].kind", "lm_head, sampling"),
     (("gpu", "peak_tflops", "bf61"), 100, "gpu.peak_tflops.bf61", "bf16, fp16, fp8"),
     (("cpu", "peak_tflops", "avx521"), 1, "cpu.peak_tflops.avx521", "avx512, amx, avx2"),
 ])
@@ -337,3 +339,26 @@ def test_a_file_that_is_no_mapping_says_how_to_fix_it(tmp_path: Path, text, got)
     message = str(err.value)
     assert message.startswith(str(path)) and "(fix: write sections schema_version, name, gpu" in message
     assert "\n" not in message
+
+
+def test_output_curves_time_the_lm_head_and_sampling_of_their_shape_only():
+    data = minimal()
+    data["gpu"]["output"] = [
+        {"kind": "lm_head", "hidden": 64, "vocab": 1000, "sequences": [1, 10], "time_us": [40, 400], "source": "m"},
+        {"kind": "sampling", "hidden": 64, "vocab": 1000, "sequences": [1, 10], "time_us": [3, 30], "source": "m"}]
+    profile = parse_profile(data, origin="toy.yaml")
+    model = ModelSpec(name="toy", num_layers=2, num_experts=4, top_k=2, hidden_size=64, moe_intermediate_size=32,
+                      vocab_size=1000)
+    costs = CostModel(profile, model)
+    assert costs.lm_head(1) == pytest.approx(40e-6) and costs.lm_head(10) == pytest.approx(400e-6)
+    assert costs.sampling(10) == pytest.approx(30e-6)
+    # an int8 LM head is the bf16 curve times the roofline ratio of a memory-bound GEMV: 1 byte per weight plus
+    # a 2-byte scale per group of 128 (the default quant_group_size), over 2 bytes
+    assert CostModel(profile, model, non_expert_dtype="int8").lm_head(1) == pytest.approx(40e-6 * (1 + 2 / 128) / 2)
+    # a profile with halved memory bandwidth scales the memory-bound LM head of one sequence by 2
+    slow = CostModel(profile.with_overrides({"gpu.mem_bandwidth_gbps": 500}), model)
+    assert slow.lm_head(1) == pytest.approx(80e-6)
+    # another vocabulary has no curve: the roofline
+    other = CostModel(profile, ModelSpec(name="toy", num_layers=2, num_experts=4, top_k=2, hidden_size=64,
+                                         moe_intermediate_size=32, vocab_size=2000))
+    assert other.lm_head(1) == pytest.approx(other._gpu_roof(profile, 2.0 * 2000 * 64, 2000 * 64 * 2, "bf16"))
