@@ -256,11 +256,15 @@ class RealExecutor:
         """LM head on each sequence's last token, then the token choice (what every step ends with)."""
         if self.lm_head is None:
             return
-        last = self._last_rows(batches)
+        last = torch.tensor(self._last_rows(batches))
+        if self.cuda:
+            last = last.pin_memory()  # an asynchronous upload: no host wait at the end of the step
         act, head, dev = self.act, self.lm_head, self.device
-        project = self.gpu.launch(lambda: act.__setitem__("logits", head.logits(act["h"], torch.tensor(last,
-                                                                                                     device=dev))))
-        self._record("gpu", project, "lm_head", s, -1, tokens=tokens)
+
+        def project() -> None:
+            act["logits"] = head.logits(act["h"], last.to(dev, non_blocking=True))
+        project_work = self.gpu.launch(project)
+        self._record("gpu", project_work, "lm_head", s, -1, tokens=tokens)
         self._record("gpu", self.gpu.launch(lambda: act.__setitem__("token", head.sample(act["logits"]))),
                      "sampling", s, -1, tokens=tokens)
 
