@@ -168,17 +168,33 @@ def _failures(frame: pd.DataFrame) -> str:
     params = [c for c in F.varying(frame, F.parameter_columns(frame))] or ["system"]
     head = "".join(f'<th class="text">{_e(c)}</th>' for c in params) + '<th class="text">error</th>'
     rows = "".join("<tr>" + "".join(f'<td class="text">{_e(r.get(c, ""))}</td>' for c in params)
-                   + f'<td class="error">{_e(r.get("error", ""))}</td></tr>' for _, r in failed.iterrows())
+                   + f'<td class="error">{_e(r.get("error", ""))}</td></tr>'
+                   for _, r in _in_point_order(failed, params).iterrows())
     return (f"<h2>Failed points ({len(failed)})</h2>\n"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _cell_number(value: float) -> str:
+    """Four significant digits, but whole numbers from 1,000 up rather than 7.833e+04."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _in_point_order(frame: pd.DataFrame, params: list[str]) -> pd.DataFrame:
+    """Rows sorted by their parameters (workers finish points in any order); numbers numerically."""
+    def key(column: pd.Series) -> pd.Series:
+        return column if pd.api.types.is_numeric_dtype(column) else column.astype(str)
+    return frame.sort_values(params, key=key, kind="stable") if params else frame
 
 
 def _all_rows(frame: pd.DataFrame) -> str:
     cols = [c for c in F.parameter_columns(frame) if c != "point_id"] + ["status"]
     cols += [c for c in TABLE_METRICS if c in frame.columns]
-    shown = frame[cols].copy()
+    shown = _in_point_order(frame[cols], [c for c in cols if c in F.parameter_columns(frame)])
     if "trace" in shown.columns:
         shown["trace"] = shown["trace"].map(lambda v: Path(str(v)).name)
-    table = shown.to_html(index=False, na_rep="", float_format=lambda v: f"{v:,.4g}", border=0)
+    for col in shown.columns:  # integers with separators too (pcie_h2d_bytes), not only floats
+        if pd.api.types.is_integer_dtype(shown[col]) and col != "seed":
+            shown[col] = shown[col].map(lambda v: f"{v:,}")
+    table = shown.to_html(index=False, na_rep="", float_format=_cell_number, border=0)
     return (f"<h2>All points</h2>\n<details><summary>{len(frame)} rows (the Parquet file has every metric)"
             f"</summary>\n{table}\n</details>")

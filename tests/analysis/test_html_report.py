@@ -43,6 +43,21 @@ def test_tables_mark_the_fastest_system_and_list_failures():
     assert "19 points, 18 finished, 1 failed" in page
 
 
+def test_all_points_are_listed_in_parameter_order_with_readable_numbers():
+    """Workers finish points in any order; the table sorts them, and writes 1,081,344 rather than 1081344."""
+    frame = results().sample(frac=1.0, random_state=3)
+    frame["pcie_h2d_bytes"] = 1_081_344
+    frame["decode_tokens_per_s"] = 78_330.4
+    page = render_report(frame, title="t", gantt=False)
+    table = page[page.index("<h2>All points</h2>"):]
+    cells = re.findall(r"<tr>\s*<td>x.parquet</td>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>\s*<td>0</td>\s*"
+                       r"<td>([^<]*)</td>", table)
+    assert cells == sorted(cells, key=lambda c: (c[0], c[1], int(c[2]))) and len(cells) == 19
+    assert cells[:4] == [("a100-40g", "all-in-gpu", "1"), ("a100-40g", "all-in-gpu", "2"),
+                         ("a100-40g", "all-in-gpu", "4"), ("a100-40g", "gpu-only-lru", "1")]
+    assert "<td>1,081,344</td>" in table and "<td>78,330</td>" in table and "e+04" not in table
+
+
 def find_browser() -> str | None:
     return next((path for name in BROWSERS if (path := shutil.which(name))), None)
 
