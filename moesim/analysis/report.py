@@ -116,8 +116,9 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
         console.print(f"time vs lower bound: whole-run time over the system's physical lower bound (the "
                       f"unavoidable GPU, CPU and PCIe work of its own workload, substitutions included, with at "
                       f"most its memory plan's experts resident ({slots_text or '-'} slots); no launches or syncs;"
-                      f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: {number_text(floor['makespan_s'], 3)} s, "
-                      f"TTFT {number_text(floor['ttft_ms'])} ms, TPOT {number_text(floor['tpot_ms_mean'])} ms")
+                      f" docs/memory-and-bounds.md). For {_first_cached(by_system)}: "
+                      f"{number_text(floor['makespan_s'], 3)} s, TTFT {number_text(floor['ttft_ms'])} ms, "
+                      f"TPOT {number_text(floor['tpot_ms_mean'])} ms")
     for note in shared_notes(by_system.items()):
         console.print(f"[yellow]note:[/] {escape(note)}", markup=True)
 
