@@ -15,6 +15,8 @@ from moesim.errors import MoesimError
 from moesim.util import FIGURE, HTML, PARQUET
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from moesim.sweep import SweepSummary
 
 
@@ -118,7 +120,8 @@ def _internal(error: str) -> bool:
               help="Column on the x axis, e.g. cache.slots_per_layer, or a metric such as gpu_memory_gib.")
 @click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
 @click.option("--hue", default=None, metavar="PARAM",
-              help="One line (or bar, or marker colour) per value of this column [scatter default: system].")
+              help="One line (or bar, or marker colour) per value of this column [default: system, when the "
+                   "results hold several and neither --x nor --facet is system; none: average over them].")
 @click.option("--facet", default=None, metavar="PARAM", help="One panel per value of this column.")
 @click.option("--kind", type=click.Choice(["auto", "line", "scatter"]), default="auto", show_default=True,
               help="line: y averaged per x value; scatter: one marker per run with the Pareto front "
@@ -135,14 +138,24 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     frame = load_results(results)
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
+    hue = _default_hue(frame, hue, x, facet, kind)
     if kind == "scatter":
         with open_output(out, "--out", FIGURE) as path:
-            plot_scatter(frame, x=x, y=y, hue=hue or ("system" if "system" in frame.columns else None),
-                         facet=facet, pareto=pareto, path=path, source=results)
+            plot_scatter(frame, x=x, y=y, hue=hue, facet=facet, pareto=pareto, path=path, source=results)
     else:
         with open_output(out, "--out", FIGURE) as path:
             plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     console.print(f"wrote {out}")
+
+
+def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None, kind: str) -> str | None:
+    """Systems are what a sweep compares: a line (or colour) each unless asked otherwise; averaging TPOT
+    over systems and bounds would hide the comparison."""
+    if hue is not None:
+        return None if hue == "none" else hue
+    if "system" not in frame.columns or "system" in (x, facet):
+        return None
+    return "system" if kind == "scatter" or frame["system"].nunique() > 1 else None
 
 
 @cli.command("report")

@@ -174,6 +174,21 @@ def test_gantt_replays_the_point_with_its_timeline(sweep_results):
         fig_gantt(gone)
 
 
+def test_cli_plot_draws_a_line_per_system_unless_told_otherwise(sweep_results, tmp_path, monkeypatch):
+    """Averaging TPOT over the systems (and bounds) of a sweep hides the comparison the sweep was run for."""
+    import moesim.analysis.figures as figures
+    hues = []
+    monkeypatch.setattr(figures, "plot_results", lambda frame, **kw: hues.append(kw["hue"]))
+    monkeypatch.setattr(figures, "plot_scatter", lambda frame, **kw: hues.append(kw["hue"]))
+    out = str(tmp_path / "f.png")
+    for extra in ([], ["--hue", "none"], ["--hue", "hw"], ["--facet", "system"]):
+        assert main(["plot", str(sweep_results), "--x", "cache.slots_per_layer", "--y", "tpot_ms_mean",
+                     *extra, "--out", out]) == 0
+    assert main(["plot", str(sweep_results), "--x", "system", "--y", "gpu_hit_rate", "--out", out]) == 0
+    assert main(["plot", str(sweep_results), "--x", "gpu_memory_gib", "--y", "tpot_ms_mean", "--out", out]) == 0
+    assert hues == ["system", None, "hw", None, None, "system"]
+
+
 def test_cli_plot_writes_png_and_svg(sweep_results, tmp_path, capsys):
     png, svg = tmp_path / "f.png", tmp_path / "f.svg"
     assert main(["plot", str(sweep_results), "--x", "cache.slots_per_layer", "--y", "tpot_ms_mean",
