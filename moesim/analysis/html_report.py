@@ -187,9 +187,9 @@ def _in_point_order(frame: pd.DataFrame, params: list[str]) -> pd.DataFrame:
 
 
 def _all_rows(frame: pd.DataFrame) -> str:
-    cols = [c for c in F.parameter_columns(frame) if c != "point_id"] + ["status"]
-    cols += [c for c in TABLE_METRICS if c in frame.columns]
-    shown = _in_point_order(frame[cols], [c for c in cols if c in F.parameter_columns(frame)])
+    params = [c for c in F.parameter_columns(frame) if c != "point_id"]
+    cols = params + ["status"] + [c for c in TABLE_METRICS if c in frame.columns]
+    shown = _in_point_order(frame[cols], params)
     if "trace" in shown.columns:
         shown["trace"] = shown["trace"].map(lambda v: Path(str(v)).name)
     for col in shown.columns:  # integers with separators too (pcie_h2d_bytes), not only floats

@@ -149,7 +149,6 @@ def _acted(role: str, component: str, members: list[str], runs: list[str], by_sy
     m = by_system[runs[0]]
     who = f"{', '.join(members)}: {role} '{component}'"
     counter = ACTED.get(role)
-    causes = [f"it {idle}"] if idle else []
     if counter is not None and counter in m:
         counts = {by_system[n][counter] for n in runs}
         text = f"{who} never acted (0 {counter.replace('_', ' ')})" if counts == {0} else \
@@ -161,8 +160,7 @@ def _acted(role: str, component: str, members: list[str], runs: list[str], by_sy
     # a component's notes give context (calibration source, defaults taken), not necessarily the cause
     notes = sorted({note.split(": ", 1)[1] for n in runs for note in by_system[n].get("notes", [])
                     if note.startswith(f"{component}: ")})
-    return text + (f" because {'; '.join(causes)}" if causes else "") + \
-        (f" (its note: {'; '.join(notes)})" if notes else "")
+    return text + (f" because it {idle}" if idle else "") + (f" (its note: {'; '.join(notes)})" if notes else "")
 
 
 def _all_resident(m: dict[str, Any]) -> bool:

@@ -240,30 +240,28 @@ class CostModel:
         """Final norm and LM head for the last token of each sequence (vocab x hidden weights read once)."""
         m = self.model
         params = m.lm_head_params
-
-        def roofline(profile: HardwareProfile, dtype: str) -> float:
-            nbytes = params * bytes_per_param(dtype, m.quant_group_size)
-            return self._gpu_roof(profile, 2.0 * sequences * params, nbytes, dtype)
-        return self._output("lm_head", sequences, roofline, self.non_expert_dtype)
+        return self._output("lm_head", sequences, self.non_expert_dtype, lambda dtype: (
+            2.0 * sequences * params, params * bytes_per_param(dtype, m.quant_group_size)))
 
     def sampling(self, sequences: int) -> float:
         """Softmax and token choice over each sequence's fp32 logits (read, write, read)."""
-        def roofline(profile: HardwareProfile, _dtype: str) -> float:
-            return self._gpu_roof(profile, 0.0, 3.0 * 4 * sequences * self.model.vocab_size, "bf16")
-        return self._output("sampling", sequences, roofline, "bf16")
+        nbytes = 3.0 * 4 * sequences * self.model.vocab_size
+        return self._output("sampling", sequences, "bf16", lambda _dtype: (0.0, nbytes))
 
-    def _output(self, kind: str, sequences: int, roofline: Callable[[HardwareProfile, str], float],
-                dtype: str) -> float:
+    def _output(self, kind: str, sequences: int, dtype: str,
+                shape: Callable[[str], tuple[float, float]]) -> float:
         """A profile's output curve of this kind for the model's hidden x vocab shape (scaled by the roofline
-        ratio to another dtype or overridden numbers), else the roofline."""
+        ratio to another dtype or overridden numbers, as attention curves are), else the roofline of
+        ``shape(dtype)``, its (flops, bytes)."""
         m = self.model
         curve = next((c for c in self.profile.gpu.output
                       if c.kind == kind and c.hidden == m.hidden_size and c.vocab == m.vocab_size), None)
+        flops, nbytes = shape(dtype)
         if curve is None:
-            return roofline(self.profile, dtype)
+            return self._gpu_roof(self.profile, flops, nbytes, dtype)
         value = interp_loglog(curve.curve, max(sequences, 1)) * US
-        if self.overridden or (kind == "lm_head" and curve.dtype != dtype):
-            value *= roofline(self.profile, dtype) / roofline(self.base, curve.dtype)
+        if self.overridden or curve.dtype != dtype:
+            value *= self._gpu_ratio(flops, nbytes, shape(curve.dtype)[1], dtype, curve.dtype)
         return value
 
     def step_fixed(self, tokens: int, context: int, sequences: int) -> dict[str, float]:
