@@ -316,14 +316,14 @@ class CopyEngines:
             free[i] = max(free[i], queued.issued) + self.duration(queued.nbytes)
         return free[i]
 
-    def estimate_ends(self, layer: int, experts: set[int], pending: dict[tuple[int, int], Transfer]
-                      ) -> dict[int, float]:
-        """:meth:`estimate_end` of the transfer ``pending[(layer, e)]`` of each of ``experts`` (a layer's loads
-        in flight), by expert; the closed form of one engine and one copy size is taken inline."""
+    def estimate_ends(self, experts: set[int], pending: dict[int, Transfer]) -> dict[int, float]:
+        """:meth:`estimate_end` of the transfer ``pending[e]`` of each of ``experts`` (a layer's loads in flight,
+        ``pending`` that layer's transfers by expert), by expert; the closed form of one engine and one copy
+        size is taken inline."""
         durations, head, out = self._durations, self._head, {}
         one_engine = len(self.free) == 1
         for expert in experts:
-            transfer = pending[(layer, expert)]
+            transfer = pending[expert]
             end = transfer.end
             if end is None:
                 # checked per transfer: estimate_end of a new copy size below adds it to ``durations``

@@ -45,7 +45,7 @@ from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.dram import Ledger, share
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
-from moesim.trace.io import Step, iter_steps
+from moesim.trace.io import OneRowLayers, Step, iter_steps
 from moesim.trace.schema import PHASES
 
 
@@ -77,7 +77,9 @@ class Simulator:
         self.counters = Counters()
         self.timeline: list[tuple] | None = [] if self.config.timeline else None
         self.decisions: list[tuple] | None = [] if self.config.decisions else None
-        self.pending: dict[tuple[int, int], Transfer] = {}
+        #: per layer, the transfer making each expert resident (loads and prefetches in flight): indexed by
+        #: layer, then expert, so the hot lookups build no (layer, expert) keys
+        self.pending: list[dict[int, Transfer]] = [{} for _ in memory.capacity]
         self.prefetched: set[tuple[int, int]] = set()
         self.steps: list[StepRecord] = []
         self.cpu_free = 0.0
@@ -111,6 +113,7 @@ class Simulator:
         self._dense_attention = 0.0
         self._writeback_s: float | None = None
         self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
+        self._rows: OneRowLayers | None = None  # the rows of the step ``run_step`` runs, split by layer
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
         #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
@@ -177,7 +180,7 @@ class Simulator:
             transfer.retired = True
             if transfer.kind in CACHED_KINDS:
                 layer, expert = transfer.layer, transfer.expert
-                del pending[(layer, expert)]
+                del pending[layer][expert]
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
                 resident[layer].add(expert)
                 if transfer.tail:
@@ -202,7 +205,7 @@ class Simulator:
         write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot,
         as that load's tail (:class:`~moesim.sim.copies.Transfer`), the others after the loads."""
         self.cache.start_loads(layer, experts)
-        pending = self.pending
+        pending = self.pending[layer]
         nbytes = self.costs.expert_bytes
         batch = []
         back = writebacks or ()
@@ -210,7 +213,7 @@ class Simulator:
         seq = self._seq
         for i, e in enumerate(experts):
             seq += 1
-            pending[(layer, e)] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
+            pending[e] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
             if i < len(back):
                 transfer.tail = tail
@@ -230,13 +233,25 @@ class Simulator:
         return Transfer(evicted[0], evicted[1], 0, 0, "writeback", seq, at, step, None, None, -1, 0, False,
                         self._writeback_seconds())
 
+    def _stage(self, layer: int, experts: list[int], step: int, at: float) -> dict[int, Transfer]:
+        """Copies of streamed experts into the free staging buffers, submitted together at ``at`` (as
+        :meth:`_submit` would one by one), by expert."""
+        nbytes, seq = self.costs.expert_bytes, self._seq
+        staged = {}
+        for e in experts:
+            seq += 1
+            staged[e] = Transfer(layer, e, nbytes, 0, "stage", seq, at, step)
+        self._seq = seq
+        self.pcie.submit_demands(list(staged.values()), at)
+        return staged
+
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
         transfer = Transfer(layer, expert, self.costs.expert_bytes, 1 if kind == "prefetch" else 0, kind,
                             self._seq, at, step)
         if kind != "stage":
             self.cache.start_load(layer, expert)
-            self.pending[(layer, expert)] = transfer
+            self.pending[layer][expert] = transfer
         self.pcie.submit(transfer)
         return transfer
 
@@ -301,6 +316,7 @@ class Simulator:
         t = start + head
         if self.timeline is not None:
             self._step_spans(step.step, start, tokens, before=True)
+        self._rows = step.one_row_layers()
         for layer, rows in step.layers():
             t = self._layer(step, layer, rows, context, phase, t)
         if self.timeline is not None:
@@ -341,20 +357,27 @@ class Simulator:
         return head, work["lm_head"] + work["sampling"]
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
+        in_flight = self.cache.in_flight[layer]
+        arrivals = self.pcie.estimate_ends(in_flight, self.pending[layer]) if in_flight else {}
+        predictors = {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {}
+        one_row = self._rows
+        if one_row is not None:  # a decode step of one sequence: its layers' rows were split at its start
+            i = rows.start
+            active = one_row.active[i]  # the validated trace row has distinct experts
+            return LayerView(step.step, layer, phase, one_row.experts[i], active, [1] * len(active), self.cache,
+                             self.costs, one_row.weights[i], one_row.scores[i], predictors, now, arrivals,
+                             self.expert_launch_s, self.shared_launch_s, one_row.request[i])
         experts = step.experts[rows]
         if rows.stop - rows.start == 1:  # one token: the validated trace row has distinct experts
             active = experts[0].tolist()
             counts = [1] * len(active)
         else:
             active, counts = active_experts(experts, self.model.num_experts)
-        in_flight = self.cache.in_flight[layer]
-        arrivals = self.pcie.estimate_ends(layer, in_flight, self.pending) if in_flight else {}
         return LayerView(
             step.step, layer, phase, experts, active, counts, self.cache, self.costs,
             None if step.weights is None else step.weights[rows],
             None if step.scores is None else step.scores[rows],
-            {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
-            now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows])
+            predictors, now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows])
 
     def _layer(self, step: Step, layer: int, rows: slice, context: int, phase: str, t0: float) -> float:
         """Run one MoE layer starting at ``t0``; return when it ends."""
@@ -411,8 +434,7 @@ class Simulator:
         if plan.loads or plan.writebacks:
             self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
-        staged = {e: self._submit(layer, e, "stage", s, t1) for e in streamed[:self.config.staging_slots]} \
-            if streamed else {}
+        staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else {}
         if plan.prefetches and not plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, t1)
 
@@ -443,7 +465,7 @@ class Simulator:
         for lay, e in plan.prefetches:
             seq += 1
             cache.start_load(lay, e)
-            pending[(lay, e)] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
+            pending[lay][e] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
             batch.append(transfer)
             prefetched.add((lay, e))
             if decisions is not None:
@@ -454,7 +476,7 @@ class Simulator:
     def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
         """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""
         for transfer in self.pcie.cancel_queued(t, kind="prefetch", keep=keep):
-            self.pending.pop((transfer.layer, transfer.expert), None)
+            self.pending[transfer.layer].pop(transfer.expert, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.prefetched.discard((transfer.layer, transfer.expert))
             self.counters.cancelled_prefetches += 1
@@ -549,7 +571,7 @@ class Simulator:
         if not experts:
             return gpu_t
         resident = self.cache.resident[layer]
-        pending = self.pending
+        pending = self.pending[layer]
         gpu_cost = self._gpu
         if not streamed and count is None and tl is None:  # a decode layer with nothing streamed
             return self._gpu_one_token(experts, resident, layer, gpu_t)
@@ -565,7 +587,7 @@ class Simulator:
                     free_at = finished[streamed[stream_at[e] - self.config.staging_slots]]
                     transfer = staged[e] = self._submit(layer, e, "stage", s, free_at)
             elif e not in resident:
-                transfer = pending.get((layer, e))
+                transfer = pending.get(e)
             if transfer is not None:
                 end = transfer.end
                 if end is None:
@@ -589,14 +611,14 @@ class Simulator:
 
     def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float) -> float:
         """:meth:`_gpu_track`'s experts of one token each, none streamed, no timeline: the same sums."""
-        counters, pending = self.counters, self.pending
+        counters, pending = self.counters, self.pending[layer]
         d = self._gpu.get(1)
         if d is None:
             d = self._gpu_s(1)
         compute = waited = 0.0
         for e in experts:
             if e not in resident:
-                transfer = pending.get((layer, e))
+                transfer = pending.get(e)
                 if transfer is not None:
                     end = transfer.end
                     if end is None:

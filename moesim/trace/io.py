@@ -243,6 +243,34 @@ class Step:
         bounds = self.layer_bounds
         return int(bounds[1] - bounds[0])
 
+    def one_row_layers(self) -> OneRowLayers | None:
+        """This step's rows split by layer, when it has one row per layer (a decode step of one sequence)."""
+        if len(self.layer_bounds) - 1 != len(self.layer):
+            return None
+        absent = [None] * len(self.layer)  # a column the trace does not carry
+        return OneRowLayers(_one_row_views(self.experts), self.experts.tolist(), _one_row_views(self.request),
+                            absent if self.weights is None else _one_row_views(self.weights),
+                            absent if self.scores is None else _one_row_views(self.scores))
+
+
+@dataclass(slots=True)
+class OneRowLayers:
+    """The rows of a step with one row per layer, split in one pass per column (an executor then takes a
+    layer's row by index, not by slicing each column): entry ``i`` of each list is row ``i``."""
+
+    #: ``experts[i:i + 1]`` of the step, and so on
+    experts: list[np.ndarray]
+    #: row ``i``'s experts as a list
+    active: list[list[int]]
+    request: list[np.ndarray]
+    weights: list[np.ndarray | None]
+    scores: list[np.ndarray | None]
+
+
+def _one_row_views(array: np.ndarray) -> list[np.ndarray]:
+    """``array[i:i + 1]`` for every row ``i``, as one list."""
+    return list(array.reshape(len(array), 1, *array.shape[1:]))
+
 
 def _fixed_list(column: pa.ChunkedArray | pa.Array, width: int) -> np.ndarray:
     if isinstance(column, pa.ChunkedArray):

@@ -14,12 +14,12 @@ SUBMISSIONS = st.lists(st.tuples(st.integers(0, 15), st.sampled_from([100, 100, 
 
 
 def _replay(submissions: list, engines: int, chunk: int) -> tuple[CopyEngines, dict]:
-    """Engines advanced to the last submission, and the transfers by (layer 0, expert)."""
+    """Engines advanced to the last submission, and the transfers (all of layer 0) by expert."""
     copies = CopyEngines(lambda n: n * 1e-6, engines, chunk_bytes=chunk)  # 1 us per byte
     pending, at = {}, 0.0
     for seq, (expert, nbytes, prefetch, gap) in enumerate(submissions):
         at += gap * 1e-6
-        transfer = pending[(0, expert)] = Transfer(0, expert, nbytes, int(prefetch), "load", seq, at)
+        transfer = pending[expert] = Transfer(0, expert, nbytes, int(prefetch), "load", seq, at)
         copies.submit(transfer)
     copies.advance(at)
     return copies, pending
@@ -32,19 +32,19 @@ def _replay(submissions: list, engines: int, chunk: int) -> tuple[CopyEngines, d
 def test_estimate_ends_is_estimate_end_of_each(submissions, engines, chunk):
     bulk, pending = _replay(submissions, engines, chunk)
     one_by_one, pending_again = _replay(submissions, engines, chunk)
-    experts = {expert for (_, expert) in pending}
-    expected = {e: one_by_one.estimate_end(pending_again[(0, e)]) for e in experts}
-    assert bulk.estimate_ends(0, experts, pending) == expected
+    experts = set(pending)
+    expected = {e: one_by_one.estimate_end(pending_again[e]) for e in experts}
+    assert bulk.estimate_ends(experts, pending) == expected
 
 
 def test_queued_prefetches_arrive_one_copy_apart():
     """One engine, equal copies: the k-th queued prefetch ends k copies after the engine frees."""
     copies = CopyEngines(lambda n: n * 1e-6, 1)
-    pending = {(0, e): Transfer(0, e, 100, 1, "prefetch", e, 0.0) for e in range(3)}
+    pending = {e: Transfer(0, e, 100, 1, "prefetch", e, 0.0) for e in range(3)}
     copies.submit_prefetches(list(pending.values()), 0.0)
-    demand = pending[(0, 9)] = Transfer(0, 9, 100, 0, "load", 9, 10e-6)
+    demand = pending[9] = Transfer(0, 9, 100, 0, "load", 9, 10e-6)
     copies.submit_demands([demand], 10e-6)
-    ends = copies.estimate_ends(0, {0, 1, 2, 9}, pending)
+    ends = copies.estimate_ends({0, 1, 2, 9}, pending)
     # prefetch 0 runs 0-100 us, the demand 100-200 us (it overtakes the queued ones), then 1 and 2
     assert ends == {0: pytest.approx(100e-6), 9: pytest.approx(200e-6), 1: pytest.approx(300e-6),
                     2: pytest.approx(400e-6)}

@@ -136,7 +136,7 @@ def test_engine_write_back_tail_follows_its_slowed_load(tmp_path):
     assert sim.pcie.busy_s == pytest.approx(copy_time + 1000e-6 + 300e-6, rel=1e-9)
     # the write-back still runs at the end: only its part before the horizon counts
     horizon = load.end + 100e-6
-    sim.pending[(0, 3)] = load  # as the engine's own loads are
+    sim.pending[0][3] = load  # as the engine's own loads are
     sim._retire(horizon)
     assert sim.pcie.busy_until(horizon)[0] == pytest.approx(copy_time + 1000e-6 + 100e-6, rel=1e-9)
 

@@ -302,6 +302,34 @@ def test_layers_pair_each_layer_with_its_rows_whether_one_row_per_layer_or_more(
     assert again == pairs
 
 
+@given(st.integers(1, 6), st.booleans(), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_one_row_layers_are_the_rows_slicing_gives(rows_per_layer, weights, scores):
+    """A step's rows split by layer (what the engine reads per layer of a decode step) equal each
+    column's slice, row by row; a step with several rows in a layer is not split."""
+    rng = np.random.default_rng(rows_per_layer)
+    ids = np.repeat(np.arange(5, dtype=np.int16), rows_per_layer)
+    n = len(ids)
+    step = Step(step=0, request=rng.integers(0, 4, n).astype(np.int32), position=np.arange(n, dtype=np.int32),
+                layer=ids, phase=np.ones(n, np.int8), experts=rng.integers(0, 16, (n, 2)).astype(np.int16),
+                weights=rng.random((n, 2), np.float32) if weights else None,
+                scores=rng.random((n, 16)).astype(np.float16) if scores else None)
+    split = step.one_row_layers()
+    if rows_per_layer > 1:
+        assert split is None
+        return
+    assert split is not None
+    for i, (_, rows) in enumerate(step.layers()):
+        assert split.active[i] == step.experts[rows][0].tolist()
+        for name in ("experts", "request", "weights", "scores"):
+            column, row = getattr(step, name), getattr(split, name)[i]
+            if column is None:
+                assert row is None
+            else:
+                assert row.dtype == column.dtype and row.shape == column[rows].shape
+                assert np.array_equal(row, column[rows])
+
+
 @pytest.mark.parametrize("chosen, expected", [(None, "system"), ("mimalloc", "mimalloc")])
 def test_traces_decode_into_the_c_allocator_unless_the_user_chose_one(tmp_path, chosen, expected):
     """mimalloc, pyarrow's default, made a prefill's first decode slower and bigger (benchmarks/trace_io.py
