@@ -172,9 +172,6 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
     """Alg. 1 of 002 (with the TAE gate as ``allowed`` per token, an array or a :class:`TaeGate`, and
     budget ``rho``)."""
     out = []
-    # each expert's resident buddies within the search limit, found once per layer: residency does not
-    # change while the layer is planned
-    usable: dict[int, list[int]] = {}
     for t, row in enumerate(np.asarray(experts).tolist()):
         used = set(row)
         picks = []
@@ -183,10 +180,9 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
                 continue
             if rho and len(picks) >= rho:
                 break
-            if e not in usable:
-                usable[e] = [b for b in buddies[e][:search_limit] if b in resident]
-            for b in usable[e]:
-                if b not in used:
+            # the first of e's first H buddies that is resident and not yet in U_t
+            for b in buddies[e][:search_limit]:
+                if b in resident and b not in used:
                     picks.append((t, slot, b))
                     used.add(b)
                     break
@@ -367,8 +363,9 @@ class BuddySubstitution(Substitution):
         layer = view.layer
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         on_gpu = resident | in_flight if in_flight else resident
-        missing = sum(1 for e in view.active if e not in on_gpu)
-        if missing == 0 or missing / len(view.active) >= self.beta:
+        active = view.active  # distinct: the missing ones are those not in on_gpu
+        missing = len(active) - len(on_gpu.intersection(active))
+        if missing == 0 or missing / len(active) >= self.beta:
             return []
         limit = self.search_limit or self.k_max
         if view.tokens <= 16:
@@ -443,8 +440,8 @@ class NextLayerPrefetch(Prefetch):
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
         if (view.phase == "prefill" and not self.prefill) or view.layer + 1 >= self._layers or not predicted:
             return []
-        ranked = ranked_predictions(predicted)
-        return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
+        ranked, target = ranked_predictions(predicted), view.layer + 1
+        return [(target, e) for e in (ranked[:self.size] if self.size else ranked)]
 
 
 register_system("buddymoe", SystemSpec(

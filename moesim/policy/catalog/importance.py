@@ -291,7 +291,7 @@ class StaticFirstCache(CachePolicy):
 def two_pointer(counts: dict[int, int], t_load: float, cpu_time, load_head_start: float = 0.0
                 ) -> tuple[list[int], list[int]]:
     """Alg. 2 of 004: (experts to load, experts for the CPU); ``cpu_time(tokens)`` gives B_i * t_cpu."""
-    order = sorted(counts, key=lambda e: (-counts[e], e))
+    order = sorted(sorted(counts), key=counts.__getitem__, reverse=True)  # tokens descending, then id (stable)
     load, cpu = [], []
     c_load, c_cpu = load_head_start, 0.0
     left, right = 0, len(order) - 1
@@ -334,7 +334,8 @@ class TwoPointerBalancer(Assignment):
         rest = {e: n for e, n in zip(view.active, view.counts) if e not in on_gpu}
         if not rest:
             return gpu, []
-        pending = max((at - view.now for at in view.arrivals.values()), default=0.0)
+        # the latest arrival, less now (subtracting now keeps the order: one subtraction, not one each)
+        pending = max(view.arrivals.values()) - view.now if view.arrivals else 0.0
         cpu_times = self._cpu_times = PerTokens.of(self._cpu_times, view.costs, _cpu_expert)
         load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
         return gpu + load, cpu

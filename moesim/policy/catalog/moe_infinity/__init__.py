@@ -49,7 +49,7 @@ from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
-from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, calibration_eams
+from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, calibration_eams, moved_rows
 from moesim.policy.catalog.moe_infinity.order import EvictionOrder
 from moesim.policy.prefetch import Prefetch
 from moesim.policy.state import even_quotas
@@ -150,7 +150,7 @@ class RequestLFUCache(CachePolicy):
     _current: np.ndarray | None = field(default=None, repr=False)
     _total: np.ndarray | None = field(default=None, repr=False)
     #: the tracker's row versions and batch generation the kept priorities were computed from
-    _versions: np.ndarray | None = field(default=None, repr=False)
+    _versions: list[int] | None = field(default=None, repr=False)
     _generation: int = -1
     #: each layer's depth weight 1 - layer / L, as a column
     _depth: np.ndarray | None = field(default=None, repr=False)
@@ -195,7 +195,7 @@ class RequestLFUCache(CachePolicy):
             self._current, self._total = np.zeros(batch.shape), np.zeros(batch.shape)
             stale = np.arange(batch.shape[0])
         else:
-            stale = np.flatnonzero(self._versions != tracker.row_version)
+            stale = np.array(moved_rows(self._versions, tracker.row_version), dtype=np.intp)
         if stale.size == 1:  # the layer just observed
             layer = int(stale[0])
             depth = float(self._depth[layer, 0])
@@ -206,7 +206,7 @@ class RequestLFUCache(CachePolicy):
             self._current[stale] = share(batch[stale], depth)
             self._total[stale] = share(tracker.total[stale], depth)
         if stale.size:
-            self._versions = tracker.row_version.copy()
+            self._versions = list(tracker.row_version)
             self._generation = tracker.batch_generation
         return self._current, self._total
 

@@ -42,7 +42,8 @@ class ActivationTracker:
     EAM cells are token counts (whole numbers in float64), so sums of them are exact in any order: the
     batch's EAM is kept up to date as layers are observed instead of summed afresh for every layer, and
     ``row_version[layer]`` counts the changes of each layer's counts (the batch's and the run's), so a
-    reader recomputes only the rows that moved.
+    reader recomputes only the rows that moved (:func:`moved_rows`). A batch of one live request keeps
+    that request's EAM itself as the batch EAM (a sum of one term), so a layer's routing is added once.
     """
 
     num_layers: int
@@ -56,7 +57,7 @@ class ActivationTracker:
     #: the request each collection entry came from (None: a held-out calibration trace's)
     owners: deque = field(default_factory=deque)
     total: np.ndarray | None = None
-    row_version: np.ndarray | None = None
+    row_version: list[int] | None = None
     #: changes whenever the batch EAM is summed afresh (another set of requests)
     batch_generation: int = 0
     _seen: tuple[int, int] = (-1, -1)
@@ -68,6 +69,8 @@ class ActivationTracker:
     _batch: np.ndarray | None = None
     #: the collection stacked as one matrix (None: rebuilt at the next match)
     _stack: np.ndarray | None = None
+    #: the requests a match last left out and the collection entries it kept (None: the collection changed)
+    _kept: tuple[frozenset[int], list[int]] | None = None
     #: observations that moved counts so far, and what the latest one added: (layer, experts, tokens of
     #: each), added to the run's counts and to the kept batch EAM alike (None: not to the batch EAM alike)
     observations: int = 0
@@ -75,7 +78,7 @@ class ActivationTracker:
 
     def __post_init__(self) -> None:
         if self.row_version is None:
-            self.row_version = np.zeros(self.num_layers, dtype=np.int64)
+            self.row_version = [0] * self.num_layers
 
     @classmethod
     def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
@@ -98,6 +101,7 @@ class ActivationTracker:
             self.collection.popleft()
             self.owners.popleft()
         self._stack = None
+        self._kept = None
 
     def batch_ids(self, view: LayerView) -> tuple[int, ...]:
         """The distinct requests of the view's token rows, ascending (found once per layer)."""
@@ -132,7 +136,7 @@ class ActivationTracker:
             if eam is None:
                 eam = self.live[r] = np.zeros((self.num_layers, self.num_experts))
             eam[layer] += routed
-            if self._batch_ids is not None and r in self._batch_ids:
+            if self._batch_ids is not None and r in self._batch_ids and self._batch is not eam:
                 self._batch[layer] += routed
         assert self.total is not None and self.row_version is not None
         self.total[layer] += counts
@@ -147,10 +151,13 @@ class ActivationTracker:
         """The sum of the live EAMs of the view's requests (kept between layers; read-only)."""
         ids = self.batch_ids(view)
         if ids != self._batch_ids or self._batch is None:
-            out = np.zeros((self.num_layers, self.num_experts))
-            for r in ids:
-                if r in self.live:
-                    out += self.live[r]
+            if len(ids) == 1 and ids[0] in self.live:
+                out = self.live[ids[0]]  # its own EAM, which observe keeps up to date
+            else:
+                out = np.zeros((self.num_layers, self.num_experts))
+                for r in ids:
+                    if r in self.live:
+                        out += self.live[r]
             self._batch_ids, self._batch = ids, out
             self.batch_generation += 1
         return self._batch
@@ -158,7 +165,7 @@ class ActivationTracker:
     def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
         """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix, leaving out the
         entries of the requests in ``exclude`` (the batch's own: leave-one-out)."""
-        kept = [i for i, owner in enumerate(self.owners) if owner is None or owner not in exclude]
+        kept = self._entries_besides(exclude)
         if not kept:
             return None
         norm = float(np.linalg.norm(eam))
@@ -169,6 +176,18 @@ class ActivationTracker:
         entries = self._stack if len(kept) == len(self.owners) else self._stack[kept]
         similarity = entries @ (eam.ravel() / norm)
         return self.collection[kept[int(np.argmax(similarity))]].reshape(self.num_layers, self.num_experts)
+
+    def _entries_besides(self, exclude: frozenset[int]) -> list[int]:
+        """The collection entries not from the requests in ``exclude`` (kept until either changes)."""
+        if self._kept is None or self._kept[0] != exclude:
+            kept = [i for i, owner in enumerate(self.owners) if owner is None or owner not in exclude]
+            self._kept = (exclude, kept)
+        return self._kept[1]
+
+
+def moved_rows(seen: list[int], now: list[int]) -> list[int]:
+    """The layers whose row version is not the one ``seen`` (their counts moved since)."""
+    return [layer for layer, (then, version) in enumerate(zip(seen, now)) if then != version]
 
 
 def calibration_eams(path: str, num_layers: int, num_experts: int) -> dict[int, np.ndarray]:

@@ -12,7 +12,7 @@ from heapq import heappop, heappush
 import numpy as np
 
 from moesim.policy.base import LayerView
-from moesim.policy.catalog.moe_infinity.eam import ActivationTracker
+from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, moved_rows
 
 
 class EvictionOrder:
@@ -55,7 +55,7 @@ class EvictionOrder:
         self.mirror = None
         self.generation = -1
         self.observations = -1
-        self.versions: np.ndarray | None = None
+        self.versions: list[int] | None = None
 
     def sync(self, view: LayerView) -> bool:
         """Catch up with the tracker's counts and the pool's residents; False when only a from-scratch
@@ -79,11 +79,11 @@ class EvictionOrder:
                 self._add(*added, resident[added[0]])
                 dirty.add(added[0])
             else:
-                rows = np.flatnonzero(self.versions != tracker.row_version).tolist()
+                rows = moved_rows(self.versions, tracker.row_version)
                 self._count(batch, tracker.total, rows)
                 self._rank(rows, resident)
                 dirty.update(rows)
-                self.versions = tracker.row_version.copy()
+                self.versions = list(tracker.row_version)
             self.observations = tracker.observations
         if dirty:
             self._heads(dirty)
@@ -122,7 +122,7 @@ class EvictionOrder:
         self.mirror = state.mirror
         self.mirror.journal = []
         self.generation, self.observations = self.tracker.batch_generation, self.tracker.observations
-        self.versions = self.tracker.row_version.copy()
+        self.versions = list(self.tracker.row_version)
         self.ranked = [[] for _ in range(layers)]
         self._rank(range(layers), state.resident)
         self.heads, self.order = [None] * layers, []
