@@ -113,12 +113,11 @@ class DaliSystem(ObservingSystem):
         solve_s = getattr(self.assign, "_last_solve_s", 0.0)
         if solve_s:
             plan.overhead_s["predict"] = solve_s
-        layer, state = view.layer, view.cache
-        present = [e for e in gpu if state.has(layer, e)]
-        ready = [e for e in present if e in state.resident[layer]]
-        arriving = sorted((e for e in present if e not in state.resident[layer]),
+        resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+        ready = [e for e in gpu if e in resident]
+        arriving = sorted((e for e in gpu if e in in_flight and e not in resident),
                           key=lambda e: view.arrivals.get(e, 0.0))
-        plan.streamed = [e for e in gpu if not state.has(layer, e)]
+        plan.streamed = [e for e in gpu if e not in resident and e not in in_flight]
         plan.gpu = ready + arriving + plan.streamed
         if window_closed:
             self._swap(view, plan, set(gpu))
@@ -151,8 +150,11 @@ class DaliSystem(ObservingSystem):
         # the buffer's entries, found at the first need: one layer's (a full quota) or every layer's (a full pool)
         entries: dict[int | None, list[tuple[int, int]]] = {}
         swaps = len(plan.prefetches)  # the window's swap-ins, cached experts
+        resident, in_flight = state.resident, state.in_flight
         for target, e in wanted:
-            if (state.has(target, e) and (target, e) not in evicted) or (target, e) in plan.prefetches:
+            pair = (target, e)
+            held = e in resident[target] or e in in_flight[target]
+            if (held and pair not in evicted) or pair in plan.prefetches:
                 continue
             if target not in room:
                 room[target] = self._quota_left(view, plan, target, evicted)
@@ -161,7 +163,8 @@ class DaliSystem(ObservingSystem):
                 where = target if full else None
                 if where not in entries:
                     entries[where] = self._buffer_entries(view, where)
-                stale = self._stale_entry(view, plan, where, wanted, evicted, entries[where])
+                found = entries[where]
+                stale = self._stale_entry(view, plan, where, wanted, evicted, found) if found else None
                 if stale is None:
                     entries[where] = []  # none now, and the plan only takes more away: none later either
                     continue
@@ -171,7 +174,7 @@ class DaliSystem(ObservingSystem):
                     room[stale[0]] += 1
                 if pool_left is not None:
                     pool_left += 1
-            plan.prefetches.append((target, e))
+            plan.prefetches.append(pair)
             room[target] -= 1
             if pool_left is not None:
                 pool_left -= 1

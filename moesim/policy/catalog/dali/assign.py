@@ -60,13 +60,14 @@ def greedy_mask(gpu: list[float], cpu: list[float]) -> list[bool]:
     on_gpu = [False] * len(gpu)
     total_gpu = total_cpu = 0.0
     for i in order:
-        if gpu[i] == 0 and cpu[i] == 0:
+        g, c = gpu[i], cpu[i]
+        if g == 0 and c == 0:
             continue
-        if total_gpu + gpu[i] <= total_cpu + cpu[i]:
+        if total_gpu + g <= total_cpu + c:
             on_gpu[i] = True
-            total_gpu += gpu[i]
+            total_gpu += g
         else:
-            total_cpu += cpu[i]
+            total_cpu += c
     return on_gpu
 
 

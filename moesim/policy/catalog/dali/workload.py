@@ -165,16 +165,14 @@ class WorkloadAwareCache(CachePolicy):
         """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
         s = self._scores[layer]
         cached = self._cached[layer]
-        mask = np.ones(self._experts, dtype=bool)
-        mask[list(cached)] = False
-        uncached = np.flatnonzero(mask)
-        # by score descending, ids ascending among ties (a stable sort of ascending ids); only u_size are used
-        incoming = uncached[np.argsort(-s[uncached], kind="stable")][:self.u_size].tolist()
-        score = s.tolist()
-        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score[e], e))
+        # a window touches few experts: the scores of those it used, every other expert's is 0
+        used = s.nonzero()[0]
+        score = dict(zip(used.tolist(), s[used].tolist()))
+        incoming = self._best_uncached(score, cached)
+        outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score.get(e, 0.0), e))
         swaps_in, swaps_out = [], []
-        for new, old in zip(incoming[:self.u_size], outgoing[:self.u_size]):
-            if self.strict and s[new] <= s[old]:
+        for new, old in zip(incoming, outgoing[:self.u_size]):
+            if self.strict and score.get(new, 0.0) <= score.get(old, 0.0):
                 break
             swaps_in.append(new)
             swaps_out.append(old)
@@ -183,6 +181,15 @@ class WorkloadAwareCache(CachePolicy):
         self._last[layer] = s.copy()
         s[:] = 0.0
         return swaps_in, swaps_out
+
+    def _best_uncached(self, score: dict[int, float], cached: set[int]) -> list[int]:
+        """The ``u_size`` uncached experts of highest window score, ids ascending among ties (Alg. 2 line 11);
+        ``score``: the nonzero scores, by ascending id."""
+        # reverse=True keeps a stable sort's order among equals: ascending ids
+        best = sorted((e for e in score if e not in cached), key=score.__getitem__, reverse=True)[:self.u_size]
+        if len(best) < self.u_size and not self.strict:  # then score-0 experts (never a strict swap), lowest ids first
+            best += [e for e in range(self._experts) if e not in cached and e not in score][:self.u_size - len(best)]
+        return best
 
     # -- plain-cache interface, for systems that swap this component in -----------------------
     def touch(self, view: LayerView, used: list[int]) -> None:
