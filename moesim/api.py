@@ -232,7 +232,7 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     """Write the first ``steps`` forward passes (and/or only ``requests``) of ``trace`` to ``out``.
 
     Quick experiments and notebooks on a piece of a long trace; the file keeps
-    the trace's metadata and row order, so it is a valid v1 trace.
+    the trace's metadata and row order, so it is a valid trace.
     """
     import pyarrow.compute as pc
     import pyarrow.parquet as pq

@@ -45,7 +45,7 @@ class MoesimError(Exception):
 
 
 class TraceFormatError(MoesimError):
-    """A trace file that does not follow trace format v1."""
+    """A trace file that does not follow the trace format (docs/trace-format.md)."""
 
 
 class ProfileError(MoesimError):

@@ -108,16 +108,15 @@ def write_sweep_files(folder: Path, seed: int) -> Path:
 def with_scores(path: Path, out: Path, bad: dict[int, float] | None = None) -> Path:
     """``path`` with a ``scores`` column (uniform probabilities) added, row ``r``'s first score set to
     ``bad[r]``: a trace whose only fault, if any, lies in a column most systems never read."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
     from moesim.trace.io import read_meta
+    from moesim.trace.schema import scores_to_arrow
     table = pq.read_table(path)
     experts = read_meta(path).model.num_experts
     scores = np.full((table.num_rows, experts), 1.0 / experts, dtype=np.float16)
     for row, value in (bad or {}).items():
         scores[row, 0] = value
-    column = pa.FixedSizeListArray.from_arrays(pa.array(scores.ravel(), pa.float16()), experts)
-    pq.write_table(table.append_column("scores", column), out)
+    pq.write_table(table.append_column("scores", scores_to_arrow(scores, experts)), out)
     return out
 
 

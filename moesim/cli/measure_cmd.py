@@ -31,7 +31,7 @@ from moesim.util import PARQUET, YAML
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
 def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, calibration_prompts: str | None,
                     dtype: str, device: str, out: str) -> None:
-    """Record a Hugging Face MoE model's router decisions under greedy generation into a v1 trace."""
+    """Record a Hugging Face MoE model's router decisions under greedy generation into a trace."""
     from moesim.trace.capture import CaptureConfig, capture
     from moesim.trace.capture.model import require_torch
     check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": PARQUET},

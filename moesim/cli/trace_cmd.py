@@ -20,12 +20,13 @@ def trace() -> None:
 @trace.command("validate")
 @click.argument("file", type=click.Path(dir_okay=False))
 def trace_validate(file: str) -> None:
-    """Check FILE against trace format v1."""
+    """Check FILE against the trace format (docs/trace-format.md; version 2, or 1)."""
+    from moesim.trace.io import read_meta
     from moesim.trace.validate import validate_trace
     from moesim.trace.validated import record_validated
     summary = validate_trace(file)  # always the whole pass, recorded or not
     record_validated(file)
-    console.print(f"{file}: valid trace v1, {summary.rows:,} rows, {summary.steps:,} steps, "
+    console.print(f"{file}: valid trace v{read_meta(file).schema_version}, {summary.rows:,} rows, {summary.steps:,} steps, "
                   f"columns: {', '.join(summary.columns)}")
 
 
@@ -71,7 +72,7 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
 @click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
 def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, list_formats: bool) -> None:
-    """Convert another tool's per-token routing log into a v1 trace."""
+    """Convert another tool's per-token routing log into a trace."""
     from moesim.trace.importers import import_trace
     if list_formats:
         _print_formats()

@@ -35,7 +35,7 @@ from moesim.sim.engine import Simulator
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
-from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS
+from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS, score_rows
 from moesim.util import host_bytes_available, listed
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
@@ -183,7 +183,9 @@ def _read_requests(path: str, columns: list[str]) -> tuple[list[int], list[Trace
     order = np.lexsort((position, layer, request))
     data = {"experts": _rows(table.column("experts"))[order]}
     for name in columns:
-        data[name] = _rows(table.column(name))[order]
+        column = table.column(name)
+        rows = score_rows(column, read_meta(path).model.num_experts) if name == "scores" else _rows(column)
+        data[name] = rows[order]
     request, layer, position, phase = request[order], layer[order], position[order], phase[order]
     out = []
     logged = np.unique(layer)

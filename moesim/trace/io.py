@@ -1,4 +1,4 @@
-"""Reading, writing and validating v1 traces.
+"""Reading, writing and validating traces (format v2, and v1 read as well).
 
 The writer streams row groups into a temporary file and renames it into place
 on close, so a trace appears whole or not at all. The reader streams one
@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from moesim.errors import TraceFormatError
 from moesim.util import tmp_path_for
 from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS,
-                                 REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type)
+                                 REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type, score_rows,
+                                 scores_to_arrow)
 
 ROW_GROUP_ROWS = 262_144
 PathLike = str | os.PathLike
@@ -30,17 +31,24 @@ PathLike = str | os.PathLike
 #: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
 #: is 5 to 8 times slower than plain ones (benchmarks/validate_speed.py reads this column in full)
 PLAIN_COLUMNS = ("scores",)
+#: columns written uncompressed: zstd took 15% off a 4,096-token DeepSeek-V3 prefill's scores (101 MiB
+#: against 116) and tripled the time to read them (0.24 s against 0.08); snappy and lz4 took nothing off
+UNCOMPRESSED_COLUMNS = ("scores",)
 
 
 def parquet_options(columns: Sequence[str]) -> dict[str, Any]:
-    """Writer options of a trace with these columns (zstd; dictionaries except :data:`PLAIN_COLUMNS`)."""
-    return {"compression": "zstd", "use_dictionary": [c for c in columns if c not in PLAIN_COLUMNS]}
+    """Writer options of a trace with these columns (zstd but :data:`UNCOMPRESSED_COLUMNS`; dictionaries but
+    :data:`PLAIN_COLUMNS`)."""
+    return {"compression": {c: "none" if c in UNCOMPRESSED_COLUMNS else "zstd" for c in columns},
+            "use_dictionary": [c for c in columns if c not in PLAIN_COLUMNS]}
 
 
 # ----------------------------------------------------------------------------- writing
 def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
     model = meta.model
     typ = column_type(name, model.top_k, model.num_experts)
+    if name == "scores":
+        return scores_to_arrow(values, model.num_experts)
     if name == "phase":
         codes = np.asarray(values)
         if codes.dtype.kind in "US" or codes.dtype == object:
@@ -63,7 +71,7 @@ def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
 
 
 class TraceWriter:
-    """Write a v1 trace in batches; the file appears at ``path`` only on a clean close.
+    """Write a trace (format v2) in batches; the file appears at ``path`` only on a clean close.
 
     ``columns`` names the optional columns the trace will carry besides the
     required ones. Each :meth:`write` takes a mapping of column name to values:
@@ -539,7 +547,7 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
             elif name == "weights":
                 cols[name] = _fixed_list(col, top_k)
             elif name == "scores":
-                cols[name] = _fixed_list(col, num_experts)
+                cols[name] = score_rows(col, num_experts)
             elif name in PREDICTOR_COLUMNS:
                 cols[name] = _var_list(col)
             elif name == "phase":
@@ -571,5 +579,17 @@ def iter_columns(path: PathLike, columns: Sequence[str], batch_rows: int = 1 << 
 
 
 def read_table(path: PathLike, columns: Sequence[str] | None = None) -> pa.Table:
-    """Read a whole (small) trace as an arrow table."""
+    """Read a whole (small) trace as an arrow table, columns as stored (``scores`` in either form:
+    :func:`~moesim.trace.schema.score_rows` decodes it)."""
     return _open(path).read(columns=list(columns) if columns else None)
+
+
+def read_frame(path: PathLike, columns: Sequence[str] | None = None) -> Any:
+    """A whole (small) trace as a pandas DataFrame, one row per trace row: list columns as one numpy array
+    per row, ``scores`` included (decoded from its stored bytes to ``num_experts`` float16 values)."""
+    table = read_table(path, columns)
+    if "scores" in table.column_names:
+        rows = score_rows(table.column("scores"), read_meta(path).model.num_experts)
+        scores = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
+        table = table.set_column(table.column_names.index("scores"), "scores", scores)
+    return table.to_pandas()

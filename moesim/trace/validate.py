@@ -1,4 +1,4 @@
-"""Trace validator: the first violation of format v1 as one clear error.
+"""Trace validator: the first violation of the trace format (v2, or v1) as one clear error.
 
 Every command that reads a trace runs this pass before any work starts
 (:func:`checked_meta`, memoised per file and process), and ``moesim trace
@@ -33,8 +33,8 @@ import pyarrow as pa
 
 from moesim.errors import TraceFormatError
 from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_parquet, read_meta
-from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SORT_KEYS,
-                                 TraceMeta, column_type)
+from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SCORE_BYTES,
+                                 SORT_KEYS, TraceMeta, accepted_types, score_rows)
 from moesim.trace.validated import record_validated, was_validated
 
 BATCH_ROWS = 65_536
@@ -188,12 +188,12 @@ def validate_trace(path: PathLike, columns: Iterable[str] | None = None) -> Trac
     for col in REQUIRED_COLUMNS:
         if col not in schema.names:
             raise TraceFormatError("required column missing", source=name, field=col,
-                                   fix=f"add the '{col}' column (see trace format v1)")
+                                   fix=f"add the '{col}' column (see docs/trace-format.md)")
     known = [c for c in schema.names if c in REQUIRED_COLUMNS or c in OPTIONAL_COLUMNS]
     for col in known:
-        expected = column_type(col, model.top_k, model.num_experts)
-        _check_list_lengths(pf, name, col, schema.field(col).type, expected)
-        _check_type(name, col, schema.field(col).type, expected)
+        accepted = accepted_types(col, model.top_k, model.num_experts)
+        _check_list_lengths(pf, name, col, schema.field(col).type, accepted[-1])
+        _check_type(name, col, schema.field(col).type, accepted)
     wanted = None if columns is None else set(columns)
     present = [c for c in known if wanted is None or c not in LAZY_COLUMNS or c in wanted]
     if pf.metadata.num_rows == 0:
@@ -260,20 +260,28 @@ def _weight_sum(meta: TraceMeta, name: str) -> float:
     return float(factor)
 
 
-def _check_type(path: str, name: str, actual: pa.DataType, expected: pa.DataType) -> None:
+def _check_type(path: str, name: str, actual: pa.DataType, accepted: tuple[pa.DataType, ...]) -> None:
+    """``actual`` is one of the ``accepted`` types (the written one first), or one error naming the fault."""
     if name == "phase" and (pa.types.is_string(actual) or pa.types.is_large_string(actual)
                             or (pa.types.is_dictionary(actual) and pa.types.is_string(actual.value_type))):
         return
-    if actual == expected:
+    if actual in accepted:
         return
-    if isinstance(expected, pa.FixedSizeListType) and isinstance(actual, pa.FixedSizeListType) \
-            and actual.value_type == expected.value_type:
-        what = "experts per row (top_k)" if name in ("experts", "weights") else "scores per row (num_experts)"
-        raise TraceFormatError(f"list length {actual.list_size}, but the model metadata says "
-                               f"{expected.list_size} {what}", source=path, field=name,
-                               fix="make every row's list match the model metadata")
-    raise TraceFormatError(f"has type {actual}, expected {expected}", source=path, field=name,
-                           fix=f"cast the column to {expected}")
+    for expected in accepted:
+        if isinstance(expected, pa.FixedSizeListType) and isinstance(actual, pa.FixedSizeListType) \
+                and actual.value_type == expected.value_type:
+            what = "experts per row (top_k)" if name in ("experts", "weights") else "scores per row (num_experts)"
+            raise TraceFormatError(f"list length {actual.list_size}, but the model metadata says "
+                                   f"{expected.list_size} {what}", source=path, field=name,
+                                   fix="make every row's list match the model metadata")
+        if pa.types.is_fixed_size_binary(expected) and pa.types.is_fixed_size_binary(actual):
+            raise TraceFormatError(f"{actual.byte_width} bytes per row, but the model metadata says "
+                                   f"{expected.byte_width // SCORE_BYTES} scores (num_experts) of {SCORE_BYTES} "
+                                   f"bytes each", source=path, field=name,
+                                   fix=f"write {expected.byte_width} bytes per row: every expert's float16 score")
+    alternatives = " or ".join(map(str, accepted))
+    raise TraceFormatError(f"has type {actual}, expected {alternatives}", source=path, field=name,
+                           fix=f"cast the column to {accepted[0]}")
 
 
 def _check_list_lengths(pf, path: str, name: str, actual: pa.DataType, expected: pa.DataType) -> None:
@@ -352,7 +360,7 @@ def _check_optional(batch: pa.RecordBatch, name: str, meta: TraceMeta, weight_su
     if "weights" in batch.schema.names:
         _check_weights(_matrix(batch, "weights", model.top_k), weight_sum, name, offset)
     if "scores" in batch.schema.names:
-        _check_scores(_matrix(batch, "scores", model.num_experts), name, offset)
+        _check_scores(score_rows(batch.column("scores"), model.num_experts), name, offset)
     if "token_id" in batch.schema.names:
         token = batch.column("token_id").to_numpy(zero_copy_only=False)
         if (token < 0).any():

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from moesim.trace.schema import META_KEY
+from moesim.trace.schema import META_KEY, SCORE_BYTES, score_rows, scores_to_arrow
 
 
 def _table(path: Path) -> pa.Table:
@@ -44,6 +44,8 @@ def _list_column(table: pa.Table, name: str, values: np.ndarray, typ: pa.DataTyp
 # ----------------------------------------------------------------------------- trace mutations
 def _matrix(table: pa.Table, name: str) -> np.ndarray:
     col = table.column(name).combine_chunks()
+    if pa.types.is_fixed_size_binary(col.type):  # scores as written: float16 values in one binary per row
+        return score_rows(col, col.type.byte_width // SCORE_BYTES).copy()
     return col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1).copy()
 
 
@@ -66,12 +68,19 @@ def trace_mutations() -> dict[str, Callable[[pa.Table, np.random.Generator], pa.
         e[r, 1] = e[r, 0]
         return _list_column(t, "experts", e, pa.int16())
 
-    def float_matrix(name: str, value: float, typ: pa.DataType) -> Callable:
+    def float_matrix(name: str, value: float, typ: pa.DataType, as_list: bool = False) -> Callable:
+        """One value set to ``value``; scores written back as stored, or in version 1's list form."""
         def mutate(t, rng):
             m = _matrix(t, name).astype(np.float64)
             m[rng.integers(len(m)), rng.integers(m.shape[1])] = value
+            if name == "scores" and not as_list:
+                return _set(t, name, scores_to_arrow(m, m.shape[1]))
             return _list_column(t, name, m, typ)
         return mutate
+
+    def scores_width(t, rng):
+        m = _matrix(t, "scores")
+        return _set(t, "scores", scores_to_arrow(m[:, :-1], m.shape[1] - 1))
 
     def unnormalised(t, rng):
         w = _matrix(t, "weights")
@@ -217,6 +226,9 @@ def trace_mutations() -> dict[str, Callable[[pa.Table, np.random.Generator], pa.
         "score_inf": float_matrix("scores", float("-inf"), pa.float16()),
         "score_negative": float_matrix("scores", -0.5, pa.float16()),
         "score_above_one": float_matrix("scores", 7.0, pa.float16()),
+        "score_nan_as_list": float_matrix("scores", float("nan"), pa.float16(), as_list=True),
+        "score_above_one_as_list": float_matrix("scores", 7.0, pa.float16(), as_list=True),
+        "scores_one_expert_short": scores_width,
         "step_negative": scalar("step", -1), "position_negative": scalar("position", -5),
         "request_negative": scalar("request", -2), "token_id_negative": scalar("token_id", -9),
         "layer_out_of_range": scalar("layer", 7), "layer_negative": scalar("layer", -1),
@@ -227,7 +239,8 @@ def trace_mutations() -> dict[str, Callable[[pa.Table, np.random.Generator], pa.
         "schema_version_true": meta_field(("schema_version",), True),
         "schema_version_string": meta_field(("schema_version",), "1"),
         "schema_version_float": meta_field(("schema_version",), 1.5),
-        "schema_version_2": meta_field(("schema_version",), 2),
+        "schema_version_3": meta_field(("schema_version",), 3),
+        "schema_version_0": meta_field(("schema_version",), 0),
         "schema_version_missing": meta_drop(("schema_version",)),
         "num_layers_1e9": meta_field(("model", "num_layers"), 1e9),
         "num_layers_int_1e9": meta_field(("model", "num_layers"), 10**9),

@@ -55,7 +55,7 @@ def test_faults_in_columns_a_system_never_reads_refuse_its_replay(tmp_path, syst
     from tests.fuzz.corpus import Case, write_valid
     rng = np.random.default_rng(5)
     base = write_valid(tmp_path / "valid.parquet", rng)
-    assert len(UNREAD_FAULTS) == 16  # 6 of scores, 7 of weights, 3 of token ids
+    assert len(UNREAD_FAULTS) == 19  # 9 of scores (3 in the list form of version 1), 7 of weights, 3 of token ids
     for name in UNREAD_FAULTS:
         path = tmp_path / f"{name}.parquet"
         pq.write_table(trace_mutations()[name](pq.read_table(base), rng), path)

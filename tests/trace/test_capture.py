@@ -86,7 +86,7 @@ except ImportError:  # the torch extra is optional; the tests below skip without
 import pyarrow.parquet as pq  # noqa: E402
 
 from moesim.model.presets import load_preset  # noqa: E402
-from moesim.trace import iter_steps, read_meta, read_table, validate_trace  # noqa: E402
+from moesim.trace import iter_steps, read_frame, read_meta, read_table, validate_trace  # noqa: E402
 from moesim.trace.capture import CaptureConfig, capture, config_to_spec  # noqa: E402
 
 
@@ -249,7 +249,7 @@ def captured(hf, tmp_path_factory) -> dict:
 def test_trace_matches_model_router_token_by_token(captured, kind: str) -> None:
     report, model, out = captured[kind]
     validate_trace(out)
-    table = read_table(out).to_pandas()
+    table = read_frame(out)
     config = model.config
     routers = routers_of(model)
     num_layers = len(routers)
@@ -273,7 +273,7 @@ def test_trace_matches_model_router_token_by_token(captured, kind: str) -> None:
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_predictor_columns_are_what_the_gates_compute(captured, kind: str) -> None:
     report, model, out = captured[kind]
-    table = read_table(out).to_pandas()
+    table = read_frame(out)
     config = model.config
     routers = routers_of(model)
     num_layers = len(routers)
@@ -386,7 +386,7 @@ def test_end_of_sequence_ends_a_request(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
     capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2]), out=out,
                           max_new_tokens=3, batch=2))
-    table = read_table(out).to_pandas()
+    table = read_frame(out)
     table = table[table.layer == 0]
     assert table[table.request == 1].phase.astype(str).tolist() == ["prefill"] * len(PROMPTS[1])
     decode0 = table[(table.request == 0) & (table.phase == "decode")].token_id.tolist()
@@ -408,7 +408,7 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path: Path) -> None:
     out = tmp_path / "t.parquet"
     assert main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "2",
                  "--batch", "2", "--out", str(out)]) == 0
-    table = read_table(out).to_pandas()
+    table = read_frame(out)
     assert request_tokens(table, 0)[:6] == [2, 3, 4, 5, 6, 7]
     assert request_tokens(table, 1)[:4] == [6, 9, 10, 11]
     assert read_meta(out).source["prompts_sha256"]
@@ -517,7 +517,7 @@ def test_single_moe_layer_has_empty_next_layer_predictions(tmp_path: Path) -> No
     report = capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2]),
                                    out=out, max_new_tokens=2, calibration_prompts=write_jsonl(
                                        tmp_path / "c.jsonl", CALIBRATION[:2])))
-    table = read_table(out).to_pandas()
+    table = read_frame(out)
     assert set(table.layer) == {0} and len(table) == 3 + 6 + 2 * 2
     assert all(len(v) == 0 for v in table.pred_next_layer) and all(len(v) == 0 for v in table.pred_residual)
     assert all(len(v) == 2 for v in table.pred_next_token)
@@ -539,7 +539,7 @@ def test_greedy_ignores_sampling_settings_of_generation_config(tmp_path: Path) -
     with torch.no_grad():
         for _ in range(6):  # argmax of the logits, nothing else
             tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
-    assert request_tokens(read_table(out).to_pandas(), 0) == tokens
+    assert request_tokens(read_frame(out), 0) == tokens
 
 
 @needs_torch

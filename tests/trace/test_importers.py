@@ -12,7 +12,7 @@ from moesim.cli import main
 from moesim.errors import ConfigError, TraceFormatError
 from moesim.trace.importers import import_trace
 from moesim.trace.importers.detect import detect_format, format_of
-from moesim.trace.io import iter_steps, read_meta, read_table
+from moesim.trace.io import iter_steps, read_frame, read_meta
 from moesim.trace.validate import validate_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ needs_real = pytest.mark.skipif(not REAL.is_dir(), reason=f"real router logs not
 
 
 def _table(path: Path):
-    return read_table(path).to_pandas()
+    return read_frame(path)
 
 
 # ----------------------------------------------------------------------------- real logs

@@ -16,7 +16,7 @@ from moesim.cli import main
 from moesim.errors import TraceFormatError
 from moesim.model.spec import ModelSpec
 from moesim.trace.io import write_trace
-from moesim.trace.schema import META_KEY, TraceMeta
+from moesim.trace.schema import META_KEY, TraceMeta, scores_to_arrow
 from moesim.trace.validate import validate_trace
 
 MODEL = ModelSpec(name="tiny", num_layers=4, num_experts=8, top_k=2, hidden_size=8, moe_intermediate_size=16)
@@ -106,6 +106,20 @@ def test_scores_length_not_num_experts(tmp_path, capsys):
     scores = pa.FixedSizeListArray.from_arrays(pa.array(np.full(ROWS * 6, 0.1, np.float16)), 6)
     _check(_save(tmp_path, _replace(table, "scores", scores)), capsys,
            "field 'scores'", "list length 6", "num_experts")
+
+
+def test_scores_bytes_not_num_experts_float16_values(tmp_path, capsys):
+    table = _valid(tmp_path)
+    scores = scores_to_arrow(np.full((ROWS, 7), 0.125, np.float16), 7)
+    _check(_save(tmp_path, _replace(table, "scores", scores)), capsys,
+           "field 'scores'", "14 bytes per row", "8 scores (num_experts)")
+
+
+def test_scores_of_another_type_name_both_accepted_forms(tmp_path, capsys):
+    table = _valid(tmp_path)
+    scores = pa.FixedSizeListArray.from_arrays(pa.array(np.full(ROWS * 8, 0.125, np.float32)), 8)
+    _check(_save(tmp_path, _replace(table, "scores", scores)), capsys,
+           "field 'scores'", "expected fixed_size_binary[16] or fixed_size_list<item: halffloat>[8]")
 
 
 def test_scores_row_length_not_num_experts(tmp_path, capsys):

@@ -63,6 +63,7 @@ from moesim.policy.base import LayerView, RunContext
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 from moesim.trace.io import read_table, trace_columns
+from moesim.trace.schema import score_rows
 
 
 def renormalized(probabilities: np.ndarray) -> np.ndarray:
@@ -336,7 +337,7 @@ class BuddySubstitution(Substitution):
         if "weights" in table.column_names:
             return table.column("weights").combine_chunks().flatten().to_numpy().reshape(experts.shape)
         if "scores" in table.column_names:
-            scores = table.column("scores").combine_chunks().flatten().to_numpy().reshape(-1, num_experts)
+            scores = score_rows(table.column("scores"), num_experts)
             return np.take_along_axis(scores.astype(np.float64), experts, axis=1)
         return None
 

@@ -1,4 +1,4 @@
-"""``moesim capture``: record a real model's router decisions into a v1 trace.
+"""``moesim capture``: record a real model's router decisions into a trace.
 
 Importing this package needs neither torch nor transformers; :func:`capture`
 raises :class:`TorchMissingError` (one line: install the torch extra) when

@@ -1,4 +1,4 @@
-"""``moesim capture``: greedy generation with hooked routers, written as a v1 trace.
+"""``moesim capture``: greedy generation with hooked routers, written as a trace.
 
 Requests run in batches of ``batch`` prompts (left-padded, in file order);
 each batch is one prefill pass and then one decode pass per generated token

@@ -1,4 +1,4 @@
-"""Importers: other tools' per-token router logs -> trace format v1.
+"""Importers: other tools' per-token router logs -> moesim traces (docs/trace-format.md).
 
 ``import_trace(fmt, sources, out)`` is what ``moesim trace import --format NAME``
 calls; without a format, the files' first records tell it (:mod:`.detect`). Each format module reads its logs, drops rows that are not real routing
@@ -53,7 +53,7 @@ def available_formats() -> list[str]:
 
 
 def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportReport:
-    """Convert ``sources`` (log files of format ``fmt``; None: told from their first records) into the v1
+    """Convert ``sources`` (log files of format ``fmt``; None: told from their first records) into a
     trace ``out``."""
     sources = [Path(s) for s in sources]
     if fmt in AGGREGATE_FORMATS:

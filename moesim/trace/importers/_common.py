@@ -186,7 +186,7 @@ class RoutingRows:
 
 
 def order_by_weight(experts: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Sort each row's experts by gate weight, highest first (trace format v1); count rows changed."""
+    """Sort each row's experts by gate weight, highest first (as the trace format has them); count rows changed."""
     order = np.argsort(-weights, axis=1, kind="stable")
     changed = int((order != np.arange(weights.shape[1])).any(axis=1).sum())
     return (np.take_along_axis(experts, order, axis=1), np.take_along_axis(weights, order, axis=1), changed)
