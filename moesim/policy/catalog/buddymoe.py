@@ -138,17 +138,22 @@ class TaeGate:
 def coactivation(experts: np.ndarray, num_experts: int, probabilities: np.ndarray | None = None) -> np.ndarray:
     """M(i, j): tokens routing to both i and j (weighted by min(p_i, p_j) when probabilities are given)."""
     k = experts.shape[1]
-    p = renormalized(probabilities) if probabilities is not None else None
-    pairs = [(a, b) for a in range(k) for b in range(k) if a != b]
-    if not pairs or not len(experts):
+    if k < 2 or not len(experts):
         return np.zeros((num_experts, num_experts))
+    if probabilities is None:
+        # whole counts: each unordered slot pair once, M = C + C^T (exact, and half the cells)
+        first, second = np.triu_indices(k, 1)
+        cells = (experts[:, first] * num_experts + experts[:, second]).ravel()
+        once = np.bincount(cells, minlength=num_experts * num_experts).reshape(num_experts, num_experts)
+        return (once + once.T).astype(np.float64)
+    p = renormalized(probabilities)
+    pairs = [(a, b) for a in range(k) for b in range(k) if a != b]
     first, second = (np.array(slots) for slots in zip(*pairs))
     # every (token, a, b) cell at once, in the order slot pair by slot pair, token by token (the transposed
     # ravel): a weighted count adds the same terms in the same order as one pass per slot pair would
     cells = (experts[:, first] * num_experts + experts[:, second]).T.ravel()
-    w = None if p is None else np.minimum(p[:, first], p[:, second]).T.ravel()
-    return np.bincount(cells, weights=w, minlength=num_experts * num_experts).astype(np.float64) \
-        .reshape(num_experts, num_experts)
+    w = np.minimum(p[:, first], p[:, second]).T.ravel()
+    return np.bincount(cells, weights=w, minlength=num_experts * num_experts).reshape(num_experts, num_experts)
 
 
 def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list[list[int]]:
@@ -158,13 +163,36 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
     smoothed = m + epsilon
     np.fill_diagonal(smoothed, 0.0)
     q = smoothed / np.maximum(smoothed.sum(axis=1, keepdims=True), 1e-300)
-    # per row, by q descending and then by id (a stable sort keeps ids ascending among ties), itself left out
-    orders = np.argsort(-q, axis=1, kind="stable")
-    peers = orders[orders != np.arange(n)[:, None]].reshape(n, n - 1)
+    # per row, its first ``width`` peers by q descending and then by id, itself left out: no list is longer
+    peers = _leading_peers(q, min(k_max, n - 1))
     covered = np.cumsum(np.take_along_axis(q, peers, axis=1), axis=1)  # non-decreasing along each row
-    sizes = (covered < alpha - 1e-12).sum(axis=1) + 1  # minimal prefix reaching alpha
+    # the minimal prefix reaching alpha; one past the leading peers when none of them reach it (capped below)
+    sizes = (covered < alpha - 1e-12).sum(axis=1) + 1
     sizes = np.maximum(1, np.minimum(sizes, k_max)).tolist()
     return [peers[i, :sizes[i]].tolist() if active[i] else [] for i in range(n)]
+
+
+def _leading_peers(q: np.ndarray, width: int) -> np.ndarray:
+    """Per row i, the first ``width`` columns other than i in the order (q descending, column ascending).
+
+    The order of a stable argsort of each row, without sorting all of it: the columns above the row's
+    ``width``-th highest q, then those tied with it, lowest first, until ``width`` are taken.
+    """
+    n = q.shape[0]
+    if width <= 0:
+        return np.zeros((n, 0), dtype=np.intp)
+    if width >= n - 1:
+        orders = np.argsort(-q, axis=1, kind="stable")
+        return orders[orders != np.arange(n)[:, None]].reshape(n, n - 1)
+    own = np.eye(n, dtype=bool)
+    others = np.where(own, -np.inf, q)  # a row's own q is 0 and its rank must not count
+    cut = -np.partition(-others, width - 1, axis=1)[:, width - 1:width]  # each row's width-th highest
+    above = others > cut
+    tied = others == cut
+    tied &= np.cumsum(tied, axis=1) <= width - above.sum(axis=1, keepdims=True)
+    rows, columns = np.nonzero(above | tied)  # width per row, rows in order
+    order = np.lexsort((columns, -q[rows, columns], rows))
+    return columns[order].reshape(n, width)
 
 
 def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int], buddies: list[list[int]],
@@ -320,14 +348,19 @@ class BuddySubstitution(Substitution):
         if probs is None and self.tau < 0:
             ctx.notes.append("buddy: calibration trace has neither weights nor scores; TAE gate off")
         self._buddies, self._tau = [], []
+        # the rows grouped by layer once (a stable sort keeps each layer's rows in trace order)
+        by_layer = np.argsort(layers, kind="stable")
+        bounds = np.searchsorted(layers[by_layer], np.arange(model.num_layers + 1)).tolist()
+        experts = experts[by_layer]
+        probs = None if probs is None else probs[by_layer]
         for layer in range(model.num_layers):
-            rows = layers == layer
+            rows = slice(bounds[layer], bounds[layer + 1])
             p = None if probs is None else probs[rows]
             m = coactivation(experts[rows], model.num_experts, p if self.weighted else None)
             self._buddies.append(buddy_lists(m, self.alpha, self.k_max, self.epsilon))
             if self.tau >= 0:
                 self._tau.append(self.tau)
-            elif p is None or not rows.any():
+            elif p is None or rows.start == rows.stop:
                 self._tau.append(-np.inf)
             else:
                 self._tau.append(float(np.percentile(tae(p), self.tau_percentile)))
