@@ -13,6 +13,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +22,47 @@ from moesim.errors import ConfigError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
 from moesim.policy.state import CacheState
+
+
+class Substitutions(Sequence):
+    """A plan's (token row, top-k slot, new expert) rewrites as three integer arrays, rows ascending and
+    slots ascending within a row (so each entry once): a list of such tuples to its readers (length,
+    iteration, indexing, equality with a list), with no tuple made until one is asked for. A prefill
+    layer rewrites thousands of entries at once (002's buddy substitution); executors apply them and sum
+    their gate weight as arrays."""
+
+    __slots__ = ("rows", "slots", "experts")
+
+    def __init__(self, rows: np.ndarray, slots: np.ndarray, experts: np.ndarray) -> None:
+        self.rows, self.slots, self.experts = (np.asarray(a, dtype=np.int64) for a in (rows, slots, experts))
+        if not len(self.rows) == len(self.slots) == len(self.experts):
+            raise ValueError("rows, slots and experts of substitutions differ in length")
+        later_row = self.rows[1:] > self.rows[:-1]
+        later_slot = (self.rows[1:] == self.rows[:-1]) & (self.slots[1:] > self.slots[:-1])
+        if not (later_row | later_slot).all():
+            raise ValueError("substitutions must be ordered by row, then slot, each entry once")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return zip(self.rows.tolist(), self.slots.tolist(), self.experts.tolist())
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return list(self)[index]
+        return int(self.rows[index]), int(self.slots[index]), int(self.experts[index])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Substitutions):
+            return all(np.array_equal(a, b) for a, b in zip((self.rows, self.slots, self.experts),
+                                                            (other.rows, other.slots, other.experts)))
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Substitutions({list(self)!r})"
 
 
 @dataclass(slots=True)
@@ -53,7 +95,7 @@ class LayerView:
     #: request id of every token row
     requests: np.ndarray | None = None
     #: the last :meth:`substituted` call's rewrites and result (the system and the executor both ask)
-    _rewritten: tuple[list, "LayerView"] | None = field(default=None, repr=False, compare=False)
+    _rewritten: tuple[Sequence, "LayerView"] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
@@ -66,20 +108,25 @@ class LayerView:
     def resident(self, expert: int) -> bool:
         return expert in self.cache.resident[self.layer]
 
-    def substituted(self, substitutions: list[tuple[int, int, int]]) -> "LayerView":
+    def substituted(self, substitutions: Sequence[tuple[int, int, int]]) -> "LayerView":
         """This view with the routing rewritten: (token row, top-k slot, new expert) each."""
         if not substitutions:
             return self
-        if self._rewritten is not None and self._rewritten[0] == substitutions:
+        if self._rewritten is not None and (self._rewritten[0] is substitutions
+                                            or self._rewritten[0] == substitutions):
             return self._rewritten[1]
         experts = self.experts.copy()
-        for row, slot, expert in substitutions:
-            experts[row, slot] = expert
+        if isinstance(substitutions, Substitutions):  # each entry once: one assignment sets them all
+            experts[substitutions.rows, substitutions.slots] = substitutions.experts
+        else:
+            for row, slot, expert in substitutions:
+                experts[row, slot] = expert
         active, counts = active_experts(experts, self.cache_experts())
         # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
         view = LayerView(*_view_fields_of(self))
         view.experts, view.active, view.counts = experts, active, counts
-        self._rewritten = (list(substitutions), view)
+        kept = substitutions if isinstance(substitutions, Substitutions) else list(substitutions)
+        self._rewritten = (kept, view)
         return view
 
     def cache_experts(self) -> int:
@@ -175,8 +222,8 @@ class LayerPlan:
     #: evicted (layer, expert) whose weights are copied device-to-host first (mixtral-offloading's swap);
     #: the i-th follows the i-th demand load on the copy engine, in stream order
     writebacks: list[tuple[int, int]]
-    #: (token row, slot in top-k, new expert) rewrites of the routing
-    substitutions: list[tuple[int, int, int]]
+    #: (token row, slot in top-k, new expert) rewrites of the routing (a list, or :class:`Substitutions`)
+    substitutions: Sequence[tuple[int, int, int]]
     #: experts whose CPU computation overlaps the next layer (001 Sec. 4)
     deferred: list[int]
     #: extra time on the critical path, seconds, by breakdown category ("predict", "cache_management")
@@ -191,7 +238,7 @@ class LayerPlan:
     def __init__(self, gpu: list[int] | None = None, cpu: list[int] | None = None, loads: list[int] | None = None,
                  streamed: list[int] | None = None, prefetches: list[tuple[int, int]] | None = None,
                  evictions: list[tuple[int, int]] | None = None, writebacks: list[tuple[int, int]] | None = None,
-                 substitutions: list[tuple[int, int, int]] | None = None, deferred: list[int] | None = None,
+                 substitutions: Sequence[tuple[int, int, int]] | None = None, deferred: list[int] | None = None,
                  overhead_s: dict[str, float] | None = None, prefetch_after_gpu: bool = False,
                  cancel_queued_prefetches: bool = False) -> None:
         self.gpu = [] if gpu is None else gpu

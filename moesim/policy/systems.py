@@ -6,12 +6,13 @@ registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
-from moesim.policy.base import Component, LayerPlan, LayerView, RunContext
+from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, Substitutions
 from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
                                  make_room)
 from moesim.policy.prefetch import NoPrefetch, PerfectPrefetch, Prefetch
@@ -28,8 +29,9 @@ class Substitution(Component):
 
     role = "substitute"
 
-    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
-        """(token row, top-k slot, new expert) replacements."""
+    def rewrite(self, view: LayerView) -> Sequence[tuple[int, int, int]]:
+        """(token row, top-k slot, new expert) replacements: a list, or many at once as
+        :class:`~moesim.policy.base.Substitutions`."""
         return []
 
 
@@ -107,7 +109,8 @@ class ComposedSystem:
             return self._place(view)
         substitutions = self.substitute.rewrite(view) if self._substituting else []
         if substitutions:
-            self.rewrites[(view.step, view.layer)] = list(substitutions)
+            self.rewrites[(view.step, view.layer)] = \
+                substitutions if isinstance(substitutions, Substitutions) else list(substitutions)
             view = view.substituted(substitutions)
         plan = self._place(view)
         plan.substitutions = substitutions

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.policy.base import LayerPlan, LayerView
+from moesim.policy.base import LayerPlan, LayerView, Substitutions
 
 #: breakdown categories (000 Sec. VI-E) plus the rest of the forward pass: attention (MoE and dense
 #: layers), dense layers' FFNs, embedding, LM head, sampling, the runtime's kernel/graph launches and
@@ -110,6 +110,8 @@ def substitution_mass(view: LayerView, plan: LayerPlan) -> float:
     if view.weights is None or not plan.substitutions:
         return 0.0
     weights = view.weights
+    if isinstance(plan.substitutions, Substitutions):  # the same running sum, as the ufunc's accumulation
+        return float(np.add.accumulate(weights[plan.substitutions.rows, plan.substitutions.slots])[-1])
     # a running sum in the weights' own dtype (numpy scalars add in it), entry by entry: a plan rewrites a
     # few entries, where building index arrays would cost more than the sum
     total = None

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesim.policy.base import LayerPlan, LayerView
+from moesim.policy.base import LayerPlan, LayerView, Substitutions
 from moesim.sim.bookkeeping import substitution_mass, weight_mass
 
 
@@ -35,6 +35,22 @@ def test_substitution_mass_is_the_entry_by_entry_sum_in_the_weights_dtype(dtype,
     plan = LayerPlan(substitutions=[(row, slot, 0) for row, slot in entries])
     expected = float(sum(weights[row, slot] for row, slot in entries))
     assert substitution_mass(_view(weights), plan) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([np.float16, np.float32, np.float64]), st.integers(1, 300), st.data())
+def test_substitution_mass_of_rewrites_held_as_arrays_is_the_same_running_sum(dtype, tokens, data):
+    """A prefill's thousands of rewrites come as :class:`Substitutions` (arrays): their mass, summed by the
+    ufunc's accumulation, is the entry-by-entry number of the same rewrites as a list."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    weights = rng.random((tokens, 4)).astype(dtype)
+    chosen = np.flatnonzero(rng.random(tokens * 4) < data.draw(st.floats(0.01, 1.0)))
+    if not chosen.size:
+        chosen = np.array([0])
+    rows, slots = np.divmod(chosen, 4)
+    as_arrays = LayerPlan(substitutions=Substitutions(rows, slots, np.zeros_like(rows)))
+    as_list = LayerPlan(substitutions=list(as_arrays.substitutions))
+    assert substitution_mass(_view(weights), as_arrays) == substitution_mass(_view(weights), as_list)
 
 
 @settings(max_examples=150, deadline=None)

@@ -59,7 +59,7 @@ from functools import lru_cache
 import numpy as np
 
 from moesim.errors import ConfigError
-from moesim.policy.base import LayerView, RunContext
+from moesim.policy.base import LayerView, RunContext, Substitutions
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 from moesim.trace.io import read_table, trace_columns
@@ -223,7 +223,7 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
 
 def substitute_buddies_at_once(experts: np.ndarray, on_gpu: set[int], resident: set[int],
                                buddies: list[list[int]], search_limit: int, allowed: np.ndarray | None = None,
-                               rho: int = 0) -> list[tuple[int, int, int]]:
+                               rho: int = 0) -> Substitutions | list[tuple[int, int, int]]:
     """:func:`substitute_buddies` for many tokens (a prefill's thousands): the same picks, found slot by slot
     for every token at once. Slot s of token t is replaced when its expert is off the GPU, t's gate is open
     and its budget not spent; by the first usable buddy that is neither one of t's experts nor already
@@ -269,7 +269,7 @@ def substitute_buddies_at_once(experts: np.ndarray, on_gpu: set[int], resident: 
         return []
     t, slot, b = (np.concatenate(part) for part in zip(*picks))
     order = np.lexsort((slot, t))
-    return list(zip(t[order].tolist(), slot[order].tolist(), b[order].tolist()))
+    return Substitutions(t[order], slot[order], b[order])
 
 
 @register_component
@@ -393,7 +393,7 @@ class BuddySubstitution(Substitution):
         p = self._probabilities(view)
         return None if p is None else TaeGate(p, self._tau[view.layer])
 
-    def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
+    def rewrite(self, view: LayerView) -> Sequence[tuple[int, int, int]]:
         layer = view.layer
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         on_gpu = resident | in_flight if in_flight else resident
