@@ -69,6 +69,7 @@ class Simulator:
         self.costs = costs
         self.memory = memory
         self.config = config or SimConfig()
+        self._check = self.config.check  # read once: the per-layer path asks it for every plan
         self.columns = columns
         self.seed = seed
         self.progress = progress
@@ -317,8 +318,11 @@ class Simulator:
         if self.timeline is not None:
             self._step_spans(step.step, start, tokens, before=True)
         self._rows = step.one_row_layers()
+        attention = self._attention_s(tokens, context)
         for layer, rows in step.layers():
-            t = self._layer(step, layer, rows, context, phase, t)
+            # a layer attends over the step's tokens (an imported trace may log a layer's rows differently)
+            own = attention if rows.stop - rows.start == tokens else self._attention_s(rows.stop - rows.start, context)
+            t = self._layer(step, layer, rows, own, phase, t)
         if self.timeline is not None:
             self._step_spans(step.step, t, tokens, before=False)
         return t + tail
@@ -379,14 +383,11 @@ class Simulator:
             None if step.scores is None else step.scores[rows],
             predictors, now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows])
 
-    def _layer(self, step: Step, layer: int, rows: slice, context: int, phase: str, t0: float) -> float:
-        """Run one MoE layer starting at ``t0``; return when it ends."""
+    def _layer(self, step: Step, layer: int, rows: slice, attention: float, phase: str, t0: float) -> float:
+        """Run one MoE layer starting at ``t0`` (its attention taking ``attention`` seconds); return when it ends."""
         counters, tl = self.counters, self.timeline
         s = step.step
         tokens = rows.stop - rows.start
-        attention = self._attention.get((tokens, context))
-        if attention is None:
-            attention = self._attention_s(tokens, context)
         counters.gpu_busy_s += attention
         breakdown = counters.breakdown
         breakdown["attention"] += attention
@@ -406,7 +407,7 @@ class Simulator:
         plan = self.system.plan(view)
         if plan.substitutions:
             view = self._substitute(view, plan)
-        if self.config.check:
+        if self._check:
             check_plan(view, plan)
         # one token per expert (every decode layer): no per-expert counts needed
         count = None if len(view.active) == view.experts.size else dict(zip(view.active, view.counts))

@@ -256,7 +256,10 @@ class Step:
         if len(self.layer_bounds) - 1 != len(self.layer):
             return None
         absent = [None] * len(self.layer)  # a column the trace does not carry
-        return OneRowLayers(_one_row_views(self.experts), self.experts.tolist(), _one_row_views(self.request),
+        # one row per layer is one token, of one request (unless a log put other requests' rows on some layers)
+        one_request = int(self.request.min()) == int(self.request.max())
+        request = [self.request[:1]] * len(self.layer) if one_request else _one_row_views(self.request)
+        return OneRowLayers(_one_row_views(self.experts), self.experts.tolist(), request,
                             absent if self.weights is None else _one_row_views(self.weights),
                             absent if self.scores is None else _one_row_views(self.scores))
 

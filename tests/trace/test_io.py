@@ -351,15 +351,17 @@ def test_layers_pair_each_layer_with_its_rows_whether_one_row_per_layer_or_more(
     assert again == pairs
 
 
-@given(st.integers(1, 6), st.booleans(), st.booleans())
-@settings(max_examples=30, deadline=None)
-def test_one_row_layers_are_the_rows_slicing_gives(rows_per_layer, weights, scores):
+@given(st.integers(1, 6), st.booleans(), st.booleans(), st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_one_row_layers_are_the_rows_slicing_gives(rows_per_layer, weights, scores, one_request):
     """A step's rows split by layer (what the engine reads per layer of a decode step) equal each
     column's slice, row by row; a step with several rows in a layer is not split."""
     rng = np.random.default_rng(rows_per_layer)
     ids = np.repeat(np.arange(5, dtype=np.int16), rows_per_layer)
     n = len(ids)
-    step = Step(step=0, request=rng.integers(0, 4, n).astype(np.int32), position=np.arange(n, dtype=np.int32),
+    # one request (a step of one row per layer is one token), or, as a log may have it, several
+    requests = np.full(n, rng.integers(0, 4), np.int32) if one_request else rng.integers(0, 4, n).astype(np.int32)
+    step = Step(step=0, request=requests, position=np.arange(n, dtype=np.int32),
                 layer=ids, phase=np.ones(n, np.int8), experts=rng.integers(0, 16, (n, 2)).astype(np.int16),
                 weights=rng.random((n, 2), np.float32) if weights else None,
                 scores=rng.random((n, 16)).astype(np.float16) if scores else None)
