@@ -42,7 +42,7 @@ from moesim.model.spec import DTYPE_BITS, ModelSpec, scale_bytes_per_param
 US = 1e-6
 
 
-def interp_loglog(curve: Curve, x: float, *, extrapolate_linear: bool = True) -> float:
+def interp_loglog(curve: Curve | _AcrossTokens, x: float, *, extrapolate_linear: bool = True) -> float:
     """``y`` at ``x``: log-log between points, first value below, proportional (or flat) above."""
     xs, ys = curve.x, curve.y
     if x <= xs[0]:
@@ -53,6 +53,30 @@ def interp_loglog(curve: Curve, x: float, *, extrapolate_linear: bool = True) ->
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+
+class _AcrossTokens:
+    """The attention curves' times at one context, as a curve over their token counts (``counts``) for
+    :func:`interp_loglog`, each read where that reads it: a decode step's one token reads the first curve
+    only, where tabulating them all cost four interpolations more per step."""
+
+    __slots__ = ("x", "y")
+
+    def __init__(self, curves: list, counts: tuple[float, ...], context: float) -> None:
+        self.x = counts
+        self.y = _AtContext(curves, context)
+
+
+class _AtContext:
+    """``interp_loglog(curves[i].curve, context)`` as its ``[i]``."""
+
+    __slots__ = ("curves", "context")
+
+    def __init__(self, curves: list, context: float) -> None:
+        self.curves, self.context = curves, context
+
+    def __getitem__(self, i: int) -> float:
+        return interp_loglog(self.curves[i].curve, self.context)
 
 
 def bytes_per_param(dtype: str, group_size: int = 128) -> float:
@@ -91,6 +115,7 @@ class CostModel:
         own = [c for c in self.profile.gpu.attention if c.model == m.name]
         self._attention_curves = sorted(own or [c for c in self.profile.gpu.attention if not c.model],
                                         key=lambda c: c.tokens)
+        self._attention_counts = tuple(float(c.tokens) for c in self._attention_curves)
         self.runtime: RuntimeSpec = self.profile.runtime(self.runtime_name)
         if self.runtime_name != "generic" and not self.profile.runtimes:
             self.fallbacks.add(f"runtime {self.runtime_name}: profile has no runtimes section, generic launch "
@@ -220,9 +245,7 @@ class CostModel:
         if not curves:
             self.fallbacks.add(f"gpu attention {self.model.name}")
             return self.attention_roofline(tokens, context)
-        at_context = [interp_loglog(c.curve, context) for c in curves]
-        across = Curve(tuple(float(c.tokens) for c in curves), tuple(at_context), "")
-        value = interp_loglog(across, tokens) * US
+        value = interp_loglog(_AcrossTokens(curves, self._attention_counts, context), tokens) * US
         dtype = self.non_expert_dtype
         if self.overridden or curves[0].dtype != dtype:
             flops, now = self._attention_shape(tokens, context, dtype)

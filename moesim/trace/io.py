@@ -196,6 +196,10 @@ def trace_columns(path: PathLike) -> list[str]:
 
 #: layer ids of a step with one row per layer -> its (layer, row slice) pairs, the same for every such step
 _ONE_ROW_LAYERS: dict[tuple[int, ...], list[tuple[int, slice]]] = {}
+#: a small step's layer column (dtype, bytes) -> its layer bounds (read-only), shared by the steps that have it
+_LAYER_BOUNDS: dict[tuple[str, bytes], np.ndarray] = {}
+#: steps up to this many rows look their bounds up there (a decode step of a batch of up to 4 per layer)
+_SHARED_BOUNDS_ROWS = 256
 
 
 @dataclass
@@ -226,8 +230,18 @@ class Step:
     def layer_bounds(self) -> np.ndarray:
         """Row offsets: rows of the i-th layer present are ``bounds[i]:bounds[i+1]``."""
         if self._bounds is None:
-            cuts = np.flatnonzero(np.diff(self.layer)) + 1
-            self._bounds = np.concatenate(([0], cuts, [len(self.layer)]))
+            # a decode step's few rows: the bounds of the last steps with the same layer column, shared
+            key = (self.layer.dtype.str, self.layer.tobytes()) if len(self.layer) <= _SHARED_BOUNDS_ROWS else None
+            bounds = _LAYER_BOUNDS.get(key) if key is not None else None
+            if bounds is None:
+                cuts = np.flatnonzero(np.diff(self.layer)) + 1
+                bounds = np.concatenate(([0], cuts, [len(self.layer)]))
+                if key is not None:
+                    bounds.flags.writeable = False
+                    if len(_LAYER_BOUNDS) >= 64:
+                        _LAYER_BOUNDS.clear()
+                    _LAYER_BOUNDS[key] = bounds
+            self._bounds = bounds
         return self._bounds
 
     def layers(self) -> list[tuple[int, slice]]:
