@@ -173,9 +173,9 @@ class Simulator:
         pcie = self.pcie
         if pcie.queue:
             pcie.advance(t)
-        done = pcie.unretired
+        done, pop, timeline = pcie.unretired, heapq.heappop, self.timeline
         while done and done[0][0] <= t:
-            end, _, transfer = heapq.heappop(done)
+            end, _, transfer = pop(done)
             if transfer.end != end or transfer.retired:
                 continue  # stale: the transfer was re-laid later
             transfer.retired = True
@@ -185,10 +185,10 @@ class Simulator:
                 in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
                 resident[layer].add(expert)
                 if transfer.tail:
-                    if self.timeline is not None:
+                    if timeline is not None:
                         self._writeback_span(pcie.tails[transfer.engine], t)  # ended before this one began
                     pcie.tails[transfer.engine] = transfer
-            if self.timeline is not None:
+            if timeline is not None:
                 self._span("pcie", transfer.engine, transfer.start or 0.0, transfer.end or 0.0, transfer.kind,
                            transfer.step, transfer.layer, transfer.expert)
         if self.dram.intervals:
@@ -212,13 +212,13 @@ class Simulator:
         back = writebacks or ()
         tail = self._writeback_seconds() if back else 0.0
         seq = self._seq
-        for i, e in enumerate(experts):
+        for e in experts:
             seq += 1
             pending[e] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
-            if i < len(back):
-                transfer.tail = tail
-                transfer.evicted = back[i]
+        for transfer, evicted in zip(batch, back):  # the i-th write-back rides on the i-th load
+            transfer.tail = tail
+            transfer.evicted = evicted
         for evicted in back[len(experts):]:
             seq += 1
             batch.append(self._writeback(evicted, step, at, seq))
