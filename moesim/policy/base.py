@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
