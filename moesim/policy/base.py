@@ -99,7 +99,7 @@ class LayerView:
 
     @property
     def tokens(self) -> int:
-        return int(self.experts.shape[0])
+        return len(self.experts)  # the rows of a 2-D array, as a Python int
 
     @property
     def num_layers(self) -> int:

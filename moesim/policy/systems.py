@@ -166,22 +166,19 @@ class ComposedSystem:
             return
         state = view.cache
         evicted = set(plan.evictions)
+        # per layer, the slots still free to a prefetch
         quota_left: dict[int, int] = {}
         pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.loads)
-
-        def quota(layer: int) -> int:
-            if layer not in quota_left:
-                dropped = sum(1 for (l, _) in evicted if l == layer)
-                loading = len(plan.loads) if layer == view.layer else 0
-                quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
-            return quota_left[layer]
-
         victims: _Victims | None = None  # built at the first eviction, then kept for the plan
         for layer, expert in wanted:
             if (state.has(layer, expert) and (layer, expert) not in evicted) \
                     or (layer == view.layer and expert in plan.gpu):
                 continue
-            full = quota(layer) <= 0
+            if layer not in quota_left:  # the layer's quota less what it holds and loads, plus what the plan drops
+                dropped = sum(1 for (l, _) in evicted if l == layer) if evicted else 0
+                loading = len(plan.loads) if layer == view.layer else 0
+                quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
+            full = quota_left[layer] <= 0
             if full or (pool_left is not None and pool_left <= 0):
                 if victims is None:
                     victims = _Victims(self.cache, view, plan, wanted, evicted)
@@ -213,6 +210,8 @@ class _Victims:
     pool, each victim is the cache policy's pool choice.
     """
 
+    __slots__ = ("cache", "view", "plan", "wanted", "evicted", "_ranked", "_exhausted", "_pairs")
+
     def __init__(self, cache: CachePolicy, view: LayerView, plan: LayerPlan, wanted: list[tuple[int, int]],
                  evicted: set[tuple[int, int]]) -> None:
         self.cache, self.view, self.plan, self.wanted, self.evicted = cache, view, plan, wanted, evicted
@@ -238,7 +237,10 @@ class _Victims:
                 return None
             view = self.view
             wanted_here = [e for l, e in self.wanted if l == layer]
-            keep = set(wanted_here) | view.cache.in_flight[layer] | {e for l, e in evicted if l == layer}
+            keep = set(wanted_here)
+            keep |= view.cache.in_flight[layer]
+            if evicted:
+                keep.update(e for l, e in evicted if l == layer)
             if layer == view.layer:
                 keep.update(self.plan.gpu)
             ranked = self._ranked[layer] = list(self.cache.victims(view, layer, len(wanted_here), keep))

@@ -39,6 +39,7 @@ DeepSeek-V3).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,17 +131,27 @@ class SMoEAssign(Assignment):
         times = self._times = PerTokens.of(self._times, view.costs, expert_times)
         launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
         resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
-        missing = load if view.phase == "prefill" or self.decode_on_demand else math.inf
+        loads_missing = view.phase == "prefill" or self.decode_on_demand
         for expert, tokens in zip(view.active, view.counts):
             # T_PCIe: 0 resident, the rest of its copy in flight, else one expert load in the prefill (or on
-            # demand) and never in decoding
-            transfer = 0.0 if expert in resident else \
-                max(arrivals.get(expert, now) - now, 0.0) if expert in in_flight else missing
+            # demand) and infinite in decoding: there a cache miss runs on the CPU
+            if expert in resident:
+                transfer = 0.0
+            elif expert in in_flight:
+                transfer = max(arrivals.get(expert, now) - now, 0.0)
+            elif loads_missing:
+                transfer = load
+            else:
+                cpu.append(expert)
+                continue
             copies = queue_aware and transfer == load
+            if copies:
+                transfer += queued  # the copies queued ahead of it
             t_gpu, t_cpu = times[tokens]
-            if t_cpu > t_gpu + launch + (transfer + (queued if copies else 0.0)):  # T_GPU: kernel and launches
+            if t_cpu > t_gpu + launch + transfer:  # T_GPU: kernel and launches
                 gpu.append(expert)
-                queued += load if copies else 0.0
+                if copies:
+                    queued += load
             else:
                 cpu.append(expert)
         return gpu, cpu
@@ -393,15 +404,17 @@ class SMoESystem(ComposedSystem):
 
     #: per layer, token counts of the prefill since the last fill
     _fill: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: the cache policy's activation counter (LFU's), if it keeps one
+    _observe: Callable[[LayerView], None] | None = field(default=None, repr=False, compare=False)
 
     def configure(self, ctx: RunContext) -> None:
         super().configure(ctx)
         self._fill = {}
+        self._observe = getattr(self.cache, "observe", None)
 
     def _place(self, view: LayerView) -> LayerPlan:
-        observe = getattr(self.cache, "observe", None)
-        if observe is not None:
-            observe(view)
+        if self._observe is not None:
+            self._observe(view)
         if view.phase == "prefill":
             plan = self._prefill(view)
             if view.layer == view.num_layers - 1:
