@@ -26,7 +26,8 @@ def trace_validate(file: str) -> None:
     from moesim.trace.validated import record_validated
     summary = validate_trace(file)  # always the whole pass, recorded or not
     record_validated(file)
-    console.print(f"{file}: valid trace v{read_meta(file).schema_version}, {summary.rows:,} rows, {summary.steps:,} steps, "
+    version = read_meta(file).schema_version
+    console.print(f"{file}: valid trace v{version}, {summary.rows:,} rows, {summary.steps:,} steps, "
                   f"columns: {', '.join(summary.columns)}")
 
 
