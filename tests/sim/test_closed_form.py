@@ -64,6 +64,20 @@ def test_cpu_only_equals_hand_sum(trace):
     assert m["gpu_hit_rate"] == 0.0
 
 
+def test_a_layer_logged_with_fewer_rows_attends_over_its_own(tmp_path):
+    """An imported log may put fewer of a step's rows on one layer: that layer's attention is costed on its
+    rows (2 tokens, 100 us) while the others' use the step's (3 tokens, 150 us)."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    prefill = [[[0, 1], [0, 2], [0, 1]],   # layer 0: three tokens
+               [[3, 2], [3, 1]]]           # layer 1: two of them logged
+    trace = str(write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, prefill)}}]))
+    m = metrics(simulate(trace, tiny_profile(), "cpu-only"))
+    layer0 = 3 * ATTN + SYNC + cpu_expert(3) + cpu_expert(2) + cpu_expert(1)
+    layer1 = 2 * ATTN + SYNC + cpu_expert(2) + cpu_expert(1) + cpu_expert(1)
+    assert m["ttft_ms"] == pytest.approx((layer0 + layer1 + step_extra(3)) * 1e3, rel=1e-9)
+    assert m["breakdown_ms"]["attention"] == pytest.approx(5 * ATTN * 1e3, rel=1e-9)
+
+
 def test_all_in_gpu_equals_hand_sum(trace):
     m = metrics(simulate(trace, tiny_profile(), "all-in-gpu"))
     per_expert = gpu_expert  # a bound: the ideal runtime launches nothing
