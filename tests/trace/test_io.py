@@ -406,3 +406,16 @@ def test_traces_decode_into_the_c_allocator_unless_the_user_chose_one(tmp_path, 
         pytest.skip("this pyarrow's default pool is the C library's already")
     assert before != after or chosen  # the decode switched it (or left the user's choice alone)
     assert (after, int(steps)) == (expected, 3)
+
+
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=40), min_size=1, max_size=6),
+       st.sampled_from([np.int16, np.int32, np.int64]))
+@settings(max_examples=60, deadline=None)
+def test_layer_bounds_are_where_the_layer_changes_whichever_step_computed_them_first(columns, dtype):
+    """Small steps share bounds by their layer column: each step still gets its own column's bounds."""
+    for values in columns + columns[::-1]:
+        layer = np.array(sorted(values), dtype=dtype)
+        step = Step(step=0, request=np.zeros(len(layer), np.int32), position=np.arange(len(layer), dtype=np.int32),
+                    layer=layer, phase=np.ones(len(layer), np.int8), experts=np.zeros((len(layer), 2), np.int16))
+        change = [i for i in range(1, len(layer)) if layer[i] != layer[i - 1]]
+        assert step.layer_bounds.tolist() == [0, *change, len(layer)]
