@@ -10,9 +10,12 @@ peak RSS (ru_maxrss) of each; exits non-zero if reading peaks at 1 GiB or more.
 pays) of a 4,096-token DeepSeek-V3 prefill with router ``scores``, in fresh
 processes alternating between the allocator moesim decodes into (the C
 library's) and pyarrow's default (mimalloc), five each, with peak RSS.
+``--scores`` times reading that prefill's ``scores`` column in each form it can
+be stored in (docs/trace-format.md).
 
     .venv/bin/python benchmarks/trace_io.py --rows 10000000 --tokens 64
     .venv/bin/python benchmarks/trace_io.py --prefill
+    .venv/bin/python benchmarks/trace_io.py --scores
 """
 
 from __future__ import annotations
@@ -126,6 +129,38 @@ def compare_pools(rounds: int = 5) -> None:
                   f"{statistics.median(r['peak_rss_mib'] for r in rows):.0f} MiB, {rows[0]['steps']} step")
 
 
+def score_forms(rounds: int = 3) -> None:
+    """Seconds to read the ``scores`` column of a 4,096-token DeepSeek-V3 prefill in each stored form: as
+    written (format v2: fixed-size binary, uncompressed), the same with zstd, and format v1's fixed-size
+    list of float16 with zstd; best of ``rounds`` reads, with the column's share of the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moesim.trace.schema import score_rows, scores_list_type
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / "prefill.parquet"
+        subprocess.run([sys.executable, __file__, "--out", str(written), "--phase", "prefill"], check=True)
+        table = pq.read_table(written, columns=["scores"])
+        rows = score_rows(table.column("scores"), table.column("scores").type.byte_width // 2)
+        as_list = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
+        forms = {"v2, fixed-size binary, uncompressed (as written)": (table, "none"),
+                 "v2, fixed-size binary, zstd": (table, "zstd"),
+                 "v1, fixed-size list of float16, zstd": (pa.table({"scores": as_list}), "zstd")}
+        assert as_list.type == scores_list_type(rows.shape[1])
+        print(f"reading the scores of a 4,096-token DeepSeek-V3 prefill ({len(rows):,} rows of {rows.shape[1]}), "
+              f"best of {rounds}:")
+        for name, (data, codec) in forms.items():
+            path = Path(tmp) / "form.parquet"
+            pq.write_table(data, path, compression=codec, use_dictionary=False)
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for batch in pq.ParquetFile(path).iter_batches(batch_size=65_536):
+                    score_rows(batch.column(0), rows.shape[1])
+                best = min(best, time.perf_counter() - start)
+            print(f"  {name:<52} {best:.2f} s, {path.stat().st_size / 2**20:.0f} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000_000)
@@ -133,10 +168,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="trace path (default: a temporary file)")
     parser.add_argument("--prefill", action="store_true", help="time a prefill's first decode per allocator")
+    parser.add_argument("--scores", action="store_true", help="time reading a prefill's scores in each stored form")
     parser.add_argument("--phase", choices=("write", "read", "prefill", "decode"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prefill:
         compare_pools()
+        return
+    if args.scores:
+        score_forms()
         return
     if args.phase == "prefill":
         from moesim.trace.synth import SynthConfig, synthesize
