@@ -31,8 +31,9 @@ PathLike = str | os.PathLike
 #: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
 #: is 5 to 8 times slower than plain ones (benchmarks/validate_speed.py reads this column in full)
 PLAIN_COLUMNS = ("scores",)
-#: columns written uncompressed: zstd took 15% off a 4,096-token DeepSeek-V3 prefill's scores (101 MiB
-#: against 116) and tripled the time to read them (0.24 s against 0.08); snappy and lz4 took nothing off
+#: columns written uncompressed: zstd took 13% off a 4,096-token DeepSeek-V3 prefill's scores (101 MiB
+#: against 116) and made reading them five times slower (0.24 s against 0.05, benchmarks/trace_io.py
+#: --scores); snappy and lz4 took nothing off
 UNCOMPRESSED_COLUMNS = ("scores",)
 
 

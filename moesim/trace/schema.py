@@ -9,10 +9,10 @@ Version 2 differs from version 1 in one column: ``scores``, a row's router
 probabilities over every expert, is one fixed-size binary value of
 ``num_experts`` little-endian float16 numbers, where version 1 had a fixed-size
 list of float16. Parquet stores a list with a repetition and a definition level
-per value, and decoding those levels made reading the column about nine times
-slower (0.77 s against 0.08 s for a 4,096-token DeepSeek-V3 prefill's 237,568
-rows of 256 scores). Both forms are read (:func:`score_rows`); writers write
-version 2.
+per value, and decoding those levels made reading the column about fourteen
+times slower (0.69 s against 0.05 s for a 4,096-token DeepSeek-V3 prefill's
+237,568 rows of 256 scores, ``benchmarks/trace_io.py --scores``). Both forms are
+read (:func:`score_rows`); writers write version 2.
 """
 
 from __future__ import annotations
