@@ -1,4 +1,4 @@
-"""``moesim trace``: validate, inspect, compare, import and synthesize traces."""
+"""``moesim trace``: validate, inspect, compare, import, synthesize and upgrade traces."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moesim.util import PARQUET
 
 @cli.group()
 def trace() -> None:
-    """Inspect, validate, import, synthesize and compare router traces."""
+    """Inspect, validate, import, synthesize, compare and upgrade router traces."""
 
 
 @trace.command("validate")
@@ -64,6 +64,20 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
         write_json(both, None)
     else:
         render_comparison(both["a"], both["b"], console, names=(first, second), distances=both["distances"])
+
+
+@trace.command("upgrade")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The trace in format v2 (.parquet).")
+def trace_upgrade(file: str, out: str) -> None:
+    """Write FILE in trace format v2: the same rows, scores as one binary value a row (docs/trace-format.md)."""
+    from moesim.trace.upgrade import upgrade_trace
+    check_outputs([("FILE", file)], {"out": PARQUET}, out=out)
+    with open_output(out, "--out") as path:
+        done = upgrade_trace(file, path)
+    what = ("scores rewritten as one binary value a row" if done.rewrote_scores else
+            "scores already one binary value a row" if done.has_scores else "no scores column")
+    console.print(f"wrote {out}: trace v2 from v{done.from_version}, {done.rows:,} rows, {what}")
 
 
 @trace.command("import")
