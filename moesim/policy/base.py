@@ -65,6 +65,12 @@ class Substitutions(Sequence):
         return f"Substitutions({list(self)!r})"
 
 
+def kept_rewrites(substitutions: Sequence[tuple[int, int, int]]) -> Sequence[tuple[int, int, int]]:
+    """Rewrites as kept beside the plan that made them: :class:`Substitutions` as they are (nothing writes
+    into their arrays), anything else copied into a list (a policy may reuse its own)."""
+    return substitutions if isinstance(substitutions, Substitutions) else list(substitutions)
+
+
 @dataclass(slots=True)
 class LayerView:
     """What a policy may see when it plans one MoE layer of one forward pass."""
@@ -125,8 +131,7 @@ class LayerView:
         # dataclasses.replace without its per-call field introspection (planning substitutes every layer)
         view = LayerView(*_view_fields_of(self))
         view.experts, view.active, view.counts = experts, active, counts
-        kept = substitutions if isinstance(substitutions, Substitutions) else list(substitutions)
-        self._rewritten = (kept, view)
+        self._rewritten = (kept_rewrites(substitutions), view)
         return view
 
     def cache_experts(self) -> int:

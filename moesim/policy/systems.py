@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
-from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, Substitutions
+from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, kept_rewrites
 from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
                                  make_room)
 from moesim.policy.prefetch import NoPrefetch, PerfectPrefetch, Prefetch
@@ -109,8 +109,7 @@ class ComposedSystem:
             return self._place(view)
         substitutions = self.substitute.rewrite(view) if self._substituting else []
         if substitutions:
-            self.rewrites[(view.step, view.layer)] = \
-                substitutions if isinstance(substitutions, Substitutions) else list(substitutions)
+            self.rewrites[(view.step, view.layer)] = kept_rewrites(substitutions)
             view = view.substituted(substitutions)
         plan = self._place(view)
         plan.substitutions = substitutions

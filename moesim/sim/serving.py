@@ -182,9 +182,10 @@ def _read_requests(path: str, columns: list[str]) -> tuple[list[int], list[Trace
     phase = np.asarray(table.column("phase").combine_chunks().dictionary_decode().to_pylist()) == PHASES[0]
     order = np.lexsort((position, layer, request))
     data = {"experts": _rows(table.column("experts"))[order]}
+    num_experts = read_meta(path).model.num_experts
     for name in columns:
         column = table.column(name)
-        rows = score_rows(column, read_meta(path).model.num_experts) if name == "scores" else _rows(column)
+        rows = score_rows(column, num_experts) if name == "scores" else _rows(column)
         data[name] = rows[order]
     request, layer, position, phase = request[order], layer[order], position[order], phase[order]
     out = []
