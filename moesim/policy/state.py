@@ -285,15 +285,19 @@ class CacheState:
 
     def start_loads(self, layer: int, experts: list[int]) -> None:
         """:meth:`start_load` of each of ``experts`` in turn, its checks made once for all of them."""
+        self.check_loads(layer, experts)
+        self.in_flight[layer].update(experts)
+
+    def check_loads(self, layer: int, experts: list[int]) -> None:
+        """Refuse (as :meth:`start_load` would, naming the expert at fault) loads of ``experts`` into
+        ``layer`` that exceed its slots or the pool, or that are there already."""
         resident, in_flight = self.resident[layer], self.in_flight[layer]
         if len(resident) + len(in_flight) + len(experts) > self.capacity[layer] \
                 or (self.pool is not None and self.held() + len(experts) > self.pool) \
                 or not resident.isdisjoint(experts) or not in_flight.isdisjoint(experts) \
                 or len(set(experts)) < len(experts):
-            for expert in experts:  # the one at fault named as start_load names it
-                self.start_load(layer, expert)
-            return
-        in_flight.update(experts)
+            for expert in experts:
+                self.start_load(layer, expert)  # raises at the first expert at fault
 
     def finish_load(self, layer: int, expert: int) -> None:
         self.in_flight[layer].discard(expert)

@@ -188,6 +188,38 @@ class CopyEngines:
         self.last[0] = transfers[-1] if transfers else self.last[0]
         self.busy_s, self.bytes = busy, nbytes
 
+    def idle_at(self, at: float) -> bool:
+        """Whether demand copies issued at ``at`` have the one engine to themselves, whole, with nothing
+        queued, running or unretired, and no CPU work in the DRAM ledger reaching past ``at`` (nothing to
+        stretch them): :meth:`lay_demands` may lay them out."""
+        ledger = self.ledger
+        return len(self.free) == 1 and not self.chunk_bytes and not self.queue and not self.unretired \
+            and not (ledger is not None and ledger.intervals and ledger.intervals[-1][1] > at)
+
+    def lay_demands(self, count: int, nbytes: int, at: float, tails: int, tail: float) -> tuple[list[float], list[float]]:
+        """(starts, ends) of ``count`` demand copies of ``nbytes`` issued at ``at`` when :meth:`idle_at`, the first
+        ``tails`` each followed by a write-back of ``tail`` seconds: :meth:`_begin_in_turn`'s schedule, busy
+        time and bytes, with no :class:`Transfer` placed (the caller retires them itself)."""
+        t = self.free[0]
+        if t < at:
+            t = at
+        duration = self._durations.get(nbytes) or self.duration(nbytes)
+        busy = self.busy_s
+        starts, ends = [], []
+        for i in range(count):
+            starts.append(t)
+            t = t + duration
+            ends.append(t)
+            busy += duration
+            if i < tails:
+                t += tail
+                busy += tail
+        self.free[0] = t
+        self.last[0] = None  # read when a running copy is cut into chunks, which this engine set never does
+        self.busy_s = busy
+        self.bytes += nbytes * count
+        return starts, ends
+
     def relay(self, transfer: Transfer, start: float, end: float) -> None:
         """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""
         self.busy_s += (end - start) - (transfer.end - transfer.start)  # type: ignore[operator]

@@ -225,6 +225,29 @@ class Simulator:
         self._seq = seq
         self.pcie.submit_demands(batch, at)
 
+    def _load_at_once(self, layer: int, experts: list[int], writebacks: list[tuple[int, int]], step: int,
+                      at: float) -> dict[int, float]:
+        """:meth:`_submit_loads` of a decode layer whose loads the idle copy engine takes at once
+        (:meth:`~moesim.sim.copies.CopyEngines.idle_at`) and which computes every expert on the GPU, the
+        loaded ones once they arrive: their end times, by expert, without a transfer each.
+
+        The layer's GPU work ends after its loads, and the next layer (or the run's end) retires every copy
+        that ended; nothing in between looks at this layer's cache. So the caller makes them resident right
+        after the GPU track, in the order the retirement would, and the schedule, busy time and bytes are
+        those of :meth:`_submit_loads`. A load carrying a write-back (``writebacks``, at most one each)
+        keeps the engine busy for its tail; the last such load is kept as the engine's retired tail.
+        """
+        self.cache.check_loads(layer, experts)
+        tail = self._writeback_seconds() if writebacks else 0.0
+        nbytes = self.costs.expert_bytes
+        starts, ends = self.pcie.lay_demands(len(experts), nbytes, at, len(writebacks), tail)
+        self._seq += len(experts)
+        if writebacks:
+            i = len(writebacks) - 1
+            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", self._seq - len(experts) + i + 1, at,
+                                          step, starts[i], ends[i], -1, 0, True, 0.0, tail, writebacks[i])
+        return dict(zip(experts, ends))
+
     def _writeback_seconds(self) -> float:
         if self._writeback_s is None:
             self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
@@ -432,15 +455,24 @@ class Simulator:
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
+        loaded = None
         if plan.loads or plan.writebacks:
-            self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
+            if count is None and tl is None and len(plan.writebacks) <= len(plan.loads) \
+                    and not (plan.streamed or plan.prefetches or plan.cpu or plan.deferred) and pcie.idle_at(t1):
+                loaded = self._load_at_once(layer, plan.loads, plan.writebacks, s, t1)
+            else:
+                self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
         staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else {}
         if plan.prefetches and not plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
-        gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1)
+        gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1, loaded)
+        if loaded is not None:  # ended by now, before anything else looks at the cache (see _load_at_once)
+            resident = self.cache.resident[layer]
+            for e in plan.loads:
+                resident.add(e)
         if plan.prefetches and plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, gpu_end)
         # the previous layer's deferred experts are added into this layer's output
@@ -556,8 +588,10 @@ class Simulator:
         return ends[-1]
 
     def _gpu_track(self, experts: list[int], streamed: list[int], staged: dict[int, Transfer],
-                   count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float) -> float:
-        """Shared experts, then GPU experts in plan order, each once its weights are there."""
+                   count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float,
+                   loaded: dict[int, float] | None = None) -> float:
+        """Shared experts, then GPU experts in plan order, each once its weights are there (``loaded``: the
+        arrival of each of :meth:`_load_at_once`'s loads, the only experts then not resident)."""
         counters, tl = self.counters, self.timeline
         gpu_t = t1
         if self.model.shared_intermediate_size:
@@ -575,7 +609,7 @@ class Simulator:
         pending = self.pending[layer]
         gpu_cost = self._gpu
         if not streamed and count is None and tl is None:  # a decode layer with nothing streamed
-            return self._gpu_one_token(experts, resident, layer, gpu_t)
+            return self._gpu_one_token(experts, resident, layer, gpu_t, loaded)
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
         finished: dict[int, float] = {}
         compute = waited = 0.0
@@ -610,7 +644,8 @@ class Simulator:
         counters.breakdown["wait_cache"] += waited
         return gpu_t
 
-    def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float) -> float:
+    def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float,
+                       loaded: dict[int, float] | None = None) -> float:
         """:meth:`_gpu_track`'s experts of one token each, none streamed, no timeline: the same sums."""
         counters, pending = self.counters, self.pending[layer]
         d = self._gpu.get(1)
@@ -619,16 +654,22 @@ class Simulator:
         compute = waited = 0.0
         for e in experts:
             if e not in resident:
-                transfer = pending.get(e)
-                if transfer is not None:
-                    end = transfer.end
-                    if end is None:
-                        end = self.pcie.finish(transfer)
+                if loaded is not None:  # nothing else is in flight: every expert not resident is a load
+                    end = loaded[e]
                     if end > gpu_t:
                         waited += end - gpu_t
                         gpu_t = end
-                        if transfer.kind == "prefetch":
-                            counters.late_prefetches += 1
+                else:
+                    transfer = pending.get(e)
+                    if transfer is not None:
+                        end = transfer.end
+                        if end is None:
+                            end = self.pcie.finish(transfer)
+                        if end > gpu_t:
+                            waited += end - gpu_t
+                            gpu_t = end
+                            if transfer.kind == "prefetch":
+                                counters.late_prefetches += 1
             gpu_t += d
             compute += d
         counters.gpu_busy_s += compute
