@@ -227,25 +227,30 @@ class Simulator:
 
     def _load_at_once(self, layer: int, experts: list[int], writebacks: list[tuple[int, int]], step: int,
                       at: float) -> dict[int, float]:
-        """:meth:`_submit_loads` of a decode layer whose loads the idle copy engine takes at once
-        (:meth:`~moesim.sim.copies.CopyEngines.idle_at`) and which computes every expert on the GPU, the
-        loaded ones once they arrive: their end times, by expert, without a transfer each.
+        """:meth:`_submit_loads` of a decode layer's loads that the idle copy engine takes at once
+        (:meth:`~moesim.sim.copies.CopyEngines.idle_at`), in a layer whose CPU work cannot contend with them
+        for DRAM: when each arrives, by expert, with no transfer placed.
 
-        The layer's GPU work ends after its loads, and the next layer (or the run's end) retires every copy
-        that ended; nothing in between looks at this layer's cache. So the caller makes them resident right
-        after the GPU track, in the order the retirement would, and the schedule, busy time and bytes are
-        those of :meth:`_submit_loads`. A load carrying a write-back (``writebacks``, at most one each)
-        keeps the engine busy for its tail; the last such load is kept as the engine's retired tail.
+        Each expert is resident from here on, in plan order as its retirement would make it: this layer's
+        GPU track waits for its arrival (``loaded``), the layer ends after it, and everything else that
+        looks at the cache before the next layer (a prefetch's slot checks) counts it as in flight would. The
+        schedule, busy time and bytes are those of :meth:`_submit_loads`; a load carrying a write-back
+        (``writebacks``, at most one each) keeps the engine busy for its tail, and the last one is kept as
+        the engine's retired tail.
         """
         self.cache.check_loads(layer, experts)
         tail = self._writeback_seconds() if writebacks else 0.0
         nbytes = self.costs.expert_bytes
         starts, ends = self.pcie.lay_demands(len(experts), nbytes, at, len(writebacks), tail)
+        first_seq = self._seq + 1
         self._seq += len(experts)
         if writebacks:
             i = len(writebacks) - 1
-            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", self._seq - len(experts) + i + 1, at,
-                                          step, starts[i], ends[i], -1, 0, True, 0.0, tail, writebacks[i])
+            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", first_seq + i, at, step, starts[i],
+                                          ends[i], -1, 0, True, 0.0, tail, writebacks[i])
+        resident = self.cache.resident[layer]
+        for e in experts:
+            resident.add(e)
         return dict(zip(experts, ends))
 
     def _writeback_seconds(self) -> float:
@@ -457,8 +462,8 @@ class Simulator:
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
         loaded = None
         if plan.loads or plan.writebacks:
-            if count is None and tl is None and len(plan.writebacks) <= len(plan.loads) \
-                    and not (plan.streamed or plan.prefetches or plan.cpu or plan.deferred) and pcie.idle_at(t1):
+            if count is None and tl is None and not plan.streamed and len(plan.writebacks) <= len(plan.loads) \
+                    and not ((plan.cpu or plan.deferred) and self._contends(plan.cpu, None)) and pcie.idle_at(t1):
                 loaded = self._load_at_once(layer, plan.loads, plan.writebacks, s, t1)
             else:
                 self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
@@ -469,10 +474,6 @@ class Simulator:
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
         gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1, loaded)
-        if loaded is not None:  # ended by now, before anything else looks at the cache (see _load_at_once)
-            resident = self.cache.resident[layer]
-            for e in plan.loads:
-                resident.add(e)
         if plan.prefetches and plan.prefetch_after_gpu:
             self._prefetch(plan, s, layer, gpu_end)
         # the previous layer's deferred experts are added into this layer's output
@@ -591,7 +592,7 @@ class Simulator:
                    count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float,
                    loaded: dict[int, float] | None = None) -> float:
         """Shared experts, then GPU experts in plan order, each once its weights are there (``loaded``: the
-        arrival of each of :meth:`_load_at_once`'s loads, the only experts then not resident)."""
+        arrival of each of :meth:`_load_at_once`'s loads, the only GPU experts not resident before the plan)."""
         counters, tl = self.counters, self.timeline
         gpu_t = t1
         if self.model.shared_intermediate_size:
@@ -652,14 +653,17 @@ class Simulator:
         if d is None:
             d = self._gpu_s(1)
         compute = waited = 0.0
-        for e in experts:
-            if e not in resident:
-                if loaded is not None:  # nothing else is in flight: every expert not resident is a load
-                    end = loaded[e]
-                    if end > gpu_t:
-                        waited += end - gpu_t
-                        gpu_t = end
-                else:
+        if loaded is not None:  # nothing else is in flight: every expert either resident or one of these loads
+            for e in experts:
+                end = loaded.get(e)
+                if end is not None and end > gpu_t:
+                    waited += end - gpu_t
+                    gpu_t = end
+                gpu_t += d
+                compute += d
+        else:
+            for e in experts:
+                if e not in resident:
                     transfer = pending.get(e)
                     if transfer is not None:
                         end = transfer.end
@@ -670,8 +674,8 @@ class Simulator:
                             gpu_t = end
                             if transfer.kind == "prefetch":
                                 counters.late_prefetches += 1
-            gpu_t += d
-            compute += d
+                gpu_t += d
+                compute += d
         counters.gpu_busy_s += compute
         counters.breakdown["gpu_compute"] += compute
         counters.breakdown["wait_cache"] += waited

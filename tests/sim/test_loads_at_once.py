@@ -19,35 +19,52 @@ from moesim.trace.synth import SynthConfig, synthesize
 def trace(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("loads") / "decode.parquet"
     config = SynthConfig.from_settings(model="deepseek-v2-lite", requests=1, prompt_len=6, decode_len=40,
-                                       batch=1, seed=3, settings={}, scores=False)
+                                       batch=1, seed=3, settings={}, scores=True)
     synthesize(config, path)
     return str(path)
 
 
-def replay(trace: str, system: str) -> tuple:
+def replay(trace: str, system: str) -> tuple[tuple, dict[str, int]]:
+    """A replay's figures, step times, copy-engine state and cache sets (as lists: their order too), and
+    how many layers took the closed form (with prefetches, with CPU experts beside their loads)."""
     # 10 slots a layer for top-6 of 64 experts: most decode layers miss and evict, none streams
     sim = prepare(trace, "rtx4090", system, {"cache.slots_per_layer": "10"})
+    laid = {"layers": 0, "with_prefetches": 0, "with_cpu": 0, "with_writebacks": 0}
+    plan_of, load_at_once, plans = sim.system.plan, sim._load_at_once, []
+
+    def plan(view):
+        plans.append(plan_of(view))
+        return plans[-1]
+
+    def counted(*args):
+        laid["layers"] += 1
+        for key, part in (("with_prefetches", "prefetches"), ("with_cpu", "cpu"), ("with_writebacks", "writebacks")):
+            laid[key] += bool(getattr(plans[-1], part))
+        return load_at_once(*args)
+
+    sim.system.plan, sim._load_at_once = plan, counted
     result = sim.run()
-    counters = dict(vars(result.counters))
     steps = [(r.step, r.start, r.end) for r in result.steps]
     tails = [(t.layer, t.expert, t.end, t.tail, t.evicted) if t is not None else None for t in sim.pcie.tails]
-    return (counters, steps, result.pcie_busy_s, result.pcie_bytes, result.makespan_s, tails,
-            [list(s) for s in sim.cache.resident], sim._seq)
+    figures = (dict(vars(result.counters)), steps, result.pcie_busy_s, result.pcie_bytes, result.makespan_s, tails,
+               [list(s) for s in sim.cache.resident], sim._seq)
+    return figures, laid
 
 
-@pytest.mark.parametrize("system", ["gpu-only-lru", "mixtral-offloading"])
+@pytest.mark.parametrize("system", ["gpu-only-lru", "mixtral-offloading", "moe-infinity", "hybrimoe", "importance"])
 def test_loads_at_once_replay_as_placed_transfers(trace, system, monkeypatch):
-    laid = []
-    lay = CopyEngines.lay_demands
-    monkeypatch.setattr(CopyEngines, "lay_demands", lambda self, *a: laid.append(a) or lay(self, *a))
-    fast = replay(trace, system)
-    assert len(laid) > 20, "the decode layers' misses should take the closed form"
+    fast, laid = replay(trace, system)
+    laid_layers = laid["layers"]
+    assert laid["layers"] > 200, "the decode layers' misses should take the closed form"
     if system == "mixtral-offloading":  # every swap writes the evicted expert back
-        assert all(0 < tails <= count for count, _, _, tails, _ in laid)
+        assert laid["with_writebacks"] > 200
         assert fast[5][0] is not None, "the last load with a write-back is the engine's retired tail"
+    if system in ("hybrimoe", "importance"):  # prefetches queue behind the loads; CPU experts run beside them
+        assert laid["with_prefetches"] > 100 and laid["with_cpu"] > 100
     monkeypatch.setattr(CopyEngines, "idle_at", lambda self, at: False)
-    slow = replay(trace, system)
-    assert fast[0]["demand_loads"] > 100
+    slow, laid = replay(trace, system)
+    assert laid["layers"] == 0
+    assert fast[0]["demand_loads"] >= laid_layers
     assert fast == slow
 
 
