@@ -148,7 +148,8 @@ class RealExecutor:
         self.pending_rows: list[Pending] = []
         self.transfers: list[Transfer] = []
         self.in_flight: dict[tuple[int, int], Transfer] = {}
-        self.prefetched: set[tuple[int, int]] = set()
+        #: per layer, the experts prefetched there and not used since
+        self.prefetched: list[set[int]] = [set() for _ in range(self.model.num_layers)]
         self.gpu_runs: list[tuple[GPUExpertRun, int]] = []
         self.sync_works: list[Work] = []
         self.weights.reset()
@@ -284,7 +285,7 @@ class RealExecutor:
             view = view.substituted(plan.substitutions)
         count = dict(zip(view.active, view.counts))
         resident_at_plan = set(self.cache.resident[layer])
-        account_plan(self.counters, view, plan, count, self.cache.resident[layer], self.prefetched)
+        account_plan(self.counters, view, plan, count, self.cache.resident[layer], self.prefetched[layer])
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 self.counters.breakdown[category] = self.counters.breakdown.get(category, 0.0) + seconds
@@ -293,7 +294,7 @@ class RealExecutor:
         for lay, e in plan.evictions:
             self.cache.evict(lay, e)
             self.weights.drop(lay, e)
-            self.prefetched.discard((lay, e))
+            self.prefetched[lay].discard(e)
             self.decisions.append((s, layer, e, "evict", lay))
         self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
@@ -395,7 +396,7 @@ class RealExecutor:
     def _prefetch(self, plan: LayerPlan, s: int, layer: int, not_before: Work | None = None) -> None:
         for lay, e in plan.prefetches:
             self._load(lay, e, "prefetch", s, not_before)
-            self.prefetched.add((lay, e))
+            self.prefetched[lay].add(e)
             self.decisions.append((s, layer, e, "prefetch", lay))
 
     def _cancel_prefetches(self, keep: frozenset) -> None:
@@ -405,7 +406,7 @@ class RealExecutor:
             self.in_flight.pop(key, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.weights.drop(*key)
-            self.prefetched.discard(key)
+            self.prefetched[transfer.layer].discard(transfer.expert)
             self.transfers.remove(transfer)
             self.counters.cancelled_prefetches += 1
 

@@ -50,21 +50,21 @@ class Counters:
 
 
 def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int, int] | None,
-                 resident: set[int], prefetched: set[tuple[int, int]]) -> None:
+                 resident: set[int], prefetched: set[int]) -> None:
     """Count one plan; hits are experts resident when the plan was made.
 
-    ``count`` maps experts to their tokens; None when every expert has one token.
+    ``count`` maps experts to their tokens; None when every expert has one token. ``prefetched``: this
+    layer's experts prefetched and not used since.
     """
-    layer = view.layer
     c.activations += view.experts.size
     c.distinct_activations += len(view.active)
     if resident:
         c.hits += len(resident.intersection(view.active))
-    if prefetched:
-        for e in view.active:
-            if (layer, e) in prefetched:
-                c.prefetch_used += 1
-                prefetched.discard((layer, e))
+    if prefetched:  # a prefetched expert's first use counts once, and it leaves the set
+        used = prefetched.intersection(view.active)
+        if used:
+            c.prefetch_used += len(used)
+            prefetched.difference_update(used)
     if plan.gpu:
         c.gpu_activations += len(plan.gpu) if count is None else sum(map(count.__getitem__, plan.gpu))
     if plan.cpu:

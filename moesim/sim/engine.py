@@ -81,7 +81,8 @@ class Simulator:
         #: per layer, the transfer making each expert resident (loads and prefetches in flight): indexed by
         #: layer, then expert, so the hot lookups build no (layer, expert) keys
         self.pending: list[dict[int, Transfer]] = [{} for _ in memory.capacity]
-        self.prefetched: set[tuple[int, int]] = set()
+        #: per layer, the experts prefetched there and not used since (a prefetch's first use counts)
+        self.prefetched: list[set[int]] = [set() for _ in memory.capacity]
         self.steps: list[StepRecord] = []
         self.cpu_free = 0.0
         self.deferred_until = 0.0
@@ -442,7 +443,7 @@ class Simulator:
         resident = self.cache.resident[layer]
         if self.decisions is not None:
             resident_at_plan = set(resident)
-        account_plan(counters, view, plan, count, resident, self.prefetched)
+        account_plan(counters, view, plan, count, resident, self.prefetched[layer])
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 counters.breakdown[category] = counters.breakdown.get(category, 0.0) + seconds
@@ -451,8 +452,9 @@ class Simulator:
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
         if plan.evictions:
             self.cache.evict_all(plan.evictions)
-            if self.prefetched:
-                self.prefetched.difference_update(plan.evictions)
+            prefetched = self.prefetched
+            for lay, e in plan.evictions:
+                prefetched[lay].discard(e)
             if self.decisions is not None:
                 self.decisions += [(s, layer, e, "evict", lay) for lay, e in plan.evictions]
         if self.decisions is not None:
@@ -501,7 +503,7 @@ class Simulator:
             cache.start_load(lay, e)
             pending[lay][e] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
             batch.append(transfer)
-            prefetched.add((lay, e))
+            prefetched[lay].add(e)
             if decisions is not None:
                 decisions.append((s, layer, e, "prefetch", lay))
         self._seq = seq
@@ -512,7 +514,7 @@ class Simulator:
         for transfer in self.pcie.cancel_queued(t, kind="prefetch", keep=keep):
             self.pending[transfer.layer].pop(transfer.expert, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
-            self.prefetched.discard((transfer.layer, transfer.expert))
+            self.prefetched[transfer.layer].discard(transfer.expert)
             self.counters.cancelled_prefetches += 1
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
