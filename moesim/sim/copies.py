@@ -196,10 +196,11 @@ class CopyEngines:
         return len(self.free) == 1 and not self.chunk_bytes and not self.queue and not self.unretired \
             and not (ledger is not None and ledger.intervals and ledger.intervals[-1][1] > at)
 
-    def lay_demands(self, count: int, nbytes: int, at: float, tails: int, tail: float) -> tuple[list[float], list[float]]:
-        """(starts, ends) of ``count`` demand copies of ``nbytes`` issued at ``at`` when :meth:`idle_at`, the first
-        ``tails`` each followed by a write-back of ``tail`` seconds: :meth:`_begin_in_turn`'s schedule, busy
-        time and bytes, with no :class:`Transfer` placed (the caller retires them itself)."""
+    def lay_demands(self, count: int, nbytes: int, at: float, tails: int,
+                    tail: float) -> tuple[list[float], list[float]]:
+        """(starts, ends) of ``count`` demand copies of ``nbytes`` issued at ``at`` when :meth:`idle_at`, the
+        first ``tails`` each followed by a write-back of ``tail`` seconds: :meth:`_begin_in_turn`'s schedule,
+        busy time and bytes, with no :class:`Transfer` placed (the caller retires them itself)."""
         t = self.free[0]
         if t < at:
             t = at

@@ -465,7 +465,8 @@ class Simulator:
         loaded = None
         if plan.loads or plan.writebacks:
             if count is None and tl is None and not plan.streamed and len(plan.writebacks) <= len(plan.loads) \
-                    and not ((plan.cpu or plan.deferred) and self._contends(plan.cpu, None)) and pcie.idle_at(t1):
+                    and not ((plan.cpu or plan.deferred) and self._contends(plan.cpu or plan.deferred, None)) \
+                    and pcie.idle_at(t1):
                 loaded = self._load_at_once(layer, plan.loads, plan.writebacks, s, t1)
             else:
                 self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
