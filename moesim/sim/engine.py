@@ -18,7 +18,9 @@ follow from its plan. So resources need no processes of their own: a layer's
 GPU and CPU tracks are computed in closed form, and :class:`~moesim.sim.copies.CopyEngines` starts
 queued transfers lazily, in order, whenever the forward pass looks at the
 clock, which gives the schedule a process per engine would, without events per
-transfer. A step then costs one SimPy timeout, which is what lets a
+transfer; a decode layer's demand loads on an idle engine are laid out in closed
+form, with no transfer at all (:meth:`Simulator._load_at_once`). A step then
+costs one SimPy timeout, which is what lets a
 2,000-token DeepSeek-V3 decode replay in about a second
 (``benchmarks/replay_speed.py``).
 """
