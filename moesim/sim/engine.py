@@ -630,13 +630,7 @@ class Simulator:
             elif e not in resident:
                 transfer = pending.get(e)
             if transfer is not None:
-                end = transfer.end
-                if end is None:
-                    end = self.pcie.finish(transfer)
-                if end > gpu_t:
-                    ready = end
-                    if transfer.kind == "prefetch":
-                        counters.late_prefetches += 1
+                ready = self._ready(transfer, gpu_t)
             waited += ready - gpu_t
             n = 1 if count is None else count[e]
             d = gpu_cost[n] if n in gpu_cost else self._gpu_s(n)
@@ -648,6 +642,18 @@ class Simulator:
         counters.gpu_busy_s += compute
         counters.breakdown["gpu_compute"] += compute
         counters.breakdown["wait_cache"] += waited
+        return gpu_t
+
+    def _ready(self, transfer: Transfer, gpu_t: float) -> float:
+        """When the GPU stream, free at ``gpu_t``, may start the expert whose weights ``transfer`` brings
+        (a prefetch still on the wire then is counted late)."""
+        end = transfer.end
+        if end is None:
+            end = self.pcie.finish(transfer)
+        if end > gpu_t:
+            if transfer.kind == "prefetch":
+                self.counters.late_prefetches += 1
+            return end
         return gpu_t
 
     def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float,
@@ -671,14 +677,10 @@ class Simulator:
                 if e not in resident:
                     transfer = pending.get(e)
                     if transfer is not None:
-                        end = transfer.end
-                        if end is None:
-                            end = self.pcie.finish(transfer)
-                        if end > gpu_t:
-                            waited += end - gpu_t
-                            gpu_t = end
-                            if transfer.kind == "prefetch":
-                                counters.late_prefetches += 1
+                        ready = self._ready(transfer, gpu_t)
+                        if ready > gpu_t:
+                            waited += ready - gpu_t
+                            gpu_t = ready
                 gpu_t += d
                 compute += d
         counters.gpu_busy_s += compute
