@@ -116,10 +116,9 @@ def run_naive(trace: str, hw: str, repeats: int = 3) -> dict:
             "per_s": activations / best, "peak_rss_mib": peak_rss_mib()}
 
 
-def measure(trace: Path, system: str, hw: str, repeats: int = 3) -> dict:
-    """One system's figures from a fresh process pinned to one core; a failure becomes an error row."""
-    command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw,
-               "--repeats", str(repeats)]
+def measure(trace: Path, system: str, hw: str) -> dict:
+    """One replay's figures from a fresh process pinned to one core; a failure becomes an error row."""
+    command = [sys.executable, __file__, "--phase", "run", "--trace", str(trace), "--systems", system, "--hw", hw]
     taskset = ["taskset", "-c", "0"] if sys.platform.startswith("linux") and _has("taskset") else []
     done = subprocess.run(taskset + command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -141,7 +140,7 @@ def measure_rounds(trace: Path, names: list[str], hw: str, rounds: int, label: s
     for r in range(rounds):
         for name in names:
             print(f"  {label}, round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(measure(trace, name, hw, repeats=1))
+            runs[name].append(measure(trace, name, hw))
     return [best_round(rows) for rows in runs.values()]
 
 
@@ -248,7 +247,7 @@ def main() -> None:
             from trace_io import write  # the I/O benchmark's random DeepSeek-V3 writer
             big = Path(tmp) / "big.parquet"
             write(big, args.big_rows, tokens=1, seed=0)
-            big_row = measure(big, "cpu-only", args.hw, repeats=1)
+            big_row = measure(big, "cpu-only", args.hw)
             report(f"{args.big_rows:,}-row trace streamed:", [big_row])
             print(f"  peak RSS {big_row['peak_rss_mib']:.0f} MiB (target under 1,536 MiB: "
                   f"{'met' if big_row['peak_rss_mib'] < 1536 else 'MISSED'})")

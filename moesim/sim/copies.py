@@ -196,19 +196,16 @@ class CopyEngines:
         return len(self.free) == 1 and not self.chunk_bytes and not self.queue and not self.unretired \
             and not (ledger is not None and ledger.intervals and ledger.intervals[-1][1] > at)
 
-    def lay_demands(self, count: int, nbytes: int, at: float, tails: int,
-                    tail: float) -> tuple[list[float], list[float]]:
-        """(starts, ends) of ``count`` demand copies of ``nbytes`` issued at ``at`` when :meth:`idle_at`, the
-        first ``tails`` each followed by a write-back of ``tail`` seconds: :meth:`_begin_in_turn`'s schedule,
-        busy time and bytes, with no :class:`Transfer` placed (the caller retires them itself)."""
-        t = self.free[0]
-        if t < at:
-            t = at
+    def lay_demands(self, count: int, nbytes: int, at: float, tails: int, tail: float) -> tuple[float, list[float]]:
+        """(first start, ends) of ``count`` demand copies of ``nbytes`` issued at ``at`` when :meth:`idle_at`,
+        the first ``tails`` each followed by a write-back of ``tail`` seconds (a later copy starts where the
+        one before it and its tail end): :meth:`_begin_in_turn`'s schedule, busy time and bytes, with no
+        :class:`Transfer` placed (the caller retires them itself)."""
+        start = t = self.free[0] if self.free[0] > at else at
         duration = self._durations.get(nbytes) or self.duration(nbytes)
         busy = self.busy_s
-        starts, ends = [], []
+        ends = []
         for i in range(count):
-            starts.append(t)
             t = t + duration
             ends.append(t)
             busy += duration
@@ -219,7 +216,7 @@ class CopyEngines:
         self.last[0] = None  # read when a running copy is cut into chunks, which this engine set never does
         self.busy_s = busy
         self.bytes += nbytes * count
-        return starts, ends
+        return start, ends
 
     def relay(self, transfer: Transfer, start: float, end: float) -> None:
         """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""

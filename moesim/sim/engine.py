@@ -244,12 +244,13 @@ class Simulator:
         self.cache.check_loads(layer, experts)
         tail = self._writeback_seconds() if writebacks else 0.0
         nbytes = self.costs.expert_bytes
-        starts, ends = self.pcie.lay_demands(len(experts), nbytes, at, len(writebacks), tail)
+        first_start, ends = self.pcie.lay_demands(len(experts), nbytes, at, len(writebacks), tail)
         first_seq = self._seq + 1
         self._seq += len(experts)
         if writebacks:
             i = len(writebacks) - 1
-            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", first_seq + i, at, step, starts[i],
+            start = ends[i - 1] + tail if i else first_start  # the copy before it and its tail end there
+            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", first_seq + i, at, step, start,
                                           ends[i], -1, 0, True, 0.0, tail, writebacks[i])
         resident = self.cache.resident[layer]
         for e in experts:

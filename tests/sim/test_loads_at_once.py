@@ -73,7 +73,8 @@ def test_lay_demands_by_hand():
     copies.free[0] = 1.0
     copies.busy_s, copies.bytes = 0.5, 7
     assert copies.idle_at(2.0)
-    starts, ends = copies.lay_demands(3, 1000, 2.0, 2, 0.25)  # 1 s a copy, the first two with a 0.25 s tail
+    first, ends = copies.lay_demands(3, 1000, 2.0, 2, 0.25)  # 1 s a copy, the first two with a 0.25 s tail
+    starts = [first, ends[0] + 0.25, ends[1] + 0.25]
     assert starts == [2.0, 3.25, 4.5]
     assert ends == [3.0, 4.25, 5.5]
     assert copies.free[0] == 5.5
