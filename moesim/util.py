@@ -11,7 +11,7 @@ import stat
 import tempfile
 from contextvars import ContextVar
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence
 
 import yaml
 
@@ -131,6 +131,18 @@ def output_error(path: Path, err: OSError, option: str | None = None) -> ConfigE
 
 #: inside :func:`staged_outputs`: the (staged file, target) pairs written so far
 _STAGED: ContextVar[list[tuple[Path, Path]] | None] = ContextVar("moesim_staged_outputs", default=None)
+#: inside :func:`staged_outputs`: what to say once the outputs have landed ("wrote X")
+_LANDED: ContextVar[list[Callable[[], None]] | None] = ContextVar("moesim_landed_notices", default=None)
+
+
+def once_landed(say: Callable[[], None]) -> None:
+    """Call ``say`` (a "wrote X" line) once the block's outputs are in place: at once outside
+    :func:`staged_outputs`, else after they all land, and never if a failure rolls them back."""
+    pending = _LANDED.get()
+    if pending is None:
+        say()
+    else:
+        pending.append(say)
 
 
 @contextlib.contextmanager
@@ -139,7 +151,8 @@ def staged_outputs() -> Iterator[None]:
     into place together when the block ends without an error: a failure while writing one (a full disk, a
     plot that cannot be drawn) leaves every output of the command as it was."""
     staged: list[tuple[Path, Path]] = []
-    token = _STAGED.set(staged)
+    landed: list[Callable[[], None]] = []
+    token, notices = _STAGED.set(staged), _LANDED.set(landed)
     try:
         yield
     except BaseException:
@@ -155,8 +168,11 @@ def staged_outputs() -> Iterator[None]:
                 continue  # the writer wrote nothing
             except OSError as err:
                 raise output_error(target, err) from None
+        for say in landed:
+            say()
     finally:
         _STAGED.reset(token)
+        _LANDED.reset(notices)
 
 
 @contextlib.contextmanager

@@ -307,3 +307,42 @@ def test_a_file_name_with_brackets_is_printed_as_it_is(files, tmp_path, capsys):
     assert code == 0 and f"run[bold].parquet on {files[1]}" in out
     code, out, _ = run(["trace", "inspect", str(named)], capsys)
     assert code == 0 and "run[bold].parquet" in out
+
+
+def test_json_to_dev_stdout_leaves_stdout_json_alone(files):
+    """`--json /dev/stdout | jq .`: the JSON is all stdout holds, as with `--json -` (no "wrote" line after it)."""
+    import subprocess
+    import sys
+    trace, hw = files
+    for command in (["replay", trace, "--hw", hw, "--system", "cpu-only"], ["systems"]):
+        done = subprocess.run([sys.executable, "-m", "moesim.cli", *command, "--json", "/dev/stdout"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        parsed = json.loads(done.stdout)
+        assert parsed and "wrote" not in done.stdout + done.stderr, command
+
+
+def test_outputs_rolled_back_are_not_said_to_be_written(files, tmp_path, capsys, monkeypatch):
+    """A later output failing (here the plot, on a full disk) rolls back those written before it: no
+    "wrote" line claims otherwise."""
+    import errno
+
+    import moesim.analysis.plots
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trace, hw = files
+    kept = tmp_path / "keep.json"
+    kept.write_text("OLD\n")
+    timeline = tmp_path / "keep-tl.parquet"
+    with monkeypatch.context() as patch:
+        patch.setattr(moesim.analysis.plots, "plot_gantt", full_disk)
+        code, out, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--json", str(kept),
+                              "--timeline", str(timeline), "--plot", str(tmp_path / "x.png")], capsys)
+        assert code == 2 and "x.png" in err and "No space" in err
+    assert kept.read_text() == "OLD\n" and not timeline.exists()
+    assert "wrote" not in out + err
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--json", str(kept),
+                        "--timeline", str(timeline)], capsys)
+    assert code == 0 and f"wrote {kept}" in out and f"wrote {timeline}" in out

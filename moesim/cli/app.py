@@ -58,9 +58,16 @@ def json_safe(data: object) -> object:
     return data
 
 
+def say_wrote(out: Console, text: str) -> None:
+    """A "wrote X" line, said once every output of the command has landed (a later failure rolls them
+    all back, and then nothing was written)."""
+    from moesim.util import once_landed
+    once_landed(lambda: out.print(text, highlight=False))
+
+
 def write_json(data: object, out: str | None) -> None:
     text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
-    if out in (None, "-"):
+    if out is None or to_stdout(out):  # `--json /dev/stdout` too: stdout then holds the JSON alone
         try:  # not click.echo: click exits with status 1 when the reader goes away
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
@@ -70,7 +77,7 @@ def write_json(data: object, out: str | None) -> None:
         from moesim.util import atomic_write_text
         with open_output(out, "--json") as path:
             atomic_write_text(path, text + "\n")
-        console.print(f"wrote {out}", highlight=False)  # stdout holds no JSON here
+        say_wrote(console, f"wrote {out}")  # stdout holds no JSON here
 
 
 class JsonFlagCommand(click.Command):

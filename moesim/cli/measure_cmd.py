@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, parse_settings, preset_help,
-                            write_json)
+                            say_wrote, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET, YAML
 
@@ -105,7 +105,7 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
     path = _measure(models, device, threads, quick, name, Path(out))
-    console.print(f"wrote {path} (load it with --hw {path} or --profile {path})")
+    say_wrote(console, f"wrote {path} (load it with --hw {path} or --profile {path})")
 
 
 def _executable_systems(systems: str) -> list[str]:
@@ -196,4 +196,4 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                       f"{c.decisions.share:.1%}")
     console.print(table)
     console.print(f"ranking by TPOT: {report.ranking_text('tpot_ms_mean')}", highlight=False)
-    console.print(f"wrote {files['markdown']}, {files['json']}, {files['plot']}")
+    say_wrote(console, f"wrote {files['markdown']}, {files['json']}, {files['plot']}")

@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            hw_help, preset_help, print_skipped, to_stdout, write_json)
+                            hw_help, preset_help, print_skipped, say_wrote, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -151,7 +151,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             from moesim.analysis.plots import plot_breakdown
             with open_output(plot_out, "--plot", FIGURE) as path:
                 plot_breakdown(list(metrics_by_system.values()), path)
-            out.print(f"wrote {plot_out}")
+            say_wrote(out, f"wrote {plot_out}")
 
 
 def _check_window(trace_file: str, steps: tuple[int, int]) -> None:
@@ -241,23 +241,23 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
         from moesim.analysis.timeline import write_timeline
         with open_output(timeline_out, "--timeline") as path:
             write_timeline(frames["timeline"], path)
-        out.print(f"wrote {timeline_out}")
+        say_wrote(out, f"wrote {timeline_out}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
         with open_output(decisions_out, "--decisions") as path:
             write_decisions(frames["decisions"], path)
-        out.print(f"wrote {decisions_out}")
+        say_wrote(out, f"wrote {decisions_out}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
         with open_output(chrome_out, "--chrome-trace") as path:
             write_chrome_trace(frames["timeline"], path, meta, steps=steps)
-        out.print(f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
+        say_wrote(out, f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
         from moesim.analysis.plots import plot_gantt
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_gantt(frames["timeline"], path, steps=steps,
                        title=f"{meta['system']} on {Path(meta['trace']).name}")
-        out.print(f"wrote {plot_out}")
+        say_wrote(out, f"wrote {plot_out}")
 
 
 @cli.command("systems")

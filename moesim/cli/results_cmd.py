@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.markup import escape
 
-from moesim.cli.app import check_outputs, cli, console, err_console, open_output
+from moesim.cli.app import check_outputs, cli, console, err_console, open_output, say_wrote
 from moesim.errors import MoesimError
 from moesim.util import FIGURE, HTML, PARQUET
 
@@ -145,7 +145,7 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     else:
         with open_output(out, "--out", FIGURE) as path:
             plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
-    console.print(f"wrote {out}")
+    say_wrote(console, f"wrote {out}")
 
 
 def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None, kind: str) -> str | None:
@@ -173,6 +173,6 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     missing: list[str] = []
     with open_output(out, "--out") as path:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results, missing=missing)
-    console.print(f"wrote {out}")
+    say_wrote(console, f"wrote {out}")
     for reason in missing:
         console.print(f"[yellow]note:[/] {escape(reason)}", highlight=False, markup=True)

@@ -8,7 +8,7 @@ import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
 from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings,
-                            hw_help, print_skipped, to_stdout, write_json)
+                            hw_help, print_skipped, say_wrote, to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
@@ -95,16 +95,16 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     if requests_out and last is not None:
         with open_output(requests_out, "--requests-out") as path:
             write_requests(request_frame(last), path)
-        out.print(f"wrote {requests_out}")
+        say_wrote(out, f"wrote {requests_out}")
     if requests_plot and last is not None:
         with open_output(requests_plot, "--requests-plot", FIGURE) as path:
             plot_requests(request_frame(last), path, title=f"{systems[0]} on {hw}: {len(last.requests)} requests "
                                                              f"at {rates[0]} req/s")
-        out.print(f"wrote {requests_plot}")
+        say_wrote(out, f"wrote {requests_plot}")
     if plot_out:
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)
-        out.print(f"wrote {plot_out}")
+        say_wrote(out, f"wrote {plot_out}")
 
 
 #: what a serving row shows: two systems alike in all of these at one rate are one row twice

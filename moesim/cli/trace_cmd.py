@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            preset_help, write_json)
+                            preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET
 
@@ -77,7 +77,7 @@ def trace_upgrade(file: str, out: str) -> None:
         done = upgrade_trace(file, path)
     what = ("scores rewritten as one binary value a row" if done.rewrote_scores else
             "scores already one binary value a row" if done.has_scores else "no scores column")
-    console.print(f"wrote {out}: trace v2 from v{done.from_version}, {done.rows:,} rows, {what}")
+    say_wrote(console, f"wrote {out}: trace v2 from v{done.from_version}, {done.rows:,} rows, {what}")
 
 
 @trace.command("import")
@@ -173,7 +173,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
     _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
     with open_output(out, "--out") as path:
         synthesize(config, path)
-    console.print(f"wrote {out}")
+    say_wrote(console, f"wrote {out}")
 
 
 #: positions and steps are int32 in a trace; rows beyond this would take days to write anyway
