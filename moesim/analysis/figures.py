@@ -21,6 +21,7 @@ Agg canvas: no display, no pyplot state.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -97,6 +98,23 @@ def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None)
                           f"metrics: {', '.join(metrics)}")
 
 
+class UnevenMeans(UserWarning):
+    """Points of a figure average fewer runs than others (runs that failed or were not run, or an x value
+    that several settings share): their means are over other values of the averaged parameters, so they do
+    not compare with the rest."""
+
+
+def fewer_runs(runs: pd.Series | None) -> str:
+    """What to say of ``runs`` (runs averaged per point) when some points have fewer than the most; ''."""
+    if runs is None or runs.empty or runs.nunique() <= 1:
+        return ""
+    most = int(runs.max())
+    short = runs[runs < most]
+    few = f"{int(short.min())}" if short.min() == short.max() else f"{int(short.min())} to {int(short.max())}"
+    return (f"{len(short)} of {len(runs)} points average {few} runs instead of {most} (runs failed or not "
+            "run, or an x value that several settings share)")
+
+
 def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     ok = frame[frame["status"] == "ok"] if "status" in frame.columns else frame
     if ok.empty:
@@ -155,6 +173,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
     shown = {x, hue, facet} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
+    runs = data.groupby([c for c in (facet, hue, x) if c], dropna=False)[y].size() if averaged else None
+    full = int(runs.max()) if runs is not None else 1  # runs a mean over every averaged value takes
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
@@ -168,7 +188,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     for ax, panel in zip(axes.flat, panels):
         sub = data[data[facet] == panel] if facet else data
         if numeric_x:
-            _lines(ax, sub, x, y, hue, hues, styles)
+            _lines(ax, sub, x, y, hue, hues, styles, full)
         else:
             _bars(ax, sub, x, y, hue, hues, styles)
         ax.set_xlabel(label(x))
@@ -187,6 +207,10 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right center", frameon=False,
                    fontsize=9)
     note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
+    short = fewer_runs(runs)
+    if short:
+        note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
+        warnings.warn(f"{source or 'results'}: {short}", UnevenMeans, stacklevel=2)
     heading = title or f"{label(y)} vs {label(x)}"
     fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11)
     if path is not None:
@@ -333,15 +357,20 @@ def _handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Any:
 
 
 def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
-           styles: dict[Any, dict[str, Any]]) -> None:
+           styles: dict[Any, dict[str, Any]], full: int = 1) -> None:
+    """One line per hue; a point that averages fewer than ``full`` runs is drawn hollow."""
     for h in hues:
         sub = data[data[hue] == h] if hue else data
         if sub.empty:
             continue
-        stats = sub.groupby(x)[y].agg(["mean", "min", "max"]).sort_index()
+        stats = sub.groupby(x)[y].agg(["mean", "min", "max", "size"]).sort_index()
         style = styles[h]
         ax.plot(stats.index, stats["mean"], color=style["color"], marker=style["marker"],
                 linestyle=style["linestyle"], linewidth=1.6, markersize=5, zorder=3)
+        short = stats[stats["size"] < full]
+        if not short.empty:
+            ax.plot(short.index, short["mean"], color=style["color"], marker=style["marker"], linestyle="none",
+                    markersize=5, markerfacecolor="white", zorder=4)
         if (stats["max"] > stats["min"]).any():
             ax.fill_between(stats.index, stats["min"], stats["max"], color=style["color"], alpha=0.15,
                             linewidth=0, zorder=2)

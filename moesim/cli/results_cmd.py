@@ -133,19 +133,29 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     """Plot a metric of a sweep against a parameter (points that differ in other parameters are averaged)
     or against another metric (scatter, e.g. --x gpu_memory_gib --y tpot_ms_mean, or --x tpot_ms_mean
     --y ttft_ms, with the Pareto front of the deployable systems)."""
-    from moesim.analysis.figures import column, load_results, parameter_columns, plot_results, plot_scatter
+    import warnings
+
+    from moesim.analysis.figures import (UnevenMeans, column, load_results, parameter_columns, plot_results,
+                                         plot_scatter)
     check_outputs([("RESULTS", results)], {"out": FIGURE}, out=out)
     frame = load_results(results)
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
     hue = _default_hue(frame, hue, x, facet, kind)
-    if kind == "scatter":
-        with open_output(out, "--out", FIGURE) as path:
+    with warnings.catch_warnings(record=True) as caught, open_output(out, "--out", FIGURE) as path:
+        warnings.simplefilter("always", UnevenMeans)
+        if kind == "scatter":
             plot_scatter(frame, x=x, y=y, hue=hue, facet=facet, pareto=pareto, path=path, source=results)
-    else:
-        with open_output(out, "--out", FIGURE) as path:
+        else:
             plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     say_wrote(console, f"wrote {out}")
+    failed = int((frame["status"] != "ok").sum()) if "status" in frame.columns else 0
+    if failed:
+        err_console.print(f"note: {failed} of {len(frame)} points failed and are not drawn (status 'error'; "
+                          "their reasons are in the 'error' column and in `moesim report`)", highlight=False)
+    for warning in caught:
+        if issubclass(warning.category, UnevenMeans):
+            err_console.print(f"note: {warning.message}", highlight=False)
 
 
 def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None, kind: str) -> str | None:

@@ -67,6 +67,45 @@ def test_parameters_not_shown_are_averaged_with_a_min_max_band():
     assert linear.axes[0].get_yscale() == "linear"
 
 
+def test_points_averaging_fewer_runs_are_hollow_named_and_warned():
+    """Drop h100's static-hot at 2 and 4 slots (as failed points would be): those two means are a100's alone
+    (60/2 = 30 and 60/4 = 15 ms, not 22.5 and 11.25), so they are drawn hollow, the title says so and a
+    warning names them; complete results say nothing."""
+    from moesim.analysis.figures import UnevenMeans
+    frame = results()
+    gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot") & (frame["cache.slots_per_layer"] > 1)
+    with pytest.warns(UnevenMeans, match=r"2 of 9 points average 1 runs instead of 2"):
+        fig = plot_results(frame[~gone], x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    ax = fig.axes[0]
+    static = lines(ax)[1]
+    assert list(static.get_ydata()) == pytest.approx([45.0, 30.0, 15.0])
+    hollow = [line for line in lines(ax) if line.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2, 4]
+    assert list(hollow[0].get_ydata()) == pytest.approx([30.0, 15.0])
+    assert "2 of 9 points average 1 runs instead of 2" in fig._suptitle.get_text()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnevenMeans)
+        whole = plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    assert not [line for line in lines(whole.axes[0]) if line.get_markerfacecolor() == "white"]
+
+
+def test_cli_plot_notes_failed_and_unevenly_averaged_points(tmp_path, capsys):
+    frame = results()
+    gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot") & (frame["cache.slots_per_layer"] > 1)
+    frame.loc[gone, "status"] = "error"
+    frame.loc[gone, "error"] = "does not fit"
+    frame.loc[gone, "tpot_ms_mean"] = np.nan
+    path = tmp_path / "r.parquet"
+    frame.to_parquet(path)
+    assert main(["plot", str(path), "--x", "cache.slots_per_layer", "--y", "tpot_ms_mean",
+                 "--out", str(tmp_path / "f.png")]) == 0
+    err = capsys.readouterr().err
+    assert "3 of 19 points failed and are not drawn" in err
+    assert "2 of 9 points average 1 runs instead of 2" in err
+
+
+@pytest.mark.filterwarnings("ignore::moesim.analysis.figures.UnevenMeans")  # slots 1 and 2 share an x
 def test_a_narrow_range_is_labelled_in_plain_numbers():
     """Planned GPU memory 23.9913-23.9943 GiB: matplotlib would label it "0.0015 ... +2.399e1"."""
     frame = results().query("status == 'ok'").assign(
