@@ -274,6 +274,11 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> An
     try:
         return call()
     except MoesimError as err:
+        if err.source and err.source != spec.source and err.field and field_:
+            # a fault inside a file the spec lists (a profile's field): that file and its field, as
+            # `moesim replay` names them, then where the spec lists it
+            raise ConfigError(f"{err.detail} (listed in {spec.source} under '{field_}')", source=err.source,
+                              field=err.field, row=err.row, fix=err.fix) from None
         where = f" ({err.source})" if err.source and err.source != spec.source else ""
         fix = err.fix
         if field_ is None and err.field == "--set":  # a parameter: name it where the spec gives it

@@ -615,3 +615,16 @@ def test_a_worker_killed_mid_sweep_costs_only_its_own_point(files, monkeypatch, 
     assert out.startswith("2 points: 2 run (2 retried after a worker process died), 0 already in")
     assert err.count("killed by SIGKILL") == 4 and len(list(marks.iterdir())) == 4
     assert pd.read_parquet(files / "only.parquet")["status"].tolist() == ["error", "error"]
+
+
+def test_a_fault_in_a_listed_profile_names_its_file_and_field_then_the_spec(files, capsys):
+    """As `moesim replay --hw` names it: the profile and its field (not the spec's 'hw'), then the spec."""
+    bad = yaml.safe_load((files / "hw.yaml").read_text())
+    del bad["gpu"]["memory_gib"]
+    (files / "bad.yaml").write_text(yaml.safe_dump(bad))
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["bad.yaml"], "systems": ["cpu-only"]}))
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert f"bad.yaml, field 'gpu.memory_gib': missing field (listed in {path} under 'hw')" in err
+    assert err.count("\n") == 1 and not (files / "r.parquet").exists()
