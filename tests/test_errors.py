@@ -33,7 +33,9 @@ def test_did_you_mean(name, choices, expected):
     (["replay", TRACE, "--system", "hybridmoe"],
      "unknown system 'hybridmoe' (fix: did you mean hybrimoe? use one of: cpu-only"),
     (["replay", TRACE, "--set", "cache_slots=3"],
-     "unknown parameter 'cache_slots' for system 'gpu-only-lru' (fix: did you mean cache.slots_per_layer? valid:"),
+     "unknown parameter 'cache_slots' for system 'gpu-only-lru' (fix: did you mean cache.slots or "
+     "cache.slots_per_layer? valid:"),
+    (["replay", TRACE, "--set", "cache.slotz=3"], "(fix: did you mean cache.slots? valid:"),
     (["replay", TRACE, "--set", "memory.workspace=1"],
      "unknown parameter 'memory.workspace' (fix: did you mean memory.workspace_gib? valid:"),
     (["replay", TRACE, "--set", "cache=lr"],

@@ -400,10 +400,10 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         if role not in parts or param not in parts[role].parameters():
             keys = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
             valid = keys + [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
-            guess = did_you_mean(key, [*keys, *ROLES, "cache.slots_per_layer"])
+            guess = did_you_mean(key, [*keys, *ROLES, "cache.slots", "cache.slots_per_layer"])
             raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
-                              fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots_per_layer "
-                                  "(`moesim systems` lists them all)")
+                              fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots, "
+                                  "cache.slots_per_layer (`moesim systems` lists them all)")
         parts[role].set_param(param, value)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
                              uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
