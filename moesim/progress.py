@@ -17,6 +17,7 @@ plain lines, e.g. ``0`` prints one line per advance.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -30,12 +31,24 @@ DEFAULT_INTERVAL_S = 10.0
 
 
 def plain_interval() -> float:
+    """Seconds between plain progress lines: ``MOESIM_PROGRESS_INTERVAL``, or the default (with a warning
+    when the variable is set to something that is no number of seconds)."""
     raw = os.environ.get("MOESIM_PROGRESS_INTERVAL", "")
     try:
         value = float(raw)
     except ValueError:
-        return DEFAULT_INTERVAL_S
-    return value if value >= 0 else DEFAULT_INTERVAL_S
+        value = -1.0
+    if value >= 0 and math.isfinite(value):
+        return value
+    if raw.strip() and raw not in _NOTED:  # said once a process, on stderr beside the progress itself
+        _NOTED.add(raw)
+        sys.stderr.write(f"moesim: note: MOESIM_PROGRESS_INTERVAL={raw!r} is not a number of seconds: progress "
+                         f"lines every {DEFAULT_INTERVAL_S:g} s\n")
+    return DEFAULT_INTERVAL_S
+
+
+#: values of MOESIM_PROGRESS_INTERVAL already noted as not a number of seconds
+_NOTED: set[str] = set()
 
 
 def _duration(seconds: float) -> str:

@@ -70,11 +70,15 @@ def test_disabled_prints_nothing():
     assert stream.getvalue() == ""
 
 
-def test_interval_from_the_environment(monkeypatch):
+def test_interval_from_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "2.5")
     assert plain_interval() == 2.5
     monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "soon")
-    assert plain_interval() == 10.0
+    assert plain_interval() == 10.0 and plain_interval() == 10.0
+    assert capsys.readouterr().err == ("moesim: note: MOESIM_PROGRESS_INTERVAL='soon' is not a number of seconds: "
+                                       "progress lines every 10 s\n")  # once
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "")
+    assert plain_interval() == 10.0 and capsys.readouterr().err == ""
 
 
 def test_terminal_gets_a_rich_bar():
@@ -120,6 +124,7 @@ def test_long_commands_report_progress_on_a_piped_stderr(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("replay: ")]
     assert lines and lines[-1].startswith("replay: done") and "rows" in lines[-1]
+    assert "importance" in done.stdout and "(100%)" in lines[-1]  # a skipped system's rows count as done
     assert any("(oracle)" in line for line in lines)  # the system being replayed is named
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({"traces": [str(trace)], "hw": [str(hw)], "systems": ["cpu-only", "static-hot"]}))

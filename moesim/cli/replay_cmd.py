@@ -109,8 +109,10 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     skipped: dict[str, str] = {}
     runs: dict = {}  # replays a portfolio bound (oracle) reuses: it runs every listed system too
     first_error: MoesimError | None = None
-    with _replay_progress(trace_file, systems) as bar:
+    rows = _trace_rows(trace_file)
+    with _replay_progress(rows, systems) as bar:
         for name in sorted(systems, key=lambda n: bool(n in SYSTEMS and SYSTEMS[n].portfolio)):
+            before = bar.done
             try:
                 results[name] = _replay_one(trace_file, hw, name, parsed, model_preset, seed, bar,
                                             record=bool(timeline_out or chrome_out or decisions_out
@@ -121,6 +123,8 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
                     raise
                 skipped[name] = str(err)  # e.g. a system that needs a column this trace lacks
                 first_error = first_error or err
+                if name not in runs:  # the rows its replay will not read count as done: the bar ends whole
+                    bar.advance(max(rows - (bar.done - before), 0))
     if not results:
         raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips
     metrics_by_system = {name: results[name][0] for name in systems if name in results}
@@ -206,15 +210,19 @@ def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:
     return isinstance(err, ConfigError) and err.field not in ("--system", "--set", "--model")
 
 
-def _replay_progress(trace_file: str, systems: list[str]):
-    """Progress over every row each replay reads (an oracle's members run once, shared with the table)."""
+def _trace_rows(trace_file: str) -> int:
     import pyarrow.parquet as pq
 
-    from moesim.progress import Progress
-    from moesim.sim.run import members
     from moesim.trace.io import read_meta
     read_meta(trace_file)  # a malformed trace fails here, with one line
-    rows = pq.ParquetFile(trace_file).metadata.num_rows
+    return pq.ParquetFile(trace_file).metadata.num_rows
+
+
+def _replay_progress(rows: int, systems: list[str]):
+    """Progress over every row each replay reads (``rows`` each; an oracle's members run once, shared with
+    the table)."""
+    from moesim.progress import Progress
+    from moesim.sim.run import members
     replays = {member for name in systems for member in members(name)}
     return Progress("replay", total=max(rows * len(replays), 1), unit="rows", console=err_console)
 
