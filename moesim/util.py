@@ -214,6 +214,35 @@ def tmp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``) taken as a Ctrl-C is: what runs stops, cleans up and says so."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in this process's main thread while the block runs (outputs
+    staged are rolled back, a sweep says where its finished points are). A child forked meanwhile (a sweep's
+    pool worker) that inherits the handler dies of the signal as before."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    here = os.getpid()
+
+    def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != here:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def sigint_blocked() -> Iterator[None]:
     """SIGINT held back (delivered on leaving, not lost) in this thread and in the threads and processes it

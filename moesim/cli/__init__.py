@@ -8,6 +8,7 @@ user mistake. Each command lives in its own module and registers with the
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from moesim.cli import measure_cmd, replay_cmd, results_cmd, serve_cmd, trace_cm
 from moesim.cli.app import cli, err_console, json_safe, stream_to_devnull  # noqa: F401 - json_safe: public
 from moesim.cli.replay_cmd import replay  # noqa: F401 - the command object, for embedding
 from moesim.errors import MoesimError
-from moesim.util import staged_outputs
+from moesim.util import Terminated, sigterm_interrupts, staged_outputs
 
 
 def _say(text: str) -> None:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     try:
-        with staged_outputs():  # a command's outputs land together, or none of them does
+        with sigterm_interrupts(), staged_outputs():  # a command's outputs land together, or none of them does
             try:
                 cli.main(args=args, prog_name="moesim", standalone_mode=False)
             except BrokenPipeError:  # `moesim trace inspect T --json - | head`: the reader has what it wanted,
@@ -67,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except MoesimError as err:
         _say(f"moesim: error: {err}")
         return err.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as err:
+        if isinstance(err, Terminated) or isinstance(err.__cause__, Terminated):  # click wraps it in Abort
+            _say("moesim: terminated")
+            return 128 + signal.SIGTERM  # what a shell shows for `kill PID`
         _say("moesim: interrupted")
         return 130
     except click.exceptions.NoArgsIsHelpError as err:  # `moesim`, `moesim trace`: the help, as it is laid out

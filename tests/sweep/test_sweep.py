@@ -496,11 +496,12 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the workers from /proc")
-@pytest.mark.parametrize("to", ["group", "sweep"])
+@pytest.mark.parametrize("to", ["group", "sweep", "kill"])
 def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to):
     """Issue: Ctrl-C (SIGINT to the process group, as a terminal sends it, or to the sweep process
     only) cancels the pool's pending points and ends its workers at once, without their tracebacks;
-    the points finished are kept for the resume."""
+    the points finished are kept for the resume. `kill PID` (SIGTERM to the sweep) does the same, with
+    the status a shell shows for it (143)."""
     path = write_spec(files, systems=["gpu-only-lru", "cpu-only"], grid={"cache.slots_per_layer": [1, 2, 3]})
     out, parts = files / "r.parquet", files / "r.parquet.parts"
     args = ["sweep", str(path), "--out", str(out), "--workers", "2"]
@@ -513,16 +514,19 @@ def test_ctrl_c_stops_a_pool_sweep_at_once_keeping_the_finished_points(files, to
     workers = _workers_of(proc.pid)
     assert len(workers) == 2 and proc.poll() is None
     sent = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT) if to == "group" else proc.send_signal(signal.SIGINT)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM if to == "kill" else signal.SIGINT)
     try:
         stdout, stderr = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail("the sweep still ran 10 s after SIGINT")
-    assert proc.returncode == 130 and time.monotonic() - sent < 5
+    assert proc.returncode == (143 if to == "kill" else 130) and time.monotonic() - sent < 5
     lines = [line for line in stderr.splitlines() if line.strip()]  # no worker traceback
-    assert lines[-1] == "moesim: interrupted" and stdout == "", stderr
+    assert lines[-1] == ("moesim: terminated" if to == "kill" else "moesim: interrupted") and stdout == "", stderr
     assert lines[:-1] == [f"sweep: every finished point is kept in {out}.parts/; the same command resumes"], stderr
     assert not [w for w in workers if Path(f"/proc/{w}").exists()], "a worker outlived the sweep"
     finished = {p.stem for p in parts.glob("*.parquet")}
