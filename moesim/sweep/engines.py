@@ -293,10 +293,13 @@ def _pool_point(index: int, point: Point, trace_path: str, hw: str) -> dict[str,
 
 
 def _worker_init(parent: int, close_fds: list[int], columns: list[str], taken_by: Any) -> None:
-    """In each pool worker: leave Ctrl-C to the sweep process (which stops the pool), die with it, drop
-    its lock, keep traces decoded (with ``columns``)."""
+    """In each pool worker: leave Ctrl-C to the sweep process (which stops the pool), die of SIGTERM (the
+    pool's way to end a worker, which tells a worker it stopped from one that died; a handler the sweep
+    process holds, such as the one ``ray.init`` installs in a notebook, would turn it into an exit), die
+    with the sweep process, drop its lock, keep traces decoded (with ``columns``)."""
     global _TAKEN_BY
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while the pool forked it
     _TAKEN_BY = taken_by

@@ -583,6 +583,24 @@ def _dies_on(slots: int, times: int, marks: Path):
     return dying
 
 
+def test_a_sigterm_handler_of_the_sweep_process_does_not_reach_its_workers(files):
+    """`ray.init` in a notebook leaves a SIGTERM handler that exits with status 15: pool workers forked with
+    it would not die of the SIGTERM the pool ends them with, and a worker stopped beside a killed one would
+    be blamed (and its point retried) as if it had died."""
+    marks = files / "marks"
+    marks.mkdir()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init installs
+    try:
+        from moesim.sweep import engines
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(engines, "run_point", _dies_on(2, 1, marks))
+            path = write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2, 3]})
+            _, summary = run_sweep(load_spec(path), files / "r.parquet", workers=2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (summary.ran, summary.retried, summary.failed) == (6, 2, 0)
+
+
 @pytest.mark.parametrize("times", [1, 2])
 def test_a_worker_killed_mid_sweep_costs_only_its_own_point(files, monkeypatch, capsys, times):
     """Issue: a pool worker killed (kill -9, the OOM killer) broke the pool and failed every point left.
