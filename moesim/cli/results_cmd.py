@@ -156,6 +156,8 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     for warning in caught:
         if issubclass(warning.category, UnevenMeans):
             err_console.print(f"note: {warning.message}", highlight=False)
+        else:  # recorded with the rest: shown as it would have been
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None, kind: str) -> str | None:
