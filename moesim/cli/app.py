@@ -86,6 +86,10 @@ class JsonFlagCommand(click.Command):
     argument (``inspect --json T.parquet`` reads T)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for before, value in zip(args, args[1:]):
+            if before == "--json" and value.endswith(".json"):  # `--json out.json`, as replay takes it
+                raise click.UsageError(f"--json takes no file here: it prints the JSON on stdout "
+                                       f"(write it to a file with --json > {value})", ctx=ctx)
         flag = [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
         return super().parse_args(ctx, flag)
 

@@ -112,6 +112,11 @@ def test_json_dash_is_the_json_flag_as_replay_takes_it(toy, capsys):
     assert json.loads(capsys.readouterr().out)["a"] == json.loads(flag)
     assert main(["trace", "inspect", str(toy), "-"]) == 2
     assert "unexpected extra argument (-)" in capsys.readouterr().err
+    # replay's `--json FILE` habit: one line saying how to get the file, nothing written
+    assert main(["trace", "compare", str(toy), str(toy), "--json", str(toy.parent / "cmp.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json takes no file here: it prints the JSON on stdout (write it to a file with --json > " in err
+    assert err.count("\n") == 1 and not (toy.parent / "cmp.json").exists()
 
 
 def test_inspect_and_compare_render_tables(toy, tmp_path, capsys):
