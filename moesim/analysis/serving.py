@@ -145,19 +145,18 @@ def write_requests(frame: Any, path: str | os.PathLike) -> None:
 
 
 def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms") -> Any:
-    """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts or a frame)."""
-    import matplotlib
-    if path is not None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts or a
+    frame). Drawn without pyplot (a notebook's backend and figures are left alone); displays as a PNG."""
     import pandas as pd
 
     from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
+    from moesim.analysis.plots import DisplayFigure, save_figure
     frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     columns = [f"{metric}_p{q}" for q in PERCENTILES]
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig = DisplayFigure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.subplots()
     styles = dict(zip(PERCENTILES, ("-", "--", ":")))
     for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
         group = group.sort_values("qps")
@@ -172,10 +171,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
         log_axis(ax)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)
     return fig
 
 
@@ -257,12 +254,10 @@ def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str
 
 def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
     """The report's figures for a sweep of serving runs: name -> (figure, caption)."""
-    import matplotlib.pyplot as plt
     out = {}
     for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
                          ("e2e_ms", "end-to-end latency")):
         fig = plot_latency_vs_qps(frame, metric=metric)
-        plt.close(fig)
         out[f"{metric}_vs_qps"] = (fig, f"{what.capitalize()} per request against the arrival rate: p50 solid, "
                                    "p90 dashed, p99 dotted, one colour per system.")
     return out

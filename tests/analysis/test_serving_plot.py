@@ -33,6 +33,16 @@ def test_the_latency_axis_is_logarithmic_only_across_a_decade(low, high, scale):
         plt.close(fig)
 
 
+def test_the_latency_figure_leaves_the_notebooks_backend_and_figures_alone(tmp_path):
+    """It used to switch matplotlib to Agg when saving, after which a notebook's inline plots showed nothing."""
+    import matplotlib
+    backend, figures = matplotlib.get_backend(), plt.get_fignums()
+    fig = plot_latency_vs_qps(rows(["cpu-only"], 100.0, 200.0), path=tmp_path / "lat.png")
+    assert matplotlib.get_backend() == backend and plt.get_fignums() == figures
+    assert (tmp_path / "lat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"  # displays in a notebook without a backend
+
+
 def test_each_system_has_its_own_colour_past_ten_systems():
     systems = [f"system-{i}" for i in range(12)]
     fig = plot_latency_vs_qps(rows(systems, 100.0, 200.0))
