@@ -33,10 +33,11 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
                     dtype: str, device: str, out: str) -> None:
     """Record a Hugging Face MoE model's router decisions under greedy generation into a trace."""
     from moesim.trace.capture import CaptureConfig, capture
-    from moesim.trace.capture.model import require_torch
+    from moesim.trace.capture.model import pick_device, require_torch
     check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": PARQUET},
                   out=out)
     require_torch()
+    pick_device(device)  # a device this machine lacks fails now, before the model loads
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

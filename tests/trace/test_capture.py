@@ -555,3 +555,29 @@ def test_trace_written_in_many_batches_equals_one_batch(tmp_path: Path, monkeypa
     one, many = read_table(tmp_path / "one.parquet"), read_table(tmp_path / "many.parquet")
     assert many.to_pylist() == one.to_pylist()
     validate_trace(tmp_path / "many.parquet")
+
+
+@pytest.mark.parametrize("device, words", [
+    ("tpu", "field '--device': unknown device 'tpu' (fix: use auto, cpu, cuda or cuda:N)"),
+    ("cuda:x", "unknown device 'cuda:x'"),
+])
+def test_a_device_that_is_no_device_is_one_line_before_the_model_loads(hf, tmp_path: Path, capsys, device,
+                                                                        words) -> None:
+    """`--device tpu` was an internal error from inside torch, after the model had loaded."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"token_ids": [1, 2]}\n')
+    code = main(["capture", "--model", str(tmp_path / "no-model"), "--prompts", str(prompts),
+                 "--max-new-tokens", "1", "--device", device, "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch is not None and torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_on_a_machine_without_it_is_one_line(hf, tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"token_ids": [1, 2]}\n')
+    for device in ("cuda", "cuda:1"):
+        code = main(["capture", "--model", str(tmp_path / "no-model"), "--prompts", str(prompts),
+                     "--max-new-tokens", "1", "--device", device, "--out", str(tmp_path / "t.parquet")])
+        err = capsys.readouterr().err
+        assert code == 2 and "field '--device': no CUDA device is visible to torch" in err, err

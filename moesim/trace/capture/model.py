@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moesim.errors import ConfigError
 from moesim.model.spec import ModelSpec
 from moesim.trace.capture.arch import ArchInfo, arch_for, config_to_spec
 from moesim.trace.capture.errors import ModelNotFoundError, TorchMissingError, UnsupportedRouterError
@@ -71,9 +72,24 @@ def load_config(model: str) -> tuple[Any, str, bool]:
 
 
 def pick_device(device: str) -> str:
+    """The torch device ``--device`` names (auto: cuda when present), refused in one line when it is no
+    device this machine has."""
+    import re
+
     import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    named = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if named is None:
+        raise ConfigError(f"unknown device '{device}'", field="--device", fix="use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError("no CUDA device is visible to torch", field="--device",
+                          fix="run on a machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu")
+    if named.group(1) is not None and int(named.group(1)) >= torch.cuda.device_count():
+        raise ConfigError(f"no CUDA device {named.group(1)}: torch sees {torch.cuda.device_count()}",
+                          field="--device", fix=f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
