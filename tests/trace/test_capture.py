@@ -581,3 +581,20 @@ def test_cuda_on_a_machine_without_it_is_one_line(hf, tmp_path: Path, capsys) ->
                      "--max-new-tokens", "1", "--device", device, "--out", str(tmp_path / "t.parquet")])
         err = capsys.readouterr().err
         assert code == 2 and "field '--device': no CUDA device is visible to torch" in err, err
+
+
+def test_generation_past_the_models_context_is_one_line(hf, tmp_path: Path, capsys) -> None:
+    """The tiny checkpoints hold 64 positions: a 10-token prompt with 60 new tokens would reach 70, and ran on
+    silently (--max-new-tokens 100000 ran for minutes); 54 new tokens fit exactly."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [[1, 2, 3], list(range(1, 11))])
+    out = tmp_path / "t.parquet"
+    args = ["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--device", "cpu", "--out", str(out)]
+    assert main([*args, "--max-new-tokens", "60"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{prompts}, field '--max-new-tokens': the prompt of line 2 has 10 tokens: with --max-new-tokens 60 it "
+            "reaches 70 positions, past the model's 64 (max_position_embeddings) (fix: use --max-new-tokens 54 or "
+            "less, or shorter prompts)") in err and err.count("\n") == 1
+    assert not out.exists()
+    assert main([*args, "--max-new-tokens", "54"]) == 0
+    assert int(read_frame(str(out))["position"].max()) == 63

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moesim.errors import ConfigError
 from moesim.trace.capture.errors import PromptsError
 from moesim.trace.capture.prompts import Prompt, load_prompts
 from moesim.trace.schema import TraceMeta
@@ -324,6 +325,11 @@ def capture(config: CaptureConfig, *, progress: bool = False) -> CaptureReport:
     vocab = int(model.config.vocab_size)
     ids = tokenize(prompts, tokenizer, vocab, str(config.prompts))
     calib_ids = tokenize(calibration, tokenizer, vocab, str(config.calibration_prompts)) if calibration else None
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit:
+        check_context(ids, prompts, config.max_new_tokens, int(limit), str(config.prompts))
+        if calib_ids and calibration:
+            check_context(calib_ids, calibration, config.max_new_tokens, int(limit), str(config.calibration_prompts))
     source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": file_sha256(config.prompts),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
     report = capture_loaded(moe, ids, out, config.max_new_tokens, batch=config.batch, calibration=calib_ids,
@@ -334,6 +340,20 @@ def capture(config: CaptureConfig, *, progress: bool = False) -> CaptureReport:
             report.notes.append(f"{shared} calibration prompt(s) also appear in {config.prompts}: "
                                 "predictor accuracy on this trace is optimistic")
     return report
+
+
+def check_context(ids: list[list[int]], prompts: list[Prompt], max_new_tokens: int, limit: int, source: str) -> None:
+    """Refuse, in one line, a prompt whose tokens and ``max_new_tokens`` reach past the model's ``limit``
+    positions (``max_position_embeddings``): the model would run on, past what it was trained for."""
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]), default=None)
+    if longest is None or len(ids[longest]) + max_new_tokens <= limit:
+        return
+    tokens, line = len(ids[longest]), prompts[longest].line
+    fix = (f"use --max-new-tokens {limit - tokens} or less, or shorter prompts" if tokens < limit
+           else f"shorten the prompt to fewer than {limit} tokens")
+    raise ConfigError(f"the prompt of line {line} has {tokens:,} tokens: with --max-new-tokens {max_new_tokens:,} "
+                      f"it reaches {tokens + max_new_tokens:,} positions, past the model's {limit:,} "
+                      "(max_position_embeddings)", source=source, field="--max-new-tokens", fix=fix)
 
 
 def _display_name(model: str) -> str:
