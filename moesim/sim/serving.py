@@ -546,8 +546,14 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
                               fix=f"use <= {kv}, or fewer expert slots")
         kv = parsed.workload.kv_tokens
     scheduler.set_kv_tokens(kv)
-    for t in pool.requests[:parsed.workload.requests]:
-        scheduler.check(Request(0, 0.0, t.prompt, t.output))
+    served = [Request(0, 0.0, t.prompt, t.output) for t in pool.requests[:parsed.workload.requests]]
+    longest = max((r.total for r in served), default=0)
+    if parsed.workload.kv_tokens and longest > parsed.workload.kv_tokens:  # the user's own limit is at fault
+        raise ConfigError(f"a request of {longest} tokens needs more KV cache than workload.kv_tokens="
+                          f"{parsed.workload.kv_tokens}", field="workload.kv_tokens",
+                          fix=f"use workload.kv_tokens={longest} or more, or 0 for all the GPU's free memory")
+    for request in served:
+        scheduler.check(request)
     result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()
     for trace in traces:
         settle(trace)  # the columns the run did not read, checked beside it

@@ -194,6 +194,24 @@ def test_small_kv_preempts_and_recomputes(tmp_path):
         f"{tight['recomputed_tokens']} tokens prefilled again"]
 
 
+def test_a_kv_limit_below_one_request_names_the_limit(tmp_path):
+    """workload.kv_tokens=7 for requests of 8 tokens: the user's limit is at fault, not the expert slots (the
+    error named cache.slots_per_layer, even for systems without a cache)."""
+    from moesim.errors import ConfigError
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(1), model, [(4, 4)])))
+    for system in ("cpu-only", "all-in-gpu"):
+        with pytest.raises(ConfigError) as err:
+            serve([path], tiny_profile(), system, {"workload.requests": "1", "workload.kv_tokens": "7"})
+        assert err.value.field == "workload.kv_tokens"
+        assert "a request of 8 tokens needs more KV cache than workload.kv_tokens=7" in str(err.value)
+        assert "use workload.kv_tokens=8 or more" in str(err.value)
+    fits = serving_metrics(serve([path], tiny_profile(), "cpu-only", {"workload.requests": "1",
+                                                                       "workload.kv_tokens": "8"}))
+    assert fits["kv_tokens"] == 8
+
+
 def test_preempting_runs_say_how_many_kv_entries_a_slot_would_add(tmp_path):
     """Where the KV cache is what the expert cache leaves, the note names the trade: one slot's bytes in
     KV entries (docs/serving.md); runs at one rate with one budget share a line."""
