@@ -9,6 +9,7 @@ import torch
 
 from backends.devices import allowed_cpus
 from moesim.errors import ConfigError
+from moesim.trace.capture.model import pick_device
 
 
 @dataclass
@@ -31,10 +32,7 @@ class RealConfig:
 def check_device(device: str) -> torch.device:
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"unknown device '{device}'", field="--device", fix="use cuda or cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("no CUDA device is visible to torch", field="--device",
-                          fix="run on a machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu")
-    return torch.device(device)
+    return torch.device(pick_device(device))  # refuses cuda where torch sees none, as capture does
 
 
 def trace_shape(trace_path: str) -> tuple[int, int, int]:
