@@ -45,10 +45,12 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
                            batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
                            else None, dtype=dtype, device=device)
     from moesim.progress import Progress
-    # on a terminal capture draws its own token bar; otherwise plain lines say it is alive
-    with Progress("capture", console=err_console, enabled=not err_console.is_terminal) as bar:
+    # on a terminal capture draws its own token bar; otherwise plain lines say it is alive, counting the tokens
+    # every pass ran (calibration's included) as capture hears them
+    with Progress("capture", unit="tokens", console=err_console, enabled=not err_console.is_terminal) as bar:
         bar.advance(0, label=f"{model} -> {out}")
-        report = capture(config, progress=err_console.is_terminal)
+        report = capture(config, progress=err_console.is_terminal,
+                         on_tokens=lambda tokens, phase: bar.advance(tokens, extra=phase))
     for line in report.summary_lines():
         console.print(line, markup=False, highlight=False)
 

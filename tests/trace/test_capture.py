@@ -598,3 +598,22 @@ def test_generation_past_the_models_context_is_one_line(hf, tmp_path: Path, caps
     assert not out.exists()
     assert main([*args, "--max-new-tokens", "54"]) == 0
     assert int(read_frame(str(out))["position"].max()) == 63
+
+
+def test_plain_progress_lines_count_the_tokens_run(hf, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Piped stderr gets plain lines: they said "capture: 0, ... elapsed" to the end, as the tokens went to the
+    disabled rich bar only. Calibration runs the same 4 prompts (3 + 6 + 2 + 4 = 15 prompt tokens and 4 x 2 fed
+    tokens), so 23 tokens are calibrating, then 23 more capturing."""
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")  # a line per pass
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    out = tmp_path / "t.parquet"
+    assert main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--calibration-prompts",
+                 str(prompts), "--max-new-tokens", "2", "--device", "cpu", "--out", str(out)]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("capture: done, 46 tokens in ")
+    counts = [(int(line.split()[1]), line.rsplit(", ", 1)[-1]) for line in lines[1:-1]]
+    assert counts[-1] == (46, "capturing)") and max(n for n, phase in counts if phase == "calibrating)") == 23
+    assert [n for n, _ in counts] == sorted(n for n, _ in counts)  # counted up pass by pass
+    table = read_frame(out)
+    assert table.drop_duplicates(["request", "position"]).shape[0] == 23

@@ -162,12 +162,19 @@ def _progress(enabled: bool) -> Any:
                     console=Console(stderr=True), disable=not enabled, transient=False)
 
 
-class TokenMeter:
-    """Progress task fed with tokens per pass, showing tokens/s."""
+#: told the tokens of every pass and the phase ("calibrating" or "capturing"): the caller's own progress
+#: (the plain lines printed when stderr is no terminal and the rich bar is disabled)
+TokenCallback = Callable[[int, str], None]
 
-    def __init__(self, progress: Any, description: str, total: int) -> None:
+
+class TokenMeter:
+    """Progress task fed with tokens per pass, showing tokens/s; ``on_tokens`` is told each pass too."""
+
+    def __init__(self, progress: Any, description: str, total: int, on_tokens: TokenCallback | None = None) -> None:
         self.progress = progress
+        self.description = description
         self.task = progress.add_task(description, total=total, rate="")
+        self.on_tokens = on_tokens
         self.start = time.perf_counter()
         self.tokens = 0
 
@@ -175,6 +182,8 @@ class TokenMeter:
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         self.progress.update(self.task, advance=tokens, rate=f"{rate:,.1f} tok/s")
+        if self.on_tokens is not None:
+            self.on_tokens(tokens, self.description)
 
 
 def expected_tokens(prompts: list[list[int]], max_new_tokens: int) -> int:
@@ -183,11 +192,11 @@ def expected_tokens(prompts: list[list[int]], max_new_tokens: int) -> int:
 
 # ----------------------------------------------------------------------------- capture
 def calibrate(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: int, pad_id: int,
-              eos_ids: set[int], progress: Any) -> Any:
+              eos_ids: set[int], progress: Any, on_tokens: TokenCallback | None = None) -> Any:
     """Run the calibration prompts (never written) and fit the predictors on them."""
     from moesim.trace.capture.predict import CalibrationCollector
     collector = CalibrationCollector(moe.spec.num_layers, moe.spec.hidden_size)
-    meter = TokenMeter(progress, "calibrating", expected_tokens(prompts, max_new_tokens))
+    meter = TokenMeter(progress, "calibrating", expected_tokens(prompts, max_new_tokens), on_tokens)
 
     def on_step(rows: Any, layers: list[Any]) -> None:
         collector.consume(rows, layers)
@@ -199,15 +208,18 @@ def calibrate(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: in
 
 def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens: int, *, batch: int = 1,
                    calibration: list[list[int]] | None = None, source: dict[str, Any] | None = None,
-                   tokenizer: Any = None, progress: bool = False) -> CaptureReport:
-    """Capture a trace from an already loaded :class:`~moesim.trace.capture.model.MoEModel`."""
+                   tokenizer: Any = None, progress: bool = False,
+                   on_tokens: TokenCallback | None = None) -> CaptureReport:
+    """Capture a trace from an already loaded :class:`~moesim.trace.capture.model.MoEModel`; ``progress`` draws
+    a rich token bar, ``on_tokens`` hears every pass's tokens (calibration included)."""
     from moesim.trace.capture.predict import TraceRows
     from moesim.trace.io import TraceWriter
 
     pad_id, eos_ids = special_ids(moe.model, tokenizer)
     with _progress(progress) as bar:
         begin = time.perf_counter()
-        predictors = calibrate(moe, calibration, max_new_tokens, batch, pad_id, eos_ids, bar) if calibration else None
+        predictors = (calibrate(moe, calibration, max_new_tokens, batch, pad_id, eos_ids, bar, on_tokens)
+                      if calibration else None)
         calibration_seconds = time.perf_counter() - begin
         builder = TraceRows(moe.routers, moe.arch.scores_function, predictors)
         status = predictor_status(predictors, calibration is not None, moe.spec.num_layers)
@@ -215,7 +227,7 @@ def capture_loaded(moe: Any, prompts: list[list[int]], out: Path, max_new_tokens
                                     "eos_token_ids": sorted(eos_ids), "predictors": status,
                                     "calibration_tokens": predictors.calibration_tokens if predictors else 0,
                                     **(source or {})})
-        meter = TokenMeter(bar, "capturing", expected_tokens(prompts, max_new_tokens))
+        meter = TokenMeter(bar, "capturing", expected_tokens(prompts, max_new_tokens), on_tokens)
         begin = time.perf_counter()
         with TraceWriter(out, meta, builder.columns) as writer:
             buffer = StepBuffer(writer)
@@ -306,8 +318,9 @@ def predictor_status(predictors: Any, calibrated: bool, num_layers: int) -> dict
     return status
 
 
-def capture(config: CaptureConfig, *, progress: bool = False) -> CaptureReport:
-    """Load the model named in ``config``, capture its routing on the prompts, write the trace."""
+def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCallback | None = None) -> CaptureReport:
+    """Load the model named in ``config``, capture its routing on the prompts, write the trace (``progress``,
+    ``on_tokens``: as :func:`capture_loaded`)."""
     from moesim.trace.capture.model import load_config, load_model, load_tokenizer, inspect_model, require_torch
     from moesim.trace.capture.arch import config_to_spec
     from moesim.trace.validate import check_path_writable
@@ -333,7 +346,7 @@ def capture(config: CaptureConfig, *, progress: bool = False) -> CaptureReport:
     source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": file_sha256(config.prompts),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
     report = capture_loaded(moe, ids, out, config.max_new_tokens, batch=config.batch, calibration=calib_ids,
-                            source=source, tokenizer=tokenizer, progress=progress)
+                            source=source, tokenizer=tokenizer, progress=progress, on_tokens=on_tokens)
     if calib_ids:
         shared = len({tuple(p) for p in ids} & {tuple(p) for p in calib_ids})
         if shared:
