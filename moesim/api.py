@@ -321,7 +321,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
              if v is not None}
     merged = settings_from({**short, **(settings or {})}, **params)
-    slos = parse_slo(slo) if isinstance(slo, str) or slo is None else {k: float(v) for k, v in slo.items()}
+    slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
     checked_run_inputs(hw, seed, system)
     try:
         result = run_serving(paths, hw, system, merged, seed=int(seed))

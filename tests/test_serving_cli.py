@@ -220,3 +220,32 @@ def test_serve_sim_refuses_a_workload_beyond_host_memory_in_one_line(files, tmp_
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "workload.requests" in err and "GiB of host memory" in err and "serve at most" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("slo, text, words", [
+    ({"ttft": 5}, "ttft=5", "unknown SLO 'ttft' (fix: did you mean ttft_ms? the SLOs are ttft_ms, tpot_ms, e2e_ms)"),
+    ({"ttft_ms": -5}, "ttft_ms=-5", "SLO 'ttft_ms=-5' must be a positive, finite number of milliseconds"),
+    ({"ttft_ms": float("nan")}, "ttft_ms=nan", "must be a positive, finite number"),
+    ({"tpot_ms": "fast"}, "tpot_ms=fast", "SLO 'tpot_ms=fast' is not a number"),
+])
+def test_api_serve_checks_slo_as_serve_sim_does(files, capsys, slo, text, words):
+    trace, hw = files
+    with pytest.raises(ConfigError) as api:
+        moesim.serve(trace, hw=hw, requests=2, slo=slo)
+    code = main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--slo", text])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and words in err
+    # one check for both: the same line, the field named as each caller spells it
+    assert str(api.value) == err.removeprefix("moesim: error: ").replace("field '--slo'", "field 'slo'")
+
+
+@pytest.mark.parametrize("slo, words", [
+    ({"ttft_ms": None}, "SLO 'ttft_ms=None' is not a number"),
+    ({"ttft_ms": True}, "SLO 'ttft_ms=True' is not a number"),
+    (500, "an SLO is a dict or a string, got 500"),
+])
+def test_api_serve_refuses_slo_values_of_the_wrong_kind(files, slo, words):
+    trace, hw = files
+    with pytest.raises(ConfigError, match=r"^field 'slo': ") as api:
+        moesim.serve(trace, hw=hw, requests=2, slo=slo)
+    assert words in str(api.value) and "\n" not in str(api.value)

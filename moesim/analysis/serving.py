@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, did_you_mean
 from moesim.sim.serving import RATED_ARRIVALS, ServeResult
 
 REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
@@ -33,22 +34,48 @@ SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 PERCENTILES = (50, 90, 99)
 
 
-def parse_slo(text: str | None) -> dict[str, float]:
-    """``ttft_ms=500,tpot_ms=100`` as a dict; one line naming the fix on a bad entry."""
-    out: dict[str, float] = {}
-    for item in filter(None, (p.strip() for p in (text or "").split(","))):
+def parse_slo(slo: str | Mapping[str, Any] | None) -> dict[str, float]:
+    """SLOs as ``{key: limit in ms}``, from ``ttft_ms=500,tpot_ms=100`` (``--slo``) or a dict (``moesim.serve``);
+    one line naming the fix on a bad entry, the same for both."""
+    if slo is None:
+        return {}
+    if isinstance(slo, Mapping):
+        return checked_slo(slo.items())
+    if not isinstance(slo, str):
+        raise ConfigError(f"an SLO is a dict or a string, got {slo!r}", field="--slo",
+                          fix="e.g. {'ttft_ms': 500, 'tpot_ms': 100} or 'ttft_ms=500,tpot_ms=100'")
+    pairs = []
+    for item in filter(None, (p.strip() for p in slo.split(","))):
         key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in SLO_KEYS:
+        if not sep:
             raise ConfigError(f"bad SLO '{item}'", field="--slo",
                               fix=f"write KEY=VALUE with KEY in {', '.join(SLO_KEYS)}")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"SLO '{item}' is not a number", field="--slo", fix="write e.g. ttft_ms=500") from None
-        if not out[key] > 0:
-            raise ConfigError(f"SLO '{item}' must be positive", field="--slo", fix="write e.g. ttft_ms=500")
+        pairs.append((key.strip(), value.strip()))
+    return checked_slo(pairs)
+
+
+def checked_slo(pairs: Iterable[tuple[Any, Any]]) -> dict[str, float]:
+    """(key, limit) pairs as SLOs: each key one of SLO_KEYS, each limit a positive number of milliseconds."""
+    out: dict[str, float] = {}
+    for key, value in pairs:
+        if key not in SLO_KEYS:
+            raise ConfigError(f"unknown SLO '{key}'", field="--slo",
+                              fix=f"{did_you_mean(str(key), SLO_KEYS)}the SLOs are {', '.join(SLO_KEYS)}")
+        out[key] = _slo_limit(key, value)
     return out
+
+
+def _slo_limit(key: str, value: Any) -> float:
+    try:
+        if isinstance(value, bool):  # an int to float(), but True is no number of milliseconds
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):  # TypeError: None, a list, ... from the Python API
+        raise ConfigError(f"SLO '{key}={value}' is not a number", field="--slo", fix="write e.g. ttft_ms=500") from None
+    if not (number > 0 and math.isfinite(number)):  # nan compares false; inf would make the SLO no limit
+        raise ConfigError(f"SLO '{key}={value}' must be a positive, finite number of milliseconds", field="--slo",
+                          fix="write e.g. ttft_ms=500")
+    return number
 
 
 def request_frame(result: ServeResult) -> Any:
