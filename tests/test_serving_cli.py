@@ -249,3 +249,29 @@ def test_api_serve_refuses_slo_values_of_the_wrong_kind(files, slo, words):
     with pytest.raises(ConfigError, match=r"^field 'slo': ") as api:
         moesim.serve(trace, hw=hw, requests=2, slo=slo)
     assert words in str(api.value) and "\n" not in str(api.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "field '--slo': no SLO given (fix: write e.g. ttft_ms=500,tpot_ms=100 (leave the SLO out for no goodput))"),
+    (" ", "field '--slo': no SLO given"),
+    ("ttft_ms=1,,tpot_ms=2", "field '--slo': an empty SLO in 'ttft_ms=1,,tpot_ms=2'"),
+    ("ttft_ms=1,", "an empty SLO in 'ttft_ms=1,'"),
+    ("ttft_ms=1,ttft_ms=2", "field '--slo': SLO 'ttft_ms' given twice (fix: give each SLO once)"),
+    ("ttft_ms=1, tpot_ms=3,ttft_ms =1", "SLO 'ttft_ms' given twice"),
+])
+def test_serve_sim_refuses_an_empty_slo_and_a_key_given_twice(files, capsys, monkeypatch, text, words):
+    import moesim.sim.serving
+    runs = []
+    monkeypatch.setattr(moesim.sim.serving, "serve", lambda *args, **kwargs: runs.append(args))
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--slo", text])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and runs == [] and len(err.splitlines()) == 1 and words in err
+    with pytest.raises(ConfigError, match=r"^field 'slo': "):  # the API's string form, the same check
+        moesim.serve(trace, hw=hw, requests=2, slo=text)
+
+
+def test_api_serve_refuses_an_empty_slo_dict(files):
+    trace, hw = files
+    with pytest.raises(ConfigError, match=r"^field 'slo': no SLO given \(fix: .*leave the SLO out"):
+        moesim.serve(trace, hw=hw, requests=2, slo={})

@@ -45,7 +45,10 @@ def parse_slo(slo: str | Mapping[str, Any] | None) -> dict[str, float]:
         raise ConfigError(f"an SLO is a dict or a string, got {slo!r}", field="--slo",
                           fix="e.g. {'ttft_ms': 500, 'tpot_ms': 100} or 'ttft_ms=500,tpot_ms=100'")
     pairs = []
-    for item in filter(None, (p.strip() for p in slo.split(","))):
+    for item in [p.strip() for p in slo.split(",")] if slo.strip() else []:  # `--slo ""`: no SLO, refused below
+        if not item:  # `--slo a=1,,b=2`: a variable that expanded to nothing, most likely
+            raise ConfigError(f"an empty SLO in '{slo}'", field="--slo",
+                              fix="write e.g. ttft_ms=500,tpot_ms=100 (leave the SLO out for no goodput)")
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"bad SLO '{item}'", field="--slo",
@@ -56,11 +59,17 @@ def parse_slo(slo: str | Mapping[str, Any] | None) -> dict[str, float]:
 
 def checked_slo(pairs: Iterable[tuple[Any, Any]]) -> dict[str, float]:
     """(key, limit) pairs as SLOs: each key one of SLO_KEYS, each limit a positive number of milliseconds."""
+    pairs = list(pairs)
+    if not pairs:
+        raise ConfigError("no SLO given", field="--slo",
+                          fix="write e.g. ttft_ms=500,tpot_ms=100 (leave the SLO out for no goodput)")
     out: dict[str, float] = {}
     for key, value in pairs:
         if key not in SLO_KEYS:
             raise ConfigError(f"unknown SLO '{key}'", field="--slo",
                               fix=f"{did_you_mean(str(key), SLO_KEYS)}the SLOs are {', '.join(SLO_KEYS)}")
+        if key in out:  # the later value would win unseen
+            raise ConfigError(f"SLO '{key}' given twice", field="--slo", fix="give each SLO once")
         out[key] = _slo_limit(key, value)
     return out
 
