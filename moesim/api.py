@@ -303,6 +303,21 @@ class ServeRun:
         return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {figures})"
 
 
+def _trace_paths(traces: Any) -> list[str]:
+    """``traces`` as a list of paths: one path, or a sequence of one or more; one line otherwise (an empty list
+    reached the first trace's index)."""
+    if isinstance(traces, (str, os.PathLike)):
+        return [os.fspath(traces)]
+    if not isinstance(traces, Sequence) or not all(isinstance(t, (str, os.PathLike)) for t in traces):
+        raise ConfigError(f"traces must be a trace path or a list of them, got {traces!r}", field="traces",
+                          fix="e.g. moesim.serve('traces/mixtral-8x7b-humaneval.parquet', ...)")
+    if not traces:
+        raise ConfigError("no trace given", field="traces",
+                          fix="give a trace path, or a list of one or more (e.g. ['traces/mixtral-8x7b-humaneval."
+                              "parquet'])")
+    return [os.fspath(t) for t in traces]
+
+
 @python_names()
 def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEFAULT_HW,
           system: str = "gpu-only-lru", *, qps: float | None = None, requests: int | None = None,
@@ -317,7 +332,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     """
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
     from moesim.sim.serving import serve as run_serving
-    paths = [str(traces)] if isinstance(traces, (str, os.PathLike)) else [str(t) for t in traces]
+    paths = _trace_paths(traces)
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
              if v is not None}
     merged = settings_from({**short, **(settings or {})}, **params)

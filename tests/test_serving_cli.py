@@ -275,3 +275,16 @@ def test_api_serve_refuses_an_empty_slo_dict(files):
     trace, hw = files
     with pytest.raises(ConfigError, match=r"^field 'slo': no SLO given \(fix: .*leave the SLO out"):
         moesim.serve(trace, hw=hw, requests=2, slo={})
+
+
+@pytest.mark.parametrize("traces, words", [
+    ([], "field 'traces': no trace given (fix: give a trace path, or a list of one or more"),
+    ((), "field 'traces': no trace given"),
+    (None, "field 'traces': traces must be a trace path or a list of them, got None"),
+    ([None], "got [None]"),
+])
+def test_api_serve_refuses_no_traces_in_one_line(files, traces, words):
+    _, hw = files
+    with pytest.raises(ConfigError) as err:
+        moesim.serve(traces, hw=hw, requests=2)
+    assert words in str(err.value) and "\n" not in str(err.value)
