@@ -128,7 +128,7 @@ def _print_formats() -> None:
 @click.option("--requests", default=None, type=click.IntRange(min=1),
               help="Requests [default: 1, with --fit the real trace's].")
 @click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
-              help="Prompt tokens per request [default: 128, with --fit the real trace's mean].")
+              help="Prompt tokens per request [default: 128, with --fit the mean of the real trace's prompts].")
 @click.option("--decode-len", default=None, type=click.IntRange(min=0, max=1 << 24),
               help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
 @click.option("--batch", default=None, type=click.IntRange(min=1),

@@ -24,6 +24,8 @@ Definitions (all per MoE layer, over every row of the trace):
   token's routed set at layer + 1, ``pred_next_token`` against the same request's
   next token at the same layer. Rows without a truth (last layer, last token) are
   left out.
+- ``requests_with_prompt``: requests with at least one prefill token (a trace that
+  starts mid-request, or logs decode steps only, holds requests without a prompt).
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ class _Accumulator:
     tokens: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
     steps: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
     requests: set[int] = field(default_factory=set)
+    #: requests with a prefill row: the rest have no prompt in the trace
+    prompted: set[int] = field(default_factory=set)
     reuse_sum: np.ndarray = field(init=False)
     reuse_n: np.ndarray = field(init=False)
     union_sum: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
@@ -190,6 +194,7 @@ class _Accumulator:
         n = len(c["step"])
         self.rows += n
         self.requests.update(np.unique(c["request"]).tolist())
+        self.prompted.update(np.unique(c["request"][c["phase"] == 0]).tolist())
         token = self._shape_counts(c)
         self._activations(c)
         self._reuse_and_next_token(c)
@@ -360,6 +365,7 @@ def _stats(meta: Any, acc: _Accumulator) -> dict[str, Any]:
         "tokens": sum(acc.tokens.values()),
         "tokens_by_phase": dict(acc.tokens),
         "requests": len(acc.requests),
+        "requests_with_prompt": len(acc.prompted),
         "steps": dict(acc.steps),
         "layers": model.num_layers,
         "layers_present": int((counts.sum(axis=1) > 0).sum()),

@@ -479,13 +479,19 @@ class FitResult:
 
 
 def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
-    """Requests, prompt and decode tokens per request and decode batch of a trace, from its statistics."""
+    """Requests, prompt and decode tokens per request and decode batch of a trace, from its statistics.
+
+    The prompt length is the mean over the requests that have a prompt: a request without prefill rows
+    had its prompt left out of the trace (no request runs on an empty prompt), so counting it as a 0-token
+    prompt would shorten every synthetic prompt. A request that decoded nothing did decode 0 tokens, so
+    the decode length is the mean over all requests."""
     requests = max(int(stats["requests"]), 1)
+    prompted = int(stats.get("requests_with_prompt", requests))
     prefill = int(stats["tokens_by_phase"]["prefill"])
     decode = int(stats["tokens_by_phase"]["decode"])
     decode_steps = int(stats["steps"]["decode"])
     batch = max(1, round(decode / decode_steps)) if decode_steps else 1
-    shape = {"requests": requests, "prompt_len": max(1, round(prefill / requests)),
+    shape = {"requests": requests, "prompt_len": max(1, round(prefill / prompted)) if prompted else 1,
              "decode_len": round(decode / requests), "batch": min(batch, requests)}
     total = shape["requests"] * (shape["prompt_len"] + shape["decode_len"])
     if total > FIT_MAX_TOKENS:  # same proportions, fewer tokens per request
@@ -493,6 +499,20 @@ def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
         shape["prompt_len"] = max(1, round(shape["prompt_len"] * scale))
         shape["decode_len"] = round(shape["decode_len"] * scale)
     return shape
+
+
+def _prompt_notes(stats: Mapping[str, Any]) -> list[str]:
+    """What the fitted prompt length stands for when some of the trace's requests have no prompt."""
+    requests, prompted = int(stats["requests"]), int(stats["requests_with_prompt"])
+    if prompted == requests:
+        return []
+    if not prompted:
+        return [f"none of the trace's {requests} requests has a prompt (0 prefill tokens): the synthetic requests "
+                "get a 1-token prompt, the shortest the generator writes"]
+    mean = round(int(stats["tokens_by_phase"]["prefill"]) / prompted)
+    return [f"{requests - prompted} of the trace's {requests} requests have no prompt (0 prefill tokens): "
+            f"prompt_len is the mean prompt of the {prompted} that have one ({mean} tokens), and every synthetic "
+            "request gets a prompt"]
 
 
 def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> SynthParams:
@@ -537,6 +557,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
         notes.append(f"the trace logs {len(logged)} of the model's {model.num_layers} MoE layers: the fit matches "
                      f"their statistics with the mean over all {model.num_layers} synthetic layers, so how skew grows "
                      "from the first layer to the last (skew_first, skew_last) is not what the trace shows")
+    notes.extend(_prompt_notes(real_stats))
     evaluations = 0
     with tempfile.TemporaryDirectory(prefix="moesim-fit-") as folder:
         def measure(params: SynthParams, name: str = "check") -> dict[str, Any]:

@@ -86,3 +86,33 @@ def test_a_fit_to_a_trace_of_some_layers_says_what_it_could_not_see(tmp_path):
     said = "the trace logs 1 of the model's 3 MoE layers: the fit matches their statistics with the mean over all 3"
     assert any(said in note for note in fit_params(partial, rounds=1, steps=1).notes)
     assert not any("MoE layers" in note for note in fit_params(whole, rounds=1, steps=1).notes)
+
+
+def test_requests_without_a_prompt_are_left_out_of_the_prompt_length(tmp_path):
+    """Prompts of 10 and 20 tokens and one request logged from its decode only (no prefill rows): the prompt
+    length is (10 + 20) / 2 = 15, not (10 + 0 + 20) / 3 = 10 as before. Decode stays the mean over every
+    request, (2 + 3 + 1) / 3 = 2: a request that decoded 1 token did decode it. The fit says what its prompt
+    length stands for; a trace with no prompt at all gets the generator's shortest, 1 token, and says so."""
+    from tests.factories import tiny_model, write_partial_trace, write_tiny_trace
+    model = tiny_model(layers=2, experts=4, top_k=2)
+
+    def routed(n: int) -> list[list[list[int]]]:
+        return [[[0, 1]] * n for _ in range(model.num_layers)]
+    steps = [{"phase": "prefill", "tokens": {0: (0, routed(10))}},
+             {"phase": "prefill", "tokens": {2: (0, routed(20))}},
+             {"phase": "decode", "tokens": {0: (10, routed(1)), 1: (40, routed(1)), 2: (20, routed(1))}},
+             {"phase": "decode", "tokens": {0: (11, routed(1)), 1: (41, routed(1))}},
+             {"phase": "decode", "tokens": {1: (42, routed(1))}}]
+    real = write_tiny_trace(tmp_path / "real.parquet", model, steps)
+    stats = trace_stats(real)
+    assert stats["tokens_by_phase"] == {"prefill": 30, "decode": 6}
+    assert trace_shape(stats) == {"requests": 3, "prompt_len": 15, "decode_len": 2, "batch": 2}
+    assert (stats["requests"], stats["requests_with_prompt"]) == (3, 2)
+    assert ("1 of the trace's 3 requests have no prompt (0 prefill tokens): prompt_len is the mean prompt of the 2 "
+            "that have one (15 tokens), and every synthetic request gets a prompt") in fit_params(real, rounds=1,
+                                                                                                   steps=1).notes
+    decode_only = write_partial_trace(tmp_path / "decode.parquet", [0, 1, 2], steps=3, requests=2)
+    stats = trace_stats(decode_only)
+    assert stats["requests_with_prompt"] == 0 and trace_shape(stats)["prompt_len"] == 1
+    assert ("none of the trace's 2 requests has a prompt (0 prefill tokens): the synthetic requests get a 1-token "
+            "prompt, the shortest the generator writes") in fit_params(decode_only, rounds=1, steps=1).notes
