@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -288,3 +289,28 @@ def test_api_serve_refuses_no_traces_in_one_line(files, traces, words):
     with pytest.raises(ConfigError) as err:
         moesim.serve(traces, hw=hw, requests=2)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_serve_sim_suggests_only_the_oracle_members_it_serves(files, capsys):
+    from moesim.sim.run import members
+    from moesim.sim.serving import check_servable
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "oracle", "--requests", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "'oracle' is a portfolio of schedules" in err
+    listed = re.search(r"members[^:]*: (.*)\)$", err).group(1).split(", ")
+    assert listed == [m for m in members("oracle") if m not in ("belady", "oracle-prefetch")]
+    for name in listed:  # every one suggested is taken
+        check_servable(name, {})
+    assert main(["serve-sim", trace, "--hw", hw, "--system", "oracle-pinned", "--requests", "2"]) == 0
+    for name in ("belady", "oracle-prefetch"):
+        with pytest.raises(ConfigError, match="plans with the trace's future routing"):
+            check_servable(name, {})
+
+
+def test_serve_sim_suggests_no_member_of_oracle_when_none_takes_the_settings(files, capsys):
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "oracle", "--set", "cache=belady"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("serving runs single systems (fix: serve an online system (see `moesim "
+                                      "systems`))")

@@ -508,14 +508,31 @@ class ServingRun:
 def check_servable(system: str, replay_settings: dict[str, str]) -> None:
     """Refuse a system that cannot serve, before anything runs: a portfolio of schedules (a bound), or one
     that plans with the trace's future routing, which requests served in another order do not follow."""
-    from moesim.sim.run import check_settings, members
+    from moesim.sim.run import members
     schedules = members(system)
     if schedules != (system,):
-        raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems",
-                          field="--system", fix=f"use one of its members: {', '.join(schedules)}")
-    if any(hasattr(c, "_future") for c in check_settings(system, replay_settings).components.values()):
+        # only the members this check lets through: oracle's belady and oracle-prefetch plan ahead
+        online = [name for name in schedules if _servable_member(name, replay_settings)]
+        raise ConfigError(f"'{system}' is a portfolio of schedules; serving runs single systems", field="--system",
+                          fix=f"use one of its members that can serve: {', '.join(online)}" if online
+                          else "serve an online system (see `moesim systems`)")
+    if _plans_ahead(system, replay_settings):
         raise ConfigError(f"'{system}' plans with the trace's future routing, which a served order does not have",
                           field="--system", fix="serve an online system (see `moesim systems`)")
+
+
+def _plans_ahead(system: str, replay_settings: dict[str, str]) -> bool:
+    """Whether a component of ``system``, with these settings, plans with the trace's future routing."""
+    from moesim.sim.run import check_settings
+    return any(hasattr(c, "_future") for c in check_settings(system, replay_settings).components.values())
+
+
+def _servable_member(system: str, replay_settings: dict[str, str]) -> bool:
+    """A portfolio member to suggest: online, and taking these settings (one it refuses would fail too)."""
+    try:
+        return not _plans_ahead(system, replay_settings)
+    except ConfigError:
+        return False
 
 
 def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | None = None, *,
