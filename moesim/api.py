@@ -283,6 +283,8 @@ class ServeRun:
     metrics: dict[str, Any]
     system: str
     traces: list[str]
+    #: the arrival process and request count it ran (moesim.sim.serving.WorkloadConfig)
+    workload: Any = None
 
     def _repr_html_(self) -> str:
         keys = ("qps", "offered_qps", "throughput_rps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
@@ -293,9 +295,9 @@ class ServeRun:
     def plot_requests(self, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
         """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
         marked. Displays as a PNG in Jupyter."""
-        from moesim.analysis.serving import plot_requests
-        label = f"{self.system}: {len(self.requests)} requests at {self.metrics.get('qps', float('nan')):g} req/s" \
-            if title is None else title
+        from moesim.analysis.serving import arrivals_text, plot_requests
+        label = f"{self.system}: {len(self.requests)} requests" + \
+            (f" {arrivals_text(self.workload)}" if self.workload is not None else "") if title is None else title
         return plot_requests(self.requests, path, title=label)
 
     def __repr__(self) -> str:
@@ -345,4 +347,4 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
             err.rename_field(err.field.removeprefix("workload."))
         raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
-                    traces=paths)
+                    traces=paths, workload=result.workload)

@@ -314,3 +314,23 @@ def test_serve_sim_suggests_no_member_of_oracle_when_none_takes_the_settings(fil
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.endswith("serving runs single systems (fix: serve an online system (see `moesim "
                                       "systems`))")
+
+
+def test_request_plots_of_runs_without_a_rate_say_what_set_their_arrivals(files, tmp_path, capsys):
+    trace, hw = files
+    closed = moesim.serve(trace, hw=hw, system="cpu-only", requests=4, workload__arrival="closed",
+                          workload__concurrency=2)
+    assert np.isnan(closed.metrics["qps"])  # a closed loop has no arrival rate ...
+    title = closed.plot_requests().axes[0].get_title(loc="left")
+    assert title == "cpu-only: 4 requests from 2 closed-loop clients"  # ... its clients define it
+    (tmp_path / "arrivals.csv").write_text("arrival_s\n0\n0.01\n0.5\n")
+    logged = moesim.serve(trace, hw=hw, system="cpu-only", requests=3, workload__arrival="trace",
+                          workload__arrival_file=str(tmp_path / "arrivals.csv"))
+    assert logged.plot_requests().axes[0].get_title(loc="left") == \
+        "cpu-only: 3 requests arriving at the times of arrivals.csv"
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only", "--requests", "4", "--set",
+                 "workload.arrival=closed", "--set", "workload.concurrency=1", "--requests-plot",
+                 str(tmp_path / "closed.svg")])
+    assert code == 0, capsys.readouterr().err
+    svg = (tmp_path / "closed.svg").read_text()
+    assert "4 requests from 1 closed-loop client" in svg and "req/s" not in svg  # not --qps's default of 1

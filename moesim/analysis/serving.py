@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from moesim.errors import ConfigError, did_you_mean
-from moesim.sim.serving import RATED_ARRIVALS, ServeResult
+from moesim.sim.serving import RATED_ARRIVALS, ServeResult, WorkloadConfig
 
 REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
                    "scheduled_s", "first_token_s", "finish_s", "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms",
@@ -216,6 +216,17 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
 REQUEST_PHASES = (("arrival_s", "scheduled_s", "#BBBBBB", "queued"),
                   ("scheduled_s", "first_token_s", "#E69F00", "prefill to first token"),
                   ("first_token_s", "finish_s", "#0072B2", "decode"))
+
+
+def arrivals_text(workload: WorkloadConfig) -> str:
+    """What set a run's arrivals, for a title: an open loop's rate; a closed loop's clients and a replayed
+    arrival log have no rate (``qps`` is nan in their metrics)."""
+    if workload.arrival in RATED_ARRIVALS:
+        return f"at {workload.qps:g} req/s"
+    if workload.arrival == "closed":
+        clients = workload.concurrency
+        return f"from {clients} closed-loop client{'s' if clients != 1 else ''}"
+    return f"arriving at the times of {os.path.basename(workload.arrival_file)}"
 
 
 def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str = "") -> Any:

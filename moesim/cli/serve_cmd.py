@@ -39,8 +39,8 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
               scheduler: str | None, settings: tuple[str, ...], slo: str | None, json_out: str | None,
               requests_out: str | None, requests_plot: str | None, plot_out: str | None, seed: int) -> None:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
-    from moesim.analysis.serving import (parse_slo, plot_latency_vs_qps, plot_requests, request_frame, serving_metrics,
-                                         write_requests)
+    from moesim.analysis.serving import (arrivals_text, parse_slo, plot_latency_vs_qps, plot_requests, request_frame,
+                                         serving_metrics, write_requests)
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
     check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))],
@@ -99,7 +99,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     if requests_plot and last is not None:
         with open_output(requests_plot, "--requests-plot", FIGURE) as path:
             plot_requests(request_frame(last), path, title=f"{systems[0]} on {hw}: {len(last.requests)} requests "
-                                                             f"at {rates[0]} req/s")
+                                                             f"{arrivals_text(last.workload)}")
         say_wrote(out, f"wrote {requests_plot}")
     if plot_out:
         with open_output(plot_out, "--plot", FIGURE) as path:
