@@ -417,11 +417,14 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
       concentrated they are; ``coactivation_top4_diff`` is B's top-4 share minus A's, per layer.
 
     Layers absent from either trace are None. Traces of different expert counts are not comparable
-    expert by expert: then only the reason is returned.
+    expert by expert: then only the reason is returned. ``layers`` holds both traces' MoE layer counts;
+    when they differ, ``same_layer_count`` is False and ``notes`` says which layers were compared.
     """
+    counts = _layer_counts(a, b)
     if a.num_experts != b.num_experts:
         return {"comparable": False,
-                "reason": f"different expert counts ({a.num_experts} and {b.num_experts}): ids do not match"}
+                "reason": f"different expert counts ({a.num_experts} and {b.num_experts}): ids do not match",
+                **counts}
     layers = min(a.num_layers, b.num_layers)
     ca, cb = a.layer_counts(), b.layer_counts()
     logged_a = [layer for layer in range(a.num_layers) if ca[layer].sum() > 0]
@@ -430,7 +433,7 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
     if not in_both:  # importers' per-layer logs of different layers
         said = [listed(logged) or "none" for logged in (logged_a, logged_b)]
         return {"comparable": False,
-                "reason": f"no MoE layer is logged in both traces (A logs {said[0]}, B logs {said[1]})"}
+                "reason": f"no MoE layer is logged in both traces (A logs {said[0]}, B logs {said[1]})", **counts}
     pa, pb = a.coactivation(), b.coactivation()
     _, top4_a = _coactivation_shares(pa)
     _, top4_b = _coactivation_shares(pb)
@@ -448,12 +451,30 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
         tv.append(float(0.5 * np.abs(pa[layer] / sa - pb[layer] / sb).sum()) if sa and sb else None)
         ta, tb = top4_a[layer], top4_b[layer]
         top4.append(float(tb - ta) if ta is not None and tb is not None else None)
+    if not counts["same_layer_count"]:
+        longer = "A" if a.num_layers > b.num_layers else "B"
+        left_out = _layer_span(layers, max(a.num_layers, b.num_layers))
+        counts["notes"] = [counts["notes"][0] + f"; the distances set {_layer_span(0, layers)} of A against the "
+                           f"same of B, index by index, and leave out {longer}'s {left_out}"]
     out = {"comparable": True, "layers_compared": layers, "layers_in_both": in_both, "popularity_js": _per_layer(js),
            "reuse_diff": _per_layer(reuse), "coactivation_tv": _per_layer(tv),
-           "coactivation_top4_diff": _per_layer(top4)}
+           "coactivation_top4_diff": _per_layer(top4), **counts}
     abs_reuse = [abs(v) for v in reuse if v is not None]
     out["reuse_diff"]["mean_abs"] = float(np.mean(abs_reuse)) if abs_reuse else None
     return out
+
+
+def _layer_counts(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
+    """Both traces' MoE layer counts, and a note when they differ (the distances go layer by layer, so
+    layers past the shorter trace's have nothing to be compared with)."""
+    same = a.num_layers == b.num_layers
+    notes = [] if same else [f"different MoE layer counts: A has {a.num_layers}, B has {b.num_layers}"]
+    return {"layers": {"a": a.num_layers, "b": b.num_layers}, "same_layer_count": same, "notes": notes}
+
+
+def _layer_span(first: int, end: int) -> str:
+    """Layers ``first`` to ``end - 1`` in words ("layer 3", "layers 3-5")."""
+    return f"layer {first}" if end - first == 1 else f"layers {first}-{end - 1}"
 
 
 def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
@@ -566,6 +587,8 @@ def render_distances(d: dict[str, Any], console: Any) -> None:
     """The distances of :func:`trace_distances` as a table (mean and worst layer) with per-layer sparklines."""
     from rich.table import Table
 
+    for note in d.get("notes", []):  # before the distances: what they do and do not cover
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if not d.get("comparable"):
         console.print(f"distances: not computed ({d.get('reason')})", markup=False)
         return

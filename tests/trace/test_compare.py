@@ -68,7 +68,8 @@ def test_different_expert_counts_are_not_compared(tmp_path, model):
     a = write_tiny_trace(tmp_path / "a.parquet", model, decode_steps(model, [[[0, 1], [0, 1]]]))
     b = write_tiny_trace(tmp_path / "b.parquet", other, decode_steps(other, [[[4, 5], [0, 1]]]))
     d = compare_traces(a, b)["distances"]
-    assert d == {"comparable": False, "reason": "different expert counts (4 and 6): ids do not match"}
+    assert d == {"comparable": False, "reason": "different expert counts (4 and 6): ids do not match",
+                 "layers": {"a": 2, "b": 2}, "same_layer_count": True, "notes": []}
 
 
 def test_cli_prints_and_writes_the_distances(tmp_path, model, capsys):
@@ -99,3 +100,34 @@ def test_traces_of_different_logged_layers_say_they_share_none(tmp_path, capsys)
     assert d["comparable"] and d["layers_compared"] == 3 and d["layers_in_both"] == [1]
     assert main(["trace", "compare", str(one), str(whole)]) == 0
     assert "distance of B from A (3 layers; logged in both: 1)" in capsys.readouterr().out
+
+
+def test_different_moe_layer_counts_are_said_to_differ(tmp_path, model, capsys):
+    """A of 2 MoE layers, B of 3: the distances set layers 0-1 against each other and B's layer 2 has no
+    counterpart; compare said nothing of it (only the per-trace table's "layers" row differed)."""
+    three = tiny_model(layers=3, experts=4, top_k=2)
+    a = write_tiny_trace(tmp_path / "a.parquet", model, decode_steps(model, [[[0, 1], [0, 1]], [[0, 1], [2, 3]]]))
+    b = write_tiny_trace(tmp_path / "b.parquet", three,
+                         decode_steps(three, [[[0, 1], [0, 1], [1, 2]], [[0, 1], [0, 1], [1, 2]]]))
+    said = ("different MoE layer counts: A has 2, B has 3; the distances set layers 0-1 of A against the same of B, "
+            "index by index, and leave out B's layer 2")
+    d = compare_traces(a, b)["distances"]
+    assert d["comparable"] and d["layers_compared"] == 2
+    assert (d["layers"], d["same_layer_count"], d["notes"]) == ({"a": 2, "b": 3}, False, [said])
+    # layer 1: A (1, 1, 1, 1) / 4 against B (2, 2, 0, 0) / 4; reuse 0 in A, 1 in B
+    assert d["popularity_js"]["by_layer"] == [0.0, pytest.approx(js_divergence([1, 1, 1, 1], [2, 2, 0, 0]))]
+    assert d["reuse_diff"]["by_layer"] == [0.0, 1.0]
+    assert main(["trace", "compare", str(b), str(a)]) == 0
+    out = capsys.readouterr().out
+    assert ("note: different MoE layer counts: A has 3, B has 2; the distances set layers 0-1 of A against the "
+            "same of B, index by index, and leave out A's layer 2\n") in out
+    assert main(["trace", "compare", str(a), str(b), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["distances"]["notes"] == [said]
+    other = tiny_model(layers=3, experts=6, top_k=2)
+    c = write_tiny_trace(tmp_path / "c.parquet", other, decode_steps(other, [[[0, 1], [0, 1], [4, 5]]]))
+    d = compare_traces(a, c)["distances"]
+    assert not d["comparable"] and d["notes"] == ["different MoE layer counts: A has 2, B has 3"]
+    assert main(["trace", "compare", str(a), str(c)]) == 0
+    assert "note: different MoE layer counts: A has 2, B has 3\ndistances: not computed" in capsys.readouterr().out
+    d = compare_traces(a, a)["distances"]
+    assert (d["same_layer_count"], d["notes"]) == (True, [])
