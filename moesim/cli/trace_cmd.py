@@ -17,18 +17,39 @@ def trace() -> None:
     """Inspect, validate, import, synthesize, compare and upgrade router traces."""
 
 
-@trace.command("validate")
+@trace.command("validate", cls=JsonFlagCommand)
 @click.argument("file", type=click.Path(dir_okay=False))
-def trace_validate(file: str) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as JSON: ok, and the problem found (the check stops at the first) "
+                   "(stdout; --json - the same; the exit status is as without it).")
+def trace_validate(file: str, as_json: bool) -> None:
     """Check FILE against the trace format (docs/trace-format.md; version 2, or 1)."""
     from moesim.trace.io import read_meta
     from moesim.trace.validate import validate_trace
     from moesim.trace.validated import record_validated
-    summary = validate_trace(file)  # always the whole pass, recorded or not
+    try:
+        summary = validate_trace(file)  # always the whole pass, recorded or not
+    except MoesimError as err:
+        if as_json:  # the JSON says what is wrong; the error line and exit status stay as without --json
+            write_json(_validation_json(file, problem=err), None)
+        raise
     record_validated(file)
     version = read_meta(file).schema_version
+    if as_json:
+        write_json(_validation_json(file, summary=summary, version=version), None)
+        return
     console.print(f"{file}: valid trace v{version}, {summary.rows:,} rows, {summary.steps:,} steps, "
                   f"columns: {', '.join(summary.columns)}")
+
+
+def _validation_json(file: str, *, summary=None, version: int | None = None,
+                     problem: MoesimError | None = None) -> dict:
+    """``trace validate --json``: the same keys whether the trace passed or not (None where unknown)."""
+    problems = [] if problem is None else [{"message": str(problem), "field": problem.field, "row": problem.row,
+                                            "fix": problem.fix}]
+    return {"file": file, "ok": problem is None, "problems": problems, "schema_version": version,
+            "rows": summary.rows if summary else None, "steps": summary.steps if summary else None,
+            "requests": summary.requests if summary else None, "columns": summary.columns if summary else None}
 
 
 @trace.command("inspect", cls=JsonFlagCommand)

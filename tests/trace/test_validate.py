@@ -294,3 +294,37 @@ def test_wait_for_checks_leaves_no_check_running_and_keeps_errors(tmp_path, monk
     assert not validate._CHECKED[validate._stamp(path)].deferred.thread.is_alive()
     with pytest.raises(TraceFormatError, match="field 'scores', row 4: score inf"):
         validate.settle(path)
+
+
+def test_validate_json_lists_the_problem_and_keeps_the_exit_status(tmp_path, capsys):
+    """`trace validate` had no --json while inspect and compare do: it takes the same flag (`--json`, `--json -`;
+    `--json FILE.json` refused with how to redirect), says ok and the problem found, and exits as without it."""
+    _valid(tmp_path)
+    good = tmp_path / "valid.parquet"
+    assert main(["trace", "validate", str(good), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert json.loads(captured.out) == {"file": str(good), "ok": True, "problems": [], "schema_version": 2,
+                                        "rows": ROWS, "steps": 3, "requests": 1,
+                                        "columns": ["request", "step", "phase", "position", "layer", "experts",
+                                                    "scores"]}
+    assert main(["trace", "validate", "--json", "-", str(good)]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    table = pq.read_table(good)
+    layer = table.column("layer").to_numpy().copy()
+    layer[5] = 9
+    bad = _save(tmp_path, _replace(table, "layer", pa.array(layer, type=table.schema.field("layer").type)))
+    assert main(["trace", "validate", str(bad)]) == 2
+    line = capsys.readouterr().err
+    assert main(["trace", "validate", str(bad), "--json", "-"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == line and line.count("\n") == 1  # the same one line as without --json
+    data = json.loads(captured.out)
+    assert (data["ok"], data["rows"], data["columns"]) == (False, None, None)
+    [problem] = data["problems"]
+    assert (problem["field"], problem["row"]) == ("layer", 5) and problem["fix"]
+    assert line == f"moesim: error: {problem['message']}\n"
+    assert main(["trace", "validate", str(bad), "--json", str(tmp_path / "v.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json takes no file here: it prints the JSON on stdout (write it to a file with --json > " in err
+    assert err.count("\n") == 1 and not (tmp_path / "v.json").exists()
