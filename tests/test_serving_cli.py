@@ -59,11 +59,11 @@ def test_serve_sim_grid_over_systems_and_qps(files, tmp_path, capsys):
     code = main(["serve-sim", trace, "--hw", hw, "--system", "gpu-only-lru,cpu-only", "--qps", "1,100",
                  "--requests", "4", "--json", str(tmp_path / "m.json")])
     assert code == 0
-    rows = json.loads((tmp_path / "m.json").read_text())
-    assert [(r["system"], r["qps"]) for r in rows] == [("gpu-only-lru", 1), ("gpu-only-lru", 100),
-                                                       ("cpu-only", 1), ("cpu-only", 100)]
+    runs = json.loads((tmp_path / "m.json").read_text())  # per system, a list in --qps order
+    assert {name: [(r["system"], r["qps"]) for r in rows] for name, rows in runs.items()} == \
+        {"gpu-only-lru": [("gpu-only-lru", 1), ("gpu-only-lru", 100)], "cpu-only": [("cpu-only", 1), ("cpu-only", 100)]}
     # a higher load queues more
-    assert rows[1]["e2e_ms_mean"] >= rows[0]["e2e_ms_mean"]
+    assert runs["gpu-only-lru"][1]["e2e_ms_mean"] >= runs["gpu-only-lru"][0]["e2e_ms_mean"]
 
 
 def test_serve_sim_prints_a_dash_for_the_tpot_of_prompts_alone(tmp_path, capsys):
@@ -90,7 +90,7 @@ def test_serve_sim_says_why_runs_preempted(files, capsys):
                  "--requests", "6", "--set", "workload.kv_tokens=12", "--json", "-"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    rows = json.loads(captured.out)
+    rows = list(json.loads(captured.out).values())  # one rate: each system's run under its name
     assert all(r["preemptions"] > 0 for r in rows)
     listed = "; ".join(f"{r['system']} {r['preemptions']} preemption{'s' if r['preemptions'] > 1 else ''}, "
                        f"{r['recomputed_tokens']} tokens prefilled again" for r in rows)
@@ -110,8 +110,8 @@ def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_pat
     assert out.count("note: ktrans-deferral") == 1  # once, not once per run
     for rate in ("1", "100"):
         assert f"identical rows ktransformers, ktransformers-ed at {rate} req/s (" in " ".join(out.split())
-    rows = json.loads((tmp_path / "m.json").read_text())
-    assert all("cost_fallbacks" in r["engine"] for r in rows)
+    runs = json.loads((tmp_path / "m.json").read_text())
+    assert all("cost_fallbacks" in r["engine"] for rows in runs.values() for r in rows)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -181,10 +181,17 @@ def test_serve_sim_all_runs_every_system_that_can_serve(files, tmp_path, capsys)
                  "--json", str(tmp_path / "m.json")])
     out = capsys.readouterr().out
     assert code == 0
-    served = {r["system"] for r in json.loads((tmp_path / "m.json").read_text())}
+    runs = json.loads((tmp_path / "m.json").read_text())
+    assert sorted(runs) == sorted(system_names())  # every system under its name, skipped ones too (as replay)
+    served = {name for name, run in runs.items() if "skipped" not in run}
     skipped = {name for name in system_names() if f"skipped {name}:" in out}
     assert served | skipped == set(system_names()) and not served & skipped
     assert {"cpu-only", "gpu-only-lru", "static-hot", "fiddler", "llamacpp"} <= served and "oracle" in skipped
+    reason = runs["oracle"]["skipped"]
+    assert runs["oracle"] == {"system": "oracle", "qps": 20, "skipped": reason}
+    assert "'oracle' is a portfolio of schedules" in reason and f"skipped oracle: {reason}" in " ".join(out.split())
+    assert all(runs[name]["system"] == name and runs[name]["requests"] == 3 for name in served)
+    assert f"{len(skipped)} of {len(system_names())} systems skipped" in out
 
 
 def test_serve_sim_json_to_stdout_is_json_only(files, capsys):
@@ -334,3 +341,49 @@ def test_request_plots_of_runs_without_a_rate_say_what_set_their_arrivals(files,
     assert code == 0, capsys.readouterr().err
     svg = (tmp_path / "closed.svg").read_text()
     assert "4 requests from 1 closed-loop client" in svg and "req/s" not in svg  # not --qps's default of 1
+
+
+def test_serve_sim_json_is_shaped_by_the_command_line(files, tmp_path, capsys):
+    trace, hw = files
+
+    def runs(*args):
+        out = tmp_path / "m.json"
+        assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--json", str(out), *args]) == 0
+        return json.loads(out.read_text())
+
+    one = runs("--system", "cpu-only", "--qps", "50")
+    assert one["system"] == "cpu-only" and one["qps"] == 50  # a run: its metrics, as replay's one system
+    rates = runs("--system", "cpu-only", "--qps", "50,100")
+    assert [r["qps"] for r in rates] == [50, 100]
+    systems = runs("--system", "cpu-only,static-hot", "--qps", "50")  # several systems: keyed by name
+    assert sorted(systems) == ["cpu-only", "static-hot"]
+    assert systems["cpu-only"]["qps"] == 50 and systems["static-hot"]["requests"] == 2
+    grid = runs("--system", "cpu-only,static-hot", "--qps", "50,100")
+    assert {name: [r["qps"] for r in rows] for name, rows in grid.items()} == \
+        {"cpu-only": [50, 100], "static-hot": [50, 100]}
+
+
+def test_serve_sim_json_keeps_a_skipped_system_at_every_rate(files, tmp_path, capsys, monkeypatch):
+    import moesim.policy.systems
+    monkeypatch.setattr(moesim.policy.systems, "system_names", lambda: ["cpu-only", "belady"])
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "all", "--qps", "50,100", "--requests", "2",
+                 "--json", str(tmp_path / "m.json")])
+    assert code == 0, capsys.readouterr().err
+    runs = json.loads((tmp_path / "m.json").read_text())
+    assert [r["qps"] for r in runs["cpu-only"]] == [50, 100]
+    reason = runs["belady"][0]["skipped"]
+    assert "'belady' plans with the trace's future routing" in reason
+    assert runs["belady"] == [{"system": "belady", "qps": 50, "skipped": reason},
+                              {"system": "belady", "qps": 100, "skipped": reason}]
+
+
+def test_serve_sim_all_skipped_is_the_first_reason(files, tmp_path, capsys, monkeypatch):
+    import moesim.policy.systems
+    monkeypatch.setattr(moesim.policy.systems, "system_names", lambda: ["belady", "oracle"])
+    trace, hw = files
+    out = tmp_path / "m.json"
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "all", "--requests", "2", "--json", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "'belady' plans with the trace's future routing" in err
+    assert not out.exists()

@@ -28,7 +28,11 @@ from moesim.util import FIGURE, PARQUET
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="workload.*, scheduler.* or any replay parameter, e.g. workload.arrival=gamma.")
 @click.option("--slo", default=None, metavar="ttft_ms=..,tpot_ms=..", help="SLOs for goodput.")
-@click.option("--json", "json_out", default=None, metavar="OUT", help="Write metrics as JSON ('-' for stdout).")
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Write metrics as JSON ('-': stdout, which then holds the JSON only). One system: its run's "
+                   "metrics, or with several --qps a list of them in --qps order. Several systems or 'all': an "
+                   "object keyed by system name, each holding that; a skipped system's runs are "
+                   "{system, qps, skipped: reason} (as `moesim replay --json`).")
 @click.option("--requests-out", "requests_out", default=None, metavar="OUT.parquet",
               help="Per-request TTFT, TPOT, latency and queueing (one run only).")
 @click.option("--requests-plot", "requests_plot", default=None, metavar="OUT.png",
@@ -61,19 +65,26 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         if value and len(systems) * len(rates) > 1:
             raise MoesimError(f"{option} needs one system and one QPS", field=option,
                               fix="pass a single --system and --qps")
-    rows, last, skipped = [], None, {}
+    rows, last, skipped, first_error = [], None, {}, None
+    runs: dict[str, list[dict]] = {}  # per system, per rate of --qps: its metrics, or why it was skipped
     with _serving_progress(parsed, len(systems) * len(rates)) as bar:
         for name in systems:
+            runs[name] = []
             try:
                 for rate in rates:
                     bar.advance(0, label=f"{name} at {rate} req/s")
                     last = serve(list(traces), hw, name, {**parsed, "workload.qps": rate}, seed=seed,
                                  progress=bar.advance)
                     rows.append(serving_metrics(last, slos))
+                    runs[name].append(rows[-1])
             except MoesimError as err:
                 if not everything or not _skippable_in_serving(err):
                     raise
                 skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
+                first_error = first_error or err
+                runs[name] += [_skipped_run(name, rate, parsed, str(err)) for rate in rates[len(runs[name]):]]
+    if not rows:
+        raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips (as replay)
     from rich.table import Table
     table = Table(title=f"serving on {hw}", title_justify="left")
     for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
@@ -90,8 +101,11 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     for line in serving_notes(rows):
         out.print(line, markup=False, highlight=False)
     print_skipped(out, skipped)
+    if skipped:
+        out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
+                  "each under its name with its reason as 'skipped')", highlight=False, markup=True)
     if json_out:
-        write_json(rows[0] if len(rows) == 1 else rows, json_out)
+        write_json(json_runs(runs, several_systems=len(systems) > 1, several_rates=len(rates) > 1), json_out)
     if requests_out and last is not None:
         with open_output(requests_out, "--requests-out") as path:
             write_requests(request_frame(last), path)
@@ -105,6 +119,22 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path)
         say_wrote(out, f"wrote {plot_out}")
+
+
+def json_runs(runs: dict[str, list[dict]], several_systems: bool, several_rates: bool) -> object:
+    """--json's shape, fixed by the command line as replay's is, never by how many runs succeeded: a rate's
+    run is its metrics (a list of them in --qps order for several rates); several systems (or 'all') are an
+    object keyed by system name holding that, a skipped system's runs being {system, qps, skipped: reason}."""
+    shaped = {name: entries if several_rates else entries[0] for name, entries in runs.items()}
+    return shaped if several_systems else next(iter(shaped.values()))
+
+
+def _skipped_run(system: str, rate: str, settings: dict[str, str], reason: str) -> dict:
+    """A run that did not happen, where its metrics would be; its ``qps`` as the metrics would give it."""
+    from moesim.sim.serving import RATED_ARRIVALS, split_settings
+    workload = split_settings({**settings, "workload.qps": rate}).workload
+    return {"system": system, "qps": workload.qps if workload.arrival in RATED_ARRIVALS else float("nan"),
+            "skipped": reason}
 
 
 #: what a serving row shows: two systems alike in all of these at one rate are one row twice
