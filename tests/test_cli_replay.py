@@ -346,3 +346,51 @@ def test_outputs_rolled_back_are_not_said_to_be_written(files, tmp_path, capsys,
     code, out, _ = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--json", str(kept),
                         "--timeline", str(timeline)], capsys)
     assert code == 0 and f"wrote {kept}" in out and f"wrote {timeline}" in out
+
+
+def test_a_gpu_memory_override_too_small_is_named_not_the_profile(tmp_path, capsys):
+    """`--set hw.gpu.memory_gib=0.1` on the README's run: the error blamed rtx4090.yaml ("use a larger GPU
+    profile") though the file says 24 GiB. It names the override and the least size that holds Mixtral-8x7B
+    without experts: 2.99 GiB of bf16 non-expert weights + 0.03 KV + 0.50 workspace + 0.66 staging (two
+    336 MiB experts) = 4.18 GiB, which runs; 4.17 does not. A profile file of 0.1 GiB is still the file's fault."""
+    root = Path(__file__).resolve().parents[1]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), "hwprofiles/rtx4090.yaml"
+    args = ["replay", trace, "--hw", str(root / hw), "--system", "gpu-only-lru", "--set"]
+    code, _, err = run([*args, "hw.gpu.memory_gib=0.1"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err == ("moesim: error: field '--set': parameter 'hw.gpu.memory_gib'=0.1 (the profile's own: 24) leaves "
+                   f"too little GPU memory: the model does not fit on the GPU of rtx4090 ({root / hw}) even without "
+                   "experts: GPU 0.10 GiB - reserved 0.00 GiB - non-expert weights 2.99 GiB - KV cache 0.03 GiB - "
+                   "workspace 0.50 GiB - staging 0.66 GiB = -4.08 GiB for experts of 336.0 MiB = 0 slots (fix: --set "
+                   "hw.gpu.memory_gib=4.18 or more, --set memory.non_expert_dtype=int4, or a shorter trace)\n")
+    assert run([*args, "hw.gpu.memory_gib=4.17"], capsys)[0] == 2
+    assert run([*args, "hw.gpu.memory_gib=4.18"], capsys)[0] == 0
+    import moesim  # the Python API names its keyword
+    from moesim.errors import MoesimError
+    with pytest.raises(MoesimError, match=r"^field 'hw__gpu__memory_gib': parameter 'hw.gpu.memory_gib'=0.1 "):
+        moesim.replay(trace, hw=str(root / hw), system="gpu-only-lru", hw__gpu__memory_gib=0.1)
+    code, _, err = run([*args, "hw.gpu.reserved_gib=22"], capsys)
+    assert code == 2 and "parameter 'hw.gpu.reserved_gib'=22 (the profile's own: 0)" in err
+    assert "(fix: --set hw.gpu.reserved_gib=19.82 or less, " in err
+    small = yaml.safe_load((root / hw).read_text())
+    small["gpu"]["memory_gib"] = 0.1
+    (tmp_path / "small.yaml").write_text(yaml.safe_dump(small))
+    code, _, err = run(["replay", trace, "--hw", str(tmp_path / "small.yaml"), "--system", "gpu-only-lru"], capsys)
+    assert code == 2 and err.startswith("moesim: error: field 'memory': the model does not fit on the GPU of "
+                                        f"rtx4090 ({tmp_path / 'small.yaml'}) even without experts: GPU 0.10 GiB")
+    assert "(fix: use a larger GPU profile, " in err
+
+
+@pytest.mark.parametrize("setting, said", [
+    ("hw.gpu.memory_gib=0", "parameter 'hw.gpu.memory_gib'=0 ({hw}'s own: 24): must be positive, got 0"),
+    ("hw.gpu.memory_gib=abc", "parameter 'hw.gpu.memory_gib'=abc ({hw}'s own: 24): 'abc' is not a valid int"),
+    ("hw.gpu.memory_gib=0.5", "parameter 'hw.gpu.memory_gib'=0.5 ({hw}'s own: 24): 1 GiB reserved of 0.5 GiB "
+                              "(fix: give hw.gpu.memory_gib more than the 1 GiB reserved, or reserve less)"),
+])
+def test_a_profile_value_an_override_set_is_refused_as_the_override(files, capsys, setting, said):
+    """A value the profile refuses, set by --set: the error named the file (`hw.yaml, field 'gpu.memory_gib'`),
+    whose own value is fine."""
+    trace, hw = files
+    code, _, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--set", setting], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("moesim: error: field '--set': " + said.format(hw=hw)), err

@@ -116,11 +116,41 @@ class HardwareProfile:
                                    fix=f"{did_you_mean(parts[-1], fields)}fields here: {', '.join(fields)}")
             current = node.get(parts[-1])
             if isinstance(value, str) and isinstance(current, (bool, int, float)):
-                value = _like(value, current, key, self.path or self.name)
+                try:
+                    value = _like(value, current, key, self.path or self.name)
+                except ProfileError as err:
+                    raise self._override_error(err, overrides) from None
             node[parts[-1]] = value
             raw.setdefault("sources", {})[key] = source
-        profile = parse_profile(raw, origin=self.path or self.name)
+        try:
+            profile = parse_profile(raw, origin=self.path or self.name)
+        except ProfileError as err:
+            raise self._override_error(err, overrides) from None
         return dataclasses.replace(profile, base=self.original)
+
+    def _override_error(self, err: ProfileError, overrides: dict[str, Any]) -> ProfileError:
+        """``err`` of the profile parsed with ``overrides``: when an override set the value refused, the
+        override is named (as a ``--set`` parameter: the API and sweeps rename it to their own key), not
+        the file, which holds another value."""
+        key = err.field if err.field in overrides else None
+        if err.field == "gpu.reserved_gib" and key is None and "gpu.memory_gib" in overrides:
+            key = "gpu.memory_gib"  # reserved >= memory: the memory the override shrank
+        if key is None:
+            return err
+        own = _lookup(self.raw, key)
+        where = f"{self.path or self.name}'s own: {own}" if own is not None else f"not in {self.path or self.name}"
+        fix = err.fix
+        if key != err.field:  # the memory is below what the profile reserves
+            fix = f"give hw.{key} more than the {_lookup(self.raw, 'gpu.reserved_gib')} GiB reserved, or reserve less"
+        return ProfileError(f"parameter 'hw.{key}'={overrides[key]} ({where}): {err.detail}", field="--set", fix=fix)
+
+
+def _lookup(raw: dict[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of a profile's raw mapping (None when absent)."""
+    node: Any = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 #: fields no cost is computed from, and why an override of them would change nothing

@@ -12,6 +12,7 @@ per layer, or an explicit list ``[2,1,...]``); by default every slot that fits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,10 +159,7 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
         return _with(plan, capacity=[experts] * layers, ignores_memory=True,
                      notes=_unused_request(request, system.name, "holds every expert whatever the memory"))
     if plan.free_bytes < 0:
-        raise ConfigError(f"the model does not fit on the GPU of {_named(profile)} even without experts: "
-                          f"{plan.arithmetic()}",
-                          field="memory", fix="use a larger GPU profile, --set memory.non_expert_dtype=int4, "
-                          "or a shorter trace")
+        raise _no_room(plan, profile)
     if not system.uses_cache:
         return _with(plan, capacity=[0] * layers,
                      notes=_unused_request(request, system.name, "keeps no expert cache on the GPU"))
@@ -196,9 +194,50 @@ def _smaller_cache(request: CacheRequest, system, total: int, planned: MemoryPla
             + (f" (its size is {sized_by})" if sized_by else "")]
 
 
-def _named(profile: HardwareProfile) -> str:
-    """The profile as the user gave it: its file when it came from one."""
-    return f"{profile.name} ({profile.path})" if profile.path else profile.name
+def _named(profile: HardwareProfile, overrides: bool = True) -> str:
+    """The profile as the user gave it: its file when it came from one, and the overrides of its GPU memory
+    (the size in the message is then theirs, not the file's)."""
+    named = f"{profile.name} ({profile.path})" if profile.path else profile.name
+    changed = _overridden(profile) if overrides else []
+    return named + (" with " + " and ".join(f"hw.gpu.{key}={new:g}" for key, new, _ in changed) if changed else "")
+
+
+#: the GPU fields of the memory budget (``gpu.memory_gib`` and ``gpu.reserved_gib`` of a profile)
+BUDGET_FIELDS = ("memory_gib", "reserved_gib")
+
+
+def _overridden(profile: HardwareProfile) -> list[tuple[str, float, float]]:
+    """(field, value, the profile's own value) of each budget field an ``hw.gpu.*`` override changed."""
+    base = profile.base
+    if base is None:
+        return []
+    return [(key, getattr(profile.gpu, key), getattr(base.gpu, key)) for key in BUDGET_FIELDS
+            if getattr(profile.gpu, key) != getattr(base.gpu, key)]
+
+
+def _no_room(plan: MemoryPlan, profile: HardwareProfile) -> ConfigError:
+    """The model does not fit even without experts: the profile is named as too small, unless an override
+    set its memory, which is then named, with the value that would fit."""
+    changed = _overridden(profile)
+    arithmetic = (f"the model does not fit on the GPU of {_named(profile, overrides=False)} even without experts: "
+                  f"{plan.arithmetic()}")
+    if not changed:
+        return ConfigError(arithmetic, field="memory",
+                           fix="use a larger GPU profile, --set memory.non_expert_dtype=int4, or a shorter trace")
+    # the ``parameter '...'`` form is how a --set parameter is named: the Python API renames the field to its
+    # keyword (hw__gpu__memory_gib) from it
+    said = " and ".join(f"parameter 'hw.gpu.{key}'={new:g} (the profile's own: {old:g})" for key, new, old in changed)
+    fixes = []
+    for key, _, _ in changed:
+        if key == "memory_gib":  # the least GPU that holds everything but the experts, rounded up
+            fixes.append(f"--set hw.gpu.memory_gib={math.ceil((plan.gpu_bytes - plan.free_bytes) / GIB * 100) / 100:g}"
+                         " or more")
+        elif plan.reserved_bytes + plan.free_bytes >= 0:
+            fixes.append(f"--set hw.gpu.reserved_gib={(plan.reserved_bytes + plan.free_bytes) // (GIB // 100) / 100:g}"
+                         " or less")
+    fixes.append("--set memory.non_expert_dtype=int4")
+    return ConfigError(f"{said} leaves too little GPU memory: {arithmetic}", field="--set",
+                       fix=", ".join(fixes) + ", or a shorter trace")
 
 
 def _unused_request(request: CacheRequest, system: str, why: str) -> list[str]:
