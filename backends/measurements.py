@@ -83,10 +83,14 @@ def _nvidia_smi(query: str) -> str | None:
         return None
 
 
+#: ``gpu.name`` of a profile measured with ``--device cpu``: how validate tells a profile of the stand-in
+STAND_IN_GPU_NAME = "GPU stand-in on the host CPU"
+
+
 def gpu_info(device: str) -> dict[str, Any]:
     import torch
     if device != "cuda":
-        return {"name": "GPU stand-in on the host CPU", "driver": "none", "memory_bytes":
+        return {"name": STAND_IN_GPU_NAME, "driver": "none", "memory_bytes":
                 (_memory_kib("MemTotal") or 0) * 1024, "free_bytes": (_memory_kib("MemAvailable") or 0) * 1024,
                 "pcie_generation": 1}
     free, total = torch.cuda.mem_get_info()

@@ -134,12 +134,27 @@ def _executable_systems(systems: str) -> list[str]:
     return names
 
 
+def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> None:
+    """One line on stderr when ``--device cpu`` is given a profile of a GPU rather than of the CPU stand-in:
+    the simulated side then runs on that GPU's numbers and the measured side on the CPU, so the errors
+    compare two machines. A warning, not a refusal: the decisions still compare, and the run is valid."""
+    from backends.measurements import STAND_IN_GPU_NAME
+    if profile.gpu.name == STAND_IN_GPU_NAME:
+        return
+    err_console.print(f"moesim: warning: --device cpu with {path}, a profile of {profile.gpu.name}: the simulated "
+                      "side uses that GPU profile while the measured side runs on the CPU stand-in, so the errors "
+                      "compare different hardware (leave out --profile to measure the stand-in into "
+                      f"{out_dir / 'profile.yaml'}, with --quick-profile for a quick one, or pass a profile from "
+                      "`moesim profile --device cpu`)", markup=False, highlight=False, soft_wrap=True)
+
+
 @cli.command("validate", cls=JsonFlagCommand)
 @click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
 @click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
 @click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
-@click.option("--profile", "profile_path", default=None,
-              help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml).")
+@click.option("--profile", "--hw", "profile_path", default=None,
+              help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml); "
+                   "--hw, as replay names it, is the same.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
 @click.option("--layers", default=None, type=click.IntRange(min=1),
               help="Run only the first N MoE layers of the trace (models larger than host memory).")
@@ -177,6 +192,8 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     if profile_path is None:
         profile_path = str(_measure([model], device, threads, quick_profile, "", out_dir / "profile.yaml"))
     profile = load_profile(profile_path)
+    if device == "cpu":
+        _warn_gpu_profile_on_cpu(profile, profile_path, out_dir)
     if "measured by moesim profile" in profile.sources.get("gpu", ""):
         parsed = {**MEASURED_PROFILE_SETTINGS, **parsed}
     bar, step = _progress_labels(2 * len(names), "validate")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,29 @@ def test_cpu_only_validation_end_to_end(trace, tmp_path, capsys):
     for name in written["systems"]:
         for part in ("real-decisions", "sim-decisions", "real-timeline", "sim-timeline"):
             assert (out / name / f"{part}.parquet").exists()
+
+
+def test_a_gpu_profile_on_the_cpu_stand_in_is_warned_of_in_one_line(trace, tmp_path, capsys, monkeypatch):
+    """`--device cpu --hw hwprofiles/rtx4090.yaml` ran silently: the simulated side timed an RTX 4090, the
+    measured side the CPU stand-in. One warning line says so and what to pass; the run goes on (exit 0). A
+    profile of the stand-in (its gpu.name, as `moesim profile --device cpu` writes it) gets none."""
+    pytest.importorskip("torch")
+    import yaml
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "3600")  # stderr holds the warning alone, however slow the run
+    root = Path(__file__).resolve().parents[2]
+    gpu = str(root / "hwprofiles" / "rtx4090.yaml")
+    args = ["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only", "--threads", "1"]
+    assert main([*args, "--hw", gpu, "--out", str(tmp_path / "gpu"), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["systems"]["cpu-only"]["decisions"]["identical"]
+    assert captured.err == (f"moesim: warning: --device cpu with {gpu}, a profile of NVIDIA GeForce RTX 4090: the "
+                            "simulated side uses that GPU profile while the measured side runs on the CPU stand-in, "
+                            "so the errors compare different hardware (leave out --profile to measure the stand-in "
+                            f"into {tmp_path / 'gpu' / 'profile.yaml'}, with --quick-profile for a quick one, or pass "
+                            "a profile from `moesim profile --device cpu`)\n")
+    from backends.measurements import STAND_IN_GPU_NAME
+    stand_in = yaml.safe_load(Path(gpu).read_text())
+    stand_in["gpu"]["name"] = STAND_IN_GPU_NAME
+    (tmp_path / "stand-in.yaml").write_text(yaml.safe_dump(stand_in))
+    assert main([*args, "--profile", str(tmp_path / "stand-in.yaml"), "--out", str(tmp_path / "cpu"), "--json"]) == 0
+    assert capsys.readouterr().err == ""
