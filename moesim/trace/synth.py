@@ -510,9 +510,10 @@ def _prompt_notes(stats: Mapping[str, Any]) -> list[str]:
         return [f"none of the trace's {requests} requests has a prompt (0 prefill tokens): the synthetic requests "
                 "get a 1-token prompt, the shortest the generator writes"]
     mean = round(int(stats["tokens_by_phase"]["prefill"]) / prompted)
-    return [f"{requests - prompted} of the trace's {requests} requests have no prompt (0 prefill tokens): "
-            f"prompt_len is the mean prompt of the {prompted} that have one ({mean} tokens), and every synthetic "
-            "request gets a prompt"]
+    have = {True: "has", False: "have"}
+    return [f"{requests - prompted} of the trace's {requests} requests {have[requests - prompted == 1]} no prompt "
+            f"(0 prefill tokens): prompt_len is the mean prompt of the {prompted} that {have[prompted == 1]} one "
+            f"({mean} tokens), and every synthetic request gets a prompt"]
 
 
 def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> SynthParams:

@@ -108,9 +108,11 @@ def test_requests_without_a_prompt_are_left_out_of_the_prompt_length(tmp_path):
     assert stats["tokens_by_phase"] == {"prefill": 30, "decode": 6}
     assert trace_shape(stats) == {"requests": 3, "prompt_len": 15, "decode_len": 2, "batch": 2}
     assert (stats["requests"], stats["requests_with_prompt"]) == (3, 2)
-    assert ("1 of the trace's 3 requests have no prompt (0 prefill tokens): prompt_len is the mean prompt of the 2 "
+    assert ("1 of the trace's 3 requests has no prompt (0 prefill tokens): prompt_len is the mean prompt of the 2 "
             "that have one (15 tokens), and every synthetic request gets a prompt") in fit_params(real, rounds=1,
                                                                                                    steps=1).notes
+    # the bundled trace: HumanEval/1 was logged from its decode only (traces/README.md), HumanEval/0's prompt is 135
+    assert trace_shape(trace_stats(REAL))["prompt_len"] == 135
     decode_only = write_partial_trace(tmp_path / "decode.parquet", [0, 1, 2], steps=3, requests=2)
     stats = trace_stats(decode_only)
     assert stats["requests_with_prompt"] == 0 and trace_shape(stats)["prompt_len"] == 1
