@@ -16,6 +16,13 @@ each run's time breakdown). Validate steps read the profile from --profile
 (default: OUT_DIR/profile/measured-h100.yaml, else hwprofiles/measured-h100.yaml). Everything runs from
 the repository tree (`python -m moesim`, no install); simpy may come from a wheel on PYTHONPATH.
 
+``--deadline S`` starts no validate run that would be expected to end more than S seconds after the
+driver started (expected: as long as its longest validate run so far, or FIRST_RUN_ESTIMATE_S before the
+first), so that a call with a time limit ends with what it finished packed instead of being killed
+mid-run; each step's archive is packed again after each of its runs, and the runs left out are listed
+in its shape.json and in the closing line, with the command that runs them. ``--copy-to DIR`` copies each
+archive (and the measured profile) into DIR as soon as it is written (the device tool's $OUT).
+
 ``--dry-run`` runs the same steps on two tiny shapes (an MLA and a GQA model of a few layers, a short
 trace) so the whole driver can be exercised on a CPU in a minute; the test suite does so with
 ``--device cpu``. ``benchmarks/gpu_validation_report.py`` turns the output folder into docs/validation/h100.md.
@@ -28,6 +35,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -41,6 +49,8 @@ if str(ROOT) not in sys.path:
 
 SYSTEMS = ("cpu-only", "gpu-only-lru", "static-hot", "smoe", "hybrimoe", "dali", "ktransformers-ed", "buddymoe")
 PROFILE_NAME = "measured-h100"
+#: seconds a full-size validate run (8 systems, one cache size) is expected to take before one has been timed
+FIRST_RUN_ESTIMATE_S = 240.0
 #: share of available host memory the routed experts of one shape may take (pinned, never swapped)
 HOST_MEMORY_SHARE = 0.5
 
@@ -94,7 +104,8 @@ def tiny_presets(folder: Path) -> dict[str, Path]:
 
 class Driver:
     def __init__(self, out: Path, device: str, dry_run: bool, threads: int, profile: str | None,
-                 slots: int | None = None, timelines: bool = False) -> None:
+                 slots: int | None = None, timelines: bool = False, deadline_s: float | None = None,
+                 copy_to: Path | None = None) -> None:
         self.out = out
         self.device = device
         self.dry_run = dry_run
@@ -106,6 +117,12 @@ class Driver:
         self.profile_arg = profile
         self.only_slots = slots
         self.timelines = timelines
+        self.deadline_s = deadline_s
+        self.copy_to = copy_to
+        #: wall seconds of each validate run so far, the estimate of the next one
+        self.run_s: list[float] = []
+        #: (step, cache slots) of the validate runs the deadline left out
+        self.left_out: list[tuple[str, int]] = []
         self.started = time.perf_counter()
 
     # -------------------------------------------------------------- helpers
@@ -150,7 +167,17 @@ class Driver:
                 if path.is_file() and not path.name.startswith("trace") and (self.timelines or not timeline):
                     tar.add(path, arcname=str(path.relative_to(self.out)))
         self.say(f"packed {archive} ({archive.stat().st_size / 1e6:.2f} MB)")
+        if self.copy_to is not None:
+            self.copy_to.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(archive, self.copy_to / archive.name)
         return archive
+
+    def fits(self) -> bool:
+        """Whether another validate run is expected to end by the deadline (always, without one)."""
+        if self.deadline_s is None:
+            return True
+        expected = max(self.run_s, default=0.0 if self.dry_run else FIRST_RUN_ESTIMATE_S)
+        return time.perf_counter() - self.started + expected <= self.deadline_s
 
     # -------------------------------------------------------------- steps
     def step_profile(self) -> None:
@@ -164,6 +191,8 @@ class Driver:
             args.append("--quick")
         self.moesim(args, folder / "log.txt")
         self.pack("profile")
+        if self.copy_to is not None:
+            shutil.copy2(folder / f"{PROFILE_NAME}.yaml", self.copy_to / f"{PROFILE_NAME}.yaml")
 
     def layers_for(self, shape: Shape) -> int:
         from moesim.model.presets import load_preset
@@ -197,15 +226,29 @@ class Driver:
                      "available host memory holds)")
         with open(folder / "commands.txt", "a") as f:
             f.write(f"# {shape.preset}: {layers} MoE layers; profile {profile}\n")
-        for slots in shape.slots:
-            if self.only_slots is not None and slots != self.only_slots:
-                continue
+        wanted = [k for k in shape.slots if self.only_slots is None or k == self.only_slots]
+        for i, slots in enumerate(wanted):
+            if not self.fits():
+                self.left_out += [(shape.step, k) for k in wanted[i:]]
+                self.say(f"{shape.step}: deadline of {self.deadline_s:.0f} s near: cache sizes "
+                         f"{', '.join(map(str, wanted[i:]))} left out")
+                break
+            start = time.perf_counter()
             self.moesim(["validate", "--real", "--device", self.device, "--trace", str(trace), "--profile",
                          str(profile), "--systems", ",".join(SYSTEMS), "--threads", str(self.threads),
                          "--set", f"cache.slots_per_layer={slots}", "--out", str(folder / f"slots-{slots}")], log)
-        (folder / "shape.json").write_text(json.dumps({**dataclasses.asdict(shape), "layers_run": layers,
-                                                       "profile": str(profile)}, indent=2) + "\n")
+            self.run_s.append(time.perf_counter() - start)
+            if slots != wanted[-1]:
+                self.write_shape(shape, layers, profile, folder)
+                self.pack(shape.step)  # what is done travels even if a later run is cut off
+        self.write_shape(shape, layers, profile, folder)
         self.pack(shape.step)
+
+    def write_shape(self, shape: Shape, layers: int, profile: Path, folder: Path) -> None:
+        left_out = [k for step, k in self.left_out if step == shape.step]
+        (folder / "shape.json").write_text(json.dumps({**dataclasses.asdict(shape), "layers_run": layers,
+                                                       "profile": str(profile), "left_out_slots": left_out},
+                                                      indent=2) + "\n")
 
     def run(self, step: str) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -217,6 +260,12 @@ class Driver:
             else:
                 self.step_validate(next(s for s in self.shapes if s.step == name))
             self.say(f"step {name}: done")
+        if self.left_out:
+            steps_left = sorted({step for step, _ in self.left_out})
+            reruns = "; ".join(f"benchmarks/gpu_validation.sh {step} {self.out} --slots {k}"
+                               for step, k in self.left_out)
+            self.say(f"left out for the deadline: {len(self.left_out)} validate run(s) of "
+                     f"{', '.join(steps_left)}; to run them: {reruns}")
 
 
 def _mem_available() -> int | None:
@@ -243,10 +292,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only this one of the shape's two cache sizes (to split a step over two calls)")
     parser.add_argument("--timelines", action="store_true",
                         help="pack the per-system timelines too (tens of MB on the full shapes; left out by default)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                        help="start no validate run expected to end past this many seconds from the start; what "
+                             "is done gets packed and the closing line says what was left out")
+    parser.add_argument("--copy-to", type=Path, default=None, metavar="DIR",
+                        help="copy each archive, and the measured profile, here as soon as it is written")
     args = parser.parse_args(argv)
     if args.threads is None:
         args.threads = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 0
-    Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots, args.timelines).run(args.step)
+    Driver(args.out, args.device, args.dry_run, args.threads, args.profile, args.slots, args.timelines,
+           args.deadline, args.copy_to).run(args.step)
     return 0
 
 

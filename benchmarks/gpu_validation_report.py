@@ -42,6 +42,17 @@ def runs(out: Path) -> list[tuple[str, dict, Path]]:
     return found
 
 
+def missing_runs(out: Path) -> list[str]:
+    """"STEP at K slots" for each cache size of a shape that has no results (a deadline left it out)."""
+    missing = []
+    for shape_file in sorted(out.glob("*/shape.json")):
+        shape = json.loads(shape_file.read_text())
+        for slots in shape["slots"]:
+            if not (shape_file.parent / f"slots-{slots}" / "validation.json").exists():
+                missing.append(f"{shape_file.parent.name} at {slots} slots")
+    return missing
+
+
 def _ranking(rank: dict, metric: str) -> str:
     """"same", or "DIFFERENT" with each swapped pair's gap measured and simulated (a near tie or a wrong answer)."""
     if rank[f"same_{metric}"]:
@@ -111,7 +122,11 @@ def render(out: Path) -> str:
               f"(largest {max(errors):.1f}%)" if errors else "- no errors computed",
               f"- identical decision logs for timing-independent systems ({', '.join(TIMING_INDEPENDENT)}): "
               f"{sum(identical)} of {len(identical)} runs",
-              f"- same ranking in both executors: {sum(rankings)} of {len(rankings)} (TPOT and TTFT per run)", ""]
+              f"- same ranking in both executors: {sum(rankings)} of {len(rankings)} (TPOT and TTFT per run)"]
+    missing = missing_runs(out)
+    if missing:
+        lines.append(f"- not run (left out for the time limit): {', '.join(missing)}")
+    lines.append("")
     if worst is not None:
         value, where, metric, entry = worst
         lines += [f"## Where the largest error comes from: {metric} of {where} ({value:+.1f}%)", "",

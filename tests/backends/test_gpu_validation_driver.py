@@ -72,3 +72,42 @@ def test_python_dash_m_moesim_exits_with_the_error_status(tmp_path):
     run = subprocess.run([sys.executable, "-m", "moesim", "validate", "--trace", "x.parquet", "--systems", "cpu-only",
                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "pass --real" in run.stderr
+
+
+def test_a_deadline_leaves_runs_out_packs_what_is_done_and_says_how_to_run_the_rest(tmp_path):
+    """With no time left, the validate step runs nothing, still packs its shape (copied to --copy-to), and its
+    closing line names the runs left out with the commands that run them; the report lists them as not run."""
+    out, copies = tmp_path / "gv", tmp_path / "copies"
+    run = subprocess.run([sys.executable, "benchmarks/gpu_validation.py", "v2lite", str(out), "--device", "cpu",
+                          "--dry-run", "--threads", "1", "--profile", "hwprofiles/rtx4090.yaml", "--deadline", "0",
+                          "--copy-to", str(copies)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "v2lite: deadline of 0 s near: cache sizes 2, 4 left out" in run.stdout
+    assert (f"to run them: benchmarks/gpu_validation.sh v2lite {out} --slots 2; "
+            f"benchmarks/gpu_validation.sh v2lite {out} --slots 4") in run.stdout
+    assert "$ python -m moesim validate" not in run.stdout
+    shape = json.loads((out / "v2lite" / "shape.json").read_text())
+    assert shape["left_out_slots"] == [2, 4]
+    assert (copies / "v2lite.tar.gz").read_bytes() == (out / "v2lite.tar.gz").read_bytes()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_validation_report import missing_runs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert missing_runs(out) == ["v2lite at 2 slots", "v2lite at 4 slots"]
+
+
+def test_without_a_deadline_every_run_fits(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_validation import FIRST_RUN_ESTIMATE_S, Driver
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    driver = Driver(tmp_path, "cpu", dry_run=False, threads=1, profile=None)
+    assert driver.fits()
+    driver.deadline_s = FIRST_RUN_ESTIMATE_S - 1  # the first run is expected to take FIRST_RUN_ESTIMATE_S
+    assert not driver.fits()
+    driver.deadline_s, driver.run_s = 1e6, [1e6]  # then as long as the longest run so far
+    assert not driver.fits()
+    driver.run_s = [10.0]
+    assert driver.fits()
