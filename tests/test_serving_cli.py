@@ -219,6 +219,24 @@ def test_serve_sim_reports_finished_requests_on_a_piped_stderr(files, capsys, mo
     assert lines[-1].startswith("serve-sim: done, 12/12 requests (100%)")
 
 
+def test_serve_sim_counts_a_skipped_systems_requests_as_done(files, capsys, monkeypatch):
+    """--system all: belady cannot serve, so its 2 rates x 2 requests count as done when it is skipped; the bar
+    ends at 3 systems x 2 rates x 2 requests = 12 of 12 (it ended at 8/12, 67%)."""
+    import moesim.policy.systems
+    monkeypatch.setattr(moesim.policy.systems, "system_names", lambda: ["cpu-only", "belady", "static-hot"])
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")  # a line per advance
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--system", "all", "--qps", "50,100", "--requests", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "skipped belady:" in out and "1 of 3 systems skipped" in out
+    lines = [line for line in err.splitlines() if line.startswith("serve-sim: ")]
+    counts = [int(line.split()[1].split("/")[0]) for line in lines[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 12 and all("/12 requests" in line for line in lines)
+    assert any(line.startswith("serve-sim: 8/12 requests") and "(static-hot at 50 req/s)" in line for line in lines)
+    assert lines[-1].startswith("serve-sim: done, 12/12 requests (100%)")
+
+
 def test_serve_sim_refuses_a_workload_beyond_host_memory_in_one_line(files, tmp_path, capsys):
     trace, hw = files
     out = tmp_path / "m.json"

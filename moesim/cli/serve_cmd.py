@@ -67,9 +67,11 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
                               fix="pass a single --system and --qps")
     rows, last, skipped, first_error = [], None, {}, None
     runs: dict[str, list[dict]] = {}  # per system, per rate of --qps: its metrics, or why it was skipped
-    with _serving_progress(parsed, len(systems) * len(rates)) as bar:
+    per_run = _requests_per_run(parsed)
+    with _serving_progress(per_run, len(systems) * len(rates)) as bar:
         for name in systems:
             runs[name] = []
+            before = bar.done
             try:
                 for rate in rates:
                     bar.advance(0, label=f"{name} at {rate} req/s")
@@ -83,6 +85,8 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
                 skipped[name] = str(err)  # a bound that needs the trace's future, a missing column
                 first_error = first_error or err
                 runs[name] += [_skipped_run(name, rate, parsed, str(err)) for rate in rates[len(runs[name]):]]
+                # the requests its runs will not finish count as done: the bar ends whole (as replay's)
+                bar.advance(max(per_run * len(rates) - (bar.done - before), 0))
     if not rows:
         raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips (as replay)
     from rich.table import Table
@@ -179,12 +183,16 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
     return rates
 
 
-def _serving_progress(settings: dict[str, str], runs: int):
-    """Progress over the requests every run finishes (systems x rates runs of workload.requests each)."""
-    from moesim.progress import Progress
+def _requests_per_run(settings: dict[str, str]) -> int:
+    """The requests each run finishes: workload.requests."""
     from moesim.sim.serving import split_settings
     # --qps replaces workload.qps in every run, so a --set value of it is never checked here
-    requests = split_settings({k: v for k, v in settings.items() if k != "workload.qps"}).workload.requests
+    return split_settings({k: v for k, v in settings.items() if k != "workload.qps"}).workload.requests
+
+
+def _serving_progress(requests: int, runs: int):
+    """Progress over the requests every run finishes (``runs``: systems x rates, of ``requests`` each)."""
+    from moesim.progress import Progress
     return Progress("serve-sim", total=requests * runs, unit="requests", console=err_console)
 
 
