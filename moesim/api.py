@@ -301,8 +301,16 @@ class ServeRun:
         return plot_requests(self.requests, path, title=label)
 
     def __repr__(self) -> str:
-        figures = ", ".join(f"{key}={self.metrics[key]:.6g}" for key in SERVE_REPR_METRICS if key in self.metrics)
-        return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {figures})"
+        """One line: what ran, what set its arrivals (an open loop's ``qps``; a closed loop's clients or an
+        arrival log, which have no rate), its headline figures."""
+        figures = [f"{key}={self.metrics[key]:.6g}" for key in SERVE_REPR_METRICS if key in self.metrics]
+        if self.workload is not None:
+            from moesim.sim.serving import RATED_ARRIVALS
+            if self.workload.arrival not in RATED_ARRIVALS:  # qps is nan: say what set the arrivals instead
+                from moesim.analysis.serving import arrivals_text
+                figures = [f"arrivals={arrivals_text(self.workload)!r}"] + \
+                    [f for f in figures if not f.startswith("qps=")]
+        return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {', '.join(figures)})"
 
 
 def _trace_paths(traces: Any) -> list[str]:

@@ -73,6 +73,29 @@ def test_a_result_prints_as_one_line_of_its_headline_figures(files):
     assert type(run.metrics["offered_qps"]) is float  # a plain float, as json and repr expect
 
 
+def test_a_serve_run_without_a_rate_prints_what_set_its_arrivals(files, tmp_path):
+    """A closed loop and an arrival log have no rate (their qps is nan): the line names the clients or the
+    file where an open loop's qps stands (it said qps=nan)."""
+    trace, hw = files
+    closed = moesim.serve(trace, hw=hw, system="cpu-only", requests=4, workload__arrival="closed",
+                          workload__concurrency=2)
+    assert np.isnan(closed.metrics["qps"])
+    text = repr(closed)
+    assert "\n" not in text
+    assert "nan" not in text
+    assert text.startswith("ServeRun(system='cpu-only', requests=4, arrivals='from 2 closed-loop clients', "
+                           f"ttft_ms_p50={closed.metrics['ttft_ms_p50']:.6g}, ")
+    assert text.endswith(f"throughput_rps={closed.metrics['throughput_rps']:.6g})")
+    one = moesim.serve(trace, hw=hw, system="cpu-only", requests=2, workload__arrival="closed",
+                       workload__concurrency=1)
+    assert repr(one).startswith("ServeRun(system='cpu-only', requests=2, arrivals='from 1 closed-loop client', ")
+    (tmp_path / "arrivals.csv").write_text("arrival_s\n0\n0.01\n0.5\n")
+    logged = moesim.serve(trace, hw=hw, system="cpu-only", requests=3, workload__arrival="trace",
+                          workload__arrival_file=str(tmp_path / "arrivals.csv"))
+    assert repr(logged).startswith(
+        "ServeRun(system='cpu-only', requests=3, arrivals='arriving at the times of arrivals.csv', ttft_ms_p50=")
+
+
 def test_settings_dict_and_keywords_are_the_same_replay(files):
     trace, hw = files
     by_kwargs = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=1, timeline=False)
