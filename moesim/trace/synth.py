@@ -453,7 +453,8 @@ FIT_TARGETS = (("coactivation_top4_share", "cluster_strength"), ("weight_top1_sh
 #: search range of each fitted parameter ("skew" scales skew_first and skew_last together)
 FIT_RANGES = {"skew": (0.0, 4.0), "token_corr": (0.0, 0.99), "cluster_strength": (0.0, 8.0),
               "score_scale": (0.02, 12.0), "request_bias": (0.0, 3.0)}
-#: tokens of the synthetic traces the fit compares (a longer real trace is matched in shape, scaled down)
+#: tokens of the candidate traces the fit compares (a longer real trace is matched in proportions, scaled
+#: down, to keep the fit quick; the fitted shape, :attr:`FitResult.shape`, stays the real trace's)
 FIT_MAX_TOKENS = 1024
 
 
@@ -462,7 +463,8 @@ class FitResult:
     """Parameters fitted to a real trace, with the statistics they reach against the real ones."""
 
     params: SynthParams
-    #: requests, prompt_len, decode_len and batch of the real trace (per request, rounded)
+    #: requests, prompt_len, decode_len and batch of the real trace (per request, rounded; never scaled down,
+    #: whatever the candidate traces the fit compared held, see :func:`fit_shape`)
     shape: dict[str, int]
     target: dict[str, float]
     fitted: dict[str, float]
@@ -491,14 +493,32 @@ def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
     decode = int(stats["tokens_by_phase"]["decode"])
     decode_steps = int(stats["steps"]["decode"])
     batch = max(1, round(decode / decode_steps)) if decode_steps else 1
-    shape = {"requests": requests, "prompt_len": max(1, round(prefill / prompted)) if prompted else 1,
-             "decode_len": round(decode / requests), "batch": min(batch, requests)}
+    return {"requests": requests, "prompt_len": max(1, round(prefill / prompted)) if prompted else 1,
+            "decode_len": round(decode / requests), "batch": min(batch, requests)}
+
+
+def fit_shape(shape: Mapping[str, int]) -> dict[str, int]:
+    """The shape of the candidate traces a fit compares: ``shape`` itself, or, beyond
+    :data:`FIT_MAX_TOKENS` tokens in all, its prompt and decode lengths scaled down in proportion (the same
+    requests and batch, fewer tokens per request)."""
+    scaled = dict(shape)
     total = shape["requests"] * (shape["prompt_len"] + shape["decode_len"])
-    if total > FIT_MAX_TOKENS:  # same proportions, fewer tokens per request
+    if total > FIT_MAX_TOKENS:
         scale = FIT_MAX_TOKENS / total
-        shape["prompt_len"] = max(1, round(shape["prompt_len"] * scale))
-        shape["decode_len"] = round(shape["decode_len"] * scale)
-    return shape
+        scaled["prompt_len"] = max(1, round(shape["prompt_len"] * scale))
+        scaled["decode_len"] = round(shape["decode_len"] * scale)
+    return scaled
+
+
+def _scaling_notes(shape: Mapping[str, int], compared: Mapping[str, int]) -> list[str]:
+    """What the fit compared when the real trace is too long to draw candidates of its length quickly."""
+    if compared == shape:
+        return []
+    note = (f"the candidate traces the fit compared have {compared['prompt_len']:,}-token prompts and "
+            f"{compared['decode_len']:,} decode tokens per request, the real trace's {shape['prompt_len']:,} and "
+            f"{shape['decode_len']:,} scaled down to {FIT_MAX_TOKENS:,} tokens in all to keep the fit quick; "
+            "the fitted prompt_len and decode_len are the real trace's")
+    return [note]
 
 
 def _prompt_notes(stats: Mapping[str, Any]) -> list[str]:
@@ -546,6 +566,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     meta = read_meta(real)
     model = meta.model
     shape = trace_shape(real_stats)
+    compared = fit_shape(shape)  # the candidates' shape: a long trace's lengths scaled down
     base = SynthParams.for_model(model)
     base.renormalize = bool(real_stats.get("weights_renormalized", base.renormalize))
     for column, recall in real_stats["predictor_recall"].items():
@@ -559,6 +580,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
                      f"their statistics with the mean over all {model.num_layers} synthetic layers, so how skew grows "
                      "from the first layer to the last (skew_first, skew_last) is not what the trace shows")
     notes.extend(_prompt_notes(real_stats))
+    notes.extend(_scaling_notes(shape, compared))
     evaluations = 0
     with tempfile.TemporaryDirectory(prefix="moesim-fit-") as folder:
         def measure(params: SynthParams, name: str = "check") -> dict[str, Any]:
@@ -567,7 +589,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
             if progress is not None:
                 progress(name)
             candidate = dataclasses.replace(params, predictors=False)
-            config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, **shape)
+            config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, **compared)
             return trace_stats(synthesize(config, Path(folder) / f"fit-{evaluations}.parquet"))
 
         def bisect(params: SynthParams, name: str, stat: str) -> SynthParams:

@@ -60,8 +60,46 @@ def test_shape_of_a_trace():
     batched = {"requests": 4, "tokens_by_phase": {"prefill": 40, "decode": 400}, "steps": {"decode": 100}}
     assert trace_shape(batched)["batch"] == 4
     long = {"requests": 1, "tokens_by_phase": {"prefill": 4000, "decode": 4000}, "steps": {"decode": 4000}}
-    shape = trace_shape(long)
-    assert shape["prompt_len"] == shape["decode_len"] == 512  # scaled down, proportions kept
+    assert trace_shape(long) == {"requests": 1, "prompt_len": 4000, "decode_len": 4000, "batch": 1}  # unscaled
+    from moesim.trace.synth import fit_shape
+    shape = fit_shape(trace_shape(long))  # what the fit's candidate traces hold: scaled down, proportions kept
+    assert shape["prompt_len"] == shape["decode_len"] == 512
+
+
+def test_cli_fit_to_a_long_trace_writes_the_real_lengths(tmp_path, capsys, monkeypatch):
+    """Two requests of 600 + 200 and 400 + 100 tokens: prompt_len (600 + 400) / 2 = 500, decode_len
+    (200 + 100) / 2 = 150, 2 x 650 = 1,300 tokens. The fit compares candidates scaled to 1,024 tokens,
+    x 1024/1300: prompts 393.8 -> 394, decodes 118.2 -> 118; the trace written has the real lengths,
+    2 x 500 = 1,000 prompt and 2 x 150 = 300 decode tokens (it had 788 and 236, the candidates' shape)."""
+    import functools
+
+    import numpy as np
+
+    import moesim.trace.synth
+    from tests.factories import tiny_model, write_tiny_trace
+    from tests.sim.test_serving import request_routing
+    # the shape is the point here, not the fit's quality: one bisection step of each parameter
+    monkeypatch.setattr(moesim.trace.synth, "fit_params",
+                        functools.partial(moesim.trace.synth.fit_params, rounds=1, steps=1))
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    real = write_tiny_trace(tmp_path / "real.parquet", model,
+                            request_routing(np.random.default_rng(0), model, [(600, 200), (400, 100)]))
+    out = tmp_path / "like.parquet"
+    assert main(["trace", "synth", "--fit", str(real), "--no-scores", "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    stats = trace_stats(out)
+    assert (stats["requests"], stats["tokens_by_phase"]) == (2, {"prefill": 1000, "decode": 300})
+    assert trace_shape(trace_stats(real)) == {"requests": 2, "prompt_len": 500, "decode_len": 150, "batch": 1}
+    assert ("note: the candidate traces the fit compared have 394-token prompts and 118 decode tokens per "
+            "request, the real trace's 500 and 150 scaled down to 1,024 tokens in all to keep the fit quick; the "
+            "fitted prompt_len and decode_len are the real trace's") in printed
+    from moesim.trace.synth import fit_shape
+    assert fit_shape(trace_shape(trace_stats(real))) == {"requests": 2, "prompt_len": 394, "decode_len": 118,
+                                                         "batch": 1}
+    # a length given on the command line still wins over the fitted one
+    assert main(["trace", "synth", "--fit", str(real), "--no-scores", "--prompt-len", "20", "--out",
+                 str(out)]) == 0
+    assert trace_stats(out)["tokens_by_phase"] == {"prefill": 40, "decode": 300}
 
 
 @pytest.mark.slow
