@@ -415,3 +415,39 @@ def test_the_summary_names_the_output_and_it_lands_when_stdout_is_closed(tmp_pat
     closed = subprocess.run(f"{command} | true; echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash",
                             capture_output=True, text=True, timeout=120)
     assert closed.stdout.strip() == "0" and validate_trace(out) is not None
+
+
+def _flame_fixture(path: Path, layers) -> Path:
+    tokens = 3
+    indices = np.tile(np.arange(6, dtype=np.int16), (len(layers), tokens, 1))
+    scores = np.tile(np.linspace(0.3, 0.05, 6, dtype=np.float32), (len(layers), tokens, 1))
+    np.savez(path, layers=np.asarray(layers, np.int16), token_ids=np.arange(tokens, dtype=np.int32),
+             indices=indices, scores=scores)
+    return path
+
+
+def test_a_flame_moe_layer_listed_twice_is_refused_not_written_as_duplicate_rows(tmp_path, capsys):
+    """It was written (exit 0, 'layers 0 of 8') as a trace holding every layer-0 row twice, which trace validate
+    then refused."""
+    good = import_trace("flame-moe", [_flame_fixture(tmp_path / "ok.npz", [2, 3])], tmp_path / "ok.parquet")
+    assert (good.rows, good.layers_present) == (6, [0, 1])
+    path = _flame_fixture(tmp_path / "f.npz", [2, 2])
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"moesim: error: {path}, field 'layers': transformer layer 2 is listed 2 times in 'layers' ([2, 2]) "
+        "(fix: each MoE layer's routing appears once (the extract lists layers 2..9))\n")
+    assert not out.exists()
+
+
+def test_write_import_refuses_two_rows_for_one_token(tmp_path):
+    from moesim.trace.importers._common import RoutingRows, new_report, write_import
+    report, model = new_report("flame-moe", tmp_path / "t.parquet", "flame-moe-290m")
+    rows = RoutingRows(top_k=model.top_k, with_weights=False)
+    for _ in range(2):
+        rows.add(request=0, step=0, phase=0, position=np.arange(2), layer=1, experts=np.tile(np.arange(6), (2, 1)))
+    with pytest.raises(TraceFormatError) as err:
+        write_import(tmp_path / "t.parquet", rows, model, report, {"files": ["a.npz"]}, weights_renormalized=False)
+    assert str(err.value) == ("a.npz, field 'layer': the logs give the routing of request 0, position 0 at MoE layer 1 "
+                              "(step 0) twice (fix: give each layer's and each token's routing once)")
+    assert not (tmp_path / "t.parquet").exists()

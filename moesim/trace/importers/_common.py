@@ -236,6 +236,7 @@ def write_import(out: Path, rows: RoutingRows, model: ModelSpec, report: ImportR
         raise TraceFormatError("no routing rows left after dropping dummy/warm-up rows",
                                source=", ".join(source.get("files", [])), field="rows",
                                fix="check that the files are the per-token logs this format expects")
+    _refuse_duplicate_rows(data, source)
     steps = data["step"]
     starts = np.r_[0, np.flatnonzero(np.diff(steps)) + 1]
     report.rows = len(steps)
@@ -260,6 +261,21 @@ def write_import(out: Path, rows: RoutingRows, model: ModelSpec, report: ImportR
         for start in range(0, report.rows, WRITE_CHUNK_ROWS):
             writer.write({key: value[start:start + WRITE_CHUNK_ROWS] for key, value in data.items()})
     return report
+
+
+def _refuse_duplicate_rows(data: dict[str, np.ndarray], source: dict[str, Any]) -> None:
+    """Two rows for one (step, layer, request, position) make a trace that no reader accepts: refuse them here,
+    naming the token, rather than write it (``data`` is in trace order, so repeats are neighbours)."""
+    keys = ("step", "layer", "request", "position")
+    same = np.ones(len(data["step"]) - 1, dtype=bool)
+    for key in keys:
+        same &= data[key][1:] == data[key][:-1]
+    if same.any():
+        i = int(np.flatnonzero(same)[0])
+        step, layer, request, position = (int(data[key][i]) for key in keys)
+        raise TraceFormatError(f"the logs give the routing of request {request}, position {position} at MoE layer "
+                               f"{layer} (step {step}) twice", source=", ".join(source.get("files", [])),
+                               field="layer", fix="give each layer's and each token's routing once")
 
 
 def new_report(fmt: str, out: Path, model_name: str) -> tuple[ImportReport, ModelSpec]:

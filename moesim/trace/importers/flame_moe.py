@@ -69,6 +69,11 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
             raise TraceFormatError(f"transformer layer {arrays['layers'][bad][0]} is not one of FLAME-MoE-290M's "
                                    "MoE layers 2..9", source=str(path), field="layers",
                                    fix="keep layers 2-9 only (10-26 upstream are copies)")
+        values, counts = np.unique(arrays["layers"], return_counts=True)
+        if (counts > 1).any():
+            raise TraceFormatError(f"transformer layer {values[counts > 1][0]} is listed {counts.max()} times in "
+                                   f"'layers' ({arrays['layers'].tolist()})", source=str(path), field="layers",
+                                   fix="each MoE layer's routing appears once (the extract lists layers 2..9)")
         tokens = len(arrays["token_ids"])
         for i, layer in enumerate(moe_layers):
             experts, weights, changed = order_by_weight(check_ids(arrays["indices"][i], path, "indices"),
