@@ -394,3 +394,29 @@ def test_a_profile_value_an_override_set_is_refused_as_the_override(files, capsy
     code, _, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--set", setting], capsys)
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("moesim: error: field '--set': " + said.format(hw=hw)), err
+
+
+@pytest.mark.parametrize("system, key", [("smoe-flex", "prefetch.calibration"), ("smoe", "prefetch.calibration"),
+                                         ("static-hot", "cache.calibration"),
+                                         ("ktransformers-ed", "cache.calibration"),
+                                         ("buddymoe", "substitute.calibration")])
+def test_a_calibration_trace_that_is_missing_or_of_another_model_is_one_line(files, tmp_path, capsys, system, key):
+    """A calibration path that is no trace, or a trace of another routing shape, is refused before the run with
+    one line naming the parameter (smoe-flex crashed on a missing file and ranked Mixtral layers on a Qwen trace
+    without a word; static-hot and ktransformers-ed crashed on another model's trace; smoe took a missing file)."""
+    trace, hw = files
+    other = write_tiny_trace(tmp_path / "other.parquet", tiny_model(layers=3, experts=6, top_k=2),
+                             random_routing(np.random.default_rng(4), tiny_model(layers=3, experts=6, top_k=2),
+                                            requests=1, prompt=4, decode=6))
+    base = ["replay", trace, "--hw", hw, "--system", system, "--set", "cache.slots_per_layer=2"]
+    if system == "smoe-flex":
+        base += ["--set", "prefetch.flex_off_fraction=0.5"]
+    for value, said in [(tmp_path / "missing.parquet", "file not found"), (tmp_path, "not a Parquet file"),
+                        (other, "does not match the replayed tiny (num_layers: 2 vs 3)")]:
+        code, out, err = run([*base, "--set", f"{key}={value}"], capsys)
+        assert code == 2, (value, err)
+        line = err.strip()
+        assert "\n" not in line and line.startswith(f"moesim: error: field '{key}': ") and said in line, line
+        assert "or leave it empty" in line and "TPOT" not in out
+    code, out, err = run([*base, "--set", f"{key}={trace}"], capsys)  # a trace of the same model runs
+    assert code == 0 and "TPOT" in out

@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moesim.errors import ConfigError, did_you_mean
+from moesim.errors import ConfigError, TraceFormatError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
 from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, kept_rewrites
 from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
                                  make_room)
 from moesim.policy.prefetch import NoPrefetch, PerfectPrefetch, Prefetch
+from moesim.trace.io import read_meta
 
 COMPONENTS: dict[str, dict[str, type[Component]]] = {
     "cache": {c.name: c for c in (NoCache, LRUCache, StaticCache, AllResident, BeladyCache)},
@@ -84,6 +85,7 @@ class ComposedSystem:
 
     def for_model(self, model: ModelSpec) -> None:
         """Let each component settle its model-dependent defaults before the memory plan reads them."""
+        check_calibrations(self.components, model)
         for component in self.components.values():
             component.for_model(model)
 
@@ -407,6 +409,46 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         parts[role].set_param(param, value)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
                              uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
+
+
+#: ``calibration`` values a component reads as something other than a trace path (and the empty string,
+#: which every component takes for the replayed trace or none); the rest name a trace file
+CALIBRATION_WORDS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("prefetch", "smoe-token"): ("self",),
+    ("prefetch", "eam-match"): ("others", "none"),
+}
+#: components that check a calibration trace's routing shape themselves
+_OWN_SHAPE_CHECK = {("prefetch", "eam-match")}
+
+
+def check_calibrations(components: dict[str, Component], model: ModelSpec) -> None:
+    """Refuse, with one line naming the parameter, a ``<role>.calibration`` path that is no moesim trace or
+    is a trace of another routing shape than the replayed model (layers, experts, top-k); checked before the
+    run, whether or not the component's settings read it."""
+    for role, component in components.items():
+        if "calibration" not in component.parameters():
+            continue
+        value = getattr(component, "calibration", "")
+        if not isinstance(value, str):
+            continue
+        words = CALIBRATION_WORDS.get((role, component.name), ())
+        if (role, component.name) == ("prefetch", "eam-match"):
+            if value.strip().lower() in ("", *words):
+                continue
+        elif value == "" or value in words:
+            continue
+        key = f"{role}.calibration"
+        fix = (f"give a moesim trace of {model.name} ({model.num_layers} layers x {model.num_experts} experts, "
+               f"top-{model.top_k}), {' or '.join(repr(w) for w in words) + ', ' if words else ''}"
+               f"or leave it empty")
+        try:
+            meta = read_meta(value)
+        except TraceFormatError as err:
+            raise ConfigError(f"cannot read calibration trace {value}: {err.detail}", field=key, fix=fix) from None
+        mismatch = model.routing_mismatch(meta.model)
+        if mismatch and (role, component.name) not in _OWN_SHAPE_CHECK:
+            raise ConfigError(f"calibration trace {value} ({meta.model.name}) does not match the replayed "
+                              f"{model.name} ({mismatch})", field=key, fix=fix)
 
 
 def all_parameters(name: str) -> list[str]:
