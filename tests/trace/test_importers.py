@@ -451,3 +451,25 @@ def test_write_import_refuses_two_rows_for_one_token(tmp_path):
     assert str(err.value) == ("a.npz, field 'layer': the logs give the routing of request 0, position 0 at MoE layer 1 "
                               "(step 0) twice (fix: give each layer's and each token's routing once)")
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_import_trace_from_python_never_replaces_a_source_log(tmp_path):
+    """The command line refused it; moesim.trace.importers.import_trace wrote the trace over the log."""
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    text = raw.read_text()
+    with pytest.raises(TraceFormatError) as err:
+        import_trace(None, [str(raw)], str(raw))
+    assert str(err.value) == (f"{raw}, field 'out': would overwrite the source log {raw} "
+                              "(fix: write the trace to another file, e.g. one ending in .parquet)")
+    assert raw.read_text() == text
+
+
+def test_import_trace_takes_one_path_alone_as_one_source(tmp_path):
+    """A lone str was taken letter by letter ('r: not a file')."""
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    listed = import_trace("speculative-moe", [raw], tmp_path / "a.parquet")
+    for one in (str(raw), raw):
+        alone = import_trace("speculative-moe", one, tmp_path / "b.parquet")
+        assert (alone.rows, alone.steps, alone.requests) == (listed.rows, listed.steps, listed.requests) \
+            and alone.rows > 0
+        assert _table(tmp_path / "b.parquet").equals(_table(tmp_path / "a.parquet"))

@@ -15,6 +15,7 @@ requires every layer to be present in a step.
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, sp
                                     vllm_moe_logger)
 from moesim.trace.importers._common import ImportReport, refuse_aggregates
 from moesim.trace.importers.detect import detect_format
+from moesim.util import same_file
 
 FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
     speculative_moe.FORMAT: speculative_moe.import_files,
@@ -52,9 +54,11 @@ def available_formats() -> list[str]:
     return sorted(FORMATS)
 
 
-def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportReport:
-    """Convert ``sources`` (log files of format ``fmt``; None: told from their first records) into a
-    trace ``out``."""
+def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | str) -> ImportReport:
+    """Convert ``sources`` (log files of format ``fmt``; None: told from their first records; one path alone
+    is one file) into a trace ``out``, which may be none of them."""
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
     sources = [Path(s) for s in sources]
     if fmt in AGGREGATE_FORMATS:
         raise TraceFormatError("OLMoE-routing-stats holds aggregate expert counts per layer, not per-token "
@@ -73,6 +77,10 @@ def import_trace(fmt: str | None, sources: list[Path], out: Path) -> ImportRepor
     if fmt is None:
         fmt = detect_format(sources)
     out = Path(out)
+    for path in sources:
+        if same_file(out, path):
+            raise TraceFormatError(f"would overwrite the source log {path}", source=str(out), field="out",
+                                   fix="write the trace to another file, e.g. one ending in .parquet")
     if out.exists() and out.is_dir():
         raise TraceFormatError("output path is a directory", source=str(out), field="--out",
                                fix="give a file name ending in .parquet")
