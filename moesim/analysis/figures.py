@@ -487,14 +487,20 @@ def representative(frame: pd.DataFrame, keep: Sequence[str] = ("system",)) -> di
     """One value per varying parameter (other than ``keep``): the middle one of its sorted values.
 
     The breakdown and Gantt figures show one point per system; this picks it
-    the same way every time.
+    the same way every time. Each parameter's values are those of the rows that
+    match the ones chosen before it, so the point exists even when the sweep is
+    no full grid (``zip:`` groups, failed points).
     """
     chosen: dict[str, Any] = {}
+    rows = frame
     for c in varying(frame, parameter_columns(frame)):
         if c in keep:
             continue
-        values = sorted_values(frame[c])
+        values = sorted_values(rows[c])
+        if not values:  # only missing values left (a parameter some rows lack)
+            continue
         chosen[c] = values[(len(values) - 1) // 2]
+        rows = rows[(rows[c] == chosen[c]).to_numpy()]
     return chosen
 
 

@@ -241,3 +241,27 @@ def test_cli_plot_writes_png_and_svg(sweep_results, tmp_path, capsys):
     assert "no column 'nope'" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "t.parquet"), "--x", "a", "--y", "b", "--out", str(png)]) == 2
     assert "not a sweep result" in capsys.readouterr().err
+
+
+def test_representative_of_a_zipped_sweep_is_a_point_it_ran():
+    """zip: varies parameters together: their middle values taken one by one make a point never run
+    (kernels 1 with bandwidth 0.5 here), and `moesim report` failed with 'no finished point with ...'."""
+    frame = pd.concat([results().assign(**{"hw.pcie.bandwidth_scale": bw, "engine.kernels_per_expert": k,
+                                           "point_id": lambda f, bw=bw: f["point_id"] + f"-{bw}"})
+                       for bw, k in ((0.5, 3), (1.0, 1))], ignore_index=True)
+    ok = frame[frame["status"] == "ok"]
+    where = representative(ok)
+    assert where == {"hw": "a100-40g", "cache.slots_per_layer": 2, "hw.pcie.bandwidth_scale": 0.5,
+                     "engine.kernels_per_expert": 3}
+    fig = fig_breakdown(frame)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert list(standard_figures(frame, gantt=False)) == ["tpot_vs_slots", "hit_rate_vs_prefetch", "breakdown"]
+
+
+def test_representative_skips_a_middle_value_whose_points_failed_there():
+    frame = results()
+    # the middle cache size failed on the first profile only
+    frame.loc[(frame["cache.slots_per_layer"] == 2) & (frame["hw"] == "a100-40g"), "status"] = "error"
+    ok = frame[frame["status"] == "ok"]
+    assert representative(ok) == {"hw": "a100-40g", "cache.slots_per_layer": 1}
+    fig_breakdown(frame)
