@@ -364,9 +364,9 @@ def test_fixtures_are_told_apart_and_import_as_with_their_format(tmp_path):
 
 
 @pytest.mark.parametrize("content", [b"hello\n", b"\xff\xfe\x00", b'{"dataset": "x"}\n', b"[1, 2]\n",
-                                     b"PK\x03\x04 truncated"])
+                                     b'{"topk_id": [[1]], "other": 1}\n'])
 def test_a_log_no_format_lays_out_so_is_one_line_naming_it(tmp_path, capsys, content):
-    path = tmp_path / ("log.npz" if content.startswith(b"PK") else "log.jsonl")
+    path = tmp_path / "log.jsonl"
     path.write_bytes(content)
     out = tmp_path / "t.parquet"
     assert format_of(path) is None
@@ -473,3 +473,56 @@ def test_import_trace_takes_one_path_alone_as_one_source(tmp_path):
         assert (alone.rows, alone.steps, alone.requests) == (listed.rows, listed.steps, listed.requests) \
             and alone.rows > 0
         assert _table(tmp_path / "b.parquet").equals(_table(tmp_path / "a.parquet"))
+
+
+@pytest.mark.parametrize("record, field, has, fix", [
+    ({"dataset": "gsm8k", "problem_id": 0, "layer": 0, "experts": [1, 0], "gating_prob": [0.6, 0.4], "token_idx": 0},
+     "gating_probs", "it has 'gating_prob'", "rename 'gating_prob' to 'gating_probs'"),
+    ({"topk_weights": [1, 8], "topk_id": [list(range(8))]}, "topk_ids", "it has 'topk_id'",
+     "rename 'topk_id' to 'topk_ids'"),
+])
+def test_a_misspelled_field_is_named_not_called_an_unknown_log(tmp_path, capsys, record, field, has, fix):
+    """It was 'cannot tell which tool wrote this log', field '--format'."""
+    path = _jsonl(tmp_path / "log.jsonl", [record])
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"moesim: error: {path}, field '{field}': looks like a ")
+    assert has in err and f"(fix: {fix}, or name the format with --format" in err and not out.exists()
+
+
+def test_an_npz_missing_or_misspelling_an_array_is_named(tmp_path):
+    for name, arrays, words in (
+            ("a.npz", {"layers": [2], "token_ids": [1], "indices": np.zeros((1, 1, 6)), "score": np.zeros((1, 1, 6))},
+             "no array 'scores'; it has 'score' (fix: rename 'score' to 'scores'"),
+            ("b.npz", {"layers": [2], "token_ids": [1], "indices": np.zeros((1, 1, 6))},
+             "no array 'scores'; it has 'layers', 'token_ids', 'indices' (fix: give a complete flame-moe log")):
+        np.savez(tmp_path / name, **{k: np.asarray(v) for k, v in arrays.items()})
+        with pytest.raises(TraceFormatError) as err:
+            import_trace(None, [tmp_path / name], tmp_path / "t.parquet")
+        assert "field 'scores': looks like a flame-moe log, but the npz" in str(err.value)
+        assert words in str(err.value)
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04 truncated", b"\x93NUMPY not an archive"])
+def test_a_truncated_npz_is_called_unreadable_not_of_an_unknown_tool(tmp_path, capsys, content):
+    path = tmp_path / "log.npz"
+    path.write_bytes(content)
+    assert main(["trace", "import", str(path), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert capsys.readouterr().err == (f"moesim: error: {path}: not a readable .npz archive (truncated, or not an "
+                                       "npz) (fix: give the complete .npz file as it was written)\n")
+
+
+def test_a_logger_log_without_its_meta_line_is_told_by_its_routes(tmp_path):
+    """It was 'cannot tell which tool wrote this log', though --format read it."""
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(logger.read_text().splitlines(keepends=True)[1:]))
+    cerebras = _jsonl(tmp_path / "c.jsonl", [{"type": "route", "token_idx": i, "layer": 0,
+                                              "topk_ids": list(range(8)), "topk_weights": [0.5] + [0.5 / 7] * 7}
+                                             for i in range(3)])
+    assert (format_of(bare), format_of(cerebras)) == ("vllm-moe-logger", "cerebras-olmoe")
+    told = import_trace(None, [bare], tmp_path / "t.parquet")
+    given = import_trace("vllm-moe-logger", [logger], tmp_path / "g.parquet")
+    assert (told.rows, told.steps, told.layers_present) == (given.rows, given.steps, [3]) and told.rows > 0
+    assert import_trace(None, [cerebras], tmp_path / "c.parquet").rows == 3

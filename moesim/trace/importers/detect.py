@@ -11,7 +11,12 @@ documented in each format's module):
 * a ``{"type": "meta"}`` line, then ``{"type": "route"}`` lines: the vLLM MoE
   logger of ``cerebras-olmoe`` (OLMoE, top-8) or ``vllm-moe-logger``
   (Qwen1.5-MoE, top-4), told apart by the meta's ``model_id`` or, without
-  one, by the first route's number of experts.
+  one, by the first route's number of experts (a log whose meta line is
+  missing, starting with a route, by that alone).
+
+A file no layout fits is answered with what it lacks where that is clear: an
+npz that is no readable archive, or a first record with all but one of a
+format's telling fields (a misspelled or missing field, named).
 
 Only the first records are read, so detection costs nothing on large logs; the
 importer still checks every line.
@@ -19,6 +24,7 @@ importer still checks every line.
 
 from __future__ import annotations
 
+import difflib
 import json
 import zipfile
 from pathlib import Path
@@ -42,6 +48,9 @@ def detect_format(sources: list[Path]) -> str:
             raise TraceFormatError("file has no records (it is empty or blank)", source=str(path),
                                    fix="give a log the tool has written records to")
         if fmt is None:
+            near = _near_miss(path)
+            if near is not None:
+                raise near
             raise TraceFormatError("cannot tell which tool wrote this log", source=str(path), field="--format",
                                    fix="name its format: --format NAME (moesim trace import --list-formats)")
     formats = sorted(set(found.values()))  # type: ignore[arg-type]
@@ -67,6 +76,45 @@ def format_of(path: Path) -> str | None:
         return qwen3_prefill.FORMAT
     if first.get("type") == "meta":
         return _logger_format(first, records[1:])
+    if first.get("type") == "route":  # a logger log whose meta line is missing: its routes tell the model
+        return _logger_format({}, records)
+    return None
+
+
+#: the fields (JSON lines) or arrays (npz) that tell a format, for naming the one a near miss lacks
+_SIGNATURES = ((speculative_moe.FORMAT, ("problem_id", "experts", "gating_probs")),
+               (qwen3_prefill.FORMAT, ("topk_ids", "topk_weights")),
+               (flame_moe.FORMAT, ("layers", "token_ids", "indices", "scores")))
+
+
+def _near_miss(path: Path) -> TraceFormatError | None:
+    """For a file no format's layout fits: a truncated npz archive, or the format whose telling fields the
+    first record has all but one of (a misspelled or missing field), as one error naming it; None otherwise."""
+    if path.suffix == ".npz":
+        try:
+            with zipfile.ZipFile(path) as archive:
+                keys = [name.removesuffix(".npy") for name in archive.namelist()]
+        except (OSError, zipfile.BadZipFile):
+            return TraceFormatError("not a readable .npz archive (truncated, or not an npz)", source=str(path),
+                                    fix="give the complete .npz file as it was written")
+        what = "array"
+    else:
+        records = _head(path)
+        if not records or "type" in records[0]:
+            return None
+        keys, what = list(records[0]), "field"
+    for fmt, wanted in _SIGNATURES:
+        missing = [name for name in wanted if name not in keys]
+        if len(missing) != 1 or (fmt == flame_moe.FORMAT) != (what == "array"):
+            continue
+        name = missing[0]
+        close = difflib.get_close_matches(name, [k for k in keys if k not in wanted], n=1, cutoff=0.6)
+        has = f"; it has '{close[0]}'" if close else f"; it has {', '.join(repr(k) for k in keys)}"
+        where = "the npz" if what == "array" else "the first record"
+        fix = (f"rename '{close[0]}' to '{name}'" if close else f"give a complete {fmt} log") + \
+              f", or name the format with --format (moesim trace import --list-formats)"
+        return TraceFormatError(f"looks like a {fmt} log, but {where} has no {what} '{name}'{has}",
+                                source=str(path), field=name, fix=fix)
     return None
 
 
