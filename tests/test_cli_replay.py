@@ -420,3 +420,31 @@ def test_a_calibration_trace_that_is_missing_or_of_another_model_is_one_line(fil
         assert "or leave it empty" in line and "TPOT" not in out
     code, out, err = run([*base, "--set", f"{key}={trace}"], capsys)  # a trace of the same model runs
     assert code == 0 and "TPOT" in out
+
+
+@pytest.mark.parametrize("system, setting, said", [
+    # a percentile beyond 100 stopped the run with an internal error (exit 1)
+    ("buddymoe", "substitute.tau_percentile=150",
+     "field 'substitute.tau_percentile': substitute.tau_percentile=150.0 outside [0, 100] "
+     "(fix: give a value from 0 to 100, e.g. 10.0)"),
+    # a parameter whose default is -1 said "give a value >= 0", hiding the -1 it takes
+    ("smoe", "prefetch.n=-5", "field 'prefetch.n': -5 is negative (fix: give a value >= 0, or -1 as by default "
+                              "(prefetch.n: experts prefetched per layer and step (-1: 000 Table I's"),
+    ("dali", "cache.u_size=-3", "field 'cache.u_size': -3 is negative (fix: give a value >= 0, or -1 as by default"),
+    ("buddymoe", "substitute.tau=-0.5", "or -1.0 as by default (substitute.tau: TAE gate threshold; negative: "),
+])
+def test_a_set_value_out_of_range_names_what_the_parameter_takes(files, capsys, system, setting, said):
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", system, "--set", "cache.slots_per_layer=2",
+                          "--set", setting], capsys)
+    assert code == 2 and "TPOT" not in out
+    line = " ".join(err.split())
+    assert err.strip().count("\n") == 0 and line.startswith("moesim: error: ") and said in line, line
+
+
+def test_a_percentile_at_its_bounds_runs(files, capsys):
+    trace, hw = files
+    for value in ("0", "100"):
+        code, out, err = run(["replay", trace, "--hw", hw, "--system", "buddymoe", "--set", "cache.slots_per_layer=2",
+                              "--set", f"substitute.tau_percentile={value}"], capsys)
+        assert code == 0 and "TPOT" in out, err

@@ -406,9 +406,38 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
             raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
                               fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots, "
                                   "cache.slots_per_layer (`moesim systems` lists them all)")
-        parts[role].set_param(param, value)
+        set_checked(parts[role], param, value, key)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
                              uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
+
+
+#: closed ranges of parameters beyond the general rule (finite, not negative): (role, component, parameter)
+PARAM_BOUNDS: dict[tuple[str, str, str], tuple[float, float]] = {
+    ("substitute", "buddy", "tau_percentile"): (0.0, 100.0),
+}
+
+
+def set_checked(part: Component, param: str, value, key: str) -> None:
+    """``part.set_param`` with every refusal naming what the parameter takes: a parameter whose negative
+    default means "choose for me" (``prefetch.n=-1``) is offered that value beside ``>= 0``, and a
+    parameter of :data:`PARAM_BOUNDS` is held to its range."""
+    default = part.parameters()[param]
+    try:
+        part.set_param(param, value)
+    except ConfigError as err:
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and default < 0 \
+                and err.detail.endswith("is negative"):
+            from moesim.analysis.params import parameter_docs
+            meaning = next((d.meaning for d in parameter_docs(type(part)) if d.name == param), "")
+            raise ConfigError(err.detail, field=key,
+                              fix=f"give a value >= 0, or {default} as by default"
+                                  + (f" ({key}: {meaning})" if meaning else "")) from None
+        raise
+    bounds = PARAM_BOUNDS.get((part.role, part.name, param))
+    got = getattr(part, param)
+    if bounds is not None and isinstance(got, (int, float)) and not bounds[0] <= got <= bounds[1]:
+        raise ConfigError(f"{key}={got} outside [{bounds[0]:g}, {bounds[1]:g}]", field=key,
+                          fix=f"give a value from {bounds[0]:g} to {bounds[1]:g}, e.g. {default}")
 
 
 #: ``calibration`` values a component reads as something other than a trace path (and the empty string,
