@@ -526,3 +526,22 @@ def test_a_logger_log_without_its_meta_line_is_told_by_its_routes(tmp_path):
     given = import_trace("vllm-moe-logger", [logger], tmp_path / "g.parquet")
     assert (told.rows, told.steps, told.layers_present) == (given.rows, given.steps, [3]) and told.rows > 0
     assert import_trace(None, [cerebras], tmp_path / "c.parquet").rows == 3
+
+
+def test_a_bad_expert_in_an_npz_is_located_by_layer_and_token_not_line(tmp_path):
+    """npz files have no lines: flame-moe said 'layer 2 line 1' for token 1, the qwen3 extract 'line 0' always."""
+    flame = _flame_fixture(tmp_path / "f.npz", [2, 3])
+    arrays = dict(np.load(flame))
+    arrays["indices"][1, 2, 3] = 64
+    np.savez(flame, **arrays)
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [flame], tmp_path / "t.parquet")
+    assert str(err.value).startswith(f"{flame} layer 3 token 2, field 'indices': expert id in [0, 1, 2, 64, 4, 5] "
+                                     "outside [0, 64)")
+    ids = np.tile(np.arange(8, dtype=np.int16), (48, 3, 1))
+    ids[5, 1, 0] = 200
+    np.savez(tmp_path / "q.npz", topk_ids=ids)
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("vllm-qwen3-prefill", [tmp_path / "q.npz"], tmp_path / "t.parquet")
+    assert str(err.value).startswith(f"{tmp_path / 'q.npz'} layer 5 token 1, field 'topk_ids': expert id in "
+                                     "[200, 1, 2, 3, 4, 5, 6, 7] outside [0, 128)")

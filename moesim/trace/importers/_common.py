@@ -27,8 +27,9 @@ PREFILL, DECODE = PHASES.index("prefill"), PHASES.index("decode")
 
 
 # ----------------------------------------------------------------------------- input checks
-def where(path: Path, line: int | None = None) -> str:
-    return f"{path} line {line}" if line is not None else str(path)
+def where(path: Path, line: int | None = None, unit: str = "line") -> str:
+    """``path``, with the line (or, in an array file, the ``unit``, e.g. token) an error is at."""
+    return f"{path} {unit} {line}" if line is not None else str(path)
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -119,20 +120,21 @@ def check_weights(values: np.ndarray, path: Path, name: str, line: int | None = 
 
 
 def check_experts(experts: np.ndarray, model: ModelSpec, path: Path, lines: np.ndarray,
-                  name: str) -> None:
-    """Expert ids in [0, E) and unique within a row; the error names the first bad line."""
+                  name: str, unit: str = "line") -> None:
+    """Expert ids in [0, E) and unique within a row; the error names the first bad line (or the ``unit``,
+    e.g. token, that ``lines`` counts in an array file)."""
     experts = np.asarray(experts)
     bad = ((experts < 0) | (experts >= model.num_experts)).any(axis=1)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise TraceFormatError(f"expert id in {experts[i].tolist()} outside [0, {model.num_experts})",
-                               source=where(path, int(lines[i])), field=name,
+                               source=where(path, int(lines[i]), unit), field=name,
                                fix=f"{model.name} has {model.num_experts} routed experts; check --format")
     ordered = np.sort(experts, axis=1)
     dup = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
     if dup.any():
         i = int(np.flatnonzero(dup)[0])
-        raise TraceFormatError(f"duplicate expert in {experts[i].tolist()}", source=where(path, int(lines[i])),
+        raise TraceFormatError(f"duplicate expert in {experts[i].tolist()}", source=where(path, int(lines[i]), unit),
                                field=name, fix="each routed expert appears once per row")
 
 

@@ -79,7 +79,8 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
             experts, weights, changed = order_by_weight(check_ids(arrays["indices"][i], path, "indices"),
                                                         check_weights(arrays["scores"][i], path, "scores")
                                                         .astype(np.float32))
-            check_experts(experts, model, Path(f"{path} layer {arrays['layers'][i]}"), np.arange(tokens), "indices")
+            check_experts(experts, model, Path(f"{path} layer {arrays['layers'][i]}"), np.arange(tokens), "indices",
+                          unit="token")
             report.repaired["rows_reordered_by_weight"] += changed
             rows.add(request=request, step=request, phase=PREFILL, position=np.arange(tokens), layer=int(layer),
                      experts=experts, weights=weights, token_id=arrays["token_ids"])

@@ -106,9 +106,11 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
         else:
             ids, lines = _forward2_from_jsonl(path, report)
         for layer in range(LAYERS):
-            row_lines = np.full(ids.shape[1], lines[layer] if lines is not None else 0)
-            check_experts(ids[layer], model, path if lines is not None else Path(f"{path} layer {layer}"),
-                          row_lines, "topk_ids")
+            if lines is not None:  # the line of this layer's call, which lists every token's ids
+                check_experts(ids[layer], model, path, np.full(ids.shape[1], lines[layer]), "topk_ids")
+            else:  # the npz extract: the token (row) of this layer
+                check_experts(ids[layer], model, Path(f"{path} layer {layer}"), np.arange(ids.shape[1]), "topk_ids",
+                              unit="token")
             rows.add(request=request, step=request, phase=PREFILL, position=np.arange(ids.shape[1]),
                      layer=layer, experts=ids[layer])
         batches.append({"file": path.name, "tokens": int(ids.shape[1])})
