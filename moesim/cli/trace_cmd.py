@@ -124,8 +124,8 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
         report = import_trace(fmt, [Path(s) for s in sources], path)
         report.out = Path(out)  # where it lands, not the file it was written to first
         bar.advance(len(sources))
-    for line in report.summary_lines():
-        console.print(line)
+    for line in report.summary_lines():  # each one line however long (a pipe's console wraps at 160 columns)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_formats() -> None:

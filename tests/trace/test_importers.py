@@ -545,3 +545,19 @@ def test_a_bad_expert_in_an_npz_is_located_by_layer_and_token_not_line(tmp_path)
         import_trace("vllm-qwen3-prefill", [tmp_path / "q.npz"], tmp_path / "t.parquet")
     assert str(err.value).startswith(f"{tmp_path / 'q.npz'} layer 5 token 1, field 'topk_ids': expert id in "
                                      "[200, 1, 2, 3, 4, 5, 6, 7] outside [0, 128)")
+
+
+def test_each_summary_line_stays_one_line_when_piped(tmp_path):
+    """Piped, a summary line over 160 characters was broken in two ('layers\\nall of 32')."""
+    import subprocess
+    import sys
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    out = tmp_path / ("a-long-folder-name-" * 5) / "trace.parquet"
+    out.parent.mkdir()
+    shown = subprocess.run([sys.executable, "-m", "moesim.cli", "trace", "import", str(raw), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0 and len(lines[0]) > 160
+    assert lines[0].startswith(f"wrote {out} (speculative-moe, model mixtral-8x7b): ")
+    assert lines[0].endswith(" layers all of 32") and all(l.startswith(("wrote", "repaired", "dropped", "note"))
+                                                          for l in lines)
