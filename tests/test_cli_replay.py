@@ -157,6 +157,9 @@ def test_every_output_is_written(files, tmp_path, capsys):
     (["--system", "gpu-only-lru", "--model", "mixtral-8x7b"], ["does not match preset", "num_layers"]),
     (["--system", "all", "--set", "cache.slots_per_layer=2", "--timeline", "x.parquet"], ["need a single system"]),
     (["--window", "50:60", "--plot", "g.png"], ["no step in 50:60", "the trace has steps 0 to 6"]),
+    # the field as it was set (it was named 'expert_dtype', no such --set key)
+    (["--set", "memory.expert_dtype=fp7"], ["field 'memory.expert_dtype': unknown expert dtype 'fp7'",
+                                            "use one of bf16, fp16, fp8, int8, int4"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files

@@ -36,6 +36,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable
 
+from moesim.errors import ConfigError
 from moesim.hw.profile import Curve, ExpertCurve, HardwareProfile, RuntimeSpec
 from moesim.model.spec import DTYPE_BITS, ModelSpec, scale_bytes_per_param
 
@@ -105,7 +106,12 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.dtype = self.expert_dtype or self.model.expert_dtype
-        self.expert_bytes = self.model.expert_bytes(self.dtype)
+        try:
+            self.expert_bytes = self.model.expert_bytes(self.dtype)
+        except ConfigError as err:
+            if self.expert_dtype:  # the run's own dtype (--set memory.expert_dtype), named as the user set it
+                err.rename_field("memory.expert_dtype")
+            raise
         self._memo: dict[tuple[str, int], float] = {}
         m = self.model
         # what every attention call needs and never changes: its parameters and KV bytes per context
