@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure
 from moesim.errors import ConfigError, did_you_mean
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -212,7 +212,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
         warnings.warn(f"{source or 'results'}: {short}", UnevenMeans, stacklevel=2)
     heading = title or f"{label(y)} vs {label(x)}"
-    fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11)
+    fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -308,7 +308,8 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     better = f"{'higher' if x in HIGHER_IS_BETTER else 'lower'} x, {'higher' if y in HIGHER_IS_BETTER else 'lower'} y"
     note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
         else "one marker per run"
-    fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left", fontsize=11)
+    fit_width(fig, fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left",
+                                fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -528,8 +529,8 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
              "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)}}
             for _, r in rows.iterrows()]
     fig = plot_breakdown(runs)
-    fig.axes[0].set_title(f"time breakdown per system ({describe(where)})" if where else
-                          "time breakdown per system", loc="left", fontsize=11)
+    fit_width(fig, fig.axes[0].set_title(f"time breakdown per system ({describe(where)})" if where else
+                                         "time breakdown per system", loc="left", fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig

@@ -191,6 +191,35 @@ def _mark_boundaries(ax: Any, frame: pd.DataFrame, window: tuple[float, float]) 
                         color="#333333")
 
 
+def fit_width(fig: Figure, text: Any) -> None:
+    """Break the lines of a left-aligned title (``text``, a suptitle or an axes title) at spaces so that none
+    runs past the figure's right edge: a layout engine makes room for a title's height, never its width, so a
+    long title (a sweep point's settings, the note under a plot's heading) was cut off at the edge."""
+    import warnings
+    with warnings.catch_warnings():  # the title too wide yet may leave the axes no room: what this fixes
+        warnings.filterwarnings("ignore", message="constrained_layout not applied")
+        fig.draw_without_rendering()  # lay the figure out first: where the title starts
+    renderer = fig.canvas.get_renderer()
+    room = fig.bbox.x1 - text.get_window_extent(renderer).x0 - 6 * fig.dpi / 72  # a little short of the edge
+    font = text.get_fontproperties()
+
+    def width(line: str) -> float:
+        return renderer.get_text_width_height_descent(line, font, ismath=False)[0]
+
+    lines: list[str] = []
+    for line in text.get_text().split("\n"):
+        current = ""
+        for word in line.split(" "):
+            candidate = f"{current} {word}" if current else word
+            if current and width(candidate) > room:
+                lines.append(current)
+                current = word
+            else:
+                current = candidate
+        lines.append(current)
+    text.set_text("\n".join(lines))
+
+
 def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
                window: tuple[float, float] | None = None, steps: tuple[int, int] | None = None,
                title: str = "") -> Figure:
@@ -246,7 +275,8 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
         # below the axes: the title above says what is shown and may be long
         fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9)
     shown_label = window_label(frame, window)
-    fig.suptitle(f"{title}: {shown_label}" if title else shown_label, x=0.01, ha="left", fontsize=11)
+    fit_width(fig, fig.suptitle(f"{title}: {shown_label}" if title else shown_label, x=0.01, ha="left",
+                                fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig

@@ -265,3 +265,36 @@ def test_representative_skips_a_middle_value_whose_points_failed_there():
     ok = frame[frame["status"] == "ok"]
     assert representative(ok) == {"hw": "a100-40g", "cache.slots_per_layer": 1}
     fig_breakdown(frame)
+
+
+def _inside_figure(fig, text) -> bool:
+    """Whether every line of ``text`` (a title) ends inside the figure as saved."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    return text.get_window_extent(fig.canvas.get_renderer()).x1 <= fig.bbox.x1
+
+
+def test_long_titles_are_wrapped_inside_the_figure():
+    """A layout engine makes room for a title's height, not its width: the note under a plot's heading and
+    the breakdown's setting were cut off at the right edge ('... average 2 runs instead of 4 (runs fa')."""
+    frame = results()
+    frame.loc[frame["hw"] == "h100-pcie", "status"] = "error"  # fewer runs at some points: a long note
+    frame = frame.assign(**{"engine.kernels_per_expert": 1}, trace="traces/a-rather-long-trace-name.parquet")
+    frame = pd.concat([frame, frame.assign(trace="traces/another-rather-long-trace-name.parquet",
+                                           point_id=frame["point_id"] + "-2")], ignore_index=True)
+    frame.loc[(frame["trace"].str.contains("another")) & (frame["cache.slots_per_layer"] == 4), "status"] = "error"
+    with pytest.warns(UserWarning):
+        fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    title = fig._suptitle
+    assert "points average 1 runs instead of 2" in title.get_text().replace("\n", " ")
+    assert title.get_text().count("\n") >= 2 and _inside_figure(fig, title)
+    scatter = plot_scatter(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system",
+                           title="TPOT, mean (ms) against GPU cache slots per layer on every trace of this sweep")
+    assert _inside_figure(scatter, scatter._suptitle)
+    wide = frame.assign(**{f"engine.setting_{i}": i for i in range(4)})
+    bars = fig_breakdown(wide, {"trace": "traces/a-rather-long-trace-name.parquet", "hw": "a100-40g",
+                                "cache.slots_per_layer": 2, "engine.kernels_per_expert": 1})
+    heading = bars.axes[0].title if bars.axes[0].title.get_text() else bars.axes[0]._left_title
+    assert heading.get_text().replace("\n", " ") == ("time breakdown per system (trace=a-rather-long-trace-name.parquet, "
+                                                     "hw=a100-40g, cache.slots_per_layer=2, engine.kernels_per_expert=1)")
+    assert "\n" in heading.get_text() and _inside_figure(bars, heading)

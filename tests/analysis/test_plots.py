@@ -189,3 +189,15 @@ def test_breakdown_rejects_bad_input() -> None:
         plot_breakdown([], None)
     with pytest.raises(ConfigError, match="row 1"):
         plot_breakdown([_metrics("a", attention=1.0), {"system": "b"}], None)
+
+
+def test_a_long_gantt_title_is_wrapped_inside_the_figure() -> None:
+    """A sweep point's settings make a long title: it was cut off at the figure's right edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    title = "static-hot on t1.parquet, my.yaml (" + ", ".join(f"engine.setting_{i}={i}" for i in range(8)) + ")"
+    fig = plot_gantt(_decode_timeline(steps=3), title=title)
+    suptitle = fig._suptitle
+    assert suptitle.get_text().replace("\n", " ").startswith(title + ": steps 0-1 of 3")
+    assert "\n" in suptitle.get_text()
+    FigureCanvasAgg(fig).draw()
+    assert suptitle.get_window_extent(fig.canvas.get_renderer()).x1 <= fig.bbox.x1
