@@ -431,7 +431,7 @@ def trace_distances(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
     logged_b = [layer for layer in range(b.num_layers) if cb[layer].sum() > 0]
     in_both = sorted(set(logged_a) & set(logged_b))
     if not in_both:  # importers' per-layer logs of different layers
-        said = [listed(logged) or "none" for logged in (logged_a, logged_b)]
+        said = [_layer_list(logged) for logged in (logged_a, logged_b)]
         return {"comparable": False,
                 "reason": f"no MoE layer is logged in both traces (A logs {said[0]}, B logs {said[1]})", **counts}
     pa, pb = a.coactivation(), b.coactivation()
@@ -475,6 +475,13 @@ def _layer_counts(a: _Accumulator, b: _Accumulator) -> dict[str, Any]:
 def _layer_span(first: int, end: int) -> str:
     """Layers ``first`` to ``end - 1`` in words ("layer 3", "layers 3-5")."""
     return f"layer {first}" if end - first == 1 else f"layers {first}-{end - 1}"
+
+
+def _layer_list(layers: list[int]) -> str:
+    """"layer 3", "layers 0, 8, 12" or "no layer": a list of layer indices never read as a count."""
+    if not layers:
+        return "no layer"
+    return f"layer{'s' if len(layers) > 1 else ''} {listed(layers)}"
 
 
 def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
@@ -593,7 +600,7 @@ def render_distances(d: dict[str, Any], console: Any) -> None:
         console.print(f"distances: not computed ({d.get('reason')})", markup=False)
         return
     both = d.get("layers_in_both", [])
-    logged = f"; logged in both: {listed(both)}" if len(both) < d["layers_compared"] else ""
+    logged = f"; logged in both: {_layer_list(both)}" if len(both) < d["layers_compared"] else ""
     table = Table(title=f"distance of B from A ({d['layers_compared']} layers{logged})", title_justify="left")
     for col in ("measure", "mean", "worst layer", "per layer"):
         table.add_column(col, justify="left" if col in ("measure", "per layer") else "right")

@@ -95,11 +95,15 @@ def test_traces_of_different_logged_layers_say_they_share_none(tmp_path, capsys)
     two = write_partial_trace(tmp_path / "l2.parquet", [2])
     whole = write_partial_trace(tmp_path / "all.parquet", [0, 1, 2])
     d = compare_traces(one, two)["distances"]
-    assert not d["comparable"] and d["reason"] == "no MoE layer is logged in both traces (A logs 1, B logs 2)"
+    assert not d["comparable"] and d["reason"] == "no MoE layer is logged in both traces (A logs layer 1, B logs layer 2)"
     d = compare_traces(one, whole)["distances"]
     assert d["comparable"] and d["layers_compared"] == 3 and d["layers_in_both"] == [1]
     assert main(["trace", "compare", str(one), str(whole)]) == 0
-    assert "distance of B from A (3 layers; logged in both: 1)" in capsys.readouterr().out
+    # "logged in both: 1" read as one layer; it is layer 1 (and "0" as none)
+    assert "distance of B from A (3 layers; logged in both: layer 1)" in capsys.readouterr().out
+    two_of = write_partial_trace(tmp_path / "l12.parquet", [1, 2])
+    assert main(["trace", "compare", str(two_of), str(whole)]) == 0
+    assert "distance of B from A (3 layers; logged in both: layers 1, 2)" in capsys.readouterr().out
 
 
 def test_different_moe_layer_counts_are_said_to_differ(tmp_path, model, capsys):
