@@ -112,7 +112,7 @@ def _near_miss(path: Path) -> TraceFormatError | None:
         has = f"; it has '{close[0]}'" if close else f"; it has {', '.join(repr(k) for k in keys)}"
         where = "the npz" if what == "array" else "the first record"
         fix = (f"rename '{close[0]}' to '{name}'" if close else f"give a complete {fmt} log") + \
-              f", or name the format with --format (moesim trace import --list-formats)"
+              ", or name the format with --format (moesim trace import --list-formats)"
         return TraceFormatError(f"looks like a {fmt} log, but {where} has no {what} '{name}'{has}",
                                 source=str(path), field=name, fix=fix)
     return None
