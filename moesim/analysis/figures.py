@@ -522,6 +522,8 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
     data = ok_rows(frame)
     where = representative(data) if where is None else where
     rows = select(data, where).drop_duplicates("system")
+    # as every other figure orders them (registry order, bounds last), not as the workers happened to finish
+    rows = rows.set_index("system", drop=False).loc[ordered_systems(rows["system"].unique())]
     if rows.empty:
         raise ConfigError(f"no finished point with {describe(where)}", field="where",
                           fix="pick parameter values the sweep ran")

@@ -298,3 +298,18 @@ def test_long_titles_are_wrapped_inside_the_figure():
     assert heading.get_text().replace("\n", " ") == ("time breakdown per system (trace=a-rather-long-trace-name.parquet, "
                                                      "hw=a100-40g, cache.slots_per_layer=2, engine.kernels_per_expert=1)")
     assert "\n" in heading.get_text() and _inside_figure(bars, heading)
+
+
+def test_breakdown_bars_follow_registry_order_with_bounds_last():
+    """Rows come in the order the workers finished them: the bars followed it (a bound between systems)."""
+    frame = results().sample(frac=1.0, random_state=3).reset_index(drop=True)
+    frame = pd.concat([frame[frame["system"] == "all-in-gpu"], frame[frame["system"] == "static-hot"],
+                       frame[frame["system"] == "gpu-only-lru"]], ignore_index=True)
+    fig = fig_breakdown(frame, {"hw": "h100-pcie", "cache.slots_per_layer": 4})
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    totals = {}
+    for patch in ax.patches:
+        totals[round(patch.get_x(), 3)] = totals.get(round(patch.get_x(), 3), 0.0) + patch.get_height()
+    expected = sum((i + 1) * 4 * 0.5 for i in range(len(BREAKDOWN)))  # slots 4, h100 scale 0.5: all the same
+    assert list(totals.values()) == pytest.approx([expected] * 3)
