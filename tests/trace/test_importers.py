@@ -561,3 +561,15 @@ def test_each_summary_line_stays_one_line_when_piped(tmp_path):
     assert lines[0].startswith(f"wrote {out} (speculative-moe, model mixtral-8x7b): ")
     assert lines[0].endswith(" layers all of 32") and all(l.startswith(("wrote", "repaired", "dropped", "note"))
                                                           for l in lines)
+
+
+def test_a_flame_moe_npz_with_too_few_token_ids_names_token_ids(tmp_path):
+    """'indices' and 'scores' agree on 3 tokens; the 2 token ids are what is wrong (it blamed 'indices')."""
+    path = tmp_path / "short.npz"
+    np.savez(path, layers=np.array([2]), token_ids=np.array([5, 6]), indices=np.zeros((1, 3, 6), dtype=np.int64),
+             scores=np.zeros((1, 3, 6)))
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [path], tmp_path / "t.parquet")
+    assert err.value.field == "token_ids"
+    assert "2 token ids for the 3 tokens of 'indices' and 'scores'" in str(err.value)
+    assert not (tmp_path / "t.parquet").exists()

@@ -50,6 +50,10 @@ def _load(path: Path) -> dict[str, np.ndarray]:
         raise TraceFormatError("not a readable npz file", source=str(path), fix="give the .npz extract") from None
     layers, indices = arrays["layers"], arrays["indices"]
     tokens = len(arrays["token_ids"])
+    if indices.ndim == 3 and arrays["scores"].shape == indices.shape and indices.shape[1] != tokens:
+        # the routing arrays agree with each other: the token ids are the odd one out
+        raise TraceFormatError(f"{tokens} token ids for the {indices.shape[1]} tokens of 'indices' and 'scores'",
+                               source=str(path), field="token_ids", fix="one token id per routed token")
     expected = (len(layers), tokens, indices.shape[-1] if indices.ndim == 3 else 0)
     for name in ("indices", "scores"):
         if arrays[name].shape != expected or expected[2] != 6:
