@@ -202,10 +202,6 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if logy if logy is not None else _wide(data[y]):
         for ax in axes.flat:
             log_axis(ax)
-    if hue:
-        handles = [_handle(styles[h], "line" if numeric_x else "bar") for h in hues]
-        fig.legend(handles, [str(h) for h in hues], title=label(hue), loc="outside right center", frameon=False,
-                   fontsize=9)
     note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
     short = fewer_runs(runs)
     if short:
@@ -213,12 +209,36 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         warnings.warn(f"{source or 'results'}: {short}", UnevenMeans, stacklevel=2)
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
+    if hue:
+        side_legend(fig, [_handle(styles[h], "line" if numeric_x else "bar") for h in hues], [str(h) for h in hues],
+                    label(hue))
     if path is not None:
         save_figure(fig, path)
     return fig
 
 
 # ----------------------------------------------------------------------------- metric against metric
+def side_legend(fig: Figure, handles: list[Any], names: list[str], title: str | None) -> Any:
+    """The legend right of the panels, in as many columns as keep it clear of the title and inside the figure:
+    in one column, many systems (``systems: all``) made it taller than the panels and it ran over the title."""
+    import warnings as _warnings
+    for ncols in range(1, 5):
+        legend = fig.legend(handles, names, title=title, loc="outside right center", frameon=False, fontsize=9,
+                            ncols=ncols)
+        if ncols == 4 or fig.get_suptitle() == "":
+            return legend
+        with _warnings.catch_warnings():
+            _warnings.filterwarnings("ignore", message="constrained_layout not applied")
+            fig.draw_without_rendering()
+        renderer = fig.canvas.get_renderer()
+        box = legend.get_window_extent(renderer)
+        inside = box.y0 >= fig.bbox.y0 and box.y1 <= fig.bbox.y1
+        if inside and not box.overlaps(fig._suptitle.get_window_extent(renderer)):
+            return legend
+        legend.remove()
+    raise AssertionError("unreachable")
+
+
 def pareto_front(x: np.ndarray, y: np.ndarray, *, maximize_x: bool = False, maximize_y: bool = False) -> np.ndarray:
     """Indices of the points no other point beats on both axes (ties kept once), sorted by x.
 
@@ -302,14 +322,13 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     if drew_front:
         handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
         names.append("Pareto front")
-    if handles:  # centred on the right: clear of the two title lines
-        fig.legend(handles, names, title=label(hue) if hue else None, loc="outside right center", frameon=False,
-                   fontsize=9)
     better = f"{'higher' if x in HIGHER_IS_BETTER else 'lower'} x, {'higher' if y in HIGHER_IS_BETTER else 'lower'} y"
     note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
         else "one marker per run"
     fit_width(fig, fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left",
                                 fontsize=11))
+    if handles:  # centred on the right, clear of the title lines
+        side_legend(fig, handles, names, label(hue) if hue else None)
     if path is not None:
         save_figure(fig, path)
     return fig

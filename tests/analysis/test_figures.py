@@ -313,3 +313,31 @@ def test_breakdown_bars_follow_registry_order_with_bounds_last():
         totals[round(patch.get_x(), 3)] = totals.get(round(patch.get_x(), 3), 0.0) + patch.get_height()
     expected = sum((i + 1) * 4 * 0.5 for i in range(len(BREAKDOWN)))  # slots 4, h100 scale 0.5: all the same
     assert list(totals.values()) == pytest.approx([expected] * 3)
+
+
+def _many_systems() -> pd.DataFrame:
+    from moesim.policy.systems import SYSTEMS
+    names = [s for s in SYSTEMS][:18]
+    return pd.DataFrame([{"point_id": f"{s}-{slots}", "trace": "t.parquet", "hw": "a100-40g", "system": s,
+                          "seed": 0, "cache.slots_per_layer": slots, "status": "ok", "error": "",
+                          "tpot_ms_mean": 10.0 * (i + 1) / slots, "gpu_memory_gib": 4.0 * slots + i}
+                         for i, s in enumerate(names) for slots in (1, 2)])
+
+
+def test_a_long_legend_stays_clear_of_the_title_and_inside_the_figure():
+    """18 systems (`systems: all`) in one legend column ran over the scatter's two title lines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    for fig in (plot_scatter(_many_systems(), x="gpu_memory_gib", y="tpot_ms_mean"),
+                plot_results(_many_systems(), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")):
+        FigureCanvasAgg(fig).draw()
+        renderer = fig.canvas.get_renderer()
+        (legend,) = fig.legends
+        box = legend.get_window_extent(renderer)
+        assert not box.overlaps(fig._suptitle.get_window_extent(renderer))
+        assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+        texts = [t.get_text() for t in legend.get_texts()]
+        assert len([t for t in texts if t != "Pareto front"]) == 18
+    scatter = plot_scatter(_many_systems(), x="gpu_memory_gib", y="tpot_ms_mean")
+    assert scatter.legends[0]._ncols == 2  # the two title lines span the figure: two columns fit below them
+    line = plot_results(_many_systems().head(6), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    assert line.legends[0]._ncols == 1  # a short legend keeps one column
