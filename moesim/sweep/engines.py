@@ -58,6 +58,9 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     check_spec(spec, points)
     started = time.perf_counter()
     store = ResultStore(out)
+    # OUT in spec order with the parameters first, whichever worker finished first (rows of points outside
+    # the spec after them): the same sweep writes the same file
+    store.arrange = lambda frame: _ordered(_in_order(frame, [p.point_id for p in points]), spec)
     bar = ProgressBar(progress, console)
     complete = False
     failed = 0
@@ -102,6 +105,15 @@ def default_workers() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def _in_order(frame: Any, ids: list[str]) -> Any:
+    """``frame``'s rows with the points ``ids`` lists first, in that order, then the others as they were."""
+    if frame.empty:
+        return frame
+    rank = {pid: i for i, pid in enumerate(ids)}
+    key = [rank.get(pid, len(rank) + i) for i, pid in enumerate(frame["point_id"])]
+    return frame.iloc[sorted(range(len(frame)), key=key.__getitem__)]
 
 
 def _ordered(frame: Any, spec: SweepSpec) -> Any:

@@ -8,7 +8,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from moesim.errors import ConfigError
 from moesim.sweep.spec import setting_str
@@ -34,6 +34,8 @@ class ResultStore:
         self._lock_fd: int | None = None
         self._flushed_at = time.monotonic()
         self._dirty = False
+        #: how ``OUT`` is laid out (rows and columns), e.g. in spec order; None: as the rows came
+        self.arrange: Callable[[Any], Any] | None = None
         if self.out is not None:
             self._check_out()
             self._lock()
@@ -71,7 +73,8 @@ class ResultStore:
         if self.out is None or not self.rows:
             return
         clean_stale_tmps(self.out)  # of sweeps killed while they rewrote it
-        _write_parquet_atomic(_arrow_table(self.frame()), self.out)
+        frame = self.frame()
+        _write_parquet_atomic(_arrow_table(self.arrange(frame) if self.arrange else frame), self.out)
         self._flushed_at = time.monotonic()
         self._dirty = False
 

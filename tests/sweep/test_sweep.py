@@ -295,6 +295,28 @@ def test_rerun_skips_finished_points_and_retries_failed_ones(files):
     assert sorted(pd.read_parquet(out)["cache.slots_per_layer"]) == [1, 2, 3, 6]
 
 
+def test_the_results_file_is_in_spec_order_whichever_point_finished_first(files):
+    """The file held rows in the order points finished (a resumed or parallel sweep shuffled them) and, when
+    the first to finish had failed, its columns began with the wall-clock ones: the same sweep wrote
+    different files, unlike the frame `moesim.sweep` returns."""
+    out = files / "r.parquet"
+    run_sweep(load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [6, 2]},
+                                   set=TIGHT_GPU)), out, workers=1)
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 3]},
+                                set=TIGHT_GPU))
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.skipped) == (2, 1)
+    stored = pd.read_parquet(out)
+    # the spec's points in its order, then the row of the point outside it
+    assert stored["cache.slots_per_layer"].tolist() == [1, 2, 3, 6]
+    assert stored["status"].tolist() == ["ok", "ok", "ok", "error"]
+    columns = stored.columns.tolist()
+    assert columns[:9] == ["point_id", "trace", "hw", "system", "seed", *TIGHT_GPU, "cache.slots_per_layer"]
+    assert columns.index("tpot_ms_mean") < columns.index("point_wall_s") < columns.index("input_fingerprint")
+    assert columns == frame.columns.tolist()
+    pd.testing.assert_frame_equal(stored.head(3), frame)
+
+
 def test_a_resume_runs_again_the_points_whose_profile_or_trace_changed(files, capsys):
     """Issue: a point's id holds the file names only; the files' fingerprint, stored with its row, tells
     a resume that an edited profile (its content) or a rewritten trace (its size and mtime) needs a rerun."""
