@@ -40,6 +40,8 @@ class SweepSummary:
     changed: int = 0
     #: of ``ran``: points run again because the worker process running them died
     retried: int = 0
+    #: rows ``out`` holds of points outside the spec (another sweep's, or of a grid since changed), kept there
+    others: int = 0
 
 
 def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers: int | None = None,
@@ -94,8 +96,10 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
         bar.stop()
         store.close(complete=complete)
     frame = _ordered(store.frame([p.point_id for p in points]), spec)
+    ids = {p.point_id for p in points}
     summary = SweepSummary(points=len(points), skipped=len(points) - len(todo), ran=len(todo), failed=failed,
-                           wall_s=time.perf_counter() - started, changed=changed, retried=retried)
+                           wall_s=time.perf_counter() - started, changed=changed, retried=retried,
+                           others=sum(pid not in ids for pid in store.rows))
     return frame, summary
 
 

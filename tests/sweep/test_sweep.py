@@ -271,7 +271,9 @@ def test_a_sweep_whose_every_point_fails_on_its_input_writes_nothing_and_says_so
     assert main(["sweep", str(bad), "--out", str(out), "--workers", "1"]) == 2
     stdout, err = capsys.readouterr()
     line = " ".join(stdout.split())  # rich wraps long lines
-    assert line.startswith("2 points: 2 run, 0 already") and line.endswith(f"-> {out}")
+    assert line.startswith("2 points: 2 run, 0 already")
+    assert line.endswith(f"-> {out}; it also holds 1 row of points outside this spec, which `moesim plot` and "
+                         "`moesim report` show too (another file keeps sweeps apart)")
     assert err.count("\n") == 1 and err.count("(fix: ") == 1 and f"column 'error' of {out}" in err
     assert sorted(pd.read_parquet(out)["status"]) == ["error", "error", "ok"]
 
@@ -315,6 +317,25 @@ def test_the_results_file_is_in_spec_order_whichever_point_finished_first(files)
     assert columns.index("tpot_ms_mean") < columns.index("point_wall_s") < columns.index("input_fingerprint")
     assert columns == frame.columns.tolist()
     pd.testing.assert_frame_equal(stored.head(3), frame)
+
+
+def test_the_summary_says_when_the_output_holds_rows_of_another_sweep(files, capsys):
+    """Rows of points outside the spec stay in the output, and plot and report read them all: the summary
+    said only '2 points: 2 run, 0 already in r.parquet', as if the file held this sweep alone."""
+    out = files / "r.parquet"
+    first = write_spec(files, systems=["gpu-only-lru", "cpu-only"], grid={"cache.slots_per_layer": [1, 2]})
+    assert main(["sweep", str(first), "--out", str(out), "--workers", "1"]) == 0
+    line = " ".join(capsys.readouterr().out.split())
+    assert line.startswith("4 points: 4 run, 0 already") and "outside this spec" not in line
+    other = write_spec(files, systems=["static-hot"], grid={"cache.slots_per_layer": [1, 2]})
+    assert main(["sweep", str(other), "--out", str(out), "--workers", "1"]) == 0
+    line = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert line.startswith("2 points: 2 run, 0 already in")
+    assert line.endswith(f"-> {out}; it also holds 4 rows of points outside this spec, which `moesim plot` and "
+                         "`moesim report` show too (another file keeps sweeps apart)")
+    assert len(pd.read_parquet(out)) == 6
+    assert main(["sweep", str(other), "--out", str(out), "--workers", "1"]) == 0  # a resume says it again
+    assert "2 already in" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_resume_runs_again_the_points_whose_profile_or_trace_changed(files, capsys):
