@@ -71,6 +71,22 @@ def python_names() -> Any:
         raise
 
 
+@contextlib.contextmanager
+def keyword_fields(params: Mapping[str, Any]) -> Any:
+    """An error about a parameter given as a keyword argument names that keyword (``cache__alpha``), as the
+    caller spelled it, not the dotted ``--set`` key (``cache.alpha``); a profile field an ``hw__`` keyword set
+    (``gpu.memory_gib`` of ``hw__gpu__memory_gib``) too."""
+    try:
+        yield
+    except MoesimError as err:
+        names = {sweep_module.normalize_key(k): k for k in params}
+        field_ = err.field or ""
+        name = names.get(field_) or (names.get(f"hw.{field_}") if "." in field_ else None)
+        if name is not None:
+            err.rename_field(name)
+        raise
+
+
 def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
     """``--set`` settings from a dict and keyword arguments (``cache__slots_per_layer=4``).
 
@@ -170,8 +186,9 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
     checked_run_inputs(hw, seed, system)
-    result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model, seed=int(seed),
-                      timeline=timeline, decisions=decisions)
+    with keyword_fields(params):
+        result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model,
+                          seed=int(seed), timeline=timeline, decisions=decisions)
     raw = metrics(result)
     frames = result_to_frames(result)
     row = {"trace": str(trace), "hw": str(hw), "system": system, "seed": int(seed),
@@ -349,7 +366,8 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
     checked_run_inputs(hw, seed, system)
     try:
-        result = run_serving(paths, hw, system, merged, seed=int(seed))
+        with keyword_fields(params):
+            result = run_serving(paths, hw, system, merged, seed=int(seed))
     except MoesimError as err:  # a value given as a shorthand: its error under that keyword
         if err.field in short and err.field not in (settings or {}):
             err.rename_field(err.field.removeprefix("workload."))

@@ -141,6 +141,13 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
     (lambda trace, hw: moesim.serve(trace, hw=hw, qps=0), "qps"),  # the shorthand, not workload.qps
     (lambda trace, hw: moesim.serve(trace, hw=hw, requests=0), "requests"),
     (lambda trace, hw: moesim.replay(trace, hw=hw).plot_timeline(steps=(100, 200)), "steps"),
+    # a bad value of a keyword parameter: the keyword, not the dotted key (they said 'prefetch.eviction')
+    (lambda trace, hw: moesim.replay(trace, hw=hw, system="smoe", prefetch__eviction="x"), "prefetch__eviction"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, engine__staging_slots=0), "engine__staging_slots"),
+    (lambda trace, hw: moesim.replay(trace, hw=hw, cache__slots_per_layer="x"), "cache__slots_per_layer"),
+    (lambda trace, hw: moesim.serve(trace, hw=hw, requests=2, engine__staging_slots=0), "engine__staging_slots"),
+    # given as a dict of dotted keys, it keeps the dotted key
+    (lambda trace, hw: moesim.replay(trace, hw=hw, settings={"engine.staging_slots": 0}), "engine.staging_slots"),
 ])
 def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, field):
     """The command line says --system and --set; a Python caller gave system= and cache__alpha=."""
@@ -149,6 +156,15 @@ def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, fi
         call(trace, hw)
     assert err.value.field == field
     assert f"field '{field}'" in str(err.value) and "--" not in str(err.value).split(":")[0]
+
+
+def test_a_profile_field_set_by_a_keyword_is_named_by_that_keyword(files):
+    """hw__gpu__nope=1 is no profile field: the error said field 'gpu.nope', a name the caller never wrote."""
+    from moesim.errors import ProfileError
+    trace, hw = files
+    with pytest.raises(ProfileError) as err:
+        moesim.replay(trace, hw=hw, hw__gpu__nope=1)
+    assert err.value.field == "hw__gpu__nope" and "field 'hw__gpu__nope': no such profile field" in str(err.value)
 
 
 @pytest.mark.parametrize("kwargs, words", [
