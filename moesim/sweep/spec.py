@@ -285,8 +285,8 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> An
             field_, seed = _setting_field(spec, err.detail)
             if seed:
                 fix = "seeds are not a --set parameter: list them at the top level, e.g. seeds: [0, 1]"
-        elif field_ is None and err.field:  # a profile field an hw.* override names: the spec's name for it
-            field_ = _spec_field(spec, f"hw.{err.field}")
+        elif field_ is None and err.field:  # a profile field an hw.* override names, or a parameter's value:
+            field_ = _spec_field(spec, f"hw.{err.field}") or _spec_field(spec, err.field)  # the spec's name
         raise ConfigError(f"{err.detail}{where}", source=spec.source, field=field_ or err.field,
                           row=err.row, fix=fix) from None
 

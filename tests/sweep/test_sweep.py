@@ -122,6 +122,11 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     ({"grid": {"hw.pcie.bandwith_scale": [1.0]}}, "field 'grid.hw.pcie.bandwith_scale'",
      "did you mean bandwidth_scale?"),
     ({"set": {"hw.pcie.bandwidth_scale": "fast"}}, "field 'set.hw.pcie.bandwidth_scale'", "write a number"),
+    # a value of the wrong type: named where the spec gives it too (it said field 'cache.slots_per_layer')
+    ({"grid": {"cache.slots_per_layer": [1, "two"]}}, "field 'grid.cache.slots_per_layer': 'two' is not",
+     "write e.g. cache.slots_per_layer=2"),
+    ({"zip": [{"cache.slots_per_layer": [1, 2.5], "engine.staging_slots": [1, 2]}]},
+     "field 'zip[0].cache.slots_per_layer': '2.5' is not", "write e.g."),
 ])
 def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, sections, field, fix):
     path = files / "spec.yaml"
