@@ -451,3 +451,28 @@ def test_a_percentile_at_its_bounds_runs(files, capsys):
         code, out, err = run(["replay", trace, "--hw", hw, "--system", "buddymoe", "--set", "cache.slots_per_layer=2",
                               "--set", f"substitute.tau_percentile={value}"], capsys)
         assert code == 0 and "TPOT" in out, err
+
+
+def test_systems_name_lists_cache_slots_runtime_and_the_dtypes(files, capsys):
+    """`moesim systems NAME` lists every --set parameter: cache.slots and runtime were missing (the README
+    documents both), and the dtype parameters did not say which dtypes they take."""
+    code, out, _ = run(["systems", "smoe", "--json", "-"], capsys)
+    params = {p["key"]: p for p in json.loads(out)["parameters"]}
+    assert code == 0
+    assert params["cache.slots"]["default"] is None and params["cache.slots"]["unit"] == "experts"
+    assert "spread over the layers" in params["cache.slots"]["meaning"]
+    assert params["runtime"]["default"] == "ktransformers-eager"  # smoe's own
+    assert "generic" in params["runtime"]["meaning"] and "ideal" in params["runtime"]["meaning"]
+    for key in ("memory.non_expert_dtype", "memory.expert_dtype"):
+        assert params[key]["meaning"].endswith("; one of bf16, fp16, fp8, int8, int4")
+    code, out, _ = run(["systems", "buddymoe", "--json", "-"], capsys)
+    last = json.loads(out)["parameters"][-1]
+    assert (last["key"], last["default"]) == ("runtime", "llamacpp")
+    code, out, _ = run(["systems", "smoe"], capsys)
+    flat = " ".join(out.split())
+    assert "│ cache.slots │" in flat and "│ runtime │ ktransformers-eager │" in flat
+    # each is a --set parameter replay takes
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "smoe", "--set", "cache.slots=4",
+                          "--set", "runtime=ideal"], capsys)
+    assert code == 0, err

@@ -312,12 +312,41 @@ def _systems_json() -> list[dict]:
             for system, spec in SYSTEMS.items()]
 
 
+def _system_rows(name: str) -> list:
+    """``system_parameter_docs`` of ``name`` with what every system also takes: ``cache.slots`` beside
+    ``cache.slots_per_layer``, ``runtime`` with the system's own and the names it takes, and the dtypes
+    ``memory.*_dtype`` take."""
+    import dataclasses
+
+    from moesim.analysis.params import ParamDoc, system_parameter_docs
+    from moesim.model.spec import DTYPE_BITS
+    from moesim.policy.systems import SYSTEMS
+    dtypes = ", ".join(DTYPE_BITS)
+    rows = []
+    for key, doc, note in system_parameter_docs(name):
+        if doc is not None and key in ("memory.non_expert_dtype", "memory.expert_dtype"):
+            doc = dataclasses.replace(doc, meaning=f"{doc.meaning}; one of {dtypes}")
+        rows.append((key, doc, note))
+        if key == "cache.slots_per_layer":
+            rows[-1] = (key, dataclasses.replace(doc, meaning=f"{doc.meaning}; one number for every layer or a "
+                                                 "list of one per layer, e.g. [2,1,2,...]"), note)
+            rows.append(("cache.slots", ParamDoc(
+                "slots", None, "int", "experts",
+                "GPU expert slots in all, spread over the layers by the system's cache (default: as many as fit "
+                "in GPU memory); give it or cache.slots_per_layer"), note))
+    rows.append(("runtime", ParamDoc(
+        "runtime", SYSTEMS[name].runtime, "str", "",
+        "the software the system runs on (kernel launches, CUDA Graph, CPU kernel efficiency): generic (the "
+        "profile's gpu section), ideal (no launch or host costs) or a runtime of the profile (the bundled ones: "
+        "ktransformers, ktransformers-eager, pytorch-eager, llamacpp)"), "every system"))
+    return rows
+
+
 def _system_json(name: str) -> dict:
     """What ``moesim systems NAME`` lists: the components in use and every --set parameter."""
-    from moesim.analysis.params import system_parameter_docs
     from moesim.policy.systems import SYSTEMS, check_system_name
     check_system_name(name, field="NAME")
-    rows = system_parameter_docs(name)
+    rows = _system_rows(name)
     return {"name": name, "description": SYSTEMS[name].description,
             "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
                            for key, doc, note in rows if doc is None],
@@ -329,7 +358,7 @@ def _print_system(name: str) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from moesim.analysis.params import format_default, system_parameter_docs
+    from moesim.analysis.params import format_default
     from moesim.policy.systems import SYSTEMS, check_system_name
     check_system_name(name, field="NAME")
     console.print(f"[bold]{name}[/]: {escape(SYSTEMS[name].description)}", highlight=False, markup=True)
@@ -338,7 +367,7 @@ def _print_system(name: str) -> None:
     table.add_column("default", no_wrap=True)
     table.add_column("unit", no_wrap=True)
     table.add_column("meaning", ratio=1, overflow="fold")
-    for key, doc, note in system_parameter_docs(name):
+    for key, doc, note in _system_rows(name):
         if doc is None:
             table.add_row(Text(key, style="cyan"), "", "", note, style="dim" if key.endswith("= none") else None)
         else:
