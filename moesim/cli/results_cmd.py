@@ -182,13 +182,21 @@ def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None
 @click.option("--title", default=None, help="Page title [default: the results file name].")
 def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
     """One self-contained HTML page (images embedded) with the standard figures and tables of a sweep."""
-    from moesim.analysis.figures import load_results
+    import warnings
+
+    from moesim.analysis.figures import UnevenMeans, load_results
     from moesim.analysis.html_report import write_report
     check_outputs([("RESULTS", results)], {"out": HTML}, out=out)
     frame = load_results(results)
     missing: list[str] = []
-    with open_output(out, "--out") as path:
+    with warnings.catch_warnings(record=True) as caught, open_output(out, "--out") as path:
+        warnings.simplefilter("always", UnevenMeans)
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results, missing=missing)
     say_wrote(console, f"wrote {out}")
     for reason in missing:
         console.print(f"[yellow]note:[/] {escape(reason)}", highlight=False, markup=True)
+    for warning in caught:  # as `moesim plot` says it (the figure says it too), not as a Python warning
+        if issubclass(warning.category, UnevenMeans):
+            err_console.print(f"note: {warning.message}", highlight=False, markup=False)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)

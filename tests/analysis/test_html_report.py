@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -125,3 +126,24 @@ def test_every_point_names_the_runtime_it_ran_on(sweep_results, tmp_path):
     assert head[-1] == "runtime"
     runtimes = re.findall(r"<td>(generic|ideal)</td>\s*</tr>", table)
     assert sorted(set(runtimes)) == ["generic", "ideal"]  # cpu-only and gpu-only-lru; all-in-gpu
+
+
+def test_cli_report_says_unevenly_averaged_points_as_a_note_naming_the_figure(tmp_path, capsys):
+    """Points of the TPOT figure averaging fewer runs came out as a raw Python warning
+    ('.../figures.py:462: UnevenMeans: results: ...' and the source line), where `moesim plot` says a note."""
+    import warnings
+
+    from moesim.analysis.figures import UnevenMeans
+    one = results()
+    frame = pd.concat([one, one.assign(seed=1, point_id=one["point_id"] + "-1")], ignore_index=True)
+    # seed 1 of gpu-only-lru at 4 slots on the A100 failed: that point of the figure averages 1 run, not 2
+    frame.loc[(frame["seed"] == 1) & (frame["point_id"] == "a100-40g-gpu-only-lru-4-1"), "status"] = "error"
+    path = tmp_path / "r.parquet"
+    frame.to_parquet(path)
+    report = tmp_path / "report.html"
+    with warnings.catch_warnings(record=True) as leaked:
+        warnings.simplefilter("always")
+        assert main(["report", str(path), "--out", str(report), "--no-gantt"]) == 0
+    assert not [w for w in leaked if issubclass(w.category, UnevenMeans)]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "note: TPOT vs GPU cache slots per layer: 1 of 18 points average 1 runs instead of 2" in err
