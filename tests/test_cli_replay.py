@@ -476,3 +476,23 @@ def test_systems_name_lists_cache_slots_runtime_and_the_dtypes(files, capsys):
     code, out, err = run(["replay", trace, "--hw", hw, "--system", "smoe", "--set", "cache.slots=4",
                           "--set", "runtime=ideal"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("option, name, kind", [("--chrome-trace", "timeline.parquet", "Parquet"),
+                                                ("--json", "gantt.png", "a figure"),
+                                                ("--json", "spec.yaml", "YAML")])
+def test_a_json_output_named_as_another_format_is_refused_and_that_file_kept(files, tmp_path, capsys, option, name,
+                                                                             kind):
+    """--chrome-trace timeline.parquet replaced an earlier run's timeline with JSON (a slip of the option);
+    a JSON output named as a Parquet, figure or YAML file is now refused before the run, the file left as it was."""
+    trace, hw = files
+    target = tmp_path / name
+    target.write_bytes(b"an earlier output")
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", option, str(target)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"field '{option}': this output is written as JSON, but its name has '{target.suffix}' ({kind}" in err
+    assert f"(fix: name it e.g. {target.stem}.json)" in err and "TPOT" not in out
+    assert target.read_bytes() == b"an earlier output"
+    code, _, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", option,  # any other name is taken
+                      str(tmp_path / "out.txt")], capsys)
+    assert code == 0 and (tmp_path / "out.txt").read_text().lstrip().startswith("{")

@@ -114,7 +114,24 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
                     raise MoesimError(f"would overwrite {what} ({other} {other_path})", source=path,
                                       field=option, fix="write it to another file")
         check_output_path(path, option, (formats or {}).get(key))
+        if (formats or {}).get(key) is None:
+            _not_named_as_another_format(path, option)
         written.append((option, path))
+
+
+def _not_named_as_another_format(path: str, option: str) -> None:
+    """A JSON output (``--json``, ``--chrome-trace``: no format of their own to end in) named as a file of
+    another format (``timeline.parquet``, ``gantt.png``) is refused: it is a slip that would replace that
+    file with JSON."""
+    from moesim.util import OUTPUT_FORMATS, is_special_file
+    suffix = Path(path).suffix.lower()
+    if is_special_file(Path(path)):
+        return
+    for kind, suffixes in OUTPUT_FORMATS.items():
+        if suffix in suffixes:
+            raise MoesimError(f"this output is written as JSON, but its name has '{Path(path).suffix}' "
+                              f"({kind})", source=path, field=option,
+                              fix=f"name it e.g. {Path(path).with_suffix('.json').name}")
 
 
 def to_stdout(path: str | None) -> bool:
