@@ -74,6 +74,9 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     if "point_id" not in frame.columns or "status" not in frame.columns:
         raise ConfigError("not a sweep result (no 'point_id'/'status' columns)", source=str(path),
                           fix="give the --out file of `moesim sweep`")
+    if frame.empty:  # not "every point failed": there are none
+        raise ConfigError("the results file holds no points", source=str(path),
+                          fix="run `moesim sweep SPEC.yaml --out` into it first")
     return frame
 
 
@@ -86,6 +89,11 @@ def varying(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:
     return [c for c in columns if c in frame.columns and frame[c].nunique(dropna=False) > 1]
 
 
+#: other words for a base parameter, suggested when a column of that name is asked for (too far apart to spell alike)
+COLUMN_WORDS = {"hardware": "hw", "profile": "hw", "gpu": "hw", "policy": "system", "systems": "system",
+                "traces": "trace", "seeds": "seed"}
+
+
 def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None) -> str:
     """``name`` (or its ``__`` spelling) if ``frame`` has it, else one line listing what it has."""
     for candidate in (name, name.replace("__", ".")):
@@ -93,9 +101,10 @@ def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None)
             return candidate
     params = parameter_columns(frame)
     metrics = [c for c in frame.columns if c not in params and frame[c].dtype.kind in "biuf"]
+    word = COLUMN_WORDS.get(name.lower())
+    hint = f"did you mean '{word}'? " if word in params else did_you_mean(name, params + metrics)
     raise ConfigError(f"no column '{name}'", source=source, field=role,
-                      fix=f"{did_you_mean(name, params + metrics)}parameters: {', '.join(params)}; "
-                          f"metrics: {', '.join(metrics)}")
+                      fix=f"{hint}parameters: {', '.join(params)}; metrics: {', '.join(metrics)}")
 
 
 class UnevenMeans(UserWarning):
@@ -111,7 +120,8 @@ def fewer_runs(runs: pd.Series | None) -> str:
     most = int(runs.max())
     short = runs[runs < most]
     few = f"{int(short.min())}" if short.min() == short.max() else f"{int(short.min())} to {int(short.max())}"
-    return (f"{len(short)} of {len(runs)} points average {few} runs instead of {most} (runs failed or not "
+    runs_word = "run" if few == "1" else "runs"
+    return (f"{len(short)} of {len(runs)} points average {few} {runs_word} instead of {most} (runs failed or not "
             "run, or an x value that several settings share)")
 
 
@@ -171,6 +181,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if data.empty:
         raise ConfigError(f"column '{y}' has no finite values", source=source, field="--y",
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
+    data = as_groups(data, (hue, facet))
     shown = {x, hue, facet} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
     runs = data.groupby([c for c in (facet, hue, x) if c], dropna=False)[y].size() if averaged else None
@@ -202,7 +213,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if logy if logy is not None else _wide(data[y]):
         for ax in axes.flat:
             log_axis(ax)
-    note = f"mean over {', '.join(averaged)} (band: min to max)" if averaged else ""
+    spread = "band" if numeric_x else "error bars"
+    note = f"mean over {', '.join(averaged)} ({spread}: min to max)" if averaged else ""
     short = fewer_runs(runs)
     if short:
         note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
@@ -281,6 +293,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     if data.empty:
         raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="--y",
                           fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
+    data = as_groups(data, (hue, facet))
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
@@ -353,8 +366,29 @@ def sorted_values(series: pd.Series) -> list[Any]:
     values = list(series.dropna().unique())
     try:
         return sorted(values)
-    except TypeError:
-        return sorted(values, key=str)
+    except TypeError:  # numbers, then words (a parameter's values and its NOT_SET)
+        return sorted(values, key=lambda v: (isinstance(v, str), v if isinstance(v, str) else float(v)))
+
+
+#: the hue or panel of runs that did not set a parameter (their sweep left it at the system's default)
+NOT_SET = "default"
+
+
+def as_groups(data: pd.DataFrame, columns: Sequence[str | None]) -> pd.DataFrame:
+    """``data`` with each of ``columns`` (hue, facet) fit to name lines and panels: whole numbers stored as
+    floats (a parameter some rows lack reads back as float) shown as whole numbers, and a missing value as
+    :data:`NOT_SET` (rows of a sweep that left the parameter at its default were dropped unseen)."""
+    out = data
+    for name in filter(None, columns):
+        values = data[name]
+        whole = values.dtype.kind == "f" and bool(np.all(np.mod(values.dropna(), 1) == 0))
+        if not whole and not values.isna().any():
+            continue
+        if out is data:
+            out = data.copy()
+        out[name] = pd.Series([NOT_SET if pd.isna(v) else int(v) if whole else v for v in values],
+                              index=values.index, dtype=object)
+    return out
 
 
 def _style(i: int, system: str | None) -> dict[str, Any]:
@@ -471,6 +505,11 @@ def prefetch_parameter(frame: pd.DataFrame) -> str | None:
     return None
 
 
+def prefetched(data: pd.DataFrame) -> bool:
+    """Whether any run issued a prefetch."""
+    return "prefetches" in data.columns and bool(data["prefetches"].fillna(0).gt(0).any())
+
+
 def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
     """GPU hit rate against the prefetch count: a varied ``prefetch.*`` parameter, else prefetches issued."""
     param = prefetch_parameter(frame)
@@ -478,6 +517,12 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
         return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facet_for(frame, (param,)),
                             path=path, title=f"GPU hit rate vs {param}")
     data = ok_rows(frame)
+    if not prefetched(data):  # every marker would sit at x = 0: the hit rate by cache size (or system) instead
+        slots = slots_column(data)
+        x = slots if data[slots].nunique() > 1 else "system"
+        return plot_results(data, x=x, y="gpu_hit_rate", hue="system" if x != "system" else None,
+                            facet=facet_for(data, (x,)), path=path,
+                            title=f"GPU hit rate vs {label(x)} (no run prefetched)")
     fig = DisplayFigure(figsize=(8.4, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -625,8 +670,10 @@ def standard_figures(frame: pd.DataFrame, *, gantt: bool = True) -> dict[str, tu
     out["tpot_vs_slots"] = (fig_tpot_vs_slots(data), "TPOT (mean time per output token) against GPU cache slots "
                             "per layer; dashed lines are bounds, bands span points averaged together.") \
         if data[slots].nunique() > 1 else (None, "the sweep varies no cache size")
+    against = "prefetching" if prefetched(data) or prefetch_parameter(data) else \
+        "the cache size (or per system): no run prefetched"
     out["hit_rate_vs_prefetch"] = (fig_hit_rate_vs_prefetch(data), "GPU hit rate (activated experts resident "
-                                   "when their layer is planned) against prefetching.")
+                                   f"when their layer is planned) against {against}.")
     where = representative(data)
     out["breakdown"] = (fig_breakdown(data, where), "Time per category summed over all layers and steps "
                         f"(000 Sec. VI-E, Fig. 13), at {describe(where) or 'the only point'}.")

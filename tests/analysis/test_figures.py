@@ -74,7 +74,7 @@ def test_points_averaging_fewer_runs_are_hollow_named_and_warned():
     from moesim.analysis.figures import UnevenMeans
     frame = results()
     gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot") & (frame["cache.slots_per_layer"] > 1)
-    with pytest.warns(UnevenMeans, match=r"2 of 9 points average 1 runs instead of 2"):
+    with pytest.warns(UnevenMeans, match=r"2 of 9 points average 1 run instead of 2"):
         fig = plot_results(frame[~gone], x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
     ax = fig.axes[0]
     static = lines(ax)[1]
@@ -82,7 +82,7 @@ def test_points_averaging_fewer_runs_are_hollow_named_and_warned():
     hollow = [line for line in lines(ax) if line.get_markerfacecolor() == "white"]
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2, 4]
     assert list(hollow[0].get_ydata()) == pytest.approx([30.0, 15.0])
-    assert "2 of 9 points average 1 runs instead of 2" in fig._suptitle.get_text()
+    assert "2 of 9 points average 1 run instead of 2" in fig._suptitle.get_text()
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnevenMeans)
@@ -102,7 +102,7 @@ def test_cli_plot_notes_failed_and_unevenly_averaged_points(tmp_path, capsys):
                  "--out", str(tmp_path / "f.png")]) == 0
     err = capsys.readouterr().err
     assert "3 of 19 points failed and are not drawn" in err
-    assert "2 of 9 points average 1 runs instead of 2" in err
+    assert "2 of 9 points average 1 run instead of 2" in err
 
 
 @pytest.mark.filterwarnings("ignore::moesim.analysis.figures.UnevenMeans")  # slots 1 and 2 share an x
@@ -180,7 +180,7 @@ def test_standard_set_and_bounds():
     figs = standard_figures(results(), gantt=False)
     assert list(figs) == ["tpot_vs_slots", "hit_rate_vs_prefetch", "breakdown"]
     assert all(isinstance(fig, Figure) for fig, _ in figs.values())
-    scatter = fig_hit_rate_vs_prefetch(results())
+    scatter = fig_hit_rate_vs_prefetch(results().assign(prefetches=3))
     assert sum(len(c.get_offsets()) for c in scatter.axes[0].collections) == 18
     swept = results().assign(**{"prefetch.count": lambda f: f["cache.slots_per_layer"]})
     by_param = fig_hit_rate_vs_prefetch(swept)
@@ -286,7 +286,7 @@ def test_long_titles_are_wrapped_inside_the_figure():
     with pytest.warns(UserWarning):
         fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
     title = fig._suptitle
-    assert "points average 1 runs instead of 2" in title.get_text().replace("\n", " ")
+    assert "points average 1 run instead of 2" in title.get_text().replace("\n", " ")
     assert title.get_text().count("\n") >= 2 and _inside_figure(fig, title)
     scatter = plot_scatter(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system",
                            title="TPOT, mean (ms) against GPU cache slots per layer on every trace of this sweep")
@@ -341,3 +341,58 @@ def test_a_long_legend_stays_clear_of_the_title_and_inside_the_figure():
     assert scatter.legends[0]._ncols == 2  # the two title lines span the figure: two columns fit below them
     line = plot_results(_many_systems().head(6), x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
     assert line.legends[0]._ncols == 1  # a short legend keeps one column
+
+
+def test_without_any_prefetch_the_hit_rate_is_drawn_against_the_cache_size():
+    """Every run's prefetches are 0: against prefetches per token every marker sat at x = 0. The hit rate
+    is drawn per cache size instead (slots / 8: 0.125, 0.25, 0.5 for every system), and the caption says why."""
+    frame = results()
+    fig = fig_hit_rate_vs_prefetch(frame)
+    assert "no run prefetched" in fig._suptitle.get_text()
+    panel = fig.axes[0]
+    assert panel.get_xlabel() == "GPU cache slots per layer"
+    lru = lines(panel)[0]
+    assert list(lru.get_xdata()) == [1, 2, 4] and list(lru.get_ydata()) == pytest.approx([0.125, 0.25, 0.5])
+    caption = standard_figures(frame, gantt=False)["hit_rate_vs_prefetch"][1]
+    assert caption.endswith("against the cache size (or per system): no run prefetched.")
+    one_size = fig_hit_rate_vs_prefetch(frame[frame["cache.slots_per_layer"] == 2])
+    assert [t.get_text() for t in one_size.axes[0].get_xticklabels()] == ["all-in-gpu", "gpu-only-lru", "static-hot"]
+
+
+def test_rows_without_the_hue_parameter_are_drawn_as_its_default():
+    """Two sweeps in one file: one set engine.staging_slots to 2, the other left it out (the system's default).
+    The second's rows read back as NaN and were dropped unseen; they are a line of their own, 'default', and
+    the first's whole numbers, stored as floats beside the NaN, are labelled 2, not 2.0."""
+    frame = results().query("status == 'ok'").copy()
+    frame["engine.staging_slots"] = np.where(frame["system"] == "static-hot", np.nan, 2.0)
+    with pytest.warns(UserWarning, match="3 of 6 points average 2 runs instead of 4"):  # static-hot alone
+        fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="engine.staging_slots")
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["2", "default"]
+    default = lines(fig.axes[0])[1]
+    assert list(default.get_ydata()) == pytest.approx([45.0, 22.5, 11.25])  # static-hot: 60 and 30 / slots
+    scatter = plot_scatter(frame.assign(prefetches=1), x="gpu_hit_rate", y="tpot_ms_mean",
+                           hue="engine.staging_slots")
+    assert [t.get_text() for t in scatter.legends[0].get_texts()][:2] == ["2", "default"]
+
+
+def test_bars_say_error_bars_and_one_run_is_one_run():
+    frame = results().query("`cache.slots_per_layer` == 1")
+    gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot")
+    with pytest.warns(UserWarning, match="1 of 3 points average 1 run instead of 2"):
+        fig = plot_results(frame[~gone], x="system", y="tpot_ms_mean")
+    assert "(error bars: min to max)" in fig._suptitle.get_text()
+
+
+def test_a_results_file_without_points_says_so(tmp_path):
+    path = tmp_path / "zero.parquet"
+    results().iloc[:0].to_parquet(path)
+    with pytest.raises(ConfigError) as err:
+        load_results(path)
+    assert str(err.value) == (f"{path}: the results file holds no points (fix: run `moesim sweep SPEC.yaml --out` "
+                              "into it first)")
+
+
+def test_another_word_for_a_base_parameter_is_suggested():
+    with pytest.raises(ConfigError) as err:
+        plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", facet="hardware")
+    assert "did you mean 'hw'?" in str(err.value)

@@ -146,4 +146,4 @@ def test_cli_report_says_unevenly_averaged_points_as_a_note_naming_the_figure(tm
         assert main(["report", str(path), "--out", str(report), "--no-gantt"]) == 0
     assert not [w for w in leaked if issubclass(w.category, UnevenMeans)]
     err = " ".join(capsys.readouterr().err.split())
-    assert "note: TPOT vs GPU cache slots per layer: 1 of 18 points average 1 runs instead of 2" in err
+    assert "note: TPOT vs GPU cache slots per layer: 1 of 18 points average 1 run instead of 2" in err
