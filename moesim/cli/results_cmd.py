@@ -90,7 +90,7 @@ def _summary_line(summary: SweepSummary, out: str) -> str:
                                          (summary.retried, "retried after a worker process died")) if n]
     if why:
         ran += f" ({', '.join(why)})"
-    line = (f"{summary.points} points: {ran}, {summary.skipped} already in {out}, {summary.failed} failed "
+    line = (f"{summary.points} point{'s' if summary.points != 1 else ''}: {ran}, {summary.skipped} already in {out}, {summary.failed} failed "
             f"({summary.wall_s:.1f} s) -> {out}")
     if summary.others:  # plot and report read the whole file: say it holds more than this spec
         line += (f"; it also holds {summary.others} row{'s' if summary.others > 1 else ''} of points outside this "

@@ -271,6 +271,7 @@ def test_a_sweep_whose_every_point_fails_on_its_input_writes_nothing_and_says_so
     # into an existing results file: the failed rows are kept there, and the line says where
     good = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1]}, set=TIGHT_GPU)
     assert main(["sweep", str(good), "--out", str(out), "--workers", "1"]) == 0
+    assert " ".join(capsys.readouterr().out.split()).startswith("1 point: 1 run, 0 already")  # not "1 points"
     bad = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [5, 6]}, set=TIGHT_GPU)
     capsys.readouterr()
     assert main(["sweep", str(bad), "--out", str(out), "--workers", "1"]) == 2
