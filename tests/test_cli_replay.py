@@ -434,7 +434,8 @@ def test_a_calibration_trace_that_is_missing_or_of_another_model_is_one_line(fil
     ("smoe", "prefetch.n=-5", "field 'prefetch.n': -5 is negative (fix: give a value >= 0, or -1 as by default "
                               "(prefetch.n: experts prefetched per layer and step (-1: 000 Table I's"),
     ("dali", "cache.u_size=-3", "field 'cache.u_size': -3 is negative (fix: give a value >= 0, or -1 as by default"),
-    ("buddymoe", "substitute.tau=-0.5", "or -1.0 as by default (substitute.tau: TAE gate threshold; negative: "),
+    ("buddymoe", "prefetch.size=-2", "field 'prefetch.size': -2 is negative (fix: give a value >= 0, or -1 as by "
+                                     "default (prefetch.size: experts loaded ahead per layer"),
 ])
 def test_a_set_value_out_of_range_names_what_the_parameter_takes(files, capsys, system, setting, said):
     trace, hw = files
@@ -451,6 +452,19 @@ def test_a_percentile_at_its_bounds_runs(files, capsys):
         code, out, err = run(["replay", trace, "--hw", hw, "--system", "buddymoe", "--set", "cache.slots_per_layer=2",
                               "--set", f"substitute.tau_percentile={value}"], capsys)
         assert code == 0 and "TPOT" in out, err
+
+
+def test_any_negative_tau_runs_as_the_default(files, capsys):
+    """substitute.tau's doc says "negative: the tau_percentile-th percentile": -0.5 was refused, only -1 ran."""
+    trace, hw = files
+    outs = []
+    for value in ("-0.5", "-1"):
+        code, out, err = run(["replay", trace, "--hw", hw, "--system", "buddymoe", "--set", "cache.slots_per_layer=2",
+                              "--set", f"substitute.tau={value}", "--json", "-"], capsys)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    keys = ("tpot_ms_mean", "substituted_experts", "pcie_h2d_bytes")
+    assert [outs[0][k] for k in keys] == [outs[1][k] for k in keys]
 
 
 def test_systems_name_lists_cache_slots_runtime_and_the_dtypes(files, capsys):

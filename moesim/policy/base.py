@@ -291,6 +291,9 @@ class Component:
     columns: ClassVar[tuple[str, ...]] = ()
     #: the step phases in which the component acts (a decode-only one leaves prefill steps alone)
     phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
+    #: parameters documented "negative: ...": every finite negative value means what their negative default
+    #: means (the others take their negative default by name and no other negative)
+    any_negative: ClassVar[tuple[str, ...]] = ()
 
     def for_model(self, model: ModelSpec) -> None:
         """Called once the model is known, before GPU memory is planned: settle defaults that depend on the
@@ -311,6 +314,14 @@ class Component:
             valid = [f"{self.role}.{p}" for p in params]
             raise ConfigError(f"unknown parameter '{self.role}.{key}' for {self.role} '{self.name}'",
                               fix=f"{did_you_mean(f'{self.role}.{key}', valid)}valid: {', '.join(valid) or 'none'}")
+        if key in self.any_negative and isinstance(raw, str):
+            try:
+                value = type(params[key])(raw)
+            except ValueError:
+                value = None
+            if value is not None and math.isfinite(value) and value < 0:
+                setattr(self, key, value)
+                return
         setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}"))
 
 

@@ -351,3 +351,55 @@ def test_alg1_at_once_on_a_prefill_sized_batch(rho):
     if rho:
         assert max(np.bincount([t for t, _, _ in expected])) == rho
     assert substitute_buddies_at_once(routed, resident, resident, buddies, 4, allowed, rho) == expected
+
+
+# ----------------------------------------------------------------------------- tau: any negative is the percentile
+def test_any_negative_tau_is_the_percentile_and_a_positive_one_is_used_as_given(tmp_path):
+    """``moesim systems buddymoe`` says "negative: the tau_percentile-th percentile": --set substitute.tau=-0.5
+    is taken (it was refused: only -1 got through) and gates as -1 does; tau=0.3 is the threshold itself."""
+    from moesim.policy.systems import build_system
+    cal = _configured(tmp_path).calibration  # writes the calibration trace
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    taus = {}
+    for raw in ("-0.5", "-1", "0.3"):
+        system = build_system("buddymoe", {"substitute.tau": raw, "substitute.calibration": cal,
+                                           "substitute.tau_percentile": "20"})
+        assert system.substitute.tau == float(raw)
+        system.substitute.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
+        taus[raw] = system.substitute._tau
+    import pyarrow.parquet as pq
+    weights = pq.read_table(cal, columns=["weights"]).column("weights")
+    p = weights.combine_chunks().flatten().to_numpy().reshape(-1, 2)
+    percentile = float(np.percentile(tae(p), 20.0))
+    assert 0.0 < percentile < 1.0 and percentile != pytest.approx(0.3)
+    assert taus["-0.5"] == taus["-1"] == [percentile]
+    assert taus["0.3"] == [0.3]
+
+
+def test_tau_minus_half_replays_as_the_default(ds_like):
+    base = {"cache.slots_per_layer": "24"}
+    runs = {raw: metrics(simulate(ds_like, "hwprofiles/a100-40g.yaml", "buddymoe", {**base, "substitute.tau": raw}))
+            for raw in ("-0.5", "-1", "0.99")}
+    keys = ("substituted_experts", "pcie_h2d_bytes", "tpot_ms_mean")
+    assert runs["-0.5"]["substituted_experts"] > 0
+    assert [runs["-0.5"][k] for k in keys] == [runs["-1"][k] for k in keys]
+    # a threshold above nearly every token's TAE closes the gate for nearly all: fewer substitutions
+    assert runs["0.99"]["substituted_experts"] < runs["-1"]["substituted_experts"]
+
+
+@pytest.mark.parametrize("system, key", [("hybrimoe", "assign.solve_us"), ("dali", "assign.solve_us"),
+                                         ("smoe", "prefetch.predict_us")])
+def test_other_parameters_documented_negative_take_any_negative(system, key):
+    """Their docs say "negative: ..." as tau's does, and their code tests ``< 0``: -0.5 is taken too."""
+    from moesim.policy.systems import build_system
+    role, _, param = key.partition(".")
+    assert getattr(getattr(build_system(system, {key: "-0.5"}), role), param) == -0.5
+
+
+def test_negative_values_still_refused_where_the_doc_names_only_the_default():
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import build_system
+    with pytest.raises(ConfigError, match="not a finite number"):
+        build_system("buddymoe", {"substitute.tau": "-inf"})
+    with pytest.raises(ConfigError, match=r"-2 is negative"):
+        build_system("buddymoe", {"prefetch.size": "-2"})

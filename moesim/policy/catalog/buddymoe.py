@@ -279,6 +279,7 @@ class BuddySubstitution(Substitution):
 
     name = "buddy"
     columns = ("weights", "scores")
+    any_negative = ("tau",)
     #: calibration trace (path); empty: the replayed trace itself, flagged in the report
     calibration: str = ""
     #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1)

@@ -209,6 +209,7 @@ class HybridScheduling(Assignment):
     in the prefill over the cached experts only (000 Sec. VI-B) unless ``prefill_loads``."""
 
     name = "hybrimoe"
+    any_negative = ("solve_us",)
     #: let the prefill load uncached experts on demand as decoding does (000 Sec. VI-B: it does not)
     prefill_loads: bool = False
     #: let decoding load uncached experts on demand (HybriMoE's rule and public code); false: they run on the

@@ -277,6 +277,7 @@ class TokenWisePrefetch(Prefetch):
     """
 
     name = "smoe-token"
+    any_negative = ("predict_us",)
     phases = ("decode",)
     columns = ("pred_next_token",)
     #: experts prefetched per layer and step (-1: 000 Table I's, 2 for DeepSeek-V3, 3 for Qwen3)

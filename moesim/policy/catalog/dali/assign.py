@@ -177,6 +177,7 @@ class DaliGreedy(Assignment):
     """Greedy Assignment (003 Sec. 4.1, Alg. 1), its decision time charged as 003 Table 6 reports it."""
 
     name = "dali-greedy"
+    any_negative = ("solve_us",)
     #: decision time per layer, microseconds, on the critical path (negative: ``solve_share`` of the run)
     solve_us: float = -1.0
     #: decision time as a share of end-to-end time (003 Table 6: 4.50% for greedy), used when solve_us < 0
