@@ -325,6 +325,44 @@ def test_json_to_dev_stdout_leaves_stdout_json_alone(files):
         assert parsed and "wrote" not in done.stdout + done.stderr, command
 
 
+@pytest.mark.parametrize("outputs, said", [
+    (["--json", "-", "--timeline", "/dev/stdout"], "--json - and --timeline /dev/stdout both write to standard output"),
+    (["--json", "/dev/stdout", "--chrome-trace", "/proc/self/fd/1"],
+     "--json /dev/stdout and --chrome-trace /proc/self/fd/1 both write to standard output"),
+    (["--timeline", "/dev/stdout", "--decisions", "/dev/fd/1", "--json", "-"],
+     "--json -, --timeline /dev/stdout and --decisions /dev/fd/1 all write to standard output"),
+])
+def test_two_outputs_to_stdout_are_refused_before_the_run(files, capsys, outputs, said):
+    """`--json - --timeline /dev/stdout | jq .` put Parquet bytes into the JSON stream: refused in one line
+    naming both options, before any work (nothing on stdout)."""
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", *outputs], capsys)
+    assert code == 2 and out == "" and err.strip().count("\n") == 0, err
+    assert err.startswith("moesim: error: ") and said in err and "fix: write all but one of them to a file" in err
+
+
+def test_an_output_naming_the_file_stdout_goes_to_is_refused_beside_json_on_stdout(files, tmp_path):
+    """`moesim replay T --json - --timeline out.bin > out.bin`: both land in out.bin, mixed; refused, and
+    stdout left empty. One output to stdout, or stdout on /dev/null, still runs."""
+    import subprocess
+    import sys
+    trace, hw = files
+    base = [sys.executable, "-m", "moesim.cli", "replay", trace, "--hw", hw, "--system", "cpu-only"]
+    target = tmp_path / "out.bin"
+    with open(target, "w") as stdout:
+        done = subprocess.run([*base, "--json", "-", "--timeline", str(target)], stdout=stdout,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2 and target.read_bytes() == b""
+    assert done.stderr.count("\n") == 1
+    assert f"--json - and --timeline {target} both write to standard output" in done.stderr
+    done = subprocess.run([*base, "--json", "-", "--timeline", "/dev/stdout"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([*base, "--json", "-", "--timeline", str(tmp_path / "timeline.parquet")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["tpot_ms_mean"] > 0, done.stderr
+
+
 def test_outputs_rolled_back_are_not_said_to_be_written(files, tmp_path, capsys, monkeypatch):
     """A later output failing (here the plot, on a full disk) rolls back those written before it: no
     "wrote" line claims otherwise."""

@@ -45,6 +45,16 @@ def test_serve_sim_writes_metrics_requests_and_figure(files, tmp_path, capsys):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_serve_sim_refuses_two_outputs_to_stdout(files, capsys):
+    """`serve-sim --json - --requests-out /dev/stdout` would mix Parquet into the JSON: one line naming both."""
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--qps", "50", "--requests", "6", "--json", "-",
+                 "--requests-out", "/dev/stdout"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.strip().count("\n") == 0, err
+    assert "--json - and --requests-out /dev/stdout both write to standard output" in err
+
+
 def test_serve_sim_draws_each_request(files, tmp_path, capsys):
     trace, hw = files
     code = main(["serve-sim", trace, "--hw", hw, "--qps", "50", "--requests", "6", "--requests-plot",

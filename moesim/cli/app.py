@@ -104,6 +104,7 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
         if path == "-" and option != "json":
             raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
                               fix="give a file name")
+    _one_to_stdout(outputs)
     named = [(key, "--" + key.replace("_", "-"), path) for key, path in outputs.items() if path and path != "-"]
     read = [(option, path) for option, path in inputs or () if path]
     written: list[tuple[str, str]] = []
@@ -117,6 +118,28 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
         if (formats or {}).get(key) is None:
             _not_named_as_another_format(path, option)
         written.append((option, path))
+
+
+def _one_to_stdout(outputs: dict[str, str | None]) -> None:
+    """At most one output goes to standard output ('-', /dev/stdout or any other name of fd 1): two would
+    interleave there (``--json - --timeline /dev/stdout`` put Parquet bytes into the JSON). Standard output
+    on /dev/null takes any number: nothing is kept to mix."""
+    there = [("--" + key.replace("_", "-"), path) for key, path in outputs.items() if path and to_stdout(path)]
+    if len(there) < 2 or _stdout_is_devnull():
+        return
+    named = [f"{option} {path}" for option, path in there]
+    named_all = ", ".join(named[:-1]) + " and " + named[-1]
+    raise MoesimError(f"{named_all} {'both' if len(named) == 2 else 'all'} write to standard output, where "
+                      "they would mix", field=there[1][0],
+                      fix="write all but one of them to a file")
+
+
+def _stdout_is_devnull() -> bool:
+    try:
+        here, null = os.fstat(1), os.stat(os.devnull)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (null.st_dev, null.st_ino)
 
 
 def _not_named_as_another_format(path: str, option: str) -> None:
