@@ -239,8 +239,21 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     if len(reasons) > shown:
         lines.append(f"  ... and {len(reasons) - shown} more reasons (column 'error')")
     text = "\n".join(lines)
-    warnings.warn(text, SweepPointsFailed, stacklevel=3)
+    warn_at_caller(text, SweepPointsFailed)
     return text
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the caller's line: the first frame outside moesim and the decorators
+    around its functions (contextlib), however deep below the API the warning is raised (a fixed
+    ``stacklevel`` pointed into contextlib.py behind :func:`python_names`)."""
+    import sys
+    import warnings
+    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(contextlib.__file__))
+    level, frame = 1, sys._getframe(0)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
 
 
 @python_names()

@@ -217,6 +217,37 @@ def test_sweep_with_out_is_resumable(files, tmp_path):
     assert again["finished_at"].tolist() == first["finished_at"].tolist()
 
 
+def test_every_warning_of_the_api_points_at_the_callers_line(files, tmp_path):
+    """A sweep with a failed point warned from contextlib.py:81 (a stacklevel that missed the decorator
+    around moesim.sweep): every warning the API gives names this file and the line of the call."""
+    import inspect
+    import warnings
+    trace, hw = files
+    # 6 slots per layer do not fit in this GPU: one of the two points fails
+    spec = {"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": [2, 6]},
+            "set": {"hw.gpu.memory_gib": 0.5, "hw.gpu.reserved_gib": 0.01, "memory.workspace_gib": 0.4715}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        table = moesim.sweep(spec, workers=1)
+        run = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+        run.plot_timeline(), run.plot_breakdown()
+        moesim.serve(trace, hw=hw, system="cpu-only", requests=2, workload__arrival="closed",
+                     workload__concurrency=1)
+        slice_trace(trace, tmp_path / "s.parquet", steps=2)
+    assert table["status"].tolist().count("error") == 1
+    failed = [w for w in caught if issubclass(w.category, moesim.api.SweepPointsFailed)]
+    assert len(failed) == 1 and str(failed[0].message).startswith("1 of 2 sweep points failed")
+    assert (failed[0].filename, failed[0].lineno) == (__file__, line)
+    assert [w.filename for w in caught] == [__file__] * len(caught), [(w.filename, w.lineno) for w in caught]
+    # called by a function of moesim itself, the warning still names the first line outside moesim
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        moesim.api.warn_failed_points(pd.DataFrame({"status": ["error"], "error": ["x"]}))
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
+
+
 def test_sweep_is_the_function_and_the_module_stays_importable():
     from moesim.sweep import run_sweep  # noqa: F401
     assert callable(moesim.sweep) and moesim.sweep.__module__ == "moesim.api"
