@@ -403,3 +403,47 @@ def test_negative_values_still_refused_where_the_doc_names_only_the_default():
         build_system("buddymoe", {"substitute.tau": "-inf"})
     with pytest.raises(ConfigError, match=r"-2 is negative"):
         build_system("buddymoe", {"prefetch.size": "-2"})
+
+
+def test_prefill_prefetch_needs_a_predictor_column_or_a_chunked_prompt(tmp_path):
+    """`buddymoe --set prefetch.prefill=true` gave the bundled Mixtral trace's TTFT and TPOT unchanged: the
+    trace has no pred_next_layer column, and the stand-in predictor (the request's previous token at the next
+    layer) has nothing in a prompt's one prefill step. The doc says so; a second prefill chunk, or the
+    column, gives it experts to prefetch."""
+    from pathlib import Path
+
+    from moesim.analysis.params import parameter_docs
+    from moesim.model.presets import load_preset
+    from moesim.policy.catalog.buddymoe import NextLayerPrefetch
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    costs = CostModel(tiny_profile(), model)
+
+    def view(step, layer, rows):
+        rows = np.array(rows)
+        active, counts = active_experts(rows, 8)
+        return LayerView(step, layer, "prefill", rows, active, counts, CacheState(capacity=[4, 4]), costs,
+                         requests=np.zeros(len(rows), dtype=np.int64))
+
+    chosen = {}
+    for prefill in (True, False):
+        prefetch = NextLayerPrefetch(prefill=prefill)
+        prefetch.configure(RunContext(model=model, costs=costs, capacity=[4, 4], columns=(), notes=[]))
+        first = prefetch.candidates(view(0, 0, [[0, 1], [2, 3]]))  # the prompt's first chunk: no history
+        prefetch.candidates(view(0, 1, [[4, 5], [4, 6]]))  # records the chunk's last token at layer 1: 4, 6
+        chosen[prefill] = first, prefetch.candidates(view(1, 0, [[0, 2], [1, 3]]))  # a second chunk
+    assert chosen[True] == ([], [(1, 4), (1, 6)])
+    assert chosen[False] == ([], [])
+    # the bundled trace: one prefill step per prompt, no pred_next_layer column: nothing changes
+    bundled = str(Path(__file__).parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    runs = [metrics(simulate(bundled, "rtx4090", "buddymoe", {"prefetch.prefill": v})) for v in ("false", "true")]
+    keys = ("ttft_ms", "tpot_ms_mean", "prefetches", "demand_loads", "substituted_experts")
+    assert [runs[0][k] for k in keys] == [runs[1][k] for k in keys] and runs[0]["prefetches"] == 11
+    # a Mixtral trace with the column: prefetching in the prefill changes the TTFT
+    synth = synthesize(SynthConfig.from_settings(model=load_preset("mixtral-8x7b"), requests=2, prompt_len=16,
+                                                 decode_len=4, batch=2, seed=0), tmp_path / "m.parquet")
+    with_column = [metrics(simulate(str(synth), "rtx4090", "buddymoe", {"prefetch.prefill": v}))
+                   for v in ("false", "true")]
+    assert with_column[0]["ttft_ms"] != with_column[1]["ttft_ms"]
+    assert with_column[0]["prefetches"] < with_column[1]["prefetches"]
+    meaning = next(d.meaning for d in parameter_docs(NextLayerPrefetch) if d.name == "prefill")
+    assert "pred_next_layer" in meaning and "bundled Mixtral trace" in meaning and "in chunks" in meaning

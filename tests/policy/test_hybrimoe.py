@@ -250,3 +250,39 @@ def test_top_p_is_a_stable_sorts_first_p(scores, p):
     """TopP: the p highest scores, highest first, ids ascending among ties (ties are common here)."""
     scores = np.array(scores)
     assert highest(scores, p).tolist() == np.argsort(-scores, kind="stable")[:p].tolist()
+
+
+def test_decode_loads_is_inert_where_the_cpu_finishes_a_steps_experts_before_one_copy():
+    """`hybrimoe --set assign.decode_loads=false` gave the bundled Mixtral trace's TPOT unchanged: its decode
+    steps are one token routed to 2 experts, and on rtx4090 the CPU runs both (2 x 4.805 ms) before one copy
+    lands (13.46 ms), so the rule never loads. The doc says so; with 4 cores the CPU loses and loads happen."""
+    import dataclasses
+
+    from moesim.analysis.params import parameter_docs
+    from moesim.hw.profile import load_profile
+    from moesim.model.presets import load_preset
+    from moesim.policy.catalog.hybrimoe import HybridScheduling
+    model, profile = load_preset("mixtral-8x7b"), load_profile("rtx4090")
+    costs = CostModel(profile, model)
+    assert costs.expert_load == pytest.approx(13.46e-3, abs=1e-5)
+    assert costs.cpu_expert(1) == pytest.approx(4.805e-3, abs=1e-6) and costs.gpu_expert(1) < 0.4e-3
+    # expert 5 (the tail) to the CPU: 4.817 ms < 13.84 ms; then 3: CPU 9.622 ms < GPU 13.84 ms, loads or not
+    view = view_for(model, profile, [[3, 5]], resident=(0, 1))
+    assert hybrid_schedule(view, loads=True) == hybrid_schedule(view, loads=False) == ([], [5, 3])
+    # 4 cores: a CPU expert takes 12.01 ms; 5 still goes to the CPU (12.02 < 13.84 ms), but 3 would end
+    # there at 24.0 ms: its copy and kernel end first (13.84 ms), and the GPU loads it
+    slow = dataclasses.replace(profile, cpu=dataclasses.replace(profile.cpu, cores=4))
+    assert CostModel(slow, model).cpu_expert(1) == pytest.approx(12.01e-3, abs=1e-5)
+    assert hybrid_schedule(view_for(model, slow, [[3, 5]], resident=(0, 1)), loads=True) == ([3], [5])
+    assert hybrid_schedule(view_for(model, slow, [[3, 5]], resident=(0, 1)), loads=False) == ([], [5, 3])
+    trace = str(Path(__file__).parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    runs = {(cores, loads): metrics(simulate(trace, "rtx4090", "hybrimoe",
+                                             {"assign.decode_loads": loads, "hw.cpu.cores": cores}))
+            for cores in ("10", "4") for loads in ("true", "false")}
+    assert runs["10", "true"]["demand_loads"] == runs["10", "false"]["demand_loads"] == 0
+    assert runs["10", "true"]["tpot_ms_mean"] == runs["10", "false"]["tpot_ms_mean"]
+    assert runs["4", "true"]["demand_loads"] > 0 == runs["4", "false"]["demand_loads"]
+    assert runs["4", "true"]["tpot_ms_mean"] < runs["4", "false"]["tpot_ms_mean"]
+    meaning = next(d.meaning for d in parameter_docs(HybridScheduling) if d.name == "decode_loads")
+    assert "bundled Mixtral trace" in meaning and "2 x 4.8 ms" in meaning and "13.5 ms copy" in meaning
+    assert "hw.cpu.cores=4" in meaning

@@ -44,7 +44,9 @@ Prefetching every expert any token predicts, or prefetching in the prefill
 (where a long prompt predicts nearly every expert), would leave nothing missing
 and mute substitution; 002 measures decoding throughput with prefetch misses to
 substitute (Sec. 2.3, Table 1), so both are off by default
-(``prefetch.size=0`` and ``prefetch.prefill=true`` turn them on).
+(``prefetch.size=0`` and ``prefetch.prefill=true`` turn them on; the latter needs the trace's
+``pred_next_layer`` column or a prompt prefilled in several steps: the stand-in predictor has no earlier
+token of a request to go on in its first step).
 ``--set substitute=none`` is the paper's "Original", ``substitute=random``
 its "Random".
 """
@@ -452,7 +454,9 @@ class NextLayerPrefetch(Prefetch):
     #: experts loaded ahead per layer, most-predicted first (-1: the model's top_k, one gate's worth;
     #: 0: every expert any token predicts)
     size: int = -1
-    #: prefetch during the prefill too (002 measures decoding)
+    #: prefetch during the prefill too (002 measures decoding). Without a pred_next_layer column the
+    #: stand-in predictor guesses from the request's earlier tokens, and a prompt prefilled in one step has
+    #: none: then this changes nothing (the bundled Mixtral trace); with the column, or a prefill in chunks, it acts
     prefill: bool = False
     _layers: int = 0
 

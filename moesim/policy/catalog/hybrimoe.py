@@ -214,7 +214,10 @@ class HybridScheduling(Assignment):
     prefill_loads: bool = False
     #: let decoding load uncached experts on demand (HybriMoE's rule and public code); false: they run on the
     #: CPU and only the layer-wise prefetch moves experts, as 000 reproduced HybriMoE (Sec. VI-E, VI-F;
-    #: docs/reproduction.md)
+    #: docs/reproduction.md). The rule loads an expert only when its copy and kernel end before the CPU would
+    #: finish it, so this changes nothing where the CPU always wins: one-token decode steps of top-2 routing
+    #: on rtx4090 (the bundled Mixtral trace: two CPU experts, 2 x 4.8 ms, end before one 13.5 ms copy);
+    #: with fewer cores (hw.cpu.cores=4), bigger batches or more experts per token it acts
     decode_loads: bool = True
     #: scheduling time per layer, microseconds, on the critical path (negative: ``solve_share`` of the run)
     solve_us: float = -1.0
