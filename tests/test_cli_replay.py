@@ -548,3 +548,29 @@ def test_a_json_output_named_as_another_format_is_refused_and_that_file_kept(fil
     code, _, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", option,  # any other name is taken
                       str(tmp_path / "out.txt")], capsys)
     assert code == 0 and (tmp_path / "out.txt").read_text().lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("setting, field, buffer, largest", [
+    ("cache.prefetch_slots=100000", "cache.prefetch_slots", "100000 slots (cache.prefetch_slots=100000)",
+     "cache.prefetch_slots=60"),
+    ("prefetch.size=100", "prefetch.size", "200 slots (twice prefetch.size=100)", "prefetch.size=30"),
+])
+def test_a_dali_prefetch_buffer_too_large_names_its_parameter(capsys, setting, field, buffer, largest):
+    """`--system dali --set cache.prefetch_slots=100000` (or prefetch.size=100) on the README's run blamed
+    cache.slots_per_layer, which the user never gave ("total 0", "use at most 0 slots"). It names the
+    parameter given, the 60 slots rtx4090 holds for Mixtral-8x7B in all, and the largest value that fits."""
+    root = Path(__file__).resolve().parents[1]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), root / "hwprofiles" / "rtx4090.yaml"
+    args = ["replay", trace, "--hw", str(hw), "--system", "dali", "--set"]
+    code, _, err = run([*args, setting], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"moesim: error: field '{field}': dali's prefetch buffer of {buffer} does not fit on the "
+                          f"GPU of rtx4090 ({hw}), which holds 60 expert slots in all, cache and buffer together: "
+                          "GPU 24.00 GiB - "), err
+    assert f"(fix: --set {largest} or less (the cache then gets the slots it leaves)" in err
+    assert "slots_per_layer" not in err
+    # beside a cache the user sized, the largest buffer left beside it
+    code, _, err = run([*args, setting, "--set", "cache.slots=10"], capsys)
+    assert code == 2 and f"field '{field}': " in err and "beside the cache of 10 slots that cache.slots=10" in err
+    assert ("--set cache.prefetch_slots=50 or less" if field == "cache.prefetch_slots" else
+            "--set prefetch.size=25 or less") in err

@@ -13,6 +13,7 @@ per layer, or an explicit list ``[2,1,...]``); by default every slot that fits.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,9 +146,10 @@ def _peak_context(step: np.ndarray, request: np.ndarray, position: np.ndarray) -
 
 def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_bytes: int, kv_tokens: int,
                 workspace_gib: float, staging_slots: int, non_expert_dtype: str,
-                request: CacheRequest = CacheRequest()) -> MemoryPlan:
+                request: CacheRequest = CacheRequest(), given: Mapping[str, str] | None = None) -> MemoryPlan:
     """The memory budget of one replay, spread by ``system`` (a ComposedSystem); raise with the arithmetic
-    when the request cannot fit."""
+    when the request cannot fit. ``given``: the system's ``--set`` parameters as the user gave them (an error
+    names those the user set, not the defaults)."""
     plan = MemoryPlan(
         gpu_bytes=profile.gpu_memory_bytes, reserved_bytes=profile.gpu_reserved_bytes,
         non_expert_bytes=model.non_expert_bytes(non_expert_dtype),
@@ -169,18 +171,68 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
     total = sum(requested) if requested is not None else request.slots
     if total is None:
         total = max(min(fit - reserved, layers * experts), 0)
+    if total + reserved > fit and reserved:
+        raise _buffer_too_large(plan, profile, system, request, total, reserved, layers, given or {})
     if total + reserved > fit:
         asked = f"cache.slots={request.slots}" if request.slots is not None else \
             f"cache.slots_per_layer (total {total})"
-        extra = f" + {reserved} prefetch-buffer slots" if reserved else ""
-        raise ConfigError(f"{asked}{extra} does not fit on the GPU of {_named(profile)}: {plan.arithmetic()}",
+        raise ConfigError(f"{asked} does not fit on the GPU of {_named(profile)}: {plan.arithmetic()}",
                           field="cache.slots" if request.slots is not None else "cache.slots_per_layer",
-                          fix=f"use at most {max(fit - reserved, 0)} slots in all "
-                              f"(cache.slots_per_layer <= {max(fit - reserved, 0) // layers})")
+                          fix=f"use at most {fit} slots in all (cache.slots_per_layer <= {fit // layers})")
     spread = system.spread(total, layers, experts, requested)
     planned = _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
                     cached=None if spread.cached is None else list(spread.cached))
     return _with(planned, notes=_smaller_cache(request, system, total, planned))
+
+
+def _buffer_too_large(plan: MemoryPlan, profile: HardwareProfile, system, request: CacheRequest, total: int,
+                      reserved: int, layers: int, given: Mapping[str, str]) -> ConfigError:
+    """The system's prefetch buffer (``reserved`` slots) and its cache (``total``) do not fit in the slots of
+    ``plan``: the error names the parameter that sized the buffer as the user gave it, how many slots the GPU
+    holds in all, and the largest buffer that fits beside the cache asked for (beside none: the cache gets what
+    the buffer leaves)."""
+    fit = plan.total_slots
+    key, per, buffer = _buffer_setting(system, reserved, given)
+    asked = _asked(request)
+    if asked:
+        buffer += f" beside the cache of {total} slots that {asked} asks for"
+    fixes = []
+    largest = (fit - (total if asked else 0)) // per
+    if key and largest >= 0:
+        fixes.append(f"--set {key}={largest}" + (" or less" if largest else "")
+                     + ("" if asked else " (the cache then gets the slots it leaves)"))
+    if asked and fit >= reserved:
+        left = fit - reserved
+        fixes.append(f"--set cache.slots={left}" + (" or less" if left else "") if request.slots is not None else
+                     f"--set cache.slots_per_layer={left // layers}" + (" or less" if left // layers else "")
+                     + f" (or cache.slots={left})")
+    if key == "prefetch.size":
+        fixes.append("--set cache.prefetch_slots to size the buffer apart")
+    if not fixes or key not in given:
+        fixes.append("a GPU with more memory, or --set memory.non_expert_dtype=int4")
+    if asked and fit >= reserved:  # the buffer fits: the cache asked for leaves it no room
+        field_ = "cache.slots" if request.slots is not None else "cache.slots_per_layer"
+    else:
+        field_ = key if key in given else "memory"
+    return ConfigError(f"{buffer} does not fit on the GPU of {_named(profile)}, which holds {fit} expert slots in "
+                       f"all, cache and buffer together: {plan.arithmetic()}", field=field_, fix=", or ".join(fixes))
+
+
+def _buffer_setting(system, reserved: int, given: Mapping[str, str]) -> tuple[str | None, int, str]:
+    """(the ``--set`` parameter that sizes ``system``'s prefetch buffer of ``reserved`` slots, the slots one unit
+    of it takes, the buffer in words): DALI's ``cache.prefetch_slots``, or twice its ``prefetch.size`` when that
+    is left at -1 (None and the slots alone for a buffer sized otherwise)."""
+    slots = getattr(system.cache, "prefetch_slots", None)
+    size = getattr(system.prefetch, "size", None)
+    if isinstance(slots, int) and 0 <= slots == reserved:
+        key, per, said = "cache.prefetch_slots", 1, f"cache.prefetch_slots={slots}"
+    elif isinstance(size, int) and 2 * size == reserved:
+        key, per, said = "prefetch.size", 2, f"twice prefetch.size={size}"
+    else:
+        return None, 1, f"{system.name}'s prefetch buffer of {reserved} slots"
+    if key not in given:
+        said += f", {system.name}'s default" + (" for the model" if key == "prefetch.size" else "")
+    return key, per, f"{system.name}'s prefetch buffer of {reserved} slots ({said})"
 
 
 def _smaller_cache(request: CacheRequest, system, total: int, planned: MemoryPlan) -> list[str]:

@@ -151,7 +151,8 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     kv_tokens = peak_kv_tokens(trace) if kv_tokens is None else kv_tokens
     memory = plan_memory(model, profile, built, expert_bytes=costs.expert_bytes, kv_tokens=kv_tokens,
                          workspace_gib=parsed.memory.workspace_gib, staging_slots=parsed.engine.staging_slots,
-                         non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache)
+                         non_expert_dtype=parsed.memory.non_expert_dtype, request=parsed.cache,
+                         given=parsed.system)
     sim = Simulator(trace, model, profile, built, costs, memory, parsed.engine,
                     columns=tuple(trace_columns(trace)), seed=seed, progress=progress)
     sim.ctx.notes.extend(memory.notes)
