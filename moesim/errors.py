@@ -60,6 +60,12 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """"did you mean X? " for the choices ``name`` looks like a slip of (a prefix of them, the same letters
     with other separators, or a close spelling), "" when none does: the start of a fix that then lists
     every choice."""
+    close = close_choices(name, choices)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
+def close_choices(name: str, choices: Iterable[str]) -> list[str]:
+    """The (at most three) choices :func:`did_you_mean` offers for ``name``."""
     choices = list(dict.fromkeys(choices))
 
     def letters(text: str) -> str:
@@ -71,5 +77,4 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
         ratio = {c: difflib.SequenceMatcher(None, name, c).ratio() for c in choices}
         best = max(ratio.values(), default=0.0)
         contained = [c for c in choices if ratio[c] == best] if best >= 0.7 else []
-    close = contained[:3]
-    return f"did you mean {' or '.join(close)}? " if close else ""
+    return contained[:3]

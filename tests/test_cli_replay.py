@@ -574,3 +574,25 @@ def test_a_dali_prefetch_buffer_too_large_names_its_parameter(capsys, setting, f
     assert code == 2 and f"field '{field}': " in err and "beside the cache of 10 slots that cache.slots=10" in err
     assert ("--set cache.prefetch_slots=50 or less" if field == "cache.prefetch_slots" else
             "--set prefetch.size=25 or less") in err
+
+
+@pytest.mark.parametrize("setting, said, fix", [
+    ("hw.gpu.nope=1", "parameter 'hw.gpu.nope'=1: no such profile field in {hw}",
+     "fields of hw.gpu: bandwidth_efficiency, cuda_graph, graph_launch_us, kernels_per_layer, launch_us, "
+     "mem_bandwidth_gbps, memory_gib, peak_tflops, reserved_gib, roofline_efficiency"),
+    ("hw.gpu.launch_usec=3", "parameter 'hw.gpu.launch_usec'=3: no such profile field in {hw}",
+     "did you mean hw.gpu.launch_us? fields of hw.gpu: "),
+    ("hw.pcei.latency_us=1", "parameter 'hw.pcei.latency_us'=1: no such profile field in {hw}",
+     "did you mean hw.pcie.latency_us? sections of hw: cpu, gpu, pcie, runtimes, sync"),
+    ("hw.gpu.name=x", "parameter 'hw.gpu.name'=x: gpu.name of {hw} cannot be overridden: a label",
+     "override a number the costs are computed from"),
+])
+def test_an_unknown_hw_override_is_named_as_the_override(capsys, setting, said, fix):
+    """`--set hw.gpu.nope=1` blamed the profile file (`rtx4090.yaml, field 'gpu.nope'`) for a field the user
+    typed on the command line; it names `--set hw.gpu.nope` and offers the fields an override can set."""
+    root = Path(__file__).resolve().parents[1]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), root / "hwprofiles" / "rtx4090.yaml"
+    code, _, err = run(["replay", trace, "--hw", str(hw), "--set", setting], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"moesim: error: field '--set': {said.format(hw=hw)} (fix: "), err
+    assert fix in err and "field 'gpu." not in err

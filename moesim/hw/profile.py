@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from moesim.errors import ProfileError, did_you_mean
+from moesim.errors import ProfileError, close_choices, did_you_mean
 from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, OUTPUT_KINDS, AttentionCurve, CPUSpec, Curve, ExpertCurve,
                              GPUSpec, OutputCurve, PCIeSpec, RuntimeSpec, SyncSpec)
 from moesim.model.spec import DTYPE_BITS
@@ -95,25 +95,35 @@ class HardwareProfile:
         if not overrides:
             return self
         raw = copy.deepcopy(self.raw)
+        origin = self.path or self.name
         for key, value in overrides.items():
+            # an override the profile has no use for is named as the --set parameter the user gave (the API and
+            # sweeps rename it to their own key), not as a field of the file, which has no such field
+            said = f"parameter 'hw.{key}'={value}"
             inert = _inert(key)
             if inert:
-                raise ProfileError(f"cannot be overridden: {inert}", source=self.path or self.name, field=key,
+                raise ProfileError(f"{said}: {key} of {origin} cannot be overridden: {inert}", field="--set",
                                    fix="override a number the costs are computed from (hwprofiles/README.md)")
             parts = key.split(".")
             node = raw
-            for part in parts[:-1]:
+            # a section on the way that is not there (or a top-level name that is none of the sections)
+            for i, part in enumerate(parts[:-1] if len(parts) > 1 or parts[0] in node else parts):
                 if not isinstance(node.get(part), dict):
-                    sections = sorted(k for k, v in node.items() if isinstance(v, dict))
-                    raise ProfileError("no such profile field", source=self.path or self.name, field=key,
-                                       fix=f"{did_you_mean(part, sections)}sections here: {', '.join(sections)}")
+                    within = ".".join(["hw", *parts[:i]])
+                    sections = sorted(k for k, v in node.items() if isinstance(v, dict)
+                                      and not _inert(".".join([*parts[:i], k])))
+                    guesses = [".".join([within, guess, *parts[i + 1:]]) for guess in close_choices(part, sections)]
+                    raise ProfileError(f"{said}: no such profile field in {origin}", field="--set",
+                                       fix=_guessed(guesses) + f"sections of {within}: {', '.join(sections)}")
                 node = node[part]
             if parts[-1] not in node and key not in OPTIONAL_SCALARS:
                 section = ".".join(parts[:-1])
-                fields = sorted({*node, *(k.rpartition(".")[2] for k in OPTIONAL_SCALARS
-                                          if k.rpartition(".")[0] == section)})
-                raise ProfileError("no such profile field", source=self.path or self.name, field=key,
-                                   fix=f"{did_you_mean(parts[-1], fields)}fields here: {', '.join(fields)}")
+                fields = sorted(name for name in {*node, *(k.rpartition(".")[2] for k in OPTIONAL_SCALARS
+                                                           if k.rpartition(".")[0] == section)}
+                                if not _inert(f"{section}.{name}"))
+                guesses = [f"hw.{section}.{guess}" for guess in close_choices(parts[-1], fields)]
+                raise ProfileError(f"{said}: no such profile field in {origin}", field="--set",
+                                   fix=_guessed(guesses) + f"fields of hw.{section}: {', '.join(fields)}")
             current = node.get(parts[-1])
             if isinstance(value, str) and isinstance(current, (bool, int, float)):
                 try:
@@ -143,6 +153,11 @@ class HardwareProfile:
         if key != err.field:  # the memory is below what the profile reserves
             fix = f"give hw.{key} more than the {_lookup(self.raw, 'gpu.reserved_gib')} GiB reserved, or reserve less"
         return ProfileError(f"parameter 'hw.{key}'={overrides[key]} ({where}): {err.detail}", field="--set", fix=fix)
+
+
+def _guessed(keys: list[str]) -> str:
+    """"did you mean KEY? " for the keys an unknown override looks like a slip of ("" for none)."""
+    return f"did you mean {' or '.join(keys)}? " if keys else ""
 
 
 def _lookup(raw: dict[str, Any], key: str) -> Any:

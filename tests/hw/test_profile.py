@@ -215,18 +215,22 @@ def test_override_applies_and_is_sourced():
 
 
 def test_unknown_override_key():
+    """An override the profile has no field for is named as the --set parameter given (hw.KEY), not as a field
+    of the profile file, which never had it; the fix offers the full key to give."""
     profile = parse_profile(minimal(), origin="toy.yaml")
     with pytest.raises(ProfileError, match="no such profile field") as err:
         profile.with_overrides({"pcie.bandwith_scale": 0.5})
-    assert err.value.field == "pcie.bandwith_scale" and "bandwidth_scale" not in str(err.value).split("fix")[0]
+    assert err.value.field == "--set" and "bandwidth_scale" not in str(err.value).split("fix")[0]
+    assert str(err.value).startswith("field '--set': parameter 'hw.pcie.bandwith_scale'=0.5: no such profile field "
+                                     "in toy.yaml (fix: ")
     # the optional scalars a profile may leave out are offered too
-    assert "did you mean bandwidth_scale? fields here: bandwidth_scale, " in str(err.value)
+    assert "did you mean hw.pcie.bandwidth_scale? fields of hw.pcie: bandwidth_scale, " in str(err.value)
     with pytest.raises(ProfileError, match="no such profile field") as err:
         profile.with_overrides({"pcei.latency_us": 1})
-    assert "(fix: did you mean pcie? sections here: " in str(err.value)
+    assert "(fix: did you mean hw.pcie.latency_us? sections of hw: " in str(err.value)
     with pytest.raises(ProfileError, match="no such profile field") as err:
         profile.with_overrides({"disk.speed": 1})
-    assert "(fix: sections here: " in str(err.value)
+    assert "(fix: sections of hw: " in str(err.value)
 
 
 def test_override_with_a_bad_value_fails_cleanly():

@@ -120,7 +120,7 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     ({"zip": [{"engine.staging_slots": [1, 2]}, {"cache.slot": [1, 2]}]}, "field 'zip[1].cache.slot'", "valid:"),
     ({"grid": {"seed": [0, 1]}}, "field 'grid.seed'", "list them at the top level, e.g. seeds: [0, 1]"),
     ({"grid": {"hw.pcie.bandwith_scale": [1.0]}}, "field 'grid.hw.pcie.bandwith_scale'",
-     "did you mean bandwidth_scale?"),
+     "did you mean hw.pcie.bandwidth_scale?"),
     ({"set": {"hw.pcie.bandwidth_scale": "fast"}}, "field 'set.hw.pcie.bandwidth_scale'", "write a number"),
     # a value of the wrong type: named where the spec gives it too (it said field 'cache.slots_per_layer')
     ({"grid": {"cache.slots_per_layer": [1, "two"]}}, "field 'grid.cache.slots_per_layer': 'two' is not",
