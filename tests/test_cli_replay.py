@@ -596,3 +596,28 @@ def test_an_unknown_hw_override_is_named_as_the_override(capsys, setting, said, 
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"moesim: error: field '--set': {said.format(hw=hw)} (fix: "), err
     assert fix in err and "field 'gpu." not in err
+
+
+def test_a_runtime_the_profile_lacks_is_named_as_the_override(tmp_path, capsys):
+    """`--set runtime=nosuch` blamed the profile file (`rtx4090.yaml, field 'runtimes.nosuch'`) for a name the
+    user typed on the command line; it names `--set runtime` and lists the runtimes the profile has. A sweep
+    names it where its spec gives it, the Python API by its keyword."""
+    root = Path(__file__).resolve().parents[1]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), root / "hwprofiles" / "rtx4090.yaml"
+    runtimes = "generic, ideal, ktransformers, ktransformers-eager, llamacpp, pytorch-eager"
+    code, _, err = run(["replay", trace, "--hw", str(hw), "--set", "runtime=nosuch"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err == (f"moesim: error: field '--set': parameter 'runtime'=nosuch: no runtime 'nosuch' in the profile "
+                   f"rtx4090 ({hw}) (fix: use one of: {runtimes})\n")
+    code, _, err = run(["replay", trace, "--hw", str(hw), "--set", "runtime=llamacp"], capsys)
+    assert code == 2 and f"(fix: did you mean llamacpp? use one of: {runtimes})" in err
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"traces": [trace], "hw": [str(hw)], "systems": ["cpu-only"],
+                                    "grid": {"runtime": ["llamacpp", "nosuch"]}}))
+    code, _, err = run(["sweep", str(spec), "--out", str(tmp_path / "r.parquet")], capsys)
+    assert code == 2 and err.count("\n") == 1 and not (tmp_path / "r.parquet").exists()
+    assert err.startswith(f"moesim: error: {spec}, field 'grid.runtime': parameter 'runtime'=nosuch: "), err
+    import moesim
+    from moesim.errors import MoesimError
+    with pytest.raises(MoesimError, match=r"^field 'runtime': parameter 'runtime'=nosuch: no runtime 'nosuch' "):
+        moesim.replay(trace, hw=str(hw), runtime="nosuch")

@@ -8,7 +8,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moesim.errors import ConfigError, MoesimError, did_you_mean
+from moesim.errors import ConfigError, MoesimError, ProfileError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile, load_profile
 from moesim.model.presets import load_preset
@@ -146,6 +146,7 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     built = build_system(system, parsed.system)
     built.for_model(model)
     checked_meta(trace, built.needed_columns())  # the validation pass, once per file and process
+    check_runtime(profile, parsed.runtime)
     costs = CostModel(profile, model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype,
                       parsed.runtime or SYSTEMS[system].runtime)
     kv_tokens = peak_kv_tokens(trace) if kv_tokens is None else kv_tokens
@@ -160,6 +161,20 @@ def prepare(trace: str, hw: str | HardwareProfile, system: str, settings: dict[s
     if note:
         sim.ctx.notes.append(note)
     return sim
+
+
+def check_runtime(profile: HardwareProfile, runtime: str | None) -> None:
+    """``--set runtime=NAME`` (``runtime``; None when not given) names a runtime of ``profile``: one it lacks is
+    refused as that parameter, with the runtimes the profile has (it blamed the profile's field 'runtimes.NAME')."""
+    if runtime is None:
+        return
+    try:
+        profile.runtime(runtime)
+    except ProfileError as err:
+        named = f"{profile.name} ({profile.path})" if profile.path else profile.name
+        raise ConfigError(f"parameter 'runtime'={runtime}: no runtime '{runtime}' in the profile {named}",
+                          field="--set",
+                          fix=did_you_mean(runtime, ["generic", "ideal", *profile.runtimes]) + (err.fix or "")) from None
 
 
 def partial_layers_note(source: dict, num_layers: int) -> str:

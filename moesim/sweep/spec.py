@@ -232,7 +232,7 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     """
     from moesim.hw.profile import load_profile
     from moesim.model.presets import load_preset
-    from moesim.sim.run import members, parse_settings
+    from moesim.sim.run import check_runtime, members, parse_settings
     from moesim.policy.systems import build_system
     from moesim.trace.validate import checked_meta
 
@@ -259,7 +259,8 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
             continue
         checked.add(key)
         parsed = _reraise(lambda: parse_settings(settings), spec, None)
-        _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None)
+        profile = _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None)
+        _reraise(lambda: check_runtime(profile, parsed.runtime), spec, None)
         quotas = parsed.cache.slots_per_layer or []
         for model in {models[t] for t in spec.traces}:
             if any(q > model.num_experts for q in quotas):  # more slots than experts: wrong on any GPU
