@@ -76,7 +76,14 @@ class ValidationReport:
         return rank({c.system: getattr(c, source)[key] for c in self.systems})
 
     def same_ranking(self, key: str) -> bool:
-        return self.ranking("real", key) == self.ranking("sim", key)
+        """Every pair of systems in the same order in both, a tie in one only where the other ties too (the
+        rankings' tie order by name decides nothing); with a value missing, the two rankings alike."""
+        real = {c.system: c.real[key] for c in self.systems}
+        sim = {c.system: c.sim[key] for c in self.systems}
+        if any(_missing(real[s]) or _missing(sim[s]) for s in real):
+            return self.ranking("real", key) == self.ranking("sim", key)
+        return all(_sign(real[a] - real[b]) == _sign(sim[a] - sim[b]) for i, a in enumerate(real)
+                   for b in list(real)[i + 1:])
 
     def swapped_pairs(self, key: str) -> list[SwappedPair]:
         """Pairs of systems the simulator orders differently from the measurement, by ``key``."""
@@ -94,8 +101,23 @@ class ValidationReport:
         listed_pairs = "; ".join(
             f"{p.real_faster} vs {p.sim_faster}: {p.real_faster} {gap_text(p.real_gap_pct)} faster measured, "
             f"{gap_text(p.sim_gap_pct)} slower simulated" for p in swapped)
-        return f"DIFFERENT, {len(swapped)} of {pairs} pairs swapped: {listed_pairs}" if swapped else \
-            "DIFFERENT (a system is missing from one of them)"
+        if swapped:
+            return f"DIFFERENT, {len(swapped)} of {pairs} pairs swapped: {listed_pairs}"
+        real = {c.system: c.real[key] for c in self.systems}
+        sim = {c.system: c.sim[key] for c in self.systems}
+        missing = [s for s in real if _missing(real[s]) or _missing(sim[s])]
+        if missing:
+            return f"DIFFERENT ({listed(missing)} without a value in one of them)"
+        ties = []
+        for tied, other, where, there in ((sim, real, "simulated", "measured"), (real, sim, "measured", "simulated")):
+            for i, a in enumerate(self.systems):
+                for b in self.systems[i + 1:]:
+                    x, y = a.system, b.system
+                    if tied[x] == tied[y] and other[x] != other[y]:
+                        fast, slow = (x, y) if other[x] < other[y] else (y, x)
+                        ties.append(f"{x} and {y} tie {where}, {fast} {gap_text(error_pct(other[slow], other[fast]))} "
+                                    f"faster {there}")
+        return "DIFFERENT, no pair swapped but " + "; ".join(ties)
 
     def to_dict(self) -> dict[str, Any]:
         keys = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate",
@@ -138,6 +160,14 @@ def swapped_pairs(real: dict[str, float], sim: dict[str, float]) -> list[Swapped
                 fast, slow = (a, b) if real[a] < real[b] else (b, a)
                 out.append(SwappedPair(fast, slow, error_pct(real[slow], real[fast]), error_pct(sim[fast], sim[slow])))
     return sorted(out, key=lambda p: (-p.sim_gap_pct, p.real_faster, p.sim_faster))
+
+
+def _missing(value: float | None) -> bool:
+    return value is None or math.isnan(value)
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
 
 
 def gap_text(pct: float) -> str:

@@ -82,6 +82,27 @@ def test_ranking_text_names_each_swap_with_its_gaps():
     assert report(42.126).swapped_pairs("tpot_ms_mean") == [SwappedPair("a", "b", 12.5, pytest.approx(0.3))]
 
 
+def test_ranking_text_names_a_tie_not_a_missing_system():
+    """A tie in one source orders the two by name in its ranking: named as the tie it is (it said 'a system
+    is missing from one of them' with every system there, as `moesim validate --real --device cpu` printed
+    for gpu-only-lru and static-hot, simulated alike at 30.666 ms)."""
+    same = DecisionComparison(True, 1.0, 0, 0)
+    systems = [SystemComparison("cpu-only", {"tpot_ms_mean": 49.9}, {"tpot_ms_mean": 28.6}, same),
+               SystemComparison("gpu-only-lru", {"tpot_ms_mean": 55.8}, {"tpot_ms_mean": 30.666}, same),
+               SystemComparison("static-hot", {"tpot_ms_mean": 54.2}, {"tpot_ms_mean": 30.666}, same)]
+    report = ValidationReport("t", "p", "cpu", "c", systems)
+    assert report.ranking_text("tpot_ms_mean") == ("DIFFERENT, no pair swapped but gpu-only-lru and static-hot tie "
+                                                   "simulated, static-hot 3.0% faster measured")
+    # the names' order decides nothing: the same tie with the measured order as the names' is no ranking either
+    systems[1].real["tpot_ms_mean"], systems[2].real["tpot_ms_mean"] = 54.2, 55.8
+    assert not report.same_ranking("tpot_ms_mean") and "tie simulated" in report.ranking_text("tpot_ms_mean")
+    systems[1].real["tpot_ms_mean"] = 55.8  # tied in both: the same ranking
+    assert report.same_ranking("tpot_ms_mean") and report.ranking_text("tpot_ms_mean") == "same"
+    systems[2] = SystemComparison("static-hot", {"tpot_ms_mean": 54.2}, {"tpot_ms_mean": float("nan")}, same)
+    assert ValidationReport("t", "p", "cpu", "c", systems).ranking_text("tpot_ms_mean") == \
+        "DIFFERENT (static-hot without a value in one of them)"
+
+
 def test_truncated_trace_keeps_the_first_layers(trace, tmp_path):
     out = truncate_trace(trace, 2, tmp_path / "two.parquet")
     assert read_meta(out).model.num_layers == 2
