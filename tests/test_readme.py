@@ -14,8 +14,6 @@ from moesim.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-#: the memory budget of rtx4090 leaves one slot per layer of Mixtral-8x7B today; a change of the memory
-#: planning lets two fit. Until it lands, the examples asking for two slots fail for that reason alone.
 
 #: commands of the "Using it" block that cannot run in the test suite, and why
 NEEDS = {
