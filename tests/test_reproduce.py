@@ -184,6 +184,15 @@ def test_the_count_excludes_calibration_and_uncountable_rows_and_counts_unsimula
     assert "2 calibration rows, 1 rows not countable" in text
 
 
+def test_the_summary_of_seeds_without_held_out_claims_prints_no_nan():
+    """`reproduce_seeds.py --seeds 003,004` (docs/reproduction.md) holds only rows not countable: it printed
+    '0 of 0 held-out ratio claims agree (nan%; target 80%)'."""
+    rows = [claim(ident="unstated", value=2.0, countable=False)]
+    text = "\n".join(summary_lines(rows, {"unstated": 2.0}))
+    assert "nan" not in text
+    assert "0 of 0 held-out ratio claims agree (none held out; target 80%)" in text
+
+
 # ---------------------------------------------------------------- bad catalogue files
 
 def write(folder: Path, body: str) -> Path:

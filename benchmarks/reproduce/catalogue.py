@@ -258,10 +258,14 @@ def summary_lines(claims: list[Claim], moesim: dict[str, float]) -> list[str]:
     calibration = sum(1 for c in claims if c.calibration)
     not_countable = sum(1 for c in claims if not c.countable)
     excluded_simulated = sum(1 for c in claims if not c.held_out and c.id in moesim)
+
+    def share(part: Count) -> str:  # none held out (a subset of seeds whose rows are all excluded): no share
+        return f"{part.share:.0%}" if part.total else "none held out"
+
     return [
-        f"strict: {ratio.agree} of {ratio.total} held-out ratio claims agree ({ratio.share:.0%}; target "
+        f"strict: {ratio.agree} of {ratio.total} held-out ratio claims agree ({share(ratio)}; target "
         f"{TARGETS['ratio']:.0%}): same side of 1 and within x{TOLERANCE} of the paper",
-        f"strict: {absolute.agree} of {absolute.total} held-out absolute figures within 25% ({absolute.share:.0%}; "
+        f"strict: {absolute.agree} of {absolute.total} held-out absolute figures within 25% ({share(absolute)}; "
         f"target {TARGETS['absolute']:.0%})",
         f"direction only (not counted as agreement): {ratio.direction_only} of {ratio.total} held-out ratio claims",
         f"{simulated} of {held} catalogue claims simulated ({held - simulated} not yet simulated, counted as not "
