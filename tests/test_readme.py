@@ -111,3 +111,32 @@ def test_readme_cli_example_runs_as_written(sandbox, command, capsys):
         if arg in ("--json", "--timeline", "--decisions", "--chrome-trace", "--plot", "--out") and args[i + 1] != "-":
             assert (sandbox / args[i + 1]).is_file(), args[i + 1]
     assert os.listdir(sandbox)
+
+
+#: folders of the repository itself (an out/ left by an earlier run is not one: a fresh clone lacks it)
+REPO_FOLDERS = {"traces", "hwprofiles", "docs", "benchmarks", "notebooks"}
+OUTPUT_FLAGS = ("--json", "--timeline", "--decisions", "--chrome-trace", "--plot", "--out", "--requests-out",
+                "--requests-plot")
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
+                                                        for p in (ROOT / "docs").rglob("*.md"))])
+def test_doc_commands_write_only_into_folders_that_exist_or_the_page_makes(page):
+    """A page's shell blocks, run in order from a fresh clone, write an output only into a folder the
+    repository has or a `mkdir -p` of that page made before (docs/serving.md wrote to out/ without one)."""
+    text = (ROOT / page).read_text()
+    made: set[str] = set()
+    for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("mkdir -p "):
+                made.update(f.rstrip("/") for f in line.split()[2:])
+                continue
+            words = line.split()
+            for flag, value in zip(words, words[1:]):
+                if flag in OUTPUT_FLAGS and value != "-" and "/" in value.rstrip("/") and \
+                        not value.startswith(("/", "$", "..")):
+                    folder = value.rstrip("/").rsplit("/", 1)[0]
+                    tracked = folder.split("/")[0] in REPO_FOLDERS and (ROOT / folder).is_dir()
+                    assert folder in made or tracked, \
+                        f"{page}: {flag} {value} writes into {folder}/, which no earlier `mkdir -p` makes"
