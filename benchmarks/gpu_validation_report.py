@@ -58,6 +58,8 @@ def _ranking(rank: dict, metric: str) -> str:
     if rank[f"same_{metric}"]:
         return "same"
     swaps = rank.get(f"swapped_{metric}", [])
+    if not swaps and rank.get(f"text_{metric}"):  # no pair swapped: a tie in one of them, named there
+        return rank[f"text_{metric}"]
     return "DIFFERENT" + "".join(
         f"; {p['real_faster']} vs {p['sim_faster']}: {p['real_gap_pct']:.1f}% faster measured, "
         f"{p['sim_gap_pct']:.1f}% slower simulated" for p in swaps)

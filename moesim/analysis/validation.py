@@ -135,7 +135,8 @@ class ValidationReport:
                         "ttft_real": self.ranking("real", "ttft_ms"), "ttft_sim": self.ranking("sim", "ttft_ms"),
                         "same_tpot": self.same_ranking("tpot_ms_mean"), "same_ttft": self.same_ranking("ttft_ms"),
                         "swapped_tpot": [dataclasses.asdict(p) for p in self.swapped_pairs("tpot_ms_mean")],
-                        "swapped_ttft": [dataclasses.asdict(p) for p in self.swapped_pairs("ttft_ms")]},
+                        "swapped_ttft": [dataclasses.asdict(p) for p in self.swapped_pairs("ttft_ms")],
+                        "text_tpot": self.ranking_text("tpot_ms_mean"), "text_ttft": self.ranking_text("ttft_ms")},
         }
 
 

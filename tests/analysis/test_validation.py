@@ -93,6 +93,14 @@ def test_ranking_text_names_a_tie_not_a_missing_system():
     report = ValidationReport("t", "p", "cpu", "c", systems)
     assert report.ranking_text("tpot_ms_mean") == ("DIFFERENT, no pair swapped but gpu-only-lru and static-hot tie "
                                                    "simulated, static-hot 3.0% faster measured")
+    keys = ("ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate", "demand_loads",
+            "prefetches", "evictions", "streamed_experts", "makespan_s", "cpu_util", "gpu_util", "pcie_util",
+            "breakdown_ms", "notes")
+    for c in systems:
+        for side in (c.real, c.sim):
+            side.update({k: 0.0 for k in keys})
+    ranking = report.to_dict()["ranking"]  # what the GPU validation report prints when no pair is swapped
+    assert not ranking["same_tpot"] and ranking["text_tpot"] == report.ranking_text("tpot_ms_mean")
     # the names' order decides nothing: the same tie with the measured order as the names' is no ranking either
     systems[1].real["tpot_ms_mean"], systems[2].real["tpot_ms_mean"] = 54.2, 55.8
     assert not report.same_ranking("tpot_ms_mean") and "tie simulated" in report.ranking_text("tpot_ms_mean")
