@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.table import Table
 
 from moesim.errors import MoesimError
 
@@ -24,6 +25,45 @@ class PipeConsole(Console):
         self.quiet = True
         stream_to_devnull(self.file)
 
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """As rich prints, but no column of a table is narrower than the longest word of its cells and
+        header: rich cuts them to '…' or to nothing where the console is narrow (a narrow terminal, or a
+        pipe's 160 columns for a wide table), losing the figures. Such a table is drawn as narrow as its
+        words allow, its lines longer than the console (a terminal wraps them)."""
+        tables = [o for o in objects if isinstance(o, Table)]
+        if not tables:
+            return super().print(*objects, **kwargs)
+        kwargs.setdefault("crop", False)
+        needed = max(keep_words_whole(self, table) for table in tables)
+        if needed <= min(table.width or self.width for table in tables):
+            return super().print(*objects, **kwargs)
+        own = [table.width for table in tables]
+        width, self.width = self.width, needed
+        try:
+            for table in tables:
+                table.width = None  # a width of its own (or ratio columns) would squeeze the columns again
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = width
+            for table, before in zip(tables, own):
+                table.width = before
+
+
+def keep_words_whole(console: Console, table: Table) -> int:
+    """Give each column of ``table`` a minimum width that keeps every word of its cells and header whole
+    (a column that does not wrap: every line); the table's width with every column at that minimum."""
+    from rich.measure import Measurement
+    wide = console.options.update_width(2**16)
+    for column in table.columns:
+        sizes = [Measurement.get(console, wide, cell) for cell in (column.header, *column.cells)]
+        needed = max((size.maximum if column.no_wrap else size.minimum) for size in sizes)
+        column.min_width = max(column.min_width or 0, needed)
+    own, table.width = table.width, None
+    try:
+        return Measurement.get(console, wide, table).minimum
+    finally:
+        table.width = own
+
 
 def stream_to_devnull(stream: Any) -> None:
     """Point ``stream``'s file descriptor at /dev/null: what is still buffered for a reader that went away
@@ -33,9 +73,11 @@ def stream_to_devnull(stream: Any) -> None:
 
 
 # markup off: file names, notes and errors are printed as they are ("run[v2].parquet" is no style tag); the few
-# styled lines ask for it with markup=True and escape what they quote
-console = PipeConsole(markup=False, width=None if Console().is_terminal else 160)
-err_console = PipeConsole(markup=False, stderr=True, width=None if Console(stderr=True).is_terminal else 160)
+# styled lines ask for it with markup=True and escape what they quote. Highlighting off: on a terminal rich
+# coloured parts of figures in notes ("1.00x" in two colours)
+console = PipeConsole(markup=False, highlight=False, width=None if Console().is_terminal else 160)
+err_console = PipeConsole(markup=False, highlight=False, stderr=True,
+                          width=None if Console(stderr=True).is_terminal else 160)
 
 
 def json_safe(data: object) -> object:
