@@ -363,6 +363,27 @@ def test_an_output_naming_the_file_stdout_goes_to_is_refused_beside_json_on_stdo
     assert done.returncode == 0 and json.loads(done.stdout)["tpot_ms_mean"] > 0, done.stderr
 
 
+def test_an_output_piped_to_stdout_is_all_stdout_holds(files, capsys):
+    """`moesim replay T --timeline /dev/stdout | consumer`: the table went to stdout beside the Parquet bytes.
+    The table now goes to stderr and stdout holds the Parquet file alone; the next command in the same process
+    prints its table to stdout again."""
+    import io
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+    trace, hw = files
+    done = subprocess.run([sys.executable, "-m", "moesim.cli", "replay", trace, "--hw", hw, "--system", "smoe",
+                           "--timeline", "/dev/stdout"], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    timeline = pq.read_table(io.BytesIO(done.stdout))
+    assert timeline.num_rows > 0 and b"TTFT" in done.stderr and b"TTFT" not in done.stdout
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["tpot_ms_mean"] > 0 and "TTFT" in err
+    code, out, _ = run(["trace", "inspect", trace], capsys)  # a command with no output files of its own
+    assert code == 0 and "prev-token reuse" in out
+
+
 def test_outputs_rolled_back_are_not_said_to_be_written(files, tmp_path, capsys, monkeypatch):
     """A later output failing (here the plot, on a full disk) rolls back those written before it: no
     "wrote" line claims otherwise."""

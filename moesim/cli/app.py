@@ -19,7 +19,21 @@ from moesim.errors import MoesimError
 
 class PipeConsole(Console):
     """A console whose reader may go away (``moesim replay T --json m.json | head``): rich would exit with
-    status 1 there; this console falls silent and the command goes on, so the files it writes still land."""
+    status 1 there; this console falls silent and the command goes on, so the files it writes still land.
+    Once an output of the command goes to standard output (``--timeline /dev/stdout``), what this console
+    says goes to stderr: stdout holds that output alone."""
+
+    stdout_taken = False  # set by check_outputs, cleared at each command's start
+
+    @property
+    def file(self) -> Any:
+        if self.stdout_taken and self._file is None and not self.stderr:
+            return sys.stderr
+        return Console.file.fget(self)
+
+    @file.setter
+    def file(self, new_file: Any) -> None:
+        Console.file.fset(self, new_file)
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
@@ -147,6 +161,7 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
             raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
                               fix="give a file name")
     _one_to_stdout(outputs)
+    console.stdout_taken = any(to_stdout(path) for path in outputs.values())
     named = [(key, "--" + key.replace("_", "-"), path) for key, path in outputs.items() if path and path != "-"]
     read = [(option, path) for option, path in inputs or () if path]
     written: list[tuple[str, str]] = []
@@ -228,6 +243,7 @@ def cli() -> None:
     Bad input exits 2 with one line naming the file, the field and the fix;
     add --debug anywhere on the command line to see a traceback of an internal error.
     """
+    console.stdout_taken = False  # a command run before in this process (tests, notebooks) took stdout
     # pyarrow imports pandas at its first conversion and takes a Ctrl-C in that import for a missing pandas
     # (the command then runs on to the end); imported before any work, pandas leaves Ctrl-C to stop it
     import pandas  # noqa: F401
