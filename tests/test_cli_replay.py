@@ -445,7 +445,8 @@ def test_a_gpu_memory_override_too_small_is_named_not_the_profile(tmp_path, caps
 
 @pytest.mark.parametrize("setting, said", [
     ("hw.gpu.memory_gib=0", "parameter 'hw.gpu.memory_gib'=0 ({hw}'s own: 24): must be positive, got 0"),
-    ("hw.gpu.memory_gib=abc", "parameter 'hw.gpu.memory_gib'=abc ({hw}'s own: 24): 'abc' is not a valid int"),
+    ("hw.gpu.memory_gib=abc", "parameter 'hw.gpu.memory_gib'=abc ({hw}'s own: 24): 'abc' is not a number "
+                              "(fix: give a number, like 24)"),
     ("hw.gpu.memory_gib=0.5", "parameter 'hw.gpu.memory_gib'=0.5 ({hw}'s own: 24): 1 GiB reserved of 0.5 GiB "
                               "(fix: give hw.gpu.memory_gib more than the 1 GiB reserved, or reserve less)"),
 ])
@@ -595,6 +596,29 @@ def test_a_dali_prefetch_buffer_too_large_names_its_parameter(capsys, setting, f
     assert code == 2 and f"field '{field}': " in err and "beside the cache of 10 slots that cache.slots=10" in err
     assert ("--set cache.prefetch_slots=50 or less" if field == "cache.prefetch_slots" else
             "--set prefetch.size=25 or less") in err
+
+
+def test_a_dali_default_buffer_that_a_smaller_gpu_memory_leaves_no_room_for_names_the_override(capsys):
+    """`--system dali --set hw.gpu.memory_gib=4.7` on the README's run: dali's default buffer of 2 slots no longer
+    fits; the error named field 'memory' (the profile) and "1 expert slots". It names the --set parameter, and
+    the memory that fits, which runs (one GiB-hundredth less does not)."""
+    import moesim
+    from moesim.errors import ConfigError
+    root = Path(__file__).resolve().parents[1]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), root / "hwprofiles" / "rtx4090.yaml"
+    args = ["replay", trace, "--hw", str(hw), "--system", "dali", "--set"]
+    code, _, err = run([*args, "hw.gpu.memory_gib=4.7"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("moesim: error: field '--set': dali's prefetch buffer of 2 slots (twice prefetch.size=1, "
+                          f"dali's default for the model) does not fit on the GPU of rtx4090 ({hw}) with parameter "
+                          "'hw.gpu.memory_gib'=4.7 (the profile's own: 24), which holds 1 expert slot in all"), err
+    assert "= 1 slot (fix: " in err and "--set hw.gpu.memory_gib=4.84 or more" in err
+    code, _, err = run([*args, "hw.gpu.memory_gib=4.83"], capsys)
+    assert code == 2 and "which holds 1 expert slot in all" in err
+    code, out, _ = run([*args, "hw.gpu.memory_gib=4.84", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["slot_spread"].endswith("+ a model-wide prefetch buffer of 2 (of 2 that fit)")
+    with pytest.raises(ConfigError, match="field 'hw__gpu__memory_gib': dali's prefetch buffer"):
+        moesim.replay(trace, hw=str(hw), system="dali", hw__gpu__memory_gib=4.7)
 
 
 @pytest.mark.parametrize("setting, said, fix", [

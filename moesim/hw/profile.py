@@ -201,10 +201,12 @@ def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool
             if text.lower() not in ("true", "false"):
                 raise ValueError(text)
             return text.lower() == "true"
-        return type(current)(text)
+        number = float(text)  # a profile's 24 and 24.0 are the same size: any number replaces either
+        return int(number) if isinstance(current, int) and number.is_integer() else number
     except ValueError:
-        raise ProfileError(f"'{text}' is not a valid {type(current).__name__}", source=origin, field=key,
-                           fix=f"give a {type(current).__name__} like {current!r}") from None
+        kind = "true or false" if isinstance(current, bool) else "a number"
+        raise ProfileError(f"'{text}' is not {kind}", source=origin, field=key,
+                           fix=f"give {kind}, like {current!r}") from None
 
 
 OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",

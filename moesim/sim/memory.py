@@ -94,7 +94,7 @@ class MemoryPlan:
         return (f"GPU {g(self.gpu_bytes)} - reserved {g(self.reserved_bytes)} - non-expert weights "
                 f"{g(self.non_expert_bytes)} - KV cache {g(self.kv_bytes)} - workspace {g(self.workspace_bytes)}"
                 f" - staging {g(self.staging_bytes)} = {g(self.free_bytes)} for experts of "
-                f"{self.expert_bytes / 2**20:.1f} MiB = {self.total_slots} slots")
+                f"{self.expert_bytes / 2**20:.1f} MiB = {self.total_slots} slot{'' if self.total_slots == 1 else 's'}")
 
     def describe(self) -> str:
         """One line: how many slots each layer got, compactly."""
@@ -208,14 +208,21 @@ def _buffer_too_large(plan: MemoryPlan, profile: HardwareProfile, system, reques
                      + f" (or cache.slots={left})")
     if key == "prefetch.size":
         fixes.append("--set cache.prefetch_slots to size the buffer apart")
+    shrunk = any(key_ == "memory_gib" for key_, _, _ in _overridden(profile))
     if not fixes or key not in given:
-        fixes.append("a GPU with more memory, or --set memory.non_expert_dtype=int4")
+        needed = plan.gpu_bytes - plan.free_bytes + ((total if asked else 0) + reserved) * plan.expert_bytes
+        fixes.append(f"--set hw.gpu.memory_gib={math.ceil(needed / GIB * 100) / 100:g} or more" if shrunk
+                     else "a GPU with more memory")
+        fixes[-1] += ", or --set memory.non_expert_dtype=int4"
     if asked and fit >= reserved:  # the buffer fits: the cache asked for leaves it no room
         field_ = "cache.slots" if request.slots is not None else "cache.slots_per_layer"
-    else:
-        field_ = key if key in given else "memory"
-    return ConfigError(f"{buffer} does not fit on the GPU of {_named(profile)}, which holds {fit} expert slots in "
-                       f"all, cache and buffer together: {plan.arithmetic()}", field=field_, fix=", or ".join(fixes))
+    else:  # the buffer's own setting when the user gave it, else the GPU memory they set, else the profile's
+        field_ = key if key in given else "--set" if shrunk else "memory"
+    named = f"{_named(profile, overrides=False)} with {_overrides_said(_overridden(profile))}" if shrunk \
+        else _named(profile)
+    return ConfigError(f"{buffer} does not fit on the GPU of {named}, which holds {fit} expert "
+                       f"slot{'' if fit == 1 else 's'} in all, cache and buffer together: {plan.arithmetic()}",
+                       field=field_, fix=", or ".join(fixes))
 
 
 def _buffer_setting(system, reserved: int, given: Mapping[str, str]) -> tuple[str | None, int, str]:
@@ -267,6 +274,12 @@ def _overridden(profile: HardwareProfile) -> list[tuple[str, float, float]]:
             if getattr(profile.gpu, key) != getattr(base.gpu, key)]
 
 
+def _overrides_said(changed: list[tuple[str, float, float]]) -> str:
+    """The ``hw.gpu.*`` overrides as ``--set`` parameters: the ``parameter '...'`` form is how one is named, and
+    the Python API renames the error's field to its keyword (hw__gpu__memory_gib) from it."""
+    return " and ".join(f"parameter 'hw.gpu.{key}'={new:g} (the profile's own: {old:g})" for key, new, old in changed)
+
+
 def _no_room(plan: MemoryPlan, profile: HardwareProfile) -> ConfigError:
     """The model does not fit even without experts: the profile is named as too small, unless an override
     set its memory, which is then named, with the value that would fit."""
@@ -276,9 +289,7 @@ def _no_room(plan: MemoryPlan, profile: HardwareProfile) -> ConfigError:
     if not changed:
         return ConfigError(arithmetic, field="memory",
                            fix="use a larger GPU profile, --set memory.non_expert_dtype=int4, or a shorter trace")
-    # the ``parameter '...'`` form is how a --set parameter is named: the Python API renames the field to its
-    # keyword (hw__gpu__memory_gib) from it
-    said = " and ".join(f"parameter 'hw.gpu.{key}'={new:g} (the profile's own: {old:g})" for key, new, old in changed)
+    said = _overrides_said(changed)
     fixes = []
     for key, _, _ in changed:
         if key == "memory_gib":  # the least GPU that holds everything but the experts, rounded up

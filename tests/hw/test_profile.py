@@ -235,8 +235,12 @@ def test_unknown_override_key():
 
 def test_override_with_a_bad_value_fails_cleanly():
     profile = parse_profile(minimal(), origin="toy.yaml")
-    with pytest.raises(ProfileError, match="not a valid int"):
+    with pytest.raises(ProfileError, match=r"'many' is not a number \(fix: give a number, like 8\)"):
         profile.with_overrides({"cpu.cores": "many"})
+    # a whole-number field takes no fraction (the parser's check), a size written as 24 takes 4.7
+    with pytest.raises(ProfileError, match="must be a whole number, got 4.5"):
+        profile.with_overrides({"cpu.cores": "4.5"})
+    assert profile.with_overrides({"gpu.memory_gib": "4.7"}).gpu.memory_gib == 4.7
 
 
 def test_raw_is_not_shared_with_the_caller():
@@ -251,7 +255,7 @@ def test_command_line_overrides_take_the_type_they_replace():
     profile = parse_profile(minimal(), origin="toy.yaml")
     assert profile.with_overrides({"gpu.cuda_graph": "true"}).gpu.cuda_graph is True
     assert profile.with_overrides({"cpu.cores": "4"}).cpu.cores == 4
-    with pytest.raises(ProfileError, match="not a valid bool"):
+    with pytest.raises(ProfileError, match="'yes please' is not true or false"):
         profile.with_overrides({"gpu.cuda_graph": "yes please"})
 
 
