@@ -282,9 +282,11 @@ def test_systems_skipped_for_one_reason_are_one_line():
     from moesim.cli.app import print_skipped
     stream = io.StringIO()
     print_skipped(Console(file=stream, width=400), {"cpu-only": "does not fit [1]", "smoe": "does not fit [1]",
-                                                     "importance": "needs scores"})
+                                                     "importance": "needs scores"}, 18)
     assert stream.getvalue().splitlines() == ["skipped cpu-only, smoe: does not fit [1]",
-                                              "skipped importance: needs scores"]
+                                              "skipped importance: needs scores",
+                                              "3 of 18 systems skipped (reasons above; in --json, each under its name "
+                                              "with its reason as 'skipped')"]
 
 
 def _bundled(kind: str) -> list[str]:

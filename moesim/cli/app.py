@@ -261,14 +261,18 @@ def hw_help(text: str = "Hardware profile: a name or a YAML path.") -> str:
     return f"{text} Profiles: {', '.join(available_profiles())}."
 
 
-def print_skipped(out: Console, skipped: dict[str, str]) -> None:
-    """The systems skipped and why, one line per reason (17 systems that do not fit one GPU are one line)."""
+def print_skipped(out: Console, skipped: dict[str, str], systems: int) -> None:
+    """The systems skipped and why, one line per reason (17 systems that do not fit one GPU are one line),
+    and how many of the ``systems`` asked for that is."""
     from rich.markup import escape
     by_reason: dict[str, list[str]] = {}
     for name, reason in skipped.items():
         by_reason.setdefault(reason, []).append(name)
     for reason, names in by_reason.items():
         out.print(f"[yellow]skipped {escape(', '.join(names))}:[/] {escape(reason)}", highlight=False, markup=True)
+    if skipped:
+        out.print(f"[yellow]{len(skipped)} of {systems} systems skipped[/] (reasons above; in --json, "
+                  "each under its name with its reason as 'skipped')", highlight=False, markup=True)
 
 
 def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:

@@ -144,10 +144,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
                                                                      seed=seed)):
             out.print(line, markup=False, highlight=False)
-        print_skipped(out, skipped)
-        if skipped:
-            out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
-                      "each under its name with its reason as 'skipped')", highlight=False, markup=True)
+        print_skipped(out, skipped, len(systems))
         if json_out:
             write_json({name: metrics_by_system.get(name) or {"system": name, "skipped": skipped[name],
                                                                 "inputs": inputs} for name in systems}, json_out)

@@ -104,10 +104,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     out.print(table)
     for line in serving_notes(rows):
         out.print(line, markup=False, highlight=False)
-    print_skipped(out, skipped)
-    if skipped:
-        out.print(f"[yellow]{len(skipped)} of {len(systems)} systems skipped[/] (reasons above; in --json, "
-                  "each under its name with its reason as 'skipped')", highlight=False, markup=True)
+    print_skipped(out, skipped, len(systems))
     if json_out:
         write_json(json_runs(runs, several_systems=len(systems) > 1, several_rates=len(rates) > 1), json_out)
     if requests_out and last is not None:
