@@ -617,3 +617,27 @@ def test_plain_progress_lines_count_the_tokens_run(hf, tmp_path: Path, capsys, m
     assert [n for n, _ in counts] == sorted(n for n, _ in counts)  # counted up pass by pass
     table = read_frame(out)
     assert table.drop_duplicates(["request", "position"]).shape[0] == 23
+
+
+def test_out_to_a_pipe_writes_the_trace_into_it_and_keeps_the_pipe(hf, tmp_path: Path) -> None:
+    """`--out /dev/stdout` renamed the finished trace over the device node (as root, /dev/stdout became a
+    regular file holding the trace); a special file now receives the trace's bytes and stays what it was."""
+    import fcntl
+    import io
+    import os
+    import stat
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    pipe = tmp_path / "pipe.parquet"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a reader is there, so the writer's open returns
+    try:
+        fcntl.fcntl(reader, 1031, 1 << 20)  # F_SETPIPE_SZ: room for the whole tiny trace
+        assert main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "1",
+                     "--device", "cpu", "--out", str(pipe)]) == 0
+        assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+        data = os.read(reader, 1 << 20)
+    finally:
+        os.close(reader)
+    table = pq.read_table(io.BytesIO(data))
+    assert table.num_rows == 3 * (len(PROMPTS[0]) + 1)

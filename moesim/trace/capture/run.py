@@ -324,6 +324,7 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
     from moesim.trace.capture.model import load_config, load_model, load_tokenizer, inspect_model, require_torch
     from moesim.trace.capture.arch import config_to_spec
     from moesim.trace.validate import check_path_writable
+    from moesim.util import PARQUET, output_file
 
     require_torch()
     prompts = load_prompts(config.prompts)
@@ -345,8 +346,12 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
             check_context(calib_ids, calibration, config.max_new_tokens, int(limit), str(config.calibration_prompts))
     source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": file_sha256(config.prompts),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
-    report = capture_loaded(moe, ids, out, config.max_new_tokens, batch=config.batch, calibration=calib_ids,
-                            source=source, tokenizer=tokenizer, progress=progress, on_tokens=on_tokens)
+    # a special file (--out /dev/stdout, a pipe) gets the bytes of a finished trace, never a rename over it
+    with output_file(out, "--out", PARQUET) as target:
+        report = capture_loaded(moe, ids, target, config.max_new_tokens, batch=config.batch,
+                                calibration=calib_ids, source=source, tokenizer=tokenizer, progress=progress,
+                                on_tokens=on_tokens)
+    report.out = Path(out)
     if calib_ids:
         shared = len({tuple(p) for p in ids} & {tuple(p) for p in calib_ids})
         if shared:
