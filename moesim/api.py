@@ -205,7 +205,9 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
 
     Relative paths in a dict spec resolve against the current folder, in a
     YAML spec against the file's folder. ``out``: a ``.parquet`` file that
-    makes the sweep resumable (finished points are skipped). ``workers``:
+    makes the sweep resumable (finished points are skipped); without it, the
+    same call after a KeyboardInterrupt in this session runs only the points
+    not finished before. ``workers``:
     processes (default: all cores; 1 runs in this process). ``engine``:
     ``local`` or ``ray`` (``address`` of an existing cluster, default a local
     Ray instance). ``progress``: a progress bar (default: on a terminal only).
@@ -215,10 +217,67 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     if progress is None:
         from rich.console import Console
         progress = Console(stderr=True).is_terminal
-    frame, _ = sweep_module.run_sweep(spec, out, workers=workers, engine=engine, address=address,
-                                      progress=progress)
+    scratch = scratch_out(spec) if out is None else None
+    try:
+        frame, _ = sweep_module.run_sweep(spec, out if scratch is None else scratch, workers=workers, engine=engine,
+                                          address=address, progress=progress)
+    except BaseException:  # a KeyboardInterrupt in a notebook, or an error: what finished waits for the rerun
+        if scratch is not None:
+            say_kept(scratch, len(spec.points()))
+        raise
+    if scratch is not None:
+        scratch.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            scratch.parent.rmdir()
     warn_failed_points(frame)
     return frame
+
+
+#: where sweeps without ``out=`` keep their finished points, one folder per process
+SCRATCH_DIR = "moesim-sweeps"
+
+
+def scratch_out(spec: Any) -> Path | None:
+    """The file a sweep without ``out=`` keeps its finished points in while it runs, so that the same call after
+    a KeyboardInterrupt (or an error) in this process runs only the points not finished. One file per spec and
+    process; folders of processes that ended are removed. None where no such file can be written."""
+    import hashlib
+    import json
+    import tempfile
+    base = Path(tempfile.gettempdir()) / f"{SCRATCH_DIR}-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    try:
+        base.mkdir(mode=0o700, exist_ok=True)
+        remove_dead_scratch(base)
+    except OSError:
+        return None
+    points = [(p.point_id, spec.resolve(p.trace), spec.resolve_hw(p.hw)) for p in spec.points()]
+    key = hashlib.sha256(json.dumps(points).encode()).hexdigest()[:16]
+    return base / str(os.getpid()) / f"sweep-{key}.parquet"
+
+
+def remove_dead_scratch(base: Path) -> None:
+    """Scratch folders of processes that have ended (a kernel restarted or shut down)."""
+    import shutil
+
+    from moesim.util import pid_alive
+    for folder in base.iterdir():
+        if folder.name.isdigit() and int(folder.name) != os.getpid() and not pid_alive(int(folder.name)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def say_kept(scratch: Path, total: int) -> None:
+    """One line on stderr: how many points the stopped sweep finished, and that the same call resumes them."""
+    import sys
+
+    import pyarrow.parquet as pq
+    kept = 0
+    for part in scratch.with_name(scratch.name + sweep_module.PARTS_SUFFIX).glob("*.parquet"):
+        with contextlib.suppress(Exception):  # a part being written when it stopped: run again
+            kept += pq.read_table(part, columns=["status"])["status"].to_pylist() == ["ok"]
+    if not kept:
+        return
+    sys.stderr.write(f"moesim.sweep stopped: the {kept} of {total} points it finished are kept; the same "
+                     "call in this session runs only the others (out='results.parquet' keeps them on disk)\n")
 
 
 class SweepPointsFailed(UserWarning):

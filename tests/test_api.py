@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -297,3 +298,30 @@ def test_several_systems_in_one_call_point_to_sweep(files, system, fix):
     with pytest.raises(ConfigError, match=f"system='{system}' names several systems; a call replays one") as err:
         moesim.replay(trace, hw=hw, system=system)
     assert fix in str(err.value)
+
+
+def test_a_sweep_stopped_by_ctrl_c_keeps_its_finished_points_for_the_same_call(files, monkeypatch, capsys):
+    """A KeyboardInterrupt in a notebook lost every point a sweep without out= had finished: the rerun of the
+    cell started again from nothing. The same call now runs only the points not finished."""
+    engines = importlib.import_module("moesim.sweep.engines")  # moesim.sweep is the function
+    trace, hw = files
+    spec = {"traces": [trace], "hw": [hw], "systems": ["cpu-only", "gpu-only-lru"],
+            "grid": {"cache.slots_per_layer": [1, 2]}}
+    real_run_point, ran = engines.run_point, []
+
+    def interrupted_at_the_third(*job):
+        if len(ran) == 2:
+            raise KeyboardInterrupt
+        ran.append(job[0].point_id)
+        return real_run_point(*job)
+
+    monkeypatch.setattr(engines, "run_point", interrupted_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        moesim.sweep(spec, workers=1)
+    assert "the 2 of 4 points it finished are kept" in capsys.readouterr().err
+    monkeypatch.setattr(engines, "run_point", lambda *job: ran.append(job[0].point_id) or real_run_point(*job))
+    frame = moesim.sweep(spec, workers=1)
+    assert len(ran) == 4 and len(set(ran)) == 4  # the two finished points did not run again
+    assert len(frame) == 4 and (frame["status"] == "ok").all()
+    again = moesim.sweep(spec, workers=1)  # a finished sweep keeps nothing: the same call runs every point
+    assert len(ran) == 8 and again["tpot_ms_mean"].tolist() == frame["tpot_ms_mean"].tolist()
