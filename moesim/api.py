@@ -93,6 +93,7 @@ def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> d
     >>> settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True)
     {'cache': 'lru', 'cache.slots_per_layer': '4', 'engine.timeline': 'true'}
     """
+    checked_settings(settings)
     out: dict[str, str] = {}
     for source in (settings or {}, params):
         for key, value in source.items():
@@ -101,6 +102,13 @@ def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> d
                 raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
             out[key] = sweep_module.setting_str(value)
     return out
+
+
+def checked_settings(settings: Any) -> None:
+    """One line for ``settings`` that is no dict (a list of ``KEY=VALUE`` strings, as on the command line)."""
+    if settings is not None and not isinstance(settings, Mapping):
+        raise ConfigError(f"settings must be a dict of --set parameters, got {settings!r}", field="settings",
+                          fix="e.g. settings={'cache': 'lru', 'cache.slots_per_layer': 2}")
 
 
 #: the figures a result's one-line repr shows
@@ -150,6 +158,24 @@ class ReplayResult:
             "".join(f", {k}" for k in kept) + ")"
 
 
+def checked_flags(**flags: Any) -> None:
+    """One line for a switch given as something other than True or False (``timeline="no"`` is truthy)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}", field=name,
+                              fix=f"e.g. {name}=False")
+
+
+def checked_trace(trace: Any) -> str:
+    """``trace`` as one path; one line for anything else (a list read as a missing file named "['a.parquet']")."""
+    if isinstance(trace, (str, os.PathLike)):
+        return os.fspath(trace)
+    several = isinstance(trace, Sequence) and all(isinstance(t, (str, os.PathLike)) for t in trace)
+    raise ConfigError(f"trace must be one trace file's path, got {trace!r}", field="trace",
+                      fix="replay one trace per call; moesim.sweep({'traces': [...], ...}) replays several"
+                      if several else "e.g. 'traces/mixtral-8x7b-humaneval.parquet'")
+
+
 def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM) -> None:
     """One-line errors for a ``hw``, ``seed`` or ``system`` of the wrong kind (the command line's types check
     them there)."""
@@ -185,9 +211,11 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
+    trace = checked_trace(trace)
+    checked_flags(timeline=timeline, decisions=decisions)
     checked_run_inputs(hw, seed, system)
     with keyword_fields(params):
-        result = simulate(str(trace), hw, system, settings_from(settings, **params), model_preset=model,
+        result = simulate(trace, hw, system, settings_from(settings, **params), model_preset=model,
                           seed=int(seed), timeline=timeline, decisions=decisions)
     raw = metrics(result)
     frames = result_to_frames(result)
@@ -213,6 +241,7 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     Ray instance). ``progress``: a progress bar (default: on a terminal only).
     Failed points have ``status == "error"`` and the reason in ``error``.
     """
+    checked_sweep_inputs(grid, workers, progress)
     spec = sweep_module.load_spec(dict(grid) if isinstance(grid, Mapping) else grid)
     if progress is None:
         from rich.console import Console
@@ -231,6 +260,18 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
             scratch.parent.rmdir()
     warn_failed_points(frame)
     return frame
+
+
+def checked_sweep_inputs(grid: Any, workers: Any, progress: Any) -> None:
+    """One line for a spec, ``workers`` or ``progress`` of the wrong kind (a TypeError deep in the pool before)."""
+    if not isinstance(grid, (Mapping, str, os.PathLike)):
+        raise ConfigError(f"the sweep spec must be a dict or a YAML file's path, got {grid!r}", field="grid",
+                          fix="e.g. moesim.sweep({'traces': [TRACE], 'hw': ['rtx4090'], 'systems': ['smoe']})")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, numbers.Integral)):
+        raise ConfigError(f"workers must be a whole number of processes, got {workers!r}", field="workers",
+                          fix="e.g. workers=2 (1 runs the points in this process; None: every core)")
+    if progress is not None:
+        checked_flags(progress=progress)
 
 
 #: where sweeps without ``out=`` keep their finished points, one folder per process
@@ -432,6 +473,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
     from moesim.sim.serving import serve as run_serving
     paths = _trace_paths(traces)
+    checked_settings(settings)
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
              if v is not None}
     merged = settings_from({**short, **(settings or {})}, **params)

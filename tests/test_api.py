@@ -185,6 +185,37 @@ def test_a_seed_or_hw_of_the_wrong_kind_is_refused_in_one_line(files, kwargs, wo
     assert moesim.replay(trace, hw=hw, system="cpu-only", seed=np.int64(3)).metrics.seed.iloc[0] == 3
 
 
+
+@pytest.mark.parametrize("call, kwargs, field, words", [
+    # a list of traces was looked up as one file named "['t.parquet']"
+    ("replay", {"trace": ["T"]}, "trace", "trace must be one trace file's path, got ['"),
+    ("replay", {"trace": 5}, "trace", "trace must be one trace file's path, got 5"),
+    # AttributeError: 'list' object has no attribute 'items'
+    ("replay", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of --set parameters"),
+    ("serve", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of --set parameters"),
+    # "no" is truthy: the timeline was kept without a word
+    ("replay", {"timeline": "no"}, "timeline", "timeline must be True or False, got 'no'"),
+    ("replay", {"decisions": 0}, "decisions", "decisions must be True or False, got 0"),
+    # TypeError: '<' not supported between instances of 'str' and 'int'
+    ("sweep", {"workers": "2"}, "workers", "workers must be a whole number of processes, got '2'"),
+    # TypeError: expected str, bytes or os.PathLike object, not list
+    ("sweep", {"grid": ["T"]}, "grid", "the sweep spec must be a dict or a YAML file's path, got ['"),
+    ("sweep", {"progress": "yes"}, "progress", "progress must be True or False, got 'yes'"),
+])
+def test_an_argument_of_the_wrong_kind_is_one_line_naming_it(files, call, kwargs, field, words):
+    trace, hw = files
+    kwargs = {k: ([trace] if v == ["T"] else v) for k, v in kwargs.items()}
+    if call == "sweep":
+        args = {"grid": {"traces": [trace], "hw": [hw], "systems": ["cpu-only"]}, **kwargs}
+    else:
+        args = {"hw": hw, "system": "cpu-only", **({"traces": trace} if call == "serve" else {"trace": trace}),
+                **kwargs}
+    with pytest.raises(ConfigError) as err:
+        getattr(moesim, call)(**args)
+    assert err.value.field == field and words in str(err.value) and "\n" not in str(err.value)
+    assert "fix: " in str(err.value)
+
+
 def test_a_fault_in_a_column_the_system_does_not_read_still_refuses_the_replay(files, tmp_path):
     """gpu-only-lru never reads scores; a NaN there is checked beside the run and refuses its result."""
     from moesim.errors import TraceFormatError
