@@ -78,6 +78,16 @@ def _require_torch() -> None:
                           fix="pip install -e '.[torch]'") from None
 
 
+def _check_threads(threads: int) -> None:
+    """``--threads`` at most the CPUs this process may run on: more would be timed oversubscribed (each
+    thread losing its core) and recorded in the profile as that many cores."""
+    from backends.devices import allowed_cpus
+    cpus = len(allowed_cpus())
+    if threads > cpus:
+        raise MoesimError(f"{threads} threads, more than the {cpus} CPUs this process may run on",
+                          field="--threads", fix=f"use --threads 1 to {cpus}, or 0 for all of them")
+
+
 def _measure(models, device: str, threads: int, quick: bool, name: str, out: Path) -> Path:
     _require_torch()
     from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile
@@ -105,6 +115,7 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
                     out: str) -> None:
     """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
     check_outputs([("--model", name) for name in model_names], {"out": YAML}, out=out)
+    _check_threads(threads)
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
     path = _measure(models, device, threads, quick, name, Path(out))
@@ -178,6 +189,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     if not real:
         raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
     names = _executable_systems(systems)
+    _check_threads(threads)
     out_dir = Path(out)
     read_meta(trace_file)
     if layers is not None:

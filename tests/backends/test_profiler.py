@@ -151,3 +151,21 @@ def test_host_threads_sets_and_restores_the_thread_count_without_pinning():
         assert torch.get_num_threads() == 1
         assert allowed_cpus() == before_cpus  # stand-in, pool and copy threads keep every core
     assert torch.get_num_threads() == before_threads
+
+
+@pytest.mark.parametrize("command", [
+    ["profile", "--device", "cpu", "--model", "flame-moe-290m", "--quick", "--out", "p.yaml"],
+    ["validate", "--real", "--device", "cpu", "--trace", "t.parquet", "--systems", "cpu-only", "--out", "v"],
+])
+def test_more_threads_than_cpus_is_one_line_before_any_measuring(tmp_path, monkeypatch, capsys, command):
+    """`--threads 1000` on 2 CPUs was timed oversubscribed and the profile said `cores: 1000`."""
+    from moesim.cli import main
+    from tests.factories import write_tiny_trace
+    monkeypatch.chdir(tmp_path)
+    write_tiny_trace(tmp_path / "t.parquet", tiny_model(), [])
+    too_many = len(allowed_cpus()) + 1
+    assert main([*command, "--threads", str(too_many)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"moesim: error: field '--threads': {too_many} threads, more than the {too_many - 1} CPUs this "
+                   f"process may run on (fix: use --threads 1 to {too_many - 1}, or 0 for all of them)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
