@@ -158,6 +158,24 @@ class ReplayResult:
             "".join(f", {k}" for k in kept) + ")"
 
 
+def checked_keywords(function: Any, params: Mapping[str, Any]) -> None:
+    """A keyword that is a slip of one of ``function``'s own arguments (``sytem=``, ``request=``) is refused
+    naming that argument: taken as a ``--set`` parameter, it was refused as unknown to the system, and the fix
+    listed every parameter but the argument meant."""
+    import inspect
+
+    from moesim.errors import did_you_mean
+    from moesim.policy.systems import ROLES
+    own = [name for name, arg in inspect.signature(function).parameters.items() if arg.kind is not arg.VAR_KEYWORD]
+    for key in params:
+        if "__" in key or "." in key or key in ROLES or key in ("runtime", "scheduler"):
+            continue  # a --set parameter's spelling
+        guess = "did you mean hw? " if key in ("hardware", "profile") else did_you_mean(key, own)
+        if guess:
+            raise ConfigError(f"{function.__name__}() has no argument '{key}'", field=key,
+                              fix=f"{guess}(other keywords are --set parameters, e.g. cache__slots_per_layer=2)")
+
+
 def checked_flags(**flags: Any) -> None:
     """One line for a switch given as something other than True or False (``timeline="no"`` is truthy)."""
     for name, value in flags.items():
@@ -211,6 +229,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
+    checked_keywords(replay, params)
     trace = checked_trace(trace)
     checked_flags(timeline=timeline, decisions=decisions)
     checked_run_inputs(hw, seed, system)
@@ -472,6 +491,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     """
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
     from moesim.sim.serving import serve as run_serving
+    checked_keywords(serve, params)
     paths = _trace_paths(traces)
     checked_settings(settings)
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))

@@ -216,6 +216,23 @@ def test_an_argument_of_the_wrong_kind_is_one_line_naming_it(files, call, kwargs
     assert "fix: " in str(err.value)
 
 
+
+@pytest.mark.parametrize("call, keyword, meant", [
+    ("replay", "sytem", "system"), ("replay", "timelines", "timeline"), ("replay", "seeds", "seed"),
+    ("replay", "hardware", "hw"), ("serve", "request", "requests"), ("serve", "sytem", "system"),
+])
+def test_a_slip_of_an_argument_name_names_the_argument_meant(files, call, keyword, meant):
+    """sytem='smoe' was read as a --set parameter: 'unknown parameter for system gpu-only-lru' and a list of
+    every parameter, but no word of system=."""
+    trace, hw = files
+    with pytest.raises(ConfigError) as err:
+        getattr(moesim, call)(trace, **{"hw": hw, keyword: 1})
+    assert err.value.field == keyword
+    assert str(err.value).startswith(f"field '{keyword}': {call}() has no argument '{keyword}'")
+    assert f"did you mean {meant}?" in str(err.value)
+    assert moesim.replay(trace, hw=hw, cache="lru", timeline=False).system == "gpu-only-lru"  # a role stays --set
+
+
 def test_a_fault_in_a_column_the_system_does_not_read_still_refuses_the_replay(files, tmp_path):
     """gpu-only-lru never reads scores; a NaN there is checked beside the run and refuses its result."""
     from moesim.errors import TraceFormatError
