@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, parse_settings, preset_help,
-                            say_wrote, write_json)
+from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
+                            preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET, YAML
 
@@ -159,6 +159,16 @@ def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> None:
                       "`moesim profile --device cpu`)", markup=False, highlight=False, soft_wrap=True)
 
 
+def _measure_with_report(model, device: str, threads: int, quick: bool, out_dir: Path):
+    """(path, profile) of a profile measured into ``OUT/profile.yaml``, which lands with the report: an
+    interrupted or failed run leaves an earlier report and the profile it was computed with as they were."""
+    from moesim.hw.profile import load_profile
+    target = out_dir / "profile.yaml"
+    with open_output(target, "--out", YAML) as staged:
+        profile = load_profile(_measure([model], device, threads, quick, "", Path(staged)))
+    return str(target), profile
+
+
 @cli.command("validate", cls=JsonFlagCommand)
 @click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
 @click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
@@ -202,8 +212,9 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     model = read_meta(trace_file).model
     check_host_memory(model, parsed.get("memory.expert_dtype") or model.expert_dtype)  # before minutes of profiling
     if profile_path is None:
-        profile_path = str(_measure([model], device, threads, quick_profile, "", out_dir / "profile.yaml"))
-    profile = load_profile(profile_path)
+        profile_path, profile = _measure_with_report(model, device, threads, quick_profile, out_dir)
+    else:
+        profile = load_profile(profile_path)
     if device == "cpu":
         _warn_gpu_profile_on_cpu(profile, profile_path, out_dir)
     if "measured by moesim profile" in profile.sources.get("gpu", ""):

@@ -1,0 +1,53 @@
+"""moesim validate --real and moesim profile, as the command line runs them: what lands in the output and when."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from moesim.cli import main  # noqa: E402
+from tests.factories import random_routing, tiny_model, write_tiny_trace  # noqa: E402
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> str:
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    return str(write_tiny_trace(tmp_path / "tiny.parquet", model, random_routing(np.random.default_rng(1), model,
+                                                                                   1, 4, 2)))
+
+
+def test_interrupted_validate_keeps_the_earlier_reports_profile(trace: str, tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C after validate had measured OUT/profile.yaml left the new profile beside the earlier report,
+    which had been computed with the profile it replaced; the profile now lands with the report or not at all."""
+    import moesim.analysis.validation as validation
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "profile.yaml").write_text("earlier profile\n")
+    (out / "validation.json").write_text("earlier report\n")
+    measured: list[str] = []
+
+    def interrupted(trace_file, names, profile, **kwargs):
+        measured.append(profile.name)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validation, "run_validation", interrupted)
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--threads", "1", "--quick-profile", "--out", str(out)])
+    assert code == 130 and measured  # interrupted after the profile was measured
+    assert sorted(p.name for p in out.iterdir()) == ["profile.yaml", "validation.json"]
+    assert (out / "profile.yaml").read_text() == "earlier profile\n"
+
+
+def test_validate_writes_the_profile_it_measured_and_names_it(trace: str, tmp_path: Path, capsys) -> None:
+    import json
+    out = tmp_path / "report"
+    assert main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--threads", "1", "--quick-profile", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile"] == str(out / "profile.yaml")
+    assert (out / "profile.yaml").read_text().startswith("# Hardware profile measured by `moesim profile`.")
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
