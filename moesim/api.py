@@ -38,6 +38,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from moesim import sweep as sweep_module
@@ -257,18 +258,23 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     not finished before. ``workers``:
     processes (default: all cores; 1 runs in this process). ``engine``:
     ``local`` or ``ray`` (``address`` of an existing cluster, default a local
-    Ray instance). ``progress``: a progress bar (default: on a terminal only).
+    Ray instance). ``progress``: a progress bar (default: on a terminal, and in
+    a notebook as one line updated in place, every 10 s or
+    ``MOESIM_PROGRESS_INTERVAL``).
     Failed points have ``status == "error"`` and the reason in ``error``.
     """
     checked_sweep_inputs(grid, workers, progress)
     spec = sweep_module.load_spec(dict(grid) if isinstance(grid, Mapping) else grid)
+    notebook = in_notebook()
     if progress is None:
         from rich.console import Console
-        progress = Console(stderr=True).is_terminal
+        progress = notebook or Console(stderr=True).is_terminal
+    # in a notebook the plain progress lines (one every 10 s) piled up in the cell: there, one line updated
+    console = SimpleNamespace(file=NotebookLine()) if progress and notebook else None
     scratch = scratch_out(spec) if out is None else None
     try:
         frame, _ = sweep_module.run_sweep(spec, out if scratch is None else scratch, workers=workers, engine=engine,
-                                          address=address, progress=progress)
+                                          address=address, progress=progress, console=console)
     except BaseException:  # a KeyboardInterrupt in a notebook, or an error: what finished waits for the rerun
         if scratch is not None:
             say_kept(scratch, len(spec.points()))
@@ -279,6 +285,37 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
             scratch.parent.rmdir()
     warn_failed_points(frame)
     return frame
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (IPython's kernel shell; a terminal IPython is not one)."""
+    import sys
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class NotebookLine:
+    """A progress stream for a notebook cell: each line replaces the one before in a single output."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def write(self, text: str) -> int:
+        line = text.strip()
+        if line:
+            from IPython.display import display
+            if self.handle is None:  # shown at the first line: a quick sweep leaves no empty output
+                self.handle = display({"text/plain": line}, raw=True, display_id=True)
+            else:
+                self.handle.update({"text/plain": line}, raw=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 def checked_sweep_inputs(grid: Any, workers: Any, progress: Any) -> None:

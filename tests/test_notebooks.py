@@ -68,3 +68,30 @@ def test_replay_figures_display_as_images_in_a_plain_kernel(tmp_path):
         assert not any(o.get("output_type") == "error" for o in cell.outputs)
     assert "<Figure" not in "".join(str(o) for c in notebook.cells for o in c.outputs if "image/png" not in
                                     str(o.get("data", {})))
+
+
+def test_sweep_progress_in_a_notebook_is_one_line_updated_in_place(tmp_path):
+    """Progress lines on stderr piled up in the cell (one per interval: hundreds in a long sweep); in a kernel
+    the sweep shows one output that each line replaces, ending with how the sweep ended."""
+    import re
+
+    import numpy as np
+
+    from tests.factories import random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=5))
+    cells = [
+        "import os\nos.environ['MOESIM_PROGRESS_INTERVAL'] = '0'  # a line at every point\nimport moesim",
+        (f"df = moesim.sweep({{'traces': [{str(trace)!r}], 'hw': ['rtx4090'], 'systems': ['cpu-only', "
+         "'gpu-only-lru'], 'grid': {'cache.slots_per_layer': [1, 2, 3]}}, workers=1)\nlen(df)"),
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    cell = notebook.cells[1]
+    assert not [o for o in cell.outputs if o.get("output_type") == "stream"], cell.outputs
+    shown = [o for o in cell.outputs if o.get("output_type") == "display_data"]
+    assert len(shown) == 1 and re.fullmatch(r"sweep: done, 6/6 points \(100%\) in \d+s", shown[0]["data"]["text/plain"])
+    assert [o["data"]["text/plain"] for o in cell.outputs if o.get("output_type") == "execute_result"] == ["6"]
