@@ -51,3 +51,30 @@ def test_validate_writes_the_profile_it_measured_and_names_it(trace: str, tmp_pa
     assert report["profile"] == str(out / "profile.yaml")
     assert (out / "profile.yaml").read_text().startswith("# Hardware profile measured by `moesim profile`.")
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+CANNOT_WRITE = ("cannot create a file in /proc", "folder /proc is not writable")  # as root / as anyone else
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where no file can be created")
+@pytest.mark.parametrize("command", [
+    ["profile", "--device", "cpu", "--model", "flame-moe-290m", "--quick", "--threads", "1", "--out", "/proc/p.yaml"],
+    ["validate", "--real", "--device", "cpu", "--systems", "cpu-only", "--threads", "1", "--out", "/proc/report"],
+])
+def test_an_output_folder_no_file_can_be_created_in_is_one_line_before_the_work(trace: str, capsys, command) -> None:
+    """As root, os.access said /proc (or /sys, or a root-squashed NFS folder) was writable: the measurement ran,
+    then the write failed as an internal error (exit 1)."""
+    root = Path(__file__).resolve().parents[2]
+    if command[0] == "validate":
+        command = [*command, "--trace", trace, "--profile", str(root / "hwprofiles" / "rtx4090.yaml")]
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moesim: error: /proc/") and err.count("\n") == 1
+    assert any(words in err for words in CANNOT_WRITE), err
+
+
+def test_an_output_folder_under_a_file_is_one_line(trace: str, tmp_path: Path, capsys) -> None:
+    assert main(["validate", "--real", "--device", "cpu", "--systems", "cpu-only", "--trace", trace,
+                 "--out", str(Path(trace) / "report")]) == 2
+    assert capsys.readouterr().err == (f"moesim: error: {trace}/report, field '--out': {trace} is a file, not a "
+                                       "folder (fix: give a path whose folders are folders)\n")

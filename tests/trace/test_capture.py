@@ -641,3 +641,16 @@ def test_out_to_a_pipe_writes_the_trace_into_it_and_keeps_the_pipe(hf, tmp_path:
         os.close(reader)
     table = pq.read_table(io.BytesIO(data))
     assert table.num_rows == 3 * (len(PROMPTS[0]) + 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where no file can be created")
+def test_an_out_folder_no_file_can_be_created_in_is_one_line_before_the_model_runs(hf, tmp_path: Path,
+                                                                                    capsys) -> None:
+    """As root, os.access said /proc was writable: the capture ran, then failed as an internal error (exit 1)."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    assert main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--device", "cpu", "--out", "/proc/t.parquet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moesim: error: /proc/t.parquet, field '--out': ") and err.count("\n") == 1
+    assert "cannot create a file in /proc" in err or "folder /proc is not writable" in err
