@@ -218,7 +218,9 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     short = fewer_runs(runs)
     if short:
         note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
-        warnings.warn(f"{title or source or 'results'}: {short}", UnevenMeans, stacklevel=2)
+        # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
+        from moesim.api import warn_at_caller
+        warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:

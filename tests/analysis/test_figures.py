@@ -396,3 +396,21 @@ def test_another_word_for_a_base_parameter_is_suggested():
     with pytest.raises(ConfigError) as err:
         plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", facet="hardware")
     assert "did you mean 'hw'?" in str(err.value)
+
+
+def test_the_uneven_means_warning_of_a_standard_figure_names_the_callers_line():
+    """fig_tpot_vs_slots warned from figures.py:496 (stacklevel=2 stopped inside moesim): a notebook showed
+    moesim's source line instead of the cell's."""
+    import inspect
+    import warnings
+
+    from moesim.analysis.figures import UnevenMeans
+    once = results()
+    frame = pd.concat([once, once.assign(seed=1, point_id=once["point_id"] + "-1")], ignore_index=True)
+    frame = frame.drop(index=frame.index[frame["system"] == "static-hot"][0])  # one point averages 1 seed of 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        fig_tpot_vs_slots(frame)
+    uneven = [w for w in caught if issubclass(w.category, UnevenMeans)]
+    assert [(w.filename, w.lineno) for w in uneven] == [(__file__, line)]
