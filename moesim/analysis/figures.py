@@ -96,6 +96,9 @@ COLUMN_WORDS = {"hardware": "hw", "profile": "hw", "gpu": "hw", "policy": "syste
 
 def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None) -> str:
     """``name`` (or its ``__`` spelling) if ``frame`` has it, else one line listing what it has."""
+    if not isinstance(name, str):  # a list of metrics failed as "'list' object has no attribute 'replace'"
+        raise ConfigError(f"{role.lstrip('-')} must be one column's name, got {name!r}", source=source, field=role,
+                          fix="one figure per column: call the function once for each (e.g. y='tpot_ms_mean')")
     for candidate in (name, name.replace("__", ".")):
         if candidate in frame.columns:
             return candidate

@@ -414,3 +414,11 @@ def test_the_uneven_means_warning_of_a_standard_figure_names_the_callers_line():
         fig_tpot_vs_slots(frame)
     uneven = [w for w in caught if issubclass(w.category, UnevenMeans)]
     assert [(w.filename, w.lineno) for w in uneven] == [(__file__, line)]
+
+
+@pytest.mark.parametrize("draw", [plot_results, plot_scatter])
+def test_a_list_where_one_column_goes_is_one_line_naming_the_argument(draw):
+    """y=['tpot_ms_mean', 'ttft_ms'] failed with AttributeError: 'list' object has no attribute 'replace'."""
+    with pytest.raises(ConfigError, match=r"field '--y': y must be one column's name, got \['tpot_ms_mean', "
+                                          r"'gpu_hit_rate'\] \(fix: one figure per column"):
+        draw(results(), x="cache.slots_per_layer", y=["tpot_ms_mean", "gpu_hit_rate"])
