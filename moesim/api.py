@@ -284,7 +284,24 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
         with contextlib.suppress(OSError):
             scratch.parent.rmdir()
     warn_failed_points(frame)
+    return one_type_per_column(frame)
+
+
+def one_type_per_column(frame: Any) -> Any:
+    """``frame`` with each column that mixes kinds of values (``cache.slots_per_layer`` swept over ``2`` and
+    ``"[2,1,...]"``) as strings, as the sweep's own results file holds it: ``frame.to_parquet`` refused such a
+    column (ArrowInvalid), and a resumed sweep, read back from its file, gave strings where a fresh one gave
+    both."""
+    for name in frame.columns:
+        if frame[name].dtype == object:
+            kinds = {type(v) for v in frame[name] if not is_missing(v)}
+            if len(kinds) > 1:
+                frame[name] = [None if is_missing(v) else sweep_module.setting_str(v) for v in frame[name]]
     return frame
+
+
+def is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)
 
 
 def in_notebook() -> bool:

@@ -373,3 +373,19 @@ def test_a_sweep_stopped_by_ctrl_c_keeps_its_finished_points_for_the_same_call(f
     assert len(frame) == 4 and (frame["status"] == "ok").all()
     again = moesim.sweep(spec, workers=1)  # a finished sweep keeps nothing: the same call runs every point
     assert len(ran) == 8 and again["tpot_ms_mean"].tolist() == frame["tpot_ms_mean"].tolist()
+
+
+def test_a_sweep_over_values_of_several_kinds_saves_as_parquet(files, tmp_path):
+    """cache.slots_per_layer swept over 2 and a per-layer list: the frame mixed an int and a str in one column
+    and frame.to_parquet() failed (ArrowInvalid: Could not convert '[2,1]' with type str)."""
+    trace, hw = files
+    frame = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],
+                          "grid": {"cache.slots_per_layer": [2, "[2,1]"]}}, workers=1)
+    assert frame["cache.slots_per_layer"].tolist() == ["2", "[2,1]"] and (frame["status"] == "ok").all()
+    frame.to_parquet(tmp_path / "saved.parquet")
+    back = pd.read_parquet(tmp_path / "saved.parquet")
+    assert back["cache.slots_per_layer"].tolist() == ["2", "[2,1]"]
+    assert back["tpot_ms_mean"].tolist() == frame["tpot_ms_mean"].tolist()
+    resumed = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],
+                            "grid": {"cache.slots_per_layer": [2, "[2,1]"]}}, out=tmp_path / "r.parquet", workers=1)
+    assert resumed["cache.slots_per_layer"].tolist() == frame["cache.slots_per_layer"].tolist()
