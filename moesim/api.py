@@ -195,6 +195,12 @@ def checked_trace(trace: Any) -> str:
                       if several else "e.g. 'traces/mixtral-8x7b-humaneval.parquet'")
 
 
+def profile_label(hw: Any) -> str:
+    """The ``hw`` column of a result: a profile's name or path as given, a HardwareProfile object's name (its
+    repr, every curve of the profile, filled the cell before)."""
+    return hw.name if hasattr(hw, "gpu") and isinstance(getattr(hw, "name", None), str) else os.fspath(hw)
+
+
 def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM) -> None:
     """One-line errors for a ``hw``, ``seed`` or ``system`` of the wrong kind (the command line's types check
     them there)."""
@@ -239,7 +245,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
                           seed=int(seed), timeline=timeline, decisions=decisions)
     raw = metrics(result)
     frames = result_to_frames(result)
-    row = {"trace": str(trace), "hw": str(hw), "system": system, "seed": int(seed),
+    row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed),
            **sweep_module.flatten_metrics(raw)}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw)

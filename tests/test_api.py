@@ -389,3 +389,13 @@ def test_a_sweep_over_values_of_several_kinds_saves_as_parquet(files, tmp_path):
     resumed = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],
                             "grid": {"cache.slots_per_layer": [2, "[2,1]"]}}, out=tmp_path / "r.parquet", workers=1)
     assert resumed["cache.slots_per_layer"].tolist() == frame["cache.slots_per_layer"].tolist()
+
+
+def test_a_profile_object_is_named_in_the_results_by_its_name(files):
+    """hw=load_profile(...): the metrics' hw column held the profile's whole repr (thousands of characters)."""
+    from moesim.hw.profile import load_profile
+    trace, hw = files
+    profile = load_profile(hw)
+    run = moesim.replay(trace, hw=profile, system="cpu-only", timeline=False, decisions=False)
+    assert run.metrics["hw"].iloc[0] == profile.name
+    assert moesim.replay(trace, hw=Path(hw), system="cpu-only", timeline=False).metrics["hw"].iloc[0] == hw
