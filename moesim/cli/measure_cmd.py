@@ -39,9 +39,11 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     _check_can_create(Path(out), "--out")
     require_torch()
     pick_device(device)  # a device this machine lacks fails now, before the model loads
+    import huggingface_hub
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    huggingface_hub.logging.set_verbosity_error()  # no line per retry of an unreachable hub: the error says it
     config = CaptureConfig(model=model, prompts=Path(prompts), out=Path(out), max_new_tokens=max_new_tokens,
                            batch=batch, calibration_prompts=Path(calibration_prompts) if calibration_prompts
                            else None, dtype=dtype, device=device)

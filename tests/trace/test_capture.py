@@ -654,3 +654,36 @@ def test_an_out_folder_no_file_can_be_created_in_is_one_line_before_the_model_ru
     err = capsys.readouterr().err
     assert err.startswith("moesim: error: /proc/t.parquet, field '--out': ") and err.count("\n") == 1
     assert "cannot create a file in /proc" in err or "folder /proc is not writable" in err
+
+
+def test_an_unreachable_hub_is_one_line_that_says_so(hf, tmp_path: Path, capfd, monkeypatch) -> None:
+    """A hub id with no network and no HF_HUB_OFFLINE printed a line per retry of huggingface_hub and then
+    'the hub did not provide it'; it is now one line that says the hub could not be reached."""
+    import huggingface_hub
+    from huggingface_hub.utils import logging as hub_logging
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "3600")
+    import logging
+    before = hub_logging.get_verbosity()
+    huggingface_hub.logging.set_verbosity_warning()
+    shown = logging.StreamHandler(sys.stderr)  # huggingface_hub's own handler writes where stderr was at import
+    hub_logging.get_logger("huggingface_hub").addHandler(shown)
+
+    def unreachable(*args, **kwargs):
+        hub_logging.get_logger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "
+                      "in the cached files.\nCheck your internet connection.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    try:
+        code = main(["capture", "--model", "some-org-moe", "--prompts", str(prompts), "--max-new-tokens", "1",
+                     "--device", "cpu", "--out", str(tmp_path / "t.parquet")])
+    finally:
+        huggingface_hub.logging.set_verbosity(before)
+        hub_logging.get_logger("huggingface_hub").removeHandler(shown)
+    err = capfd.readouterr().err
+    assert code == 2 and err == (
+        "moesim: error: some-org-moe, field '--model': model 'some-org-moe' is not a local directory or in the "
+        "Hugging Face cache, and the hub could not be reached (fix: point at a local checkpoint: --model "
+        "/path/to/checkpoint (a directory with config.json and *.safetensors))\n")

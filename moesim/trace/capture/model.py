@@ -52,9 +52,13 @@ def resolve_model(model: str) -> tuple[str, bool]:
     return model, hub_offline()
 
 
-def _load_error(model: str, local_only: bool) -> ModelNotFoundError:
-    why = ("is not a local directory and HF_HUB_OFFLINE is set, so no download was attempted" if local_only
-           else "could not be loaded (not a local directory, and the hub did not provide it)")
+def _load_error(model: str, local_only: bool, err: Exception | None = None) -> ModelNotFoundError:
+    if local_only:
+        why = "is not a local directory and HF_HUB_OFFLINE is set, so no download was attempted"
+    elif "couldn't connect" in str(err):
+        why = "is not a local directory or in the Hugging Face cache, and the hub could not be reached"
+    else:
+        why = "could not be loaded (not a local directory, and the hub did not provide it)"
     return ModelNotFoundError(f"model '{model}' {why}", source=model, field="--model", fix=LOCAL_FIX)
 
 
@@ -67,7 +71,7 @@ def load_config(model: str) -> tuple[Any, str, bool]:
         if Path(name).is_dir():  # present but unreadable: say what transformers said
             raise ModelNotFoundError(f"cannot read config.json ({str(err).splitlines()[0]})", source=name,
                                      fix=LOCAL_FIX) from None
-        raise _load_error(model, local_only) from None
+        raise _load_error(model, local_only, err) from None
     return config, name, local_only
 
 
@@ -99,8 +103,8 @@ def load_model(name: str, local_only: bool, dtype: str, device: str) -> Any:
     torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, local_files_only=local_only)
-    except OSError:
-        raise _load_error(name, local_only) from None
+    except OSError as err:
+        raise _load_error(name, local_only, err) from None
     return model.to(pick_device(device)).eval()
 
 
