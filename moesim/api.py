@@ -496,10 +496,24 @@ class ServeRun:
     workload: Any = None
 
     def _repr_html_(self) -> str:
+        """The headline figures as a table, in the repr's terms: six significant digits, and a closed loop's or
+        an arrival log's arrivals in place of its rate (``qps`` is nan there)."""
+        from html import escape
         keys = ("qps", "offered_qps", "throughput_rps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
                 "e2e_ms_p99", "preemptions", "goodput_rps")
-        rows = "".join(f"<tr><td>{k}</td><td>{self.metrics[k]}</td></tr>" for k in keys if k in self.metrics)
-        return f"<b>{self.system}</b> serving {len(self.requests)} requests<table>{rows}</table>"
+        rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in self._figures(keys))
+        return f"<b>{escape(self.system)}</b> serving {len(self.requests)} requests<table>{rows}</table>"
+
+    def _figures(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """(name, text) of the metrics ``keys`` names; with no rate, what set the arrivals comes first instead."""
+        figures = [(k, f"{self.metrics[k]:.6g}") for k in keys if k in self.metrics]
+        if self.workload is not None:
+            from moesim.sim.serving import RATED_ARRIVALS
+            if self.workload.arrival not in RATED_ARRIVALS:  # qps is nan: say what set the arrivals instead
+                from moesim.analysis.serving import arrivals_text
+                figures = [("arrivals", arrivals_text(self.workload))] + \
+                    [(k, v) for k, v in figures if k not in ("qps", "offered_qps")]
+        return figures
 
     def plot_requests(self, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
         """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
@@ -512,13 +526,7 @@ class ServeRun:
     def __repr__(self) -> str:
         """One line: what ran, what set its arrivals (an open loop's ``qps``; a closed loop's clients or an
         arrival log, which have no rate), its headline figures."""
-        figures = [f"{key}={self.metrics[key]:.6g}" for key in SERVE_REPR_METRICS if key in self.metrics]
-        if self.workload is not None:
-            from moesim.sim.serving import RATED_ARRIVALS
-            if self.workload.arrival not in RATED_ARRIVALS:  # qps is nan: say what set the arrivals instead
-                from moesim.analysis.serving import arrivals_text
-                figures = [f"arrivals={arrivals_text(self.workload)!r}"] + \
-                    [f for f in figures if not f.startswith("qps=")]
+        figures = [f"{k}={v!r}" if k == "arrivals" else f"{k}={v}" for k, v in self._figures(SERVE_REPR_METRICS)]
         return f"ServeRun(system={self.system!r}, requests={len(self.requests)}, {', '.join(figures)})"
 
 

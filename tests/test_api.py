@@ -97,6 +97,21 @@ def test_a_serve_run_without_a_rate_prints_what_set_its_arrivals(files, tmp_path
         "ServeRun(system='cpu-only', requests=3, arrivals='arriving at the times of arrivals.csv', ttft_ms_p50=")
 
 
+
+def test_a_serve_run_shows_in_a_notebook_as_its_repr_says(files):
+    """The HTML table of a closed loop showed qps nan and offered_qps nan, and every figure with 17 digits
+    (219.85028148320959): it names the arrivals instead and gives six significant digits, like the repr."""
+    trace, hw = files
+    closed = moesim.serve(trace, hw=hw, system="cpu-only", requests=4, workload__arrival="closed",
+                          workload__concurrency=2)
+    html = closed._repr_html_()
+    assert "nan" not in html and "<td>qps</td>" not in html and "<td>offered_qps</td>" not in html
+    assert "<tr><td>arrivals</td><td>from 2 closed-loop clients</td></tr>" in html
+    assert f"<tr><td>ttft_ms_p50</td><td>{closed.metrics['ttft_ms_p50']:.6g}</td></tr>" in html
+    rated = moesim.serve(trace, hw=hw, system="cpu-only", requests=2, qps=0.5)
+    assert "<tr><td>qps</td><td>0.5</td></tr>" in rated._repr_html_()
+
+
 def test_settings_dict_and_keywords_are_the_same_replay(files):
     trace, hw = files
     by_kwargs = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=1, timeline=False)
