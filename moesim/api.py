@@ -270,6 +270,9 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     Failed points have ``status == "error"`` and the reason in ``error``.
     """
     checked_sweep_inputs(grid, workers, progress)
+    if address is not None and engine != "ray":  # the sweep module's own line says "--address needs --engine ray"
+        raise ConfigError(f"address={address!r} is a Ray cluster's, but engine={engine!r}", field="address",
+                          fix="add engine='ray', or leave address out")
     spec = sweep_module.load_spec(dict(grid) if isinstance(grid, Mapping) else grid)
     notebook = in_notebook()
     if progress is None:

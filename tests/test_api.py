@@ -216,6 +216,8 @@ def test_a_seed_or_hw_of_the_wrong_kind_is_refused_in_one_line(files, kwargs, wo
     # TypeError: expected str, bytes or os.PathLike object, not list
     ("sweep", {"grid": ["T"]}, "grid", "the sweep spec must be a dict or a YAML file's path, got ['"),
     ("sweep", {"progress": "yes"}, "progress", "progress must be True or False, got 'yes'"),
+    # the command line's words: "--address needs --engine ray (fix: add --engine ray)"
+    ("sweep", {"address": "ray://head:10001"}, "address", "fix: add engine='ray', or leave address out"),
 ])
 def test_an_argument_of_the_wrong_kind_is_one_line_naming_it(files, call, kwargs, field, words):
     trace, hw = files
