@@ -687,3 +687,25 @@ def test_an_unreachable_hub_is_one_line_that_says_so(hf, tmp_path: Path, capfd, 
         "moesim: error: some-org-moe, field '--model': model 'some-org-moe' is not a local directory or in the "
         "Hugging Face cache, and the hub could not be reached (fix: point at a local checkpoint: --model "
         "/path/to/checkpoint (a directory with config.json and *.safetensors))\n")
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("cut", "cannot read the weights (Error while deserializing header"),
+    ("config", "the weights do not fit config.json (a tensor's shape differs from what the config gives) (fix: "
+               "use the config.json that came with these *.safetensors)"),
+])
+def test_weights_that_do_not_load_are_one_line(hf, tmp_path: Path, capsys, damage: str, words: str) -> None:
+    """A safetensors file cut short, or a config.json whose shapes are not the weights', was an internal error
+    (exit 1) from inside safetensors or transformers."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    if damage == "cut":
+        (checkpoint / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes()[:1000])
+    else:
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps({**config, "intermediate_size": 24}))
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    assert main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--device", "cpu", "--out", str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moesim: error: {checkpoint}, field '--model': ") and words in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "t.parquet").exists()

@@ -103,9 +103,25 @@ def load_model(name: str, local_only: bool, dtype: str, device: str) -> Any:
     torch_dtype: Any = "auto" if dtype == "auto" else getattr(torch, dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, local_files_only=local_only)
-    except OSError as err:
-        raise _load_error(name, local_only, err) from None
+    except Exception as err:  # noqa: BLE001 - what loading the weights can raise is sorted just below
+        raise _weights_error(name, local_only, err) from None
     return model.to(pick_device(device)).eval()
+
+
+def _weights_error(name: str, local_only: bool, err: Exception) -> Exception:
+    """The one-line error for weights that would not load: unreadable or corrupt files (a download cut
+    short), or tensors whose shapes are not the ones config.json gives; anything else as it was."""
+    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if "ignore_mismatched_sizes" in str(err) or "size mismatch" in str(err):
+        return ModelNotFoundError("the weights do not fit config.json (a tensor's shape differs from what the "
+                                  "config gives)", source=name, field="--model",
+                                  fix="use the config.json that came with these *.safetensors")
+    if type(err).__name__ == "SafetensorError" or (isinstance(err, OSError) and Path(name).is_dir()):
+        return ModelNotFoundError(f"cannot read the weights ({first_line})", source=name, field="--model",
+                                  fix="download the checkpoint's *.safetensors again (a file may be cut short)")
+    if isinstance(err, OSError):
+        return _load_error(name, local_only, err)
+    return err
 
 
 def load_tokenizer(name: str, local_only: bool) -> Any | None:
