@@ -9,6 +9,7 @@ PNG without ``%matplotlib inline``.
 from __future__ import annotations
 
 import io
+import numbers
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -237,7 +238,10 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     if steps is not None and window is not None:
         raise ConfigError("give a time window or steps, not both", field="window", fix="drop one of them")
     if steps is not None:
-        window = step_window(frame, int(steps[0]), int(steps[1]))
+        first, last = checked_pair(steps, "steps", "(first, last) step numbers, e.g. steps=(10, 12)", whole=True)
+        window = step_window(frame, int(first), int(last))
+    elif window is not None:
+        window = checked_pair(window, "window", "(start_s, end_s) in seconds, e.g. window=(0.5, 0.8)")
     window = default_window(frame) if window is None else (float(window[0]), float(window[1]))
     shown = _clip(frame, window) if not frame.empty else frame
     rows = _lane_rows(frame)
@@ -280,6 +284,19 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def checked_pair(value: Any, name: str, what: str, whole: bool = False) -> tuple[Any, Any]:
+    """``value`` as two numbers (whole ones for steps), the first not above the second; one line otherwise
+    (steps=10 failed with "'int' object is not subscriptable", window=(1,) with an IndexError)."""
+    kind = numbers.Integral if whole else numbers.Real
+    pair = tuple(value) if isinstance(value, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, kind) for v in pair):
+        raise ConfigError(f"{name} must be {what.split(', e.g.')[0]}, got {value!r}", field=name,
+                          fix=f"give {what}")
+    if pair[0] > pair[1]:
+        raise ConfigError(f"{name}={value!r} ends before it starts", field=name, fix=f"give {what}")
+    return pair
 
 
 def _drawn_widths(width_ms: np.ndarray, pixel_ms: float) -> np.ndarray:

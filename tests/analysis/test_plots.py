@@ -201,3 +201,18 @@ def test_a_long_gantt_title_is_wrapped_inside_the_figure() -> None:
     assert "\n" in suptitle.get_text()
     FigureCanvasAgg(fig).draw()
     assert suptitle.get_window_extent(fig.canvas.get_renderer()).x1 <= fig.bbox.x1
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"steps": 1}, "steps must be (first, last) step numbers, got 1"),  # TypeError: not subscriptable
+    ({"steps": ("a", "b")}, "steps must be (first, last) step numbers, got ('a', 'b')"),  # ValueError: int('a')
+    ({"steps": (0.5, 1)}, "steps must be (first, last) step numbers, got (0.5, 1)"),  # drew steps 0 to 1
+    ({"steps": (2, 1)}, "steps=(2, 1) ends before it starts"),
+    ({"window": (0.1,)}, "window must be (start_s, end_s) in seconds, got (0.1,)"),  # IndexError
+    ({"window": 5}, "window must be (start_s, end_s) in seconds, got 5"),  # TypeError: not subscriptable
+])
+def test_gantt_steps_or_window_of_the_wrong_shape_is_one_line(kwargs, words) -> None:
+    with pytest.raises(ConfigError) as err:
+        plot_gantt(_decode_timeline(3), **kwargs)
+    assert words in str(err.value) and err.value.field == next(iter(kwargs)) and "fix: give (" in str(err.value)
+    assert plot_gantt(_decode_timeline(3), steps=[np.int64(1), 2]).axes  # a list and numpy numbers are fine
