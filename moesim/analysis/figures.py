@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -575,10 +575,20 @@ def representative(frame: pd.DataFrame, keep: Sequence[str] = ("system",)) -> di
 
 
 def select(frame: pd.DataFrame, where: dict[str, Any]) -> pd.DataFrame:
+    """The rows of ``frame`` with every ``where`` column at its value (a key spelled with ``__`` too); one line
+    for a ``where`` that is no dict or names no column (a KeyError or AttributeError before)."""
+    if not isinstance(where, Mapping):
+        raise ConfigError(f"where must be a dict of parameter values, got {where!r}", field="where",
+                          fix="e.g. where={'system': 'smoe', 'cache.slots_per_layer': 2}")
     mask = np.ones(len(frame), dtype=bool)
     for c, v in where.items():
-        mask &= (frame[c] == v).to_numpy()
+        mask &= (frame[column(frame, c, "where")] == v).to_numpy()
     return frame[mask]
+
+
+def no_point(where: dict[str, Any]) -> ConfigError:
+    return ConfigError(f"no finished point with {describe(where)}", field="where",
+                       fix="pick parameter values the sweep ran")
 
 
 def describe(where: dict[str, Any]) -> str:
@@ -594,8 +604,7 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
     # as every other figure orders them (registry order, bounds last), not as the workers happened to finish
     rows = rows.set_index("system", drop=False).loc[ordered_systems(rows["system"].unique())]
     if rows.empty:
-        raise ConfigError(f"no finished point with {describe(where)}", field="where",
-                          fix="pick parameter values the sweep ran")
+        raise no_point(where)
     runs = [{"system": r["system"],
              "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)}}
             for _, r in rows.iterrows()]
@@ -618,6 +627,8 @@ def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.
     data = ok_rows(frame)
     where = representative(data) if where is None else where
     rows = select(data, where)
+    if rows.empty:  # an IndexError ("single positional indexer is out-of-bounds") before
+        raise no_point(where)
     real = rows[[not is_bound(s) for s in rows["system"]]]
     rows = real if not real.empty else rows
     return rows.sort_values(["tpot_ms_mean", "system"], na_position="last").iloc[0]

@@ -10,8 +10,8 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 from moesim.analysis.figures import (fig_breakdown, fig_gantt, fig_hit_rate_vs_prefetch, fig_tpot_vs_slots,
-                                     is_bound, load_results, plot_results, plot_scatter, representative,
-                                     standard_figures)
+                                     gantt_point, is_bound, load_results, plot_results, plot_scatter,
+                                     representative, standard_figures)
 from moesim.cli import main
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
@@ -422,3 +422,16 @@ def test_a_list_where_one_column_goes_is_one_line_naming_the_argument(draw):
     with pytest.raises(ConfigError, match=r"field '--y': y must be one column's name, got \['tpot_ms_mean', "
                                           r"'gpu_hit_rate'\] \(fix: one figure per column"):
         draw(results(), x="cache.slots_per_layer", y=["tpot_ms_mean", "gpu_hit_rate"])
+
+
+@pytest.mark.parametrize("where, words", [
+    ({"sytem": "static-hot"}, "no column 'sytem' (fix: did you mean system?"),  # KeyError: 'sytem'
+    ("static-hot", "where must be a dict of parameter values, got 'static-hot'"),  # AttributeError: .items
+    ({"cache.slots_per_layer": 3}, "no finished point with cache.slots_per_layer=3"),  # gantt_point: IndexError
+])
+@pytest.mark.parametrize("pick", [fig_breakdown, gantt_point])
+def test_a_where_that_picks_no_point_is_one_line(pick, where, words):
+    with pytest.raises(ConfigError) as err:
+        pick(results(), where)
+    assert err.value.field == "where" and words in str(err.value)
+    assert gantt_point(results(), {"cache__slots_per_layer": 2, "hw": "a100-40g"})["system"] == "static-hot"
