@@ -21,7 +21,6 @@ Agg canvas: no display, no pyplot state.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
