@@ -709,3 +709,23 @@ def test_weights_that_do_not_load_are_one_line(hf, tmp_path: Path, capsys, damag
     err = capsys.readouterr().err
     assert err.startswith(f"moesim: error: {checkpoint}, field '--model': ") and words in err, err
     assert err.count("\n") == 1 and not (tmp_path / "t.parquet").exists()
+
+
+def test_prompts_through_a_pipe_are_read_once_and_hashed(hf, tmp_path: Path) -> None:
+    """`--prompts /dev/stdin` fed by a pipe (or `<(jq ...)`) was refused as 'prompts file not found'; it is
+    read once, and the trace records the SHA-256 of the bytes read (a second reading of a pipe gets none)."""
+    import hashlib
+    import os
+    import subprocess
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    text = "".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS[:2])
+    out = tmp_path / "t.parquet"
+    moesim = Path(sys.executable).with_name("moesim")
+    command = [str(moesim) if moesim.exists() else sys.executable, *([] if moesim.exists() else ["-m", "moesim"]),
+               "capture", "--model", str(checkpoint), "--prompts", "/dev/stdin", "--max-new-tokens", "1",
+               "--device", "cpu", "--out", str(out)]
+    run = subprocess.run(command, input=text, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr
+    assert read_meta(out).source["prompts_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert request_tokens(read_frame(out), 1)[:len(PROMPTS[1])] == PROMPTS[1]

@@ -28,13 +28,29 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None
 
 
-def load_prompts(path: str | Path) -> list[Prompt]:
-    """Read a prompts file; raise :class:`PromptsError` naming the line of the first problem."""
+def read_prompts_file(path: str | Path) -> bytes:
+    """The bytes of a prompts file, read once: a pipe (``--prompts /dev/stdin``, ``<(jq ...)``) has no
+    second reading."""
     path = Path(path)
-    if not path.is_file():
-        raise PromptsError("prompts file not found", source=str(path), fix="check the path")
+    if path.is_dir():
+        raise PromptsError("is a folder, not a prompts file", source=str(path), fix="give the prompts file in it")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise PromptsError("prompts file not found", source=str(path), fix="check the path") from None
+    except OSError as err:
+        raise PromptsError(f"cannot read the prompts file ({err.strerror or err})", source=str(path),
+                           fix="check the path and its permissions") from None
+
+
+def load_prompts(path: str | Path, data: bytes | None = None) -> list[Prompt]:
+    """Parse a prompts file (``data``: its bytes, when already read); raise :class:`PromptsError` naming the
+    line of the first problem."""
+    path = Path(path)
+    if data is None:
+        data = read_prompts_file(path)
+    try:
+        lines = data.decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise PromptsError("not UTF-8 text", source=str(path),
                            fix="save the prompts as UTF-8 JSONL or plain text") from None

@@ -19,7 +19,7 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.trace.capture.errors import PromptsError
-from moesim.trace.capture.prompts import Prompt, load_prompts
+from moesim.trace.capture.prompts import Prompt, load_prompts, read_prompts_file
 from moesim.trace.schema import TraceMeta
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -98,10 +98,6 @@ def tokenize(prompts: list[Prompt], tokenizer: Any, vocab_size: int, origin: str
                                    fix="remove the line or give it text")
         out.append(ids)
     return out
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- generation driver
@@ -327,7 +323,8 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
     from moesim.util import PARQUET, output_file
 
     require_torch()
-    prompts = load_prompts(config.prompts)
+    prompt_bytes = read_prompts_file(config.prompts)  # read once: the prompts may come through a pipe
+    prompts = load_prompts(config.prompts, prompt_bytes)
     calibration = load_prompts(config.calibration_prompts) if config.calibration_prompts else None
     out = check_path_writable(config.out)
     hf_config, name, local_only = load_config(config.model)
@@ -344,7 +341,7 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
         check_context(ids, prompts, config.max_new_tokens, int(limit), str(config.prompts))
         if calib_ids and calibration:
             check_context(calib_ids, calibration, config.max_new_tokens, int(limit), str(config.calibration_prompts))
-    source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": file_sha256(config.prompts),
+    source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
     # a special file (--out /dev/stdout, a pipe) gets the bytes of a finished trace, never a rename over it
     with output_file(out, "--out", PARQUET) as target:
