@@ -458,6 +458,8 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1):
         raise ConfigError(f"steps must be a whole number of forward passes, 1 or more; got {steps!r}",
                           field="steps", fix="e.g. steps=40")
+    if requests is not None:
+        requests = checked_requests(requests)
     read_meta(trace)
     table = read_table(trace)
     mask = None
@@ -480,6 +482,19 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def checked_requests(requests: Any) -> list[int]:
+    """``requests`` as a list of request ids; one line for anything else (``requests=0`` failed with "'int' object
+    is not iterable", ``['a']`` with a ValueError)."""
+    if isinstance(requests, numbers.Integral) and not isinstance(requests, bool):
+        raise ConfigError(f"requests must be a list of request ids, got {requests!r}", field="requests",
+                          fix=f"e.g. requests=[{requests}] for that one request")
+    ids = list(requests) if hasattr(requests, "__iter__") and not isinstance(requests, (str, bytes)) else None
+    if ids is None or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in ids):
+        raise ConfigError(f"requests must be a list of request ids, got {requests!r}", field="requests",
+                          fix="e.g. requests=[0, 1]")
+    return ids
 
 
 def _int_array(values: Sequence[int]) -> Any:

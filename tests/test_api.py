@@ -328,6 +328,22 @@ def test_slice_refuses_steps_that_are_not_a_count_of_forward_passes(files, tmp_p
     assert err.value.field == "steps" and not (tmp_path / "s.parquet").exists()
 
 
+
+@pytest.mark.parametrize("requests, words", [
+    (0, "requests must be a list of request ids, got 0 (fix: e.g. requests=[0] for that one request)"),
+    (["a"], "requests must be a list of request ids, got ['a']"),  # ValueError: invalid literal for int()
+    ("0,1", "requests must be a list of request ids, got '0,1'"),
+])
+def test_slice_refuses_requests_that_are_not_a_list_of_ids(files, tmp_path, requests, words):
+    trace, _ = files
+    with pytest.raises(ConfigError) as err:  # requests=0: TypeError: 'int' object is not iterable
+        slice_trace(trace, tmp_path / "s.parquet", requests=requests)
+    assert err.value.field == "requests" and words in str(err.value)
+    assert not (tmp_path / "s.parquet").exists()
+    one = slice_trace(trace, tmp_path / "s.parquet", requests=np.array([1]))
+    assert set(pq.read_table(one)["request"].to_pylist()) == {1}
+
+
 def test_slice_never_overwrites_the_trace_it_slices(files, tmp_path):
     trace, _ = files
     before = Path(trace).read_bytes()
