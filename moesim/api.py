@@ -101,6 +101,8 @@ def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> d
             key = sweep_module.normalize_key(key)
             if key in out:
                 raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
+            if getattr(value, "ndim", 0) > 0:  # a numpy array (or Series) printed as '[2 1 2]', which no parser reads
+                value = value.tolist()
             out[key] = sweep_module.setting_str(value)
     return out
 

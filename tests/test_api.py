@@ -40,6 +40,17 @@ def test_keyword_arguments_become_set_keys():
         settings_from({"cache.slots_per_layer": 2}, cache__slots_per_layer=4)
 
 
+
+def test_a_numpy_array_is_a_list_parameter(files):
+    """cache__slots_per_layer=np.array([2, 1]) became '[2 1]' and was refused as 'not a valid int or a list of
+    ints'."""
+    trace, hw = files
+    assert settings_from(cache__slots_per_layer=np.array([2, 1]))["cache.slots_per_layer"] == "[2, 1]"
+    run = moesim.replay(trace, hw=hw, cache__slots_per_layer=np.array([2, 1]), timeline=False)
+    assert run.metrics["tpot_ms_mean"].item() == \
+        moesim.replay(trace, hw=hw, cache__slots_per_layer=[2, 1], timeline=False).metrics["tpot_ms_mean"].item()
+
+
 def test_replay_gives_the_engines_metrics_timeline_and_decisions(files):
     trace, hw = files
     result = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
