@@ -157,6 +157,10 @@ def _executable_systems(systems: str) -> list[str]:
     example = "e.g. --systems cpu-only,gpu-only-lru,static-hot (`moesim systems` lists them)"
     if not names:
         raise MoesimError("no system given", field="--systems", fix=example)
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # the report holds one entry per system: a second run would replace the first one's files
+        raise MoesimError(f"{', '.join(twice)} given more than once", field="--systems",
+                          fix=f"name each system once: --systems {','.join(dict.fromkeys(names))}")
     for name in names:
         if name == "all":
             raise MoesimError("validate runs the systems it is given by name, not 'all'", field="--systems",

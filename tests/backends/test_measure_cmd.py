@@ -78,3 +78,12 @@ def test_an_output_folder_under_a_file_is_one_line(trace: str, tmp_path: Path, c
                  "--out", str(Path(trace) / "report")]) == 2
     assert capsys.readouterr().err == (f"moesim: error: {trace}/report, field '--out': {trace} is a file, not a "
                                        "folder (fix: give a path whose folders are folders)\n")
+
+
+def test_a_system_named_twice_is_one_line(trace: str, tmp_path: Path, capsys) -> None:
+    """`--systems cpu-only,cpu-only` ran it twice: the table had two rows, validation.json and the logs one."""
+    assert main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only,static-hot,cpu-only",
+                 "--threads", "1", "--out", str(tmp_path / "report")]) == 2
+    assert capsys.readouterr().err == ("moesim: error: field '--systems': cpu-only given more than once (fix: name "
+                                       "each system once: --systems cpu-only,static-hot)\n")
+    assert not (tmp_path / "report").exists()
