@@ -33,6 +33,7 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import re
@@ -275,7 +276,7 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     if address is not None and engine != "ray":  # the sweep module's own line says "--address needs --engine ray"
         raise ConfigError(f"address={address!r} is a Ray cluster's, but engine={engine!r}", field="address",
                           fix="add engine='ray', or leave address out")
-    spec = sweep_module.load_spec(dict(grid) if isinstance(grid, Mapping) else grid)
+    spec = sweep_module.load_spec(plain_spec(grid) if isinstance(grid, Mapping) else grid)
     notebook = in_notebook()
     if progress is None:
         from rich.console import Console
@@ -312,7 +313,44 @@ def one_type_per_column(frame: Any) -> Any:
 
 
 def is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and value != value)
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+#: keys of a sweep spec whose value is a list of values (of runs, not of one value)
+SPEC_AXES = ("trace", "traces", "hw", "system", "systems", "seed", "seeds")
+
+
+def plain_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A dict spec as its YAML would read: the values of an axis, of a ``grid`` or ``zip`` key given as a tuple,
+    a range, a numpy array or a Series become a list (each was taken as one value: '[16 32]' is not a valid int),
+    numpy numbers Python ones (a numpy seed was refused as no integer)."""
+    out = dict(spec)
+    for key in SPEC_AXES:
+        if key in out:
+            out[key] = plain_values(out[key])
+    if isinstance(out.get("grid"), Mapping):
+        out["grid"] = {k: plain_values(v) for k, v in out["grid"].items()}
+    zips = out.get("zip")
+    if isinstance(zips, Mapping):
+        out["zip"] = {k: plain_values(v) for k, v in zips.items()}
+    elif isinstance(zips, (list, tuple)):
+        out["zip"] = [{k: plain_values(v) for k, v in g.items()} if isinstance(g, Mapping) else g for g in zips]
+    return out
+
+
+def plain_values(value: Any) -> Any:
+    if getattr(value, "ndim", 0) > 0:  # a numpy array or a Series
+        return value.tolist()
+    if isinstance(value, (tuple, range)):
+        return [plain_number(v) for v in value]
+    if isinstance(value, list):
+        return [plain_number(v) for v in value]
+    return plain_number(value)
+
+
+def plain_number(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds; anything else as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
 def in_notebook() -> bool:

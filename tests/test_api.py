@@ -287,6 +287,26 @@ def test_sweep_returns_one_tidy_row_per_point(files):
     assert lru["slots_per_layer"].tolist() == [1, 2, 4]
 
 
+
+def test_a_dict_spec_takes_numpy_arrays_ranges_and_tuples_as_lists_of_values(files):
+    """grid={'cache.slots_per_layer': np.arange(1, 3)} was one value ('[1 2]' is not a valid int), a range or a
+    tuple too, systems=('cpu-only',) was one unknown system "('cpu-only',)", and seeds=np.array([0]) was refused
+    as no integer."""
+    trace, hw = files
+    expected = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["cpu-only", "gpu-only-lru"], "seeds": [0, 1],
+                             "grid": {"cache.slots_per_layer": [1, 2]}}, workers=1)
+    for slots in (np.arange(1, 3), range(1, 3), (1, 2), pd.Series([1, 2])):
+        frame = moesim.sweep({"traces": (trace,), "hw": np.array([hw]), "systems": ("cpu-only", "gpu-only-lru"),
+                              "seeds": np.arange(2), "grid": {"cache.slots_per_layer": slots}}, workers=1)
+        assert (frame["status"] == "ok").all(), frame["error"].tolist()
+        assert frame["point_id"].tolist() == expected["point_id"].tolist()
+        assert frame["cache.slots_per_layer"].tolist() == [1, 2] * 4
+    zipped = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],
+                           "zip": {"cache.slots_per_layer": np.array([1, 2]), "engine.timeline": (False, True)}},
+                          workers=1)
+    assert zipped["cache.slots_per_layer"].tolist() == [1, 2] and (zipped["status"] == "ok").all()
+
+
 def test_sweep_with_out_is_resumable(files, tmp_path):
     trace, hw = files
     spec = {"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": [1, 2]}}
