@@ -329,13 +329,29 @@ def plain_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         if key in out:
             out[key] = plain_values(out[key])
     if isinstance(out.get("grid"), Mapping):
-        out["grid"] = {k: plain_values(v) for k, v in out["grid"].items()}
+        out["grid"] = settings_values(out["grid"])
     zips = out.get("zip")
     if isinstance(zips, Mapping):
-        out["zip"] = {k: plain_values(v) for k, v in zips.items()}
+        out["zip"] = settings_values(zips)
     elif isinstance(zips, (list, tuple)):
-        out["zip"] = [{k: plain_values(v) for k, v in g.items()} if isinstance(g, Mapping) else g for g in zips]
+        out["zip"] = [settings_values(g) if isinstance(g, Mapping) else g for g in zips]
     return out
+
+
+def settings_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``grid`` or ``zip`` mapping's lists of values; a value that is itself a list (per-layer slots, as
+    :func:`replay` takes them) as the string ``--set`` reads (the spec refused it as no number or string)."""
+    out: dict[str, Any] = {}
+    for key, given in values.items():
+        plain = plain_values(given)
+        out[key] = [setting_list(v) for v in plain] if isinstance(plain, list) else plain
+    return out
+
+
+def setting_list(value: Any) -> Any:
+    if getattr(value, "ndim", 0) > 0 or isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(plain_number(v)) for v in value) + "]"
+    return value
 
 
 def plain_values(value: Any) -> Any:

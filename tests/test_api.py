@@ -307,6 +307,19 @@ def test_a_dict_spec_takes_numpy_arrays_ranges_and_tuples_as_lists_of_values(fil
     assert zipped["cache.slots_per_layer"].tolist() == [1, 2] and (zipped["status"] == "ok").all()
 
 
+
+def test_a_sweep_takes_per_layer_slots_as_a_list_as_replay_does(files):
+    """replay(cache__slots_per_layer=[2, 1]) runs; the same list in a sweep's grid was refused as 'not a number
+    or string'."""
+    trace, hw = files
+    frame = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],
+                          "grid": {"cache.slots_per_layer": [[2, 1], np.array([1, 2]), 2]}}, workers=1)
+    assert (frame["status"] == "ok").all(), frame["error"].tolist()
+    assert frame["cache.slots_per_layer"].tolist() == ["[2,1]", "[1,2]", "2"]
+    single = moesim.replay(trace, hw=hw, cache__slots_per_layer=[2, 1], timeline=False)
+    assert frame["tpot_ms_mean"].iloc[0] == single.metrics["tpot_ms_mean"].item()
+
+
 def test_sweep_with_out_is_resumable(files, tmp_path):
     trace, hw = files
     spec = {"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": [1, 2]}}
