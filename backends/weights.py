@@ -26,15 +26,21 @@ def check_host_memory(model, expert_dtype: str) -> None:
     """Refuse a real run whose routed experts cannot fit in host memory, before anything is measured
     (``moesim validate`` measures a profile first, which takes minutes)."""
     itemsize = torch_dtype(expert_dtype).itemsize
-    _check_fits(model.num_layers * model.num_experts * expert_params(model, model.moe_intermediate_size) * itemsize)
+    _check_fits(model.num_layers, model.num_experts * expert_params(model, model.moe_intermediate_size) * itemsize)
 
 
-def _check_fits(total: int) -> None:
-    available = host_bytes_available()
-    if available is not None and total > 0.9 * available:
-        raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, "
-                          f"{available / GIB:.1f} GiB is available", field="--layers",
-                          fix="run fewer MoE layers (moesim validate --layers N)")
+def _check_fits(layers: int, layer_bytes: int) -> None:
+    """``layers`` MoE layers of ``layer_bytes`` routed expert weights each fit in host memory, or the error
+    says how many layers do."""
+    total, available = layers * layer_bytes, host_bytes_available()
+    if available is None or total <= 0.9 * available:
+        return
+    fits = int(0.9 * available // layer_bytes) if layer_bytes else layers
+    fix = (f"run the first {fits} MoE layers or fewer: moesim validate --layers {fits}" if fits
+           else f"fewer MoE layers (moesim validate --layers N) cannot help: one layer's experts need "
+           f"{layer_bytes / GIB:.1f} GiB; free host memory or use a larger machine")
+    raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, {available / GIB:.1f} GiB is "
+                      "available", field="--layers", fix=fix)
 
 
 def _check_stand_in_slots(slots: int, staging: int, slot_bytes: int) -> None:
@@ -60,7 +66,7 @@ def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: t
     key = (model.num_layers, model.num_experts, params, dtype, pin, generator.initial_seed())
     if key not in _HOST_EXPERTS:
         _HOST_EXPERTS.clear()  # free the previous shape's weights before taking memory for these
-        _check_fits(model.num_layers * model.num_experts * params * dtype.itemsize)
+        _check_fits(model.num_layers, model.num_experts * params * dtype.itemsize)
         host = torch.empty(model.num_layers, model.num_experts, params, dtype=dtype, pin_memory=pin)
         _HOST_EXPERTS[key] = random_fill(host, generator)
     return _HOST_EXPERTS[key]

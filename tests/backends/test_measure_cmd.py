@@ -87,3 +87,20 @@ def test_a_system_named_twice_is_one_line(trace: str, tmp_path: Path, capsys) ->
     assert capsys.readouterr().err == ("moesim: error: field '--systems': cpu-only given more than once (fix: name "
                                        "each system once: --systems cpu-only,static-hot)\n")
     assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("available_gib, fix", [
+    (16, "run the first 5 MoE layers or fewer: moesim validate --layers 5"),
+    (2, "fewer MoE layers (moesim validate --layers N) cannot help: one layer's experts need 2.6 GiB; free host "
+        "memory or use a larger machine"),
+])
+def test_experts_beyond_host_memory_name_the_layers_that_fit(monkeypatch, available_gib: int, fix: str) -> None:
+    """The error said 'run fewer MoE layers (moesim validate --layers N)', leaving N to guess."""
+    import backends.weights as weights
+    from moesim.errors import ConfigError
+    from moesim.model.presets import load_preset
+    monkeypatch.setattr(weights, "host_bytes_available", lambda: available_gib * weights.GIB)
+    with pytest.raises(ConfigError) as info:
+        weights.check_host_memory(load_preset("mixtral-8x7b"), "bf16")  # 32 layers x 2.6 GiB of experts
+    assert str(info.value) == (f"field '--layers': routed experts need 84.0 GiB of host memory, {available_gib:.1f} "
+                               f"GiB is available (fix: {fix})")
