@@ -154,7 +154,10 @@ class ReplayResult:
     def __repr__(self) -> str:
         """One line for a console (the frames are a print away): what ran, its headline figures, what was kept."""
         row = self.metrics.iloc[0] if len(self.metrics) else {}
-        figures = ", ".join(f"{key}={row[key]:.6g}" for key in REPR_METRICS if key in row)
+        shown = [f"{key}={row[key]:.6g}" for key in REPR_METRICS if key in row and not is_missing(row[key])]
+        if "decode_tokens" in row and row["decode_tokens"] == 0:  # why TPOT and decode speed are not shown (nan)
+            shown.append("decode_tokens=0")
+        figures = ", ".join(shown)
         kept = [f"{name}=<{len(frame):,} rows>" for name, frame in (("timeline", self.timeline),
                                                                    ("decisions", self.decisions))
                 if frame is not None]

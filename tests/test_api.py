@@ -85,6 +85,21 @@ def test_a_result_prints_as_one_line_of_its_headline_figures(files):
     assert type(run.metrics["offered_qps"]) is float  # a plain float, as json and repr expect
 
 
+
+def test_a_prefill_only_result_prints_no_nan(tmp_path, files):
+    """A trace without decode steps printed tpot_ms_mean=nan, decode_tokens_per_s=nan: the line leaves out the
+    figures the run has not defined and says it decoded no token."""
+    _, hw = files
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "prefill.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=0))
+    result = moesim.replay(str(trace), hw=hw, system="gpu-only-lru", timeline=False, decisions=False)
+    assert np.isnan(result.metrics["tpot_ms_mean"].item())  # the frame keeps it: undefined, not zero
+    text = repr(result)
+    assert "nan" not in text and text.endswith(", decode_tokens=0)")
+    assert f"ttft_ms={result.metrics['ttft_ms'].item():.6g}" in text
+
+
 def test_a_serve_run_without_a_rate_prints_what_set_its_arrivals(files, tmp_path):
     """A closed loop and an arrival log have no rate (their qps is nan): the line names the clients or the
     file where an open loop's qps stands (it said qps=nan)."""
