@@ -181,14 +181,13 @@ def write_requests(frame: Any, path: str | os.PathLike) -> None:
 
 
 def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms") -> Any:
-    """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts or a
-    frame). Drawn without pyplot (a notebook's backend and figures are left alone); displays as a PNG."""
-    import pandas as pd
-
+    """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts,
+    ``moesim.serve`` runs or a frame). Drawn without pyplot (a notebook's backend and figures are left alone);
+    displays as a PNG."""
     from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
     from moesim.analysis.plots import DisplayFigure, save_figure
-    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
-    columns = [f"{metric}_p{q}" for q in PERCENTILES]
+    frame = serving_frame(rows)
+    columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
     fig = DisplayFigure(figsize=(6.4, 4.0), layout="constrained")
@@ -266,20 +265,57 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
     return fig
 
 
-def max_qps_under_slo(rows: Any, slo: dict[str, float], percentile: int = 90) -> dict[str, float]:
-    """Per system, the highest QPS up to which every rate's ``percentile`` of each SLO metric meets it (nan: none)."""
-    import pandas as pd
-    frame = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+def max_qps_under_slo(rows: Any, slo: str | Mapping[str, float], percentile: int = 90) -> dict[str, float]:
+    """Per system, the highest QPS up to which every rate's ``percentile`` of each SLO metric meets it (nan: none).
+    ``slo`` as ``moesim.serve`` takes it: a dict or ``"ttft_ms=500,tpot_ms=100"``."""
+    frame = serving_frame(rows)
+    try:
+        limits = parse_slo(slo)
+    except ConfigError as err:  # named as this function's argument, not as the command line's --slo
+        err.rename_field("slo")
+        raise
+    columns = {key: percentile_column(frame, key, percentile, "slo") for key in limits}
     out: dict[str, float] = {}
     for system, group in frame.groupby("system", sort=False):
         group = group.sort_values("qps")
         ok = np.ones(len(group), dtype=bool)
-        for key, limit in slo.items():
-            ok &= (group[f"{key}_p{percentile}"].fillna(0.0) <= limit).to_numpy()
+        for key, limit in limits.items():
+            ok &= (group[columns[key]].fillna(0.0) <= limit).to_numpy()
         # every rate up to it must pass: a lucky sample above a failing rate does not count
         passing = int(np.argmin(ok)) if not ok.all() else len(ok)
         out[str(system)] = float(group.qps.iloc[passing - 1]) if passing else math.nan
     return out
+
+
+def serving_frame(rows: Any) -> Any:
+    """Serving runs as a frame: a frame, ``serving_metrics`` dicts or ``moesim.serve`` runs (their ``metrics``);
+    one line when there is none or they are no serving runs (a KeyError on 'system' before)."""
+    import pandas as pd
+    if isinstance(rows, pd.DataFrame):
+        frame = rows
+    else:
+        frame = pd.DataFrame([getattr(r, "metrics", r) for r in rows])
+    missing = [c for c in ("system", "qps") if c not in frame.columns]
+    if frame.empty or missing:
+        got = "no serving runs given" if frame.empty else \
+            f"the rows are no serving runs (no column {', '.join(repr(c) for c in missing)})"
+        raise ConfigError(got, field="rows",
+                          fix="give the runs of moesim.serve (or their .metrics), one per system and rate")
+    return frame
+
+
+def percentile_column(frame: Any, metric: str, percentile: int, role: str) -> str:
+    """The column of ``metric``'s ``percentile`` (``ttft_ms_p90``); one line naming the latencies and
+    percentiles there are otherwise (a KeyError on 'ttft_p90' before)."""
+    column = f"{metric}_p{percentile}"
+    if column in frame.columns:
+        return column
+    if percentile not in PERCENTILES:
+        raise ConfigError(f"no p{percentile} of {metric}: runs keep p{', p'.join(map(str, PERCENTILES))}",
+                          field="percentile", fix=f"use one of {', '.join(map(str, PERCENTILES))}")
+    latencies = sorted({c.rsplit("_p", 1)[0] for c in frame.columns if c.endswith(f"_p{percentile}")})
+    raise ConfigError(f"no latency '{metric}' in the runs", field=role,
+                      fix=f"{did_you_mean(str(metric), latencies)}use one of {', '.join(latencies)}")
 
 
 def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str], **kwargs: Any) -> dict[str, Any]:

@@ -86,3 +86,31 @@ def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arr
         plt.close(fig)
     with pytest.raises(ConfigError, match="no request to draw"):
         plot_requests(frame.iloc[:0])
+
+
+def test_the_latency_figure_and_the_slo_search_take_serve_runs_and_name_a_wrong_argument():
+    """plot_latency_vs_qps(metric='ttft') and max_qps_under_slo(slo={'ttft': ...}) failed with KeyError
+    ('ttft_p50', 'ttft_p90'), a list of moesim.serve runs with KeyError on the percentile columns, no runs with
+    KeyError 'system', percentile=95 with KeyError 'ttft_ms_p95', and an SLO string (as moesim.serve takes it)
+    with AttributeError."""
+    from types import SimpleNamespace
+
+    from moesim.analysis.serving import max_qps_under_slo
+    table = rows(["gpu-only-lru", "cpu-only"], 100.0, 200.0)
+    runs = [SimpleNamespace(metrics=row) for row in table]  # what moesim.serve returns, as far as these read
+    plt.close(plot_latency_vs_qps(runs))
+    # p90 TTFT: gpu-only-lru 109 and 145 ms, cpu-only 182 and 218 ms at 1 and 2 req/s
+    assert max_qps_under_slo(runs, "ttft_ms=190") == max_qps_under_slo(table, {"ttft_ms": 190}) == \
+        {"gpu-only-lru": 2.0, "cpu-only": 1.0}
+    for call, field, words in [
+        (lambda: plot_latency_vs_qps(table, metric="ttft"), "metric",
+         "no latency 'ttft' in the runs (fix: did you mean ttft_ms? use one of ttft_ms)"),
+        (lambda: plot_latency_vs_qps([]), "rows", "no serving runs given"),
+        (lambda: max_qps_under_slo(table, {"ttft": 1}), "slo", "unknown SLO 'ttft'"),
+        (lambda: max_qps_under_slo(table, {"ttft_ms": 1}, percentile=95), "percentile",
+         "no p95 of ttft_ms: runs keep p50, p90, p99"),
+        (lambda: max_qps_under_slo([{"qps": 1.0}], {"ttft_ms": 1}), "rows", "no column 'system'"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert err.value.field == field and words in str(err.value)
