@@ -323,6 +323,8 @@ def _round(value: Any) -> Any:
 
 def write_profile(data: dict[str, Any], path: str | Path) -> Path:
     """Write the profile YAML atomically, with the machine's identity as a comment header."""
-    header = "".join(f"# {line}\n" for line in ("Hardware profile measured by `moesim profile`.",
-                                                 data["description"]))
+    # every line of the description commented: a line break in it (from --name or an argument) must not
+    # start YAML of its own
+    text = "Hardware profile measured by `moesim profile`.\n" + data["description"]
+    header = "".join(f"# {line}\n" for line in text.splitlines())
     return atomic_write_text(Path(path), header + yaml.safe_dump(data, sort_keys=False, width=120))

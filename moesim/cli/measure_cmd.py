@@ -143,6 +143,9 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
     check_outputs([("--model", name) for name in model_names], {"out": YAML}, out=out)
     _check_can_create(Path(out), "--out")
     _check_threads(threads)
+    if not name.isprintable():
+        raise MoesimError(f"profile name {name!r} has a line break or other control character", field="--name",
+                          fix="give a name on one line, e.g. --name h100-lab")
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
     path = _measure(models, device, threads, quick, name, Path(out))

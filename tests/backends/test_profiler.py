@@ -169,3 +169,23 @@ def test_more_threads_than_cpus_is_one_line_before_any_measuring(tmp_path, monke
     assert err == (f"moesim: error: field '--threads': {too_many} threads, more than the {too_many - 1} CPUs this "
                    f"process may run on (fix: use --threads 1 to {too_many - 1}, or 0 for all of them)\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+
+
+def test_a_line_break_in_the_description_stays_inside_the_header_comment(measured, tmp_path):
+    """The description (with the command line) went into one '# ' comment line: a line break in an argument
+    started YAML of its own there ('gpu: 1' after `--name $'x\\ngpu: 1'`: the profile no longer loaded)."""
+    _, data, _, _, _ = measured
+    data = {**data, "description": data["description"] + " --model 'a\ngpu: 1'"}
+    path = write_profile(data, tmp_path / "p.yaml")
+    assert load_profile(path).name == "tiny-cpu"
+    assert all(line.startswith("#") for line in path.read_text().split("schema_version:")[0].splitlines())
+
+
+def test_a_profile_name_with_a_line_break_is_one_line(tmp_path, capsys):
+    from moesim.cli import main
+    assert main(["profile", "--device", "cpu", "--model", "flame-moe-290m", "--name", "x\ngpu: 1",
+                 "--out", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err == ("moesim: error: field '--name': profile name 'x\\ngpu: 1' has a line break "
+                                       "or other control character (fix: give a name on one line, e.g. --name "
+                                       "h100-lab)\n")
+    assert not (tmp_path / "p.yaml").exists()
