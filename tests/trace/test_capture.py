@@ -729,3 +729,31 @@ def test_prompts_through_a_pipe_are_read_once_and_hashed(hf, tmp_path: Path) -> 
     assert run.returncode == 0, run.stderr
     assert read_meta(out).source["prompts_sha256"] == hashlib.sha256(text.encode()).hexdigest()
     assert request_tokens(read_frame(out), 1)[:len(PROMPTS[1])] == PROMPTS[1]
+
+
+def test_a_capture_killed_midway_leaves_nothing_after_the_next_one(hf, tmp_path: Path) -> None:
+    """kill -9 part-way: the next capture to the same --out removes what the killed one left (its temporary
+    trace was named so that no later run recognised it, and stayed beside the trace for good)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [[i % 40 + 1, 5, 9] for i in range(400)])
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    out = folder / "t.parquet"
+    args = ["capture", "--model", str(checkpoint), "--device", "cpu", "--out", str(out), "--max-new-tokens"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.Popen([sys.executable, "-m", "moesim", *args, "40", "--prompts", str(prompts)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(folder.iterdir()) and killed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the trace writer has opened its temporary file: the capture is under way
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert [p.name for p in folder.iterdir()] and not out.exists()
+    assert main([*args, "1", "--prompts", str(write_jsonl(tmp_path / "q.jsonl", PROMPTS[:1]))]) == 0
+    assert [p.name for p in folder.iterdir()] == ["t.parquet"]

@@ -9,11 +9,12 @@ exactly as they ran. The trace file appears only when the capture completes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -320,7 +321,6 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
     from moesim.trace.capture.model import load_config, load_model, load_tokenizer, inspect_model, require_torch
     from moesim.trace.capture.arch import config_to_spec
     from moesim.trace.validate import check_path_writable
-    from moesim.util import PARQUET, output_file
 
     require_torch()
     prompt_bytes = read_prompts_file(config.prompts)  # read once: the prompts may come through a pipe
@@ -341,10 +341,10 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
         check_context(ids, prompts, config.max_new_tokens, int(limit), str(config.prompts))
         if calib_ids and calibration:
             check_context(calib_ids, calibration, config.max_new_tokens, int(limit), str(config.calibration_prompts))
-    source = {"model": config.model, "prompts": str(config.prompts), "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
+    source = {"model": config.model, "prompts": str(config.prompts),
+              "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}
-    # a special file (--out /dev/stdout, a pipe) gets the bytes of a finished trace, never a rename over it
-    with output_file(out, "--out", PARQUET) as target:
+    with trace_target(out) as target:
         report = capture_loaded(moe, ids, target, config.max_new_tokens, batch=config.batch,
                                 calibration=calib_ids, source=source, tokenizer=tokenizer, progress=progress,
                                 on_tokens=on_tokens)
@@ -355,6 +355,19 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
             report.notes.append(f"{shared} calibration prompt(s) also appear in {config.prompts}: "
                                 "predictor accuracy on this trace is optimistic")
     return report
+
+
+@contextlib.contextmanager
+def trace_target(out: Path) -> Iterator[Path]:
+    """Where the trace is written: ``out`` itself (the trace writer renames its temporary file into place,
+    and the next capture to ``out`` removes one a killed capture left), or, for a special file such as
+    /dev/stdout or a pipe, a temporary file whose bytes are copied into it: a rename would replace it."""
+    from moesim.util import PARQUET, is_special_file, output_file
+    if not is_special_file(out):
+        yield out
+        return
+    with output_file(out, "--out", PARQUET) as target:
+        yield target
 
 
 def check_context(ids: list[list[int]], prompts: list[Prompt], max_new_tokens: int, limit: int, source: str) -> None:
