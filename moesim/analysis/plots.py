@@ -113,8 +113,7 @@ def default_window(frame: pd.DataFrame, steps: int = DEFAULT_STEPS, max_bars: in
     spans = frame.sort_values("start_s", kind="stable")
     start = float(spans["start_s"].iloc[0])
     chosen = sorted(spans["step"].unique())[:steps]
-    in_steps = spans[spans["step"].isin(chosen)]
-    end = float(in_steps["end_s"].max())
+    end = step_window(frame, int(chosen[0]), int(chosen[-1]))[1]
     if (spans["start_s"] < end).sum() > max_bars:
         end = float(spans["start_s"].iloc[max_bars])
     return start, end
@@ -127,7 +126,13 @@ def step_window(frame: pd.DataFrame, first: int, last: int) -> tuple[float, floa
         steps = frame["step"]
         have = f"steps {int(steps.min())} to {int(steps.max())}" if len(steps) else "no steps"
         raise ConfigError(f"no step in {first}:{last}", field="steps", fix=f"the timeline has {have}")
-    return float(chosen["start_s"].min()), float(chosen["end_s"].max())
+    start, end = float(chosen["start_s"].min()), float(chosen["end_s"].max())
+    # a copy issued in the last step can run on into later ones: the window ends where the next step starts
+    # (steps=(10, 12) showed steps 13 and 14 too)
+    later = frame.loc[frame["step"] > last, "start_s"]
+    if len(later) and start < float(later.min()) < end:
+        end = float(later.min())
+    return start, end
 
 
 def window_label(frame: pd.DataFrame, window: tuple[float, float]) -> str:
@@ -137,7 +142,12 @@ def window_label(frame: pd.DataFrame, window: tuple[float, float]) -> str:
     starts = frame.groupby("step")["start_s"].min()
     ends = frame.groupby("step")["end_s"].max()
     lo, hi = window
-    inside = sorted(int(s) for s in starts.index if starts[s] < hi and ends[s] > lo)
+    # the steps that start in it, and the one it starts in when that is none of them: an earlier step whose
+    # copies still run there is no step shown
+    inside = sorted(int(s) for s in starts.index if lo - 1e-12 <= starts[s] < hi)
+    before = starts[(starts < lo - 1e-12) & (ends > lo)]
+    if len(before) and not (inside and starts[inside[0]] <= lo + 1e-12):
+        inside.insert(0, int(before.idxmax()))
     whole = [s for s in inside if starts[s] >= lo - 1e-12 and ends[s] <= hi + 1e-12]
     if not inside:
         shown = "no step"

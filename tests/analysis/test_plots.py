@@ -216,3 +216,19 @@ def test_gantt_steps_or_window_of_the_wrong_shape_is_one_line(kwargs, words) -> 
         plot_gantt(_decode_timeline(3), **kwargs)
     assert words in str(err.value) and err.value.field == next(iter(kwargs)) and "fix: give (" in str(err.value)
     assert plot_gantt(_decode_timeline(3), steps=[np.int64(1), 2]).axes  # a list and numpy numbers are fine
+
+
+def test_steps_show_those_steps_though_a_copy_of_theirs_runs_on_into_later_ones() -> None:
+    """A prefetch issued in step 1 that ran until step 3: steps=(1, 1) drew steps 1 to 3 and the title said
+    'steps 0-3 (part of them)' (smoe, steps=(10, 12): 'steps 8-14'); the window ends where step 2 starts, and
+    the title names the steps asked for."""
+    frame = _decode_timeline(steps=4)
+    step_start = frame.groupby("step")["start_s"].min()
+    late = ("pcie", 1, float(step_start[1]) + 1e-3, float(step_start[3]) + 2e-3, "prefetch", 1, 0, 5, 0)
+    frame = pd.concat([frame, _frame([late])], ignore_index=True)
+    fig = plot_gantt(frame, steps=(1, 1))
+    assert fig.axes[0].get_xlim() == pytest.approx((step_start[1] * 1e3, step_start[2] * 1e3))
+    assert fig._suptitle.get_text().startswith("step 1 (part of it) of 4, ")
+    assert plot_gantt(frame, steps=(2, 2))._suptitle.get_text().startswith("step 2 of 4, ")  # not steps 1-2
+    inside = plot_gantt(frame, window=(float(step_start[0]) + 1e-3, float(step_start[0]) + 2e-3))
+    assert inside._suptitle.get_text().startswith("step 0 (part of it) of 4, ")  # a window inside one step
