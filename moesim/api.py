@@ -33,6 +33,7 @@ Imports of pandas, SimPy and matplotlib happen on first use, so that
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import os
@@ -63,6 +64,7 @@ def python_names() -> Any:
     try:
         yield
     except MoesimError as err:
+        err._render_traceback_ = functools.partial(callers_traceback, err)  # type: ignore[attr-defined]
         name = PYTHON_NAMES.get(err.field or "")
         if err.field == "--set":
             key = re.search(r"parameter '([^']+)'", err.detail)
@@ -71,6 +73,21 @@ def python_names() -> Any:
             raise
         err.rename_field(name)
         raise
+
+
+def callers_traceback(err: MoesimError) -> list[str]:
+    """How IPython shows a bad-input error of the API (its ``_render_traceback_`` hook, bound with
+    functools.partial so that the error still pickles): the caller's own lines and the one-line message, without
+    the dozens of moesim frames above it (the message was all they gave, at the end of two screens). The whole
+    traceback stays on the exception (``err.__traceback__``)."""
+    import traceback
+    hidden = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(contextlib.__file__))
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not os.path.abspath(f.filename).startswith(hidden)
+              and f"{os.sep}IPython{os.sep}" not in f.filename]  # the kernel's own exec of the cell
+    lines = [line.rstrip("\n") for line in traceback.format_list(frames)]
+    return ["Traceback (most recent call last; moesim's own frames left out):", *lines,
+            f"{type(err).__name__}: {err}"]
 
 
 @contextlib.contextmanager

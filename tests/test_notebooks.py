@@ -95,3 +95,28 @@ def test_sweep_progress_in_a_notebook_is_one_line_updated_in_place(tmp_path):
     shown = [o for o in cell.outputs if o.get("output_type") == "display_data"]
     assert len(shown) == 1 and re.fullmatch(r"sweep: done, 6/6 points \(100%\) in \d+s", shown[0]["data"]["text/plain"])
     assert [o["data"]["text/plain"] for o in cell.outputs if o.get("output_type") == "execute_result"] == ["6"]
+
+
+def test_a_mistake_in_a_cell_shows_the_cells_line_and_the_message_not_moesims_frames(tmp_path):
+    """moesim.replay(system='smo') in a notebook printed two screens of moesim's frames (sim/run.py,
+    policy/systems.py, contextlib) above the one line that says what to do; the traceback shows the cell's own
+    line and that message."""
+    trace = Path(__file__).resolve().parents[1] / "traces" / "mixtral-8x7b-humaneval.parquet"
+    cells = ["import moesim", f"run = moesim.replay({str(trace)!r}, system='smo')"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    [error] = [o for o in notebook.cells[1].outputs if o["output_type"] == "error"]
+    shown = "\n".join(error["traceback"])
+    package = str(Path(__file__).resolve().parents[1] / "moesim")
+    assert error["ename"] == "ConfigError" and package not in shown and "site-packages" not in shown, shown
+    assert "run = moesim.replay(" in shown and len(error["traceback"]) == 3, shown
+    assert error["traceback"][-1].startswith("ConfigError: field 'system': unknown system 'smo' (fix: did you mean")
+    import pickle  # the hook that shortens it leaves the error picklable (a process pool sends it back)
+
+    import moesim
+    from moesim.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        moesim.replay(str(trace), system="smo")
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
