@@ -485,7 +485,6 @@ class SweepPointsFailed(UserWarning):
 
 def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     """Warn (:class:`SweepPointsFailed`) with the reasons when rows of a sweep are errors; return the text."""
-    import warnings
     if frame is None or "status" not in getattr(frame, "columns", ()) or frame.empty:
         return None
     failed = frame[frame["status"] != "ok"]
