@@ -308,6 +308,8 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
         frame, _ = sweep_module.run_sweep(spec, out if scratch is None else scratch, workers=workers, engine=engine,
                                           address=address, progress=progress, console=console)
     except BaseException:  # a KeyboardInterrupt in a notebook, or an error: what finished waits for the rerun
+        if console is not None:
+            console.file.stopped()
         if scratch is not None:
             say_kept(scratch, len(spec.points()))
         raise
@@ -402,16 +404,23 @@ class NotebookLine:
 
     def __init__(self) -> None:
         self.handle: Any = None
+        self.line = ""
 
     def write(self, text: str) -> int:
         line = text.strip()
         if line:
             from IPython.display import display
+            self.line = line
             if self.handle is None:  # shown at the first line: a quick sweep leaves no empty output
                 self.handle = display({"text/plain": line}, raw=True, display_id=True)
             else:
                 self.handle.update({"text/plain": line}, raw=True)
         return len(text)
+
+    def stopped(self) -> None:
+        """The last line of a sweep that did not finish: its bar ends with "done" however it ended."""
+        if self.line.startswith("sweep: done, "):
+            self.write(self.line.replace("sweep: done, ", "sweep: stopped, ", 1))
 
     def flush(self) -> None:
         pass

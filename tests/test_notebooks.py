@@ -120,3 +120,32 @@ def test_a_mistake_in_a_cell_shows_the_cells_line_and_the_message_not_moesims_fr
     with pytest.raises(ConfigError) as err:
         moesim.replay(str(trace), system="smo")
     assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+
+
+def test_the_progress_line_of_an_interrupted_sweep_says_it_stopped(tmp_path):
+    """The one progress line of a sweep interrupted in a notebook ended 'sweep: done, 2/6 points'."""
+    import re
+
+    import numpy as np
+
+    from tests.factories import random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=5))
+    cells = [
+        "import importlib, os\nos.environ['MOESIM_PROGRESS_INTERVAL'] = '0'\nimport moesim\n"
+        "engines = importlib.import_module('moesim.sweep.engines')\nreal, ran = engines.run_point, []\n"
+        "def interrupted(*job):\n    if len(ran) == 2:\n        raise KeyboardInterrupt\n"
+        "    ran.append(1)\n    return real(*job)\nengines.run_point = interrupted",
+        (f"moesim.sweep({{'traces': [{str(trace)!r}], 'hw': ['rtx4090'], 'systems': ['cpu-only', "
+         "'gpu-only-lru'], 'grid': {'cache.slots_per_layer': [1, 2, 3]}}, workers=1)"),
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    outputs = notebook.cells[1].outputs
+    shown = [o for o in outputs if o.get("output_type") == "display_data"]
+    assert len(shown) == 1 and re.fullmatch(r"sweep: stopped, 2/6 points \(33%\) in \d+s",
+                                            shown[0]["data"]["text/plain"]), shown
+    assert [o["ename"] for o in outputs if o.get("output_type") == "error"] == ["KeyboardInterrupt"]
