@@ -133,10 +133,10 @@ def test_the_progress_line_of_an_interrupted_sweep_says_it_stopped(tmp_path):
     trace = write_tiny_trace(tmp_path / "t.parquet", model,
                              random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=5))
     cells = [
-        "import importlib, os\nos.environ['MOESIM_PROGRESS_INTERVAL'] = '0'\nimport moesim\n"
-        "engines = importlib.import_module('moesim.sweep.engines')\nreal, ran = engines.run_point, []\n"
-        "def interrupted(*job):\n    if len(ran) == 2:\n        raise KeyboardInterrupt\n"
-        "    ran.append(1)\n    return real(*job)\nengines.run_point = interrupted",
+        ("import importlib, os\nos.environ['MOESIM_PROGRESS_INTERVAL'] = '0'\nimport moesim\n"
+         "engines = importlib.import_module('moesim.sweep.engines')\nreal, ran = engines.run_point, []\n"
+         "def interrupted(*job):\n    if len(ran) == 2:\n        raise KeyboardInterrupt\n"
+         "    ran.append(1)\n    return real(*job)\nengines.run_point = interrupted"),
         (f"moesim.sweep({{'traces': [{str(trace)!r}], 'hw': ['rtx4090'], 'systems': ['cpu-only', "
          "'gpu-only-lru'], 'grid': {'cache.slots_per_layer': [1, 2, 3]}}, workers=1)"),
     ]
