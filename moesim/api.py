@@ -350,6 +350,8 @@ def plain_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     for key in SPEC_AXES:
         if key in out:
             out[key] = plain_values(out[key])
+    if isinstance(out.get("set"), Mapping):  # one value each: a list or array there is per-layer slots
+        out["set"] = {k: setting_list(plain_number(v)) for k, v in out["set"].items()}
     if isinstance(out.get("grid"), Mapping):
         out["grid"] = settings_values(out["grid"])
     zips = out.get("zip")

@@ -333,6 +333,9 @@ def test_a_sweep_takes_per_layer_slots_as_a_list_as_replay_does(files):
     assert frame["cache.slots_per_layer"].tolist() == ["[2,1]", "[1,2]", "2"]
     single = moesim.replay(trace, hw=hw, cache__slots_per_layer=[2, 1], timeline=False)
     assert frame["tpot_ms_mean"].iloc[0] == single.metrics["tpot_ms_mean"].item()
+    fixed = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"],  # '[2 1]' before
+                          "set": {"cache.slots_per_layer": np.array([2, 1])}}, workers=1)
+    assert fixed["tpot_ms_mean"].tolist() == [single.metrics["tpot_ms_mean"].item()]
 
 
 def test_sweep_with_out_is_resumable(files, tmp_path):
