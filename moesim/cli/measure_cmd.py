@@ -10,7 +10,7 @@ import click
 from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
                             preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
-from moesim.util import PARQUET, YAML
+from moesim.util import PARQUET, YAML, clean_stale_tmps
 
 
 @cli.command("capture")
@@ -236,6 +236,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     _check_threads(threads)
     out_dir = Path(out)
     _check_can_create(out_dir, "--out")
+    clean_stale_tmps(out_dir / "profile.yaml")  # what a killed run staged there is no one's now
     read_meta(trace_file)
     if layers is not None:
         trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))

@@ -104,3 +104,31 @@ def test_experts_beyond_host_memory_name_the_layers_that_fit(monkeypatch, availa
         weights.check_host_memory(load_preset("mixtral-8x7b"), "bf16")  # 32 layers x 2.6 GiB of experts
     assert str(info.value) == (f"field '--layers': routed experts need 84.0 GiB of host memory, {available_gib:.1f} "
                                f"GiB is available (fix: {fix})")
+
+
+def test_a_validate_killed_midway_leaves_nothing_after_the_next_one(trace: str, tmp_path: Path) -> None:
+    """kill -9 while the systems ran left the staged profile (OUT/.profile.PID.tmp.yaml) for good."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "report"
+    args = ["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only", "--threads", "1",
+            "--quick-profile", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.Popen([sys.executable, "-m", "moesim", *args], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while killed.poll() is None and time.monotonic() < deadline:
+            if out.is_dir() and any(p.name.endswith(".tmp.yaml") for p in out.iterdir()):
+                break  # the profile is measured and staged: the systems run now
+            time.sleep(0.02)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert any(p.name.startswith(".profile.") for p in out.iterdir())
+    assert main([*args[:-3], "--profile", str(Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"),
+                 "--out", str(out)]) == 0
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
