@@ -757,3 +757,16 @@ def test_a_capture_killed_midway_leaves_nothing_after_the_next_one(hf, tmp_path:
     assert [p.name for p in folder.iterdir()] and not out.exists()
     assert main([*args, "1", "--prompts", str(write_jsonl(tmp_path / "q.jsonl", PROMPTS[:1]))]) == 0
     assert [p.name for p in folder.iterdir()] == ["t.parquet"]
+
+
+def test_a_text_file_whose_first_prompt_starts_with_a_brace_is_text(tmp_path: Path) -> None:
+    """prompts.txt beginning '{x} is a set' was taken for JSONL and refused as 'row 1: not valid JSON'."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("{x} is a set\nsecond\n")
+    assert [p.text for p in load_prompts(path)] == ["{x} is a set", "second"]
+    path.write_text('{"prompt": "a"}\n')  # JSONL in a .txt file is still JSONL
+    assert [p.text for p in load_prompts(path)] == ["a"]
+    broken = tmp_path / "prompts.json"
+    broken.write_text('{"prompt": "a"\n')
+    with pytest.raises(PromptsError, match="row 1: not valid JSON"):
+        load_prompts(broken)

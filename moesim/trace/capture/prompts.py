@@ -3,7 +3,8 @@
 Two formats: JSONL, one object per line with a ``prompt`` or ``text`` string
 (or ``token_ids``/``input_ids``, a list of vocabulary ids, for pre-tokenised
 prompts), and plain text, one prompt per line. A file is JSONL when its name
-ends in ``.jsonl`` or its first non-blank line starts with ``{``. Blank lines
+ends in ``.jsonl`` or its first non-blank line starts with ``{`` (in a ``.txt``
+file: is a JSON object). Blank lines
 are skipped in both formats; row numbers in errors are 1-based line numbers.
 """
 
@@ -58,10 +59,24 @@ def load_prompts(path: str | Path, data: bytes | None = None) -> list[Prompt]:
     if not numbered:
         raise PromptsError("prompts file is empty", source=str(path),
                            fix="write one prompt per line (plain text) or one JSON object per line")
-    is_jsonl = path.suffix == ".jsonl" or numbered[0][1].lstrip().startswith("{")
-    if not is_jsonl:
+    if not _is_jsonl(path, numbered[0][1]):
         return [Prompt(line=n, text=line.rstrip("\r")) for n, line in numbered]
     return [_json_prompt(path, n, line) for n, line in numbered]
+
+
+def _is_jsonl(path: Path, first: str) -> bool:
+    """JSONL: named .jsonl, or its first prompt starts with '{'; but a .txt file whose first line is no JSON
+    object is plain text ('{x} is a set' is a prompt, not a broken row)."""
+    if path.suffix.lower() == ".jsonl":
+        return True
+    if not first.lstrip().startswith("{"):
+        return False
+    if path.suffix.lower() != ".txt":
+        return True
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
 
 
 def _json_prompt(path: Path, row: int, line: str) -> Prompt:
