@@ -193,6 +193,18 @@ def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> None:
                       "`moesim profile --device cpu`)", markup=False, highlight=False, soft_wrap=True)
 
 
+def _ranking_line(report, key: str, label: str) -> str:
+    """The report's ranking by ``key``, or why there is none: a trace without decode steps has no TPOT, and
+    its ranking by TPOT would read "same" for want of values."""
+    import math
+
+    def missing(value) -> bool:
+        return value is None or (isinstance(value, float) and math.isnan(value))
+    if all(missing(c.real[key]) and missing(c.sim[key]) for c in report.systems):
+        return f"- (no system has a {label} on this trace)"
+    return report.ranking_text(key)
+
+
 def _measure_with_report(model, device: str, threads: int, quick: bool, out_dir: Path):
     """(path, profile) of a profile measured into ``OUT/profile.yaml``, which lands with the report: an
     interrupted or failed run leaves an earlier report and the profile it was computed with as they were."""
@@ -274,5 +286,6 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
                       f"{ms_text(real['tpot_ms_mean'])} / {ms_text(sim['tpot_ms_mean'])}", pct_text(c.tpot_error_pct),
                       f"{c.decisions.share:.1%}")
     console.print(table)
-    console.print(f"ranking by TPOT: {report.ranking_text('tpot_ms_mean')}", highlight=False)
+    for label, key in (("TPOT", "tpot_ms_mean"), ("TTFT", "ttft_ms")):
+        console.print(f"ranking by {label}: {_ranking_line(report, key, label)}", highlight=False)
     say_wrote(console, f"wrote {files['markdown']}, {files['json']}, {files['plot']}")

@@ -132,3 +132,18 @@ def test_a_validate_killed_midway_leaves_nothing_after_the_next_one(trace: str, 
     assert main([*args[:-3], "--profile", str(Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"),
                  "--out", str(out)]) == 0
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_a_trace_without_decode_steps_has_no_tpot_ranking(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A prefill-only trace printed 'ranking by TPOT: same' (no system had a TPOT to rank), and no ranking by
+    TTFT, the one its systems have."""
+    monkeypatch.setenv("COLUMNS", "200")
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    trace = write_tiny_trace(tmp_path / "prefill.parquet", model,
+                             random_routing(np.random.default_rng(3), model, 2, 6, 0))
+    profile = Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"
+    assert main(["validate", "--real", "--device", "cpu", "--trace", str(trace), "--systems", "cpu-only,static-hot",
+                 "--threads", "1", "--profile", str(profile), "--out", str(tmp_path / "report")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ranking by TPOT: - (no system has a TPOT on this trace)" in lines
+    assert any(line.startswith("ranking by TTFT: ") for line in lines)
