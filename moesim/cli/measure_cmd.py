@@ -148,6 +148,11 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
                           fix="give a name on one line, e.g. --name h100-lab")
     from moesim.model.presets import load_preset
     models = [load_preset(model_name) for model_name in model_names]
+    names = [model.name for model in models]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # measured twice, its attention curves would be in the profile twice
+        raise MoesimError(f"model {', '.join(twice)} given more than once", field="--model",
+                          fix="give each model shape once")
     path = _measure(models, device, threads, quick, name, Path(out))
     say_wrote(console, f"wrote {path} (load it with --hw {path} or --profile {path})")
 

@@ -189,3 +189,13 @@ def test_a_profile_name_with_a_line_break_is_one_line(tmp_path, capsys):
                                        "or other control character (fix: give a name on one line, e.g. --name "
                                        "h100-lab)\n")
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_a_model_given_twice_is_one_line(tmp_path, capsys):
+    """`--model flame-moe-290m --model flame-moe-290m` measured it twice and wrote its attention curves twice."""
+    from moesim.cli import main
+    assert main(["profile", "--device", "cpu", "--model", "flame-moe-290m", "--model", "flame-moe-290m", "--quick",
+                 "--threads", "1", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err == ("moesim: error: field '--model': model flame-moe-290m given more than once "
+                                       "(fix: give each model shape once)\n")
+    assert not (tmp_path / "p.yaml").exists()
