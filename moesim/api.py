@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import numbers
 import os
 import re
@@ -46,6 +45,7 @@ from typing import Any, Mapping, Sequence
 from moesim import notebook
 from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
+from moesim.util import is_missing
 
 DEFAULT_HW = "rtx4090"
 #: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
@@ -318,10 +318,6 @@ def one_type_per_column(frame: Any) -> Any:
             if len(kinds) > 1:
                 frame[name] = [None if is_missing(v) else sweep_module.setting_str(v) for v in frame[name]]
     return frame
-
-
-def is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 #: keys of a sweep spec whose value is a list of values (of runs, not of one value)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 import re
 import shutil
@@ -428,3 +430,8 @@ def listed(values: Sequence[object], most: int = 8) -> str:
     """``values`` comma-separated, the first ``most`` of them and "..." past those (layer lists in one-line
     messages)."""
     return ", ".join(map(str, values[:most])) + (", ..." if len(values) > most else "")
+
+
+def is_missing(value: object) -> bool:
+    """Whether a figure is absent: None or NaN (a prefill-only trace's TPOT)."""
+    return value is None or (isinstance(value, numbers.Real) and math.isnan(value))

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from moesim.analysis.report import number_text
 from moesim.errors import ConfigError
 from moesim.sim.result import SimResult
-from moesim.util import atomic_write_text, listed, tmp_path_for
+from moesim.util import atomic_write_text, is_missing, listed, tmp_path_for
 
 #: a measured profile's expert and attention curves include kernel launches (backends.profiler)
 MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
@@ -80,7 +80,7 @@ class ValidationReport:
         rankings' tie order by name decides nothing); with a value missing, the two rankings alike."""
         real = {c.system: c.real[key] for c in self.systems}
         sim = {c.system: c.sim[key] for c in self.systems}
-        if any(_missing(real[s]) or _missing(sim[s]) for s in real):
+        if any(is_missing(real[s]) or is_missing(sim[s]) for s in real):
             return self.ranking("real", key) == self.ranking("sim", key)
         return all(_sign(real[a] - real[b]) == _sign(sim[a] - sim[b]) for i, a in enumerate(real)
                    for b in list(real)[i + 1:])
@@ -105,7 +105,7 @@ class ValidationReport:
             return f"DIFFERENT, {len(swapped)} of {pairs} pairs swapped: {listed_pairs}"
         real = {c.system: c.real[key] for c in self.systems}
         sim = {c.system: c.sim[key] for c in self.systems}
-        missing = [s for s in real if _missing(real[s]) or _missing(sim[s])]
+        missing = [s for s in real if is_missing(real[s]) or is_missing(sim[s])]
         if missing:
             return f"DIFFERENT ({listed(missing)} without a value in one of them)"
         ties = []
@@ -161,10 +161,6 @@ def swapped_pairs(real: dict[str, float], sim: dict[str, float]) -> list[Swapped
                 fast, slow = (a, b) if real[a] < real[b] else (b, a)
                 out.append(SwappedPair(fast, slow, error_pct(real[slow], real[fast]), error_pct(sim[fast], sim[slow])))
     return sorted(out, key=lambda p: (-p.sim_gap_pct, p.real_faster, p.sim_faster))
-
-
-def _missing(value: float | None) -> bool:
-    return value is None or math.isnan(value)
 
 
 def _sign(x: float) -> int:

@@ -201,11 +201,8 @@ def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> None:
 def _ranking_line(report, key: str, label: str) -> str:
     """The report's ranking by ``key``, or why there is none: a trace without decode steps has no TPOT, and
     its ranking by TPOT would read "same" for want of values."""
-    import math
-
-    def missing(value) -> bool:
-        return value is None or (isinstance(value, float) and math.isnan(value))
-    if all(missing(c.real[key]) and missing(c.sim[key]) for c in report.systems):
+    from moesim.util import is_missing
+    if all(is_missing(c.real[key]) and is_missing(c.sim[key]) for c in report.systems):
         return f"- (no system has a {label} on this trace)"
     return report.ranking_text(key)
 
