@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 from moesim import notebook
 from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
-from moesim.util import is_missing
+from moesim.util import is_missing, warn_at_caller
 
 DEFAULT_HW = "rtx4090"
 #: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
@@ -406,19 +406,6 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     text = "\n".join(lines)
     warn_at_caller(text, SweepPointsFailed)
     return text
-
-
-def warn_at_caller(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the caller's line: the first frame outside moesim and the decorators
-    around its functions (contextlib), however deep below the API the warning is raised (a fixed
-    ``stacklevel`` pointed into contextlib.py behind :func:`python_names`)."""
-    import sys
-    import warnings
-    inside = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(contextlib.__file__))
-    level, frame = 1, sys._getframe(0)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
-        level, frame = level + 1, frame.f_back
-    warnings.warn(message, category, stacklevel=level)
 
 
 @python_names()

@@ -10,6 +10,7 @@ from typing import Any
 
 from moesim import sweep as sweep_module
 from moesim.errors import MoesimError
+from moesim.util import is_own_frame
 
 
 def callers_traceback(err: MoesimError) -> list[str]:
@@ -18,9 +19,7 @@ def callers_traceback(err: MoesimError) -> list[str]:
     the dozens of moesim frames above it (the message was all they gave, at the end of two screens). The whole
     traceback stays on the exception (``err.__traceback__``)."""
     import traceback
-    hidden = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(contextlib.__file__))
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not os.path.abspath(f.filename).startswith(hidden)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not is_own_frame(f.filename)
               and f"{os.sep}IPython{os.sep}" not in f.filename]  # the kernel's own exec of the cell
     lines = [line.rstrip("\n") for line in traceback.format_list(frames)]
     return ["Traceback (most recent call last; moesim's own frames left out):", *lines,

@@ -435,3 +435,23 @@ def listed(values: Sequence[object], most: int = 8) -> str:
 def is_missing(value: object) -> bool:
     """Whether a figure is absent: None or NaN (a prefill-only trace's TPOT)."""
     return value is None or (isinstance(value, numbers.Real) and math.isnan(value))
+
+
+def is_own_frame(filename: str) -> bool:
+    """Whether a stack frame's file is moesim's own, or contextlib's (the decorators around its functions):
+    the frames a user's warning or traceback leaves out to show the caller's line."""
+    path = os.path.abspath(filename)
+    return path.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep) \
+        or path == os.path.abspath(contextlib.__file__)
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the caller's line: the first frame outside moesim, however deep below
+    the API the warning is raised (a fixed ``stacklevel`` pointed into contextlib.py behind the API's error
+    renaming, or into the figure helpers)."""
+    import sys
+    import warnings
+    level, frame = 1, sys._getframe(0)
+    while frame.f_back is not None and is_own_frame(frame.f_code.co_filename):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

@@ -221,7 +221,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if short:
         note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
         # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
-        from moesim.api import warn_at_caller
+        from moesim.util import warn_at_caller
         warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
