@@ -93,7 +93,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
                              lambda: bar.start(len(points), len(points) - len(todo)), finished) or 0
         complete = True
     finally:
-        bar.stop()
+        bar.stop(ok=complete)
         store.close(complete=complete)
     frame = _ordered(store.frame([p.point_id for p in points]), spec)
     ids = {p.point_id for p in points}
@@ -154,9 +154,10 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.advance(1, extra=f"{failed} failed")
 
-    def stop(self) -> None:
+    def stop(self, ok: bool = True) -> None:
+        """``ok`` false (interrupted, or a point raised): the closing line says "stopped", not "done"."""
         if self._bar is not None:
-            self._bar.stop()
+            self._bar.stop(ok=ok)
             self._bar = None
 
 

@@ -699,3 +699,37 @@ def test_a_fault_in_a_listed_profile_names_its_file_and_field_then_the_spec(file
     err = capsys.readouterr().err
     assert f"bad.yaml, field 'gpu.memory_gib': missing field (listed in {path} under 'hw')" in err
     assert err.count("\n") == 1 and not (files / "r.parquet").exists()
+
+
+def test_an_interrupted_sweep_says_stopped_not_done(files, monkeypatch):
+    """The closing progress line of a sweep stopped by Ctrl-C says so, with the points it had finished."""
+    import io
+
+    from moesim.sweep import engines
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 3]}))
+    run_point = engines.run_point
+    ran = []
+
+    def second_is_interrupted(*job):
+        ran.append(job)
+        if len(ran) == 2:
+            raise KeyboardInterrupt
+        return run_point(*job)
+
+    monkeypatch.setattr(engines, "run_point", second_is_interrupted)
+    stream = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, files / "r.parquet", workers=1, progress=True, console=_PlainConsole(stream))
+    last = stream.getvalue().splitlines()[-1]
+    assert last.startswith("sweep: stopped, 1/3 points"), stream.getvalue()
+    stream = io.StringIO()
+    run_sweep(spec, files / "r.parquet", workers=1, progress=True, console=_PlainConsole(stream))
+    assert stream.getvalue().splitlines()[-1].startswith("sweep: done, 3/3 points"), stream.getvalue()
+
+
+class _PlainConsole:
+    """What the sweep's progress needs of a console: the stream it writes to (not a terminal)."""
+
+    def __init__(self, stream):
+        self.file = stream
