@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -550,17 +551,24 @@ def available_profiles() -> list[str]:
 
 
 def profile_path(name_or_path: str | Path) -> Path:
-    """The YAML file behind a profile name (``hwprofiles/NAME.yaml``) or path (which may not exist)."""
+    """The YAML file behind a profile name (``hwprofiles/NAME.yaml``) or path (which may not exist); a path
+    with a folder and without its ``.yaml`` (``hwprofiles/rtx4090``) is the file with it, where that exists."""
     path = Path(name_or_path)
-    return PROFILE_DIR / f"{name_or_path}.yaml" if not path.exists() and not path.suffix else path
+    if path.exists() or path.suffix:
+        return path
+    with_yaml = path.with_name(f"{path.name}.yaml")
+    if os.sep in str(name_or_path) and with_yaml.exists():
+        return with_yaml
+    return PROFILE_DIR / f"{name_or_path}.yaml"
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """Load ``hwprofiles/NAME.yaml`` by name, or any profile YAML by path."""
     path = profile_path(name_or_path)
     if not path.exists():
+        # a path's file name may be a slip of a bundled profile's (hwprofiles/rtx4091.yaml)
+        guess = did_you_mean(str(name_or_path), available_profiles()) or did_you_mean(path.stem, available_profiles())
         raise ProfileError("hardware profile not found", source=str(name_or_path),
-                           fix=f"{did_you_mean(str(name_or_path), available_profiles())}use a path or one of: "
-                               f"{', '.join(available_profiles())}")
+                           fix=f"{guess}use a path or one of: {', '.join(available_profiles())}")
     data = read_yaml(path, ProfileError)
     return parse_profile(data, origin=str(path))

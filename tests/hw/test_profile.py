@@ -197,6 +197,21 @@ def test_unknown_profile_name_lists_the_shipped_ones():
         load_profile("rtx9999")
 
 
+def test_a_path_without_its_yaml_is_the_file_with_it(tmp_path: Path, monkeypatch):
+    """``--hw hwprofiles/rtx4090`` is ``hwprofiles/rtx4090.yaml``; a bare name stays a bundled profile's."""
+    monkeypatch.chdir(PROFILE_DIR.parent)
+    assert load_profile("hwprofiles/rtx4090").path == "hwprofiles/rtx4090.yaml"
+    (tmp_path / "rtx4090.yaml").write_text(yaml.safe_dump(minimal()))
+    monkeypatch.chdir(tmp_path)
+    assert load_profile("rtx4090").path == str(PROFILE_DIR / "rtx4090.yaml")
+    assert load_profile("./rtx4090").path == "rtx4090.yaml"
+
+
+def test_a_missing_path_whose_file_name_is_a_slip_of_a_profile_suggests_it(tmp_path: Path):
+    with pytest.raises(ProfileError, match=r"not found \(fix: did you mean rtx4090\?"):
+        load_profile(tmp_path / "rtx4091.yaml")
+
+
 def test_profile_file_round_trip(tmp_path: Path):
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(minimal()))
