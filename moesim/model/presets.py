@@ -7,9 +7,9 @@ the number comes from.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
-
 
 from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
@@ -22,17 +22,31 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-@lru_cache(maxsize=None)
-def load_preset(name_or_path: str) -> ModelSpec:
-    """Load a preset by name (``mixtral-8x7b``) or from a YAML path."""
+def preset_path(name_or_path: str) -> Path:
+    """The YAML file behind a preset name or path (which may not exist)."""
     path = Path(name_or_path)
     # A name such as "qwen1.5-moe-a2.7b" has a dot, so only a YAML suffix marks a path.
-    if path.suffix not in (".yaml", ".yml"):
-        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if path.suffix in (".yaml", ".yml"):
+        return path
+    with_yaml = path.with_name(f"{path.name}.yaml")
+    if os.sep in str(name_or_path) and with_yaml.exists():
+        return with_yaml
+    return PRESET_DIR / f"{name_or_path}.yaml"
+
+
+@lru_cache(maxsize=None)
+def load_preset(name_or_path: str) -> ModelSpec:
+    """Load a preset by name (``mixtral-8x7b``) or from a YAML path (``presets/x.yaml``, or ``presets/x``
+    where ``presets/x.yaml`` exists)."""
+    path = preset_path(name_or_path)
     if not path.exists():
-        raise ConfigError(f"unknown model preset '{name_or_path}'",
-                          fix=f"{did_you_mean(str(name_or_path), available_presets())}use one of "
-                              f"{', '.join(available_presets())} or a preset YAML path")
+        choices = f"use one of {', '.join(available_presets())} or a preset YAML path"
+        if path.parent != PRESET_DIR or os.sep in str(name_or_path):
+            raise ConfigError("model preset file not found", source=str(name_or_path), field="--model",
+                              fix=f"{did_you_mean(Path(name_or_path).stem, available_presets())}check the path, "
+                                  f"or {choices}")
+        raise ConfigError(f"unknown model preset '{name_or_path}'", field="--model",
+                          fix=f"{did_you_mean(str(name_or_path), available_presets())}{choices}")
     data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError("a preset must be a YAML mapping", source=str(path))

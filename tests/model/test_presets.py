@@ -145,7 +145,7 @@ def test_unknown_preset_names_the_valid_ones() -> None:
     with pytest.raises(ConfigError) as err:
         load_preset("deepseek-v4")
     message = str(err.value)
-    assert "unknown model preset 'deepseek-v4'" in message
+    assert "field '--model': unknown model preset 'deepseek-v4'" in message
     for name in EXPECTED_PRESETS:
         assert name in message
     assert "\n" not in message
@@ -175,6 +175,20 @@ def test_preset_yaml_path_loads(tmp_path: Path) -> None:
     spec = load_preset(_write_preset(tmp_path, GOOD_BODY + 'sources:\n  "*": "made up for a test"\n'))
     assert spec.expert_params == 3 * 64 * 32
     assert spec.sources == {"*": "made up for a test"}
+
+
+def test_a_missing_preset_file_is_said_to_be_a_missing_file(tmp_path: Path) -> None:
+    """Not an "unknown preset": the path, the option and, for a slip of a bundled name, that name."""
+    with pytest.raises(ConfigError, match=r"^\S+mixtral-8x7\.yaml, field '--model': model preset file not found "
+                                          r"\(fix: did you mean mixtral-8x7b\? check the path"):
+        load_preset(str(tmp_path / "mixtral-8x7.yaml"))
+
+
+def test_a_preset_path_without_its_yaml_is_the_file_with_it(tmp_path: Path) -> None:
+    _write_preset(tmp_path, GOOD_BODY + 'sources:\n  "*": "made up for a test"\n')
+    assert load_preset(str(tmp_path / "custom")).name == "custom"
+    with pytest.raises(ConfigError, match="model preset file not found"):
+        load_preset(str(tmp_path / "other"))
 
 
 def test_an_edited_preset_that_kept_the_released_total_is_refused(tmp_path: Path) -> None:
