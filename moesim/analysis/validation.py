@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from moesim.analysis.report import number_text
 from moesim.errors import ConfigError
 from moesim.sim.result import SimResult
-from moesim.util import atomic_write_text, is_missing, listed, tmp_path_for
+from moesim.util import atomic_write_text, is_missing, listed, output_file, tmp_path_for
 
 #: a measured profile's expert and attention curves include kernel launches (backends.profiler)
 MEASURED_PROFILE_SETTINGS = {"engine.kernels_per_expert": "0", "engine.kernels_per_shared": "0"}
@@ -268,7 +268,9 @@ def run_validation(trace: str, systems: list[str], profile: Any, *, device: str,
 
 # ----------------------------------------------------------------------------- writing
 def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, SimResult]], out_dir: Path) -> dict:
-    """validation.md, validation.json, validation.png, and per system the real and simulated logs."""
+    """validation.md, validation.json, validation.png, and per system the real and simulated logs. Each file
+    goes through :func:`moesim.util.output_file`: in a command they land together when it ends, or none does
+    (an interrupted or failed write leaves the earlier report whole, not half of it replaced)."""
     from moesim.analysis.timeline import write_decisions, write_timeline
     from moesim.sim.result import result_to_frames
     out_dir = Path(out_dir)
@@ -276,13 +278,19 @@ def write_report(report: ValidationReport, results: dict[str, tuple[SimResult, S
     files = {"json": out_dir / "validation.json", "markdown": out_dir / "validation.md",
              "plot": out_dir / "validation.png"}
     for name, (real, sim) in results.items():
+        (out_dir / name).mkdir(exist_ok=True)
         for label, result in (("real", real), ("sim", sim)):
             frames = result_to_frames(result)
-            write_decisions(frames["decisions"], out_dir / name / f"{label}-decisions.parquet")
-            write_timeline(frames["timeline"], out_dir / name / f"{label}-timeline.parquet")
-    plot_validation(report, files["plot"])
-    atomic_write_text(files["json"], json.dumps(report.to_dict(), indent=2, default=float) + "\n")
-    atomic_write_text(files["markdown"], render_markdown(report, files["plot"].name))
+            with output_file(out_dir / name / f"{label}-decisions.parquet") as path:
+                write_decisions(frames["decisions"], path)
+            with output_file(out_dir / name / f"{label}-timeline.parquet") as path:
+                write_timeline(frames["timeline"], path)
+    with output_file(files["plot"]) as path:
+        plot_validation(report, path)
+    with output_file(files["json"]) as path:
+        atomic_write_text(path, json.dumps(report.to_dict(), indent=2, default=float) + "\n")
+    with output_file(files["markdown"]) as path:
+        atomic_write_text(path, render_markdown(report, files["plot"].name))
     return files
 
 

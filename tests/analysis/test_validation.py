@@ -232,3 +232,26 @@ def test_a_gpu_profile_on_the_cpu_stand_in_is_warned_of_in_one_line(trace, tmp_p
     (tmp_path / "stand-in.yaml").write_text(yaml.safe_dump(stand_in))
     assert main([*args, "--profile", str(tmp_path / "stand-in.yaml"), "--out", str(tmp_path / "cpu"), "--json"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_report_interrupted_while_written_leaves_the_earlier_one_whole(trace, tmp_path, monkeypatch):
+    """Ctrl-C while the plot was drawn had already replaced the per-system logs beside the earlier
+    validation.json; now every file of the report lands when the command ends, or none does."""
+    pytest.importorskip("torch")
+    import moesim.analysis.validation as validation
+    out = tmp_path / "report"
+    (out / "cpu-only").mkdir(parents=True)
+    earlier = {out / "validation.json": "earlier report\n", out / "cpu-only" / "real-decisions.parquet": "earlier log\n"}
+    for path, text in earlier.items():
+        path.write_text(text)
+
+    def interrupted(report, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(validation, "plot_validation", interrupted)
+    code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--threads", "1", "--quick-profile", "--out", str(out)])
+    assert code == 130
+    assert {path: path.read_text() for path in earlier} == earlier
+    assert sorted(p.name for p in (out / "cpu-only").iterdir()) == ["real-decisions.parquet"]
+    assert not [p for p in out.rglob(".*")]  # no staged file left behind
