@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
+    code = 0
     try:
         with sigterm_interrupts(), staged_outputs():  # a command's outputs land together, or none of them does
             try:
-                cli.main(args=args, prog_name="moesim", standalone_mode=False)
+                code = _run_command(args)
             except BrokenPipeError:  # `moesim trace inspect T --json - | head`: the reader has what it wanted,
                 stream_to_devnull(sys.stdout)  # and what the command wrote lands
     except MoesimError as err:
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, Terminated) or isinstance(err.__cause__, Terminated):  # click wraps it in Abort
             _say("moesim: terminated")
             return 128 + signal.SIGTERM  # what a shell shows for `kill PID`
+        if err_console.is_terminal:
+            _say("")  # ends the line the terminal echoed ^C on; piped, it would be a stray blank line
         _say("moesim: interrupted")
         return 130
     except click.exceptions.NoArgsIsHelpError as err:  # `moesim`, `moesim trace`: the help, as it is laid out
@@ -88,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _say(_internal_error(err))
         return 1
+    return code
+
+
+def _run_command(args: list[str]) -> int:
+    """Parse ``args`` and run the command (click's own main would also write a blank line to stderr on
+    Ctrl-C, and turn ``--help`` and ``--version`` into an exit status to return)."""
+    try:
+        with cli.make_context("moesim", args) as ctx:
+            cli.invoke(ctx)
+    except click.exceptions.Exit as done:
+        return done.exit_code
     return 0
 
 
