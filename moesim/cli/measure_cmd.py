@@ -184,18 +184,34 @@ def _executable_systems(systems: str) -> list[str]:
     return names
 
 
-def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> None:
+def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> bool:
     """One line on stderr when ``--device cpu`` is given a profile of a GPU rather than of the CPU stand-in:
     the simulated side then runs on that GPU's numbers and the measured side on the CPU, so the errors
-    compare two machines. A warning, not a refusal: the decisions still compare, and the run is valid."""
+    compare two machines. A warning, not a refusal: the decisions still compare, and the run is valid.
+    Returns whether it warned."""
     from backends.measurements import STAND_IN_GPU_NAME
     if profile.gpu.name == STAND_IN_GPU_NAME:
-        return
+        return False
     err_console.print(f"moesim: warning: --device cpu with {path}, a profile of {profile.gpu.name}: the simulated "
                       "side uses that GPU profile while the measured side runs on the CPU stand-in, so the errors "
                       "compare different hardware (leave out --profile to measure the stand-in into "
                       f"{out_dir / 'profile.yaml'}, with --quick-profile for a quick one, or pass a profile from "
                       "`moesim profile --device cpu`)", markup=False, highlight=False, soft_wrap=True)
+    return True
+
+
+def _warn_roofline_estimates(results: dict, profile_path: str) -> None:
+    """One line on stderr when the simulated side found no curve in ``--profile`` for some cost of this trace's
+    model (a profile measured for another shape) and estimated it from the roofline: the errors then measure
+    that estimate, not the simulator. (Runtime launch costs, which no measured profile holds, are left out.)"""
+    estimated = sorted({what for _, sim in results.values() for what in sim.cost_fallbacks
+                        if what.startswith(("gpu ", "cpu "))})
+    if not estimated:
+        return
+    err_console.print(f"moesim: warning: {profile_path} has no curve for {'; '.join(estimated)}: the simulated side "
+                      "estimated those from the roofline, so the errors say little about the simulator (leave out "
+                      "--profile to measure one for this trace's model, or measure it with `moesim profile --model "
+                      "<that model's preset or preset YAML>`)", markup=False, highlight=False, soft_wrap=True)
 
 
 def _ranking_line(report, key: str, label: str) -> str:
@@ -265,8 +281,9 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
         profile_path, profile = _measure_with_report(model, device, threads, quick_profile, out_dir)
     else:
         profile = load_profile(profile_path)
-    if device == "cpu":
-        _warn_gpu_profile_on_cpu(profile, profile_path, out_dir)
+    # a GPU's profile on the CPU stand-in is warned of once: that warning already says the errors compare
+    # different hardware, whichever curves it lacks
+    other_hardware = device == "cpu" and _warn_gpu_profile_on_cpu(profile, profile_path, out_dir)
     if "measured by moesim profile" in profile.sources.get("gpu", ""):
         parsed = {**MEASURED_PROFILE_SETTINGS, **parsed}
     bar, step = _progress_labels(2 * len(names), "validate")
@@ -274,6 +291,8 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
         report, results = run_validation(trace_file, names, profile, device=device, settings=parsed,
                                          threads=threads, command=_command_line(), profile_label=profile_path,
                                          progress=step)
+    if not other_hardware:
+        _warn_roofline_estimates(results, profile_path)
     files = write_report(report, results, out_dir)
     if as_json:
         write_json(report.to_dict(), None)

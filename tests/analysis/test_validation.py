@@ -231,6 +231,30 @@ def test_a_gpu_profile_on_the_cpu_stand_in_is_warned_of_in_one_line(trace, tmp_p
     stand_in["gpu"]["name"] = STAND_IN_GPU_NAME
     (tmp_path / "stand-in.yaml").write_text(yaml.safe_dump(stand_in))
     assert main([*args, "--profile", str(tmp_path / "stand-in.yaml"), "--out", str(tmp_path / "cpu"), "--json"]) == 0
+    assert "a profile of" not in capsys.readouterr().err
+
+
+def test_a_profile_without_the_models_curves_is_warned_of_in_one_line(trace, tmp_path, capsys, monkeypatch):
+    """A stand-in profile measured for another model shape: the simulated side estimated the tiny model's
+    expert and attention times from the roofline, and validate said nothing. A profile measured for this
+    trace's model (the one validate measures itself) gets no warning."""
+    pytest.importorskip("torch")
+    import yaml
+    from backends.measurements import STAND_IN_GPU_NAME
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "3600")  # stderr holds the warnings alone
+    root = Path(__file__).resolve().parents[2]
+    other_shapes = yaml.safe_load((root / "hwprofiles" / "rtx4090.yaml").read_text())
+    other_shapes["gpu"]["name"] = STAND_IN_GPU_NAME
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other_shapes))
+    args = ["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only", "--threads", "1"]
+    assert main([*args, "--profile", str(tmp_path / "other.yaml"), "--out", str(tmp_path / "a"), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"moesim: warning: {tmp_path / 'other.yaml'} has no curve for cpu expert FFN ")
+    assert "; gpu attention tiny" in err and "from the roofline" in err and err.count("\n") == 1, err
+    assert main([*args, "--quick-profile", "--out", str(tmp_path / "b"), "--json"]) == 0
+    assert capsys.readouterr().err == ""
+    measured = str(tmp_path / "b" / "profile.yaml")
+    assert main([*args, "--profile", measured, "--out", str(tmp_path / "c"), "--json"]) == 0
     assert capsys.readouterr().err == ""
 
 
