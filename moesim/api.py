@@ -276,7 +276,10 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     Ray instance). ``progress``: a progress bar (default: on a terminal, and in
     a notebook as one line updated in place, every 10 s or
     ``MOESIM_PROGRESS_INTERVAL``).
-    Failed points have ``status == "error"`` and the reason in ``error``.
+    Failed points have ``status == "error"`` and the reason in ``error``. A
+    system that ``systems: all`` brings in and that cannot run on a trace (it
+    needs a column the trace lacks) has no rows for that trace; a warning
+    (:class:`SweepSystemsLeftOut`) says why.
     """
     checked_sweep_inputs(grid, workers, progress)
     if address is not None and engine != "ray":  # the sweep module's own line says "--address needs --engine ray"
@@ -291,8 +294,8 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     console = SimpleNamespace(file=notebook.NotebookLine()) if progress and in_kernel else None
     scratch = notebook.scratch_out(spec) if out is None else None
     try:
-        frame, _ = sweep_module.run_sweep(spec, out if scratch is None else scratch, workers=workers, engine=engine,
-                                          address=address, progress=progress, console=console)
+        frame, summary = sweep_module.run_sweep(spec, out if scratch is None else scratch, workers=workers,
+                                                engine=engine, address=address, progress=progress, console=console)
     except BaseException:  # a KeyboardInterrupt in a notebook, or an error: what finished waits for the rerun
         if console is not None:
             console.file.stopped()
@@ -304,6 +307,9 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
         with contextlib.suppress(OSError):
             scratch.parent.rmdir()
     warn_failed_points(frame)
+    if summary.left_out:
+        warn_at_caller("left out (a system 'all' brought in that cannot run on a trace):\n"
+                       + "\n".join(f"  {line}" for line in summary.left_out), SweepSystemsLeftOut)
     return one_type_per_column(frame)
 
 
@@ -389,6 +395,10 @@ def checked_sweep_inputs(grid: Any, workers: Any, progress: Any) -> None:
 
 class SweepPointsFailed(UserWarning):
     """Some points of a sweep came back as errors (their rows have ``status == "error"``)."""
+
+
+class SweepSystemsLeftOut(UserWarning):
+    """Systems that ``systems: all`` brought in cannot run on some traces; their points there were left out."""
 
 
 def warn_failed_points(frame: Any, shown: int = 5) -> str | None:

@@ -56,6 +56,10 @@ class ConfigError(MoesimError):
     """An unknown system, parameter, preset, or a configuration that cannot run."""
 
 
+class MissingColumnError(ConfigError):
+    """A system that cannot run on a trace at all: it needs a trace column the trace lacks (``field``)."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """"did you mean X? " for the choices ``name`` looks like a slip of (a prefix of them, the same letters
     with other separators, or a close spelling), "" when none does: the start of a fix that then lists

@@ -377,6 +377,25 @@ def test_every_warning_of_the_api_points_at_the_callers_line(files, tmp_path):
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
 
 
+def test_a_system_all_brings_in_that_cannot_run_on_the_trace_is_left_out_with_a_warning(files):
+    """The fixture's trace has no scores: importance cannot run on it. Through systems='all' its point is
+    left out, with one warning at the caller's line saying why, instead of an error row."""
+    import inspect
+    import warnings
+    from moesim.policy.systems import system_names
+    trace, hw = files
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        table = moesim.sweep({"traces": [trace], "hw": [hw], "systems": "all"}, workers=1)
+    assert "importance" not in set(table["system"]) and (table["status"] == "ok").all()
+    assert len(table) == len(system_names()) - 1
+    left_out = [w for w in caught if issubclass(w.category, moesim.api.SweepSystemsLeftOut)]
+    assert len(left_out) == 1 and (left_out[0].filename, left_out[0].lineno) == (__file__, line)
+    assert "importance: " in str(left_out[0].message) and "needs the trace column 'scores'" in str(left_out[0].message)
+    assert not [w for w in caught if issubclass(w.category, moesim.api.SweepPointsFailed)]
+
+
 def test_sweep_is_the_function_and_the_module_stays_importable():
     from moesim.sweep import run_sweep  # noqa: F401
     assert callable(moesim.sweep) and moesim.sweep.__module__ == "moesim.api"

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from moesim.errors import ConfigError
-from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, WORKER_DIED, Finished, columns_of, describe_error,
-                                error_row, input_fingerprint, run_point)
+from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, UNRUNNABLE, WORKER_DIED, Finished, columns_of,
+                                describe_error, error_row, input_fingerprint, run_point)
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -42,6 +42,10 @@ class SweepSummary:
     retried: int = 0
     #: rows ``out`` holds of points outside the spec (another sweep's, or of a grid since changed), kept there
     others: int = 0
+    #: systems that ``systems: all`` brought in and that cannot run on some trace (they need a trace column it
+    #: lacks), one line each with the reason: their points there are left out, not failed (``moesim replay
+    #: --system all`` skips them the same way); the points of a system named in the spec fail instead
+    left_out: tuple[str, ...] = ()
 
 
 def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers: int | None = None,
@@ -67,6 +71,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     complete = False
     failed = 0
     retried = 0
+    left_out: dict[str, str] = {}  # point id -> why
     try:
         # taken before any point runs: a file edited meanwhile makes the next resume run its points again
         prints = {(t, h): input_fingerprint(spec.resolve(t), spec.resolve_hw(h))
@@ -81,6 +86,10 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
         def finished(row: dict[str, Any]) -> None:
             nonlocal failed
             point = by_id[row["point_id"]]
+            if row.pop(UNRUNNABLE, False) and point.system not in spec.named:
+                left_out[point.point_id] = f"{point.system}: {row['error']}"
+                bar.advance(failed)
+                return
             row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw),
                        input_fingerprint=prints[point.trace, point.hw])
             store.add(row)
@@ -95,11 +104,12 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     finally:
         bar.stop(ok=complete)
         store.close(complete=complete)
-    frame = _ordered(store.frame([p.point_id for p in points]), spec)
+    frame = _ordered(store.frame([p.point_id for p in points if p.point_id not in left_out]), spec)
     ids = {p.point_id for p in points}
-    summary = SweepSummary(points=len(points), skipped=len(points) - len(todo), ran=len(todo), failed=failed,
-                           wall_s=time.perf_counter() - started, changed=changed, retried=retried,
-                           others=sum(pid not in ids for pid in store.rows))
+    summary = SweepSummary(points=len(points) - len(left_out), skipped=len(points) - len(todo),
+                           ran=len(todo) - len(left_out), failed=failed, wall_s=time.perf_counter() - started,
+                           changed=changed, retried=retried, others=sum(pid not in ids for pid in store.rows),
+                           left_out=tuple(dict.fromkeys(left_out.values())))
     return frame, summary
 
 

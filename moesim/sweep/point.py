@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from moesim.errors import MoesimError
+from moesim.errors import MissingColumnError, MoesimError
 from moesim.sweep.spec import Point
 
 #: called with each finished point's row
@@ -22,6 +22,9 @@ WORKER_DIED = "its worker process died"
 #: how many times a point whose worker process died (kill -9, the OOM killer, a crash) runs again before
 #: it is recorded as failed, with either engine
 RETRIES_AFTER_WORKER_DEATH = 1
+#: key of a failed point's row (never stored) saying its system cannot run on its trace at all: it needs a
+#: trace column the trace lacks; a system that ``systems: all`` brought in is then left out, not failed
+UNRUNNABLE = "_unrunnable"
 
 
 def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +61,8 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
             row.update(status="ok", error="", **flatten_metrics(metrics(result)))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
         row.update(status="error", error=describe_error(err))
+        if isinstance(err, MissingColumnError):
+            row[UNRUNNABLE] = True
     row.update(point_wall_s=time.perf_counter() - started,
                finished_at=datetime.now(timezone.utc).isoformat(timespec="microseconds"),
                worker=f"{socket.gethostname()}:{os.getpid()}")

@@ -733,3 +733,29 @@ class _PlainConsole:
 
     def __init__(self, stream):
         self.file = stream
+
+
+def test_systems_all_leaves_out_a_system_that_cannot_run_on_a_trace_and_a_named_one_fails(files):
+    """`systems: all` over a trace without scores: importance (whose cache ranks by scores) was a failed point
+    and the sweep exited 1; now it is left out of that trace, with the reason, while on a trace with scores it
+    runs. Named in the spec, it is the user's request: its point fails, with the same reason."""
+    from moesim.trace.synth import SynthConfig, synthesize
+    from tests.factories import tiny_model
+    for name, scores in (("s.parquet", True), ("n.parquet", False)):  # every column, or every one but scores
+        synthesize(SynthConfig.from_settings(model=tiny_model(layers=2, experts=6, top_k=2), prompt_len=4,
+                                             decode_len=8, scores=scores), files / name)
+    spec = load_spec(write_spec(files, traces=["n.parquet", "s.parquet"], systems="all"))
+    out = files / "r.parquet"
+    frame, summary = run_sweep(spec, out, workers=1)
+    every = len(spec.points())
+    assert summary.failed == 0 and summary.points == summary.ran == every - 1
+    assert len(summary.left_out) == 1 and summary.left_out[0].startswith("importance: ")
+    assert "needs the trace column 'scores'" in summary.left_out[0]
+    assert set(frame.loc[frame["system"] == "importance", "trace"]) == {"s.parquet"}
+    assert (frame["status"] == "ok").all() and len(pd.read_parquet(out)) == every - 1
+    again = run_sweep(spec, out, workers=1)[1]
+    assert (again.ran, again.skipped, again.left_out) == (0, every - 1, summary.left_out)
+    named = load_spec(write_spec(files, traces=["n.parquet"], systems=["importance", "cpu-only"]))
+    frame, summary = run_sweep(named, files / "named.parquet", workers=1)
+    assert summary.failed == 1 and summary.left_out == ()
+    assert "needs the trace column 'scores'" in frame.set_index("system").loc["importance", "error"]

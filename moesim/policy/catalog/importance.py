@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, MissingColumnError
 from moesim.policy.assign import Assignment
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, token_mean
@@ -55,7 +55,7 @@ from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, regi
 def require_column(ctx: RunContext, column: str, who: str, why: str) -> None:
     """Refuse to run without ``column``: one line naming the trace, the column and the fix."""
     if ctx.columns and column not in ctx.columns:
-        raise ConfigError(f"{who} needs the trace column '{column}' ({why}), which this trace lacks",
+        raise MissingColumnError(f"{who} needs the trace column '{column}' ({why}), which this trace lacks",
                           source=ctx.trace_path, field=column,
                           fix=f"capture or synthesize the trace with '{column}' (moesim trace synth writes it "
                               f"by default), or pick another component with --set")
