@@ -50,7 +50,9 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     Each finished point is saved at once (OUT.parts/, merged into OUT), so an
     interrupted sweep resumes where it stopped; a finished point runs again when
     its trace or profile file has changed since. A failed point is recorded with
-    its error; the exit status is then 1.
+    its error; the exit status is then 1. A system that 'all' brings in and that
+    cannot run on a trace (it needs a column the trace lacks) is left out of that
+    trace's points, with a line saying why.
     """
     from moesim.sweep import load_spec, run_sweep
     check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out)
@@ -64,11 +66,13 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
                           markup=False, highlight=False, soft_wrap=True)
         raise
     errors = frame[frame["status"] != "ok"] if summary.failed else frame.iloc[:0]
-    bad_input = summary.failed == summary.points and not any(_internal(e) for e in errors["error"])
+    bad_input = 0 < summary.failed == summary.points and not any(_internal(e) for e in errors["error"])
     if bad_input and not existed:  # nothing worth keeping: every point failed on its input
         Path(out).unlink(missing_ok=True)
     else:
         console.print(_summary_line(summary, out), markup=False, highlight=False)
+    for line in summary.left_out:  # systems `all` brought in that cannot run on a trace: not failures
+        err_console.print(f"left out {line}", markup=False, highlight=False, soft_wrap=True)
     if bad_input:
         first = errors["error"].iloc[0]
         fix = _fix_of(first) or "fix the spec"

@@ -759,3 +759,13 @@ def test_systems_all_leaves_out_a_system_that_cannot_run_on_a_trace_and_a_named_
     frame, summary = run_sweep(named, files / "named.parquet", workers=1)
     assert summary.failed == 1 and summary.left_out == ()
     assert "needs the trace column 'scores'" in frame.set_index("system").loc["importance", "error"]
+
+
+def test_moesim_sweep_over_all_exits_0_and_says_what_it_left_out(files, capsys):
+    """`moesim sweep` with `systems: all` over a trace without scores exited 1 with importance 'failed'."""
+    spec = write_spec(files, systems="all")
+    assert main(["sweep", str(spec), "--out", str(files / "r.parquet"), "--workers", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "0 failed" in captured.out
+    left = [line for line in captured.err.splitlines() if line.startswith("left out ")]
+    assert len(left) == 1 and left[0].startswith("left out importance: ") and "'scores'" in left[0], captured.err
