@@ -8,6 +8,7 @@ user mistake. Each command lives in its own module and registers with the
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -94,9 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+#: the variable with which a shell asks for completions (``eval "$(_MOESIM_COMPLETE=bash_source moesim)"``)
+COMPLETE_VAR = "_MOESIM_COMPLETE"
+
+
 def _run_command(args: list[str]) -> int:
-    """Parse ``args`` and run the command (click's own main would also write a blank line to stderr on
-    Ctrl-C, and turn ``--help`` and ``--version`` into an exit status to return)."""
+    """Parse ``args`` and run the command, or answer the shell's completion request. This is what click's
+    own main does, but for the blank line it writes to stderr on Ctrl-C; ``--help`` and ``--version`` end in
+    an exit status to return."""
+    instruction = os.environ.get(COMPLETE_VAR)
+    if instruction:
+        from click.shell_completion import shell_complete
+        return shell_complete(cli, {}, "moesim", COMPLETE_VAR, instruction)
     try:
         with cli.make_context("moesim", args) as ctx:
             cli.invoke(ctx)

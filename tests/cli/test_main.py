@@ -24,3 +24,15 @@ def test_help_version_and_usage_errors_keep_their_exit_status(args, code, capsys
     assert main(args) == code
     captured = capsys.readouterr()
     assert (captured.out if code == 0 else captured.err).strip()
+
+
+def test_shell_completion_answers(monkeypatch, capsys):
+    """`eval "$(_MOESIM_COMPLETE=bash_source moesim)"` sets up bash completion; then bash asks for words."""
+    monkeypatch.setenv("_MOESIM_COMPLETE", "bash_source")
+    assert main([]) == 0
+    assert "_moesim_completion()" in capsys.readouterr().out
+    monkeypatch.setenv("_MOESIM_COMPLETE", "bash_complete")
+    monkeypatch.setenv("COMP_WORDS", "moesim rep")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    assert main([]) == 0
+    assert capsys.readouterr().out.split() == ["plain,replay", "plain,report"]
