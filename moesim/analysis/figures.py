@@ -96,7 +96,7 @@ COLUMN_WORDS = {"hardware": "hw", "profile": "hw", "gpu": "hw", "policy": "syste
 def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None) -> str:
     """``name`` (or its ``__`` spelling) if ``frame`` has it, else one line listing what it has."""
     if not isinstance(name, str):  # a list of metrics failed as "'list' object has no attribute 'replace'"
-        raise ConfigError(f"{role.lstrip('-')} must be one column's name, got {name!r}", source=source, field=role,
+        raise ConfigError(f"{role} must be one column's name, got {name!r}", source=source, field=role,
                           fix="one figure per column: call the function once for each (e.g. y='tpot_ms_mean')")
     for candidate in (name, name.replace("__", ".")):
         if candidate in frame.columns:
@@ -171,17 +171,17 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     parameters those were. ``logy`` (default: when the values span more than
     :data:`LOG_RATIO`) draws the y axis on a log scale.
     """
-    x = column(frame, x, "--x", source)
-    y = column(frame, y, "--y", source)
-    hue = column(frame, hue, "--hue", source) if hue else None
-    facet = column(frame, facet, "--facet", source) if facet else None
+    x = column(frame, x, "x", source)
+    y = column(frame, y, "y", source)
+    hue = column(frame, hue, "hue", source) if hue else None
+    facet = column(frame, facet, "facet", source) if facet else None
     data = ok_rows(frame, source)
     if data[y].dtype.kind not in "biuf":
-        raise ConfigError(f"column '{y}' is not numeric", source=source, field="--y",
+        raise ConfigError(f"column '{y}' is not numeric", source=source, field="y",
                           fix="plot a metric such as tpot_ms_mean or gpu_hit_rate")
     data = data[np.isfinite(data[y].astype(float))]
     if data.empty:
-        raise ConfigError(f"column '{y}' has no finite values", source=source, field="--y",
+        raise ConfigError(f"column '{y}' has no finite values", source=source, field="y",
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
     data = as_groups(data, (hue, facet))
     shown = {x, hue, facet} - {None}
@@ -284,18 +284,18 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     :data:`HIGHER_IS_BETTER`. The legend sits right of the panels, clear of
     the title.
     """
-    x = column(frame, x, "--x", source)
-    y = column(frame, y, "--y", source)
-    hue = column(frame, hue, "--hue", source) if hue else None
-    facet = column(frame, facet, "--facet", source) if facet else None
+    x = column(frame, x, "x", source)
+    y = column(frame, y, "y", source)
+    hue = column(frame, hue, "hue", source) if hue else None
+    facet = column(frame, facet, "facet", source) if facet else None
     data = ok_rows(frame, source)
-    for name, role in ((x, "--x"), (y, "--y")):
+    for name, role in ((x, "x"), (y, "y")):
         if data[name].dtype.kind not in "biuf":
             raise ConfigError(f"column '{name}' is not numeric", source=source, field=role,
-                              fix="scatter two metrics, e.g. --x gpu_memory_gib --y tpot_ms_mean")
+                              fix="scatter two metrics, e.g. gpu_memory_gib and tpot_ms_mean")
     data = data[np.isfinite(data[x].astype(float)) & np.isfinite(data[y].astype(float))]
     if data.empty:
-        raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="--y",
+        raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="y",
                           fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
     data = as_groups(data, (hue, facet))
     panels = sorted_values(data[facet]) if facet else [None]

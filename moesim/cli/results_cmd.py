@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,7 +152,8 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
     if kind == "auto":
         kind = "line" if column(frame, x, "--x", results) in parameter_columns(frame) else "scatter"
     hue = _default_hue(frame, hue, x, facet, kind)
-    with warnings.catch_warnings(record=True) as caught, open_output(out, "--out", FIGURE) as path:
+    with warnings.catch_warnings(record=True) as caught, open_output(out, "--out", FIGURE) as path, \
+            _option_names():
         warnings.simplefilter("always", UnevenMeans)
         if kind == "scatter":
             plot_scatter(frame, x=x, y=y, hue=hue, facet=facet, pareto=pareto, path=path, source=results)
@@ -166,6 +169,21 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
             err_console.print(f"note: {warning.message}", highlight=False)
         else:  # recorded with the rest: shown as it would have been
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+#: the figure functions' keyword arguments, as `moesim plot` spells them
+FIGURE_OPTIONS = {"x": "--x", "y": "--y", "hue": "--hue", "facet": "--facet"}
+
+
+@contextlib.contextmanager
+def _option_names() -> Iterator[None]:
+    """Errors of the figure functions name their Python keyword (``y``); here the option is ``--y``."""
+    try:
+        yield
+    except MoesimError as err:
+        if err.field in FIGURE_OPTIONS:
+            err.rename_field(FIGURE_OPTIONS[err.field])
+        raise
 
 
 def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None, kind: str) -> str | None:

@@ -419,7 +419,7 @@ def test_the_uneven_means_warning_of_a_standard_figure_names_the_callers_line():
 @pytest.mark.parametrize("draw", [plot_results, plot_scatter])
 def test_a_list_where_one_column_goes_is_one_line_naming_the_argument(draw):
     """y=['tpot_ms_mean', 'ttft_ms'] failed with AttributeError: 'list' object has no attribute 'replace'."""
-    with pytest.raises(ConfigError, match=r"field '--y': y must be one column's name, got \['tpot_ms_mean', "
+    with pytest.raises(ConfigError, match=r"field 'y': y must be one column's name, got \['tpot_ms_mean', "
                                           r"'gpu_hit_rate'\] \(fix: one figure per column"):
         draw(results(), x="cache.slots_per_layer", y=["tpot_ms_mean", "gpu_hit_rate"])
 
@@ -435,3 +435,34 @@ def test_a_where_that_picks_no_point_is_one_line(pick, where, words):
         pick(results(), where)
     assert err.value.field == "where" and words in str(err.value)
     assert gantt_point(results(), {"cache__slots_per_layer": 2, "hw": "a100-40g"})["system"] == "static-hot"
+
+
+@pytest.mark.parametrize("draw", [plot_results, plot_scatter])
+@pytest.mark.parametrize("kwargs, field", [
+    ({"x": "cache.slots_per_layer", "y": "nope"}, "y"),
+    ({"x": "nope", "y": "tpot_ms_mean"}, "x"),
+    ({"x": "cache.slots_per_layer", "y": "tpot_ms_mean", "hue": "nope"}, "hue"),
+    ({"x": "cache.slots_per_layer", "y": "tpot_ms_mean", "facet": "nope"}, "facet"),
+    ({"x": "cache.slots_per_layer", "y": "system"}, "y"),  # not numeric
+])
+def test_figure_errors_name_the_python_keyword_and_plot_names_the_option(draw, kwargs, field, tmp_path, capsys):
+    """Called from Python, an error named the command line's '--y' where the caller wrote y=."""
+    with pytest.raises(ConfigError) as err:
+        draw(results(), **kwargs)
+    assert err.value.field == field and f"field '{field}'" in str(err.value) and "--" not in str(err.value)
+    path = tmp_path / "r.parquet"
+    results().to_parquet(path)
+    kind = ["--kind", "scatter" if draw is plot_scatter else "line"]
+    options = [a for k, v in kwargs.items() for a in (f"--{k}", v)]
+    assert main(["plot", str(path), *options, *kind, "--out", str(tmp_path / "f.png")]) == 2
+    out_err = capsys.readouterr().err.strip()
+    assert len(out_err.splitlines()) == 1 and f"field '--{field}'" in out_err
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_an_undefined_metric_names_the_python_keyword():
+    frame = results().assign(tpot_ms_mean=np.nan)
+    with pytest.raises(ConfigError, match=r"^field 'y': column 'tpot_ms_mean' has no finite values"):
+        plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean")
+    with pytest.raises(ConfigError, match=r"^field 'y': no run has finite"):
+        plot_scatter(frame, x="gpu_hit_rate", y="tpot_ms_mean")
