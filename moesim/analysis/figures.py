@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -523,7 +523,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     data = ok_rows(frame)
     if not prefetched(data):  # every marker would sit at x = 0: the hit rate by cache size (or system) instead
         slots = slots_column(data)
-        x = slots if data[slots].nunique() > 1 else "system"
+        x = slots if slots in data.columns and data[slots].nunique() > 1 else "system"
         return plot_results(data, x=x, y="gpu_hit_rate", hue="system" if x != "system" else None,
                             facet=facet_for(data, (x,)), path=path,
                             title=f"GPU hit rate vs {label(x)} (no run prefetched)")
@@ -630,7 +630,8 @@ def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.
         raise no_point(where)
     real = rows[[not is_bound(s) for s in rows["system"]]]
     rows = real if not real.empty else rows
-    return rows.sort_values(["tpot_ms_mean", "system"], na_position="last").iloc[0]
+    fastest = [c for c in (headline_metric(rows), "system") if c in rows.columns]
+    return rows.sort_values(fastest, na_position="last").iloc[0]
 
 
 def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None = None,
@@ -639,6 +640,10 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import simulate
     point = dict(point)
+    for name in ("trace", "hw", "system"):
+        if not _present(point.get(name)):
+            raise ConfigError(f"the point has no '{name}'", field=name,
+                              fix="give a row of the --out file of `moesim sweep`, or pass --no-gantt")
     trace = str(point.get("trace_path") or point["trace"])
     hw = str(point.get("hw_path") or point["hw"])
     if not Path(trace).is_file():
@@ -677,26 +682,61 @@ def _setting(value: Any) -> str:
     return setting_str(value)
 
 
-def standard_figures(frame: pd.DataFrame, *, gantt: bool = True) -> dict[str, tuple[Figure | None, str]]:
-    """The standard set: name -> (figure or None, caption or the reason it is missing)."""
-    data = ok_rows(frame)
+def headline_metric(frame: pd.DataFrame) -> str:
+    """The latency the standard figures and the report's table compare: mean TPOT, or TTFT where no run
+    decoded a token (a prefill-only trace leaves TPOT undefined in every row)."""
+    for name in ("tpot_ms_mean", "ttft_ms"):
+        if name in frame.columns and frame[name].dtype.kind in "biuf" and \
+                np.isfinite(frame[name].astype(float)).any():
+            return name
+    return "tpot_ms_mean"
+
+
+def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
+                     source: str | None = None) -> dict[str, tuple[Figure | None, str]]:
+    """The standard set: name -> (figure or None, caption or the reason it is missing). A figure whose
+    columns the results lack (an older sweep's file) or never defined is missing with the reason; the rest
+    are drawn."""
+    data = ok_rows(frame, source)
+    if "system" not in data.columns:  # every figure and table compares systems
+        raise ConfigError("not a sweep result (no 'system' column)", source=source, field="system",
+                          fix="give the --out file of `moesim sweep`")
     out: dict[str, tuple[Figure | None, str]] = {}
     slots = slots_column(data)
-    out["tpot_vs_slots"] = (fig_tpot_vs_slots(data), "TPOT (mean time per output token) against GPU cache slots "
-                            "per layer; dashed lines are bounds, bands span points averaged together.") \
-        if data[slots].nunique() > 1 else (None, "the sweep varies no cache size")
+    if slots in data.columns and data[slots].nunique() > 1:
+        y = headline_metric(data)
+        short, what = ("TPOT", "TPOT (mean time per output token)") if y == "tpot_ms_mean" else \
+            ("TTFT", "TTFT (no run decoded a token)")
+        out["tpot_vs_slots"] = _drawn(
+            "latency", lambda: plot_results(data, x=slots, y=y, hue="system", facet=facet_for(data, (slots,)),
+                                            title=f"{short} vs GPU cache slots per layer"),
+            f"{what} against GPU cache slots per layer; dashed lines are bounds, bands span points averaged "
+            "together.")
+    else:
+        out["tpot_vs_slots"] = (None, "the sweep varies no cache size")
     against = "prefetching" if prefetched(data) or prefetch_parameter(data) else \
         "the cache size (or per system): no run prefetched"
-    out["hit_rate_vs_prefetch"] = (fig_hit_rate_vs_prefetch(data), "GPU hit rate (activated experts resident "
-                                   f"when their layer is planned) against {against}.")
+    out["hit_rate_vs_prefetch"] = _drawn(
+        "hit-rate", lambda: fig_hit_rate_vs_prefetch(data),
+        f"GPU hit rate (activated experts resident when their layer is planned) against {against}.")
     where = representative(data)
-    out["breakdown"] = (fig_breakdown(data, where), "Time per category summed over all layers and steps "
-                        f"(000 Sec. VI-E, Fig. 13), at {describe(where) or 'the only point'}.")
+    out["breakdown"] = _drawn(
+        "breakdown", lambda: fig_breakdown(data, where),
+        f"Time per category summed over all layers and steps (000 Sec. VI-E, Fig. 13), at "
+        f"{describe(where) or 'the only point'}.")
     if gantt:
-        point = gantt_point(data, where)
         try:
+            point = gantt_point(data, where)
             out["gantt"] = (fig_gantt(point), f"CPU, GPU and PCIe activity over two decode steps of "
                             f"{point['system']}, the fastest system at this point that is not a bound.")
         except ConfigError as err:
             out["gantt"] = (None, f"no Gantt chart: {err}")
     return out
+
+
+def _drawn(name: str, draw: Callable[[], Figure], caption: str) -> tuple[Figure | None, str]:
+    """A standard figure and its caption, or None and why these results cannot give it."""
+    try:
+        return draw(), caption
+    except ConfigError as err:  # its fix names the options of `moesim plot`, which the report has not
+        return None, f"no {name} figure: {err.detail}"

@@ -76,7 +76,7 @@ def render_report(frame: pd.DataFrame, *, title: str = "moesim sweep", gantt: bo
         parts += [_figure(name, fig, caption) for name, (fig, caption) in serving_figures(ok).items()]
     elif not ok.empty:
         parts += [_best_table(ok), "<h2>Figures</h2>"]
-        for name, (fig, caption) in F.standard_figures(ok, gantt=gantt).items():
+        for name, (fig, caption) in F.standard_figures(ok, gantt=gantt, source=source).items():
             parts.append(_figure(name, fig, caption))
             if fig is None and missing is not None:
                 missing.append(caption)
@@ -114,13 +114,17 @@ def _summary(frame: pd.DataFrame, source: str | None) -> str:
 
 
 def _best_table(ok: pd.DataFrame) -> str:
-    """TPOT per setting (rows) and system (columns); the fastest system that is not a bound in bold."""
+    """TPOT (TTFT where no run decoded) per setting (rows) and system (columns); the fastest system that is
+    not a bound in bold. Nothing where the results lack the metric or the systems."""
+    metric = F.headline_metric(ok)
+    if "system" not in ok.columns or metric not in ok.columns or ok[metric].dtype.kind not in "biuf":
+        return ""
     settings = [c for c in F.varying(ok, F.parameter_columns(ok)) if c != "system"]
     systems = F.ordered_systems(ok["system"].unique())
     if settings:
-        table = ok.pivot_table(index=settings, columns="system", values="tpot_ms_mean", aggfunc="mean")
+        table = ok.pivot_table(index=settings, columns="system", values=metric, aggfunc="mean", dropna=False)
     else:
-        table = ok.groupby("system")["tpot_ms_mean"].mean().to_frame().T
+        table = ok.groupby("system")[metric].mean().to_frame().T
         table.index = ["all points"]
     table = table.reindex(columns=[s for s in systems if s in table.columns])
     real = [s for s in table.columns if not F.is_bound(s)]
@@ -139,8 +143,10 @@ def _best_table(ok: pd.DataFrame) -> str:
         rows.append(f"<tr>{cells}</tr>")
     more = len(table) - MAX_TABLE_ROWS
     note = f'<p class="note">{more} more rows in the results file.</p>' if more > 0 else ""
-    return ("<h2>TPOT (ms) by setting and system</h2>\n"
-            '<p class="note">Mean time per output token; bold: the fastest system that is not a bound. '
+    name, what = ("TPOT", "Mean time per output token") if metric == "tpot_ms_mean" else \
+        ("TTFT", "Time to first token (no run decoded a token)")
+    return (f"<h2>{name} (ms) by setting and system</h2>\n"
+            f'<p class="note">{what}; bold: the fastest system that is not a bound. '
             "Empty cells: the point failed or was not run.</p>\n"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
 
