@@ -162,6 +162,7 @@ def serving_notes(rows: list[dict]) -> list[str]:
 def _rates(qps: str, settings: dict[str, str]) -> list[str]:
     """The arrival rates of ``--qps``, each checked with the other settings before any run starts."""
     from moesim.errors import ConfigError
+    from moesim.policy.base import SET_MAXIMUM
     from moesim.sim.serving import RATED_ARRIVALS, split_settings
     rates = [r.strip() for r in qps.split(",")]
     if not all(rates):
@@ -172,8 +173,9 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
         except ConfigError as err:
             if err.field != "workload.qps":
                 raise
+            # the bound said: '1e308' is positive and finite, yet no rate
             raise ConfigError(f"'{rate}' is not a rate in requests/s", field="--qps",
-                              fix="give positive finite rates, e.g. 0.5,1,2") from err
+                              fix=f"give positive finite rates up to {SET_MAXIMUM:g}, e.g. 0.5,1,2") from err
     if len(rates) > 1 and arrival not in RATED_ARRIVALS:  # every run would be the same
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
