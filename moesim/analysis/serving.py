@@ -188,6 +188,10 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     from moesim.analysis.plots import DisplayFigure, save_figure
     frame = serving_frame(rows)
     columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]
+    if not frame["qps"].notna().any():  # closed loops and arrival logs: empty axes before
+        raise ConfigError("no run has an arrival rate to draw against (closed-loop clients or an arrival log)",
+                          field="rows", fix="give runs with workload.arrival=poisson or gamma, or draw each "
+                                            "run's requests (plot_requests)")
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
     fig = DisplayFigure(figsize=(6.4, 4.0), layout="constrained")
@@ -338,6 +342,9 @@ def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str
 def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
     """The report's figures for a sweep of serving runs: name -> (figure, caption)."""
     out = {}
+    if not serving_frame(frame)["qps"].notna().any():
+        return {"latency_vs_qps": (None, "no latency against the arrival rate: no run has one (closed-loop "
+                                         "clients or an arrival log)")}
     for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
                          ("e2e_ms", "end-to-end latency")):
         fig = plot_latency_vs_qps(frame, metric=metric)

@@ -61,6 +61,8 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     slos = parse_slo(slo)
     systems, everything = system_choice(system)
     rates = _rates(qps, parsed)
+    if plot_out:
+        _check_rated(parsed, rates[0])
     for option, value in (("--requests-out", requests_out), ("--requests-plot", requests_plot)):
         if value and len(systems) * len(rates) > 1:
             raise MoesimError(f"{option} needs one system and one QPS", field=option,
@@ -180,6 +182,18 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
     return rates
+
+
+def _check_rated(settings: dict[str, str], rate: str) -> None:
+    """--plot draws latency against the arrival rate: refused, before any run, for arrivals that set none
+    (it drew empty axes)."""
+    from moesim.errors import ConfigError
+    from moesim.sim.serving import RATED_ARRIVALS, split_settings
+    arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
+    if arrival not in RATED_ARRIVALS:
+        raise ConfigError(f"--plot draws latency against the arrival rate, and workload.arrival={arrival} sets none",
+                          field="--plot", fix="leave out --plot (--requests-plot draws each request), or use "
+                                              "workload.arrival=poisson or gamma")
 
 
 def _requests_per_run(settings: dict[str, str]) -> int:

@@ -1,10 +1,12 @@
-"""`moesim serve-sim` input checks made before any run: the rates of --qps."""
+"""`moesim serve-sim` input checks made before any run: the rates of --qps and what --plot needs."""
 
 from __future__ import annotations
 
 import pytest
 
+from moesim.analysis.serving import PERCENTILES, plot_latency_vs_qps, serving_figures
 from moesim.cli import main
+from moesim.errors import ConfigError
 from tests.test_serving_cli import files  # noqa: F401 - the fixture: a tiny trace and profile
 
 
@@ -26,3 +28,34 @@ def test_a_rate_out_of_range_says_the_range(files, capsys, no_runs, rate):  # no
     assert err == (f"moesim: error: field '--qps': '{rate}' is not a rate in requests/s "
                    "(fix: give positive finite rates up to 1.09951e+12, e.g. 0.5,1,2)")
     assert no_runs == []
+
+
+@pytest.mark.parametrize("settings", [["workload.arrival=closed"],
+                                      ["workload.arrival=trace", "workload.arrival_file=a.csv"]])
+def test_plot_without_an_arrival_rate_is_refused_before_any_run(files, tmp_path, capsys, no_runs,  # noqa: F811
+                                                                settings):
+    """A closed loop's --plot drew empty axes (every run's qps is nan) and exited 0."""
+    trace, hw = files
+    out = tmp_path / "p.png"
+    args = ["serve-sim", trace, "--hw", hw, "--plot", str(out)] + [a for s in settings for a in ("--set", s)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "field '--plot'" in err and "sets none" in err
+    assert "--requests-plot" in err and no_runs == [] and not out.exists()
+
+
+def closed_rows() -> list[dict]:
+    return [{"system": s, "qps": float("nan"), **{f"{m}_p{q}": 10.0 for m in ("ttft_ms", "tpot_ms", "e2e_ms")
+                                                   for q in PERCENTILES}} for s in ("cpu-only", "static-hot")]
+
+
+def test_latency_against_a_rate_no_run_has_is_one_line():
+    with pytest.raises(ConfigError, match=r"^field 'rows': no run has an arrival rate to draw against"):
+        plot_latency_vs_qps(closed_rows())
+
+
+def test_a_report_of_closed_loop_runs_says_why_it_has_no_rate_figure():
+    import pandas as pd
+    figures = serving_figures(pd.DataFrame(closed_rows()))
+    assert [(fig, caption.split(":")[0]) for fig, caption in figures.values()] == \
+        [(None, "no latency against the arrival rate")]
