@@ -67,9 +67,9 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
         raise ConfigError("results file not found", source=str(path), fix="give the --out file of `moesim sweep`")
     try:
         frame = pd.read_parquet(path)
-    except Exception:  # noqa: BLE001 - any unreadable file gets the same answer
-        raise ConfigError("not a readable Parquet file", source=str(path),
-                          fix="give the --out file of `moesim sweep`") from None
+    except Exception:  # noqa: BLE001 - any unreadable file gets the same answer, by what the bytes show
+        raise ConfigError(unreadable_parquet(path), source=str(path), fix="give the --out file of `moesim sweep` "
+                          "(a damaged one: run the sweep again into a new file)") from None
     if "point_id" not in frame.columns or "status" not in frame.columns:
         raise ConfigError("not a sweep result (no 'point_id'/'status' columns)", source=str(path),
                           fix="give the --out file of `moesim sweep`")
@@ -77,6 +77,26 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
         raise ConfigError("the results file holds no points", source=str(path),
                           fix="run `moesim sweep SPEC.yaml --out` into it first")
     return frame
+
+
+#: the four bytes a Parquet file starts and ends with
+PARQUET_MAGIC = b"PAR1"
+
+
+def unreadable_parquet(path: Path) -> str:
+    """Why Parquet could not read ``path``: empty, cut short (its footer, written last, missing) or no Parquet."""
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty"
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if head != PARQUET_MAGIC:
+        return "not a Parquet file"
+    if tail != PARQUET_MAGIC:
+        return "a Parquet file cut short (its footer is missing)"
+    return "a damaged Parquet file"
 
 
 def parameter_columns(frame: pd.DataFrame) -> list[str]:

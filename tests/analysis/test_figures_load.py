@@ -1,0 +1,30 @@
+"""Reading a sweep's results for `moesim plot` and `moesim report`: why a file cannot be read."""
+
+from __future__ import annotations
+
+import pytest
+
+from moesim.analysis.figures import load_results
+from moesim.cli import main
+from moesim.errors import ConfigError
+from tests.analysis.test_figures import results
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda data: b"", "the file is empty"),
+    (lambda data: data[:len(data) // 2], "a Parquet file cut short (its footer is missing)"),
+    (lambda data: b"point_id,status\n1,ok\n", "not a Parquet file"),
+])
+def test_an_unreadable_results_file_says_what_is_wrong_with_it(tmp_path, capsys, damage, words):
+    """Each was "not a readable Parquet file": an empty file, one cut short by a full disk and a CSV alike."""
+    good = tmp_path / "good.parquet"
+    results().to_parquet(good)
+    path = tmp_path / "r.parquet"
+    path.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(ConfigError) as err:
+        load_results(path)
+    assert str(err.value).startswith(f"{path}: {words} (fix: give the --out file of `moesim sweep`")
+    for command in (["plot", str(path), "--x", "system", "--y", "tpot_ms_mean", "--out", str(tmp_path / "f.png")],
+                    ["report", str(path), "--out", str(tmp_path / "r.html")]):
+        assert main(command) == 2
+        assert capsys.readouterr().err.strip() == f"moesim: error: {err.value}"
