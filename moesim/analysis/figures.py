@@ -203,6 +203,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if data.empty:
         raise ConfigError(f"column '{y}' has no finite values", source=source, field="y",
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
+    check_drawable(data, ((x, "x"), (y, "y")), source)
     data = as_groups(data, (hue, facet))
     shown = {x, hue, facet} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
@@ -317,6 +318,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     if data.empty:
         raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="y",
                           fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
+    check_drawable(data, ((x, "x"), (y, "y")), source)
     data = as_groups(data, (hue, facet))
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
@@ -497,7 +499,25 @@ def log_axis(ax: Any, which: str = "y") -> None:
 
 def _wide(values: pd.Series) -> bool:
     positive = values[values > 0]
-    return len(positive) == len(values) and len(values) > 1 and positive.max() > LOG_RATIO * positive.min()
+    # a ratio, not LOG_RATIO * min: that overflowed (a RuntimeWarning) for values near the float maximum
+    return len(positive) == len(values) and len(values) > 1 and positive.max() / LOG_RATIO > positive.min()
+
+
+#: no metric of a run comes near this magnitude; beyond it matplotlib's axis margins overflow
+DRAWABLE = 1e300
+
+
+def check_drawable(data: pd.DataFrame, columns: Sequence[tuple[str, str]], source: str | None) -> None:
+    """One line for a numeric axis column (name, argument) holding a value too large to draw (an internal
+    error in matplotlib's tick placement before)."""
+    for name, role in columns:
+        if data[name].dtype.kind not in "biuf":
+            continue
+        values = data[name].to_numpy(dtype=float)
+        huge = values[np.abs(values) > DRAWABLE]
+        if huge.size:
+            raise ConfigError(f"column '{name}' holds {huge[0]:g}, too large to draw", source=source, field=role,
+                              fix="check how the results file was written: no run's metric comes near it")
 
 
 # ----------------------------------------------------------------------------- the standard set

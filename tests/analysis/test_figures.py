@@ -466,3 +466,31 @@ def test_an_undefined_metric_names_the_python_keyword():
         plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean")
     with pytest.raises(ConfigError, match=r"^field 'y': no run has finite"):
         plot_scatter(frame, x="gpu_hit_rate", y="tpot_ms_mean")
+
+
+@pytest.mark.parametrize("draw, x", [(plot_results, "cache.slots_per_layer"), (plot_scatter, "gpu_hit_rate")])
+def test_a_value_too_large_to_draw_is_one_line_not_a_matplotlib_error(draw, x, tmp_path):
+    """1e308 in a metric column failed inside matplotlib ("arange: cannot compute length")."""
+    frame = results()
+    frame.loc[0, "tpot_ms_mean"] = 1e308
+    with pytest.raises(ConfigError, match=r"^field 'y': column 'tpot_ms_mean' holds 1e\+308, too large to draw"):
+        draw(frame, x=x, y="tpot_ms_mean", path=tmp_path / "f.png")
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_the_log_axis_test_does_not_overflow_near_the_largest_float():
+    """LOG_RATIO * min overflowed to inf, with a RuntimeWarning, for values near 1.8e308."""
+    import warnings
+
+    from moesim.analysis.figures import _wide
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _wide(pd.Series([1e308, 1e308]))
+        assert _wide(pd.Series([1.0, 1e300]))
+
+
+def test_a_report_leaves_out_a_figure_of_values_too_large_to_draw(tmp_path, capsys):
+    path = tmp_path / "r.parquet"
+    results().assign(tpot_ms_mean=1e308).to_parquet(path)
+    assert main(["report", str(path), "--out", str(tmp_path / "r.html"), "--no-gantt"]) == 0
+    assert "no latency figure: column 'tpot_ms_mean' holds 1e+308, too large to draw" in capsys.readouterr().out
