@@ -12,7 +12,8 @@ Definitions (per request, simulated seconds):
 Goodput is the rate of requests meeting every SLO given (DistServe, Zhong et al., OSDI'24, Sec. 2):
 finished requests within ``ttft_ms`` and ``tpot_ms``, per second of the run. Offered load is the
 requests sent over the time of the last arrival; throughput is the requests finished over the time
-of the last finish, so it can never exceed the offered load.
+of the last finish, so it can never exceed the offered load; output tokens per second count every
+token the requests returned (the tokens out of TPOT) over the same time.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
     for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
         out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
     out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
-    out["output_tokens_per_s"] = float(frame.output_tokens.sum()) / end if end > 0 else float("nan")
+    # every token a request returns, the one its prefill ends with too (as TPOT counts them)
+    returned = sum(r.emitted for r in result.requests)
+    out["output_tokens_per_s"] = returned / end if end > 0 else float("nan")
     out["preemptions"] = int(frame.preemptions.sum())
     out["recomputed_tokens"] = int(frame.recomputed_tokens.sum())
     if slo:
