@@ -60,7 +60,9 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         parsed["scheduler"] = scheduler
     slos = parse_slo(slo)
     systems, everything = system_choice(system)
-    rates = _rates(qps, parsed)
+    qps_given = click.get_current_context().get_parameter_source("qps") != click.core.ParameterSource.DEFAULT
+    qps = _rate_option(qps, qps_given, parsed)
+    rates = _rates(qps, parsed, "--qps" if qps_given or "workload.qps" not in parsed else "workload.qps")
     if plot_out:
         _check_rated(parsed, rates[0])
     for option, value in (("--requests-out", requests_out), ("--requests-plot", requests_plot)):
@@ -161,14 +163,15 @@ def serving_notes(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _rates(qps: str, settings: dict[str, str]) -> list[str]:
-    """The arrival rates of ``--qps``, each checked with the other settings before any run starts."""
+def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[str]:
+    """The arrival rates of ``--qps`` (or of ``option``), each checked with the other settings before any
+    run starts."""
     from moesim.errors import ConfigError
     from moesim.policy.base import SET_MAXIMUM
     from moesim.sim.serving import RATED_ARRIVALS, split_settings
     rates = [r.strip() for r in qps.split(",")]
     if not all(rates):
-        raise ConfigError(f"an empty rate in '{qps}'", field="--qps", fix="give rates in requests/s, e.g. 0.5,1,2")
+        raise ConfigError(f"an empty rate in '{qps}'", field=option, fix="give rates in requests/s, e.g. 0.5,1,2")
     for rate in rates:
         try:
             arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
@@ -176,12 +179,24 @@ def _rates(qps: str, settings: dict[str, str]) -> list[str]:
             if err.field != "workload.qps":
                 raise
             # the bound said: '1e308' is positive and finite, yet no rate
-            raise ConfigError(f"'{rate}' is not a rate in requests/s", field="--qps",
+            raise ConfigError(f"'{rate}' is not a rate in requests/s", field=option,
                               fix=f"give positive finite rates up to {SET_MAXIMUM:g}, e.g. 0.5,1,2") from err
     if len(rates) > 1 and arrival not in RATED_ARRIVALS:  # every run would be the same
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
     return rates
+
+
+def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:
+    """The rates to run: --qps, or ``--set workload.qps`` when --qps is left at its default (every run's
+    workload.qps is --qps, so the --set value was dropped unseen); both given is refused."""
+    from moesim.errors import ConfigError
+    if "workload.qps" not in settings:
+        return qps
+    if qps_given:
+        raise ConfigError(f"the arrival rate is given twice: --qps {qps} and --set workload.qps="
+                          f"{settings['workload.qps']}", field="--qps", fix="give it once (--qps takes several)")
+    return settings["workload.qps"]
 
 
 def _check_rated(settings: dict[str, str], rate: str) -> None:

@@ -59,3 +59,22 @@ def test_a_report_of_closed_loop_runs_says_why_it_has_no_rate_figure():
     figures = serving_figures(pd.DataFrame(closed_rows()))
     assert [(fig, caption.split(":")[0]) for fig, caption in figures.values()] == \
         [(None, "no latency against the arrival rate")]
+
+
+def test_a_rate_set_as_workload_qps_is_the_rate_run(files, capsys):  # noqa: F811
+    """--set workload.qps=7 was dropped unseen: every run took --qps, 1 by default (and said qps 1)."""
+    import json
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "3", "--set", "workload.qps=7", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["qps"] == 7.0
+    assert main(["serve-sim", trace, "--hw", hw, "--set", "workload.qps=-1"]) == 2
+    assert "field 'workload.qps': '-1' is not a rate" in capsys.readouterr().err
+
+
+def test_a_rate_given_twice_is_refused(files, capsys, no_runs):  # noqa: F811
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, "--qps", "2", "--set", "workload.qps=7"]) == 2
+    assert capsys.readouterr().err.strip() == ("moesim: error: field '--qps': the arrival rate is given twice: "
+                                               "--qps 2 and --set workload.qps=7 (fix: give it once (--qps takes "
+                                               "several))")
+    assert no_runs == []
