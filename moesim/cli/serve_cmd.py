@@ -63,6 +63,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     qps_given = click.get_current_context().get_parameter_source("qps") != click.core.ParameterSource.DEFAULT
     qps = _rate_option(qps, qps_given, parsed)
     rates = _rates(qps, parsed, "--qps" if qps_given or "workload.qps" not in parsed else "workload.qps")
+    _check_read(parsed, rates[0], qps_given)
     if plot_out:
         _check_rated(parsed, rates[0])
     for option, value in (("--requests-out", requests_out), ("--requests-plot", requests_plot)):
@@ -197,6 +198,25 @@ def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:
         raise ConfigError(f"the arrival rate is given twice: --qps {qps} and --set workload.qps="
                           f"{settings['workload.qps']}", field="--qps", fix="give it once (--qps takes several)")
     return settings["workload.qps"]
+
+
+#: workload settings that only some arrival processes read
+READ_BY = {"workload.qps": ("poisson", "gamma"), "workload.cv": ("gamma",), "workload.concurrency": ("closed",),
+           "workload.arrival_file": ("trace",)}
+
+
+def _check_read(settings: dict[str, str], rate: str, qps_given: bool) -> None:
+    """Refuse a workload setting the arrival process ignores (--qps 5 with a closed loop ran as if unset)."""
+    from moesim.errors import ConfigError
+    from moesim.sim.serving import split_settings
+    arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
+    given = [k for k in settings if k in READ_BY] + (["workload.qps"] if qps_given else [])
+    for key in given:
+        if arrival not in READ_BY[key]:
+            option = "--qps" if key == "workload.qps" and qps_given else key
+            readers = " or ".join(f"workload.arrival={a}" for a in READ_BY[key])
+            raise ConfigError(f"workload.arrival={arrival} does not read {option}, so it would change nothing",
+                              field=option, fix=f"leave out {option}, or use {readers}")
 
 
 def _check_rated(settings: dict[str, str], rate: str) -> None:

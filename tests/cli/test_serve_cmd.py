@@ -78,3 +78,27 @@ def test_a_rate_given_twice_is_refused(files, capsys, no_runs):  # noqa: F811
                                                "--qps 2 and --set workload.qps=7 (fix: give it once (--qps takes "
                                                "several))")
     assert no_runs == []
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--set", "workload.cv=4"], "workload.cv"),  # poisson gaps have no cv
+    (["--set", "workload.concurrency=4"], "workload.concurrency"),  # clients of a closed loop only
+    (["--set", "workload.arrival_file=a.csv"], "workload.arrival_file"),
+    (["--qps", "7", "--set", "workload.arrival=closed"], "--qps"),  # a closed loop sets its own pace
+    (["--set", "workload.qps=7", "--set", "workload.arrival=closed"], "workload.qps"),
+    (["--set", "workload.arrival=gamma", "--set", "workload.concurrency=2"], "workload.concurrency"),
+])
+def test_a_workload_setting_the_arrival_process_ignores_is_refused(files, capsys, no_runs, args, field):  # noqa: F811
+    """Each ran as if it had not been given: the same numbers, exit 0."""
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"field '{field}'" in err and "so it would change nothing" in err
+    assert no_runs == []
+
+
+@pytest.mark.parametrize("args", [["--set", "workload.arrival=gamma", "--set", "workload.cv=3", "--qps", "2"],
+                                  ["--set", "workload.arrival=closed", "--set", "workload.concurrency=2"]])
+def test_a_workload_setting_its_arrival_process_reads_runs(files, capsys, args):  # noqa: F811
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", *args]) == 0
