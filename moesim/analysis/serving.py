@@ -187,7 +187,7 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts,
     ``moesim.serve`` runs or a frame). Drawn without pyplot (a notebook's backend and figures are left alone);
     displays as a PNG."""
-    from moesim.analysis.figures import LOG_RATIO, MARKERS, PALETTE, log_axis
+    from moesim.analysis.figure_style import LOG_RATIO, MARKERS, PALETTE, log_axis
     from moesim.analysis.plots import DisplayFigure, save_figure
     frame = serving_frame(rows)
     columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]

@@ -482,11 +482,11 @@ def test_the_log_axis_test_does_not_overflow_near_the_largest_float():
     """LOG_RATIO * min overflowed to inf, with a RuntimeWarning, for values near 1.8e308."""
     import warnings
 
-    from moesim.analysis.figures import _wide
+    from moesim.analysis.figure_style import spans_decade
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not _wide(pd.Series([1e308, 1e308]))
-        assert _wide(pd.Series([1.0, 1e300]))
+        assert not spans_decade(pd.Series([1e308, 1e308]))
+        assert spans_decade(pd.Series([1.0, 1e300]))
 
 
 def test_a_report_leaves_out_a_figure_of_values_too_large_to_draw(tmp_path, capsys):

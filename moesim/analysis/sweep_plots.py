@@ -1,0 +1,247 @@
+"""Any metric of a sweep against any parameter (lines or bars) or against another metric (scatter with the
+Pareto front). Like :mod:`moesim.analysis.plots`, figures are bare matplotlib Figures on the Agg canvas: no
+display, no pyplot state."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from moesim.analysis.figure_style import (legend_handle, log_axis, series_style, side_legend, spans_decade,
+                                          tidy_axes)
+from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
+from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
+                                           fewer_runs, is_bound, label, ok_rows, ordered_systems, parameter_columns,
+                                           sorted_values, varying)
+from moesim.errors import ConfigError
+
+# ----------------------------------------------------------------------------- the general plot
+def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None, facet: str | None = None,
+                 path: str | os.PathLike | None = None, source: str | None = None, title: str = "",
+                 logy: bool | None = None) -> Figure:
+    """``y`` against ``x``, one line per ``hue`` value, one panel per ``facet`` value.
+
+    Numeric ``x``: lines with markers; other ``x``: grouped bars. Points that
+    differ in parameters not on the figure are averaged, and the band (or
+    error bar) spans their minimum to maximum; the figure says which
+    parameters those were. ``logy`` (default: when the values span more than
+    :data:`LOG_RATIO`) draws the y axis on a log scale.
+    """
+    x = column(frame, x, "x", source)
+    y = column(frame, y, "y", source)
+    hue = column(frame, hue, "hue", source) if hue else None
+    facet = column(frame, facet, "facet", source) if facet else None
+    data = ok_rows(frame, source)
+    if data[y].dtype.kind not in "biuf":
+        raise ConfigError(f"column '{y}' is not numeric", source=source, field="y",
+                          fix="plot a metric such as tpot_ms_mean or gpu_hit_rate")
+    data = data[np.isfinite(data[y].astype(float))]
+    if data.empty:
+        raise ConfigError(f"column '{y}' has no finite values", source=source, field="y",
+                          fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
+    check_drawable(data, ((x, "x"), (y, "y")), source)
+    data = as_groups(data, (hue, facet))
+    shown = {x, hue, facet} - {None}
+    averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
+    runs = data.groupby([c for c in (facet, hue, x) if c], dropna=False)[y].size() if averaged else None
+    full = int(runs.max()) if runs is not None else 1  # runs a mean over every averaged value takes
+    panels = sorted_values(data[facet]) if facet else [None]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig = DisplayFigure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    numeric_x = data[x].dtype.kind in "biuf"
+    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
+        if hue else [None]
+    styles = {h: series_style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    for ax, panel in zip(axes.flat, panels):
+        sub = data[data[facet] == panel] if facet else data
+        if numeric_x:
+            _lines(ax, sub, x, y, hue, hues, styles, full)
+        else:
+            _bars(ax, sub, x, y, hue, hues, styles)
+        ax.set_xlabel(label(x))
+        if facet:
+            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+        tidy_axes(ax)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(label(y))
+    if logy if logy is not None else spans_decade(data[y]):
+        for ax in axes.flat:
+            log_axis(ax)
+    spread = "band" if numeric_x else "error bars"
+    note = f"mean over {', '.join(averaged)} ({spread}: min to max)" if averaged else ""
+    short = fewer_runs(runs)
+    if short:
+        note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
+        # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
+        from moesim.util import warn_at_caller
+        warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
+    heading = title or f"{label(y)} vs {label(x)}"
+    fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
+    if hue:
+        side_legend(fig, [legend_handle(styles[h], "line" if numeric_x else "bar") for h in hues], [str(h) for h in hues],
+                    label(hue))
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
+           styles: dict[Any, dict[str, Any]], full: int = 1) -> None:
+    """One line per hue; a point that averages fewer than ``full`` runs is drawn hollow."""
+    for h in hues:
+        sub = data[data[hue] == h] if hue else data
+        if sub.empty:
+            continue
+        stats = sub.groupby(x)[y].agg(["mean", "min", "max", "size"]).sort_index()
+        style = styles[h]
+        ax.plot(stats.index, stats["mean"], color=style["color"], marker=style["marker"],
+                linestyle=style["linestyle"], linewidth=1.6, markersize=5, zorder=3)
+        short = stats[stats["size"] < full]
+        if not short.empty:
+            ax.plot(short.index, short["mean"], color=style["color"], marker=style["marker"], linestyle="none",
+                    markersize=5, markerfacecolor="white", zorder=4)
+        if (stats["max"] > stats["min"]).any():
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=style["color"], alpha=0.15,
+                            linewidth=0, zorder=2)
+    if data[x].dtype.kind in "iu" or np.allclose(data[x], np.round(data[x])):
+        ax.set_xticks(sorted(data[x].unique()))
+
+
+def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
+          styles: dict[Any, dict[str, Any]]) -> None:
+    groups = sorted_values(data[x])
+    width = 0.8 / len(hues)
+    for j, h in enumerate(hues):
+        sub = data[data[hue] == h] if hue else data
+        stats = sub.groupby(x)[y].agg(["mean", "min", "max"]).reindex(groups)
+        pos = np.arange(len(groups)) - 0.4 + (j + 0.5) * width
+        err = np.vstack([stats["mean"] - stats["min"], stats["max"] - stats["mean"]])
+        ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], hatch=styles[h]["hatch"],
+               edgecolor="white", linewidth=0, zorder=3, yerr=err if np.nan_to_num(err).any() else None,
+               ecolor="#444444", capsize=2)
+    ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=30 if len(groups) > 4 else 0,
+                  ha="right" if len(groups) > 4 else "center")
+
+
+# ----------------------------------------------------------------------------- metric against metric
+def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "system", facet: str | None = None,
+                 pareto: bool = True, path: str | os.PathLike | None = None, source: str | None = None,
+                 title: str = "") -> Figure:
+    """``y`` against ``x`` with one marker per run (nothing averaged, no lines between runs).
+
+    With ``pareto`` the front of the runs that are no bound (oracle and
+    all-in-GPU are drawn hollow and left out) is drawn as a staircase: the
+    runs no other run beats on both metrics. Lower is better except for
+    :data:`HIGHER_IS_BETTER`. The legend sits right of the panels, clear of
+    the title.
+    """
+    x = column(frame, x, "x", source)
+    y = column(frame, y, "y", source)
+    hue = column(frame, hue, "hue", source) if hue else None
+    facet = column(frame, facet, "facet", source) if facet else None
+    data = ok_rows(frame, source)
+    for name, role in ((x, "x"), (y, "y")):
+        if data[name].dtype.kind not in "biuf":
+            raise ConfigError(f"column '{name}' is not numeric", source=source, field=role,
+                              fix="scatter two metrics, e.g. gpu_memory_gib and tpot_ms_mean")
+    data = data[np.isfinite(data[x].astype(float)) & np.isfinite(data[y].astype(float))]
+    if data.empty:
+        raise ConfigError(f"no run has finite '{x}' and '{y}'", source=source, field="y",
+                          fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
+    check_drawable(data, ((x, "x"), (y, "y")), source)
+    data = as_groups(data, (hue, facet))
+    panels = sorted_values(data[facet]) if facet else [None]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig = DisplayFigure(figsize=(4.8 * cols + 2.6, 3.8 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
+        if hue else [None]
+    styles = {h: series_style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    drew_front = False
+    for ax, panel in zip(axes.flat, panels):
+        sub = data[data[facet] == panel] if facet else data
+        for h in hues:
+            mine = sub[sub[hue] == h] if hue else sub
+            if mine.empty:
+                continue
+            style = styles[h]
+            bound = hue == "system" and is_bound(str(h))
+            ax.scatter(mine[x], mine[y], marker=style["marker"], s=34, zorder=3, linewidths=1.2,
+                       facecolors="none" if bound else style["color"], edgecolors=style["color"], alpha=0.9)
+        if pareto:
+            deployable = sub[[not is_bound(str(s)) for s in sub["system"]]] if "system" in sub.columns else sub
+            if len(deployable):
+                drew_front |= _draw_front(ax, deployable, x, y)
+        ax.set_xlabel(label(x))
+        ax.set_ylabel(label(y))
+        if facet:
+            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+        tidy_axes(ax)
+        ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    for ax, name in ((a, n) for a in axes.flat for n in ("x", "y")):
+        if spans_decade(data[x if name == "x" else y]):
+            log_axis(ax, name)
+    handles = [legend_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
+        if hue else []
+    names = [str(h) + (" (bound)" if hue == "system" and is_bound(str(h)) else "") for h in hues] if hue else []
+    if drew_front:
+        handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
+        names.append("Pareto front")
+    better = f"{'higher' if x in HIGHER_IS_BETTER else 'lower'} x, {'higher' if y in HIGHER_IS_BETTER else 'lower'} y"
+    note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
+        else "one marker per run"
+    fit_width(fig, fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left",
+                                fontsize=11))
+    if handles:  # centred on the right, clear of the title lines
+        side_legend(fig, handles, names, label(hue) if hue else None)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def pareto_front(x: np.ndarray, y: np.ndarray, *, maximize_x: bool = False, maximize_y: bool = False) -> np.ndarray:
+    """Indices of the points no other point beats on both axes (ties kept once), sorted by x.
+
+    A point is dominated when another is at least as good on both axes and
+    better on one; "good" is lower unless ``maximize_*``.
+    """
+    sx = -np.asarray(x, dtype=float) if maximize_x else np.asarray(x, dtype=float)
+    sy = -np.asarray(y, dtype=float) if maximize_y else np.asarray(y, dtype=float)
+    order = np.lexsort((sy, sx))  # best x first, best y among equal x
+    front: list[int] = []
+    best_y = np.inf
+    for i in order:
+        if sy[i] < best_y:
+            front.append(int(i))
+            best_y = sy[i]
+    return np.array(sorted(front, key=lambda i: x[i]), dtype=int)
+
+
+def _draw_front(ax: Any, data: pd.DataFrame, x: str, y: str) -> bool:
+    """The Pareto front of ``data`` as a staircase (the region it dominates lies behind the steps)."""
+    xs = data[x].to_numpy(dtype=float)
+    ys = data[y].to_numpy(dtype=float)
+    max_x, max_y = x in HIGHER_IS_BETTER, y in HIGHER_IS_BETTER
+    front = pareto_front(xs, ys, maximize_x=max_x, maximize_y=max_y)
+    fx, fy = xs[front], ys[front]
+    # the corner between two front points is the one both dominate: (next x, this y) when lower x is
+    # better, (this x, next y) when higher x is better
+    where = "pre" if max_x else "post"
+    ax.step(fx, fy, where=where, color="#222222", linewidth=1.4, zorder=4)
+    ax.scatter(fx, fy, s=70, facecolors="none", edgecolors="#222222", linewidths=1.2, zorder=5)
+    return True

@@ -1,0 +1,210 @@
+"""A sweep's results as the figures read them: the file, its parameter and metric columns, the finished
+points, their labels and how their values group into lines and panels.
+
+The input is the tidy frame of :mod:`moesim.sweep` (one row per point; the
+parameters ``trace``, ``hw``, ``system``, ``seed`` and dotted ``--set`` keys;
+the metrics of :func:`moesim.analysis.metrics.metrics`). Only points with
+``status == "ok"`` are drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from moesim.errors import ConfigError, did_you_mean
+
+BASE_PARAMETERS = ("trace", "hw", "system", "seed", "model")
+
+LABELS = {
+    "tpot_ms_mean": "TPOT, mean (ms)", "tpot_ms_p50": "TPOT, p50 (ms)", "tpot_ms_p99": "TPOT, p99 (ms)",
+    "ttft_ms": "TTFT (ms)", "decode_tokens_per_s": "decode throughput (tokens/s)",
+    "prefill_tokens_per_s": "prefill throughput (tokens/s)", "gpu_hit_rate": "GPU hit rate",
+    "cache.slots_per_layer": "GPU cache slots per layer", "slots_per_layer": "GPU cache slots per layer",
+    "pcie_h2d_bytes": "PCIe host-to-device bytes", "prefetches": "prefetches issued",
+    "makespan_s": "makespan (s)", "hw.pcie.bandwidth_scale": "PCIe bandwidth scale",
+    "gpu_memory_gib": "GPU memory planned (GiB)", "expert_cache_gib": "GPU expert cache (GiB)",
+}
+#: metrics where more is better (the Pareto front maximises them); every other metric is minimised
+HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
+                    "gpu_share_of_activations"}
+
+
+# ----------------------------------------------------------------------------- loading and columns
+def load_results(path: str | os.PathLike) -> pd.DataFrame:
+    """A sweep's results file as a DataFrame, or one line saying why not."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("results file not found", source=str(path), fix="give the --out file of `moesim sweep`")
+    try:
+        frame = pd.read_parquet(path)
+    except Exception:  # noqa: BLE001 - any unreadable file gets the same answer, by what the bytes show
+        raise ConfigError(unreadable_parquet(path), source=str(path), fix="give the --out file of `moesim sweep` "
+                          "(a damaged one: run the sweep again into a new file)") from None
+    if "point_id" not in frame.columns or "status" not in frame.columns:
+        raise ConfigError("not a sweep result (no 'point_id'/'status' columns)", source=str(path),
+                          fix="give the --out file of `moesim sweep`")
+    if frame.empty:  # not "every point failed": there are none
+        raise ConfigError("the results file holds no points", source=str(path),
+                          fix="run `moesim sweep SPEC.yaml --out` into it first")
+    return frame
+
+
+#: the four bytes a Parquet file starts and ends with
+PARQUET_MAGIC = b"PAR1"
+
+
+def unreadable_parquet(path: Path) -> str:
+    """Why Parquet could not read ``path``: empty, cut short (its footer, written last, missing) or no Parquet."""
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty"
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if head != PARQUET_MAGIC:
+        return "not a Parquet file"
+    if tail != PARQUET_MAGIC:
+        return "a Parquet file cut short (its footer is missing)"
+    return "a damaged Parquet file"
+
+
+def parameter_columns(frame: pd.DataFrame) -> list[str]:
+    """The parameter columns: trace, hw, system, seed, model and every dotted ``--set`` key."""
+    return [c for c in BASE_PARAMETERS if c in frame.columns] + [c for c in frame.columns if "." in c]
+
+
+def varying(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:
+    return [c for c in columns if c in frame.columns and frame[c].nunique(dropna=False) > 1]
+
+
+#: other words for a base parameter, suggested when a column of that name is asked for (too far apart to spell alike)
+COLUMN_WORDS = {"hardware": "hw", "profile": "hw", "gpu": "hw", "policy": "system", "systems": "system",
+                "traces": "trace", "seeds": "seed"}
+
+
+def column(frame: pd.DataFrame, name: str, role: str, source: str | None = None) -> str:
+    """``name`` (or its ``__`` spelling) if ``frame`` has it, else one line listing what it has."""
+    if not isinstance(name, str):  # a list of metrics failed as "'list' object has no attribute 'replace'"
+        raise ConfigError(f"{role} must be one column's name, got {name!r}", source=source, field=role,
+                          fix="one figure per column: call the function once for each (e.g. y='tpot_ms_mean')")
+    for candidate in (name, name.replace("__", ".")):
+        if candidate in frame.columns:
+            return candidate
+    params = parameter_columns(frame)
+    metrics = [c for c in frame.columns if c not in params and frame[c].dtype.kind in "biuf"]
+    word = COLUMN_WORDS.get(name.lower())
+    hint = f"did you mean '{word}'? " if word in params else did_you_mean(name, params + metrics)
+    raise ConfigError(f"no column '{name}'", source=source, field=role,
+                      fix=f"{hint}parameters: {', '.join(params)}; metrics: {', '.join(metrics)}")
+
+
+class UnevenMeans(UserWarning):
+    """Points of a figure average fewer runs than others (runs that failed or were not run, or an x value
+    that several settings share): their means are over other values of the averaged parameters, so they do
+    not compare with the rest."""
+
+
+def fewer_runs(runs: pd.Series | None) -> str:
+    """What to say of ``runs`` (runs averaged per point) when some points have fewer than the most; ''."""
+    if runs is None or runs.empty or runs.nunique() <= 1:
+        return ""
+    most = int(runs.max())
+    short = runs[runs < most]
+    few = f"{int(short.min())}" if short.min() == short.max() else f"{int(short.min())} to {int(short.max())}"
+    runs_word = "run" if few == "1" else "runs"
+    return (f"{len(short)} of {len(runs)} points average {few} {runs_word} instead of {most} (runs failed or not "
+            "run, or an x value that several settings share)")
+
+
+def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
+    ok = frame[frame["status"] == "ok"] if "status" in frame.columns else frame
+    if ok.empty:
+        raise ConfigError("no finished points to draw (every point failed)", source=source, field="status",
+                          fix="see the 'error' column of the results")
+    return ok
+
+
+def headline_metric(frame: pd.DataFrame) -> str:
+    """The latency the standard figures and the report's table compare: mean TPOT, or TTFT where no run
+    decoded a token (a prefill-only trace leaves TPOT undefined in every row)."""
+    for name in ("tpot_ms_mean", "ttft_ms"):
+        if name in frame.columns and frame[name].dtype.kind in "biuf" and \
+                np.isfinite(frame[name].astype(float)).any():
+            return name
+    return "tpot_ms_mean"
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def is_bound(system: str) -> bool:
+    """Bounds and references (oracle, all-in-GPU) are drawn dashed: they are not deployable systems.
+
+    A system is one when it is a portfolio of schedules or its description says
+    "bound" or "reference" (as ``moesim systems`` lists them).
+    """
+    import re
+
+    from moesim.policy.systems import SYSTEMS
+    spec = SYSTEMS.get(system)
+    return bool(spec and (spec.portfolio or re.search(r"\b(bound|reference)\b", spec.description.lower())))
+
+
+def ordered_systems(values: Sequence[Any]) -> list[Any]:
+    """Systems in registry order (as `moesim systems` lists them), bounds last, unknown names at the end."""
+    from moesim.policy.systems import SYSTEMS
+    rank = {name: i for i, name in enumerate(SYSTEMS)}
+    return sorted(values, key=lambda s: (is_bound(str(s)), rank.get(str(s), len(rank)), str(s)))
+
+
+def sorted_values(series: pd.Series) -> list[Any]:
+    values = list(series.dropna().unique())
+    try:
+        return sorted(values)
+    except TypeError:  # numbers, then words (a parameter's values and its NOT_SET)
+        return sorted(values, key=lambda v: (isinstance(v, str), v if isinstance(v, str) else float(v)))
+
+
+#: the hue or panel of runs that did not set a parameter (their sweep left it at the system's default)
+NOT_SET = "default"
+
+
+def as_groups(data: pd.DataFrame, columns: Sequence[str | None]) -> pd.DataFrame:
+    """``data`` with each of ``columns`` (hue, facet) fit to name lines and panels: whole numbers stored as
+    floats (a parameter some rows lack reads back as float) shown as whole numbers, and a missing value as
+    :data:`NOT_SET` (rows of a sweep that left the parameter at its default were dropped unseen)."""
+    out = data
+    for name in filter(None, columns):
+        values = data[name]
+        whole = values.dtype.kind == "f" and bool(np.all(np.mod(values.dropna(), 1) == 0))
+        if not whole and not values.isna().any():
+            continue
+        if out is data:
+            out = data.copy()
+        out[name] = pd.Series([NOT_SET if pd.isna(v) else int(v) if whole else v for v in values],
+                              index=values.index, dtype=object)
+    return out
+
+
+#: no metric of a run comes near this magnitude; beyond it matplotlib's axis margins overflow
+DRAWABLE = 1e300
+
+
+def check_drawable(data: pd.DataFrame, columns: Sequence[tuple[str, str]], source: str | None) -> None:
+    """One line for a numeric axis column (name, argument) holding a value too large to draw (an internal
+    error in matplotlib's tick placement before)."""
+    for name, role in columns:
+        if data[name].dtype.kind not in "biuf":
+            continue
+        values = data[name].to_numpy(dtype=float)
+        huge = values[np.abs(values) > DRAWABLE]
+        if huge.size:
+            raise ConfigError(f"column '{name}' holds {huge[0]:g}, too large to draw", source=source, field=role,
+                              fix="check how the results file was written: no run's metric comes near it")
