@@ -556,7 +556,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     ``slo``: ``{"ttft_ms": 500, "tpot_ms": 100}`` or ``"ttft_ms=500,tpot_ms=100"`` for goodput.
     """
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
-    from moesim.sim.serving import serve as run_serving
+    from moesim.sim.serving import check_read, serve as run_serving
     checked_keywords(serve, params)
     paths = _trace_paths(traces)
     checked_settings(settings)
@@ -567,6 +567,10 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     checked_run_inputs(hw, seed, system)
     try:
         with keyword_fields(params):
+            # workload__cv=4 with Poisson arrivals would change nothing; named as the caller gave it
+            spelled = {**{key.replace("__", "."): key for key in params},
+                       **{key: key.removeprefix("workload.") for key in short if key not in (settings or {})}}
+            check_read(merged, list(merged), spelled)
             result = run_serving(paths, hw, system, merged, seed=int(seed))
     except MoesimError as err:  # a value given as a shorthand: its error under that keyword
         if err.field in short and err.field not in (settings or {}):

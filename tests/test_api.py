@@ -124,6 +124,21 @@ def test_a_serve_run_without_a_rate_prints_what_set_its_arrivals(files, tmp_path
 
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"workload__cv": 4}, "workload__cv"),  # Poisson arrivals: no cv
+    ({"qps": 5, "workload__arrival": "closed"}, "qps"),
+    ({"settings": {"workload.concurrency": 3}}, "workload.concurrency"),
+    ({"workload__arrival_file": "a.csv"}, "workload__arrival_file")])
+def test_serve_refuses_a_workload_setting_its_arrivals_do_not_read(files, kwargs, field):
+    """`moesim.serve(T, workload__cv=4)` ran Poisson arrivals as if cv were unset; `moesim serve-sim` refuses it."""
+    trace, hw = files
+    with pytest.raises(ConfigError, match=rf"^field '{field}': workload.arrival=\w+ does not read {field}, so it "
+                                          "would change nothing"):
+        moesim.serve(trace, hw=hw, system="cpu-only", requests=2, **kwargs)
+    run = moesim.serve(trace, hw=hw, system="cpu-only", requests=2, qps=3, workload__arrival="gamma", workload__cv=2)
+    assert run.metrics["qps"] == 3
+
+
 def test_a_serve_run_shows_in_a_notebook_as_its_repr_says(files):
     """The HTML table of a closed loop showed qps nan and offered_qps nan, and every figure with 17 digits
     (219.85028148320959): it names the arrivals instead and gives six significant digits, like the repr."""

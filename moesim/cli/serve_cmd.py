@@ -200,23 +200,11 @@ def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:
     return settings["workload.qps"]
 
 
-#: workload settings that only some arrival processes read
-READ_BY = {"workload.qps": ("poisson", "gamma"), "workload.cv": ("gamma",), "workload.concurrency": ("closed",),
-           "workload.arrival_file": ("trace",)}
-
-
 def _check_read(settings: dict[str, str], rate: str, qps_given: bool) -> None:
     """Refuse a workload setting the arrival process ignores (--qps 5 with a closed loop ran as if unset)."""
-    from moesim.errors import ConfigError
-    from moesim.sim.serving import split_settings
-    arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
-    given = [k for k in settings if k in READ_BY] + (["workload.qps"] if qps_given else [])
-    for key in given:
-        if arrival not in READ_BY[key]:
-            option = "--qps" if key == "workload.qps" and qps_given else key
-            readers = " or ".join(f"workload.arrival={a}" for a in READ_BY[key])
-            raise ConfigError(f"workload.arrival={arrival} does not read {option}, so it would change nothing",
-                              field=option, fix=f"leave out {option}, or use {readers}")
+    from moesim.sim.serving import check_read
+    check_read({**settings, "workload.qps": rate}, [*settings, *(["workload.qps"] if qps_given else [])],
+               {"workload.qps": "--qps"} if qps_given else None)
 
 
 def _check_rated(settings: dict[str, str], rate: str) -> None:

@@ -41,6 +41,9 @@ from moesim.util import host_bytes_available, listed
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
 #: the arrival processes ``workload.qps`` sets the rate of
 RATED_ARRIVALS = ("poisson", "gamma")
+#: workload settings that only some arrival processes read
+READ_BY = {"workload.qps": RATED_ARRIVALS, "workload.cv": ("gamma",), "workload.concurrency": ("closed",),
+           "workload.arrival_file": ("trace",)}
 
 
 @dataclass
@@ -73,6 +76,18 @@ class ServingSettings:
 
 def is_serving_key(key: str) -> bool:
     return key.startswith("workload.") or key == "scheduler" or key.startswith("scheduler.")
+
+
+def check_read(settings: dict[str, str], given: list[str], names: dict[str, str] | None = None) -> None:
+    """Refuse each of the workload settings ``given`` that the arrival process ``settings`` choose does not read
+    (``--qps 5`` with a closed loop ran as if unset); the error names a setting as ``names`` says (an option)."""
+    arrival = split_settings(settings).workload.arrival
+    for key in given:
+        if key in READ_BY and arrival not in READ_BY[key]:
+            option = (names or {}).get(key, key)
+            readers = " or ".join(f"workload.arrival={a}" for a in READ_BY[key])
+            raise ConfigError(f"workload.arrival={arrival} does not read {option}, so it would change nothing",
+                              field=option, fix=f"leave out {option}, or use {readers}")
 
 
 def split_settings(settings: dict[str, str] | None) -> ServingSettings:
