@@ -102,6 +102,7 @@ def split_settings(settings: dict[str, str] | None) -> ServingSettings:
                 valid = [f"workload.{n}" for n in names]
                 raise ConfigError(f"unknown parameter '{key}'", field="--set",
                                   fix=f"{did_you_mean(key, valid)}valid: {', '.join(valid)}")
+            _above_zero(rest, raw, key)
             setattr(workload, rest, coerce(raw, names[rest], key))
         elif key == "scheduler":
             scheduler = str(raw)
@@ -111,6 +112,22 @@ def split_settings(settings: dict[str, str] | None) -> ServingSettings:
             replay[key] = raw
     _check_workload(workload)
     return ServingSettings(workload, scheduler, params, replay)
+
+
+#: workload settings valid only above zero, with a valid value to suggest: the generic check of numbers
+#: asks for a value >= 0, and then 0 was refused too
+ABOVE_ZERO = {"qps": "0.5", "cv": "2", "requests": "1", "concurrency": "1"}
+
+
+def _above_zero(name: str, raw: Any, key: str) -> None:
+    if name not in ABOVE_ZERO:
+        return
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return  # not a number: coerce says so
+    if not value > 0:
+        raise ConfigError(f"{name} must be above 0, got {raw}", field=key, fix=f"use e.g. {ABOVE_ZERO[name]}")
 
 
 def _check_workload(w: WorkloadConfig) -> None:

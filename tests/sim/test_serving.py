@@ -429,3 +429,16 @@ def test_a_trace_that_logged_some_layers_is_served_on_those_layers(tmp_path):
     with pytest.raises(ConfigError, match=r"logs MoE layers 1, 2, .*l1.parquet logs 1 \(fix: serve traces that "
                                           r"logged the same layers together"):
         serve([path, both], tiny_profile(), "cpu-only", {"workload.requests": "2"})
+
+
+@pytest.mark.parametrize("key, raw, suggestion", [("workload.qps", "-1", "0.5"), ("workload.qps", "0", "0.5"),
+                                                  ("workload.cv", "-2", "2"), ("workload.requests", "-3", "1"),
+                                                  ("workload.concurrency", "0", "1")])
+def test_a_workload_number_valid_only_above_zero_asks_for_that(key, raw, suggestion):
+    """qps=-1 was told 'give a value >= 0', and then 0 was refused too."""
+    from moesim.sim.serving import split_settings
+    name = key.removeprefix("workload.")
+    with pytest.raises(ConfigError, match=rf"^field '{key}': {name} must be above 0, got {raw} "
+                                          rf"\(fix: use e.g. {suggestion}\)$"):
+        split_settings({key: raw})
+    assert getattr(split_settings({key: suggestion}).workload, name) == float(suggestion)
