@@ -40,12 +40,15 @@ class PipeConsole(Console):
         stream_to_devnull(self.file)
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        """As rich prints, but no column of a table is narrower than the longest word of its cells and
-        header: rich cuts them to '…' or to nothing where the console is narrow (a narrow terminal, or a
-        pipe's 160 columns for a wide table), losing the figures. Such a table is drawn as narrow as its
+        """As rich prints, but text to a pipe or a file keeps each line whole (a note is one line to grep),
+        and no column of a table is narrower than the longest word of its cells and header: rich cuts them to
+        '…' or to nothing where the console is narrow (a narrow terminal, or a pipe's 160 columns for a wide
+        table), losing the figures. Such a table is drawn as narrow as its
         words allow, its lines longer than the console (a terminal wraps them)."""
         tables = [o for o in objects if isinstance(o, Table)]
         if not tables:
+            if not self.is_terminal:  # in a pipe or a log, a note cut at the console's width splits a sentence
+                kwargs.setdefault("soft_wrap", True)
             return super().print(*objects, **kwargs)
         kwargs.setdefault("crop", False)
         needed = max(keep_words_whole(self, table) for table in tables)

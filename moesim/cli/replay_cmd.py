@@ -298,7 +298,7 @@ def systems_cmd(name: str | None, json_out: str | None) -> None:
     narrow.print(table)
     narrow.print("* part of oracle, not run by --system all. Every system also takes engine.*, memory.*, "
                  "cache.slots_per_layer and hw.<profile field>, e.g. hw.pcie.bandwidth_scale.", markup=False,
-                 highlight=False)
+                 highlight=False, soft_wrap=False)  # wrapped to the table's 100 columns, piped or not
 
 
 def _systems_json() -> list[dict]:

@@ -55,3 +55,15 @@ def test_a_table_given_its_own_width_gets_it_back() -> None:
     text = printed(30, table)
     assert "9,946.49" in text and "…" not in text
     assert table.width == 30
+
+
+def test_a_long_note_to_a_pipe_stays_one_line_and_a_terminal_wraps_it() -> None:
+    """A note cut at the console's width split a sentence over lines of a log, where grep finds half of it."""
+    note = "note: smoe-token: " + " ".join(["the trace has no pred_next_token column"] * 6)
+    piped = io.StringIO()
+    PipeConsole(file=piped, width=80, markup=False, highlight=False, color_system=None).print(note)
+    assert piped.getvalue() == note + "\n"
+    terminal = io.StringIO()
+    PipeConsole(file=terminal, width=80, markup=False, highlight=False, color_system=None,
+                force_terminal=True).print(note)
+    assert len(terminal.getvalue().splitlines()) == len(note) // 80 + 1
