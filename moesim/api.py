@@ -490,7 +490,7 @@ class ServeRun:
     metrics: dict[str, Any]
     system: str
     traces: list[str]
-    #: the arrival process and request count it ran (moesim.sim.serving.WorkloadConfig)
+    #: the arrival process and request count it ran (moesim.sim.workload.WorkloadConfig)
     workload: Any = None
 
     def _repr_html_(self) -> str:
@@ -506,7 +506,7 @@ class ServeRun:
         """(name, text) of the metrics ``keys`` names; with no rate, what set the arrivals comes first instead."""
         figures = [(k, f"{self.metrics[k]:.6g}") for k in keys if k in self.metrics]
         if self.workload is not None:
-            from moesim.sim.serving import RATED_ARRIVALS
+            from moesim.sim.workload import RATED_ARRIVALS
             if self.workload.arrival not in RATED_ARRIVALS:  # qps is nan: say what set the arrivals instead
                 from moesim.analysis.serving import arrivals_text
                 figures = [("arrivals", arrivals_text(self.workload))] + \
@@ -556,7 +556,8 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     ``slo``: ``{"ttft_ms": 500, "tpot_ms": 100}`` or ``"ttft_ms=500,tpot_ms=100"`` for goodput.
     """
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
-    from moesim.sim.serving import check_read, serve as run_serving
+    from moesim.sim.serving import serve as run_serving
+    from moesim.sim.workload import check_read
     checked_keywords(serve, params)
     paths = _trace_paths(traces)
     checked_settings(settings)

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from moesim.errors import ConfigError, did_you_mean
-from moesim.sim.serving import RATED_ARRIVALS, ServeResult, WorkloadConfig
+from moesim.sim.serving import ServeResult
+from moesim.sim.workload import RATED_ARRIVALS, WorkloadConfig
 
 REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "output_tokens", "arrival_s",
                    "scheduled_s", "first_token_s", "finish_s", "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms",

@@ -137,7 +137,7 @@ def json_runs(runs: dict[str, list[dict]], several_systems: bool, several_rates:
 
 def _skipped_run(system: str, rate: str, settings: dict[str, str], reason: str) -> dict:
     """A run that did not happen, where its metrics would be; its ``qps`` as the metrics would give it."""
-    from moesim.sim.serving import RATED_ARRIVALS, split_settings
+    from moesim.sim.workload import RATED_ARRIVALS, split_settings
     workload = split_settings({**settings, "workload.qps": rate}).workload
     return {"system": system, "qps": workload.qps if workload.arrival in RATED_ARRIVALS else float("nan"),
             "skipped": reason}
@@ -169,7 +169,7 @@ def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[st
     run starts."""
     from moesim.errors import ConfigError
     from moesim.policy.base import SET_MAXIMUM
-    from moesim.sim.serving import RATED_ARRIVALS, split_settings
+    from moesim.sim.workload import RATED_ARRIVALS, split_settings
     rates = [r.strip() for r in qps.split(",")]
     if not all(rates):
         raise ConfigError(f"an empty rate in '{qps}'", field=option, fix="give rates in requests/s, e.g. 0.5,1,2")
@@ -202,7 +202,7 @@ def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:
 
 def _check_read(settings: dict[str, str], rate: str, qps_given: bool) -> None:
     """Refuse a workload setting the arrival process ignores (--qps 5 with a closed loop ran as if unset)."""
-    from moesim.sim.serving import check_read
+    from moesim.sim.workload import check_read
     check_read({**settings, "workload.qps": rate}, [*settings, *(["workload.qps"] if qps_given else [])],
                {"workload.qps": "--qps"} if qps_given else None)
 
@@ -211,7 +211,7 @@ def _check_rated(settings: dict[str, str], rate: str) -> None:
     """--plot draws latency against the arrival rate: refused, before any run, for arrivals that set none
     (it drew empty axes)."""
     from moesim.errors import ConfigError
-    from moesim.sim.serving import RATED_ARRIVALS, split_settings
+    from moesim.sim.workload import RATED_ARRIVALS, split_settings
     arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
     if arrival not in RATED_ARRIVALS:
         raise ConfigError(f"--plot draws latency against the arrival rate, and workload.arrival={arrival} sets none",
@@ -221,7 +221,7 @@ def _check_rated(settings: dict[str, str], rate: str) -> None:
 
 def _requests_per_run(settings: dict[str, str]) -> int:
     """The requests each run finishes: workload.requests."""
-    from moesim.sim.serving import split_settings
+    from moesim.sim.workload import split_settings
     # --qps replaces workload.qps in every run, so a --set value of it is never checked here
     return split_settings({k: v for k, v in settings.items() if k != "workload.qps"}).workload.requests
 

@@ -4,12 +4,7 @@ Routing depends on a token's hidden state, not on the batch it runs in, so a
 request's rows (every layer of every prompt and decode token) recorded in any
 trace can be replayed inside any batch. :class:`RequestPool` reads those rows
 from one or more traces; :func:`serve` sends ``workload.requests`` requests
-drawn from the pool in turn, arriving by ``workload.arrival``:
-
-* ``poisson``: exponential gaps at ``workload.qps``;
-* ``gamma``: gamma gaps with mean ``1/qps`` and coefficient of variation ``workload.cv`` (bursty for cv > 1);
-* ``trace``: the ``arrival_s`` column of ``workload.arrival_file`` (CSV or Parquet);
-* ``closed``: ``workload.concurrency`` clients, each sending its next request when the previous one finishes.
+drawn from the pool in turn, arriving by ``workload.arrival`` (:mod:`moesim.sim.workload`).
 
 Whenever the engine is free the scheduler (:mod:`moesim.policy.scheduler`)
 forms a batch; its rows become one :class:`~moesim.trace.io.Step` that
@@ -21,133 +16,20 @@ preempted and recomputed (counted per request).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from moesim.errors import ConfigError, did_you_mean
-from moesim.policy.base import coerce
+from moesim.errors import ConfigError
 from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
 from moesim.sim.engine import Simulator
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
+from moesim.sim.workload import WorkloadConfig, arrival_times, split_settings
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS, score_rows
 from moesim.util import host_bytes_available, listed
-
-ARRIVALS = ("poisson", "gamma", "trace", "closed")
-#: the arrival processes ``workload.qps`` sets the rate of
-RATED_ARRIVALS = ("poisson", "gamma")
-#: workload settings that only some arrival processes read
-READ_BY = {"workload.qps": RATED_ARRIVALS, "workload.cv": ("gamma",), "workload.concurrency": ("closed",),
-           "workload.arrival_file": ("trace",)}
-
-
-@dataclass
-class WorkloadConfig:
-    """Arrival process and request count, reachable as ``--set workload.<name>=value``."""
-
-    #: poisson | gamma | trace | closed
-    arrival: str = "poisson"
-    #: mean arrival rate, requests per second (poisson, gamma)
-    qps: float = 1.0
-    #: coefficient of variation of the gaps (gamma; 1 is Poisson)
-    cv: float = 1.0
-    #: requests sent, drawn from the traces' requests in turn
-    requests: int = 100
-    #: clients of a closed loop, each with one request outstanding
-    concurrency: int = 1
-    #: CSV or Parquet with an ``arrival_s`` column (arrival=trace)
-    arrival_file: str = ""
-    #: KV cache entries for requests; 0: all GPU memory the expert cache leaves
-    kv_tokens: int = 0
-
-
-@dataclass
-class ServingSettings:
-    workload: WorkloadConfig
-    scheduler: str
-    scheduler_params: dict[str, str]
-    replay: dict[str, str]
-
-
-def is_serving_key(key: str) -> bool:
-    return key.startswith("workload.") or key == "scheduler" or key.startswith("scheduler.")
-
-
-def check_read(settings: dict[str, str], given: list[str], names: dict[str, str] | None = None) -> None:
-    """Refuse each of the workload settings ``given`` that the arrival process ``settings`` choose does not read
-    (``--qps 5`` with a closed loop ran as if unset); the error names a setting as ``names`` says (an option)."""
-    arrival = split_settings(settings).workload.arrival
-    for key in given:
-        if key in READ_BY and arrival not in READ_BY[key]:
-            option = (names or {}).get(key, key)
-            readers = " or ".join(f"workload.arrival={a}" for a in READ_BY[key])
-            raise ConfigError(f"workload.arrival={arrival} does not read {option}, so it would change nothing",
-                              field=option, fix=f"leave out {option}, or use {readers}")
-
-
-def split_settings(settings: dict[str, str] | None) -> ServingSettings:
-    """Separate ``workload.*`` and ``scheduler[.*]`` from the replay settings, and parse the workload."""
-    workload = WorkloadConfig()
-    names = {f.name: f.default for f in dataclasses.fields(WorkloadConfig)}
-    scheduler, params, replay = "vllm", {}, {}
-    for key, raw in (settings or {}).items():
-        section, _, rest = key.partition(".")
-        if section == "workload":
-            if rest not in names:
-                valid = [f"workload.{n}" for n in names]
-                raise ConfigError(f"unknown parameter '{key}'", field="--set",
-                                  fix=f"{did_you_mean(key, valid)}valid: {', '.join(valid)}")
-            _above_zero(rest, raw, key)
-            setattr(workload, rest, coerce(raw, names[rest], key))
-        elif key == "scheduler":
-            scheduler = str(raw)
-        elif section == "scheduler":
-            params[rest] = raw
-        else:
-            replay[key] = raw
-    _check_workload(workload)
-    return ServingSettings(workload, scheduler, params, replay)
-
-
-#: workload settings valid only above zero, with a valid value to suggest: the generic check of numbers
-#: asks for a value >= 0, and then 0 was refused too
-ABOVE_ZERO = {"qps": "0.5", "cv": "2", "requests": "1", "concurrency": "1"}
-
-
-def _above_zero(name: str, raw: Any, key: str) -> None:
-    if name not in ABOVE_ZERO:
-        return
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        return  # not a number: coerce says so
-    if not value > 0:
-        raise ConfigError(f"{name} must be above 0, got {raw}", field=key, fix=f"use e.g. {ABOVE_ZERO[name]}")
-
-
-def _check_workload(w: WorkloadConfig) -> None:
-    if w.arrival not in ARRIVALS:
-        raise ConfigError(f"unknown arrival process '{w.arrival}'", field="workload.arrival",
-                          fix=f"{did_you_mean(w.arrival, ARRIVALS)}use one of {', '.join(ARRIVALS)}")
-    if w.requests < 1:
-        raise ConfigError("at least one request is needed", field="workload.requests", fix="use >= 1")
-    if w.arrival in RATED_ARRIVALS and not w.qps > 0:
-        raise ConfigError(f"qps must be positive, got {w.qps}", field="workload.qps", fix="use e.g. 0.5")
-    if w.arrival == "gamma" and not w.cv > 0:
-        raise ConfigError(f"cv must be positive, got {w.cv}", field="workload.cv", fix="use e.g. 2")
-    if w.arrival == "closed" and w.concurrency < 1:
-        raise ConfigError("a closed loop needs at least one client", field="workload.concurrency", fix="use >= 1")
-    if w.arrival == "trace" and not w.arrival_file:
-        raise ConfigError("arrival=trace needs a file of arrival times", field="workload.arrival_file",
-                          fix="give a CSV or Parquet with an arrival_s column")
-    if w.kv_tokens < 0:
-        raise ConfigError("kv_tokens must be >= 0", field="workload.kv_tokens", fix="use 0 for all free memory")
-
 
 # ----------------------------------------------------------------------------- requests from traces
 @dataclass
@@ -380,40 +262,6 @@ class ServeResult:
     kv_peak: int = 0
     #: KV entries that one expert slot's bytes would hold (0: unknown)
     kv_tokens_per_slot: int = 0
-
-
-def arrival_times(w: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
-    """Open-loop arrival times, seconds from the start (sorted)."""
-    if w.arrival == "poisson":
-        return np.cumsum(rng.exponential(1.0 / w.qps, w.requests))
-    if w.arrival == "gamma":
-        shape = 1.0 / (w.cv * w.cv)
-        return np.cumsum(rng.gamma(shape, 1.0 / (w.qps * shape), w.requests))
-    return _arrival_file(w)
-
-
-def _arrival_file(w: WorkloadConfig) -> np.ndarray:
-    path = Path(w.arrival_file)
-    if not path.is_file():
-        raise ConfigError("file not found", source=str(path), field="workload.arrival_file", fix="check the path")
-    import pandas as pd
-    try:
-        frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ConfigError(f"unreadable ({type(err).__name__})", source=str(path), field="workload.arrival_file",
-                          fix="give a CSV or Parquet file") from None
-    if "arrival_s" not in frame:
-        raise ConfigError("no arrival_s column", source=str(path), field="arrival_s",
-                          fix="add a column arrival_s (seconds)")
-    times = frame["arrival_s"].to_numpy(dtype=float)
-    if len(times) < w.requests:
-        raise ConfigError(f"{len(times)} arrivals for {w.requests} requests", source=str(path), field="arrival_s",
-                          fix=f"give workload.requests <= {len(times)}")
-    times = times[:w.requests]
-    if not np.isfinite(times).all() or (times < 0).any() or (np.diff(times) < 0).any():
-        raise ConfigError("arrival times must be finite, >= 0 and sorted", source=str(path), field="arrival_s",
-                          fix="sort the file by arrival_s")
-    return times
 
 
 class ServingRun:

@@ -250,7 +250,8 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     for point in points:
         settings = point.settings_str()
         if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in settings):
-            from moesim.sim.serving import check_servable, split_settings  # a serving point
+            from moesim.sim.serving import check_servable  # a serving point
+            from moesim.sim.workload import split_settings
             settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
             if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
                 _reraise(lambda: check_servable(point.system, settings), spec, "systems")

@@ -16,7 +16,8 @@ from moesim.analysis.serving import preemption_notes, request_frame, serving_met
 from moesim.api import slice_trace
 from moesim.errors import ConfigError
 from moesim.sim.run import prepare, simulate
-from moesim.sim.serving import WorkloadConfig, arrival_times, kv_budget_tokens, serve
+from moesim.sim.serving import kv_budget_tokens, serve
+from moesim.sim.workload import WorkloadConfig, arrival_times
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 
 REPO = Path(__file__).resolve().parents[2]
@@ -436,7 +437,7 @@ def test_a_trace_that_logged_some_layers_is_served_on_those_layers(tmp_path):
                                                   ("workload.concurrency", "0", "1")])
 def test_a_workload_number_valid_only_above_zero_asks_for_that(key, raw, suggestion):
     """qps=-1 was told 'give a value >= 0', and then 0 was refused too."""
-    from moesim.sim.serving import split_settings
+    from moesim.sim.workload import split_settings
     name = key.removeprefix("workload.")
     with pytest.raises(ConfigError, match=rf"^field '{key}': {name} must be above 0, got {raw} "
                                           rf"\(fix: use e.g. {suggestion}\)$"):
