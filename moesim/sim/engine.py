@@ -27,7 +27,6 @@ costs one SimPy timeout, which is what lets a
 
 from __future__ import annotations
 
-import heapq
 import time
 from typing import Callable, Iterator
 
@@ -47,17 +46,16 @@ from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.dram import Ledger, share
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
+from moesim.sim.transfers import Transfers
 from moesim.trace.io import OneRowLayers, Step, iter_steps
 from moesim.trace.schema import PHASES
 
 
-#: the transfers that make an expert resident when they end (not stage, chunk or write-back)
-CACHED_KINDS = frozenset({"load", "prefetch"})
 #: breakdown categories of a step's work outside its MoE layers, besides the dense layers' attention
 FIXED_CATEGORIES = ("dense_ffn", "embedding", "lm_head", "sampling", "launch", "host")
 
 
-class Simulator:
+class Simulator(Transfers):
     """One replay of one trace under one system."""
 
     def __init__(self, trace_path: str, model: ModelSpec, profile: HardwareProfile, system: ComposedSystem,
@@ -169,124 +167,6 @@ class Simulator:
               expert: int = -1, tokens: int = 0) -> None:
         if end > start:
             self.timeline.append((resource, lane, start, end, kind, step, layer, expert, tokens))  # type: ignore
-
-    def _retire(self, t: float) -> None:
-        """Make transfers finished by ``t`` resident."""
-        pending, in_flight, resident = self.pending, self.cache.in_flight, self.cache.resident
-        pcie = self.pcie
-        if pcie.queue:
-            pcie.advance(t)
-        done, pop, timeline = pcie.unretired, heapq.heappop, self.timeline
-        while done and done[0][0] <= t:
-            end, _, transfer = pop(done)
-            if transfer.end != end or transfer.retired:
-                continue  # stale: the transfer was re-laid later
-            transfer.retired = True
-            if transfer.kind in CACHED_KINDS:
-                layer, expert = transfer.layer, transfer.expert
-                del pending[layer][expert]
-                in_flight[layer].discard(expert)  # CacheState.finish_load, inlined: this runs per transfer
-                resident[layer].add(expert)
-                if transfer.tail:
-                    if timeline is not None:
-                        self._writeback_span(pcie.tails[transfer.engine], t)  # ended before this one began
-                    pcie.tails[transfer.engine] = transfer
-            if timeline is not None:
-                self._span("pcie", transfer.engine, transfer.start or 0.0, transfer.end or 0.0, transfer.kind,
-                           transfer.step, transfer.layer, transfer.expert)
-        if self.dram.intervals:
-            self.dram.prune(t)
-
-    def _writeback_span(self, load: Transfer | None, t: float) -> None:
-        """The timeline span of ``load``'s write-back tail if it ended by ``t`` (as a retired transfer's)."""
-        if load is not None and load.evicted is not None and load.end + load.tail <= t:  # type: ignore[operator]
-            self._span("pcie", load.engine, load.end, load.end + load.tail, "writeback", load.step,  # type: ignore
-                       *load.evicted)
-
-    def _submit_loads(self, layer: int, experts: list[int], step: int, at: float,
-                      writebacks: list[tuple[int, int]] | None = None) -> None:
-        """Demand loads of one plan, submitted together (the common case of every cache miss); each
-        write-back (a device-to-host copy of an evicted expert) right after the load that takes its slot,
-        as that load's tail (:class:`~moesim.sim.copies.Transfer`), the others after the loads."""
-        self.cache.start_loads(layer, experts)
-        pending = self.pending[layer]
-        nbytes = self.costs.expert_bytes
-        batch = []
-        back = writebacks or ()
-        tail = self._writeback_seconds() if back else 0.0
-        seq = self._seq
-        for e in experts:
-            seq += 1
-            pending[e] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
-            batch.append(transfer)
-        for transfer, evicted in zip(batch, back):  # the i-th write-back rides on the i-th load
-            transfer.tail = tail
-            transfer.evicted = evicted
-        for evicted in back[len(experts):]:
-            seq += 1
-            batch.append(self._writeback(evicted, step, at, seq))
-        self._seq = seq
-        self.pcie.submit_demands(batch, at)
-
-    def _load_at_once(self, layer: int, experts: list[int], writebacks: list[tuple[int, int]], step: int,
-                      at: float) -> dict[int, float]:
-        """:meth:`_submit_loads` of a decode layer's loads that the idle copy engine takes at once
-        (:meth:`~moesim.sim.copies.CopyEngines.idle_at`), in a layer whose CPU work cannot contend with them
-        for DRAM: when each arrives, by expert, with no transfer placed.
-
-        Each expert is resident from here on, in plan order as its retirement would make it: this layer's
-        GPU track waits for its arrival (``loaded``), the layer ends after it, and everything else that
-        looks at the cache before the next layer (a prefetch's slot checks) counts it as in flight would. The
-        schedule, busy time and bytes are those of :meth:`_submit_loads`; a load carrying a write-back
-        (``writebacks``, at most one each) keeps the engine busy for its tail, and the last one is kept as
-        the engine's retired tail.
-        """
-        self.cache.check_loads(layer, experts)
-        tail = self._writeback_seconds() if writebacks else 0.0
-        nbytes = self.costs.expert_bytes
-        first_start, ends = self.pcie.lay_demands(len(experts), nbytes, at, len(writebacks), tail)
-        first_seq = self._seq + 1
-        self._seq += len(experts)
-        if writebacks:
-            i = len(writebacks) - 1
-            start = ends[i - 1] + tail if i else first_start  # the copy before it and its tail end there
-            self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", first_seq + i, at, step, start,
-                                          ends[i], -1, 0, True, 0.0, tail, writebacks[i])
-        resident = self.cache.resident[layer]
-        for e in experts:
-            resident.add(e)
-        return dict(zip(experts, ends))
-
-    def _writeback_seconds(self) -> float:
-        if self._writeback_s is None:
-            self._writeback_s = self.costs.d2h(self.costs.expert_bytes)
-        return self._writeback_s
-
-    def _writeback(self, evicted: tuple[int, int], step: int, at: float, seq: int) -> Transfer:
-        return Transfer(evicted[0], evicted[1], 0, 0, "writeback", seq, at, step, None, None, -1, 0, False,
-                        self._writeback_seconds())
-
-    def _stage(self, layer: int, experts: list[int], step: int, at: float) -> dict[int, Transfer]:
-        """Copies of streamed experts into the free staging buffers, submitted together at ``at`` (as
-        :meth:`_submit` would one by one), by expert."""
-        nbytes, seq = self.costs.expert_bytes, self._seq
-        staged = {}
-        for e in experts:
-            seq += 1
-            staged[e] = Transfer(layer, e, nbytes, 0, "stage", seq, at, step)
-        self._seq = seq
-        self.pcie.submit_demands(list(staged.values()), at)
-        return staged
-
-    def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
-        self._seq += 1
-        transfer = Transfer(layer, expert, self.costs.expert_bytes, 1 if kind == "prefetch" else 0, kind,
-                            self._seq, at, step)
-        if kind != "stage":
-            self.cache.start_load(layer, expert)
-            self.pending[layer][expert] = transfer
-        self.pcie.submit(transfer)
-        return transfer
 
     # ------------------------------------------------------------------ cost lookups (memoised)
     def _attention_s(self, tokens: int, context: int) -> float:
@@ -496,30 +376,6 @@ class Simulator:
             if layer == self.model.num_layers - 1:
                 end = max(end, self.deferred_until)  # nothing later to overlap with
         return end
-
-    def _prefetch(self, plan: LayerPlan, s: int, layer: int, at: float) -> None:
-        """The plan's prefetches, queued in plan order at ``at`` (as :meth:`_submit` would, one call)."""
-        cache, pending, prefetched, decisions = self.cache, self.pending, self.prefetched, self.decisions
-        nbytes, seq = self.costs.expert_bytes, self._seq
-        batch = []
-        for lay, e in plan.prefetches:
-            seq += 1
-            cache.start_load(lay, e)
-            pending[lay][e] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
-            batch.append(transfer)
-            prefetched[lay].add(e)
-            if decisions is not None:
-                decisions.append((s, layer, e, "prefetch", lay))
-        self._seq = seq
-        self.pcie.submit_prefetches(batch, at)
-
-    def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
-        """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""
-        for transfer in self.pcie.cancel_queued(t, kind="prefetch", keep=keep):
-            self.pending[transfer.layer].pop(transfer.expert, None)
-            self.cache.in_flight[transfer.layer].discard(transfer.expert)
-            self.prefetched[transfer.layer].discard(transfer.expert)
-            self.counters.cancelled_prefetches += 1
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""
