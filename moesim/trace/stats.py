@@ -40,6 +40,7 @@ from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
 from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
 # the tables and sparklines of `trace inspect` and `trace compare`, re-exported: moesim.trace.stats keeps every name
 from moesim.trace.stats_render import _layer_list, render_comparison, render_distances, render_stats, sparkline
+from moesim.trace.validate import checked_meta
 
 CHUNK_ROWS = 65_536
 COACTIVATION_PEERS = 4
@@ -345,8 +346,14 @@ def _accumulate(path: PathLike) -> tuple[Any, _Accumulator]:
     return meta, acc
 
 
-def trace_stats(path: PathLike) -> dict[str, Any]:
-    """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring)."""
+def trace_stats(path: PathLike, *, validate: bool = True) -> dict[str, Any]:
+    """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring).
+
+    The validation pass runs first, so a malformed file is one error naming its fault (an expert id out of
+    range made the counting fail mid-way); ``validate=False`` skips it for a trace this process just wrote.
+    """
+    if validate:
+        checked_meta(path)
     meta, acc = _accumulate(path)
     return _stats(meta, acc)
 
@@ -479,7 +486,10 @@ def _layer_span(first: int, end: int) -> str:
 
 
 def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
-    """Both traces' statistics (``a``, ``b``) and the distances of B from A (:func:`trace_distances`)."""
+    """Both traces' statistics (``a``, ``b``) and the distances of B from A (:func:`trace_distances`), after
+    the validation pass over each."""
+    checked_meta(first)
+    checked_meta(second)
     meta_a, acc_a = _accumulate(first)
     meta_b, acc_b = _accumulate(second)
     return {"a": _stats(meta_a, acc_a), "b": _stats(meta_b, acc_b), "distances": trace_distances(acc_a, acc_b)}

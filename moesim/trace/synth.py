@@ -590,7 +590,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
                 progress(name)
             candidate = dataclasses.replace(params, predictors=False)
             config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, **compared)
-            return trace_stats(synthesize(config, Path(folder) / f"fit-{evaluations}.parquet"))
+            return trace_stats(synthesize(config, Path(folder) / f"fit-{evaluations}.parquet"), validate=False)
 
         def bisect(params: SynthParams, name: str, stat: str) -> SynthParams:
             lo, hi = FIT_RANGES[name]

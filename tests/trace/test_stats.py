@@ -149,3 +149,27 @@ def test_sparkline_scales_between_min_and_max():
 def test_missing_file_is_one_line_error(tmp_path, capsys):
     assert main(["trace", "inspect", str(tmp_path / "nope.parquet")]) == 2
     assert "file not found" in capsys.readouterr().err
+
+
+def write_toy_with_expert(path, expert: int) -> None:
+    """The toy trace with the first row's last routed expert replaced by ``expert``."""
+    cols = list(zip(*ROWS))
+    experts = np.array(cols[5])
+    experts[0, 2] = expert
+    data = {"step": cols[0], "layer": cols[1], "request": cols[2], "position": cols[3],
+            "phase": np.array(cols[4], dtype=np.int8), "experts": experts}
+    write_trace(path, data, TraceMeta(model=TOY, source={"kind": "synthetic"}))
+
+
+@pytest.mark.parametrize("expert", [7, 40])
+def test_statistics_of_an_expert_id_out_of_range_are_refused_naming_file_and_field(tmp_path, toy, expert):
+    # 7 (of 6 experts) was counted silently as layer 1's expert 1; 40 failed with a numpy broadcast error
+    from moesim.errors import TraceFormatError
+    from moesim.trace.stats import compare_traces
+    bad = tmp_path / "bad.parquet"
+    write_toy_with_expert(bad, expert)
+    with pytest.raises(TraceFormatError) as raised:
+        trace_stats(bad)
+    assert (raised.value.source, raised.value.field, raised.value.row) == (str(bad), "experts", 0)
+    with pytest.raises(TraceFormatError, match="bad.parquet"):
+        compare_traces(toy, bad)

@@ -156,3 +156,16 @@ def test_requests_without_a_prompt_are_left_out_of_the_prompt_length(tmp_path):
     assert stats["requests_with_prompt"] == 0 and trace_shape(stats)["prompt_len"] == 1
     assert ("none of the trace's 2 requests has a prompt (0 prefill tokens): the synthetic requests get a 1-token "
             "prompt, the shortest the generator writes") in fit_params(decode_only, rounds=1, steps=1).notes
+
+
+def test_fit_to_a_malformed_trace_is_one_error_line_and_writes_nothing(tmp_path, capsys):
+    """An expert id past the model's experts (a damaged file) stopped the fit with an internal error
+    (numpy broadcast, exit 1); now the validation pass names file, field and row (exit 2)."""
+    from tests.trace.test_stats import write_toy_with_expert
+    bad, out = tmp_path / "bad.parquet", tmp_path / "like.parquet"
+    write_toy_with_expert(bad, 40)
+    assert main(["trace", "synth", "--fit", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "bad.parquet" in err and "'experts'" in err and "row 0" in err and "internal error" not in err
+    assert not out.exists()
