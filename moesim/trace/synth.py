@@ -109,13 +109,17 @@ class _RequestRouter:
 
     def _generate(self, n: int) -> dict[str, np.ndarray]:
         k = self.model.top_k
-        z = self._logits(n) * self.params.score_scale
-        z -= z.max(axis=2, keepdims=True)
-        np.exp(z, out=z)
+        logits = self._logits(n) * self.params.score_scale
+        logits -= logits.max(axis=2, keepdims=True)
+        z = np.exp(logits)
         z /= z.sum(axis=2, keepdims=True)
         scores = z.astype(np.float16)
         width = min(2 * k, self.model.num_experts)
-        values = scores.astype(np.float32)
+        # experts ranked by their stored score; those it rounds to 0 (a large score_scale) by their logit,
+        # all below the smallest nonzero score: a tie at 0 was taken in index order, routing to expert 0
+        values = scores.astype(np.float64)
+        zero = scores == 0
+        values[zero] = logits[zero] - 1.0
         top = np.argpartition(-values, width - 1, axis=2)[:, :, :width]
         order = np.argsort(-np.take_along_axis(values, top, axis=2), axis=2, kind="stable")
         ranking = np.take_along_axis(top, order, axis=2).astype(np.int16)
