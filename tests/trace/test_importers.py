@@ -573,3 +573,21 @@ def test_a_flame_moe_npz_with_too_few_token_ids_names_token_ids(tmp_path):
     assert err.value.field == "token_ids"
     assert "2 token ids for the 3 tokens of 'indices' and 'scores'" in str(err.value)
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_bytes_that_are_not_utf8_are_located_by_line_deep_in_a_log(tmp_path, capsys):
+    """The error gave 'byte 1004' for a bad byte at byte 435,180 of the file (the decoder's offset in its
+    buffer) and no line; it names the line now, and the byte within it."""
+    rows = [json.dumps(_spec_row(0, t, [1, 2], [0.6, 0.4])).encode() for t in range(3000)]
+    rows[2500] = rows[2500].replace(b'"humaneval"', b'"human\xffeval"')
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", "--format", "speculative-moe", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path} line 2501" in err and "field 'line'" in err
+    bad_byte = rows[2500].index(b"\xff") + 1
+    assert f"byte {bad_byte} of the line" in err
+    assert not out.exists()
+

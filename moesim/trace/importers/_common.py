@@ -33,9 +33,15 @@ def where(path: Path, line: int | None = None, unit: str = "line") -> str:
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line number, object) for every non-blank line; bad JSON is a one-line error."""
-    with open(path, encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
+    """(1-based line number, object) for every non-blank line; bad JSON or bytes that are not UTF-8 are a
+    one-line error naming the line (decoded line by line: a decoder's byte offset counts from its buffer)."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise TraceFormatError(f"not UTF-8 text (byte {err.start + 1} of the line)", source=where(path, number),
+                                       field="line", fix="repair or delete the garbled line") from None
             if not text.strip():
                 continue
             try:
