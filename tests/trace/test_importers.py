@@ -591,3 +591,17 @@ def test_bytes_that_are_not_utf8_are_located_by_line_deep_in_a_log(tmp_path, cap
     assert f"byte {bad_byte} of the line" in err
     assert not out.exists()
 
+
+@pytest.mark.parametrize("fmt", [None, "speculative-moe"])
+def test_a_gzip_compressed_log_is_refused_with_how_to_decompress_it(tmp_path, capsys, fmt):
+    """It was 'cannot tell which tool wrote this log' (no --format) or 'not UTF-8 text (byte 1)' (--format)."""
+    import gzip
+    path = tmp_path / "routing.jsonl.gz"
+    path.write_bytes(gzip.compress(json.dumps(_spec_row(0, 0, [1, 2], [0.6, 0.4])).encode() + b"\n"))
+    out = tmp_path / "t.parquet"
+    args = ["trace", "import", str(path), "--out", str(out)] + (["--format", fmt] if fmt else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path}: gzip-compressed" in err and f"gzip -dc {path} > {tmp_path / 'routing.jsonl'}" in err
+    assert not out.exists()

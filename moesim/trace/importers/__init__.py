@@ -50,6 +50,24 @@ def _folder_fix(path: Path) -> str:
     return f"name its log files instead: {shown}"
 
 
+#: the first bytes of compressed files: (what, the file suffix it gets, the tool that writes it to stdout with -dc)
+_COMPRESSED = {b"\x1f\x8b": ("gzip", ".gz", "gzip"), b"\x28\xb5\x2f\xfd": ("zstd", ".zst", "zstd"),
+               b"BZh": ("bzip2", ".bz2", "bzip2"), b"\xfd7zXZ\x00": ("xz", ".xz", "xz")}
+
+
+def _refuse_compressed(path: Path) -> None:
+    """A compressed log is no format's layout: say so (it was 'cannot tell which tool wrote this log', or a
+    UTF-8 error at byte 1 with --format) and how to decompress it."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    for magic, (kind, suffix, tool) in _COMPRESSED.items():
+        if head.startswith(magic):
+            plain = path.with_suffix("") if path.suffix == suffix else Path("log.jsonl")
+            raise TraceFormatError(f"{kind}-compressed; the importers read the log as its tool wrote it",
+                                   source=str(path), fix=f"decompress it first ({tool} -dc {path} > {plain}) and "
+                                                         "import that")
+
+
 def available_formats() -> list[str]:
     return sorted(FORMATS)
 
@@ -73,6 +91,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
     for path in sources:
         if not path.is_file():
             raise TraceFormatError("not a file", source=str(path), fix=_folder_fix(path))
+        _refuse_compressed(path)
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(sources)
