@@ -167,7 +167,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
                 batch: int | None, seed: int, settings: tuple[str, ...], fit: str | None, no_scores: bool,
                 help_params: bool, out: str | None) -> None:
     """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
-    from moesim.trace.synth import SynthConfig, synthesize
+    from moesim.trace.synth import SynthConfig, synth_rows, synthesize
     if help_params:
         _print_synth_params(model)
         return
@@ -192,9 +192,12 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
     if fit is not None:
         config.fitted_to = fit
     _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
-    with open_output(out, "--out") as path:
-        synthesize(config, path)
-    say_wrote(console, f"wrote {out}")
+    from moesim.progress import Progress
+    rows = synth_rows(config)
+    with Progress("trace synth", total=rows, unit="rows", console=err_console) as bar, \
+            open_output(out, "--out") as path:
+        synthesize(config, path, progress=bar.advance)
+    say_wrote(console, f"wrote {out}: {rows:,} rows")
 
 
 #: positions and steps are int32 in a trace; rows beyond this would take days to write anyway

@@ -257,8 +257,9 @@ def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
             step += n
 
 
-def synthesize(config: SynthConfig, out: Path | str) -> Path:
-    """Write the synthetic trace described by ``config`` to ``out`` (atomically); return its path."""
+def synthesize(config: SynthConfig, out: Path | str, progress: Callable[[int], None] | None = None) -> Path:
+    """Write the synthetic trace described by ``config`` to ``out`` (atomically); return its path.
+    ``progress`` is called with the number of rows of each block written (:func:`synth_rows` in all)."""
     config.params.check(config.model.num_experts)
     layout = _Layout.draw(config.model, config.params, np.random.default_rng([config.seed, 0]))
     meta = TraceMeta(model=config.model, source=config.source(),
@@ -269,7 +270,14 @@ def synthesize(config: SynthConfig, out: Path | str) -> Path:
     with TraceWriter(out, meta, columns) as writer:
         for data in _batches(config, layout):
             writer.write(data)
+            if progress is not None:
+                progress(len(data["step"]))
     return Path(out)
+
+
+def synth_rows(config: SynthConfig) -> int:
+    """Rows of the trace ``config`` describes: one per token of every request at every MoE layer."""
+    return config.requests * (config.prompt_len + config.decode_len) * config.model.num_layers
 
 
 # ----------------------------------------------------------------------------- fitting to a real trace
@@ -455,4 +463,4 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
 
 __all__ = ["CHUNK_ELEMENTS", "FIT_MAX_TOKENS", "FIT_RANGES", "FIT_TARGETS", "LOGIT_LIMIT", "PARAM_RANGES", "FitResult",
            "SynthConfig", "SynthParams", "anchor_defaults", "default_renormalized", "fit_params", "fit_shape",
-           "synthesize", "trace_shape"]
+           "synth_rows", "synthesize", "trace_shape"]

@@ -214,3 +214,12 @@ def test_score_scale_sharpens_the_scores_and_leaves_the_routing(tmp_path, model)
     for stat in ("top10_share", "reuse_prev_token", "coactivation_top4_share"):
         assert sharp_stats[stat] == pytest.approx(plain_stats[stat], abs=0.01)
     assert sharp_stats["weight_top1_share"] > plain_stats["weight_top1_share"] + 0.1
+
+
+def test_synthesize_reports_every_row_it_writes(tmp_path):
+    from moesim.trace.synth import synth_rows
+    config = SynthConfig.from_settings(model="mixtral-8x7b", requests=3, prompt_len=4, decode_len=70, batch=2,
+                                       settings={"predictors": False}, scores=False)
+    written: list[int] = []
+    synthesize(config, tmp_path / "s.parquet", progress=written.append)
+    assert len(written) > 1 and sum(written) == synth_rows(config) == 3 * 74 * 32
