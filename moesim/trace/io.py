@@ -1,4 +1,4 @@
-"""Reading, writing and validating traces (format v2, and v1 read as well).
+"""Reading traces (format v2, and v1 read as well); the writer is :mod:`moesim.trace.writer`, re-exported here.
 
 The writer streams row groups into a temporary file and renames it into place
 on close, so a trace appears whole or not at all. The reader streams one
@@ -13,127 +13,18 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moesim.errors import TraceFormatError
-from moesim.util import tmp_path_for
-from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS,
-                                 REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type, score_rows,
-                                 scores_to_arrow)
-
-ROW_GROUP_ROWS = 262_144
-PathLike = str | os.PathLike
-#: columns written without a dictionary: float16 router probabilities repeat too little for one to pay
-#: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
-#: is 5 to 8 times slower than plain ones (benchmarks/validate_speed.py reads this column in full)
-PLAIN_COLUMNS = ("scores",)
-#: columns written uncompressed: zstd took 13% off a 4,096-token DeepSeek-V3 prefill's scores (101 MiB
-#: against 116) and made reading them five times slower (0.24 s against 0.05, benchmarks/trace_io.py
-#: --scores); snappy and lz4 took nothing off
-UNCOMPRESSED_COLUMNS = ("scores",)
-
-
-def parquet_options(columns: Sequence[str]) -> dict[str, Any]:
-    """Writer options of a trace with these columns (zstd but :data:`UNCOMPRESSED_COLUMNS`; dictionaries but
-    :data:`PLAIN_COLUMNS`)."""
-    return {"compression": {c: "none" if c in UNCOMPRESSED_COLUMNS else "zstd" for c in columns},
-            "use_dictionary": [c for c in columns if c not in PLAIN_COLUMNS]}
-
-
-# ----------------------------------------------------------------------------- writing
-def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
-    model = meta.model
-    typ = column_type(name, model.top_k, model.num_experts)
-    if name == "scores":
-        return scores_to_arrow(values, model.num_experts)
-    if name == "phase":
-        codes = np.asarray(values)
-        if codes.dtype.kind in "US" or codes.dtype == object:
-            lookup = {p: i for i, p in enumerate(PHASES)}
-            codes = np.array([lookup[str(v)] for v in codes], dtype=np.int8)
-        return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int8)), pa.array(PHASES))
-    if isinstance(typ, pa.FixedSizeListType):
-        width = typ.list_size
-        flat = np.ascontiguousarray(values, dtype=typ.value_type.to_pandas_dtype()).reshape(-1)
-        if flat.size % width:
-            raise ValueError(f"column {name}: {flat.size} values is not a multiple of {width}")
-        return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=typ.value_type), width)
-    if isinstance(typ, pa.ListType):
-        if isinstance(values, tuple) and len(values) == 2:  # (offsets, flat values)
-            offsets, flat = values
-            return pa.ListArray.from_arrays(pa.array(np.asarray(offsets, dtype=np.int32)),
-                                            pa.array(np.asarray(flat, dtype=np.int16)))
-        return pa.array([list(map(int, v)) for v in values], type=typ)
-    return pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
-
-
-class TraceWriter:
-    """Write a trace (format v2) in batches; the file appears at ``path`` only on a clean close.
-
-    ``columns`` names the optional columns the trace will carry besides the
-    required ones. Each :meth:`write` takes a mapping of column name to values:
-    1-D arrays for scalar columns, ``(n, top_k)`` / ``(n, num_experts)`` arrays for
-    the fixed lists, and sequences of id lists (or ``(offsets, values)``) for
-    predictor columns. Rows must already be in trace order.
-    """
-
-    def __init__(self, path: PathLike, meta: TraceMeta, columns: Sequence[str] = ()) -> None:
-        unknown = [c for c in columns if c not in OPTIONAL_COLUMNS]
-        if unknown:
-            raise ValueError(f"unknown optional column(s): {unknown}")
-        self.path = Path(path)
-        self.meta = meta
-        self.columns = list(REQUIRED_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in columns]
-        self.schema = arrow_schema(meta, self.columns)
-        self.rows = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = tmp_path_for(self.path)  # also removes leftovers of writers that died
-        options = parquet_options(self.columns)
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, **options)
-
-    def write(self, data: Mapping[str, Any]) -> None:
-        missing = [c for c in self.columns if c not in data]
-        if missing:
-            raise ValueError(f"batch lacks column(s) {missing}")
-        arrays = [_to_arrow(c, data[c], self.meta) for c in self.columns]
-        table = pa.Table.from_arrays(arrays, schema=self.schema)
-        assert self._writer is not None, "writer already closed"
-        self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
-        self.rows += table.num_rows
-
-    def close(self) -> Path:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-            os.replace(self._tmp, self.path)
-        return self.path
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        self._tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-def write_trace(path: PathLike, data: Mapping[str, Any], meta: TraceMeta) -> Path:
-    """Write a whole trace in one call (rows already sorted in trace order)."""
-    optional = [c for c in OPTIONAL_COLUMNS if c in data]
-    with TraceWriter(path, meta, optional) as writer:
-        writer.write(data)
-    return Path(path)
+from moesim.trace.schema import (META_KEY, OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, TraceMeta,
+                                 score_rows)
+# the writer, re-exported: moesim.trace.io keeps every name
+from moesim.trace.writer import (PLAIN_COLUMNS, ROW_GROUP_ROWS, UNCOMPRESSED_COLUMNS, PathLike, TraceWriter,
+                                 parquet_options, write_trace)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -611,3 +502,8 @@ def read_frame(path: PathLike, columns: Sequence[str] | None = None) -> Any:
         scores = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
         table = table.set_column(table.column_names.index("scores"), "scores", scores)
     return table.to_pandas()
+
+
+__all__ = ["PARQUET_MAGIC", "PLAIN_COLUMNS", "ROW_GROUP_ROWS", "UNCOMPRESSED_COLUMNS", "OneRowLayers", "PathLike", "Step",
+           "TraceWriter", "iter_columns", "iter_steps", "keep_decoded", "keeping_decoded", "not_parquet",
+           "parquet_options", "read_frame", "read_meta", "read_table", "step_range", "trace_columns", "write_trace"]
