@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, parquet_options, read_meta
 from moesim.trace.schema import META_KEY, SCHEMA_VERSION, column_type, score_rows, scores_to_arrow
 from moesim.trace.validate import validate_trace
+from moesim.trace.writer import refuse_folder
 from moesim.util import tmp_path_for
 
 
@@ -36,6 +37,7 @@ class Upgrade:
 
 def upgrade_trace(path: PathLike, out: PathLike) -> Upgrade:
     """Validate ``path`` and write it to ``out`` in format v2, a row group at a time."""
+    refuse_folder(Path(out))
     validate_trace(path)
     meta = read_meta(path)
     num_experts = meta.model.num_experts

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moesim.errors import TraceFormatError
 from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, REQUIRED_COLUMNS, TraceMeta, arrow_schema, column_type,
                                  scores_to_arrow)
 from moesim.util import tmp_path_for
@@ -60,6 +61,14 @@ def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
     return pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
 
 
+def refuse_folder(out: Path) -> None:
+    """An output trace named as an existing folder is refused before any work (the rename into place failed
+    with IsADirectoryError once the whole trace was written)."""
+    if out.is_dir():
+        raise TraceFormatError("output path is a directory", source=str(out), field="out",
+                               fix=f"give a file name ending in .parquet, e.g. {out / 'trace.parquet'}")
+
+
 class TraceWriter:
     """Write a trace (format v2) in batches; the file appears at ``path`` only on a clean close.
 
@@ -75,6 +84,7 @@ class TraceWriter:
         if unknown:
             raise ValueError(f"unknown optional column(s): {unknown}")
         self.path = Path(path)
+        refuse_folder(self.path)
         self.meta = meta
         self.columns = list(REQUIRED_COLUMNS) + [c for c in OPTIONAL_COLUMNS if c in columns]
         self.schema = arrow_schema(meta, self.columns)
@@ -98,7 +108,11 @@ class TraceWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-            os.replace(self._tmp, self.path)
+            try:
+                os.replace(self._tmp, self.path)
+            except OSError:  # the file written stays nowhere: no temporary file left behind
+                self._tmp.unlink(missing_ok=True)
+                raise
         return self.path
 
     def abort(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -75,3 +76,16 @@ def test_a_faulty_trace_is_refused_and_nothing_is_written(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "field 'layer'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.parquet", "v1.parquet", "v2.parquet"]
+
+
+def test_upgrade_to_a_folder_is_refused_before_reading_the_trace(tmp_path):
+    """moesim.trace.upgrade.upgrade_trace wrote the whole trace, then failed with IsADirectoryError."""
+    import pytest
+
+    from moesim.errors import TraceFormatError
+    folder = tmp_path / "v2.parquet"
+    folder.mkdir()
+    with pytest.raises(TraceFormatError, match="output path is a directory") as raised:
+        upgrade_trace(_version_1(tmp_path), folder)
+    assert raised.value.field == "out"
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]

@@ -1,0 +1,38 @@
+"""TraceWriter: a trace appears whole at its path or not at all, and a path it cannot take is refused first."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from moesim.errors import TraceFormatError
+from moesim.model.spec import ModelSpec
+from moesim.trace import writer as writer_mod
+from moesim.trace.schema import TraceMeta
+from moesim.trace.writer import TraceWriter, write_trace
+
+MODEL = ModelSpec(name="tiny", num_layers=2, num_experts=4, top_k=2, hidden_size=8, moe_intermediate_size=16)
+ROWS = {"request": [0, 0], "step": [0, 0], "phase": ["prefill", "prefill"], "position": [0, 0], "layer": [0, 1],
+        "experts": np.array([[0, 1], [2, 3]])}
+
+
+def test_a_folder_as_the_output_is_refused_before_anything_is_written(tmp_path):
+    """It failed at the very end with IsADirectoryError from the rename, the temporary file left beside."""
+    folder = tmp_path / "out.parquet"
+    folder.mkdir()
+    with pytest.raises(TraceFormatError) as raised:
+        TraceWriter(folder, TraceMeta(model=MODEL))
+    assert (raised.value.source, raised.value.field) == (str(folder), "out")
+    assert "directory" in str(raised.value) and str(folder / "trace.parquet") in raised.value.fix
+    assert sorted(os.listdir(tmp_path)) == ["out.parquet"] and not os.listdir(folder)
+
+
+def test_a_failed_rename_into_place_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+    monkeypatch.setattr(writer_mod.os, "replace", refuse)
+    with pytest.raises(PermissionError):
+        write_trace(tmp_path / "t.parquet", ROWS, TraceMeta(model=MODEL))
+    assert os.listdir(tmp_path) == []
