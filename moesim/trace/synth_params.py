@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import numpy as np
 
 from moesim.errors import ConfigError, did_you_mean
 from moesim.model.presets import load_preset
@@ -137,8 +140,34 @@ def _coerce(name: str, text: str, kind: type) -> Any:
             return lowered in ("true", "1", "yes")
         return kind(text)
     except ValueError:
-        raise ConfigError(f"'{text}' is not a {kind.__name__}", field=name,
-                          fix=f"--set {name}=<{kind.__name__}>") from None
+        raise ConfigError(f"'{text}' is not {_a(kind)}", field=name, fix=f"--set {name}=<{kind.__name__}>") from None
+
+
+def _a(kind: type) -> str:
+    return f"{'an' if kind.__name__[0] in 'aeiou' else 'a'} {kind.__name__}"
+
+
+def _setting(name: str, value: Any, kind: type) -> Any:
+    """A generator parameter as its type: text as ``--set`` gives it, or a Python value that is one of that
+    type (2.5 for an int was cut to 2, and 0.5 for a bool read as true, silently)."""
+    if isinstance(value, str):
+        return _coerce(name, value, kind)
+    if kind is bool:
+        fits = isinstance(value, (bool, np.bool_)) or (_whole(value) and value in (0, 1))
+    elif kind is int:
+        fits = _whole(value)
+    else:
+        fits = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if not fits:
+        raise ConfigError(f"{value!r} is not {_a(kind)}", field=name, fix=f"give {name} {_a(kind)}")
+    return kind(value)
+
+
+def _whole(value: Any) -> bool:
+    """An integer (not a bool), or a float without a fraction."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    return isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
 
 
 @dataclass
@@ -170,8 +199,12 @@ class SynthConfig:
                 raise ConfigError(f"unknown generator parameter '{key}'", field=key,
                                   fix=f"{did_you_mean(key, kinds)}valid keys: {', '.join(sorted(kinds))}")
             kind = types[str(kinds[key])]
-            setattr(params, key, _coerce(key, value, kind) if isinstance(value, str) else kind(value))
+            setattr(params, key, _setting(key, value, kind))
         params.check(spec.num_experts)
+        for name, value in (("requests", requests), ("prompt_len", prompt_len), ("batch", batch), ("seed", seed),
+                            ("decode_len", decode_len)):
+            if not _whole(value):  # requests="2" failed with a TypeError from the comparison below
+                raise ConfigError(f"must be a whole number, got {value!r}", field=name, fix=f"e.g. {name}=2")
         for name, value in (("requests", requests), ("prompt_len", prompt_len), ("batch", batch)):
             if value < 1:
                 raise ConfigError(f"must be at least 1, got {value}", field=name)
@@ -179,8 +212,8 @@ class SynthConfig:
             raise ConfigError(f"must not be negative, got {seed}", field="seed", fix="--seed 0")
         if decode_len < 0:
             raise ConfigError(f"must not be negative, got {decode_len}", field="decode_len")
-        return cls(model=spec, requests=requests, prompt_len=prompt_len, decode_len=decode_len,
-                   batch=batch, seed=seed, scores=scores, params=params)
+        return cls(model=spec, requests=int(requests), prompt_len=int(prompt_len), decode_len=int(decode_len),
+                   batch=int(batch), seed=int(seed), scores=scores, params=params)
 
     def source(self) -> dict[str, Any]:
         return {"kind": "synthetic", "generator": "moesim.trace.synth", "model": self.model.name,

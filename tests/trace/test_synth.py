@@ -223,3 +223,26 @@ def test_synthesize_reports_every_row_it_writes(tmp_path):
     written: list[int] = []
     synthesize(config, tmp_path / "s.parquet", progress=written.append)
     assert len(written) > 1 and sum(written) == synth_rows(config) == 3 * 74 * 32
+
+
+@pytest.mark.parametrize("settings, shape, field, words", [
+    ({"cluster_size": 2.5}, {}, "cluster_size", "2.5 is not an int"),  # was cut to 2
+    ({"renormalize": 0.5}, {}, "renormalize", "0.5 is not a bool"),  # was read as true
+    ({"predictors": 2}, {}, "predictors", "2 is not a bool"),
+    ({"skew_first": True}, {}, "skew_first", "True is not a float"),
+    ({"cluster_size": "2.5"}, {}, "cluster_size", "'2.5' is not an int"),  # text, as --set gives it
+    ({}, {"requests": "2"}, "requests", "whole number, got '2'"),  # was a TypeError
+    ({}, {"decode_len": 1.5}, "decode_len", "whole number, got 1.5"),
+])
+def test_settings_of_another_type_are_refused_not_converted(settings, shape, field, words):
+    with pytest.raises(ConfigError, match=words) as raised:
+        SynthConfig.from_settings(model="mixtral-8x7b", settings=settings, **shape)
+    assert raised.value.field == field
+
+
+def test_settings_given_as_python_values_of_their_type_are_taken():
+    config = SynthConfig.from_settings(model="mixtral-8x7b", requests=np.int64(2), settings={
+        "cluster_size": 4.0, "predictors": 0, "renormalize": np.bool_(False), "skew_first": 1})
+    params = config.params
+    assert (params.cluster_size, params.predictors, params.renormalize, params.skew_first) == (4, False, False, 1.0)
+    assert type(params.cluster_size) is int and type(config.requests) is int and config.requests == 2
