@@ -19,8 +19,7 @@ import pyarrow.parquet as pq
 from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, parquet_options, read_meta
 from moesim.trace.schema import META_KEY, SCHEMA_VERSION, column_type, score_rows, scores_to_arrow
 from moesim.trace.validate import validate_trace
-from moesim.trace.writer import refuse_folder
-from moesim.util import tmp_path_for
+from moesim.trace.writer import refuse_folder, writing_path
 
 
 @dataclass
@@ -43,7 +42,7 @@ def upgrade_trace(path: PathLike, out: PathLike) -> Upgrade:
     num_experts = meta.model.num_experts
     written = replace(meta, schema_version=SCHEMA_VERSION).to_json().encode()
     out = Path(out)
-    tmp = tmp_path_for(out)
+    tmp = writing_path(out)
     writer: pq.ParquetWriter | None = None
     rows, rewrote, has_scores = 0, False, False
     try:
@@ -63,9 +62,11 @@ def upgrade_trace(path: PathLike, out: PathLike) -> Upgrade:
         if writer is not None:
             writer.close()
             writer = None
-            os.replace(tmp, out)
+            if tmp != out:
+                os.replace(tmp, out)
     finally:
         if writer is not None:
             writer.close()
-        tmp.unlink(missing_ok=True)
+        if tmp != out:
+            tmp.unlink(missing_ok=True)
     return Upgrade(rows=rows, from_version=meta.schema_version, has_scores=has_scores, rewrote_scores=rewrote)

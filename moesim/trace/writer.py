@@ -4,6 +4,7 @@ into place on close, so a trace appears whole or not at all; the Parquet options
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -61,6 +62,17 @@ def _to_arrow(name: str, values: Any, meta: TraceMeta) -> pa.Array:
     return pa.array(np.asarray(values).astype(typ.to_pandas_dtype()), type=typ)
 
 
+def writing_path(out: Path) -> Path:
+    """Where a trace for ``out`` is written before it is renamed into place (leftovers of writers that died are
+    removed): a temporary name beside it, or ``out`` itself when it already is this process's staged file
+    (:func:`moesim.util.output_file` names it ``.NAME.PID.tmp.SUFFIX``; the command renames it into place at
+    its end and removes it on failure). A temporary name inside that one, ``..NAME.PID.tmp.SUFFIX.PID.tmp``,
+    was left behind by a ``kill -9`` and never removed: no later run looks for such names."""
+    if re.fullmatch(rf"\..+\.{os.getpid()}\.tmp(\.\w+)?", out.name):
+        return out
+    return tmp_path_for(out)
+
+
 def refuse_folder(out: Path) -> None:
     """An output trace named as an existing folder is refused before any work (the rename into place failed
     with IsADirectoryError once the whole trace was written)."""
@@ -90,7 +102,7 @@ class TraceWriter:
         self.schema = arrow_schema(meta, self.columns)
         self.rows = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = tmp_path_for(self.path)  # also removes leftovers of writers that died
+        self._tmp = writing_path(self.path)
         options = parquet_options(self.columns)
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, **options)
 
@@ -109,7 +121,8 @@ class TraceWriter:
             self._writer.close()
             self._writer = None
             try:
-                os.replace(self._tmp, self.path)
+                if self._tmp != self.path:
+                    os.replace(self._tmp, self.path)
             except OSError:  # the file written stays nowhere: no temporary file left behind
                 self._tmp.unlink(missing_ok=True)
                 raise

@@ -20,3 +20,30 @@ def test_synth_reports_progress_in_rows_on_stderr(tmp_path, capsys, monkeypatch)
     assert captured.out.strip() == f"wrote {out}: {rows:,} rows"
     assert read_meta(out).source["requests"] == 2
 
+
+
+def test_a_synthesis_killed_mid_way_leaves_nothing_the_next_run_does_not_remove(tmp_path):
+    """kill -9 during `trace synth` left a hidden ..NAME.PID.tmp.parquet.PID.tmp (hundreds of MB) that no
+    later run removed; now the next run to the same output removes what the killed one left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    out = tmp_path / "t.parquet"
+    out.write_bytes(b"before")
+    killed = subprocess.Popen([sys.executable, "-m", "moesim", "trace", "synth", "--model", "deepseek-v3",
+                               "--requests", "4", "--prompt-len", "512", "--decode-len", "4000", "--out", str(out)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:  # until it writes beside t.parquet
+            time.sleep(0.05)
+        time.sleep(0.3)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    assert len(os.listdir(tmp_path)) == 2 and out.read_bytes() == b"before"  # the output untouched
+    assert main(["trace", "synth", "--model", "mixtral-8x7b", "--prompt-len", "2", "--decode-len", "2",
+                 "--no-scores", "--out", str(out)]) == 0
+    assert os.listdir(tmp_path) == ["t.parquet"]

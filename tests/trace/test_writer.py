@@ -36,3 +36,18 @@ def test_a_failed_rename_into_place_leaves_no_temporary_file(tmp_path, monkeypat
     with pytest.raises(PermissionError):
         write_trace(tmp_path / "t.parquet", ROWS, TraceMeta(model=MODEL))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_staged_by_the_command_is_written_in_place_not_under_a_second_temporary_name(tmp_path):
+    """moesim.util.output_file stages a command's output as .NAME.PID.tmp.SUFFIX; the writer put its own
+    temporary file inside that name (..NAME.PID.tmp.SUFFIX.PID.tmp), which a kill -9 left behind for good."""
+    from moesim.util import output_file, staged_outputs
+    seen: list[str] = []
+    target = tmp_path / "t.parquet"
+    with staged_outputs(), output_file(target) as staged:
+        writer = TraceWriter(staged, TraceMeta(model=MODEL))
+        writer.write(ROWS)
+        seen = sorted(os.listdir(tmp_path))
+        writer.close()
+    assert seen == [staged.name] == [f".t.{os.getpid()}.tmp.parquet"]
+    assert os.listdir(tmp_path) == ["t.parquet"]
