@@ -46,13 +46,15 @@ def _open(path: PathLike) -> pq.ParquetFile:
     path = Path(path)
     if not path.exists():
         raise TraceFormatError("file not found", source=str(path), fix="check the path")
+    if path.is_dir():  # as the validation pass says it (it was 'not a Parquet file: convert the log')
+        raise TraceFormatError("is a folder, not a trace file", source=str(path), fix="give a .parquet file")
     try:
         return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError):
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4)
-        except OSError:  # a folder, say
+        except OSError:
             head = b""
         raise not_parquet(path, head) from None
 

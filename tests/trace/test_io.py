@@ -420,3 +420,16 @@ def test_layer_bounds_are_where_the_layer_changes_whichever_step_computed_them_f
                     layer=layer, phase=np.ones(len(layer), np.int8), experts=np.zeros((len(layer), 2), np.int16))
         change = [i for i in range(1, len(layer)) if layer[i] != layer[i - 1]]
         assert step.layer_bounds.tolist() == [0, *change, len(layer)]
+
+
+@pytest.mark.parametrize("reader", ["read_meta", "read_frame", "read_table", "iter_steps"])
+def test_a_folder_given_as_a_trace_is_named_a_folder(tmp_path, reader):
+    """Readers said 'not a Parquet file (fix: convert the log with `moesim trace import`)' of a folder."""
+    import moesim.trace.io as trace_io
+    from moesim.errors import TraceFormatError
+    folder = tmp_path / "run.parquet"
+    folder.mkdir()
+    with pytest.raises(TraceFormatError, match="is a folder, not a trace file") as raised:
+        result = getattr(trace_io, reader)(folder)
+        list(result) if reader == "iter_steps" else None
+    assert raised.value.source == str(folder) and raised.value.fix == "give a .parquet file"
