@@ -32,9 +32,32 @@ from moesim.trace.writer import (PLAIN_COLUMNS, ROW_GROUP_ROWS, UNCOMPRESSED_COL
 PARQUET_MAGIC = b"PAR1"
 
 
+#: the first bytes of compressed files: (what, the suffix such a file gets, the tool that writes it out with -dc)
+COMPRESSED_MAGIC = {b"\x1f\x8b": ("gzip", ".gz", "gzip"), b"\x28\xb5\x2f\xfd": ("zstd", ".zst", "zstd"),
+                    b"BZh": ("bzip2", ".bz2", "bzip2"), b"\xfd7zX": ("xz", ".xz", "xz")}
+
+
+def compressed(path: PathLike, head: bytes, why: str, plain: str) -> TraceFormatError | None:
+    """The error of a compressed file (``head``: its first four bytes or more), saying ``why`` that will not
+    do, with the command that decompresses it beside itself (as ``path`` less its suffix, or ``plain``; never
+    over a file that exists); None if it is not one."""
+    path = Path(path)
+    for magic, (kind, suffix, tool) in COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            target = path.with_suffix("") if path.suffix == suffix else path.with_name(plain)
+            if target.exists():
+                target = target.with_name(f"{target.stem}-decompressed{target.suffix}")
+            return TraceFormatError(f"{kind}-compressed; {why}", source=str(path),
+                                    fix=f"decompress it first ({tool} -dc {path} > {target}) and give that")
+    return None
+
+
 def not_parquet(path: PathLike, head: bytes, detail: str = "") -> TraceFormatError:
     """The error of a file Parquet cannot open: cut short or damaged when it starts as Parquet does
-    (``head``: its first bytes), else some other format (a tool's log)."""
+    (``head``: its first bytes), compressed, else some other format (a tool's log)."""
+    packed = compressed(path, head, "a trace is read as the Parquet file itself", "trace.parquet")
+    if packed is not None:  # it was 'not a Parquet file (fix: convert the log with moesim trace import)'
+        return packed
     if head[:4] == PARQUET_MAGIC:
         return TraceFormatError("a Parquet file cut short or damaged (its footer is missing or broken)",
                                 source=str(path), fix="copy it again, or re-run the command that wrote it")
@@ -507,5 +530,5 @@ def read_frame(path: PathLike, columns: Sequence[str] | None = None) -> Any:
 
 
 __all__ = ["PARQUET_MAGIC", "PLAIN_COLUMNS", "ROW_GROUP_ROWS", "UNCOMPRESSED_COLUMNS", "OneRowLayers", "PathLike", "Step",
-           "TraceWriter", "iter_columns", "iter_steps", "keep_decoded", "keeping_decoded", "not_parquet",
+           "COMPRESSED_MAGIC", "TraceWriter", "compressed", "iter_columns", "iter_steps", "keep_decoded", "keeping_decoded", "not_parquet",
            "parquet_options", "read_frame", "read_meta", "read_table", "step_range", "trace_columns", "write_trace"]

@@ -433,3 +433,22 @@ def test_a_folder_given_as_a_trace_is_named_a_folder(tmp_path, reader):
         result = getattr(trace_io, reader)(folder)
         list(result) if reader == "iter_steps" else None
     assert raised.value.source == str(folder) and raised.value.fix == "give a .parquet file"
+
+
+@pytest.mark.parametrize("command", [["trace", "inspect"], ["trace", "validate"], ["replay"]])
+def test_a_gzip_compressed_trace_is_named_compressed_with_how_to_decompress_it(tmp_path, capsys, command):
+    """It was 'not a Parquet file (fix: convert the log with `moesim trace import`)'."""
+    import gzip
+
+    from moesim.cli import main
+    plain = tmp_path / "t.parquet"
+    write_trace(plain, {"request": [0], "step": [0], "phase": ["decode"], "position": [0], "layer": [0],
+                        "experts": np.array([[0, 1]])}, TraceMeta(model=ModelSpec(
+                            name="tiny", num_layers=1, num_experts=4, top_k=2, hidden_size=8, moe_intermediate_size=8)))
+    packed = tmp_path / "t.parquet.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert main([*command, str(packed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{packed}: gzip-compressed" in err
+    # t.parquet exists: the command given never writes over it
+    assert f"gzip -dc {packed} > {tmp_path / 't-decompressed.parquet'}" in err

@@ -26,6 +26,7 @@ from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, sp
                                     vllm_moe_logger)
 from moesim.trace.importers._common import ImportReport, refuse_aggregates
 from moesim.trace.importers.detect import detect_format
+from moesim.trace.io import compressed
 from moesim.util import same_file
 
 FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
@@ -50,22 +51,13 @@ def _folder_fix(path: Path) -> str:
     return f"name its log files instead: {shown}"
 
 
-#: the first bytes of compressed files: (what, the file suffix it gets, the tool that writes it to stdout with -dc)
-_COMPRESSED = {b"\x1f\x8b": ("gzip", ".gz", "gzip"), b"\x28\xb5\x2f\xfd": ("zstd", ".zst", "zstd"),
-               b"BZh": ("bzip2", ".bz2", "bzip2"), b"\xfd7zXZ\x00": ("xz", ".xz", "xz")}
-
-
 def _refuse_compressed(path: Path) -> None:
     """A compressed log is no format's layout: say so (it was 'cannot tell which tool wrote this log', or a
     UTF-8 error at byte 1 with --format) and how to decompress it."""
     with open(path, "rb") as handle:
-        head = handle.read(8)
-    for magic, (kind, suffix, tool) in _COMPRESSED.items():
-        if head.startswith(magic):
-            plain = path.with_suffix("") if path.suffix == suffix else Path("log.jsonl")
-            raise TraceFormatError(f"{kind}-compressed; the importers read the log as its tool wrote it",
-                                   source=str(path), fix=f"decompress it first ({tool} -dc {path} > {plain}) and "
-                                                         "import that")
+        packed = compressed(path, handle.read(8), "the importers read the log as its tool wrote it", "log.jsonl")
+    if packed is not None:
+        raise packed
 
 
 def available_formats() -> list[str]:
