@@ -175,20 +175,23 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
         raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
     check_outputs([("--fit", fit)], {"out": PARQUET}, out=out)
     shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
+    given = {k: v for k, v in {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len,
+                               "batch": batch}.items() if v is not None}
+    chosen = parse_settings(settings)
     fitted: dict[str, str] = {}
     if fit is not None:
+        from moesim.trace.validate import checked_meta
+        real_model = checked_meta(fit).model
+        # a bad --model or --set is refused before the fit, which draws dozens of candidate traces
+        SynthConfig.from_settings(model=model or real_model, seed=seed, settings=chosen, **{**shape, **given})
         result = _fit(fit, seed)
         shape.update(result.shape)
         fitted = result.settings()
-        if model is None:
-            from moesim.trace.io import read_meta
-            model = read_meta(fit).model
+        model = model or real_model
     if model is None:
         raise MoesimError("missing", field="--model", fix="name a preset, e.g. --model mixtral-8x7b, or --fit REAL")
-    given = {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len, "batch": batch}
-    shape.update({k: v for k, v in given.items() if v is not None})
-    config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **parse_settings(settings)},
-                                       scores=not no_scores, **shape)
+    config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **chosen},
+                                       scores=not no_scores, **{**shape, **given})
     if fit is not None:
         config.fitted_to = fit
     _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)

@@ -47,3 +47,22 @@ def test_a_synthesis_killed_mid_way_leaves_nothing_the_next_run_does_not_remove(
     assert main(["trace", "synth", "--model", "mixtral-8x7b", "--prompt-len", "2", "--decode-len", "2",
                  "--no-scores", "--out", str(out)]) == 0
     assert os.listdir(tmp_path) == ["t.parquet"]
+
+
+def _fit_must_not_run(*args, **kwargs):
+    raise AssertionError("the fit ran before the bad input was refused")
+
+
+def test_synth_fit_refuses_a_bad_model_or_setting_before_fitting(tmp_path, capsys, monkeypatch):
+    """`--fit REAL --model typo` (or `--set typo=1`) ran the whole fit, dozens of candidate traces, then failed."""
+    import moesim.trace.synth
+    from tests.trace.test_synth_fit import REAL
+    monkeypatch.setattr(moesim.trace.synth, "fit_params", _fit_must_not_run)
+    out = tmp_path / "like.parquet"
+    for extra, field in ((["--model", "mixtral-8x7"], "--model"), (["--set", "skew_firs=1"], "skew_firs"),
+                         (["--set", "cluster_size=99"], "cluster_size")):
+        assert main(["trace", "synth", "--fit", str(REAL), *extra, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"field '{field}'" in err
+    assert not out.exists()
+
