@@ -194,6 +194,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
                                        scores=not no_scores, **{**shape, **given})
     if fit is not None:
         config.fitted_to = fit
+        _note_other_model(real_model, config.model)
     _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
     from moesim.progress import Progress
     rows = synth_rows(config)
@@ -201,6 +202,17 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
             open_output(out, "--out") as path:
         synthesize(config, path, progress=bar.advance)
     say_wrote(console, f"wrote {out}: {rows:,} rows")
+
+
+def _note_other_model(real, synthetic) -> None:
+    """Parameters fitted to one model's routing do not give another model's (skew and co-activation depend on
+    the number of experts and top-k): say so when --model names another."""
+    if (real.num_experts, real.top_k, real.num_layers) != (synthetic.num_experts, synthetic.top_k,
+                                                            synthetic.num_layers):
+        console.print(f"note: fitted to a {real.name} trace ({real.num_experts} experts, top-{real.top_k}, "
+                      f"{real.num_layers} layers) and drawn for {synthetic.name} ({synthetic.num_experts} experts, "
+                      f"top-{synthetic.top_k}, {synthetic.num_layers} layers): its statistics will not be the fitted "
+                      "ones (omit --model to draw for the real trace's model)", markup=False, highlight=False)
 
 
 #: positions and steps are int32 in a trace; rows beyond this would take days to write anyway

@@ -66,3 +66,21 @@ def test_synth_fit_refuses_a_bad_model_or_setting_before_fitting(tmp_path, capsy
         assert err.count("\n") == 1 and f"field '{field}'" in err
     assert not out.exists()
 
+
+def test_synth_fit_for_another_model_says_the_statistics_will_differ(tmp_path, capsys, monkeypatch):
+    import functools
+
+    import moesim.trace.synth
+    from tests.trace.test_synth_fit import REAL
+    monkeypatch.setattr(moesim.trace.synth, "fit_params",
+                        functools.partial(moesim.trace.synth.fit_params, rounds=1, steps=1))
+    out = tmp_path / "like.parquet"
+    args = ["trace", "synth", "--fit", str(REAL), "--prompt-len", "2", "--decode-len", "2", "--no-scores", "--out",
+            str(out)]
+    assert main([*args, "--model", "olmoe-1b-7b"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("note: fitted to a mixtral-8x7b trace (8 experts, top-2, 32 layers) and drawn for olmoe-1b-7b "
+            "(64 experts, top-8, 16 layers): its statistics will not be the fitted ones") in printed
+    assert read_meta(out).model.name == "olmoe-1b-7b"
+    assert main([*args, "--model", "mixtral-8x7b"]) == 0  # the real trace's own model: nothing to say
+    assert "drawn for" not in capsys.readouterr().out
