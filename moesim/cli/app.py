@@ -146,11 +146,16 @@ class JsonFlagCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         for before, value in zip(args, args[1:]):
-            if before == "--json" and value.endswith(".json"):  # `--json out.json`, as replay takes it
+            if before == "--json" and (value.endswith(".json") or value.startswith("/dev/")) \
+                    and value not in STDOUT_NAMES:  # `--json out.json`, as replay takes it
                 raise click.UsageError(f"--json takes no file here: it prints the JSON on stdout "
                                        f"(write it to a file with --json > {value})", ctx=ctx)
-        flag = [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
+        flag = [a for i, a in enumerate(args) if not (a in STDOUT_NAMES and i > 0 and args[i - 1] == "--json")]
         return super().parse_args(ctx, flag)
+
+
+#: what ``--json`` may be given to mean standard output, where it is a flag as where it takes a file
+STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
 
 
 def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: dict[str, str] | None = None,

@@ -67,3 +67,20 @@ def test_a_long_note_to_a_pipe_stays_one_line_and_a_terminal_wraps_it() -> None:
     PipeConsole(file=terminal, width=80, markup=False, highlight=False, color_system=None,
                 force_terminal=True).print(note)
     assert len(terminal.getvalue().splitlines()) == len(note) // 80 + 1
+
+
+def test_a_json_flag_takes_dev_stdout_as_it_takes_dash(tmp_path, capsys) -> None:
+    """`trace inspect T --json /dev/stdout` failed with 'Got unexpected extra argument', while `replay` takes
+    it; another file after the flag says to redirect instead."""
+    import json
+    from pathlib import Path
+
+    from moesim.cli import main
+    trace = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    assert main(["trace", "inspect", trace, "--json", "-"]) == 0
+    by_dash = json.loads(capsys.readouterr().out)
+    for name in ("/dev/stdout", "/dev/fd/1"):
+        assert main(["trace", "inspect", trace, "--json", name]) == 0
+        assert json.loads(capsys.readouterr().out) == by_dash
+    assert main(["trace", "inspect", trace, "--json", "/dev/stderr"]) == 2
+    assert "--json takes no file here" in capsys.readouterr().err
