@@ -14,6 +14,10 @@ The format is a JSON object whose ``traceEvents`` list holds:
 Viewers require the complete events of one thread to nest; two copy engines
 logged on one lane overlap without nesting, so overlapping spans of a lane are
 spread over extra threads (``... #2``) instead of being dropped by the viewer.
+Times are written in whole nanoseconds, the resolution viewers read; a span that
+starts less than :data:`SLACK_NS` before the previous one on its lane ends is
+floating-point noise of the engine's sums (a step's first span starts where the
+last one ended), not a second track: it is written as starting where that one ends.
 """
 
 from __future__ import annotations
@@ -36,44 +40,56 @@ PROCESSES = {"pcie": (1, "PCIe (host to device)"), "gpu": (2, "GPU"), "cpu": (3,
 LANE_NAMES = {"pcie": "copy engine", "gpu": "stream", "cpu": "expert pool"}
 #: thread ids are unique across processes: pid * TID_STRIDE + track index
 TID_STRIDE = 1000
+#: overlap (ns) on one lane below which two spans are back to back: rounding of sums of seconds
+SLACK_NS = 1
 
 
-def _us(seconds: float) -> float:
-    """Seconds to microseconds, kept to nanosecond precision so the JSON stays short."""
-    return round(seconds * 1e6, 3)
+def _ns(seconds: np.ndarray) -> np.ndarray:
+    """Seconds to whole nanoseconds, the resolution of the JSON (``ts`` in microseconds, 3 decimals)."""
+    return np.rint(np.asarray(seconds, dtype=float) * 1e9).astype(np.int64)
+
+
+def _us(nanoseconds: int) -> float:
+    """Whole nanoseconds as microseconds (exact to the nanosecond, so the JSON stays short)."""
+    return nanoseconds / 1000
 
 
 def event_name(kind: str, layer: int, expert: int, tokens: int) -> str:
-    name = f"L{layer} E{expert} {kind}" if expert >= 0 else f"L{layer} {kind}"
-    return f"{name} ({tokens} tok)" if tokens > 0 else name
+    """``L12 E37 expert (4 tok)``; work outside the MoE layers (layer -1: embedding, LM head) has no ``L``."""
+    where = (f"L{layer} " if layer >= 0 else "") + (f"E{expert} " if expert >= 0 else "")
+    return f"{where}{kind} ({tokens} tok)" if tokens > 0 else f"{where}{kind}"
 
 
 def _pack_tracks(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Greedy interval partitioning: the smallest track index where each span does not overlap."""
+    """Greedy interval partitioning of spans in whole ns: the smallest track index where each span does not
+    overlap by more than ``SLACK_NS``. A span within the slack is moved to start where its track is free
+    (``start`` and ``end`` are updated in place), so no two spans of a track overlap in the JSON."""
     order = np.argsort(start, kind="stable")
     track = np.zeros(len(start), dtype=np.int64)
-    track_end: list[float] = []
-    for i in order:
+    track_end: list[int] = []
+    for i in order.tolist():
         for t, busy_until in enumerate(track_end):
-            if start[i] >= busy_until:
+            if start[i] >= busy_until - SLACK_NS:
+                start[i] = max(start[i], busy_until)
+                end[i] = max(end[i], start[i])
                 break
         else:
             t = len(track_end)
-            track_end.append(0.0)
+            track_end.append(0)
         track[i] = t
-        track_end[t] = end[i]
+        track_end[t] = int(end[i])
     return track
 
 
-def _threads(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
-    """pid and tid of every row, and the metadata events naming them."""
+def _threads(frame: pd.DataFrame, start: np.ndarray, end: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """pid and tid of every row, and the metadata events naming them; ``start`` and ``end`` (ns) of a span
+    within the slack of its track's previous one are moved to follow it."""
     pid = np.zeros(len(frame), dtype=np.int64)
     tid = np.zeros(len(frame), dtype=np.int64)
     meta: list[dict[str, Any]] = []
     resources = frame["resource"].astype(str).to_numpy()
     lanes = frame["lane"].to_numpy()
-    start = frame["start_s"].to_numpy(dtype=float)
-    end = frame["end_s"].to_numpy(dtype=float)
     extra = [r for r in sorted(set(resources)) if r not in PROCESSES]
     groups = {**PROCESSES, **{r: (len(PROCESSES) + 1 + i, r.upper()) for i, r in enumerate(extra)}}
     for resource, (p, label) in groups.items():
@@ -85,7 +101,9 @@ def _threads(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, list[dict[str
         index = 0
         for lane in np.unique(lanes[in_group]):
             rows = np.flatnonzero(in_group & (lanes == lane))
-            tracks = _pack_tracks(start[rows], end[rows])
+            lane_start, lane_end = start[rows], end[rows]
+            tracks = _pack_tracks(lane_start, lane_end)
+            start[rows], end[rows] = lane_start, lane_end
             for t in range(int(tracks.max()) + 1):
                 index += 1
                 thread = p * TID_STRIDE + index
@@ -106,7 +124,7 @@ def _step_events(starts: pd.Series) -> list[dict[str, Any]]:
     pid = PROCESSES["gpu"][0]
     events: list[dict[str, Any]] = []
     for step, start in starts.items():
-        ts = _us(float(start))
+        ts = _us(int(start))
         events.append({"name": f"step {int(step)}", "cat": "step", "ph": "i", "s": "g", "ts": ts,
                        "pid": pid, "tid": 0, "args": {"step": int(step)}})
         events.append({"name": "step", "cat": "step", "ph": "C", "ts": ts, "pid": pid, "tid": 0,
@@ -134,14 +152,13 @@ def _trace_events(frame: pd.DataFrame) -> tuple[list[dict[str, Any]], Iterator[d
     they are consumed: a long replay has millions)."""
     check_timeline(frame)
     frame = frame.reset_index(drop=True)
-    pid, tid, meta = _threads(frame)
-    step_starts = frame.groupby("step", sort=True)["start_s"].min()
+    starts, ends = _ns(frame["start_s"].to_numpy(dtype=float)), _ns(frame["end_s"].to_numpy(dtype=float))
+    pid, tid, meta = _threads(frame, starts, ends)
+    step_starts = pd.Series(starts, index=frame.index).groupby(frame["step"].to_numpy(), sort=True).min()
     markers = _step_events(step_starts)
-    starts = frame["start_s"].to_numpy(dtype=float)
     # step markers first (two per step, at its first span's start), so a stable sort keeps them ahead of it
-    order = np.argsort(np.concatenate([np.repeat(step_starts.to_numpy(dtype=float), 2), starts]), kind="stable")
+    order = np.argsort(np.concatenate([np.repeat(step_starts.to_numpy(dtype=np.int64), 2), starts]), kind="stable")
     resource, kind = frame["resource"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()
-    ends = frame["end_s"].to_numpy(dtype=float)
     ints = frame[["step", "layer", "expert", "tokens"]].to_numpy(dtype=np.int64)
 
     def spans() -> Iterator[dict[str, Any]]:
@@ -151,9 +168,9 @@ def _trace_events(frame: pd.DataFrame) -> tuple[list[dict[str, Any]], Iterator[d
                 continue
             row = index - len(markers)
             step, layer, expert, tokens = ints[row].tolist()
-            start, stop = _us(float(starts[row])), _us(float(ends[row]))
+            start, stop = int(starts[row]), int(ends[row])
             yield {"name": event_name(kind[row], layer, expert, tokens), "cat": f"{resource[row]},{kind[row]}",
-                   "ph": "X", "ts": start, "dur": round(stop - start, 3), "pid": int(pid[row]),
+                   "ph": "X", "ts": _us(start), "dur": _us(stop - start), "pid": int(pid[row]),
                    "tid": int(tid[row]), "args": {"step": step, "layer": layer, "expert": expert, "tokens": tokens}}
     return meta, spans()
 

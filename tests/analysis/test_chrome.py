@@ -136,6 +136,8 @@ def test_event_name() -> None:
     assert event_name("expert", 12, 37, 4) == "L12 E37 expert (4 tok)"
     assert event_name("shared", 3, -1, 16) == "L3 shared (16 tok)"
     assert event_name("prefetch", 4, 2, 0) == "L4 E2 prefetch"
+    assert event_name("embedding", -1, -1, 135) == "embedding (135 tok)"  # outside the MoE layers: no 'L-1'
+    assert event_name("lm_head", -1, -1, 0) == "lm_head"
 
 
 def test_step_markers_at_each_step_start() -> None:
@@ -167,6 +169,34 @@ def test_overlapping_spans_of_one_lane_go_to_separate_threads() -> None:
     assert tid[3] == tid[1]  # back-to-back with the first transfer: same thread
     threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {tid[1]: "copy engine 0", tid[2]: "copy engine 0 #2"}
+
+
+def test_float_noise_at_a_step_boundary_keeps_one_thread() -> None:
+    """The engine's sums put a step's first span 1e-19 s before the last one ended (0.00055422264 s): one
+    stream, one thread, and the written spans follow each other without overlap."""
+    end = 0.00055422264
+    frame = _frame([
+        ("gpu", 0, 0.0005542206, end, "sampling", 2, -1, -1, 1),
+        ("gpu", 0, np.nextafter(end, 0.0), 0.00055422285, "embedding", 3, -1, -1, 1),
+        ("gpu", 0, 0.00055422285, 0.0006, "attention", 3, 0, -1, 1),
+    ])
+    trace = to_chrome_trace(frame, {})
+    _assert_well_formed(trace)
+    assert {e["tid"] for e in _spans(trace)} == {2001}
+    threads = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert threads == ["stream 0"]
+
+
+def test_an_overlap_of_one_rounded_nanosecond_is_noise_but_two_are_not() -> None:
+    # 0.4 ns apart straddling a nanosecond: 2 ns and 1 ns once rounded; the second span moves to 2 ns
+    noise = to_chrome_trace(_frame([("pcie", 0, 0.0, 1.6e-9, "load", 0, 0, 1, 0),
+                                    ("pcie", 0, 1.2e-9, 5e-9, "load", 0, 0, 2, 0)]), {})
+    _assert_well_formed(noise)
+    assert [(e["ts"], e["dur"], e["tid"]) for e in _spans(noise)] == [(0.0, 0.002, 1001), (0.002, 0.003, 1001)]
+    real = to_chrome_trace(_frame([("pcie", 0, 0.0, 3e-9, "load", 0, 0, 1, 0),
+                                   ("pcie", 0, 1e-9, 5e-9, "load", 0, 0, 2, 0)]), {})
+    _assert_well_formed(real)
+    assert [e["tid"] for e in _spans(real)] == [1001, 1002]
 
 
 def test_tids_unique_across_processes() -> None:
@@ -216,6 +246,21 @@ def test_every_row_present_and_well_formed(runs: dict, system: str) -> None:
     instants = [e for e in trace["traceEvents"] if e["ph"] == "i"]
     assert [e["args"]["step"] for e in instants] == [s.step for s in result.steps]
     assert [e["ts"] for e in instants] == [round(s.start * 1e6, 3) for s in result.steps]
+
+
+def test_a_simulated_gpu_stream_is_one_thread(tmp_path: Path) -> None:
+    """gpu-only-lru over many decode steps: the engine's one GPU stream and one copy engine are one thread
+    each in the viewer (step boundaries used to split the stream into 'stream 0 #2')."""
+    from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    routing = [{"phase": "decode", "tokens": {0: (i, [[[e]]])}} for i, e in enumerate([0, 3, 3, 1, 0, 2, 2, 1])]
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, routing)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=1.0), "gpu-only-lru", {"cache.slots_per_layer": "1"},
+                      timeline=True)
+    chrome = to_chrome_trace(result_to_frames(result)["timeline"], {})
+    _assert_well_formed(chrome)
+    threads = sorted(e["args"]["name"] for e in chrome["traceEvents"] if e["name"] == "thread_name")
+    assert threads == ["copy engine 0", "stream 0"]
 
 
 def test_simulated_runs_cover_all_resources(runs: dict) -> None:
