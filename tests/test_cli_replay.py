@@ -476,7 +476,7 @@ def test_a_calibration_trace_that_is_missing_or_of_another_model_is_one_line(fil
     base = ["replay", trace, "--hw", hw, "--system", system, "--set", "cache.slots_per_layer=2"]
     if system == "smoe-flex":
         base += ["--set", "prefetch.flex_off_fraction=0.5"]
-    for value, said in [(tmp_path / "missing.parquet", "file not found"), (tmp_path, "not a Parquet file"),
+    for value, said in [(tmp_path / "missing.parquet", "file not found"), (tmp_path, "is a folder, not a trace file"),
                         (other, "does not match the replayed tiny (num_layers: 2 vs 3)")]:
         code, out, err = run([*base, "--set", f"{key}={value}"], capsys)
         assert code == 2, (value, err)
