@@ -37,11 +37,15 @@ OUTPUT_FORMATS: dict[str, tuple[str, ...]] = {
 
 # ----------------------------------------------------------------------------- output files
 def is_special_file(path: Path) -> bool:
-    """An existing path that is neither a regular file nor a folder (a device, a pipe, a socket)."""
+    """An existing path that is neither a regular file nor a folder (a device, a pipe, a socket), or that names
+    an open descriptor (``/dev/stdout`` with stdout redirected to a file is that file, but replacing it by a
+    rename would replace the link in /dev)."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False
+    if str(path).startswith(("/dev/", "/proc/")):
+        return not stat.S_ISDIR(mode)
     return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 

@@ -97,3 +97,21 @@ def test_a_figure_to_a_special_file_is_a_png(tmp_path):
         assert path.name == "null.png"
     with output_file(os.devnull, "--plot") as path:
         assert path.name == "null"
+
+
+def test_an_output_to_dev_stdout_redirected_to_a_file_lands_in_that_file(tmp_path):
+    """`moesim trace synth ... --out /dev/stdout > t.parquet` was refused ('no suffix (name it e.g.
+    stdout.parquet)'): /dev/stdout then is a regular file. It is written through, as to a pipe, never replaced
+    by a rename (which would replace the link in /dev)."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+    out = tmp_path / "t.parquet"
+    with open(out, "wb") as stdout:
+        done = subprocess.run([sys.executable, "-m", "moesim.cli", "trace", "synth", "--model", "mixtral-8x7b",
+                               "--requests", "1", "--prompt-len", "4", "--decode-len", "4", "--out", "/dev/stdout"],
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert pq.ParquetFile(out).metadata.num_rows == 8 * 32
+    assert os.path.islink("/dev/stdout")
