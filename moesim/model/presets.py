@@ -39,6 +39,9 @@ def load_preset(name_or_path: str) -> ModelSpec:
     """Load a preset by name (``mixtral-8x7b``) or from a YAML path (``presets/x.yaml``, or ``presets/x``
     where ``presets/x.yaml`` exists)."""
     path = preset_path(name_or_path)
+    if not path.exists() and Path(name_or_path).is_file():  # a file, but not a preset's (a trace, a log)
+        raise ConfigError("not a model preset: a preset is a YAML file (.yaml or .yml)", source=str(name_or_path),
+                          field="--model", fix=f"give a preset YAML, or one of {', '.join(available_presets())}")
     if not path.exists():
         choices = f"use one of {', '.join(available_presets())} or a preset YAML path"
         if path.parent != PRESET_DIR or os.sep in str(name_or_path):

@@ -233,3 +233,12 @@ def test_preset_with_unknown_field_is_rejected(tmp_path: Path) -> None:
 def test_preset_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="must be a YAML mapping"):
         load_preset(_write_preset(tmp_path, "- 1\n- 2\n"))
+
+
+def test_a_file_that_is_no_preset_yaml_is_said_to_be_one(tmp_path: Path, monkeypatch) -> None:
+    """`--model g.jsonl` (a file that is there) was 'unknown model preset' or 'preset file not found'."""
+    (tmp_path / "g.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    for given in ("g.jsonl", str(tmp_path / "g.jsonl")):
+        with pytest.raises(ConfigError, match=r"g\.jsonl, field '--model': not a model preset: a preset is a YAML"):
+            load_preset(given)
