@@ -668,3 +668,23 @@ def test_a_runtime_the_profile_lacks_is_named_as_the_override(tmp_path, capsys):
     from moesim.errors import MoesimError
     with pytest.raises(MoesimError, match=r"^field 'runtime': parameter 'runtime'=nosuch: no runtime 'nosuch' "):
         moesim.replay(trace, hw=str(hw), runtime="nosuch")
+
+
+@pytest.mark.parametrize("systems, takers, others", [
+    ("all", "hybrimoe, smoe, smoe-flex", "cpu-only, gpu-only-lru"),
+    ("smoe,dali", "smoe", "dali"),
+])
+def test_a_parameter_of_only_some_systems_names_those_that_take_it(files, capsys, systems, takers, others):
+    """prefetch.n with --system all was refused as unknown to cpu-only, listing cpu-only's parameters."""
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", systems, "--set", "prefetch.n=3"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and out == ""
+    assert f"--set prefetch.n is a parameter of {takers} only, not of {others}" in err
+    assert f"--system {takers.replace(', ', ',')} with it" in err
+
+
+def test_a_parameter_a_component_swap_brings_is_taken_by_every_system_swapped(files, capsys):
+    trace, hw = files
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "smoe,dali", "--set", "prefetch=smoe-token",
+                        "--set", "prefetch.n=1", "--set", "cache.slots_per_layer=2"], capsys)
+    assert code == 0 and "smoe" in out and "dali" in out

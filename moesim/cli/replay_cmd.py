@@ -69,6 +69,8 @@ def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: t
     from moesim.trace.io import keeping_decoded
     systems, everything = system_choice(system)
     several = len(systems) > 1  # one decode, with every optional column they read
+    if several and not help_params:
+        _check_parameters_taken(systems, parse_settings(settings))
     columns = set().union(*(columns_read(name, parse_settings(settings)) for name in systems)) if several else ()
     with keeping_decoded(columns) if several else contextlib.nullcontext():
         _replay(trace_file, hw, systems, everything, settings, model_preset, json_out, timeline_out, chrome_out,
@@ -178,6 +180,35 @@ def system_choice(values: tuple[str, ...] | list[str] | str) -> tuple[list[str],
     for name in names:
         members(name)  # an unknown name fails now, before anything runs
     return list(dict.fromkeys(names)), False  # in the order given, each once
+
+
+def _check_parameters_taken(systems: list[str], settings: dict[str, str]) -> None:
+    """A component parameter (``prefetch.n``) that only some of the systems take is refused naming those that
+    do: the replay refused it as unknown to the first that does not, and listed that one's parameters."""
+    from moesim.policy.systems import ROLES
+    swaps = {k: v for k, v in settings.items() if k in ROLES}  # a swapped component brings its own parameters
+    for key, value in settings.items():
+        if key.partition(".")[0] not in ROLES or key in ROLES or key in ("cache.slots", "cache.slots_per_layer"):
+            continue  # engine.*, memory.*, hw.* and the slot counts: every system takes them
+        takers = [name for name in systems if _takes(name, {**swaps, key: value})]
+        if takers and len(takers) < len(systems):
+            others = [name for name in systems if name not in takers]
+            raise MoesimError(f"--set {key} is a parameter of {', '.join(takers)} only, not of {', '.join(others)}",
+                              field=key, fix=f"replay --system {','.join(takers)} with it, the others without it")
+
+
+def _takes(system: str, settings: dict[str, str]) -> bool:
+    """Whether every single system a replay of ``system`` runs knows each parameter of ``settings`` (a value
+    it refuses still counts as known: the replay then says what is wrong with it)."""
+    from moesim.errors import ConfigError
+    from moesim.sim.run import check_settings, members
+    for member in members(system):
+        try:
+            check_settings(member, settings)
+        except ConfigError as err:
+            if err.field == "--set":  # unknown to this system (a bad value names the parameter instead)
+                return False
+    return True
 
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
