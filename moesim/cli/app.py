@@ -283,11 +283,12 @@ def print_skipped(out: Console, skipped: dict[str, str], systems: int) -> None:
                   "each under its name with its reason as 'skipped')", highlight=False, markup=True)
 
 
-def parse_settings(settings: tuple[str, ...]) -> dict[str, str]:
+def parse_settings(settings: tuple[str, ...], example: str = "cache.slots_per_layer=4") -> dict[str, str]:
+    """``--set KEY=VALUE`` options as a dict; ``example``: a setting the command takes, for the fix."""
     out: dict[str, str] = {}
     for item in settings:
         if "=" not in item:
-            raise MoesimError(f"--set '{item}' is not KEY=VALUE", fix="write e.g. --set cache.slots_per_layer=4")
+            raise MoesimError(f"'{item}' is not KEY=VALUE", field="--set", fix=f"write e.g. --set {example}")
         key, value = item.split("=", 1)
         if key.strip() in out:
             raise MoesimError(f"--set {key.strip()} given twice", field=key.strip(), fix="give it once")

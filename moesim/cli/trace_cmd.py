@@ -177,7 +177,7 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
     shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
     given = {k: v for k, v in {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len,
                                "batch": batch}.items() if v is not None}
-    chosen = parse_settings(settings)
+    chosen = parse_settings(settings, example="skew_first=0.5")
     fitted: dict[str, str] = {}
     if fit is not None:
         from moesim.trace.validate import checked_meta

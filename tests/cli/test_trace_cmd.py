@@ -84,3 +84,12 @@ def test_synth_fit_for_another_model_says_the_statistics_will_differ(tmp_path, c
     assert read_meta(out).model.name == "olmoe-1b-7b"
     assert main([*args, "--model", "mixtral-8x7b"]) == 0  # the real trace's own model: nothing to say
     assert "drawn for" not in capsys.readouterr().out
+
+
+def test_a_setting_without_a_value_is_shown_one_of_this_commands_own(capsys):
+    """`trace synth --set skew_first` suggested `--set cache.slots_per_layer=4`, a replay parameter."""
+    assert main(["trace", "synth", "--model", "mixtral-8x7b", "--set", "skew_first", "--out", "x.parquet"]) == 2
+    assert capsys.readouterr().err == ("moesim: error: field '--set': 'skew_first' is not KEY=VALUE "
+                                       "(fix: write e.g. --set skew_first=0.5)\n")
+    assert main(["replay", "t.parquet", "--set", "cache"]) == 2
+    assert "(fix: write e.g. --set cache.slots_per_layer=4)" in capsys.readouterr().err
