@@ -605,3 +605,11 @@ def test_a_gzip_compressed_log_is_refused_with_how_to_decompress_it(tmp_path, ca
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{path}: gzip-compressed" in err and f"gzip -dc {path} > {tmp_path / 'routing.jsonl'}" in err
     assert not out.exists()
+
+
+def test_no_source_names_the_python_argument(tmp_path):
+    """From Python, no log to convert named the field 'SRC', neither the keyword nor the CLI's SOURCES."""
+    from moesim.errors import ConfigError
+    from moesim.trace.importers import import_trace
+    with pytest.raises(ConfigError, match=r"^field 'sources': no source files given"):
+        import_trace(None, [], tmp_path / "t.parquet")

@@ -78,7 +78,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
         raise ConfigError(f"unknown import format '{fmt}'", field="--format",
                           fix=f"{did_you_mean(fmt, available_formats())}use one of {', '.join(available_formats())}")
     if not sources:
-        raise ConfigError("no source files given", field="SRC", fix="name at least one log file")
+        raise ConfigError("no source files given", field="sources", fix="name at least one log file")
     refuse_aggregates(sources)
     for path in sources:
         if not path.is_file():
