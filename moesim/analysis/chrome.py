@@ -37,6 +37,8 @@ from moesim.util import atomic_writer
 
 #: process id and display order of each resource group
 PROCESSES = {"pcie": (1, "PCIe (host to device)"), "gpu": (2, "GPU"), "cpu": (3, "CPU")}
+#: the PCIe process's name when its copy engines also write evicted experts back (mixtral-offloading)
+PCIE_BOTH_WAYS = "PCIe (host to device; writeback: device to host)"
 LANE_NAMES = {"pcie": "copy engine", "gpu": "stream", "cpu": "expert pool"}
 #: thread ids are unique across processes: pid * TID_STRIDE + track index
 TID_STRIDE = 1000
@@ -92,6 +94,8 @@ def _threads(frame: pd.DataFrame, start: np.ndarray, end: np.ndarray
     lanes = frame["lane"].to_numpy()
     extra = [r for r in sorted(set(resources)) if r not in PROCESSES]
     groups = {**PROCESSES, **{r: (len(PROCESSES) + 1 + i, r.upper()) for i, r in enumerate(extra)}}
+    if ((resources == "pcie") & (frame["kind"].astype(str).to_numpy() == "writeback")).any():
+        groups["pcie"] = (PROCESSES["pcie"][0], PCIE_BOTH_WAYS)
     for resource, (p, label) in groups.items():
         in_group = resources == resource
         if not in_group.any():

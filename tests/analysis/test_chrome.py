@@ -303,3 +303,12 @@ def test_failed_write_keeps_previous_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         write_chrome_trace(_frame([("gpu", 0, 0.002, 0.001, "expert", 0, 0, 1, 1)]), path, {})
     assert path.read_text() == "previous"
+
+
+def test_write_backs_are_not_called_host_to_device() -> None:
+    """mixtral-offloading's copy engine writes evicted experts back to the host between its loads."""
+    loads = _frame([("pcie", 0, 0.0, 0.001, "load", 0, 0, 1, 0)])
+    both = _frame([("pcie", 0, 0.0, 0.001, "load", 0, 0, 1, 0), ("pcie", 0, 0.001, 0.002, "writeback", 0, 0, 2, 0)])
+    names = [[e["args"]["name"] for e in to_chrome_trace(frame, {})["traceEvents"] if e["name"] == "process_name"]
+             for frame in (loads, both)]
+    assert names == [["PCIe (host to device)"], ["PCIe (host to device; writeback: device to host)"]]
