@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -50,6 +53,7 @@ import numpy as np
 from moesim.model.spec import ModelSpec
 from moesim.trace.io import TraceWriter
 from moesim.trace.schema import TraceMeta
+from moesim.util import pid_alive
 # the generator's parameters and configuration, re-exported: moesim.trace.synth keeps every name
 from moesim.trace.synth_params import (LOGIT_LIMIT, PARAM_RANGES, SynthConfig, SynthParams, anchor_defaults,
                                        default_renormalized)
@@ -380,6 +384,18 @@ def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> Sy
     return dataclasses.replace(params, **{name: round(value, 6)})
 
 
+#: the temporary folder of one fit's candidate traces: this prefix, then the fitting process's id
+FIT_FOLDER_PREFIX = "moesim-fit-"
+
+
+def _remove_dead_fits() -> None:
+    """Remove the candidate folders of fits whose process is gone (killed with -9: its folder stayed)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{FIT_FOLDER_PREFIX}*-*"):
+        pid = folder.name[len(FIT_FOLDER_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int = 8, tolerance: float = 0.05,
                progress: Callable[[str], None] | None = None) -> FitResult:
     """Fit the routing parameters of :class:`SynthParams` so that a synthetic trace of ``real``'s model and
@@ -394,7 +410,6 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     the real trace's measured recalls; the weight convention from its metadata. ``progress`` is called
     with the parameter being fitted after each candidate trace.
     """
-    import tempfile
 
     from moesim.trace.stats import trace_stats
     from moesim.trace.io import read_meta
@@ -418,7 +433,8 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     notes.extend(_prompt_notes(real_stats))
     notes.extend(_scaling_notes(shape, compared))
     evaluations = 0
-    with tempfile.TemporaryDirectory(prefix="moesim-fit-") as folder:
+    _remove_dead_fits()
+    with tempfile.TemporaryDirectory(prefix=f"{FIT_FOLDER_PREFIX}{os.getpid()}-") as folder:
         def measure(params: SynthParams, name: str = "check") -> dict[str, Any]:
             nonlocal evaluations
             evaluations += 1

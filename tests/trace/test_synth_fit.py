@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,24 @@ def test_fit_to_a_malformed_trace_is_one_error_line_and_writes_nothing(tmp_path,
     assert len(err.splitlines()) == 1
     assert "bad.parquet" in err and "'experts'" in err and "row 0" in err and "internal error" not in err
     assert not out.exists()
+
+
+def test_a_fit_removes_the_candidate_folders_of_fits_killed_before_it(tmp_path, monkeypatch):
+    """`trace synth --fit` killed with -9 left its folder of candidate traces in the temporary folder for good;
+    the next fit removes those of processes that are gone, and leaves a running fit's alone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.factories import write_partial_trace
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = scratch / f"moesim-fit-{gone.stdout.strip()}-x1", scratch / f"moesim-fit-{os.getppid()}-x2"
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "fit-1.parquet").write_bytes(b"candidate")
+    trace = write_partial_trace(tmp_path / "t.parquet", [0, 1], num_layers=2, steps=4, requests=1)
+    fit_params(trace, rounds=1, steps=1)
+    assert sorted(p.name for p in scratch.iterdir()) == [alive.name]
