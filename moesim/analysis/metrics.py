@@ -1,11 +1,81 @@
-"""Metrics of a run, defined once for the simulator and the real backend (DESIGN.md, metrics)."""
+"""Metrics of a run, defined once for the simulator and the real backend (DESIGN.md, metrics).
+
+:data:`METRIC_DOCS` documents every key of ``moesim replay --json`` (``moesim replay --help-metrics`` prints
+it); a test keeps it complete.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from moesim.sim.bookkeeping import latency_metrics  # noqa: F401  (defined with the engine's records)
 from moesim.sim.result import SimResult
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One key of the metrics: its unit ("" for a count, a name or text) and its meaning."""
+
+    unit: str
+    meaning: str
+
+
+#: every key of ``moesim replay --json``, in the order listed by ``--help-metrics``
+METRIC_DOCS: dict[str, MetricDoc] = {
+    "system": MetricDoc("", "the system replayed"),
+    "ttft_ms": MetricDoc("ms", "time to first token: from a request's first prefill step's start to its last one's "
+                               "end, mean over requests (null without prefill)"),
+    "tpot_ms_mean": MetricDoc("ms", "time per output token: each decode step's duration, once per request in it; "
+                                    "mean (null without decode steps)"),
+    "tpot_ms_p50": MetricDoc("ms", "median of the same per-token decode times"),
+    "tpot_ms_p99": MetricDoc("ms", "99th percentile of the same per-token decode times"),
+    "decode_tokens_per_s": MetricDoc("tokens/s", "decode tokens over the time of the decode steps"),
+    "prefill_tokens_per_s": MetricDoc("tokens/s", "prefill tokens over the time of the prefill steps"),
+    "decode_tokens": MetricDoc("tokens", "tokens decoded (one per request per decode step)"),
+    "prefill_tokens": MetricDoc("tokens", "prompt tokens prefilled"),
+    "makespan_s": MetricDoc("s", "simulated time of the whole trace"),
+    "gpu_hit_rate": MetricDoc("fraction", "routed (step, layer, expert) uses whose expert was on the GPU when the "
+                                          "layer's plan was made"),
+    "late_prefetches": MetricDoc("experts", "prefetches still copying when their expert was needed"),
+    "prefetches": MetricDoc("experts", "experts copied ahead of need"),
+    "cancelled_prefetches": MetricDoc("experts", "prefetches dropped before their copy ran"),
+    "prefetch_precision": MetricDoc("fraction", "prefetched experts that were used (null without prefetches)"),
+    "demand_loads": MetricDoc("experts", "experts copied into a cache slot when a layer needed them"),
+    "streamed_experts": MetricDoc("experts", "experts copied through a staging buffer and not kept"),
+    "evictions": MetricDoc("experts", "experts removed from the GPU cache"),
+    "pcie_h2d_bytes": MetricDoc("bytes", "bytes copied host to device (write-backs to the host not counted)"),
+    "cpu_util": MetricDoc("fraction", "time the CPU expert pool was busy over the makespan"),
+    "gpu_util": MetricDoc("fraction", "time the GPU stream was busy over the makespan"),
+    "pcie_util": MetricDoc("fraction", "copy-engine busy time over the makespan times the copy engines"),
+    "gpu_share_of_activations": MetricDoc("fraction", "routed (token, expert) activations computed on the GPU"),
+    "breakdown_ms": MetricDoc("ms", "critical-path time per category (attention, gpu_compute, wait_cache, "
+                                    "cpu_other, sync, launch, ...), all layers; in Python flattened to "
+                                    "breakdown_<category>_ms"),
+    "substituted_experts": MetricDoc("experts", "routed experts replaced by another (buddymoe, importance)"),
+    "deferred_experts": MetricDoc("experts", "routed experts deferred to the next layer (ktransformers-ed)"),
+    "substituted_weight_mass": MetricDoc("fraction", "gate weight of substituted experts per routed activation"),
+    "deferred_weight_mass": MetricDoc("fraction", "gate weight of deferred experts per routed activation"),
+    "expert_slots": MetricDoc("experts", "GPU expert slots of the memory plan, all layers"),
+    "slots_per_layer": MetricDoc("experts", "expert_slots over the MoE layers (a mean: quotas may differ by layer)"),
+    "slot_spread": MetricDoc("", "how the slots spread over the layers, in words"),
+    "runtime": MetricDoc("", "the runtime launches and CPU kernel efficiency were charged by"),
+    "gpu_memory_gib": MetricDoc("GiB", "GPU memory planned: weights, KV cache, workspace, staging, reserved and the "
+                                       "expert cache"),
+    "expert_cache_gib": MetricDoc("GiB", "GPU memory of the expert slots"),
+    "sim_wall_s": MetricDoc("s", "wall-clock time the replay took (not simulated time)"),
+    "portfolio_best": MetricDoc("", "a portfolio bound (oracle): which schedule gave each metric, "
+                                    "'metric=schedule; ...'; empty otherwise"),
+    "notes": MetricDoc("", "what the system's components assumed or estimated on this trace"),
+    "cost_fallbacks": MetricDoc("", "shapes the profile has no curve for, costed by a roofline estimate"),
+    # added by `moesim replay` (not by metrics(): they need more replays or the command line)
+    "lower_bound": MetricDoc("", "the system's physical lower bound (docs/memory-and-bounds.md): makespan_s, "
+                                 "ttft_ms, tpot_ms_mean and the slots it assumed"),
+    "gap_to_lower_bound": MetricDoc("ratio", "makespan_s over lower_bound.makespan_s (>= 1)"),
+    "inputs": MetricDoc("", "what the run came from: trace, hw, settings (--set), seed, model"),
+    "skipped": MetricDoc("", "--system all only: why this system could not run on the trace (its only other keys: "
+                             "system, inputs)"),
+}
 
 
 def _memory_gib(plan: Any) -> dict[str, float]:

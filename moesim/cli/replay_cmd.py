@@ -47,7 +47,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--model", "model_preset", default=None,
               help=preset_help("Check the trace against this model preset (a name or a preset YAML)."))
 @click.option("--json", "json_out", default=None, metavar="OUT",
-              help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr).")
+              help="Write metrics as JSON ('-': stdout, which then holds the JSON only; the table goes to stderr; "
+                   "--help-metrics lists the keys).")
 @click.option("--timeline", "timeline_out", default=None, metavar="OUT.parquet", help="Write the timeline.")
 @click.option("--chrome-trace", "chrome_out", default=None, metavar="OUT.json",
               help="Write a Chrome/Perfetto trace of the timeline.")
@@ -60,11 +61,15 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--help-params", is_flag=True,
               help="List the --set parameters of each --system (default, unit, meaning).")
+@click.option("--help-metrics", is_flag=True, help="List the keys of the --json metrics (unit, meaning).")
 def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...],
            model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
-           help_params: bool) -> None:
+           help_params: bool, help_metrics: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
+    if help_metrics:
+        _print_metric_docs()
+        return
     from moesim.sim.run import columns_read
     from moesim.trace.io import keeping_decoded
     systems, everything = system_choice(system)
@@ -155,6 +160,20 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             with open_output(plot_out, "--plot", FIGURE) as path:
                 plot_breakdown(list(metrics_by_system.values()), path)
             say_wrote(out, f"wrote {plot_out}")
+
+
+def _print_metric_docs() -> None:
+    from rich.table import Table
+
+    from moesim.analysis.metrics import METRIC_DOCS
+    table = Table(title="keys of moesim replay --json (one object; with several systems, one per system)",
+                  title_justify="left", width=min(console.width, 120))
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    table.add_column("meaning", ratio=1, overflow="fold")
+    for key, doc in METRIC_DOCS.items():
+        table.add_row(key, doc.unit or "-", doc.meaning)
+    console.print(table)
 
 
 def _check_window(trace_file: str, steps: tuple[int, int]) -> None:

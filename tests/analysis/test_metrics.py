@@ -1,0 +1,46 @@
+"""Every key of the metrics, and of `moesim replay --json`, is documented with a unit and a meaning."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from moesim.analysis.metrics import METRIC_DOCS, metrics
+from moesim.cli import main
+from moesim.sim.run import simulate
+from tests.factories import profile_dict, random_routing, tiny_model, tiny_profile, write_tiny_trace
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    routing = random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=4)
+    return str(write_tiny_trace(tmp_path_factory.mktemp("t") / "t.parquet", model, routing))
+
+
+@pytest.mark.parametrize("system", ["gpu-only-lru", "smoe", "oracle"])
+def test_every_metric_key_is_documented(trace, system):
+    keys = set(metrics(simulate(trace, tiny_profile(), system, {"cache.slots_per_layer": "2"})))
+    assert keys - set(METRIC_DOCS) == set()
+
+
+def test_every_key_of_the_replay_json_is_documented(trace, tmp_path, capsys):
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    out = tmp_path / "m.json"
+    assert main(["replay", trace, "--hw", str(hw), "--system", "all", "--json", str(out)]) == 0
+    by_system = json.loads(out.read_text())
+    keys = set().union(*by_system.values())
+    assert "skipped" in keys and "lower_bound" in keys  # importance lacks scores: skipped
+    assert keys - set(METRIC_DOCS) == set()
+
+
+def test_help_metrics_lists_every_key_with_its_unit(capsys):
+    assert main(["replay", "--help-metrics"]) == 0
+    out = capsys.readouterr().out
+    for key, doc in METRIC_DOCS.items():
+        assert key in out and doc.meaning.split()[0] in out
+    assert all(doc.meaning for doc in METRIC_DOCS.values())
