@@ -7,6 +7,15 @@ A timeline is a DataFrame with the columns of
 :data:`moesim.sim.result.DECISION_COLUMNS`. Both are written as Parquet with a
 fixed Arrow schema, so files from the simulator and the real backend read the
 same way.
+
+Timeline columns: ``resource``; ``lane`` (the GPU stream 0, the CPU expert pool 0,
+or the copy engine); ``start_s`` and ``end_s`` (simulated seconds from the trace's
+start); ``kind`` (:data:`TIMELINE_KINDS`); ``step``; ``layer`` (the MoE layer, -1
+for work outside the MoE layers: embedding, dense layers, LM head, sampling);
+``expert`` (-1 for work of no one expert); ``tokens`` (tokens computed; 0 for
+copies). Decision-log columns: ``step``, ``layer`` (the layer planned),
+``expert``, ``action`` (:data:`DECISION_ACTIONS`) and ``target_layer`` (the layer
+the expert belongs to: a prefetch or an eviction may concern another layer).
 """
 
 from __future__ import annotations
@@ -25,6 +34,29 @@ from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 from moesim.util import tmp_path_for
 
 RESOURCES = ("pcie", "gpu", "cpu")
+
+#: the ``kind`` of a timeline row, per resource, and what it is
+TIMELINE_KINDS: dict[str, dict[str, str]] = {
+    "gpu": {"embedding": "token embedding", "attention": "attention and gate of a layer",
+            "dense_ffn": "the dense layers' FFN", "shared": "a layer's shared experts",
+            "expert": "a routed expert", "lm_head": "LM head", "sampling": "sampling"},
+    "cpu": {"expert": "a routed expert on the CPU pool", "deferred": "a deferred expert (Expert Deferral)"},
+    "pcie": {"load": "a demand load into a cache slot", "prefetch": "a prefetch into a cache slot",
+             "stage": "a copy into a staging buffer (the expert is not kept)",
+             "chunk": "the part of a prefetch copied before a demand load preempted it (engine.copy_chunk_bytes)",
+             "writeback": "an evicted expert copied back to the host (device to host)"},
+}
+#: the ``action`` of a decision-log row, and what it means
+DECISION_ACTIONS: dict[str, str] = {
+    "gpu_hit": "computed on the GPU from a slot that held it when the layer was planned",
+    "gpu_inflight": "computed on the GPU once a copy already under way arrived",
+    "gpu_load": "computed on the GPU after a demand load into a slot",
+    "gpu_stream": "computed on the GPU from a staging buffer, not kept",
+    "cpu": "computed on the CPU",
+    "deferred": "computed on the CPU, deferred past the layer (Expert Deferral)",
+    "prefetch": "copied ahead of need into a slot of target_layer",
+    "evict": "removed from a slot of target_layer",
+}
 
 _DICT = pa.dictionary(pa.int8(), pa.string())
 TIMELINE_SCHEMA = pa.schema([
