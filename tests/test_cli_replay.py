@@ -688,3 +688,11 @@ def test_a_parameter_a_component_swap_brings_is_taken_by_every_system_swapped(fi
     code, out, _ = run(["replay", trace, "--hw", hw, "--system", "smoe,dali", "--set", "prefetch=smoe-token",
                         "--set", "prefetch.n=1", "--set", "cache.slots_per_layer=2"], capsys)
     assert code == 0 and "smoe" in out and "dali" in out
+
+
+@pytest.mark.parametrize("command", ["replay", "systems"])
+def test_every_option_says_what_it_does(command):
+    """--seed had no help: `moesim replay --help` showed its range and default only."""
+    from moesim.cli.app import cli
+    options = [p for p in cli.commands[command].params if p.param_type_name == "option"]
+    assert [p.name for p in options if not (p.help or "").strip()] == []

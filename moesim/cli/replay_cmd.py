@@ -58,7 +58,9 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
               help="Steps the --plot Gantt and the --chrome-trace show, first and last inclusive [default: "
                    "the Gantt the first two, the Chrome trace every step].")
 @click.option("--decisions", "decisions_out", default=None, metavar="OUT.parquet", help="Write the decision log.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1),
+              help="Seed of the random choices some components make (dali's initial cache, substitute=random); "
+                   "every other part of a replay is deterministic.")
 @click.option("--help-params", is_flag=True,
               help="List the --set parameters of each --system (default, unit, meaning).")
 @click.option("--help-metrics", is_flag=True, help="List the keys of the --json metrics (unit, meaning).")
