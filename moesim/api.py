@@ -210,9 +210,12 @@ def profile_label(hw: Any) -> str:
     return hw.name if hasattr(hw, "gpu") and isinstance(getattr(hw, "name", None), str) else os.fspath(hw)
 
 
-def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM) -> None:
-    """One-line errors for a ``hw``, ``seed`` or ``system`` of the wrong kind (the command line's types check
-    them there)."""
+def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: Any = None) -> None:
+    """One-line errors for a ``hw``, ``seed``, ``system`` or ``model`` of the wrong kind (the command line's
+    types check them there)."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a preset name or a preset YAML path, got {model!r}", field="model",
+                          fix="e.g. model='mixtral-8x7b', or leave it out to take the trace's own")
     if not isinstance(system, str):
         raise ConfigError(f"system must be one system's name, got {system!r}", field="system",
                           fix="run one system per call (moesim.sweep runs several: systems=[...])")
@@ -248,7 +251,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     checked_keywords(replay, params)
     trace = checked_trace(trace)
     checked_flags(timeline=timeline, decisions=decisions)
-    checked_run_inputs(hw, seed, system)
+    checked_run_inputs(hw, seed, system, model)
     with keyword_fields(params):
         result = simulate(trace, hw, system, settings_from(settings, **params), model_preset=model,
                           seed=int(seed), timeline=timeline, decisions=decisions)

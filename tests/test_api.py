@@ -528,3 +528,15 @@ def test_a_profile_object_is_named_in_the_results_by_its_name(files):
     run = moesim.replay(trace, hw=profile, system="cpu-only", timeline=False, decisions=False)
     assert run.metrics["hw"].iloc[0] == profile.name
     assert moesim.replay(trace, hw=Path(hw), system="cpu-only", timeline=False).metrics["hw"].iloc[0] == hw
+
+
+def test_a_model_or_figure_path_of_the_wrong_type_is_one_line(files):
+    """`moesim.replay(T, model=3)` and `run.plot_breakdown(path=3)` raised a bare TypeError from os.fspath."""
+    trace, hw = files
+    with pytest.raises(ConfigError, match=r"^field 'model': model must be a preset name or a preset YAML path, "
+                                          "got 3"):
+        moesim.replay(trace, hw=hw, model=3)
+    run = moesim.replay(trace, hw=hw, system="cpu-only")
+    for plot in (run.plot_breakdown, run.plot_timeline):
+        with pytest.raises(ConfigError, match=r"^field 'path': path must be a file name, got 3"):
+            plot(path=3)

@@ -86,6 +86,8 @@ class DisplayFigure(Figure):
 # ----------------------------------------------------------------------------- saving
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Save ``fig`` as PNG, SVG or PDF by suffix; the file appears whole at ``path`` or not at all."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path must be a file name, got {path!r}", field="path", fix="e.g. path='figure.png'")
     path = Path(path)
     check_suffix(path, "path", FIGURE)
     fmt = FORMATS[path.suffix.lower()]
