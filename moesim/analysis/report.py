@@ -24,6 +24,14 @@ def number_text(value: Any, digits: int = 2) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+def bytes_text(nbytes: float) -> str:
+    """Bytes in GiB, or in MiB or KiB where GiB would read 0.00 (a tiny model's copies are not nothing)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= 0.005 * scale or nbytes == 0:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes / 2**10:,.2f} KiB"
+
+
 def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
@@ -39,7 +47,7 @@ def render_metrics(m: dict[str, Any], console: Console, title: str = "") -> None
         ("demand loads / streamed / prefetches", f"{m['demand_loads']:,} / {m['streamed_experts']:,} / "
                                                  f"{m['prefetches']:,}"),
         ("late prefetches", number_text(m["late_prefetches"])),
-        ("PCIe H2D", f"{m['pcie_h2d_bytes'] / 2**30:,.2f} GiB"),
+        ("PCIe H2D", bytes_text(m["pcie_h2d_bytes"])),
         ("utilisation CPU / GPU / PCIe", f"{m['cpu_util']:.0%} / {m['gpu_util']:.0%} / {m['pcie_util']:.0%}"),
         ("expert slots", str(m.get("slot_spread", m["expert_slots"]))),
         ("runtime", str(m.get("runtime", "-"))),

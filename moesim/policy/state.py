@@ -43,7 +43,7 @@ def even_quotas(total: int, layers: int, per_layer_max: int) -> list[int]:
 def describe_quotas(capacity: list[int], pool: int | None = None) -> str:
     """Compact text of how slots are spread: ``60 slots: 2 x 28 layers, 1 x 4 layers (layers 0, 8, 16, 24)``."""
     if pool is not None:
-        return f"{pool} slots in one model-wide pool (at most {max(capacity, default=0)} per layer)"
+        return f"{_slots(pool)} in one model-wide pool (at most {max(capacity, default=0)} per layer)"
     total = sum(capacity)
     groups: dict[int, list[int]] = {}
     for layer, n in enumerate(capacity):
@@ -53,7 +53,11 @@ def describe_quotas(capacity: list[int], pool: int | None = None) -> str:
         where = f" (layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))})" \
             if len(groups) > 1 and len(layers) <= 8 else ""
         parts.append(f"{n} x {len(layers)} layer{'s' if len(layers) > 1 else ''}{where}")
-    return f"{total} slots: {', '.join(parts)}"
+    return f"{_slots(total)}: {', '.join(parts)}"
+
+
+def _slots(count: int) -> str:
+    return f"{count} slot{'' if count == 1 else 's'}"
 
 
 class PoolMirror:

@@ -66,3 +66,10 @@ def test_small_figures_keep_two_significant_digits():
     assert [number_text(v) for v in (0.0023, 0.056, 0.56, 12.345, 0.0, 1234.5)] == \
         ["0.0023", "0.056", "0.56", "12.35", "0.00", "1,234.50"]
     assert number_text(0.0004, 3) == "0.00040" and number_text(float("nan")) == "-" and number_text(7) == "7"
+
+
+def test_pcie_bytes_of_a_tiny_model_are_not_shown_as_nothing():
+    """147,456 bytes of copies read '0.00 GiB' in the metrics table."""
+    from moesim.analysis.report import bytes_text
+    assert [bytes_text(n) for n in (0, 3 * 49_152, 5 * 2**20, 4_466.77 * 2**30, 1_000)] == \
+        ["0.00 GiB", "0.14 MiB", "5.00 MiB", "4,466.77 GiB", "0.98 KiB"]

@@ -158,3 +158,10 @@ def test_evict_all_is_evict_of_each_in_turn(pairs, resident, pool):
         return None, ([set(s) for s in state.resident], state.held())
 
     assert run(True) == run(False)
+
+
+def test_one_slot_is_one_slot():
+    from moesim.policy.state import describe_quotas
+    assert describe_quotas([1]) == "1 slot: 1 x 1 layer"
+    assert describe_quotas([1, 1], pool=1) == "1 slot in one model-wide pool (at most 1 per layer)"
+    assert describe_quotas([2, 1]).startswith("3 slots: ")
