@@ -399,6 +399,16 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         parts[role] = registry[comp_name]()
     for key, value in settings.items():
         role, _, param = key.partition(".")
+        if not key.strip():
+            raise ConfigError("a setting with no parameter name", field="--set", fix="write --set KEY=VALUE, e.g. "
+                                                                                  "--set cache.slots_per_layer=4")
+        takers = [c for c, comp in COMPONENTS.get(role, {}).items() if param and param in comp.parameters()]
+        if role in parts and param not in parts[role].parameters() and takers:
+            # a parameter of another component of this role (prefetch.n with no prefetcher chosen)
+            raise ConfigError(f"{role} '{chosen[role]}' of system '{name}' has no parameter '{key}'; "
+                              f"{role} {', '.join(takers)} {'has' if len(takers) == 1 else 'have'} it", field="--set",
+                              fix=f"choose one with --set {role}={takers[0]} as well, or pick a system whose {role} "
+                                  f"takes {key} (`moesim systems NAME` lists a system's parameters)")
         if role not in parts or param not in parts[role].parameters():
             keys = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
             valid = keys + [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]

@@ -62,3 +62,17 @@ def test_substitutions_out_of_order_or_twice_are_refused(rows, slots):
     from moesim.policy.base import Substitutions
     with pytest.raises(ValueError, match="ordered by row, then slot"):
         Substitutions(np.array(rows), np.array(slots), np.array([3, 4]))
+
+
+def test_a_parameter_of_another_component_says_which_components_take_it():
+    """`--set prefetch.n=3` on gpu-only-lru (no prefetcher) said 'did you mean prefetch?' with a list of every
+    parameter; it names the components that take it and how to choose one. An empty key is its own line."""
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import build_system
+    with pytest.raises(ConfigError, match=r"prefetch 'none' of system 'gpu-only-lru' has no parameter 'prefetch.n'; "
+                                          r"prefetch hybrimoe-layer, smoe-token have it \(fix: choose one with --set "
+                                          r"prefetch=hybrimoe-layer as well"):
+        build_system("gpu-only-lru", {"prefetch.n": "3"})
+    assert build_system("gpu-only-lru", {"prefetch": "smoe-token", "prefetch.n": "3"}).prefetch.n == 3
+    with pytest.raises(ConfigError, match="a setting with no parameter name"):
+        build_system("gpu-only-lru", {"": "3"})
