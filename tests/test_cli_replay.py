@@ -696,3 +696,16 @@ def test_every_option_says_what_it_does(command):
     from moesim.cli.app import cli
     options = [p for p in cli.commands[command].params if p.param_type_name == "option"]
     assert [p.name for p in options if not (p.help or "").strip()] == []
+
+
+def test_an_oracles_chrome_trace_names_the_member_whose_timeline_it_is(files, tmp_path, capsys):
+    """The oracle's timeline is its best member's on TPOT, but the trace and the Gantt said only 'oracle'."""
+    trace, hw = files
+    out = tmp_path / "o.json"
+    code, _, err = run(["replay", trace, "--hw", hw, "--system", "oracle", "--chrome-trace", str(out),
+                        "--json", str(tmp_path / "m.json")], capsys)
+    assert code == 0, err
+    best = dict(part.split("=") for part in json.loads((tmp_path / "m.json").read_text())["portfolio_best"].split("; "))
+    assert json.loads(out.read_text())["otherData"]["timeline_of"] == best["tpot_ms_mean"]
+    code, _, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--chrome-trace", str(out)], capsys)
+    assert code == 0 and "timeline_of" not in json.loads(out.read_text())["otherData"]

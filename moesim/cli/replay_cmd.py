@@ -292,6 +292,10 @@ def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str],
 def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
                    chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict,
                    steps: tuple[int, int] | None = None, out: Console = console) -> None:
+    lead = _timeline_member(metrics_)
+    if lead:  # a portfolio's timeline and logs are its best member's on TPOT: say whose
+        meta = {**meta, "timeline_of": lead}
+    shown = f"{meta['system']} (timeline of {lead}, its best schedule on TPOT)" if lead else meta["system"]
     if json_out:
         write_json(metrics_, json_out)
     if timeline_out:
@@ -312,9 +316,15 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
     if plot_out:
         from moesim.analysis.plots import plot_gantt
         with open_output(plot_out, "--plot", FIGURE) as path:
-            plot_gantt(frames["timeline"], path, steps=steps,
-                       title=f"{meta['system']} on {Path(meta['trace']).name}")
+            plot_gantt(frames["timeline"], path, steps=steps, title=f"{shown} on {Path(meta['trace']).name}")
         say_wrote(out, f"wrote {plot_out}")
+
+
+def _timeline_member(metrics_: dict) -> str | None:
+    """The member of a portfolio bound (oracle) whose replay its timeline, decisions and Chrome trace are:
+    the one that gave its TPOT (its makespan on a trace without decode steps); None for any other system."""
+    given = dict(part.split("=", 1) for part in (metrics_.get("portfolio_best") or "").split("; ") if "=" in part)
+    return given.get("tpot_ms_mean") or given.get("makespan_s")
 
 
 @cli.command("systems")
