@@ -276,7 +276,10 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
                            linewidth=0, zorder=2, label=kind, snap=False)
     _mark_boundaries(ax, frame, window)
 
-    ax.set_yticks(range(len(RESOURCES)), [LANE_LABELS[r] for r in reversed(RESOURCES)])
+    labels = dict(LANE_LABELS)
+    if "writeback" in kinds:  # device-to-host copies of evicted experts share the copy engine's lane
+        labels["pcie"] = "PCIe (H2D + D2H)"
+    ax.set_yticks(range(len(RESOURCES)), [labels[r] for r in reversed(RESOURCES)])
     ax.set_ylim(-0.55, len(RESOURCES) - 0.45)
     ax.set_xlim(window[0] * 1e3, window[1] * 1e3 if window[1] > window[0] else window[0] * 1e3 + 1)
     ax.set_xlabel("time (ms)")

@@ -232,3 +232,11 @@ def test_steps_show_those_steps_though_a_copy_of_theirs_runs_on_into_later_ones(
     assert plot_gantt(frame, steps=(2, 2))._suptitle.get_text().startswith("step 2 of 4, ")  # not steps 1-2
     inside = plot_gantt(frame, window=(float(step_start[0]) + 1e-3, float(step_start[0]) + 2e-3))
     assert inside._suptitle.get_text().startswith("step 0 (part of it) of 4, ")  # a window inside one step
+
+
+def test_a_copy_lane_with_write_backs_is_not_labelled_host_to_device() -> None:
+    """mixtral-offloading copies each evicted expert back (D2H) on the same engine: the lane said 'PCIe H2D'."""
+    frame = _frame([("pcie", 0, 0.0, 1e-3, "load", 0, 0, 1, 0), ("pcie", 0, 1e-3, 2e-3, "writeback", 0, 0, 2, 0),
+                    ("gpu", 0, 1e-3, 2e-3, "expert", 0, 0, 1, 1)])
+    assert _lane_labels(plot_gantt(frame, window=(0.0, 2e-3))) == ["CPU", "GPU", "PCIe (H2D + D2H)"]
+    assert _lane_labels(plot_gantt(frame[frame["kind"] != "writeback"], window=(0.0, 2e-3)))[-1] == "PCIe H2D"
