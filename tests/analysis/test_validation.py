@@ -146,7 +146,7 @@ def test_experts_too_big_for_host_memory_are_refused_before_the_profile_is_measu
     (["--systems", "all"], "field '--systems': validate runs the systems it is given by name, not 'all'"),
     (["--systems", "cpu-only,oracle"], "field '--systems': 'oracle' is a bound over several schedules"),
     (["--systems", "nope"], "field '--systems': unknown system 'nope'"),
-    (["--systems", "cpu-only", "--set", "cache.alpha=1"], "unknown parameter 'cache.alpha' for system 'cpu-only'"),
+    (["--systems", "cpu-only", "--set", "cache.alpha=1"], "cache 'none' of system 'cpu-only' has no parameter 'cache.alpha'"),
     (["--systems", "cpu-only", "--set", "engine.staging_slots=0"], "at least one staging buffer is needed"),
 ])
 def test_wrong_systems_and_settings_fail_before_the_profile_is_measured(trace, tmp_path, capsys, args, words):
