@@ -282,26 +282,29 @@ class BuddySubstitution(Substitution):
     name = "buddy"
     columns = ("weights", "scores")
     any_negative = ("tau",)
-    #: calibration trace (path); empty: the replayed trace itself, flagged in the report
+    #: calibration trace (path), 002 Sec. 3.3's held-out profiling set; empty: the replayed trace itself,
+    #: flagged in the report
     calibration: str = ""
     #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1)
     alpha: float = 0.95
-    #: buddy list cap K_max (the tables' |B|)
+    #: buddy list cap K_max (002 Sec. 3.4: typically 5-20; the tables' |B|, Sec. 5.1: 2-16) (experts)
     k_max: int = 16
-    #: Laplace smoothing added to every co-activation count
+    #: Laplace smoothing added to every co-activation count before normalising (002 Sec. 3.3, (ii))
     epsilon: float = 1.0
-    #: accumulate probability-weighted co-activations instead of binary ones
+    #: accumulate probability-weighted co-activations instead of binary ones (002 Sec. 3.3, (i))
     weighted: bool = False
     #: buddy search rank limit H of Alg. 1 (0: the whole list)
     search_limit: int = 0
-    #: TAE gate threshold; negative: the tau_percentile-th percentile on the calibration trace
+    #: TAE gate threshold of Eq. 1 (002 Sec. 3.1); negative: the tau_percentile-th percentile on the
+    #: calibration trace
     tau: float = -1.0
     #: with ``tau`` negative: which percentile of each layer's TAE on the calibration trace is the threshold
+    #: (002 Sec. 3.1, (iii): p in [10, 20])
     tau_percentile: float = 10.0
-    #: distribution gate: no substitution in a layer when this share of its experts is off the GPU
-    #: ("off" or above 1: the gate never closes)
+    #: distribution gate of Eq. 2 (002 Sec. 3.1): no substitution in a layer when this share of its experts
+    #: is off the GPU ("off" or above 1: the gate never closes)
     beta: float = 1.0
-    #: replacement budget per token (0: unlimited)
+    #: replacement budget rho per token, 0: unlimited (002 Sec. 5.1; 3 in its best configurations) (experts)
     rho: int = 3
     _buddies: list[list[list[int]]] = field(default_factory=list, repr=False)
     _tau: list[float] = field(default_factory=list, repr=False)

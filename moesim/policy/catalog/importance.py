@@ -192,9 +192,10 @@ class TopScorePrefetch(Prefetch):
 
     name = "top-score"
     columns = ("pred_next_layer",)
-    #: predicted experts per token treated as top-score (highest predicted scores first)
+    #: predicted experts per token treated as top-score, highest predicted scores first (004 Sec. 5.2) (experts)
     per_token: int = 1
-    #: experts loaded ahead per layer at most (0: no cap beyond per_token)
+    #: experts loaded ahead per layer at most, 0: no cap beyond per_token (a cap of moesim's own; 004
+    #: Sec. 5.2 sets none) (experts)
     size: int = 0
     #: drop still-queued prefetches once the predicted layer's gate has run (Sec. 5.2)
     clear_queue: bool = True
@@ -225,7 +226,8 @@ class ScoreHistoryCache(CachePolicy):
 
     name = "score-history"
     columns = ("scores",)
-    #: iterations (forward passes) of score history per layer
+    #: the n iterations (forward passes) of score history per layer an eviction averages over (004 Sec. 5.3;
+    #: the paper gives no value) (steps)
     n: int = 8
     _history: list[deque] = field(default_factory=list, repr=False)
     _sums: list[np.ndarray] = field(default_factory=list, repr=False)
