@@ -284,11 +284,13 @@ class TokenWisePrefetch(Prefetch):
     n: int = -1
     #: "fixed" (Fixed-N) or "adaptive" (000 Sec. IV-E)
     eviction: str = "fixed"
-    #: SMoE-Flex: fraction of layers (least accurate predictor first) with prefetch off
+    #: SMoE-Flex: fraction of layers (least accurate predictor first) with prefetch off (000 Sec. IV-D, VI-D:
+    #: "half of the layers", the smoe-flex system's 0.5)
     flex_off_fraction: float = 0.0
     #: SMoE-Flex layer ranking: a trace path, "self" (the replayed trace, clairvoyant) or "" (online warm-up)
     calibration: str = ""
-    #: SMoE-Flex with online ranking: decode steps measured before the least accurate layers switch off
+    #: SMoE-Flex with online ranking: decode steps measured before the least accurate layers switch off (000
+    #: does not say how it ranks layers; moesim measures them online unless a calibration trace is given) (steps)
     warmup: int = 16
     #: critical-path cost of the cache update per prefetching layer (000 Sec. VI-E: about 0.01 ms)
     management_us: float = 10.0

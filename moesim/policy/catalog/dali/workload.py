@@ -99,11 +99,12 @@ class WorkloadAwareCache(CachePolicy):
     """Workload-Aware Cache Replacement (003 Sec. 4.3, Alg. 2)."""
 
     name = "dali-workload"
-    #: iterations per window (Fig. 12: 4)
+    #: iterations per window of Alg. 2 (003 Fig. 12 caption: 4 for every model) (steps)
     w_size: int = 4
     #: experts swapped per window (-1: 003's for the model, 1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
     u_size: int = -1
-    #: model-wide slots for prefetched experts, besides the cache (-1: twice the prefetch size)
+    #: model-wide slots for prefetched experts, besides the cache, -1: twice the prefetch size (moesim's room for
+    #: 003 Sec. 4.2's residual prefetches, which the paper does not size) (slots)
     prefetch_slots: int = -1
     #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
     strict: bool = True
