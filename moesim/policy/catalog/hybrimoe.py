@@ -65,9 +65,10 @@ class ScoreAwareCache(CachePolicy):
 
     name = "score-aware"
     columns = ("scores", "weights")
-    #: weight of the newest scores in ``S = alpha * TopP(s) + (1 - alpha) * S``
+    #: weight of the newest scores in ``S = alpha * TopP(s) + (1 - alpha) * S`` (0.5: the public implementation's
+    #: default, ``KScoreAwareCache`` in ``ktransformers/operators/experts.py``)
     alpha: float = 0.5
-    #: experts whose scores enter TopP each update (12 in the public implementation)
+    #: experts whose scores enter TopP each update (12: the same class's default ``p``) (experts)
     top_p: int = 12
     _priority: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
     _noted: bool = False
