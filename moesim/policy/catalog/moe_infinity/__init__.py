@@ -66,11 +66,12 @@ class EamPrefetch(Prefetch):
     """Activation-matrix matching prefetch (MoE-Infinity); see the module docstring."""
 
     name = "eam-match"
-    #: finished requests' EAMs kept for matching
+    #: finished requests' EAMs kept for matching (a choice of moesim's; MoE-Infinity's public code keeps up to
+    #: ``trace_capacity`` = 1000 by default, ``moe_infinity/utils/config.py``)
     eamc_size: int = 100
-    #: later layers of the same pass to prefetch for
+    #: later layers of the same pass to prefetch for (a choice of moesim's) (layers)
     lookahead: int = 2
-    #: experts per target layer at most (0: the model's top-k)
+    #: experts per target layer at most (0: the model's top-k; a choice of moesim's)
     per_layer: int = 0
     #: what seeds the EAMC: "others" (the replayed trace, leave-one-out), a trace path, or "none" (start empty)
     calibration: str = OTHERS
