@@ -79,6 +79,14 @@ def clean_stale_tmps(path: Path) -> int:
     return removed
 
 
+def yaml_beside(name_or_path: str | os.PathLike) -> Path | None:
+    """``dir/name.yaml`` for a path ``dir/name`` given without its suffix, where that file exists (a profile or
+    preset path typed as ``hwprofiles/rtx4090``); None for a bare name, which names a bundled file."""
+    path = Path(name_or_path)
+    with_yaml = path.with_name(f"{path.name}.yaml")
+    return with_yaml if os.sep in str(name_or_path) and with_yaml.exists() else None
+
+
 def check_output_path(path: str | os.PathLike, option: str = "--out", written_as: str | None = None) -> Path:
     """Fail now, with one line, if ``path`` cannot receive an output file (before any work is done);
     ``written_as``: its format (a key of :data:`OUTPUT_FORMATS`), which its name must end in."""

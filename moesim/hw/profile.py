@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,7 +21,7 @@ from moesim.errors import ProfileError, close_choices, did_you_mean
 from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, OUTPUT_KINDS, AttentionCurve, CPUSpec, Curve, ExpertCurve,
                              GPUSpec, OutputCurve, PCIeSpec, RuntimeSpec, SyncSpec)
 from moesim.model.spec import DTYPE_BITS
-from moesim.util import read_yaml
+from moesim.util import read_yaml, yaml_beside
 
 PROFILE_SCHEMA_VERSION = 1
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "hwprofiles"
@@ -556,10 +555,7 @@ def profile_path(name_or_path: str | Path) -> Path:
     path = Path(name_or_path)
     if path.exists() or path.suffix:
         return path
-    with_yaml = path.with_name(f"{path.name}.yaml")
-    if os.sep in str(name_or_path) and with_yaml.exists():
-        return with_yaml
-    return PROFILE_DIR / f"{name_or_path}.yaml"
+    return yaml_beside(name_or_path) or PROFILE_DIR / f"{name_or_path}.yaml"
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:

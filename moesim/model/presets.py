@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moesim.errors import ConfigError, did_you_mean
 from moesim.model.spec import ModelSpec
-from moesim.util import read_yaml
+from moesim.util import read_yaml, yaml_beside
 
 PRESET_DIR = Path(__file__).with_name("presets")
 
@@ -28,10 +28,7 @@ def preset_path(name_or_path: str) -> Path:
     # A name such as "qwen1.5-moe-a2.7b" has a dot, so only a YAML suffix marks a path.
     if path.suffix in (".yaml", ".yml"):
         return path
-    with_yaml = path.with_name(f"{path.name}.yaml")
-    if os.sep in str(name_or_path) and with_yaml.exists():
-        return with_yaml
-    return PRESET_DIR / f"{name_or_path}.yaml"
+    return yaml_beside(name_or_path) or PRESET_DIR / f"{name_or_path}.yaml"
 
 
 @lru_cache(maxsize=None)

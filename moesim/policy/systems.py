@@ -399,26 +399,32 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         parts[role] = registry[comp_name]()
     for key, value in settings.items():
         role, _, param = key.partition(".")
-        if not key.strip():
-            raise ConfigError("a setting with no parameter name", field="--set", fix="write --set KEY=VALUE, e.g. "
-                                                                                  "--set cache.slots_per_layer=4")
-        takers = [c for c, comp in COMPONENTS.get(role, {}).items() if param and param in comp.parameters()]
-        if role in parts and param not in parts[role].parameters() and takers:
-            # a parameter of another component of this role (prefetch.n with no prefetcher chosen)
-            raise ConfigError(f"{role} '{chosen[role]}' of system '{name}' has no parameter '{key}'; "
-                              f"{role} {', '.join(takers)} {'has' if len(takers) == 1 else 'have'} it", field="--set",
-                              fix=f"choose one with --set {role}={takers[0]} as well, or pick a system whose {role} "
-                                  f"takes {key} (`moesim systems NAME` lists a system's parameters)")
         if role not in parts or param not in parts[role].parameters():
-            keys = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
-            valid = keys + [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
-            guess = did_you_mean(key, [*keys, *ROLES, "cache.slots", "cache.slots_per_layer"])
-            raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
-                              fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots, "
-                                  "cache.slots_per_layer (`moesim systems` lists them all)")
+            _refuse_unknown(name, key, chosen, parts)
         set_checked(parts[role], param, value, key)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
                              uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
+
+
+def _refuse_unknown(name: str, key: str, chosen: dict[str, str], parts: dict[str, Component]) -> None:
+    """The error for ``--set key`` that system ``name``'s components do not take: which other components of
+    the role take it (prefetch.n with no prefetcher chosen), or else every parameter they do take."""
+    if not key.strip():
+        raise ConfigError("a setting with no parameter name", field="--set",
+                          fix="write --set KEY=VALUE, e.g. --set cache.slots_per_layer=4")
+    role, _, param = key.partition(".")
+    takers = [c for c, comp in COMPONENTS.get(role, {}).items() if param and param in comp.parameters()]
+    if role in parts and takers:
+        raise ConfigError(f"{role} '{chosen[role]}' of system '{name}' has no parameter '{key}'; "
+                          f"{role} {', '.join(takers)} {'has' if len(takers) == 1 else 'have'} it", field="--set",
+                          fix=f"choose one with --set {role}={takers[0]} as well, or pick a system whose {role} "
+                              f"takes {key} (`moesim systems NAME` lists a system's parameters)")
+    keys = [f"{r}.{p}" for r, part in parts.items() for p in part.parameters()]
+    valid = keys + [f"{r}=<{'|'.join(COMPONENTS[r])}>" for r in ROLES]
+    guess = did_you_mean(key, [*keys, *ROLES, "cache.slots", "cache.slots_per_layer"])
+    raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
+                      fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots, "
+                          "cache.slots_per_layer (`moesim systems` lists them all)")
 
 
 #: closed ranges of parameters beyond the general rule (finite, not negative): (role, component, parameter)

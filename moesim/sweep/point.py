@@ -49,8 +49,9 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
     try:
         from moesim.analysis.metrics import metrics
         from moesim.sim.run import simulate
+        from moesim.sim.workload import is_serving_key
         profile = cached_profile(hw) if isinstance(hw, str) else hw
-        if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in point.settings_str()):
+        if any(is_serving_key(k) for k in point.settings_str()):
             from moesim.analysis.serving import serving_row  # sweeps over workload.* serve instead of replaying
             row.update(status="ok", error="", **serving_row([trace_path], profile, point.system,
                                                             point.settings_str(), model_preset=point.model,

@@ -246,12 +246,12 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
+    from moesim.sim.workload import is_serving_key, split_settings
     checked: set[tuple] = set()
     for point in points:
         settings = point.settings_str()
-        if any(k.startswith("workload.") or k.partition(".")[0] == "scheduler" for k in settings):
+        if any(is_serving_key(k) for k in settings):
             from moesim.sim.serving import check_servable  # a serving point
-            from moesim.sim.workload import split_settings
             settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
             if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
                 _reraise(lambda: check_servable(point.system, settings), spec, "systems")
