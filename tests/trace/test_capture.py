@@ -745,8 +745,10 @@ def test_a_capture_killed_midway_leaves_nothing_after_the_next_one(hf, tmp_path:
     out = folder / "t.parquet"
     args = ["capture", "--model", str(checkpoint), "--device", "cpu", "--out", str(out), "--max-new-tokens"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = subprocess.Popen([sys.executable, "-m", "moesim", *args, "40", "--prompts", str(prompts)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed.log"  # what the capture said, should it end before writing anything
+    with open(log, "w") as stderr:
+        killed = subprocess.Popen([sys.executable, "-m", "moesim", *args, "40", "--prompts", str(prompts)],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.monotonic() + 120
         while not any(folder.iterdir()) and killed.poll() is None and time.monotonic() < deadline:
@@ -754,7 +756,7 @@ def test_a_capture_killed_midway_leaves_nothing_after_the_next_one(hf, tmp_path:
     finally:
         killed.send_signal(signal.SIGKILL)
         killed.wait()
-    assert [p.name for p in folder.iterdir()] and not out.exists()
+    assert [p.name for p in folder.iterdir()] and not out.exists(), (killed.returncode, log.read_text()[-2000:])
     assert main([*args, "1", "--prompts", str(write_jsonl(tmp_path / "q.jsonl", PROMPTS[:1]))]) == 0
     assert [p.name for p in folder.iterdir()] == ["t.parquet"]
 
