@@ -195,15 +195,18 @@ class Simulator(Transfers):
     def _forward(self) -> Iterator[simpy.Event]:
         env = self.env
         self._steps = iter_steps(self.trace_path, columns=self.system.needed_columns())
+        end = env.now
         for step in self._steps:
-            start = env.now
+            # a step starts where the last one ended: env.now, as start + (end - start), can fall an ulp short
+            start = end
             # layers run back to back and nothing else issues work, so one timeout per step suffices
-            yield env.timeout(self.run_step(step, start) - start)
+            end = self.run_step(step, start)
+            yield env.timeout(end - start)
             first, second = step.layer_bounds[:2].tolist()
             # one token: its request (np.unique's sort costs more than the rest of a small step's set-up)
             requests = [int(step.request[first])] if second - first == 1 else \
                 np.unique(step.request[first:second]).tolist()
-            self.steps.append(StepRecord(step.step, self._step_phase, start, env.now, second - first, requests))
+            self.steps.append(StepRecord(step.step, self._step_phase, start, end, second - first, requests))
             if self.progress is not None:
                 self.progress(step.rows)
             if self.watch is not None and self.watch(self.steps[-1]):
@@ -228,7 +231,7 @@ class Simulator(Transfers):
         head, tail = self._step_work(tokens, context, sequences, phase)
         t = start + head
         if self.timeline is not None:
-            self._step_spans(step.step, start, tokens, before=True)
+            self._step_spans(step.step, start, t, tokens, before=True)
         self._rows = step.one_row_layers()
         attention = self._attention_s(tokens, context)
         for layer, rows in step.layers():
@@ -236,11 +239,15 @@ class Simulator(Transfers):
             own = attention if rows.stop - rows.start == tokens else self._attention_s(rows.stop - rows.start, context)
             t = self._layer(step, layer, rows, own, phase, t)
         if self.timeline is not None:
-            self._step_spans(step.step, t, tokens, before=False)
+            self._step_spans(step.step, t, t + tail, tokens, before=False)
         return t + tail
 
-    def _step_spans(self, s: int, t: float, tokens: int, before: bool) -> None:
-        """Timeline spans of the GPU work before the first MoE layer (from ``t``) or after the last."""
+    def _step_spans(self, s: int, t: float, end: float, tokens: int, before: bool) -> None:
+        """Timeline spans of the GPU work before the first MoE layer (from ``t``) or after the last (to ``end``).
+
+        The last span ends at ``end`` exactly: the step's times are summed in another order, and a span an
+        ulp past them would overlap the next one on the GPU lane.
+        """
         work = {**self._step_fixed, "attention": self._dense_attention}
         if before:
             t += work["host"] + work["launch"]
@@ -248,8 +255,9 @@ class Simulator(Transfers):
         else:
             kinds = ("lm_head", "sampling")
         for kind in kinds:
-            self._span("gpu", 0, t, t + work[kind], kind, s, -1, tokens=tokens)
-            t += work[kind]
+            stop = end if kind == kinds[-1] else t + work[kind]
+            self._span("gpu", 0, t, stop, kind, s, -1, tokens=tokens)
+            t = stop
 
     def _step_work(self, tokens: int, context: int, sequences: int, phase: str) -> tuple[float, float]:
         """Seconds before the first MoE layer and after the last one, counted in the breakdown."""

@@ -353,7 +353,8 @@ class ServingRun:
                 raise RuntimeError(f"serving made no progress: {since_finish} steps without a request finishing "
                                    f"under scheduler '{self.scheduler.name}' (requests preempted and recomputed "
                                    "in a loop)")
-            start = env.now
+            # after the last step, env.now (start + (end - start)) can fall an ulp short of its end
+            start = max(env.now, sim.steps[-1].end) if sim.steps else env.now
             step = build_step(index, batch.entries, self.served, self.layers)
             self.batches.append([(r.rid, r.done, n) for r, n in batch.entries])
             end = sim.run_step(step, start)

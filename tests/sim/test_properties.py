@@ -72,18 +72,19 @@ def test_invariants(scenario, system):
     result, frames = run(model, routing, profile, system, slots)
     timeline, decisions = frames["timeline"], frames["decisions"]
 
-    # time never goes backwards: spans are ordered, steps follow each other, one lane never overlaps itself
+    # time never goes backwards: spans are ordered, steps follow each other, one lane never overlaps itself,
+    # not even by an ulp (a span summed in another order than the step's clock once did)
     assert (timeline.end_s >= timeline.start_s).all()
     for (resource, lane), spans in timeline.groupby(["resource", "lane"]):
-        spans = spans.sort_values("start_s")
-        assert (spans.start_s.values[1:] >= spans.end_s.values[:-1] - EPS).all(), resource
+        spans = spans.sort_values(["start_s", "end_s"])
+        assert (spans.start_s.values[1:] >= spans.end_s.values[:-1]).all(), resource
     pcie = timeline[timeline.resource == "pcie"].sort_values("start_s")
     for t in pcie.start_s:
         running = ((pcie.start_s <= t + EPS) & (pcie.end_s > t + EPS)).sum()
         assert running <= profile["copy_engines"]
     starts = [s.start for s in result.steps]
     ends = [s.end for s in result.steps]
-    assert all(b >= a - EPS for a, b in zip(ends, starts[1:]))
+    assert all(b >= a for a, b in zip(ends, starts[1:]))
 
     # every routed expert computed exactly once
     computed = timeline[timeline.kind == "expert"]
