@@ -7,7 +7,8 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
     r = moesim.replay("traces/mixtral-8x7b-humaneval.parquet", hw="a100-40g", system="gpu-only-lru",
                       cache__slots_per_layer=2, hw__pcie__bandwidth_scale=0.5)
     r = moesim.replay(trace, system="gpu-only-lru", settings={"cache.slots_per_layer": 2, "cache": "belady"})
-    r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns
+    r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns (the nested
+                         # lower_bound as lower_bound_makespan_s, ...; gap_to_lower_bound as it is)
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
     r.decisions          # the decision log (DECISION_COLUMNS)
     r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure; Jupyter shows it as an image)
@@ -252,15 +253,40 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     trace = checked_trace(trace)
     checked_flags(timeline=timeline, decisions=decisions)
     checked_run_inputs(hw, seed, system, model)
+    given = settings_from(settings, **params)
     with keyword_fields(params):
-        result = simulate(trace, hw, system, settings_from(settings, **params), model_preset=model,
-                          seed=int(seed), timeline=timeline, decisions=decisions)
+        result = simulate(trace, hw, system, given, model_preset=model, seed=int(seed), timeline=timeline,
+                          decisions=decisions)
     raw = metrics(result)
+    with_lower_bound(raw, result, trace, hw, system, given)
     frames = result_to_frames(result)
     row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed),
-           **sweep_module.flatten_metrics(raw)}
+           **sweep_module.flatten_metrics(flat_lower_bound(raw))}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw)
+
+
+def with_lower_bound(raw: dict[str, Any], result: Any, trace: str, hw: Any, system: str,
+                     settings: dict[str, str]) -> None:
+    """Add ``lower_bound`` and ``gap_to_lower_bound`` to a replay's metrics as ``moesim replay --json`` gives them:
+    the physical lower bound of the system's own memory plan, workload and defaults (mixtral-offloading's int4
+    experts), by :func:`moesim.sim.run.result_lower_bound`, and the makespan over that bound's."""
+    from moesim.sim.run import result_lower_bound, with_system_defaults
+    bound = result_lower_bound(trace, hw, with_system_defaults(system, settings), result)
+    raw["lower_bound"] = bound
+    raw["gap_to_lower_bound"] = raw["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
+
+
+def flat_lower_bound(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its nested ``lower_bound`` as columns ``lower_bound_<key>`` (a portfolio's
+    ``slots_by_metric`` as ``lower_bound_slots_by_metric_<metric>``)."""
+    out = {k: v for k, v in raw.items() if k != "lower_bound"}
+    for key, value in raw.get("lower_bound", {}).items():
+        if isinstance(value, Mapping):
+            out.update({f"lower_bound_{key}_{k}": v for k, v in value.items()})
+        else:
+            out[f"lower_bound_{key}"] = value
+    return out
 
 
 @python_names()

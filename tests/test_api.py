@@ -540,3 +540,24 @@ def test_a_model_or_figure_path_of_the_wrong_type_is_one_line(files):
     for plot in (run.plot_breakdown, run.plot_timeline):
         with pytest.raises(ConfigError, match=r"^field 'path': path must be a file name, got 3"):
             plot(path=3)
+
+
+@pytest.mark.parametrize("system", ["gpu-only-lru", "mixtral-offloading", "oracle"])
+def test_replay_gives_the_lower_bound_and_gap_the_command_line_gives(files, tmp_path, system):
+    """moesim.replay had no lower_bound or gap_to_lower_bound, which `moesim replay --json` gives every system
+    (mixtral-offloading: its own int4 defaults; oracle: each metric's floor from the schedule behind it)."""
+    import json
+
+    from moesim.cli import main
+    trace, hw = files
+    out = tmp_path / "m.json"
+    assert main(["replay", trace, "--hw", hw, "--system", system, "--set", "cache.slots_per_layer=2",
+                 "--json", str(out)]) == 0
+    given = json.loads(out.read_text())
+    run = moesim.replay(trace, hw=hw, system=system, cache__slots_per_layer=2, timeline=False, decisions=False)
+    assert run.raw_metrics["lower_bound"] == given["lower_bound"]
+    assert run.raw_metrics["gap_to_lower_bound"] == given["gap_to_lower_bound"] >= 1.0
+    row = run.metrics.iloc[0]
+    assert row["gap_to_lower_bound"] == given["gap_to_lower_bound"]
+    for key in ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots"):
+        assert row[f"lower_bound_{key}"] == given["lower_bound"][key], key
