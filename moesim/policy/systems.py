@@ -297,13 +297,60 @@ ROLES = ("cache", "assign", "prefetch", "substitute", "defer")
 SYSTEMS: dict[str, SystemSpec] = {}
 
 
+#: the systems and components moesim itself registers (set once the catalogue is imported, at the end of this
+#: module): a user's own may not take their names
+CATALOGUE_SYSTEMS: frozenset[str] = frozenset()
+CATALOGUE_COMPONENTS: frozenset[tuple[str, str]] = frozenset()
+
+#: the base class of each role's components, as the errors about a component name them
+ROLE_BASES = {"cache": "CachePolicy", "assign": "Assignment", "prefetch": "Prefetch", "substitute": "Substitution",
+              "defer": "Deferral"}
+
+
 def register_component(cls: type[Component]) -> type[Component]:
-    """Class decorator: make a component reachable by ``--set <role>=<name>``."""
-    COMPONENTS.setdefault(cls.role, {})[cls.name] = cls
+    """Class decorator: make a component reachable by ``--set <role>=<name>``.
+
+    ``cls.name`` must be the class's own (a subclass that keeps its parent's would replace the parent) and no
+    catalogue component's; defining a class of the same name again (a notebook cell run twice) replaces it."""
+    what = getattr(cls, "__name__", repr(cls))
+    role = getattr(cls, "role", "")
+    if not isinstance(cls, type) or not issubclass(cls, Component) or role not in ROLES:
+        raise ConfigError(f"{what} is no component of a role: it cannot be registered", field="role",
+                          fix=f"subclass one of {', '.join(ROLE_BASES.values())} (moesim.policy.cache, .assign, "
+                              ".prefetch, .systems)")
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name.strip():
+        inherited = f" (it inherits '{cls.name}' from {cls.__mro__[1].__name__})" if cls.name else ""
+        raise ConfigError(f"{what} has no name of its own{inherited}", field="name",
+                          fix=f"give the class its own registry name, e.g. name = 'my-{role}'")
+    taken = COMPONENTS.setdefault(role, {}).get(name)
+    if taken is not None and taken is not cls:
+        if (role, name) in CATALOGUE_COMPONENTS:
+            raise ConfigError(f"{role} '{name}' is a catalogue component ({taken.__module__}.{taken.__name__}); "
+                              f"{what} cannot take its name", field="name",
+                              fix=f"give {what} another name, e.g. name = 'my-{name}'")
+        if (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ConfigError(f"{role} '{name}' is already {taken.__module__}.{taken.__qualname__}; {what} "
+                              "cannot take its name", field="name", fix=f"give {what} another name")
+    COMPONENTS[role][name] = cls
     return cls
 
 
 def register_system(name: str, spec: SystemSpec) -> None:
+    """Make ``spec`` runnable as ``name`` (``moesim.replay(..., system=name)``, a sweep's ``systems``); a name
+    the catalogue uses, or the command line reads otherwise (``all``, a comma), is refused. Registering a name
+    of one's own again replaces it."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip() or "," in name or name == "all":
+        raise ConfigError(f"{name!r} cannot be a system name", field="name",
+                          fix="a system name is a word without commas or surrounding spaces, other than 'all' "
+                              "(which means every system), e.g. 'my-lru'")
+    if name in CATALOGUE_SYSTEMS:
+        raise ConfigError(f"'{name}' is a catalogue system", field="name",
+                          fix=f"register yours under another name, e.g. 'my-{name}' (to run {name} with other "
+                              "parameters, give them as settings; `moesim systems " + name + "` lists them)")
+    if not isinstance(spec, SystemSpec):
+        raise ConfigError(f"system '{name}' must be a SystemSpec, got {spec!r}", field="spec",
+                          fix="e.g. register_system(name, SystemSpec('what it does', cache='lru', assign='gpu'))")
     SYSTEMS[name] = spec
 
 
@@ -509,3 +556,6 @@ def all_parameters(name: str) -> list[str]:
 
 # Systems from the papers register themselves on import.
 from moesim.policy import catalog  # noqa: E402,F401
+
+CATALOGUE_SYSTEMS = frozenset(SYSTEMS)
+CATALOGUE_COMPONENTS = frozenset((role, name) for role, registry in COMPONENTS.items() for name in registry)
