@@ -53,7 +53,7 @@ def compressed(path: PathLike, head: bytes, why: str, plain: str) -> TraceFormat
 
 
 def not_parquet(path: PathLike, head: bytes, detail: str = "") -> TraceFormatError:
-    """The error of a file Parquet cannot open: cut short or damaged when it starts as Parquet does
+    """The error of a file Parquet cannot open: empty, cut short or damaged when it starts as Parquet does
     (``head``: its first bytes), compressed, else some other format (a tool's log)."""
     packed = compressed(path, head, "a trace is read as the Parquet file itself", "trace.parquet")
     if packed is not None:  # it was 'not a Parquet file (fix: convert the log with moesim trace import)'
@@ -61,8 +61,24 @@ def not_parquet(path: PathLike, head: bytes, detail: str = "") -> TraceFormatErr
     if head[:4] == PARQUET_MAGIC:
         return TraceFormatError("a Parquet file cut short or damaged (its footer is missing or broken)",
                                 source=str(path), fix="copy it again, or re-run the command that wrote it")
+    if not head and _size(path) == 0:  # no log to convert either
+        return TraceFormatError("the file is empty (0 bytes)", source=str(path),
+                                fix="copy it again, or re-run the command that wrote it")
     return TraceFormatError(f"not a Parquet file{detail}", source=str(path),
                             fix="convert the log with `moesim trace import`")
+
+
+def _size(path: PathLike) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def unreadable(path: PathLike, err: OSError) -> TraceFormatError:
+    """The error of a trace file that cannot be opened for reading (no read permission, say)."""
+    return TraceFormatError(f"cannot read: {err.strerror or err}", source=str(path),
+                            fix="check the path and permissions")
 
 
 def _open(path: PathLike) -> pq.ParquetFile:
@@ -72,13 +88,13 @@ def _open(path: PathLike) -> pq.ParquetFile:
     if path.is_dir():  # as the validation pass says it (it was 'not a Parquet file: convert the log')
         raise TraceFormatError("is a folder, not a trace file", source=str(path), fix="give a .parquet file")
     try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError as err:  # no read permission: it is no other format (it was 'not a Parquet file')
+        raise unreadable(path, err) from None
+    try:
         return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError):
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(4)
-        except OSError:
-            head = b""
         raise not_parquet(path, head) from None
 
 

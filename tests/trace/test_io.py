@@ -452,3 +452,54 @@ def test_a_gzip_compressed_trace_is_named_compressed_with_how_to_decompress_it(t
     assert err.count("\n") == 1 and f"{packed}: gzip-compressed" in err
     # t.parquet exists: the command given never writes over it
     assert f"gzip -dc {packed} > {tmp_path / 't-decompressed.parquet'}" in err
+
+
+def _tiny_trace(path):
+    return write_trace(path, {"request": [0], "step": [0], "phase": ["decode"], "position": [0], "layer": [0],
+                              "experts": np.array([[0, 1]])},
+                       TraceMeta(model=ModelSpec(name="tiny", num_layers=1, num_experts=4, top_k=2, hidden_size=8,
+                                                 moe_intermediate_size=8)))
+
+
+def _unprivileged(args: list[str], cwd) -> "subprocess.CompletedProcess":
+    """``python -m moesim ARGS`` as a user whom file permissions bind: root without the capabilities that
+    override them (setpriv), else this user."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop the capability that overrides file permissions")
+        caps = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    return subprocess.run([*prefix, sys.executable, "-m", "moesim", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("command", [["trace", "inspect", "T"], ["replay", "T"], ["sweep", "spec.yaml", "--out",
+                                                                                  "out.parquet"]])
+def test_a_trace_without_read_permission_is_named_unreadable(tmp_path, command):
+    """Through a sweep spec it was 'not a Parquet file (fix: convert the log with `moesim trace import`)'."""
+    trace = _tiny_trace(tmp_path / "t.parquet")
+    trace.chmod(0)
+    (tmp_path / "spec.yaml").write_text(f"traces: [{trace.name}]\nsystems: [gpu-only-lru]\n")
+    done = _unprivileged([str(trace) if a == "T" else a for a in command], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert str(trace) in done.stderr and ("not readable" in done.stderr or "Permission denied" in done.stderr)
+    assert "trace import" not in done.stderr
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_an_empty_file_given_as_a_trace_is_named_empty(tmp_path):
+    """It was 'not a Parquet file (fix: convert the log with `moesim trace import`)': no log to convert."""
+    from moesim.errors import TraceFormatError
+    from moesim.trace.validate import validate_trace
+    empty = tmp_path / "t.parquet"
+    empty.write_bytes(b"")
+    for read in (read_meta, validate_trace):
+        with pytest.raises(TraceFormatError, match="the file is empty") as raised:
+            read(empty)
+        assert raised.value.source == str(empty) and "trace import" not in str(raised.value)
