@@ -54,10 +54,22 @@ def _internal_error(err: BaseException) -> str:
             "and the output of the same command with --debug")
 
 
+def _escape_undecodable_names() -> None:
+    """A file name of bytes that are no UTF-8 (a shell passes them through) is printed with those bytes as
+    escapes, as stderr already prints them: with a UTF-8 locale, stdout refused them (UnicodeEncodeError)
+    wherever a table title or a "wrote" line named the file."""
+    import contextlib
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            if stream.errors == "strict":
+                stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; bad input exits 2 with one line, an internal error exits 1 with one line
     asking for a report (``--debug`` anywhere on the command line shows the traceback instead)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _escape_undecodable_names()
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     code = 0

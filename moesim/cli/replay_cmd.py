@@ -260,11 +260,9 @@ def _skippable(err: MoesimError, settings: dict[str, str]) -> bool:
 
 
 def _trace_rows(trace_file: str) -> int:
-    import pyarrow.parquet as pq
-
-    from moesim.trace.io import read_meta
+    from moesim.trace.io import _open, read_meta
     read_meta(trace_file)  # a malformed trace fails here, with one line
-    return pq.ParquetFile(trace_file).metadata.num_rows
+    return _open(trace_file).metadata.num_rows
 
 
 def _replay_progress(rows: int, systems: list[str]):

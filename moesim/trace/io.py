@@ -81,6 +81,17 @@ def unreadable(path: PathLike, err: OSError) -> TraceFormatError:
                             fix="check the path and permissions")
 
 
+def arrow_source(path: PathLike) -> Any:
+    """``path`` as pyarrow takes it: the name itself, or an open file where the name is no UTF-8 text (bytes
+    a shell passed through, which pyarrow cannot encode)."""
+    name = os.fspath(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return open(name, "rb")  # noqa: SIM115 - pyarrow's reader holds it and closes it with itself
+    return name
+
+
 def _open(path: PathLike) -> pq.ParquetFile:
     path = Path(path)
     if not path.exists():
@@ -93,7 +104,7 @@ def _open(path: PathLike) -> pq.ParquetFile:
     except OSError as err:  # no read permission: it is no other format (it was 'not a Parquet file')
         raise unreadable(path, err) from None
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(arrow_source(path))
     except (pa.ArrowInvalid, OSError):
         raise not_parquet(path, head) from None
 

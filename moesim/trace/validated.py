@@ -44,7 +44,7 @@ def _record(path: PathLike) -> Path | None:
         return None
     identity = "\0".join(map(str, (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
                                    VALIDATOR_REVISION)))
-    return folder / hashlib.sha256(identity.encode()).hexdigest()
+    return folder / hashlib.sha256(os.fsencode(identity)).hexdigest()  # a name of any bytes
 
 
 def was_validated(path: PathLike) -> bool:

@@ -503,3 +503,20 @@ def test_an_empty_file_given_as_a_trace_is_named_empty(tmp_path):
         with pytest.raises(TraceFormatError, match="the file is empty") as raised:
             read(empty)
         assert raised.value.source == str(empty) and "trace import" not in str(raised.value)
+
+
+@pytest.mark.parametrize("command", [["trace", "inspect"], ["trace", "validate"], ["replay"],
+                                     ["trace", "compare", "OTHER"]])
+def test_a_trace_whose_name_is_not_utf8_is_read(tmp_path, capsys, command):
+    """pyarrow cannot encode such a name: the command ended in an internal error (UnicodeEncodeError)."""
+    import os
+
+    from moesim.cli import main
+    good = _tiny_trace(tmp_path / "good.parquet")
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/t\xff.parquet")
+    os.rename(good, odd)
+    other = _tiny_trace(tmp_path / "other.parquet")
+    args = [str(other) if a == "OTHER" else a for a in command] + [odd]
+    assert main([*args, "--json", "-"] if command[0] != "replay" else [*args, "--json", str(tmp_path / "m.json")]) \
+        == 0, capsys.readouterr().err
+    assert "internal error" not in capsys.readouterr().err
