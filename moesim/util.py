@@ -90,6 +90,9 @@ def yaml_beside(name_or_path: str | os.PathLike) -> Path | None:
 def check_output_path(path: str | os.PathLike, option: str = "--out", written_as: str | None = None) -> Path:
     """Fail now, with one line, if ``path`` cannot receive an output file (before any work is done);
     ``written_as``: its format (a key of :data:`OUTPUT_FORMATS`), which its name must end in."""
+    given = os.fspath(path)
+    if given == "":  # an unset shell variable (`--json "$OUT"`): Path('') would be the current folder
+        raise ConfigError("the output path is empty", field=option, fix="give a file name")
     path = Path(path)
     if path.is_dir():
         raise ConfigError("the output path is a folder", source=str(path), field=option,

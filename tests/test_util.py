@@ -115,3 +115,39 @@ def test_an_output_to_dev_stdout_redirected_to_a_file_lands_in_that_file(tmp_pat
     assert done.returncode == 0, done.stderr
     assert pq.ParquetFile(out).metadata.num_rows == 8 * 32
     assert os.path.islink("/dev/stdout")
+
+
+_OUTPUT_COMMANDS = [
+    ["replay", "{trace}", "--system", "cpu-only", "--json", "{out}"],
+    ["replay", "{trace}", "--system", "cpu-only", "--timeline", "{out}"],
+    ["replay", "{trace}", "--system", "cpu-only", "--plot", "{out}"],
+    ["replay", "{trace}", "--system", "cpu-only", "--decisions", "{out}"],
+    ["replay", "{trace}", "--system", "cpu-only", "--chrome-trace", "{out}"],
+    ["trace", "synth", "--model", "mixtral-8x7b", "--requests", "1", "--prompt-len", "1", "--decode-len", "1",
+     "--out", "{out}"],
+    ["trace", "upgrade", "{trace}", "--out", "{out}"],
+    ["sweep", "{dir}/spec.yaml", "--out", "{out}"],
+    ["report", "{dir}/r.parquet", "--out", "{out}"],
+]
+
+
+def _output_case(tmp_path, command, out):
+    from tests.fuzz.corpus import write_valid
+    import numpy as np
+    trace = write_valid(tmp_path / "t.parquet", np.random.default_rng(0))
+    (tmp_path / "spec.yaml").write_text(f"traces: [{trace}]\nsystems: [cpu-only]\n")
+    (tmp_path / "r.parquet").write_bytes(b"")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    return [a.format(dir=tmp_path, trace=trace, out=out) for a in command], before
+
+
+@pytest.mark.parametrize("command", _OUTPUT_COMMANDS, ids=lambda c: " ".join(c[:1] + c[-2:-1]))
+def test_an_empty_output_path_is_refused_before_any_work(tmp_path, capsys, command):
+    """`--json ''` (an unset shell variable) wrote nothing and exited 0; `--out ''` ended in an internal
+    error (PosixPath('.') has an empty name)."""
+    args, before = _output_case(tmp_path, command, "")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "empty" in err and "fix: give a file name" in err, err
+    assert "internal error" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -165,6 +165,8 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
     or another output: checked before any work starts (one line, exit 2)."""
     from moesim.util import check_output_path, same_file
     for option, path in outputs.items():
+        if path is not None and str(path) == "":  # `--json "$OUT"` with OUT unset wrote nothing, exit 0
+            check_output_path(path, "--" + option.replace("_", "-"))  # says it is empty
         if path == "-" and option != "json":
             raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
                               fix="give a file name")
