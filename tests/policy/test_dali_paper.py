@@ -1,0 +1,105 @@
+"""DALI (003_46c415738ddfa491.txt) worked by hand: the cost vectors of Eq. 5-6 with the cache of Sec. 4.3,
+Alg. 1 run on them, and one window of Alg. 2 turned into a layer plan by the ``dali`` system.
+
+Costs are a stub with round numbers so every figure below can be checked on paper: a GPU kernel takes
+1 s per token, the CPU 3 s per token, one expert's PCIe copy (trans_time of Eq. 6) 4 s."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.dali.assign import DaliGreedy, expert_time_lists
+from moesim.policy.catalog.dali.workload import ResidualPrefetch
+from moesim.policy.state import CacheState
+from moesim.policy.systems import build_system
+from tests.factories import tiny_model
+
+
+class RoundCosts:
+    """1 s per token on the GPU, 3 s per token on the CPU, 4 s to copy one expert."""
+
+    expert_load = 4.0
+
+    def __init__(self, model):
+        self.model = model
+
+    def gpu_expert(self, tokens: int) -> float:
+        return 1.0 * tokens
+
+    def cpu_expert(self, tokens: int) -> float:
+        return 3.0 * tokens
+
+
+def _view(rows, state, costs, step=0, now=0.0, arrivals=None, launch=0.0):
+    experts = np.array(rows)
+    active, counts = active_experts(experts, costs.model.num_experts)
+    return LayerView(step, 0, "decode", experts, active, counts, state, costs, now=now,
+                     arrivals=arrivals or {}, expert_launch_s=launch)
+
+
+def test_eq5_6_cost_vectors_count_no_copy_for_a_cached_expert_and_the_rest_of_one_arriving():
+    """Eq. 5: t_gpu = max(Trans, compute); Eq. 6: Trans = trans_time for an expert with work; Sec. 4.3: a
+    cached expert's Trans is 0. An expert already on its way costs the copy time still to run."""
+    costs = RoundCosts(tiny_model(layers=1, experts=4, top_k=2))
+    state = CacheState(capacity=[4])
+    state.preload(0, [0])
+    # tokens: expert 0 three, expert 2 two, expert 1 one; 0 cached, 2 arriving at t = 11 (now 10), 1 on the CPU
+    view = _view([[0, 2], [0, 2], [0, 1]], state, costs, now=10.0, arrivals={2: 11.0}, launch=0.5)
+    experts, t_gpu, t_cpu = expert_time_lists(view)
+    assert experts == [0, 2, 1]
+    # 0: max(0, 3 + 0.5) = 3.5; 2: max(11 - 10, 2 + 0.5) = 2.5; 1: max(4, 1 + 0.5) = 4
+    assert t_gpu == [3.5, 2.5, 4.0]
+    assert t_cpu == [9.0, 6.0, 3.0]
+    # Alg. 1 on these: |t_gpu - t_cpu| = 5.5, 3.5, 1 -> order 0, 2, 1
+    #   0: 0 + 3.5 <= 0 + 9  -> GPU (T_gpu 3.5)
+    #   2: 3.5 + 2.5 <= 0 + 6 -> GPU, the tie of line 12's "<=" (T_gpu 6)
+    #   1: 6 + 4 <= 0 + 3     -> no: CPU (T_cpu 3)
+    greedy = DaliGreedy(solve_us=0.0)
+    assert greedy.split(view) == ([0, 2], [1])
+    # without the cache (expert 0 copied too: max(4, 3.5) = 4) the copy, not the kernel, is its GPU time
+    uncached = _view([[0, 2], [0, 2], [0, 1]], CacheState(capacity=[4]), costs, now=10.0, arrivals={2: 11.0},
+                     launch=0.5)
+    assert expert_time_lists(uncached)[1] == [4.0, 2.5, 4.0]
+
+
+def test_residual_prefetch_has_nothing_to_prefetch_after_the_last_layer():
+    """Sec. 4.2, Eq. 11: the last MoE layer keeps no residual vector, nothing follows it to prefetch."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    costs = RoundCosts(model)
+    prefetch = ResidualPrefetch(size=2)
+    prefetch.configure(RunContext(model=model, costs=costs, capacity=[4, 4], columns=("pred_residual",)))
+    preds = {"pred_residual": [np.array([3, 1])]}
+    view = _view([[0, 1]], CacheState(capacity=[4, 4]), costs)
+    view.predictors = preds
+    assert prefetch.candidates(view) == [(1, 1), (1, 3)]  # one token each: ids ascending
+    view.layer = 1
+    assert prefetch.candidates(view) == []
+
+
+def test_one_alg2_window_becomes_an_eviction_and_a_load_in_the_dali_plan():
+    """cache_size 2 (experts 0, 1), w_size 2, u_size 1, 4 experts, no prefetch; two tokens per step.
+
+    step 0 routes (0, 2), (2, 3): workloads 0:1 2:2 3:1
+    step 1 routes (2, 3), (2, 1): workloads 1:1 2:2 3:1; window scores 0:1 1:1 2:4 3:2, the window closes
+    Alg. 1 at step 1 (t_gpu, t_cpu): 2 (max(4, 2) = 4, 6), 1 cached (1, 3), 3 (max(4, 1) = 4, 3);
+      |diff| 2, 2, 1 -> order 2, 1, 3: 2 GPU (T_gpu 4); 1: 4 + 1 <= 0 + 3 no, CPU (3); 3: 8 <= 6 no, CPU (6)
+    Alg. 2 lines 10-13: the top uncached expert, 2 (4), replaces the lowest cached one, 0 (1; 1 ties with
+    it at 1 and the lower id goes): evict (0, 0), load (0, 2).
+    """
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    costs = RoundCosts(model)
+    system = build_system("dali", {"prefetch": "none", "cache.w_size": "2", "cache.u_size": "1",
+                                   "assign.solve_us": "0"})
+    system.configure(RunContext(model=model, costs=costs, capacity=[2]))
+    system.cache.initial(0, 2)
+    system.cache._cached[0] = {0, 1}  # Sec. 4 draws them at random; fixed here
+    state = CacheState(capacity=[2])
+    state.preload(0, [0, 1])
+    first = system.plan(_view([[0, 2], [2, 3]], state, costs, step=0))
+    assert first.evictions == [] and first.prefetches == []  # the window is still open
+    plan = system.plan(_view([[2, 3], [2, 1]], state, costs, step=1))
+    assert plan.gpu == [2] and plan.streamed == [2] and sorted(plan.cpu) == [1, 3]
+    assert plan.evictions == [(0, 0)] and plan.prefetches == [(0, 2)]
+    assert system.cache.cached(0) == {1, 2}
+    assert system.cache._scores[0].sum() == 0  # line 15: the scores restart
