@@ -111,7 +111,7 @@ def test_fig11_window_replacement():
     assert closed == [False, False, False, True]
     # window scores: 0:3, 1:0, 2:1, 3:2, 4:5, 5:4, 6:0, 7:1
     assert cache._scores[0].tolist() == [3, 0, 1, 2, 5, 4, 0, 1]
-    swaps_in, swaps_out = cache.replacement(0, {0, 1, 2, 3}, set())
+    swaps_in, swaps_out = cache.replacement(0, set())
     assert swaps_in == [4, 5] and swaps_out == [1, 2]  # top-2 on the CPU replace the bottom-2 on the GPU
     assert cache.cached(0) == {0, 3, 4, 5}
     assert cache._scores[0].sum() == 0  # scores restart
@@ -122,12 +122,12 @@ def test_fig11_protection_and_strictness():
     for i, t in enumerate([[[0, 1], [2, 3]], [[0, 1], [2, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]]):
         cache.observe(_step(i, t))
     # scores 0:4 1:4 2:4 3:3 4:1 -> only 4 (1) beats 3 (3)? no: nothing outscores a cached expert
-    assert cache.replacement(0, {0, 1, 2, 3}, set()) == ([], [])
+    assert cache.replacement(0, set()) == ([], [])
     literal = _fig11_cache(strict=False)
     for i, t in enumerate([[[0, 1], [2, 3]], [[0, 1], [2, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]]):
         literal.observe(_step(i, t))
     # Alg. 2 as printed swaps anyway; an in-use expert (3) is protected, so 0 and 1 go (ties by id)
-    assert literal.replacement(0, {0, 1, 2, 3}, {3}) == ([4, 5], [0, 1])
+    assert literal.replacement(0, {3}) == ([4, 5], [0, 1])
 
 
 @pytest.fixture(scope="module")

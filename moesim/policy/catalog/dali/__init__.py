@@ -6,7 +6,9 @@ Components:
   ``t_cpu(w)`` on the CPU and ``t_gpu(w) = max(transfer, compute)`` on the GPU
   (Eq. 5-6; transfer 0 when the expert is cached, its remaining time when it
   is arriving); experts in descending ``|t_gpu - t_cpu|`` order go to the GPU
-  when ``T_gpu + t_gpu <= T_cpu + t_cpu``, else to the CPU.
+  when ``T_gpu + t_gpu <= T_cpu + t_cpu``, else to the CPU. Alg. 1 line 5 does
+  not say how equal differences are ordered; here they keep the layer's order
+  (most tokens first, then lower id), so the result is deterministic.
 * ``dali-optimal`` (assign, Eq. 3-9): the exact minimum of
   ``max(T_gpu, T_cpu)`` over all assignments, by branch and bound over groups
   of identical experts (exact; no solver dependency). Eq. 9 (GPU memory) never
@@ -20,7 +22,10 @@ changes the share, ``assign.solve_us`` charges a fixed time per layer instead
 (0: free).
 * ``dali-residual`` (prefetch, Sec. 4.2): the experts of the next layer with
   the largest predicted workload (tokens predicting them in ``pred_residual``,
-  the residual-corrected gate of Eq. 10), ``size`` of them.
+  the residual-corrected gate of Eq. 10; the residual vectors of Eq. 11 are
+  fitted when the trace is captured), ``size`` of them; none after the last
+  layer. The extra gate call and stream switch that 003 Sec. 6.3 (4) names as
+  the prediction's cost are not charged: the paper gives no figure for them.
 * ``dali-workload`` (cache, Sec. 4.3, Alg. 2): per layer, workload scores
   (tokens per expert) summed over a window of ``w_size`` iterations; at the end
   of each window the ``u_size`` highest-scoring experts not cached replace the
@@ -31,7 +36,9 @@ changes the share, ``assign.solve_us`` charges a fixed time per layer instead
 Per-model settings (``cache.u_size`` and ``prefetch.size`` at -1, the default): 003 Fig. 12 and
 Sec. 6.4 run Mixtral with ``u_size`` 1 and a prefetch size of 1, DeepSeek and Qwen with 8 and 4
 (``w_size`` 4 for all); a model of another family takes the setting of the paper's models nearest in
-experts per layer (Mixtral's 8, or DeepSeek-V2-Lite's 64 and Qwen1.5-MoE's 60), and the report says so.
+experts per layer (Mixtral's 8, or DeepSeek-V2-Lite's 64 and Qwen3-30B-A3B's 128, Table 3), and the
+report says so. The breakdown of Fig. 19 prefetches 8 experts on Qwen; the main comparison (Fig. 12)
+prefetches 4, and that is the setting taken.
 
 The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
 changes only through Alg. 2; a GPU expert that is not cached is transferred
@@ -46,13 +53,28 @@ pass makes room. Used as a plain cache in another system (``--set
 cache=dali-workload``) the component evicts the lowest window score and
 admits the highest, and sees the layers whose plan ran experts on the GPU.
 
-Interpretation of Alg. 2: the printed loop tests ``i mod w_size == 0`` from
-``i = 0``, which would replace after the first token; the text says "after
-processing a window of w_size tokens", which is what is done. A swap happens
-only where the incoming expert's window score exceeds the outgoing one's
-(``strict=True``, default): Alg. 2 swaps unconditionally, which loads experts
-with score 0 whenever fewer than ``u_size`` uncached experts were used; set
-``cache.strict=false`` for the literal rule. "Token" is one forward pass.
+Interpretation of Alg. 2 (003 Sec. 4.3):
+
+* the printed loop tests ``i mod w_size == 0`` from ``i = 0``, which would
+  replace after the first token; the text says "after processing a window of
+  w_size tokens", which is what is done. "Token" is one forward pass;
+* line 11 prints ``TopK`` of the cached experts' scores, the text takes the
+  ``u_size`` lowest: the lowest go (ties: lower id first, as among the
+  incoming experts);
+* a swap happens only where the incoming expert's window score exceeds the
+  outgoing one's (``strict=True``, default). Alg. 2 pairs the two lists
+  unconditionally, so it would copy in experts of score 0 whenever fewer than
+  ``u_size`` uncached experts were used, and drop a cached expert for one that
+  did less work in the window, both against the stated aim of maximising the
+  cache's use while paying a PCIe copy; ``cache.strict=false`` is the literal rule;
+* a cached expert the layer is computing with on the GPU, or whose copy has not
+  landed, is not evicted (the next lowest goes): the swap is planned inside the
+  layer that closes the window, and evicting either would take weights from
+  under a running kernel or copy; the paper swaps between tokens and says nothing
+  of this case;
+* an incoming expert the layer just streamed for its own use is copied again
+  into the cache: line 13 transfers it, and the staging buffer it used is the
+  next streamed expert's.
 
 The assignment lives in ``assign.py``, the prefetch and the cache in ``workload.py``, the system here.
 """
@@ -130,7 +152,7 @@ class DaliSystem(ObservingSystem):
         cache, layer, state = self.cache, view.layer, view.cache
         assert isinstance(cache, WorkloadAwareCache)
         protected = in_use | state.in_flight[layer]
-        swaps_in, swaps_out = cache.replacement(layer, state.resident[layer], protected)
+        swaps_in, swaps_out = cache.replacement(layer, protected)
         for e in swaps_out:
             plan.evictions.append((layer, e))
         for e in swaps_in:

@@ -125,8 +125,8 @@ class WorkloadAwareCache(CachePolicy):
         self.for_model(ctx.model)
         _note_once(ctx, self._note)
         if self.w_size < 1 or self.u_size < 0:
-            raise ConfigError(f"w_size >= 1, u_size >= 0 required (got {self.w_size}, "
-                              f"{self.u_size}, {self.prefetch_slots})", field="cache.w_size",
+            raise ConfigError(f"w_size >= 1, u_size >= 0 required (got w_size={self.w_size}, "
+                              f"u_size={self.u_size})", field="cache.w_size",
                               fix="--set cache.w_size=4 --set cache.u_size=8 (-1: 003's for the model)")
         experts = ctx.model.num_experts
         self._experts = experts
@@ -162,8 +162,9 @@ class WorkloadAwareCache(CachePolicy):
         self._windows[layer] += 1
         return self._windows[layer] % self.w_size == 0
 
-    def replacement(self, layer: int, on_gpu: set[int], protected: set[int]) -> tuple[list[int], list[int]]:
-        """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores."""
+    def replacement(self, layer: int, protected: set[int]) -> tuple[list[int], list[int]]:
+        """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores.
+        ``protected``: cached experts that may not be dropped now (in use, or still arriving)."""
         s = self._scores[layer]
         cached = self._cached[layer]
         # a window touches few experts: the scores of those it used, every other expert's is 0
