@@ -97,6 +97,10 @@ def check_output_path(path: str | os.PathLike, option: str = "--out", written_as
     if path.is_dir():
         raise ConfigError("the output path is a folder", source=str(path), field=option,
                           fix="give a file name inside it")
+    if given.endswith("/") or given.endswith(os.sep):  # Path() drops the slash: 'out/' would write a file 'out'
+        raise ConfigError("the output path ends in '/', as a folder's does, but no such folder exists",
+                          source=given, field=option,
+                          fix="name a file: drop the '/', or create the folder and add a file name after it")
     if is_special_file(path):
         if not os.access(path, os.W_OK):
             raise ConfigError("cannot write to this special file", source=str(path), field=option,

@@ -151,3 +151,22 @@ def test_an_empty_output_path_is_refused_before_any_work(tmp_path, capsys, comma
     assert err.count("\n") == 0 and "empty" in err and "fix: give a file name" in err, err
     assert "internal error" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("command", _OUTPUT_COMMANDS, ids=lambda c: " ".join(c[:1] + c[-2:-1]))
+def test_an_output_path_ending_in_a_slash_is_refused(tmp_path, capsys, command, existing):
+    """`--json out/` wrote a file named 'out' (the folder meant did not exist), and `--json m.json/` wrote
+    over the file m.json."""
+    suffix = {"--json": ".json", "--chrome-trace": ".json", "--plot": ".png"}.get(command[-2], ".parquet")
+    if command[0] == "report":
+        suffix = ".html"
+    name = tmp_path / f"kept{suffix}"
+    if existing:
+        name.write_text("precious")
+    args, before = _output_case(tmp_path, command, f"{name}/")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "ends in '/'" in err and "internal error" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not existing or name.read_text() == "precious"
