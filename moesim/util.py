@@ -101,6 +101,12 @@ def check_output_path(path: str | os.PathLike, option: str = "--out", written_as
         raise ConfigError("the output path ends in '/', as a folder's does, but no such folder exists",
                           source=given, field=option,
                           fix="name a file: drop the '/', or create the folder and add a file name after it")
+    if written_as == PARQUET:
+        try:
+            given.encode("utf-8")
+        except UnicodeEncodeError:  # pyarrow's writers cannot encode it
+            raise ConfigError("the file name is not UTF-8 text, which the Parquet writer needs", source=given,
+                              field=option, fix="give a name of UTF-8 characters") from None
     if is_special_file(path):
         if not os.access(path, os.W_OK):
             raise ConfigError("cannot write to this special file", source=str(path), field=option,

@@ -170,3 +170,16 @@ def test_an_output_path_ending_in_a_slash_is_refused(tmp_path, capsys, command, 
     assert err.count("\n") == 0 and "ends in '/'" in err and "internal error" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert not existing or name.read_text() == "precious"
+
+
+@pytest.mark.parametrize("command", [c for c in _OUTPUT_COMMANDS if c[-2] in ("--timeline", "--decisions", "--out")
+                                     and c[0] != "report"], ids=lambda c: " ".join(c[:1] + c[-2:-1]))
+def test_a_parquet_output_whose_name_is_not_utf8_is_refused_before_any_work(tmp_path, capsys, command):
+    """pyarrow cannot encode such a name: the command ended in an internal error (UnicodeEncodeError), and a
+    sweep left its OUT.parts folder behind."""
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/o\xff.parquet")
+    args, before = _output_case(tmp_path, command, out)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not UTF-8" in err and "internal error" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
