@@ -18,10 +18,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from moesim.errors import ConfigError, did_you_mean
+from moesim.errors import ConfigError, MoesimError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
 from moesim.policy.state import CacheState
+
+
+class PolicyError(MoesimError):
+    """A policy of one's own broke the policy interface: what one of its methods returned, or changed in the view,
+    or raised; named with the component and method, the step and the layer, and how to fix it. The catalogue's
+    own policies are not checked (moesim.policy.systems checks a user's, as they plan)."""
 
 
 class Substitutions(Sequence):

@@ -9,6 +9,7 @@ import pytest
 from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.policy.cache import CachePolicy, LRUCache
+from moesim.policy.prefetch import Prefetch
 from moesim.policy.systems import COMPONENTS, SYSTEMS, SystemSpec, build_system, register_component, register_system
 
 
@@ -118,3 +119,196 @@ def test_user_components_register_and_build():
     register_component(Half)
     register_system("half", SystemSpec("half on the GPU", cache="lru", assign="half-gpu"))
     assert isinstance(build_system("half").assign, Half)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A user's policy that breaks the policy interface: one line naming the method, the step and layer, and the fix
+
+
+@pytest.fixture
+def files(tmp_path):
+    import numpy as np
+    import yaml
+
+    from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=8))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return str(trace), str(hw)
+
+
+def replay_with(files, system="gpu-only-lru", **settings):
+    import moesim
+    trace, hw = files
+    return moesim.replay(trace, hw=hw, system=system, settings=settings, cache__slots_per_layer=3,
+                         timeline=False, decisions=False)
+
+
+def user_component(base, name, **methods):
+    """A user's component class named ``name`` (defined outside moesim), registered."""
+    cls = dataclass(type(f"User_{name.replace('-', '_')}", (base,), {"name": name, "__module__": "user_policies",
+                                                                    **methods}))
+    return register_component(cls)
+
+
+def _both(self, view):
+    return list(view.active), list(view.active[:1])
+
+
+def _leaves_one_out(self, view):
+    return list(view.active[1:]), []
+
+
+def _twice_on_gpu(self, view):
+    return list(view.active) + list(view.active[:1]), []
+
+
+def _not_routed(self, view):
+    return list(view.active) + [99], []
+
+
+def _one_list(self, view):
+    return list(view.active)
+
+
+def _no_return(self, view):
+    gpu = list(view.active)  # noqa: F841 - the return forgotten
+
+
+def _divides_by_zero(self, view):
+    return 1 / 0
+
+
+def _evicts_protected(self, view, layer, n, protected, incoming=None):
+    return sorted(protected)[:n] if protected else []
+
+
+def _evicts_too_many(self, view, layer, n, protected, incoming=None):
+    return [e for e in sorted(view.cache.resident[layer]) if e not in protected]
+
+
+def _evicts_absent(self, view, layer, n, protected, incoming=None):
+    return [e for e in range(6) if e not in view.cache.resident[layer] and e not in protected][:n]
+
+
+def _evicts_one_twice(self, view, layer, n, protected, incoming=None):
+    free = [e for e in sorted(view.cache.resident[layer]) if e not in protected]
+    return free[:1] * n if free and n > 1 else free[:n]
+
+
+def _prefetch_layer_beyond(self, view):
+    return [(view.layer + 40, 0)]
+
+
+def _prefetch_expert_beyond(self, view):
+    return [((view.layer + 1) % view.num_layers, 99)]
+
+
+def _prefetch_ints(self, view):
+    return [1, 2]
+
+
+def _prefetch_twice(self, view):
+    return [((view.layer + 1) % view.num_layers, 3)] * 2
+
+
+def _prefetch_none(self, view):
+    [((view.layer + 1) % view.num_layers, 3)]  # the return forgotten
+
+
+def _clears_the_cache(self, view):
+    view.cache.resident[view.layer].clear()
+    return list(view.active), []
+
+
+def _sorts_active(self, view):
+    view.active.sort(reverse=True)
+    return list(view.active), []
+
+
+def _touch_adds(self, view, used):
+    view.cache.resident[view.layer].add(5)
+
+
+BROKEN = {
+    "gpu-and-cpu": (Assignment, "split", _both, r"expert \d+ twice \(on the GPU and on the CPU\)"),
+    "leaves-one-out": (Assignment, "split", _leaves_one_out, r"leaves out routed expert"),
+    "twice-on-gpu": (Assignment, "split", _twice_on_gpu, r"expert \d+ twice on the GPU"),
+    "not-routed": (Assignment, "split", _not_routed, r"expert 99 not routed at this layer"),
+    "one-list": (Assignment, "split", _one_list, r"returned \[.*\], not a pair \(gpu, cpu\)"),
+    "no-return": (Assignment, "split", _no_return, r"returned None.*forget .return"),
+    "raises": (Assignment, "split", _divides_by_zero, r"raised ZeroDivisionError: division by zero.*test_systems.py"),
+    "mutates-cache": (Assignment, "split", _clears_the_cache, r"changed view.cache.resident\[\d\]"),
+    "mutates-active": (Assignment, "split", _sorts_active, r"changed view.active"),
+    "evicts-in-use": (CachePolicy, "victims", _evicts_protected, r"expert \d+, which is protected"),
+    "evicts-too-many": (CachePolicy, "victims", _evicts_too_many, r"returned \d+ experts for n=\d"),
+    "evicts-absent": (CachePolicy, "victims", _evicts_absent, r"expert \d+, which is not resident in layer \d"),
+    "evicts-twice": (CachePolicy, "victims", _evicts_one_twice, r"expert \d+ twice"),
+    "touch-mutates": (LRUCache, "touch", _touch_adds, r"changed view.cache.resident\[\d\]"),
+    "prefetch-layer": (Prefetch, "candidates", _prefetch_layer_beyond, r"layer 4\d outside 0\.\.1"),
+    "prefetch-expert": (Prefetch, "candidates", _prefetch_expert_beyond, r"expert 99 outside 0\.\.5"),
+    "prefetch-ints": (Prefetch, "candidates", _prefetch_ints, r"returned 1 in its list, not a \(layer, expert\)"),
+    "prefetch-twice": (Prefetch, "candidates", _prefetch_twice, r"\(\d, 3\) twice"),
+    "prefetch-none": (Prefetch, "candidates", _prefetch_none, r"returned None.*forget .return"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_user_component_that_breaks_the_interface_is_one_line_naming_it(files, case):
+    """Each gave a silent wrong result (an expert computed twice or never, one evicted while in use, the
+    view changed under the engine, a forgotten return taken as nothing to prefetch) or a bare error from
+    deep inside the engine (AssertionError, IndexError, KeyError, 'too many values to unpack')."""
+    from moesim.policy.base import PolicyError
+    base, method, body, words = BROKEN[case]
+    role = base.role
+    cls = user_component(base, f"broken-{case}", **{method: body})
+    with pytest.raises(PolicyError, match=words) as caught:
+        replay_with(files, **{role: f"broken-{case}"})
+    text = str(caught.value)
+    assert "\n" not in text
+    assert f"{role} 'broken-{case}' ({cls.__name__}.{method})" in text  # who
+    assert "at step " in text and ", layer " in text  # where
+    assert "(fix: " in text  # how
+
+
+def test_a_correct_user_component_runs_as_its_catalogue_twin(files):
+    """A user's LRU (written as the notebook writes policies) and the catalogue's gpu-only-lru: the same
+    metrics, decisions and timeline, the checks of a user's policy changing nothing."""
+    from dataclasses import field
+
+    import moesim
+
+    @dataclass
+    class MyLRU(CachePolicy):
+        name = "my-lru"
+        _last: list = field(default_factory=list)
+        _clock: int = 0
+
+        def configure(self, ctx):
+            n = ctx.model.num_experts
+            self._last = [{e: e - n for e in range(n)} for _ in ctx.capacity]
+            self._clock = 0
+
+        def victims(self, view, layer, n, protected, incoming=None):
+            free = [e for e in view.cache.resident[layer] if e not in protected]
+            return sorted(free, key=self._last[layer].__getitem__)[:n]
+
+        def touch(self, view, used):
+            for e in used:
+                self._clock += 1
+                self._last[view.layer][e] = self._clock
+
+    register_component(MyLRU)
+    register_system("my-gpu-lru", SystemSpec("mine", cache="my-lru", assign="gpu"))
+    trace, hw = files
+    for slots in (2, 3, 5):
+        ours, theirs = (moesim.replay(trace, hw=hw, system=s, cache__slots_per_layer=slots)
+                        for s in ("my-gpu-lru", "gpu-only-lru"))
+        a, b = (r.metrics.drop(columns=["system", "sim_wall_s"]) for r in (ours, theirs))
+        pd_testing = pytest.importorskip("pandas").testing
+        pd_testing.assert_frame_equal(a, b)
+        pd_testing.assert_frame_equal(ours.decisions, theirs.decisions)
+        pd_testing.assert_frame_equal(ours.timeline, theirs.timeline)
+
