@@ -39,6 +39,20 @@ class PipeConsole(Console):
         self.quiet = True
         stream_to_devnull(self.file)
 
+    def _check_buffer(self) -> None:
+        """As rich writes, but a stream that cannot take the text (a full disk under ``> out.txt``) is one
+        line naming it (an internal error before); what was buffered for it goes nowhere."""
+        try:
+            super()._check_buffer()
+        except OSError as err:  # a broken pipe rich has handled: the reader went away
+            del self._buffer[:]
+            self.quiet = True
+            stream = self.file
+            stream_to_devnull(stream)
+            if stream is sys.stderr or stream is sys.__stderr__:
+                return  # the error line would go there too: the exit status says it
+            raise stream_error(err, "standard output") from None
+
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """As rich prints, but text to a pipe or a file keeps each line whole (a note is one line to grep),
         and no column of a table is narrower than the longest word of its cells and header: rich cuts them to
@@ -80,6 +94,12 @@ def keep_words_whole(console: Console, table: Table) -> int:
         return Measurement.get(console, wide, table).minimum
     finally:
         table.width = own
+
+
+def stream_error(err: OSError, name: str) -> MoesimError:
+    """The one line of a write to a standard stream that failed (``name``: 'standard output')."""
+    return MoesimError(f"cannot write: {err.strerror or err}", source=name,
+                       fix="free space where it is redirected, or redirect it elsewhere")
 
 
 def stream_to_devnull(stream: Any) -> None:
@@ -127,11 +147,17 @@ def say_wrote(out: Console, text: str) -> None:
 def write_json(data: object, out: str | None) -> None:
     text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     if out is None or to_stdout(out):  # `--json /dev/stdout` too: stdout then holds the JSON alone
+        if sys.stdout is None:  # started with stdout closed (`>&-`): the JSON would go nowhere
+            raise MoesimError("standard output is closed", field="--json",
+                              fix="run it with stdout open, or write the JSON to a file")
         try:  # not click.echo: click exits with status 1 when the reader goes away
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
         except BrokenPipeError:  # `--json - | head`: the reader has what it wanted; the command goes on
             stream_to_devnull(sys.stdout)
+        except OSError as err:  # a full disk under `> out.json`
+            stream_to_devnull(sys.stdout)
+            raise stream_error(err, "standard output") from None
     else:
         from moesim.util import atomic_write_text
         with open_output(out, "--json") as path:

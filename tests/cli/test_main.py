@@ -36,3 +36,41 @@ def test_shell_completion_answers(monkeypatch, capsys):
     monkeypatch.setenv("COMP_CWORD", "1")
     assert main([]) == 0
     assert capsys.readouterr().out.split() == ["plain,replay", "plain,report"]
+
+
+_TRACE = "traces/mixtral-8x7b-humaneval.parquet"
+
+
+def _run(args: list[str], stdout, **kwargs):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", "moesim", *args], cwd=root, stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "200"}, **kwargs)
+
+
+@pytest.mark.parametrize("args", [["systems"], ["systems", "--json", "-"], ["trace", "inspect", _TRACE, "--json"],
+                                  ["replay", _TRACE, "--system", "cpu-only", "--json", "-"],
+                                  ["replay", _TRACE, "--system", "cpu-only"]])
+def test_stdout_on_a_full_disk_is_one_line_naming_it(args):
+    """`moesim systems > /dev/full` (a full disk under stdout) ended in an internal error asking for a report."""
+    import os
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with open("/dev/full", "w") as full:
+        done = _run(args, full)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # replay --json - shows its table on stderr first
+    assert "internal error" not in done.stderr and "Exception" not in done.stderr, done.stderr
+    assert last.startswith("moesim: error: standard output") and "No space left on device" in last, last
+
+
+def test_json_to_a_closed_stdout_is_one_line_naming_it():
+    """`moesim replay T --json - >&-` ended in an internal error ('NoneType' object has no attribute 'write')."""
+    import os
+    done = _run(["replay", _TRACE, "--system", "cpu-only", "--json", "-"], None, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.strip().splitlines()[-1]
+    assert "internal error" not in done.stderr and "standard output is closed" in err, done.stderr
