@@ -283,8 +283,8 @@ def is_catalogue(cls: type) -> bool:
 
 
 def check_users_policies(system: ComposedSystem) -> None:
-    """Check every component of ``system`` that is not the catalogue's as it runs (the catalogue's run as they
-    are)."""
+    """Check every component of ``system`` that is not the catalogue's as it runs, and the plans of a system
+    class of one's own (the catalogue's run as they are)."""
     for role, component in system.components.items():
         if is_catalogue(type(component)):
             continue
@@ -294,6 +294,8 @@ def check_users_policies(system: ComposedSystem) -> None:
                     setattr(component, method, _CheckedMethod(component, role, method, check))
                 except AttributeError:  # a component with __slots__: its plans are still checked by the engine
                     pass
+    if not is_catalogue(type(system)):
+        system.plan = _CheckedPlan(system)  # type: ignore[method-assign]
 
 
 def _fault(who: str, view: LayerView | None, problem: str, fix: str) -> PolicyError:
@@ -596,6 +598,111 @@ class _CheckedMethod:
         if view is None:
             return self.check(self.who, None, out, *args, **kwargs)
         return self.check(self.who, view, out, *args[1:], **kwargs)
+
+
+_PLAN_FIX = "see LayerPlan (moesim.policy.base) for what each field holds; ComposedSystem.plan makes a valid plan"
+
+
+class _CheckedPlan:
+    """The plan of a system class of one's own as the engine calls it: its errors named, the view left as it
+    was, and the plan checked against the invariants every plan keeps (:func:`plan_fault`)."""
+
+    __slots__ = ("system", "who")
+
+    def __init__(self, system: ComposedSystem) -> None:
+        self.system = system
+        self.who = f"system '{system.name}' ({type(system).__name__}.plan)"
+
+    def __call__(self, view: LayerView) -> LayerPlan:
+        before = _ViewSnapshot(view)
+        try:
+            plan = type(self.system).plan(self.system, view)
+        except MoesimError:
+            raise
+        except Exception as err:
+            raise _raised(self.who, view, err) from err
+        changed = before.changed(view)
+        if changed:
+            raise _fault(self.who, view, changed, _READ_ONLY_FIX)
+        if not isinstance(plan, LayerPlan):
+            raise _fault(self.who, view, f"returned {_short(plan)}, not a LayerPlan", _PLAN_FIX)
+        problem = plan_fault(view, plan)
+        if problem:
+            raise _fault(self.who, view, problem, _PLAN_FIX)
+        return plan
+
+
+def plan_fault(view: LayerView, plan: LayerPlan) -> str:
+    """What ``plan`` breaks of what every plan keeps ("" when nothing): each routed expert computed once, on one
+    side; every GPU expert resident, on its way, loaded or streamed; evictions of resident experts not in use;
+    loads and prefetches of experts not there yet, within the layer's slots and the pool; write-backs only of
+    evicted experts."""
+    lists = {"gpu": plan.gpu, "cpu": plan.cpu, "loads": plan.loads, "streamed": plan.streamed,
+             "deferred": plan.deferred}
+    for name, value in lists.items():
+        if not _iterable(value) or not all(map(_is_int, value)):
+            return f"plan.{name} is {_short(value)}, not a list of expert ids"
+    for name in ("prefetches", "evictions", "writebacks"):
+        value = getattr(plan, name)
+        if not _iterable(value) or not all(_iterable(p) and len(p) == 2 and all(map(_is_int, p)) for p in value):
+            return f"plan.{name} is {_short(value)}, not a list of (layer, expert) pairs"
+    routed = view.substituted(plan.substitutions) if plan.substitutions else view
+    problem = coverage_fault(routed.active, plan.gpu, plan.cpu, plan.deferred)
+    if problem:
+        return problem
+    cache, layer, layers = view.cache, view.layer, view.num_layers
+    evictions = [(int(l), int(e)) for l, e in plan.evictions]
+    evicted = set(evictions)
+    gpu = set(plan.gpu)
+    if len(evicted) < len(evictions):
+        return "evicts an expert twice"
+    for lay, e in evictions:
+        if not 0 <= lay < layers or e not in cache.resident[lay]:
+            return f"evicts expert {e} of layer {lay}, which is not resident"
+        if lay == layer and e in gpu:
+            return f"evicts expert {e}, which it computes on the GPU at this layer"
+    if not {(int(l), int(e)) for l, e in plan.writebacks} <= evicted:
+        return "writes back an expert it does not evict"
+    resident, in_flight = cache.resident[layer], cache.in_flight[layer]
+    loads, streamed = [int(e) for e in plan.loads], set(plan.streamed)
+    if len(set(loads)) < len(loads):
+        return "loads an expert twice"
+    for e in loads:
+        if e not in gpu:
+            return f"loads expert {e}, which it does not compute on the GPU (loads are demand loads)"
+        if e in in_flight or (e in resident and (layer, e) not in evicted):
+            return f"loads expert {e}, which is already {'on its way' if e in in_flight else 'resident'}"
+    if streamed & set(loads):
+        return "both loads and streams an expert"
+    for e in plan.gpu:
+        if not ((e in resident and (layer, e) not in evicted) or e in in_flight or e in loads or e in streamed):
+            return (f"GPU expert {e} is neither resident, on its way, loaded (plan.loads) nor streamed "
+                    "(plan.streamed)")
+    taking: dict[int, int] = {layer: len(loads)} if loads else {}
+    prefetched: set[tuple[int, int]] = set()
+    for lay, e in plan.prefetches:
+        lay, e = int(lay), int(e)
+        if not 0 <= lay < layers or not 0 <= e < view.cache_experts():
+            return f"prefetches expert {e} of layer {lay}, outside the model"
+        if (lay, e) in prefetched or (lay == layer and e in loads):
+            return f"loads expert {e} of layer {lay} twice"
+        if e in cache.in_flight[lay] or (e in cache.resident[lay] and (lay, e) not in evicted):
+            return f"prefetches expert {e} of layer {lay}, which is already there"
+        prefetched.add((lay, e))
+        taking[lay] = taking.get(lay, 0) + 1
+    if plan.cancel_queued_prefetches:
+        return ""  # slots of the prefetches it drops free up first: what they are is the engine's to know
+    dropped: dict[int, int] = {}
+    for lay, _ in evictions:
+        dropped[lay] = dropped.get(lay, 0) + 1
+    for lay, count in taking.items():
+        free = cache.capacity[lay] - cache.used(lay) + dropped.get(lay, 0)
+        if count > free:
+            return (f"loads {count} expert{'s' if count > 1 else ''} into layer {lay}, which has {max(free, 0)} "
+                    f"free slot{'' if free == 1 else 's'} (evict first: plan.evictions)")
+    if cache.pool is not None and sum(taking.values()) > cache.pool - cache.held() + len(evictions):
+        return f"loads {sum(taking.values())} experts into the model-wide pool beyond its {cache.pool} slots"
+    return ""
 
 
 @dataclass(frozen=True)

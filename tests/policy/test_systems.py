@@ -273,6 +273,40 @@ def test_a_user_component_that_breaks_the_interface_is_one_line_naming_it(files,
     assert "(fix: " in text  # how
 
 
+def test_a_plan_of_a_users_own_system_class_is_checked(files):
+    """A system class of one's own whose plan loaded into a full layer failed with an AssertionError deep in
+    the engine; one that computed experts on the GPU that were never loaded ran, far too fast."""
+    from moesim.policy.base import LayerPlan, PolicyError
+    from moesim.policy.systems import ComposedSystem
+
+    @dataclass
+    class LoadsWithoutRoom(ComposedSystem):
+        def plan(self, view):
+            return LayerPlan(gpu=list(view.active),
+                             loads=[e for e in view.active if e not in view.cache.resident[view.layer]])
+
+    @dataclass
+    class NeverLoads(ComposedSystem):
+        def plan(self, view):
+            return LayerPlan(gpu=list(view.active))
+
+    @dataclass
+    class NoPlan(ComposedSystem):
+        def plan(self, view):
+            return {"gpu": list(view.active)}
+
+    register_system("loads-without-room", SystemSpec("", cache="lru", assign="gpu", system_class=LoadsWithoutRoom))
+    register_system("never-loads", SystemSpec("", cache="lru", assign="gpu", system_class=NeverLoads))
+    register_system("no-plan", SystemSpec("", cache="lru", assign="gpu", system_class=NoPlan))
+    with pytest.raises(PolicyError, match=r"system 'loads-without-room' \(LoadsWithoutRoom.plan\).*loads \d+ "
+                                          r"experts? into layer \d, which has \d free slots?"):
+        replay_with(files, "loads-without-room")
+    with pytest.raises(PolicyError, match=r"NeverLoads.plan.*GPU expert \d+ is neither resident"):
+        replay_with(files, "never-loads")
+    with pytest.raises(PolicyError, match=r"NoPlan.plan.*returned \{'gpu'.*not a LayerPlan"):
+        replay_with(files, "no-plan")
+
+
 def test_a_correct_user_component_runs_as_its_catalogue_twin(files):
     """A user's LRU (written as the notebook writes policies) and the catalogue's gpu-only-lru: the same
     metrics, decisions and timeline, the checks of a user's policy changing nothing."""
