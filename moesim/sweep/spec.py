@@ -136,6 +136,20 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
                           fix=f"{did_you_mean(str(unknown[0]), SPEC_KEYS)}valid keys: {', '.join(SPEC_KEYS)}; "
                               "put --set parameters under grid:, zip: or set:")
 
+    def named(singular: str, plural: str, default: list[Any] | None, what: str) -> list[str]:
+        """An axis of names or paths: a mapping or a nested list is a slip, not one odd name."""
+        raw = data.get(plural, data.get(singular))
+        if isinstance(raw, dict):
+            raise ConfigError(f"a mapping is not a list of {what}s", source=source, field=plural,
+                              fix=f"write {plural}: [...], one {what} per item")
+        values = axis(singular, plural, default)
+        for i, value in enumerate(values):
+            if isinstance(value, (dict, list)) or value is None:
+                article = "an" if what[0] in "aeiou" else "a"
+                raise ConfigError(f"{value!r} is not {article} {what}", source=source, field=plural, row=i,
+                                  fix=f"write {plural}: [...], one {what} per item")
+        return [str(value) for value in values]
+
     def axis(singular: str, plural: str, default: list[Any] | None) -> list[Any]:
         if singular != plural and singular in data and plural in data:
             raise ConfigError(f"both '{singular}' and '{plural}' given", source=source, field=plural,
@@ -149,9 +163,9 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
             raise ConfigError(f"'{plural}' is empty", source=source, field=plural, fix="list at least one value")
         return values
 
-    traces = [str(t) for t in axis("trace", "traces", None)]
-    hws = [str(h) for h in axis("hw", "hw", [DEFAULT_HW])]
-    systems = [str(s) for s in axis("system", "systems", None)]
+    traces = named("trace", "traces", None, "path")
+    hws = named("hw", "hw", [DEFAULT_HW], "profile name or path")
+    systems = named("system", "systems", None, "name")
     seeds = axis("seed", "seeds", [0])
     for i, seed in enumerate(seeds):
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
@@ -239,6 +253,9 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     models = {}
     for i, trace in enumerate(spec.traces):
         path = spec.resolve(trace)
+        if Path(path).is_dir():  # it was 'not found'
+            raise ConfigError(f"trace '{trace}' is a folder, not a trace file ({path})", source=spec.source,
+                              field="traces", row=i, fix="give the path of a .parquet file")
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")

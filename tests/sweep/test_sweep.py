@@ -103,6 +103,12 @@ def test_spec_mistakes_are_one_line(spec, words):
     ({"systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": ["a"]}}, "'a' is not a valid int"),
     ({"systems": ["cpu-only"], "hw": ["rtx9090"]}, "hardware profile not found"),
     ({"systems": ["cpu-only"], "grid": {"hw.pcie.bandwith_scale": [1.0]}}, "no such profile field"),
+    # a folder was 'not found'; a mapping was taken for one trace named "{'a': 1}", a list for one named '[...]'
+    ({"traces": ["."], "systems": ["cpu-only"]}, "is a folder, not a trace file"),
+    ({"traces": {"a": "t.parquet"}, "systems": ["cpu-only"]}, "field 'traces': a mapping is not a list of paths"),
+    ({"traces": [["t.parquet"]], "systems": ["cpu-only"]}, "field 'traces', row 0: ['t.parquet'] is not a path"),
+    ({"systems": {"cpu-only": 1}}, "field 'systems': a mapping is not a list of names"),
+    ({"systems": ["cpu-only"], "hw": [{"gpu": 1}]}, "field 'hw', row 0: {'gpu': 1} is not a profile name or path"),
 ])
 def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     path = files / "spec.yaml"
