@@ -332,7 +332,12 @@ class BuddySubstitution(Substitution):
         if not self.calibration:
             ctx.notes.append("buddy: buddy lists and TAE percentiles calibrated on the replayed trace itself "
                              "(set substitute.calibration=PATH for a held-out calibration trace)")
-        self._calibrate(path, ctx)
+        # the gate reads the replayed trace's probabilities; without them it cannot close, whatever tau is
+        replay_has_p = not ctx.columns or any(c in ctx.columns for c in ("weights", "scores"))
+        self._calibrate(path, ctx, note_tae=replay_has_p)
+        if not replay_has_p:
+            ctx.notes.append("buddy: the replayed trace has neither weights nor scores: the TAE gate (002 Eq. 1) "
+                             "has no probabilities to go on and lets every token through")
         # the gate reads weights when the trace has them, else scores: the replay reads only that one
         if ctx.columns:
             self.columns = tuple(c for c in ("weights", "scores") if c in ctx.columns)[:1]
@@ -341,7 +346,7 @@ class BuddySubstitution(Substitution):
                              f"decode token's buddy is already its own expert or the gate (delta >= beta = "
                              f"{self.beta:g}) closes, so substitution is rare (--set substitute.beta=off opens it)")
 
-    def _calibrate(self, path: str, ctx: RunContext) -> None:
+    def _calibrate(self, path: str, ctx: RunContext, note_tae: bool = True) -> None:
         model = ctx.model
         names = set(trace_columns(path))
         # the top-k probabilities come from weights when the trace has them, else from scores (never both)
@@ -351,8 +356,11 @@ class BuddySubstitution(Substitution):
         k = model.top_k
         experts = table.column("experts").combine_chunks().flatten().to_numpy().reshape(-1, k).astype(np.int64)
         probs = self._top_k_probabilities(table, experts, model.num_experts)
-        if probs is None and self.tau < 0:
+        if probs is None and self.tau < 0 and note_tae:
             ctx.notes.append("buddy: calibration trace has neither weights nor scores; TAE gate off")
+        if probs is None and self.weighted:
+            ctx.notes.append("buddy: calibration trace has neither weights nor scores, so weighted=true has no "
+                             "min(p_i, p_j) to weigh co-activations by (002 Sec. 3.3 (i)); counted binary")
         self._buddies, self._tau = [], []
         # the rows grouped by layer once (a stable sort keeps each layer's rows in trace order)
         by_layer = np.argsort(layers, kind="stable")

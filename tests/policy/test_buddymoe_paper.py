@@ -1,0 +1,101 @@
+"""BuddyMoE (002_95ae8307b42d2a8d.txt) worked by hand: from co-activation counts to the buddy a token gets
+(Eq. 3-6 with Alg. 1), an arriving expert in Alg. 1 and Eq. 2, and settings that have nothing to act on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from moesim.hw.cost import CostModel
+from moesim.policy.base import LayerView, RunContext, active_experts
+from moesim.policy.catalog.buddymoe import BuddySubstitution, buddy_lists, coactivation, substitute_buddies
+from moesim.policy.state import CacheState
+from moesim.trace.synth import SynthConfig, synthesize
+from tests.factories import tiny_model, tiny_profile
+
+
+def test_the_buddy_a_token_gets_is_the_highest_q_resident_peer_within_the_cft_prefix():
+    """Calibration on 5 experts, top-2: expert 0 runs with 1 three times, with 2 twice, with 3 once.
+
+    Eq. 4 (no smoothing): q_{.|0} = (0, 3/6, 2/6, 1/6, 0). Eq. 5: alpha 0.8 is first reached by the
+    prefix (1, 2) (0.5, then 0.833), alpha 0.9 needs (1, 2, 3) (1.0). Eq. 3 with eta = kappa = 0 (002's
+    default) ranks by q alone, so Alg. 1 takes the first resident peer in that order.
+    """
+    calibration = np.array([[0, 1]] * 3 + [[0, 2]] * 2 + [[0, 3]])
+    m = coactivation(calibration, 5)
+    assert m[0].tolist() == [0, 3, 2, 1, 0]
+    tight, broad = buddy_lists(m, 0.8, 16, 0.0), buddy_lists(m, 0.9, 16, 0.0)
+    assert tight[0] == [1, 2] and broad[0] == [1, 2, 3]
+    assert buddy_lists(m, 0.9, 1, 0.0)[0] == [1]  # K_max caps the list
+    token = np.array([[0, 4]])  # expert 0 is missing, 4 resident
+    assert substitute_buddies(token, {1, 2, 3, 4}, {1, 2, 3, 4}, tight, 16) == [(0, 0, 1)]  # q 1/2
+    assert substitute_buddies(token, {2, 3, 4}, {2, 3, 4}, tight, 16) == [(0, 0, 2)]  # 1 absent: q 1/3
+    # only 3 resident: outside alpha 0.8's prefix, so 0 is fetched as routed; alpha 0.9 reaches it
+    assert substitute_buddies(token, {3, 4}, {3, 4}, tight, 16) == []
+    assert substitute_buddies(token, {3, 4}, {3, 4}, broad, 16) == [(0, 0, 3)]
+
+
+def _view(rows, resident, arriving, weights):
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    state = CacheState(capacity=[5])
+    state.preload(0, sorted(resident))
+    state.in_flight[0].update(arriving)
+    experts = np.array(rows)
+    active, counts = active_experts(experts, 5)
+    return LayerView(0, 0, "decode", experts, active, counts, state, CostModel(tiny_profile(), model),
+                     weights=np.array(weights, dtype=np.float32))
+
+
+def _calibration(tmp_path, drop=()):
+    path = synthesize(SynthConfig.from_settings(model=tiny_model(layers=1, experts=5, top_k=2), requests=1,
+                                                prompt_len=64, decode_len=0, seed=3), tmp_path / "cal.parquet")
+    if drop:
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns([c for c in drop if c in table.column_names]), path)
+    return str(path)
+
+
+def _configured(calibration, columns=(), **params):
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    sub = BuddySubstitution(calibration=calibration, **params)
+    ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5], columns=columns)
+    sub.configure(ctx)
+    return sub, ctx.notes
+
+
+def test_an_arriving_expert_is_on_the_gpu_for_alg1_and_for_eq2(tmp_path):
+    """Resident {0, 1, 2}, expert 3 arriving (prefetched), expert 4 in CPU memory; buddies 3 -> 0, 4 -> 0.
+
+    Layer requests {3, 4}. Counting 3 as on the GPU, delta = 1/2 < beta = 0.75: the gate is open, 3 is
+    left to arrive and 4 becomes 0. Counting it on the CPU would give delta = 2/2 >= 0.75 (no replacement).
+    """
+    sub, _ = _configured(_calibration(tmp_path), beta=0.75, tau=0.0)
+    sub._buddies = [[[1], [0], [0], [0], [0]]]
+    assert sub.rewrite(_view([[3, 4]], {0, 1, 2}, {3}, [[0.5, 0.5]])) == [(0, 1, 0)]
+    # nothing arriving: both are missing, delta = 1 >= 0.75, the gate closes
+    assert sub.rewrite(_view([[3, 4]], {0, 1, 2}, set(), [[0.5, 0.5]])) == []
+
+
+def test_weighted_coactivation_without_probabilities_says_it_counted_binary(tmp_path):
+    """002 Sec. 3.3 (i) weights co-activations by min(p_i, p_j): a calibration trace with neither weights
+    nor scores has no p, so ``weighted=true`` gives the binary lists; the report must say so."""
+    bare = _calibration(tmp_path, drop=("weights", "scores"))
+    binary, _ = _configured(bare, tau=0.5)
+    weighted, notes = _configured(bare, tau=0.5, weighted=True)
+    assert weighted._buddies == binary._buddies
+    assert any("weighted" in n and "binary" in n for n in notes), notes
+
+
+def test_a_replayed_trace_without_probabilities_says_the_tae_gate_is_off(tmp_path):
+    """Eq. 1 needs each token's top-k probabilities: a replayed trace with neither weights nor scores lets
+    every token through whatever tau is; the report must say so (once)."""
+    calibration = _calibration(tmp_path)
+    (tmp_path / "bare").mkdir()
+    bare_calibration = _calibration(tmp_path / "bare", drop=("weights", "scores"))
+    bare = ("request", "step", "phase", "position", "layer", "experts")
+    for cal in (calibration, bare_calibration):
+        for tau in (0.5, -1.0):
+            _, notes = _configured(cal, columns=bare, tau=tau)
+            assert sum("TAE gate" in n for n in notes) == 1, notes
+    _, notes = _configured(calibration, columns=bare + ("weights",), tau=0.5)
+    assert not any("TAE gate" in n for n in notes)
