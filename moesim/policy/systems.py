@@ -288,6 +288,7 @@ def check_users_policies(system: ComposedSystem) -> None:
     for role, component in system.components.items():
         if is_catalogue(type(component)):
             continue
+        _check_has_methods(role, component)
         for method, check in (*_RESULT_CHECKS.get(role, {}).items(), *_COMMON_CHECKS.items()):
             if callable(getattr(type(component), method, None)):
                 try:
@@ -296,6 +297,32 @@ def check_users_policies(system: ComposedSystem) -> None:
                     pass
     if not is_catalogue(type(system)):
         system.plan = _CheckedPlan(system)  # type: ignore[method-assign]
+
+
+#: per role, the methods one of which a component must define (the base class's does nothing, or raises), and
+#: how to define it
+_REQUIRED = {
+    "assign": (("split",), "split(self, view) returning (gpu, cpu), two lists that hold view.active"),
+    "cache": (("victims", "initial"), "victims(self, view, layer, n, protected, incoming=None) returning up to n "
+                                      "resident experts to evict, or, for a cache that never evicts, "
+                                      "initial(self, layer, capacity) returning the experts it keeps"),
+    "prefetch": (("candidates",), "candidates(self, view) returning (layer, expert) pairs to load ahead"),
+    "substitute": (("rewrite",), "rewrite(self, view) returning (token row, top-k slot, new expert) rewrites"),
+    "defer": (("choose",), "choose(self, view, plan) returning experts of plan.cpu to finish one layer late"),
+}
+
+
+def _check_has_methods(role: str, component: Component) -> None:
+    """Refuse a user's component that defines none of its role's methods (it would do nothing, or fail at the
+    first layer)."""
+    if role not in _REQUIRED:
+        return
+    methods, how = _REQUIRED[role]
+    base = next(c for c in type(component).__mro__ if is_catalogue(c) and getattr(c, "role", "") == role
+                and c.__dict__.get("name") is None)
+    if all(getattr(type(component), m, None) is getattr(base, m, None) for m in methods):
+        raise PolicyError(f"has no {' or '.join(methods)} of its own",
+                          source=f"{role} '{component.name}' ({type(component).__name__})", fix=f"define {how}")
 
 
 def _fault(who: str, view: LayerView | None, problem: str, fix: str) -> PolicyError:

@@ -346,3 +346,16 @@ def test_a_correct_user_component_runs_as_its_catalogue_twin(files):
         pd_testing.assert_frame_equal(ours.decisions, theirs.decisions)
         pd_testing.assert_frame_equal(ours.timeline, theirs.timeline)
 
+
+@pytest.mark.parametrize("base, missing", [(Assignment, "split"), (Prefetch, "candidates"),
+                                           (CachePolicy, "victims or initial")])
+def test_a_user_component_without_its_roles_method_is_refused_before_the_run(files, base, missing):
+    """An assignment without split failed at the first layer with a bare NotImplementedError from moesim's own
+    assign.py; a prefetcher without candidates prefetched nothing and a cache with neither victims nor initial
+    never evicted, both silently."""
+    from moesim.policy.base import PolicyError
+    name = f"without-{base.role}"
+    cls = user_component(base, name)
+    with pytest.raises(PolicyError, match=rf"{base.role} '{name}' \({cls.__name__}\): has no {missing} of its own"
+                                          r".*fix: define "):
+        replay_with(files, **{base.role: name})
