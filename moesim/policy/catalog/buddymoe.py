@@ -5,23 +5,38 @@ M(i, j) (tokens routing to both i and j; optionally weighted by
 ``min(p_i, p_j)`` of the renormalized top-k probabilities), Laplace smoothing
 ``M <- M + epsilon`` off the diagonal, ``q_{j|i} = M(i,j) / sum_j' M(i,j')``
 with ``q_{i|i} = 0`` (Eq. 4). The buddy list of i is the shortest prefix of
-its peers by descending q whose cumulative q reaches ``alpha`` (the CFT,
-Eq. 5-6), capped at ``k_max``; experts never activated get no buddies.
+its peers by descending q (ids ascending among equal q) whose cumulative q
+reaches ``alpha`` (the CFT, Eq. 5-6), capped at ``k_max``; experts never
+activated get no buddies. Sec. 3.3 (i) accumulates both the binary and the
+weighted counts but never says how the two make one q; here q comes from one
+of them, binary unless ``weighted=true``. 002 gives no epsilon; the default 1
+is add-one (Laplace) smoothing in its usual form.
+
+Sec. 3.3 says a larger alpha gives longer lists, Sec. 5.2 calls its alpha 0.99
+runs (|B| = 2) "stricter" than 0.95 (|B| = 16): the two cannot both hold for
+one list; Eq. 5 is followed (a larger alpha never shortens a list), and |B| is
+read as the cap ``k_max``. Defaults alpha 0.95, k_max 16, rho 3 are the best
+configuration of Tables 2-4 (Sec. 5.1 names the CFT "tau" there).
 
 Runtime (Sec. 3.1, 3.3, Alg. 1), per layer:
 
 1. distribution gate (Eq. 2): delta = share of the layer's requested experts
-   not on the GPU; no substitution at all when ``delta >= beta``. 002 gives
-   beta in [0, 1] and no value for its experiments; ``beta=off`` (or any beta
+   not on the GPU (an expert arriving counts as on it); no substitution at all
+   when ``delta >= beta``. 002 gives beta in [0, 1] and no value for its
+   experiments; the default 1 is the loosest gate inside that range (it closes
+   only when every requested expert is missing); ``beta=off`` (or any beta
    above 1) switches the gate off, so that a layer whose every routed expert is
    missing (delta = 1, common with few slots) may substitute too;
 2. TAE gate (Eq. 1): a token whose normalised entropy of its renormalized
    top-k probabilities is ``<= tau`` keeps its experts; with ``tau < 0`` the
    threshold is the ``tau_percentile``-th percentile of the layer's TAE on the
-   calibration trace (Sec. 3.1 (iii));
+   calibration trace (Sec. 3.1 (iii), p in [10, 20]; 10 by default, the range's
+   lower end: the fewest tokens barred);
 3. Alg. 1: each routed expert not on the GPU is replaced by the first of its
    first ``search_limit`` (H) buddies that is resident and not already in the
-   token's set U_t; U_t grows with each pick (uniqueness);
+   token's set U_t; U_t grows with each pick (uniqueness). Eq. 3's text only
+   lowers the score of a buddy the token already took; Alg. 1, the
+   implementation of Sec. 4, forbids it outright, and that is what is done;
 4. at most ``rho`` replacements per token (the replacement budget of Sec. 5.1;
    0 = no limit).
 
@@ -32,10 +47,17 @@ than top-k experts). An expert already arriving (prefetched) counts as on the
 GPU; only resident experts serve as buddies. With the default eta = kappa = 0
 the priority score Psi (Eq. 3) is q_{j|i} itself: the buddy list's order.
 
+Optional refinements of Sec. 3.1-3.3 that are left out, each off by default in
+the paper or without a value there: eta (needs normalised router logits; the
+trace keeps probabilities), kappa (hop(j) is 0 on one GPU), the temperature T
+and the margin gamma of the TAE gate, down-weighting warm-up steps in the
+profile, and a per-layer alpha schedule.
+
 ``random`` is the paper's random-replacement baseline (Sec. 5.1): a missing
 expert becomes a uniformly drawn resident expert not in the token's set.
 
-The ``buddymoe`` system: an LRU expert cache, every expert on the GPU, the
+The ``buddymoe`` system: an LRU expert cache (002 names no replacement policy
+for its cache; LRU is moesim's choice), every expert on the GPU, the
 next layer's predicted experts prefetched during decoding (Fig. 3's pipeline:
 "the CPU uses the attention output to predict the required experts for the next
 block", from ``pred_next_layer``; one gate's worth, top_k experts per layer, the
@@ -285,24 +307,27 @@ class BuddySubstitution(Substitution):
     #: calibration trace (path), 002 Sec. 3.3's held-out profiling set; empty: the replayed trace itself,
     #: flagged in the report
     calibration: str = ""
-    #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1)
+    #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1; 0.95 in Tables 2-4's best
+    #: configuration)
     alpha: float = 0.95
-    #: buddy list cap K_max (002 Sec. 3.4: typically 5-20; the tables' |B|, Sec. 5.1: 2-16) (experts)
+    #: buddy list cap K_max (002 Sec. 3.4: typically 5-20; the tables' |B|, Sec. 5.1: 2-16; 16 in Tables 2-4's
+    #: best configuration) (experts)
     k_max: int = 16
-    #: Laplace smoothing added to every co-activation count before normalising (002 Sec. 3.3, (ii))
+    #: Laplace smoothing added to every co-activation count before normalising (002 Sec. 3.3, (ii); no value
+    #: there: 1 is add-one smoothing)
     epsilon: float = 1.0
     #: accumulate probability-weighted co-activations instead of binary ones (002 Sec. 3.3, (i))
     weighted: bool = False
-    #: buddy search rank limit H of Alg. 1 (0: the whole list)
+    #: buddy search rank limit H of Alg. 1 (002 gives no value; 0: the whole list, at most k_max)
     search_limit: int = 0
     #: TAE gate threshold of Eq. 1 (002 Sec. 3.1); negative: the tau_percentile-th percentile on the
     #: calibration trace
     tau: float = -1.0
     #: with ``tau`` negative: which percentile of each layer's TAE on the calibration trace is the threshold
-    #: (002 Sec. 3.1, (iii): p in [10, 20])
+    #: (002 Sec. 3.1, (iii): p in [10, 20]; 10, its lower end)
     tau_percentile: float = 10.0
     #: distribution gate of Eq. 2 (002 Sec. 3.1): no substitution in a layer when this share of its experts
-    #: is off the GPU ("off" or above 1: the gate never closes)
+    #: is off the GPU (002 gives no value; 1: closes only when all are off; "off" or above 1: never closes)
     beta: float = 1.0
     #: replacement budget rho per token, 0: unlimited (002 Sec. 5.1; 3 in its best configurations) (experts)
     rho: int = 3
