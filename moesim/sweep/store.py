@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ class ResultStore:
             return
         import pyarrow as pa
         part = pa.Table.from_pylist([row]).replace_schema_metadata(SWEEP_METADATA)
-        _write_parquet_atomic(part, self.parts_dir / f"{row['point_id']}.parquet")
+        self._write(part, self.parts_dir / f"{row['point_id']}.parquet")
         self._dirty = True
         if time.monotonic() - self._flushed_at > FLUSH_EVERY_S:
             self.flush()
@@ -74,7 +75,7 @@ class ResultStore:
             return
         clean_stale_tmps(self.out)  # of sweeps killed while they rewrote it
         frame = self.frame()
-        _write_parquet_atomic(_arrow_table(self.arrange(frame) if self.arrange else frame), self.out)
+        self._write(_arrow_table(self.arrange(frame) if self.arrange else frame), self.out)
         self._flushed_at = time.monotonic()
         self._dirty = False
 
@@ -97,6 +98,16 @@ class ResultStore:
         return pd.DataFrame(rows)
 
     # -- internals
+    def _write(self, table: Any, path: Path) -> None:
+        """:func:`_write_parquet_atomic`, an OS error (a full disk) one line saying what is kept."""
+        try:
+            _write_parquet_atomic(table, path)
+        except OSError as err:
+            reason = re.sub(r"^\[errno \d+\] ", "", (err.strerror or str(err)).split("Detail: ")[-1])
+            raise ConfigError(f"cannot write: {reason}; every point finished before is kept in {self.parts_dir}/, "
+                              "and the same command resumes", source=str(path), field="--out",
+                              fix="free space (or check the permissions), then run it again") from None
+
     def _check_out(self) -> None:
         assert self.out is not None
         if self.out.is_dir():

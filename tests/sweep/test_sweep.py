@@ -775,3 +775,30 @@ def test_moesim_sweep_over_all_exits_0_and_says_what_it_left_out(files, capsys):
     assert "0 failed" in captured.out
     left = [line for line in captured.err.splitlines() if line.startswith("left out ")]
     assert len(left) == 1 and left[0].startswith("left out importance: ") and "'scores'" in left[0], captured.err
+
+
+@pytest.mark.parametrize("failing_write", [2, 4])  # a point's part, or the merge into OUT at the end
+def test_a_full_disk_mid_sweep_is_one_line_and_the_finished_points_are_kept(files, capsys, monkeypatch, failing_write):
+    """A disk that filled up while a sweep wrote its parts or its output ended in an internal error."""
+    import pyarrow.parquet as pq
+    out = files / "r.parquet"
+    spec = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2, 3]})
+    real, calls = pq.write_table, []
+
+    def full(table, where, *args, **kwargs):
+        calls.append(where)
+        if len(calls) >= failing_write:
+            raise OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+        return real(table, where, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", full)
+    assert main(["sweep", str(spec), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "internal error" not in err and "No space left on device" in err, err
+    assert err.startswith("moesim: error: ") and "the same command resumes" in err, err
+    kept = sorted(p.name for p in (files / "r.parquet.parts").glob("*.parquet"))
+    assert len(kept) == min(failing_write - 1, 3)
+    assert not [p for p in files.rglob("*.tmp")]  # no temporary file left on the full disk
+    monkeypatch.setattr(pq, "write_table", real)
+    assert main(["sweep", str(spec), "--out", str(out), "--workers", "1"]) == 0
+    assert f"3 points: {3 - len(kept)} run, {len(kept)} already in" in capsys.readouterr().out
