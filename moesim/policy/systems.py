@@ -915,7 +915,7 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         if comp_name not in registry:
             raise ConfigError(f"unknown {role} component '{comp_name}'", field=role,
                               fix=f"{did_you_mean(comp_name, registry)}use one of: {', '.join(registry)}")
-        parts[role] = registry[comp_name]()
+        parts[role] = made(role, comp_name, registry[comp_name])
     for key, value in settings.items():
         role, _, param = key.partition(".")
         if role not in parts or param not in parts[role].parameters():
@@ -923,6 +923,31 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
         set_checked(parts[role], param, value, key)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,
                              uses_cache=spec.uses_cache, **parts)  # type: ignore[arg-type]
+
+
+def made(role: str, name: str, cls: type[Component]) -> Component:
+    """A component of ``cls`` with its defaults; one line for a user's class whose parameters are not
+    dataclass fields (the decorator forgotten) or which needs arguments (a field without a default)."""
+    import dataclasses
+    import typing
+    who = f"{role} '{name}' ({cls.__name__})"
+    if not is_catalogue(cls):
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        own = cls.__dict__.get("__annotations__", {})
+        lost = [k for k, v in own.items() if not k.startswith("_") and k not in fields
+                and not (v is typing.ClassVar or str(v).startswith(("ClassVar", "typing.ClassVar")))]
+        if lost:
+            raise ConfigError(f"{cls.__name__} is no dataclass: its field{'s' if len(lost) > 1 else ''} "
+                              f"{', '.join(lost)} {'are' if len(lost) > 1 else 'is'} no parameter", source=who,
+                              fix="decorate the class with @dataclass (under @register_component), as "
+                                  "notebooks/custom_policy.ipynb does")
+    try:
+        return cls()
+    except TypeError as err:
+        if is_catalogue(cls):
+            raise
+        raise ConfigError(f"{who} cannot be made with no arguments: {err}",
+                          fix="give every field a default (name: int = 4, or field(default_factory=list))") from None
 
 
 def _refuse_unknown(name: str, key: str, chosen: dict[str, str], parts: dict[str, Component]) -> None:

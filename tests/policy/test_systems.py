@@ -359,3 +359,35 @@ def test_a_user_component_without_its_roles_method_is_refused_before_the_run(fil
     with pytest.raises(PolicyError, match=rf"{base.role} '{name}' \({cls.__name__}\): has no {missing} of its own"
                                           r".*fix: define "):
         replay_with(files, **{base.role: name})
+
+
+def test_a_parameter_of_a_component_that_is_no_dataclass_is_named_with_the_fix(files):
+    """Without @dataclass a component's annotated parameter is no parameter: setting it was refused as unknown
+    to the component, offering another component that has a parameter of that name; unset, it was silently
+    never a parameter."""
+    class Forgotten(LRUCache):
+        name = "forgot-dataclass"
+        #: the user's parameter
+        decay: float = 0.9
+
+    register_component(Forgotten)
+    with pytest.raises(ConfigError, match=r"Forgotten is no dataclass: its field decay is no parameter.*"
+                                          r"fix: decorate the class with @dataclass"):
+        replay_with(files, cache="forgot-dataclass")
+
+
+def test_a_parameter_without_a_default_is_named_with_the_fix(files):
+    """A parameter field without a default failed with "TypeError: __init__() missing 1 required positional
+    argument" from moesim's build_system."""
+    @dataclass
+    class NoDefault(CachePolicy):
+        name = "no-default"
+        k: int
+
+        def victims(self, view, layer, n, protected, incoming=None):
+            return []
+
+    register_component(NoDefault)
+    with pytest.raises(ConfigError, match=r"cache 'no-default' \(NoDefault\) cannot be made with no arguments.*"
+                                          r"'k'.*fix: give every field a default"):
+        replay_with(files, cache="no-default")
