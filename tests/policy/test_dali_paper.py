@@ -103,3 +103,27 @@ def test_one_alg2_window_becomes_an_eviction_and_a_load_in_the_dali_plan():
     assert plan.evictions == [(0, 0)] and plan.prefetches == [(0, 2)]
     assert system.cache.cached(0) == {1, 2}
     assert system.cache._scores[0].sum() == 0  # line 15: the scores restart
+
+
+def test_residual_prefetch_copies_only_the_top_experts_not_already_on_the_gpu():
+    """Sec. 4.2: the top-``size`` experts by predicted workload are the prefetch; one of them already cached
+    needs no copy, and the next one down is not taken in its place.
+
+    Predictions for layer 1 from three tokens: (1, 2), (1, 3), (2, 1) -> workloads 1:3 2:2 3:1, top-2 = 1, 2.
+    Layer 1 caches 0 and 1, so only expert 2 is copied (into the buffer); 3 is not.
+    """
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    costs = RoundCosts(model)
+    system = build_system("dali", {"prefetch.size": "2", "cache.w_size": "4", "cache.u_size": "1",
+                                   "assign.solve_us": "0"})
+    system.configure(RunContext(model=model, costs=costs, capacity=[2, 2], columns=("pred_residual",)))
+    for layer in (0, 1):
+        system.cache.initial(layer, 2)
+        system.cache._cached[layer] = {0, 1}
+    state = CacheState(capacity=[6, 6])  # each layer's 2 cached slots and the buffer's 4 beside them
+    for layer in (0, 1):
+        state.preload(layer, [0, 1])
+    view = _view([[0, 1], [0, 1], [0, 1]], state, costs)
+    view.predictors = {"pred_residual": [np.array([1, 2]), np.array([1, 3]), np.array([2, 1])]}
+    plan = system.plan(view)
+    assert plan.prefetches == [(1, 2)] and plan.evictions == []

@@ -24,7 +24,9 @@ changes the share, ``assign.solve_us`` charges a fixed time per layer instead
   the largest predicted workload (tokens predicting them in ``pred_residual``,
   the residual-corrected gate of Eq. 10; the residual vectors of Eq. 11 are
   fitted when the trace is captured), ``size`` of them; none after the last
-  layer. The extra gate call and stream switch that 003 Sec. 6.3 (4) names as
+  layer. One of them already on the GPU or arriving needs no copy, and the
+  next one down is not taken in its place: the paper picks the top experts by
+  predicted workload, then prefetches them. The extra gate call and stream switch that 003 Sec. 6.3 (4) names as
   the prediction's cost are not charged: the paper gives no figure for them.
 * ``dali-workload`` (cache, Sec. 4.3, Alg. 2): per layer, workload scores
   (tokens per expert) summed over a window of ``w_size`` iterations; at the end
