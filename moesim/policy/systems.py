@@ -874,16 +874,18 @@ def own_weights(name: str) -> str:
 
 def portfolio_members(name: str) -> tuple[str, ...]:
     """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
-    listed system that keeps to the memory budget, keeps the replay's weight dtypes (a system whose
+    listed catalogue system that keeps to the memory budget, keeps the replay's weight dtypes (a system whose
     defaults set ``memory.*``, like mixtral-offloading's int4 experts, runs other weights) and is not
-    itself a portfolio."""
+    itself a portfolio. A user's own systems are not members: the bound they are measured against is the
+    same whatever else is registered."""
     spec = SYSTEMS[name]
     if not spec.portfolio:
         return (name,)
     out = list(spec.portfolio)
     if spec.portfolio_catalogue:
         out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
-                and not SYSTEMS[n].ignores_memory and not own_weights(n)]
+                and not SYSTEMS[n].ignores_memory and not own_weights(n)
+                and (n in CATALOGUE_SYSTEMS or not CATALOGUE_SYSTEMS)]
     return tuple(out)
 
 

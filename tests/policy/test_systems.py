@@ -391,3 +391,13 @@ def test_a_parameter_without_a_default_is_named_with_the_fix(files):
     with pytest.raises(ConfigError, match=r"cache 'no-default' \(NoDefault\) cannot be made with no arguments.*"
                                           r"'k'.*fix: give every field a default"):
         replay_with(files, cache="no-default")
+
+
+def test_a_users_system_leaves_the_oracle_as_it_is():
+    """The oracle ran every listed system, a user's own too: registering one changed the bound the user's
+    system is measured against (and a fault in it stopped the oracle)."""
+    from moesim.policy.systems import portfolio_members, system_names
+    before = portfolio_members("oracle")
+    register_system("my-listed", SystemSpec("mine", cache="lru", assign="gpu"))
+    assert "my-listed" in system_names()  # moesim.sweep's systems: all runs it beside the catalogue
+    assert portfolio_members("oracle") == before
