@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
 import torch
 
 from backends.devices import allowed_cpus
 from moesim.errors import ConfigError
 from moesim.trace.capture.model import pick_device
+from moesim.trace.io import read_table
 
 
 @dataclass
@@ -37,7 +37,7 @@ def check_device(device: str) -> torch.device:
 
 def trace_shape(trace_path: str) -> tuple[int, int, int]:
     """(most requests in one step, longest context, most token rows of one layer in one step)."""
-    frame = pq.read_table(trace_path, columns=["step", "layer", "request", "position"]).to_pandas()
+    frame = read_table(trace_path, columns=["step", "layer", "request", "position"]).to_pandas()
     first = frame[frame["layer"] == frame["layer"].min()]
     per_step = first.groupby("step")
     return (int(per_step["request"].nunique().max()), int(frame["position"].max()) + 1,

@@ -212,13 +212,13 @@ def _short(rows: list[tuple]) -> str:
 # ----------------------------------------------------------------------------- running
 def truncate_trace(trace: str, layers: int, out: Path) -> Path:
     """The first ``layers`` MoE layers of ``trace`` as a trace of its own (for models too big for host memory)."""
-    from moesim.trace.io import parquet_options, read_meta
+    from moesim.trace.io import parquet_options, read_meta, read_table
     from moesim.trace.schema import META_KEY
     meta = read_meta(trace)
     if not 1 <= layers <= meta.model.num_layers:
         raise ConfigError(f"--layers {layers} outside 1..{meta.model.num_layers}", source=trace, field="--layers",
                           fix=f"use 1..{meta.model.num_layers}")
-    whole = pq.read_table(trace)
+    whole = read_table(trace)
     table = whole.filter(pc.less(whole["layer"], layers))
     if table.num_rows == 0:  # a trace that logged only later layers (an importer's per-layer log)
         logged = sorted(pc.unique(whole["layer"]).to_pylist())

@@ -122,6 +122,17 @@ def test_truncated_trace_keeps_the_first_layers(trace, tmp_path):
         assert np.array_equal(b.experts, a.experts[a.layer < 2])
 
 
+def test_a_trace_whose_name_is_not_utf8_is_truncated(trace, tmp_path):
+    """pyarrow cannot encode such a name (bytes a shell passes through): it ended in a UnicodeEncodeError."""
+    import os
+    import shutil
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/t\xff.parquet")
+    shutil.copy(trace, odd)
+    out = truncate_trace(odd, 2, tmp_path / "two.parquet")
+    assert [np.array_equal(b.experts, a.experts[a.layer < 2]) for a, b in zip(iter_steps(trace), iter_steps(out))] \
+        == [True] * len(list(iter_steps(trace)))
+
+
 def test_truncating_to_too_many_layers_is_one_line(trace, tmp_path, capsys):
     code = main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
                  "--layers", "7", "--out", str(tmp_path / "v")])

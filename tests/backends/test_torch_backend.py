@@ -186,3 +186,15 @@ def test_the_cpu_stand_ins_slots_that_would_not_fit_beside_the_experts_are_refus
     assert err.value.field == "cache.slots" and "--set cache.slots=78 or fewer" in str(err.value)
     fitted = weights.ExpertWeights(model, torch.bfloat16, torch.device("cpu"), [40, 38], 2, generator)
     assert fitted.pool.shape[0] == 78
+
+
+def test_the_trace_shape_of_a_trace_whose_name_is_not_utf8(trace, tmp_path):
+    """pyarrow cannot encode such a name (bytes a shell passes through): sizing a real run ended in a
+    UnicodeEncodeError."""
+    import os
+    import shutil
+
+    from backends.run_config import trace_shape
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/t\xff.parquet")
+    shutil.copy(trace, odd)
+    assert trace_shape(odd) == trace_shape(str(trace))

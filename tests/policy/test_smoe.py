@@ -187,6 +187,15 @@ def test_flex_ranks_layers_on_a_held_out_calibration_trace(tmp_path):
     assert str(calibration) in ctx.notes[-1] and "clairvoyant" not in ctx.notes[-1]
 
 
+def test_flex_reads_a_calibration_trace_whose_name_is_not_utf8(tmp_path):
+    """pyarrow cannot encode such a name (bytes a shell passes through): the ranking ended in a
+    UnicodeEncodeError."""
+    import os
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/cal\xff.parquet")
+    os.rename(flex_trace(tmp_path / "cal.parquet"), odd)
+    assert token_predictor_accuracy(odd, 4, 2).tolist() == [1.0, 0.5, 0.0, 1.0]
+
+
 def test_flex_by_default_ranks_layers_online_after_a_warm_up(tmp_path):
     """Default SMoE-Flex: every layer predicts and prefetches for ``warmup`` decode steps, each token's
     prediction scored against its next token; then the least accurate half stops. In flex_trace the

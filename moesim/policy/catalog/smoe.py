@@ -172,10 +172,11 @@ def token_predictor_accuracy(path: str, num_layers: int, top_k: int) -> np.ndarr
     import pyarrow.parquet as pq
     import pandas as pd
 
-    names = pq.ParquetFile(path).schema_arrow.names
+    from moesim.trace.io import arrow_source
+    trace = pq.ParquetFile(arrow_source(path))
     columns = ["request", "position", "layer", "phase", "experts"]
-    has_pred = "pred_next_token" in names
-    table = pq.read_table(path, columns=columns + (["pred_next_token"] if has_pred else []))
+    has_pred = "pred_next_token" in trace.schema_arrow.names
+    table = trace.read(columns=columns + (["pred_next_token"] if has_pred else []))
     request = table.column("request").to_numpy()
     position = table.column("position").to_numpy()
     layer = table.column("layer").to_numpy()
