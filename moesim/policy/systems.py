@@ -907,7 +907,8 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
     chosen = spec.roles()
     # engine/memory/hw defaults of the spec are applied by the executor's set-up, not here
     own = {k: v for k, v in spec.defaults if k.partition(".")[0] in ROLES}
-    settings = {**own, **(settings or {})}
+    given = dict(settings or {})
+    settings = {**own, **given}
     for role in ROLES:
         if role in settings:
             chosen[role] = settings.pop(role)
@@ -921,6 +922,8 @@ def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedS
     for key, value in settings.items():
         role, _, param = key.partition(".")
         if role not in parts or param not in parts[role].parameters():
+            if key in own and key not in given and chosen.get(role) != getattr(spec, role, None):
+                continue  # the system's own setting of a component swapped for one without it
             _refuse_unknown(name, key, chosen, parts)
         set_checked(parts[role], param, value, key)
     return spec.system_class(name=name, description=spec.description, ignores_memory=spec.ignores_memory,

@@ -401,3 +401,30 @@ def test_a_users_system_leaves_the_oracle_as_it_is():
     register_system("my-listed", SystemSpec("mine", cache="lru", assign="gpu"))
     assert "my-listed" in system_names()  # moesim.sweep's systems: all runs it beside the catalogue
     assert portfolio_members("oracle") == before
+
+
+@pytest.mark.parametrize("system, swap", [("smoe-flex", {"prefetch": "none"}), ("llamacpp-experts", {"assign": "gpu"}),
+                                          ("smoe-flex", {"prefetch": "user-prefetch"})])
+def test_a_component_swapped_for_one_without_the_systems_own_parameters_builds(system, swap):
+    """smoe-flex sets prefetch.n and prefetch.flex_off_fraction of its smoe-token prefetcher, llamacpp-experts
+    assign.op_offload_min_batch: swapping that component (`--set prefetch=none`, or a prefetcher of one's own)
+    was refused as if the user had given those parameters ("field 'prefetch__n': prefetch 'none' of system
+    'smoe-flex' has no parameter 'prefetch.n'")."""
+    @dataclass
+    class UserPrefetch(Prefetch):
+        name = "user-prefetch"
+
+        def candidates(self, view):
+            return []
+
+    register_component(UserPrefetch)
+    (role, name), = swap.items()
+    built = build_system(system, dict(swap))
+    assert getattr(built, role).name == name
+    with pytest.raises(ConfigError, match=r"has no parameter 'prefetch.n'"):  # one the user gives still counts
+        build_system("smoe-flex", {"prefetch": "none", "prefetch.n": "2"})
+
+
+def test_a_systems_own_parameters_still_apply_to_its_own_component():
+    assert build_system("smoe-flex").prefetch.n == 3
+    assert build_system("smoe-flex", {"prefetch.n": "5"}).prefetch.n == 5
