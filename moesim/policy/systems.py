@@ -601,15 +601,22 @@ class _CheckedMethod:
     """A user's component method as a system calls it: its errors named, the view left as it was, its result
     checked (and given to the system as plain lists of ints)."""
 
-    __slots__ = ("component", "method", "check", "who")
+    __slots__ = ("component", "method", "check", "who", "names")
 
     def __init__(self, component: Component, role: str, method: str, check: Callable[..., Any] | None) -> None:
+        import inspect
         self.component, self.method, self.check = component, method, check
         self.who = f"{role} '{component.name}' ({type(component).__name__}.{method})"
+        try:  # the arguments' names, as the method calls them
+            self.names = [p for p in inspect.signature(getattr(type(component), method)).parameters][1:]
+        except (TypeError, ValueError):
+            self.names = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         view = args[0] if args and isinstance(args[0], LayerView) else None
         before = _ViewSnapshot(view) if view is not None else None
+        # lists, sets and plans handed in are the system's own (touch's ``used`` is the plan's GPU experts)
+        given = [(i, _copied(a)) for i, a in enumerate(args) if isinstance(a, (list, set, LayerPlan))]
         try:
             out = getattr(type(self.component), self.method)(self.component, *args, **kwargs)
         except MoesimError:
@@ -620,11 +627,25 @@ class _CheckedMethod:
             changed = before.changed(view)
             if changed:
                 raise _fault(self.who, view, changed, _READ_ONLY_FIX)
+        for i, copy in given:
+            if _copied(args[i]) != copy:
+                name = self.names[i] if i < len(self.names) else f"#{i + 1}"
+                raise _fault(self.who, view, f"changed its argument {name}",
+                             "arguments are the system's own (used is the plan's GPU experts): read them, or "
+                             "change a copy (list(used), set(protected))")
         if self.check is None:
             return out
         if view is None:
             return self.check(self.who, None, out, *args, **kwargs)
         return self.check(self.who, view, out, *args[1:], **kwargs)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a list, a set or a plan's lists, to compare with after a policy's call."""
+    if isinstance(value, LayerPlan):
+        return tuple(list(getattr(value, f)) for f in ("gpu", "cpu", "loads", "streamed", "prefetches", "evictions",
+                                                       "writebacks", "deferred"))
+    return type(value)(value)
 
 
 _PLAN_FIX = "see LayerPlan (moesim.policy.base) for what each field holds; ComposedSystem.plan makes a valid plan"

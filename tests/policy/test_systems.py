@@ -232,6 +232,17 @@ def _touch_adds(self, view, used):
     view.cache.resident[view.layer].add(5)
 
 
+def _touch_pops(self, view, used):
+    if len(used) > 1:
+        used.pop()  # plan.gpu itself: the expert popped was never computed
+    LRUCache.touch(self, view, used)
+
+
+def _victims_sorts_protected(self, view, layer, n, protected, incoming=None):
+    protected.clear()
+    return []
+
+
 BROKEN = {
     "gpu-and-cpu": (Assignment, "split", _both, r"expert \d+ twice \(on the GPU and on the CPU\)"),
     "leaves-one-out": (Assignment, "split", _leaves_one_out, r"leaves out routed expert"),
@@ -247,6 +258,8 @@ BROKEN = {
     "evicts-absent": (CachePolicy, "victims", _evicts_absent, r"expert \d+, which is not resident in layer \d"),
     "evicts-twice": (CachePolicy, "victims", _evicts_one_twice, r"expert \d+ twice"),
     "touch-mutates": (LRUCache, "touch", _touch_adds, r"changed view.cache.resident\[\d\]"),
+    "touch-pops": (LRUCache, "touch", _touch_pops, r"changed its argument used"),
+    "victims-clears": (CachePolicy, "victims", _victims_sorts_protected, r"changed its argument protected"),
     "prefetch-layer": (Prefetch, "candidates", _prefetch_layer_beyond, r"layer 4\d outside 0\.\.1"),
     "prefetch-expert": (Prefetch, "candidates", _prefetch_expert_beyond, r"expert 99 outside 0\.\.5"),
     "prefetch-ints": (Prefetch, "candidates", _prefetch_ints, r"returned 1 in its list, not a \(layer, expert\)"),
