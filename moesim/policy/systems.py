@@ -844,6 +844,10 @@ def register_system(name: str, spec: SystemSpec) -> None:
     if not isinstance(spec, SystemSpec):
         raise ConfigError(f"system '{name}' must be a SystemSpec, got {spec!r}", field="spec",
                           fix="e.g. register_system(name, SystemSpec('what it does', cache='lru', assign='gpu'))")
+    if not (isinstance(spec.system_class, type) and issubclass(spec.system_class, ComposedSystem)):
+        raise ConfigError(f"system '{name}': system_class {spec.system_class!r} is no ComposedSystem", field="spec",
+                          fix="subclass ComposedSystem (moesim.policy.systems) and override plan(self, view), or "
+                              "leave system_class out to compose the components")
     SYSTEMS[name] = spec
 
 

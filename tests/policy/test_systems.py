@@ -441,3 +441,14 @@ def test_a_component_swapped_for_one_without_the_systems_own_parameters_builds(s
 def test_a_systems_own_parameters_still_apply_to_its_own_component():
     assert build_system("smoe-flex").prefetch.n == 3
     assert build_system("smoe-flex", {"prefetch.n": "5"}).prefetch.n == 5
+
+
+def test_a_system_class_that_is_no_composed_system_is_refused_at_registration():
+    """system_class=SomethingElse failed at the first replay with a TypeError from build_system."""
+    class Planner:
+        def plan(self, view):
+            return None
+
+    with pytest.raises(ConfigError, match=r"system_class.*Planner.*subclass ComposedSystem"):
+        register_system("my-planner", SystemSpec("mine", cache="lru", assign="gpu", system_class=Planner))
+    assert "my-planner" not in SYSTEMS
