@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     code = 0
     try:
+        args, modules = _imports(args)
+        if modules:
+            from moesim.policy.imports import import_policies
+            import_policies(modules)  # before any command looks a system name up
         with sigterm_interrupts(), staged_outputs():  # a command's outputs land together, or none of them does
             try:
                 code = _run_command(args)
@@ -105,6 +109,31 @@ def main(argv: list[str] | None = None) -> int:
         _say(_internal_error(err))
         return 1
     return code
+
+
+def _imports(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` without their ``--import MODULE`` (or ``--import=MODULE``) options, and the modules they name:
+    like --debug, it may stand anywhere before a ``--``, and it serves every command."""
+    rest, modules = [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest += args[i:]
+            break
+        if arg == "--import":
+            if i + 1 == len(args):
+                raise MoesimError("--import needs a value", field="--import",
+                                  fix="give a Python file or module that registers policies: --import my_policies.py")
+            modules.append(args[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--import="):
+            modules.append(arg.removeprefix("--import="))
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, modules
 
 
 #: the variable with which a shell asks for completions (``eval "$(_MOESIM_COMPLETE=bash_source moesim)"``)

@@ -278,6 +278,10 @@ def cli() -> None:
 
     Bad input exits 2 with one line naming the file, the field and the fix;
     add --debug anywhere on the command line to see a traceback of an internal error.
+
+    Systems of one's own: add --import my_policies.py (or a module name) anywhere on the command
+    line, as often as needed; the module registers its components and systems when imported
+    (moesim.policy.systems.register_component, register_system).
     """
     console.stdout_taken = False  # a command run before in this process (tests, notebooks) took stdout
     # pyarrow imports pandas at its first conversion and takes a Ctrl-C in that import for a missing pandas

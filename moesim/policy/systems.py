@@ -429,7 +429,9 @@ def check_system_name(name: str, field: str = "--system", source: str | None = N
     if name not in SYSTEMS:
         valid = [*SYSTEMS, "all"] if or_all else list(SYSTEMS)
         raise ConfigError(f"unknown system '{name}'", source=source, field=field,
-                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(valid)}")
+                          fix=f"{did_you_mean(name, SYSTEMS)}use one of: {', '.join(valid)}; a system of one's "
+                              "own is registered by importing its module: moesim --import my_policies.py ..., "
+                              "or import: [my_policies.py] in a sweep spec")
 
 
 def build_system(name: str, settings: dict[str, str] | None = None) -> ComposedSystem:

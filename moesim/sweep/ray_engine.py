@@ -39,13 +39,15 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
         profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
         columns = columns_of(points)  # every worker decodes a trace once, with the columns any point reads
+        from moesim.policy.imports import imported
+        policies = imported()  # Ray's workers are not forked from here: they import the user's policies too
         for p in points:
             trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
             if trace not in shipped:
                 shipped[trace] = ShippedFile.put(ray, Path(trace))
             if hw not in profiles:  # parsed once here; workers get the object, not the YAML to parse again
                 profiles[hw] = ray.put(cached_profile(hw))
-            pending[remote.remote(p, shipped[trace], profiles[hw], columns, attempts)] = p
+            pending[remote.remote(p, shipped[trace], profiles[hw], columns, attempts, policies)] = p
         started()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=min(len(pending), 32), timeout=0.5)
@@ -122,13 +124,16 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str], attempts: Any) -> dict[str, Any]:
+def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str], attempts: Any,
+               policies: list[tuple[str, str]] = ()) -> dict[str, Any]:
     """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
     once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
-    object store)."""
+    object store), the driver's ``--import`` and spec ``import:`` modules imported (once per process)."""
     import ray
 
+    from moesim.policy.imports import import_again
     from moesim.trace.io import keep_decoded
     ray.get(attempts.start.remote(point.point_id))  # noted before the work that may kill this worker
+    import_again(policies)
     keep_decoded(columns)
     return run_point(point, local_copy(trace, ray.get), profile)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from moesim.errors import ConfigError, MoesimError, did_you_mean
 from moesim.util import read_yaml
 
-SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip")
+SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip", "import")
 DEFAULT_HW = "rtx4090"
 
 
@@ -163,6 +163,16 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
             raise ConfigError(f"'{plural}' is empty", source=source, field=plural, fix="list at least one value")
         return values
 
+    imports = data.get("import")
+    if imports is not None:  # policies of one's own register before the systems are looked up
+        from moesim.policy.imports import import_policies
+        imports = imports if isinstance(imports, list) else [imports]
+        for i, name in enumerate(imports):
+            if not isinstance(name, str):
+                raise ConfigError(f"{name!r} is not a module", source=source, field="import", row=i,
+                                  fix="list Python files (relative to the spec) or module names, e.g. "
+                                      "import: [my_policies.py]")
+        import_policies(imports, base_dir=base_dir, field="import", source=source)
     traces = named("trace", "traces", None, "path")
     hws = named("hw", "hw", [DEFAULT_HW], "profile name or path")
     systems = named("system", "systems", None, "name")

@@ -117,17 +117,37 @@ def test_ray_reports_the_points_it_ran_again_after_their_worker_died(files, monk
     marks.mkdir()
     real = ray_engine._ray_point
 
-    def dies_once_on_two_slots(point, trace, profile, columns, attempts):  # a closure: Ray ships it whole
+    def dies_once_on_two_slots(point, trace, profile, columns, attempts, policies):  # a closure: Ray ships it whole
         mark = marks / point.point_id
         if dict(point.settings)["cache.slots_per_layer"] == 2 and not mark.exists():
             mark.touch()
             import ray
             ray.get(attempts.start.remote(point.point_id))  # started, as the real one notes first
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(point, trace, profile, columns, attempts)
+        return real(point, trace, profile, columns, attempts, policies)
 
     monkeypatch.setattr(ray_engine, "_ray_point", dies_once_on_two_slots)
     spec = load_spec(write_spec(files, systems=["gpu-only-lru", "static-hot"], grid={"cache.slots_per_layer": [1, 2]}))
     frame, summary = run_sweep(spec, files / "r.parquet", workers=2, engine="ray")
     assert (summary.ran, summary.retried, summary.failed) == (4, 2, 0)
     assert (frame["status"] == "ok").all() and len(list(marks.iterdir())) == 2
+
+
+@pytest.mark.slow
+def test_ray_workers_import_the_policies_the_spec_imports(files):
+    """Ray's workers are not forked from the driver: without importing the spec's modules themselves, every
+    point of a system of one's own failed there as 'unknown system'."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    (files / "lab_policies.py").write_text(
+        "from moesim.policy.systems import SystemSpec, register_system\n"
+        "register_system('lab-lru', SystemSpec('LRU under a name of its own', cache='lru', assign='gpu'))\n")
+    spec = write_spec(files, systems=["lab-lru", "gpu-only-lru"], grid={"cache.slots_per_layer": [1, 2]})
+    spec.write_text("import: [lab_policies.py]\n" + spec.read_text())
+    out = files / "r.parquet"
+    done = subprocess.run([sys.executable, "-m", "moesim", "sweep", str(spec), "--out", str(out), "--workers", "2",
+                           "--engine", "ray"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = pd.read_parquet(out)
+    assert (rows.status == "ok").all() and len(rows) == 4, rows[["system", "status", "error"]]
+    by = rows.set_index(["system", "cache.slots_per_layer"]).tpot_ms_mean
+    assert [by["lab-lru", s] for s in (1, 2)] == [by["gpu-only-lru", s] for s in (1, 2)]

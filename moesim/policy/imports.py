@@ -1,0 +1,135 @@
+"""Policies of one's own, imported by name for the command line and sweep specs.
+
+A user's module registers its components and systems when imported
+(``register_component``, ``register_system``), as a notebook cell does.
+``moesim --import my_policies.py replay ...`` and a sweep spec's ``import:``
+list import such modules before any system name is looked up. Sweep workers
+are forked from the process that imported them, so they see the same systems.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from moesim.errors import ConfigError, MoesimError
+
+#: what every refusal suggests
+_HOW = "give a Python file (my_policies.py) or an importable module name (my_package.policies)"
+#: what this process imported, as (file or module name, folder it was found from): for processes that are
+#: not forked from it (Ray's workers) to import the same
+_IMPORTED: list[tuple[str, str]] = []
+
+
+def import_policies(names: Sequence[str], *, base_dir: Path | None = None, field: str = "--import",
+                    source: str | None = None) -> list[str]:
+    """Import each of ``names`` (a ``.py`` file, relative to ``base_dir``, or a module name) once; return
+    the modules' names. A file is imported under its stem, with its folder on ``sys.path`` as ``python
+    FILE`` would have it, so that it may import its neighbours."""
+    folder = base_dir or Path.cwd()
+    modules = []
+    for name in names:
+        modules.append(_import_one(name, folder, field, source))
+        entry = (str((folder / Path(name).expanduser()).resolve()) if _is_path(name) else name, str(folder))
+        if entry not in _IMPORTED:
+            _IMPORTED.append(entry)
+    return modules
+
+
+def imported() -> list[tuple[str, str]]:
+    """What :func:`import_policies` imported in this process, for :func:`import_again` in another one."""
+    return list(_IMPORTED)
+
+
+def import_again(entries: Sequence[tuple[str, str]]) -> None:
+    """Import in this process what :func:`imported` listed in another (modules imported already are kept)."""
+    for name, folder in entries:
+        import_policies([name], base_dir=Path(folder))
+
+
+def _is_path(name: str) -> bool:
+    return name.endswith(".py") or os.sep in name or (os.altsep is not None and os.altsep in name)
+
+
+def _import_one(name: str, base_dir: Path, field: str, source: str | None) -> str:
+    if not name.strip():
+        raise ConfigError("an empty module name", source=source, field=field, fix=_HOW)
+    if _is_path(name):
+        return _import_file((base_dir / Path(name).expanduser()).resolve(), name, field, source)
+    return _import_module(name, base_dir, field, source)
+
+
+def _import_file(path: Path, given: str, field: str, source: str | None) -> str:
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "not found"
+        raise ConfigError(f"'{given}': {what}", source=source, field=field, fix=f"check the path; {_HOW}")
+    module_name = path.stem
+    if not module_name.isidentifier():
+        raise ConfigError(f"'{given}': '{module_name}' is no Python module name", source=source, field=field,
+                          fix="rename the file to letters, digits and underscores, e.g. my_policies.py")
+    loaded = sys.modules.get(module_name)
+    if loaded is not None:
+        if getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == path:
+            return module_name  # imported already (the same command line naming it twice, a notebook)
+        raise ConfigError(f"'{given}': a module named '{module_name}' is imported already "
+                          f"({getattr(loaded, '__file__', None) or 'built in'})", source=source, field=field,
+                          fix="rename the file so that its name is its own")
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None  # a .py file always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # pickling by reference finds the module's classes (sweep workers)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as err:
+        del sys.modules[module_name]
+        _refuse_failed(err, given, field, source)
+    return module_name
+
+
+def _import_module(name: str, base_dir: Path, field: str, source: str | None) -> str:
+    folder = str(base_dir)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # as `python -m` finds modules of the current folder
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+            raise ConfigError(f"no module named '{name}'", source=source, field=field,
+                              fix=f"{_HOW}; a module name is looked up on PYTHONPATH and in {folder}") from None
+        _refuse_failed(err, name, field, source)
+    except BaseException as err:
+        _refuse_failed(err, name, field, source)
+    return name
+
+
+def _refuse_failed(err: BaseException, given: str, field: str, source: str | None) -> None:
+    """One line for an import that raised: moesim's own one-line errors as they are, others with the file
+    and line of the user's code that raised them."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        raise err
+    if isinstance(err, MoesimError):  # register_system refusing a catalogue name, say
+        raise err
+    where = _where(err)
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    run = f"python {given}" if _is_path(given) else f"python -c 'import {given}'"
+    raise ConfigError(f"importing '{given}' failed{where}: {text}", source=source, field=field,
+                      fix=f"`{run}` shows the traceback") from err
+
+
+def _where(err: BaseException) -> str:
+    """' at FILE:LINE' of the deepest frame outside Python's import machinery (a SyntaxError's own place)."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" at {Path(err.filename).name}:{err.lineno}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename != __file__
+              and "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+    if not frames:
+        return ""
+    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}"
