@@ -248,7 +248,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
 
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
-    from moesim.sim.run import simulate
+    from moesim.sim.run import add_lower_bound, simulate
     checked_keywords(replay, params)
     trace = checked_trace(trace)
     checked_flags(timeline=timeline, decisions=decisions)
@@ -257,36 +257,12 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     with keyword_fields(params):
         result = simulate(trace, hw, system, given, model_preset=model, seed=int(seed), timeline=timeline,
                           decisions=decisions)
-    raw = metrics(result)
-    with_lower_bound(raw, result, trace, hw, system, given)
+    raw = add_lower_bound(metrics(result), result, trace, hw, system, given)
     frames = result_to_frames(result)
     row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed),
-           **sweep_module.flatten_metrics(flat_lower_bound(raw))}
+           **sweep_module.flatten_metrics(raw)}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw)
-
-
-def with_lower_bound(raw: dict[str, Any], result: Any, trace: str, hw: Any, system: str,
-                     settings: dict[str, str]) -> None:
-    """Add ``lower_bound`` and ``gap_to_lower_bound`` to a replay's metrics as ``moesim replay --json`` gives them:
-    the physical lower bound of the system's own memory plan, workload and defaults (mixtral-offloading's int4
-    experts), by :func:`moesim.sim.run.result_lower_bound`, and the makespan over that bound's."""
-    from moesim.sim.run import result_lower_bound, with_system_defaults
-    bound = result_lower_bound(trace, hw, with_system_defaults(system, settings), result)
-    raw["lower_bound"] = bound
-    raw["gap_to_lower_bound"] = raw["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
-
-
-def flat_lower_bound(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with its nested ``lower_bound`` as columns ``lower_bound_<key>`` (a portfolio's
-    ``slots_by_metric`` as ``lower_bound_slots_by_metric_<metric>``)."""
-    out = {k: v for k, v in raw.items() if k != "lower_bound"}
-    for key, value in raw.get("lower_bound", {}).items():
-        if isinstance(value, Mapping):
-            out.update({f"lower_bound_{key}_{k}": v for k, v in value.items()})
-        else:
-            out[f"lower_bound_{key}"] = value
-    return out
 
 
 @python_names()

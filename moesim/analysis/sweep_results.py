@@ -3,8 +3,9 @@ points, their labels and how their values group into lines and panels.
 
 The input is the tidy frame of :mod:`moesim.sweep` (one row per point; the
 parameters ``trace``, ``hw``, ``system``, ``seed`` and dotted ``--set`` keys;
-the metrics of :func:`moesim.analysis.metrics.metrics`). Only points with
-``status == "ok"`` are drawn.
+the metrics of :func:`moesim.analysis.metrics.metrics`, with each replayed
+point's physical lower bound as ``lower_bound_<key>`` and ``gap_to_lower_bound``,
+NaN in serving points). Only points with ``status == "ok"`` are drawn.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ LABELS = {
     "pcie_h2d_bytes": "PCIe host-to-device bytes", "prefetches": "prefetches issued",
     "makespan_s": "makespan (s)", "hw.pcie.bandwidth_scale": "PCIe bandwidth scale",
     "gpu_memory_gib": "GPU memory planned (GiB)", "expert_cache_gib": "GPU expert cache (GiB)",
+    "gap_to_lower_bound": "makespan over its lower bound", "lower_bound_makespan_s": "makespan lower bound (s)",
+    "lower_bound_ttft_ms": "TTFT lower bound (ms)", "lower_bound_tpot_ms_mean": "TPOT lower bound, mean (ms)",
+    "lower_bound_slots": "experts held by the lower bound",
 }
 #: metrics where more is better (the Pareto front maximises them); every other metric is minimised
 HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",

@@ -234,19 +234,15 @@ def _takes(system: str, settings: dict[str, str]) -> bool:
 
 def _add_gap_to_lower_bound(by_system: dict[str, dict], runs: dict, trace_file: str, hw: str,
                             settings: dict[str, str]) -> None:
-    """Each system's distance from its physical lower bound (its own memory plan, workload and defaults,
-    e.g. mixtral-offloading's int4 experts)."""
+    """Each system's distance from its physical lower bound (:func:`moesim.sim.run.add_lower_bound`: its own
+    memory plan, workload and defaults, e.g. mixtral-offloading's int4 experts)."""
     from moesim.progress import Progress
-    from moesim.sim.run import result_lower_bound, with_system_defaults
+    from moesim.sim.run import add_lower_bound
     memos: dict[tuple, dict] = {}
     with Progress("lower bounds", total=len(by_system), unit="systems", console=err_console) as bar:
         for name, m in by_system.items():
             bar.advance(0, label=name)
-            own = with_system_defaults(name, settings)
-            memo = memos.setdefault(tuple(sorted(own.items())), {})
-            bound = result_lower_bound(trace_file, hw, own, runs[name], memo)
-            m["lower_bound"] = bound
-            m["gap_to_lower_bound"] = m["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] else float("nan")
+            add_lower_bound(m, runs[name], trace_file, hw, name, settings, memos)
             bar.advance(1)
 
 

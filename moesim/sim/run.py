@@ -375,6 +375,10 @@ def _run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict
     return portfolio_result(system, list(runs.values()), skipped, pruned, order)
 
 
+#: what :func:`lower_bound` gives (a portfolio's adds ``slots_by_metric``)
+LOWER_BOUND_KEYS = ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots")
+
+
 def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None, *,
                 slots: int | None = None, rewrites: dict | None = None) -> dict[str, Any]:
     """The physical lower bound of ``trace`` on ``hw`` (policy/catalog/bounds.py): TTFT, TPOT and makespan
@@ -382,13 +386,18 @@ def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] 
     substitutions were ``rewrites``."""
     from moesim.policy.catalog.bounds import physical_lower_bound
     meta = read_meta(trace)
-    parsed = parse_settings({k: v for k, v in (settings or {}).items()
-                             if k.partition(".")[0] in ("engine", "memory", "hw")})
+    parsed = parse_settings(bound_settings(settings))
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype)
     bound = physical_lower_bound(trace, meta.model, costs, slots=slots, rewrites=rewrites)
-    return {k: bound[k] for k in ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots")}
+    return {k: bound[k] for k in LOWER_BOUND_KEYS}
+
+
+def bound_settings(settings: dict[str, str] | None) -> dict[str, str]:
+    """The settings a lower bound depends on: ``engine.*``, ``memory.*`` and ``hw.*`` (the system's own
+    parameters and the cache's slot counts enter it through the replay's memory plan and rewrites)."""
+    return {k: v for k, v in (settings or {}).items() if k.partition(".")[0] in ("engine", "memory", "hw")}
 
 
 def floor_inputs(result: SimResult) -> tuple[int | None, dict]:
@@ -420,3 +429,23 @@ def result_lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str
         out["slots_by_metric"] = by_metric
         return out
     return floor(*floor_inputs(result))
+
+
+def add_lower_bound(metrics: dict[str, Any], result: SimResult, trace: str, hw: str | HardwareProfile,
+                    system: str, settings: dict[str, str] | None, memos: dict | None = None) -> dict[str, Any]:
+    """Add ``lower_bound`` and ``gap_to_lower_bound`` to ``metrics``, the metrics of ``result`` (a replay of
+    ``system`` on ``trace`` and ``hw`` with ``settings``), as ``moesim replay --json``, ``moesim.replay`` and
+    a sweep's rows give them: the physical lower bound of the system's own memory plan, workload and defaults
+    (mixtral-offloading's int4 experts), by :func:`result_lower_bound`, and the makespan over that bound's
+    (NaN for a bound of no time). Returns ``metrics``.
+
+    ``memos``: floors shared between calls with the same trace and profile, by the settings they depend on
+    (:func:`bound_settings`); several systems of one replay, or points of one sweep, then share them.
+    """
+    own = with_system_defaults(system, settings)
+    memo = None if memos is None else memos.setdefault(tuple(sorted(bound_settings(own).items())), {})
+    bound = result_lower_bound(trace, hw, own, result, memo)
+    metrics["lower_bound"] = bound
+    metrics["gap_to_lower_bound"] = metrics["makespan_s"] / bound["makespan_s"] if bound["makespan_s"] \
+        else float("nan")
+    return metrics

@@ -28,38 +28,64 @@ UNRUNNABLE = "_unrunnable"
 
 
 def flatten_metrics(m: dict[str, Any]) -> dict[str, Any]:
-    """A metrics dict as flat columns: breakdown per category, lists joined, ``system`` dropped."""
+    """A metrics dict as flat columns: breakdown per category, lists joined, ``system`` dropped, and the
+    nested ``lower_bound`` (:func:`moesim.sim.run.add_lower_bound`) as the last columns, ``lower_bound_<key>``
+    (a portfolio's ``slots_by_metric`` as ``lower_bound_slots_by_metric_<metric>``)."""
     out: dict[str, Any] = {}
+    bound: dict[str, Any] = {}
     for key, value in m.items():
         if key == "system":
             continue
-        if key == "breakdown_ms":
+        if key == "lower_bound":
+            for name, part in value.items():
+                if isinstance(part, dict):
+                    bound.update({f"lower_bound_{name}_{k}": v for k, v in part.items()})
+                else:
+                    bound[f"lower_bound_{name}"] = part
+        elif key == "breakdown_ms":
             out.update({f"breakdown_{cat}_ms": float(v) for cat, v in value.items()})
         elif isinstance(value, (list, tuple)):
             out[key] = "; ".join(str(v) for v in value)
         else:
             out[key] = value
+    out.update(bound)
     return out
 
 
+def no_lower_bound() -> dict[str, float]:
+    """The bound's columns of a serving point: NaN (a serving run has no replay bound to measure it against)."""
+    from moesim.sim.run import LOWER_BOUND_KEYS
+    return {"gap_to_lower_bound": float("nan"), **{f"lower_bound_{k}": float("nan") for k in LOWER_BOUND_KEYS}}
+
+
 def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
-    """Replay one point; a failure becomes a row with ``status='error'`` and the reason, never an exception."""
+    """Replay one point; a failure becomes a row with ``status='error'`` and the reason, never an exception.
+
+    A replayed point's row holds its metrics, its physical lower bound (``lower_bound_makespan_s``,
+    ``lower_bound_ttft_ms``, ``lower_bound_tpot_ms_mean``, ``lower_bound_slots``; a portfolio's also
+    ``lower_bound_slots_by_metric_<metric>``) and ``gap_to_lower_bound``, as ``moesim.replay`` gives them
+    (:func:`moesim.sim.run.add_lower_bound`). A serving point (``workload.*`` settings) has no replay bound:
+    those columns are NaN in its row.
+    """
     started = time.perf_counter()
     row = point.columns()
     try:
         from moesim.analysis.metrics import metrics
-        from moesim.sim.run import simulate
+        from moesim.sim import run
         from moesim.sim.workload import is_serving_key
         profile = cached_profile(hw) if isinstance(hw, str) else hw
-        if any(is_serving_key(k) for k in point.settings_str()):
+        settings = point.settings_str()
+        if any(is_serving_key(k) for k in settings):
             from moesim.analysis.serving import serving_row  # sweeps over workload.* serve instead of replaying
-            row.update(status="ok", error="", **serving_row([trace_path], profile, point.system,
-                                                            point.settings_str(), model_preset=point.model,
-                                                            seed=point.seed))
+            row.update(status="ok", error="", **serving_row([trace_path], profile, point.system, settings,
+                                                            model_preset=point.model, seed=point.seed),
+                       **no_lower_bound())
         else:
-            result = simulate(trace_path, profile, point.system, point.settings_str(),
-                              model_preset=point.model, seed=point.seed, timeline=False, decisions=False)
-            row.update(status="ok", error="", **flatten_metrics(metrics(result)))
+            result = run.simulate(trace_path, profile, point.system, settings, model_preset=point.model,
+                                  seed=point.seed, timeline=False, decisions=False)
+            m = run.add_lower_bound(metrics(result), result, trace_path, profile, point.system, settings,
+                                    bound_memos(trace_path, profile))
+            row.update(status="ok", error="", **flatten_metrics(m))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
         row.update(status="error", error=describe_error(err))
         if isinstance(err, MissingColumnError):
@@ -93,6 +119,27 @@ def cached_profile(hw: str) -> Any:
     if key not in _PROFILES:
         _PROFILES[key] = load_profile(path)
     return _PROFILES[key]
+
+
+#: per process: (trace file, its mtime and size, the profile object's id) -> (that profile, the floors of
+#: :func:`moesim.sim.run.add_lower_bound`): points of a sweep that differ only in what a bound does not depend
+#: on (the system, its own parameters, a cache size that plans the same slots) share one
+_BOUNDS: dict[tuple[str, int, int, int], tuple[Any, dict]] = {}
+#: how many (trace, profile) pairs :data:`_BOUNDS` keeps before it starts afresh
+_BOUNDS_KEPT = 64
+
+
+def bound_memos(trace_path: str, profile: Any) -> dict:
+    """The floors computed in this process for ``trace_path`` on ``profile`` (a parsed profile, one object per
+    file while it is unchanged: :func:`cached_profile`), to share between this process's points."""
+    stat = os.stat(trace_path)
+    key = (os.path.abspath(trace_path), stat.st_mtime_ns, stat.st_size, id(profile))
+    entry = _BOUNDS.get(key)
+    if entry is None or entry[0] is not profile:  # the entry holds its profile: no other object takes its id
+        if len(_BOUNDS) >= _BOUNDS_KEPT:
+            _BOUNDS.clear()
+        entry = _BOUNDS[key] = (profile, {})
+    return entry[1]
 
 
 def input_fingerprint(trace_path: str, hw: str) -> str:
