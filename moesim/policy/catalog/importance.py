@@ -34,6 +34,10 @@ prefetches still queued (not yet on the wire) are dropped and their slots
 freed (``LayerPlan.cancel_queued_prefetches``); a queued prefetch of an expert
 the layer then computes on the GPU stays, as that expert's load.
 ``--set prefetch.clear_queue=false`` keeps every prefetch (an ablation).
+
+Runtime: ``pytorch-eager``. 004 Sec. 6.1 implements the system on PyTorch (Python
+without the GIL) over the transformers library's model code, launching kernels
+eagerly; Sec. 7 treats KTransformers as a separate system it does not compare with.
 """
 
 from __future__ import annotations
@@ -360,4 +364,4 @@ register_system("importance", SystemSpec(
     "Importance-driven scheduling (004): expert-cache router, top-score next-layer prefetch, score-history "
     "eviction with in-use protection, two-pointer CPU-load balancer",
     cache="score-history", assign="two-pointer", prefetch="top-score", substitute="importance-router",
-    system_class=ImportanceSystem, runtime="ktransformers-eager"))
+    system_class=ImportanceSystem, runtime="pytorch-eager"))
