@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from moesim.policy.base import LayerPlan, LayerView, Substitutions
+from moesim.policy.base import LayerPlan, LayerView, PolicyError, Substitutions
+from moesim.policy.checked import plan_fault
 
 #: breakdown categories (000 Sec. VI-E) plus the rest of the forward pass: attention (MoE and dense
 #: layers), dense layers' FFNs, embedding, LM head, sampling, the runtime's kernel/graph launches and
@@ -165,13 +166,23 @@ def latency_metrics(steps: list[Any]) -> dict[str, float]:
 
 def check_plan(view: LayerView, plan: LayerPlan) -> None:
     """What every plan must hold (``engine.check``): each routed expert computed once, on one side; no
-    eviction of an expert the layer uses or of one in flight; write-backs only of evicted experts."""
-    gpu, cpu = plan.gpu, plan.cpu
-    assert len(set(gpu)) == len(gpu) and len(set(cpu)) == len(cpu), "expert planned twice"
-    assert not set(gpu) & set(cpu), "expert on both CPU and GPU"
-    computed = set(gpu) | set(cpu) | set(plan.deferred)
-    assert computed == set(view.active), f"plan computes {sorted(computed)}, routed {sorted(view.active)}"
-    assert set(plan.writebacks) <= set(plan.evictions), "plan writes back an expert it does not evict"
-    for lay, e in plan.evictions:
-        assert not (lay == view.layer and e in gpu), f"plan evicts expert {e} it is about to use"
-        assert e not in view.cache.in_flight[lay], f"plan evicts in-flight expert {e}"
+    eviction of an expert the layer uses or of one in flight; write-backs only of evicted experts; and the
+    rest of what :func:`moesim.policy.checked.plan_fault` checks of a plan of one's own (GPU experts there or
+    on their way, loads and prefetches within the slots). A plan that breaks one raises a one-line
+    :class:`PolicyError` naming the step, the layer and the fault."""
+    problem = _in_flight_eviction(view, plan) or plan_fault(view, plan)
+    if problem:
+        raise PolicyError(f"at step {view.step}, layer {view.layer}, {problem}", source="plan (engine.check)",
+                          fix="the system's policies made it: see LayerPlan (moesim.policy.base) for what every "
+                              "plan keeps")
+
+
+def _in_flight_eviction(view: LayerView, plan: LayerPlan) -> str:
+    """An eviction of an expert still on its way ("" when none; plan_fault calls it one not resident)."""
+    try:
+        for lay, e in plan.evictions:
+            if e in view.cache.in_flight[lay]:
+                return f"evicts expert {e} of layer {lay}, which is on its way (in flight)"
+    except (TypeError, ValueError, IndexError):
+        pass  # no list of (layer, expert) pairs: plan_fault says so
+    return ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,3 +66,74 @@ def test_weight_mass_is_the_sum_of_the_masked_entries_whatever_the_path(dtype, t
     view = LayerView(0, 0, "decode", experts, [], [], None, None, weights=weights)
     expected = float(weights[np.isin(experts, chosen)].sum()) if chosen else 0.0
     assert weight_mass(view, chosen) == expected
+
+
+# ----------------------------------------------------------------------------- check_plan (engine.check)
+def _checked_view(active=(0, 1), resident=(2,), in_flight=(3,), layer=0) -> LayerView:
+    from moesim.policy.state import CacheState
+    cache = CacheState(capacity=[4, 4], resident=[set(resident), set()], in_flight=[set(in_flight), set()])
+    experts = np.array([list(active)], dtype=np.int16)
+    return LayerView(7, layer, "decode", experts, list(active), [1] * len(active), cache, None)
+
+
+@pytest.mark.parametrize("plan, words", [
+    (LayerPlan(gpu=[0, 0], cpu=[1]), "plans expert 0 twice on the GPU"),
+    (LayerPlan(gpu=[0], cpu=[1, 1]), "plans expert 1 twice on the CPU"),
+    (LayerPlan(gpu=[0, 1], cpu=[1]), "plans expert 1 twice (on the GPU and on the CPU)"),
+    (LayerPlan(gpu=[], cpu=[0]), "leaves out routed expert 1"),
+    (LayerPlan(gpu=[], cpu=[0, 1, 4]), "plans expert 4 not routed at this layer"),
+    (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 2)], writebacks=[(1, 2)]),
+     "writes back an expert it does not evict"),
+    (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 3)]), "evicts expert 3 of layer 0, which is on its way"),
+])
+def test_a_failed_engine_check_is_one_line_naming_the_fault(plan, words):
+    """engine.check failed with a bare AssertionError (a traceback, 'expert planned twice' at best)."""
+    from moesim.policy.base import PolicyError
+    from moesim.sim.bookkeeping import check_plan
+    with pytest.raises(PolicyError) as caught:
+        check_plan(_checked_view(), plan)
+    message = str(caught.value)
+    assert "\n" not in message and words in message and "at step 7, layer 0" in message, message
+
+
+def test_evicting_an_expert_the_layer_computes_on_the_gpu_is_refused():
+    from moesim.policy.base import PolicyError
+    from moesim.sim.bookkeeping import check_plan
+    view = _checked_view(active=(0, 2), resident=(2,))
+    with pytest.raises(PolicyError, match="evicts expert 2, which it computes on the GPU at this layer"):
+        check_plan(view, LayerPlan(gpu=[2], cpu=[0], evictions=[(0, 2)]))
+
+
+def test_a_plan_that_keeps_every_invariant_passes():
+    from moesim.sim.bookkeeping import check_plan
+    check_plan(_checked_view(active=(0, 2), resident=(2,)),
+               LayerPlan(gpu=[2], cpu=[], deferred=[0]))
+    check_plan(_checked_view(), LayerPlan(gpu=[], cpu=[1], deferred=[0], evictions=[(0, 2)], writebacks=[(0, 2)]))
+
+
+def test_a_replay_whose_plan_breaks_the_check_stops_with_one_line(tmp_path):
+    """The engine's check on a catalogue system's plan (here made to evict an expert it is about to use)."""
+    import yaml
+
+    from moesim.policy.base import PolicyError
+    from moesim.sim.run import prepare
+    from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(3), model, requests=1, prompt=2, decode=4))
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    sim = prepare(str(trace), str(hw), "gpu-only-lru", {"engine.check": "true", "cache.slots_per_layer": "6"})
+    plan = sim.system.plan
+
+    def evicting(view):
+        out = plan(view)
+        used = [e for e in out.gpu if e in view.cache.resident[view.layer]]
+        if used:
+            out.evictions = [*out.evictions, (view.layer, used[0])]
+        return out
+
+    sim.system.plan = evicting
+    with pytest.raises(PolicyError, match=r"^[^\n]*at step \d+, layer \d, evicts expert \d, which it computes on "
+                                          r"the GPU at this layer[^\n]*$"):
+        sim.run()
