@@ -1,0 +1,126 @@
+"""SMoE against 000_dba2fecbbc66318b.txt, rule by rule: cases worked by hand for what test_smoe.py leaves
+open (Alg. 1's strict inequality, LFU's tie-break, Adaptive eviction with nothing to load, the empty cache
+of the prefill, the cost of the cache updates in a replay)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moesim.analysis.metrics import metrics
+from moesim.hw.cost import CostModel
+from moesim.policy.base import RunContext
+from moesim.policy.catalog.smoe import SMoEAssign, SMoELFUCache
+from moesim.policy.systems import build_system
+from moesim.sim.bookkeeping import BREAKDOWN
+from moesim.sim.result import result_to_frames
+from moesim.sim.run import simulate
+from tests.factories import tiny_model, tiny_profile
+from tests.policy.test_smoe import FAST_PCIE, decode_trace, view_for
+
+#: the token-wise predictor on the tiny model: a 64 x 8 bf16 GEMV (1,024 bytes at 1000 GB/s x the
+#: profile's efficiency) plus two 5 us launches
+def gemv_s() -> float:
+    return 2 * 5e-6 + 1024 / (1000e9 * tiny_profile().gpu.effective_bandwidth_efficiency)
+
+
+# ----------------------------------------------------------------------------- Alg. 1, line 3
+def test_alg1_needs_the_cpu_strictly_slower_a_tie_stays_on_the_cpu():
+    """Line 3 sends e to G only when T_CPU(e) > T_GPU(e) + T_PCIe. With GPU and CPU curves equal
+    (100 sqrt(n) us both), no launch time and e resident (T_PCIe = 0), both sides are equal at every
+    token count: the expert stays in C. One microsecond more on the CPU tips it to the GPU."""
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    even = tiny_profile(cpu_us=(100.0, 1000.0), pcie_gbps=FAST_PCIE)
+    view = view_for(model, even, [[0, 1], [0, 1], [0, 2]], resident=[0, 1, 2])
+    view.expert_launch_s = 0.0
+    assert view.costs.cpu_expert(3) == view.costs.gpu_expert(3)  # e0: 3 tokens, 173.2 us either side
+    assert SMoEAssign().split(view) == ([], [0, 1, 2])
+    slower = view_for(model, tiny_profile(cpu_us=(101.0, 1010.0), pcie_gbps=FAST_PCIE), [[0, 1], [0, 1], [0, 2]],
+                      resident=[0, 1, 2])
+    slower.expert_launch_s = 0.0
+    assert SMoEAssign().split(slower) == ([0, 1, 2], [])
+
+
+# ----------------------------------------------------------------------------- Sec. IV-E, LFU
+def test_lfu_ties_go_to_the_least_recently_activated_then_the_lower_id():
+    """Sec. IV-E evicts the least frequently activated; 000 gives no tie-break, moesim takes the
+    expert routed longest ago, then the lower id. Observations: {0, 1}, then {2, 3}: all counted once,
+    0 and 1 earlier, so 0 then 1 go first. Then {0, 3}: counts 0:2 1:1 2:1 3:2; 1 (seen at the first
+    observation) before 2 (second), then 0 before 3 (same count, same observation, lower id)."""
+    model = tiny_model(layers=1, experts=4, top_k=2)
+    profile = tiny_profile()
+    cache = SMoELFUCache()
+    cache.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[4]))
+    full = view_for(model, profile, [[0, 1]], phase="decode", resident=[0, 1, 2, 3])
+    for rows in ([[0, 1]], [[2, 3]]):
+        cache.observe(view_for(model, profile, rows, phase="decode"))
+    assert cache.victims(full, 0, 2, set()) == [0, 1]
+    cache.observe(view_for(model, profile, [[0, 3]], phase="decode"))
+    assert [cache.frequency(0, e) for e in range(4)] == [2, 1, 1, 2]
+    assert cache.victims(full, 0, 4, set()) == [1, 2, 0, 3]
+    assert cache.victims(full, 0, 3, {1}) == [2, 0, 3]
+
+
+def test_the_cache_is_empty_until_the_prefill_ends(tmp_path):
+    """Sec. IV-E: the decode cache's slots are allocated and filled once the prefill ends, so SMoE starts
+    a replay with nothing resident (other systems start from their preloaded first experts)."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[0, 1]] * 2], [[[0, 1], [0, 2]]] * 2)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "3"})
+    assert result.initial_resident == [[], []]
+
+
+def planned(settings: dict[str, str], preds: list[int]):
+    """One decode layer, 4 slots holding 0-3 with counts 0:5 1:1 2:3 3:2 (then 0 and 2 routed now)."""
+    model, profile = tiny_model(layers=1, experts=8, top_k=2), tiny_profile(pcie_gbps=FAST_PCIE)
+    system = build_system("smoe", settings)
+    system.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[4],
+                                columns=("pred_next_token",)))
+    for expert, times in {0: 5, 1: 1, 2: 3, 3: 2}.items():
+        for _ in range(times):
+            system.cache.observe(view_for(model, profile, [[expert, 7]], phase="decode"))
+    system.cache._order[0][7] = (0, 0, 7)  # the filler expert 7 only made the rows two wide
+    view = view_for(model, profile, [[0, 2]], phase="decode", resident=[0, 1, 2, 3], preds=[preds])
+    return system.plan(view)
+
+
+def test_adaptive_eviction_loads_nothing_when_the_top_n_are_cached():
+    """Sec. IV-E, Adaptive: only the top-N predictions missing from the cache are loaded, 0 to N of them.
+    Predictions 3, 1, 5 with N = 2: the top two (3 and 1) are both cached, so nothing moves, nothing is
+    evicted, and no cache update is charged; Fixed-N loads 5 over the least frequent of the others
+    (1:1, 3:2 once 0 and 2 are routed; 1 goes even though it is predicted: 000 names the N least
+    frequently activated as the ones replaced, not the least frequent of those not predicted)."""
+    adaptive = planned({"prefetch.eviction": "adaptive", "prefetch.n": "2"}, [3, 1, 5])
+    assert adaptive.prefetches == [] and adaptive.evictions == []
+    assert adaptive.overhead_s == {"predict": pytest.approx(gemv_s())}
+    fixed = planned({"prefetch.eviction": "fixed", "prefetch.n": "2"}, [3, 1, 5])
+    # Fixed-N wants two new experts, but the prediction names only one uncached: one transfer
+    assert fixed.prefetches == [(0, 5)] and fixed.evictions == [(0, 1)]
+    assert fixed.overhead_s == {"predict": pytest.approx(gemv_s()), "cache_management": pytest.approx(10e-6)}
+
+
+# ----------------------------------------------------------------------------- Sec. VI-E
+def test_breakdown_has_sec_vi_e_categories_and_charges_each_cache_update(tmp_path):
+    """Sec. VI-E's six categories are reported. Cache management (about 0.01 ms, Sec. VI-E) is charged
+    on each decode layer whose plan prefetches, never in the prefill. The fill after the prefill puts 0, 1,
+    2 in both layers' 3 slots (counts 0:3 1:2 2:1). Decode tokens route [0, 1], [0, 1], then [5, 6]; the
+    perfect predictor names the next token's experts (the last token itself). Step 1 (next: 0, 1, cached)
+    prefetches nothing. Step 2 (next: 5, 6) wants both, but 0 and 1 are in use, so only 2 can make room:
+    5 comes in over 2. Step 3 (next: 5, 6; 5 cached) wants 6, over the less used of 0 (5 uses) and 1 (4):
+    1. Four prefetching plans, 4 x 10 us."""
+    for category in ("predict", "cache_management", "gpu_compute", "wait_cache", "shared_expert", "cpu_other"):
+        assert category in BREAKDOWN
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2]]] * 2
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[0, 1]] * 2, [[0, 1]] * 2, [[5, 6]] * 2], prompt)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch.predict_us": "0"},
+                      decisions=True)
+    log = result_to_frames(result)["decisions"]
+    decode = log[log.step >= 1]
+    prefetched = decode[decode.action == "prefetch"]
+    assert sorted(zip(prefetched.step, prefetched.layer, prefetched.expert)) == [
+        (2, 0, 5), (2, 1, 5), (3, 0, 6), (3, 1, 6)]
+    evicted = decode[decode.action == "evict"]
+    assert sorted(zip(evicted.step, evicted.layer, evicted.expert)) == [(2, 0, 2), (2, 1, 2), (3, 0, 1), (3, 1, 1)]
+    assert metrics(result)["breakdown_ms"]["cache_management"] == pytest.approx(4 * 10e-3)
