@@ -1,6 +1,6 @@
 """SMoE against 000_dba2fecbbc66318b.txt, rule by rule: cases worked by hand for what test_smoe.py leaves
 open (Alg. 1's strict inequality, LFU's tie-break, Adaptive eviction with nothing to load, the empty cache
-of the prefill, the cost of the cache updates in a replay)."""
+of the prefill, Fig. 14's prediction-only point, the cost of the cache updates in a replay)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,33 @@ def test_adaptive_eviction_loads_nothing_when_the_top_n_are_cached():
     # Fixed-N wants two new experts, but the prediction names only one uncached: one transfer
     assert fixed.prefetches == [(0, 5)] and fixed.evictions == [(0, 1)]
     assert fixed.overhead_s == {"predict": pytest.approx(gemv_s()), "cache_management": pytest.approx(10e-6)}
+
+
+# ----------------------------------------------------------------------------- Fig. 14
+def test_prefetch_n_zero_is_prediction_without_prefetch():
+    """Fig. 14's x-axis: -1 is the initial cache alone (moesim: prefetch=none), 0 is the predictor run
+    with nothing prefetched. With prefetch.n=0 the predictor's GEMV is charged on the layer; nothing is
+    loaded or evicted, and no cache update is charged."""
+    plan = planned({"prefetch.n": "0"}, [5, 6])
+    assert plan.prefetches == [] and plan.evictions == []
+    assert plan.overhead_s == {"predict": pytest.approx(gemv_s())}
+    none = planned({"prefetch": "none"}, [5, 6])
+    assert none.prefetches == [] and none.overhead_s == {}
+
+
+def test_prefetch_n_zero_in_a_replay_charges_the_predictor_on_every_decode_layer(tmp_path):
+    """Two layers, three decode steps, predict_us=7: 6 predictions of 7 us with n=0, none with
+    prefetch=none; both move only the post-prefill fill (3 slots x 2 layers)."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    prompt = [[[0, 1], [0, 1], [0, 2]]] * 2
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[5, 6]] * 2] * 3, prompt)
+    common = {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch.predict_us": "7"}
+    zero = metrics(simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe", {**common, "prefetch.n": "0"}))
+    assert zero["breakdown_ms"]["predict"] == pytest.approx(6 * 7e-3)
+    assert zero["prefetches"] == 6 and zero["breakdown_ms"]["cache_management"] == 0.0
+    none = metrics(simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                            {"engine.check": "true", "cache.slots_per_layer": "3", "prefetch": "none"}))
+    assert none["breakdown_ms"]["predict"] == 0.0 and none["prefetches"] == 6
 
 
 # ----------------------------------------------------------------------------- Sec. VI-E

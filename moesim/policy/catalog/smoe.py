@@ -281,7 +281,9 @@ class TokenWisePrefetch(Prefetch):
     any_negative = ("predict_us",)
     phases = ("decode",)
     columns = ("pred_next_token",)
-    #: experts prefetched per layer and step (-1: 000 Table I's, 2 for DeepSeek-V3, 3 for Qwen3)
+    #: experts prefetched per layer and step (-1: 000 Table I's, 2 for DeepSeek-V3, 3 for Qwen3; 0: the
+    #: predictor runs and nothing is prefetched, Fig. 14's 0; Fig. 14's -1, the initial cache alone, is
+    #: prefetch=none)
     n: int = -1
     #: "fixed" (Fixed-N) or "adaptive" (000 Sec. IV-E)
     eviction: str = "fixed"
@@ -350,7 +352,13 @@ class TokenWisePrefetch(Prefetch):
                          f"least accurate token-wise predictor on {source}: {layers}")
         return layers
 
+    def predicts(self, layer: int) -> bool:
+        """Whether the predictor runs at ``layer``: everywhere but SMoE-Flex's switched-off layers, ``n=0``
+        included (000 Fig. 14: 0 is prediction without prefetch)."""
+        return layer not in self._disabled
+
     def enabled(self, layer: int) -> bool:
+        """Whether ``layer`` prefetches."""
         return self.n > 0 and layer not in self._disabled
 
     def predicted_rows(self, view: LayerView) -> list[np.ndarray]:
@@ -448,7 +456,7 @@ class SMoESystem(ComposedSystem):
         # prefetch task is submitted to an asynchronous transfer queue"
         plan.prefetch_after_gpu = True
         prefetch = self.prefetch
-        if isinstance(prefetch, TokenWisePrefetch) and prefetch.enabled(view.layer):
+        if isinstance(prefetch, TokenWisePrefetch) and prefetch.predicts(view.layer):
             plan.overhead_s["predict"] = prefetch.predict_s(view)
             if plan.prefetches and prefetch.management_us:
                 plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
