@@ -192,11 +192,22 @@ class TopScorePrefetch(Prefetch):
     gate scores highest), ranked over the batch by how many tokens predict
     them, at most ``size`` per layer. With ``clear_queue`` the importance
     system drops those still queued when the target layer's gate has run.
+
+    Why one per token by default: Sec. 5.2 queues each token's top k predicted
+    experts in score order and clears the queue at the gate, so in effect only
+    the first few (the top-score ones, Sec. 6.3 Fig. 18) are loaded; which ones
+    are top-score needs the predicted scores against T = (1 + alpha) beta, and a
+    trace holds the predicted ids only. moesim also takes a prefetch's eviction
+    when it is planned, not when its copy starts, so queuing all k would evict
+    up to k experts a layer for copies the queue clearing then drops. One per
+    token stands for the "only a few" top-score experts of Sec. 3 (Fig. 4);
+    ``per_token=0`` queues the whole prediction (Sec. 5.2 read literally).
     """
 
     name = "top-score"
     columns = ("pred_next_layer",)
-    #: predicted experts per token treated as top-score, highest predicted scores first (004 Sec. 5.2) (experts)
+    #: predicted experts per token treated as top-score, highest predicted scores first (004 Sec. 5.2; 0: the
+    #: whole prediction, the top k) (experts)
     per_token: int = 1
     #: experts loaded ahead per layer at most, 0: no cap beyond per_token (a cap of moesim's own; 004
     #: Sec. 5.2 sets none) (experts)
@@ -207,13 +218,17 @@ class TopScorePrefetch(Prefetch):
 
     def configure(self, ctx: RunContext) -> None:
         require_column(ctx, "pred_next_layer", "prefetch 'top-score'", "the next layer's predicted experts")
+        if self.per_token < 0:
+            raise ConfigError(f"prefetch.per_token={self.per_token} is negative", field="prefetch.per_token",
+                              fix="use 1 (each token's top prediction) or more, or 0 for the whole prediction")
         self._layers = ctx.model.num_layers
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:
             return []
-        ranked = ranked_predictions([p[:self.per_token] for p in predicted])
+        first = self.per_token or None  # 0: the whole prediction
+        ranked = ranked_predictions([p[:first] for p in predicted])
         return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
 
 
