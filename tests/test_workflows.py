@@ -231,8 +231,8 @@ def test_every_advertised_option_exists():
     walk(cli)
     advertised = {m for text in texts for m in re.findall(r"--[a-z][a-z-]+", text)}
     assert {"--list-formats", "--help-params"} <= advertised
-    # --debug is read by the entry point before click parses (moesim.cli.main), for every command
-    assert advertised <= options | {"--set", "--debug"}, advertised - options
+    # --debug and --import are read by the entry point before click parses (moesim.cli.main), for every command
+    assert advertised <= options | {"--set", "--debug", "--import"}, advertised - options
 
 
 def test_list_formats_names_every_importer(capsys):
