@@ -128,6 +128,14 @@ class ImportanceRouter(Substitution):
     nor as an alternative. The router works in decoding only: 004's prefill is "a
     traditional offloading-based LLM approach" (Sec. 4, Online inference) that computes
     every routed expert.
+
+    Bounds: a routed expert scoring exactly T is low-score. Alg. 1 tests "> T" on line 6
+    and "< T" on line 13, which would leave it in neither group and drop it from E[t];
+    the text calls experts "above" T top-score, so the rest are low-score. Alternatives
+    rank by score, highest first (Alg. 1 line 19), ties to the lower id. Sec. 5.4 adds that a
+    token could prefer alternatives more tokens of the batch use, even ones not yet on
+    the GPU; it gives one example and no rule for weighing batch size against score or
+    against Alg. 1's "in GPU or C" condition, so the router keeps Alg. 1's ranking.
     """
 
     name = "importance-router"
@@ -240,7 +248,10 @@ class ScoreHistoryCache(CachePolicy):
 
     An iteration's score of an expert is its mean score over the tokens of that
     layer, inactive experts included. In-use protection: the system never
-    offers an expert its current layer computes as a victim.
+    offers an expert its current layer computes as a victim. The window is the
+    ``n`` most recent iterations of the layer including the one being planned:
+    its gate has run when the eviction is decided (Sec. 4.2, Fig. 9: the score
+    bookkeeping runs on the CPU after the router).
     """
 
     name = "score-history"
