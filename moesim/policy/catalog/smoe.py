@@ -5,10 +5,13 @@ Systems:
 * ``smoe``: prefill places each expert by the rule of Alg. 1 (GPU when
   ``T_CPU(e) > T_GPU(e) + T_PCIe``) and streams the GPU experts through the
   engine's two staging buffers (the ping-pong pipeline of Alg. 1 / Fig. 7);
-  decode computes resident experts on the GPU and the rest on the CPU, starts
-  from a cache of the experts each layer used most in the prefill (Sec. IV-E),
-  and refreshes it with token-wise prefetch (Sec. IV-D) under Fixed-N LFU
-  eviction (the setting of Sec. VI-D), two experts per layer (Table I).
+  decode applies the same rule with T_PCIe zero for a cached expert and
+  infinite for a miss (SMoE never loads on demand while decoding, Sec. IV-C),
+  so hits run on the GPU wherever it is the faster device and misses on the
+  CPU; it starts from a cache of the experts each layer used most in the
+  prefill (Sec. IV-E) and refreshes it with token-wise prefetch (Sec. IV-D)
+  under Fixed-N LFU eviction (the setting of Sec. VI-D), two experts per layer
+  (Table I).
 * ``smoe-flex``: the same, with prefetch switched off on the half of the layers
   where the token-wise predictor is least accurate and three experts prefetched
   on the others (Sec. IV-D, VI-D, VI-F).
@@ -17,22 +20,29 @@ Timing of the decode cache updates (Sec. IV-E): token-wise prefetches enter
 the transfer queue once the layer's GPU experts have finished
 (``LayerPlan.prefetch_after_gpu``) and have the rest of the forward pass,
 until the same layer of the next token, to arrive. The decode cache is filled
-when the prefill ends (Sec. IV-E: "once the prefilling ends, it allocates ...
-slots ... and fills them with the most frequently activated experts"): the plan
-of a prefill pass's last layer queues, for every layer, its most used prefill
+when the prefill ends (Sec. IV-E: the slots are allocated only then and take
+the layer's most activated prefill experts as the first cache): the plan of a
+prefill pass's last layer queues, for every layer, its most used prefill
 experts, after that layer's GPU work; these fill transfers count as
 prefetches. Token-wise prefetch runs from the first decode step on.
 
-The predictor (Sec. IV-D: "an MLP with the same architecture as the MoE gate",
-run on the GPU right after attention) is charged on every decode layer that
-predicts, as ``predict`` time (Sec. VI-E's ``predict_time``): by default the
-roofline time of a gate-shaped GEMV (hidden x experts, bf16) on the profile's
-GPU plus two kernel launches (the linear layer and its top-k); the paper calls
-it negligible and gives no figure, so ``prefetch.predict_us`` overrides it.
+Cache size: Sec. IV-E sizes the decode cache by the GPU memory left over; the
+eight experts per layer of Sec. VI-D are what a 24 GB RTX 4090 left beside
+4-bit DeepSeek-V3 (Sec. IV-D). moesim takes the slots its memory plan leaves on
+the replayed profile; ``cache.slots_per_layer=8`` sets the paper's.
+
+The predictor (Sec. IV-D: an MLP shaped like the MoE gate; Sec. IV-E: started
+on the GPU as soon as the layer's attention output is there) is charged on
+every decode layer that predicts, as ``predict`` time (Sec. VI-E's
+``predict_time``): by default the roofline time of a gate-shaped GEMV (hidden
+x experts, bf16) on the profile's GPU plus two kernel launches (the linear
+layer and its top-k); the paper calls it negligible and gives no figure, so
+``prefetch.predict_us`` overrides it.
 
 Prefetch count per layer (``prefetch.n``) follows Table I / Sec. VI-D: 2 on
-DeepSeek-V3, 3 on Qwen3 ("because the experts in Qwen3 are smaller"); other
-models take 2, noted. SMoE-Flex prefetches 3 (Sec. VI-F, Fig. 15, stated for
+DeepSeek-V3, 3 on Qwen3 (Sec. VI-D puts the larger count down to Qwen3's
+smaller experts; moesim gives 3 to every Qwen3 model by name); other models
+take 2, noted. SMoE-Flex prefetches 3 (Sec. VI-F, Fig. 15, stated for
 DeepSeek-V3).
 """
 
@@ -63,8 +73,15 @@ class SMoELFUCache(CachePolicy):
 
     SMoE records expert activation frequencies in the prefill and keeps
     collecting them during decoding; victims are the resident experts with the
-    fewest activations (ties: least recently used, then lower id). The cache
-    starts empty: SMoE allocates and fills its slots only after the prefill.
+    fewest activations (ties, on which 000 is silent: the one routed longest
+    ago, then the lower id). The cache starts empty: SMoE allocates and fills
+    its slots only after the prefill.
+
+    Never victims: an expert arriving, and the experts the current layer
+    computes on the GPU. 000 replaces experts once the layer's GPU work is done,
+    when those are free again; moesim's plan evicts when it is made, before
+    that work, so it keeps them (they have just been counted, so they are
+    rarely the least frequent anyway).
     """
 
     name = "smoe-lfu"
@@ -113,6 +130,16 @@ class SMoEAssign(Assignment):
     and infinite in decoding, where SMoE never loads on demand (Sec. IV-C: the
     transfer latency would dominate) and computes cache misses on the CPU.
     ``T_GPU`` includes the kernel launches the engine charges.
+
+    Sec. IV-B words the same choice as a count: the top-``K`` experts by load
+    go to the GPU, ``K`` chosen so that their GPU and PCIe time stays below
+    their CPU time. Line 3 tests each expert on its own, with one copy each, as
+    printed; the experts it picks are those with a positive saving
+    ``T_CPU - T_GPU - T_PCIe``, which (the saving growing with the tokens) are
+    a head of the load ranking and the ``K`` of largest total saving.
+    ``queue_aware`` instead counts the copies queued ahead of each expert.
+    ``G`` is kept in load order, most tokens first (the view's order), so the
+    ping-pong pipeline copies the heaviest expert first.
     """
 
     name = "smoe"
@@ -263,10 +290,18 @@ class TokenWisePrefetch(Prefetch):
     cached are loaded every step, replacing the ``n`` least frequently used;
     ``eviction=adaptive``: only those of the top-``n`` predictions that are not
     cached are loaded (0 to ``n`` transfers). Victims come from the system's cache
-    policy (LFU in SMoE). ``n=-1`` takes 000 Table I's count for the model.
+    policy (LFU in SMoE): a cached expert that the predictor names is not kept
+    for that (Sec. IV-E replaces the least frequently activated, predicted or
+    not). An expert arriving counts as cached. 000's predictor scores every
+    expert, so Fixed-N always finds ``n``; a trace's ``pred_next_token`` lists
+    only so many, and when fewer than ``n`` of them are uncached, fewer move.
+    ``n=-1`` takes 000 Table I's count for the model; ``n=0`` runs the
+    predictor and loads nothing (Fig. 14's 0).
 
     ``flex_off_fraction`` > 0 is SMoE-Flex: prefetch (and prediction) is off on
-    that fraction of layers, the ones where the predictor is least accurate. The
+    that fraction of layers, the ones where the predictor is least accurate
+    (000 switches prefetch off there, Sec. VI-D; the predictor goes with it, as
+    nothing on those layers reads it). The
     ranking comes from ``calibration``: a trace path (held out, as the paper trains
     and tunes on samples excluded from its experiments, Sec. IV-D); ``self``: the
     replayed trace itself (clairvoyant, flagged in the notes); empty (default):
@@ -285,7 +320,7 @@ class TokenWisePrefetch(Prefetch):
     #: predictor runs and nothing is prefetched, Fig. 14's 0; Fig. 14's -1, the initial cache alone, is
     #: prefetch=none)
     n: int = -1
-    #: "fixed" (Fixed-N) or "adaptive" (000 Sec. IV-E)
+    #: "fixed" (Fixed-N) or "adaptive" (000 Sec. IV-E; Sec. VI-D's experiments all use fixed)
     eviction: str = "fixed"
     #: SMoE-Flex: fraction of layers (least accurate predictor first) with prefetch off (000 Sec. IV-D, VI-D:
     #: "half of the layers", the smoe-flex system's 0.5)
@@ -293,7 +328,8 @@ class TokenWisePrefetch(Prefetch):
     #: SMoE-Flex layer ranking: a trace path, "self" (the replayed trace, clairvoyant) or "" (online warm-up)
     calibration: str = ""
     #: SMoE-Flex with online ranking: decode steps measured before the least accurate layers switch off (000
-    #: does not say how it ranks layers; moesim measures them online unless a calibration trace is given) (steps)
+    #: does not say how it ranks layers; moesim measures them online unless a calibration trace is given; 16
+    #: is moesim's choice, 000 gives no figure) (steps)
     warmup: int = 16
     #: critical-path cost of the cache update per prefetching layer (000 Sec. VI-E: about 0.01 ms)
     management_us: float = 10.0
@@ -452,8 +488,8 @@ class SMoESystem(ComposedSystem):
 
     def _decode(self, view: LayerView) -> LayerPlan:
         plan = super()._place(view)
-        # Sec. IV-E: "once the computation of the MoE layer on the GPU is completed, the current
-        # prefetch task is submitted to an asynchronous transfer queue"
+        # Sec. IV-E: the prefetch task joins the asynchronous transfer queue when the layer's GPU
+        # experts are done
         plan.prefetch_after_gpu = True
         prefetch = self.prefetch
         if isinstance(prefetch, TokenWisePrefetch) and prefetch.predicts(view.layer):
