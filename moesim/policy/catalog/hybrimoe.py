@@ -11,14 +11,17 @@ Three parts, after the paper and its public implementation (github.com/PKU-SEC-L
   GPU takes from the head and the CPU from the tail, whichever would finish sooner,
   counting the transfer of an uncached head expert (the GPU waits for it);
 * layer-wise prefetch of the next layer during decoding, ``n`` experts (000 Sec.
-  VI-D found 1 best on DeepSeek-V3 and Qwen3), and the GPU stream waiting for all
-  outstanding prefetches of a layer before computing it (the implementation's
-  ``wait_prefetch``; 000 Sec. VI-E measured about 1 ms of such waiting per layer).
+  VI-D found 1 best on DeepSeek-V3 and Qwen3; Sec. VI-A counts HybriMoE's
+  impact-driven prefetch as layer-wise), and the layer waiting for all its
+  outstanding prefetches before computing it (the implementation's
+  ``wait_prefetch``; moesim puts the wait before the layer's CPU and GPU
+  experts alike; 000 Sec. VI-E measured about 1 ms of such waiting per token
+  and layer).
 
-Prefill as 000 Sec. VI-B describes HybriMoE's (reproduced by 000's authors for
-DeepSeek-V3 and Qwen3): "HybriMoE caches a subset of experts on the GPU, thereby
-alleviating the computational burden on the CPU", its TTFT growing with the prompt
-more slowly than KTransformers'. Hybrid scheduling runs in the prefill too, but
+Prefill as 000 Sec. VI-B describes HybriMoE's (reproduced and extended to DeepSeek-V3
+and Qwen3 by 000's authors, Sec. VI-A): the experts it keeps cached on the GPU take
+work off the CPU, so its TTFT grows with the prompt, but more slowly than
+KTransformers'. Hybrid scheduling runs in the prefill too, but
 over the cached experts only: nothing is loaded on demand there (the on-demand
 loading of heavy experts is SMoE's contribution, Sec. IV-B), so uncached experts
 go to the CPU (``assign.prefill_loads=true`` lets the GPU take uncached heads with
