@@ -4,6 +4,7 @@ of the prefill, Fig. 14's prediction-only point, the cost of the cache updates i
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from moesim.analysis.metrics import metrics
@@ -151,3 +152,29 @@ def test_breakdown_has_sec_vi_e_categories_and_charges_each_cache_update(tmp_pat
     evicted = decode[decode.action == "evict"]
     assert sorted(zip(evicted.step, evicted.layer, evicted.expert)) == [(2, 0, 2), (2, 1, 2), (3, 0, 1), (3, 1, 1)]
     assert metrics(result)["breakdown_ms"]["cache_management"] == pytest.approx(4 * 10e-3)
+
+
+# ----------------------------------------------------------------------------- Alg. 1, G's order
+def test_prefill_streams_the_gpu_experts_heaviest_first():
+    """Sec. IV-B picks the top-K experts by load; Alg. 1 copies G[1] first and each next one into the
+    buffer freed two experts back. G is in load order, not id order: tokens route e3 x4, e1 x3, e0 x1
+    (100 us copies, cpu 1000 sqrt(n) against gpu 100 sqrt(n) + 15 + 110: every one goes to the GPU),
+    so the pipeline streams 3, 1, 0."""
+    model, profile = tiny_model(layers=1, experts=4, top_k=2), tiny_profile(pcie_gbps=FAST_PCIE)
+    system = build_system("smoe")
+    system.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[2],
+                                columns=("pred_next_token",)))
+    view = view_for(model, profile, [[3, 1], [3, 1], [3, 1], [3, 0]], capacity=2)
+    assert view.active == [3, 1, 0]
+    plan = system.plan(view)
+    assert plan.gpu == plan.streamed == [3, 1, 0] and plan.cpu == [] and plan.loads == []
+
+
+# ----------------------------------------------------------------------------- SMoE-Flex
+def test_flex_switches_off_the_floor_of_half_the_layers_lower_layer_first_on_ties():
+    """Sec. VI-D: half of the layers, those of lower accuracy. Five layers: floor(2.5) = 2 off; equal
+    accuracies go lower layer first (000 gives no tie-break)."""
+    from moesim.policy.catalog.smoe import least_accurate
+    assert least_accurate(np.array([0.5, 0.2, 0.5, 0.2, 0.9]), 0.5) == [1, 3]
+    assert least_accurate(np.array([0.5, 0.5, 0.5, 0.5, 0.5]), 0.5) == [0, 1]
+    assert least_accurate(np.array([0.9, 0.1, 0.5, 0.5, 0.3]), 0.5) == [1, 4]
