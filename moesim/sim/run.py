@@ -380,17 +380,18 @@ LOWER_BOUND_KEYS = ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots")
 
 
 def lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str, str] | None = None, *,
-                slots: int | None = None, rewrites: dict | None = None) -> dict[str, Any]:
+                slots: int | None = None, rewrites: dict | None = None, terms: list | None = None) -> dict[str, Any]:
     """The physical lower bound of ``trace`` on ``hw`` (policy/catalog/bounds.py): TTFT, TPOT and makespan
     floors for a system holding at most ``slots`` experts on the GPU (None: no capacity term) whose
-    substitutions were ``rewrites``."""
+    substitutions were ``rewrites``. ``terms``: the steps' terms kept between calls with the same trace, profile
+    and settings (``bounds.physical_lower_bound``)."""
     from moesim.policy.catalog.bounds import physical_lower_bound
     meta = read_meta(trace)
     parsed = parse_settings(bound_settings(settings))
     profile = hw if isinstance(hw, HardwareProfile) else load_profile(hw)
     profile = profile.with_overrides(parsed.hw)
     costs = CostModel(profile, meta.model, parsed.memory.expert_dtype or None, parsed.memory.non_expert_dtype)
-    bound = physical_lower_bound(trace, meta.model, costs, slots=slots, rewrites=rewrites)
+    bound = physical_lower_bound(trace, meta.model, costs, slots=slots, rewrites=rewrites, terms=terms)
     return {k: bound[k] for k in LOWER_BOUND_KEYS}
 
 
@@ -414,7 +415,9 @@ def result_lower_bound(trace: str, hw: str | HardwareProfile, settings: dict[str
     def floor(slots: int | None, rewrites: dict) -> dict[str, Any]:
         key = (slots, tuple(sorted((k, tuple(v)) for k, v in rewrites.items())) if rewrites else ())
         if key not in memo:
-            memo[key] = lower_bound(trace, hw, settings, slots=slots, rewrites=rewrites or None)
+            # the steps' terms that hold for any slot count, kept beside the floors (a memo of one settings)
+            memo[key] = lower_bound(trace, hw, settings, slots=slots, rewrites=rewrites or None,
+                                    terms=memo.setdefault("terms", []))
         return memo[key]
 
     if isinstance(result, PortfolioResult):

@@ -180,3 +180,25 @@ def test_decode_runs_stop_at_prefill_spans_and_request_changes():
     assert decode_runs(phases, requests) == [slice(1, 3), slice(4, 6), slice(6, 8)]
     # a decode step between two prefill steps of one request lies inside its TTFT: left alone
     assert decode_runs(["prefill", "decode", "decode", "prefill"], [r0, r1, r1, r0]) == []
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), requests=st.integers(1, 3), decode=st.integers(1, 6),
+       pcie=st.sampled_from([0.001, 0.01, 1.0]))
+def test_steps_terms_kept_between_slot_counts_give_the_same_floors(tmp_path, seed, requests, decode, pcie):
+    """A sweep keeps each step's slot-free terms between its points: every floor is what a bound computed
+    afresh gives, to the last bit, whatever the slot count (and rewrites bypass what was kept)."""
+    path = synth_trace(tmp_path, seed, requests, 3, decode, 6, False)
+    from moesim.trace.io import read_meta
+    model = read_meta(path).model
+    costs = CostModel(tiny_profile(pcie_gbps=pcie), model)
+    terms: list = []
+    for slots in (None, 1, 3, 7, 0):
+        assert physical_lower_bound(str(path), model, costs, slots=slots, terms=terms) == \
+            physical_lower_bound(str(path), model, costs, slots=slots)
+    steps = len(physical_lower_bound(str(path), model, costs)["step_floor_s"])
+    assert len(terms) == steps
+    rewrites = {(0, 0): [(0, 0, 5)]}
+    assert physical_lower_bound(str(path), model, costs, slots=2, rewrites=rewrites, terms=terms) == \
+        physical_lower_bound(str(path), model, costs, slots=2, rewrites=rewrites)

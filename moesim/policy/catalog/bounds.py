@@ -70,6 +70,7 @@ at least ``top_k`` experts of at least one token run per layer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -265,25 +266,68 @@ def decode_runs(phases: list[str], requests: list[np.ndarray]) -> list[slice]:
     return runs
 
 
+@dataclass
+class StepTerms:
+    """What a step's floor takes from the trace and the costs, whatever the slots: the balanced floor, and
+    the CPU seconds of each routed (layer, expert), the pair coded as ``layer * num_experts + expert``
+    (arrays: a sweep keeps these for every step of a trace while its points run)."""
+
+    balanced: float
+    pairs: np.ndarray
+    cpu: np.ndarray
+    phase: str
+    requests: np.ndarray
+
+
+def step_terms(trace_path: str, model: ModelSpec, costs: CostModel) -> list[StepTerms]:
+    """:class:`StepTerms` of every step of ``trace_path``, as the system computed it (no rewrites)."""
+    out = []
+    for step in iter_steps(trace_path, columns=()):
+        fixed = step_fixed_gpu(step, model, costs)
+        pairs = step_pairs(step, model)
+        cpu = [costs.cpu_expert(n) for _, n in pairs]
+        balanced = balanced_floor(fixed, [costs.gpu_expert(n) for _, n in pairs], cpu)
+        first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
+        codes = np.array([layer * model.num_experts + e for (layer, e), _ in pairs], dtype=np.int64)
+        out.append(StepTerms(balanced, codes, np.array(cpu, dtype=np.float64), PHASES[int(step.phase.min())],
+                             np.unique(step.request[first])))
+    return out
+
+
 def physical_lower_bound(trace_path: str, model: ModelSpec, costs: CostModel, substitution: bool = False,
-                         slots: int | None = None, rewrites: Rewrites | None = None) -> dict[str, Any]:
+                         slots: int | None = None, rewrites: Rewrites | None = None,
+                         terms: list[StepTerms] | None = None) -> dict[str, Any]:
     """Floors of a replay of ``trace_path``: makespan, mean TTFT and TPOT, per-step durations.
 
     ``slots``: experts the memory plan holds at once (None: no capacity term, as
     for a reference that ignores memory). ``rewrites``: the system's
-    substitutions, (step, layer) -> (row, slot, new expert).
+    substitutions, (step, layer) -> (row, slot, new expert). ``terms``: a list
+    that keeps :func:`step_terms` of this trace and these costs between calls
+    (filled by the first call that has neither substitution nor rewrites;
+    bounds of other slot counts then skip the trace), or None.
     """
     floors: list[float] = []
     phases: list[str] = []
     requests: list[np.ndarray] = []
     cpu: list[dict[tuple[int, int], float]] = []
-    for step in iter_steps(trace_path, columns=()):
-        floor, step_cpu = _step(step, model, costs, substitution, slots, rewrites)
-        floors.append(floor)
-        cpu.append(step_cpu if slots is not None and not substitution else {})
-        first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-        phases.append(PHASES[int(step.phase.min())])
-        requests.append(np.unique(step.request[first]))
+    if terms is not None and not substitution and not rewrites:
+        if not terms:
+            terms += step_terms(trace_path, model, costs)
+        load_s = load_time(costs)
+        for t in terms:
+            step_cpu = t.cpu.tolist()
+            floors.append(t.balanced if slots is None else max(t.balanced, capacity_floor(step_cpu, load_s, slots)))
+            cpu.append(dict(zip(t.pairs.tolist(), step_cpu)) if slots is not None else {})
+            phases.append(t.phase)
+            requests.append(t.requests)
+    else:
+        for step in iter_steps(trace_path, columns=()):
+            floor, step_cpu = _step(step, model, costs, substitution, slots, rewrites)
+            floors.append(floor)
+            cpu.append(step_cpu if slots is not None and not substitution else {})
+            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
+            phases.append(PHASES[int(step.phase.min())])
+            requests.append(np.unique(step.request[first]))
     if slots is not None and not substitution:
         for run in decode_runs(phases, requests):
             floors[run] = tighten(floors[run], cpu[run], load_time(costs), slots)
