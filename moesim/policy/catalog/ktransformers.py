@@ -118,6 +118,10 @@ class ExpertDeferral(Deferral):
             raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
                               "at least 2 immediate)")
+        if self.deferred and ctx.model.top_k - self.deferred < 2:
+            ctx.notes.append(f"ktrans-deferral: {self.deferred} deferred of top-{ctx.model.top_k} leaves "
+                             f"{ctx.model.top_k - self.deferred} immediate expert per token; 001 Sec. 4.2 and 6.3 "
+                             f"keep at least 2 immediate for model stability")
 
     def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
         if view.phase != "decode" or view.layer == view.num_layers - 1 or self.deferred <= 0:
