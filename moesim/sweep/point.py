@@ -125,8 +125,10 @@ def cached_profile(hw: str) -> Any:
 #: :func:`moesim.sim.run.add_lower_bound`): points of a sweep that differ only in what a bound does not depend
 #: on (the system, its own parameters, a cache size that plans the same slots) share one
 _BOUNDS: dict[tuple[str, int, int, int], tuple[Any, dict]] = {}
-#: how many (trace, profile) pairs :data:`_BOUNDS` keeps before it starts afresh
-_BOUNDS_KEPT = 64
+#: how many (trace, profile) pairs :data:`_BOUNDS` keeps before it starts afresh: a few, since each holds its
+#: steps' bound terms (about 12 bytes per routed expert of the trace) and points come trace by trace, profile
+#: by profile
+_BOUNDS_KEPT = 8
 
 
 def bound_memos(trace_path: str, profile: Any) -> dict:
