@@ -7,6 +7,7 @@ A sweep spec (YAML file or dict)::
     systems: [gpu-only-lru, static-hot]               # or `system:`; `all` = every listed system
     seeds: [0]                                        # or `seed:` (default 0)
     model: mixtral-8x7b                               # optional: check traces against this preset
+    import: [my_policies.py]                          # optional: modules registering systems of one's own
     set: {engine.staging_slots: 2}                    # fixed for every point
     grid:                                             # cartesian product
       cache.slots_per_layer: [1, 2, 3]
@@ -20,7 +21,8 @@ folder do not enter it, nor do the files' contents: see ``input_fingerprint``).
 
 Results are tidy: one row per point with every parameter and metric as a
 column (``breakdown_ms`` becomes ``breakdown_<category>_ms``, notes are joined
-by "; "), plus ``point_id``, ``status`` (``ok`` or ``error``), ``error``,
+by "; ", the point's physical lower bound becomes ``lower_bound_<key>`` beside
+``gap_to_lower_bound``, NaN for a serving point), plus ``point_id``, ``status`` (``ok`` or ``error``), ``error``,
 ``point_wall_s``, ``finished_at``, ``worker``, ``trace_path``/``hw_path``
 (the files as resolved when the point ran) and ``input_fingerprint`` (the
 profile file's content hash and the trace file's size and modification time,
