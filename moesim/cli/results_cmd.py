@@ -43,7 +43,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
       traces: [traces/mixtral-8x7b-humaneval.parquet]
       hw: [a100-40g, h100-pcie]
       systems: [gpu-only-lru, static-hot]        # or: all
-      import: [my_policies.py]                 # modules registering systems of one's own
+      import: [my_policies.py]                   # modules registering systems of one's own
       seeds: [0]
       set: {engine.staging_slots: 2}             # fixed for every point
       grid: {cache.slots_per_layer: [1, 2, 3]}   # cartesian product
