@@ -3,10 +3,87 @@ case by hand in its comments and asserts the number or plan 001's rule gives."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from moesim.hw.cost import CostModel
+from moesim.hw.profile import load_profile
+from moesim.model.presets import load_preset
 from moesim.policy.base import RunContext
 from moesim.policy.catalog.ktransformers import ExpertDeferral
-from tests.factories import tiny_model, tiny_profile
+from moesim.sim.result import result_to_frames
+from moesim.sim.run import prepare
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+US = 1e-6
+
+
+def timeline(path: Path, system: str, settings: dict, **profile) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """(kind, layer, expert) -> (start, end) in microseconds of one replay's timeline."""
+    sim = prepare(str(path), tiny_profile(**profile), system, {"engine.check": "true", **settings}, timeline=True)
+    frame = result_to_frames(sim.run())["timeline"]
+    return {(r.kind, int(r.layer), int(r.expert)): (r.start_s / US, r.end_s / US) for r in frame.itertuples()}
+
+
+# ----------------------------------------------------------------------------- 001 Sec. 3.3
+def test_shared_experts_on_the_gpu_overlap_the_routed_experts_on_the_cpu(tmp_path):
+    """Sec. 3.3: the shared expert runs on the GPU while the CPU computes the routed ones; the layer ends when
+    both are done. One decode token, one layer, top-2: attention 0-50 us; the CPU starts after the 20 us
+    sync and takes 1000 us per expert, ending at 2070 us. The shared expert (the tiny model's shared expert
+    has the routed shape, so it reads gpu_us: 1900 us at one token, plus 3 launches of 5 us) runs from
+    50 to 1965 us: hidden, the step's output starts at 2070 us. At 3000 us it ends at 3065 us and binds."""
+    model = tiny_model(layers=1, experts=8, top_k=2, shared=True)
+    path = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "decode", "tokens": {0: (0, [[[0, 1]]])}}])
+    hidden = timeline(path, "ktransformers", {}, gpu_us=(1900.0, 19000.0))
+    assert hidden[("shared", 0, -1)] == pytest.approx((50, 1965), abs=1e-3)
+    assert hidden[("expert", 0, 1)][1] == pytest.approx(2070, abs=1e-3)
+    assert hidden[("lm_head", -1, -1)][0] == pytest.approx(2070, abs=1e-3)
+    binding = timeline(path, "ktransformers", {}, gpu_us=(3000.0, 30000.0))
+    assert binding[("lm_head", -1, -1)][0] == pytest.approx(3065, abs=1e-3)
+
+
+def test_numa_aware_tensor_parallelism_streams_at_both_sockets_local_bandwidth():
+    """Sec. 3.3 and 6.1: each socket reads its own slice of every expert at 220 GB/s, so a one-token decode
+    of a DeepSeek-V3 bf16 expert (3 x 7168 x 2048 weights, 2 bytes) streams 88.08 MB at 2 x 220 GB/s:
+    200.2 us (AVX-512 compute, 2 x 3 x 7168 x 2048 flops at 3.6 TFLOPS = 24.5 us, does not bind). A
+    NUMA-oblivious runtime (llama.cpp) is up to 1.63x slower in decode (Sec. 6.4): 200.2 / 0.613 = 326.6 us."""
+    model = load_preset("deepseek-v3")
+    profile = load_profile("a100-40g")
+    kt = CostModel(profile, model, runtime_name="ktransformers")
+    assert kt.cpu_kernel(1) == "avx512"
+    assert kt.cpu_expert(1) == pytest.approx(3 * 7168 * 2048 * 2 / 440e9, rel=1e-3)
+    oblivious = CostModel(profile, model, runtime_name="llamacpp")
+    assert oblivious.cpu_expert(1) == pytest.approx(kt.cpu_expert(1) / 0.613, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- 001 Sec. 4.1
+def test_expert_deferral_follows_the_layer_equation(tmp_path):
+    """Sec. 4.1's O_k: layer k's deferred experts run while layer k + 1's attention does, and join layer
+    k + 1's output; the last layer defers nothing. One decode token, 3 layers, top-2, one deferred:
+    layer 0 routes 0, 1; layer 1 routes 2, 3; layer 2 routes 4, 5. Attention 50 us, sync 20 us, 1000 us
+    per CPU expert.
+
+    Without deferral every layer takes 50 + 20 + 2 x 1000 = 2070 us: the step's output at 6210 us.
+    With it: immediate expert 0 runs 70-1070 us; layer 1's attention starts at once (1070-1120 us) while
+    deferred expert 1 runs 1070-2070 us. Layer 1's immediate expert 2 waits for the CPU; its deferred
+    expert 3 follows it, overlapping layer 2's attention (which starts when 2 ends). Layer 2 computes
+    4 and 5 (R_L^all) and its output waits for 3 too. Two attentions (2 x 50 us) leave the critical path."""
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    path = write_tiny_trace(tmp_path / "t.parquet", model,
+                            [{"phase": "decode", "tokens": {0: (0, [[[0, 1]], [[2, 3]], [[4, 5]]])}}])
+    base = timeline(path, "ktransformers", {})
+    assert base[("lm_head", -1, -1)][0] == pytest.approx(6210, abs=1e-3)
+    ed = timeline(path, "ktransformers-ed", {"defer.deferred": "1"})
+    assert ed[("expert", 0, 0)] == pytest.approx((70, 1070), abs=1e-3)
+    assert ed[("deferred", 0, 1)] == pytest.approx((1070, 2070), abs=1e-3)
+    assert ed[("attention", 1, -1)] == pytest.approx((1070, 1120), abs=1e-3)
+    assert ed[("expert", 1, 2)][0] >= ed[("deferred", 0, 1)][1]
+    assert ed[("deferred", 1, 3)][0] == pytest.approx(ed[("expert", 1, 2)][1], abs=1e-3)
+    assert ed[("attention", 2, -1)][0] == pytest.approx(ed[("expert", 1, 2)][1], abs=1e-3)
+    assert ("deferred", 2, 4) not in ed and ("deferred", 2, 5) not in ed  # never at the last layer
+    assert ed[("lm_head", -1, -1)][0] == pytest.approx(max(ed[("expert", 2, 5)][1], ed[("deferred", 1, 3)][1]))
+    assert base[("lm_head", -1, -1)][0] - ed[("lm_head", -1, -1)][0] >= 2 * 50 - 1e-3
 
 
 # ----------------------------------------------------------------------------- 001 Sec. 4.2, 6.3

@@ -34,10 +34,13 @@ from moesim.policy.systems import Deferral, SystemSpec, register_component, regi
 class KTransformersStatic(StaticCache):
     """Optional static GPU experts: the ``per_layer`` hottest experts of each layer stay on the GPU.
 
-    KTransformers' injection rules can place some routed experts on the GPU
-    (001 Sec. 5); which ones is a profiling choice, here the most activated on
-    ``calibration`` (default: the replayed trace, flagged in the notes). With
-    ``per_layer=0`` (the default) every routed expert runs on the CPU. The memory
+    KTransformers' injection rules name each module's device (001 Sec. 5), so
+    some routed experts can sit on the GPU; for models without shared experts
+    001 Sec. 1 picks the popular ones by offline profiling, as Fiddler does:
+    here the most activated on ``calibration`` (default: the replayed trace,
+    flagged in the notes). With ``per_layer=0`` (the default) every routed
+    expert runs on the CPU, as in 001's evaluation (Table 1: the GPU holds
+    17B of DeepSeek-V3's 671B parameters, everything but the routed experts). The memory
     plan holds ``per_layer`` slots per layer, no more: the rest of the GPU stays
     free for the KV cache (a served workload's batches).
     """
@@ -100,7 +103,9 @@ class ExpertDeferral(Deferral):
     phases = ("decode",)
     columns = ("weights",)
     #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and weight precision
-    #: (DEFERRED_BY_MODEL), else Sec. 4.2's rule of thumb, 3 but at least 2 immediate (none for top-2)
+    #: (DEFERRED_BY_MODEL), else 3 (Sec. 4.2's DeepSeek-V3 BF16 count) cut to keep at least 2 immediate
+    #: (none for top-2): Sec. 4.2's rule, the fewest deferred experts that saturate the CPU, needs a
+    #: measurement of the CPU's idle time a replay makes only after the count is fixed
     deferred: int = -1
 
     def configure(self, ctx: RunContext) -> None:
@@ -112,8 +117,9 @@ class ExpertDeferral(Deferral):
             else:
                 self.deferred = max(min(3, ctx.model.top_k - 2), 0)
                 ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 gives no deferral count for {ctx.model.name}; "
-                                 f"{self.deferred} deferred expert(s) per token by Sec. 4.2's rule (3, keeping at "
-                                 f"least 2 of top-{ctx.model.top_k} immediate); set defer.deferred to override")
+                                 f"{self.deferred} deferred expert(s) per token: Sec. 4.2's DeepSeek-V3 count (3), "
+                                 f"keeping at least 2 of top-{ctx.model.top_k} immediate; set defer.deferred to "
+                                 f"override")
         if not 0 <= self.deferred < ctx.model.top_k:
             raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
