@@ -11,8 +11,12 @@ from moesim.hw.cost import CostModel
 from moesim.hw.profile import load_profile
 from moesim.model.presets import load_preset
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.importance import (ImportanceRouter, ScoreHistoryCache, StaticFirstCache,
-                                              TopScorePrefetch, TwoPointerBalancer)
+from moesim.policy.catalog.importance import (
+    ImportanceRouter,
+    StaticFirstCache,
+    TopScorePrefetch,
+    TwoPointerBalancer,
+)
 from moesim.policy.state import CacheState
 from moesim.policy.systems import SYSTEMS
 from tests.factories import tiny_model, tiny_profile
