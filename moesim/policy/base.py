@@ -239,7 +239,7 @@ class LayerPlan:
     deferred: list[int]
     #: extra time on the critical path, seconds, by breakdown category ("predict", "cache_management")
     overhead_s: dict[str, float]
-    #: submit ``prefetches`` once this layer's GPU experts finish instead of at plan time (000 Sec. IV-D)
+    #: submit ``prefetches`` once this layer's GPU experts finish instead of at plan time (000 Sec. IV-E)
     prefetch_after_gpu: bool = False
     #: drop prefetches still queued (not yet on the wire) before this plan's loads (004 Sec. 5.2)
     cancel_queued_prefetches: bool = False
