@@ -94,14 +94,23 @@ def random_routing(rng: np.random.Generator, model: ModelSpec, requests: int, pr
     return steps
 
 
+def write_trace_and_profile(folder: Path, seed: int, requests: int = 1, prompt: int = 4,
+                            decode: int = 8) -> tuple[str, str]:
+    """``folder/t.parquet``, random routing on a 2-layer, 6-expert, top-2 model (``requests`` decoded together,
+    ``prompt`` + ``decode`` tokens each), and ``folder/hw.yaml``, the tiny profile with a 1 GB/s link."""
+    import yaml
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(folder / "t.parquet", model, random_routing(
+        np.random.default_rng(seed), model, requests=requests, prompt=prompt, decode=decode))
+    hw = folder / "hw.yaml"
+    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    return str(trace), str(hw)
+
+
 def write_sweep_files(folder: Path, seed: int) -> Path:
     """A tiny trace ``t.parquet`` (one request, 4 + 8 tokens) and profile ``hw.yaml`` in ``folder``, for sweep
     specs that name them relative to their own folder."""
-    import yaml
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    write_tiny_trace(folder / "t.parquet", model,
-                     random_routing(np.random.default_rng(seed), model, requests=1, prompt=4, decode=8))
-    (folder / "hw.yaml").write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
+    write_trace_and_profile(folder, seed)
     return folder
 
 

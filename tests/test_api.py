@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-import yaml
 from matplotlib.figure import Figure
 
 import moesim
@@ -19,17 +18,12 @@ from moesim.errors import ConfigError
 from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 from moesim.sim.run import simulate
 from moesim.trace.validate import validate_trace
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import random_routing, tiny_model, write_tiny_trace, write_trace_and_profile
 
 
 @pytest.fixture
 def files(tmp_path):
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model,
-                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=5))
-    hw = tmp_path / "hw.yaml"
-    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
-    return str(trace), str(hw)
+    return write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
 
 
 def test_keyword_arguments_become_set_keys():

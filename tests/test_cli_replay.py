@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from moesim.cli import main
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import random_routing, tiny_model, write_tiny_trace, write_trace_and_profile
 
 METRIC_KEYS = {"ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s",
                "prefill_tokens_per_s", "gpu_hit_rate", "late_prefetches", "pcie_h2d_bytes", "cpu_util", "gpu_util",
@@ -20,12 +20,7 @@ METRIC_KEYS = {"ttft_ms", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "decode_
 
 @pytest.fixture
 def files(tmp_path):
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model,
-                             random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=6))
-    profile = tmp_path / "hw.yaml"
-    profile.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
-    return str(trace), str(profile)
+    return write_trace_and_profile(tmp_path, 3, decode=6)
 
 
 def run(args, capsys):

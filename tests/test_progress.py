@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from moesim.progress import Progress, plain_interval
-from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
+from tests.factories import write_trace_and_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,12 +113,8 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_long_commands_report_progress_on_a_piped_stderr(tmp_path):
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model,
-                             random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=6))
-    hw = tmp_path / "hw.yaml"
-    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
-    done = _cli(["replay", str(trace), "--hw", str(hw), "--system", "all", "--set", "cache.slots_per_layer=2"],
+    trace, hw = write_trace_and_profile(tmp_path, 3, decode=6)
+    done = _cli(["replay", trace, "--hw", hw, "--system", "all", "--set", "cache.slots_per_layer=2"],
                 tmp_path)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("replay: ")]

@@ -127,16 +127,8 @@ def test_user_components_register_and_build():
 
 @pytest.fixture
 def files(tmp_path):
-    import numpy as np
-    import yaml
-
-    from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model,
-                             random_routing(np.random.default_rng(7), model, requests=2, prompt=3, decode=8))
-    hw = tmp_path / "hw.yaml"
-    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
-    return str(trace), str(hw)
+    from tests.factories import write_trace_and_profile
+    return write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=8)
 
 
 def replay_with(files, system="gpu-only-lru", **settings):

@@ -113,17 +113,11 @@ def test_a_plan_that_keeps_every_invariant_passes():
 
 def test_a_replay_whose_plan_breaks_the_check_stops_with_one_line(tmp_path):
     """The engine's check on a catalogue system's plan (here made to evict an expert it is about to use)."""
-    import yaml
-
     from moesim.policy.base import PolicyError
     from moesim.sim.run import prepare
-    from tests.factories import profile_dict, random_routing, tiny_model, write_tiny_trace
-    model = tiny_model(layers=2, experts=6, top_k=2)
-    trace = write_tiny_trace(tmp_path / "t.parquet", model,
-                             random_routing(np.random.default_rng(3), model, requests=1, prompt=2, decode=4))
-    hw = tmp_path / "hw.yaml"
-    hw.write_text(yaml.safe_dump(profile_dict(pcie_gbps=1.0)))
-    sim = prepare(str(trace), str(hw), "gpu-only-lru", {"engine.check": "true", "cache.slots_per_layer": "6"})
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 3, prompt=2, decode=4)
+    sim = prepare(trace, hw, "gpu-only-lru", {"engine.check": "true", "cache.slots_per_layer": "6"})
     plan = sim.system.plan
 
     def evicting(view):
