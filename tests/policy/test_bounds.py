@@ -83,7 +83,7 @@ def test_buddymoe_is_measured_against_its_own_workload(tmp_path):
 def test_oracle_is_the_per_metric_best_of_its_members(tmp_path):
     """``simulate(..., "oracle")`` and the margins' oracle are the same: each metric its best member's."""
     path = synth_trace(tmp_path, 7, 2, 3, 4, 4, True)
-    profile = tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=0.01)
+    profile = tiny_profile(pcie_gbps=0.01)
     settings_ = {"cache.slots_per_layer": "1"}
     oracle = simulate(path, profile, "oracle", settings_)
     runs, _ = replay_all(path, profile, settings_)
@@ -115,7 +115,7 @@ def test_oracle_is_the_per_metric_best_of_its_members(tmp_path):
 def test_nothing_beats_the_oracle_or_the_lower_bound(tmp_path, seed, requests, prompt, decode, experts, shared,
                                                       slots, dtype, pcie):
     path = synth_trace(tmp_path, seed, requests, prompt, decode, experts, shared)
-    profile = tiny_profile(shared_us=(80.0, 800.0) if shared else None, pcie_gbps=pcie)
+    profile = tiny_profile(pcie_gbps=pcie)
     settings_ = {"memory.expert_dtype": dtype}
     if slots:
         key, value = slots.split("=")

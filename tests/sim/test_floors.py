@@ -74,7 +74,7 @@ def test_placed_floors_are_the_steps_themselves(tmp_path, batch):
     path = tmp_path / "t.parquet"
     synthesize(SynthConfig.from_settings(model=model, requests=2, prompt_len=3, decode_len=5, batch=batch,
                                          seed=1), path)
-    shape, racing = _members(str(path), tiny_profile(shared_us=(80.0, 800.0)), {"cache.slots_per_layer": "2"},
+    shape, racing = _members(str(path), tiny_profile(), {"cache.slots_per_layer": "2"},
                              ("cpu-only", "static-hot", "ktransformers-ed"))
     for member in racing:
         floors = member.floors.steps
@@ -92,7 +92,7 @@ def test_one_token_steps_at_once_are_the_walk_bit_for_bit(tmp_path):
     path = tmp_path / "t.parquet"
     synthesize(SynthConfig.from_settings(model=model, requests=1, prompt_len=3, decode_len=9, batch=1, seed=2),
                path)
-    shape, racing = _members(str(path), tiny_profile(shared_us=(80.0, 800.0)), {"cache.slots_per_layer": "2"},
+    shape, racing = _members(str(path), tiny_profile(), {"cache.slots_per_layer": "2"},
                              ("static-hot", "ktransformers-ed"))
     walk = dataclasses.replace(shape, decode_pairs=None)
     assert sum(kinds == (((1, (1, 1)), 3),) for kinds in shape.layers) == 9  # every decode step is one token
@@ -119,7 +119,7 @@ def test_floors_never_exceed_a_replay(tmp_path_factory, layers, experts, top_k, 
     path = tmp_path_factory.mktemp("floors") / "t.parquet"
     synthesize(SynthConfig.from_settings(model=model, requests=requests, prompt_len=2, decode_len=decode,
                                          batch=batch, seed=seed), path)
-    profile = tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=pcie, copy_engines=engines)
+    profile = tiny_profile(pcie_gbps=pcie, copy_engines=engines)
     key, value = slots.split("=")
     shape, racing = _members(str(path), profile, {key: value})
     weight = shape.decode_weight

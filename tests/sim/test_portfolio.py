@@ -78,7 +78,7 @@ def test_pruned_oracle_equals_the_full_run_on_a_batched_trace(tmp_path, slots):
     synthesize(SynthConfig.from_settings(model=model, requests=3, prompt_len=4, decode_len=12, batch=3, seed=5),
                path)
     key, value = slots.split("=")
-    profile = tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=0.01)
+    profile = tiny_profile(pcie_gbps=0.01)
     pruned, full = _both(str(path), profile, {key: value})
     _check_same(pruned, full)
 
@@ -174,7 +174,7 @@ def test_floors_hold_for_every_step_of_every_member(tmp_path):
     path = tmp_path / "t.parquet"
     synthesize(SynthConfig.from_settings(model=model, requests=2, prompt_len=3, decode_len=5, batch=2, seed=1),
                path)
-    profile = tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=0.01)
+    profile = tiny_profile(pcie_gbps=0.01)
     from moesim.sim.run import members
     shape = TraceShape.of(str(path), model.num_experts)
     for name in members("oracle"):
@@ -206,7 +206,7 @@ def test_pruned_oracle_equals_the_full_run_on_any_trace(tmp_path_factory, layers
     synthesize(SynthConfig.from_settings(model=model, requests=requests, prompt_len=3, decode_len=decode,
                                          batch=batch, seed=seed), path)
     key, value = slots.split("=")
-    pruned, full = _both(str(path), tiny_profile(shared_us=(80.0, 800.0), pcie_gbps=pcie), {key: value})
+    pruned, full = _both(str(path), tiny_profile(pcie_gbps=pcie), {key: value})
     _check_same(pruned, full)
 
 
