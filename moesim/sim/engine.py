@@ -399,10 +399,18 @@ class Simulator(Transfers):
         if not experts:
             return t1
         counters = self.counters
-        start = t1 if t1 > self.cpu_free else self.cpu_free
         sync = self.costs.sync_s if sync else 0.0
-        t = start + sync
-        counters.breakdown["sync"] += sync
+        cpu_free = self.cpu_free
+        if cpu_free <= t1:  # the CPU is idle: the experts follow the sync
+            start, before = t1, sync
+            t = start + sync
+            counters.breakdown["sync"] += sync
+        else:  # the sync (the GPU's signal, the submission) runs beside CPU work still under way, the previous
+            # layer's deferred experts (001 Sec. 4.1): only its part past that work costs time
+            ready = t1 + sync
+            start, before = max(ready, cpu_free), 0.0
+            t = start
+            counters.breakdown["sync"] += max(ready - cpu_free, 0.0)
         pcie = self.pcie
         free = pcie.free
         if (pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)) and self._contends(experts, count):
@@ -430,7 +438,7 @@ class Simulator(Transfers):
                 self.dram.add(t, t + d, self._cpu_rate[n])
                 self._span("cpu", 0, t, t + d, kind, s, layer, e, n)
                 t += d
-        counters.cpu_busy_s += t - start - sync
+        counters.cpu_busy_s += t - start - before
         self.cpu_free = t
         return t
 

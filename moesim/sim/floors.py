@@ -24,9 +24,10 @@ stopped. Three floors, each taken from the engine's own costs
    layer lasts exactly its launches and attention, then the longer of GPU
    stream (shared experts, GPU experts) and CPU (one synchronisation, CPU
    experts); with deferral, the step is at least every layer's GPU side, and
-   at least the GPU side up to some layer plus the CPU work of that layer and
-   all later ones (the CPU works one expert at a time and starts a layer's
-   experts after its attention).
+   at least the GPU side up to some layer plus one synchronisation and the CPU
+   work of that layer and all later ones (the CPU works one expert at a time
+   and starts a layer's experts a synchronisation after its attention; later
+   layers' synchronisations may run beside CPU work still under way).
 3. Per window of consecutive decode steps, a member that never rewrites
    routing (:class:`Windows`, :func:`window_terms`; a system with a planning
    step of its own is taken to prefetch and split as it likes, since only the
@@ -282,9 +283,9 @@ def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list
             cpu_n = step.experts.shape[1] - gpu_n
             before = np.full(layers, launch + parts.attention(1, context))
             gpu_side = parts.shared(1, phase) + gpu_n * (costs.gpu_expert(1) + expert_launch)
-            cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + sync, 0.0)
+            cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + (0.0 if defers else sync), 0.0)
             floors[i] = parts.head_tail(work) + _layers_floor(before.tolist(), gpu_side.tolist(),
-                                                              cpu_side.tolist(), defers)
+                                                              cpu_side.tolist(), defers, sync)
             continue
         before, gpu_list, cpu_list = [], [], []
         for layer, rows in step.layers():
@@ -303,8 +304,8 @@ def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list
                     cpu += costs.cpu_expert(n)
             before.append(launch + parts.attention(n_rows, context))
             gpu_list.append(gpu)
-            cpu_list.append(cpu + sync if cpu > 0 else 0.0)
-        floors[i] = parts.head_tail(work) + _layers_floor(before, gpu_list, cpu_list, defers)
+            cpu_list.append(cpu + sync if cpu > 0 and not defers else cpu)
+        floors[i] = parts.head_tail(work) + _layers_floor(before, gpu_list, cpu_list, defers, sync)
     return floors
 
 
@@ -335,10 +336,10 @@ def _placed_decode_floors(sim: Simulator, shape: TraceShape, parts: _Costs, mask
     cpu_n = top_k - gpu_n
     before = np.array([sim._layer_launches["decode"] + parts.attention(1, shape.work[i][1]) for i in steps])
     gpu_side = parts.shared(1, "decode") + gpu_n * (costs.gpu_expert(1) + sim._launch["decode"][0])
-    cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + costs.sync_s, 0.0)
+    cpu_side = np.where(cpu_n > 0, cpu_n * costs.cpu_expert(1) + (0.0 if defers else costs.sync_s), 0.0)
     before = np.repeat(before[:, None], layers, axis=1)
     if defers:
-        layer_sums = _deferring_layers_floor(before, gpu_side, cpu_side)
+        layer_sums = _deferring_layers_floor(before, gpu_side, cpu_side, costs.sync_s)
     else:
         layer_sums = np.cumsum(before + np.maximum(gpu_side, cpu_side), axis=1)[:, -1]  # in layer order
     floors[steps] = np.array([parts.head_tail(shape.work[i]) for i in steps]) + layer_sums
@@ -346,29 +347,34 @@ def _placed_decode_floors(sim: Simulator, shape: TraceShape, parts: _Costs, mask
     return done
 
 
-def _deferring_layers_floor(before: np.ndarray, gpu: np.ndarray, cpu: np.ndarray) -> np.ndarray:
+def _deferring_layers_floor(before: np.ndarray, gpu: np.ndarray, cpu: np.ndarray, sync: float) -> np.ndarray:
     """:func:`_layers_floor` with deferral of many steps at once (a row each), its running sums kept."""
     steps = before.shape[0]
     gpu_prefix = np.cumsum(before + gpu, axis=1)
     done = gpu_prefix[:, -1]
     prefix = np.concatenate([np.zeros((steps, 1)), gpu_prefix[:, :-1]], axis=1)
-    cpu_total = np.cumsum(cpu, axis=1)[:, -1]
-    cpu_left = np.subtract.accumulate(np.concatenate([cpu_total[:, None], cpu], axis=1), axis=1)[:, :-1]
-    return np.maximum(done, (prefix + before + cpu_left).max(axis=1))
+    cpu_left = np.cumsum(cpu[:, ::-1], axis=1)[:, ::-1]  # from each layer on, summed from the last layer back
+    return np.maximum(done, (prefix + before + cpu_left + np.where(cpu_left > 0, sync, 0.0)).max(axis=1))
 
 
-def _layers_floor(before: list[float], gpu: list[float], cpu: list[float], defers: bool) -> float:
-    """MoE layers, each ``before`` then its GPU and CPU sides side by side; with deferral, the CPU side of a
-    layer may run on through later layers (one CPU, after the layer's ``before``)."""
+def _layers_floor(before: list[float], gpu: list[float], cpu: list[float], defers: bool,
+                  sync: float = 0.0) -> float:
+    """MoE layers, each ``before`` then its GPU and CPU sides side by side (``cpu`` with its sync); with
+    deferral, the CPU side of a layer may run on through later layers (one CPU, after the layer's
+    ``before``): from any layer on, the CPU's work (``cpu`` without syncs there) follows one ``sync``, since a
+    layer's experts start a sync after its ``before`` and later layers' syncs may run beside CPU work."""
     if not defers:
         return sum(b + max(g, c) for b, g, c in zip(before, gpu, cpu))
     best = done = sum(b + g for b, g in zip(before, gpu))
+    cpu_left, left = [], 0.0
+    for c in reversed(cpu):  # the order of the vectorised walk's reversed cumulative sum
+        left += c
+        cpu_left.append(left)
+    cpu_left.reverse()
     prefix = 0.0
-    cpu_left = sum(cpu)
-    for b, g, c in zip(before, gpu, cpu):
-        best = max(best, prefix + b + cpu_left)
+    for b, g, c_left in zip(before, gpu, cpu_left):
+        best = max(best, prefix + b + c_left + (sync if c_left > 0 else 0.0))
         prefix += b + g
-        cpu_left -= c
     return max(best, done)
 
 
