@@ -184,33 +184,26 @@ def load_time(costs: CostModel) -> float:
 def step_floor(step: Step, model: ModelSpec, costs: CostModel, substitution: bool = False,
                slots: int | None = None, rewrites: Rewrites | None = None) -> float:
     """The physical floor of one trace step, seconds (see the module docstring)."""
-    return _step(step, model, costs, substitution, slots, rewrites)[0]
+    terms = _terms(step, model, costs, substitution, rewrites)
+    return _floor(terms.balanced, terms.cpu.tolist(), load_time(costs), slots)
 
 
-def _step(step: Step, model: ModelSpec, costs: CostModel, substitution: bool, slots: int | None,
-          rewrites: Rewrites | None) -> tuple[float, dict[tuple[int, int], float]]:
-    """(floor, CPU seconds of every routed (layer, expert)) of one step."""
-    fixed = step_fixed_gpu(step, model, costs)
-    pairs = step_pairs(step, model, substitution, rewrites)
-    gpu = [costs.gpu_expert(n) for _, n in pairs]
-    cpu = [costs.cpu_expert(n) for _, n in pairs]
-    floor = balanced_floor(fixed, gpu, cpu)
-    if slots is not None:
-        floor = max(floor, capacity_floor(cpu, load_time(costs), slots))
-    return floor, {pair: c for (pair, _), c in zip(pairs, cpu)}
+def _floor(balanced: float, cpu: list[float], load_s: float, slots: int | None) -> float:
+    """A step's floor from its :class:`StepTerms`: the balanced floor, and with ``slots`` the capacity floor."""
+    return balanced if slots is None else max(balanced, capacity_floor(cpu, load_s, slots))
 
 
-def window_floor(steps_cpu: list[dict[tuple[int, int], float]], load_s: float, slots: int) -> float:
+def window_floor(steps_cpu: list[dict[int, float]], load_s: float, slots: int) -> float:
     """Floor of a run of consecutive steps from the experts they share: ``capacity_floor`` over the distinct
     (layer, expert) pairs of the window, each costing the CPU time of all its uses (see ``tighten``)."""
-    total: dict[tuple[int, int], float] = {}
+    total: dict[int, float] = {}  # by (layer, expert) coded as in StepTerms
     for cpu in steps_cpu:
         for pair, c in cpu.items():
             total[pair] = total.get(pair, 0.0) + c
     return capacity_floor(list(total.values()), load_s, slots)
 
 
-def tighten(floors: list[float], steps_cpu: list[dict[tuple[int, int], float]], load_s: float,
+def tighten(floors: list[float], steps_cpu: list[dict[int, float]], load_s: float,
             slots: int) -> list[float]:
     """Raise the floors of a run of consecutive steps by what windows of them need together, spread evenly.
 
@@ -279,19 +272,23 @@ class StepTerms:
     requests: np.ndarray
 
 
-def step_terms(trace_path: str, model: ModelSpec, costs: CostModel) -> list[StepTerms]:
-    """:class:`StepTerms` of every step of ``trace_path``, as the system computed it (no rewrites)."""
-    out = []
-    for step in iter_steps(trace_path, columns=()):
-        fixed = step_fixed_gpu(step, model, costs)
-        pairs = step_pairs(step, model)
-        cpu = [costs.cpu_expert(n) for _, n in pairs]
-        balanced = balanced_floor(fixed, [costs.gpu_expert(n) for _, n in pairs], cpu)
-        first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-        codes = np.array([layer * model.num_experts + e for (layer, e), _ in pairs], dtype=np.int64)
-        out.append(StepTerms(balanced, codes, np.array(cpu, dtype=np.float64), PHASES[int(step.phase.min())],
-                             np.unique(step.request[first])))
-    return out
+def _terms(step: Step, model: ModelSpec, costs: CostModel, substitution: bool = False,
+           rewrites: Rewrites | None = None) -> StepTerms:
+    """:class:`StepTerms` of one step, after the system's rewrites (with ``substitution``, stand-ins)."""
+    fixed = step_fixed_gpu(step, model, costs)
+    pairs = step_pairs(step, model, substitution, rewrites)
+    cpu = [costs.cpu_expert(n) for _, n in pairs]
+    balanced = balanced_floor(fixed, [costs.gpu_expert(n) for _, n in pairs], cpu)
+    first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
+    codes = np.array([layer * model.num_experts + e for (layer, e), _ in pairs], dtype=np.int64)
+    return StepTerms(balanced, codes, np.array(cpu, dtype=np.float64), PHASES[int(step.phase.min())],
+                     np.unique(step.request[first]))
+
+
+def step_terms(trace_path: str, model: ModelSpec, costs: CostModel, substitution: bool = False,
+               rewrites: Rewrites | None = None) -> list[StepTerms]:
+    """:class:`StepTerms` of every step of ``trace_path``."""
+    return [_terms(step, model, costs, substitution, rewrites) for step in iter_steps(trace_path, columns=())]
 
 
 def physical_lower_bound(trace_path: str, model: ModelSpec, costs: CostModel, substitution: bool = False,
@@ -306,31 +303,22 @@ def physical_lower_bound(trace_path: str, model: ModelSpec, costs: CostModel, su
     (filled by the first call that has neither substitution nor rewrites;
     bounds of other slot counts then skip the trace), or None.
     """
+    if terms is None or substitution or rewrites:
+        terms = step_terms(trace_path, model, costs, substitution, rewrites)
+    elif not terms:
+        terms += step_terms(trace_path, model, costs)
+    load_s = load_time(costs)
     floors: list[float] = []
-    phases: list[str] = []
-    requests: list[np.ndarray] = []
-    cpu: list[dict[tuple[int, int], float]] = []
-    if terms is not None and not substitution and not rewrites:
-        if not terms:
-            terms += step_terms(trace_path, model, costs)
-        load_s = load_time(costs)
-        for t in terms:
-            step_cpu = t.cpu.tolist()
-            floors.append(t.balanced if slots is None else max(t.balanced, capacity_floor(step_cpu, load_s, slots)))
-            cpu.append(dict(zip(t.pairs.tolist(), step_cpu)) if slots is not None else {})
-            phases.append(t.phase)
-            requests.append(t.requests)
-    else:
-        for step in iter_steps(trace_path, columns=()):
-            floor, step_cpu = _step(step, model, costs, substitution, slots, rewrites)
-            floors.append(floor)
-            cpu.append(step_cpu if slots is not None and not substitution else {})
-            first = slice(int(step.layer_bounds[0]), int(step.layer_bounds[1]))
-            phases.append(PHASES[int(step.phase.min())])
-            requests.append(np.unique(step.request[first]))
+    cpu: list[dict[int, float]] = []  # per step, CPU seconds of each routed (layer, expert), for the windows
+    for t in terms:
+        step_cpu = t.cpu.tolist()
+        floors.append(_floor(t.balanced, step_cpu, load_s, slots))
+        cpu.append(dict(zip(t.pairs.tolist(), step_cpu)) if slots is not None and not substitution else {})
+    phases = [t.phase for t in terms]
+    requests = [t.requests for t in terms]
     if slots is not None and not substitution:
         for run in decode_runs(phases, requests):
-            floors[run] = tighten(floors[run], cpu[run], load_time(costs), slots)
+            floors[run] = tighten(floors[run], cpu[run], load_s, slots)
     ends = np.cumsum(floors)
     starts = ends - np.asarray(floors)
     spans: dict[int, list[float]] = {}
