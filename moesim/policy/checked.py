@@ -329,13 +329,19 @@ class _ViewSnapshot:
         return ""
 
 
-def _own_line(err: BaseException) -> str:
-    """Where ``err`` was raised in the user's code: the deepest frame outside moesim, Python and its packages."""
+def users_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """Where ``err`` was raised in the user's code: the deepest frame outside moesim, Python and its packages
+    (else the deepest frame; None without a traceback)."""
     frames = traceback.extract_tb(err.__traceback__)
     prefixes = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     moesim_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
-    own = [f for f in frames if not os.path.abspath(f.filename).startswith((moesim_dir, *prefixes))]
-    frame = (own or frames)[-1] if frames else None
+    own = [f for f in frames if not f.filename.startswith("<frozen")
+           and not os.path.abspath(f.filename).startswith((moesim_dir, *prefixes))]
+    return (own or frames)[-1] if frames else None
+
+
+def _own_line(err: BaseException) -> str:
+    frame = users_frame(err)
     return f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})" if frame else ""
 
 

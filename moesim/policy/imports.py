@@ -13,11 +13,11 @@ import importlib
 import importlib.util
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from moesim.errors import ConfigError, MoesimError
+from moesim.policy.checked import users_frame
 
 #: what every refusal suggests
 _HOW = "give a Python file (my_policies.py) or an importable module name (my_package.policies)"
@@ -125,11 +125,8 @@ def _refuse_failed(err: BaseException, given: str, field: str, source: str | Non
 
 
 def _where(err: BaseException) -> str:
-    """' at FILE:LINE' of the deepest frame outside Python's import machinery (a SyntaxError's own place)."""
+    """' at FILE:LINE' in the user's module (a SyntaxError's own place)."""
     if isinstance(err, SyntaxError) and err.filename:
         return f" at {Path(err.filename).name}:{err.lineno}"
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename != __file__
-              and "importlib" not in f.filename and not f.filename.startswith("<frozen")]
-    if not frames:
-        return ""
-    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}"
+    frame = users_frame(err)
+    return f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
