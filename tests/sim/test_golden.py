@@ -8,7 +8,8 @@ two requests decoded together, with scores and predictor columns) on
 
     MOESIM_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/sim/test_golden.py
 
-and the commit says why the numbers moved.
+and the commit says why the numbers moved. ``MOESIM_UPDATE_GOLDEN=dali,oracle``
+rewrites those systems' entries only, leaving the others as stored.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ def current() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def observed() -> dict[str, dict]:
     got = current()
-    if os.environ.get("MOESIM_UPDATE_GOLDEN"):
-        EXPECTED.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    update = os.environ.get("MOESIM_UPDATE_GOLDEN", "")
+    if update:
+        stored = json.loads(EXPECTED.read_text()) if update != "1" else {}
+        chosen = set(got) if update == "1" else set(update.split(","))
+        unknown = chosen - set(got)
+        assert not unknown, f"MOESIM_UPDATE_GOLDEN names unknown systems {sorted(unknown)}"
+        stored.update({name: got[name] for name in chosen})
+        EXPECTED.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     return got
 
 
