@@ -7,10 +7,19 @@ M(i, j) (tokens routing to both i and j; optionally weighted by
 with ``q_{i|i} = 0`` (Eq. 4). The buddy list of i is the shortest prefix of
 its peers by descending q (ids ascending among equal q) whose cumulative q
 reaches ``alpha`` (the CFT, Eq. 5-6), capped at ``k_max``; experts never
-activated get no buddies. Sec. 3.3 (i) accumulates both the binary and the
-weighted counts but never says how the two make one q; here q comes from one
-of them, binary unless ``weighted=true``. 002 gives no epsilon; the default 1
-is add-one (Laplace) smoothing in its usual form.
+activated get no buddies. Sec. 3.3 allows "a per-layer alpha_l or a monotone
+schedule" (Sec. 3.2: early layers co-activate more diffusely, later ones in
+tighter clusters; Sec. 3.4: early layers tolerate more aggressive replacement):
+``alpha`` is one number for every MoE layer, ``FIRST:LAST`` a linear schedule
+from the first MoE layer's value to the last's (``0.99:0.9``: longer lists
+early, shorter late), or one value per MoE layer (``[0.99,0.97,...]``, as
+``cache.slots_per_layer`` takes its quotas; quote either form in a YAML sweep
+spec). Each layer's lists use its own alpha; the report gives the values and
+the mean list length at the first, middle and last MoE layer, as Sec. 3.3
+reports the |B_l(i; alpha_l)| distributions. Sec. 3.3 (i) accumulates both the
+binary and the weighted counts but never says how the two make one q; here q
+comes from one of them, binary unless ``weighted=true``. 002 gives no epsilon;
+the default 1 is add-one (Laplace) smoothing in its usual form.
 
 Sec. 3.3 says a larger alpha gives longer lists, Sec. 5.2 calls its alpha 0.99
 runs (|B| = 2) "stricter" than 0.95 (|B| = 16): the two cannot both hold for
@@ -50,8 +59,8 @@ the priority score Psi (Eq. 3) is q_{j|i} itself: the buddy list's order.
 Optional refinements of Sec. 3.1-3.3 that are left out, each off by default in
 the paper or without a value there: eta (needs normalised router logits; the
 trace keeps probabilities), kappa (hop(j) is 0 on one GPU), the temperature T
-and the margin gamma of the TAE gate, down-weighting warm-up steps in the
-profile, and a per-layer alpha schedule.
+and the margin gamma of the TAE gate, and down-weighting warm-up steps in the
+profile.
 
 ``random`` is the paper's random-replacement baseline (Sec. 5.1): a missing
 expert becomes a uniformly drawn resident expert not in the token's set.
@@ -196,6 +205,89 @@ def buddy_lists(m: np.ndarray, alpha: float, k_max: int, epsilon: float) -> list
     return [peers[i, :sizes[i]].tolist() if active[i] else [] for i in range(n)]
 
 
+ALPHA_KEY = "substitute.alpha"
+ALPHA_FORMS = ("give one number for every MoE layer (substitute.alpha=0.95), FIRST:LAST for a linear schedule "
+               "from the first MoE layer to the last (substitute.alpha=0.99:0.9), or one value per MoE layer "
+               "(substitute.alpha=[0.99,0.97,...])")
+
+
+def alpha_schedule(value: float | str | Sequence[float], layers: int | None = None) -> list[float]:
+    """The CFT alpha of each MoE layer (002 Sec. 3.3: "a per-layer alpha_l or a monotone schedule").
+
+    ``value``: a number (every layer), ``"FIRST:LAST"`` (linear from the first MoE layer to the last, both
+    ends exact; a one-layer model takes FIRST) or one value per MoE layer (``"[a,b,...]"``, ``"a,b,..."`` or
+    a list; one value alone is every layer's, as in ``cache.slots_per_layer``). With ``layers`` None only
+    the form and the range are checked, and the values as written are returned. Every refusal is one
+    :class:`ConfigError` line naming ``substitute.alpha``.
+    """
+    ramp = False
+    if isinstance(value, str):
+        text = value.strip()
+        if text[:1] == "[" or text[-1:] == "]":  # brackets only as a matching pair, as in slots_per_layer
+            if len(text) < 2 or text[0] != "[" or text[-1] != "]":
+                raise _malformed(value)
+            text = text[1:-1].strip()
+        ramp = ":" in text
+        items: list = [x.strip() for x in text.split(":" if ramp else ",")]
+        if "" in items or (ramp and (len(items) != 2 or "," in text)):  # "0.9,", "0.9:", "a:b:c", "[]"
+            raise _malformed(value)
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = [value]
+    try:
+        values = [float(x) for x in items]
+    except (TypeError, ValueError):
+        raise _malformed(value) from None
+    if not values:
+        raise _malformed(value)
+    for v in values:
+        if not 0.0 < v <= 1.0:
+            if len(values) == 1:
+                # YAML reads an unquoted 1:0.9 as the base-60 number 60.9
+                yaml = "; quote a FIRST:LAST schedule in a YAML spec ('1:0.9'), which reads 1:0.9 unquoted as 60.9" \
+                    if v >= 60 else ""
+                raise ConfigError(f"{ALPHA_KEY}={v} outside (0, 1]", field=ALPHA_KEY,
+                                  fix=f"--set {ALPHA_KEY}=0.95{yaml}")
+            raise ConfigError(f"{ALPHA_KEY}={_text(value)}: {v} outside (0, 1]", field=ALPHA_KEY,
+                              fix="give every value in (0, 1], e.g. 0.99:0.9")
+    if layers is None:
+        return values
+    if ramp:
+        first, last = values
+        if layers == 1:
+            return [first]
+        # both ends exact, and a constant schedule is its number at every layer
+        return [first + (last - first) * i / (layers - 1) for i in range(layers - 1)] + [last]
+    if len(values) == 1:
+        return values * layers
+    if len(values) != layers:
+        raise ConfigError(f"{ALPHA_KEY} lists {len(values)} values, the model has {layers} MoE layers",
+                          field=ALPHA_KEY, fix=f"give one value per MoE layer ({layers}), one number for all, "
+                                               "or FIRST:LAST for a linear schedule (e.g. 0.99:0.9)")
+    return values
+
+
+def is_per_layer(value: float | str | Sequence[float]) -> bool:
+    """Whether ``alpha`` is written as a schedule or a list rather than one number."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return True
+        return False
+    return isinstance(value, (list, tuple))
+
+
+def _text(value: float | str | Sequence[float]) -> str:
+    return value.strip() if isinstance(value, str) else str(value)
+
+
+def _malformed(value: float | str | Sequence[float]) -> ConfigError:
+    return ConfigError(f"'{_text(value)}' is not a number, FIRST:LAST or one value per MoE layer", field=ALPHA_KEY,
+                       fix=ALPHA_FORMS)
+
+
 def _leading_peers(q: np.ndarray, width: int) -> np.ndarray:
     """Per row i, the first ``width`` columns other than i in the order (q descending, column ascending).
 
@@ -308,8 +400,9 @@ class BuddySubstitution(Substitution):
     #: flagged in the report
     calibration: str = ""
     #: cumulative frequency threshold (CFT) of Eq. 5 (the tables' "tau", Sec. 5.1; 0.95 in Tables 2-4's best
-    #: configuration)
-    alpha: float = 0.95
+    #: configuration), in (0, 1]: one number for every MoE layer, FIRST:LAST linear from the first MoE layer
+    #: to the last (0.99:0.9), or one per MoE layer ([0.99,0.97,...]) (002 Sec. 3.3: per-layer alpha_l)
+    alpha: float | str = 0.95
     #: buddy list cap K_max (002 Sec. 3.4: typically 5-20; the tables' |B|, Sec. 5.1: 2-16; 16 in Tables 2-4's
     #: best configuration) (experts)
     k_max: int = 16
@@ -333,17 +426,24 @@ class BuddySubstitution(Substitution):
     rho: int = 3
     _buddies: list[list[list[int]]] = field(default_factory=list, repr=False)
     _tau: list[float] = field(default_factory=list, repr=False)
+    #: each MoE layer's alpha, from ``alpha`` once the model is known
+    _alphas: list[float] = field(default_factory=list, repr=False)
 
     def set_param(self, key: str, raw: str) -> None:
         if key == "beta" and isinstance(raw, str) and raw.strip().lower() == "off":
             self.beta = math.inf
             return
+        if key == "alpha":
+            values = alpha_schedule(raw)  # the form and the range now; the count once the model is known
+            if not is_per_layer(raw):
+                self.alpha = values[0]  # one number stays a float, as it always was
+            else:  # a schedule or a list is kept as written (the report repeats it)
+                self.alpha = raw.strip() if isinstance(raw, str) else raw
+            return
         super().set_param(key, raw)
 
     def configure(self, ctx: RunContext) -> None:
-        if not 0.0 < self.alpha <= 1.0:
-            raise ConfigError(f"substitute.alpha={self.alpha} outside (0, 1]", field="substitute.alpha",
-                              fix="--set substitute.alpha=0.95")
+        self._alphas = alpha_schedule(self.alpha, ctx.model.num_layers)
         if self.k_max < 1:
             raise ConfigError(f"substitute.k_max={self.k_max} below 1", field="substitute.k_max",
                               fix="--set substitute.k_max=16")
@@ -360,6 +460,8 @@ class BuddySubstitution(Substitution):
         # the gate reads the replayed trace's probabilities; without them it cannot close, whatever tau is
         replay_has_p = not ctx.columns or any(c in ctx.columns for c in ("weights", "scores"))
         self._calibrate(path, ctx, note_tae=replay_has_p)
+        if is_per_layer(self.alpha):
+            ctx.notes.append(self.schedule_note())
         if not replay_has_p:
             ctx.notes.append("buddy: the replayed trace has neither weights nor scores: the TAE gate (002 Eq. 1) "
                              "has no probabilities to go on and lets every token through")
@@ -396,13 +498,25 @@ class BuddySubstitution(Substitution):
             rows = slice(bounds[layer], bounds[layer + 1])
             p = None if probs is None else probs[rows]
             m = coactivation(experts[rows], model.num_experts, p if self.weighted else None)
-            self._buddies.append(buddy_lists(m, self.alpha, self.k_max, self.epsilon))
+            self._buddies.append(buddy_lists(m, self._alphas[layer], self.k_max, self.epsilon))
             if self.tau >= 0:
                 self._tau.append(self.tau)
             elif p is None or rows.start == rows.stop:
                 self._tau.append(-np.inf)
             else:
                 self._tau.append(float(np.percentile(tae(p), self.tau_percentile)))
+
+    def schedule_note(self) -> str:
+        """The per-layer alpha and the mean buddy list length of the experts with buddies, at the first,
+        middle and last MoE layer (002 Sec. 3.3 reports the |B_l(i; alpha_l)| distributions)."""
+        layers = len(self._alphas)
+        parts = []
+        for layer in sorted({0, (layers - 1) // 2, layers - 1}):
+            sizes = [len(b) for b in self._buddies[layer] if b]
+            mean = f"{sum(sizes) / len(sizes):.2f}" if sizes else "none"
+            parts.append(f"layer {layer}: alpha {self._alphas[layer]:.4g}, mean |B| {mean}")
+        return (f"buddy: per-layer alpha {self.alpha} over {layers} MoE layers (002 Sec. 3.3); "
+                + "; ".join(parts))
 
     @staticmethod
     def _top_k_probabilities(table, experts: np.ndarray, num_experts: int) -> np.ndarray | None:
