@@ -447,3 +447,111 @@ def test_prefill_prefetch_needs_a_predictor_column_or_a_chunked_prompt(tmp_path)
     assert with_column[0]["prefetches"] < with_column[1]["prefetches"]
     meaning = next(d.meaning for d in parameter_docs(NextLayerPrefetch) if d.name == "prefill")
     assert "pred_next_layer" in meaning and "bundled Mixtral trace" in meaning and "in chunks" in meaning
+
+
+# ----------------------------------------------------------------------------- per-layer alpha (002 Sec. 3.3)
+BUNDLED = str(__import__("pathlib").Path(__file__).parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+
+
+def test_alpha_schedule_runs_linearly_from_the_first_moe_layer_to_the_last():
+    from moesim.policy.catalog.buddymoe import alpha_schedule
+    five = alpha_schedule("0.99:0.9", 5)  # steps of 0.0225
+    assert five[0] == 0.99 and five[-1] == 0.9 and five[2] == pytest.approx(0.945)
+    assert five == pytest.approx([0.99, 0.9675, 0.945, 0.9225, 0.9])
+    mixtral = alpha_schedule("0.99:0.9", 32)  # 32 MoE layers: layer 15 is 0.99 - 0.09 * 15/31
+    assert (mixtral[0], mixtral[31]) == (0.99, 0.9) and mixtral[15] == pytest.approx(0.9464516129)
+    assert alpha_schedule("0.5:1", 3) == [0.5, 0.75, 1.0]  # rising as well as falling
+    assert alpha_schedule("0.95:0.95", 32) == [0.95] * 32  # constant: the number itself, exactly
+    assert alpha_schedule("0.99:0.9", 1) == [0.99]  # one MoE layer: the first value
+    assert alpha_schedule(" [0.9, 0.8 ,0.7] ", 3) == alpha_schedule("0.9,0.8,0.7", 3) == [0.9, 0.8, 0.7]
+    assert alpha_schedule([0.9, 0.8], 2) == [0.9, 0.8]
+    assert alpha_schedule("[0.9]", 4) == alpha_schedule(0.9, 4) == [0.9] * 4  # as cache.slots_per_layer=[2]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("0.9:x", "'0.9:x' is not a number, FIRST:LAST or one value per MoE layer"),
+    ("0.99:0.9:0.8", "'0.99:0.9:0.8' is not a number, FIRST:LAST"),
+    ("[0.99,0.9", "'[0.99,0.9' is not a number, FIRST:LAST"),
+    ("0.99,", "'0.99,' is not a number, FIRST:LAST"),
+    ("", "'' is not a number, FIRST:LAST"),
+    ("high", "'high' is not a number, FIRST:LAST"),
+    ("1.5", "substitute.alpha=1.5 outside (0, 1] (fix: --set substitute.alpha=0.95)"),
+    ("0", "substitute.alpha=0.0 outside (0, 1]"),
+    ("nan", "substitute.alpha=nan outside (0, 1]"),
+    ("0.99:1.2", "substitute.alpha=0.99:1.2: 1.2 outside (0, 1] (fix: give every value in (0, 1]"),
+    ("[0.9,0,0.8]", "substitute.alpha=[0.9,0,0.8]: 0.0 outside (0, 1]"),
+    ("60.9", "(fix: --set substitute.alpha=0.95; quote a FIRST:LAST schedule in a YAML spec ('1:0.9')")])
+def test_a_bad_alpha_is_one_line_naming_the_parameter_and_the_fix(raw, message):
+    from moesim.errors import ConfigError
+    from moesim.policy.systems import build_system
+    with pytest.raises(ConfigError) as err:
+        build_system("buddymoe", {"substitute.alpha": raw})
+    text = str(err.value)
+    assert text.startswith("field 'substitute.alpha': ") and message in text and "\n" not in text
+    if "is not a number" in message:
+        assert "(fix: give one number for every MoE layer (substitute.alpha=0.95), FIRST:LAST for a linear " \
+               "schedule from the first MoE layer to the last (substitute.alpha=0.99:0.9), or one value per MoE " \
+               "layer (substitute.alpha=[0.99,0.97,...]))" in text
+
+
+def test_an_alpha_list_of_the_wrong_length_is_refused_once_the_model_is_known(tmp_path):
+    from moesim.errors import ConfigError
+    cal = _configured(tmp_path).calibration
+    model = tiny_model(layers=2, experts=5, top_k=2)
+    sub = BuddySubstitution(calibration=cal)
+    sub.set_param("alpha", "[0.9,0.8,0.7]")
+    with pytest.raises(ConfigError) as err:
+        sub.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5, 5]))
+    assert str(err.value) == ("field 'substitute.alpha': substitute.alpha lists 3 values, the model has 2 MoE "
+                              "layers (fix: give one value per MoE layer (2), one number for all, or FIRST:LAST "
+                              "for a linear schedule (e.g. 0.99:0.9))")
+
+
+def _replay(alpha: str) -> dict:
+    m = metrics(simulate(BUNDLED, "rtx4090", "buddymoe", {"substitute.alpha": alpha}))
+    return {k: v for k, v in m.items() if k not in ("notes", "inputs", "sim_wall_s", "sim_rows_per_s")}
+
+
+def test_a_constant_alpha_schedule_replays_as_the_number_and_a_falling_one_changes_the_replay():
+    """The bundled Mixtral trace (32 MoE layers, 8 experts): 0.95:0.95 and 0.95 given for each layer are
+    0.95 itself, every metric equal; 0.99:0.9 (longer lists early, shorter late) substitutes other experts:
+    8,668 replacements against 8,740, more PCIe reads (the lists late in the model are shorter)."""
+    number = _replay("0.95")
+    assert _replay("0.95:0.95") == number
+    assert _replay("[" + ",".join(["0.95"] * 32) + "]") == number
+    falling = _replay("0.99:0.9")
+    assert (number["substituted_experts"], falling["substituted_experts"]) == (8740, 8668)
+    assert falling["pcie_h2d_bytes"] > number["pcie_h2d_bytes"] and falling["tpot_ms_mean"] != number["tpot_ms_mean"]
+
+
+def test_alpha_schedules_on_the_command_line_and_in_a_sweep_spec(tmp_path, capsys):
+    """`moesim replay --set substitute.alpha=0.99:0.9` runs and reports the schedule; a malformed value is one
+    line and exit status 2; a sweep spec takes the schedule as a quoted string, and an unquoted 1:0.9 (which
+    YAML reads as 60.9) is refused with the fix of quoting it."""
+    import json
+
+    from moesim.cli import main
+    code = main(["replay", BUNDLED, "--system", "buddymoe", "--set", "substitute.alpha=0.99:0.9", "--json", "-"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert any(n.startswith("buddy: per-layer alpha 0.99:0.9 over 32 MoE layers (002 Sec. 3.3); layer 0: alpha "
+                            "0.99, mean |B| ") and "layer 15: alpha 0.9465" in n for n in notes), notes
+    code = main(["replay", BUNDLED, "--system", "buddymoe", "--set", "substitute.alpha=0.99;0.9"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "field 'substitute.alpha': '0.99;0.9' is not a number, FIRST:LAST or one value per MoE layer" in err
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"traces: [{BUNDLED}]\nsystems: [buddymoe]\ngrid: {{substitute.alpha: [0.95, '0.99:0.9']}}\n")
+    code = main(["sweep", str(spec), "--out", str(tmp_path / "out.parquet"), "--workers", "1"])
+    capsys.readouterr()
+    assert code == 0
+    import pandas as pd
+    frame = pd.read_parquet(tmp_path / "out.parquet").sort_values("substituted_experts")
+    assert frame["substitute.alpha"].tolist() == ["0.99:0.9", "0.95"]
+    assert frame["substituted_experts"].tolist() == [8668, 8740]
+    spec.write_text(f"traces: [{BUNDLED}]\nsystems: [buddymoe]\ngrid: {{substitute.alpha: [0.95, 1:0.9]}}\n")
+    code = main(["sweep", str(spec), "--out", str(tmp_path / "bad.parquet")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1
+    assert "field 'grid.substitute.alpha': substitute.alpha=60.9 outside (0, 1]" in err and "'1:0.9'" in err

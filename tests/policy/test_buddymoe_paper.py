@@ -99,3 +99,39 @@ def test_a_replayed_trace_without_probabilities_says_the_tae_gate_is_off(tmp_pat
             assert sum("TAE gate" in n for n in notes) == 1, notes
     _, notes = _configured(calibration, columns=bare + ("weights",), tau=0.5)
     assert not any("TAE gate" in n for n in notes)
+
+
+def test_two_layers_with_their_own_alpha_get_lists_of_their_own_length_from_the_same_counts(tmp_path):
+    """002 Sec. 3.3's per-layer alpha_l: both MoE layers of a 5-expert, top-2 model see the same six tokens,
+    expert 0 with 1 three times, with 2 twice, with 3 once; no smoothing (epsilon 0).
+
+    Eq. 4 in both layers: q_{.|0} = (0, 3/6, 2/6, 1/6, 0); q_{0|1} = q_{0|2} = q_{0|3} = 1 (each ran only
+    with 0); expert 4 never ran. Eq. 5 at expert 0: alpha 0.9 is first reached by the prefix (1, 2, 3)
+    (0.5, 0.833, 1.0), alpha 0.8 by (1, 2) (0.833). So layer 0 (alpha 0.9) lists 0 -> [1, 2, 3], layer 1
+    (alpha 0.8) 0 -> [1, 2]; 1, 2, 3 -> [0] and 4 -> [] in both. One alpha for both gives equal lists.
+    """
+    from moesim.policy.catalog.buddymoe import alpha_schedule
+    from tests.factories import write_tiny_trace
+    model = tiny_model(layers=2, experts=5, top_k=2)
+    tokens = [[0, 1]] * 3 + [[0, 2]] * 2 + [[0, 3]]
+    path = write_tiny_trace(tmp_path / "two.parquet", model,
+                            [{"phase": "prefill", "tokens": {0: (0, [tokens, tokens])}}])
+    assert alpha_schedule("0.9:0.8", 2) == [0.9, 0.8]  # a two-layer schedule is its two ends
+
+    def lists(alpha):
+        sub = BuddySubstitution(calibration=str(path), epsilon=0.0)
+        sub.set_param("alpha", alpha)
+        ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5, 5])
+        sub.configure(ctx)
+        return sub._buddies, ctx.notes
+
+    for per_layer in ("[0.9,0.8]", "0.9:0.8"):
+        buddies, notes = lists(per_layer)
+        assert buddies[0] == [[1, 2, 3], [0], [0], [0], []]
+        assert buddies[1] == [[1, 2], [0], [0], [0], []]
+        # the report: each layer's alpha and the mean length of its non-empty lists, (3+1+1+1)/4 and (2+1+1+1)/4
+        assert f"buddy: per-layer alpha {per_layer} over 2 MoE layers (002 Sec. 3.3); layer 0: alpha 0.9, mean " \
+               "|B| 1.50; layer 1: alpha 0.8, mean |B| 1.25" in notes
+    buddies, notes = lists("0.8")
+    assert buddies[0] == buddies[1] == [[1, 2], [0], [0], [0], []]
+    assert not any("per-layer alpha" in n for n in notes)  # one number: the report as before
