@@ -65,6 +65,8 @@ class Pending:
     layer: int
     expert: int = -1
     tokens: int = 0
+    #: the breakdown category, when not the one ``kind`` maps to (a prediction is attention work, ``predict``)
+    category: str = ""
 
 
 @dataclass
@@ -303,7 +305,8 @@ class RealExecutor:
         for e in plan.loads:
             self._load(layer, e, "load", s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}
-        if not plan.prefetch_after_gpu:
+        predict = plan.prefetch_after_predict
+        if not plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer)
 
         routing = LayerRouting.of(view.experts, view.weights)
@@ -314,8 +317,8 @@ class RealExecutor:
                                      after_input=cpu_job is not None) if plan.deferred else None
         if deferred_job is not None:
             self.counters.deferred_weight_mass += weight_mass(view, plan.deferred)
-        last_gpu = self._gpu_track(plan, routing, staged, count, s, layer, tokens)
-        if plan.prefetch_after_gpu:
+        last_gpu = self._gpu_track(plan, routing, staged, count, s, layer, tokens, batches, predict)
+        if plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer, not_before=last_gpu)
         self._combine(cpu_job, parity, tokens)
         self.deferred_job, self.deferred_parity = deferred_job, parity
@@ -337,7 +340,8 @@ class RealExecutor:
                          None if step.weights is None else step.weights[rows],
                          None if step.scores is None else step.scores[rows],
                          {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
-                         now, arrivals, self.setup.expert_launch_s, self.setup.shared_launch_s)
+                         now, arrivals, self.setup.expert_launch_s, self.setup.shared_launch_s,
+                         context=int(step.position[rows].max()) + 1)
 
     def _arrivals(self, layer: int, in_flight: set[int], now: float) -> dict[int, float]:
         """Estimated arrival of this layer's in-flight experts: the queue ahead of each, at the profile's load time."""
@@ -411,8 +415,14 @@ class RealExecutor:
             self.counters.cancelled_prefetches += 1
 
     def _gpu_track(self, plan: LayerPlan, routing: LayerRouting, staged: dict[int, Transfer],
-                   count: dict[int, int], s: int, layer: int, tokens: int) -> Work | None:
-        """Launch shared and GPU experts; return the layer's last GPU work."""
+                   count: dict[int, int], s: int, layer: int, tokens: int,
+                   batches: list[tuple[slice, Batch]] | None = None, predict: float | None = None) -> Work | None:
+        """Launch shared and GPU experts; return the layer's last GPU work.
+
+        With ``predict`` (``LayerPlan.prefetch_after_predict``, 004 Sec. 4.2) the experts resident at plan
+        time go first, then the prediction: the next layer's attention and gate, for real, on this layer's
+        output so far (shared and resident experts); the plan's prefetches wait for it on the copy engine
+        (``not_before``); then the other GPU experts. A prediction the plan costs at 0 s is not run."""
         act, model = self.act, self.model
         previous: Work | None = None
         if model.shared_intermediate_size:
@@ -426,7 +436,16 @@ class RealExecutor:
             self._record("gpu", previous, "shared", s, layer, tokens=tokens)
         stream_index = {e: i for i, e in enumerate(plan.streamed)}
         runs: dict[int, Work] = {}
-        for e in plan.gpu:
+        order = plan.gpu
+        ready = -1  # index in ``order`` after which the prediction runs (-1: none)
+        if predict is not None:
+            resident = self.cache.resident[layer]  # this plan's loads are in flight, not resident, until retired
+            first = [e for e in plan.gpu if e in resident]
+            order = first + [e for e in plan.gpu if e not in resident] if len(first) < len(plan.gpu) else first
+            ready = len(first)
+            if not first:
+                previous = self._predict(plan, s, layer, tokens, batches, predict, previous)
+        for n, e in enumerate(order):
             transfer: Transfer | None = None
             if e in stream_index:
                 i = stream_index[e]
@@ -451,6 +470,23 @@ class RealExecutor:
             self._record("gpu", work, "expert", s, layer, e, count[e])
             self.gpu_runs.append((GPUExpertRun(work, transfer, previous), count[e]))
             previous = work
+            if n + 1 == ready:
+                previous = self._predict(plan, s, layer, tokens, batches, predict, previous)
+        return previous
+
+    def _predict(self, plan: LayerPlan, s: int, layer: int, tokens: int, batches: list[tuple[slice, Batch]] | None,
+                 predict: float | None, previous: Work | None) -> Work | None:
+        """The next-layer prediction on the GPU stream (unless costed at 0 s), then the plan's prefetches
+        behind it; returns the GPU stream's last work."""
+        if predict and batches is not None and layer + 1 < self.model.num_layers:
+            act, attention = self.act, self.attention[layer + 1]
+
+            def run() -> None:  # its output is only the gate's scores: dropped, as the trace holds the prediction
+                self._attend(attention, act["x"] + act["out"], batches)
+            previous = self.gpu.launch(run)
+            self.pending_rows.append(Pending("gpu", previous, "attention", s, layer, tokens=tokens,
+                                             category="predict"))
+        self._prefetch(plan, s, layer, not_before=previous)
         return previous
 
     def _cpu_job(self, experts: list[int], routing: LayerRouting, s: int, layer: int, parity: int, tokens: int,
@@ -515,7 +551,7 @@ class RealExecutor:
             t0, t1 = row.work.interval()
             self.timeline.append((row.resource, 0, t0, t1, row.kind, row.step, row.layer, row.expert, row.tokens))
             c.gpu_busy_s += t1 - t0
-            key = {"shared": "shared_expert", "expert": "gpu_compute"}.get(row.kind, row.kind)
+            key = row.category or {"shared": "shared_expert", "expert": "gpu_compute"}.get(row.kind, row.kind)
             c.breakdown[key] += t1 - t0
         for run, _ in self.gpu_runs:
             if run.transfer is None:

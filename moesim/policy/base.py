@@ -106,6 +106,8 @@ class LayerView:
     shared_launch_s: float = 0.0
     #: request id of every token row
     requests: np.ndarray | None = None
+    #: context length the layer's attention reads (the step's longest sequence, positions + 1; 0: unknown)
+    context: int = 0
     #: the last :meth:`substituted` call's rewrites and result (the system and the executor both ask)
     _rewritten: tuple[Sequence, "LayerView"] | None = field(default=None, repr=False, compare=False)
 
@@ -243,6 +245,11 @@ class LayerPlan:
     prefetch_after_gpu: bool = False
     #: drop prefetches still queued (not yet on the wire) before this plan's loads (004 Sec. 5.2)
     cancel_queued_prefetches: bool = False
+    #: None: unused. Seconds of a next-layer prediction on the GPU stream (004 Sec. 4.2, GPU parts (2)-(4)):
+    #: the GPU experts resident at plan time run first, then the prediction (breakdown ``predict``), then
+    #: ``prefetches`` are submitted, then the other GPU experts as their copies land. Overrides
+    #: ``prefetch_after_gpu``; applies even with no prefetches (the prediction ran, all it named was there)
+    prefetch_after_predict: float | None = None
 
     # written out (empty lists and dict by default): every layer makes a plan, and a list literal costs a
     # third of a default_factory call
@@ -251,7 +258,7 @@ class LayerPlan:
                  evictions: list[tuple[int, int]] | None = None, writebacks: list[tuple[int, int]] | None = None,
                  substitutions: Sequence[tuple[int, int, int]] | None = None, deferred: list[int] | None = None,
                  overhead_s: dict[str, float] | None = None, prefetch_after_gpu: bool = False,
-                 cancel_queued_prefetches: bool = False) -> None:
+                 cancel_queued_prefetches: bool = False, prefetch_after_predict: float | None = None) -> None:
         self.gpu = [] if gpu is None else gpu
         self.cpu = [] if cpu is None else cpu
         self.loads = [] if loads is None else loads
@@ -264,6 +271,7 @@ class LayerPlan:
         self.overhead_s = {} if overhead_s is None else overhead_s
         self.prefetch_after_gpu = prefetch_after_gpu
         self.cancel_queued_prefetches = cancel_queued_prefetches
+        self.prefetch_after_predict = prefetch_after_predict
 
 
 @dataclass

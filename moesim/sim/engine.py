@@ -116,6 +116,7 @@ class Simulator(Transfers):
         self._writeback_s: float | None = None
         self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
         self._rows: OneRowLayers | None = None  # the rows of the step ``run_step`` runs, split by layer
+        self._context = 0  # the context length of the step ``run_step`` runs (its views carry it)
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
         #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
@@ -224,6 +225,7 @@ class Simulator(Transfers):
         tokens = first.stop - first.start
         context = (int(step.position[first.start]) if tokens == 1 else int(step.position[first].max())) + 1
         phase = self._step_phase = PHASES[int(step.phase.min())]
+        self._context = context
         sequences = len(np.unique(step.request[first])) if tokens > 1 else 1
         self.expert_launch_s, self.shared_launch_s = self._launch[phase]
         self._gpu, self._shared = self._gpu_by_phase[phase], self._shared_by_phase[phase]
@@ -290,7 +292,7 @@ class Simulator(Transfers):
             active = one_row.active[i]  # the validated trace row has distinct experts
             return LayerView(step.step, layer, phase, one_row.experts[i], active, [1] * len(active), self.cache,
                              self.costs, one_row.weights[i], one_row.scores[i], predictors, now, arrivals,
-                             self.expert_launch_s, self.shared_launch_s, one_row.request[i])
+                             self.expert_launch_s, self.shared_launch_s, one_row.request[i], self._context)
         experts = step.experts[rows]
         if rows.stop - rows.start == 1:  # one token: the validated trace row has distinct experts
             active = experts[0].tolist()
@@ -301,7 +303,8 @@ class Simulator(Transfers):
             step.step, layer, phase, experts, active, counts, self.cache, self.costs,
             None if step.weights is None else step.weights[rows],
             None if step.scores is None else step.scores[rows],
-            predictors, now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows])
+            predictors, now, arrivals, self.expert_launch_s, self.shared_launch_s, step.request[rows],
+            self._context)
 
     def _layer(self, step: Step, layer: int, rows: slice, attention: float, phase: str, t0: float) -> float:
         """Run one MoE layer starting at ``t0`` (its attention taking ``attention`` seconds); return when it ends."""
@@ -363,13 +366,17 @@ class Simulator(Transfers):
                 self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
         staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else {}
-        if plan.prefetches and not plan.prefetch_after_gpu:
+        predict = plan.prefetch_after_predict  # None but for 004's timing: the one test the others pay
+        if plan.prefetches and not plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
-        gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1, loaded)
-        if plan.prefetches and plan.prefetch_after_gpu:
-            self._prefetch(plan, s, layer, gpu_end)
+        if predict is None:
+            gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1, loaded)
+            if plan.prefetches and plan.prefetch_after_gpu:
+                self._prefetch(plan, s, layer, gpu_end)
+        else:
+            gpu_end = self._gpu_predicting(plan, predict, staged, count, s, layer, tokens, t1, loaded)
         # the previous layer's deferred experts are added into this layer's output
         cpu_side = cpu_end if cpu_end > self.deferred_until else self.deferred_until
         end = gpu_end if gpu_end > cpu_side else cpu_side
@@ -466,14 +473,40 @@ class Simulator(Transfers):
         self.counters.dram_shared_s += (ends[-1] - t) - sum(d for d, _ in jobs)
         return ends[-1]
 
+    def _gpu_predicting(self, plan: LayerPlan, predict: float, staged: dict[int, Transfer],
+                        count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float,
+                        loaded: dict[int, float] | None) -> float:
+        """The GPU track of a plan with ``prefetch_after_predict`` (004 Sec. 4.2, GPU parts (2)-(4)): shared
+        experts, the GPU experts resident at plan time (in plan order), the next-layer prediction (``predict``
+        seconds on the stream), the plan's prefetches submitted at its end, then the other GPU experts (loads,
+        copies in flight, streamed) in plan order, each once its weights are there."""
+        resident = self.cache.resident[layer]  # :meth:`_load_at_once`'s loads are in it already: not yet here
+        first = [e for e in plan.gpu if e in resident and (loaded is None or e not in loaded)]
+        rest = [e for e in plan.gpu if e not in resident or (loaded is not None and e in loaded)] \
+            if len(first) < len(plan.gpu) else []
+        gpu_t = self._gpu_track(first, [], {}, count, s, layer, tokens, t1, loaded)
+        if predict:
+            if self.timeline is not None:  # the next layer's attention and gate, run early: that kind's span
+                self._span("gpu", 0, gpu_t, gpu_t + predict, "attention", s, layer, tokens=tokens)
+            gpu_t += predict
+            counters = self.counters
+            counters.gpu_busy_s += predict
+            counters.breakdown["predict"] += predict
+        if plan.prefetches:
+            self._prefetch(plan, s, layer, gpu_t)
+        if not rest:
+            return gpu_t
+        return self._gpu_track(rest, plan.streamed, staged, count, s, layer, tokens, gpu_t, loaded, shared=False)
+
     def _gpu_track(self, experts: list[int], streamed: list[int], staged: dict[int, Transfer],
                    count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float,
-                   loaded: dict[int, float] | None = None) -> float:
-        """Shared experts, then GPU experts in plan order, each once its weights are there (``loaded``: the
-        arrival of each of :meth:`_load_at_once`'s loads, the only GPU experts not resident before the plan)."""
+                   loaded: dict[int, float] | None = None, shared: bool = True) -> float:
+        """Shared experts (unless not ``shared``), then GPU experts in plan order, each once its weights are
+        there (``loaded``: the arrival of each of :meth:`_load_at_once`'s loads, the only GPU experts not
+        resident before the plan)."""
         counters, tl = self.counters, self.timeline
         gpu_t = t1
-        if self.model.shared_intermediate_size:
+        if self.model.shared_intermediate_size and shared:
             d = self._shared.get(tokens)
             if d is None:
                 d = self._shared[tokens] = self.costs.gpu_shared(tokens) + self.shared_launch_s
