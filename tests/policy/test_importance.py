@@ -231,8 +231,9 @@ def run_clearing(path, **settings):
 
 def test_queued_prefetches_are_cancelled_when_the_gate_has_run(tmp_path):
     path = clearing_trace(tmp_path / "t.parquet", [3, 7])
-    # layer 0 planned at 50 us: the copy of 4 starts at once (ends 1060 us), 5 and 6 wait behind it;
-    # layer 1's gate (at 330 us) routes 3 and 7, so 5 and 6 are dropped and their slots free up
+    # layer 0 planned at 50 us runs its resident experts 0 and 1 (115 us each) to 280 us, then the prediction
+    # (layer 1's attention and gate, 50 us, 004 Sec. 4.2): the copy of 4 starts at 330 us (ends 1340 us), 5 and
+    # 6 wait behind it; layer 1's gate (at 380 us) routes 3 and 7, so 5 and 6 are dropped and their slots free up
     sim, result = run_clearing(path)
     m = metrics(result)
     assert m["prefetches"] == 3 and m["cancelled_prefetches"] == 2
@@ -249,10 +250,11 @@ def test_a_queued_prefetch_the_layer_uses_is_kept_as_its_load(tmp_path):
     frame = result_to_frames(result)["timeline"]
     copies = frame[frame.resource == "pcie"].set_index("expert")
     gpu = frame[(frame.resource == "gpu") & (frame.kind == "expert") & (frame.layer == 1)].set_index("expert")
-    assert copies.loc[5, "start_s"] * 1e6 == pytest.approx(1060) and copies.loc[5, "end_s"] * 1e6 == pytest.approx(2070)
+    # 4's copy runs 330-1340 us (after layer 0's resident experts and the prediction), then 5's
+    assert copies.loc[5, "start_s"] * 1e6 == pytest.approx(1340) and copies.loc[5, "end_s"] * 1e6 == pytest.approx(2350)
     # expert 5 runs once its weights are there (3 is resident and goes first)
-    assert gpu.loc[5, "start_s"] * 1e6 == pytest.approx(2070)
-    assert gpu.loc[3, "end_s"] * 1e6 < 2070 and 6 not in copies.index
+    assert gpu.loc[5, "start_s"] * 1e6 == pytest.approx(2350)
+    assert gpu.loc[3, "end_s"] * 1e6 < 2350 and 6 not in copies.index
 
 
 @settings(max_examples=150, deadline=None)

@@ -107,6 +107,136 @@ def test_top_score_prefetch_refuses_a_negative_count():
         _prefetch(per_token=-1)
 
 
+# ----------------------------------------------------------------------------- 004 Sec. 4.2 GPU (2)-(4), Sec. 6.3
+# When the prefetch goes out. One decode token, 2 layers, 8 experts, top-2, LRU over 4 slots a layer (experts
+# 0-3 preloaded), no router (no scores needed). Layer 0 routes 0 (resident) and 6 (a demand load) and
+# predicts 7 for layer 1, which routes 7 and 3. Tiny profile: attention and gate 50 us, a GPU expert
+# 100 us + 3 launches x 5 us = 115 us, no per-layer launches; embedding 0.2133 ns before layer 0.
+SEC42 = {"engine.check": "true", "cache": "lru", "substitute": "none", "cache.slots_per_layer": "4"}
+
+
+def _sec42_run(tmp_path, pcie_gbps, timeline=True, **settings):
+    from moesim.sim.run import prepare
+    from moesim.trace import TraceMeta, write_trace
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    data = {"step": np.array([0, 0]), "layer": np.array([0, 1]), "request": np.array([0, 0]),
+            "position": np.array([0, 0]), "phase": ["decode", "decode"],
+            "experts": np.array([[0, 6], [7, 3]], dtype=np.int16), "pred_next_layer": [[7], [0, 1]]}
+    path = tmp_path / "sec42.parquet"
+    if not path.exists():
+        write_trace(path, data, TraceMeta(model=model, source={"kind": "test"}))
+    sim = prepare(str(path), tiny_profile(pcie_gbps=pcie_gbps), "importance", {**SEC42, **settings},
+                  timeline=timeline)
+    return sim.run()
+
+
+def _spans(result):
+    """(resource, kind, layer, expert) -> (start, end) in us, less the 0.2133 ns embedding."""
+    from moesim.sim.result import result_to_frames
+    frame = result_to_frames(result)["timeline"]
+    skew = 64 * 2 / 600e9
+    out = {}
+    for row in frame.itertuples():
+        out.setdefault((row.resource, row.kind, row.layer, row.expert), []).append(
+            ((row.start_s - skew) * 1e6, (row.end_s - skew) * 1e6))
+    return out
+
+
+US = 1e-6
+
+
+def test_prefetch_waits_for_resident_experts_and_the_gpu_prediction(tmp_path):
+    """004 Sec. 4.2: the GPU computes the resident experts (2), then predicts the next layer's experts by
+    running that layer's attention and gate on their results (3), and only then can the prefetch go; then
+    it computes the newly loaded experts (4). A copy takes 49,152 B / 491.52 MB/s + 10 us = 110 us.
+
+    Layer 0, by hand: attention 0-50 us; plan at 50: demand load of 6 on the idle link, 50-160 us. GPU:
+    expert 0 (resident) 50-165, the prediction (layer 1's attention and gate: 50 us) 165-215, and the
+    prefetch of 7 submitted at 215 us: the link has been idle since 160, and still the copy starts at 215,
+    ending 325. Expert 6 landed at 160 but the GPU is busy until 215 (the GPU is the bottleneck here): it
+    runs 215-330, 50 us later than without the prediction. Layer 1 (the last: no prediction): attention
+    330-380; 7 arrived at 325, so 7 and 3 are both resident: 380-495, 495-610. ``predict``: 50 us, once."""
+    result = _sec42_run(tmp_path, pcie_gbps=0.49152)
+    spans = _spans(result)
+    assert spans[("pcie", "load", 0, 6)] == [pytest.approx((50, 160))]
+    assert spans[("gpu", "expert", 0, 0)] == [pytest.approx((50, 165))]
+    # the prediction's span (kind "attention": it runs layer 1's attention and gate), after layer 0's own
+    assert spans[("gpu", "attention", 0, -1)] == [pytest.approx((0, 50)), pytest.approx((165, 215))]
+    assert spans[("pcie", "prefetch", 1, 7)] == [pytest.approx((215, 325))]
+    assert spans[("gpu", "expert", 0, 6)] == [pytest.approx((215, 330))]
+    assert spans[("gpu", "expert", 1, 3)] == [pytest.approx((495, 610))]
+    b = result.counters.breakdown
+    assert b["predict"] == pytest.approx(50 * US) and b["wait_cache"] == 0.0
+    assert b["attention"] == pytest.approx(100 * US)  # the two layers' own; the prediction is not in it
+    # the GPU never idles: 2 x 50 attention + 50 prediction + 4 x 115 experts + 23.5 ns embedding and head
+    assert result.makespan_s == pytest.approx(610.0235467 * US)
+    assert result.counters.gpu_busy_s == pytest.approx(result.makespan_s)
+    # the closed-form path (no timeline: the demand load laid out at once) gives the same schedule
+    fast = _sec42_run(tmp_path, pcie_gbps=0.49152, timeline=False)
+    assert fast.makespan_s == result.makespan_s and fast.counters.breakdown == b
+
+
+def test_the_prediction_hides_in_the_wait_when_the_link_is_the_bottleneck(tmp_path):
+    """The same case on a 49.152 MB/s link: a copy takes 1000 + 10 us. Layer 0: 6 loads 50-1060 us; expert 0
+    50-165, the prediction 165-215, then 6 waits for its copy (845 us of ``wait_cache``, 50 less than the 895
+    of plan-time prefetching) and runs 1060-1175; the prefetch of 7 queues behind the demand load, 1060-2070.
+    Layer 1: attention 1175-1225, 3 (resident) 1225-1340, 7 waits to 2070 and runs to 2185, as without the
+    prediction: it costs nothing on the critical path here."""
+    new, old = (_sec42_run(tmp_path, pcie_gbps=0.049152, **s) for s in ({}, {"prefetch.after_resident": "false"}))
+    assert _spans(new)[("pcie", "prefetch", 1, 7)] == [pytest.approx((1060, 2070))]
+    assert new.counters.breakdown["predict"] == pytest.approx(50 * US)
+    assert new.counters.breakdown["wait_cache"] == pytest.approx((845 + 730) * US)
+    assert old.counters.breakdown["wait_cache"] == pytest.approx((895 + 730) * US)
+    assert new.makespan_s == pytest.approx(old.makespan_s) == pytest.approx(2185.0235467 * US)
+
+
+def test_prefetch_timing_ablations_restore_the_plan_time_prefetch_or_a_free_prediction(tmp_path):
+    """``prefetch.after_resident=false``: the old timing, the prefetch queued at plan time (50 us) behind the
+    demand load of 6, so its copy runs 160-270 us; 6 runs as soon as it lands and the GPU is free, 165-280;
+    no ``predict``; layer 1 330-560 (attention 280-330). ``prefetch.predict_cost=false``: the prefetch still
+    waits for the resident expert 0 (to 165 us) but the prediction takes no time: copy 165-275, 6 at
+    165-280, the same makespan as the plan-time prefetch."""
+    plan_time = _sec42_run(tmp_path, pcie_gbps=0.49152, **{"prefetch.after_resident": "false"})
+    spans = _spans(plan_time)
+    assert spans[("pcie", "prefetch", 1, 7)] == [pytest.approx((160, 270))]
+    assert spans[("gpu", "expert", 0, 6)] == [pytest.approx((165, 280))]
+    assert plan_time.counters.breakdown["predict"] == 0.0
+    assert plan_time.makespan_s == pytest.approx(560.0235467 * US)
+    free = _sec42_run(tmp_path, pcie_gbps=0.49152, **{"prefetch.predict_cost": "false"})
+    spans = _spans(free)
+    assert spans[("pcie", "prefetch", 1, 7)] == [pytest.approx((165, 275))]
+    assert spans[("gpu", "expert", 0, 6)] == [pytest.approx((165, 280))]
+    assert free.counters.breakdown["predict"] == 0.0 and free.makespan_s == plan_time.makespan_s
+
+
+def test_prediction_cost_is_the_next_layers_attention_and_gate():
+    """Sec. 5.2: the prediction runs the next layer's attention (over its KV cache) and gate: the cost
+    model's attention (gate included) for the step's tokens and context, no launches (kernels_per_layer
+    counts a whole layer's); none in the prefill, at the last layer, or with after_resident=false; 0 with
+    predict_cost=false."""
+    model = load_preset("deepseek-v3")
+    costs = CostModel(load_profile("a100-40g"), model, runtime_name="pytorch-eager")
+    prefetch = TopScorePrefetch()
+    prefetch.configure(RunContext(model=model, costs=costs, capacity=[8] * model.num_layers,
+                                  columns=("pred_next_layer",)))
+    state = CacheState(capacity=[8] * model.num_layers)
+    arr = np.array([list(range(model.top_k))])
+    view = LayerView(0, 0, "decode", arr, arr[0].tolist(), [1] * model.top_k, state, costs, context=300)
+    assert prefetch.prediction_s(view) == costs.attention(1, 300) > 0
+    view.context = 900  # a later step reads more context
+    assert prefetch.prediction_s(view) == costs.attention(1, 900) > costs.attention(1, 300)
+    view.layer = model.num_layers - 1
+    assert prefetch.prediction_s(view) is None
+    view.layer, view.phase = 0, "prefill"
+    assert prefetch.prediction_s(view) is None
+    view.phase = "decode"
+    assert TopScorePrefetch(after_resident=False).prediction_s(view) is None
+    free = TopScorePrefetch(predict_cost=False)
+    free.configure(RunContext(model=model, costs=costs, capacity=[8] * model.num_layers,
+                              columns=("pred_next_layer",)))
+    assert free.prediction_s(view) == 0.0
+
+
 # ----------------------------------------------------------------------------- 004 Sec. 5.3
 def test_score_history_window_includes_the_iteration_being_planned():
     """Sec. 5.3 through the importance system: 2 slots, experts 0 and 1 resident, layer 0 of step 1 routes

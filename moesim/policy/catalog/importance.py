@@ -12,7 +12,12 @@ Components:
   experts. Needs the ``scores`` column.
 * ``top-score`` (prefetch, Sec. 5.2): each token's highest predicted experts
   for the next layer (``pred_next_layer``, ``per_token`` of them), ranked by
-  how many tokens predict them, then by rank in the prediction.
+  how many tokens predict them, then by rank in the prediction. In decoding
+  the prefetches are issued after the layer's resident GPU experts and the
+  prediction that names them, which runs the next layer's attention and gate
+  on the GPU (Sec. 4.2, GPU parts (2)-(4); ``LayerPlan.prefetch_after_predict``);
+  ``prefetch.after_resident=false`` issues them at plan time with no prediction
+  cost, ``prefetch.predict_cost=false`` keeps the timing with a free prediction.
 * ``score-history`` (cache, Sec. 5.3): evicts the expert with the lowest
   average router score over the last ``n`` iterations, inactive experts'
   scores included; experts the layer is using are protected (the system
@@ -222,7 +227,14 @@ class TopScorePrefetch(Prefetch):
     size: int = 0
     #: drop still-queued prefetches once the predicted layer's gate has run (Sec. 5.2)
     clear_queue: bool = True
+    #: in decoding, issue the prefetches after this layer's resident GPU experts and the GPU prediction
+    #: (Sec. 4.2, GPU parts (2)-(4)); false: at plan time, with no prediction on the GPU (an ablation)
+    after_resident: bool = True
+    #: charge the prediction's GPU time (the next layer's attention and gate); false: it takes none, the
+    #: prefetches still wait for the resident experts (an ablation; acts only with after_resident)
+    predict_cost: bool = True
     _layers: int = 0
+    _predict_memo: tuple[int, int, float] = (-1, -1, 0.0)
 
     def configure(self, ctx: RunContext) -> None:
         require_column(ctx, "pred_next_layer", "prefetch 'top-score'", "the next layer's predicted experts")
@@ -230,6 +242,7 @@ class TopScorePrefetch(Prefetch):
             raise ConfigError(f"prefetch.per_token={self.per_token} is negative", field="prefetch.per_token",
                               fix="use 1 (each token's top prediction) or more, or 0 for the whole prediction")
         self._layers = ctx.model.num_layers
+        self._predict_memo = (-1, -1, 0.0)
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = view.predictors.get("pred_next_layer")
@@ -238,6 +251,35 @@ class TopScorePrefetch(Prefetch):
         first = self.per_token or None  # 0: the whole prediction
         ranked = ranked_predictions([p[:first] for p in predicted])
         return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
+
+    def prediction_s(self, view: LayerView) -> float | None:
+        """Seconds of this layer's next-layer prediction on the GPU, after its resident experts (Sec. 4.2's
+        GPU part (3)); None where the prefetches go at plan time (the prefill, the last layer, the ablation).
+
+        Reading of 004: Sec. 5.2 says the hidden states of the shared experts and the routed experts
+        already on the GPU go through the next layer's attention (with its KV cache) and then its gate;
+        Sec. 4.2's "the shared experts, attention, and gate of the next layer" lists the same chain, and
+        a next-layer shared expert would follow that layer's attention, not feed its gate. So the
+        prediction adds the next layer's attention and gate (``CostModel.attention``, which includes the
+        gate, for this step's tokens and context); this layer's shared experts run anyway, before the
+        resident experts. Kernel launches are left out: the runtime's ``kernels_per_layer`` counts all of a
+        layer's non-expert kernels (pytorch-eager's 115 are 001 Sec. 2.3's 7,000 launches per token over 61
+        layers, the MoE dispatch's included), and no source says how many of them the attention and gate
+        are. The GPU pipeline of Sec. 4.2 is the decoding scheduler's (Sec. 4.1: prefill overlaps the next
+        layer's loads with this layer's experts), so a prefill layer keeps plan-time prefetches with no
+        prediction.
+        """
+        if not self.after_resident or view.phase != "decode" or view.layer + 1 >= self._layers:
+            return None
+        if not self.predict_cost:
+            return 0.0
+        tokens, context = view.tokens, view.context
+        memo = self._predict_memo  # every layer of a step asks for the same figure
+        if memo[0] == tokens and memo[1] == context:
+            return memo[2]
+        seconds = view.costs.attention(tokens, context)
+        self._predict_memo = (tokens, context, seconds)
+        return seconds
 
 
 # ----------------------------------------------------------------------------- cache (Sec. 5.3)
@@ -378,11 +420,16 @@ def _cpu_expert(costs: CostModel, tokens: int) -> float:
 
 
 class ImportanceSystem(ObservingSystem):
-    """Clears the prefetch queue when a layer's real gate has run (004 Sec. 5.2), then loads what it needs."""
+    """Clears the prefetch queue when a layer's real gate has run (004 Sec. 5.2), then loads what it needs;
+    with the ``top-score`` prefetch, times its prefetches after the layer's resident GPU experts and the
+    prediction (:meth:`TopScorePrefetch.prediction_s`, 004 Sec. 4.2)."""
 
     def _place(self, view: LayerView) -> LayerPlan:
         plan = super()._place(view)
         plan.cancel_queued_prefetches = bool(getattr(self.prefetch, "clear_queue", False))
+        prediction_s = getattr(self.prefetch, "prediction_s", None)
+        if prediction_s is not None:
+            plan.prefetch_after_predict = prediction_s(view)
         return plan
 
 

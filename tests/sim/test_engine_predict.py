@@ -1,0 +1,154 @@
+"""Engine invariants of the prediction-timed prefetch (``LayerPlan.prefetch_after_predict``, 004 Sec. 4.2) over
+random small traces with router scores and next-layer predictions, under the ``importance`` system (hypothesis).
+
+The hand-worked cases are in tests/policy/test_importance_paper.py; here: time never goes backwards, no
+expert runs on the GPU before its weights arrive, no prefetch copy starts before its layer's prediction has
+ended, the ``predict`` breakdown is the prediction spans' sum, and the closed-form paths (no timeline) give
+the schedule the timeline's paths give.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from moesim.analysis.metrics import metrics
+from moesim.sim.result import result_to_frames
+from moesim.sim.run import simulate
+from moesim.trace import TraceMeta, write_trace
+from tests.factories import random_routing, tiny_model, tiny_profile
+
+EPS = 1e-12
+#: the full system, and variants that take the engine's other paths (no router, every expert on the GPU,
+#: whole predictions, a free prediction, chunked copies, LRU)
+VARIANTS = [{}, {"substitute": "none"}, {"assign": "gpu"}, {"prefetch.per_token": "0"},
+            {"prefetch.predict_cost": "false"}, {"engine.copy_chunk_bytes": "4096"}, {"cache": "lru"}]
+WALL = ("sim_wall_s", "sim_rows_per_s", "wall_s")
+
+
+def write_scored_trace(path: Path, model, routing, rng: np.random.Generator) -> str:
+    """``routing`` (tests.factories) with router scores (routed experts above the rest) and each token's
+    next-layer prediction (its real next-layer experts, one of them sometimes swapped for another)."""
+    rows = []
+    for step, entry in enumerate(routing):
+        for request in sorted(entry["tokens"]):
+            first, by_layer = entry["tokens"][request]
+            for i in range(len(by_layer[0])):
+                for layer in range(model.num_layers):
+                    rows.append((step, layer, request, first + i, entry["phase"], by_layer[layer][i],
+                                 list(by_layer[layer + 1][i]) if layer + 1 < model.num_layers else []))
+    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
+    n = len(rows)
+    scores = rng.random((n, model.num_experts)) * 0.3
+    for i, row in enumerate(rows):
+        scores[i, row[5]] = 0.3 + 0.6 * rng.random(len(row[5]))
+        if row[6] and rng.random() < 0.3:
+            row[6][-1] = int(rng.integers(model.num_experts))
+            row[6][:] = list(dict.fromkeys(row[6]))
+    data = {name: np.array([r[i] for r in rows]) for i, name in enumerate(("step", "layer", "request", "position"))}
+    data["phase"] = [r[4] for r in rows]
+    data["experts"] = np.array([r[5] for r in rows], dtype=np.int16).reshape(n, model.top_k)
+    data["pred_next_layer"] = [r[6] for r in rows]
+    data["scores"] = scores.astype(np.float16)
+    return str(write_trace(path, data, TraceMeta(model=model, source={"kind": "test"})))
+
+
+@st.composite
+def scenarios(draw):
+    experts = draw(st.integers(3, 8))
+    model = tiny_model(layers=draw(st.integers(2, 3)), experts=experts, top_k=draw(st.integers(1, min(3, experts - 1))),
+                       shared=draw(st.booleans()))
+    seed = draw(st.integers(0, 2**16))
+    routing = random_routing(np.random.default_rng(seed), model, requests=draw(st.integers(1, 2)),
+                             prompt=draw(st.integers(1, 4)), decode=draw(st.integers(1, 6)))
+    profile = dict(
+        gpu_us=(draw(st.floats(10, 500)), draw(st.floats(500, 5000))),
+        cpu_us=(draw(st.floats(10, 5000)), draw(st.floats(5000, 50000))),
+        attention_us=draw(st.floats(1, 200)),
+        pcie_gbps=draw(st.sampled_from([0.0001, 0.001, 0.01, 1.0])),
+        sync_us=draw(st.floats(0, 50)),
+        copy_engines=draw(st.integers(1, 2)),
+    )
+    slots = draw(st.integers(model.top_k, experts))
+    return model, routing, seed, profile, slots, draw(st.sampled_from(VARIANTS))
+
+
+def run(scenario, timeline: bool):
+    model, routing, seed, profile, slots, variant = scenario
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_scored_trace(Path(tmp) / "t.parquet", model, routing, np.random.default_rng(seed))
+        return simulate(path, tiny_profile(**profile), "importance",
+                        {"cache.slots_per_layer": str(slots), "engine.check": "true", **variant},
+                        timeline=timeline, decisions=timeline)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_prediction_timed_prefetch_invariants(scenario):
+    result = run(scenario, timeline=True)
+    frames = result_to_frames(result)
+    timeline, decisions = frames["timeline"], frames["decisions"]
+
+    # time never goes backwards: no lane overlaps itself, steps follow each other
+    assert (timeline.end_s >= timeline.start_s).all()
+    for (resource, _), spans in timeline.groupby(["resource", "lane"]):
+        spans = spans.sort_values(["start_s", "end_s"])
+        assert (spans.start_s.values[1:] >= spans.end_s.values[:-1]).all(), resource
+    ends = [s.end for s in result.steps]
+    assert all(b >= a for a, b in zip(ends, [s.start for s in result.steps][1:]))
+
+    # no expert runs on the GPU before its weights arrive
+    pcie = timeline[timeline.resource == "pcie"]
+    gpu = timeline[(timeline.resource == "gpu") & (timeline.kind == "expert")]
+    actions = decisions.set_index(["step", "layer", "expert", "action"]).index
+    for row in gpu.itertuples():
+        copies = pcie[(pcie.layer == row.layer) & (pcie.expert == row.expert) & (pcie.start_s <= row.start_s + EPS)]
+        if (row.step, row.layer, row.expert, "gpu_hit") not in actions:
+            assert len(copies), f"expert {row.expert} of layer {row.layer} computed without a copy"
+        if len(copies):
+            assert copies.end_s.max() <= row.start_s + EPS
+
+    # a decode layer's prediction is its second attention span; its prefetches' copies start after it
+    attention = timeline[(timeline.resource == "gpu") & (timeline.kind == "attention") & (timeline.layer >= 0)]
+    predictions = {}  # (step, layer) -> (start, end) of the prediction
+    for key, spans in attention.groupby(["step", "layer"]):
+        assert len(spans) <= 2
+        if len(spans) == 2:
+            later = spans.sort_values("start_s").iloc[1]
+            predictions[key] = (later.start_s, later.end_s)
+    assert abs(result.counters.breakdown["predict"] - sum(e - s for s, e in predictions.values())) <= 1e-12
+    # every decode layer but the last predicts (with a cost); no prefill layer does
+    if scenario[-1].get("prefetch.predict_cost") != "false":
+        layers = scenario[0].num_layers
+        assert set(predictions) == {(s.step, layer) for s in result.steps if s.phase == "decode"
+                                    for layer in range(layers - 1)}
+    prefetched = decisions[decisions.action == "prefetch"]
+    for row in prefetched.itertuples():
+        if (row.step, row.layer) not in predictions:  # the prefill, or a free prediction: no span to compare
+            continue
+        decided = predictions[(row.step, row.layer)][1]
+        copies = pcie[(pcie.step == row.step) & (pcie.layer == row.target_layer) & (pcie.expert == row.expert)
+                      & pcie.kind.isin(["prefetch", "chunk"])]
+        assert (copies.start_s >= decided - EPS).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_closed_form_paths_give_the_timeline_schedule(scenario):
+    """Without a timeline a decode layer's demand loads are laid out at once (``_load_at_once``) and its
+    one-token experts summed in closed form; the split around the prediction must keep them equal."""
+    fast, slow = ({k: v for k, v in metrics(run(scenario, timeline=t)).items() if k not in WALL} for t in (False, True))
+    assert fast.keys() == slow.keys()
+    for key in fast:  # busy times are summed span by span with a timeline: equal to rounding
+        a, b = fast[key], slow[key]
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(x == pytest.approx(b[k], rel=1e-9, abs=1e-15) for k, x in a.items())
+        elif isinstance(a, float):
+            assert a == pytest.approx(b, rel=1e-9, abs=1e-15, nan_ok=True), key
+        else:
+            assert json.dumps(a, default=str) == json.dumps(b, default=str), key
