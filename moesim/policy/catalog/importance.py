@@ -228,7 +228,7 @@ class TopScorePrefetch(Prefetch):
     #: drop still-queued prefetches once the predicted layer's gate has run (Sec. 5.2)
     clear_queue: bool = True
     #: in decoding, issue the prefetches after this layer's resident GPU experts and the GPU prediction
-    #: (Sec. 4.2, GPU parts (2)-(4)); false: at plan time, with no prediction on the GPU (an ablation)
+    #: (004 Sec. 4.2, GPU parts (2)-(4)); false: at plan time, with no prediction on the GPU (an ablation)
     after_resident: bool = True
     #: charge the prediction's GPU time (the next layer's attention and gate); false: it takes none, the
     #: prefetches still wait for the resident experts (an ablation; acts only with after_resident)
