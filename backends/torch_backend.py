@@ -484,7 +484,7 @@ class RealExecutor:
             def run() -> None:  # its output is only the gate's scores: dropped, as the trace holds the prediction
                 self._attend(attention, act["x"] + act["out"], batches)
             previous = self.gpu.launch(run)
-            self.pending_rows.append(Pending("gpu", previous, "attention", s, layer, tokens=tokens,
+            self.pending_rows.append(Pending("gpu", previous, "predict", s, layer, tokens=tokens,
                                              category="predict"))
         self._prefetch(plan, s, layer, not_before=previous)
         return previous

@@ -161,3 +161,31 @@ def write_partial_trace(path: Path, layers: list[int], num_layers: int = 3, step
             "experts": np.tile(np.array([[0, 1]], dtype=np.int16), (steps * per_step, 1))}
     source = {"kind": "imported", "layers_present": layers}
     return write_trace(path, data, TraceMeta(model=model, source=source))
+
+
+def write_scored_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]],
+                       rng: np.random.Generator) -> str:
+    """``routing`` (tests.factories) with router scores (routed experts above the rest) and each token's
+    next-layer prediction (its real next-layer experts, one of them sometimes swapped for another)."""
+    rows = []
+    for step, entry in enumerate(routing):
+        for request in sorted(entry["tokens"]):
+            first, by_layer = entry["tokens"][request]
+            for i in range(len(by_layer[0])):
+                for layer in range(model.num_layers):
+                    rows.append((step, layer, request, first + i, entry["phase"], by_layer[layer][i],
+                                 list(by_layer[layer + 1][i]) if layer + 1 < model.num_layers else []))
+    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
+    n = len(rows)
+    scores = rng.random((n, model.num_experts)) * 0.3
+    for i, row in enumerate(rows):
+        scores[i, row[5]] = 0.3 + 0.6 * rng.random(len(row[5]))
+        if row[6] and rng.random() < 0.3:
+            row[6][-1] = int(rng.integers(model.num_experts))
+            row[6][:] = list(dict.fromkeys(row[6]))
+    data = {name: np.array([r[i] for r in rows]) for i, name in enumerate(("step", "layer", "request", "position"))}
+    data["phase"] = [r[4] for r in rows]
+    data["experts"] = np.array([r[5] for r in rows], dtype=np.int16).reshape(n, model.top_k)
+    data["pred_next_layer"] = [r[6] for r in rows]
+    data["scores"] = scores.astype(np.float16)
+    return str(write_trace(path, data, TraceMeta(model=model, source={"kind": "test"})))

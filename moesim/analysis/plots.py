@@ -37,6 +37,7 @@ LANE_LABELS = {"pcie": "PCIe H2D", "gpu": "GPU", "cpu": "CPU"}
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
 KIND_STYLE = {
     "attention": ("#999999", "attention + gate"),
+    "predict": ("#56B4E9", "next-layer prediction"),  # the breakdown's colour for it
     "shared": ("#CC79A7", "shared experts"),
     "expert": ("#0072B2", "routed expert"),
     "load": ("#D55E00", "demand load"),

@@ -38,6 +38,7 @@ RESOURCES = ("pcie", "gpu", "cpu")
 #: the ``kind`` of a timeline row, per resource, and what it is
 TIMELINE_KINDS: dict[str, dict[str, str]] = {
     "gpu": {"embedding": "token embedding", "attention": "attention and gate of a layer",
+            "predict": "the next layer's attention and gate run early to name its prefetches (004 Sec. 4.2)",
             "dense_ffn": "the dense layers' FFN", "shared": "a layer's shared experts",
             "expert": "a routed expert", "lm_head": "LM head", "sampling": "sampling"},
     "cpu": {"expert": "a routed expert on the CPU pool", "deferred": "a deferred expert (Expert Deferral)"},

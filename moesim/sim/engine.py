@@ -486,8 +486,8 @@ class Simulator(Transfers):
             if len(first) < len(plan.gpu) else []
         gpu_t = self._gpu_track(first, [], {}, count, s, layer, tokens, t1, loaded)
         if predict:
-            if self.timeline is not None:  # the next layer's attention and gate, run early: that kind's span
-                self._span("gpu", 0, gpu_t, gpu_t + predict, "attention", s, layer, tokens=tokens)
+            if self.timeline is not None:  # the next layer's attention and gate, run early to name prefetches
+                self._span("gpu", 0, gpu_t, gpu_t + predict, "predict", s, layer, tokens=tokens)
             gpu_t += predict
             counters = self.counters
             counters.gpu_busy_s += predict

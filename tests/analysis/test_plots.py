@@ -59,7 +59,7 @@ def test_gantt_lanes_bars_and_legend() -> None:
 
 def test_every_kind_and_category_the_engine_writes_has_a_colour(tiny_replay) -> None:
     """Unstyled kinds fell back to black (Gantt) or matplotlib's cycle (breakdown), clashing with styled ones."""
-    kinds = {"attention", "shared", "expert", "deferred", "embedding", "dense_ffn", "lm_head", "sampling",
+    kinds = {"attention", "predict", "shared", "expert", "deferred", "embedding", "dense_ffn", "lm_head", "sampling",
              "load", "prefetch", "stage", "chunk", "writeback"}
     assert set(tiny_replay["kind"]) <= kinds  # what a replay writes is among those checked here
     assert kinds <= set(KIND_STYLE) and set(BREAKDOWN) <= set(BREAKDOWN_STYLE)

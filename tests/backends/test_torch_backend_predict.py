@@ -39,14 +39,14 @@ def _run(trace, **settings):
 def test_the_prefetch_copy_follows_the_resident_experts_and_the_prediction(trace):
     result, frame = _run(trace)
     layer0 = frame[(frame.step == 0) & (frame.layer == 0) & (frame.resource == "gpu")].sort_values("start_s")
-    assert list(layer0.kind) == ["attention", "expert", "attention", "expert"]  # 0, the prediction, then 6
+    assert list(layer0.kind) == ["attention", "expert", "predict", "expert"]  # 0, the prediction, then 6
     assert list(layer0.expert) == [-1, 0, -1, 6]
     prediction = layer0.iloc[2]
     prefetch = frame[(frame.resource == "pcie") & (frame.kind == "prefetch")]
     assert list(prefetch.expert) == [7] and (prefetch.start_s >= prediction.end_s).all()
     assert result.counters.breakdown["predict"] == pytest.approx(prediction.end_s - prediction.start_s)
     # layer 1 is the last: no prediction there
-    assert (frame[(frame.layer == 1) & (frame.kind == "attention")].shape[0]) == 1
+    assert (frame[(frame.layer == 1) & (frame.kind == "predict")].shape[0]) == 0
 
 
 def test_ablations_run_no_prediction(trace):
@@ -54,4 +54,5 @@ def test_ablations_run_no_prediction(trace):
         result, frame = _run(trace, **settings)
         assert result.counters.breakdown["predict"] == 0.0
         assert (frame[(frame.layer == 0) & (frame.kind == "attention")].shape[0]) == 1
+        assert not (frame.kind == "predict").any()
         assert list(frame[(frame.resource == "pcie") & (frame.kind == "prefetch")].expert) == [7]

@@ -160,8 +160,9 @@ def test_prefetch_waits_for_resident_experts_and_the_gpu_prediction(tmp_path):
     spans = _spans(result)
     assert spans[("pcie", "load", 0, 6)] == [pytest.approx((50, 160))]
     assert spans[("gpu", "expert", 0, 0)] == [pytest.approx((50, 165))]
-    # the prediction's span (kind "attention": it runs layer 1's attention and gate), after layer 0's own
-    assert spans[("gpu", "attention", 0, -1)] == [pytest.approx((0, 50)), pytest.approx((165, 215))]
+    # the prediction's span (it runs layer 1's attention and gate), after layer 0's own attention
+    assert spans[("gpu", "attention", 0, -1)] == [pytest.approx((0, 50))]
+    assert spans[("gpu", "predict", 0, -1)] == [pytest.approx((165, 215))]
     assert spans[("pcie", "prefetch", 1, 7)] == [pytest.approx((215, 325))]
     assert spans[("gpu", "expert", 0, 6)] == [pytest.approx((215, 330))]
     assert spans[("gpu", "expert", 1, 3)] == [pytest.approx((495, 610))]

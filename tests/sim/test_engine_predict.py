@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from moesim.analysis.metrics import metrics
 from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
-from moesim.trace import TraceMeta, write_trace
-from tests.factories import random_routing, tiny_model, tiny_profile
+from tests.factories import random_routing, tiny_model, tiny_profile, write_scored_trace
 
 EPS = 1e-12
 #: the full system, and variants that take the engine's other paths (no router, every expert on the GPU,
@@ -29,33 +28,6 @@ EPS = 1e-12
 VARIANTS = [{}, {"substitute": "none"}, {"assign": "gpu"}, {"prefetch.per_token": "0"},
             {"prefetch.predict_cost": "false"}, {"engine.copy_chunk_bytes": "4096"}, {"cache": "lru"}]
 WALL = ("sim_wall_s", "sim_rows_per_s", "wall_s")
-
-
-def write_scored_trace(path: Path, model, routing, rng: np.random.Generator) -> str:
-    """``routing`` (tests.factories) with router scores (routed experts above the rest) and each token's
-    next-layer prediction (its real next-layer experts, one of them sometimes swapped for another)."""
-    rows = []
-    for step, entry in enumerate(routing):
-        for request in sorted(entry["tokens"]):
-            first, by_layer = entry["tokens"][request]
-            for i in range(len(by_layer[0])):
-                for layer in range(model.num_layers):
-                    rows.append((step, layer, request, first + i, entry["phase"], by_layer[layer][i],
-                                 list(by_layer[layer + 1][i]) if layer + 1 < model.num_layers else []))
-    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
-    n = len(rows)
-    scores = rng.random((n, model.num_experts)) * 0.3
-    for i, row in enumerate(rows):
-        scores[i, row[5]] = 0.3 + 0.6 * rng.random(len(row[5]))
-        if row[6] and rng.random() < 0.3:
-            row[6][-1] = int(rng.integers(model.num_experts))
-            row[6][:] = list(dict.fromkeys(row[6]))
-    data = {name: np.array([r[i] for r in rows]) for i, name in enumerate(("step", "layer", "request", "position"))}
-    data["phase"] = [r[4] for r in rows]
-    data["experts"] = np.array([r[5] for r in rows], dtype=np.int16).reshape(n, model.top_k)
-    data["pred_next_layer"] = [r[6] for r in rows]
-    data["scores"] = scores.astype(np.float16)
-    return str(write_trace(path, data, TraceMeta(model=model, source={"kind": "test"})))
 
 
 @st.composite
@@ -113,14 +85,13 @@ def test_prediction_timed_prefetch_invariants(scenario):
         if len(copies):
             assert copies.end_s.max() <= row.start_s + EPS
 
-    # a decode layer's prediction is its second attention span; its prefetches' copies start after it
-    attention = timeline[(timeline.resource == "gpu") & (timeline.kind == "attention") & (timeline.layer >= 0)]
+    # a decode layer's prediction is one span after its own attention; its prefetches' copies start after it
+    gpu = timeline[timeline.resource == "gpu"]
+    attention = gpu[(gpu.kind == "attention") & (gpu.layer >= 0)].set_index(["step", "layer"])
     predictions = {}  # (step, layer) -> (start, end) of the prediction
-    for key, spans in attention.groupby(["step", "layer"]):
-        assert len(spans) <= 2
-        if len(spans) == 2:
-            later = spans.sort_values("start_s").iloc[1]
-            predictions[key] = (later.start_s, later.end_s)
+    for key, spans in gpu[gpu.kind == "predict"].groupby(["step", "layer"]):
+        assert len(spans) == 1 and spans.start_s.iloc[0] >= attention.loc[key, "end_s"] - EPS
+        predictions[key] = (spans.start_s.iloc[0], spans.end_s.iloc[0])
     assert abs(result.counters.breakdown["predict"] - sum(e - s for s, e in predictions.values())) <= 1e-12
     # every decode layer but the last predicts (with a cost); no prefill layer does
     if scenario[-1].get("prefetch.predict_cost") != "false":
