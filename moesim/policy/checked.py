@@ -434,11 +434,30 @@ class _CheckedPlan:
         return plan
 
 
+def _seconds_fault(plan: LayerPlan) -> str:
+    """A plan's times that would move the clock back or nowhere sensible ("" when none): every
+    ``overhead_s`` and the ``prefetch_after_predict`` prediction are finite seconds, none negative."""
+    overhead = plan.overhead_s
+    if not isinstance(overhead, Mapping) or not all(isinstance(k, str) for k in overhead):
+        return f"plan.overhead_s is {_short(overhead)}, not a dict of breakdown category to seconds"
+    for category, seconds in overhead.items():
+        if not _is_seconds(seconds):
+            return f"plan.overhead_s[{category!r}] is {_short(seconds)}, not finite seconds >= 0"
+    predict = plan.prefetch_after_predict
+    if predict is not None and not _is_seconds(predict):
+        return f"plan.prefetch_after_predict is {_short(predict)}, not None or finite seconds >= 0"
+    return ""
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 <= float(value) < float("inf")
+
+
 def plan_fault(view: LayerView, plan: LayerPlan) -> str:
     """What ``plan`` breaks of what every plan keeps ("" when nothing): each routed expert computed once, on one
     side; every GPU expert resident, on its way, loaded or streamed; evictions of resident experts not in use;
     loads and prefetches of experts not there yet, within the layer's slots and the pool; write-backs only of
-    evicted experts."""
+    evicted experts; overheads and the prediction's time finite and not negative."""
     lists = {"gpu": plan.gpu, "cpu": plan.cpu, "loads": plan.loads, "streamed": plan.streamed,
              "deferred": plan.deferred}
     for name, value in lists.items():
@@ -448,6 +467,9 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
         value = getattr(plan, name)
         if not _iterable(value) or not all(_iterable(p) and len(p) == 2 and all(map(_is_int, p)) for p in value):
             return f"plan.{name} is {_short(value)}, not a list of (layer, expert) pairs"
+    problem = _seconds_fault(plan)
+    if problem:
+        return problem
     routed = view.substituted(plan.substitutions) if plan.substitutions else view
     problem = coverage_fault(routed.active, plan.gpu, plan.cpu, plan.deferred)
     if problem:

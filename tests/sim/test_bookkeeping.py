@@ -85,6 +85,14 @@ def _checked_view(active=(0, 1), resident=(2,), in_flight=(3,), layer=0) -> Laye
     (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 2)], writebacks=[(1, 2)]),
      "writes back an expert it does not evict"),
     (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 3)]), "evicts expert 3 of layer 0, which is on its way"),
+    # a negative overhead or prediction would move the layer's clock back
+    (LayerPlan(gpu=[], cpu=[0, 1], overhead_s={"predict": -1e-3}),
+     "plan.overhead_s['predict'] is -0.001, not finite seconds >= 0"),
+    (LayerPlan(gpu=[], cpu=[0, 1], overhead_s={"predict": float("nan")}), "not finite seconds >= 0"),
+    (LayerPlan(gpu=[], cpu=[0, 1], overhead_s=[("predict", 1e-3)]), "not a dict of breakdown category"),
+    (LayerPlan(gpu=[], cpu=[0, 1], prefetch_after_predict=-2e-6),
+     "plan.prefetch_after_predict is -2e-06, not None or finite seconds >= 0"),
+    (LayerPlan(gpu=[], cpu=[0, 1], prefetch_after_predict=float("inf")), "not None or finite seconds >= 0"),
 ])
 def test_a_failed_engine_check_is_one_line_naming_the_fault(plan, words):
     """engine.check failed with a bare AssertionError (a traceback, 'expert planned twice' at best)."""
@@ -109,6 +117,8 @@ def test_a_plan_that_keeps_every_invariant_passes():
     check_plan(_checked_view(active=(0, 2), resident=(2,)),
                LayerPlan(gpu=[2], cpu=[], deferred=[0]))
     check_plan(_checked_view(), LayerPlan(gpu=[], cpu=[1], deferred=[0], evictions=[(0, 2)], writebacks=[(0, 2)]))
+    check_plan(_checked_view(), LayerPlan(gpu=[], cpu=[0, 1], overhead_s={"predict": 0.0, "cache_management": 1e-6},
+                                          prefetch_after_predict=0.0))
 
 
 def test_a_replay_whose_plan_breaks_the_check_stops_with_one_line(tmp_path):
