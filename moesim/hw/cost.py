@@ -226,6 +226,16 @@ class CostModel:
         return self._memoised("dense_ffn", tokens, lambda t: self._gpu_ffn(
             t, self.model.dense_intermediate_size, "dense", self.non_expert_dtype))
 
+    def gate(self, tokens: int) -> float:
+        """Roofline seconds of one router gate (hidden x experts) on the GPU for ``tokens`` tokens, weights
+        in the non-expert dtype read once; kernel launches excluded. Attention's curves include their
+        layer's gate: this is a gate run on its own (a prediction's, 003 Sec. 6.3)."""
+        def roof(t: int) -> float:
+            m, dtype = self.model, self.non_expert_dtype
+            return self._gpu_roof(self.profile, 2.0 * t * m.gate_params,
+                                  m.gate_params * bytes_per_param(dtype, m.quant_group_size), dtype)
+        return self._memoised("gate", tokens, roof)
+
     def _attention_shape(self, tokens: int, context: int, dtype: str) -> tuple[float, float]:
         m = self.model
         params, kv_bytes = self._attention_sizes

@@ -7,13 +7,15 @@ Costs are a stub with round numbers so every figure below can be checked on pape
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
 from moesim.policy.catalog.dali.assign import DaliGreedy, expert_time_lists
 from moesim.policy.catalog.dali.workload import ResidualPrefetch
 from moesim.policy.state import CacheState
 from moesim.policy.systems import build_system
-from tests.factories import tiny_model
+from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
 
 
 class RoundCosts:
@@ -29,6 +31,12 @@ class RoundCosts:
 
     def cpu_expert(self, tokens: int) -> float:
         return 3.0 * tokens
+
+    def gate(self, tokens: int) -> float:  # the prediction's gate call is free here (its test costs it)
+        return 0.0
+
+    def launch_per_kernel(self, phase: str) -> float:
+        return 0.0
 
 
 def _view(rows, state, costs, step=0, now=0.0, arrivals=None, launch=0.0):
@@ -127,3 +135,45 @@ def test_residual_prefetch_copies_only_the_top_experts_not_already_on_the_gpu():
     view.predictors = {"pred_residual": [np.array([1, 2]), np.array([1, 3]), np.array([2, 1])]}
     plan = system.plan(view)
     assert plan.prefetches == [(1, 2)] and plan.evictions == []
+
+
+def test_the_residual_prediction_costs_one_gate_and_one_launch_at_every_layer_but_the_last():
+    """003 Sec. 6.3 (4): "prefetching requires additional gating computations for prediction". tiny_model's gate
+    is 64 x 4 = 256 bf16 weights (512 B); tiny_profile's GPU reads 1,000 GB/s and computes 100 TFLOPS, both at
+    0.6, and launches a kernel in 5 us. One token: max(512 flops / 6e13, 512 B / 6e11 B/s) = 0.8533 ns
+    (memory-bound); 1,000 tokens: 512,000 flops / 6e13 = 8.533 ns (compute-bound). Each plus one launch."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    costs = CostModel(tiny_profile(), model)
+    assert costs.gate(1) == pytest.approx(512 / 6e11)
+    assert costs.gate(1000) == pytest.approx(512_000 / 6e13)
+    prefetch = ResidualPrefetch(size=2)
+    prefetch.configure(RunContext(model=model, costs=costs, capacity=[4, 4], columns=("pred_residual",)))
+    view = _view([[0, 1]], CacheState(capacity=[4, 4]), costs)
+    assert prefetch.prediction_s(view) == pytest.approx(512 / 6e11 + 5e-6)
+    view.layer = 1  # the last layer predicts nothing
+    assert prefetch.prediction_s(view) == 0.0
+    view.layer = 0
+    assert ResidualPrefetch(size=0, gate_cost=True).prediction_s(view) == 0.0  # no prefetch, no prediction
+    off = ResidualPrefetch(size=2, gate_cost=False)
+    off.configure(RunContext(model=model, costs=costs, capacity=[4, 4], columns=("pred_residual",)))
+    assert off.prediction_s(view) == 0.0
+
+
+def test_a_dali_replay_charges_the_predictions_in_the_predict_breakdown(tmp_path):
+    """One request, a 4-token prompt and 6 decode tokens on two layers: seven steps each predict once (layer 0
+    for layer 1). With the solver's time off (assign.solve_us=0), ``predict`` is the predictions alone:
+    (gate(4) + 5 us) + 6 x (gate(1) + 5 us) = 7 x (0.8533 ns + 5 us) = 35.006 us (four tokens are memory-bound
+    too); with prefetch.gate_cost=false, nothing."""
+    from moesim.sim.run import simulate
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    routing = random_routing(np.random.default_rng(3), model, requests=1, prompt=4, decode=6)
+    trace = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
+    costs = CostModel(tiny_profile(), model)
+    settings = {"assign.solve_us": "0", "prefetch.size": "1"}
+    charged = simulate(trace, tiny_profile(), "dali", settings)
+    free = simulate(trace, tiny_profile(), "dali", {**settings, "prefetch.gate_cost": "false"})
+    expected = (costs.gate(4) + 5e-6) + 6 * (costs.gate(1) + 5e-6)
+    assert expected == pytest.approx(7 * (512 / 6e11 + 5e-6))
+    assert charged.counters.breakdown["predict"] == pytest.approx(expected, rel=1e-12)
+    assert free.counters.breakdown["predict"] == 0.0
+    assert charged.makespan_s > free.makespan_s  # on the critical path

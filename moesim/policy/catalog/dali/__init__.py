@@ -26,8 +26,10 @@ changes the share, ``assign.solve_us`` charges a fixed time per layer instead
   fitted when the trace is captured), ``size`` of them; none after the last
   layer. One of them already on the GPU or arriving needs no copy, and the
   next one down is not taken in its place: the paper picks the top experts by
-  predicted workload, then prefetches them. The extra gate call and stream switch that 003 Sec. 6.3 (4) names as
-  the prediction's cost are not charged: the paper gives no figure for them.
+  predicted workload, then prefetches them. 003 Sec. 6.3 (4) names two costs of the prediction: an extra
+  gate call, charged on the layer's critical path as one gate GEMM (``CostModel.gate``, roofline) and one
+  kernel launch of the runtime (``prefetch.gate_cost=false``: free), and a CUDA stream switch, not charged:
+  the paper gives no figure for it.
 * ``dali-workload`` (cache, Sec. 4.3, Alg. 2): per layer, workload scores
   (tokens per expert) summed over a window of ``w_size`` iterations; at the end
   of each window the ``u_size`` highest-scoring experts not cached replace the
@@ -86,7 +88,7 @@ from __future__ import annotations
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import SlotSpread
 from moesim.policy.catalog.dali import assign  # noqa: F401 - registers dali-greedy and dali-optimal
-from moesim.policy.catalog.dali.workload import WorkloadAwareCache
+from moesim.policy.catalog.dali.workload import ResidualPrefetch, WorkloadAwareCache
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.prefetch import NoPrefetch
 from moesim.policy.systems import SystemSpec, register_system
@@ -146,6 +148,10 @@ class DaliSystem(ObservingSystem):
         if window_closed:
             self._swap(view, plan, set(gpu))
         self._prefetch(view, plan)
+        if self._prefetching and isinstance(self.prefetch, ResidualPrefetch):  # another prefetch: its own cost
+            predict_s = self.prefetch.prediction_s(view)
+            if predict_s:
+                plan.overhead_s["predict"] = plan.overhead_s.get("predict", 0.0) + predict_s
         return plan
 
     def _swap(self, view: LayerView, plan: LayerPlan, in_use: set[int]) -> None:

@@ -53,6 +53,10 @@ class ResidualPrefetch(Prefetch):
     #: experts prefetched per layer ("prefetch size"; -1: 003's for the model, 1 for Mixtral, 4 for DeepSeek
     #: and Qwen, Fig. 12)
     size: int = -1
+    #: charge each prediction's extra gate call, the next layer's gate on this layer's residual-corrected
+    #: input (003 Sec. 6.3 (4): "prefetching requires additional gating computations for prediction"): one
+    #: gate GEMM and one kernel launch on the layer's critical path (breakdown ``predict``); false: free
+    gate_cost: bool = True
     _layers: int = 0
     _note: str | None = field(default=None, repr=False)
 
@@ -74,6 +78,16 @@ class ResidualPrefetch(Prefetch):
             self._fallback = LastTokenPredictor()
             ctx.notes.append("dali-residual: the trace has no pred_residual column; each token is predicted to "
                              "use, at the next layer, what its request's previous token used there")
+
+    def prediction_s(self, view: LayerView) -> float:
+        """Seconds of this layer's prediction: the next layer's gate for the layer's tokens and its launch (0
+        at the last layer, with a prefetch size of 0, or with ``gate_cost`` off). The stand-in predictor of a
+        trace without ``pred_residual`` is charged the same, as it stands in for that gate call. The CUDA
+        stream switch the same passage names is not charged: 003 gives no figure for it."""
+        if not self.gate_cost or not self.size or view.layer + 1 >= self._layers:
+            return 0.0
+        costs = view.costs
+        return costs.gate(view.tokens) + costs.launch_per_kernel(view.phase)
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_residual")
