@@ -28,6 +28,11 @@ Times come from CUDA events (device work and copies) and the host clock
 (CPU experts, step boundaries). The result is a :class:`~moesim.sim.result.SimResult`
 with the simulator's timeline and decision-log schema, so
 :func:`moesim.analysis.metrics.metrics` and ``result_to_frames`` read it unchanged.
+
+Parts: the executor's set-up, steps and layer plans are here; the compute of a
+layer is in :mod:`backends.layer_compute`, the weight copies in
+:mod:`backends.copies`, the timeline rows and the result in
+:mod:`backends.recording`.
 """
 
 from __future__ import annotations
@@ -39,13 +44,16 @@ from typing import Callable
 import numpy as np
 import torch
 
+from backends.copies import WeightCopies
 from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, host_threads
-from backends.kernels import Attention, Batch, DenseLayer, LMHead, expert_params, ffn, random_fill, torch_dtype
-from backends.run_config import RealConfig, check_device, describe_device, trace_shape
+from backends.kernels import Attention, Batch, DenseLayer, LMHead, expert_params, random_fill, torch_dtype
+from backends.layer_compute import LayerCompute
+from backends.recording import GPUExpertRun, Pending, RunRecording
+from backends.run_config import RealConfig, check_device, trace_shape
 from backends.weights import ExpertWeights, LayerRouting
 from moesim.errors import ConfigError
 from moesim.hw.profile import HardwareProfile
-from moesim.policy.base import LayerPlan, LayerView, active_experts
+from moesim.policy.base import LayerView, active_experts
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import (Counters, account_plan, placement_decisions, substitution_mass,
                                     weight_mass)
@@ -54,31 +62,9 @@ from moesim.trace.io import Step, iter_steps
 from moesim.trace.schema import PHASES
 
 
-@dataclass
-class Pending:
-    """Timeline rows waiting for their work to finish (resolved at the end of each step)."""
-
-    resource: str
-    work: Work
-    kind: str
-    step: int
-    layer: int
-    expert: int = -1
-    tokens: int = 0
-    #: the breakdown category, when not the one ``kind`` maps to (a prediction is attention work, ``predict``)
-    category: str = ""
-
-
-@dataclass
-class GPUExpertRun:
-    work: Work
-    transfer: Transfer | None
-    previous: Work | None
-
-
 # ----------------------------------------------------------------------------- executor
 @dataclass
-class RealExecutor:
+class RealExecutor(LayerCompute, WeightCopies, RunRecording):
     """One real run of one trace under one system; build it with :func:`prepare_real`."""
 
     trace_path: str
@@ -342,262 +328,6 @@ class RealExecutor:
                          {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
                          now, arrivals, self.setup.expert_launch_s, self.setup.shared_launch_s,
                          context=int(step.position[rows].max()) + 1)
-
-    def _arrivals(self, layer: int, in_flight: set[int], now: float) -> dict[int, float]:
-        """Estimated arrival of this layer's in-flight experts: the queue ahead of each, at the profile's load time."""
-        load = self.costs.expert_load
-        t = now + (load if self.pcie.running is not None else 0.0)
-        out = {}
-        for transfer in self.pcie.queued():
-            t += load
-            if transfer.layer == layer and transfer.expert in in_flight and transfer.kind != "stage":
-                out[transfer.expert] = t
-        for e in in_flight:
-            out.setdefault(e, now + load)
-        return out
-
-    # ------------------------------------------------------------------ transfers
-    def _load(self, layer: int, expert: int, kind: str, step: int, not_before: Work | None = None) -> None:
-        self.cache.start_load(layer, expert)
-        slot, previous_user = self.weights.take(layer, expert)
-        transfer = self.pcie.submit(slot, self.weights.host[layer, expert], priority=1 if kind == "prefetch" else 0,
-                                    kind=kind, layer=layer, expert=expert, step=step, after=previous_user,
-                                    not_before=not_before)
-        self.in_flight[(layer, expert)] = transfer
-        self.transfers.append(transfer)
-
-    def _stage(self, layer: int, expert: int, index: int, step: int) -> Transfer:
-        buffer = index % self.staging_slots
-        transfer = self.pcie.submit(self.weights.staging[buffer], self.weights.host[layer, expert], priority=0,
-                                    kind="stage", layer=layer, expert=expert, step=step,
-                                    after=self.weights.staging_use.get(buffer))
-        self.transfers.append(transfer)
-        return transfer
-
-    def _retire(self) -> None:
-        """Make completed loads resident, as the simulator does when it reaches a plan."""
-        for key, transfer in list(self.in_flight.items()):
-            if transfer.done():
-                self.cache.finish_load(*key)
-                del self.in_flight[key]
-
-    # ------------------------------------------------------------------ compute
-    def _upload(self, routing: LayerRouting) -> None:
-        rows, weights = torch.from_numpy(routing.rows), torch.from_numpy(routing.weights).to(self.dtype)
-        if self.cuda:
-            rows, weights = rows.pin_memory(), weights.pin_memory()
-        routing.rows_t = rows.to(self.device, non_blocking=True)
-        routing.weights_t = weights.to(self.device, non_blocking=True)
-        self.act["out"] = torch.zeros_like(self.act["x"])
-
-    def _expert(self, weights: torch.Tensor, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
-                gate: torch.Tensor, span: tuple[int, int], intermediate: int) -> None:
-        start, n = span
-        idx = rows[start:start + n]
-        y = ffn(weights, x.index_select(0, idx), self.model.hidden_size, intermediate, self.model.expert_matrices)
-        out.index_add_(0, idx, y * gate[start:start + n, None])
-
-    def _prefetch(self, plan: LayerPlan, s: int, layer: int, not_before: Work | None = None) -> None:
-        for lay, e in plan.prefetches:
-            self._load(lay, e, "prefetch", s, not_before)
-            self.prefetched[lay].add(e)
-            self.decisions.append((s, layer, e, "prefetch", lay))
-
-    def _cancel_prefetches(self, keep: frozenset) -> None:
-        """Drop prefetches still queued (but those in ``keep``); their slots free up again (004 Sec. 5.2)."""
-        for transfer in self.pcie.cancel("prefetch", keep):
-            key = (transfer.layer, transfer.expert)
-            self.in_flight.pop(key, None)
-            self.cache.in_flight[transfer.layer].discard(transfer.expert)
-            self.weights.drop(*key)
-            self.prefetched[transfer.layer].discard(transfer.expert)
-            self.transfers.remove(transfer)
-            self.counters.cancelled_prefetches += 1
-
-    def _gpu_track(self, plan: LayerPlan, routing: LayerRouting, staged: dict[int, Transfer],
-                   count: dict[int, int], s: int, layer: int, tokens: int,
-                   batches: list[tuple[slice, Batch]] | None = None, predict: float | None = None) -> Work | None:
-        """Launch shared and GPU experts; return the layer's last GPU work.
-
-        With ``predict`` (``LayerPlan.prefetch_after_predict``, 004 Sec. 4.2) the experts resident at plan
-        time go first, then the prediction: the next layer's attention and gate, for real, on this layer's
-        output so far (shared and resident experts); the plan's prefetches wait for it on the copy engine
-        (``not_before``); then the other GPU experts. A prediction the plan costs at 0 s is not run."""
-        act, model = self.act, self.model
-        previous: Work | None = None
-        if model.shared_intermediate_size:
-            shared = self.shared[layer]
-
-            def run_shared() -> None:
-                x = act["x"]
-                act["out"] += ffn(shared, x, model.hidden_size, model.shared_intermediate_size,
-                                  model.expert_matrices)
-            previous = self.gpu.launch(run_shared)
-            self._record("gpu", previous, "shared", s, layer, tokens=tokens)
-        stream_index = {e: i for i, e in enumerate(plan.streamed)}
-        runs: dict[int, Work] = {}
-        order = plan.gpu
-        ready = -1  # index in ``order`` after which the prediction runs (-1: none)
-        if predict is not None:
-            resident = self.cache.resident[layer]  # this plan's loads are in flight, not resident, until retired
-            first = [e for e in plan.gpu if e in resident]
-            order = first + [e for e in plan.gpu if e not in resident] if len(first) < len(plan.gpu) else first
-            ready = len(first)
-            if not first:
-                previous = self._predict(plan, s, layer, tokens, batches, predict, previous)
-        for n, e in enumerate(order):
-            transfer: Transfer | None = None
-            if e in stream_index:
-                i = stream_index[e]
-                transfer = staged.get(e)
-                if transfer is None:  # its buffer frees when the expert `staging_slots` earlier has run
-                    transfer = self._stage(layer, e, i, s)
-                weights = self.weights.staging[i % self.staging_slots]
-            else:
-                transfer = self.in_flight.get((layer, e))
-                weights = self.weights.on_gpu(layer, e)
-            span = routing.spans[e]
-
-            def run(weights: torch.Tensor = weights, span: tuple[int, int] = span) -> None:
-                self._expert(weights, act["x"], act["out"], routing.rows_t, routing.weights_t, span,
-                             model.moe_intermediate_size)
-            work = self.gpu.launch(run, waits=(transfer,) if transfer is not None else ())
-            runs[e] = work
-            if e in stream_index:
-                self.weights.staging_use[stream_index[e] % self.staging_slots] = work
-            else:
-                self.weights.last_use[self.weights.slot[(layer, e)]] = work
-            self._record("gpu", work, "expert", s, layer, e, count[e])
-            self.gpu_runs.append((GPUExpertRun(work, transfer, previous), count[e]))
-            previous = work
-            if n + 1 == ready:
-                previous = self._predict(plan, s, layer, tokens, batches, predict, previous)
-        return previous
-
-    def _predict(self, plan: LayerPlan, s: int, layer: int, tokens: int, batches: list[tuple[slice, Batch]] | None,
-                 predict: float | None, previous: Work | None) -> Work | None:
-        """The next-layer prediction on the GPU stream (unless costed at 0 s), then the plan's prefetches
-        behind it; returns the GPU stream's last work."""
-        if predict and batches is not None and layer + 1 < self.model.num_layers:
-            act, attention = self.act, self.attention[layer + 1]
-
-            def run() -> None:  # its output is only the gate's scores: dropped, as the trace holds the prediction
-                self._attend(attention, act["x"] + act["out"], batches)
-            previous = self.gpu.launch(run)
-            self.pending_rows.append(Pending("gpu", previous, "predict", s, layer, tokens=tokens,
-                                             category="predict"))
-        self._prefetch(plan, s, layer, not_before=previous)
-        return previous
-
-    def _cpu_job(self, experts: list[int], routing: LayerRouting, s: int, layer: int, parity: int, tokens: int,
-                 kind: str, after_input: bool = False) -> Work:
-        """CPU experts one after another on the pool, after the layer's input reached the host."""
-        x_host = self.x_host[parity, :tokens]
-        if not after_input:
-            act = self.act
-            copy_in = self.gpu.launch(lambda: x_host.copy_(act["x"], non_blocking=True))
-            self.sync_works.append(copy_in)
-            waits: tuple[Work, ...] = (copy_in,)
-        else:
-            waits = ()  # follows the layer's CPU job on the same worker, which waited for the input
-        out = (self.cpu_out if kind == "expert" else self.deferred_out)[parity, :tokens]
-        rows = torch.from_numpy(routing.rows)
-        gate = torch.from_numpy(routing.weights).to(self.dtype)
-        host, model, clock = self.weights.host, self.model, self.clock
-        spans: list[tuple[int, float, float]] = []
-
-        def run() -> None:
-            out.zero_()
-            for e in experts:
-                t0 = clock.now()
-                self._expert(host[layer, e], x_host, out, rows, gate, routing.spans[e], model.moe_intermediate_size)
-                spans.append((e, t0, clock.now()))
-        job = self.cpu.launch(run, waits=waits)
-        self.pending_rows.append(Pending("cpu", job, kind, s, layer, tokens=tokens))
-        job.spans = spans  # type: ignore[attr-defined]
-        job.tokens = {e: routing.spans[e][1] for e in experts}  # type: ignore[attr-defined]
-        return job
-
-    def _combine(self, cpu_job: Work | None, parity: int, tokens: int) -> None:
-        """Add the CPU experts' (and the previous layer's deferred) results; the layer's output becomes ``h``."""
-        act, dev = self.act, self.device
-        waits = tuple(w for w in (cpu_job, self.deferred_job) if w is not None)
-        parts = ([self.cpu_out[parity, :tokens]] if cpu_job is not None else []) + \
-            ([self.deferred_out[self.deferred_parity, :tokens]] if self.deferred_job is not None else [])
-
-        def combine() -> None:
-            out = act["out"]
-            for part in parts:
-                out += part.to(dev, non_blocking=True)
-            act["h"] = act["x"] + out
-        self.gpu.launch(combine, waits=waits)
-        self.deferred_job = None
-
-    # ------------------------------------------------------------------ bookkeeping
-    def _record(self, resource: str, work: Work, kind: str, step: int, layer: int, expert: int = -1,
-                tokens: int = 0) -> None:
-        self.pending_rows.append(Pending(resource, work, kind, step, layer, expert, tokens))
-
-    def _resolve(self, step: int) -> None:
-        """Turn the step's finished work into timeline rows and busy-time counters."""
-        c = self.counters
-        for row in self.pending_rows:
-            if row.resource == "cpu":
-                for e, t0, t1 in row.work.spans:  # type: ignore[attr-defined]
-                    self.timeline.append(("cpu", 0, t0, t1, row.kind, row.step, row.layer, e,
-                                          row.work.tokens[e]))  # type: ignore[attr-defined]
-                    c.cpu_busy_s += t1 - t0
-                continue
-            t0, t1 = row.work.interval()
-            self.timeline.append((row.resource, 0, t0, t1, row.kind, row.step, row.layer, row.expert, row.tokens))
-            c.gpu_busy_s += t1 - t0
-            key = row.category or {"shared": "shared_expert", "expert": "gpu_compute"}.get(row.kind, row.kind)
-            c.breakdown[key] += t1 - t0
-        for run, _ in self.gpu_runs:
-            if run.transfer is None:
-                continue
-            ready = run.previous.interval()[1] if run.previous is not None else run.work.interval()[0]
-            arrived = run.transfer.interval()[1]
-            start = run.work.interval()[0]
-            c.breakdown["wait_cache"] += max(start - ready, 0.0) if arrived > ready else 0.0
-            if run.transfer.kind == "prefetch" and arrived > ready:
-                c.late_prefetches += 1
-        self.pending_rows, self.gpu_runs = [], []
-        for work in self.sync_works:
-            t0, t1 = work.interval()
-            c.breakdown["sync"] += t1 - t0
-        self.sync_works = []
-
-    def _result(self, wall_s: float) -> SimResult:
-        makespan = self.steps[-1].end if self.steps else 0.0
-        busy = nbytes = 0
-        for t in self.transfers:
-            if not t.finished.is_set():
-                continue
-            t0, t1 = t.interval()
-            if t0 >= makespan:
-                continue
-            busy += min(t1, makespan) - t0
-            nbytes += t.src.numel() * t.src.element_size()
-            if t1 <= makespan:
-                self.timeline.append(("pcie", 0, t0, t1, t.kind, t.step, t.layer, t.expert, 0))
-        gpu_end = {}
-        for row in self.timeline:
-            if row[0] == "gpu":
-                gpu_end[(row[5], row[6])] = max(gpu_end.get((row[5], row[6]), 0.0), row[3])
-        cpu_end = {}
-        for row in self.timeline:
-            if row[0] == "cpu":
-                cpu_end[(row[5], row[6])] = max(cpu_end.get((row[5], row[6]), 0.0), row[3])
-        self.counters.breakdown["cpu_other"] += sum(max(end - gpu_end.get(key, end), 0.0)
-                                                    for key, end in cpu_end.items())
-        notes = list(self.notes) + [f"measured on {describe_device(self.device)} with "
-                                    f"{self.config.threads()} CPU threads"]
-        return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
-                         pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
-                         timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
-                         initial_resident=self.initial, pcie_engines=1,
-                         rewrites=self.system.rewrites, runtime="measured")
 
 
 def _spin(seconds: float) -> None:

@@ -1,0 +1,66 @@
+"""Weight copies of a real run (the real backend, :mod:`backends.torch_backend`): demand loads, staging
+copies and prefetches on the copy engine, their cancellation, their retirement into the cache state, and the
+arrival estimates a plan sees."""
+
+from __future__ import annotations
+
+from backends.devices import Transfer, Work
+from moesim.policy.base import LayerPlan
+
+
+class WeightCopies:
+    """The transfer part of :class:`backends.torch_backend.RealExecutor`."""
+
+    def _arrivals(self, layer: int, in_flight: set[int], now: float) -> dict[int, float]:
+        """Estimated arrival of this layer's in-flight experts: the queue ahead of each, at the profile's load time."""
+        load = self.costs.expert_load
+        t = now + (load if self.pcie.running is not None else 0.0)
+        out = {}
+        for transfer in self.pcie.queued():
+            t += load
+            if transfer.layer == layer and transfer.expert in in_flight and transfer.kind != "stage":
+                out[transfer.expert] = t
+        for e in in_flight:
+            out.setdefault(e, now + load)
+        return out
+
+    def _load(self, layer: int, expert: int, kind: str, step: int, not_before: Work | None = None) -> None:
+        self.cache.start_load(layer, expert)
+        slot, previous_user = self.weights.take(layer, expert)
+        transfer = self.pcie.submit(slot, self.weights.host[layer, expert], priority=1 if kind == "prefetch" else 0,
+                                    kind=kind, layer=layer, expert=expert, step=step, after=previous_user,
+                                    not_before=not_before)
+        self.in_flight[(layer, expert)] = transfer
+        self.transfers.append(transfer)
+
+    def _stage(self, layer: int, expert: int, index: int, step: int) -> Transfer:
+        buffer = index % self.staging_slots
+        transfer = self.pcie.submit(self.weights.staging[buffer], self.weights.host[layer, expert], priority=0,
+                                    kind="stage", layer=layer, expert=expert, step=step,
+                                    after=self.weights.staging_use.get(buffer))
+        self.transfers.append(transfer)
+        return transfer
+
+    def _retire(self) -> None:
+        """Make completed loads resident, as the simulator does when it reaches a plan."""
+        for key, transfer in list(self.in_flight.items()):
+            if transfer.done():
+                self.cache.finish_load(*key)
+                del self.in_flight[key]
+
+    def _prefetch(self, plan: LayerPlan, s: int, layer: int, not_before: Work | None = None) -> None:
+        for lay, e in plan.prefetches:
+            self._load(lay, e, "prefetch", s, not_before)
+            self.prefetched[lay].add(e)
+            self.decisions.append((s, layer, e, "prefetch", lay))
+
+    def _cancel_prefetches(self, keep: frozenset) -> None:
+        """Drop prefetches still queued (but those in ``keep``); their slots free up again (004 Sec. 5.2)."""
+        for transfer in self.pcie.cancel("prefetch", keep):
+            key = (transfer.layer, transfer.expert)
+            self.in_flight.pop(key, None)
+            self.cache.in_flight[transfer.layer].discard(transfer.expert)
+            self.weights.drop(*key)
+            self.prefetched[transfer.layer].discard(transfer.expert)
+            self.transfers.remove(transfer)
+            self.counters.cancelled_prefetches += 1

@@ -1,0 +1,101 @@
+"""Recording a real run (the real backend, :mod:`backends.torch_backend`): the work waiting for its times, and
+how finished work becomes the simulator's timeline rows, busy times, breakdown and :class:`SimResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.devices import Transfer, Work
+from backends.run_config import describe_device
+from moesim.sim.result import SimResult
+
+
+@dataclass
+class Pending:
+    """Timeline rows waiting for their work to finish (resolved at the end of each step)."""
+
+    resource: str
+    work: Work
+    kind: str
+    step: int
+    layer: int
+    expert: int = -1
+    tokens: int = 0
+    #: the breakdown category, when not the one ``kind`` maps to (a prediction is attention work, ``predict``)
+    category: str = ""
+
+
+@dataclass
+class GPUExpertRun:
+    work: Work
+    transfer: Transfer | None
+    previous: Work | None
+
+
+class RunRecording:
+    """The bookkeeping part of :class:`backends.torch_backend.RealExecutor`."""
+
+    def _record(self, resource: str, work: Work, kind: str, step: int, layer: int, expert: int = -1,
+                tokens: int = 0) -> None:
+        self.pending_rows.append(Pending(resource, work, kind, step, layer, expert, tokens))
+
+    def _resolve(self, step: int) -> None:
+        """Turn the step's finished work into timeline rows and busy-time counters."""
+        c = self.counters
+        for row in self.pending_rows:
+            if row.resource == "cpu":
+                for e, t0, t1 in row.work.spans:  # type: ignore[attr-defined]
+                    self.timeline.append(("cpu", 0, t0, t1, row.kind, row.step, row.layer, e,
+                                          row.work.tokens[e]))  # type: ignore[attr-defined]
+                    c.cpu_busy_s += t1 - t0
+                continue
+            t0, t1 = row.work.interval()
+            self.timeline.append((row.resource, 0, t0, t1, row.kind, row.step, row.layer, row.expert, row.tokens))
+            c.gpu_busy_s += t1 - t0
+            key = row.category or {"shared": "shared_expert", "expert": "gpu_compute"}.get(row.kind, row.kind)
+            c.breakdown[key] += t1 - t0
+        for run, _ in self.gpu_runs:
+            if run.transfer is None:
+                continue
+            ready = run.previous.interval()[1] if run.previous is not None else run.work.interval()[0]
+            arrived = run.transfer.interval()[1]
+            start = run.work.interval()[0]
+            c.breakdown["wait_cache"] += max(start - ready, 0.0) if arrived > ready else 0.0
+            if run.transfer.kind == "prefetch" and arrived > ready:
+                c.late_prefetches += 1
+        self.pending_rows, self.gpu_runs = [], []
+        for work in self.sync_works:
+            t0, t1 = work.interval()
+            c.breakdown["sync"] += t1 - t0
+        self.sync_works = []
+
+    def _result(self, wall_s: float) -> SimResult:
+        makespan = self.steps[-1].end if self.steps else 0.0
+        busy = nbytes = 0
+        for t in self.transfers:
+            if not t.finished.is_set():
+                continue
+            t0, t1 = t.interval()
+            if t0 >= makespan:
+                continue
+            busy += min(t1, makespan) - t0
+            nbytes += t.src.numel() * t.src.element_size()
+            if t1 <= makespan:
+                self.timeline.append(("pcie", 0, t0, t1, t.kind, t.step, t.layer, t.expert, 0))
+        gpu_end = {}
+        for row in self.timeline:
+            if row[0] == "gpu":
+                gpu_end[(row[5], row[6])] = max(gpu_end.get((row[5], row[6]), 0.0), row[3])
+        cpu_end = {}
+        for row in self.timeline:
+            if row[0] == "cpu":
+                cpu_end[(row[5], row[6])] = max(cpu_end.get((row[5], row[6]), 0.0), row[3])
+        self.counters.breakdown["cpu_other"] += sum(max(end - gpu_end.get(key, end), 0.0)
+                                                    for key, end in cpu_end.items())
+        notes = list(self.notes) + [f"measured on {describe_device(self.device)} with "
+                                    f"{self.config.threads()} CPU threads"]
+        return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
+                         pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
+                         timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
+                         initial_resident=self.initial, pcie_engines=1,
+                         rewrites=self.system.rewrites, runtime="measured")
