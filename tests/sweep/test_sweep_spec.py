@@ -1,0 +1,151 @@
+"""`moesim sweep` specs: grid, zip and axes expansion, point ids, and spec mistakes in one line naming where the spec
+gives them (split from test_sweep.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.sweep import Point, load_spec, parse_spec
+
+
+# ----------------------------------------------------------------------------- spec
+def test_grid_zip_and_axes_expand_to_their_product(tmp_path):
+    spec = parse_spec({"traces": ["a.parquet", "b.parquet"], "hw": "rtx4090", "systems": ["cpu-only", "gpu-only-lru"],
+                       "seeds": [0, 1], "set": {"engine__staging_slots": 3},
+                       "grid": {"cache__slots_per_layer": [1, 2, 4]},
+                       "zip": [{"hw.pcie.bandwidth_scale": [0.5, 1.0], "engine.kernels_per_expert": [3, 1]}]},
+                      source="s", base_dir=tmp_path)
+    points = spec.points()
+    assert len(points) == 2 * 1 * 2 * 2 * 3 * 2 == 48
+    assert len({p.point_id for p in points}) == 48
+    first = points[0]
+    assert (first.trace, first.hw, first.system, first.seed) == ("a.parquet", "rtx4090", "cpu-only", 0)
+    assert dict(first.settings) == {"engine.staging_slots": 3, "cache.slots_per_layer": 1,
+                                    "hw.pcie.bandwidth_scale": 0.5, "engine.kernels_per_expert": 3}
+    zipped = {(dict(p.settings)["hw.pcie.bandwidth_scale"], dict(p.settings)["engine.kernels_per_expert"])
+              for p in points}
+    assert zipped == {(0.5, 3), (1.0, 1)}  # zipped, not crossed
+    assert spec.parameter_keys() == ["engine.staging_slots", "cache.slots_per_layer", "hw.pcie.bandwidth_scale",
+                                     "engine.kernels_per_expert"]
+
+
+def test_a_spec_file_reads_exponent_notation_as_numbers(tmp_path):
+    """A grid of ``2.5e-1`` and ``1e-1`` is a grid of numbers (YAML 1.1 would keep them as text and a plot
+    would order them as text)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text("trace: t.parquet\nsystem: cpu-only\ngrid: {hw.pcie.bandwidth_scale: [2.5e-1, 1e-1, 0.75]}\n")
+    values = [dict(p.settings)["hw.pcie.bandwidth_scale"] for p in load_spec(path).points()]
+    assert values == [0.25, 0.1, 0.75] and all(isinstance(v, float) for v in values)
+
+
+def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
+    point = Point("t.parquet", "rtx4090", "gpu-only-lru", 0, None, (("cache.slots_per_layer", 2),))
+    canonical = json.dumps({"trace": "t.parquet", "hw": "rtx4090", "system": "gpu-only-lru", "seed": 0,
+                            "model": None, "settings": {"cache.slots_per_layer": "2"}}, sort_keys=True)
+    assert point.point_id == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    # the same point from specs in other folders, with the key spelled either way
+    a = parse_spec({"trace": "t.parquet", "system": "gpu-only-lru", "grid": {"cache.slots_per_layer": [2]}},
+                   source="a", base_dir=tmp_path)
+    b = parse_spec({"traces": ["t.parquet"], "systems": "gpu-only-lru", "hw": ["rtx4090"],
+                    "set": {"cache__slots_per_layer": 2}}, source="b", base_dir=tmp_path / "elsewhere")
+    assert a.points()[0].point_id == b.points()[0].point_id == point.point_id
+    assert Point("t.parquet", "rtx4090", "gpu-only-lru", 1, None, point.settings).point_id != point.point_id
+
+
+def test_all_means_every_listed_system():
+    from moesim.policy.systems import system_names
+    spec = parse_spec({"trace": "t.parquet", "systems": "all"}, source="s", base_dir=Path("."))
+    assert spec.systems == system_names()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"trace": "t.parquet", "system": "cpu-only", "colour": 1}, "unknown key 'colour' (fix: valid keys:"),
+    ({"trace": "t.parquet", "systms": ["cpu-only"]}, "unknown key 'systms' (fix: did you mean systems? valid keys:"),
+    ({"trace": "t.parquet", "system": "gpu-only-lur"}, "did you mean gpu-only-lru?"),
+    ({"trace": "t.parquet"}, "'systems' is missing"),
+    ({"trace": "t.parquet", "system": "cpu-only", "systems": ["cpu-only"]}, "both 'system' and 'systems'"),
+    ({"trace": "t.parquet", "system": "gpu-only-lur"}, "unknown system 'gpu-only-lur'"),
+    ({"trace": "t.parquet", "system": "cpu-only", "zip": {"a.b": [1, 2], "c.d": [1]}}, "differ in length"),
+    ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": []}}, "empty list"),
+    ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": [1]}, "set": {"a__b": 2}}, "in both set and grid"),
+    ({"trace": "t.parquet", "system": "cpu-only", "seeds": [0.5]}, "not an integer"),
+])
+def test_spec_mistakes_are_one_line(spec, words):
+    with pytest.raises(ConfigError) as err:
+        parse_spec(spec, source="spec.yaml", base_dir=Path("."))
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("spec.yaml")
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"traces": ["missing.parquet"], "systems": ["cpu-only"]}, "trace 'missing.parquet' not found"),
+    ({"systems": ["cpu-only"], "grid": {"cache.slot": [1]}}, "unknown parameter 'cache.slot'"),
+    ({"systems": ["gpu-only-lru"], "grid": {"cache.slots_per_layer": ["a"]}}, "'a' is not a valid int"),
+    ({"systems": ["cpu-only"], "hw": ["rtx9090"]}, "hardware profile not found"),
+    ({"systems": ["cpu-only"], "grid": {"hw.pcie.bandwith_scale": [1.0]}}, "no such profile field"),
+    # a folder was 'not found'; a mapping was taken for one trace named "{'a': 1}", a list for one named '[...]'
+    ({"traces": ["."], "systems": ["cpu-only"]}, "is a folder, not a trace file"),
+    ({"traces": {"a": "t.parquet"}, "systems": ["cpu-only"]}, "field 'traces': a mapping is not a list of paths"),
+    ({"traces": [["t.parquet"]], "systems": ["cpu-only"]}, "field 'traces', row 0: ['t.parquet'] is not a path"),
+    ({"systems": {"cpu-only": 1}}, "field 'systems': a mapping is not a list of names"),
+    ({"systems": ["cpu-only"], "hw": [{"gpu": 1}]}, "field 'hw', row 0: {'gpu': 1} is not a profile name or path"),
+])
+def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], **spec}))
+    code = main(["sweep", str(path), "--out", str(files / "r.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert words in err and err.count("\n") == 1 and str(path) in err
+    assert not (files / "r.parquet").exists()
+
+
+@pytest.mark.parametrize("sections, field, fix", [
+    ({"grid": {"cache.slot": [1]}}, "field 'grid.cache.slot'", "valid:"),
+    ({"set": {"cache.slot": 1}}, "field 'set.cache.slot'", "valid:"),
+    ({"zip": [{"engine.staging_slots": [1, 2]}, {"cache.slot": [1, 2]}]}, "field 'zip[1].cache.slot'", "valid:"),
+    ({"grid": {"seed": [0, 1]}}, "field 'grid.seed'", "list them at the top level, e.g. seeds: [0, 1]"),
+    ({"grid": {"hw.pcie.bandwith_scale": [1.0]}}, "field 'grid.hw.pcie.bandwith_scale'",
+     "did you mean hw.pcie.bandwidth_scale?"),
+    ({"set": {"hw.pcie.bandwidth_scale": "fast"}}, "field 'set.hw.pcie.bandwidth_scale'", "write a number"),
+    # a value of the wrong type: named where the spec gives it too (it said field 'cache.slots_per_layer')
+    ({"grid": {"cache.slots_per_layer": [1, "two"]}}, "field 'grid.cache.slots_per_layer': 'two' is not",
+     "write e.g. cache.slots_per_layer=2"),
+    ({"zip": [{"cache.slots_per_layer": [1, 2.5], "engine.staging_slots": [1, 2]}]},
+     "field 'zip[0].cache.slots_per_layer': '2.5' is not", "write e.g."),
+])
+def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, sections, field, fix):
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"], **sections}))
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert field in err and fix in err and err.count("\n") == 1
+
+
+def test_a_spec_read_from_a_pipe_resolves_its_paths_in_the_current_folder(files, monkeypatch):
+    """`moesim sweep <(printf ...)`: the spec is /dev/fd/N, a pipe with no folder of its own."""
+    monkeypatch.chdir(files)
+    read, write = os.pipe()
+    os.write(write, yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"]}).encode())
+    os.close(write)
+    try:
+        spec = load_spec(f"/dev/fd/{read}")
+    finally:
+        os.close(read)
+    assert spec.resolve("t.parquet") == str(files / "t.parquet") and spec.systems == ["cpu-only"]
+
+
+def test_a_spec_over_the_yaml_limit_is_refused_unread(tmp_path):
+    from moesim.util import YAML_MAX_BYTES
+    path = tmp_path / "big.yaml"
+    path.write_text("systems: [cpu-only]\n" + "#" * YAML_MAX_BYTES)
+    with pytest.raises(ConfigError, match="over 4,194,304 bytes, the limit of a YAML input"):
+        load_spec(path)
