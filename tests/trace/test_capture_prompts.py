@@ -1,0 +1,82 @@
+"""moesim capture without torch: the prompts file (JSONL or plain text, one-line errors naming file and row), and
+the one line a missing torch extra gives (split from test_capture.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from moesim.cli import main
+from moesim.trace.capture.errors import PromptsError, TorchMissingError
+from moesim.trace.capture.prompts import load_prompts
+
+
+# ----------------------------------------------------------------------------- no torch needed
+def test_prompts_jsonl_text_and_ids(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n\n{"text": "world"}\n{"token_ids": [3, 4]}\n')
+    prompts = load_prompts(path)
+    assert [(p.line, p.text, p.token_ids) for p in prompts] == [(1, "hello", None), (3, "world", None),
+                                                                (4, None, (3, 4))]
+
+
+def test_prompts_plain_text_one_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("first prompt\n\n  second one\n")
+    assert [p.text for p in load_prompts(path)] == ["first prompt", "  second one"]
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("", "prompts file is empty"),
+    ("\n  \n", "prompts file is empty"),
+    ('{"prompt": "a"}\n{"prompt": \n', "row 2: not valid JSON"),
+    ('{"prompt": "a"}\n{"question": "b"}\n', "row 2: row has none of the fields prompt, text"),
+    ('{"prompt": ""}\n', "field 'prompt', row 1: must be a non-empty string"),
+    ('{"token_ids": [1, -2]}\n', "field 'token_ids', row 1"),
+    ('["a"]\n', "row 1: JSONL row is not an object"),
+])
+def test_prompts_errors_name_file_row_and_fix(tmp_path: Path, content: str, expected: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(PromptsError) as info:
+        load_prompts(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and expected in message and "\n" not in message
+
+
+def test_missing_torch_gives_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` raise ImportError
+    from moesim.trace.capture.model import require_torch
+    with pytest.raises(TorchMissingError):
+        require_torch()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    code = main(["capture", "--model", str(tmp_path), "--prompts", str(prompts), "--max-new-tokens", "2",
+                 "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == "moesim: error: install the torch extra: pip install -e '.[torch]'"
+
+
+def test_trace_package_imports_without_torch() -> None:
+    import subprocess
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "import moesim.trace, moesim.trace.capture, moesim.cli; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_text_file_whose_first_prompt_starts_with_a_brace_is_text(tmp_path: Path) -> None:
+    """prompts.txt beginning '{x} is a set' was taken for JSONL and refused as 'row 1: not valid JSON'."""
+    path = tmp_path / "prompts.txt"
+    path.write_text("{x} is a set\nsecond\n")
+    assert [p.text for p in load_prompts(path)] == ["{x} is a set", "second"]
+    path.write_text('{"prompt": "a"}\n')  # JSONL in a .txt file is still JSONL
+    assert [p.text for p in load_prompts(path)] == ["a"]
+    broken = tmp_path / "prompts.json"
+    broken.write_text('{"prompt": "a"\n')
+    with pytest.raises(PromptsError, match="row 1: not valid JSON"):
+        load_prompts(broken)
