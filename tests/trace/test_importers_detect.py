@@ -1,0 +1,144 @@
+"""Telling which tool wrote a log: every real log and fixture by its first records, and one line for a log of no
+known format, an empty, compressed or truncated one, a misspelled field, or logs of two formats (split from
+test_importers.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moesim.cli import main
+from moesim.errors import ConfigError, TraceFormatError
+from moesim.trace.importers import import_trace
+from moesim.trace.importers.detect import detect_format, format_of
+from tests.trace.test_importers import REAL, _jsonl, _logger_fixture, _raw_fixture, _spec_row, _table, needs_real
+
+
+def test_unknown_format(tmp_path):
+    with pytest.raises(ConfigError, match="unknown import format 'nope'"):
+        import_trace("nope", [tmp_path], tmp_path / "t.parquet")
+
+
+# ----------------------------------------------------------------------------- format detection
+@needs_real
+@pytest.mark.parametrize("fmt, files", [
+    ("flame-moe", ["DynaNDE-Simulator-flame-moe-290m/flame-moe-290m_layers2-9_2048tok_top6.npz"]),
+    ("cerebras-olmoe", ["cerebras-assesment2-olmoe/moe_routes.jsonl"]),
+    ("vllm-qwen3-prefill", ["soryxie-vllm-qwen3-30b-a3b/token_distri_8.jsonl"]),
+    ("vllm-qwen3-prefill", ["soryxie-vllm-qwen3-30b-a3b/token_distri_16_prefill_forward2_ids.npz"]),
+    ("vllm-moe-logger", ["vLLM-MoE-Logger-qwen1.5-moe/moe_layer0.jsonl", "vLLM-MoE-Logger-qwen1.5-moe/moe_layer8.jsonl"]),
+    ("speculative-moe", ["speculative-moe/gsm8k_2_routing.jsonl", "speculative-moe/routing_raw.jsonl"]),
+])
+def test_every_real_log_is_told_by_its_first_records(fmt, files):
+    assert detect_format([REAL / f for f in files]) == fmt
+
+
+def test_fixtures_are_told_apart_and_import_as_with_their_format(tmp_path):
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)  # meta without model_id: 4 experts per route
+    cerebras = _jsonl(tmp_path / "m.jsonl", [{"type": "meta"}, {"type": "route", "token_idx": 0, "layer": 0,
+                                                                 "topk_ids": list(range(8)), "topk_weights": [0.125] * 8}])
+    named = _jsonl(tmp_path / "named.jsonl", [{"type": "meta", "model_id": "allenai/OLMoE-1B-7B-0924"}])
+    qwen3 = _jsonl(tmp_path / "q.jsonl", [{"topk_weights": [1, 8], "topk_ids": [list(range(8))]}])
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    np.savez(tmp_path / "f.npz", layers=np.arange(2, 4), token_ids=np.zeros(3), indices=np.zeros((2, 3, 6)),
+             scores=np.zeros((2, 3, 6)))
+    np.savez(tmp_path / "ids.npz", topk_ids=np.zeros((48, 2, 8)))
+    found = {path.name: format_of(path) for path in (logger, cerebras, named, qwen3, raw, tmp_path / "f.npz",
+                                                      tmp_path / "ids.npz")}
+    assert found == {"moe_layer3.jsonl": "vllm-moe-logger", "m.jsonl": "cerebras-olmoe", "named.jsonl": "cerebras-olmoe",
+                     "q.jsonl": "vllm-qwen3-prefill", "raw.jsonl": "speculative-moe", "f.npz": "flame-moe",
+                     "ids.npz": "vllm-qwen3-prefill"}
+    given = import_trace("speculative-moe", [raw], tmp_path / "given.parquet")
+    told = import_trace(None, [raw], tmp_path / "told.parquet")
+    assert _table(tmp_path / "given.parquet").equals(_table(tmp_path / "told.parquet"))
+    assert told.notes[-1].startswith("format speculative-moe told from") and given.notes == told.notes[:-1]
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b"\xff\xfe\x00", b'{"dataset": "x"}\n', b"[1, 2]\n",
+                                     b'{"topk_id": [[1]], "other": 1}\n'])
+def test_a_log_no_format_lays_out_so_is_one_line_naming_it(tmp_path, capsys, content):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(content)
+    out = tmp_path / "t.parquet"
+    assert format_of(path) is None
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "--format NAME" in err and not out.exists()
+
+
+@pytest.mark.parametrize("name,content", [("log.jsonl", b""), ("log.jsonl", b"\n \n"), ("log.npz", b"")])
+def test_an_empty_log_is_called_empty(tmp_path, capsys, name, content):
+    """Not 'cannot tell which tool wrote this log': no tool's format would help."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"moesim: error: {path}: file has no records (it is empty or blank) (fix: give a log the tool " \
+                  "has written records to)\n"
+    assert not out.exists()
+
+
+def test_logs_of_two_formats_are_refused_together(tmp_path):
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)
+    with pytest.raises(TraceFormatError, match=r"different formats \(raw.jsonl: speculative-moe; "
+                                               r"moe_layer3.jsonl: vllm-moe-logger\)"):
+        import_trace(None, [raw, logger], tmp_path / "t.parquet")
+
+
+@pytest.mark.parametrize("record, field, has, fix", [
+    ({"dataset": "gsm8k", "problem_id": 0, "layer": 0, "experts": [1, 0], "gating_prob": [0.6, 0.4], "token_idx": 0},
+     "gating_probs", "it has 'gating_prob'", "rename 'gating_prob' to 'gating_probs'"),
+    ({"topk_weights": [1, 8], "topk_id": [list(range(8))]}, "topk_ids", "it has 'topk_id'",
+     "rename 'topk_id' to 'topk_ids'"),
+])
+def test_a_misspelled_field_is_named_not_called_an_unknown_log(tmp_path, capsys, record, field, has, fix):
+    """It was 'cannot tell which tool wrote this log', field '--format'."""
+    path = _jsonl(tmp_path / "log.jsonl", [record])
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"moesim: error: {path}, field '{field}': looks like a ")
+    assert has in err and f"(fix: {fix}, or name the format with --format" in err and not out.exists()
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04 truncated", b"\x93NUMPY not an archive"])
+def test_a_truncated_npz_is_called_unreadable_not_of_an_unknown_tool(tmp_path, capsys, content):
+    path = tmp_path / "log.npz"
+    path.write_bytes(content)
+    assert main(["trace", "import", str(path), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert capsys.readouterr().err == (f"moesim: error: {path}: not a readable .npz archive (truncated, or not an "
+                                       "npz) (fix: give the complete .npz file as it was written)\n")
+
+
+def test_a_logger_log_without_its_meta_line_is_told_by_its_routes(tmp_path):
+    """It was 'cannot tell which tool wrote this log', though --format read it."""
+    logger = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3)
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(logger.read_text().splitlines(keepends=True)[1:]))
+    cerebras = _jsonl(tmp_path / "c.jsonl", [{"type": "route", "token_idx": i, "layer": 0,
+                                              "topk_ids": list(range(8)), "topk_weights": [0.5] + [0.5 / 7] * 7}
+                                             for i in range(3)])
+    assert (format_of(bare), format_of(cerebras)) == ("vllm-moe-logger", "cerebras-olmoe")
+    told = import_trace(None, [bare], tmp_path / "t.parquet")
+    given = import_trace("vllm-moe-logger", [logger], tmp_path / "g.parquet")
+    assert (told.rows, told.steps, told.layers_present) == (given.rows, given.steps, [3]) and told.rows > 0
+    assert import_trace(None, [cerebras], tmp_path / "c.parquet").rows == 3
+
+
+@pytest.mark.parametrize("fmt", [None, "speculative-moe"])
+def test_a_gzip_compressed_log_is_refused_with_how_to_decompress_it(tmp_path, capsys, fmt):
+    """It was 'cannot tell which tool wrote this log' (no --format) or 'not UTF-8 text (byte 1)' (--format)."""
+    import gzip
+    path = tmp_path / "routing.jsonl.gz"
+    path.write_bytes(gzip.compress(json.dumps(_spec_row(0, 0, [1, 2], [0.6, 0.4])).encode() + b"\n"))
+    out = tmp_path / "t.parquet"
+    args = ["trace", "import", str(path), "--out", str(out)] + (["--format", fmt] if fmt else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path}: gzip-compressed" in err and f"gzip -dc {path} > {tmp_path / 'routing.jsonl'}" in err
+    assert not out.exists()

@@ -1,0 +1,237 @@
+"""Importing bad logs and misusing the import: malformed lines, missing or short arrays, bad experts, bytes that are
+not UTF-8, duplicate rows, a folder or no source given; the output never replaces a source log, and the summary
+(split from test_importers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.cli import main
+from moesim.errors import TraceFormatError
+from moesim.trace.importers import import_trace
+from moesim.trace.validate import validate_trace
+from tests.trace.test_importers import _raw_fixture, _spec_row, _table
+
+
+# ----------------------------------------------------------------------------- malformed input
+@pytest.mark.parametrize("line, field, fix", [
+    ("{not json", "line", "repair or delete"),
+    (json.dumps({"dataset": "humaneval", "problem_id": 0, "layer": 0, "experts": [1, 2], "token_idx": 1}),
+     "gating_probs", "needs 'gating_probs'"),
+    (json.dumps(_spec_row(0, 1, [1, 2, 3], [0.5, 0.3])), "experts", "exactly 2"),
+    (json.dumps(_spec_row(0, 1, [1, 9], [0.6, 0.4])), "experts", "8 routed experts"),
+    (json.dumps(_spec_row(0, -1, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),
+    (json.dumps(_spec_row(0, 1.5, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),
+])
+def test_malformed_line_names_file_line_field_and_fix(tmp_path, capsys, line, field, fix):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(_spec_row(0, 0, [1, 2], [0.6, 0.4])) + "\n" + line + "\n")
+    out = tmp_path / "t.parquet"
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("speculative-moe", [path], out)
+    message = str(err.value)
+    assert f"{path} line 2" in message and f"field '{field}'" in message and fix in message
+    assert "\n" not in message and not out.exists()
+    assert main(["trace", "import", "--format", "speculative-moe", str(path), "--out", str(out)]) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.count("\n") == 1 and "Traceback" not in err_text
+
+
+@pytest.mark.parametrize("arrays, field, words", [
+    ({"token_ids": [1, 2]}, "layers", "no array 'layers' (it has: token_ids)"),
+    (None, None, "not a readable npz file"),
+])
+def test_a_flame_moe_npz_without_its_arrays_names_the_missing_one(tmp_path, arrays, field, words):
+    path = tmp_path / "f.npz"
+    if arrays is None:
+        np.save(tmp_path / "lone.npy", np.zeros(3))  # an .npy under an .npz name: no archive at all
+        (tmp_path / "lone.npy").rename(path)
+    else:
+        np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [path], tmp_path / "t.parquet")
+    assert words in str(err.value) and (field is None or f"field '{field}'" in str(err.value))
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_folder_given_as_source_is_answered_with_its_log_files(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("moe_layer8.jsonl", "moe_layer0.jsonl", "README.md", "prompts.txt"):
+        (logs / name).write_text("{}\n")
+    code = main(["trace", "import", str(logs), "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.strip().endswith("not a file (fix: name its log files instead: moe_layer0.jsonl, moe_layer8.jsonl)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["trace", "import", str(empty), "--out", str(tmp_path / "t.parquet")]) == 2
+    assert "this folder holds none" in capsys.readouterr().err
+
+
+def test_the_output_never_replaces_a_source_log(tmp_path, capsys):
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    text = raw.read_text()
+    assert main(["trace", "import", str(raw), "--out", str(raw)]) == 2
+    assert "would overwrite an input (SOURCES" in capsys.readouterr().err and raw.read_text() == text
+
+
+def test_the_summary_names_the_output_and_it_lands_when_stdout_is_closed(tmp_path):
+    import subprocess
+    import sys
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    out = tmp_path / "t.parquet"
+    command = f"{sys.executable} -m moesim.cli trace import {raw} --out {out}"
+    shown = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith(f"wrote {out} (speculative-moe")
+    out.unlink()
+    closed = subprocess.run(f"{command} | true; echo ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash",
+                            capture_output=True, text=True, timeout=120)
+    assert closed.stdout.strip() == "0" and validate_trace(out) is not None
+
+
+def _flame_fixture(path: Path, layers) -> Path:
+    tokens = 3
+    indices = np.tile(np.arange(6, dtype=np.int16), (len(layers), tokens, 1))
+    scores = np.tile(np.linspace(0.3, 0.05, 6, dtype=np.float32), (len(layers), tokens, 1))
+    np.savez(path, layers=np.asarray(layers, np.int16), token_ids=np.arange(tokens, dtype=np.int32),
+             indices=indices, scores=scores)
+    return path
+
+
+def test_a_flame_moe_layer_listed_twice_is_refused_not_written_as_duplicate_rows(tmp_path, capsys):
+    """It was written (exit 0, 'layers 0 of 8') as a trace holding every layer-0 row twice, which trace validate
+    then refused."""
+    good = import_trace("flame-moe", [_flame_fixture(tmp_path / "ok.npz", [2, 3])], tmp_path / "ok.parquet")
+    assert (good.rows, good.layers_present) == (6, [0, 1])
+    path = _flame_fixture(tmp_path / "f.npz", [2, 2])
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"moesim: error: {path}, field 'layers': transformer layer 2 is listed 2 times in 'layers' ([2, 2]) "
+        "(fix: each MoE layer's routing appears once (the extract lists layers 2..9))\n")
+    assert not out.exists()
+
+
+def test_write_import_refuses_two_rows_for_one_token(tmp_path):
+    from moesim.trace.importers._common import RoutingRows, new_report, write_import
+    report, model = new_report("flame-moe", tmp_path / "t.parquet", "flame-moe-290m")
+    rows = RoutingRows(top_k=model.top_k, with_weights=False)
+    for _ in range(2):
+        rows.add(request=0, step=0, phase=0, position=np.arange(2), layer=1, experts=np.tile(np.arange(6), (2, 1)))
+    with pytest.raises(TraceFormatError) as err:
+        write_import(tmp_path / "t.parquet", rows, model, report, {"files": ["a.npz"]}, weights_renormalized=False)
+    assert str(err.value) == ("a.npz, field 'layer': the logs give the routing of request 0, position 0 at MoE layer 1 "
+                              "(step 0) twice (fix: give each layer's and each token's routing once)")
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_import_trace_from_python_never_replaces_a_source_log(tmp_path):
+    """The command line refused it; moesim.trace.importers.import_trace wrote the trace over the log."""
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    text = raw.read_text()
+    with pytest.raises(TraceFormatError) as err:
+        import_trace(None, [str(raw)], str(raw))
+    assert str(err.value) == (f"{raw}, field 'out': would overwrite the source log {raw} "
+                              "(fix: write the trace to another file, e.g. one ending in .parquet)")
+    assert raw.read_text() == text
+
+
+def test_import_trace_takes_one_path_alone_as_one_source(tmp_path):
+    """A lone str was taken letter by letter ('r: not a file')."""
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    listed = import_trace("speculative-moe", [raw], tmp_path / "a.parquet")
+    for one in (str(raw), raw):
+        alone = import_trace("speculative-moe", one, tmp_path / "b.parquet")
+        assert (alone.rows, alone.steps, alone.requests) == (listed.rows, listed.steps, listed.requests) \
+            and alone.rows > 0
+        assert _table(tmp_path / "b.parquet").equals(_table(tmp_path / "a.parquet"))
+
+
+def test_an_npz_missing_or_misspelling_an_array_is_named(tmp_path):
+    for name, arrays, words in (
+            ("a.npz", {"layers": [2], "token_ids": [1], "indices": np.zeros((1, 1, 6)), "score": np.zeros((1, 1, 6))},
+             "no array 'scores'; it has 'score' (fix: rename 'score' to 'scores'"),
+            ("b.npz", {"layers": [2], "token_ids": [1], "indices": np.zeros((1, 1, 6))},
+             "no array 'scores'; it has 'layers', 'token_ids', 'indices' (fix: give a complete flame-moe log")):
+        np.savez(tmp_path / name, **{k: np.asarray(v) for k, v in arrays.items()})
+        with pytest.raises(TraceFormatError) as err:
+            import_trace(None, [tmp_path / name], tmp_path / "t.parquet")
+        assert "field 'scores': looks like a flame-moe log, but the npz" in str(err.value)
+        assert words in str(err.value)
+
+
+def test_a_bad_expert_in_an_npz_is_located_by_layer_and_token_not_line(tmp_path):
+    """npz files have no lines: flame-moe said 'layer 2 line 1' for token 1, the qwen3 extract 'line 0' always."""
+    flame = _flame_fixture(tmp_path / "f.npz", [2, 3])
+    arrays = dict(np.load(flame))
+    arrays["indices"][1, 2, 3] = 64
+    np.savez(flame, **arrays)
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [flame], tmp_path / "t.parquet")
+    assert str(err.value).startswith(f"{flame} layer 3 token 2, field 'indices': expert id in [0, 1, 2, 64, 4, 5] "
+                                     "outside [0, 64)")
+    ids = np.tile(np.arange(8, dtype=np.int16), (48, 3, 1))
+    ids[5, 1, 0] = 200
+    np.savez(tmp_path / "q.npz", topk_ids=ids)
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("vllm-qwen3-prefill", [tmp_path / "q.npz"], tmp_path / "t.parquet")
+    assert str(err.value).startswith(f"{tmp_path / 'q.npz'} layer 5 token 1, field 'topk_ids': expert id in "
+                                     "[200, 1, 2, 3, 4, 5, 6, 7] outside [0, 128)")
+
+
+def test_each_summary_line_stays_one_line_when_piped(tmp_path):
+    """Piped, a summary line over 160 characters was broken in two ('layers\\nall of 32')."""
+    import subprocess
+    import sys
+    raw = _raw_fixture(tmp_path / "raw.jsonl")
+    out = tmp_path / ("a-long-folder-name-" * 5) / "trace.parquet"
+    out.parent.mkdir()
+    shown = subprocess.run([sys.executable, "-m", "moesim.cli", "trace", "import", str(raw), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0 and len(lines[0]) > 160
+    assert lines[0].startswith(f"wrote {out} (speculative-moe, model mixtral-8x7b): ")
+    assert lines[0].endswith(" layers all of 32") and all(l.startswith(("wrote", "repaired", "dropped", "note"))
+                                                          for l in lines)
+
+
+def test_a_flame_moe_npz_with_too_few_token_ids_names_token_ids(tmp_path):
+    """'indices' and 'scores' agree on 3 tokens; the 2 token ids are what is wrong (it blamed 'indices')."""
+    path = tmp_path / "short.npz"
+    np.savez(path, layers=np.array([2]), token_ids=np.array([5, 6]), indices=np.zeros((1, 3, 6), dtype=np.int64),
+             scores=np.zeros((1, 3, 6)))
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("flame-moe", [path], tmp_path / "t.parquet")
+    assert err.value.field == "token_ids"
+    assert "2 token ids for the 3 tokens of 'indices' and 'scores'" in str(err.value)
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_bytes_that_are_not_utf8_are_located_by_line_deep_in_a_log(tmp_path, capsys):
+    """The error gave 'byte 1004' for a bad byte at byte 435,180 of the file (the decoder's offset in its
+    buffer) and no line; it names the line now, and the byte within it."""
+    rows = [json.dumps(_spec_row(0, t, [1, 2], [0.6, 0.4])).encode() for t in range(3000)]
+    rows[2500] = rows[2500].replace(b'"humaneval"', b'"human\xffeval"')
+    path = tmp_path / "latin.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    out = tmp_path / "t.parquet"
+    assert main(["trace", "import", "--format", "speculative-moe", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path} line 2501" in err and "field 'line'" in err
+    bad_byte = rows[2500].index(b"\xff") + 1
+    assert f"byte {bad_byte} of the line" in err
+    assert not out.exists()
+
+
+def test_no_source_names_the_python_argument(tmp_path):
+    """From Python, no log to convert named the field 'SRC', neither the keyword nor the CLI's SOURCES."""
+    from moesim.errors import ConfigError
+    from moesim.trace.importers import import_trace
+    with pytest.raises(ConfigError, match=r"^field 'sources': no source files given"):
+        import_trace(None, [], tmp_path / "t.parquet")
