@@ -1,5 +1,5 @@
 """`moesim replay` refusing bad input in one line: unknown or unrunnable systems, parameters out of range or of
-other systems, calibration traces, and hardware overrides that do not fit (split from tests/test_cli_replay.py)."""
+other systems, calibration traces, and hardware overrides that do not fit."""
 
 from __future__ import annotations
 

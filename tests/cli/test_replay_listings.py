@@ -1,5 +1,5 @@
 """What the CLI lists: `moesim systems` (as a table and as JSON), the systems `replay --system all` skipped, and the
-bundled presets, profiles and option help of the commands (split from tests/test_cli_replay.py)."""
+bundled presets, profiles and option help of the commands."""
 
 from __future__ import annotations
 

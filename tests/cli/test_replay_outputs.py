@@ -1,5 +1,5 @@
 """`moesim replay` end to end: its outputs (the table, stable JSON keys, the files it writes, what reaches stdout)
-and where it refuses an output path (split from tests/test_cli_replay.py)."""
+and where it refuses an output path."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`moesim sweep` stopped part way: kill -9 and resume, the output's lock, Ctrl-C and SIGTERM, pool workers that
-die, a full disk; the points finished are kept (split from test_sweep.py)."""
+die, a full disk; the points finished are kept."""
 
 from __future__ import annotations
 

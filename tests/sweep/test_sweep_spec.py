@@ -1,5 +1,5 @@
 """`moesim sweep` specs: grid, zip and axes expansion, point ids, and spec mistakes in one line naming where the spec
-gives them (split from test_sweep.py)."""
+gives them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`moesim capture` as a command on tiny models: one-line errors (model path, hub, router, vocabulary, device,
-context, weights, output folder), progress lines, pipes, and captures killed part way (split from test_capture.py)."""
+context, weights, output folder), progress lines, pipes, and captures killed part way."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """moesim capture without torch: the prompts file (JSONL or plain text, one-line errors naming file and row), and
-the one line a missing torch extra gives (split from test_capture.py)."""
+the one line a missing torch extra gives."""
 
 from __future__ import annotations
 

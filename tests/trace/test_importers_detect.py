@@ -1,6 +1,5 @@
 """Telling which tool wrote a log: every real log and fixture by its first records, and one line for a log of no
-known format, an empty, compressed or truncated one, a misspelled field, or logs of two formats (split from
-test_importers.py)."""
+known format, an empty, compressed or truncated one, a misspelled field, or logs of two formats."""
 
 from __future__ import annotations
 

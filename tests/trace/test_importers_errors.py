@@ -1,6 +1,5 @@
 """Importing bad logs and misusing the import: malformed lines, missing or short arrays, bad experts, bytes that are
-not UTF-8, duplicate rows, a folder or no source given; the output never replaces a source log, and the summary
-(split from test_importers.py)."""
+not UTF-8, duplicate rows, a folder or no source given; the output never replaces a source log, and the summary."""
 
 from __future__ import annotations
 
