@@ -189,3 +189,17 @@ def write_scored_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any
     data["pred_next_layer"] = [r[6] for r in rows]
     data["scores"] = scores.astype(np.float16)
     return str(write_trace(path, data, TraceMeta(model=model, source={"kind": "test"})))
+
+
+def draw_profile(draw: Any) -> dict[str, Any]:
+    """tiny_profile settings drawn by a hypothesis ``draw``: expert, attention and sync times, link speeds
+    from loads that dominate to loads that do not, one or two copy engines."""
+    from hypothesis import strategies as st
+    return dict(
+        gpu_us=(draw(st.floats(10, 500)), draw(st.floats(500, 5000))),
+        cpu_us=(draw(st.floats(10, 5000)), draw(st.floats(5000, 50000))),
+        attention_us=draw(st.floats(1, 200)),
+        pcie_gbps=draw(st.sampled_from([0.0001, 0.001, 0.01, 1.0])),
+        sync_us=draw(st.floats(0, 50)),
+        copy_engines=draw(st.integers(1, 2)),
+    )

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from moesim.analysis.metrics import metrics
 from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
-from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
+from tests.factories import draw_profile, random_routing, tiny_model, tiny_profile, write_tiny_trace
 
 SYSTEMS = ["cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle-prefetch", "oracle-pinned",
            "mixtral-offloading", "hybrimoe"]
@@ -27,16 +27,9 @@ def scenarios(draw):
     seed = draw(st.integers(0, 2**16))
     routing = random_routing(np.random.default_rng(seed), model, requests=draw(st.integers(1, 2)),
                              prompt=draw(st.integers(1, 5)), decode=draw(st.integers(0, 5)))
-    profile = dict(
-        gpu_us=(draw(st.floats(10, 500)), draw(st.floats(500, 5000))),
-        cpu_us=(draw(st.floats(10, 5000)), draw(st.floats(5000, 50000))),
-        attention_us=draw(st.floats(1, 200)),
-        pcie_gbps=draw(st.sampled_from([0.0001, 0.001, 0.01, 1.0])),
-        sync_us=draw(st.floats(0, 50)),
-        copy_engines=draw(st.integers(1, 2)),
-        # host DRAM shared by CPU experts and copies: from none to both slowed many times over
-        dram_combined_gbps=draw(st.sampled_from([None, 0.0001, 0.001, 0.01])),
-    )
+    profile = draw_profile(draw)
+    # host DRAM shared by CPU experts and copies: from none to both slowed many times over
+    profile["dram_combined_gbps"] = draw(st.sampled_from([None, 0.0001, 0.001, 0.01]))
     slots = draw(st.integers(model.top_k, experts))
     return model, routing, profile, slots
 
