@@ -286,3 +286,18 @@ def test_router_alpha_follows_004_per_model(preset, alpha, noted):
     explicit = ImportanceRouter(alpha=0.4)
     explicit.configure(ctx)
     assert explicit.alpha == 0.4
+
+
+def test_another_prefetch_swapped_into_importance_keeps_plan_time_prefetches(tmp_path):
+    """004's prediction timing belongs to the top-score prefetch: with DALI's residual prefetch swapped in
+    (which has a prediction cost of its own, charged by the dali system), importance issues the prefetches at
+    plan time and runs no prediction on the GPU."""
+    from tests.factories import random_routing, write_scored_trace
+    model = tiny_model(layers=3, experts=6, top_k=2)
+    rng = np.random.default_rng(1)
+    trace = write_scored_trace(tmp_path / "t.parquet", model, random_routing(rng, model, 1, 3, 5), rng)
+    settings = {"prefetch": "dali-residual", "prefetch.size": "1", "cache.slots_per_layer": "2"}
+    result = simulate(trace, tiny_profile(), "importance", settings, timeline=True)
+    frame = result_to_frames(result)["timeline"]
+    assert result.counters.prefetches > 0
+    assert result.counters.breakdown["predict"] == 0.0 and not (frame.kind == "predict").any()

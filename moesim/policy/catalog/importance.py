@@ -427,9 +427,8 @@ class ImportanceSystem(ObservingSystem):
     def _place(self, view: LayerView) -> LayerPlan:
         plan = super()._place(view)
         plan.cancel_queued_prefetches = bool(getattr(self.prefetch, "clear_queue", False))
-        prediction_s = getattr(self.prefetch, "prediction_s", None)
-        if prediction_s is not None:
-            plan.prefetch_after_predict = prediction_s(view)
+        if isinstance(self.prefetch, TopScorePrefetch):  # another prefetch swapped in keeps plan-time timing
+            plan.prefetch_after_predict = self.prefetch.prediction_s(view)
         return plan
 
 
