@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
@@ -135,3 +136,82 @@ def test_two_layers_with_their_own_alpha_get_lists_of_their_own_length_from_the_
     buddies, notes = lists("0.8")
     assert buddies[0] == buddies[1] == [[1, 2], [0], [0], [0], []]
     assert not any("per-layer alpha" in n for n in notes)  # one number: the report as before
+
+
+# ----------------------------------------------------------------------------- TAE temperature T and margin gamma
+# 002 Sec. 3.1 (ii): p~(x; T) = softmax(z/T) restricted to S(x); with z = log p + c that is p_i^(1/T) renormalized.
+# Sec. 3.1's margin: replacement is forbidden when (TAE <= tau) or (p~max - p~2nd >= gamma).
+def test_temperature_smooths_the_tae_of_a_hand_worked_token(tmp_path):
+    """Top-2 probabilities (0.6, 0.2) renormalize to (0.75, 0.25).
+
+    T = 1: H = -(0.75 ln 0.75 + 0.25 ln 0.25) = 0.215762 + 0.346574 = 0.562335 nats; TAE = H / ln 2 = 0.811278.
+    T = 2: (sqrt 0.6, sqrt 0.2) = (0.774597, 0.447214), sum 1.221811 -> (0.633975, 0.366025) (sqrt 3 : 1);
+    H = 0.633975 * 0.455725 + 0.366025 * 1.005052 = 0.656803; TAE = 0.947571: smoother, higher.
+    T = 0.5: (0.36, 0.04) -> (0.9, 0.1); H = 0.9 * 0.105361 + 0.1 * 2.302585 = 0.325082; TAE = 0.468996: lower.
+    Margins p~max - p~2nd: 0.5, 0.267949 and 0.8. With tau = 0.9 the token is barred at T = 1 (0.811 <= 0.9)
+    and let through at T = 2 (0.948 > 0.9): its missing expert 3 takes buddy 0.
+    """
+    from moesim.policy.catalog.buddymoe import margin, tae, tempered, token_tae
+    token = np.array([[0.6, 0.2]])
+    assert tempered(token, 2.0)[0] == pytest.approx([0.633975, 0.366025], abs=1e-6)
+    for t, expected, m in ((1.0, 0.811278, 0.5), (2.0, 0.947571, 0.267949), (0.5, 0.468996, 0.8)):
+        assert tae(token, t)[0] == pytest.approx(expected, abs=1e-6)
+        assert token_tae([0.6, 0.2], t) == pytest.approx(expected, abs=1e-6)
+        assert margin(token, t)[0] == pytest.approx(m, abs=1e-6)
+    cal = _calibration(tmp_path)
+    rows, resident = [[1, 3]], {0, 1, 2}  # expert 3 missing: delta = 1/2 < beta = 1
+    for t, expected in ((1.0, []), (2.0, [(0, 1, 0)])):
+        sub, _ = _configured(cal, tau=0.9, tae_temperature=t)
+        sub._buddies = [[[1], [0], [0], [0, 2], [1, 0]]]
+        assert sub.rewrite(_view(rows, resident, set(), [[0.6, 0.2]])) == expected
+        # the many-tokens path (over 16 tokens) decides the same for each copy of the token
+        many = sub.rewrite(_view(rows * 20, resident, set(), [[0.6, 0.2]] * 20))
+        assert many == [(row, 1, 0) for row in range(20) if expected]
+
+
+def test_a_margin_at_or_above_gamma_bars_a_token_the_tae_lets_through(tmp_path):
+    """Weights (0.75, 0.25): TAE 0.811278 > tau = 0.5, so the TAE alone lets the token through; its margin
+    is 0.75 - 0.25 = 0.5. gamma = 0.5: m >= gamma, barred (the equality bars); gamma = 0.6: allowed; the
+    default (off) and gamma above 1 (m never exceeds 1) change nothing. At T = 2 the margin is 0.267949
+    (sqrt 3 : 1 -> 0.633975 - 0.366025), below gamma = 0.5: allowed again."""
+    cal = _calibration(tmp_path)
+    rows, resident, weights = [[1, 3]], {0, 1, 2}, [[0.75, 0.25]]
+    outcomes = {}
+    for settings in ({}, {"margin": 0.5}, {"margin": 0.6}, {"margin": 1.5},
+                     {"margin": 0.5, "tae_temperature": 2.0}):
+        sub, _ = _configured(cal, tau=0.5, **settings)
+        sub._buddies = [[[1], [0], [0], [0, 2], [1, 0]]]
+        outcomes[tuple(settings.items())] = (sub.rewrite(_view(rows, resident, set(), weights)),
+                                             len(sub.rewrite(_view(rows * 20, resident, set(), weights * 20))))
+    assert outcomes[()] == ([(0, 1, 0)], 20)
+    assert outcomes[(("margin", 0.5),)] == ([], 0)
+    assert outcomes[(("margin", 0.6),)] == outcomes[(("margin", 1.5),)] == outcomes[()]
+    assert outcomes[(("margin", 0.5), ("tae_temperature", 2.0))] == outcomes[()]
+
+
+def _weighted_trace(path, tokens):
+    """One MoE layer of 5 experts, top-2: one prefill token per pair of weights, routed to experts (0, 1)."""
+    from moesim.trace import TraceMeta, write_trace
+    n = len(tokens)
+    data = {"step": np.zeros(n, dtype=np.int64), "layer": np.zeros(n, dtype=np.int64),
+            "request": np.zeros(n, dtype=np.int64), "position": np.arange(n), "phase": ["prefill"] * n,
+            "experts": np.array([[0, 1]] * n, dtype=np.int16),
+            "weights": np.array(tokens, dtype=np.float32)}
+    return str(write_trace(path, data, TraceMeta(model=tiny_model(layers=1, experts=5, top_k=2),
+                                                 source={"kind": "test"})))
+
+
+def test_the_calibrated_tau_is_the_percentile_of_the_tae_at_the_gates_temperature(tmp_path):
+    """Five calibration tokens; the 25th percentile of five values is the second smallest (index 0.25 * 4 = 1,
+    no interpolation).
+
+    T = 1, the TAEs: (1, 0) -> 0; (0.9, 0.1) -> 0.468996; (0.75, 0.25) -> 0.811278; (0.6, 0.4) -> 0.970951;
+    (0.5, 0.5) -> 1. tau = 0.468996.
+    T = 2: (1, 0) -> 0; (0.9, 0.1) -> (sqrt 0.9, sqrt 0.1) = (0.948683, 0.316228), 3 : 1 -> (0.75, 0.25):
+    0.811278, the second smallest again (top-2: T keeps the order). tau = 0.811278, the TAE of the quantity
+    the gate compares at T = 2; the T = 1 percentile would bar at 0.468996 what T = 2 puts at 0.811278.
+    """
+    cal = _weighted_trace(tmp_path / "w.parquet", [[1.0, 0.0], [0.9, 0.1], [0.75, 0.25], [0.6, 0.4], [0.5, 0.5]])
+    taus = {t: _configured(cal, tau=-1.0, tau_percentile=25.0, tae_temperature=t)[0]._tau for t in (1.0, 2.0)}
+    assert taus[1.0] == [pytest.approx(0.468996, abs=1e-6)]
+    assert taus[2.0] == [pytest.approx(0.811278, abs=1e-6)]

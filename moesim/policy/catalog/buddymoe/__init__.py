@@ -7,9 +7,12 @@ in :mod:`.runtime`; the components and the ``buddymoe`` system are here.
 
 Optional refinements of Sec. 3.1-3.3 that are left out, each off by default in
 the paper or without a value there: eta (needs normalised router logits; the
-trace keeps probabilities), kappa (hop(j) is 0 on one GPU), the temperature T
-and the margin gamma of the TAE gate, and down-weighting warm-up steps in the
-profile.
+trace keeps probabilities), kappa (hop(j) is 0 on one GPU), and down-weighting
+warm-up steps in the profile. The TAE gate's two refinements are in, off by
+default: the temperature T of Sec. 3.1 (ii) (``tae_temperature``; softmax(z/T)
+restricted to S(x) is p_i^(1/T) renormalized over S(x), so the trace's
+probabilities serve) and the margin gamma of Sec. 3.1's last sentence
+(``margin``); see :mod:`.runtime`.
 
 ``random`` is the paper's random-replacement baseline (Sec. 5.1): a missing
 expert becomes a uniformly drawn resident expert not in the token's set.
@@ -43,8 +46,9 @@ from moesim.errors import ConfigError
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.catalog.buddymoe.calibration import (ALPHA_FORMS, ALPHA_KEY, alpha_schedule,  # noqa: F401
                                                         buddy_lists, coactivation, is_per_layer)
-from moesim.policy.catalog.buddymoe.runtime import (TAE_ROUNDING, TaeGate, renormalized,  # noqa: F401
-                                                    substitute_buddies, substitute_buddies_at_once, tae, token_tae)
+from moesim.policy.catalog.buddymoe.runtime import (TAE_ROUNDING, TaeGate, margin, renormalized,  # noqa: F401
+                                                    substitute_buddies, substitute_buddies_at_once, tae, tae_open,
+                                                    tempered, token_tae)
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 from moesim.trace.io import read_table, trace_columns
@@ -87,6 +91,14 @@ class BuddySubstitution(Substitution):
     beta: float = 1.0
     #: replacement budget rho per token, 0: unlimited (002 Sec. 5.1; 3 in its best configurations) (experts)
     rho: int = 3
+    #: temperature T of the TAE gate (002 Sec. 3.1 (ii): p~(x; T) = softmax(z/T) restricted to S(x), "T in
+    #: [0.8, 1.2] works well"), dimensionless, > 0; 1: no smoothing. Taken from the trace's probabilities as
+    #: p_i^(1/T) renormalized over S(x), which is that softmax exactly; a percentile tau is of the TAE at this T
+    tae_temperature: float = 1.0
+    #: probability margin gamma of the TAE gate (002 Sec. 3.1: replacement is forbidden when
+    #: p~max - p~2nd >= gamma as well as when TAE <= tau), a difference of probabilities in [0, 1]; "off" (inf,
+    #: the default; 002 gives no value) or above 1: no margin test
+    margin: float = math.inf
     _buddies: list[list[list[int]]] = field(default_factory=list, repr=False)
     _tau: list[float] = field(default_factory=list, repr=False)
     #: each MoE layer's alpha, from ``alpha`` once the model is known
@@ -95,6 +107,17 @@ class BuddySubstitution(Substitution):
     def set_param(self, key: str, raw: str) -> None:
         if key == "beta" and isinstance(raw, str) and raw.strip().lower() == "off":
             self.beta = math.inf
+            return
+        if key == "margin" and isinstance(raw, str) and raw.strip().lower() == "off":
+            self.margin = math.inf
+            return
+        if key in ("tae_temperature", "margin"):
+            try:
+                value = float(raw)
+            except (TypeError, ValueError):
+                raise self._bad(key, f"{raw!r} is not a number") from None
+            setattr(self, key, value)
+            self._check_gate()
             return
         if key == "alpha":
             values = alpha_schedule(raw)  # the form and the range now; the count once the model is known
@@ -105,7 +128,24 @@ class BuddySubstitution(Substitution):
             return
         super().set_param(key, raw)
 
+    @staticmethod
+    def _bad(key: str, detail: str) -> ConfigError:
+        fix = ("give a temperature above 0 (002 Sec. 3.1 (ii): 0.8 to 1.2 works well), e.g. "
+               "--set substitute.tae_temperature=1" if key == "tae_temperature" else
+               "give a margin gamma in [0, 1], or off (--set substitute.margin=off)")
+        return ConfigError(detail, field=f"substitute.{key}", fix=fix)
+
+    def _check_gate(self) -> None:
+        """Refuse a temperature that is not a finite number above 0 and a negative or NaN margin."""
+        t = self.tae_temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise self._bad("tae_temperature", f"substitute.tae_temperature={t} is not a number above 0")
+        gamma = self.margin
+        if not (isinstance(gamma, (int, float)) and gamma >= 0):  # NaN fails this too; inf is off
+            raise self._bad("margin", f"substitute.margin={gamma} is not a number >= 0")
+
     def configure(self, ctx: RunContext) -> None:
+        self._check_gate()
         self._alphas = alpha_schedule(self.alpha, ctx.model.num_layers)
         if self.k_max < 1:
             raise ConfigError(f"substitute.k_max={self.k_max} below 1", field="substitute.k_max",
@@ -167,7 +207,8 @@ class BuddySubstitution(Substitution):
             elif p is None or rows.start == rows.stop:
                 self._tau.append(-np.inf)
             else:
-                self._tau.append(float(np.percentile(tae(p), self.tau_percentile)))
+                # the percentile of the TAE the gate compares (at the gate's temperature, Sec. 3.1 (ii))
+                self._tau.append(float(np.percentile(tae(p, self.tae_temperature), self.tau_percentile)))
 
     def schedule_note(self) -> str:
         """The per-layer alpha and the mean buddy list length of the experts with buddies, at the first,
@@ -203,11 +244,11 @@ class BuddySubstitution(Substitution):
 
     def _allowed(self, view: LayerView) -> np.ndarray | None:
         p = self._probabilities(view)
-        return None if p is None else tae(p) > self._tau[view.layer]
+        return None if p is None else tae_open(p, self._tau[view.layer], self.tae_temperature, self.margin)
 
     def _gate(self, view: LayerView) -> TaeGate | None:
         p = self._probabilities(view)
-        return None if p is None else TaeGate(p, self._tau[view.layer])
+        return None if p is None else TaeGate(p, self._tau[view.layer], self.tae_temperature, self.margin)
 
     def rewrite(self, view: LayerView) -> Sequence[tuple[int, int, int]]:
         layer = view.layer

@@ -15,7 +15,19 @@ Runtime (Sec. 3.1, 3.3, Alg. 1), per layer:
    top-k probabilities is ``<= tau`` keeps its experts; with ``tau < 0`` the
    threshold is the ``tau_percentile``-th percentile of the layer's TAE on the
    calibration trace (Sec. 3.1 (iii), p in [10, 20]; 10 by default, the range's
-   lower end: the fewest tokens barred);
+   lower end: the fewest tokens barred). Sec. 3.1 (ii)'s temperature
+   ``tae_temperature`` T smooths the probabilities first: p~(x; T) =
+   softmax(z(x)/T) restricted to S(x). The trace keeps probabilities, not the
+   logits z; but z = log p + c, so that softmax is exactly
+   p_i^(1/T) / sum_{j in S(x)} p_j^(1/T) (:func:`tempered`), and T = 1 (the
+   default) is Eq. 1 as it stands. The percentile is taken of the TAE at the
+   same T. Sec. 3.1's margin: with ``margin`` gamma set, a token whose
+   m(x) = p~max - p~2nd (of the same p~(x; T)) is ``>= gamma`` keeps its
+   experts too ((TAE <= tau) or (m >= gamma) forbids replacement); off by
+   default (002 gives no value). With top-2 routing the TAE and the margin are
+   both monotone in p~max, and T keeps the tokens' order: a percentile tau at
+   any T bars the same tokens (T acts only with a fixed tau there), and a
+   margin acts only where it is stricter than tau;
 3. Alg. 1: each routed expert not on the GPU is replaced by the first of its
    first ``search_limit`` (H) buddies that is resident and not already in the
    token's set U_t; U_t grows with each pick (uniqueness). Eq. 3's text only
@@ -49,9 +61,23 @@ def renormalized(probabilities: np.ndarray) -> np.ndarray:
     return p / np.maximum(p.sum(axis=-1, keepdims=True), 1e-12)
 
 
-def tae(top_k_probabilities: np.ndarray) -> np.ndarray:
-    """Eq. 1: normalised entropy of each row's renormalized top-k probabilities, in [0, 1]."""
-    p = renormalized(top_k_probabilities)
+def tempered(probabilities: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """p~(x; T) of 002 Sec. 3.1 (ii): softmax(z(x)/T) restricted to the top-k set S(x), from the
+    probabilities (z = log p + c gives p_i^(1/T) / sum_{j in S(x)} p_j^(1/T) exactly). T = 1: the
+    renormalized probabilities themselves (:func:`renormalized`, bit for bit)."""
+    if temperature == 1.0:
+        return renormalized(probabilities)
+    p = np.asarray(probabilities, dtype=np.float64)
+    # each row over its largest first (the ratios are all that count): a small T cannot underflow a whole row
+    top = p.max(axis=-1, keepdims=True)
+    scaled = np.divide(p, top, out=np.zeros_like(p), where=top > 0)
+    return renormalized(scaled ** (1.0 / temperature))
+
+
+def tae(top_k_probabilities: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Eq. 1: normalised entropy of each row's renormalized top-k probabilities, in [0, 1] (smoothed with
+    temperature T first, Sec. 3.1 (ii): :func:`tempered`)."""
+    p = tempered(top_k_probabilities, temperature)
     k = p.shape[-1]
     if k < 2:
         return np.zeros(p.shape[:-1])
@@ -74,11 +100,16 @@ def _log(k: int) -> np.floating:
 TAE_ROUNDING = 1e-9
 
 
-def token_tae(probabilities: list[float]) -> float:
-    """Eq. 1 for one token's top-k probabilities, in plain floats (:func:`tae` to within TAE_ROUNDING)."""
+def token_tae(probabilities: list[float], temperature: float = 1.0) -> float:
+    """Eq. 1 for one token's top-k probabilities, in plain floats (:func:`tae` to within TAE_ROUNDING), at
+    temperature T as :func:`tempered` smooths them."""
     k = len(probabilities)
     if k < 2:
         return 0.0
+    if temperature != 1.0:
+        top = max(probabilities)
+        power = 1.0 / temperature
+        probabilities = [(p / top) ** power for p in probabilities] if top > 0 else [0.0] * k
     total = max(sum(probabilities), 1e-12)
     entropy = 0.0
     for p in probabilities:
@@ -88,28 +119,55 @@ def token_tae(probabilities: list[float]) -> float:
     return entropy / math.log(k)
 
 
+def margin(top_k_probabilities: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """002 Sec. 3.1's probability margin m(x) = p~max - p~2nd of each row's p~(x; T) (:func:`tempered`), in
+    [0, 1]; with one expert per token (k = 1) p~2nd is 0."""
+    p = np.sort(tempered(top_k_probabilities, temperature), axis=-1)
+    return p[..., -1] - (p[..., -2] if p.shape[-1] > 1 else 0.0)
+
+
+def tae_open(top_k_probabilities: np.ndarray, tau: float, temperature: float = 1.0,
+             gamma: float = math.inf) -> np.ndarray:
+    """The TAE gate of Sec. 3.1 for many tokens: open where TAE > tau and, with the margin on (gamma <= 1;
+    m never exceeds 1, so a larger gamma bars nothing), m < gamma."""
+    open_gate = tae(top_k_probabilities, temperature) > tau
+    if gamma <= 1.0:
+        open_gate &= margin(top_k_probabilities, temperature) < gamma
+    return open_gate
+
+
 class TaeGate:
-    """The TAE gate of one layer's tokens (Sec. 3.1): ``gate[t]`` is True where token t's TAE exceeds tau.
+    """The TAE gate of one layer's tokens (Sec. 3.1): ``gate[t]`` is True where token t's TAE exceeds tau
+    (and, with the margin on, its margin is below gamma): :func:`tae_open` token by token.
 
     A token is looked at only when asked about (Alg. 1 asks only for a token with a replacement to make).
     Its TAE in plain floats settles the comparison unless it lies within TAE_ROUNDING of tau; then
-    numpy's :func:`tae` of the layer's tokens decides, as it always did.
+    numpy's :func:`tae` of the layer's tokens decides, as it always did. The margin, when on, is numpy's
+    :func:`margin` of the layer's tokens, as :func:`tae_open` has it.
     """
 
-    def __init__(self, probabilities: np.ndarray, tau: float) -> None:
-        self.probabilities, self.tau = probabilities, tau
+    def __init__(self, probabilities: np.ndarray, tau: float, temperature: float = 1.0,
+                 gamma: float = math.inf) -> None:
+        self.probabilities, self.tau, self.temperature, self.gamma = probabilities, tau, temperature, gamma
         self._exact: np.ndarray | None = None
+        self._below_margin: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.probabilities)
 
     def __getitem__(self, token: int) -> bool:
-        value = token_tae(self.probabilities[token].tolist())
+        value = token_tae(self.probabilities[token].tolist(), self.temperature)
         if abs(value - self.tau) > TAE_ROUNDING:
-            return value > self.tau
-        if self._exact is None:
-            self._exact = tae(self.probabilities) > self.tau
-        return bool(self._exact[token])
+            open_gate = value > self.tau
+        else:
+            if self._exact is None:
+                self._exact = tae(self.probabilities, self.temperature) > self.tau
+            open_gate = bool(self._exact[token])
+        if open_gate and self.gamma <= 1.0:
+            if self._below_margin is None:
+                self._below_margin = margin(self.probabilities, self.temperature) < self.gamma
+            return bool(self._below_margin[token])
+        return open_gate
 
 
 def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int], buddies: list[list[int]],
