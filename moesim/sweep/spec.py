@@ -251,7 +251,8 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
     """Fail now, with one line, on anything that would make every point of a kind fail.
 
     Missing or malformed traces, unknown profiles, unknown ``--set`` keys or
-    values of the wrong type. A cache that does not fit on one GPU is not a
+    values of the wrong type, and values a trace's model refuses (a per-layer
+    list of the wrong length: each system's ``for_model`` with that model). A cache that does not fit on one GPU is not a
     spec error: it fails its points only, which are recorded with the reason.
     """
     from moesim.hw.profile import load_profile
@@ -282,7 +283,7 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
             settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
             if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
                 _reraise(lambda: check_servable(point.system, settings), spec, "systems")
-        key = (point.hw, point.system, tuple(sorted(settings.items())))
+        key = (point.trace, point.hw, point.system, tuple(sorted(settings.items())))
         if key in checked:
             continue
         checked.add(key)
@@ -296,7 +297,9 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
                                   f"({model.name} has {model.num_experts} experts per layer)", source=spec.source,
                                   field="cache.slots_per_layer", fix=f"use 0..{model.num_experts}")
         for member in members(point.system):
-            _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None)
+            built = _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None)
+            # what the trace's model decides (a per-layer list's length): known now, before any point runs
+            _reraise(lambda: built.for_model(models[point.trace]), spec, None)
 
 
 def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> Any:

@@ -97,6 +97,9 @@ def test_spec_mistakes_are_one_line(spec, words):
     ({"traces": [["t.parquet"]], "systems": ["cpu-only"]}, "field 'traces', row 0: ['t.parquet'] is not a path"),
     ({"systems": {"cpu-only": 1}}, "field 'systems': a mapping is not a list of names"),
     ({"systems": ["cpu-only"], "hw": [{"gpu": 1}]}, "field 'hw', row 0: {'gpu': 1} is not a profile name or path"),
+    # what only the trace's model decides: refused before any point runs (each point failed on its own)
+    ({"systems": ["buddymoe"], "grid": {"substitute.alpha": [0.95, "[0.9,0.8,0.7]"]}},
+     "substitute.alpha lists 3 values, the model has 2 MoE layers"),
 ])
 def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     path = files / "spec.yaml"

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerView, RunContext
 from moesim.policy.catalog.buddymoe.calibration import (ALPHA_FORMS, ALPHA_KEY, alpha_schedule,  # noqa: F401
                                                         buddy_lists, coactivation, is_per_layer)
@@ -143,6 +144,11 @@ class BuddySubstitution(Substitution):
         gamma = self.margin
         if not (isinstance(gamma, (int, float)) and gamma >= 0):  # NaN fails this too; inf is off
             raise self._bad("margin", f"substitute.margin={gamma} is not a number >= 0")
+
+    def for_model(self, model: ModelSpec) -> None:
+        # a per-layer alpha's count is known once the model is: a sweep's spec check refuses it here, before
+        # any point runs
+        alpha_schedule(self.alpha, model.num_layers)
 
     def configure(self, ctx: RunContext) -> None:
         self._check_gate()
