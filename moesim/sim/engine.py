@@ -481,9 +481,10 @@ class Simulator(Transfers):
         seconds on the stream), the plan's prefetches submitted at its end, then the other GPU experts (loads,
         copies in flight, streamed) in plan order, each once its weights are there."""
         resident = self.cache.resident[layer]  # :meth:`_load_at_once`'s loads are in it already: not yet here
-        first = [e for e in plan.gpu if e in resident and (loaded is None or e not in loaded)]
-        rest = [e for e in plan.gpu if e not in resident or (loaded is not None and e in loaded)] \
-            if len(first) < len(plan.gpu) else []
+        first: list[int] = []
+        rest: list[int] = []
+        for e in plan.gpu:
+            (first if e in resident and (loaded is None or e not in loaded) else rest).append(e)
         gpu_t = self._gpu_track(first, [], {}, count, s, layer, tokens, t1, loaded)
         if predict:
             if self.timeline is not None:  # the next layer's attention and gate, run early to name prefetches

@@ -106,11 +106,8 @@ class BuddySubstitution(Substitution):
     _alphas: list[float] = field(default_factory=list, repr=False)
 
     def set_param(self, key: str, raw: str) -> None:
-        if key == "beta" and isinstance(raw, str) and raw.strip().lower() == "off":
-            self.beta = math.inf
-            return
-        if key == "margin" and isinstance(raw, str) and raw.strip().lower() == "off":
-            self.margin = math.inf
+        if key in ("beta", "margin") and isinstance(raw, str) and raw.strip().lower() == "off":
+            setattr(self, key, math.inf)  # a gate that never closes
             return
         if key in ("tae_temperature", "margin"):
             try:
