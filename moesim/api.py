@@ -423,6 +423,23 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     return text
 
 
+#: the traces shipped beside the package (``traces/`` of the checkout moesim is installed from)
+TRACE_DIR = Path(__file__).resolve().parents[1] / "traces"
+
+
+def bundled_trace(name: str) -> Path:
+    """The absolute path of a trace shipped in ``traces/`` (``"mixtral-8x7b-humaneval"``, ``.parquet``
+    optional), so that a notebook or script finds it from whatever folder it runs in, as a profile name does."""
+    from moesim.errors import did_you_mean
+    shipped = sorted(p.stem for p in TRACE_DIR.glob("*.parquet"))
+    stem = os.fspath(name).removesuffix(".parquet") if isinstance(name, (str, os.PathLike)) else None
+    if stem not in shipped:
+        raise ConfigError(f"no bundled trace named {name!r}", source=str(TRACE_DIR), field="name",
+                          fix=f"{did_you_mean(str(name), shipped)}bundled: {', '.join(shipped) or 'none'}; "
+                              "any other trace is given by its path")
+    return TRACE_DIR / f"{stem}.parquet"
+
+
 @python_names()
 def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int | None = None,
                 requests: Sequence[int] | None = None) -> Path:

@@ -555,3 +555,14 @@ def test_replay_gives_the_lower_bound_and_gap_the_command_line_gives(files, tmp_
     assert row["gap_to_lower_bound"] == given["gap_to_lower_bound"]
     for key in ("makespan_s", "ttft_ms", "tpot_ms_mean", "slots"):
         assert row[f"lower_bound_{key}"] == given["lower_bound"][key], key
+
+
+def test_a_bundled_trace_is_found_by_name_from_any_folder(tmp_path, monkeypatch):
+    """Notebooks found traces/ only when Jupyter ran in the repository or notebooks/; elsewhere the first cell
+    failed with 'file not found'."""
+    monkeypatch.chdir(tmp_path)
+    path = moesim.bundled_trace("mixtral-8x7b-humaneval")
+    assert path.is_absolute() and path.is_file() and path == moesim.bundled_trace("mixtral-8x7b-humaneval.parquet")
+    assert moesim.replay(slice_trace(path, tmp_path / "s.parquet", steps=2)).metrics.prefill_tokens[0] == 135
+    with pytest.raises(ConfigError, match=r"no bundled trace named 'mixtral'.*did you mean mixtral-8x7b-humaneval\?"):
+        moesim.bundled_trace("mixtral")

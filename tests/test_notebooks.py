@@ -14,11 +14,15 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def execute(name: str) -> nbformat.NotebookNode:
+    """Run ``name`` in a kernel started in an empty folder outside the repository: a notebook finds its inputs
+    wherever Jupyter was started (they looked for traces/ under the working folder)."""
+    import tempfile
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
         f"{name} is stored with outputs; clear them"
+    elsewhere = tempfile.mkdtemp(prefix="moesim-notebook-cwd-")
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+                                     resources={"metadata": {"path": elsewhere}})
     client.execute()
     return notebook
 
