@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     code = 0
     try:
-        args, modules = _imports(args)
+        args, modules = _imports(_expand_home(args))
         if modules:
             from moesim.policy.imports import import_policies
             import_policies(modules)  # before any command looks a system name up
@@ -109,6 +109,21 @@ def main(argv: list[str] | None = None) -> int:
         _say(_internal_error(err))
         return 1
     return code
+
+
+def _expand_home(args: list[str]) -> list[str]:
+    """``args`` with a leading ``~`` or ``~user`` of a value made the home folder, as a sweep spec's paths and
+    ``--import`` take it: the shell leaves it alone when quoted or after '=' (``--json=~/m.json``), and
+    '~' was then read as a folder of that name, with a fix (``mkdir -p ~/...``) that could not help."""
+    expanded = []
+    for arg in args:
+        option, eq, value = arg.partition("=")
+        if arg.startswith("~"):
+            arg = os.path.expanduser(arg)
+        elif option.startswith("--") and eq and value.startswith("~"):
+            arg = f"{option}={os.path.expanduser(value)}"
+        expanded.append(arg)
+    return expanded
 
 
 def _imports(args: list[str]) -> tuple[list[str], list[str]]:

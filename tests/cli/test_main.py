@@ -74,3 +74,23 @@ def test_json_to_a_closed_stdout_is_one_line_naming_it():
     assert done.returncode == 2, done.stderr
     err = done.stderr.strip().splitlines()[-1]
     assert "internal error" not in done.stderr and "standard output is closed" in err, done.stderr
+
+
+@pytest.mark.parametrize("form", [["--json", "~/out dir/smoe.json"], ["--json=~/out dir/smoe.json"]])
+def test_a_home_path_the_shell_left_alone_names_the_home_folder(form, tmp_path, monkeypatch, capsys):
+    """Quoted, or after '=', the shell passes '~' on: it was taken as a folder named '~', and the fix said
+    `mkdir -p ~/out dir`, which the shell expands to a folder that then already exists."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "out dir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["systems", "smoe", *form]) == 0, capsys.readouterr().err
+    assert (tmp_path / "out dir" / "smoe.json").is_file()
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_home_trace_and_profile_the_shell_left_alone_are_read(files, monkeypatch, capsys):
+    from pathlib import Path
+    trace, hw = map(Path, files)
+    monkeypatch.setenv("HOME", str(trace.parent))
+    assert main(["replay", f"~/{trace.name}", f"--hw=~/{hw.name}", "--system", "cpu-only"]) == 0, \
+        capsys.readouterr().err
