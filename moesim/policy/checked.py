@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policy.base import Component, LayerPlan, LayerView, PolicyError
+from moesim.policy.base import Component, LayerPlan, LayerView, PolicyError, Substitutions
 
 if TYPE_CHECKING:
     from moesim.policy.systems import ComposedSystem
@@ -228,28 +228,18 @@ def _check_candidates(who: str, view: LayerView, out: Any) -> list[tuple[int, in
 
 
 def _check_rewrite(who: str, view: LayerView, out: Any) -> Sequence[tuple[int, int, int]]:
-    from moesim.policy.base import Substitutions
     fix = (f"return a list of (token row, top-k slot, new expert), row in 0..{view.tokens - 1}, slot in "
            f"0..{view.experts.shape[1] - 1}, expert in 0..{view.cache_experts() - 1}, each (row, slot) once")
     if out is None:
         raise _returned_none(who, view, fix, "[] rewrites nothing")
     if isinstance(out, Substitutions):
         return out
-    if not _iterable(out):
-        raise _fault(who, view, f"returned {_short(out)}, not a list of (row, slot, expert)", fix)
-    rewrites, seen = [], set()
-    bounds = (view.tokens, view.experts.shape[1], view.cache_experts())
-    for item in out:
-        if not (_iterable(item) and len(item) == 3 and all(map(_is_int, item))):
-            raise _fault(who, view, f"returned {_short(item)} in its list, not a (row, slot, expert) of ints", fix)
-        entry = tuple(int(x) for x in item)
-        if not all(0 <= x < bound for x, bound in zip(entry, bounds)):
-            raise _fault(who, view, f"returned {entry}, outside the layer's routing", fix)
-        if entry[:2] in seen:
-            raise _fault(who, view, f"rewrites row {entry[0]}, slot {entry[1]} twice", fix)
-        seen.add(entry[:2])
-        rewrites.append(entry)
-    return rewrites
+    if _iterable(out):
+        out = list(out)  # read twice below: a generator once
+    problem = _rewrites_fault(view, out, "its rewrites")
+    if problem:
+        raise _fault(who, view, problem, fix)
+    return [(int(row), int(slot), int(e)) for row, slot, e in out]
 
 
 def _check_choose(who: str, view: LayerView, out: Any, plan: LayerPlan) -> list[int]:
@@ -428,10 +418,25 @@ class _CheckedPlan:
             raise _fault(self.who, view, changed, _READ_ONLY_FIX)
         if not isinstance(plan, LayerPlan):
             raise _fault(self.who, view, f"returned {_short(plan)}, not a LayerPlan", _PLAN_FIX)
+        if _iterable(plan.substitutions) and not isinstance(plan.substitutions, (Substitutions, list)):
+            plan.substitutions = list(plan.substitutions)  # checked, then applied: a generator would be read once
         problem = plan_fault(view, plan)
         if problem:
             raise _fault(self.who, view, problem, _PLAN_FIX)
-        return plan
+        return _plain(plan)
+
+
+def _plain(plan: LayerPlan) -> LayerPlan:
+    """``plan`` with its lists as the engine reads them, plain lists of ints and of (layer, expert) tuples: a
+    numpy array passed the checks (numpy integers are ints) and then failed in the engine's ``if plan.gpu``
+    with "truth value of an array is ambiguous", naming no policy."""
+    for name in ("gpu", "cpu", "loads", "streamed", "deferred"):
+        setattr(plan, name, [int(e) for e in getattr(plan, name)])
+    for name in ("prefetches", "evictions", "writebacks"):
+        setattr(plan, name, [(int(layer), int(e)) for layer, e in getattr(plan, name)])
+    if not isinstance(plan.substitutions, Substitutions):
+        plan.substitutions = [(int(row), int(slot), int(e)) for row, slot, e in plan.substitutions]
+    return plan
 
 
 def _seconds_fault(plan: LayerPlan) -> str:
@@ -446,6 +451,30 @@ def _seconds_fault(plan: LayerPlan) -> str:
     predict = plan.prefetch_after_predict
     if predict is not None and not _is_seconds(predict):
         return f"plan.prefetch_after_predict is {_short(predict)}, not None or finite seconds >= 0"
+    return ""
+
+
+def _rewrites_fault(view: LayerView, rewrites: Any, subject: str = "plan.substitutions") -> str:
+    """What is wrong with routing rewrites (``subject``: a plan's ``substitutions`` or a rewrite's result; ""
+    when nothing): :class:`Substitutions`, or (token row, top-k slot, new expert) triples of ints within the
+    layer's routing, each (row, slot) once."""
+    if isinstance(rewrites, Substitutions):
+        return ""
+    if not _iterable(rewrites):
+        return f"{subject} ({_short(rewrites)}) are not a list of (token row, top-k slot, new expert)"
+    items = list(rewrites)
+    if not items:
+        return ""
+    bounds, seen = (view.tokens, view.experts.shape[1], view.cache_experts()), set()
+    for item in items:
+        if not (_iterable(item) and len(item) == 3 and all(map(_is_int, item))):
+            return f"{subject} hold {_short(item)}, not a (row, slot, expert) of ints"
+        entry = tuple(int(x) for x in item)
+        if not all(0 <= x < bound for x, bound in zip(entry, bounds)):
+            return f"{subject} hold {entry}, outside the layer's routing"
+        if entry[:2] in seen:
+            return f"{subject} rewrite row {entry[0]}, slot {entry[1]} twice"
+        seen.add(entry[:2])
     return ""
 
 
@@ -470,7 +499,10 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
     problem = _seconds_fault(plan)
     if problem:
         return problem
-    routed = view.substituted(plan.substitutions) if plan.substitutions else view
+    problem = _rewrites_fault(view, plan.substitutions)
+    if problem:
+        return problem
+    routed = view.substituted(plan.substitutions) if len(plan.substitutions) else view
     problem = coverage_fault(routed.active, plan.gpu, plan.cpu, plan.deferred)
     if problem:
         return problem

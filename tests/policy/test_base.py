@@ -76,3 +76,66 @@ def test_a_parameter_of_another_component_says_which_components_take_it():
     assert build_system("gpu-only-lru", {"prefetch": "smoe-token", "prefetch.n": "3"}).prefetch.n == 3
     with pytest.raises(ConfigError, match="a setting with no parameter name"):
         build_system("gpu-only-lru", {"": "3"})
+
+
+@pytest.fixture
+def own_systems():
+    """Systems a test registers are gone after it."""
+    from moesim.policy.systems import SYSTEMS
+    before = dict(SYSTEMS)
+    yield
+    SYSTEMS.clear()
+    SYSTEMS.update(before)
+
+
+def test_a_plan_of_numpy_arrays_runs_as_the_same_plan_of_lists(tmp_path, own_systems):
+    """A system class of one's own whose plan holds numpy arrays passed the plan checks (numpy integers are ints)
+    and then failed deep in the engine: 'The truth value of an array with more than one element is ambiguous'."""
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    import moesim
+    from moesim.policy.systems import ComposedSystem, SystemSpec, register_system
+    from tests.factories import write_trace_and_profile
+
+    @dataclass
+    class ArrayPlans(ComposedSystem):
+        def plan(self, view):
+            plan = super().plan(view)
+            plan.gpu, plan.loads = np.array(plan.gpu, dtype=np.int64), np.array(plan.loads, dtype=np.int16)
+            plan.evictions = np.array(plan.evictions, dtype=np.int64).reshape(-1, 2)
+            return plan
+
+    register_system("array-plans", SystemSpec("", cache="lru", assign="gpu", system_class=ArrayPlans))
+    trace, hw = write_trace_and_profile(tmp_path, 3, requests=2, prompt=3, decode=5)
+    mine = moesim.replay(trace, hw=hw, system="array-plans", cache__slots_per_layer=2)
+    twin = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    assert mine.decisions.equals(twin.decisions) and mine.timeline.equals(twin.timeline)
+
+
+@pytest.mark.parametrize("rewrites, words", [
+    (5, r"plan.substitutions \(5\) are not a list of \(token row, top-k slot, new expert\)"),
+    ([(0, 0)], r"plan.substitutions hold \(0, 0\), not a \(row, slot, expert\) of ints"),
+    ([(99, 0, 1)], r"plan.substitutions hold \(99, 0, 1\), outside the layer's routing"),
+])
+def test_a_plans_bad_substitutions_are_named_with_the_system_step_and_layer(tmp_path, own_systems, rewrites, words):
+    """Substitutions of the wrong shape failed inside the view's rewrite with a bare TypeError or IndexError."""
+    from dataclasses import dataclass
+
+    import moesim
+    from moesim.policy.base import PolicyError
+    from moesim.policy.systems import ComposedSystem, SystemSpec, register_system
+    from tests.factories import write_trace_and_profile
+
+    @dataclass
+    class Rewrites(ComposedSystem):
+        def plan(self, view):
+            plan = super().plan(view)
+            plan.substitutions = rewrites
+            return plan
+
+    register_system("bad-rewrites", SystemSpec("", cache="lru", assign="gpu", system_class=Rewrites))
+    trace, hw = write_trace_and_profile(tmp_path, 3)
+    with pytest.raises(PolicyError, match=r"system 'bad-rewrites' \(Rewrites.plan\): at step 0, layer 0, " + words):
+        moesim.replay(trace, hw=hw, system="bad-rewrites")
