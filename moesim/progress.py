@@ -71,7 +71,7 @@ class Progress:
 
     def __init__(self, title: str, total: float | None = None, *, unit: str = "", stream: TextIO | None = None,
                  tty: bool | None = None, interval_s: float | None = None, enabled: bool = True,
-                 console: Any = None) -> None:
+                 console: Any = None, done_before: float = 0) -> None:
         self.title = title
         self.total = total
         self.unit = unit
@@ -80,7 +80,8 @@ class Progress:
         self.interval_s = plain_interval() if interval_s is None else interval_s
         self.enabled = enabled
         self.console = console
-        self.done = 0.0
+        self.done_before = float(done_before)
+        self.done = self.done_before
         self.label = ""
         self.extra = ""
         self.lines = 0
@@ -118,7 +119,8 @@ class Progress:
             self._bar = RichProgress(*columns, console=console, transient=True)
             with sigint_blocked():  # its refresh thread never takes the main thread's Ctrl-C
                 self._bar.start()
-            self._task = self._bar.add_task("", total=self.total, count=self._count())
+            # completed, not advanced: rich's speed (time left) counts only the advances
+            self._task = self._bar.add_task("", total=self.total, completed=self.done_before, count=self._count())
         elif self.interval_s > 0:
             self._thread = threading.Thread(target=self._tick, name=f"progress-{self.title}", daemon=True)
             with sigint_blocked():
@@ -159,8 +161,8 @@ class Progress:
 
     def _line(self) -> None:
         text = f"{self.title}: {self._count()}"
-        if self.total and self.done:
-            left = self._elapsed() * (self.total - self.done) / self.done
+        if self.total and self.done > self.done_before:
+            left = self._elapsed() * (self.total - self.done) / (self.done - self.done_before)
             text += f", {_duration(self._elapsed())} elapsed, about {_duration(left)} left"
         else:
             text += f", {_duration(self._elapsed())} elapsed"

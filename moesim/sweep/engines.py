@@ -156,9 +156,10 @@ class ProgressBar:
             return
         from moesim.progress import Progress
         stream = getattr(self.console, "file", None)
-        self._bar = Progress("sweep", total=total, unit="points", stream=stream, console=self.console)
+        self._bar = Progress("sweep", total=total, unit="points", stream=stream, console=self.console,
+                             done_before=already)
+        self._bar.extra = "0 failed"
         self._bar.start()
-        self._bar.advance(already, extra="0 failed")
 
     def advance(self, failed: int) -> None:
         if self._bar is not None:

@@ -340,3 +340,27 @@ def test_moesim_sweep_over_all_exits_0_and_says_what_it_left_out(files, capsys):
     assert "0 failed" in captured.out
     left = [line for line in captured.err.splitlines() if line.startswith("left out ")]
     assert len(left) == 1 and left[0].startswith("left out importance: ") and "'scores'" in left[0], captured.err
+
+
+def test_the_time_left_of_a_resumed_sweep_counts_only_the_points_run_now(monkeypatch):
+    """The points an earlier run finished took no time in this one: counted in the rate, they made 40
+    points left at one point a second read as 7 s."""
+    import io
+    from types import SimpleNamespace
+
+    from moesim.sweep import ProgressBar
+
+    class Pipe(io.StringIO):
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")
+    stream = Pipe()
+    bar = ProgressBar(True, SimpleNamespace(file=stream))
+    bar.start(100, 50)
+    bar._bar._start -= 10  # ten points in ten seconds
+    for _ in range(10):
+        bar.advance(0)
+    bar.stop()
+    assert stream.getvalue().splitlines()[-2] == \
+        "sweep: 60/100 points (60%), 10s elapsed, about 40s left (0 failed)"
