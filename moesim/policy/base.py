@@ -93,8 +93,13 @@ class LayerView:
     counts: list[int]
     cache: CacheState
     costs: CostModel
+    # The optional trace columns below are read only when a component of the system lists them in its
+    # ``columns`` (``columns = ("weights",)``) and the trace has them; otherwise they are None (empty).
+    #: gate weight of each of ``experts``, (tokens, top_k)
     weights: np.ndarray | None = None
+    #: the router's score of every expert, (tokens, num_experts)
     scores: np.ndarray | None = None
+    #: predicted experts by predictor column (``pred_next_layer``, ...), one array per token row
     predictors: dict[str, list[np.ndarray]] = field(default_factory=dict)
     #: simulated (or measured) time at which the plan is made, seconds
     now: float = 0.0
@@ -301,7 +306,9 @@ class Component:
 
     name: ClassVar[str] = ""
     role: ClassVar[str] = ""
-    #: optional trace columns the component reads from its views
+    #: optional trace columns the component reads from its views (``weights``, ``scores``, ``pred_next_layer``,
+    #: ...): views carry only the columns some component lists; one the trace lacks stays None (``configure``
+    #: may refuse to run: ``ctx.columns`` lists the trace's)
     columns: ClassVar[tuple[str, ...]] = ()
     #: the step phases in which the component acts (a decode-only one leaves prefill steps alone)
     phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")

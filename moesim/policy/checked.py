@@ -338,7 +338,33 @@ def _own_line(err: BaseException) -> str:
 def _raised(who: str, view: LayerView | None, err: Exception) -> PolicyError:
     text = " ".join(str(err).split())
     return _fault(who, view, f"raised {type(err).__name__}{': ' + text if text else ''}{_own_line(err)}",
-                  "the fault is in the policy's own code; this error's __cause__ holds its traceback")
+                  f"{_unread_column(view, err) or _OWN_CODE}; this error's __cause__ holds its traceback")
+
+
+_OWN_CODE = "the fault is in the policy's own code"
+
+
+def _unread_column(view: LayerView | None, err: Exception) -> str:
+    """How to get the optional trace column whose absence from ``view`` likely raised ``err`` ("" when none
+    is likely): a view carries weights, scores and predictions only when a component lists them in its
+    ``columns``, and a policy written from the trace's schema read ``view.weights`` as None."""
+    from moesim.trace.schema import PREDICTOR_COLUMNS
+    if view is None:
+        return ""
+    if isinstance(err, (AttributeError, TypeError)) and "NoneType" in str(err):
+        absent = [name for name in ("weights", "scores") if getattr(view, name) is None]
+        what = " and ".join(f"view.{name}" for name in absent) + (" are" if len(absent) > 1 else " is") + " None"
+    elif isinstance(err, KeyError) and err.args and err.args[0] in PREDICTOR_COLUMNS \
+            and err.args[0] not in view.predictors:
+        absent = [err.args[0]]
+        what = f"view.predictors has no {err.args[0]!r}"
+    else:
+        return ""
+    if not absent:
+        return ""
+    return (f"{what} here: a view carries an optional trace column only when a component lists it; add "
+            f"columns = {tuple(absent)!r} to the class, for a trace that has them (RunContext.columns in "
+            "configure lists the trace's)")
 
 
 class _CheckedMethod:

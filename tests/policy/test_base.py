@@ -139,3 +139,40 @@ def test_a_plans_bad_substitutions_are_named_with_the_system_step_and_layer(tmp_
     trace, hw = write_trace_and_profile(tmp_path, 3)
     with pytest.raises(PolicyError, match=r"system 'bad-rewrites' \(Rewrites.plan\): at step 0, layer 0, " + words):
         moesim.replay(trace, hw=hw, system="bad-rewrites")
+
+
+def test_reading_a_column_the_policy_did_not_list_says_how_to_get_it(tmp_path):
+    """A cache that read view.weights without listing the column got "raised AttributeError: 'NoneType' object
+    has no attribute ..." and "the fault is in the policy's own code", though the trace has weights."""
+    from dataclasses import dataclass
+
+    import moesim
+    from moesim.policy.base import PolicyError
+    from moesim.policy.cache import CachePolicy
+    from moesim.policy.systems import COMPONENTS, SystemSpec, register_component, register_system
+
+    @dataclass
+    class ByWeight(CachePolicy):
+        name = "by-weight-unlisted"
+
+        def victims(self, view, layer, n, protected, incoming=None):
+            return [e for e in view.cache.resident[layer] if e not in protected][:n]
+
+        def touch(self, view, used):
+            view.weights.sum()
+
+    register_component(ByWeight)
+    register_system("by-weight-unlisted", SystemSpec("", cache="by-weight-unlisted", assign="gpu"))
+    trace = moesim.slice_trace(moesim.bundled_trace("mixtral-8x7b-humaneval"), tmp_path / "t.parquet", steps=2)
+    hw = "rtx4090"
+    try:
+        with pytest.raises(PolicyError, match=r"cache 'by-weight-unlisted' \(ByWeight.touch\): at step 0, layer 0, raised "
+                                              r"AttributeError.*view.weights and view.scores are None here: .*"
+                                              r"add columns = \('weights', 'scores'\) to the class, for a trace"):
+            moesim.replay(trace, hw=hw, system="by-weight-unlisted")
+        ByWeight.columns = ("weights",)  # listed: the view carries them
+        assert moesim.replay(trace, hw=hw, system="by-weight-unlisted").metrics.decode_tokens[0] == 1
+    finally:
+        from moesim.policy.systems import SYSTEMS
+        SYSTEMS.pop("by-weight-unlisted", None)
+        COMPONENTS["cache"].pop("by-weight-unlisted", None)
