@@ -12,7 +12,7 @@ function; the sweep machinery is imported with ``from moesim.sweep import ...``.
 __version__ = "0.1.0"
 
 # moesim.api imports the moesim.sweep module first, so the function bound here keeps the name
-from moesim.api import bundled_trace, replay, slice_trace, sweep  # noqa: E402
+from moesim.api import bundled_trace, load_replay, replay, slice_trace, sweep  # noqa: E402
 from moesim.api import serve  # noqa: E402
 
-__all__ = ["bundled_trace", "replay", "serve", "slice_trace", "sweep", "__version__"]
+__all__ = ["bundled_trace", "load_replay", "replay", "serve", "slice_trace", "sweep", "__version__"]

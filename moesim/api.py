@@ -11,6 +11,8 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
                          # lower_bound as lower_bound_makespan_s, ...; gap_to_lower_bound as it is)
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
     r.decisions          # the decision log (DECISION_COLUMNS)
+    r.steps              # one row per forward pass: phase, start, latency, tokens, and its decisions counted
+    r.save("runs/lru")   # a folder of Parquet files and metrics.json; moesim.load_replay("runs/lru") reads it
     r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure; Jupyter shows it as an image)
     r.plot_timeline(steps=(10, 12))   # other steps; the title says which are shown
 
@@ -46,6 +48,7 @@ from typing import Any, Mapping, Sequence
 from moesim import notebook
 from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
+from moesim.analysis.runs import ReplayResult, load_replay, step_frame  # noqa: F401 - moesim.api's names
 from moesim.util import is_missing, warn_at_caller
 
 DEFAULT_HW = "rtx4090"
@@ -119,54 +122,8 @@ def checked_settings(settings: Any) -> None:
                           fix="e.g. settings={'cache': 'lru', 'cache.slots_per_layer': 2}")
 
 
-#: the figures a result's one-line repr shows
-REPR_METRICS = ("ttft_ms", "tpot_ms_mean", "decode_tokens_per_s", "gpu_hit_rate")
+#: the figures a serving run's one-line repr shows
 SERVE_REPR_METRICS = ("qps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "throughput_rps")
-
-
-@dataclass
-class ReplayResult:
-    """One replay: metrics as a one-row DataFrame, the timeline and the decision log."""
-
-    metrics: Any
-    timeline: Any
-    decisions: Any
-    system: str
-    trace: str
-    #: the metrics dict as :func:`moesim.analysis.metrics.metrics` returns it (breakdown nested)
-    raw_metrics: dict[str, Any] = field(default_factory=dict)
-
-    def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
-                      title: str | None = None, steps: tuple[int, int] | None = None) -> Any:
-        """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s) or ``steps`` = (first, last),
-        default the first two steps; the title says what is shown. Displays as a PNG in Jupyter."""
-        if self.timeline is None:
-            raise ConfigError("this replay kept no timeline", field="timeline",
-                              fix="call moesim.replay(..., timeline=True)")
-        from moesim.analysis.plots import plot_gantt
-        label = f"{self.system} on {Path(self.trace).name}" if title is None else title
-        return plot_gantt(self.timeline, path, window=window, steps=steps, title=label)
-
-    def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
-        """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
-        from moesim.analysis.plots import plot_breakdown
-        return plot_breakdown([self.raw_metrics], path)
-
-    def _repr_html_(self) -> str:
-        return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
-
-    def __repr__(self) -> str:
-        """One line for a console (the frames are a print away): what ran, its headline figures, what was kept."""
-        row = self.metrics.iloc[0] if len(self.metrics) else {}
-        shown = [f"{key}={row[key]:.6g}" for key in REPR_METRICS if key in row and not is_missing(row[key])]
-        if "decode_tokens" in row and row["decode_tokens"] == 0:  # why TPOT and decode speed are not shown (nan)
-            shown.append("decode_tokens=0")
-        figures = ", ".join(shown)
-        kept = [f"{name}=<{len(frame):,} rows>" for name, frame in (("timeline", self.timeline),
-                                                                   ("decisions", self.decisions))
-                if frame is not None]
-        return f"ReplayResult(system={self.system!r}, trace={Path(self.trace).name!r}, {figures}" + \
-            "".join(f", {k}" for k in kept) + ")"
 
 
 def checked_keywords(function: Any, params: Mapping[str, Any]) -> None:
@@ -262,7 +219,8 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed),
            **sweep_module.flatten_metrics(raw)}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
-                        system=system, trace=str(trace), raw_metrics=raw)
+                        system=system, trace=str(trace), raw_metrics=raw,
+                        steps=step_frame(result.steps, frames["decisions"]))
 
 
 @python_names()

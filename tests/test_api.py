@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -566,3 +568,30 @@ def test_a_bundled_trace_is_found_by_name_from_any_folder(tmp_path, monkeypatch)
     assert moesim.replay(slice_trace(path, tmp_path / "s.parquet", steps=2)).metrics.prefill_tokens[0] == 135
     with pytest.raises(ConfigError, match=r"no bundled trace named 'mixtral'.*did you mean mixtral-8x7b-humaneval\?"):
         moesim.bundled_trace("mixtral")
+
+
+def test_a_replay_has_one_row_per_step_and_saves_and_loads_whole(files, tmp_path):
+    """A replay gave no per-step figures (each step's latency had to be rebuilt from the timeline) and had no way
+    to be saved and read back beside the frames one by one."""
+    trace, hw = files
+    run = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    steps = run.steps
+    assert list(steps.step) == sorted(set(run.timeline.step)) and set(steps.phase) == {"prefill", "decode"}
+    assert steps.latency_ms.sum() / 1e3 == pytest.approx(run.metrics.makespan_s[0])
+    decode = steps[steps.phase == "decode"]
+    assert decode.latency_ms.mean() == pytest.approx(run.metrics.tpot_ms_mean[0])
+    hits = run.decisions.groupby("step").action.apply(lambda a: (a == "gpu_hit").sum())
+    assert list(steps.gpu_hit) == list(hits.reindex(steps.step, fill_value=0))
+    assert list(steps.tokens[:3]) == [3, 3, 2] and steps.requests[2] == [0, 1]  # two prompts, then both decode
+    saved = run.save(tmp_path / "run")
+    back = moesim.load_replay(saved)
+    as_json = functools.partial(json.dumps, default=lambda v: v.item())  # NaN equals itself there
+    assert repr(back) == repr(run) and as_json(back.raw_metrics) == as_json(run.raw_metrics)
+    for name in ("metrics", "timeline", "decisions", "steps"):
+        pd.testing.assert_frame_equal(getattr(back, name), getattr(run, name), check_dtype=False,
+                                      check_categorical=False)
+    assert isinstance(back.plot_timeline(steps=(2, 3)), Figure)
+    bare = moesim.replay(trace, hw=hw, timeline=False, decisions=False)
+    assert "gpu_hit" not in bare.steps and moesim.load_replay(bare.save(tmp_path / "run")).timeline is None
+    with pytest.raises(ConfigError, match="holds no saved replay"):
+        moesim.load_replay(tmp_path)

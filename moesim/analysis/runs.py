@@ -1,0 +1,123 @@
+"""A replay's results as the Python API returns them (:class:`ReplayResult`): metrics, timeline, decision log
+and one row per forward pass, shown in Jupyter, drawn, saved to a folder and read back."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from moesim.errors import ConfigError
+from moesim.util import is_missing
+
+#: the figures a result's one-line repr shows
+REPR_METRICS = ("ttft_ms", "tpot_ms_mean", "decode_tokens_per_s", "gpu_hit_rate")
+#: the frames a saved result keeps, each as ``NAME.parquet`` (absent when the replay did not keep it)
+FRAMES = ("metrics", "timeline", "decisions", "steps")
+#: the file of a saved result that holds what is not a frame: system, trace and the nested metrics
+META_FILE = "result.json"
+
+
+def step_frame(steps: Sequence[Any], decisions: Any = None) -> Any:
+    """One row per forward pass (``StepRecord``): step, phase, start_s, end_s, latency_ms, tokens, requests (the
+    batch's request ids), and with a decision log the count of each of its actions in the step (``gpu_hit``,
+    ``gpu_load``, ``cpu``, ``prefetch``, ``evict``, ...; moesim.analysis.timeline.DECISION_ACTIONS)."""
+    import pandas as pd
+
+    from moesim.analysis.timeline import DECISION_ACTIONS
+    frame = pd.DataFrame({"step": [s.step for s in steps], "phase": [s.phase for s in steps],
+                          "start_s": [s.start for s in steps], "end_s": [s.end for s in steps],
+                          "tokens": [s.tokens for s in steps], "requests": [list(s.requests) for s in steps]})
+    frame.insert(4, "latency_ms", (frame.end_s - frame.start_s) * 1e3)
+    if decisions is not None:
+        counts = pd.crosstab(decisions["step"], decisions["action"].astype(str))
+        counts = counts.reindex(index=frame.step, columns=list(DECISION_ACTIONS), fill_value=0)
+        frame = pd.concat([frame, counts.reset_index(drop=True).astype("int64")], axis=1)
+    return frame
+
+
+@dataclass
+class ReplayResult:
+    """One replay: metrics as a one-row DataFrame, the timeline, the decision log and one row per step."""
+
+    metrics: Any
+    timeline: Any
+    decisions: Any
+    system: str
+    trace: str
+    #: the metrics dict as :func:`moesim.analysis.metrics.metrics` returns it (breakdown nested)
+    raw_metrics: dict[str, Any] = field(default_factory=dict)
+    #: one row per forward pass (:func:`step_frame`): latency, tokens, and its decisions counted
+    steps: Any = None
+
+    def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
+                      title: str | None = None, steps: tuple[int, int] | None = None) -> Any:
+        """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s) or ``steps`` = (first, last),
+        default the first two steps; the title says what is shown. Displays as a PNG in Jupyter."""
+        if self.timeline is None:
+            raise ConfigError("this replay kept no timeline", field="timeline",
+                              fix="call moesim.replay(..., timeline=True)")
+        from moesim.analysis.plots import plot_gantt
+        label = f"{self.system} on {Path(self.trace).name}" if title is None else title
+        return plot_gantt(self.timeline, path, window=window, steps=steps, title=label)
+
+    def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
+        """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
+        from moesim.analysis.plots import plot_breakdown
+        return plot_breakdown([self.raw_metrics], path)
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write this result to ``folder`` (made if need be): each frame as Parquet and ``result.json``;
+        :func:`load_replay` reads it back. Files of a result saved there before are replaced."""
+        folder = Path(folder)
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{folder} is a file", field="folder", fix="give a folder to save the result in")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in FRAMES:
+            frame, path = getattr(self, name), folder / f"{name}.parquet"
+            if frame is None:
+                path.unlink(missing_ok=True)  # an older result's frame would be read back as this one's
+            else:
+                frame.to_parquet(path, index=False)
+        meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics}
+        (folder / META_FILE).write_text(json.dumps(meta, default=_plain, indent=1))
+        return folder
+
+    def _repr_html_(self) -> str:
+        return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
+
+    def __repr__(self) -> str:
+        """One line for a console (the frames are a print away): what ran, its headline figures, what was kept."""
+        row = self.metrics.iloc[0] if len(self.metrics) else {}
+        shown = [f"{key}={row[key]:.6g}" for key in REPR_METRICS if key in row and not is_missing(row[key])]
+        if "decode_tokens" in row and row["decode_tokens"] == 0:  # why TPOT and decode speed are not shown (nan)
+            shown.append("decode_tokens=0")
+        figures = ", ".join(shown)
+        kept = [f"{name}=<{len(frame):,} rows>" for name, frame in (("timeline", self.timeline),
+                                                                   ("decisions", self.decisions))
+                if frame is not None]
+        return f"ReplayResult(system={self.system!r}, trace={Path(self.trace).name!r}, {figures}" + \
+            "".join(f", {k}" for k in kept) + ")"
+
+
+def _plain(value: Any) -> Any:
+    """A numpy number as the Python one it holds, for JSON."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def load_replay(folder: str | os.PathLike) -> ReplayResult:
+    """The :class:`ReplayResult` that :meth:`ReplayResult.save` wrote to ``folder``."""
+    import pandas as pd
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        raise ConfigError(f"{folder} holds no saved replay (no {META_FILE})", field="folder",
+                          fix="give a folder that ReplayResult.save wrote")
+    meta = json.loads(meta_path.read_text())
+    frames = {name: pd.read_parquet(folder / f"{name}.parquet") if (folder / f"{name}.parquet").is_file()
+              else None for name in FRAMES}
+    return ReplayResult(**frames, system=meta["system"], trace=meta["trace"], raw_metrics=meta["raw_metrics"])
