@@ -180,6 +180,28 @@ class JsonFlagCommand(click.Command):
         return super().parse_args(ctx, flag)
 
 
+class InputPath(click.Path):
+    """A file the command reads (or a profile's name): an empty value, what an unset shell variable gives
+    (``moesim replay "$TRACE"``), is refused naming the option; it was read as the current folder ('.: is a
+    folder') or as a file of no name ('file not found', naming none)."""
+
+    def __init__(self, *args: Any, what: str = "a file name", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.what = what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            name = (param.opts[0] if param.opts and param.opts[0].startswith("-") else
+                    param.human_readable_name.rstrip(".")) if param is not None else None
+            raise MoesimError("the path is empty (an unset shell variable gives an empty one)", field=name,
+                              fix=f"give {self.what}")
+        return super().convert(value, param, ctx)
+
+
+#: the type of a ``--hw`` option
+HW_PROFILE = InputPath(what="a profile name or a YAML path")
+
+
 #: what ``--json`` may be given to mean standard output, where it is a flag as where it takes a file
 STDOUT_NAMES = ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
 

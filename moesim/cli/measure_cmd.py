@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            preset_help, say_wrote, write_json)
+from moesim.cli.app import (HW_PROFILE, InputPath, JsonFlagCommand, check_outputs, cli, console, err_console,
+                            open_output, parse_settings, preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET, YAML, clean_stale_tmps
 
@@ -16,13 +16,13 @@ from moesim.util import PARQUET, YAML, clean_stale_tmps
 @cli.command("capture")
 @click.option("--model", "model", required=True, metavar="PATH_OR_ID",
               help="Checkpoint directory (config.json + *.safetensors) or Hugging Face model id.")
-@click.option("--prompts", required=True, type=click.Path(dir_okay=False),
+@click.option("--prompts", required=True, type=InputPath(dir_okay=False),
               help="Prompts: JSONL (field 'prompt' or 'text', or 'token_ids') or plain text, one per line.")
 @click.option("--max-new-tokens", required=True, type=click.IntRange(min=0),
               help="Greedy tokens generated (and fed back: one decode step each) per prompt.")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
               help="Prompts generated together (left-padded) in one batch.")
-@click.option("--calibration-prompts", default=None, type=click.Path(dir_okay=False),
+@click.option("--calibration-prompts", default=None, type=InputPath(dir_okay=False),
               help="Prompts for fitting pred_residual and pred_next_token (never written to the trace).")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -235,9 +235,9 @@ def _measure_with_report(model, device: str, threads: int, quick: bool, out_dir:
 
 @cli.command("validate", cls=JsonFlagCommand)
 @click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
-@click.option("--trace", "trace_file", required=True, type=click.Path(dir_okay=False))
+@click.option("--trace", "trace_file", required=True, type=InputPath(dir_okay=False))
 @click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
-@click.option("--profile", "--hw", "profile_path", default=None,
+@click.option("--profile", "--hw", "profile_path", default=None, type=HW_PROFILE,
               help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml); "
                    "--hw, as replay names it, is the same.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
-from moesim.cli.app import (PipeConsole, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            hw_help, preset_help, print_skipped, say_wrote, to_stdout, write_json)
+from moesim.cli.app import (HW_PROFILE, InputPath, PipeConsole, check_outputs, cli, console, err_console, open_output,
+                            parse_settings, hw_help, preset_help, print_skipped, say_wrote, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -34,8 +34,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 
 
 @cli.command()
-@click.argument("trace_file", metavar="TRACE", required=False, type=click.Path(dir_okay=False))
-@click.option("--hw", default=DEFAULT_HW, show_default=True,
+@click.argument("trace_file", metavar="TRACE", required=False, type=InputPath(dir_okay=False))
+@click.option("--hw", default=DEFAULT_HW, show_default=True, type=HW_PROFILE,
               help=hw_help())
 @click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
               help="System to replay; several separated by commas or repeated to compare them; 'all' for every "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.markup import escape
 
-from moesim.cli.app import check_outputs, cli, console, err_console, open_output, say_wrote
+from moesim.cli.app import InputPath, check_outputs, cli, console, err_console, open_output, say_wrote
 from moesim.errors import MoesimError
 from moesim.util import FIGURE, HTML, PARQUET
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @cli.command("sweep")
-@click.argument("spec_file", metavar="SPEC.yaml", type=click.Path(dir_okay=False))
+@click.argument("spec_file", metavar="SPEC.yaml", type=InputPath(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="RESULTS.parquet",
               help="Results, one row per point; points already in it are skipped.")
 @click.option("--workers", default=None, type=click.IntRange(min=1), help="Parallel workers [default: all cores].")
@@ -126,7 +126,7 @@ def _internal(error: str) -> bool:
 
 
 @cli.command("plot")
-@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.argument("results", metavar="RESULTS.parquet", type=InputPath(dir_okay=False))
 @click.option("--x", "x", required=True, metavar="PARAM|METRIC",
               help="Column on the x axis, e.g. cache.slots_per_layer, or a metric such as gpu_memory_gib.")
 @click.option("--y", "y", required=True, metavar="METRIC", help="Metric on the y axis, e.g. tpot_ms_mean.")
@@ -198,7 +198,7 @@ def _default_hue(frame: pd.DataFrame, hue: str | None, x: str, facet: str | None
 
 
 @cli.command("report")
-@click.argument("results", metavar="RESULTS.parquet", type=click.Path(dir_okay=False))
+@click.argument("results", metavar="RESULTS.parquet", type=InputPath(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), metavar="REPORT.html")
 @click.option("--gantt/--no-gantt", default=True, show_default=True,
               help="Replay one point again to draw its CPU/GPU/PCIe Gantt chart (needs its trace).")

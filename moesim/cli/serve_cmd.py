@@ -7,8 +7,8 @@ import math
 import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
-from moesim.cli.app import (check_outputs, cli, console, err_console, open_output, parse_settings,
-                            hw_help, print_skipped, say_wrote, to_stdout, write_json)
+from moesim.cli.app import (HW_PROFILE, InputPath, check_outputs, cli, console, err_console, open_output,
+                            parse_settings, hw_help, print_skipped, say_wrote, to_stdout, write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
@@ -16,8 +16,8 @@ from moesim.util import FIGURE, PARQUET
 
 
 @cli.command("serve-sim")
-@click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=click.Path(dir_okay=False))
-@click.option("--hw", default=DEFAULT_HW, show_default=True, help=hw_help())
+@click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=InputPath(dir_okay=False))
+@click.option("--hw", default=DEFAULT_HW, show_default=True, type=HW_PROFILE, help=hw_help())
 @click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
               help="System; several separated by commas or repeated, or 'all' (one run per system and QPS).  "
                    f"[default: {DEFAULT_SYSTEM}]")

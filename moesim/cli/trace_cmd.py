@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from moesim.cli.app import (JsonFlagCommand, check_outputs, cli, console, err_console, open_output, parse_settings,
-                            preset_help, say_wrote, write_json)
+from moesim.cli.app import (InputPath, JsonFlagCommand, check_outputs, cli, console, err_console, open_output,
+                            parse_settings, preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
 from moesim.util import PARQUET
 
@@ -18,7 +18,7 @@ def trace() -> None:
 
 
 @trace.command("validate", cls=JsonFlagCommand)
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=InputPath(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as JSON: ok, and the problem found (the check stops at the first) "
                    "(stdout; --json - the same; the exit status is as without it).")
@@ -53,7 +53,7 @@ def _validation_json(file: str, *, summary=None, version: int | None = None,
 
 
 @trace.command("inspect", cls=JsonFlagCommand)
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=InputPath(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Print the statistics as JSON under stable keys (stdout; --json - the same).")
 def trace_inspect(file: str, as_json: bool) -> None:
@@ -69,8 +69,8 @@ def trace_inspect(file: str, as_json: bool) -> None:
 
 
 @trace.command("compare", cls=JsonFlagCommand)
-@click.argument("first", type=click.Path(dir_okay=False))
-@click.argument("second", type=click.Path(dir_okay=False))
+@click.argument("first", type=InputPath(dir_okay=False))
+@click.argument("second", type=InputPath(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Print both statistics and the distances as JSON (stdout; --json - the same).")
 def trace_compare(first: str, second: str, as_json: bool) -> None:
@@ -88,7 +88,7 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
 
 
 @trace.command("upgrade")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=InputPath(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="The trace in format v2 (.parquet).")
 def trace_upgrade(file: str, out: str) -> None:
     """Write FILE in trace format v2: the same rows, scores as one binary value a row (docs/trace-format.md)."""
@@ -104,7 +104,7 @@ def trace_upgrade(file: str, out: str) -> None:
 @trace.command("import")
 @click.option("--format", "fmt", default=None,
               help="Source log format (see --list-formats); by default told from the files' first records.")
-@click.argument("sources", nargs=-1, type=click.Path(exists=True))
+@click.argument("sources", nargs=-1, type=InputPath(exists=True))
 @click.option("--out", default=None, type=click.Path(dir_okay=False), help="Output trace (.parquet).")
 @click.option("--list-formats", is_flag=True, help="List the formats --format reads and exit.")
 def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, list_formats: bool) -> None:
@@ -157,7 +157,7 @@ def _print_formats() -> None:
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
-@click.option("--fit", "fit", default=None, type=click.Path(dir_okay=False), metavar="REAL.parquet",
+@click.option("--fit", "fit", default=None, type=InputPath(dir_okay=False), metavar="REAL.parquet",
               help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first.")
 @click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
 @click.option("--help-params", is_flag=True,

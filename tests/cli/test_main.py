@@ -94,3 +94,21 @@ def test_a_home_trace_and_profile_the_shell_left_alone_are_read(files, monkeypat
     monkeypatch.setenv("HOME", str(trace.parent))
     assert main(["replay", f"~/{trace.name}", f"--hw=~/{hw.name}", "--system", "cpu-only"]) == 0, \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, field", [
+    (["replay", "", "--system", "cpu-only"], "TRACE"),
+    (["replay", "{trace}", "--hw", "", "--system", "cpu-only"], "--hw"),
+    (["serve-sim", "{trace}", "--hw=", "--requests", "2"], "--hw"),
+    (["trace", "compare", "{trace}", ""], "SECOND"),
+    (["sweep", "", "--out", "{folder}/r.parquet"], "SPEC.yaml"),
+    (["report", "", "--out", "{folder}/r.html"], "RESULTS.parquet")])
+def test_an_empty_input_path_is_refused_naming_its_option(args, field, files, capsys):
+    """`moesim replay "$TRACE"` with TRACE unset said 'file not found' naming no file; an empty --hw, '.: is
+    a folder'."""
+    from pathlib import Path
+    trace, _ = files
+    args = [a.format(trace=trace, folder=Path(trace).parent) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moesim: error: field '{field}': the path is empty") and err.count("\n") == 1, err
