@@ -82,7 +82,12 @@ class ComposedSystem:
                 "substitute": self.substitute, "defer": self.defer}
 
     def needed_columns(self) -> list[str]:
-        return sorted({c for component in self.components.values() for c in component.columns})
+        columns = {c for component in self.components.values() for c in component.columns}
+        if not isinstance(self.substitute, NoSubstitution) or not isinstance(self.defer, NoDeferral):
+            # the engine counts the gate weight a rewrite or deferral touches (substituted_weight_mass,
+            # deferred_weight_mass), whether or not the component itself reads the weights
+            columns.add("weights")
+        return sorted(columns)
 
     def for_model(self, model: ModelSpec) -> None:
         """Let each component settle its model-dependent defaults before the memory plan reads them."""

@@ -195,6 +195,20 @@ def test_importance_replays_with_engine_checks(ds_like):
     assert m["substituted_experts"] > 0 and m["prefetches"] > 0 and m["cpu_util"] > 0
 
 
+def test_substituted_weight_mass_is_the_gate_weight_the_router_rewrote(ds_like):
+    """The router reads scores only, but the trace's gate weights of the entries it rewrote are what
+    ``substituted_weight_mass`` counts: summed here from the rewrites and the trace (0.0 before, weights unread)."""
+    import pyarrow.parquet as pq
+    result = simulate(ds_like, "hwprofiles/rtx3090.yaml", "importance", SETTINGS)
+    table = pq.read_table(ds_like, columns=["step", "layer", "weights"]).to_pandas()
+    rows = {key: np.stack(group["weights"].to_numpy()) for key, group in table.groupby(["step", "layer"], sort=False)}
+    rewritten = sum(float(rows[key][row, slot]) for key, entries in result.rewrites.items()
+                    for row, slot, _ in entries)
+    m = metrics(result)
+    assert m["substituted_experts"] > 0 and rewritten > 0
+    assert m["substituted_weight_mass"] == pytest.approx(rewritten / (len(table) * rows[(0, 0)].shape[1]), rel=1e-5)
+
+
 def test_expert_cache_router_cuts_loads_and_tpot(ds_like):
     """004 Sec. 6.3 (+ER over +CE): replacing low-score experts with resident ones lowers TPOT."""
     ce = {**SETTINGS, "assign": "gpu", "prefetch": "none", "substitute": "none"}
