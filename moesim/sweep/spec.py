@@ -148,6 +148,9 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
                 article = "an" if what[0] in "aeiou" else "a"
                 raise ConfigError(f"{value!r} is not {article} {what}", source=source, field=plural, row=i,
                                   fix=f"write {plural}: [...], one {what} per item")
+            if isinstance(value, str) and not value.strip():  # else read as the spec's folder ('is a folder')
+                raise ConfigError(f"the {what} is empty", source=source, field=plural, row=i,
+                                  fix=f"give the {what}, or drop the item")
         return [str(value) for value in values]
 
     def axis(singular: str, plural: str, default: list[Any] | None) -> list[Any]:

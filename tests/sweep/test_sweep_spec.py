@@ -97,6 +97,9 @@ def test_spec_mistakes_are_one_line(spec, words):
     ({"traces": [["t.parquet"]], "systems": ["cpu-only"]}, "field 'traces', row 0: ['t.parquet'] is not a path"),
     ({"systems": {"cpu-only": 1}}, "field 'systems': a mapping is not a list of names"),
     ({"systems": ["cpu-only"], "hw": [{"gpu": 1}]}, "field 'hw', row 0: {'gpu': 1} is not a profile name or path"),
+    # an empty item (a templated spec's unset variable) was read as the spec's folder: 'is a folder'
+    ({"traces": ["t.parquet", ""], "systems": ["cpu-only"]}, "field 'traces', row 1: the path is empty"),
+    ({"systems": ["cpu-only"], "hw": [""]}, "field 'hw', row 0: the profile name or path is empty"),
     # what only the trace's model decides: refused before any point runs (each point failed on its own)
     ({"systems": ["buddymoe"], "grid": {"substitute.alpha": [0.95, "[0.9,0.8,0.7]"]}},
      "substitute.alpha lists 3 values, the model has 2 MoE layers"),
