@@ -79,8 +79,10 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     if bad_input:
         first = errors["error"].iloc[0]
         fix = _fix_of(first) or "fix the spec"
-        raise MoesimError(f"all {summary.points} points failed on bad input{'' if existed else ', nothing written'}; "
-                          f"the first: {_without_fix(first)}", source=spec_file,
+        every, which = (("the one point", "why") if summary.points == 1
+                        else (f"all {summary.points} points", "the first"))
+        raise MoesimError(f"{every} failed on bad input{'' if existed else ', nothing written'}; "
+                          f"{which}: {_without_fix(first)}", source=spec_file,
                           fix=f"{fix} (every reason: column 'error' of {out})" if existed else fix)
     if summary.failed:
         for _, row in errors.head(5).iterrows():

@@ -131,6 +131,11 @@ def test_a_sweep_whose_every_point_fails_on_its_input_writes_nothing_and_says_so
     assert err.count("(fix: ") == 1 and err.rstrip().endswith("(fix: use at most 7 slots in all "
                                                               "(cache.slots_per_layer <= 3))")
     assert not out.exists() and not (files / "r.parquet.parts").exists()
+    # one point: said of one point, its reason as "why"
+    one = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [5]}, set=TIGHT_GPU)
+    assert main(["sweep", str(one), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moesim: error: {one}: the one point failed on bad input, nothing written; why: ")
     # into an existing results file: the failed rows are kept there, and the line says where
     good = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [1]}, set=TIGHT_GPU)
     assert main(["sweep", str(good), "--out", str(out), "--workers", "1"]) == 0
