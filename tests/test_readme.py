@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import moesim
 from moesim.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,10 @@ def test_readme_python_example_runs_as_written(sandbox):
         exec(compile(python_block(), "README.md", "exec"), namespace)  # noqa: S102 - our own README
     run, table = namespace["run"], namespace["table"]
     assert len(run.metrics) == 1 and run.metrics.iloc[0]["slots_per_layer"] == 2
+    decode = run.steps[run.steps["phase"] == "decode"]
+    assert decode["latency_ms"].mean() == pytest.approx(run.metrics.iloc[0]["tpot_ms_mean"], rel=1e-6)
+    again = moesim.load_replay("out/lru-run")
+    assert again.metrics.equals(run.metrics) and len(again.steps) == len(run.steps)
     assert len(table) == 4  # 2 systems x 2 cache sizes
     failed = table[table["status"] != "ok"]
     if len(failed):  # failed points are never silent
