@@ -141,3 +141,22 @@ def test_a_replay_whose_plan_breaks_the_check_stops_with_one_line(tmp_path):
     with pytest.raises(PolicyError, match=r"^[^\n]*at step \d+, layer \d, evicts expert \d, which it computes on "
                                           r"the GPU at this layer[^\n]*$"):
         sim.run()
+
+
+def test_prefetches_no_engine_started_by_the_end_count_as_cancelled(tmp_path):
+    """SMoE fills its decode cache when the prefill ends (000 Sec. IV-E); on a prefill-only trace the run ends
+    with those prefetches queued behind the first. They copy nothing (no bytes, no busy time), so they are
+    cancelled: issued prefetches less cancelled ones are the copies whose bytes the run counts (before, 8
+    prefetches were reported with one expert's bytes)."""
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.run import simulate
+    from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    prompt = [[0, 1], [1, 2], [2, 3]]  # three prompt tokens, the same experts at both layers
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, [prompt, prompt])}}])
+    m = metrics(simulate(str(trace), tiny_profile(), "smoe"))
+    expert_bytes = 3 * 64 * 128 * 2
+    assert m["prefetches"] == 8 and m["demand_loads"] == m["streamed_experts"] == 0
+    assert m["pcie_h2d_bytes"] == expert_bytes  # the first fill copy starts before the prefill's CPU work ends
+    assert m["cancelled_prefetches"] == 7
