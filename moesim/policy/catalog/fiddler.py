@@ -11,8 +11,13 @@ and is not kept.
 How this differs from the ``static-hot`` system: static-hot never copies an expert;
 it computes every non-resident expert on the CPU. Fiddler copies a non-resident
 expert when ``T_CPU(tokens) > T_PCIe + T_GPU(tokens)`` (the cost model's curves
-stand in for Fiddler's two hand-set constants), which only happens with many
-tokens per expert, i.e. in the prefill; in decoding the two systems agree.
+stand in for Fiddler's two hand-set constants), which on the bundled profiles happens with many
+tokens per expert, i.e. in the prefill; in decoding the two systems agree there. The rule weighs one
+expert's copy against its CPU time, not the copies queued ahead of it, so a faster link can make
+Fiddler slower: DeepSeek-V3 int4 on ``rtx4090`` with ``hw.pcie.bandwidth_scale=2`` copies a decode
+expert too (439 us + kernel against 688 us on the CPU) and streams every cold prefill expert, one
+at a time through the one buffer, while the CPU idles (two synthetic 128-token prompts: TTFT 3,961 ms
+at 1x, 4,696 ms at 2x; 2,796 ms at 4x).
 
 Fiddler's one placeholder buffer is the system's default
 ``engine.staging_slots=1``: the next copy waits until the current copied expert
