@@ -310,6 +310,9 @@ def plain_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         out["zip"] = settings_values(zips)
     elif isinstance(zips, (list, tuple)):
         out["zip"] = [settings_values(g) if isinstance(g, Mapping) else g for g in zips]
+    if isinstance(out.get("per_system"), Mapping):  # each system's own set: and grid:, read as the spec's
+        out["per_system"] = {name: plain_spec(own) if isinstance(own, Mapping) else own
+                             for name, own in out["per_system"].items()}
     return out
 
 

@@ -331,6 +331,10 @@ def test_a_dict_spec_takes_numpy_arrays_ranges_and_tuples_as_lists_of_values(fil
                            "zip": {"cache.slots_per_layer": np.array([1, 2]), "engine.timeline": (False, True)}},
                           workers=1)
     assert zipped["cache.slots_per_layer"].tolist() == [1, 2] and (zipped["status"] == "ok").all()
+    own = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["cpu-only", "gpu-only-lru"],
+                        "per_system": {"gpu-only-lru": {"grid": {"cache__slots_per_layer": np.arange(1, 3)}}}},
+                       workers=1)
+    assert own["cache.slots_per_layer"].fillna(0).tolist() == [0, 1, 2] and (own["status"] == "ok").all()
 
 
 

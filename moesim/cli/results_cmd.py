@@ -49,6 +49,8 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
       grid: {cache.slots_per_layer: [1, 2, 3]}   # cartesian product
       zip:                                       # varied together
         - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
+      per_system:                                # parameters only some systems take
+        smoe: {grid: {prefetch.n: [1, 2]}}
 
     Each finished point is saved at once (OUT.parts/, merged into OUT), so an
     interrupted sweep resumes where it stopped; a finished point runs again when

@@ -13,6 +13,15 @@ A sweep spec (YAML file or dict)::
       cache.slots_per_layer: [1, 2, 3]
     zip:                                              # varied together (equal-length lists), crossed with the rest
       - {hw.pcie.bandwidth_scale: [0.5, 1.0], engine.kernels_per_expert: [3, 1]}
+    per_system:                                       # parameters only some systems take
+      smoe: {grid: {prefetch.n: [1, 2]}}              # crossed with the rest, for smoe's points only
+      my-system: {set: {cache.alpha: 0.9}}
+
+``per_system`` lets systems of one's own and the catalogue's share a sweep
+although their parameters differ: a key under ``set`` or ``grid`` applies to
+every system, and one that a system does not take stops the sweep before it
+runs; a key under ``per_system.NAME`` applies to that system's points only (its
+column is empty in the other systems' rows).
 
 Keys may use ``__`` for ``.`` (``cache__slots_per_layer``). Every point is a
 (trace, hw, system, seed, settings) combination; its id is a hash of those

@@ -14,7 +14,10 @@ from typing import Any, Callable
 from moesim.errors import ConfigError, MoesimError, did_you_mean
 from moesim.util import read_yaml
 
-SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip", "import")
+SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip", "import",
+             "per_system")
+#: what a ``per_system`` entry may hold
+PER_SYSTEM_KEYS = ("set", "grid")
 DEFAULT_HW = "rtx4090"
 
 
@@ -63,6 +66,15 @@ def normalize_key(key: str) -> str:
 
 # ----------------------------------------------------------------------------- spec
 @dataclass
+class SystemAxes:
+    """Parameters of one system's points only (a ``per_system`` entry): a policy of one's own takes keys the
+    catalogue's systems refuse, so they cannot go in the spec's shared ``set`` or ``grid``."""
+
+    fixed: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+
+
+@dataclass
 class SweepSpec:
     """A parsed sweep spec: the axes, and the folder relative paths resolve against."""
 
@@ -78,6 +90,8 @@ class SweepSpec:
     source: str = "sweep spec"
     #: systems the spec names itself (not through ``all``): one that cannot run a point's kind is a spec error
     named: tuple[str, ...] = ()
+    #: parameters only some systems take: system -> its own fixed settings and grid, added to the spec's
+    per_system: dict[str, SystemAxes] = field(default_factory=dict)
 
     def points(self) -> list[Point]:
         """Every point, in spec order (traces outermost), duplicates dropped."""
@@ -85,8 +99,10 @@ class SweepSpec:
         axes += [[dict(zip(group, row)) for row in zip(*group.values())] for group in self.zips]
         seen: dict[str, Point] = {}
         for trace, hw, system, seed in itertools.product(self.traces, self.hw, self.systems, self.seeds):
-            for combo in itertools.product(*axes):
-                settings = dict(self.fixed)
+            own = self.per_system.get(system, SystemAxes())
+            own_axes = [[{k: v} for v in values] for k, values in own.grid.items()]
+            for combo in itertools.product(*axes, *own_axes):
+                settings = {**self.fixed, **own.fixed}
                 for part in combo:
                     settings.update(part)
                 point = Point(trace, hw, system, seed, self.model, tuple(sorted(settings.items())))
@@ -98,6 +114,8 @@ class SweepSpec:
         keys = list(self.fixed) + list(self.grid)
         for group in self.zips:
             keys += list(group)
+        for own in self.per_system.values():
+            keys += [k for k in [*own.fixed, *own.grid] if k not in keys]
         return keys
 
     def resolve(self, path: str) -> str:
@@ -202,11 +220,41 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
                               fix="give every key of a zip group the same number of values")
         if group:
             zips.append(group)
-    spec = SweepSpec(traces=traces, hw=hws, systems=_expand_systems(systems, source), seeds=seeds,
+    expanded = _expand_systems(systems, source)
+    spec = SweepSpec(traces=traces, hw=hws, systems=expanded, seeds=seeds,
                      model=str(model) if model is not None else None, fixed=fixed, grid=grid, zips=zips,
-                     base_dir=base_dir, source=source, named=tuple(s for s in systems if s != "all"))
+                     base_dir=base_dir, source=source, named=tuple(s for s in systems if s != "all"),
+                     per_system=_per_system(data.get("per_system"), expanded, source))
     _check_disjoint(spec)
     return spec
+
+
+def _per_system(value: Any, systems: list[str], source: str) -> dict[str, SystemAxes]:
+    """The ``per_system`` section: for each system it names (one of the spec's), its own ``set`` and ``grid``."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("'per_system' must map system names to their own set: and grid:", source=source,
+                          field="per_system", fix="write e.g. per_system: {smoe: {grid: {prefetch.n: [1, 2]}}}")
+    out = {}
+    for name, entry in value.items():
+        where = f"per_system.{name}"
+        if name not in systems:
+            raise ConfigError(f"'{name}' is not one of the spec's systems", source=source, field=where,
+                              fix=f"{did_you_mean(str(name), systems)}name a system listed under systems:")
+        if not isinstance(entry, dict) or not entry:
+            raise ConfigError(f"{entry!r} is not a mapping of set: and grid:", source=source, field=where,
+                              fix="write e.g. {grid: {prefetch.n: [1, 2]}, set: {cache.alpha: 0.9}}")
+        unknown = [k for k in entry if k not in PER_SYSTEM_KEYS]
+        if unknown:
+            raise ConfigError(f"unknown key '{unknown[0]}'", source=source, field=f"{where}.{unknown[0]}",
+                              fix=f"{did_you_mean(str(unknown[0]), PER_SYSTEM_KEYS)}a system's entry holds "
+                                  "set: and grid:")
+        fixed = _settings_map(entry.get("set") or {}, f"{where}.set", source)
+        grid = {k: _values(v, f"{where}.grid.{k}", source)
+                for k, v in _settings_map(entry.get("grid") or {}, f"{where}.grid", source).items()}
+        out[name] = SystemAxes(fixed, grid)
+    return out
 
 
 def _settings_map(value: Any, where: str, source: str) -> dict[str, Any]:
@@ -240,14 +288,17 @@ def _expand_systems(systems: list[str], source: str) -> list[str]:
 
 
 def _check_disjoint(spec: SweepSpec) -> None:
-    seen: dict[str, str] = {}
-    sections = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
-    for section, keys in sections:
-        for key in keys:
-            if key in seen:
-                raise ConfigError(f"'{key}' appears in both {seen[key]} and {section}", source=spec.source,
-                                  field=key, fix="vary each parameter in one place only")
-            seen[key] = section
+    shared = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
+    # each system's points read the shared sections and its own: a key in two of them would be set twice
+    for name, own in [("", SystemAxes()), *spec.per_system.items()]:
+        seen: dict[str, str] = {}
+        sections = shared + [(f"per_system.{name}.set", own.fixed), (f"per_system.{name}.grid", own.grid)]
+        for section, keys in sections:
+            for key in keys:
+                if key in seen:
+                    raise ConfigError(f"'{key}' appears in both {seen[key]} and {section}", source=spec.source,
+                                      field=key, fix="vary each parameter in one place only")
+                seen[key] = section
 
 
 def check_spec(spec: SweepSpec, points: list[Point]) -> None:
@@ -290,9 +341,10 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         if key in checked:
             continue
         checked.add(key)
-        parsed = _reraise(lambda: parse_settings(settings), spec, None)
-        profile = _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None)
-        _reraise(lambda: check_runtime(profile, parsed.runtime), spec, None)
+        system = point.system
+        parsed = _reraise(lambda: parse_settings(settings), spec, None, system)
+        profile = _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None, system)
+        _reraise(lambda: check_runtime(profile, parsed.runtime), spec, None, system)
         quotas = parsed.cache.slots_per_layer or []
         for model in {models[t] for t in spec.traces}:
             if any(q > model.num_experts for q in quotas):  # more slots than experts: wrong on any GPU
@@ -300,12 +352,14 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
                                   f"({model.name} has {model.num_experts} experts per layer)", source=spec.source,
                                   field="cache.slots_per_layer", fix=f"use 0..{model.num_experts}")
         for member in members(point.system):
-            built = _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None)
+            built = _reraise(lambda m=member: build_system(m, dict(parsed.system)), spec, None, system)
             # what the trace's model decides (a per-layer list's length): known now, before any point runs
-            _reraise(lambda: built.for_model(models[point.trace]), spec, None)
+            _reraise(lambda: built.for_model(models[point.trace]), spec, None, system)
 
 
-def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> Any:
+def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None, system: str | None = None) -> Any:
+    """``call()``, its error as one line naming where the spec gives what is wrong (``system``: the point's,
+    whose ``per_system`` entry may be where)."""
     try:
         return call()
     except MoesimError as err:
@@ -317,29 +371,37 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None) -> An
         where = f" ({err.source})" if err.source and err.source != spec.source else ""
         fix = err.fix
         if field_ is None and err.field == "--set":  # a parameter: name it where the spec gives it
-            field_, seed = _setting_field(spec, err.detail)
+            field_, seed = _setting_field(spec, err.detail, system)
             if seed:
                 fix = "seeds are not a --set parameter: list them at the top level, e.g. seeds: [0, 1]"
+            elif field_ and not field_.startswith("per_system.") and len(spec.systems) > 1:
+                section = "set" if field_.startswith("set.") else "grid"  # a zipped key goes to a grid there
+                fix = (f"{fix}; or give it only to the systems that take it, under "
+                       f"per_system.NAME.{section}, not to {system}")
         elif field_ is None and err.field:  # a profile field an hw.* override names, or a parameter's value:
-            field_ = _spec_field(spec, f"hw.{err.field}") or _spec_field(spec, err.field)  # the spec's name
+            field_ = _spec_field(spec, f"hw.{err.field}", system) or _spec_field(spec, err.field, system)
         raise ConfigError(f"{err.detail}{where}", source=spec.source, field=field_ or err.field,
                           row=err.row, fix=fix) from None
 
 
-def _setting_field(spec: SweepSpec, detail: str) -> tuple[str | None, bool]:
+def _setting_field(spec: SweepSpec, detail: str, system: str | None = None) -> tuple[str | None, bool]:
     """The spec's own name for the ``--set`` parameter an error names (``grid.cache.alpha``), and whether
     it is a seed given as a parameter."""
     named = re.search(r"parameter '([^']+)'", detail)
     if named is None:
         return None, False
     key = named.group(1)
-    field_ = _spec_field(spec, key)
+    field_ = _spec_field(spec, key, system)
     return field_, field_ is not None and key in ("seed", "seeds")
 
 
-def _spec_field(spec: SweepSpec, key: str) -> str | None:
-    """``key`` as the spec gives it: ``set.KEY``, ``grid.KEY`` or ``zip[i].KEY`` (None: not there)."""
+def _spec_field(spec: SweepSpec, key: str, system: str | None = None) -> str | None:
+    """``key`` as the spec gives it: ``set.KEY``, ``grid.KEY``, ``zip[i].KEY`` or, for ``system``'s points,
+    ``per_system.SYSTEM.set.KEY`` or ``.grid.KEY`` (None: not there)."""
     sections = [("set", spec.fixed), ("grid", spec.grid)] + [(f"zip[{i}]", g) for i, g in enumerate(spec.zips)]
+    own = spec.per_system.get(system or "")
+    if own is not None:
+        sections += [(f"per_system.{system}.set", own.fixed), (f"per_system.{system}.grid", own.grid)]
     for section, keys in sections:
         if key in keys:
             return f"{section}.{key}"

@@ -60,6 +60,21 @@ def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
     assert Point("t.parquet", "rtx4090", "gpu-only-lru", 1, None, point.settings).point_id != point.point_id
 
 
+def test_per_system_parameters_vary_that_systems_points_only(tmp_path):
+    base = {"trace": "t.parquet", "systems": ["gpu-only-lru", "smoe"], "grid": {"cache.slots": [16, 32]}}
+    own = {"smoe": {"grid": {"prefetch__n": [1, 2]}, "set": {"assign.queue_aware": True}}}
+    spec = parse_spec({**base, "per_system": own}, source="s", base_dir=tmp_path)
+    points = spec.points()
+    lru = [p for p in points if p.system == "gpu-only-lru"]
+    smoe = [dict(p.settings) for p in points if p.system == "smoe"]
+    assert [dict(p.settings) for p in lru] == [{"cache.slots": 16}, {"cache.slots": 32}]
+    assert smoe == [{"cache.slots": c, "assign.queue_aware": True, "prefetch.n": n} for c in (16, 32) for n in (1, 2)]
+    # the other systems' points are those of the spec without the entry: same ids, so their results are reused
+    plain = parse_spec(base, source="s", base_dir=tmp_path).points()
+    assert [p.point_id for p in lru] == [p.point_id for p in plain if p.system == "gpu-only-lru"]
+    assert spec.parameter_keys() == ["cache.slots", "assign.queue_aware", "prefetch.n"]
+
+
 def test_all_means_every_listed_system():
     from moesim.policy.systems import system_names
     spec = parse_spec({"trace": "t.parquet", "systems": "all"}, source="s", base_dir=Path("."))
@@ -77,6 +92,14 @@ def test_all_means_every_listed_system():
     ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": []}}, "empty list"),
     ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": [1]}, "set": {"a__b": 2}}, "in both set and grid"),
     ({"trace": "t.parquet", "system": "cpu-only", "seeds": [0.5]}, "not an integer"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "per_system": ["smoe"]}, "'per_system' must map system names"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "per_system": {"smoe-flex": {"set": {"a.b": 1}}}},
+     "field 'per_system.smoe-flex': 'smoe-flex' is not one of the spec's systems"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "per_system": {"smoe": {"grd": {"a.b": [1]}}}},
+     "unknown key 'grd' (fix: did you mean grid?"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "per_system": {"smoe": None}}, "is not a mapping of set: and grid:"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "grid": {"prefetch.n": [1]},
+      "per_system": {"smoe": {"set": {"prefetch__n": 2}}}}, "'prefetch.n' appears in both grid and per_system.smoe.set"),
 ])
 def test_spec_mistakes_are_one_line(spec, words):
     with pytest.raises(ConfigError) as err:
@@ -134,6 +157,29 @@ def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, se
     assert main(["sweep", str(path), "--out", str(files / "r.parquet")]) == 2
     err = capsys.readouterr().err
     assert field in err and fix in err and err.count("\n") == 1
+
+
+def test_a_parameter_one_system_takes_runs_under_per_system_and_stops_the_sweep_in_the_shared_grid(files, capsys):
+    import pandas as pd
+    path = files / "spec.yaml"
+    shared = {"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["gpu-only-lru", "smoe"]}
+    path.write_text(yaml.safe_dump({**shared, "grid": {"prefetch.n": [1, 2]}}))
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "field 'grid.prefetch.n'" in err  # gpu-only-lru prefetches nothing: no n
+    assert err.rstrip().endswith("or give it only to the systems that take it, under per_system.NAME.grid, "
+                                 "not to gpu-only-lru)")
+    path.write_text(yaml.safe_dump({**shared, "per_system": {"smoe": {"grid": {"prefetch.n": [1, 2]}}}}))
+    assert main(["sweep", str(path), "--out", str(files / "r.parquet"), "--workers", "1"]) == 0
+    frame = pd.read_parquet(files / "r.parquet")
+    assert sorted(zip(frame["system"], frame["prefetch.n"].fillna(-9))) == [("gpu-only-lru", -9), ("smoe", 1),
+                                                                           ("smoe", 2)]
+    assert (frame["status"] == "ok").all()
+    # a mistake there is named there
+    path.write_text(yaml.safe_dump({**shared, "per_system": {"smoe": {"grid": {"prefetch.m": [1]}}}}))
+    assert main(["sweep", str(path), "--out", str(files / "s.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert "field 'per_system.smoe.grid.prefetch.m'" in err and err.count("\n") == 1
 
 
 def test_a_spec_read_from_a_pipe_resolves_its_paths_in_the_current_folder(files, monkeypatch):
