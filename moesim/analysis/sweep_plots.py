@@ -49,8 +49,10 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     data = as_groups(data, (hue, facet))
     shown = {x, hue, facet} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
-    runs = data.groupby([c for c in (facet, hue, x) if c], dropna=False)[y].size() if averaged else None
-    full = int(runs.max()) if runs is not None else 1  # runs a mean over every averaged value takes
+    keys = [c for c in (facet, hue, x) if c]
+    runs = data.groupby(keys, dropna=False)[y].size() if averaged else None
+    full = full_runs(data, keys, averaged) if averaged else None
+    hollow = set(runs[runs < full].index) if averaged else set()
     panels = sorted_values(data[facet]) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
@@ -64,7 +66,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     for ax, panel in zip(axes.flat, panels):
         sub = data[data[facet] == panel] if facet else data
         if numeric_x:
-            _lines(ax, sub, x, y, hue, hues, styles, full)
+            _lines(ax, sub, x, y, hue, hues, styles, _hollow_xs(hollow, keys, facet, panel, hue))
         else:
             _bars(ax, sub, x, y, hue, hues, styles)
         ax.set_xlabel(label(x))
@@ -80,7 +82,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
             log_axis(ax)
     spread = "band" if numeric_x else "error bars"
     note = f"mean over {', '.join(averaged)} ({spread}: min to max)" if averaged else ""
-    short = fewer_runs(runs)
+    short = fewer_runs(runs, full)
     if short:
         note += f"; {short}" + (" (hollow markers)" if numeric_x else "")
         # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
@@ -97,8 +99,9 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
 
 
 def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
-           styles: dict[Any, dict[str, Any]], full: int = 1) -> None:
-    """One line per hue; a point that averages fewer than ``full`` runs is drawn hollow."""
+           styles: dict[Any, dict[str, Any]], hollow: dict[Any, set[Any]] | None = None) -> None:
+    """One line per hue; the points at ``hollow[hue]`` (x values that average fewer runs than they would over
+    every averaged value) are drawn hollow."""
     for h in hues:
         sub = data[data[hue] == h] if hue else data
         if sub.empty:
@@ -107,7 +110,7 @@ def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: l
         style = styles[h]
         ax.plot(stats.index, stats["mean"], color=style["color"], marker=style["marker"],
                 linestyle=style["linestyle"], linewidth=1.6, markersize=5, zorder=3)
-        short = stats[stats["size"] < full]
+        short = stats[stats.index.isin((hollow or {}).get(h, set()))]
         if not short.empty:
             ax.plot(short.index, short["mean"], color=style["color"], marker=style["marker"], linestyle="none",
                     markersize=5, markerfacecolor="white", zorder=4)
@@ -116,6 +119,33 @@ def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: l
                             linewidth=0, zorder=2)
     if data[x].dtype.kind in "iu" or np.allclose(data[x], np.round(data[x])):
         ax.set_xticks(sorted(data[x].unique()))
+
+
+def full_runs(data: pd.DataFrame, keys: list[str], averaged: list[str]) -> pd.Series:
+    """Per point of the figure (a group of ``keys``), the runs its mean would take over every averaged value.
+
+    Systems are counted apart by which averaged parameters they leave empty: a parameter only some systems take
+    (a sweep's ``per_system``) is empty in every row of the others, whose points are no less complete for it."""
+    runs = data.groupby(keys, dropna=False).size()
+    empty = data[averaged].isna()
+    if "system" in data.columns:
+        empty = empty.groupby(data["system"]).transform("all")
+    takes = pd.Series([tuple(row) for row in empty.to_numpy()], index=data.index, name="_takes")
+    parts = data.groupby([*(data[k] for k in keys), takes], dropna=False).size()
+    most = parts.groupby(level="_takes").max()
+    missing = pd.Series(parts.index.get_level_values("_takes").map(most), index=parts.index) - parts
+    return runs + missing.groupby(level=list(range(len(keys))), dropna=False).sum().reindex(runs.index)
+
+
+def _hollow_xs(hollow: set[Any], keys: list[str], facet: str | None, panel: Any, hue: str | None) -> dict[Any, set]:
+    """The x values to draw hollow in ``panel``, per hue value (None without a hue)."""
+    out: dict[Any, set] = {}
+    for key in hollow:
+        parts = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        if facet and parts[facet] != panel:
+            continue
+        out.setdefault(parts[hue] if hue else None, set()).add(parts[keys[-1]])
+    return out
 
 
 def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],

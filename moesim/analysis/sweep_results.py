@@ -114,16 +114,24 @@ class UnevenMeans(UserWarning):
     not compare with the rest."""
 
 
-def fewer_runs(runs: pd.Series | None) -> str:
-    """What to say of ``runs`` (runs averaged per point) when some points have fewer than the most; ''."""
-    if runs is None or runs.empty or runs.nunique() <= 1:
+def fewer_runs(runs: pd.Series | None, full: pd.Series | None = None) -> str:
+    """What to say of ``runs`` (runs averaged per point) when some points have fewer than ``full`` (per point:
+    the runs over every averaged value; default: the most of any point); ''."""
+    if runs is None or runs.empty:
         return ""
-    most = int(runs.max())
-    short = runs[runs < most]
-    few = f"{int(short.min())}" if short.min() == short.max() else f"{int(short.min())} to {int(short.max())}"
+    full = pd.Series(runs.max(), index=runs.index) if full is None else full
+    short = runs[runs < full]
+    if short.empty:
+        return ""
+    few, most = _span(short), _span(full[short.index])
     runs_word = "run" if few == "1" else "runs"
     return (f"{len(short)} of {len(runs)} points average {few} {runs_word} instead of {most} (runs failed or not "
             "run, or an x value that several settings share)")
+
+
+def _span(values: pd.Series) -> str:
+    low, high = int(values.min()), int(values.max())
+    return f"{low}" if low == high else f"{low} to {high}"
 
 
 def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:

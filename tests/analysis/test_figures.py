@@ -90,6 +90,28 @@ def test_points_averaging_fewer_runs_are_hollow_named_and_warned():
     assert not [line for line in lines(whole.axes[0]) if line.get_markerfacecolor() == "white"]
 
 
+def test_a_parameter_only_some_systems_take_leaves_the_others_points_complete():
+    """A sweep's per_system grid: static-hot ran with prefetch.n 1 and 2, gpu-only-lru has no prefetch.n (empty).
+    gpu-only-lru's one run per x is all it has, not a failed point; a missing static-hot run still is one."""
+    import warnings
+    from moesim.analysis.figures import UnevenMeans
+    frame = results().query("status == 'ok' and hw == 'a100-40g' and system != 'all-in-gpu'").copy()
+    frame["prefetch.n"] = np.where(frame["system"] == "static-hot", 1.0, np.nan)
+    second = frame[frame["system"] == "static-hot"].assign(**{"prefetch.n": 2.0})
+    second["tpot_ms_mean"] -= 10.0
+    frame = pd.concat([frame, second], ignore_index=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnevenMeans)
+        fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    assert "mean over prefetch.n" in fig._suptitle.get_text() and "instead of" not in fig._suptitle.get_text()
+    assert not [line for line in lines(fig.axes[0]) if line.get_markerfacecolor() == "white"]
+    gone = (frame["system"] == "static-hot") & (frame["prefetch.n"] == 2.0) & (frame["cache.slots_per_layer"] == 4)
+    with pytest.warns(UnevenMeans, match=r"1 of 6 points average 1 run instead of 2"):
+        fig = plot_results(frame[~gone], x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    hollow = [line for line in lines(fig.axes[0]) if line.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [4]
+
+
 def test_cli_plot_notes_failed_and_unevenly_averaged_points(tmp_path, capsys):
     frame = results()
     gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot") & (frame["cache.slots_per_layer"] > 1)
