@@ -77,6 +77,8 @@ class RunRecording:
                 continue
             t0, t1 = t.interval()
             if t0 >= makespan:
+                # copied nothing within the run: a prefetch counts as cancelled, as the simulator counts it
+                self.counters.cancelled_prefetches += t.kind == "prefetch"
                 continue
             busy += min(t1, makespan) - t0
             nbytes += t.src.numel() * t.src.element_size()

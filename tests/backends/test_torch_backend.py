@@ -56,6 +56,29 @@ def test_cpu_run_logs_the_simulators_decisions(trace, system):
     assert m["ttft_ms"] > 0 and m["tpot_ms_mean"] > 0 and m["decode_tokens"] == 8
 
 
+def test_prefetches_started_after_the_last_token_count_as_cancelled_as_in_the_simulator(tmp_path, monkeypatch):
+    """SMoE fills its decode cache when a prefill ends (000 Sec. IV-E): on a prefill-only trace the run ends
+    with those prefetches still to copy. Issued prefetches less cancelled ones are the copies whose bytes both
+    the real run and the simulator count. The stand-in's copy engine waits 20 ms after each copy, so that the
+    real run too ends with copies not started (it counted all 8 prefetches with one expert's bytes)."""
+    import time
+
+    from backends.devices import CopyEngine
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    prompt = [[0, 1], [1, 2], [2, 3]]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, [prompt, prompt])}}])
+    copy = CopyEngine._copy
+    monkeypatch.setattr(CopyEngine, "_copy", lambda engine, t: (copy(engine, t), time.sleep(0.02))[0])
+    executor = prepare_real(str(path), tiny_profile(), "smoe", {}, RealConfig(device="cpu", cpu_threads=1))
+    real = metrics(executor.run())
+    sim = metrics(simulate(str(path), tiny_profile(), "smoe"))
+    expert_bytes = executor.transfers[0].src.numel() * executor.transfers[0].src.element_size()
+    for m in (real, sim):
+        copies = m["prefetches"] - m["cancelled_prefetches"] + m["demand_loads"] + m["streamed_experts"]
+        assert m["prefetches"] == 8 and 0 < copies < 8
+        assert m["pcie_h2d_bytes"] == copies * expert_bytes
+
+
 def test_lru_run_moves_weights_into_the_slots_it_reports(trace):
     executor = prepare_real(trace, tiny_profile(), "gpu-only-lru", SETTINGS, _config())
     result = executor.run()
