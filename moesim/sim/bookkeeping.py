@@ -7,6 +7,8 @@ comparable row for row.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,9 +97,11 @@ def placement_decisions(view: LayerView, plan: LayerPlan, resident: set[int]) ->
 
 
 def weight_mass(view: LayerView, experts: list[int]) -> float:
-    """Gate weight routed to ``experts`` in this layer (0 when the trace has no weights)."""
-    if view.weights is None or not experts:
+    """Gate weight routed to ``experts`` in this layer (NaN when the trace has no weights: unknown, not none)."""
+    if not experts:
         return 0.0
+    if view.weights is None:
+        return math.nan
     if view.experts.size * len(experts) > 4096:
         return float(view.weights[np.isin(view.experts, experts)].sum())
     # a decode layer: the entries np.isin's mask selects, in the same (row-major) order, without its set-up
@@ -107,9 +111,11 @@ def weight_mass(view: LayerView, experts: list[int]) -> float:
 
 
 def substitution_mass(view: LayerView, plan: LayerPlan) -> float:
-    """Gate weight of the (row, slot) entries a plan rewrites."""
-    if view.weights is None or not plan.substitutions:
+    """Gate weight of the (row, slot) entries a plan rewrites (NaN when the trace has no weights)."""
+    if not plan.substitutions:
         return 0.0
+    if view.weights is None:
+        return math.nan
     weights = view.weights
     if isinstance(plan.substitutions, Substitutions):  # the same running sum, as the ufunc's accumulation
         return float(np.add.accumulate(weights[plan.substitutions.rows, plan.substitutions.slots])[-1])

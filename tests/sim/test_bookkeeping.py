@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +23,8 @@ def test_substitution_mass_adds_the_rewritten_entries():
     plan = LayerPlan(substitutions=[(0, 1, 3), (1, 0, 2), (1, 1, 4)])
     assert substitution_mass(_view(weights), plan) == 0.25 + 0.125 + 0.0625
     assert substitution_mass(_view(weights), LayerPlan()) == 0.0
-    assert substitution_mass(LayerView(0, 0, "decode", np.zeros((1, 2)), [], [], None, None), plan) == 0.0
+    # no weights in the trace: the mass is unknown (NaN), not 0
+    assert np.isnan(substitution_mass(LayerView(0, 0, "decode", np.zeros((1, 2)), [], [], None, None), plan))
 
 
 @settings(max_examples=100, deadline=None)
@@ -66,6 +69,31 @@ def test_weight_mass_is_the_sum_of_the_masked_entries_whatever_the_path(dtype, t
     view = LayerView(0, 0, "decode", experts, [], [], None, None, weights=weights)
     expected = float(weights[np.isin(experts, chosen)].sum()) if chosen else 0.0
     assert weight_mass(view, chosen) == expected
+
+
+def test_weight_mass_without_the_traces_weights_is_unknown_not_zero(tmp_path):
+    """A trace without a ``weights`` column cannot say how much gate weight a deferral or rewrite touched: NaN
+    (null in --json), where 0.0 claimed that nothing was touched; with nothing deferred it is still 0."""
+    import math
+
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.run import simulate
+    from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
+    view = LayerView(0, 0, "decode", np.array([[1, 2]], dtype=np.int16), [], [], None, None)
+    assert math.isnan(weight_mass(view, [1])) and weight_mass(view, []) == 0.0
+    model = tiny_model(layers=2, experts=8, top_k=4)
+    routing = random_routing(np.random.default_rng(0), model, 1, 4, 6)
+    without = write_tiny_trace(tmp_path / "n.parquet", model, routing)
+    table = pq.read_table(without)
+    weights = pa.FixedSizeListArray.from_arrays(pa.array(np.full(table.num_rows * 4, 0.25, np.float32)), 4)
+    with_weights = tmp_path / "w.parquet"
+    pq.write_table(table.append_column("weights", weights), with_weights)
+    settings = {"defer.deferred": "2"}
+    known = metrics(simulate(str(with_weights), tiny_profile(), "ktransformers-ed", settings))
+    unknown = metrics(simulate(str(without), tiny_profile(), "ktransformers-ed", settings))
+    assert known["deferred_experts"] == unknown["deferred_experts"] > 0
+    assert known["deferred_weight_mass"] == pytest.approx(known["deferred_experts"] * 0.25 / (table.num_rows * 4))
+    assert math.isnan(unknown["deferred_weight_mass"]) and unknown["substituted_weight_mass"] == 0.0
 
 
 # ----------------------------------------------------------------------------- check_plan (engine.check)
