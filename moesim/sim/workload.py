@@ -157,7 +157,14 @@ def _arrival_file(w: WorkloadConfig) -> np.ndarray:
     if "arrival_s" not in frame:
         raise ConfigError("no arrival_s column", source=str(path), field="arrival_s",
                           fix="add a column arrival_s (seconds)")
-    times = frame["arrival_s"].to_numpy(dtype=float)
+    try:
+        times = frame["arrival_s"].to_numpy(dtype=float)
+    except (TypeError, ValueError):  # a word among the numbers: the user's file, not an internal error
+        raise ConfigError("arrival_s holds a value that is not a number of seconds", source=str(path),
+                          field="arrival_s", fix="give each request's arrival time in seconds") from None
+    if not len(times):  # "0 arrivals for N requests" would suggest workload.requests <= 0, which is refused
+        raise ConfigError("the file holds no arrival times", source=str(path), field="arrival_s",
+                          fix="give one row per request, with its arrival time in seconds")
     if len(times) < w.requests:
         raise ConfigError(f"{len(times)} arrivals for {w.requests} requests", source=str(path), field="arrival_s",
                           fix=f"give workload.requests <= {len(times)}")

@@ -262,6 +262,18 @@ def test_arrival_file_and_closed_loop(tmp_path):
     assert (two.arrival_s == 0).sum() == 2
 
 
+@pytest.mark.parametrize("text, message", [("arrival_s\n", "holds no arrival times"),
+                                           ("arrival_s\n0.5\nsoon\n", "not a number of seconds")])
+def test_an_arrival_file_without_usable_times_names_the_column(tmp_path, text, message):
+    """An empty file asked for workload.requests <= 0 (refused in turn); a word among the times was an
+    internal error."""
+    (tmp_path / "arrivals.csv").write_text(text)
+    w = WorkloadConfig(arrival="trace", arrival_file=str(tmp_path / "arrivals.csv"), requests=1)
+    with pytest.raises(ConfigError, match=message) as err:
+        arrival_times(w, np.random.default_rng(0))
+    assert err.value.field == "arrival_s" and "<= 0" not in str(err.value)
+
+
 def test_bad_serving_input_names_the_field(tmp_path):
     model = tiny_model(layers=1, experts=4, top_k=1)
     path = str(write_tiny_trace(tmp_path / "t.parquet", model,
