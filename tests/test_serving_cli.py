@@ -307,6 +307,24 @@ def test_serve_sim_refuses_an_empty_slo_and_a_key_given_twice(files, capsys, mon
         moesim.serve(trace, hw=hw, requests=2, slo=text)
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--requests", "3", "--set", "workload.requests=5"],
+     "field '--requests': workload.requests is given twice: --requests 3 and --set workload.requests=5"),
+    (["--scheduler", "static", "--set", "scheduler=sarathi"],
+     "field '--scheduler': scheduler is given twice: --scheduler static and --set scheduler=sarathi"),
+])
+def test_serve_sim_refuses_a_shorthand_and_its_setting_together(files, capsys, monkeypatch, args, words):
+    """The option won and the --set value was dropped unseen (the JSON said scheduler static); moesim.serve
+    refuses the same pair."""
+    import moesim.sim.serving
+    runs = []
+    monkeypatch.setattr(moesim.sim.serving, "serve", lambda *args, **kwargs: runs.append(args))
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and runs == [] and len(err.splitlines()) == 1 and words in err
+
+
 def test_api_serve_refuses_an_empty_slo_dict(files):
     trace, hw = files
     with pytest.raises(ConfigError, match=r"^field 'slo': no SLO given \(fix: .*leave the SLO out"):

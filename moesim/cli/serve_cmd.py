@@ -54,10 +54,8 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
     for trace_file in traces:
         checked_meta(trace_file, ())
     parsed = parse_settings(settings)
-    if requests is not None:
-        parsed["workload.requests"] = str(requests)
-    if scheduler is not None:
-        parsed["scheduler"] = scheduler
+    for option, key, value in (("--requests", "workload.requests", requests), ("--scheduler", "scheduler", scheduler)):
+        _given_once(parsed, key, option, value)
     slos = parse_slo(slo)
     systems, everything = system_choice(system)
     qps_given = click.get_current_context().get_parameter_source("qps") != click.core.ParameterSource.DEFAULT
@@ -198,6 +196,18 @@ def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:
         raise ConfigError(f"the arrival rate is given twice: --qps {qps} and --set workload.qps="
                           f"{settings['workload.qps']}", field="--qps", fix="give it once (--qps takes several)")
     return settings["workload.qps"]
+
+
+def _given_once(settings: dict[str, str], key: str, option: str, value: object) -> None:
+    """Set ``key`` from its shorthand ``option``; both given is refused, as for --qps (the option won and the
+    --set value was dropped unseen, while moesim.serve refuses the pair)."""
+    from moesim.errors import ConfigError
+    if value is None:
+        return
+    if key in settings:
+        raise ConfigError(f"{key} is given twice: {option} {value} and --set {key}={settings[key]}", field=option,
+                          fix="give it once")
+    settings[key] = str(value)
 
 
 def _check_read(settings: dict[str, str], rate: str, qps_given: bool) -> None:
