@@ -91,7 +91,9 @@ def write_jsonl(path: Path, prompts: list[list[int]]) -> Path:
 
 
 def reference_route(kind: str, config, router, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids, weights), highest weight first, recomputed from router logits by each model's published rule."""
+    """(expert ids, weights), highest weight first, recomputed from router logits by each model's published rule:
+    the ``forward`` of MixtralTopKRouter, Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, OlmoeTopKRouter,
+    DeepseekV2TopkRouter, DeepseekV3TopkRouter and GptOssTopKRouter in transformers 5's modeling_<type>.py."""
     logits = logits.double()
     k = config.num_experts_per_tok
     experts = logits.shape[-1]
@@ -107,13 +109,16 @@ def reference_route(kind: str, config, router, logits: torch.Tensor) -> tuple[to
         choice = choice.masked_fill(~mask.repeat_interleave(experts // config.n_group, dim=1), float("-inf"))
         ids = choice.topk(k, dim=-1).indices
         weights = scores.gather(1, ids)
-        weights = weights / weights.sum(-1, keepdim=True) * config.routed_scaling_factor
+        if config.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights * config.routed_scaling_factor
     elif kind == "deepseek_v2":
         scores = logits.softmax(-1)
-        grouped = scores.view(-1, config.n_group, experts // config.n_group)
-        keep = grouped.max(-1).values.topk(config.topk_group, dim=-1).indices
-        mask = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, keep, True)
-        scores = scores.masked_fill(~mask.repeat_interleave(experts // config.n_group, dim=1), 0.0)
+        if config.topk_method == "group_limited_greedy":
+            grouped = scores.view(-1, config.n_group, experts // config.n_group)
+            keep = grouped.max(-1).values.topk(config.topk_group, dim=-1).indices
+            mask = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, keep, True)
+            scores = scores.masked_fill(~mask.repeat_interleave(experts // config.n_group, dim=1), 0.0)
         weights, ids = scores.topk(k, dim=-1)
         weights = weights * config.routed_scaling_factor
     else:
@@ -174,22 +179,18 @@ def captured(hf, tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
-def test_trace_matches_model_router_token_by_token(captured, kind: str) -> None:
-    report, model, out = captured[kind]
-    validate_trace(out)
-    table = read_frame(out)
+def assert_routing_matches(kind: str, model, table, prompts: list[list[int]], new_tokens: int) -> None:
+    """Every request's tokens are greedy generation's, and every row's experts, weights and scores are the
+    reference recomputation's on the request's unpadded, uncached forward pass."""
     config = model.config
     routers = routers_of(model)
-    num_layers = len(routers)
-    assert report.rows == len(table) == num_layers * (sum(map(len, PROMPTS)) + len(PROMPTS) * NEW_TOKENS)
-    for request, prompt in enumerate(PROMPTS):
+    for request, prompt in enumerate(prompts):
         tokens = request_tokens(table, request)
         assert tokens[:len(prompt)] == prompt
-        assert tokens == greedy_fed_tokens(model, prompt, NEW_TOKENS)
+        assert tokens == greedy_fed_tokens(model, prompt, new_tokens)
         logits, _ = full_forward(model, tokens)
         rows = table[table.request == request].sort_values(["layer", "position"])
-        for layer in range(num_layers):
+        for layer in range(len(routers)):
             got = rows[rows.layer == layer]
             ids, weights = reference_route(kind, config, routers[layer], logits[layer])
             assert np.stack(got.experts.to_numpy()).tolist() == ids.tolist(), (kind, request, layer)
@@ -197,6 +198,16 @@ def test_trace_matches_model_router_token_by_token(captured, kind: str) -> None:
             probs = logits[layer].sigmoid() if kind == "deepseek_v3" else logits[layer].softmax(-1)
             np.testing.assert_allclose(np.stack(got.scores.to_numpy()).astype(np.float32), probs.numpy(),
                                        rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_trace_matches_model_router_token_by_token(captured, kind: str) -> None:
+    report, model, out = captured[kind]
+    validate_trace(out)
+    table = read_frame(out)
+    num_layers = len(routers_of(model))
+    assert report.rows == len(table) == num_layers * (sum(map(len, PROMPTS)) + len(PROMPTS) * NEW_TOKENS)
+    assert_routing_matches(kind, model, table, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))

@@ -251,7 +251,9 @@ def trace_metadata(moe: Any, run: dict[str, Any]) -> TraceMeta:
         "kind": "captured", "decoding": "greedy", "model_type": moe.arch.model_type,
         "moe_decoder_layers": moe.decoder_layers, "scores": moe.arch.scores_function,
         "weights": moe.arch.weights_rule(config), "routed_scaling_factor": moe.arch.routed_scaling_factor(config),
-        "dtype": str(moe.routers[0].weight.dtype).replace("torch.", ""), "device": str(moe.device),
+        # the model's dtype, not the router's: DeepSeek keeps its router weight in float32 in any model dtype
+        # (_keep_in_fp32_modules_strict in transformers' modeling_deepseek_v2/v3.py)
+        "dtype": str(moe.model.dtype).replace("torch.", ""), "device": str(moe.device),
         "torch": torch.__version__, "transformers": transformers.__version__, **run,
     }
     return TraceMeta(model=moe.spec, source=source, weights_renormalized=moe.arch.renormalized(config))
