@@ -170,3 +170,30 @@ def test_routing_variants_match_the_published_rule(tmp_path: Path, kind: str, ov
     assert meta.model.top_k == model.config.num_experts_per_tok
     # transformers' DeepseekV2TopkRouter.forward never renormalises; the others follow norm_topk_prob
     assert meta.weights_renormalized == (kind != "deepseek_v2" and model.config.norm_topk_prob)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_model_metadata_matches_the_loaded_modules(bf16_batch, kind: str) -> None:
+    """The spec's shapes, read from the config, are those of the modules that ran."""
+    model, out = bf16_batch[kind]
+    spec = read_meta(out).model
+    blocks = moe_blocks(model)
+    router = getattr(blocks[0], "router", None) or blocks[0].gate
+    assert (spec.num_experts, spec.hidden_size) == tuple(router.weight.shape) and spec.top_k == router.top_k
+    assert spec.num_layers == len(blocks) and spec.num_dense_layers == len(model.model.layers) - len(blocks)
+    down = blocks[0].experts.down_proj  # (experts, hidden, inter) or, in gpt-oss, (experts, inter, hidden)
+    assert spec.moe_intermediate_size == down.numel() // (spec.num_experts * spec.hidden_size)
+    shared = getattr(blocks[0], "shared_expert", None) or getattr(blocks[0], "shared_experts", None)
+    assert spec.shared_intermediate_size == (shared.down_proj.in_features if shared is not None else 0)
+    dense = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "experts")]
+    assert spec.dense_intermediate_size == (dense[0].down_proj.in_features if dense else 0)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+
+
+@needs_torch
+def test_equal_weights_keep_the_routers_slot_order() -> None:
+    from moesim.trace.capture.predict import rank_by_weight
+    # bf16 weights of distinct probabilities can round equal; the router's order (by the unrounded value) stays
+    weights = torch.tensor([[0.25, 0.5, 0.25, 0.125]], dtype=torch.bfloat16)
+    ordered, ids = rank_by_weight(weights, torch.tensor([[7, 2, 5, 1]]))
+    assert ids.tolist() == [[2, 7, 5, 1]] and ordered.tolist() == [[0.5, 0.25, 0.25, 0.125]]
