@@ -170,7 +170,7 @@ class ContinuousBatching(Scheduler):
     """Iteration-level batching (Orca, OSDI'22, Sec. 4.2) with a token budget, optional chunking and a priority."""
 
     name: ClassVar[str] = "continuous"
-    #: most requests in one step (vLLM max_num_seqs, llama.cpp --parallel slots)
+    #: most requests admitted at once, so most in one step (vLLM max_num_seqs, llama.cpp --parallel slots)
     max_batch: int = 256
     #: most tokens in one step (vLLM max_num_batched_tokens, Sarathi token budget, llama.cpp n_batch)
     max_tokens: int = 8192
@@ -265,7 +265,9 @@ class ContinuousBatching(Scheduler):
             if n:
                 batch.entries.append((request, n))
                 free -= n
-        while self.waiting and len(batch.entries) < self.max_batch:
+        # admitted requests hold their place (and KV) until they finish: vLLM counts the running ones against
+        # max_num_seqs before it schedules a new prompt, and llama.cpp has that many slots
+        while self.waiting and len(batch.entries) < self.max_batch and len(self.running) < self.max_batch:
             request = self.waiting[0]
             if any(request is p for p in batch.preempted):
                 break  # it yielded in this step: back in the queue for the next (vLLM requeues after the step)

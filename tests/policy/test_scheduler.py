@@ -96,6 +96,23 @@ def test_max_batch_limits_requests_per_step():
     assert steps[0] == [(0, 1), (1, 1)] and max(len(x) for x in steps) == 2
 
 
+@pytest.mark.parametrize("name", ["vllm", "sarathi", "llamacpp"])
+def test_max_batch_caps_the_requests_admitted_not_only_those_in_a_step(name):
+    """Prefills first (vllm) filled a step with new prompts while the running requests waited: with max_batch 2
+    and six requests, all six were admitted and held KV although only two could decode at a time."""
+    s = build_scheduler(name, {"max_batch": "2"})
+    for r in (req(i, 2, 3) for i in range(6)):
+        s.add(r)
+    s.set_kv_tokens(None)
+    admitted: set[int] = set()
+    while not s.idle:
+        batch = s.next_batch()
+        s.advance(batch)
+        admitted |= {r.rid for r, _ in batch.entries}
+        assert len(s.running) <= 2
+    assert admitted == set(range(6))
+
+
 def test_kv_exhaustion_preempts_the_newest_and_recomputes():
     s = ContinuousBatching(max_batch=8, max_tokens=100)
     a, b = req(0, 4, 3), req(1, 4, 3)
