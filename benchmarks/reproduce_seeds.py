@@ -14,7 +14,8 @@ script rows that match no claim, and the strict counts (benchmarks/reproduce/cat
     .venv/bin/python benchmarks/reproduce_seeds.py
     .venv/bin/python benchmarks/reproduce_seeds.py --seeds 003,004 --out rows.json   # or rows.csv
 
-A few minutes on 2 cores (load average printed at the end: other work on the machine slows it down).
+About half a minute on 2 cores (24 s on 2026-11-29, 32 s on 2026-11-24; the load average is printed at the
+end: other work on the machine slows it down).
 docs/reproduction.md explains the method and the disagreements.
 """
 
