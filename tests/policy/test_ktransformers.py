@@ -179,7 +179,8 @@ def test_a_layer_whose_cpu_experts_are_all_deferred_still_pays_its_sync(tmp_path
     CPU work still under way (001 Sec. 4.1). With every CPU expert of layers 0 and 1 deferred (2 x 1 ms of CPU
     each) and a 500 us sync: the prefill's 3 layers pay it in full; a decode step pays it at layer 0, whose CPU
     is idle, while layers 1 and 2 start their syncs 50 us (attention) after the layer before, with its 2 ms of
-    CPU work still running: hidden. 3 + 4 x 1 syncs in the breakdown."""
+    CPU work still running: hidden. Of layer 0's sync, the breakdown (critical-path time) charges what runs
+    past layer 1's 50 us of attention, which the GPU does meanwhile: 3 x 500 + 4 x 450 us."""
     model = tiny_model(layers=3, experts=8, top_k=2)
     trace = decode_trace(tmp_path / "t.parquet", model, 4)  # one prefill step, four decode steps
     monkeypatch.setattr(ExpertDeferral, "choose", lambda self, view, plan: list(plan.cpu)
@@ -187,4 +188,5 @@ def test_a_layer_whose_cpu_experts_are_all_deferred_still_pays_its_sync(tmp_path
     result = simulate(str(trace), tiny_profile(sync_us=500.0), "ktransformers-ed",
                       {"defer.deferred": "1", "engine.check": "true"})
     assert result.counters.deferred == 4 * 2 * 2  # 4 decode steps x 2 layers x both experts
-    assert result.counters.breakdown["sync"] == pytest.approx((3 + 4) * 500e-6)
+    assert result.counters.breakdown["sync"] == pytest.approx(3 * 500e-6 + 4 * 450e-6)
+    assert sum(result.counters.breakdown.values()) == pytest.approx(result.makespan_s)

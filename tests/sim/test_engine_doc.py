@@ -24,6 +24,7 @@ def test_worked_example(tmp_path):
     assert result.makespan_s == pytest.approx(total, rel=1e-12)
     b = result.counters.breakdown
     assert b["launch"] == pytest.approx(launches) and b["attention"] == pytest.approx(attention)
-    assert b["sync"] == pytest.approx(20 * us) and b["cpu_other"] == pytest.approx(cpu)
+    assert b["sync"] == pytest.approx(20 * us) and b["cpu_other"] == pytest.approx(cpu - 20 * us)
+    assert sum(b.values()) == pytest.approx(total, rel=1e-12)  # the categories add up to the step
     assert b["embedding"] == pytest.approx(0.21333 * ns, rel=1e-4)
     assert b["lm_head"] == pytest.approx(21.333 * ns, rel=1e-4) and b["sampling"] == pytest.approx(2 * ns)

@@ -7,9 +7,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moesim.analysis.metrics import metrics
+from moesim.policy.systems import system_names
 from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from tests.factories import draw_profile, random_routing, tiny_model, tiny_profile, write_tiny_trace
@@ -150,3 +152,13 @@ def test_same_inputs_same_outputs(scenario, system):
         outputs.append((json.dumps(m, sort_keys=True, default=str),
                         frames["timeline"].to_csv(), frames["decisions"].to_csv()))
     assert outputs[0] == outputs[1]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.sampled_from([name for name in system_names() if name not in ("oracle", "importance")]))
+def test_the_time_breakdown_adds_up_to_the_run(scenario, system):
+    """``breakdown_ms`` is critical-path time per category: the categories of any system add up to the run
+    (a sync the CPU ran past the GPU track was once counted under both ``sync`` and ``cpu_other``)."""
+    model, routing, profile, slots = scenario
+    result, _ = run(model, routing, profile, system, slots)
+    assert sum(result.counters.breakdown.values()) == pytest.approx(result.makespan_s, rel=1e-9, abs=1e-15)
