@@ -86,9 +86,10 @@ class Simulator(Transfers):
         self.steps: list[StepRecord] = []
         self.cpu_free = 0.0
         self.deferred_until = 0.0
-        #: (start, end) of the syncs laid on the CPU track and not yet charged: a sync is critical-path time
-        #: only where it runs past the GPU track, which the layer that waits for it finds out
-        self._syncs: list[tuple[float, float]] = []
+        # start and end of the last layer's sync and of the last deferred work's: a sync is critical-path time only
+        # where it runs past the GPU track, which the layer that waits for it finds out (an older one ended
+        # before that layer began, so it never counts twice)
+        self._sync_from = self._sync_to = self._carried_from = self._carried_to = 0.0
         self._seq = 0
         self.dram = Ledger()
         self.dram_combined_bps = profile.dram_combined_gbps * 1e9
@@ -388,8 +389,14 @@ class Simulator(Transfers):
         cpu_side = cpu_end if cpu_end > self.deferred_until else self.deferred_until
         end = gpu_end if gpu_end > cpu_side else cpu_side
         if cpu_side > gpu_end:
-            self._charge_cpu_side(gpu_end, cpu_side)
-        self._syncs.clear()  # hidden behind the GPU track, or charged above
+            # the syncs' part past the GPU track [sync], the rest [cpu_other]: inline, as every CPU layer runs it
+            stop = self._sync_to
+            past = stop - (self._sync_from if self._sync_from > gpu_end else gpu_end) if stop > gpu_end else 0.0
+            if self._carried_to > gpu_end:
+                past += self._past_carried(gpu_end)
+            breakdown = counters.breakdown
+            breakdown["sync"] += past
+            breakdown["cpu_other"] += cpu_side - gpu_end - past
         self.deferred_until = 0.0
         if plan.deferred:
             # deferred work follows the immediate experts' submission; with none, it is the submission
@@ -397,21 +404,16 @@ class Simulator(Transfers):
                                                   sync=not plan.cpu)
             counters.deferred_weight_mass += weight_mass(view, plan.deferred)
             if layer == self.model.num_layers - 1 and self.deferred_until > end:  # nothing later to overlap with
-                self._charge_cpu_side(end, self.deferred_until)
-                self._syncs.clear()
+                past = self._past_carried(end)
+                counters.breakdown["sync"] += past
+                counters.breakdown["cpu_other"] += self.deferred_until - end - past
                 end = self.deferred_until
         return end
 
-    def _charge_cpu_side(self, gpu_end: float, cpu_side: float) -> None:
-        """The CPU side's time past the GPU track's end: its syncs there [``sync``], the rest [``cpu_other``]
-        (000 Sec. VI-E: CPU time not overlapped with the GPU). The categories then add up to the run."""
-        breakdown = self.counters.breakdown
-        past = 0.0
-        for start, stop in self._syncs:
-            if stop > gpu_end:
-                past += stop - (start if start > gpu_end else gpu_end)
-        breakdown["sync"] += past
-        breakdown["cpu_other"] += cpu_side - gpu_end - past
+    def _past_carried(self, t: float) -> float:
+        """The part of the last deferred work's sync that runs past ``t``."""
+        start, stop = self._carried_from, self._carried_to
+        return stop - (start if start > t else t) if stop > t else 0.0
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""
@@ -432,15 +434,20 @@ class Simulator(Transfers):
         if cpu_free <= t1:  # the CPU is idle: the experts follow the sync
             start, before = t1, sync
             t = start + sync
-            if sync:
-                self._syncs.append((t1, t))
+            if kind == "deferred":  # judged by the next layer, which the deferred work runs beside
+                self._carried_from, self._carried_to = t1, t
+            else:
+                self._sync_from, self._sync_to = t1, t
         else:  # the sync (the GPU's signal, the submission) runs beside CPU work still under way, the previous
             # layer's deferred experts (001 Sec. 4.1): only its part past that work costs time
             ready = t1 + sync
             start, before = max(ready, cpu_free), 0.0
             t = start
-            if ready > cpu_free:
-                self._syncs.append((cpu_free, ready))
+            past = cpu_free if cpu_free < ready else ready  # the sync's part past that work: from here to ready
+            if kind == "deferred":
+                self._carried_from, self._carried_to = past, ready
+            else:
+                self._sync_from, self._sync_to = past, ready
         pcie = self.pcie
         free = pcie.free
         if (pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)) and self._contends(experts, count):
