@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 
 from moesim.analysis.figure_style import (HATCHES, LOG_RATIO, MARKERS, PALETTE, legend_handle, log_axis,  # noqa: F401
                                           series_style, side_legend, tidy_axes)
-from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
                                            NOT_SET, UnevenMeans, as_groups, column, fewer_runs, headline_metric,
@@ -165,14 +165,11 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
     if rows.empty:
         raise no_point(where)
     runs = [{"system": r["system"],
-             "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)}}
+             "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)},
+             **({"makespan_s": r["makespan_s"]} if _present(r.get("makespan_s")) else {})}
             for _, r in rows.iterrows()]
-    fig = plot_breakdown(runs)
-    fit_width(fig, fig.axes[0].set_title(f"time breakdown per system ({describe(where)})" if where else
-                                         "time breakdown per system", loc="left", fontsize=11))
-    if path is not None:
-        save_figure(fig, path)
-    return fig
+    return plot_breakdown(runs, path, title=f"time breakdown per system ({describe(where)})" if where else
+                          "time breakdown per system")
 
 
 def _categories(frame: pd.DataFrame) -> list[str]:

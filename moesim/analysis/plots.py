@@ -19,6 +19,7 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import StrMethodFormatter
 
 from moesim.analysis.timeline import RESOURCES, check_timeline, in_steps
 from moesim.errors import ConfigError
@@ -332,11 +333,20 @@ def _colour(kind: str) -> str:
 
 
 # ----------------------------------------------------------------------------- breakdown
-def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLike | None = None) -> Figure:
+#: relative difference between a bar's parts and its run's makespan above which the bar says so
+RUN_TOLERANCE = 1e-6
+
+
+def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLike | None = None,
+                   title: str | None = None) -> Figure:
     """Stacked bars of ``breakdown_ms`` per system (the categories of 000_dba2fecbbc66318b.txt Sec. VI-E, Fig. 13).
 
     ``metrics_list`` holds :func:`moesim.analysis.metrics.metrics` dicts of
-    runs over the same trace; each bar is labelled with its total.
+    runs over the same trace; each bar is labelled with its total in ms. The
+    categories add up to the run's makespan: where a dict has ``makespan_s``
+    and its parts do not, the bar's label gives the run's time beside them.
+    ``title`` defaults to what the runs share (system of a single run, trace
+    and profile from their ``inputs``).
     """
     if not metrics_list:
         raise ConfigError("no runs to compare", field="metrics_list", fix="pass at least one metrics dict")
@@ -349,7 +359,7 @@ def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLi
     names = [str(m.get("system", f"run {i}")) for i, m in enumerate(metrics_list)]
     values = np.array([[float(m["breakdown_ms"].get(c, 0.0)) for c in categories] for m in metrics_list])
 
-    fig = DisplayFigure(figsize=(max(5.0, 1.1 * len(names) + 3.5), 4.2), layout="constrained")
+    fig = DisplayFigure(figsize=(max(5.5, 1.1 * len(names) + 3.5), 4.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = np.arange(len(names))
@@ -360,19 +370,49 @@ def plot_breakdown(metrics_list: Sequence[dict[str, Any]], path: str | os.PathLi
         colour, label = BREAKDOWN_STYLE.get(category, (None, category.replace("_", " ")))
         ax.bar(x, values[:, j], 0.6, bottom=bottom, color=colour, label=label, edgecolor="white", linewidth=0.5)
         bottom += values[:, j]
-    for xi, total in zip(x, bottom):
-        ax.annotate(f"{total:,.1f}", xy=(xi, total), xytext=(0, 2), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=8)
+    run_ms = [_run_ms(m) for m in metrics_list]
+    apart = [run is not None and not np.isclose(total, run, rtol=RUN_TOLERANCE, atol=1e-6)
+             for total, run in zip(bottom, run_ms)]
+    for xi, total, run, off in zip(x, bottom, run_ms, apart):
+        # parts that miss the run's time are shown, not hidden: the label gives both
+        text = f"{total:,.1f} ms" + (f"\n(run: {run:,.1f} ms)" if off else "")
+        ax.annotate(text, xy=(xi, total), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8, color="#D55E00" if off else "black")
     ax.set_xticks(x, names, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
-    ax.set_ylabel("time (ms)")
-    ax.set_ylim(0, max(float(bottom.max()), 1e-9) * 1.1)
+    ax.set_ylabel("time over the whole run (ms)")
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))  # as the bars' labels: 140,000 not 140000
+    ax.set_ylim(0, max(float(bottom.max()), 1e-9) * (1.16 if any(apart) else 1.1))
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.grid(axis="y", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="outside right center", frameon=False, fontsize=9)
-    ax.set_title("time breakdown per system", loc="left", fontsize=11)
+    if title is None:
+        title = breakdown_title(metrics_list)
+    if all(run is not None for run in run_ms):
+        one = len(apart) == 1
+        title += "\n" + (("the bar adds up to the run's makespan" if one else
+                          "each bar adds up to its run's makespan") if not any(apart) else
+                         ("the bar does not add up to the run's makespan" if one else
+                          f"{sum(apart)} of {len(apart)} bars do not add up to their run's makespan"))
+    fit_width(fig, ax.set_title(title, loc="left", fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def _run_ms(metrics: dict[str, Any]) -> float | None:
+    run = metrics.get("makespan_s")
+    return None if run is None or not np.isfinite(float(run)) else float(run) * 1e3
+
+
+def breakdown_title(metrics_list: Sequence[dict[str, Any]]) -> str:
+    """"time breakdown" of the single system, or per system, on the trace and profile the runs share."""
+    title = "time breakdown" + (f" of {metrics_list[0]['system']}" if len(metrics_list) == 1 and
+                                "system" in metrics_list[0] else " per system")
+    inputs = [m.get("inputs") or {} for m in metrics_list]
+    shared = [Path(str(first[key])).name if key == "trace" else str(first[key])
+              for first in inputs[:1] for key in ("trace", "hw")
+              if first.get(key) and all(i.get(key) == first[key] for i in inputs)]
+    return title + (" on " + ", ".join(shared) if shared else "")

@@ -66,7 +66,8 @@ class ReplayResult:
     def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
         """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
         from moesim.analysis.plots import plot_breakdown
-        return plot_breakdown([self.raw_metrics], path)
+        return plot_breakdown([{"system": self.system, **self.raw_metrics}], path,
+                              title=f"time breakdown of {self.system} on {Path(self.trace).name}")
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write this result to ``folder`` (made if need be): each frame as Parquet and ``result.json``;

@@ -195,6 +195,11 @@ def test_representative_is_the_middle_value_and_breakdown_stacks_it():
     expected = sum((i + 1) * 2 for i in range(len(BREAKDOWN)))  # slots = 2, a100 scale 1
     assert list(per_bar.values()) == pytest.approx([expected] * 3)
     assert "hw=a100-40g, cache.slots_per_layer=2" in ax.get_title(loc="left")
+    # a sweep's rows carry each run's makespan: the figure says whether the bars add up to it
+    frame["makespan_s"] = frame.filter(like="breakdown_").sum(axis=1) / 1e3
+    assert "each bar adds up to its run's makespan" in fig_breakdown(frame).axes[0].get_title(loc="left")
+    frame["makespan_s"] *= 2
+    assert "3 of 3 bars do not add up" in fig_breakdown(frame).axes[0].get_title(loc="left").replace("\n", " ")
 
 
 def test_standard_set_and_bounds():

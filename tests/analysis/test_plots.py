@@ -181,7 +181,7 @@ def test_breakdown_stacks_categories_per_system(tmp_path: Path) -> None:
     assert tops == pytest.approx({0: 10.0, 1: 7.5})
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert set(legend) == {"attention + gate", "GPU compute", "wait for cache", "CPU not overlapped"}
-    assert [t.get_text() for t in ax.texts] == ["10.0", "7.5"]
+    assert [t.get_text() for t in ax.texts] == ["10.0 ms", "7.5 ms"]
 
 
 def test_breakdown_rejects_bad_input() -> None:
@@ -240,3 +240,47 @@ def test_a_copy_lane_with_write_backs_is_not_labelled_host_to_device() -> None:
                     ("gpu", 0, 1e-3, 2e-3, "expert", 0, 0, 1, 1)])
     assert _lane_labels(plot_gantt(frame, window=(0.0, 2e-3))) == ["CPU", "GPU", "PCIe (H2D + D2H)"]
     assert _lane_labels(plot_gantt(frame[frame["kind"] != "writeback"], window=(0.0, 2e-3)))[-1] == "PCIe H2D"
+
+
+def _stack_tops(ax) -> dict[int, float]:
+    tops: dict[int, float] = {}
+    for bar in (p for p in ax.patches if isinstance(p, Rectangle)):
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    return tops
+
+
+def test_breakdown_bars_are_the_runs_makespans_and_say_so() -> None:
+    """The bars' labels carried no unit and the figure did not say the parts make up the run: with makespan_s
+    the title says each bar adds up to it, and a bar whose parts do not gives the run's time beside them."""
+    runs = [{**_metrics("cpu-only", attention=2.0, cpu_other=8.0), "makespan_s": 0.010,
+             "inputs": {"trace": "/x/t1.parquet", "hw": "rtx4090"}},
+            {**_metrics("smoe", attention=2.0, wait_cache=5.0), "makespan_s": 0.007,
+             "inputs": {"trace": "/x/t1.parquet", "hw": "rtx4090"}}]
+    fig = plot_breakdown(runs)
+    ax = fig.axes[0]
+    assert _stack_tops(ax) == pytest.approx({0: 10.0, 1: 7.0})
+    assert [t.get_text() for t in ax.texts] == ["10.0 ms", "7.0 ms"]
+    assert ax.get_title(loc="left").replace("\n", " ") == \
+        "time breakdown per system on t1.parquet, rtx4090 each bar adds up to its run's makespan"
+    assert "(ms)" in ax.get_ylabel()
+    assert ax.get_ylim()[0] == 0
+    runs[1]["makespan_s"] = 0.009  # parts 2 ms short of the run
+    ax = plot_breakdown(runs).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["10.0 ms", "7.0 ms\n(run: 9.0 ms)"]
+    assert "1 of 2 bars do not add up to their run's makespan" in ax.get_title(loc="left").replace("\n", " ")
+
+
+def test_a_replays_breakdown_names_its_system_and_trace(tmp_path: Path) -> None:
+    """run.plot_breakdown() was titled 'time breakdown per system' whatever the run."""
+    import moesim
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=1, prompt=3, decode=4)
+    run = moesim.replay(trace, hw=hw, system="hybrimoe", cache__slots_per_layer=1, timeline=False, decisions=False)
+    ax = run.plot_breakdown().axes[0]
+    title = ax.get_title(loc="left").replace("\n", " ")
+    assert title.startswith(f"time breakdown of {run.system} on {Path(run.trace).name}")
+    assert "the bar adds up to the run's makespan" in title
+    total = sum(run.raw_metrics["breakdown_ms"].values())
+    assert _stack_tops(ax)[0] == pytest.approx(total)
+    assert total == pytest.approx(run.raw_metrics["makespan_s"] * 1e3, rel=1e-9)
