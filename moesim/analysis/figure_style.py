@@ -19,6 +19,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
 HATCHES = ("", "///", "xxx", "...")
 #: the y axis turns logarithmic when the largest value exceeds the smallest by this factor
 LOG_RATIO = 10.0
+#: what a log axis's label ends with
+LOG_NOTE = ", log scale"
 
 
 def series_style(i: int, system: str | None) -> dict[str, Any]:
@@ -54,10 +56,14 @@ def tidy_axes(ax: Any) -> None:
 
 
 def log_axis(ax: Any, which: str = "y") -> None:
-    """Log axis (``which``: "x" or "y") labelled with plain numbers at 1, 2, 5 times powers of ten."""
+    """Log axis (``which``: "x" or "y") labelled with plain numbers at 1, 2, 5 times powers of ten; its label
+    (set before) says "log scale": with plain tick labels the scale was told only by their spacing."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     axis = ax.yaxis if which == "y" else ax.xaxis
     (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    text = axis.get_label().get_text()
+    if text and LOG_NOTE not in text:
+        axis.set_label_text(f"{text}{LOG_NOTE}")
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
     axis.set_minor_formatter(NullFormatter())

@@ -30,8 +30,9 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     Numeric ``x``: lines with markers; other ``x``: grouped bars. Points that
     differ in parameters not on the figure are averaged, and the band (or
     error bar) spans their minimum to maximum; the figure says which
-    parameters those were. ``logy`` (default: when the values span more than
-    :data:`LOG_RATIO`) draws the y axis on a log scale.
+    parameters those were. ``logy`` (default: lines whose values span more
+    than :data:`LOG_RATIO`; bars stay linear from zero) draws the y axis on a
+    log scale, which its label says.
     """
     x = column(frame, x, "x", source)
     y = column(frame, y, "y", source)
@@ -77,7 +78,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         ax.set_visible(False)
     for ax in axes[:, 0]:
         ax.set_ylabel(label(y))
-    if logy if logy is not None else spans_decade(data[y]):
+    # bars stand on zero: a log axis makes their lengths meaningless, so only lines turn it on by themselves
+    if logy if logy is not None else numeric_x and spans_decade(data[y]):
         for ax in axes.flat:
             log_axis(ax)
     spread = "band" if numeric_x else "error bars"
@@ -150,7 +152,7 @@ def _hollow_xs(hollow: set[Any], keys: list[str], facet: str | None, panel: Any,
 
 def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],
           styles: dict[Any, dict[str, Any]]) -> None:
-    groups = sorted_values(data[x])
+    groups = ordered_systems(data[x].dropna().unique()) if x == "system" else sorted_values(data[x])
     width = 0.8 / len(hues)
     for j, h in enumerate(hues):
         sub = data[data[hue] == h] if hue else data

@@ -26,6 +26,7 @@ def test_the_latency_axis_is_logarithmic_only_across_a_decade(low, high, scale):
     fig = plot_latency_vs_qps(rows(["gpu-only-lru", "cpu-only"], low, high))
     try:
         assert fig.axes[0].get_yscale() == scale
+        assert fig.axes[0].get_ylabel() == ("TTFT (ms), log scale" if scale == "log" else "TTFT (ms)")
         if scale == "log":  # plain numbers, not 2 x 10^3
             labels = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
             assert labels and all("10^" not in t and "times" not in t for t in labels)
