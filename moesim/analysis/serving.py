@@ -266,7 +266,9 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
     ax.set_xlabel(f"time ({unit})")
     ax.set_ylabel("request, in order of arrival")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left" if len(rows) > 1 else "best")
+    # below the axes: inside, a burst of arrivals (all queued from the start) put rows behind it
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
     ax.set_title(title or f"{len(rows)} requests", loc="left", fontsize=10)
     if path is not None:
         save_figure(fig, path)

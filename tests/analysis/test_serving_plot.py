@@ -89,6 +89,28 @@ def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arr
         plot_requests(frame.iloc[:0])
 
 
+def test_the_request_legend_covers_no_request():
+    """A burst (every request arrives at once, most wait) fills the lower left, where the legend sat inside
+    the axes over the last rows' queueing: it stands below them now, every phase named."""
+    import pandas as pd
+    n = 40
+    frame = pd.DataFrame({"request": range(n), "arrival_s": [0.0] * n, "scheduled_s": [3.0 * i for i in range(n)],
+                          "first_token_s": [3.0 * i + 0.1 for i in range(n)],
+                          "finish_s": [3.0 * i + 3 for i in range(n)], "preemptions": [i % 2 for i in range(n)]})
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = plot_requests(frame)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    assert not fig.axes[0].get_legend() and len(fig.legends) == 1
+    legend = fig.legends[0]
+    assert sorted(t.get_text() for t in legend.get_texts()) == ["decode", "preempted (20 requests)",
+                                                               "prefill to first token", "queued"]
+    box = legend.get_window_extent(renderer)
+    assert not box.overlaps(fig.axes[0].get_window_extent(renderer))
+    assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+
+
 def test_the_latency_figure_and_the_slo_search_take_serve_runs_and_name_a_wrong_argument():
     """plot_latency_vs_qps(metric='ttft') and max_qps_under_slo(slo={'ttft': ...}) failed with KeyError
     ('ttft_p50', 'ttft_p90'), a list of moesim.serve runs with KeyError on the percentile columns, no runs with
