@@ -13,7 +13,7 @@ from moesim.cli import main
 from moesim.errors import TraceFormatError
 from moesim.trace.importers import import_trace
 from moesim.trace.validate import validate_trace
-from tests.trace.test_importers import _raw_fixture, _spec_row, _table
+from tests.trace.test_importers import _jsonl, _raw_fixture, _spec_row, _table
 
 
 # ----------------------------------------------------------------------------- malformed input
@@ -234,3 +234,33 @@ def test_no_source_names_the_python_argument(tmp_path):
     from moesim.trace.importers import import_trace
     with pytest.raises(ConfigError, match=r"^field 'sources': no source files given"):
         import_trace(None, [], tmp_path / "t.parquet")
+
+
+# ----------------------------------------------------------------------------- logs cut short
+def _processed_rows(tokens: int = 20) -> list[dict]:
+    """One problem's processed log in upstream order: layer by layer, ``tokens`` decode tokens each."""
+    return [_spec_row(layer, i, [layer % 8, (layer + 1) % 8], [0.7, 0.3]) for layer in range(32) for i in range(tokens)]
+
+
+@pytest.mark.parametrize("keep, field, words", [
+    (18 * 20 + 7, "layer", "has no rows for MoE layer(s) 19-31 (its last row is line 367): the log is cut short"),
+    (32 * 20 - 10, "token_idx", "has 10 decode rows at layer 31 against 20 at its longest layer"),
+])
+def test_a_processed_log_cut_short_is_refused_not_padded_with_invented_ties(tmp_path, capsys, keep, field, words):
+    """A log cut at a line boundary parsed cleanly, and its missing rows were re-inserted as [0.5, 0.5] ties
+    (or whole layers were left out of the request): 13 of 20 rows of layer 18 invented, exit 0."""
+    path = _jsonl(tmp_path / "gsm8k_2_routing.jsonl", _processed_rows()[:keep])
+    out = tmp_path / "t.parquet"
+    with pytest.raises(TraceFormatError, match="cut short") as err:
+        import_trace("speculative-moe", [path], out)
+    assert f"field '{field}'" in str(err.value) and words in str(err.value) and not out.exists()
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and str(path) in said and "fix: use the complete log" in said
+
+
+def test_a_few_tie_drops_per_layer_are_still_re_inserted(tmp_path):
+    rows = [r for r in _processed_rows() if not (r["layer"] == 3 and r["token_idx"] >= 16)]  # 4 of 20 missing
+    report = import_trace("speculative-moe", [_jsonl(tmp_path / "p.jsonl", rows)], tmp_path / "t.parquet")
+    assert (report.rows, report.repaired["tie_rows_imputed_position_unknown"]) == (32 * 20, 4)
+

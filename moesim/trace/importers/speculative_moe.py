@@ -21,7 +21,9 @@ temporal reuse; the number of such rows is recorded in the trace's ``source``.
 - processed file alone: a layer with fewer rows than the request's longest layer
   lacks that many tokens at unknown positions; the repaired rows go at its end
   (``tie_rows_imputed_position_unknown``); tokens after the real gap stay one step
-  early at that layer, as in the upstream file.
+  early at that layer, as in the upstream file. A problem lacking whole layers, or a
+  layer lacking more than ``max(TIE_GAP_ROWS, TIE_GAP_SHARE * tokens)`` tokens, is a
+  log cut short and refused rather than padded with invented ties.
 - processed file together with the raw capture of the same problem: each layer's
   processed rows are aligned to the raw decode rows (same experts and weights),
   which carry exact step numbers; processed rows between two anchors fill the steps
@@ -53,6 +55,10 @@ FORMAT = "speculative-moe"
 MODEL = "mixtral-8x7b"
 TOP_K = 2
 TIE_WEIGHTS = (0.5, 0.5)
+NUM_LAYERS = 32
+#: a processed layer may lack this many of its request's tokens (or this share, if more) to upstream tie drops;
+#: the real logs lack at most 3 of 255, so a larger gap is a file cut short or edited, not ties to re-insert
+TIE_GAP_ROWS, TIE_GAP_SHARE = 4, 0.05
 SOURCE = {
     "repository": "https://github.com/Mario928/speculative-moe",
     "commit": "216e26eb86ee09fa46bb0e8c000be7e9758e10b6",
@@ -270,6 +276,7 @@ def _plan_processed(problem: Problem, raw: Problem | None, report: ImportReport)
                          np.concatenate([weights[keep], raw_w[raw_unmatched]]))
         report.repaired["raw_rows_used_where_processed_lacks_them"] += int(raw_unmatched.sum())
         decode = max(decode, int(slots.max()) + 1 if len(slots) else 0, raw.decode_steps)
+    _refuse_incomplete(problem, counts, max(counts.values()))  # after the rows' own checks, which name a line
     tables = {}
     for layer, (slots, experts, weights) in placed.items():
         table = TokenTable.empty(prefill + decode)
@@ -287,6 +294,36 @@ def _plan_processed(problem: Problem, raw: Problem | None, report: ImportReport)
             "processed_rows_unplaced": alignment["unplaced"]})
     reason = "tie_rows_imputed" if raw is not None else "tie_rows_imputed_position_unknown"
     return _finish(problem, raw, prefill, decode, tables, info, reason, report)
+
+
+def _refuse_incomplete(problem: Problem, counts: dict[int, int], decode: int) -> None:
+    """A processed log cut short (or with rows removed) would have its missing rows re-inserted as ties:
+    refuse a problem lacking whole layers, or a layer lacking more tokens than tie drops explain."""
+    last_line = max(max(rows.lines) for rows in problem.decode.values())
+    absent = [layer for layer in range(NUM_LAYERS) if layer not in counts]
+    if absent:
+        raise TraceFormatError(f"{problem.dataset} problem {problem.problem_id} has no rows for MoE layer(s) "
+                               f"{_span(absent)} (its last row is line {last_line}): the log is cut short",
+                               source=str(problem.path), field="layer",
+                               fix=f"use the complete log; each problem logs all {NUM_LAYERS} layers")
+    allowed = max(TIE_GAP_ROWS, round(TIE_GAP_SHARE * decode))
+    for layer, count in counts.items():
+        if decode - count > allowed:
+            raise TraceFormatError(f"{problem.dataset} problem {problem.problem_id} has {count} decode rows at layer "
+                                   f"{layer} against {decode} at its longest layer; upstream tie drops explain at "
+                                   f"most {allowed}: the log is cut short or rows were removed",
+                                   source=where(problem.path, problem.decode[layer].lines[-1]), field="token_idx",
+                                   fix="use the complete log")
+
+
+def _span(layers: list[int]) -> str:
+    """Sorted layer numbers as runs ("18-31", "3, 5")."""
+    runs, start = [], layers[0]
+    for prev, cur in zip(layers, layers[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(runs)
 
 
 def _prefill_len(raw: Problem) -> int:
