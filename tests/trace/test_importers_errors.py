@@ -13,7 +13,7 @@ from moesim.cli import main
 from moesim.errors import TraceFormatError
 from moesim.trace.importers import import_trace
 from moesim.trace.validate import validate_trace
-from tests.trace.test_importers import _jsonl, _raw_fixture, _spec_row, _table
+from tests.trace.test_importers import _jsonl, _logger_fixture, _raw_fixture, _spec_row, _table
 
 
 # ----------------------------------------------------------------------------- malformed input
@@ -264,3 +264,17 @@ def test_a_few_tie_drops_per_layer_are_still_re_inserted(tmp_path):
     report = import_trace("speculative-moe", [_jsonl(tmp_path / "p.jsonl", rows)], tmp_path / "t.parquet")
     assert (report.rows, report.repaired["tie_rows_imputed_position_unknown"]) == (32 * 20, 4)
 
+
+
+@pytest.mark.parametrize("sizes, words", [
+    ((8, 4, 3, 5, 2, 2), "7 forwards here, 6 in moe_layer3.jsonl (the shorter log is cut short)"),
+    ((8, 4, 3, 5, 2, 1, 1), "forward 5 has 2 rows here, 1 in moe_layer3.jsonl"),
+])
+def test_joined_logger_runs_name_the_forward_where_they_part(tmp_path, sizes, words):
+    """The message showed the first five forward sizes of each run, which agree (dummies, warm-up, prefill,
+    first decode step) wherever the runs part: "[8192, 256, 65, 1406, 25]... vs [8192, 256, 65, 1406, 25]..."."""
+    short = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3, sizes)
+    whole = _logger_fixture(tmp_path / "moe_layer9.jsonl", 9)
+    with pytest.raises(TraceFormatError) as err:
+        import_trace("vllm-moe-logger", [short, whole], tmp_path / "t.parquet")
+    assert f"{whole}, field 'token_idx': forward structure differs from moe_layer3.jsonl: {words}" in str(err.value)

@@ -83,6 +83,16 @@ class LayerLog:
                                    fix="token_idx must count 0.. within each forward")
 
 
+def _first_difference(sizes: np.ndarray, other: np.ndarray, name: str) -> str:
+    """Where two runs' forward sizes part (their first forwards agree: dummies, warm-up, prefill)."""
+    common = min(len(sizes), len(other))
+    differ = np.flatnonzero(sizes[:common] != other[:common])
+    if len(differ):
+        i = int(differ[0])
+        return f"forward {i} has {sizes[i]} rows here, {other[i]} in {name}"
+    return f"{len(sizes)} forwards here, {len(other)} in {name} (the shorter log is cut short)"
+
+
 def import_files(sources: list[Path], out: Path) -> ImportReport:
     report, model = new_report(FORMAT, out, MODEL)
     logs = sorted((LayerLog(p, model) for p in sources), key=lambda log: log.layer)
@@ -92,10 +102,9 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
             raise TraceFormatError(f"layer {log.layer} also in {first.path.name}", source=str(log.path),
                                    field="layer", fix="give each layer's log once")
         if not np.array_equal(log.sizes, first.sizes):
-            raise TraceFormatError(f"forward structure differs from {first.path.name} (forward sizes "
-                                   f"{log.sizes[:5].tolist()}... vs {first.sizes[:5].tolist()}...)",
-                                   source=str(log.path), field="token_idx",
-                                   fix="join only runs with identical forward structure")
+            raise TraceFormatError("forward structure differs from "
+                                   f"{first.path.name}: {_first_difference(log.sizes, first.sizes, first.path.name)}", source=str(log.path),
+                                   field="token_idx", fix="join only complete runs with identical forward structure")
     lead = len(LEADING_FORWARDS)
     if len(first.sizes) <= lead:
         raise TraceFormatError(f"only {len(first.sizes)} forwards; expected dummy, warm-up, prefill, decode",
