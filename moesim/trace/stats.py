@@ -492,7 +492,13 @@ def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
     checked_meta(second)
     meta_a, acc_a = _accumulate(first)
     meta_b, acc_b = _accumulate(second)
-    return {"a": _stats(meta_a, acc_a), "b": _stats(meta_b, acc_b), "distances": trace_distances(acc_a, acc_b)}
+    distances = trace_distances(acc_a, acc_b)
+    names = (meta_a.model.name, meta_b.model.name)
+    if names[0] != names[1] and distances["comparable"]:
+        # equal expert counts do not make expert 5 of one model expert 5 of another
+        distances["notes"].append(f"different models: A is {names[0]}, B is {names[1]}; the distances match expert "
+                                  "ids index by index, which means something only if both name the same experts")
+    return {"a": _stats(meta_a, acc_a), "b": _stats(meta_b, acc_b), "distances": distances}
 
 
 __all__ = ["compare_traces", "js_divergence", "render_comparison", "render_distances", "render_stats",

@@ -135,3 +135,20 @@ def test_different_moe_layer_counts_are_said_to_differ(tmp_path, model, capsys):
     assert "note: different MoE layer counts: A has 2, B has 3\ndistances: not computed" in capsys.readouterr().out
     d = compare_traces(a, a)["distances"]
     assert (d["same_layer_count"], d["notes"]) == (True, [])
+
+
+def test_different_models_of_equal_expert_counts_are_said_to_differ(tmp_path, model, capsys):
+    """FLAME-MoE-290M against OLMoE-1B-7B (64 experts each) gave a popularity JS divergence with no word that
+    expert i of one model is not expert i of the other."""
+    import dataclasses
+    other = dataclasses.replace(model, name="other")
+    steps = decode_steps(model, [[[0, 1], [2, 3]], [[0, 1], [1, 2]]])
+    a = write_tiny_trace(tmp_path / "a.parquet", model, steps)
+    b = write_tiny_trace(tmp_path / "b.parquet", other, steps)
+    said = ("different models: A is tiny, B is other; the distances match expert ids index by index, which means "
+            "something only if both name the same experts")
+    d = compare_traces(a, b)["distances"]
+    assert d["comparable"] and d["notes"] == [said] and d["popularity_js"]["by_layer"] == [0.0, 0.0]
+    assert main(["trace", "compare", str(a), str(b)]) == 0
+    assert f"note: {said}" in " ".join(capsys.readouterr().out.split())
+    assert compare_traces(a, a)["distances"]["notes"] == []
