@@ -184,36 +184,54 @@ def write_requests(frame: Any, path: str | os.PathLike) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms") -> Any:
+def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms",
+                        title: str | None = None) -> Any:
     """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts,
     ``moesim.serve`` runs or a frame). Drawn without pyplot (a notebook's backend and figures are left alone);
-    displays as a PNG."""
+    displays as a PNG. The legend, right of the axes, gives each system's colour and each percentile's line
+    style apart (nine system-and-percentile entries inside the axes covered the lines)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.lines import Line2D
+
     from moesim.analysis.figure_style import LOG_RATIO, MARKERS, PALETTE, log_axis
-    from moesim.analysis.plots import DisplayFigure, save_figure
+    from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
     frame = serving_frame(rows)
     columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]
     if not frame["qps"].notna().any():  # closed loops and arrival logs: empty axes before
         raise ConfigError("no run has an arrival rate to draw against (closed-loop clients or an arrival log)",
                           field="rows", fix="give runs with workload.arrival=poisson or gamma, or draw each "
                                             "run's requests (plot_requests)")
+    requests = frame["requests"].dropna().unique() if "requests" in frame.columns else []
     # points that differ in anything else (hardware, seeds) are averaged per system and rate
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
-    fig = DisplayFigure(figsize=(6.4, 4.0), layout="constrained")
+    fig = DisplayFigure(figsize=(7.6, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)  # fit_width measures the title
     ax = fig.subplots()
     styles = dict(zip(PERCENTILES, ("-", "--", ":")))
+    handles, names = [], []
     for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
         group = group.sort_values("qps")
-        for q, style in styles.items():  # a colour and marker per system (the sweep figures' palette)
-            ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=PALETTE[i % len(PALETTE)],
-                    marker=MARKERS[i % len(MARKERS)], markersize=3, label=f"{system} p{q}")
+        colour, marker = PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)]  # the sweep figures' palette
+        for q, style in styles.items():
+            ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=colour, marker=marker, markersize=3,
+                    label=f"{system} p{q}")
+        handles.append(Line2D([], [], color=colour, marker=marker, markersize=4))
+        names.append(str(system))
+    handles += [Line2D([], [], color="#333333", linestyle=style) for style in styles.values()]
+    names += [f"p{q}" for q in styles]
+    short = metric.removesuffix("_ms").upper()
     ax.set_xlabel("arrival rate (requests/s)")
-    ax.set_ylabel(f"{metric.removesuffix('_ms').upper()} (ms)")
+    ax.set_ylabel(f"{short} (ms)")
     values = frame[columns].to_numpy(dtype=float)
     values = values[np.isfinite(values) & (values > 0)]
     if values.size and values.max() > LOG_RATIO * values.min():  # log only where it spans a decade or more
         log_axis(ax)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    fig.legend(handles, names, loc="outside right center", fontsize=8, frameon=False)
+    if title is None:
+        each = f", {int(requests[0]):,} requests a run" if len(requests) == 1 else ""
+        title = f"{short} per request vs arrival rate{each}: p50, p90, p99 per system"
+    fit_width(fig, ax.set_title(title, loc="left", fontsize=10))
     if path is not None:
         save_figure(fig, path)
     return fig

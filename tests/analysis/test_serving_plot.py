@@ -57,6 +57,22 @@ def test_each_system_has_its_own_colour_past_ten_systems():
         plt.close(fig)
 
 
+def test_the_latency_legend_keys_systems_and_percentiles_outside_the_axes():
+    """Nine 'system pNN' entries sat inside the axes where matplotlib found room, over lines (three systems at
+    0.05-0.5 req/s), and the figure had no title: now one entry per system and per percentile, right of the
+    axes, and a title naming the latency."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    fig = plot_latency_vs_qps([{**row, "requests": 20} for row in rows(["a", "b", "c"], 100.0, 5000.0)])
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = fig.axes[0]
+    assert not ax.get_legend() and len(fig.legends) == 1
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "b", "c", "p50", "p90", "p99"]
+    assert not fig.legends[0].get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    assert ax.get_title(loc="left") == "TTFT per request vs arrival rate, 20 requests a run: p50, p90, p99 per system"
+
+
 def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arrival():
     import pandas as pd
     frame = pd.DataFrame({"request": [0, 1, 2], "arrival_s": [0.5, 0.0, 1.0], "scheduled_s": [0.7, 0.0, 1.0],
