@@ -294,7 +294,8 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     handles = [Patch(facecolor=colour, label=label) for label, colour in labels.items()]
     if handles:
         # below the axes: the title above says what is shown and may be long
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9)
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9,
+                   title=thin_note(shown, pixel_ms), title_fontproperties={"size": 8})
     shown_label = window_label(frame, window)
     fit_width(fig, fig.suptitle(f"{title}: {shown_label}" if title else shown_label, x=0.01, ha="left",
                                 fontsize=11))
@@ -326,6 +327,27 @@ def _drawn_widths(width_ms: np.ndarray, pixel_ms: float) -> np.ndarray:
     """
     gapped = np.where(width_ms > 4 * pixel_ms, width_ms - pixel_ms, width_ms)
     return np.maximum(gapped, 0.5 * pixel_ms)
+
+
+def thin_note(shown: pd.DataFrame, pixel_ms: float) -> str | None:
+    """What the legend says of the kinds whose spans are mostly narrower than a pixel, or None.
+
+    They are drawn half a pixel wide and so fainter: without a word, a lane of short attention kernels looked
+    idle and its legend entry named nothing visible."""
+    width = (shown["end_s"] - shown["start_s"]) * 1e3
+    names = shown["kind"].astype(str).map(lambda k: KIND_STYLE.get(k, (None, k))[1])
+    # per lane: GPU experts can be a fraction of a pixel where the CPU's are wide
+    share = (width < pixel_ms).groupby([shown["resource"], names], sort=False).mean()
+    thin: dict[str, list[str]] = {}
+    for (resource, name), part in share.items():
+        if part > 0.5:
+            thin.setdefault(str(resource), []).append(name)
+    if not thin:
+        return None
+    order = [label for _, label in KIND_STYLE.values()]  # as the legend lists them
+    where = "; ".join(" / ".join(sorted(names, key=lambda n: order.index(n) if n in order else len(order)))
+                      + f" ({LANE_LABELS.get(r, r)})" for r, names in thin.items())
+    return f"narrower than a pixel, so drawn faint: {where}; a shorter window or fewer steps shows them"
 
 
 def _colour(kind: str) -> str:

@@ -284,3 +284,13 @@ def test_a_replays_breakdown_names_its_system_and_trace(tmp_path: Path) -> None:
     total = sum(run.raw_metrics["breakdown_ms"].values())
     assert _stack_tops(ax)[0] == pytest.approx(total)
     assert total == pytest.approx(run.raw_metrics["makespan_s"] * 1e3, rel=1e-9)
+
+
+def test_gantt_names_the_kinds_too_short_to_see() -> None:
+    """Spans under a pixel are drawn half a pixel wide and faint: a GPU lane of short kernels looked idle with
+    nothing said. The legend's title names them per lane (the CPU's wider experts are not named)."""
+    frame = _decode_timeline(steps=1)
+    note = plot_gantt(frame, window=(0.0, 2.0)).legends[0].get_title().get_text()  # 1.1 ms a pixel
+    assert note == ("narrower than a pixel, so drawn faint: attention + gate / shared experts / routed expert "
+                    "(GPU); streamed (staging) (PCIe H2D); a shorter window or fewer steps shows them")
+    assert not plot_gantt(frame).legends[0].get_title().get_text()  # one step: every span is wide enough
