@@ -17,7 +17,7 @@ from moesim.analysis.figure_style import (legend_handle, log_axis, series_style,
                                           tidy_axes)
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
-                                           fewer_runs, is_bound, label, ok_rows, ordered_systems, parameter_columns,
+                                           failed_note, fewer_runs, is_bound, label, ok_rows, ordered_systems, parameter_columns,
                                            sorted_values, varying)
 from moesim.errors import ConfigError
 
@@ -90,6 +90,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
         from moesim.util import warn_at_caller
         warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
+    note = "; ".join(part for part in (note, failed_note(frame)) if part)  # a facet's missing points said why
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
@@ -237,6 +238,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     better = f"{'higher' if x in HIGHER_IS_BETTER else 'lower'} x, {'higher' if y in HIGHER_IS_BETTER else 'lower'} y"
     note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
         else "one marker per run"
+    note = "; ".join(part for part in (note, failed_note(frame)) if part)
     fit_width(fig, fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left",
                                 fontsize=11))
     if handles:  # centred on the right, clear of the title lines

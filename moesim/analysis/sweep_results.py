@@ -134,6 +134,14 @@ def _span(values: pd.Series) -> str:
     return f"{low}" if low == high else f"{low} to {high}"
 
 
+def failed_note(frame: pd.DataFrame) -> str:
+    """What a figure says of the points it leaves out because they failed (their status is not 'ok'); ''."""
+    if "status" not in frame.columns:
+        return ""
+    failed = int((frame["status"] != "ok").sum())
+    return f"{failed} of {len(frame)} points failed, not drawn (their 'error' column says why)" if failed else ""
+
+
 def ok_rows(frame: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     ok = frame[frame["status"] == "ok"] if "status" in frame.columns else frame
     if ok.empty:
