@@ -239,8 +239,11 @@ def _fit(real: str, seed: int):
     from moesim.trace.synth import fit_params
     with Progress("fit", unit="candidate traces", console=err_console) as bar:
         result = fit_params(real, seed=seed, progress=lambda name: bar.advance(1, label=name))
-    table = Table(title=f"fitted to {real} ({result.evaluations} candidate traces)", title_justify="left")
-    for col in ("statistic", "real", "synthetic", "difference"):
+    # the last candidate the fit drew (scaled down for a long trace, no predictors): `trace compare` measures
+    # the trace written
+    table = Table(title=f"fitted to {real} ({result.evaluations} candidate traces; `moesim trace compare {real} "
+                        "OUT` measures the trace written)", title_justify="left")
+    for col in ("statistic", "real", "fitted candidate", "difference"):
         table.add_column(col, justify="left" if col == "statistic" else "right")
     errors = result.relative_errors()
     for stat, value in result.target.items():
