@@ -185,7 +185,7 @@ def write_requests(frame: Any, path: str | os.PathLike) -> None:
 
 
 def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms",
-                        title: str | None = None) -> Any:
+                        title: str | None = None, hw: str | None = None) -> Any:
     """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts,
     ``moesim.serve`` runs or a frame). Drawn without pyplot (a notebook's backend and figures are left alone);
     displays as a PNG. The legend, right of the axes, gives each system's colour and each percentile's line
@@ -230,7 +230,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     fig.legend(handles, names, loc="outside right center", fontsize=8, frameon=False)
     if title is None:
         each = f", {int(requests[0]):,} requests a run" if len(requests) == 1 else ""
-        title = f"{short} per request vs arrival rate{each}: p50, p90, p99 per system"
+        where = f" on {hw}" if hw else ""  # the rows do not say which profile served them
+        title = f"{short} per request vs arrival rate{where}{each}: p50, p90, p99 per system"
     fit_width(fig, ax.set_title(title, loc="left", fontsize=10))
     if path is not None:
         save_figure(fig, path)

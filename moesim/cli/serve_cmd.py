@@ -121,7 +121,7 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         say_wrote(out, f"wrote {requests_plot}")
     if plot_out:
         with open_output(plot_out, "--plot", FIGURE) as path:
-            plot_latency_vs_qps(rows, path)
+            plot_latency_vs_qps(rows, path, hw=hw)
         say_wrote(out, f"wrote {plot_out}")
 
 

@@ -71,6 +71,9 @@ def test_the_latency_legend_keys_systems_and_percentiles_outside_the_axes():
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a", "b", "c", "p50", "p90", "p99"]
     assert not fig.legends[0].get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
     assert ax.get_title(loc="left") == "TTFT per request vs arrival rate, 20 requests a run: p50, p90, p99 per system"
+    # serve-sim --plot names the profile, which the rows do not carry
+    named = plot_latency_vs_qps(rows(["a"], 100.0, 200.0), hw="rtx4090")
+    assert named.axes[0].get_title(loc="left").startswith("TTFT per request vs arrival rate on rtx4090")
 
 
 def test_each_request_is_a_row_of_queued_prefill_and_decode_bars_in_order_of_arrival():
