@@ -5,8 +5,10 @@ MoE-Infinity (Xue et al., arXiv 2401.14361; cited as a baseline in
 traces, per request, an Expert Activation Matrix (EAM): layers x experts,
 tokens of the request routed to each expert so far. Finished requests' EAMs
 form the EAM collection (EAMC). While a forward pass runs, the EAM of the
-requests in the batch is matched against the EAMC by cosine similarity; the
-best match predicts the coming layers: expert e of layer l' (l < l' <= l +
+requests in the batch is matched against the EAMC by the cosine similarity of
+each layer's row, averaged over the layers (``ExpertTracer.find_most_similar``,
+``moe_infinity/memory/expert_tracer.py``); the best match predicts the coming
+layers: expert e of layer l' (l < l' <= l +
 ``lookahead``) gets priority ``ratio(l', e) * (1 - (l' - l) / L)``, its share
 of the matched EAM's tokens at l' discounted by distance, and the
 highest-priority experts are prefetched. The cache is one model-wide pool of

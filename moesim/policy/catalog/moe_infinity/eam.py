@@ -52,7 +52,7 @@ class ActivationTracker:
     #: request -> its last step (its end of sequence)
     last_step: dict[int, int]
     live: dict[int, np.ndarray] = field(default_factory=dict)
-    #: normalised EAMs, flattened, oldest first
+    #: EAMs with unit-length rows (:func:`unit_rows`), flattened, oldest first
     collection: deque = field(default_factory=deque)
     #: the request each collection entry came from (None: a held-out calibration trace's)
     owners: deque = field(default_factory=deque)
@@ -92,10 +92,9 @@ class ActivationTracker:
         return tracker
 
     def add_to_collection(self, eam: np.ndarray, request: int | None = None) -> None:
-        norm = float(np.linalg.norm(eam))
-        if norm == 0 or self.eamc_size <= 0 or (request is not None and request in self.owners):
+        if not eam.any() or self.eamc_size <= 0 or (request is not None and request in self.owners):
             return
-        self.collection.append(eam.ravel() / norm)
+        self.collection.append(unit_rows(eam).ravel())
         self.owners.append(request)
         while len(self.collection) > self.eamc_size:
             self.collection.popleft()
@@ -163,18 +162,21 @@ class ActivationTracker:
         return self._batch
 
     def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
-        """The EAMC entry most similar to ``eam`` (cosine), as a layers x experts matrix, leaving out the
-        entries of the requests in ``exclude`` (the batch's own: leave-one-out)."""
+        """The EAMC entry most similar to ``eam``, as a layers x experts matrix (each row scaled to unit
+        length), leaving out the entries of the requests in ``exclude`` (the batch's own: leave-one-out).
+
+        Similarity is the cosine of each layer's row, summed over the layers: MoE-Infinity's
+        ``ExpertTracer.find_most_similar`` (``moe_infinity/memory/expert_tracer.py``) ranks entries by one
+        minus the mean over layers of the row-wise cosine, so every layer counts alike however its
+        activations are spread. A layer the batch has not reached yet (a zero row) adds 0 to every entry.
+        The first of equally similar entries wins (``argmin`` there, ``argmax`` here)."""
         kept = self._entries_besides(exclude)
-        if not kept:
-            return None
-        norm = float(np.linalg.norm(eam))
-        if norm == 0:
+        if not kept or not eam.any():
             return None
         if self._stack is None:
             self._stack = np.stack(list(self.collection))
         entries = self._stack if len(kept) == len(self.owners) else self._stack[kept]
-        similarity = entries @ (eam.ravel() / norm)
+        similarity = entries @ unit_rows(eam).ravel()
         return self.collection[kept[int(np.argmax(similarity))]].reshape(self.num_layers, self.num_experts)
 
     def _entries_besides(self, exclude: frozenset[int]) -> list[int]:
@@ -183,6 +185,13 @@ class ActivationTracker:
             kept = [i for i, owner in enumerate(self.owners) if owner is None or owner not in exclude]
             self._kept = (exclude, kept)
         return self._kept[1]
+
+
+def unit_rows(eam: np.ndarray) -> np.ndarray:
+    """``eam`` with every nonzero row scaled to unit length (zero rows stay zero): the dot product of two
+    such matrices is the sum over layers of their rows' cosines."""
+    norms = np.linalg.norm(eam, axis=1, keepdims=True)
+    return np.divide(eam, norms, out=np.zeros(eam.shape), where=norms > 0)
 
 
 def moved_rows(seen: list[int], now: list[int]) -> list[int]:
