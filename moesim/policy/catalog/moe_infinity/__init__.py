@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
-from moesim.policy.base import LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
 from moesim.policy.catalog.moe_infinity.eam import ActivationTracker, calibration_eams, moved_rows
@@ -287,7 +287,17 @@ def resident_mask(resident: list[set[int]], width: int) -> np.ndarray:
 
 
 class MoEInfinitySystem(ObservingSystem):
-    """Prefetch and cache share one activation tracker (configured in that order)."""
+    """Prefetch and cache share one activation tracker (configured in that order). Each layer's prediction
+    replaces the prefetches still queued from the previous one: ``ExpertPrefetcher.prefetch_experts``
+    (``moe_infinity/memory/expert_prefetcher.py``) calls ``replace_cache_candidates``, whose
+    ``ArcherTaskPool::ReplaceCacheCandidates`` (``core/prefetch/task_scheduler.h``) empties the prefetch
+    queues before the new list is enqueued; a copy already on the link finishes."""
+
+    def _place(self, view: LayerView) -> LayerPlan:
+        plan = super()._place(view)
+        # another prefetch swapped in keeps its own queue
+        plan.cancel_queued_prefetches = isinstance(self.prefetch, EamPrefetch)
+        return plan
 
     def configure(self, ctx: RunContext) -> None:
         self.prefetch.configure(ctx)
