@@ -39,6 +39,26 @@ finished request already in the collection is not added twice. Each token row's 
 comes with the view (``LayerView.requests``); a request counts as finished
 after its last step in the trace, read once from the trace file: the moment a
 serving system sees its end of sequence.
+
+Where moesim departs from the public code (github.com/EfficientMoE/MoE-Infinity):
+
+* prefetch breadth: ``ExpertPrefetcher.prefetch_experts`` enqueues every expert
+  of every layer from the current one on (``ExpertPredictor.predict`` adds 1e-8
+  to each count, decay ``1 - (l' - l) / (L + 1)``), in priority order; here
+  ``lookahead`` layers and ``per_layer`` experts each, decay over ``L``. Each
+  prediction empties the queue anyway (:class:`MoEInfinitySystem`), so only
+  the head of the list ever moves; the bound keeps plans short;
+* eviction: ``ArcherTaskPool::RemoveCachedSparseNode`` evicts GPU experts
+  outside the current prediction's list by their in-cache visit counts; here
+  the paper's activation-aware priority above (current requests' share,
+  discounted by depth);
+* EAMC: the code keeps ``trace_capacity`` = 1000 EAMs and replaces the one
+  matched least often (``ExpertTracer.finish_entry``); here ``eamc_size`` = 100,
+  first in, first out (seeded requests are the oldest and leave first);
+* matching: ``find_most_similar`` overwrites the collection's layers up to
+  the current one with uniform rows, so those layers rank no entry above
+  another; here every observed layer counts, as the paper's partial-EAM
+  matching describes.
 """
 
 from __future__ import annotations
@@ -71,7 +91,8 @@ class EamPrefetch(Prefetch):
     #: finished requests' EAMs kept for matching (a choice of moesim's; MoE-Infinity's public code keeps up to
     #: ``trace_capacity`` = 1000 by default, ``moe_infinity/utils/config.py``)
     eamc_size: int = 100
-    #: later layers of the same pass to prefetch for (a choice of moesim's) (layers)
+    #: later layers of the same pass to prefetch for (a choice of moesim's; the public code lists every
+    #: later layer, see the module docstring) (layers)
     lookahead: int = 2
     #: experts per target layer at most (0: the model's top-k; a choice of moesim's)
     per_layer: int = 0
