@@ -49,7 +49,9 @@ CONDITIONS: dict[tuple[str, str], tuple[str, dict[str, str], str]] = {
 }
 #: parameters whose other values cannot be derived from the default's type
 EXPLICIT = {
-    "cache.n_cpu_moe": ["58"],  # every MoE layer's experts on the CPU (the default fills the GPU)
+    # every MoE layer's experts on the CPU (the default fills the GPU): llama.cpp counts blocks, DeepSeek-V3's 3 dense
+    # and 58 MoE ones
+    "cache.n_cpu_moe": ["61"],
     "prefetch.eviction": ["adaptive"],
 }
 
