@@ -156,14 +156,32 @@ def test_default_defers_three_but_keeps_two_immediate(top_k, expected):
 # ----------------------------------------------------------------------------- 001 Sec. 6.3 defaults
 @pytest.mark.parametrize("preset, dtype, expected", [
     ("deepseek-v3", "bf16", 3), ("deepseek-v3", "int4", 6), ("deepseek-v2.5", "bf16", 4),
-    ("deepseek-v2.5", "int4", 4), ("qwen2-57b-a14b", "bf16", 2), ("qwen2-57b-a14b", "int4", 4),
+    ("deepseek-v2.5", "int8", 4), ("qwen2-57b-a14b", "bf16", 2), ("qwen2-57b-a14b", "int8", 4),
+    ("qwen2-57b-a14b", "fp16", 2),
 ])
 def test_default_deferral_count_is_the_papers_per_model_and_precision(preset, dtype, expected):
+    """001 Sec. 6.1: the quantized runs are DS-3 in Int4, DS-2 and QW-2 in Int8; full precision is BF16/FP16."""
     model = load_preset(preset)
+    ctx = RunContext(model=model, costs=CostModel(load_profile("a100-40g"), model, dtype),
+                     capacity=[0] * model.num_layers)
     deferral = ExpertDeferral()
-    deferral.configure(RunContext(model=model, costs=CostModel(load_profile("a100-40g"), model, dtype),
-                                  capacity=[0] * model.num_layers))
+    deferral.configure(ctx)
+    assert deferral.deferred == expected and not ctx.notes
+
+
+@pytest.mark.parametrize("preset, dtype, expected, borrowed", [
+    ("deepseek-v3", "fp8", 6, "int4"), ("deepseek-v3", "int8", 6, "int4"), ("qwen2-57b-a14b", "int4", 4, "int8"),
+])
+def test_a_dtype_001_did_not_run_borrows_a_count_with_a_note(preset, dtype, expected, borrowed):
+    """DeepSeek-V3's released fp8 experts were never run in 001 (BF16 on the A100, Int4 on the RTX 4080): the
+    quantized run's 6 is borrowed, and the note says so rather than passing it off as 001's count."""
+    model = load_preset(preset)
+    ctx = RunContext(model=model, costs=CostModel(load_profile("a100-40g"), model, dtype),
+                     capacity=[0] * model.num_layers)
+    deferral = ExpertDeferral()
+    deferral.configure(ctx)
     assert deferral.deferred == expected
+    assert any(f"no {dtype} experts" in n and f"its {borrowed} run" in n for n in ctx.notes)
 
 
 def test_default_deferral_elsewhere_follows_the_rule_of_thumb_with_a_note():

@@ -72,16 +72,33 @@ class KTransformersStatic(StaticCache):
         return self._hot[layer][:min(self.per_layer, capacity)]
 
 
-#: expert dtypes 001 counts as quantized builds (its Int4 runs)
-QUANTIZED = ("int4", "int8", "fp8")
-#: deferred experts per token by (model preset, quantized experts): 001 Sec. 6.3 ("for DS-3, we defer 3
-#: experts in the BF16 model and 6 in the quantized model. For DS-2, we defer 4 ... For QW-2, ... 2 ... and
-#: 4"); DS-2 is DeepSeek-V2.5-1210 and QW-2 Qwen2-57B-A14B (Sec. 6.1)
+#: deferred experts per token in 001 Sec. 6.3 by (model preset, expert dtype): "for DS-3, we defer 3 experts in
+#: the BF16 model and 6 in the quantized model. For DS-2, we defer 4 ... For QW-2, ... 2 ... and 4". Sec. 6.1 names
+#: the quantized builds: DS-3 in Int4, DS-2 (DeepSeek-V2.5-1210) and QW-2 (Qwen2-57B-A14B) in Int8; the full-precision
+#: runs are BF16/FP16 (the same bytes per weight)
 DEFERRED_BY_MODEL = {
-    ("deepseek-v3", False): 3, ("deepseek-v3", True): 6,
-    ("deepseek-v2.5", False): 4, ("deepseek-v2.5", True): 4,
-    ("qwen2-57b-a14b", False): 2, ("qwen2-57b-a14b", True): 4,
+    ("deepseek-v3", "bf16"): 3, ("deepseek-v3", "int4"): 6,
+    ("deepseek-v2.5", "bf16"): 4, ("deepseek-v2.5", "int8"): 4,
+    ("qwen2-57b-a14b", "bf16"): 2, ("qwen2-57b-a14b", "int8"): 4,
 }
+#: 16-bit expert dtypes: 001's full-precision runs
+FULL_PRECISION = ("bf16", "fp16")
+
+
+def paper_deferral(model: str, dtype: str) -> tuple[int, str] | None:
+    """001 Sec. 6.3's count for ``model`` and the 001 run it comes from, or None for a model 001 did not run.
+
+    A dtype 001 did not run for that model borrows the count of its run at the same precision class (16-bit:
+    the BF16 run; 8 bits or fewer: the quantized run); the second item then names the borrowed run.
+    """
+    key = "bf16" if dtype in FULL_PRECISION else dtype
+    if (model, key) in DEFERRED_BY_MODEL:
+        return DEFERRED_BY_MODEL[model, key], ""
+    runs = [d for (m, d) in DEFERRED_BY_MODEL if m == model]
+    if not runs:
+        return None
+    borrowed = "bf16" if key == "bf16" else next(d for d in runs if d != "bf16")
+    return DEFERRED_BY_MODEL[model, borrowed], borrowed
 
 
 @register_component
@@ -102,18 +119,21 @@ class ExpertDeferral(Deferral):
     name = "ktrans-deferral"
     phases = ("decode",)
     columns = ("weights",)
-    #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and weight precision
-    #: (DEFERRED_BY_MODEL), else 3 (Sec. 4.2's DeepSeek-V3 BF16 count) cut to keep at least 2 immediate
+    #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and expert dtype
+    #: (DEFERRED_BY_MODEL; another dtype of those models borrows its precision class's count, noted), else 3 (Sec. 4.2's DeepSeek-V3 BF16 count) cut to keep at least 2 immediate
     #: (none for top-2): Sec. 4.2's rule, the fewest deferred experts that saturate the CPU, needs a
     #: measurement of the CPU's idle time a replay makes only after the count is fixed
     deferred: int = -1
 
     def configure(self, ctx: RunContext) -> None:
         if self.deferred < 0:
-            quantized = ctx.costs.dtype in QUANTIZED
-            chosen = DEFERRED_BY_MODEL.get((ctx.model.name, quantized))
+            chosen = paper_deferral(ctx.model.name, ctx.costs.dtype)
             if chosen is not None:
-                self.deferred = chosen
+                self.deferred, borrowed = chosen
+                if borrowed:
+                    ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 ran {ctx.model.name} with no {ctx.costs.dtype} "
+                                     f"experts; {self.deferred} deferred expert(s) per token, the count of its "
+                                     f"{borrowed} run; set defer.deferred to override")
             else:
                 self.deferred = max(min(3, ctx.model.top_k - 2), 0)
                 ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 gives no deferral count for {ctx.model.name}; "
