@@ -124,6 +124,17 @@ def test_static_gpu_experts_per_layer(tmp_path):
         simulate(str(trace), tiny_profile(), "ktransformers", {"cache.per_layer": "4", "cache.slots_per_layer": "3"})
 
 
+def test_a_calibration_trace_without_static_experts_is_noted_as_unused(tmp_path):
+    model = tiny_model(layers=2, experts=8, top_k=4)
+    trace = decode_trace(tmp_path / "t.parquet", model, 2)
+    unused = simulate(str(trace), tiny_profile(), "ktransformers", {"cache.calibration": str(trace)})
+    assert unused.memory.capacity == [0, 0]
+    assert any("cache.calibration" in n and "unused" in n for n in unused.notes)
+    used = simulate(str(trace), tiny_profile(), "ktransformers",
+                    {"cache.calibration": str(trace), "cache.per_layer": "1", "cache.slots_per_layer": "1"})
+    assert not any("unused" in n for n in used.notes)
+
+
 # ----------------------------------------------------------------------------- replays
 def test_deferral_lowers_tpot_when_the_cpu_is_the_bottleneck(tmp_path):
     model = tiny_model(layers=4, experts=8, top_k=4, shared=True)

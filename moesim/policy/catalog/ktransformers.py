@@ -56,6 +56,10 @@ class KTransformersStatic(StaticCache):
                               fix="use 0 or more")
         if self.per_layer == 0:
             self._hot = [[] for _ in ctx.capacity]
+            if self.calibration:
+                # nothing is pinned, so the calibration trace would be ignored without a word
+                ctx.notes.append(f"ktrans-static: cache.calibration={self.calibration} is unused: cache.per_layer=0 "
+                                 "keeps every routed expert on the CPU; set cache.per_layer to pin hot experts")
             return
         room = min(ctx.capacity) if ctx.capacity else 0
         if self.per_layer > room:
