@@ -4,7 +4,13 @@ What the engine and cost model already provide, and this module relies on:
 
 * AMX/AVX-512 kernel switch by tokens per expert (001 Sec. 3.2):
   ``CostModel.cpu_kernel`` picks AMX from ``cpu.amx_switch_tokens`` up and
-  ``cpu_expert`` reads that kernel's curve.
+  ``cpu_expert`` reads that kernel's curve. Departure: KTransformers' kernel
+  (kt-kernel/operators/amx/moe.hpp; archive/csrc/ktransformers_ext/operators/amx/moe.hpp)
+  decides once per MoE call, AMX when the call's tokens exceed 4 x experts / top-k (mean
+  tokens per expert above 4), so every expert of the layer runs the same kernel; the cost
+  model decides per expert from its own token count. Both give the same kernel under
+  uniform routing; under skewed routing (prefill, batched decode) a hot expert may run AMX
+  here where KTransformers keeps AVX-512, and a cold one AVX-512 where it runs AMX.
 * Shared experts on the GPU overlapping the CPU's routed experts (001 Sec. 3.3):
   the engine runs the GPU track (shared experts) and the CPU track in parallel.
 * Runtime ``ktransformers`` (profile ``runtimes.ktransformers``, 001 Sec. 3.3, 6.4): the
@@ -43,6 +49,11 @@ class KTransformersStatic(StaticCache):
     17B of DeepSeek-V3's 671B parameters, everything but the routed experts). The memory
     plan holds ``per_layer`` slots per layer, no more: the rest of the GPU stays
     free for the KV cache (a served workload's batches).
+
+    Departure: KTransformers' helper for GPU experts (kt-kernel/python/experts_base.py,
+    ``generate_gpu_experts_masks``) takes the most activated (layer, expert) pairs of
+    the whole model under one total budget, so hot layers get more; here every layer
+    gets the same ``per_layer`` (001 gives no rule beyond offline profiling, Sec. 1).
     """
 
     name = "ktrans-static"
@@ -116,8 +127,14 @@ class ExpertDeferral(Deferral):
     and only experts computed on the CPU. Routing slots are ordered by gate score,
     so a token's deferred experts are its last ``deferred`` slots; with several
     tokens in a step an expert is deferred only when every token routed to it
-    has it among its deferred slots (the engine defers whole experts). The
-    engine reports the gate-weight mass deferred (a quality proxy).
+    has it among its deferred slots (the engine defers whole experts), as
+    KTransformers' ``select_deferred_experts`` (kt-kernel/python/experts_base.py)
+    makes an expert immediate for the whole batch when any token keeps it. There the
+    deferred task is queued on the CPU after the immediate one and writes into the
+    next layer's output buffer, which that layer's immediate pass adds onto; the
+    layer's sync waits for the immediate task only. The engine does the same: one
+    CPU queue in submission order, deferred results joining the next layer's output.
+    The engine reports the gate-weight mass deferred (a quality proxy).
     """
 
     name = "ktrans-deferral"
