@@ -49,6 +49,20 @@ def test_score_update_follows_the_formula():
     assert cache.victims(view, 0, 2, protected={0}) == [3, 1]
 
 
+def test_top_p_defaults_to_twice_top_k_as_the_public_code_builds_the_cache():
+    """modeling_deepseek.py builds ``KScoreAwareCache(..., 0.5, 2 * top_k)``: on a top-2 model of 8 experts
+    TopP keeps 4 experts, so the 5th to 8th best scores are not added (their S stays 0). A fixed 12 would keep
+    all 8. ``cache.top_p`` set explicitly still wins."""
+    model, profile = tiny_model(layers=1, experts=8, top_k=2), tiny_profile()
+    scores = [[0.25, 0.1875, 0.125, 0.125, 0.0625, 0.0625, 0.03125, 0.03125]]
+    expected = {None: [0.125, 0.09375, 0.0625, 0.0625, 0, 0, 0, 0], 8: [s / 2 for s in scores[0]]}
+    for top_p, priority in expected.items():
+        cache = ScoreAwareCache() if top_p is None else ScoreAwareCache(top_p=top_p)
+        cache.configure(RunContext(model=model, costs=CostModel(profile, model), capacity=[4], columns=("scores",)))
+        cache.observe(view_for(model, profile, [[0, 1]], scores=scores))
+        assert cache.priority(0).tolist() == pytest.approx(priority)
+
+
 def test_scores_fall_back_to_routed_weights_with_a_note():
     model, profile = tiny_model(layers=1, experts=4, top_k=2), tiny_profile()
     cache = ScoreAwareCache(alpha=1.0, top_p=4)

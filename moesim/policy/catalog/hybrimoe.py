@@ -71,8 +71,11 @@ class ScoreAwareCache(CachePolicy):
     #: weight of the newest scores in ``S = alpha * TopP(s) + (1 - alpha) * S`` (0.5: the public implementation's
     #: default, ``KScoreAwareCache`` in ``ktransformers/operators/experts.py``)
     alpha: float = 0.5
-    #: experts whose scores enter TopP each update (12: the same class's default ``p``) (experts)
-    top_p: int = 12
+    #: experts whose scores enter TopP each update; 0: twice the model's top_k, as the public code builds the
+    #: cache (``KScoreAwareCache(..., 0.5, 2 * self.top_k)`` in ``ktransformers/models/modeling_deepseek.py``;
+    #: the class's own default ``p=12`` is that value for DeepSeek-V2-Lite's top-6 and is never used) (experts)
+    top_p: int = 0
+    _p: int = field(default=12, repr=False)
     _priority: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False)
     _noted: bool = False
     _notes: list[str] = field(default_factory=list, repr=False)
@@ -80,8 +83,11 @@ class ScoreAwareCache(CachePolicy):
     def configure(self, ctx: RunContext) -> None:
         if not 0.0 < self.alpha <= 1.0:
             raise ConfigError(f"cache.alpha={self.alpha} outside (0, 1]", field="cache.alpha", fix="use e.g. 0.5")
-        if self.top_p < 1:
-            raise ConfigError(f"cache.top_p={self.top_p} below 1", field="cache.top_p", fix="use e.g. 12")
+        if self.top_p < 0:
+            raise ConfigError(f"cache.top_p={self.top_p} is negative", field="cache.top_p",
+                              fix="use 0 (twice the model's top_k) or e.g. 12")
+        # resolved per run, so that a system configured again for another model takes that model's top_k
+        self._p = self.top_p or 2 * ctx.model.top_k
         self._priority = np.zeros((ctx.model.num_layers, ctx.model.num_experts))
         self._notes = ctx.notes
         self._noted = False
@@ -109,7 +115,7 @@ class ScoreAwareCache(CachePolicy):
             chosen = scores[top].astype(np.float64)
         else:
             scores = self.layer_scores(view)
-            top = highest_set(scores, self.top_p)
+            top = highest_set(scores, self._p)
             chosen = scores[top]
         row = self._priority[view.layer]
         row *= 1.0 - self.alpha
@@ -118,14 +124,14 @@ class ScoreAwareCache(CachePolicy):
     def _top_set(self, scores: np.ndarray) -> np.ndarray:
         """:func:`highest_set` of ``scores`` in their own dtype: the ones at least the ``top_p``-th highest when
         no tie crosses it (partitioned in place on a copy), else the exact choice in float64."""
-        k = len(scores) - self.top_p
+        k = len(scores) - self._p
         if k > 0:
             part = scores.copy()
             part.partition(k)
             near = (scores >= part[k]).nonzero()[0]
-            if near.size == self.top_p:
+            if near.size == self._p:
                 return near
-        return highest_set(scores.astype(np.float64), self.top_p)
+        return highest_set(scores.astype(np.float64), self._p)
 
     def priority(self, layer: int) -> np.ndarray:
         return self._priority[layer]
