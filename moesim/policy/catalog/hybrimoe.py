@@ -42,6 +42,26 @@ prediction) when present, and the priority scores otherwise (noted in the report
 The ``n`` best-ranked experts not already cached (resident or arriving) are
 prefetched; the better-ranked cached ones are kept (never evicted for them). With a batch of several tokens the priority update uses their mean
 scores.
+
+Where moesim departs from the public code (``ktransformers/operators/experts.py``, ``KExpertsCache``):
+
+* cost estimates: the code's ``HSS`` uses fixed fitted constants marked "need to be tested" (CPU
+  1 ms per token plus 0.79 ms on its first expert, GPU 0.5 ms an expert whatever its tokens with no
+  intercept, 0.418 ms a copy); moesim's scheduler reads the cost model the replay executes, so its
+  estimates are the run's own times, and it starts the GPU after the shared experts, which the code
+  runs on the GPU before its routed experts without counting them;
+* batches: the code schedules only one-token steps and updates the priorities from the first token's
+  scores (``top_p_scores[0]``); moesim schedules any token count and updates from the tokens' mean;
+* prefill: the code's multi-token path skips ``HSS`` and runs every expert on the GPU, streaming the
+  uncached ones through a per-layer buffer; moesim follows 000 Sec. VI-B's account (above);
+* prefetch: the code's ``prefetch_size`` defaults to 0 (``local_chat.py``; its README runs
+  ``--prefetch_size 0``) and moesim uses 000 Sec. VI-D's 1; the code takes the ``n`` best-ranked and
+  copies those not loaded (none when they are all cached), and only when the layer gave the GPU an
+  expert; moesim spends the ``n`` copies on the best-ranked uncached experts in every decode layer
+  (a copy of a cached expert saves nothing);
+* eviction: the code evicts the lowest-priority loaded expert of the layer, even one the layer is
+  about to run; moesim never evicts one the layer runs on the GPU or one still arriving (the
+  composed system's protected set), since the code's choice would copy that expert back at once.
 """
 
 from __future__ import annotations
