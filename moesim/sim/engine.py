@@ -349,7 +349,9 @@ class Simulator(Transfers):
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 counters.breakdown[category] = counters.breakdown.get(category, 0.0) + seconds
-            t1 += sum(plan.overhead_s.values())
+            start, t1 = t1, t1 + sum(plan.overhead_s.values())
+            if tl is not None:
+                self._overhead_spans(plan.overhead_s, start, t1, s, layer, tokens)
 
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
         if plan.evictions:
@@ -414,6 +416,18 @@ class Simulator(Transfers):
         """The part of the last deferred work's sync that runs past ``t``."""
         start, stop = self._carried_from, self._carried_to
         return stop - (start if start > t else t) if stop > t else 0.0
+
+    def _overhead_spans(self, overhead: dict[str, float], start: float, end: float, s: int, layer: int,
+                        tokens: int) -> None:
+        """The plan's own time on the GPU lane, one span per category, the last ending at ``end`` exactly (the
+        layer's experts start there); a wait for copies is idle time and gets none."""
+        t = start
+        last = len(overhead) - 1
+        for i, (category, seconds) in enumerate(overhead.items()):
+            stop = end if i == last else t + seconds
+            if category != "wait_cache":
+                self._span("gpu", 0, t, stop, category, s, layer, tokens=tokens)
+            t = stop
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""

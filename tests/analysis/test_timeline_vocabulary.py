@@ -30,6 +30,7 @@ def scored(tmp_path_factory):
 @pytest.mark.parametrize("system, settings", [
     ("gpu-only-lru", {}), ("smoe", {"engine.copy_chunk_bytes": "4096"}), ("mixtral-offloading", {}),
     ("ktransformers-ed", {"defer.deferred": "1"}), ("dali", {}), ("static-hot", {}), ("importance", {}),
+    ("hybrimoe", {}),
 ])
 def test_every_kind_and_action_written_is_documented(trace, scored, system, settings):
     result = simulate(scored if system == "importance" else trace, tiny_profile(pcie_gbps=1.0), system,
