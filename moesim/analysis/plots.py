@@ -38,7 +38,8 @@ LANE_LABELS = {"pcie": "PCIe H2D", "gpu": "GPU", "cpu": "CPU"}
 # Okabe-Ito colours: distinguishable with the common colour-vision deficiencies
 KIND_STYLE = {
     "attention": ("#999999", "attention + gate"),
-    "predict": ("#56B4E9", "next-layer prediction"),  # the breakdown's colour for it
+    "predict": ("#56B4E9", "prediction / scheduling"),  # the breakdown's colours for these two
+    "cache_management": ("#F0E442", "cache management"),
     "shared": ("#CC79A7", "shared experts"),
     "expert": ("#0072B2", "routed expert"),
     "load": ("#D55E00", "demand load"),
@@ -294,7 +295,8 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     handles = [Patch(facecolor=colour, label=label) for label, colour in labels.items()]
     if handles:
         # below the axes: the title above says what is shown and may be long
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False, fontsize=9,
+        # at most five a row: eight or more kinds in one row ran past the figure's edges
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), frameon=False, fontsize=9,
                    title=thin_note(shown, pixel_ms), title_fontproperties={"size": 8})
     shown_label = window_label(frame, window)
     fit_width(fig, fig.suptitle(f"{title}: {shown_label}" if title else shown_label, x=0.01, ha="left",

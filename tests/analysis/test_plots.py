@@ -294,3 +294,22 @@ def test_gantt_names_the_kinds_too_short_to_see() -> None:
     assert note == ("narrower than a pixel, so drawn faint: attention + gate / shared experts / routed expert "
                     "(GPU); streamed (staging) (PCIe H2D); a shorter window or fewer steps shows them")
     assert not plot_gantt(frame).legends[0].get_title().get_text()  # one step: every span is wide enough
+
+
+def test_a_gantt_legend_of_many_kinds_stays_inside_the_figure() -> None:
+    """Nine kinds (a HybriMoE layer: attention, scheduling, shared and routed experts, loads, prefetches, staged
+    copies, the step's ends) in one legend row ran past both edges of the figure; it wraps at five a row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    rows, t = [], 0.0
+    for kind, resource in (("embedding", "gpu"), ("attention", "gpu"), ("predict", "gpu"), ("shared", "gpu"),
+                           ("expert", "gpu"), ("expert", "cpu"), ("load", "pcie"), ("prefetch", "pcie"),
+                           ("stage", "pcie"), ("cache_management", "gpu")):
+        rows.append((resource, 0, t, t + 1e-3, kind, 0, 0, -1, 1))
+        t += 1e-3
+    fig = plot_gantt(_frame(rows), window=(0.0, t))
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    legend = fig.legends[0].get_window_extent(canvas.get_renderer())
+    width = fig.bbox.width
+    assert legend.x0 >= 0 and legend.x1 <= width
+    assert len(fig.legends[0].get_texts()) == 9
