@@ -21,7 +21,9 @@ from tests.trace.test_importers import _jsonl, _logger_fixture, _raw_fixture, _s
     ("{not json", "line", "repair or delete"),
     (json.dumps({"dataset": "humaneval", "problem_id": 0, "layer": 0, "experts": [1, 2], "token_idx": 1}),
      "gating_probs", "needs 'gating_probs'"),
-    (json.dumps(_spec_row(0, 1, [1, 2, 3], [0.5, 0.3])), "experts", "exactly 2"),
+    (json.dumps(_spec_row(0, 1, [1, 2, 3], [0.5, 0.3])), "experts", "exactly 2 numbers, this format's top_k (a log "
+                                                                    "of another tool or model: check --format"),
+    (json.dumps(_spec_row(0, 1, [1, 2**40], [0.6, 0.4])), "experts", "expert id 1099511627776 is out of"),
     (json.dumps(_spec_row(0, 1, [1, 9], [0.6, 0.4])), "experts", "8 routed experts"),
     (json.dumps(_spec_row(0, -1, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),
     (json.dumps(_spec_row(0, 1.5, [1, 2], [0.6, 0.4])), "token_idx", "0 or more"),

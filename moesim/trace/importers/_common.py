@@ -76,7 +76,8 @@ def get_list(obj: dict[str, Any], name: str, length: int, path: Path, line: int)
     if not isinstance(value, list) or len(value) != length:
         got = f"{len(value)} values" if isinstance(value, list) else repr(value)
         raise TraceFormatError(f"expected a list of {length} values, got {got}", source=where(path, line),
-                               field=name, fix=f"'{name}' must hold exactly {length} numbers (top_k)")
+                               field=name, fix=f"'{name}' must hold exactly {length} numbers, this format's top_k "
+                                               "(a log of another tool or model: check --format, --list-formats)")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise TraceFormatError(f"non-numeric value in {value!r}", source=where(path, line), field=name,
                                fix=f"'{name}' must hold numbers only")
@@ -107,7 +108,10 @@ def check_ids(values: np.ndarray, path: Path, name: str, line: int | None = None
                                    field=name, fix="expert ids are integers; check the log's columns")
     bad = (values < -ID_LIMIT) | (values >= ID_LIMIT)
     if bad.any():
-        raise TraceFormatError(f"expert id {values[bad].flat[0]:g} is out of any model's range",
+        value = values[bad].flat[0]
+        # the id as written (1099511627776, not 1.09951e+12) while it is a whole number a log could hold
+        shown = str(int(value)) if abs(value) < 1e18 else f"{value:g}"
+        raise TraceFormatError(f"expert id {shown} is out of any model's range",
                                source=where(path, line), field=name, fix="check --format and the log's columns")
     return values.astype(np.int64)
 
