@@ -134,11 +134,14 @@ def _span(values: pd.Series) -> str:
     return f"{low}" if low == high else f"{low} to {high}"
 
 
+def failed_points(frame: pd.DataFrame) -> int:
+    """Rows of ``frame`` whose status is not 'ok' (points a figure leaves out)."""
+    return int((frame["status"] != "ok").sum()) if "status" in frame.columns else 0
+
+
 def failed_note(frame: pd.DataFrame) -> str:
     """What a figure says of the points it leaves out because they failed (their status is not 'ok'); ''."""
-    if "status" not in frame.columns:
-        return ""
-    failed = int((frame["status"] != "ok").sum())
+    failed = failed_points(frame)
     return f"{failed} of {len(frame)} points failed, not drawn (their 'error' column says why)" if failed else ""
 
 

@@ -152,6 +152,7 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
 
     from moesim.analysis.figures import (UnevenMeans, column, load_results, parameter_columns, plot_results,
                                          plot_scatter)
+    from moesim.analysis.sweep_results import failed_points
     check_outputs([("RESULTS", results)], {"out": FIGURE}, out=out)
     frame = load_results(results)
     if kind == "auto":
@@ -165,7 +166,7 @@ def plot_cmd(results: str, x: str, y: str, hue: str | None, facet: str | None, k
         else:
             plot_results(frame, x=x, y=y, hue=hue, facet=facet, path=path, source=results)
     say_wrote(console, f"wrote {out}")
-    failed = int((frame["status"] != "ok").sum()) if "status" in frame.columns else 0
+    failed = failed_points(frame)
     if failed:
         err_console.print(f"note: {failed} of {len(frame)} points failed and are not drawn (status 'error'; "
                           "their reasons are in the 'error' column and in `moesim report`)", highlight=False)
