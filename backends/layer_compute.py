@@ -113,7 +113,7 @@ class LayerCompute:
         if not after_input:
             act = self.act
             copy_in = self.gpu.launch(lambda: x_host.copy_(act["x"], non_blocking=True))
-            self.sync_works.append(copy_in)
+            self.sync_works.append((s, layer, copy_in))
             waits: tuple[Work, ...] = (copy_in,)
         else:
             waits = ()  # follows the layer's CPU job on the same worker, which waited for the input

@@ -64,10 +64,22 @@ class RunRecording:
             if run.transfer.kind == "prefetch" and arrived > ready:
                 c.late_prefetches += 1
         self.pending_rows, self.gpu_runs = [], []
-        for work in self.sync_works:
-            t0, t1 = work.interval()
-            c.breakdown["sync"] += t1 - t0
+        for s, layer, work in self.sync_works:
+            self.sync_spans.setdefault((s, layer), []).append(work.interval())
         self.sync_works = []
+
+    def _charge_cpu_side(self, gpu_end: dict[tuple[int, int], float], cpu_end: dict[tuple[int, int], float]) -> None:
+        """Each layer's CPU time past its GPU work, split as the simulator splits it (docs/engine.md): the part
+        of its syncs past the GPU work [sync], the rest [cpu_other]; a sync the GPU work outlasts costs nothing."""
+        breakdown = self.counters.breakdown
+        for key, end in cpu_end.items():
+            gpu = gpu_end.get(key, end)
+            if end <= gpu:
+                continue
+            past = sum(max(t1 - max(t0, gpu), 0.0) for t0, t1 in self.sync_spans.get(key, ()))
+            past = min(past, end - gpu)
+            breakdown["sync"] += past
+            breakdown["cpu_other"] += end - gpu - past
 
     def _result(self, wall_s: float) -> SimResult:
         makespan = self.steps[-1].end if self.steps else 0.0
@@ -92,8 +104,7 @@ class RunRecording:
         for row in self.timeline:
             if row[0] == "cpu":
                 cpu_end[(row[5], row[6])] = max(cpu_end.get((row[5], row[6]), 0.0), row[3])
-        self.counters.breakdown["cpu_other"] += sum(max(end - gpu_end.get(key, end), 0.0)
-                                                    for key, end in cpu_end.items())
+        self._charge_cpu_side(gpu_end, cpu_end)
         notes = list(self.notes) + [f"measured on {describe_device(self.device)} with "
                                     f"{self.config.threads()} CPU threads"]
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,

@@ -139,7 +139,10 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         #: per layer, the experts prefetched there and not used since
         self.prefetched: list[set[int]] = [set() for _ in range(self.model.num_layers)]
         self.gpu_runs: list[tuple[GPUExpertRun, int]] = []
-        self.sync_works: list[Work] = []
+        #: (step, layer, the copy of the layer's input to the host): the CPU-GPU sync before its CPU experts
+        self.sync_works: list[tuple[int, int, Work]] = []
+        #: by (step, layer), the measured (start, end) of its syncs
+        self.sync_spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
         self.weights.reset()
         ctx = self.setup_ctx(system)
         system.configure(ctx)

@@ -221,3 +221,20 @@ def test_the_trace_shape_of_a_trace_whose_name_is_not_utf8(trace, tmp_path):
     odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/t\xff.parquet")
     shutil.copy(trace, odd)
     assert trace_shape(odd) == trace_shape(str(trace))
+
+
+def test_measured_sync_counts_only_its_part_past_the_layers_gpu_work(trace):
+    """As in the simulator (docs/engine.md), a layer's CPU time past its GPU work is split between the syncs'
+    part past it [sync] and the rest [cpu_other]: the two add up to that time, and a hidden sync costs nothing."""
+    executor = prepare_real(trace, tiny_profile(), "cpu-only", SETTINGS, _config())
+    real = executor.run()
+    frame = result_to_frames(real)["timeline"].query("layer >= 0")
+    ends = frame.groupby(["resource", "step", "layer"], observed=True)["end_s"].max()
+    gpu, cpu = ends["gpu"], ends["cpu"]
+    past_gpu = sum(max(end - gpu.get(key, end), 0.0) for key, end in cpu.items())
+    breakdown = real.counters.breakdown
+    assert past_gpu > 0
+    assert breakdown["sync"] + breakdown["cpu_other"] == pytest.approx(past_gpu, rel=1e-9)
+    measured = sum(t1 - t0 for spans in executor.sync_spans.values() for t0, t1 in spans)
+    assert len(executor.sync_spans) == 6 * 3 and measured > 0
+    assert 0 <= breakdown["sync"] <= measured
