@@ -46,6 +46,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if data.empty:
         raise ConfigError(f"column '{y}' has no finite values", source=source, field="y",
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
+    data, without_x = rows_with_x(data, x, source)
     check_drawable(data, ((x, "x"), (y, "y")), source)
     data = as_groups(data, (hue, facet))
     shown = {x, hue, facet} - {None}
@@ -90,7 +91,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
         from moesim.util import warn_at_caller
         warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
-    note = "; ".join(part for part in (note, failed_note(frame)) if part)  # a facet's missing points said why
+    note = "; ".join(part for part in (note, without_x, failed_note(frame)) if part)  # a facet's missing points said why
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
@@ -99,6 +100,23 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def rows_with_x(data: pd.DataFrame, x: str, source: str | None = None) -> tuple[pd.DataFrame, str]:
+    """The rows that have an ``x`` value, and a note naming the runs left out ('' when none is).
+
+    A parameter that only some of a sweep's systems take (``per_system``) is empty in the others' rows: they
+    have no place on its axis, and kept, they were counted as one more point whose many runs made every drawn
+    point look short of runs (hollow, "instead of") and added an empty 'default' line to the legend."""
+    missing = data[x].isna()
+    if not missing.any():
+        return data, ""
+    if missing.all():
+        raise ConfigError(f"no finished point has a value of '{x}'", source=source, field="x",
+                          fix="choose a parameter the sweep set (a column with values), e.g. cache.slots_per_layer")
+    left = data[missing]
+    who = f" ({', '.join(ordered_systems(left['system'].unique()))})" if "system" in left.columns else ""
+    return data[~missing], f"{len(left)} run{'s' if len(left) > 1 else ''} without {x}{who} not drawn"
 
 
 def _lines(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: list[Any],

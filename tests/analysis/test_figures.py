@@ -125,6 +125,25 @@ def test_a_parameter_only_some_systems_take_leaves_the_others_points_complete():
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [4]
 
 
+def test_runs_without_the_x_parameter_are_left_out_and_named():
+    """x a parameter only static-hot took (per_system): gpu-only-lru's rows have no value of it. They were kept
+    as a point of their own (3 runs), so every static-hot point was drawn hollow, "averaging 1 run instead of 3",
+    and the legend of a hue held an empty 'default' line."""
+    import warnings
+    from moesim.analysis.figures import UnevenMeans
+    frame = results().query("status == 'ok' and hw == 'a100-40g' and system != 'all-in-gpu'").copy()
+    frame["prefetch.n"] = np.where(frame["system"] == "static-hot", frame["cache.slots_per_layer"], np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnevenMeans)
+        fig = plot_results(frame, x="prefetch.n", y="tpot_ms_mean", hue="system")
+    title = " ".join(fig._suptitle.get_text().split())  # wrapped to the figure's width
+    assert "instead of" not in title and "3 runs without prefetch.n (gpu-only-lru) not drawn" in title
+    assert not [line for line in lines(fig.axes[0]) if line.get_markerfacecolor() == "white"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["static-hot"]
+    with pytest.raises(ConfigError, match="no finished point has a value of 'prefetch.n'"):
+        plot_results(frame[frame["system"] == "gpu-only-lru"], x="prefetch.n", y="tpot_ms_mean")
+
+
 def test_cli_plot_notes_failed_and_unevenly_averaged_points(tmp_path, capsys):
     frame = results()
     gone = (frame["hw"] == "h100-pcie") & (frame["system"] == "static-hot") & (frame["cache.slots_per_layer"] > 1)
