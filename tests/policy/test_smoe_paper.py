@@ -1,6 +1,7 @@
 """SMoE against 000_dba2fecbbc66318b.txt, rule by rule: cases worked by hand for what test_smoe.py leaves
 open (Alg. 1's strict inequality, LFU's tie-break, Adaptive eviction with nothing to load, the empty cache
-of the prefill, Fig. 14's prediction-only point, the cost of the cache updates in a replay)."""
+of the prefill, Fig. 14's prediction-only point, the cost of the cache updates in a replay, Alg. 1's CPU thread beside
+the GPU pipeline with Fig. 11a's prefill breakdown, and the pipeline on and off of Fig. 10)."""
 
 from __future__ import annotations
 
@@ -178,3 +179,65 @@ def test_flex_switches_off_the_floor_of_half_the_layers_lower_layer_first_on_tie
     assert least_accurate(np.array([0.5, 0.2, 0.5, 0.2, 0.9]), 0.5) == [1, 3]
     assert least_accurate(np.array([0.5, 0.5, 0.5, 0.5, 0.5]), 0.5) == [0, 1]
     assert least_accurate(np.array([0.9, 0.1, 0.5, 0.5, 0.3]), 0.5) == [1, 4]
+
+
+# ----------------------------------------------------------------------------- Alg. 1 lines 8-23, Sec. VI-C
+SLOW_PCIE = 0.049152  # one tiny expert's copy: 1000 us + 10 us latency
+
+
+def prefill_run(tmp_path, settings: dict[str, str], prompt=None):
+    """One layer, one request; by default 6 prompt tokens: e0 x4, e1 x2, e2-e7 x1 each."""
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    prompt = prompt or [[[0, 1], [0, 1], [0, 2], [0, 3], [4, 5], [6, 7]]]
+    trace = decode_trace(tmp_path / "t.parquet", model, [], prompt)
+    return simulate(str(trace), tiny_profile(pcie_gbps=SLOW_PCIE), "smoe",
+                    {"engine.check": "true", **settings}, decisions=True)
+
+
+def test_prefill_runs_the_cpu_thread_beside_the_gpu_pipeline_and_breaks_down_as_fig_11a(tmp_path):
+    """Alg. 1 splits the experts (lines 1-6) and runs C on the CPU while G streams through the GPU
+    (parbegin/parend, lines 8-23). Copies take 1010 us, cpu(n) = 1000 sqrt(n) us, gpu(n) = 100 sqrt(n)
+    + 15 us: the GPU wins from 2 tokens on (900 sqrt(2) > 1025), so G = [e0, e1] and the six
+    one-token experts go to C. From t1 (embedding and attention):
+      GPU: e0's copy 0-1010, e0 1010-1225 (200 + 15); e1's copy 1010-2020, e1 2020-2176.42 (141.42 + 15)
+      CPU: sync 20 us, then six experts of 1000 us: 20-6020
+    Fig. 11a's prefill breakdown: GPU = 215 + 156.42 us, PCIe (copy time not hidden) = 1010 + 795 us,
+    Wait CPU = 6020 - 2176.42 us (the sync is hidden behind the GPU's work)."""
+    result = prefill_run(tmp_path, {})
+    log = result_to_frames(result)["decisions"]
+    step0 = log[(log.step == 0) & (log.target_layer == 0)]
+    assert sorted(step0[step0.action == "cpu"].expert) == [2, 3, 4, 5, 6, 7]
+    assert step0[step0.action == "gpu_stream"].expert.tolist() == [0, 1]
+    g4, g2 = 100 * 2 + 15, 100 * 2 ** 0.5 + 15
+    gpu_end = 2020 + g2
+    breakdown = metrics(result)["breakdown_ms"]
+    assert breakdown["gpu_compute"] == pytest.approx((g4 + g2) * 1e-3)
+    assert breakdown["wait_cache"] == pytest.approx((1010 + (2020 - (1010 + g4))) * 1e-3)
+    assert breakdown["cpu_other"] == pytest.approx((20 + 6000 - gpu_end) * 1e-3)
+    assert breakdown["sync"] == 0.0
+    t1 = 6 * 64 * 2 / 600e9 * 1e6 + 6 * 50
+    lm_head_and_sampling = (100 * 64 * 2 + 3 * 4 * 100) / 600e9 * 1e6
+    assert metrics(result)["ttft_ms"] == pytest.approx((t1 + 6020 + lm_head_and_sampling) / 1e3)
+
+
+def test_prefill_pipeline_overlaps_the_next_copy_with_the_current_expert(tmp_path):
+    """Fig. 10/11a compare SMoE with and without its pipeline. Without it (one staging buffer,
+    engine.staging_slots=1), e1's copy waits for e0 to finish with the buffer: the GPU ends at
+    1010 + 215 + 1010 + 156.42 us past t1 instead of 2020 + 156.42, e0's 215 us no longer hidden;
+    the PCIe share grows by the same 215 us. The CPU (6020 us) still decides the layer, so the TTFT
+    is the same: the pipeline pays only where the GPU side is the longer one. With two tokens
+    routing [e0, e1] each, both go to the GPU and nothing to the CPU: the GPU ends at 2020 + 156.42
+    us pipelined and at 1010 + 156.42 + 1010 + 156.42 without, the TTFT 156.42 us apart."""
+    piped = metrics(prefill_run(tmp_path, {}))
+    serial = metrics(prefill_run(tmp_path, {"engine.staging_slots": "1"}))
+    g4, g2 = 100 * 2 + 15, 100 * 2 ** 0.5 + 15
+    assert serial["breakdown_ms"]["wait_cache"] == pytest.approx(2 * 1010e-3)
+    assert serial["breakdown_ms"]["wait_cache"] - piped["breakdown_ms"]["wait_cache"] == pytest.approx(g4 * 1e-3)
+    assert serial["breakdown_ms"]["cpu_other"] == pytest.approx((6020 - (2020 + g4 + g2)) * 1e-3)
+    assert serial["ttft_ms"] == pytest.approx(piped["ttft_ms"])
+    both = [[[0, 1], [0, 1]]]
+    piped = metrics(prefill_run(tmp_path, {}, both))
+    serial = metrics(prefill_run(tmp_path, {"engine.staging_slots": "1"}, both))
+    assert piped["breakdown_ms"]["cpu_other"] == serial["breakdown_ms"]["cpu_other"] == 0.0
+    assert piped["breakdown_ms"]["gpu_compute"] == pytest.approx(2 * g2 * 1e-3)
+    assert serial["ttft_ms"] - piped["ttft_ms"] == pytest.approx(g2 * 1e-3)
