@@ -241,3 +241,33 @@ def test_prefill_pipeline_overlaps_the_next_copy_with_the_current_expert(tmp_pat
     assert piped["breakdown_ms"]["cpu_other"] == serial["breakdown_ms"]["cpu_other"] == 0.0
     assert piped["breakdown_ms"]["gpu_compute"] == pytest.approx(2 * g2 * 1e-3)
     assert serial["ttft_ms"] - piped["ttft_ms"] == pytest.approx(g2 * 1e-3)
+
+
+# ----------------------------------------------------------------------------- Sec. IV-E, the initial cache
+def test_prompts_prefilled_back_to_back_fill_the_cache_from_all_their_counts(tmp_path):
+    """Sec. IV-E fills the decode cache with the experts the prefill activated most. Two prompts
+    prefilled in steps 0 and 1 and then decoded together have one prefill: the cache it leaves holds
+    the most used experts of both, counted together. One layer, 2 slots, no token-wise prefetch.
+      step 0, request 0: [0, 1] x2, [0, 2]: counts 0:3 1:2 2:1, fill {0, 1}
+      step 1, request 1: [3, 2] x2, [4, 5], [6, 7], [4, 6], [5, 7]: every expert twice; with request 0
+        0:3 2:3 1:2 3:2 ...: the top two are 0 and 2 (ties by id), so 2 comes in over 1
+        (request 1's counts alone would give 2 and 3, over both 0 and 1)
+      step 2: both decode [0, 2]
+      step 3, request 2: [5, 6], [5, 7]: a new prefill after decoding starts a new count: 5:2 6:1 7:1,
+        fill {5, 6} over 0 and 2 (counting on from steps 0-1 would give 5:4 0:3 2:3 6:3, {5, 0})."""
+    from tests.factories import write_tiny_trace
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    steps = [
+        {"phase": "prefill", "tokens": {0: (0, [[[0, 1], [0, 1], [0, 2]]])}},
+        {"phase": "prefill", "tokens": {1: (0, [[[3, 2], [3, 2], [4, 5], [6, 7], [4, 6], [5, 7]]])}},
+        {"phase": "decode", "tokens": {0: (3, [[[0, 2]]]), 1: (6, [[[0, 2]]])}},
+        {"phase": "prefill", "tokens": {2: (0, [[[5, 6], [5, 7]]])}},
+    ]
+    trace = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "2", "prefetch": "none"}, decisions=True)
+    log = result_to_frames(result)["decisions"]
+    moved = lambda step, action: sorted(log[(log.step == step) & (log.action == action)].expert)  # noqa: E731
+    assert moved(0, "prefetch") == [0, 1] and moved(0, "evict") == []
+    assert moved(1, "prefetch") == [2] and moved(1, "evict") == [1]
+    assert moved(3, "prefetch") == [5, 6] and moved(3, "evict") == [0, 2]

@@ -24,7 +24,9 @@ when the prefill ends (Sec. IV-E: the slots are allocated only then and take
 the layer's most activated prefill experts as the first cache): the plan of a
 prefill pass's last layer queues, for every layer, its most used prefill
 experts, after that layer's GPU work; these fill transfers count as
-prefetches. Token-wise prefetch runs from the first decode step on.
+prefetches. Prompts prefilled back to back (000 runs one request at a time)
+are one prefill: their counts add up until a decode step. Token-wise prefetch
+runs from the first decode step on.
 
 Cache size: Sec. IV-E sizes the decode cache by the GPU memory left over; the
 eight experts per layer of Sec. VI-D are what a 24 GB RTX 4090 left beside
@@ -450,7 +452,7 @@ class TokenWisePrefetch(Prefetch):
 class SMoESystem(ComposedSystem):
     """Prefill by Alg. 1 with ping-pong streaming; decode with a prefill-filled cache and token-wise prefetch."""
 
-    #: per layer, token counts of the prefill since the last fill
+    #: per layer, token counts of the prefill steps since the last decode step
     _fill: dict[int, dict[int, int]] = field(default_factory=dict)
     #: the cache policy's activation counter (LFU's), if it keeps one
     _observe: Callable[[LayerView], None] | None = field(default=None, repr=False, compare=False)
@@ -468,6 +470,8 @@ class SMoESystem(ComposedSystem):
             if view.layer == view.num_layers - 1:
                 self._fill_cache(view, plan)
             return plan
+        if self._fill:  # the next prefill starts a new count
+            self._fill = {}
         return self._decode(view)
 
     def _prefill(self, view: LayerView) -> LayerPlan:
@@ -500,7 +504,12 @@ class SMoESystem(ComposedSystem):
 
     def _fill_cache(self, view: LayerView, plan: LayerPlan) -> None:
         """Sec. IV-E, once the prefill ends: every layer's slots take its most used prefill experts,
-        queued after this last layer's GPU work; LFU picks the victims of a layer already holding others."""
+        queued after this last layer's GPU work; LFU picks the victims of a layer already holding others.
+
+        A plan cannot see whether another prefill step follows, so every prefill step fills; prompts
+        prefilled back to back (then decoded together) count as one prefill: each fill ranks the
+        counts of every prefill step since the last decode step, and the last one leaves the cache
+        of all of them."""
         state = view.cache
         for layer, counts in sorted(self._fill.items()):
             top = sorted(counts, key=lambda e: (-counts[e], e))[:state.capacity[layer]]
@@ -514,7 +523,6 @@ class SMoESystem(ComposedSystem):
                 plan.evictions += [(layer, e) for e in victims]
                 room += len(victims)
             plan.prefetches += [(layer, e) for e in missing[:max(room, 0)]]
-        self._fill = {}
         plan.prefetch_after_gpu = True
 
 
