@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from moesim.errors import TraceFormatError
+from moesim.errors import MoesimError, TraceFormatError
 from moesim.model.spec import ModelSpec
 
 SCHEMA_VERSION = 2
@@ -169,7 +169,11 @@ class TraceMeta:
                                    field="moesim.model", fix=fix)
         try:
             model = ModelSpec.from_dict(data["model"], origin=f"{origin} metadata")
-        except Exception as err:  # ConfigError -> trace error naming the same field
+        except MoesimError as err:  # the same fault as a trace error: one file, one field, one fix
+            field_name = f"moesim.model.{err.field}" if err.field else "moesim.model"
+            raise TraceFormatError(err.detail, source=origin, field=field_name,
+                                   fix=f"{err.fix}; or {fix}" if err.fix else fix) from None
+        except Exception as err:  # a value ModelSpec could not even hold (a wrong type)
             raise TraceFormatError(str(err), source=origin, field="moesim.model", fix=fix) from None
         source = data.get("source", {})
         if not isinstance(source, dict):

@@ -159,6 +159,26 @@ def test_unknown_schema_version(tmp_path, capsys):
     _check(_save(tmp_path, table), capsys, "field 'moesim.schema_version'", "unknown schema_version 7")
 
 
+@pytest.mark.parametrize("key, value, field, detail", [
+    ("top_k", 10**9, "moesim.model.top_k", "beyond the limit of 1,024"),
+    ("num_layers", -3, "moesim.model.num_layers", "must be a positive integer, got -3"),
+    ("hidden_size", None, "moesim.model.hidden_size", "missing required model field"),
+])
+def test_bad_model_metadata_names_its_field_once(tmp_path, capsys, key, value, field, detail):
+    # The model's own error used to be pasted whole into the trace's: the path twice, two "(fix: ...)".
+    table = _valid(tmp_path)
+    meta = json.loads(table.schema.metadata[META_KEY])
+    if value is None:
+        del meta["model"][key]
+    else:
+        meta["model"][key] = value
+    path = _save(tmp_path, table.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}))
+    _check(path, capsys, f"field '{field}'", detail)
+    with pytest.raises(TraceFormatError) as err:
+        validate_trace(path)
+    assert str(err.value).count(str(path)) == 1 and str(err.value).count("fix:") == 1
+
+
 def test_not_parquet(tmp_path, capsys):
     path = tmp_path / "routes.parquet"
     path.write_text('{"layer": 0, "experts": [1, 2]}\n')
