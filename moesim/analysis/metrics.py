@@ -37,10 +37,14 @@ METRIC_DOCS: dict[str, MetricDoc] = {
     "makespan_s": MetricDoc("s", "simulated time of the whole trace"),
     "gpu_hit_rate": MetricDoc("fraction", "routed (step, layer, expert) uses whose expert was on the GPU when the "
                                           "layer's plan was made"),
-    "late_prefetches": MetricDoc("experts", "prefetches still copying when their expert was needed"),
+    "late_prefetches": MetricDoc("experts", "prefetches a GPU expert waited for: still copying when the GPU "
+                                            "stream reached their expert (one computed on the CPU while its "
+                                            "prefetch copies is not counted)"),
     "prefetches": MetricDoc("experts", "experts copied ahead of need"),
     "cancelled_prefetches": MetricDoc("experts", "prefetches dropped before their copy ran"),
-    "prefetch_precision": MetricDoc("fraction", "prefetched experts that were used (null without prefetches)"),
+    "prefetch_precision": MetricDoc("fraction", "prefetched experts routed at their layer before being evicted, "
+                                               "wherever they ran and whether or not their copy had landed: how "
+                                               "often the prediction was right (null without prefetches)"),
     "demand_loads": MetricDoc("experts", "experts copied into a cache slot when a layer needed them"),
     "streamed_experts": MetricDoc("experts", "experts copied through a staging buffer and not kept"),
     "evictions": MetricDoc("experts", "experts removed from the GPU cache"),
