@@ -1,7 +1,8 @@
 """SMoE against 000_dba2fecbbc66318b.txt, rule by rule: cases worked by hand for what test_smoe.py leaves
 open (Alg. 1's strict inequality, LFU's tie-break, Adaptive eviction with nothing to load, the empty cache
 of the prefill, Fig. 14's prediction-only point, the cost of the cache updates in a replay, Alg. 1's CPU thread beside
-the GPU pipeline with Fig. 11a's prefill breakdown, and the pipeline on and off of Fig. 10)."""
+the GPU pipeline with Fig. 11a's prefill breakdown, the pipeline on and off of Fig. 10, the fill of
+prompts prefilled back to back, and Fig. 8's decode layer)."""
 
 from __future__ import annotations
 
@@ -271,3 +272,31 @@ def test_prompts_prefilled_back_to_back_fill_the_cache_from_all_their_counts(tmp
     assert moved(0, "prefetch") == [0, 1] and moved(0, "evict") == []
     assert moved(1, "prefetch") == [2] and moved(1, "evict") == [1]
     assert moved(3, "prefetch") == [5, 6] and moved(3, "evict") == [0, 2]
+
+
+# ----------------------------------------------------------------------------- Sec. IV-C, Fig. 8
+def test_decode_runs_a_hit_on_the_gpu_beside_a_miss_on_the_cpu_and_shared_experts_on_the_gpu(tmp_path):
+    """Sec. IV-C / Fig. 8: in decoding the routed experts split between the devices and run at once; a
+    miss is never loaded (it runs on the CPU), the shared expert always runs on the GPU. One layer with
+    a shared expert, 3 slots filled with 0, 1, 2 after the prompt ([0, 1] x2, [0, 2]). The predictor
+    names only cached experts (nothing is prefetched). Decode token 2 routes [0, 5]:
+      the predictor (GEMV) first, on the GPU after the attention: the plan waits for it (Sec. VI-E
+      counts predict_time in the layer's time), then
+      GPU: shared expert 115 us, e0 (hit) 115 us
+      CPU: sync 20 us, e5 (miss) 1000 us: the layer ends 1020 us after the predictor, CPU-bound
+    The step: embedding + attention 50 us + GEMV + 1020 us + LM head and sampling."""
+    model = tiny_model(layers=1, experts=8, top_k=2, shared=True)
+    trace = decode_trace(tmp_path / "t.parquet", model, [[[0, 1]], [[0, 5]]], [[[0, 1], [0, 1], [0, 2]]],
+                         predictor="wrong")
+    result = simulate(str(trace), tiny_profile(pcie_gbps=FAST_PCIE), "smoe",
+                      {"engine.check": "true", "cache.slots_per_layer": "3"}, decisions=True)
+    log = result_to_frames(result)["decisions"]
+    last = log[log.step == 2]
+    assert sorted(zip(last.action, last.expert)) == [("cpu", 5), ("gpu_hit", 0)]
+    assert metrics(result)["prefetches"] == 3  # the fill alone
+    step = result.steps[-1]
+    embedding, output = 64 * 2 / 600e9, (100 * 64 * 2 + 3 * 4 * 100) / 600e9
+    assert step.end - step.start == pytest.approx(embedding + 50e-6 + gemv_s() + 1020e-6 + output)
+    # the shared expert on the GPU at every step: 3 prompt tokens, then one token twice
+    shared = (100 * 3 ** 0.5 + 15) + 2 * 115
+    assert metrics(result)["breakdown_ms"]["shared_expert"] == pytest.approx(shared * 1e-3)
