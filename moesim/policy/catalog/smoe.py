@@ -38,10 +38,10 @@ on the GPU as soon as the layer's attention output is there) is charged on
 every decode layer that predicts, as ``predict`` time (Sec. VI-E's
 ``predict_time``), ahead of the layer's experts on both devices (the plan,
 and with it the CPU thread, waits for it; Fig. 13 stacks it into the layer's
-time, 000 does not say whether it overlaps the gate): by default the roofline time of a gate-shaped GEMV (hidden
-x experts, bf16) on the profile's GPU plus two kernel launches (the linear
-layer and its top-k); the paper calls it negligible and gives no figure, so
-``prefetch.predict_us`` overrides it.
+time, 000 does not say whether it overlaps the gate): by default the roofline
+time of a gate-shaped GEMV (hidden x experts, bf16) on the profile's GPU plus
+two kernel launches (the linear layer and its top-k); the paper calls it
+negligible and gives no figure, so ``prefetch.predict_us`` overrides it.
 
 Prefetch count per layer (``prefetch.n``) follows Table I / Sec. VI-D: 2 on
 DeepSeek-V3, 3 on Qwen3 (Sec. VI-D puts the larger count down to Qwen3's
