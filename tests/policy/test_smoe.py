@@ -241,16 +241,16 @@ def test_prefetch_count_follows_table_i_per_model():
         system = build_system("smoe")
         ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8] * model.num_layers)
         system.configure(ctx)
-        assert system.prefetch.n == n, preset
+        assert system.prefetch.count == n, preset
         assert not any("no prefetch count" in note for note in ctx.notes)
     model = load_preset("mixtral-8x7b")
     ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[2] * model.num_layers)
     system = build_system("smoe")
     system.configure(ctx)
-    assert system.prefetch.n == 2 and any("no prefetch count for mixtral-8x7b" in note for note in ctx.notes)
+    assert system.prefetch.count == 2 and any("no prefetch count for mixtral-8x7b" in note for note in ctx.notes)
     flex = build_system("smoe-flex")
     flex.configure(RunContext(model=load_preset("qwen3-30b-a3b"), costs=ctx.costs, capacity=[8] * 48))
-    assert flex.prefetch.n == 3
+    assert flex.prefetch.count == 3
 
 
 def test_queue_aware_transfer_time_counts_copies_ahead():

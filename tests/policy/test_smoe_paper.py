@@ -12,7 +12,7 @@ import pytest
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
 from moesim.policy.base import RunContext
-from moesim.policy.catalog.smoe import SMoEAssign, SMoELFUCache
+from moesim.policy.catalog.smoe import SMoEAssign, SMoELFUCache, TokenWisePrefetch
 from moesim.policy.systems import build_system
 from moesim.sim.bookkeeping import BREAKDOWN
 from moesim.sim.result import result_to_frames
@@ -300,3 +300,20 @@ def test_decode_runs_a_hit_on_the_gpu_beside_a_miss_on_the_cpu_and_shared_expert
     # the shared expert on the GPU at every step: 3 prompt tokens, then one token twice
     shared = (100 * 3 ** 0.5 + 15) + 2 * 115
     assert metrics(result)["breakdown_ms"]["shared_expert"] == pytest.approx(shared * 1e-3)
+
+
+# ----------------------------------------------------------------------------- Table I, per model
+def test_table_i_count_is_resolved_for_each_model_a_system_is_configured_for():
+    """prefetch.n=-1 means Table I's count for the run's model: 3 on Qwen3, 2 on DeepSeek-V3. A system
+    configured for Qwen3 and then again for DeepSeek-V3 prefetches 2 there: of the predictions 10, 11,
+    12, 13 (none cached) Fixed-N loads 10 and 11. (It kept Qwen3's 3: the first run's resolution
+    overwrote the parameter.)"""
+    from moesim.model.presets import load_preset
+    qwen, deepseek = load_preset("qwen3-30b-a3b"), load_preset("deepseek-v3")
+    prefetch = TokenWisePrefetch()
+    for model in (qwen, deepseek):
+        prefetch.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model),
+                                      capacity=[8] * model.num_layers, columns=("pred_next_token",)))
+    view = view_for(deepseek, tiny_profile(), [list(range(8))], phase="decode", capacity=8, preds=[[10, 11, 12, 13]])
+    assert prefetch.candidates(view) == [(0, 10), (0, 11)]
+    assert prefetch.n == -1

@@ -339,6 +339,8 @@ class TokenWisePrefetch(Prefetch):
     management_us: float = 10.0
     #: predictor time per predicting decode layer, microseconds (negative: a gate-shaped GEMV on the profile's GPU)
     predict_us: float = -1.0
+    #: ``n`` for this run (-1 resolved to the model's Table I count)
+    _n: int = 0
     _history: bool = False
     _disabled: frozenset[int] = frozenset()
     _online: OnlineAccuracy | None = field(default=None, repr=False)
@@ -354,12 +356,13 @@ class TokenWisePrefetch(Prefetch):
         if self.n < -1:
             raise ConfigError(f"prefetch.n={self.n} is negative", field="prefetch.n",
                               fix="use 0 or more (-1: the paper's count for the model)")
+        self._n = self.n  # resolved per run: a system configured again for another model takes its count
         if self.n == -1:
             paper = paper_prefetch_n(ctx.model.name)
-            self.n = paper if paper is not None else PAPER_PREFETCH_N["deepseek-v3"]
+            self._n = paper if paper is not None else PAPER_PREFETCH_N["deepseek-v3"]
             if paper is None:
                 ctx.notes.append(f"smoe-token: 000 Table I gives no prefetch count for {ctx.model.name}; "
-                                 f"using DeepSeek-V3's {self.n} (set prefetch.n)")
+                                 f"using DeepSeek-V3's {self._n} (set prefetch.n)")
         if not 0.0 <= self.flex_off_fraction < 1.0:
             raise ConfigError(f"flex_off_fraction={self.flex_off_fraction} outside [0, 1)",
                               field="prefetch.flex_off_fraction", fix="use e.g. 0.5")
@@ -392,6 +395,11 @@ class TokenWisePrefetch(Prefetch):
                          f"least accurate token-wise predictor on {source}: {layers}")
         return layers
 
+    @property
+    def count(self) -> int:
+        """Experts prefetched per layer and step in this run (``n``, or Table I's for the model when -1)."""
+        return self._n
+
     def predicts(self, layer: int) -> bool:
         """Whether the predictor runs at ``layer``: everywhere but SMoE-Flex's switched-off layers, ``n=0``
         included (000 Fig. 14: 0 is prediction without prefetch)."""
@@ -399,7 +407,7 @@ class TokenWisePrefetch(Prefetch):
 
     def enabled(self, layer: int) -> bool:
         """Whether ``layer`` prefetches."""
-        return self.n > 0 and layer not in self._disabled
+        return self._n > 0 and layer not in self._disabled
 
     def predicted_rows(self, view: LayerView) -> list[np.ndarray]:
         return list(view.experts) if self._history else view.predictors.get("pred_next_token", [])
@@ -439,12 +447,12 @@ class TokenWisePrefetch(Prefetch):
         layer = view.layer
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         if self.eviction == "adaptive":
-            return [(layer, e) for e in ranked[:self.n] if e not in resident and e not in in_flight]
+            return [(layer, e) for e in ranked[:self._n] if e not in resident and e not in in_flight]
         picks: list[tuple[int, int]] = []  # Fixed-N: the first n uncached, however far down the ranking
         for e in ranked:
             if e not in resident and e not in in_flight:
                 picks.append((layer, e))
-                if len(picks) == self.n:
+                if len(picks) == self._n:
                     break
         return picks
 
