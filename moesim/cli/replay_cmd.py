@@ -62,15 +62,16 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
               help="Seed of the random choices some components make (dali's initial cache, substitute=random); "
                    "every other part of a replay is deterministic.")
 @click.option("--help-params", is_flag=True,
-              help="List the --set parameters of each --system (default, unit, meaning).")
-@click.option("--help-metrics", is_flag=True, help="List the keys of the --json metrics (unit, meaning).")
+              help="List the --set parameters of each --system (default, unit, meaning); with --json OUT, as "
+                   "JSON (as `moesim systems NAME --json`).")
+@click.option("--help-metrics", is_flag=True, help="List the keys of the --json metrics (unit, meaning); with --json OUT, as JSON.")
 def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...],
            model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,
            help_params: bool, help_metrics: bool) -> None:
     """Replay TRACE through the simulator under one system or all of them."""
     if help_metrics:
-        _print_metric_docs()
+        _print_metric_docs(json_out)
         return
     from moesim.sim.run import columns_read
     from moesim.trace.io import keeping_decoded
@@ -90,6 +91,11 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             help_params: bool) -> None:
     from moesim.analysis.report import render_comparison_table, render_metrics
     if help_params:
+        if json_out:  # `--json -` promises JSON on stdout, not the tables: what `moesim systems NAME --json` gives
+            check_outputs(json=json_out)
+            docs = [_system_json(name) for name in systems]
+            write_json(docs[0] if len(docs) == 1 else docs, json_out)
+            return
         for name in systems:  # each system asked for, in turn
             _print_system(name)
         return
@@ -164,10 +170,14 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
             say_wrote(out, f"wrote {plot_out}")
 
 
-def _print_metric_docs() -> None:
+def _print_metric_docs(json_out: str | None = None) -> None:
     from rich.table import Table
 
     from moesim.analysis.metrics import METRIC_DOCS
+    if json_out:  # `--json -` promises JSON on stdout, not the table
+        check_outputs(json=json_out)
+        write_json({key: {"unit": doc.unit, "meaning": doc.meaning} for key, doc in METRIC_DOCS.items()}, json_out)
+        return
     table = Table(title="keys of moesim replay --json (one object; with several systems, one per system)",
                   title_justify="left", width=min(console.width, 120))
     table.add_column("key", style="bold", no_wrap=True)

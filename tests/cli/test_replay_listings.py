@@ -27,6 +27,18 @@ def test_systems_as_json_list_every_system_and_a_systems_parameters(capsys):
     assert (n["default"], n["type"]) == (-1, "int") and "Table I" in n["meaning"]
 
 
+def test_replay_listings_with_json_to_stdout_print_json_only(capsys):
+    """`replay --help-metrics --json -` and `--help-params --json -` printed their tables on stdout (jq failed)."""
+    from moesim.analysis.metrics import METRIC_DOCS
+    code, out, _ = run(["replay", "--help-metrics", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out).keys() == METRIC_DOCS.keys()
+    assert json.loads(out)["ttft_ms"]["unit"] == "ms"
+    code, out, _ = run(["replay", "--system", "smoe", "--help-params", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["name"] == "smoe"
+    code, out, _ = run(["replay", "--system", "smoe,dali", "--help-params", "--json", "-"], capsys)
+    assert code == 0 and [s["name"] for s in json.loads(out)] == ["smoe", "dali"]
+
+
 def test_systems_skipped_for_one_reason_are_one_line():
     """17 systems that do not fit one GPU read as one line, not 17 copies of the memory arithmetic."""
     import io
