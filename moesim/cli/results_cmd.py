@@ -54,7 +54,8 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
 
     Each finished point is saved at once (OUT.parts/, merged into OUT), so an
     interrupted sweep resumes where it stopped; a finished point runs again when
-    its trace or profile file has changed since. A failed point is recorded with
+    its trace or profile file, or the policy module of one's own it runs, has
+    changed since. A failed point is recorded with
     its error; the exit status is then 1. A system that 'all' brings in and that
     cannot run on a trace (it needs a column the trace lacks) is left out of that
     trace's points, with a line saying why.
@@ -97,7 +98,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
 
 def _summary_line(summary: SweepSummary, out: str) -> str:
     ran = f"{summary.ran} run"
-    why = [f"{n} {what}" for n, what in ((summary.changed, "because their trace or profile changed"),
+    why = [f"{n} {what}" for n, what in ((summary.changed, "because their trace, profile or policy module changed"),
                                          (summary.retried, "retried after a worker process died")) if n]
     if why:
         ran += f" ({', '.join(why)})"

@@ -45,8 +45,9 @@ rewritten atomically from time to time and at the end; once it holds every
 row the parts folder is removed. A rerun reads ``OUT`` and any parts, skips the
 points whose status is ``ok`` and whose input fingerprint is unchanged, and
 runs the rest: failed points, and points whose trace or profile file changed
-since (rows of results written before fingerprints were recorded count as
-changed: the rerun cannot tell, so it runs them again rather than keep
+since, or whose code of one's own did (``point.with_own_code``: the files and
+the loaded bytecode of a system or component not the catalogue's, hashed)
+(rows of results written before fingerprints were recorded count as changed: the rerun cannot tell, so it runs them again rather than keep
 results that may be stale). A refused output (not a sweep result) is left as
 it was, with no parts folder. Rows of points outside the current spec are kept, so extending a grid only
 runs the new points; start a fresh file to drop old ones. A lock file in the

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from moesim.errors import ConfigError
 from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, UNRUNNABLE, WORKER_DIED, Finished, columns_of,
-                                describe_error, error_row, input_fingerprint, run_point)
+                                describe_error, error_row, input_fingerprint, run_point, with_own_code)
 from moesim.sweep.ray_engine import _run_ray, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -35,8 +35,8 @@ class SweepSummary:
     ran: int
     failed: int
     wall_s: float
-    #: of ``ran``: points finished before whose trace or profile file has changed since (or whose
-    #: results, from an older moesim, do not record them)
+    #: of ``ran``: points finished before whose trace or profile file, or policy module of one's own, has
+    #: changed since (or whose results, from an older moesim, do not record them)
     changed: int = 0
     #: of ``ran``: points run again because the worker process running them died
     retried: int = 0
@@ -74,11 +74,12 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     left_out: dict[str, str] = {}  # point id -> why
     try:
         # taken before any point runs: a file edited meanwhile makes the next resume run its points again
-        prints = {(t, h): input_fingerprint(spec.resolve(t), spec.resolve_hw(h))
-                  for t in spec.traces for h in spec.hw}
+        files = {(t, h): input_fingerprint(spec.resolve(t), spec.resolve_hw(h))
+                 for t in spec.traces for h in spec.hw}
+        prints = {p.point_id: with_own_code(files[p.trace, p.hw], p) for p in points}
         done = store.done_inputs()
         # a finished point runs again when its inputs changed, or are unknown (results of older versions)
-        todo = [p for p in points if p.point_id not in done or done[p.point_id] != prints[p.trace, p.hw]]
+        todo = [p for p in points if p.point_id not in done or done[p.point_id] != prints[p.point_id]]
         changed = sum(p.point_id in done for p in todo)
 
         by_id = {p.point_id: p for p in todo}
@@ -91,7 +92,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
                 bar.advance(failed)
                 return
             row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw),
-                       input_fingerprint=prints[point.trace, point.hw])
+                       input_fingerprint=prints[point.point_id])
             store.add(row)
             failed += row["status"] != "ok"
             bar.advance(failed)

@@ -157,6 +157,53 @@ def input_fingerprint(trace_path: str, hw: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def own_code(point: Point) -> tuple[list[str], list[type]]:
+    """What of one's own ``point`` runs (its system's class, or a component it names or swaps in with
+    ``--set ROLE=NAME``): the classes, and the files of the modules defining them (a policy module imported by
+    ``--import``, ``import:`` or ``import`` in Python; a class defined in a notebook cell has none)."""
+    import sys
+    from moesim.policy.checked import is_catalogue
+    from moesim.policy.systems import COMPONENTS, ROLES, SYSTEMS
+    spec = SYSTEMS.get(point.system)
+    if spec is None:
+        return [], []
+    chosen = {**spec.roles(), **{k: v for k, v in spec.defaults if k in ROLES},
+              **{k: v for k, v in point.settings if k in ROLES}}
+    found = [spec.system_class] + [COMPONENTS.get(role, {}).get(str(name)) for role, name in chosen.items()]
+    classes = [cls for cls in found if cls is not None and not is_catalogue(cls)]
+    files = {getattr(sys.modules.get(cls.__module__), "__file__", None) for cls in classes}
+    return sorted(f for f in files if f and os.path.isfile(f)), classes
+
+
+def _bytecode(cls: type) -> bytes:
+    """The methods ``cls`` defines as this process runs them: their instructions, names and plain constants
+    (a module edited but not reloaded in a Python session still runs its old code)."""
+    from moesim.policy.checked import is_catalogue
+    out = []
+    for klass in (k for k in cls.__mro__ if not is_catalogue(k)):
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                plain = tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
+                out.append(code.co_code + repr((code.co_names, plain)).encode())
+    return b"".join(out)
+
+
+def with_own_code(fingerprint: str, point: Point) -> str:
+    """``fingerprint`` (:func:`input_fingerprint`) of a point that runs code of one's own, with that code hashed
+    in (its files and the bytecode loaded): editing a policy and rerunning the sweep runs its points again
+    instead of keeping the old code's results. A point of catalogue code keeps ``fingerprint`` as it is."""
+    files, classes = own_code(point)
+    if not classes:
+        return fingerprint
+    digest = hashlib.sha256(fingerprint.encode())
+    for path in files:
+        digest.update(Path(path).read_bytes())
+    for cls in classes:
+        digest.update(_bytecode(cls))
+    return digest.hexdigest()[:16]
+
+
 def describe_error(err: BaseException) -> str:
     """One line: a user error's own message, or the exception type, message and where it was raised."""
     if isinstance(err, MoesimError):

@@ -18,6 +18,7 @@ from moesim.errors import ConfigError
 from moesim.sim.run import simulate
 from moesim.sweep import ResultStore, load_spec, run_sweep
 from tests.factories import TIGHT_GPU, with_scores, write_spec
+from tests.policy.test_imports import _policy_file, forget  # noqa: F401 (a fixture)
 
 
 # ----------------------------------------------------------------------------- running
@@ -238,8 +239,25 @@ def test_a_resume_runs_again_the_points_whose_profile_or_trace_changed(files, ca
     os.utime(trace, ns=(trace.stat().st_atime_ns, trace.stat().st_mtime_ns + 10**9))  # rewritten, same size
     code = main(["sweep", str(path), "--out", str(out), "--workers", "1"])
     assert code == 0
-    assert capsys.readouterr().out.startswith("2 points: 2 run (2 because their trace or profile changed), 0 already")
+    assert capsys.readouterr().out.startswith("2 points: 2 run (2 because their trace, profile or policy module "
+                                              "changed), 0 already")
     assert run_sweep(spec, out, workers=1)[1].ran == 0
+
+
+def test_a_point_of_ones_own_runs_again_once_its_policy_module_changed(files, forget):
+    """A policy edited and its sweep rerun into the same file kept the old code's results ("2 already in"): the
+    fingerprint held the trace and profile only. Now its points run again; gpu-only-lru's stay."""
+    policy = _policy_file(files, "rerun_policies")
+    path = write_spec(files, systems=["rerun_policies-sys", "gpu-only-lru"], grid={"cache.slots_per_layer": [1]},
+                      **{"import": ["rerun_policies.py"]})
+    out = files / "r.parquet"
+    assert run_sweep(load_spec(path), out, workers=1)[1].ran == 2
+    assert run_sweep(load_spec(path), out, workers=1)[1].ran == 0
+    policy.write_text(policy.read_text() + "\n# tuned: another eviction order\n")
+    frame, summary = run_sweep(load_spec(path), out, workers=1)
+    assert (summary.ran, summary.changed, summary.skipped) == (1, 1, 1)
+    assert frame["input_fingerprint"].nunique() == 2  # the catalogue point's own, unchanged
+    assert run_sweep(load_spec(path), out, workers=1)[1].ran == 0
 
 
 def test_results_of_older_versions_without_fingerprints_are_run_again(files):
