@@ -47,8 +47,9 @@ points whose status is ``ok`` and whose input fingerprint is unchanged, and
 runs the rest: failed points, and points whose trace or profile file changed
 since, or whose code of one's own did (``point.with_own_code``: the files and
 the loaded bytecode of a system or component not the catalogue's, hashed)
-(rows of results written before fingerprints were recorded count as changed: the rerun cannot tell, so it runs them again rather than keep
-results that may be stale). A refused output (not a sweep result) is left as
+(rows of results written before fingerprints were recorded count as changed:
+the rerun cannot tell, so it runs them again rather than keep results that may
+be stale). A refused output (not a sweep result) is left as
 it was, with no parts folder. Rows of points outside the current spec are kept, so extending a grid only
 runs the new points; start a fresh file to drop old ones. A lock file in the
 parts folder stops two sweeps from writing the same output at once.
