@@ -113,6 +113,11 @@ def test_invariants(scenario, system):
                 held[row.target_layer].add(row.expert)
                 assert len(held[row.target_layer]) <= capacity[row.target_layer]
 
+    # the timeline shows the copy engines' busy time that pcie_util counts, copies still running at the end
+    # included (cut at it)
+    assert (pcie.end_s - pcie.start_s).sum() == pytest.approx(result.pcie_busy_s, rel=1e-9, abs=1e-15)
+    assert (pcie.end_s <= result.makespan_s + EPS).all()
+
     # total time at least the busiest resource's busy time
     m = metrics(result)
     for util in ("cpu_util", "gpu_util", "pcie_util"):
