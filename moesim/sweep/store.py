@@ -116,13 +116,18 @@ class ResultStore:
         check_suffix(self.out, "--out", PARQUET)
 
     def _lock(self) -> None:
-        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        lock = self.parts_dir / ".lock"
         try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
             import fcntl
         except ImportError:  # not POSIX: no protection against two writers
             return
-        lock = self.parts_dir / ".lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # OUT.parts a file, or a folder the OS refuses (/sys, a read-only mount)
+            raise self._parts_error(self.parts_dir, err) from None
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # .lock a folder, or OUT.parts/ not writable
+            raise self._parts_error(lock, err) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -139,6 +144,11 @@ class ResultStore:
         os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
         _INHERITED_FDS.append(fd)
+
+    def _parts_error(self, path: Path, err: OSError) -> ConfigError:
+        """The one line for a parts folder (or its lock) that cannot be made: the path and the OS's reason."""
+        return ConfigError(f"cannot create {path}: {err.strerror or err}", source=str(self.out), field="--out",
+                           fix=f"move {path} out of the way, or write the sweep to a folder you may write to")
 
     def _unlock(self, remove_dir: bool) -> None:
         if self._lock_fd is None:

@@ -305,6 +305,24 @@ def test_output_that_is_not_a_sweep_result_is_refused_leaving_nothing_behind(fil
     assert sorted(p.name for p in files.iterdir()) == ["hw.yaml", "other.parquet", "spec.yaml", "t.parquet"]
 
 
+@pytest.mark.parametrize("in_the_way", ["file", "lock folder"])
+def test_a_parts_folder_that_cannot_be_made_is_one_line_exit_2(files, capsys, in_the_way):
+    """OUT.parts a file (or OUT.parts/.lock a folder) was an internal error with a traceback's last line."""
+    parts = files / "r.parquet.parts"
+    if in_the_way == "file":
+        parts.write_text("mine\n")
+    else:
+        (parts / ".lock").mkdir(parents=True)
+    write_spec(files, systems=["cpu-only"])
+    assert main(["sweep", str(files / "spec.yaml"), "--out", str(files / "r.parquet"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err
+    assert "field '--out'" in err and "cannot create" in err and str(parts) in err
+    assert not (files / "r.parquet").exists()
+    if in_the_way == "file":
+        assert parts.read_text() == "mine\n"  # left as it was
+
+
 def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
     out = files / "r.parquet"
     spec = load_spec(write_spec(files, systems=["cpu-only"], grid={"memory.expert_dtype": ["bf16", ""]}))
