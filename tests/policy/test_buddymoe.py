@@ -244,7 +244,7 @@ def test_default_prefetcher_loads_one_gate_worth_in_decoding_only():
                      columns=("pred_next_layer",))
     prefetch = NextLayerPrefetch()
     prefetch.configure(ctx)
-    assert prefetch.size == 2  # the model's top_k
+    assert prefetch.count == 2 and prefetch.size == -1  # the model's top_k, the parameter as set
     state = CacheState(capacity=[4, 4])
     rows = np.array([[0, 1], [0, 1], [0, 1]])
     active, counts = active_experts(rows, 8)

@@ -215,3 +215,29 @@ def test_the_calibrated_tau_is_the_percentile_of_the_tae_at_the_gates_temperatur
     taus = {t: _configured(cal, tau=-1.0, tau_percentile=25.0, tae_temperature=t)[0]._tau for t in (1.0, 2.0)}
     assert taus[1.0] == [pytest.approx(0.468996, abs=1e-6)]
     assert taus[2.0] == [pytest.approx(0.811278, abs=1e-6)]
+
+
+def test_top_k_prefetch_count_is_resolved_for_each_model_a_system_is_configured_for():
+    """Fig. 3's next-layer prefetch loads one gate's worth (``size=-1``: the model's top_k) per layer.
+
+    One prefetcher configured for a top-2 model and then for a top-4 one: a decode layer whose three tokens
+    predict (5, 6), (6, 7), (6, 4) at the next layer ranks 6 (three votes), then 5, 4, 7 (one each; 5 first
+    at position 0, then 4 and 7 at position 1 by id), so top-2 loads 6, 5 and top-4 all four. The parameter
+    stays -1: the count is the run's, not a setting written over at the first configure.
+    """
+    from moesim.policy.catalog.buddymoe import NextLayerPrefetch
+    prefetch = NextLayerPrefetch()
+    rows = np.array([[0, 1], [0, 1], [0, 1]])
+    predicted = {"pred_next_layer": [np.array([5, 6]), np.array([6, 7]), np.array([6, 4])]}
+    picks = {}
+    for top_k in (2, 4):
+        model = tiny_model(layers=2, experts=8, top_k=top_k)
+        costs = CostModel(tiny_profile(), model)
+        prefetch.configure(RunContext(model=model, costs=costs, capacity=[8, 8], columns=("pred_next_layer",)))
+        active, counts = active_experts(rows, 8)
+        view = LayerView(0, 0, "decode", rows, active, counts, CacheState(capacity=[8, 8]), costs,
+                         predictors=predicted)
+        picks[top_k] = prefetch.candidates(view)
+    assert picks[2] == [(1, 6), (1, 5)]
+    assert picks[4] == [(1, 6), (1, 5), (1, 4), (1, 7)]
+    assert prefetch.size == -1

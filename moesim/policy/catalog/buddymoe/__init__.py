@@ -315,6 +315,8 @@ class NextLayerPrefetch(Prefetch):
     #: stand-in predictor guesses from the request's earlier tokens, and a prompt prefilled in one step has
     #: none: then this changes nothing (the bundled Mixtral trace); with the column, or a prefill in chunks, it acts
     prefill: bool = False
+    #: ``size`` for this run (-1 resolved to the model's top_k)
+    _count: int = 0
     _layers: int = 0
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
@@ -323,8 +325,8 @@ class NextLayerPrefetch(Prefetch):
         if self.size < -1:
             raise ConfigError(f"prefetch.size={self.size} is below -1", field="prefetch.size",
                               fix="use -1 (top_k), 0 (all predicted) or a count")
-        if self.size == -1:
-            self.size = ctx.model.top_k
+        # resolved per run: a system configured again for another model takes that model's top_k
+        self._count = ctx.model.top_k if self.size == -1 else self.size
         self._layers = ctx.model.num_layers
         self._fallback = None
         if "pred_next_layer" not in ctx.columns:
@@ -332,12 +334,17 @@ class NextLayerPrefetch(Prefetch):
             ctx.notes.append("next-layer: the trace has no pred_next_layer column; each token is predicted to "
                              "use, at the next layer, what its request's previous token used there")
 
+    @property
+    def count(self) -> int:
+        """Experts prefetched per layer in this run (``size``, or the model's top_k when -1; 0: all predicted)."""
+        return self._count
+
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
         if (view.phase == "prefill" and not self.prefill) or view.layer + 1 >= self._layers or not predicted:
             return []
         ranked, target = ranked_predictions(predicted), view.layer + 1
-        return [(target, e) for e in (ranked[:self.size] if self.size else ranked)]
+        return [(target, e) for e in (ranked[:self._count] if self._count else ranked)]
 
 
 register_system("buddymoe", SystemSpec(
