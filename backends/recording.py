@@ -94,8 +94,8 @@ class RunRecording:
                 continue
             busy += min(t1, makespan) - t0
             nbytes += t.src.numel() * t.src.element_size()
-            if t1 <= makespan:
-                self.timeline.append(("pcie", 0, t0, t1, t.kind, t.step, t.layer, t.expert, 0))
+            # a copy still running at the end: its span cut there, the part the busy time counts
+            self.timeline.append(("pcie", 0, t0, min(t1, makespan), t.kind, t.step, t.layer, t.expert, 0))
         gpu_end = {}
         for row in self.timeline:
             if row[0] == "gpu":

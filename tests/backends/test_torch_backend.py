@@ -79,6 +79,29 @@ def test_prefetches_started_after_the_last_token_count_as_cancelled_as_in_the_si
         assert m["pcie_h2d_bytes"] == copies * expert_bytes
 
 
+def test_a_copy_running_when_the_run_ends_has_its_span_cut_there(tmp_path, monkeypatch):
+    """pcie_busy_s counts a copy's part inside the run; the timeline shows that part too (as the simulator's).
+    Each stand-in copy takes 20 ms, so SMoE's cache fill at the prefill's end runs past it."""
+    import time
+
+    from backends.devices import CopyEngine
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    prompt = [[0, 1], [1, 2], [2, 3]]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, [prompt, prompt])}}])
+
+    def slow(engine, t):
+        t.issued.set()
+        t.start_s = engine.clock.now()
+        time.sleep(0.02)
+        t.dst.copy_(t.src)
+        t.end_s = engine.clock.now()
+    monkeypatch.setattr(CopyEngine, "_copy", slow)
+    result = prepare_real(str(path), tiny_profile(), "smoe", {}, RealConfig(device="cpu", cpu_threads=1)).run()
+    pcie = result_to_frames(result)["timeline"].query("resource == 'pcie'")
+    assert len(pcie) and pcie.end_s.max() == result.makespan_s
+    assert (pcie.end_s - pcie.start_s).sum() == pytest.approx(result.pcie_busy_s, rel=1e-9)
+
+
 def test_lru_run_moves_weights_into_the_slots_it_reports(trace):
     executor = prepare_real(trace, tiny_profile(), "gpu-only-lru", SETTINGS, _config())
     result = executor.run()
