@@ -241,3 +241,57 @@ def test_top_k_prefetch_count_is_resolved_for_each_model_a_system_is_configured_
     assert picks[2] == [(1, 6), (1, 5)]
     assert picks[4] == [(1, 6), (1, 5), (1, 4), (1, 7)]
     assert prefetch.size == -1
+
+
+def _routed_trace(path, experts, weights):
+    """One MoE layer of 5 experts, top-2: one prefill token per row of ``experts`` with its ``weights``."""
+    from moesim.trace import TraceMeta, write_trace
+    n = len(experts)
+    data = {"step": np.zeros(n, dtype=np.int64), "layer": np.zeros(n, dtype=np.int64),
+            "request": np.zeros(n, dtype=np.int64), "position": np.arange(n), "phase": ["prefill"] * n,
+            "experts": np.array(experts, dtype=np.int16), "weights": np.array(weights, dtype=np.float32)}
+    return str(write_trace(path, data, TraceMeta(model=tiny_model(layers=1, experts=5, top_k=2),
+                                                 source={"kind": "test"})))
+
+
+def test_probability_weighted_coactivation_can_pick_another_buddy(tmp_path):
+    """002 Sec. 3.3 (i): co-activations weighted by min(p~_i, p~_j) instead of counted.
+
+    Calibration: expert 0 runs with 1 twice at weights (0.9, 0.1), with 2 once at (0.5, 0.5); no smoothing.
+    Binary: M(0, .) = (0, 2, 1, 0, 0), q_{1|0} = 2/3, q_{2|0} = 1/3; alpha 0.5 is reached by (1).
+    Weighted: M(0, 1) = 0.1 + 0.1 = 0.2, M(0, 2) = 0.5; q_{1|0} = 2/7, q_{2|0} = 5/7; alpha 0.5 by (2).
+    A token routing (0, 4) with 0 off the GPU and 1, 2, 4 resident takes buddy 1, weighted buddy 2.
+    """
+    cal = _routed_trace(tmp_path / "w.parquet", [[0, 1], [0, 1], [0, 2]], [[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]])
+    picks = {}
+    for weighted in (False, True):
+        sub, _ = _configured(cal, tau=0.0, epsilon=0.0, alpha=0.5, weighted=weighted)
+        m = coactivation(np.array([[0, 1], [0, 1], [0, 2]]), 5,
+                         np.array([[0.9, 0.1], [0.9, 0.1], [0.5, 0.5]]) if weighted else None)
+        assert m[0, 1:3] == pytest.approx([0.2, 0.5] if weighted else [2, 1])
+        assert sub._buddies[0][0] == ([2] if weighted else [1])
+        picks[weighted] = sub.rewrite(_view([[0, 4]], {1, 2, 4}, set(), [[0.5, 0.5]]))
+    assert picks == {False: [(0, 0, 1)], True: [(0, 0, 2)]}
+
+
+def test_random_baseline_draws_uniformly_among_resident_experts_not_in_the_tokens_set(tmp_path):
+    """002 Sec. 5.1's Random: a missing expert becomes a uniformly drawn GPU-resident expert.
+
+    Resident {0, 1, 2}. Token (0, 3): 3 is missing, 0 is the token's own, so 1 and 2 with 1/2 each.
+    Token (3, 4): slot 0 draws from {0, 1, 2} (1/3 each), slot 1 from the two left. Token (1, 3) with 3
+    arriving (prefetched): nothing missing, nothing drawn. 3,000 draws: each share within 0.04 of its 1/2 or
+    1/3 (over 5 standard deviations).
+    """
+    from moesim.policy.catalog.buddymoe import RandomSubstitution
+    model = tiny_model(layers=1, experts=5, top_k=2)
+    rand = RandomSubstitution()
+    rand.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[5]))
+    draws = 3000
+    own = [rand.rewrite(_view([[0, 3]], {0, 1, 2}, set(), [[0.5, 0.5]])) for _ in range(draws)]
+    assert {tuple(p) for p in own} == {((0, 1, 1),), ((0, 1, 2),)}
+    assert sum(p == [(0, 1, 1)] for p in own) / draws == pytest.approx(1 / 2, abs=0.04)
+    both = [rand.rewrite(_view([[3, 4]], {0, 1, 2}, set(), [[0.5, 0.5]])) for _ in range(draws)]
+    assert all(len(p) == 2 and p[0][2] != p[1][2] and {p[0][2], p[1][2]} <= {0, 1, 2} for p in both)
+    for b in (0, 1, 2):
+        assert sum(p[0][2] == b for p in both) / draws == pytest.approx(1 / 3, abs=0.04)
+    assert rand.rewrite(_view([[1, 3]], {0, 1, 2}, {3}, [[0.5, 0.5]])) == []
