@@ -177,3 +177,65 @@ def test_a_dali_replay_charges_the_predictions_in_the_predict_breakdown(tmp_path
     assert charged.counters.breakdown["predict"] == pytest.approx(expected, rel=1e-12)
     assert free.counters.breakdown["predict"] == 0.0
     assert charged.makespan_s > free.makespan_s  # on the critical path
+
+
+# ----------------------------------------------------------------------------- Alg. 2's w_size and u_size
+def _windowed(w_size, u_size):
+    from moesim.policy.catalog.dali.workload import WorkloadAwareCache
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    cache = WorkloadAwareCache(w_size=w_size, u_size=u_size, prefetch_slots=0)
+    cache.configure(RunContext(model=model, costs=RoundCosts(model), capacity=[4]))
+    cache.initial(0, 4)
+    cache._cached[0] = {0, 1, 2, 3}  # Sec. 4 draws them at random; fixed here
+    return cache
+
+
+#: Fig. 11's four tokens (8 experts, a batch of two sequences, cache_size 4 holding 0-3)
+FIG11_TOKENS = [[[0, 4], [4, 5]], [[0, 3], [4, 5]], [[3, 4], [2, 5]], [[0, 4], [5, 7]]]
+
+
+@pytest.mark.parametrize("w_size,u_size,swaps,final", [
+    # Fig. 11's (w_size 4, u_size 2): one window; scores 0:3 1:0 2:1 3:2 4:5 5:4 6:0 7:1, the top two uncached
+    # (4, 5) replace the lowest two cached (1, 2)
+    (4, 2, [(3, [4, 5], [1, 2])], {0, 3, 4, 5}),
+    # u_size 1: the same window swaps 4 for 1 alone
+    (4, 1, [(3, [4], [1])], {0, 2, 3, 4}),
+    # w_size 2, u_size 1: two windows. Tokens 0-1 score 0:2 3:1 4:3 5:2: 4 (3) replaces 1 (0; 2 ties at 0,
+    # the lower id goes). Tokens 2-3 score 0:1 2:1 3:1 4:2 5:2 7:1 over cached {0, 2, 3, 4}: 5 (2) replaces
+    # 0 (1; 2 and 3 tie at 1, the lower id goes)
+    (2, 1, [(1, [4], [1]), (3, [5], [0])], {2, 3, 4, 5}),
+    # w_size 1, u_size 1: a swap after every token. Token 0 (0:1 4:2 5:1): 4 (2) for 1 (0). Token 1 (0:1 3:1
+    # 4:1 5:1) over {0, 2, 3, 4}: 5 (1) for 2 (0). Token 2 (2:1 3:1 4:1 5:1) over {0, 3, 4, 5}: 2 (1) for 0 (0).
+    # Token 3 (0:1 4:1 5:1 7:1) over {2, 3, 4, 5}: 0 (1; 7 ties, the lower id first) for 2 (0; 3 ties)
+    (1, 1, [(0, [4], [1]), (1, [5], [2]), (2, [2], [0]), (3, [0], [2])], {0, 3, 4, 5}),
+])
+def test_alg2_window_and_update_sizes_change_the_swaps(w_size, u_size, swaps, final):
+    """Alg. 2 lines 9-15 with Fig. 11's tokens under four (w_size, u_size) settings (Sec. 6.4 (3), Table 9:
+    a smaller window replaces more often, a larger u_size replaces more experts per window)."""
+    cache = _windowed(w_size, u_size)
+    got = []
+    for step, routing in enumerate(FIG11_TOKENS):
+        view = _view(routing, CacheState(capacity=[4]), RoundCosts(tiny_model(layers=1, experts=8, top_k=2)),
+                     step=step)
+        if cache.observe(view):
+            got.append((step, *cache.replacement(0, set())))
+    assert got == swaps
+    assert cache.cached(0) == final
+
+
+def test_the_initial_cache_is_cache_size_experts_drawn_at_random_per_layer_and_seed():
+    """Sec. 4: "for each MoE layer, we randomly select a fixed number of experts (cache_size) to be cached":
+    cache_size distinct experts per layer, the draw differing between layers and seeds, the same for the
+    same seed (runs are reproducible)."""
+    from moesim.policy.catalog.dali.workload import WorkloadAwareCache
+    model = tiny_model(layers=4, experts=64, top_k=2)
+
+    def draws(seed):
+        cache = WorkloadAwareCache()
+        cache.configure(RunContext(model=model, costs=RoundCosts(model), capacity=[8] * 4, seed=seed))
+        return [cache.initial(layer, 8) for layer in range(4)]
+
+    first = draws(0)
+    assert all(len(set(chosen)) == 8 and chosen == sorted(chosen) for chosen in first)
+    assert len({tuple(chosen) for chosen in first}) == 4  # each layer its own draw
+    assert draws(0) == first and draws(1) != first
