@@ -43,6 +43,7 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     """A sweep's results file as a DataFrame, or one line saying why not."""
     path = Path(path)
     if not path.is_file():
+        _check_unmerged(path)
         raise ConfigError("results file not found", source=str(path), fix="give the --out file of `moesim sweep`")
     try:
         frame = pd.read_parquet(path)
@@ -56,6 +57,18 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
         raise ConfigError("the results file holds no points", source=str(path),
                           fix="run `moesim sweep SPEC.yaml --out` into it first")
     return frame
+
+
+def _check_unmerged(path: Path) -> None:
+    """A sweep stopped (killed) before it first wrote ``path`` keeps its finished points in ``path.parts/``:
+    say so, rather than "not found" as if no sweep had run."""
+    from moesim.sweep.store import PARTS_SUFFIX
+    parts = path.with_name(path.name + PARTS_SUFFIX)
+    done = len(list(parts.glob("*.parquet"))) if parts.is_dir() else 0
+    if done:
+        raise ConfigError(f"not written yet: the sweep stopped before merging its {done} finished point(s), "
+                          f"kept in {parts}/", source=str(path),
+                          fix="run the same `moesim sweep SPEC.yaml --out` command again: it resumes and writes it")
 
 
 #: the four bytes a Parquet file starts and ends with

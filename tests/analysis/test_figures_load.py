@@ -28,3 +28,20 @@ def test_an_unreadable_results_file_says_what_is_wrong_with_it(tmp_path, capsys,
                     ["report", str(path), "--out", str(tmp_path / "r.html")]):
         assert main(command) == 2
         assert capsys.readouterr().err.strip() == f"moesim: error: {err.value}"
+
+
+def test_results_of_a_sweep_killed_before_its_first_merge_say_where_its_points_are(tmp_path, capsys):
+    """Killed (-9) before OUT was first written, a sweep keeps its points in OUT.parts/: plot and report said
+    "results file not found", as if no sweep had run."""
+    path = tmp_path / "r.parquet"
+    parts = tmp_path / "r.parquet.parts"
+    parts.mkdir()
+    results().head(1).to_parquet(parts / "0123456789abcdef.parquet")
+    with pytest.raises(ConfigError) as err:
+        load_results(path)
+    assert f"1 finished point(s), kept in {parts}/" in str(err.value) and "moesim sweep" in str(err.value)
+    assert main(["report", str(path), "--out", str(tmp_path / "r.html")]) == 2
+    assert capsys.readouterr().err.strip() == f"moesim: error: {err.value}"
+    (parts / "0123456789abcdef.parquet").unlink()  # a parts folder with no point: nothing ran, not found
+    with pytest.raises(ConfigError, match="results file not found"):
+        load_results(path)
