@@ -295,3 +295,18 @@ def test_random_baseline_draws_uniformly_among_resident_experts_not_in_the_token
     for b in (0, 1, 2):
         assert sum(p[0][2] == b for p in both) / draws == pytest.approx(1 / 3, abs=0.04)
     assert rand.rewrite(_view([[1, 3]], {0, 1, 2}, {3}, [[0.5, 0.5]])) == []
+
+
+def test_the_budget_rho_counts_replacements_made_in_rank_order():
+    """002 Sec. 5.1's rho: at most rho replacements per token, Alg. 1's slots visited in rank order.
+
+    Top-3 token (2, 3, 4), highest weight first; resident {0, 1}; buddies 2 -> [] (none), 3 -> [0], 4 -> [1].
+    rho = 1: slot 0 finds no buddy (2 is fetched as routed, the budget untouched), slot 1 takes 0, and the
+    budget is spent: 4 is fetched. rho = 2 (or 0, no limit): 4 takes 1 as well. A token ranking 4 first
+    spends its one replacement on 4 -> 1.
+    """
+    row, resident, buddies = np.array([[2, 3, 4]]), {0, 1}, [[], [], [], [0], [1]]
+    assert substitute_buddies(row, resident, resident, buddies, 16, rho=1) == [(0, 1, 0)]
+    assert substitute_buddies(row, resident, resident, buddies, 16, rho=2) == [(0, 1, 0), (0, 2, 1)]
+    assert substitute_buddies(row, resident, resident, buddies, 16, rho=0) == [(0, 1, 0), (0, 2, 1)]
+    assert substitute_buddies(np.array([[4, 3, 2]]), resident, resident, buddies, 16, rho=1) == [(0, 0, 1)]

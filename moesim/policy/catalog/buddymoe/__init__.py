@@ -6,8 +6,11 @@ runtime substitution (Sec. 3.1, 3.3, Alg. 1: the TAE gate and the buddy picks)
 in :mod:`.runtime`; the components and the ``buddymoe`` system are here.
 
 Optional refinements of Sec. 3.1-3.3 that are left out, each off by default in
-the paper or without a value there: eta (needs normalised router logits; the
-trace keeps probabilities), kappa (hop(j) is 0 on one GPU), and down-weighting
+the paper or without a value there: eta (Eq. 3's local compatibility: 002 does
+not say how z^(j) is normalised, and it would need every expert's score, a
+column the replay otherwise leaves unread), kappa and the per-partition delta
+(hop(j) is 0 and there is one partition on one GPU), Sec. 3.1's choice of beta
+from a PCIe budget and its adaptive beta (beta is given), and down-weighting
 warm-up steps in the profile. The TAE gate's two refinements are in, off by
 default: the temperature T of Sec. 3.1 (ii) (``tae_temperature``; softmax(z/T)
 restricted to S(x) is p_i^(1/T) renormalized over S(x), so the trace's

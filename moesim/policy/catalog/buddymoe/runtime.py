@@ -34,7 +34,15 @@ Runtime (Sec. 3.1, 3.3, Alg. 1), per layer:
    lowers the score of a buddy the token already took; Alg. 1, the
    implementation of Sec. 4, forbids it outright, and that is what is done;
 4. at most ``rho`` replacements per token (the replacement budget of Sec. 5.1;
-   0 = no limit).
+   0 = no limit), at each layer: Alg. 1 runs layer by layer, and Sec. 5.1 does
+   not say whether the budget spans layers. Slots are visited in rank order
+   (Alg. 1's k = 1..K), so the budget goes to the highest-weight missing
+   experts first.
+
+The probabilities p~ are the trace's weights (else its scores) renormalized
+over S(x). 002 defines p = softmax(z) (Sec. 3; its DeepSeek-V2-Lite routes by
+softmax); for a sigmoid router (DeepSeek-V3) p~ is its selected scores
+renormalized, the weights the model applies.
 
 Where no buddy qualifies, the expert is fetched as routed (the "prefetch the
 original" fallback of Sec. 3.1). The other fallback the paper names, dropping
