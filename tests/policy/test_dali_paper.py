@@ -239,3 +239,41 @@ def test_the_initial_cache_is_cache_size_experts_drawn_at_random_per_layer_and_s
     assert all(len(set(chosen)) == 8 and chosen == sorted(chosen) for chosen in first)
     assert len({tuple(chosen) for chosen in first}) == 4  # each layer its own draw
     assert draws(0) == first and draws(1) != first
+
+
+# ----------------------------------------------------------------------------- Sec. 6.4's settings, per model
+def test_paper_settings_are_resolved_for_each_model_a_component_is_configured_for():
+    """u_size=-1 and prefetch size -1 mean Sec. 6.4's setting for the run's model: (8, 4) on DeepSeek, (1, 1)
+    on Mixtral. Components configured for DeepSeek and then again for Mixtral take Mixtral's: Alg. 2 swaps
+    one expert per window, and of the predictions 5 (two tokens), 6, 7 the prefetch takes 5 alone. (They
+    kept DeepSeek's 8 and 4: the first run's resolution overwrote the parameters.) A value given explicitly
+    stays."""
+    from moesim.model.presets import load_preset
+    from moesim.policy.catalog.dali.workload import WorkloadAwareCache
+    deepseek, mixtral = load_preset("deepseek-v2-lite"), load_preset("mixtral-8x7b")
+    cache, prefetch = WorkloadAwareCache(), ResidualPrefetch()
+    for model in (deepseek, mixtral):
+        ctx = RunContext(model=model, costs=RoundCosts(model), capacity=[4] * model.num_layers,
+                         columns=("pred_residual",))
+        cache.for_model(model)
+        prefetch.for_model(model)
+        cache.configure(ctx)
+        prefetch.configure(ctx)
+    assert (cache.u_size, prefetch.size) == (1, 1)
+    view = _view([[0, 1], [0, 2]], CacheState(capacity=[8] * mixtral.num_layers), RoundCosts(mixtral))
+    view.predictors = {"pred_residual": [np.array([5, 6]), np.array([5, 7])]}
+    assert prefetch.candidates(view) == [(1, 5)]
+    # Fig. 11's window on Mixtral's cache: u_size 1 swaps 4 (5) for 1 (0) alone
+    for layer in range(mixtral.num_layers):
+        cache.initial(layer, 4)
+    cache._cached[0] = {0, 1, 2, 3}
+    for step, routing in enumerate(FIG11_TOKENS):
+        observed = _view(routing, CacheState(capacity=[8] * mixtral.num_layers), RoundCosts(mixtral), step=step)
+        closed = cache.observe(observed)
+    assert closed and cache.replacement(0, set()) == ([4], [1])
+    # an explicit setting is kept whatever the model
+    given_cache, given_prefetch = WorkloadAwareCache(u_size=3), ResidualPrefetch(size=2)
+    for model in (deepseek, mixtral):
+        given_cache.for_model(model)
+        given_prefetch.for_model(model)
+    assert (given_cache.u_size, given_prefetch.size) == (3, 2)

@@ -59,12 +59,15 @@ class ResidualPrefetch(Prefetch):
     gate_cost: bool = True
     _layers: int = 0
     _note: str | None = field(default=None, repr=False)
+    #: the size a -1 resolved to for the last model (None: ``size`` was given)
+    _paper: int | None = field(default=None, repr=False)
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
 
     def for_model(self, model: ModelSpec) -> None:
-        if self.size == -1:
+        if self.size == -1 or self.size == self._paper:  # resolved again for each model, not kept from the first
             (_, self.size), self._note = paper_setting(model)
+            self._paper = self.size
         if self.size < 0:  # before the memory plan sizes the buffer from it
             raise ConfigError(f"prefetch.size={self.size} is negative", field="prefetch.size",
                               fix="use 0 or more (-1: 003's size for the model)")
@@ -130,10 +133,13 @@ class WorkloadAwareCache(CachePolicy):
     _seed: int = 0
     _experts: int = 0
     _note: str | None = field(default=None, repr=False)
+    #: the u_size a -1 resolved to for the last model (None: ``u_size`` was given)
+    _paper: int | None = field(default=None, repr=False)
 
     def for_model(self, model: ModelSpec) -> None:
-        if self.u_size == -1:
+        if self.u_size == -1 or self.u_size == self._paper:  # resolved again for each model, not kept from the first
             (self.u_size, _), self._note = paper_setting(model)
+            self._paper = self.u_size
 
     def configure(self, ctx: RunContext) -> None:
         self.for_model(ctx.model)
