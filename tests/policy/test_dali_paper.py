@@ -277,3 +277,49 @@ def test_paper_settings_are_resolved_for_each_model_a_component_is_configured_fo
         given_cache.for_model(model)
         given_prefetch.for_model(model)
     assert (given_cache.u_size, given_prefetch.size) == (3, 2)
+
+
+# ----------------------------------------------------------------------------- Alg. 2 in the dali plan
+def test_a_prefill_pass_is_one_window_iteration_with_every_prompt_tokens_workload():
+    """Alg. 2 line 5-6 per forward pass: a 3-token prefill pass ((0, 4), (4, 5), (4, 6)) is one iteration of a
+    window of 2 (it does not close it) and adds 0:1 4:3 5:1 6:1; the decode pass after it ((4, 5)) closes it
+    with 0:1 4:4 5:2 6:1. Over cached {0, 1, 2, 3}, u_size 1: 4 (4) replaces 1 (0; 2 and 3 tie, the lower id
+    goes)."""
+    cache = _windowed(2, 1)
+    costs = RoundCosts(tiny_model(layers=1, experts=8, top_k=2))
+    prefill = _view([[0, 4], [4, 5], [4, 6]], CacheState(capacity=[4]), costs, step=0)
+    prefill.phase = "prefill"
+    assert cache.observe(prefill) is False
+    assert cache._scores[0].tolist() == [1, 0, 0, 0, 3, 1, 1, 0]
+    assert cache.observe(_view([[4, 5]], CacheState(capacity=[4]), costs, step=1)) is True
+    assert cache._scores[0].tolist() == [1, 0, 0, 0, 4, 2, 1, 0]
+    assert cache.replacement(0, set()) == ([4], [1])
+
+
+def test_the_window_swap_and_the_residual_prefetch_in_one_plan():
+    """Sec. 4.2 and 4.3 in one layer plan (2 layers, 4 experts, each caching 0 and 1; w_size 1, u_size 1,
+    prefetch size 1, so a buffer of 2 slots beside the 2 cached per layer).
+
+    Layer 0 routes (2, 3) twice: 2 and 3 have 2 tokens each, neither cached: t_gpu = max(4, 2) = 4, t_cpu = 6.
+    Alg. 1: |diff| 2 and 2, layer order; 2: 0 + 4 <= 0 + 6, GPU (streamed); 3: 4 + 4 <= 0 + 6 no, CPU.
+    Alg. 2 (the window of one pass closes): the top uncached, 2 (2; 3 ties, the lower id first), replaces the
+    lowest cached, 0 (0; 1 ties): evict (0, 0), copy (0, 2) into the cache.
+    Residual prefetch for layer 1 from (3, 1), (3, 2): workloads 3:2 1:1 2:1, the top one, 3, is not on the GPU
+    and goes to the buffer: (1, 3), queued after the swap's copy."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    costs = RoundCosts(model)
+    system = build_system("dali", {"prefetch.size": "1", "cache.w_size": "1", "cache.u_size": "1",
+                                   "assign.solve_us": "0"})
+    system.configure(RunContext(model=model, costs=costs, capacity=[2, 2], columns=("pred_residual",)))
+    state = CacheState(capacity=[4, 4])
+    for layer in (0, 1):
+        system.cache.initial(layer, 2)
+        system.cache._cached[layer] = {0, 1}  # Sec. 4 draws them at random; fixed here
+        state.preload(layer, [0, 1])
+    view = _view([[2, 3], [2, 3]], state, costs)
+    view.predictors = {"pred_residual": [np.array([3, 1]), np.array([3, 2])]}
+    plan = system.plan(view)
+    assert plan.gpu == [2] and plan.streamed == [2] and plan.cpu == [3]
+    assert plan.evictions == [(0, 0)]
+    assert plan.prefetches == [(0, 2), (1, 3)]
+    assert system.cache.cached(0) == {1, 2} and system.cache.cached(1) == {0, 1}

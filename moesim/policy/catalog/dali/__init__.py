@@ -61,7 +61,11 @@ Interpretation of Alg. 2 (003 Sec. 4.3):
 
 * the printed loop tests ``i mod w_size == 0`` from ``i = 0``, which would
   replace after the first token; the text says "after processing a window of
-  w_size tokens", which is what is done. "Token" is one forward pass;
+  w_size tokens", which is what is done. "Token" is one forward pass of the
+  batch (Fig. 11 sums a batch's sequences per token): a prefill pass is one
+  iteration whose workload is every prompt token's (the paper's loop runs over
+  generated tokens and does not say how the prompt counts). Line 7's EOS ends
+  a request, not the batch's windows;
 * line 11 prints ``TopK`` of the cached experts' scores, the text takes the
   ``u_size`` lowest: the lowest go (ties: lower id first, as among the
   incoming experts);
@@ -78,7 +82,15 @@ Interpretation of Alg. 2 (003 Sec. 4.3):
   of this case;
 * an incoming expert the layer just streamed for its own use is copied again
   into the cache: line 13 transfers it, and the staging buffer it used is the
-  next streamed expert's.
+  next streamed expert's;
+* the swap's copies are queued before the same plan's residual prefetches for
+  the next layer (the paper orders neither); both wait behind demand copies.
+
+``cache_size`` (Sec. 4) is ``cache.slots_per_layer`` (default: as many as fit
+beside the buffer); 003's runs cache 50% of each layer's experts (Fig. 12) or
+25% (Fig. 19), e.g. ``--set cache.slots_per_layer=32`` on DeepSeek-V2-Lite.
+Not modelled: the beam search of App. A.2 (an alternative 003 tried and set
+aside) and Sec. 6.5's multi-GPU runs.
 
 The assignment lives in ``assign.py``, the prefetch and the cache in ``workload.py``, the system here.
 """
