@@ -323,3 +323,26 @@ def test_the_window_swap_and_the_residual_prefetch_in_one_plan():
     assert plan.evictions == [(0, 0)]
     assert plan.prefetches == [(0, 2), (1, 3)]
     assert system.cache.cached(0) == {1, 2} and system.cache.cached(1) == {0, 1}
+
+
+@pytest.mark.parametrize("settings,buffer,capacity,pool", [
+    # prefetch_slots 3: each layer may hold its 2 cached experts and up to 3 buffer entries, at most its 4
+    # experts (2 + 3 -> 4); the whole holds 2 + 2 + 3 = 7
+    ({"cache.prefetch_slots": "3"}, 3, [4, 4], 7),
+    # -1: twice the prefetch size, 2 x 1 = 2 slots; 2 + 2 = 4 per layer, 2 + 2 + 2 = 6 in all
+    ({"prefetch.size": "1"}, 2, [4, 4], 6),
+    # 1 slot: 2 + 1 = 3 per layer, 5 in all
+    ({"cache.prefetch_slots": "1"}, 1, [3, 3], 5),
+    # no prefetch, no buffer: the cache's own quotas, no model-wide pool
+    ({"prefetch": "none", "cache.prefetch_slots": "3"}, 0, [2, 2], None),
+])
+def test_the_prefetch_buffer_sits_beside_the_cache(settings, buffer, capacity, pool):
+    """Sec. 4.2 prefetches into memory the paper does not size: ``cache.prefetch_slots`` slots model-wide
+    beside the cache_size experts of each layer (4 cache slots over 2 layers of 4 experts: 2 each)."""
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    system = build_system("dali", settings)
+    system.for_model(model)
+    assert system.reserved_slots(2) == buffer
+    spread = system.spread(4, 2, 4)
+    assert (spread.capacity, spread.pool) == (capacity, pool)
+    assert spread.cached in (None, [2, 2])
