@@ -204,8 +204,8 @@ def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:
                               row=i, fix="use whole numbers from 0 to 9223372036854775807")
     model = data.get("model")
     fixed = _settings_map(data.get("set") or {}, "set", source)
-    grid = {k: _values(v, f"grid.{k}", source) for k, v in _settings_map(data.get("grid") or {}, "grid",
-                                                                          source).items()}
+    grid = {k: _distinct(_values(v, f"grid.{k}", source)) for k, v in _settings_map(data.get("grid") or {}, "grid",
+                                                                                    source).items()}
     zips_raw = data.get("zip") or []
     zips_raw = [zips_raw] if isinstance(zips_raw, dict) else zips_raw
     if not isinstance(zips_raw, list):
@@ -251,7 +251,7 @@ def _per_system(value: Any, systems: list[str], source: str) -> dict[str, System
                               fix=f"{did_you_mean(str(unknown[0]), PER_SYSTEM_KEYS)}a system's entry holds "
                                   "set: and grid:")
         fixed = _settings_map(entry.get("set") or {}, f"{where}.set", source)
-        grid = {k: _values(v, f"{where}.grid.{k}", source)
+        grid = {k: _distinct(_values(v, f"{where}.grid.{k}", source))
                 for k, v in _settings_map(entry.get("grid") or {}, f"{where}.grid", source).items()}
         out[name] = SystemAxes(fixed, grid)
     return out
@@ -273,6 +273,23 @@ def _values(value: Any, where: str, source: str) -> list[Any]:
             raise ConfigError(f"value {v!r} is not a number or string", source=source, field=where, row=i,
                               fix="list plain values, e.g. [1, 2, 4]")
     return values
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    """A grid's values, each once: 1 and 1.0 (or "1.0") are one point, not two rows of the same replay under two
+    point ids. The first spelling stays, so the ids of points already run do not change."""
+    def key(value: Any) -> Any:
+        if isinstance(value, bool):
+            return setting_str(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):  # a name (cache=lru)
+            return setting_str(value)
+
+    seen: dict[Any, Any] = {}
+    for value in values:
+        seen.setdefault(key(value), value)
+    return list(seen.values())
 
 
 def _expand_systems(systems: list[str], source: str) -> list[str]:

@@ -46,6 +46,22 @@ def test_a_spec_file_reads_exponent_notation_as_numbers(tmp_path):
     assert values == [0.25, 0.1, 0.75] and all(isinstance(v, float) for v in values)
 
 
+def test_a_grid_value_written_twice_in_two_spellings_is_one_point(tmp_path):
+    """[1, 1.0] ran the same replay twice, as two rows with two point ids; the first spelling stays, so the
+    point keeps the id it had."""
+    base = {"trace": "t.parquet", "system": "gpu-only-lru",
+            "per_system": {"gpu-only-lru": {"grid": {"prefetch.n": [2, 2.0]}}}}
+    spec = parse_spec({**base, "grid": {"hw.pcie.bandwidth_scale": [1, 1.0, "1.0", 0.5]}}, source="s",
+                      base_dir=tmp_path)
+    assert [dict(p.settings) for p in spec.points()] == [{"hw.pcie.bandwidth_scale": b, "prefetch.n": 2}
+                                                         for b in (1, 0.5)]
+    once = parse_spec({**base, "grid": {"hw.pcie.bandwidth_scale": [1, 0.5]}}, source="s", base_dir=tmp_path)
+    assert [p.point_id for p in spec.points()] == [p.point_id for p in once.points()]
+    names = parse_spec({"trace": "t.parquet", "system": "gpu-only-lru", "grid": {"cache": ["lru", "belady", "lru"]}},
+                       source="s", base_dir=tmp_path)
+    assert [dict(p.settings)["cache"] for p in names.points()] == ["lru", "belady"]
+
+
 def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
     point = Point("t.parquet", "rtx4090", "gpu-only-lru", 0, None, (("cache.slots_per_layer", 2),))
     canonical = json.dumps({"trace": "t.parquet", "hw": "rtx4090", "system": "gpu-only-lru", "seed": 0,
