@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from moesim.errors import ProfileError, close_choices, did_you_mean
 from moesim.hw.parts import (CPU_KERNELS, GRAPH_MODES, OUTPUT_KINDS, AttentionCurve, CPUSpec, Curve, ExpertCurve,
@@ -374,19 +374,33 @@ class _Reader:
                 kernel=kernel,
                 threads=int(self.number(item, f"{where}.threads", default=0, positive=False, integer=True)),
             ))
+        return self.once(curves, key, lambda c: (c.hidden, c.intermediate, c.dtype, c.kernel, c.threads),
+                         "hidden, intermediate, dtype, kernel and threads")
+
+    def once(self, curves: Sequence[Any], key: str, ident: Callable[[Any], tuple], what: str) -> tuple:
+        """``curves``, refused when two share what the cost model looks a curve up by: it would silently use
+        one of them (an expert curve: the first) and ignore the other."""
+        first: dict[tuple, int] = {}
+        for i, curve in enumerate(curves):
+            j = first.setdefault(ident(curve), i)
+            if j != i:
+                raise self.fail(f"{key}[{i}]", f"a second curve with the {what} of {key}[{j}]; the cost model "
+                                "looks curves up by them and would not use both",
+                                "keep one of the two (or merge their points)")
         return tuple(curves)
 
     def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
-        return tuple(AttentionCurve(model=self.text(item, f"{where}.model", default=""),
+        return self.once([AttentionCurve(model=self.text(item, f"{where}.model", default=""),
                                     tokens=int(self.number(item, f"{where}.tokens", integer=True)),
                                     curve=self.curve(item, where, "context", "time_us",
                                                      extra=("model", "tokens", "dtype")),
                                     dtype=self.one_of(self.text(item, f"{where}.dtype", default="bf16"),
                                                       f"{where}.dtype", tuple(DTYPE_BITS), "dtype"))
-                     for where, item in self.entries(items, key))
+                          for where, item in self.entries(items, key)],
+                         key, lambda c: (c.model, c.tokens), "model and tokens")  # dtype: not looked up
 
     def output_curves(self, items: Any, key: str) -> tuple[OutputCurve, ...]:
-        return tuple(OutputCurve(kind=self.one_of(self.text(item, f"{where}.kind"), f"{where}.kind", OUTPUT_KINDS,
+        return self.once([OutputCurve(kind=self.one_of(self.text(item, f"{where}.kind"), f"{where}.kind", OUTPUT_KINDS,
                                                   "output kind"),
                                  hidden=int(self.number(item, f"{where}.hidden", integer=True)),
                                  vocab=int(self.number(item, f"{where}.vocab", integer=True)),
@@ -394,7 +408,8 @@ class _Reader:
                                                    f"{where}.dtype", tuple(DTYPE_BITS), "dtype"),
                                  curve=self.curve(item, where, "sequences", "time_us",
                                                   extra=("kind", "hidden", "vocab", "dtype")))
-                     for where, item in self.entries(items, key))
+                          for where, item in self.entries(items, key)],
+                         key, lambda c: (c.kind, c.hidden, c.vocab, c.dtype), "kind, hidden, vocab and dtype")
 
     def runtimes(self, data: Any) -> dict[str, RuntimeSpec]:
         if data is None:

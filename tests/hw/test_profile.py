@@ -147,6 +147,18 @@ def test_curve_with_non_increasing_x():
     assert fails(data, "must increase strictly").field == "pcie.h2d"
 
 
+@pytest.mark.parametrize("section", ["expert_ffn", "attention"])
+def test_a_second_curve_for_the_same_shape_is_refused(section):
+    """A copied curve with other times was read and never used (the first of the two won, silently)."""
+    data = yaml.safe_load((PROFILE_DIR / "rtx4090.yaml").read_text())
+    curves = data["gpu"][section]
+    twin = copy.deepcopy(curves[0])
+    twin["time_us"] = [t * 10 for t in twin["time_us"]]
+    curves.append(twin)
+    err = fails(data, f"a second curve with the {'hidden' if section == 'expert_ffn' else 'model'}")
+    assert err.field == f"gpu.{section}[{len(curves) - 1}]" and f"gpu.{section}[0]" in str(err)
+
+
 def test_curve_without_source():
     data = minimal()
     del data["gpu"]["expert_ffn"][0]["source"]
