@@ -298,7 +298,7 @@ def test_router_alpha_follows_004_per_model(preset, alpha, noted):
                      columns=("scores",))
     router = ImportanceRouter()
     router.configure(ctx)
-    assert router.alpha == alpha
+    assert router.threshold == alpha
     assert any("004 sets alpha for its three models only" in note for note in ctx.notes) == noted
     explicit = ImportanceRouter(alpha=0.4)
     explicit.configure(ctx)

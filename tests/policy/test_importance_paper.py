@@ -3,6 +3,7 @@ test works a tiny case by hand in its comments and asserts the plan or number 00
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -278,3 +279,15 @@ def test_balancer_splits_only_the_experts_not_on_the_gpu():
     then C_load > C_cpu: the CPU takes 3 (1 ms), then 2 (2 ms in all): still below C_load."""
     view = view_of([[0, 1], [0, 1], [0, 2], [0, 3]], resident={0})
     assert TwoPointerBalancer().split(view) == ([0, 1], [3, 2])
+
+
+def test_alpha_is_resolved_for_each_model_the_router_is_configured_for():
+    """substitute.alpha=-1 means 004 Sec. 6.2's alpha for the run's model: 0.35 on deepseek-moe-16b, 0.25 on
+    Qwen2-57B-A14B. Configured for the first and then again for Qwen2, it uses 0.25 there (it kept 0.35: the
+    first run's resolution overwrote the parameter)."""
+    router = ImportanceRouter()
+    for name in ("deepseek-moe-16b", "qwen2-57b-a14b"):
+        model = dataclasses.replace(tiny_model(layers=2, experts=8, top_k=2), name=name)
+        router.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[8, 8],
+                                    columns=("scores",)))
+    assert (router.threshold, router.alpha) == (0.25, -1.0)

@@ -99,3 +99,15 @@ def test_an_explicit_count_leaving_fewer_than_two_immediate_experts_is_noted():
     quiet = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[0, 0])
     ExpertDeferral(deferred=2).configure(quiet)
     assert not quiet.notes
+
+
+def test_the_sec_6_3_count_is_resolved_for_each_model_the_component_is_configured_for():
+    """defer.deferred=-1 means 001 Sec. 6.3's count for the run's model and dtype: 6 for DeepSeek-V3 int4, 4
+    for Qwen2-57B-A14B int8. Configured for DeepSeek-V3 and then again for Qwen2, it defers 4 there (it
+    kept DeepSeek-V3's 6: the first run's resolution overwrote the parameter)."""
+    deferral = ExpertDeferral()
+    for name in ("deepseek-v3", "qwen2-57b-a14b"):
+        model = load_preset(name)
+        costs = CostModel(tiny_profile(), model, expert_dtype="int4" if name == "deepseek-v3" else "int8")
+        deferral.configure(RunContext(model=model, costs=costs, capacity=[8] * model.num_layers))
+    assert (deferral.count, deferral.deferred) == (4, -1)

@@ -149,17 +149,24 @@ class ImportanceRouter(Substitution):
     #: substitution threshold alpha (-1: 004's for the model, Sec. 6.2: 0.35 in S1 on deepseek-moe-16b, 0.3 in
     #: S2 on XVERSE-MoE-A4.2B, 0.25 in S3 on Qwen2-57B-A14B; S2's 0.3 for a model 004 did not run, noted)
     alpha: float = -1.0
+    #: the run's threshold (``alpha`` resolved for the model)
+    threshold: float = field(default=0.0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.threshold = self.alpha  # the value asked for, until a run resolves -1 for its model
 
     def configure(self, ctx: RunContext) -> None:
         require_column(ctx, "scores", "substitute 'importance-router'", "router scores decide top- and low-score")
-        if self.alpha == -1.0:
-            self.alpha = PAPER_ALPHA.get(ctx.model.name.lower(), DEFAULT_ALPHA)
+        # resolved per run, so that a component configured again for another model takes that model's alpha
+        self.threshold = self.alpha
+        if self.threshold == -1.0:
+            self.threshold = PAPER_ALPHA.get(ctx.model.name.lower(), DEFAULT_ALPHA)
             if ctx.model.name.lower() not in PAPER_ALPHA:
                 ctx.notes.append(f"importance-router: 004 sets alpha for its three models only; using "
                                  f"{DEFAULT_ALPHA} (S2's, the middle of 0.35, 0.3, 0.25) for {ctx.model.name} "
                                  f"(set substitute.alpha)")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"alpha must lie in [0, 1], got {self.alpha}", field="substitute.alpha",
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"alpha must lie in [0, 1], got {self.threshold}", field="substitute.alpha",
                               fix="--set substitute.alpha=0.3")
 
     def rewrite(self, view: LayerView) -> list[tuple[int, int, int]]:
@@ -170,7 +177,7 @@ class ImportanceRouter(Substitution):
                               fix="replay a trace with the 'scores' column")
         k = view.experts.shape[1]
         scores = view.scores
-        bounds = layer_thresholds(scores, k, self.alpha)
+        bounds = layer_thresholds(scores, k, self.threshold)
         rows = view.experts.tolist()
         # scores as Python floats (the same numbers, compared without numpy scalars): each token's routed
         # experts', and its other experts' only where it has an expert to replace

@@ -26,7 +26,7 @@ Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from moesim.errors import ConfigError
@@ -145,36 +145,43 @@ class ExpertDeferral(Deferral):
     #: (none for top-2): Sec. 4.2's rule, the fewest deferred experts that saturate the CPU, needs a
     #: measurement of the CPU's idle time a replay makes only after the count is fixed
     deferred: int = -1
+    #: the run's deferred experts per token (``deferred`` resolved for the model)
+    count: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.count = self.deferred  # the value asked for, until a run resolves -1 for its model
 
     def configure(self, ctx: RunContext) -> None:
-        if self.deferred < 0:
+        # resolved per run, so that a component configured again for another model takes that model's count
+        self.count = self.deferred
+        if self.count < 0:
             chosen = paper_deferral(ctx.model.name, ctx.costs.dtype)
             if chosen is not None:
-                self.deferred, borrowed = chosen
+                self.count, borrowed = chosen
                 if borrowed:
                     ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 ran {ctx.model.name} with no {ctx.costs.dtype} "
-                                     f"experts; {self.deferred} deferred expert(s) per token, the count of its "
+                                     f"experts; {self.count} deferred expert(s) per token, the count of its "
                                      f"{borrowed} run; set defer.deferred to override")
             else:
-                self.deferred = max(min(3, ctx.model.top_k - 2), 0)
+                self.count = max(min(3, ctx.model.top_k - 2), 0)
                 ctx.notes.append(f"ktrans-deferral: 001 Sec. 6.3 gives no deferral count for {ctx.model.name}; "
-                                 f"{self.deferred} deferred expert(s) per token: Sec. 4.2's DeepSeek-V3 count (3), "
+                                 f"{self.count} deferred expert(s) per token: Sec. 4.2's DeepSeek-V3 count (3), "
                                  f"keeping at least 2 of top-{ctx.model.top_k} immediate; set defer.deferred to "
                                  f"override")
-        if not 0 <= self.deferred < ctx.model.top_k:
-            raise ConfigError(f"defer.deferred={self.deferred} leaves no immediate expert of top-{ctx.model.top_k}",
+        if not 0 <= self.count < ctx.model.top_k:
+            raise ConfigError(f"defer.deferred={self.count} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
                               "at least 2 immediate)")
-        if self.deferred and ctx.model.top_k - self.deferred < 2:
-            ctx.notes.append(f"ktrans-deferral: {self.deferred} deferred of top-{ctx.model.top_k} leaves "
-                             f"{ctx.model.top_k - self.deferred} immediate expert per token; 001 Sec. 4.2 and 6.3 "
+        if self.count and ctx.model.top_k - self.count < 2:
+            ctx.notes.append(f"ktrans-deferral: {self.count} deferred of top-{ctx.model.top_k} leaves "
+                             f"{ctx.model.top_k - self.count} immediate expert per token; 001 Sec. 4.2 and 6.3 "
                              f"keep at least 2 immediate for model stability")
 
     def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
-        if view.phase != "decode" or view.layer == view.num_layers - 1 or self.deferred <= 0:
+        if view.phase != "decode" or view.layer == view.num_layers - 1 or self.count <= 0:
             return []
         # a decode layer holds a few tokens: plain sets of their slots
-        split = view.experts.shape[1] - self.deferred
+        split = view.experts.shape[1] - self.count
         immediate = set(view.experts[:, :split].ravel().tolist())
         late = set(view.experts[:, split:].ravel().tolist()) - immediate
         return [e for e in plan.cpu if e in late]
