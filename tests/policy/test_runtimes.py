@@ -94,3 +94,61 @@ def test_cpu_efficiency_for_a_kernel_the_cpu_lacks_is_refused():
     from moesim.hw.profile import parse_profile
     with pytest.raises(ProfileError, match="no 'amx' kernel"):
         parse_profile(data, origin="x.yaml")
+
+
+def _kt_profile(**runtime):
+    """tests/factories' profile with a ``runtimes.ktransformers`` section: 5 us launches, 4 kernels per layer,
+    a whole-decode-step graph (gpu.graph_launch_us 1 us), CPU curves as they are, no host work."""
+    from moesim.hw.profile import parse_profile
+    from tests.factories import profile_dict
+    data = profile_dict()
+    data["runtimes"] = {"ktransformers": {"launch_us": 5, "graph": "decode_step", "kernels_per_layer": 4,
+                                          "cpu_compute_efficiency": {}, "cpu_bandwidth_efficiency": 1.0,
+                                          "host_us_per_step": 0, **runtime}}
+    data["sources"]["runtimes"] = "test"
+    return parse_profile(data, origin="test-profile")
+
+
+@pytest.mark.parametrize("runtime, settings, ttft_us, tpot_us", [
+    ({}, {}, 4180, 4141),
+    ({"launch_us": 10}, {}, 4220, 4141),
+    ({"kernels_per_layer": 8}, {}, 4220, 4141),
+    ({"graph": "none"}, {}, 4180, 4180),
+    ({"graph": "kernel"}, {}, 4148, 4148),
+    ({}, {"hw.gpu.graph_launch_us": "3"}, 4180, 4143),
+    ({"cpu_bandwidth_efficiency": 0.5}, {}, 8180, 8141),
+    ({"cpu_compute_efficiency": {"avx512": 0.5}}, {}, 4180, 4141),
+    ({"host_us_per_step": 7}, {}, 4187, 4148),
+])
+def test_each_ktransformers_runtime_field_by_hand(tmp_path, runtime, settings, ttft_us, tpot_us):
+    """001 Sec. 3.3, 6.4: every field of ``runtimes.ktransformers`` on a two-layer top-2 model with a shared
+    expert, one prefill token then one decode token, each layer routed to two CPU experts (1000 us each at one
+    token, DRAM-bound: 49,152 B at 100 GB/s against 49,152 flops at 1 TFLOPS), attention 50 us, sync 20 us; the
+    shared expert's 100 us (+ its launches) on the GPU hide behind the CPU.
+
+    Prefill (launched eagerly): per layer 4 launches x 5 us + 50 + 20 + 2 x 1000 = 2090 us, 4180 us in all.
+    Decode (one CUDA Graph): 1 us graph launch + 2 x (50 + 20 + 2000) = 4141 us, no per-kernel launches.
+    launch_us 10 or kernels_per_layer 8: prefill +2 x 20 us, decode unchanged (inside the graph). graph none:
+    decode pays prefill's launches and no graph launch (4180). graph kernel: every kernel from a graph at 1 us,
+    4 per layer, both phases: 2 x (4 + 2070) = 4148. gpu.graph_launch_us 3: decode 4143. cpu_bandwidth_efficiency
+    0.5: each expert 2000 us (DRAM binds), 2 x (20 + 50 + 20 + 4000) = 8180 and 1 + 2 x 4070 = 8141.
+    cpu_compute_efficiency avx512 0.5: compute does not bind at one token, nothing moves (it does at 100 tokens:
+    test_ktransformers_compute_efficiency_applies_where_compute_binds). host_us_per_step 7: +7 us each step.
+    (Embedding, LM head and sampling add 0.0235 us.)"""
+    model = tiny_model(layers=2, experts=8, top_k=2, shared=True)
+    path = write_tiny_trace(tmp_path / "t.parquet", model, [
+        {"phase": "prefill", "tokens": {0: (0, [[[0, 1]], [[2, 3]]])}},
+        {"phase": "decode", "tokens": {0: (1, [[[0, 1]], [[2, 3]]])}}])
+    m = metrics(simulate(str(path), _kt_profile(**runtime), "ktransformers", settings))
+    assert m["ttft_ms"] * 1e3 == pytest.approx(ttft_us + 0.0235, abs=1e-3)
+    assert m["tpot_ms_mean"] * 1e3 == pytest.approx(tpot_us + 0.0235, abs=1e-3)
+
+
+def test_ktransformers_compute_efficiency_applies_where_compute_binds():
+    """100 tokens on one tiny expert: 2 x 100 x 3 x 64 x 128 flops at 1 TFLOPS = 4.9 us against 0.49 us of DRAM,
+    so compute binds and cpu_compute_efficiency avx512 0.5 doubles the curve's 10,000 us; one token (DRAM-bound)
+    keeps its 1000 us."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    half = CostModel(_kt_profile(cpu_compute_efficiency={"avx512": 0.5}), model, runtime_name="ktransformers")
+    assert half.cpu_expert(100) == pytest.approx(20_000e-6)
+    assert half.cpu_expert(1) == pytest.approx(1000e-6)
