@@ -281,6 +281,65 @@ def test_balancer_splits_only_the_experts_not_on_the_gpu():
     assert TwoPointerBalancer().split(view) == ([0, 1], [3, 2])
 
 
+def _drop_trace(tmp_path):
+    """One decode token, 2 layers of 12 experts, top-4. Layer 0 routes 0-3 and predicts 8, 9, 10 for layer 1,
+    which routes 0, 1, 2, 4."""
+    from moesim.trace import TraceMeta, write_trace
+    model = tiny_model(layers=2, experts=12, top_k=4)
+    data = {"step": np.array([0, 0]), "layer": np.array([0, 1]), "request": np.array([0, 0]),
+            "position": np.array([0, 0]), "phase": ["decode", "decode"],
+            "experts": np.array([[0, 1, 2, 3], [0, 1, 2, 4]], dtype=np.int16),
+            "pred_next_layer": [[8, 9, 10], [0, 1]]}
+    return str(write_trace(tmp_path / "drop.parquet", data, TraceMeta(model=model, source={"kind": "test"})))
+
+
+def test_balancer_counts_only_the_copy_on_the_wire_not_the_queued_prefetches(tmp_path):
+    """Alg. 2's load pointer starts where the link can take this layer's first load. Sec. 5.2 clears the
+    queued prefetches once the gate has run (and a demand load overtakes them anyway), so only the prefetch
+    already on the wire delays it.
+
+    By hand: a copy takes 49,152 B / 49.152 MB/s + 10 us = 1010 us, the CPU 1000 us per lone token (after a
+    20 us sync), a GPU expert 115 us, attention 50 us. LRU over 8 slots a layer, experts 0-7 preloaded.
+    Layer 0: attention 0-50, its resident 0-3 50-510, the prediction 510-560; the prefetches of 8, 9, 10 evict
+    layer 1's 0, 1, 2; 8 goes on the wire 560-1570, 9 and 10 queue. Layer 1: attention 560-610, plan at 610:
+    4 resident, 0, 1, 2 one token each. 9 and 10 are dropped; the link is free at 1570, 960 us away. Alg. 2
+    from C_load = 960: 960 > C_cpu 0, the CPU takes 2 (1000); 960 <= 1000, load 0 (1970); 1970 > 1000, the
+    CPU takes 1 (2000). Load of 0: 1570-2580, run 2580-2695; CPU 2 630-1630, 1 1630-2630: the step ends at
+    2695 us. (Counting 9 and 10 as well, C_load started at 3590 - 610 = 2980 and the CPU took all three,
+    ending at 3630 us.)"""
+    from moesim.analysis.metrics import metrics
+    from moesim.sim.run import simulate
+    settings = {"engine.check": "true", "cache": "lru", "substitute": "none", "prefetch.per_token": "3",
+                "cache.slots_per_layer": "8"}
+    result = simulate(_drop_trace(tmp_path), tiny_profile(pcie_gbps=0.049152), "importance", settings,
+                      timeline=True)
+    spans = _spans(result)
+    assert spans[("pcie", "prefetch", 1, 8)] == [pytest.approx((560, 1570))]
+    assert spans[("pcie", "load", 1, 0)] == [pytest.approx((1570, 2580))]
+    assert spans[("gpu", "expert", 1, 0)] == [pytest.approx((2580, 2695))]
+    assert spans[("cpu", "expert", 1, 2)] == [pytest.approx((630, 1630))]
+    assert spans[("cpu", "expert", 1, 1)] == [pytest.approx((1630, 2630))]
+    assert metrics(result)["cancelled_prefetches"] == 2
+    assert result.makespan_s == pytest.approx(2695.0235467 * US)
+
+
+def test_balancer_load_pointer_starts_at_zero_while_a_copy_engine_is_idle():
+    """The same rule with two copy engines: one prefetch (of 7) on the wire for 5 ms leaves the other engine
+    idle, so C_load starts at 0 (Alg. 2 line 1). Tokens: 0 x3 resident; 1, 2, 3 one each, not on the GPU;
+    a load takes 491.5 ms, the CPU 1 ms an expert. C_load 0 <= 0: load 1; then the CPU takes 3 and 2. With one
+    engine the link is busy for 5 ms: C_load 5 ms > C_cpu, and the CPU takes 3, 2 and 1 (3 ms in all)."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    for engines, split in ((2, ([0, 1], [3, 2])), (1, ([0], [3, 2, 1]))):
+        costs = CostModel(tiny_profile(copy_engines=engines), model)
+        view = view_of([[0, 1], [0, 2], [0, 3]], resident={0})
+        view.costs, view.now = costs, 1.0
+        view.cache.in_flight[0] = {7}
+        view.arrivals = {7: 1.0 + 5e-3}
+        balancer = TwoPointerBalancer()
+        balancer.configure(RunContext(model=model, costs=costs, capacity=[8, 8]))
+        assert balancer.split(view) == split
+
+
 def test_alpha_is_resolved_for_each_model_the_router_is_configured_for():
     """substitute.alpha=-1 means 004 Sec. 6.2's alpha for the run's model: 0.35 on deepseek-moe-16b, 0.25 on
     Qwen2-57B-A14B. Configured for the first and then again for Qwen2, it uses 0.25 there (it kept 0.35: the

@@ -395,8 +395,11 @@ class TwoPointerBalancer(Assignment):
 
     Generalisations, both exact for the paper's linear CPU model: the CPU time of
     B tokens is the profile's curve ``cpu_expert(B)`` rather than ``B * t_cpu``,
-    and the load pointer starts at the remaining PCIe time of this layer's loads
-    already in flight (prefetches arriving), which the balance must absorb too.
+    and the load pointer starts at the time until a copy engine takes this layer's
+    first load: the end of the earliest prefetch on the wire (none while an engine
+    is idle). Prefetches still queued do not count: Sec. 5.2 clears them once the
+    gate has run, and a demand load overtakes them anyway (with
+    ``engine.copy_chunk_bytes`` it may overtake the running one sooner, not counted).
     Decoding only: in the prefill every routed expert is loaded and computed on
     the GPU (004 Sec. 4, Online inference: CPU computation "is less efficient than
     loading them into GPU memory" once each expert has many tokens).
@@ -404,6 +407,10 @@ class TwoPointerBalancer(Assignment):
 
     name = "two-pointer"
     _cpu_times: PerTokens | None = field(default=None, repr=False)
+    _copy_engines: int = field(default=1, repr=False)
+
+    def configure(self, ctx: RunContext) -> None:
+        self._copy_engines = ctx.costs.profile.pcie.copy_engines
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         if view.phase != "decode":
@@ -415,8 +422,10 @@ class TwoPointerBalancer(Assignment):
         rest = {e: n for e, n in zip(view.active, view.counts) if e not in on_gpu}
         if not rest:
             return gpu, []
-        # the latest arrival, less now (subtracting now keeps the order: one subtraction, not one each)
-        pending = max(view.arrivals.values()) - view.now if view.arrivals else 0.0
+        # the link is free for a load when the first copy on the wire ends (queued prefetches are overtaken or
+        # dropped, Sec. 5.2); with fewer copies in flight than engines one is idle now
+        arrivals = view.arrivals
+        pending = min(arrivals.values()) - view.now if len(arrivals) >= self._copy_engines else 0.0
         cpu_times = self._cpu_times = PerTokens.of(self._cpu_times, view.costs, _cpu_expert)
         load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
         return gpu + load, cpu
