@@ -340,6 +340,25 @@ def test_balancer_load_pointer_starts_at_zero_while_a_copy_engine_is_idle():
         assert balancer.split(view) == split
 
 
+def test_score_history_never_evicts_an_expert_the_layer_uses():
+    """Sec. 5.3's protection shield through the importance system: 2 slots, 0 and 1 resident; step 0 scores
+    0 -> 0.1, 1 -> 0.9; step 1 routes 0 and 2 with 0 -> 0.2, 1 -> 0.8, 2 -> 0.5. Averages over n = 2:
+    0 -> 0.15, 1 -> 0.85: 0 has the lowest, but the layer computes it, so 1 makes room for 2."""
+    from moesim.policy.systems import build_system
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    system = build_system("importance", {"cache.n": "2", "assign": "gpu", "prefetch": "none", "substitute": "none"})
+    system.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[2, 2],
+                                columns=("scores",)))
+    state = CacheState(capacity=[2, 2])
+    state.preload(0, [0, 1])
+    for step, (experts, scores) in enumerate((([[0, 1]], [0.1, 0.9, 0.0, 0.0]), ([[0, 2]], [0.2, 0.8, 0.5, 0.0]))):
+        arr = np.array(experts)
+        active, counts = active_experts(arr, 4)
+        plan = system.plan(LayerView(step, 0, "decode", arr, active, counts, state,
+                                     CostModel(tiny_profile(), model), scores=np.array([scores])))
+    assert plan.evictions == [(0, 1)] and plan.loads == [2]
+
+
 def test_alpha_is_resolved_for_each_model_the_router_is_configured_for():
     """substitute.alpha=-1 means 004 Sec. 6.2's alpha for the run's model: 0.35 on deepseek-moe-16b, 0.25 on
     Qwen2-57B-A14B. Configured for the first and then again for Qwen2, it uses 0.25 there (it kept 0.35: the
