@@ -88,6 +88,38 @@ def test_expert_deferral_follows_the_layer_equation(tmp_path):
     assert base[("lm_head", -1, -1)][0] - ed[("lm_head", -1, -1)][0] >= 2 * 50 - 1e-3
 
 
+def test_deferred_experts_join_the_next_layers_output_even_when_it_has_no_cpu_work(tmp_path):
+    """Sec. 4.1's O_{k+1} adds R_k^def: layer k + 1 ends only when layer k's deferred experts have, even when
+    layer k + 1 itself runs on the GPU, and only CPU experts are deferred. 3 layers, top-2, one deferred;
+    cache.per_layer=2 pins the calibration trace's experts: 6, 7 in layers 0 and 2 (not routed), 2, 3 in
+    layer 1. One decode token routes 0, 1 / 2, 3 / 4, 5. Attention 50 us, sync 20 us, CPU expert 1000 us,
+    GPU expert 100 us + 3 launches of 5 us.
+
+    Without deferral: layer 0 ends at 50 + 20 + 2000 = 2070 us; layer 1: attention to 2120, experts 2 and 3
+    on the GPU to 2350; layer 2: attention to 2400, sync to 2420, two CPU experts to 4420 (the LM head).
+    With it: layer 0's immediate expert 0 runs 70-1070, deferred expert 1 1070-2070. Layer 1's attention
+    starts at 1070, its GPU experts (nothing deferred: not CPU work) run 1120-1350, but its output waits
+    for expert 1: layer 2's attention starts at 2070 (not 1350), then sync to 2140, experts 4 and 5 (the
+    last layer defers nothing) to 4140 us."""
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    calibration = write_tiny_trace(tmp_path / "c.parquet", model,
+                                   [{"phase": "decode", "tokens": {0: (0, [[[6, 7]], [[2, 3]], [[6, 7]]])}}])
+    path = write_tiny_trace(tmp_path / "t.parquet", model,
+                            [{"phase": "decode", "tokens": {0: (0, [[[0, 1]], [[2, 3]], [[4, 5]]])}}])
+    static = {"cache.per_layer": "2", "cache.slots_per_layer": "2", "cache.calibration": str(calibration)}
+    base = timeline(path, "ktransformers", static)
+    assert base[("expert", 1, 3)] == pytest.approx((2235, 2350), abs=1e-3)
+    assert base[("lm_head", -1, -1)][0] == pytest.approx(4420, abs=1e-3)
+    ed = timeline(path, "ktransformers-ed", {**static, "defer.deferred": "1"})
+    assert ed[("deferred", 0, 1)] == pytest.approx((1070, 2070), abs=1e-3)
+    assert ed[("expert", 1, 2)] == pytest.approx((1120, 1235), abs=1e-3)
+    assert ed[("expert", 1, 3)] == pytest.approx((1235, 1350), abs=1e-3)
+    assert ("deferred", 1, 3) not in ed
+    assert ed[("attention", 2, -1)] == pytest.approx((2070, 2120), abs=1e-3)
+    assert ed[("expert", 2, 5)] == pytest.approx((3140, 4140), abs=1e-3)
+    assert ed[("lm_head", -1, -1)][0] == pytest.approx(4140, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- 001 Sec. 4.2, 6.3
 def test_an_explicit_count_leaving_fewer_than_two_immediate_experts_is_noted():
     """Sec. 4.2 and 6.3 keep at least 2 immediate experts per layer. Top-4 with 3 deferred leaves one: it
