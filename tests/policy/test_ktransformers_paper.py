@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from moesim.hw.cost import CostModel
-from moesim.hw.profile import load_profile
+from moesim.hw.profile import load_profile, parse_profile
 from moesim.model.presets import load_preset
 from moesim.policy.base import RunContext
 from moesim.policy.catalog.ktransformers import ExpertDeferral
 from moesim.sim.result import result_to_frames
 from moesim.sim.run import prepare
-from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+from tests.factories import HIDDEN, INTERMEDIATE, profile_dict, tiny_model, tiny_profile, write_tiny_trace
 
 US = 1e-6
 
@@ -41,6 +41,37 @@ def test_shared_experts_on_the_gpu_overlap_the_routed_experts_on_the_cpu(tmp_pat
     assert hidden[("lm_head", -1, -1)][0] == pytest.approx(2070, abs=1e-3)
     binding = timeline(path, "ktransformers", {}, gpu_us=(3000.0, 30000.0))
     assert binding[("lm_head", -1, -1)][0] == pytest.approx(3065, abs=1e-3)
+
+
+def test_amx_or_avx512_by_each_experts_tokens_in_a_prefill(tmp_path):
+    """Sec. 3.2 (Fig. 7): AVX-512 up to 4 tokens per expert, AMX from 5 (cpu.amx_switch_tokens). A prefill of
+    5 tokens, token i routed to experts 0 and i + 1: expert 0 has 5 tokens, experts 1-5 one each. AVX-512
+    curve 1000 us at 1 token, 10,000 at 100; AMX curve 300 us at 5 tokens. Expert 0 runs AMX: 300 us; the
+    others AVX-512: 1000 us each. With the switch at 6 tokens, expert 0 reads the AVX-512 curve at 5 tokens,
+    log-log: 1000 x 5^(log 10 / log 100) = 2236.068 us. (KTransformers decides once per call, on the mean
+    tokens per expert, here 10 / 6 <= 4: AVX-512 for all; the per-expert rule is the departure the module
+    docstring states.)"""
+    model = tiny_model(layers=1, experts=8, top_k=2)
+    path = write_tiny_trace(tmp_path / "t.parquet", model,
+                            [{"phase": "prefill", "tokens": {0: (0, [[[0, i + 1] for i in range(5)]])}}])
+    data = profile_dict()
+    data["cpu"].update(peak_tflops={"avx512": 1, "amx": 4}, amx_switch_tokens=5)
+    data["cpu"]["expert_ffn"].append({"hidden": HIDDEN, "intermediate": INTERMEDIATE, "dtype": "bf16",
+                                      "kernel": "amx", "tokens": [5, 100], "time_us": [300.0, 6000.0],
+                                      "source": "test"})
+    profile = parse_profile(data, origin="test-profile")
+
+    def spans(settings):
+        sim = prepare(str(path), profile, "ktransformers", {"engine.check": "true", **settings}, timeline=True)
+        frame = result_to_frames(sim.run())["timeline"]
+        return {int(r.expert): (r.end_s - r.start_s) / US for r in frame.itertuples() if r.kind == "expert"}
+
+    amx = spans({})
+    assert amx[0] == pytest.approx(300, abs=1e-3)
+    assert [amx[e] for e in range(1, 6)] == pytest.approx([1000] * 5, abs=1e-3)
+    later = spans({"hw.cpu.amx_switch_tokens": "6"})
+    assert later[0] == pytest.approx(1000 * 5 ** 0.5, abs=1e-3)
+    assert [later[e] for e in range(1, 6)] == pytest.approx([1000] * 5, abs=1e-3)
 
 
 def test_numa_aware_tensor_parallelism_streams_at_both_sockets_local_bandwidth():
