@@ -210,7 +210,9 @@ class TopScorePrefetch(Prefetch):
     Only top-score experts are worth a load (Sec. 3, Fig. 5): per token, the
     first ``per_token`` experts of its prediction (the ones the next layer's
     gate scores highest), ranked over the batch by how many tokens predict
-    them, at most ``size`` per layer. With ``clear_queue`` the importance
+    them, then by rank in a prediction (Sec. 5.2 orders one token's experts
+    by predicted score and gives no rule for merging a batch's; a trace holds
+    ids only), at most ``size`` per layer. With ``clear_queue`` the importance
     system drops those still queued when the target layer's gate has run.
 
     Why one per token by default: Sec. 5.2 queues each token's top k predicted
