@@ -19,6 +19,13 @@ What the engine and cost model already provide, and this module relies on:
   NUMA-aware placement as the profile's CPU curves. ``--set runtime=ktransformers-eager``
   (as SMoE ran it, 000 Sec. VI-A) or ``--set hw.runtimes.ktransformers.graph=none`` turns
   the graph off; ``cpu-only`` is the same placement on the ``generic`` runtime.
+* Fused MoE operator and dynamic work scheduling (001 Sec. 3.2, 6.4): the CPU pool runs a layer's
+  routed experts one after another, each on all configured cores, after one sync per layer: the
+  perfectly balanced outcome dynamic scheduling aims at. Departure: the imbalance of static
+  scheduling (dynamic scheduling's up to 1.83x in prefill, Sec. 6.4) and the NUMA reduce-scatter
+  (Sec. 3.3) are not modelled apart from the CPU curves, so no parameter turns them on or off.
+* Expert Skipping, 001 Sec. 6.3's accuracy baseline (Fig. 13), is not a system here; deferral reports
+  the gate-weight mass it delays (``deferred_weight_mass``) as its quality proxy.
 
 Systems: ``ktransformers`` (no deferral, optional static GPU experts) and
 ``ktransformers-ed`` (Expert Deferral, 001 Sec. 4).
