@@ -174,3 +174,24 @@ def test_the_sec_6_3_count_is_resolved_for_each_model_the_component_is_configure
         costs = CostModel(tiny_profile(), model, expert_dtype="int4" if name == "deepseek-v3" else "int8")
         deferral.configure(RunContext(model=model, costs=costs, capacity=[8] * model.num_layers))
     assert (deferral.count, deferral.deferred) == (4, -1)
+
+
+# ----------------------------------------------------------------------------- 001 Sec. 6.1, Table 1, Table 2
+@pytest.mark.parametrize("preset, layers, experts, top_k, quantized, hw, immediate_deferred", [
+    ("deepseek-v3", 58, 256, 8, "int4", "rtx4080", (2, 6)),
+    ("deepseek-v2.5", 59, 160, 6, "int8", "rtx4080", (2, 4)),
+    ("qwen2-57b-a14b", 28, 64, 8, "int8", "rtx4080", (4, 4)),
+])
+def test_the_evaluated_models_and_their_table_2_split(preset, layers, experts, top_k, quantized, hw,
+                                                      immediate_deferred):
+    """Table 1: MoE layers, routed experts per layer and top-k of DS-3, DS-2 and QW-2; Sec. 6.1: the quantized
+    builds run on the RTX 4080 host (2 x 36-core Xeon 8452Y, 2 x 220 GB/s, AMX from 5 tokens); Table 2: their
+    (immediate + deferred) split, the default defer.deferred there."""
+    model = load_preset(preset)
+    assert (model.num_layers, model.num_experts, model.top_k) == (layers, experts, top_k)
+    profile = load_profile(hw)
+    assert (profile.cpu.cores, profile.cpu.dram_bandwidth_gbps, profile.cpu.amx_switch_tokens) == (72, 440, 5)
+    deferral = ExpertDeferral()
+    deferral.configure(RunContext(model=model, costs=CostModel(profile, model, quantized),
+                                  capacity=[0] * model.num_layers))
+    assert (model.top_k - deferral.count, deferral.count) == immediate_deferred
