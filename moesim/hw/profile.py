@@ -116,7 +116,8 @@ class HardwareProfile:
                     raise ProfileError(f"{said}: no such profile field in {origin}", field="--set",
                                        fix=_guessed(guesses) + f"sections of {within}: {', '.join(sections)}")
                 node = node[part]
-            if parts[-1] not in node and key not in OPTIONAL_SCALARS:
+            open_mapping = len(parts) > 1 and parts[-2] in OPEN_MAPPINGS  # a new kernel or dtype is a new key
+            if parts[-1] not in node and key not in OPTIONAL_SCALARS and not open_mapping:
                 section = ".".join(parts[:-1])
                 fields = sorted(name for name in {*node, *(k.rpartition(".")[2] for k in OPTIONAL_SCALARS
                                                            if k.rpartition(".")[0] == section)}
@@ -125,7 +126,10 @@ class HardwareProfile:
                 raise ProfileError(f"{said}: no such profile field in {origin}", field="--set",
                                    fix=_guessed(guesses) + f"fields of hw.{section}: {', '.join(fields)}")
             current = node.get(parts[-1])
-            if isinstance(value, str) and isinstance(current, (bool, int, float)):
+            if isinstance(value, str) and (isinstance(current, dict) or parts[-1] in OPEN_MAPPINGS):
+                value = _mapping_text(value)
+            elif isinstance(value, str) and (isinstance(current, (bool, int, float)) or open_mapping):
+                current = 1.0 if open_mapping and current is None else current
                 try:
                     value = _like(value, current, key, self.path or self.name)
                 except ProfileError as err:
@@ -142,7 +146,9 @@ class HardwareProfile:
         """``err`` of the profile parsed with ``overrides``: when an override set the value refused, the
         override is named (as a ``--set`` parameter: the API and sweeps rename it to their own key), not
         the file, which holds another value."""
-        key = err.field if err.field in overrides else None
+        # the override that set the field, or the mapping holding it ({amx: 0.5} for ...cpu_compute_efficiency)
+        key = err.field if err.field in overrides else \
+            next((k for k in overrides if str(err.field).startswith(f"{k}.")), None)
         if err.field == "gpu.reserved_gib" and key is None and "gpu.memory_gib" in overrides:
             key = "gpu.memory_gib"  # reserved >= memory: the memory the override shrank
         if key is None:
@@ -150,9 +156,11 @@ class HardwareProfile:
         own = _lookup(self.raw, key)
         where = f"{self.path or self.name}'s own: {own}" if own is not None else f"not in {self.path or self.name}"
         fix = err.fix
-        if key != err.field:  # the memory is below what the profile reserves
+        if key == "gpu.memory_gib" and err.field == "gpu.reserved_gib":  # the memory is below what is reserved
             fix = f"give hw.{key} more than the {_lookup(self.raw, 'gpu.reserved_gib')} GiB reserved, or reserve less"
-        return ProfileError(f"parameter 'hw.{key}'={overrides[key]} ({where}): {err.detail}", field="--set", fix=fix)
+        inner = "" if key == err.field or err.field == "gpu.reserved_gib" else f"{err.field}: "
+        return ProfileError(f"parameter 'hw.{key}'={overrides[key]} ({where}): {inner}{err.detail}", field="--set",
+                            fix=fix)
 
 
 def _guessed(keys: list[str]) -> str:
@@ -212,6 +220,8 @@ def _like(text: str, current: bool | int | float, key: str, origin: str) -> bool
 OPTIONAL_SCALARS = {"pcie.bandwidth_scale", "gpu.roofline_efficiency", "cpu.roofline_efficiency",
                     "gpu.bandwidth_efficiency", "cpu.bandwidth_efficiency", "cpu.dram_combined_gbps",
                     "gpu.kernels_per_layer"}
+#: mappings whose keys are names (CPU kernels, dtypes): ``--set`` may add a key the profile does not list
+OPEN_MAPPINGS = ("cpu_compute_efficiency", "peak_tflops")
 
 #: keys each section may hold; anything else is a typo that would otherwise be ignored silently
 SECTION_KEYS = {
@@ -432,11 +442,23 @@ class _Reader:
                 name=str(name), launch_us=self.number(r, f"{key}.launch_us", positive=False), graph=graph,
                 kernels_per_layer=int(self.number(r, f"{key}.kernels_per_layer", positive=False, default=0,
                                                   integer=True)),
-                cpu_compute_efficiency={k: self.number(compute, f"{key}.cpu_compute_efficiency.{k}")
-                                        for k in compute},
+                cpu_compute_efficiency={self.one_of(str(k), f"{key}.cpu_compute_efficiency.{k}", CPU_KERNELS,
+                                                    "CPU kernel"):
+                                        self.number(compute, f"{key}.cpu_compute_efficiency.{k}") for k in compute},
                 cpu_bandwidth_efficiency=self.number(r, f"{key}.cpu_bandwidth_efficiency", default=1.0),
                 host_us_per_step=self.number(r, f"{key}.host_us_per_step", positive=False, default=0.0))
         return out
+
+
+def _mapping_text(value: str) -> Any:
+    """A ``--set`` value for a mapping field (``{amx: 0.5}``) read as YAML; anything else is left as written,
+    for the profile's own check to refuse."""
+    import yaml
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return parsed if isinstance(parsed, dict) else value
 
 
 def _numeric_paths(data: Any, prefix: str = "") -> list[str]:

@@ -270,6 +270,28 @@ def test_override_with_a_bad_value_fails_cleanly():
     assert profile.with_overrides({"gpu.memory_gib": "4.7"}).gpu.memory_gib == 4.7
 
 
+def test_a_mapping_of_cpu_kernels_takes_overrides_by_key_and_as_a_whole():
+    """A runtime's cpu_compute_efficiency is a mapping of CPU kernel to factor, empty in the bundled profiles:
+    --set adds a kernel to it, or gives the whole mapping as YAML (both were refused: "no such profile
+    field", and "must be a mapping" with that very syntax as the fix). A kernel name not among the CPU
+    kernels is refused, naming the --set parameter, in an override and in a file."""
+    profile = load_profile("a100-40g")
+    assert profile.runtimes["ktransformers"].cpu_compute_efficiency == {}
+    one = profile.with_overrides({"runtimes.ktransformers.cpu_compute_efficiency.amx": "0.5"})
+    assert one.runtimes["ktransformers"].cpu_compute_efficiency == {"amx": 0.5}
+    whole = profile.with_overrides({"runtimes.ktransformers.cpu_compute_efficiency": "{amx: 0.5, avx512: 0.8}"})
+    assert whole.runtimes["ktransformers"].cpu_compute_efficiency == {"amx": 0.5, "avx512": 0.8}
+    with pytest.raises(ProfileError) as err:
+        profile.with_overrides({"runtimes.ktransformers.cpu_compute_efficiency": "{amxx: 0.5}"})
+    assert str(err.value).startswith("field '--set': parameter 'hw.runtimes.ktransformers.cpu_compute_efficiency'="
+                                     "{amxx: 0.5} (")
+    assert "unknown CPU kernel 'amxx' (fix: use one of avx512, amx, avx2)" in str(err.value)
+    raw = copy.deepcopy(profile.raw)
+    raw["runtimes"]["ktransformers"]["cpu_compute_efficiency"] = {"amxx": 0.5}
+    with pytest.raises(ProfileError, match="cpu_compute_efficiency.amxx': unknown CPU kernel 'amxx'"):
+        parse_profile(raw, origin="a100-40g.yaml")
+
+
 def test_raw_is_not_shared_with_the_caller():
     data = minimal()
     profile = parse_profile(copy.deepcopy(data), origin="toy.yaml")
