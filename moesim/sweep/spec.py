@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -34,7 +35,7 @@ class Point:
     #: ``--set`` keys and values (typed as in the spec), sorted by key
     settings: tuple[tuple[str, Any], ...] = ()
 
-    @property
+    @functools.cached_property  # a sweep looks each point's id up several times; a million points, millions
     def point_id(self) -> str:
         key = {"trace": self.trace, "hw": self.hw, "system": self.system, "seed": self.seed,
                "model": self.model, "settings": self.settings_str()}
@@ -346,18 +347,22 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
     from moesim.sim.workload import is_serving_key, split_settings
-    checked: set[tuple] = set()
+    # each value of each parameter is checked in the first point that has it with that trace, profile and system,
+    # not in every combination: a grid of six 10-value axes is 60 checks, not a million (a value refused only
+    # beside some others fails those points, recorded with the reason, as a cache too large for the GPU does)
+    seen: set[tuple] = set()
     for point in points:
         settings = point.settings_str()
+        where = (point.trace, point.hw, point.system)
+        facets = {where, *((*where, k, v) for k, v in settings.items())}
+        if facets <= seen:
+            continue
+        seen |= facets
         if any(is_serving_key(k) for k in settings):
             from moesim.sim.serving import check_servable  # a serving point
             settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
             if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
                 _reraise(lambda: check_servable(point.system, settings), spec, "systems")
-        key = (point.trace, point.hw, point.system, tuple(sorted(settings.items())))
-        if key in checked:
-            continue
-        checked.add(key)
         system = point.system
         parsed = _reraise(lambda: parse_settings(settings), spec, None, system)
         profile = _reraise(lambda: profiles[point.hw].with_overrides(parsed.hw), spec, None, system)

@@ -217,3 +217,33 @@ def test_a_spec_over_the_yaml_limit_is_refused_unread(tmp_path):
     path.write_text("systems: [cpu-only]\n" + "#" * YAML_MAX_BYTES)
     with pytest.raises(ConfigError, match="over 4,194,304 bytes, the limit of a YAML input"):
         load_spec(path)
+
+
+def test_the_spec_check_takes_each_value_once_not_every_combination(files, monkeypatch):
+    """check_spec profiled and built a system for every distinct combination: a grid of six 10-value axes
+    spent an hour checking before its first point ran. Each value of each parameter is checked once (per trace,
+    profile and system), so three 5-value profile axes take 15 profile checks, not 125; a bad value in the
+    last combination is still refused before anything runs."""
+    from moesim.hw.profile import HardwareProfile
+    from moesim.sweep import check_spec
+    calls = []
+    real = HardwareProfile.with_overrides
+    monkeypatch.setattr(HardwareProfile, "with_overrides", lambda self, o, *a, **k: (calls.append(dict(o)),
+                                                                                        real(self, o, *a, **k))[1])
+    grid = {"hw.pcie.bandwidth_scale": [0.5, 1, 2, 3, 4], "hw.sync.per_layer_us": [1, 2, 3, 4, 5],
+            "hw.pcie.latency_us": [1, 2, 3, 4, 5]}
+    path = files / "spec.yaml"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"],
+                                    "grid": grid}))
+    spec = load_spec(path)
+    points = spec.points()
+    check_spec(spec, points)
+    assert len(points) == 125 and len(calls) <= 15
+    checked = {(f"hw.{k}", str(v)) for o in calls for k, v in o.items()}
+    assert checked == {(k, str(v)) for k, values in grid.items() for v in values}
+    grid["hw.pcie.latency_us"][-1] = "slow"
+    path.write_text(yaml.safe_dump({"traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["cpu-only"],
+                                    "grid": grid}))
+    spec = load_spec(path)
+    with pytest.raises(ConfigError, match="'slow' is not a number"):
+        check_spec(spec, spec.points())
