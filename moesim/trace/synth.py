@@ -227,38 +227,53 @@ def _tokens_per_chunk(config: SynthConfig, tokens_per_step: int) -> int:
 
 def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
     """Trace rows in order, one block of steps at a time."""
-    model, params = config.model, config.params
-    with_preds = params.predictors
-    total = config.prompt_len + config.decode_len
+    prompts, decodes = config.prompts(), config.decodes()
     step = 0
     for first in range(0, config.requests, config.batch):
         group = list(range(first, min(first + config.batch, config.requests)))
-        routers = [_RequestRouter(config, layout, r, total) for r in group]
+        routers = [_RequestRouter(config, layout, r, prompts[r] + decodes[r]) for r in group]
         for request, router in zip(group, routers):
-            # a prefill step is written whole (rows are layer-major), so its routing is generated
-            # in token chunks and kept in compact form (int16 ids, float16 scores)
-            chunk = _tokens_per_chunk(config, 1)
-            parts = [_token_rows(router, config, min(chunk, config.prompt_len - start))
-                     for start in range(0, config.prompt_len, chunk)]
-            block = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
-            blocks = {key: np.swapaxes(value, 0, 1)[None] for key, value in block.items() if key != "token_id"}
-            blocks["token_id"] = block["token_id"][None]
-            n = config.prompt_len
-            yield _rows(blocks, np.full((1, n), request), np.arange(n)[None], np.array([step]), 0,
-                        model, config.scores, with_preds)
+            yield _prefill_rows(config, router, request, prompts[request], step)
             step += 1
-        chunk = _tokens_per_chunk(config, len(group))
-        for start in range(0, config.decode_len, chunk):
-            n = min(chunk, config.decode_len - start)
-            per_request = [_token_rows(router, config, n) for router in routers]
+        yield from _decode_rows(config, group, routers, prompts, decodes, step)
+        step += max(decodes[r] for r in group)
+
+
+def _prefill_rows(config: SynthConfig, router: _RequestRouter, request: int, n: int, step: int) -> dict[str, Any]:
+    """The one prefill step of a request, all ``n`` prompt tokens."""
+    # a prefill step is written whole (rows are layer-major), so its routing is generated
+    # in token chunks and kept in compact form (int16 ids, float16 scores)
+    chunk = _tokens_per_chunk(config, 1)
+    parts = [_token_rows(router, config, min(chunk, n - start)) for start in range(0, n, chunk)]
+    block = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+    blocks = {key: np.swapaxes(value, 0, 1)[None] for key, value in block.items() if key != "token_id"}
+    blocks["token_id"] = block["token_id"][None]
+    return _rows(blocks, np.full((1, n), request), np.arange(n)[None], np.array([step]), 0,
+                 config.model, config.scores, config.params.predictors)
+
+
+def _decode_rows(config: SynthConfig, group: list[int], routers: list[_RequestRouter], prompts: list[int],
+                 decodes: list[int], first_step: int) -> Iterator[dict[str, Any]]:
+    """The decode steps of one group, from ``first_step``: each holds one token of every request still
+    decoding, so the group runs as many steps as its longest request decodes and a request that has
+    decoded all its tokens leaves the steps after it (as a served batch loses a finished request)."""
+    start = 0
+    for end in sorted({decodes[r] for r in group if decodes[r] > 0}):  # the same requests decode in [start, end)
+        members = [i for i, r in enumerate(group) if decodes[r] >= end]
+        requests = np.array([group[i] for i in members])
+        offsets = np.array([prompts[r] for r in requests])
+        chunk = _tokens_per_chunk(config, len(members))
+        for at in range(start, end, chunk):
+            n = min(chunk, end - at)
+            per_request = [_token_rows(routers[i], config, n) for i in members]
             # (steps=n, L, B, ...) from B arrays of (n, L, ...)
             blocks = {key: np.stack([p[key] for p in per_request], axis=2) for key in per_request[0]
                       if key != "token_id"}
             blocks["token_id"] = np.stack([p["token_id"] for p in per_request], axis=1)
-            requests = np.broadcast_to(np.array(group)[None, :], (n, len(group)))
-            positions = np.broadcast_to(config.prompt_len + start + np.arange(n)[:, None], (n, len(group)))
-            yield _rows(blocks, requests, positions, step + np.arange(n), 1, model, config.scores, with_preds)
-            step += n
+            positions = offsets[None, :] + at + np.arange(n)[:, None]
+            yield _rows(blocks, np.broadcast_to(requests[None, :], (n, len(members))), positions,
+                        first_step + at + np.arange(n), 1, config.model, config.scores, config.params.predictors)
+        start = end
 
 
 def synthesize(config: SynthConfig, out: Path | str, progress: Callable[[int], None] | None = None) -> Path:
@@ -281,7 +296,7 @@ def synthesize(config: SynthConfig, out: Path | str, progress: Callable[[int], N
 
 def synth_rows(config: SynthConfig) -> int:
     """Rows of the trace ``config`` describes: one per token of every request at every MoE layer."""
-    return config.requests * (config.prompt_len + config.decode_len) * config.model.num_layers
+    return (sum(config.prompts()) + sum(config.decodes())) * config.model.num_layers
 
 
 # ----------------------------------------------------------------------------- fitting to a real trace

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -184,12 +184,27 @@ class SynthConfig:
     params: SynthParams = field(default_factory=SynthParams)
     #: the real trace the parameters were fitted to (``trace synth --fit``), recorded in the metadata
     fitted_to: str = ""
+    #: prompt tokens of each request, in request order (None: every request gets ``prompt_len``)
+    prompt_lens: list[int] | None = None
+    #: decode tokens of each request, in request order (None: every request gets ``decode_len``)
+    decode_lens: list[int] | None = None
+
+    def prompts(self) -> list[int]:
+        """Prompt tokens of every request."""
+        return list(self.prompt_lens) if self.prompt_lens is not None else [self.prompt_len] * self.requests
+
+    def decodes(self) -> list[int]:
+        """Decode tokens of every request."""
+        return list(self.decode_lens) if self.decode_lens is not None else [self.decode_len] * self.requests
 
     @classmethod
     def from_settings(cls, *, model: str | ModelSpec, requests: int = 1, prompt_len: int = 128,
                       decode_len: int = 128, batch: int = 1, seed: int = 0,
-                      settings: Mapping[str, Any] | None = None, scores: bool = True) -> "SynthConfig":
-        """Build a config from a preset name (or spec) and ``--set`` overrides of :class:`SynthParams`."""
+                      settings: Mapping[str, Any] | None = None, scores: bool = True,
+                      prompt_lens: Sequence[int] | None = None,
+                      decode_lens: Sequence[int] | None = None) -> "SynthConfig":
+        """Build a config from a preset name (or spec) and ``--set`` overrides of :class:`SynthParams`.
+        ``prompt_lens`` and ``decode_lens``, one entry per request, replace ``prompt_len`` and ``decode_len``."""
         spec = load_preset(model) if isinstance(model, str) else model
         params = SynthParams.for_model(spec)
         kinds = {f.name: f.type for f in dataclasses.fields(SynthParams)}
@@ -212,11 +227,46 @@ class SynthConfig:
             raise ConfigError(f"must not be negative, got {seed}", field="seed", fix="--seed 0")
         if decode_len < 0:
             raise ConfigError(f"must not be negative, got {decode_len}", field="decode_len")
-        return cls(model=spec, requests=int(requests), prompt_len=int(prompt_len), decode_len=int(decode_len),
-                   batch=int(batch), seed=int(seed), scores=scores, params=params)
+        config = cls(model=spec, requests=int(requests), prompt_len=int(prompt_len), decode_len=int(decode_len),
+                     batch=int(batch), seed=int(seed), scores=scores, params=params)
+        if prompt_lens is not None:
+            config.prompt_lens = checked_lengths(prompt_lens, "prompt_lens", 1, int(requests))
+        if decode_lens is not None:
+            config.decode_lens = checked_lengths(decode_lens, "decode_lens", 0, int(requests))
+        return config
 
     def source(self) -> dict[str, Any]:
+        # the per-request lists only when given, so a trace of equal lengths keeps its metadata (and bytes)
+        lengths = {name: list(values) for name, values in (("prompt_lens", self.prompt_lens),
+                                                           ("decode_lens", self.decode_lens)) if values is not None}
         return {"kind": "synthetic", "generator": "moesim.trace.synth", "model": self.model.name,
                 "requests": self.requests, "prompt_len": self.prompt_len, "decode_len": self.decode_len,
                 "batch": self.batch, "seed": self.seed, "params": dataclasses.asdict(self.params),
-                **({"fitted_to": self.fitted_to} if self.fitted_to else {})}
+                **lengths, **({"fitted_to": self.fitted_to} if self.fitted_to else {})}
+
+
+def checked_lengths(values: Sequence[Any], name: str, minimum: int, requests: int | None = None,
+                    field: str | None = None) -> list[int]:
+    """Per-request token counts as ints: whole numbers, at least ``minimum``, one per request when ``requests``
+    is given. ``field`` names them in the error (the CLI's option; default ``name``)."""
+    field = field or name
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise ConfigError(f"must be a list of whole numbers, got {values!r}", field=field, fix=_lengths_fix(field))
+    if not len(values):
+        raise ConfigError("is empty", field=field, fix=_lengths_fix(field))
+    for index, value in enumerate(values):
+        if not _whole(value):
+            raise ConfigError(f"entry {index + 1} is not a whole number: {value!r}", field=field,
+                              fix=_lengths_fix(field))
+        if value < minimum:
+            raise ConfigError(f"entry {index + 1} is {value}, below {minimum}", field=field,
+                              fix=f"give every request at least {minimum} token{'s' if minimum != 1 else ''}")
+    if requests is not None and len(values) != requests:
+        raise ConfigError(f"has {len(values)} entries for {requests} requests", field=field,
+                          fix=f"give one length per request ({requests}), or ask for {len(values)} requests")
+    return [int(value) for value in values]
+
+
+def _lengths_fix(field: str) -> str:
+    return f"one whole number per request, e.g. {field} 12,300,40" if field.startswith("--") else \
+        f"one whole number per request, e.g. {field}=[12, 300, 40]"
