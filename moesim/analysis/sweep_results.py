@@ -2,7 +2,7 @@
 points, their labels and how their values group into lines and panels.
 
 The input is the tidy frame of :mod:`moesim.sweep` (one row per point; the
-parameters ``trace``, ``hw``, ``system``, ``seed`` and dotted ``--set`` keys;
+parameters ``trace``, ``hw``, ``system``, ``seed`` and the ``--set`` keys;
 the metrics of :func:`moesim.analysis.metrics.metrics`, with each replayed
 point's physical lower bound as ``lower_bound_<key>`` and ``gap_to_lower_bound``,
 NaN in serving points). Only points with ``status == "ok"`` are drawn.
@@ -18,8 +18,12 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import ConfigError, did_you_mean
+from moesim.policy.systems import ROLES
 
 BASE_PARAMETERS = ("trace", "hw", "system", "seed", "model")
+#: ``--set`` keys without a dot: the serving scheduler and component swaps (``cache=belady``); not ``runtime``,
+#: whose column is the metric naming the runtime each point ran on (its system's own unless set)
+UNDOTTED_SETTINGS = ("scheduler", *ROLES)
 
 LABELS = {
     "tpot_ms_mean": "TPOT, mean (ms)", "tpot_ms_p50": "TPOT, p50 (ms)", "tpot_ms_p99": "TPOT, p99 (ms)",
@@ -92,8 +96,11 @@ def unreadable_parquet(path: Path) -> str:
 
 
 def parameter_columns(frame: pd.DataFrame) -> list[str]:
-    """The parameter columns: trace, hw, system, seed, model and every dotted ``--set`` key."""
-    return [c for c in BASE_PARAMETERS if c in frame.columns] + [c for c in frame.columns if "." in c]
+    """The parameter columns: trace, hw, system, seed, model, every dotted ``--set`` key and the undotted ones
+    (``scheduler``, a component swap). A sweep over ``scheduler`` was averaged by the figures
+    without a word, and the report listed its points twice with nothing telling them apart."""
+    return [c for c in (*BASE_PARAMETERS, *UNDOTTED_SETTINGS) if c in frame.columns] + \
+        [c for c in frame.columns if "." in c]
 
 
 def varying(frame: pd.DataFrame, columns: Sequence[str]) -> list[str]:

@@ -80,6 +80,18 @@ def test_parameters_not_shown_are_averaged_with_a_min_max_band():
     assert linear.axes[0].get_yscale() == "linear"
 
 
+def test_an_undotted_setting_swept_is_a_parameter_named_when_averaged():
+    """A sweep over ``scheduler`` (or ``runtime``, ``cache=...``) was averaged without a word: only dotted keys
+    counted as parameters, so the heading said nothing of the two schedulers mixed in each point."""
+    frame = results()
+    frame = pd.concat([frame.assign(scheduler="vllm"), frame.assign(scheduler="sarathi",
+                                                                    point_id=frame["point_id"] + "-s")])
+    fig = plot_results(frame[frame["hw"] == "a100-40g"], x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    assert "mean over scheduler (band" in fig._suptitle.get_text()
+    fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", facet="scheduler")
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["scheduler = sarathi", "scheduler = vllm"]
+
+
 def test_points_averaging_fewer_runs_are_hollow_named_and_warned():
     """Drop h100's static-hot at 2 and 4 slots (as failed points would be): those two means are a100's alone
     (60/2 = 30 and 60/4 = 15 ms, not 22.5 and 11.25), so they are drawn hollow, the title says so and a

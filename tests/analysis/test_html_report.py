@@ -59,6 +59,17 @@ def test_all_points_are_listed_in_parameter_order_with_readable_numbers():
     assert "<td>1,081,344</td>" in table and "<td>78,330</td>" in table and "e+04" not in table
 
 
+def test_a_swept_scheduler_is_listed_and_tells_the_rows_apart():
+    """Points that differ only in ``scheduler`` were two identical-looking rows, the summary not naming it."""
+    frame = results()
+    frame = pd.concat([frame.assign(scheduler="vllm"), frame.assign(scheduler="sarathi",
+                                                                    point_id=frame["point_id"] + "-s")])
+    page = render_report(frame, title="t", gantt=False)
+    assert "<li>scheduler: sarathi, vllm</li>" in page
+    table = page[page.index("<h2>All points</h2>"):]
+    assert "<th>scheduler</th>" in table and table.count("<td>sarathi</td>") == 19
+
+
 def find_browser() -> str | None:
     return next((path for name in BROWSERS if (path := shutil.which(name))), None)
 
