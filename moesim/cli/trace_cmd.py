@@ -147,25 +147,36 @@ def _print_formats() -> None:
 @click.option("--model", "model", default=None,
               help=preset_help("Model preset name or preset YAML [default with --fit: the real trace's model]."))
 @click.option("--requests", default=None, type=click.IntRange(min=1),
-              help="Requests [default: 1, with --fit the real trace's].")
+              help="Requests [default: 1, the entries of --prompt-lens/--decode-lens, or with --fit the real "
+                   "trace's].")
 @click.option("--prompt-len", default=None, type=click.IntRange(min=1, max=1 << 20),
-              help="Prompt tokens per request [default: 128, with --fit the mean of the real trace's prompts].")
+              help="Prompt tokens of every request [default: 128, with --fit each real request's own].")
 @click.option("--decode-len", default=None, type=click.IntRange(min=0, max=1 << 24),
-              help="Decode tokens per request [default: 128, with --fit the real trace's mean].")
+              help="Decode tokens of every request [default: 128, with --fit each real request's own].")
+@click.option("--prompt-lens", default=None, metavar="N,N,...|@FILE",
+              help="Prompt tokens of each request in order, e.g. 12,300,40 (at least 1 each), or @FILE with the "
+                   "numbers separated by commas, spaces or lines; one per request (sets --requests when not "
+                   "given). Instead of --prompt-len; wins over --fit.")
+@click.option("--decode-lens", default=None, metavar="N,N,...|@FILE",
+              help="Decode tokens of each request in order (0 or more each), as --prompt-lens.")
 @click.option("--batch", default=None, type=click.IntRange(min=1),
-              help="Requests decoded together in one step [default: 1, with --fit the real trace's].")
+              help="Requests decoded together in one step (a request that has decoded all its tokens leaves the "
+                   "steps after it) [default: 1, with --fit the real trace's].")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Generator parameter (see `moesim trace synth --help-params`); wins over --fit.")
 @click.option("--fit", "fit", default=None, type=InputPath(dir_okay=False), metavar="REAL.parquet",
-              help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first.")
+              help="Fit skew, reuse, co-activation, weight and predictor parameters to this real trace first; the "
+                   "synthetic requests take its requests' prompt and decode lengths, in order (repeated when "
+                   "--requests asks for more), unless lengths are given.")
 @click.option("--no-scores", is_flag=True, help="Leave out the full `scores` column (smaller files).")
 @click.option("--help-params", is_flag=True,
               help="List the generator parameters (default for --model, meaning) and exit.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False))
 def trace_synth(model: str | None, requests: int | None, prompt_len: int | None, decode_len: int | None,
-                batch: int | None, seed: int, settings: tuple[str, ...], fit: str | None, no_scores: bool,
-                help_params: bool, out: str | None) -> None:
+                prompt_lens: str | None, decode_lens: str | None, batch: int | None, seed: int,
+                settings: tuple[str, ...], fit: str | None, no_scores: bool, help_params: bool,
+                out: str | None) -> None:
     """Synthesize a trace with realistic skew, locality, co-activation and predictor columns."""
     from moesim.trace.synth import SynthConfig, synth_rows, synthesize
     if help_params:
@@ -174,11 +185,20 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
     if out is None:
         raise MoesimError("missing", field="--out", fix="e.g. --out synthetic.parquet")
     check_outputs([("--fit", fit)], {"out": PARQUET}, out=out)
+    lists: dict[str, list[int]] = {}  # the per-request lengths given, by SynthConfig field
+    for name, values in (("prompt_lens", _length_list(prompt_lens, "--prompt-lens", prompt_len, "--prompt-len", 1)),
+                         ("decode_lens", _length_list(decode_lens, "--decode-lens", decode_len, "--decode-len", 0))):
+        if values is not None:
+            lists[name] = values
     shape = {"requests": 1, "prompt_len": 128, "decode_len": 128, "batch": 1}
     given = {k: v for k, v in {"requests": requests, "prompt_len": prompt_len, "decode_len": decode_len,
                                "batch": batch}.items() if v is not None}
+    if requests is None and lists:  # the first list sets the count; the other must agree with it
+        given["requests"] = len(next(iter(lists.values())))
+    _check_list_counts(lists, given.get("requests"), requests is not None)
     chosen = parse_settings(settings, example="skew_first=0.5")
     fitted: dict[str, str] = {}
+    result = None
     if fit is not None:
         from moesim.trace.validate import checked_meta
         real_model = checked_meta(fit).model
@@ -188,14 +208,16 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
         shape.update(result.shape)
         fitted = result.settings()
         model = model or real_model
+        lists = {**_fitted_lengths(result, given.get("requests", shape["requests"]), given), **lists}
     if model is None:
         raise MoesimError("missing", field="--model", fix="name a preset, e.g. --model mixtral-8x7b, or --fit REAL")
     config = SynthConfig.from_settings(model=model, seed=seed, settings={**fitted, **chosen},
-                                       scores=not no_scores, **{**shape, **given})
+                                       scores=not no_scores, **{**shape, **given}, **lists)
     if fit is not None:
         config.fitted_to = fit
         _note_other_model(real_model, config.model)
-    _check_synth_size(config.model, config.requests, config.prompt_len, config.decode_len)
+        _print_lengths(result, config)
+    _check_synth_size(config)
     from moesim.progress import Progress
     rows = synth_rows(config)
     with Progress("trace synth", total=rows, unit="rows", console=err_console) as bar, \
@@ -204,6 +226,40 @@ def trace_synth(model: str | None, requests: int | None, prompt_len: int | None,
     say_wrote(console, f"wrote {out}: {rows:,} rows")
 
 
+def _length_list(text: str | None, option: str, scalar: int | None, scalar_option: str,
+                 minimum: int) -> list[int] | None:
+    """The numbers of --prompt-lens/--decode-lens (a comma list or @FILE), checked, or None when not given."""
+    import re
+
+    from moesim.trace.synth_params import checked_lengths
+    if text is None:
+        return None
+    if scalar is not None:
+        raise MoesimError(f"given with {scalar_option}", field=option,
+                          fix=f"give {scalar_option} (every request) or {option} (each request), not both")
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise MoesimError(f"cannot read {text[1:]}: {getattr(err, 'strerror', None) or err}", field=option,
+                              fix=f"{option} @FILE with FILE a text file of numbers, or {option} 12,300,40") from None
+    # commas, spaces or line breaks between numbers; an empty entry (5,,9 or a trailing comma) is refused
+    entries = re.split(r"\s*,\s*|\s+", text.strip()) if text.strip() else []
+    values = [int(e) if re.fullmatch(r"[+-]?\d+", e) else e for e in entries]
+    return checked_lengths(values, option[2:].replace("-", "_"), minimum, field=option)
+
+
+def _check_list_counts(lists: dict[str, list[int]], requests: int | None, from_option: bool) -> None:
+    """Each length list has one entry per request: --requests when given, else the first list's count."""
+    for name, values in lists.items():
+        option = "--" + name.replace("_", "-")
+        if requests is None or len(values) == requests:
+            continue
+        if from_option:
+            raise MoesimError(f"has {len(values)} entries for --requests {requests}", field=option,
+                              fix=f"give {requests} lengths, one per request, or --requests {len(values)}")
+        raise MoesimError(f"has {len(values)} entries, --prompt-lens {requests}", field=option,
+                          fix="give --prompt-lens and --decode-lens one length per request each")
 def _note_other_model(real, synthetic) -> None:
     """Parameters fitted to one model's routing do not give another model's (skew and co-activation depend on
     the number of experts and top-k): say so when --model names another."""
@@ -219,16 +275,48 @@ def _note_other_model(real, synthetic) -> None:
 SYNTH_MAX_ROWS = 2**31 - 1
 
 
-def _check_synth_size(model, requests: int, prompt_len: int, decode_len: int) -> None:
-    tokens = prompt_len + decode_len
+def _check_synth_size(config) -> None:
+    prompts, decodes = config.prompts(), config.decodes()
+    tokens = max(p + d for p, d in zip(prompts, decodes))
     if tokens > 2**31 - 1:
         raise MoesimError(f"{tokens:,} tokens per request exceed the trace's int32 positions",
                           field="--prompt-len/--decode-len", fix="use fewer than 2,147,483,647 tokens per request")
-    rows = requests * tokens * model.num_layers
+    total = sum(prompts) + sum(decodes)
+    rows = total * config.model.num_layers
     if rows > SYNTH_MAX_ROWS:
-        raise MoesimError(f"{requests:,} requests x {tokens:,} tokens x {model.num_layers} layers = {rows:,} rows, "
-                          f"beyond the limit of {SYNTH_MAX_ROWS:,}", field="--requests/--prompt-len/--decode-len",
-                          fix="synthesize fewer or shorter requests")
+        raise MoesimError(f"{config.requests:,} requests of {total:,} tokens in all x {config.model.num_layers} "
+                          f"layers = {rows:,} rows, beyond the limit of {SYNTH_MAX_ROWS:,}",
+                          field="--requests/--prompt-len/--decode-len", fix="synthesize fewer or shorter requests")
+
+
+def _fitted_lengths(result, requests: int, given: dict[str, int]) -> dict[str, list[int]]:
+    """The real requests' lengths for the synthetic ones, for each of prompt and decode not given on the
+    command line."""
+    prompts, decodes = result.lengths(requests)
+    fitted = {"prompt_lens": (prompts, "prompt_len"), "decode_lens": (decodes, "decode_len")}
+    return {name: values for name, (values, scalar) in fitted.items() if scalar not in given}
+
+
+def _print_lengths(result, config) -> None:
+    """The real and the synthetic requests' lengths side by side (a served workload's spread of lengths)."""
+    from rich.table import Table
+    table = Table(title="request lengths (tokens; min / median / max)", title_justify="left")
+    for col in ("", "real", "synthetic"):
+        table.add_column(col, justify="left" if not col else "right")
+    real = (result.real_prompt_lens, result.decode_lens)
+    synthetic = (config.prompts(), config.decodes())
+    table.add_row("requests", f"{len(real[0]):,}", f"{len(synthetic[0]):,}")
+    table.add_row("prompt", _min_median_max(real[0]), _min_median_max(synthetic[0]))
+    table.add_row("decode", _min_median_max(real[1]), _min_median_max(synthetic[1]))
+    table.add_row("tokens in all", f"{sum(real[0]) + sum(real[1]):,}", f"{sum(synthetic[0]) + sum(synthetic[1]):,}")
+    console.print(table)
+
+
+def _min_median_max(values: list[int]) -> str:
+    import statistics
+    median = statistics.median(values)
+    shown = f"{median:,.0f}" if float(median).is_integer() else f"{median:,.1f}"
+    return f"{min(values):,} / {shown} / {max(values):,}"
 
 
 def _fit(real: str, seed: int):

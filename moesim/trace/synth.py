@@ -27,14 +27,17 @@ Routing model. For request r, token t and MoE layer l the router logit of expert
   the near-misses a real predictor makes.
 
 Schedule: requests are served in groups of ``batch``: one prefill step per request
-(all ``prompt_len`` tokens), then ``decode_len`` decode steps holding one token of
-every request in the group. Every request draws from its own random stream seeded
-by (seed, request), so output is byte-identical for a seed.
+(all its prompt tokens: ``prompt_len``, or its entry of ``prompt_lens``), then decode
+steps holding one token of every request in the group that is still decoding (its
+``decode_len``, or its entry of ``decode_lens``). Every request draws from its own
+random stream seeded by (seed, request), so output is byte-identical for a seed.
 
 Default parameters come from the calibration logs only (see ``synth_params._ANCHORS``).
 :func:`fit_params` (``moesim trace synth --fit REAL.parquet``) fits them to any
 real trace instead: skew, previous-token reuse, co-activation and the top-1
-gate weight share, each by bisection on the parameter that drives it.
+gate weight share, each by bisection on the parameter that drives it, on
+candidate traces with the real requests' prompt and decode lengths
+(:func:`request_lengths`), which the trace written then takes.
 """
 
 from __future__ import annotations
@@ -309,7 +312,8 @@ FIT_TARGETS = (("coactivation_top4_share", "cluster_strength"), ("weight_top1_sh
 FIT_RANGES = {"skew": (0.0, 4.0), "token_corr": (0.0, 0.99), "cluster_strength": (0.0, 8.0),
               "score_scale": (0.02, 12.0), "request_bias": (0.0, 3.0)}
 #: tokens of the candidate traces the fit compares (a longer real trace is matched in proportions, scaled
-#: down, to keep the fit quick; the fitted shape, :attr:`FitResult.shape`, stays the real trace's)
+#: down, to keep the fit quick; the fitted lengths, :attr:`FitResult.prompt_lens` and ``decode_lens``, stay the
+#: real trace's)
 FIT_MAX_TOKENS = 1024
 
 
@@ -318,13 +322,20 @@ class FitResult:
     """Parameters fitted to a real trace, with the statistics they reach against the real ones."""
 
     params: SynthParams
-    #: requests, prompt_len, decode_len and batch of the real trace (per request, rounded; never scaled down,
-    #: whatever the candidate traces the fit compared held, see :func:`fit_shape`)
+    #: requests, prompt_len, decode_len and batch of the real trace (means per request, rounded; never scaled
+    #: down, whatever the candidate traces the fit compared held, see :func:`fit_lengths`)
     shape: dict[str, int]
     target: dict[str, float]
     fitted: dict[str, float]
     evaluations: int
     notes: list[str] = field(default_factory=list)
+    #: prompt tokens of each real request in order of request id, as logged (0: no prefill row)
+    real_prompt_lens: list[int] = field(default_factory=list)
+    #: prompt tokens of each synthetic request: the real ones, a request without prompt given the mean prompt
+    #: (see :func:`filled_prompts`)
+    prompt_lens: list[int] = field(default_factory=list)
+    #: decode tokens of each real request in order of request id
+    decode_lens: list[int] = field(default_factory=list)
 
     def relative_errors(self) -> dict[str, float]:
         return {k: abs(self.fitted[k] - v) / abs(v) for k, v in self.target.items() if v and k in self.fitted}
@@ -333,6 +344,43 @@ class FitResult:
         """The fitted parameters as ``--set`` strings."""
         return {k: str(v).lower() if isinstance(v, bool) else str(v)
                 for k, v in dataclasses.asdict(self.params).items()}
+
+    def lengths(self, requests: int) -> tuple[list[int], list[int]]:
+        """Prompt and decode tokens of ``requests`` synthetic requests: the real requests' in order, taken
+        again from the first when more are asked for (as ``serve-sim`` draws requests from a trace)."""
+        return _repeated(self.prompt_lens, requests), _repeated(self.decode_lens, requests)
+
+
+def _repeated(values: list[int], count: int) -> list[int]:
+    return [values[i % len(values)] for i in range(count)]
+
+
+def request_lengths(path: Path | str) -> tuple[list[int], list[int]]:
+    """Prompt and decode tokens of each request of a trace, in order of request id (the order ``serve-sim``
+    takes them in): its distinct positions of each phase, over every layer logged (a token one layer's log
+    dropped is still counted from the others)."""
+    from moesim.trace.io import _open, _phase_codes
+    keys = []
+    for batch in _open(path).iter_batches(columns=["request", "position", "phase"], batch_size=1 << 20):
+        request = batch.column("request").to_numpy().astype(np.int64)
+        position = batch.column("position").to_numpy().astype(np.int64)
+        decode = (_phase_codes(batch.column("phase")) != 0).astype(np.int64)
+        keys.append(np.unique((request << 33) | (position << 1) | decode))  # positions are int32, >= 0
+    tokens = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+    request, decode = tokens >> 33, tokens & 1
+    ids = np.unique(request)
+    prompts = np.bincount(np.searchsorted(ids, request[decode == 0]), minlength=len(ids))
+    decodes = np.bincount(np.searchsorted(ids, request[decode == 1]), minlength=len(ids))
+    return prompts.tolist(), decodes.tolist()
+
+
+def filled_prompts(prompts: list[int]) -> list[int]:
+    """Real prompt lengths for synthetic requests. A request without prefill rows had its prompt left out of
+    the trace (no request runs on an empty prompt), so it gets the mean of the prompts logged (rounded, as
+    :func:`trace_shape`'s prompt_len), or 1 token, the generator's shortest, when none was."""
+    logged = [n for n in prompts if n > 0]
+    mean = max(1, round(sum(logged) / len(logged))) if logged else 1
+    return [n if n > 0 else mean for n in prompts]
 
 
 def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
@@ -352,43 +400,47 @@ def trace_shape(stats: Mapping[str, Any]) -> dict[str, int]:
             "decode_len": round(decode / requests), "batch": min(batch, requests)}
 
 
-def fit_shape(shape: Mapping[str, int]) -> dict[str, int]:
-    """The shape of the candidate traces a fit compares: ``shape`` itself, or, beyond
-    :data:`FIT_MAX_TOKENS` tokens in all, its prompt and decode lengths scaled down in proportion (the same
-    requests and batch, fewer tokens per request)."""
-    scaled = dict(shape)
-    total = shape["requests"] * (shape["prompt_len"] + shape["decode_len"])
-    if total > FIT_MAX_TOKENS:
-        scale = FIT_MAX_TOKENS / total
-        scaled["prompt_len"] = max(1, round(shape["prompt_len"] * scale))
-        scaled["decode_len"] = round(shape["decode_len"] * scale)
-    return scaled
+def fit_lengths(prompts: list[int], decodes: list[int]) -> tuple[list[int], list[int]]:
+    """The request lengths of the candidate traces a fit compares: ``prompts`` and ``decodes`` themselves, or,
+    beyond :data:`FIT_MAX_TOKENS` tokens in all, each scaled down in proportion (the same requests, batch and
+    spread of lengths, fewer tokens per request; every prompt keeps at least 1 token)."""
+    total = sum(prompts) + sum(decodes)
+    if total <= FIT_MAX_TOKENS:
+        return list(prompts), list(decodes)
+    scale = FIT_MAX_TOKENS / total
+    return [max(1, round(n * scale)) for n in prompts], [round(n * scale) for n in decodes]
 
 
-def _scaling_notes(shape: Mapping[str, int], compared: Mapping[str, int]) -> list[str]:
+def _spread(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+
+def _scaling_notes(prompts: list[int], decodes: list[int], compared: tuple[list[int], list[int]]) -> list[str]:
     """What the fit compared when the real trace is too long to draw candidates of its length quickly."""
-    if compared == shape:
+    if compared == (prompts, decodes):
         return []
-    note = (f"the candidate traces the fit compared have {compared['prompt_len']:,}-token prompts and "
-            f"{compared['decode_len']:,} decode tokens per request, the real trace's {shape['prompt_len']:,} and "
-            f"{shape['decode_len']:,} scaled down to {FIT_MAX_TOKENS:,} tokens in all to keep the fit quick; "
-            "the fitted prompt_len and decode_len are the real trace's")
+    note = (f"the candidate traces the fit compared have the real requests' lengths scaled down to "
+            f"{FIT_MAX_TOKENS:,} tokens in all to keep the fit quick: prompts of {_spread(compared[0])} tokens and "
+            f"{_spread(compared[1])} decode tokens per request, for the real {_spread(prompts)} and "
+            f"{_spread(decodes)}; the trace written has the real lengths")
     return [note]
 
 
-def _prompt_notes(stats: Mapping[str, Any]) -> list[str]:
-    """What the fitted prompt length stands for when some of the trace's requests have no prompt."""
-    requests, prompted = int(stats["requests"]), int(stats["requests_with_prompt"])
-    if prompted == requests:
+def _prompt_notes(real_prompts: list[int], prompts: list[int]) -> list[str]:
+    """What a synthetic request's prompt stands for when its real request has none."""
+    requests, missing = len(real_prompts), [r for r, n in enumerate(real_prompts) if n == 0]
+    if not missing:
         return []
-    if not prompted:
+    if len(missing) == requests:
         return [f"none of the trace's {requests} requests has a prompt (0 prefill tokens): the synthetic requests "
                 "get a 1-token prompt, the shortest the generator writes"]
-    mean = round(int(stats["tokens_by_phase"]["prefill"]) / prompted)
     have = {True: "has", False: "have"}
-    return [f"{requests - prompted} of the trace's {requests} requests {have[requests - prompted == 1]} no prompt "
-            f"(0 prefill tokens): prompt_len is the mean prompt of the {prompted} that {have[prompted == 1]} one "
-            f"({mean} tokens), and every synthetic request gets a prompt"]
+    prompted = requests - len(missing)
+    theirs = "its synthetic request gets" if len(missing) == 1 else "their synthetic requests get"
+    return [f"{len(missing)} of the trace's {requests} requests {have[len(missing) == 1]} no prompt (0 prefill "
+            f"tokens): {theirs} the mean prompt of the {prompted} that {have[prompted == 1]} one "
+            f"({prompts[missing[0]]} tokens); every other request keeps its own prompt length"]
 
 
 def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> SynthParams:
@@ -422,8 +474,10 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     (relative) or ``rounds`` rounds have run. Every candidate is judged on a trace drawn with the same ``seed``,
     so the comparison is between parameters, not draws. When the trace is less skewed than the
     generator at zero static skew, ``request_bias`` is lowered instead. Predictor recalls are copied from
-    the real trace's measured recalls; the weight convention from its metadata. ``progress`` is called
-    with the parameter being fitted after each candidate trace.
+    the real trace's measured recalls; the weight convention from its metadata. The candidates have the real
+    requests' lengths (:func:`fit_lengths`: scaled down in proportion past :data:`FIT_MAX_TOKENS`), since a few
+    long requests weigh more in the statistics than many short ones. ``progress`` is called with the parameter
+    being fitted after each candidate trace.
     """
 
     from moesim.trace.stats import trace_stats
@@ -432,7 +486,9 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     meta = read_meta(real)
     model = meta.model
     shape = trace_shape(real_stats)
-    compared = fit_shape(shape)  # the candidates' shape: a long trace's lengths scaled down
+    real_prompts, decodes = request_lengths(real)
+    prompts = filled_prompts(real_prompts)
+    compared = fit_lengths(prompts, decodes)  # the candidates' lengths: a long trace's scaled down
     base = SynthParams.for_model(model)
     base.renormalize = bool(real_stats.get("weights_renormalized", base.renormalize))
     for column, recall in real_stats["predictor_recall"].items():
@@ -445,8 +501,8 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
         notes.append(f"the trace logs {len(logged)} of the model's {model.num_layers} MoE layers: the fit matches "
                      f"their statistics with the mean over all {model.num_layers} synthetic layers, so how skew grows "
                      "from the first layer to the last (skew_first, skew_last) is not what the trace shows")
-    notes.extend(_prompt_notes(real_stats))
-    notes.extend(_scaling_notes(shape, compared))
+    notes.extend(_prompt_notes(real_prompts, prompts))
+    notes.extend(_scaling_notes(prompts, decodes, compared))
     evaluations = 0
     _remove_dead_fits()
     with tempfile.TemporaryDirectory(prefix=f"{FIT_FOLDER_PREFIX}{os.getpid()}-") as folder:
@@ -456,7 +512,8 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
             if progress is not None:
                 progress(name)
             candidate = dataclasses.replace(params, predictors=False)
-            config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, **compared)
+            config = SynthConfig(model=model, seed=seed, scores=False, params=candidate, requests=len(prompts),
+                                 batch=shape["batch"], prompt_lens=compared[0], decode_lens=compared[1])
             return trace_stats(synthesize(config, Path(folder) / f"fit-{evaluations}.parquet"), validate=False)
 
         def bisect(params: SynthParams, name: str, stat: str) -> SynthParams:
@@ -490,9 +547,9 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
             notes.append(f"{stat}: {fitted[stat]:.3f} against {target[stat]:.3f}, {off:.1%} off (the fit stops at "
                          f"{tolerance:.0%}; {name} at the end of its range or held back by the other parameters)")
     return FitResult(params=params, shape=shape, target=target, fitted=fitted, evaluations=evaluations,
-                     notes=notes)
+                     notes=notes, real_prompt_lens=real_prompts, prompt_lens=prompts, decode_lens=decodes)
 
 
 __all__ = ["CHUNK_ELEMENTS", "FIT_MAX_TOKENS", "FIT_RANGES", "FIT_TARGETS", "LOGIT_LIMIT", "PARAM_RANGES", "FitResult",
-           "SynthConfig", "SynthParams", "anchor_defaults", "default_renormalized", "fit_params", "fit_shape",
-           "synth_rows", "synthesize", "trace_shape"]
+           "SynthConfig", "SynthParams", "anchor_defaults", "default_renormalized", "filled_prompts", "fit_lengths",
+           "fit_params", "request_lengths", "synth_rows", "synthesize", "trace_shape"]

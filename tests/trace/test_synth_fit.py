@@ -62,16 +62,19 @@ def test_shape_of_a_trace():
     assert trace_shape(batched)["batch"] == 4
     long = {"requests": 1, "tokens_by_phase": {"prefill": 4000, "decode": 4000}, "steps": {"decode": 4000}}
     assert trace_shape(long) == {"requests": 1, "prompt_len": 4000, "decode_len": 4000, "batch": 1}  # unscaled
-    from moesim.trace.synth import fit_shape
-    shape = fit_shape(trace_shape(long))  # what the fit's candidate traces hold: scaled down, proportions kept
-    assert shape["prompt_len"] == shape["decode_len"] == 512
+    from moesim.trace.synth import fit_lengths
+    # what the fit's candidate traces hold: each request scaled down to 1,024 tokens in all, proportions kept
+    assert fit_lengths([4000], [4000]) == ([512], [512])
+    # x 1024/1300: 600 -> 472.6, 400 -> 315.1, 200 -> 157.5 (rounds to even), 100 -> 78.8
+    assert fit_lengths([600, 400], [200, 100]) == ([473, 315], [158, 79])
+    assert fit_lengths([1, 30], [0, 2]) == ([1, 30], [0, 2])  # within 1,024 tokens: as they are
 
 
 def test_cli_fit_to_a_long_trace_writes_the_real_lengths(tmp_path, capsys, monkeypatch):
-    """Two requests of 600 + 200 and 400 + 100 tokens: prompt_len (600 + 400) / 2 = 500, decode_len
-    (200 + 100) / 2 = 150, 2 x 650 = 1,300 tokens. The fit compares candidates scaled to 1,024 tokens,
-    x 1024/1300: prompts 393.8 -> 394, decodes 118.2 -> 118; the trace written has the real lengths,
-    2 x 500 = 1,000 prompt and 2 x 150 = 300 decode tokens (it had 788 and 236, the candidates' shape)."""
+    """Two requests of 600 + 200 and 400 + 100 tokens, 1,300 tokens. The fit compares candidates scaled to 1,024
+    tokens, x 1024/1300: prompts 473 and 315, decodes 158 and 79; the trace written has the real lengths,
+    request by request (it had 788 and 236 tokens, the candidates' shape, then the means 500 and 150 for
+    every request)."""
     import functools
 
     import numpy as np
@@ -91,16 +94,15 @@ def test_cli_fit_to_a_long_trace_writes_the_real_lengths(tmp_path, capsys, monke
     stats = trace_stats(out)
     assert (stats["requests"], stats["tokens_by_phase"]) == (2, {"prefill": 1000, "decode": 300})
     assert trace_shape(trace_stats(real)) == {"requests": 2, "prompt_len": 500, "decode_len": 150, "batch": 1}
-    assert ("note: the candidate traces the fit compared have 394-token prompts and 118 decode tokens per "
-            "request, the real trace's 500 and 150 scaled down to 1,024 tokens in all to keep the fit quick; the "
-            "fitted prompt_len and decode_len are the real trace's") in printed
-    from moesim.trace.synth import fit_shape
-    assert fit_shape(trace_shape(trace_stats(real))) == {"requests": 2, "prompt_len": 394, "decode_len": 118,
-                                                         "batch": 1}
-    # a length given on the command line still wins over the fitted one
+    assert ("note: the candidate traces the fit compared have the real requests' lengths scaled down to 1,024 "
+            "tokens in all to keep the fit quick: prompts of 315-473 tokens and 79-158 decode tokens per request, "
+            "for the real 400-600 and 100-200; the trace written has the real lengths") in printed
+    from tests.trace.test_synth_lengths import tokens_by_request
+    assert tokens_by_request(out) == {0: {"prefill": 600, "decode": 200}, 1: {"prefill": 400, "decode": 100}}
+    # a length given on the command line still wins over the fitted one, the other stays each request's own
     assert main(["trace", "synth", "--fit", str(real), "--no-scores", "--prompt-len", "20", "--out",
                  str(out)]) == 0
-    assert trace_stats(out)["tokens_by_phase"] == {"prefill": 40, "decode": 300}
+    assert tokens_by_request(out) == {0: {"prefill": 20, "decode": 200}, 1: {"prefill": 20, "decode": 100}}
 
 
 @pytest.mark.slow
@@ -143,8 +145,9 @@ def test_a_fit_to_a_trace_of_some_layers_says_what_it_could_not_see(tmp_path):
 def test_requests_without_a_prompt_are_left_out_of_the_prompt_length(tmp_path):
     """Prompts of 10 and 20 tokens and one request logged from its decode only (no prefill rows): the prompt
     length is (10 + 20) / 2 = 15, not (10 + 0 + 20) / 3 = 10 as before. Decode stays the mean over every
-    request, (2 + 3 + 1) / 3 = 2: a request that decoded 1 token did decode it. The fit says what its prompt
-    length stands for; a trace with no prompt at all gets the generator's shortest, 1 token, and says so."""
+    request, (2 + 3 + 1) / 3 = 2: a request that decoded 1 token did decode it. Per request, the one without a
+    prompt gets that mean, 15, the others their own 10 and 20, and every request its own decode, 2, 3 and 1.
+    The fit says so; a trace with no prompt at all gets the generator's shortest, 1 token, and says so."""
     from tests.factories import tiny_model, write_partial_trace, write_tiny_trace
     model = tiny_model(layers=2, experts=4, top_k=2)
 
@@ -160,16 +163,19 @@ def test_requests_without_a_prompt_are_left_out_of_the_prompt_length(tmp_path):
     assert stats["tokens_by_phase"] == {"prefill": 30, "decode": 6}
     assert trace_shape(stats) == {"requests": 3, "prompt_len": 15, "decode_len": 2, "batch": 2}
     assert (stats["requests"], stats["requests_with_prompt"]) == (3, 2)
-    assert ("1 of the trace's 3 requests has no prompt (0 prefill tokens): prompt_len is the mean prompt of the 2 "
-            "that have one (15 tokens), and every synthetic request gets a prompt") in fit_params(real, rounds=1,
-                                                                                                   steps=1).notes
+    result = fit_params(real, rounds=1, steps=1)
+    assert ("1 of the trace's 3 requests has no prompt (0 prefill tokens): its synthetic request gets the mean "
+            "prompt of the 2 that have one (15 tokens); every other request keeps its own prompt length") in result.notes
+    assert (result.real_prompt_lens, result.prompt_lens, result.decode_lens) == ([10, 0, 20], [10, 15, 20], [2, 3, 1])
     # the bundled trace: HumanEval/1 was logged from its decode only (traces/README.md), HumanEval/0's prompt is 135
     assert trace_shape(trace_stats(REAL))["prompt_len"] == 135
     decode_only = write_partial_trace(tmp_path / "decode.parquet", [0, 1, 2], steps=3, requests=2)
     stats = trace_stats(decode_only)
     assert stats["requests_with_prompt"] == 0 and trace_shape(stats)["prompt_len"] == 1
+    result = fit_params(decode_only, rounds=1, steps=1)
     assert ("none of the trace's 2 requests has a prompt (0 prefill tokens): the synthetic requests get a 1-token "
-            "prompt, the shortest the generator writes") in fit_params(decode_only, rounds=1, steps=1).notes
+            "prompt, the shortest the generator writes") in result.notes
+    assert (result.real_prompt_lens, result.prompt_lens, result.decode_lens) == ([0, 0], [1, 1], [3, 3])
 
 
 def test_fit_to_a_malformed_trace_is_one_error_line_and_writes_nothing(tmp_path, capsys):

@@ -123,3 +123,125 @@ def test_bad_length_lists_are_config_errors(prompt_lens, decode_lens, field, wor
     with pytest.raises(ConfigError, match=words) as raised:
         SynthConfig.from_settings(model="mixtral-8x7b", requests=3, prompt_lens=prompt_lens, decode_lens=decode_lens)
     assert raised.value.field == field
+
+
+# ----------------------------------------------------------------------------- command line
+def synth(tmp_path, *args: str) -> int:
+    return main(["trace", "synth", "--model", "mixtral-8x7b", "--no-scores", *args, "--out",
+                 str(tmp_path / "out.parquet")])
+
+
+def test_cli_takes_a_length_per_request_from_a_list_or_a_file(tmp_path):
+    assert synth(tmp_path, "--prompt-lens", "5,1,9", "--decode-lens", "2, 0, 4", "--batch", "2") == 0
+    out = tmp_path / "out.parquet"
+    assert tokens_by_request(out) == {0: {"prefill": 5, "decode": 2}, 1: {"prefill": 1, "decode": 0},
+                                      2: {"prefill": 9, "decode": 4}}  # 3 requests: the lists' count
+    (tmp_path / "decodes.txt").write_text("2\n0\n4\n")
+    assert synth(tmp_path, "--prompt-len", "3", "--decode-lens", f"@{tmp_path / 'decodes.txt'}") == 0
+    assert tokens_by_request(out) == {0: {"prefill": 3, "decode": 2}, 1: {"prefill": 3, "decode": 0},
+                                      2: {"prefill": 3, "decode": 4}}
+
+
+@pytest.mark.parametrize("args, field, words", [
+    (["--prompt-lens", "5,-1,9"], "--prompt-lens", "entry 2 is -1, below 1"),
+    (["--prompt-lens", "5,0,9"], "--prompt-lens", "entry 2 is 0, below 1"),
+    (["--decode-lens", "2,-3"], "--decode-lens", "entry 2 is -3, below 0"),
+    (["--prompt-lens", "5,1.5,9"], "--prompt-lens", "entry 2 is not a whole number: '1.5'"),
+    (["--decode-lens", "2,x"], "--decode-lens", "entry 2 is not a whole number: 'x'"),
+    (["--prompt-lens", "5,,9"], "--prompt-lens", "entry 2 is not a whole number: ''"),
+    (["--prompt-lens", ""], "--prompt-lens", "is empty"),
+    (["--requests", "3", "--prompt-lens", "5,1"], "--prompt-lens", "has 2 entries for --requests 3"),
+    (["--prompt-lens", "5,1,9", "--decode-lens", "2,0"], "--decode-lens", "has 2 entries, --prompt-lens 3"),
+    (["--prompt-lens", "5,1", "--prompt-len", "4"], "--prompt-lens", "given with --prompt-len"),
+    (["--decode-lens", "@missing.txt"], "--decode-lens", "cannot read missing.txt"),
+])
+def test_cli_refuses_a_bad_length_list_in_one_line(tmp_path, capsys, args, field, words):
+    assert synth(tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"field '{field}'" in err and words in err and "(fix: " in err
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_synth_help_describes_the_length_lists():
+    from click.testing import CliRunner
+
+    from moesim.cli.app import cli
+    text = " ".join(CliRunner().invoke(cli, ["trace", "synth", "--help"]).output.split())
+    assert "--prompt-lens" in text and "--decode-lens" in text and "12,300,40" in text and "@FILE" in text
+
+
+# ----------------------------------------------------------------------------- fitted lengths
+@pytest.fixture
+def quick_fit(monkeypatch):
+    """One bisection step of each parameter: the lengths are the point here, not the fit's quality."""
+    import functools
+
+    import moesim.trace.synth
+    monkeypatch.setattr(moesim.trace.synth, "fit_params",
+                        functools.partial(moesim.trace.synth.fit_params, rounds=1, steps=1))
+
+
+def real_trace(tmp_path, lengths: list[tuple[int, int]]):
+    from tests.factories import tiny_model, write_tiny_trace
+    from tests.sim.test_serving import request_routing
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    return write_tiny_trace(tmp_path / "real.parquet", model,
+                            request_routing(np.random.default_rng(0), model, lengths))
+
+
+def table_text(printed: str) -> str:
+    """Printed tables as one line of words, their rules left out."""
+    return " ".join(printed.replace("│", " ").replace("┃", " ").split())
+
+
+def test_a_fit_takes_the_real_requests_lengths_in_order(tmp_path, capsys, quick_fit):
+    """Real requests of 5 + 3, 1 + 0 and 9 + 6 tokens: the synthetic ones have exactly those, not the means
+    (5 + 3 each), and the fit prints both distributions."""
+    real = real_trace(tmp_path, [(5, 3), (1, 0), (9, 6)])
+    out = tmp_path / "like.parquet"
+    assert main(["trace", "synth", "--fit", str(real), "--no-scores", "--out", str(out)]) == 0
+    expected = {0: {"prefill": 5, "decode": 3}, 1: {"prefill": 1, "decode": 0}, 2: {"prefill": 9, "decode": 6}}
+    assert tokens_by_request(out) == tokens_by_request(real) == expected
+    printed = table_text(capsys.readouterr().out)
+    assert "request lengths (tokens; min / median / max)" in printed
+    for row in ("requests 3 3", "prompt 1 / 5 / 9 1 / 5 / 9", "decode 0 / 3 / 6 0 / 3 / 6", "tokens in all 24 24"):
+        assert row in printed, (row, printed)
+    source = read_meta(out).source
+    assert (source["prompt_lens"], source["decode_lens"], source["batch"]) == ([5, 1, 9], [3, 0, 6], 1)
+
+
+def test_lengths_given_with_a_fit_win_and_more_requests_repeat_the_real_ones(tmp_path, capsys, quick_fit):
+    real = real_trace(tmp_path, [(5, 3), (1, 0), (9, 6)])
+    out = tmp_path / "like.parquet"
+    args = ["trace", "synth", "--fit", str(real), "--no-scores", "--out", str(out)]
+    assert main([*args, "--prompt-lens", "2,4,6"]) == 0  # the decodes stay the real ones
+    assert tokens_by_request(out) == {0: {"prefill": 2, "decode": 3}, 1: {"prefill": 4, "decode": 0},
+                                      2: {"prefill": 6, "decode": 6}}
+    assert main([*args, "--requests", "5"]) == 0  # requests 3 and 4 are the real 0 and 1 again
+    assert [(n["prefill"], n["decode"]) for n in tokens_by_request(out).values()] == \
+        [(5, 3), (1, 0), (9, 6), (5, 3), (1, 0)]
+    assert main([*args, "--decode-len", "2"]) == 0
+    assert [(n["prefill"], n["decode"]) for n in tokens_by_request(out).values()] == [(5, 2), (1, 2), (9, 2)]
+    capsys.readouterr()
+
+
+def test_a_real_request_without_a_prompt_gets_the_mean_prompt(tmp_path, capsys, quick_fit):
+    """Request 1 was logged from its decode only (positions 0-3, no prefill rows): its prompt was left out of
+    the trace, not empty, so its synthetic request gets the mean of the logged prompts, (4 + 8) / 2 = 6;
+    the others keep theirs, every decode its own. The real column shows the 0 logged."""
+    from tests.factories import tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=4, top_k=2)
+
+    def routed(n: int) -> list[list[list[int]]]:
+        return [[[0, 1]] * n for _ in range(model.num_layers)]
+    steps = [{"phase": "prefill", "tokens": {0: (0, routed(4))}}, {"phase": "decode", "tokens": {0: (4, routed(2))}},
+             {"phase": "decode", "tokens": {1: (0, routed(4))}},
+             {"phase": "prefill", "tokens": {2: (0, routed(8))}}, {"phase": "decode", "tokens": {2: (8, routed(1))}}]
+    real = write_tiny_trace(tmp_path / "real.parquet", model, steps)
+    out = tmp_path / "like.parquet"
+    assert main(["trace", "synth", "--fit", str(real), "--no-scores", "--out", str(out)]) == 0
+    assert [(n["prefill"], n["decode"]) for n in tokens_by_request(out).values()] == [(4, 2), (6, 4), (8, 1)]
+    printed = table_text(capsys.readouterr().out)
+    assert "prompt 0 / 4 / 8 4 / 6 / 8" in printed and "decode 1 / 2 / 4 1 / 2 / 4" in printed
+    assert "1 of the trace's 3 requests has no prompt" in printed
