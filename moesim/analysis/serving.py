@@ -185,11 +185,13 @@ def write_requests(frame: Any, path: str | os.PathLike) -> None:
 
 
 def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric: str = "ttft_ms",
-                        title: str | None = None, hw: str | None = None) -> Any:
+                        title: str | None = None, hw: str | None = None, setting: str = "") -> Any:
     """p50/p90/p99 of ``metric`` against offered QPS, one colour per system (rows: serving_metrics dicts,
     ``moesim.serve`` runs or a frame). Drawn without pyplot (a notebook's backend and figures are left alone);
     displays as a PNG. The legend, right of the axes, gives each system's colour and each percentile's line
-    style apart (nine system-and-percentile entries inside the axes covered the lines)."""
+    style apart (nine system-and-percentile entries inside the axes covered the lines). Runs that differ in
+    another parameter (a sweep's traces or schedulers) are averaged per system and rate, and the title says
+    over which; ``setting`` (a line under the title) says what the runs drawn share."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.lines import Line2D
 
@@ -202,7 +204,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
                           field="rows", fix="give runs with workload.arrival=poisson or gamma, or draw each "
                                             "run's requests (plot_requests)")
     requests = frame["requests"].dropna().unique() if "requests" in frame.columns else []
-    # points that differ in anything else (hardware, seeds) are averaged per system and rate
+    # points that differ in anything else (traces, schedulers, hardware, seeds) are averaged per system and rate
+    averaged = averaged_parameters(frame)
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
     fig = DisplayFigure(figsize=(7.6, 4.2), layout="constrained")
     FigureCanvasAgg(fig)  # fit_width measures the title
@@ -232,7 +235,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
         each = f", {int(requests[0]):,} requests a run" if len(requests) == 1 else ""
         where = f" on {hw}" if hw else ""  # the rows do not say which profile served them
         title = f"{short} per request vs arrival rate{where}{each}: p50, p90, p99 per system"
-    fit_width(fig, ax.set_title(title, loc="left", fontsize=10))
+    note = "; ".join(part for part in (setting, f"mean over {', '.join(averaged)}" if averaged else "") if part)
+    fit_width(fig, ax.set_title(title + (f"\n{note}" if note else ""), loc="left", fontsize=10))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -364,15 +368,31 @@ def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str
     return out
 
 
+def averaged_parameters(frame: Any) -> list[str]:
+    """The parameters other than the system and the rate in which ``frame``'s runs differ."""
+    from moesim.analysis.sweep_results import parameter_columns, varying
+    return [c for c in varying(frame, parameter_columns(frame)) if c not in ("system", "qps", "workload.qps")]
+
+
 def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
-    """The report's figures for a sweep of serving runs: name -> (figure, caption)."""
+    """The report's figures for a sweep of serving runs: name -> (figure, caption). One figure per metric and
+    setting of the parameters other than the system, the rate and the seed (trace, profile, scheduler, ...):
+    averaged together, a Mixtral trace's latencies and a small model's made one line of neither."""
     out = {}
     if not serving_frame(frame)["qps"].notna().any():
         return {"latency_vs_qps": (None, "no latency against the arrival rate: no run has one (closed-loop "
                                          "clients or an arrival log)")}
+    split = [c for c in averaged_parameters(frame) if c != "seed"]
+    groups = list(frame.groupby(split, sort=True, dropna=False)) if split else [((), frame)]
+    hw = str(frame["hw"].iloc[0]) if "hw" in frame.columns and "hw" not in split else None
     for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
                          ("e2e_ms", "end-to-end latency")):
-        fig = plot_latency_vs_qps(frame, metric=metric)
-        out[f"{metric}_vs_qps"] = (fig, f"{what.capitalize()} per request against the arrival rate: p50 solid, "
-                                   "p90 dashed, p99 dotted, one colour per system.")
+        for i, (key, group) in enumerate(groups):
+            values = key if isinstance(key, tuple) else (key,)
+            setting = ", ".join(f"{c} = {os.path.basename(str(v)) if c == 'trace' else v}"
+                                for c, v in zip(split, values))
+            fig = plot_latency_vs_qps(group, metric=metric, hw=hw, setting=setting)
+            out[f"{metric}_vs_qps" + (f"_{i}" if split else "")] = (
+                fig, f"{what.capitalize()} per request against the arrival rate: p50 solid, p90 dashed, p99 "
+                     f"dotted, one colour per system{f' ({setting})' if setting else ''}.")
     return out

@@ -156,3 +156,32 @@ def test_the_latency_figure_and_the_slo_search_take_serve_runs_and_name_a_wrong_
         with pytest.raises(ConfigError) as err:
             call()
         assert err.value.field == field and words in str(err.value)
+
+
+def test_runs_of_other_settings_are_drawn_apart_in_the_report_and_named_when_averaged():
+    """A sweep over two traces and two schedulers was averaged into one line per system, the figure not saying
+    so: a Mixtral trace's TTFT and a small model's made one line of neither."""
+    import pandas as pd
+
+    from moesim.analysis.serving import serving_figures
+    frame = pd.DataFrame([{**row, "trace": f"traces/{trace}.parquet", "hw": "rtx4090", "scheduler": scheduler,
+                           "workload.qps": row["qps"], "tpot_ms_p50": 1.0, "tpot_ms_p90": 1.0, "tpot_ms_p99": 1.0,
+                           "e2e_ms_p50": 1.0, "e2e_ms_p90": 1.0, "e2e_ms_p99": 1.0}
+                          for trace, scale in (("big", 100.0), ("small", 1.0)) for scheduler in ("sarathi", "vllm")
+                          for row in rows(["cpu-only"], 10.0 * scale, 20.0 * scale)])
+    fig = plot_latency_vs_qps(frame)
+    try:
+        assert "mean over trace, scheduler" in fig.axes[0].get_title(loc="left")
+    finally:
+        plt.close(fig)
+    figures = serving_figures(frame)
+    try:
+        assert len(figures) == 3 * 4
+        fig, caption = figures["ttft_ms_vs_qps_3"]
+        assert caption.endswith("(trace = small.parquet, scheduler = vllm).")
+        title = fig.axes[0].get_title(loc="left")
+        assert "on rtx4090" in title and "trace = small.parquet, scheduler = vllm" in title and "mean" not in title
+        assert max(fig.axes[0].get_lines()[0].get_ydata()) < 30  # the small trace's alone
+    finally:
+        for fig, _ in figures.values():
+            plt.close(fig)
