@@ -365,9 +365,10 @@ def request_lengths(path: Path | str) -> tuple[list[int], list[int]]:
         request = batch.column("request").to_numpy().astype(np.int64)
         position = batch.column("position").to_numpy().astype(np.int64)
         decode = (_phase_codes(batch.column("phase")) != 0).astype(np.int64)
-        keys.append(np.unique((request << 33) | (position << 1) | decode))  # positions are int32, >= 0
+        # one int64 per token: int32 request in the high 32 bits, position (int32, >= 0) and phase below
+        keys.append(np.unique((request << 32) | (position << 1) | decode))
     tokens = np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
-    request, decode = tokens >> 33, tokens & 1
+    request, decode = tokens >> 32, tokens & 1
     ids = np.unique(request)
     prompts = np.bincount(np.searchsorted(ids, request[decode == 0]), minlength=len(ids))
     decodes = np.bincount(np.searchsorted(ids, request[decode == 1]), minlength=len(ids))

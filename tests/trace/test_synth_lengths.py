@@ -245,3 +245,17 @@ def test_a_real_request_without_a_prompt_gets_the_mean_prompt(tmp_path, capsys, 
     printed = table_text(capsys.readouterr().out)
     assert "prompt 0 / 4 / 8 4 / 6 / 8" in printed and "decode 1 / 2 / 4 1 / 2 / 4" in printed
     assert "1 of the trace's 3 requests has no prompt" in printed
+
+
+def test_request_lengths_of_a_trace_with_sparse_large_ids(tmp_path):
+    """Request ids as logged (here 7 and 2**31 - 1, positions up to 2**31 - 2) come back in order of id."""
+    from moesim.trace.synth import request_lengths
+    from tests.factories import tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    big = 2**31 - 1
+
+    def routed(n: int) -> list[list[list[int]]]:
+        return [[[0, 1]] * n for _ in range(model.num_layers)]
+    steps = [{"phase": "prefill", "tokens": {big: (0, routed(3))}}, {"phase": "prefill", "tokens": {7: (0, routed(2))}},
+             {"phase": "decode", "tokens": {7: (2, routed(1)), big: (2**31 - 2, routed(1))}}]
+    assert request_lengths(write_tiny_trace(tmp_path / "t.parquet", model, steps)) == ([2, 3], [1, 1])
