@@ -229,6 +229,10 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     values = values[np.isfinite(values) & (values > 0)]
     if values.size and values.max() > LOG_RATIO * values.min():  # log only where it spans a decade or more
         log_axis(ax)
+    rates = frame["qps"].to_numpy(dtype=float)
+    rates = rates[np.isfinite(rates) & (rates > 0)]
+    if rates.size and rates.max() > LOG_RATIO * rates.min():  # 0.01 to 4 req/s: the knee was a smear at x = 0
+        log_axis(ax, "x")
     ax.grid(True, alpha=0.3)
     fig.legend(handles, names, loc="outside right center", fontsize=8, frameon=False)
     if title is None:

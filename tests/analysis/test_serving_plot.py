@@ -185,3 +185,16 @@ def test_runs_of_other_settings_are_drawn_apart_in_the_report_and_named_when_ave
     finally:
         for fig, _ in figures.values():
             plt.close(fig)
+
+
+@pytest.mark.parametrize("rates, scale", [((0.05, 0.4), "linear"), ((0.01, 4.0), "log")])
+def test_the_rate_axis_is_logarithmic_only_across_a_decade(rates, scale):
+    """Rates from 0.01 to 4 req/s on a linear axis put every point below 0.5 req/s, where the latency of an
+    offloading system turns up, in a smear at its left edge."""
+    frame = [{**row, "qps": rates[int(row["qps"]) - 1]} for row in rows(["cpu-only"], 100.0, 200.0)]
+    fig = plot_latency_vs_qps(frame)
+    try:
+        assert fig.axes[0].get_xscale() == scale
+        assert fig.axes[0].get_xlabel() == "arrival rate (requests/s)" + (", log scale" if scale == "log" else "")
+    finally:
+        plt.close(fig)
