@@ -184,9 +184,10 @@ class ContinuousBatching(Scheduler):
         if self.priority not in ("prefill", "decode"):
             raise ConfigError(f"unknown priority '{self.priority}'", field="scheduler.priority",
                               fix="use prefill or decode")
-        if self.max_batch < 1 or self.max_tokens < 1 or self.chunk_tokens < 0:
-            raise ConfigError("scheduler limits must be positive", field="scheduler.max_batch",
-                              fix="use max_batch >= 1, max_tokens >= 1, chunk_tokens >= 0")
+        for key, least in (("max_batch", 1), ("max_tokens", 1), ("chunk_tokens", 0)):
+            if getattr(self, key) < least:  # the one out of range: max_tokens=0 was reported as max_batch
+                raise ConfigError(f"scheduler.{key}={getattr(self, key)} is out of range",
+                                  field=f"scheduler.{key}", fix=f"use {key} >= {least}")
 
     def check(self, request: Request) -> None:
         super().check(request)

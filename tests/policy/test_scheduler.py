@@ -170,3 +170,11 @@ def test_requests_that_could_never_run_are_refused():
     s.set_kv_tokens(5)
     with pytest.raises(ConfigError, match="KV cache"):
         s.check(req(0, 3, 3))
+
+
+@pytest.mark.parametrize("key, value", [("max_batch", "0"), ("max_tokens", "0"), ("chunk_tokens", "-1")])
+def test_a_limit_out_of_range_is_named(key, value):
+    """Every limit out of range was reported as field 'scheduler.max_batch', whichever it was."""
+    with pytest.raises(ConfigError) as err:
+        build_scheduler("sarathi", {key: value})
+    assert err.value.field == f"scheduler.{key}"
