@@ -60,6 +60,10 @@ class MissingColumnError(ConfigError):
     """A system that cannot run on a trace at all: it needs a trace column the trace lacks (``field``)."""
 
 
+class UnservableError(ConfigError):
+    """A system that cannot serve at all: a portfolio of schedules, or one that plans with the trace's future."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """"did you mean X? " for the choices ``name`` looks like a slip of (a prefix of them, the same letters
     with other separators, or a close spelling), "" when none does: the start of a fix that then lists

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from moesim.errors import MissingColumnError, MoesimError
+from moesim.errors import MissingColumnError, MoesimError, UnservableError
 from moesim.sweep.spec import Point
 
 #: called with each finished point's row
@@ -88,7 +88,7 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
             row.update(status="ok", error="", **flatten_metrics(m))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
         row.update(status="error", error=describe_error(err))
-        if isinstance(err, MissingColumnError):
+        if isinstance(err, (MissingColumnError, UnservableError)):  # left out when it came in through `all`
             row[UNRUNNABLE] = True
     row.update(point_wall_s=time.perf_counter() - started,
                finished_at=datetime.now(timezone.utc).isoformat(timespec="microseconds"),

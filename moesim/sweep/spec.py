@@ -361,7 +361,7 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         if any(is_serving_key(k) for k in settings):
             from moesim.sim.serving import check_servable  # a serving point
             settings = _reraise(lambda: split_settings(settings).replay, spec, None)  # the rest: replay settings
-            if point.system in spec.named:  # through `all`, a system that cannot serve fails its points only
+            if point.system in spec.named:  # through `all`, a system that cannot serve is left out of the sweep
                 _reraise(lambda: check_servable(point.system, settings), spec, "systems")
         system = point.system
         parsed = _reraise(lambda: parse_settings(settings), spec, None, system)
