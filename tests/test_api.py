@@ -599,3 +599,25 @@ def test_a_replay_has_one_row_per_step_and_saves_and_loads_whole(files, tmp_path
     assert "gpu_hit" not in bare.steps and moesim.load_replay(bare.save(tmp_path / "run")).timeline is None
     with pytest.raises(ConfigError, match="holds no saved replay"):
         moesim.load_replay(tmp_path)
+
+
+def test_a_saved_replay_of_the_wrong_kind_or_a_foreign_folder_is_one_line(files, tmp_path):
+    """save(5) and load_replay(5) raised pathlib's TypeError; a folder whose result.json another tool wrote, or
+    whose files were cut short, raised a JSONDecodeError, KeyError('system') or ArrowInvalid."""
+    trace, hw = files
+    run = moesim.replay(trace, hw=hw, timeline=False, decisions=False)
+    for call in (run.save, moesim.load_replay):
+        with pytest.raises(ConfigError, match="folder must be a folder's path, got 5") as err:
+            call(5)
+        assert err.value.field == "folder"
+    folder = tmp_path / "other"
+    folder.mkdir()
+    for text, words in (("{not json", "Expecting property name"), ('{"accuracy": 0.9}', "no 'system'")):
+        (folder / "result.json").write_text(text)
+        with pytest.raises(ConfigError, match="holds no replay that ReplayResult.save wrote") as err:
+            moesim.load_replay(folder)
+        assert words in str(err.value) and err.value.field == "folder"
+    run.save(folder)
+    (folder / "metrics.parquet").write_bytes(b"cut")
+    with pytest.raises(ConfigError, match="metrics.parquet"):
+        moesim.load_replay(folder)

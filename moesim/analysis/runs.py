@@ -72,7 +72,7 @@ class ReplayResult:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write this result to ``folder`` (made if need be): each frame as Parquet and ``result.json``;
         :func:`load_replay` reads it back. Files of a result saved there before are replaced."""
-        folder = Path(folder)
+        folder = checked_folder(folder)
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{folder} is a file", field="folder", fix="give a folder to save the result in")
         folder.mkdir(parents=True, exist_ok=True)
@@ -113,12 +113,26 @@ def _plain(value: Any) -> Any:
 def load_replay(folder: str | os.PathLike) -> ReplayResult:
     """The :class:`ReplayResult` that :meth:`ReplayResult.save` wrote to ``folder``."""
     import pandas as pd
-    folder = Path(folder)
+    folder = checked_folder(folder)
     meta_path = folder / META_FILE
     if not meta_path.is_file():
         raise ConfigError(f"{folder} holds no saved replay (no {META_FILE})", field="folder",
                           fix="give a folder that ReplayResult.save wrote")
-    meta = json.loads(meta_path.read_text())
-    frames = {name: pd.read_parquet(folder / f"{name}.parquet") if (folder / f"{name}.parquet").is_file()
-              else None for name in FRAMES}
-    return ReplayResult(**frames, system=meta["system"], trace=meta["trace"], raw_metrics=meta["raw_metrics"])
+    try:  # another tool's result.json, or a save cut short, raised a JSONDecodeError, a KeyError or ArrowInvalid
+        meta = json.loads(meta_path.read_text())
+        fields = {key: meta[key] for key in ("system", "trace", "raw_metrics")}
+        frames = {name: pd.read_parquet(folder / f"{name}.parquet") if (folder / f"{name}.parquet").is_file()
+                  else None for name in FRAMES}
+    except (ValueError, TypeError, KeyError, OSError) as err:
+        what = f"no '{err.args[0]}'" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        raise ConfigError(f"{folder} holds no replay that ReplayResult.save wrote ({what})", field="folder",
+                          fix="give a folder that ReplayResult.save wrote, or save the result there again") from err
+    return ReplayResult(**frames, **fields)
+
+
+def checked_folder(folder: Any) -> Path:
+    """``folder`` as a Path; one line for anything else (``save(5)`` raised a TypeError from pathlib)."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ConfigError(f"folder must be a folder's path, got {folder!r}", field="folder",
+                          fix="e.g. 'out/lru-run'")
+    return Path(folder)
