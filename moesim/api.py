@@ -244,7 +244,7 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     needs a column the trace lacks) has no rows for that trace; a warning
     (:class:`SweepSystemsLeftOut`) says why.
     """
-    checked_sweep_inputs(grid, workers, progress)
+    checked_sweep_inputs(grid, workers, progress, out)
     if address is not None and engine != "ray":  # the sweep module's own line says "--address needs --engine ray"
         raise ConfigError(f"address={address!r} is a Ray cluster's, but engine={engine!r}", field="address",
                           fix="add engine='ray', or leave address out")
@@ -347,8 +347,9 @@ def plain_number(value: Any) -> Any:
     return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
-def checked_sweep_inputs(grid: Any, workers: Any, progress: Any) -> None:
-    """One line for a spec, ``workers`` or ``progress`` of the wrong kind (a TypeError deep in the pool before)."""
+def checked_sweep_inputs(grid: Any, workers: Any, progress: Any, out: Any = None) -> None:
+    """One line for a spec, ``workers``, ``progress`` or ``out`` of the wrong kind (a TypeError deep in the pool
+    or in pathlib before)."""
     if not isinstance(grid, (Mapping, str, os.PathLike)):
         raise ConfigError(f"the sweep spec must be a dict or a YAML file's path, got {grid!r}", field="grid",
                           fix="e.g. moesim.sweep({'traces': [TRACE], 'hw': ['rtx4090'], 'systems': ['smoe']})")
@@ -357,6 +358,9 @@ def checked_sweep_inputs(grid: Any, workers: Any, progress: Any) -> None:
                           fix="e.g. workers=2 (1 runs the points in this process; None: every core)")
     if progress is not None:
         checked_flags(progress=progress)
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise ConfigError(f"out must be a .parquet file's path, got {out!r}", field="out",
+                          fix="e.g. out='results.parquet' (or leave it out: the results are only returned)")
 
 
 class SweepPointsFailed(UserWarning):

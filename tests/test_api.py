@@ -253,6 +253,8 @@ def test_a_seed_or_hw_of_the_wrong_kind_is_refused_in_one_line(files, kwargs, wo
     # TypeError: expected str, bytes or os.PathLike object, not list
     ("sweep", {"grid": ["T"]}, "grid", "the sweep spec must be a dict or a YAML file's path, got ['"),
     ("sweep", {"progress": "yes"}, "progress", "progress must be True or False, got 'yes'"),
+    # TypeError: expected str, bytes or os.PathLike object, not int
+    ("sweep", {"out": 5}, "out", "out must be a .parquet file's path, got 5"),
     # the command line's words: "--address needs --engine ray (fix: add --engine ray)"
     ("sweep", {"address": "ray://head:10001"}, "address", "fix: add engine='ray', or leave address out"),
 ])
