@@ -152,6 +152,18 @@ def checked_flags(**flags: Any) -> None:
                               fix=f"e.g. {name}=False")
 
 
+def kept(name: str, flag: bool | None, given: Mapping[str, str]) -> bool | None:
+    """Whether a replay keeps its timeline (or decision log): the argument, else True unless the settings say
+    (None: the engine reads ``engine.timeline`` from them; ``settings={"engine.timeline": False}`` was overridden
+    by the argument's default and the timeline kept without a word). Both given: refused, as a key given twice."""
+    if f"engine.{name}" not in given:
+        return True if flag is None else flag
+    if flag is not None:
+        raise ConfigError(f"{name}={flag!r} and the setting 'engine.{name}' both say whether to keep the {name}",
+                          field=name, fix=f"give one of them (e.g. {name}={flag!r} alone)")
+    return None
+
+
 def checked_trace(trace: Any) -> str:
     """``trace`` as one path; one line for anything else (a list read as a missing file named "['a.parquet']")."""
     if isinstance(trace, (str, os.PathLike)):
@@ -193,13 +205,14 @@ def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: 
 @python_names()
 def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,
            settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
-           timeline: bool = True, decisions: bool = True, **params: Any) -> ReplayResult:
+           timeline: bool | None = None, decisions: bool | None = None, **params: Any) -> ReplayResult:
     """Replay ``trace`` on hardware profile ``hw`` under ``system`` (a registered name).
 
     ``params``: ``--set`` parameters with ``__`` for ``.``; ``settings``: the
     same as a dict with dotted keys. ``model`` checks the trace against a
     preset. Set ``timeline``/``decisions`` to False for a faster replay
-    without them.
+    without them (kept by default; ``engine.timeline``/``engine.decisions``
+    among the settings do the same).
     """
     import pandas as pd
 
@@ -208,9 +221,11 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.sim.run import add_lower_bound, simulate
     checked_keywords(replay, params)
     trace = checked_trace(trace)
-    checked_flags(timeline=timeline, decisions=decisions)
+    checked_flags(**{k: v for k, v in (("timeline", timeline), ("decisions", decisions)) if v is not None})
     checked_run_inputs(hw, seed, system, model)
     given = settings_from(settings, **params)
+    timeline, decisions = (kept(name, flag, given) for name, flag in (("timeline", timeline),
+                                                                      ("decisions", decisions)))
     with keyword_fields(params):
         result = simulate(trace, hw, system, given, model_preset=model, seed=int(seed), timeline=timeline,
                           decisions=decisions)

@@ -623,3 +623,15 @@ def test_a_saved_replay_of_the_wrong_kind_or_a_foreign_folder_is_one_line(files,
     (folder / "metrics.parquet").write_bytes(b"cut")
     with pytest.raises(ConfigError, match="metrics.parquet"):
         moesim.load_replay(folder)
+
+
+def test_the_engine_timeline_setting_is_obeyed_or_refused_beside_the_argument(files):
+    """settings={"engine.timeline": False} was overridden by timeline's default True: the timeline was kept (and
+    the replay slowed) without a word. The setting now decides when the argument is not given; both: one line."""
+    trace, hw = files
+    run = moesim.replay(trace, hw=hw, settings={"engine.timeline": False}, engine__decisions="false")
+    assert run.timeline is None and run.decisions is None
+    assert moesim.replay(trace, hw=hw).timeline is not None
+    with pytest.raises(ConfigError, match="timeline=True and the setting 'engine.timeline' both say") as err:
+        moesim.replay(trace, hw=hw, timeline=True, engine__timeline=False)
+    assert err.value.field == "timeline" and "fix: " in str(err.value)
