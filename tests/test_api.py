@@ -635,3 +635,16 @@ def test_the_engine_timeline_setting_is_obeyed_or_refused_beside_the_argument(fi
     with pytest.raises(ConfigError, match="timeline=True and the setting 'engine.timeline' both say") as err:
         moesim.replay(trace, hw=hw, timeline=True, engine__timeline=False)
     assert err.value.field == "timeline" and "fix: " in str(err.value)
+
+
+@pytest.mark.parametrize("shorthand, setting", [({"qps": 1.0}, {"workload.qps": 2.0}),
+                                                ({"requests": 2}, {"workload__requests": 3}),
+                                                ({"scheduler": "vllm"}, {"scheduler": "static"})])
+def test_a_serve_shorthand_and_the_same_setting_are_refused_together(files, shorthand, setting):
+    """serve(qps=1, settings={'workload.qps': 2}) served at 2 req/s without a word (the settings' value won),
+    where qps=1 with workload__qps=2 was refused as given twice."""
+    trace, hw = files
+    name = next(iter(shorthand))
+    with pytest.raises(ConfigError, match=f"{name}= and the setting '{next(iter(setting))}' both set it") as err:
+        moesim.serve(trace, hw=hw, **{"qps": 1.0, "requests": 2, **shorthand}, settings=setting)
+    assert err.value.field == name and "fix: " in str(err.value)
