@@ -330,7 +330,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
                          None if step.scores is None else step.scores[rows],
                          {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {},
                          now, arrivals, self.setup.expert_launch_s, self.setup.shared_launch_s,
-                         context=int(step.position[rows].max()) + 1)
+                         requests=step.request[rows], context=int(step.position[rows].max()) + 1)
 
 
 def _spin(seconds: float) -> None:

@@ -261,3 +261,29 @@ def test_measured_sync_counts_only_its_part_past_the_layers_gpu_work(trace):
     measured = sum(t1 - t0 for spans in executor.sync_spans.values() for t0, t1 in spans)
     assert len(executor.sync_spans) == 6 * 3 and measured > 0
     assert 0 <= breakdown["sync"] <= measured
+
+
+def _requests_seen(run, monkeypatch) -> list[list[int] | None]:
+    """The request ids of the token rows of every layer view a system plans, in order."""
+    from moesim.policy.systems import ComposedSystem
+    seen: list[list[int] | None] = []
+    plan = ComposedSystem.plan
+
+    def spy(self, view):
+        seen.append(None if view.requests is None else np.asarray(view.requests).tolist())
+        return plan(self, view)
+    monkeypatch.setattr(ComposedSystem, "plan", spy)
+    run()
+    monkeypatch.setattr(ComposedSystem, "plan", plan)
+    return seen
+
+
+@pytest.mark.parametrize("system", ["moe-infinity", "smoe-flex"])
+def test_the_views_carry_each_token_rows_request_as_in_the_simulator(trace, system, monkeypatch):
+    """moe-infinity's activation matrices and smoe-flex's online predictor accuracy are kept per request
+    (``LayerView.requests``); the real backend left the field out, so every row read as request 0."""
+    config = RealConfig(device="cpu", cpu_threads=1, warmup_steps=0)
+    real = _requests_seen(lambda: prepare_real(trace, tiny_profile(), system, SETTINGS, config).run(), monkeypatch)
+    sim = _requests_seen(lambda: simulate(trace, tiny_profile(), system, SETTINGS), monkeypatch)
+    assert real == sim
+    assert [0, 1] in real  # the decode steps batch both requests
