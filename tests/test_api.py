@@ -648,3 +648,17 @@ def test_a_serve_shorthand_and_the_same_setting_are_refused_together(files, shor
     with pytest.raises(ConfigError, match=f"{name}= and the setting '{next(iter(setting))}' both set it") as err:
         moesim.serve(trace, hw=hw, **{"qps": 1.0, "requests": 2, **shorthand}, settings=setting)
     assert err.value.field == name and "fix: " in str(err.value)
+
+
+def test_a_timeline_window_that_misses_the_run_is_one_line_on_its_unit(files):
+    """plot_timeline(window=(100, 200)), milliseconds as the axis shows them, drew an empty figure without a word
+    (steps past the end were refused): the window is in seconds and this run lasts well under 100 s."""
+    trace, hw = files
+    run = moesim.replay(trace, hw=hw, cache__slots_per_layer=2)
+    end = run.timeline.end_s.max()
+    lo, hi = end * 1e3 / 4, end * 1e3 / 2  # a stretch of the run, in milliseconds
+    with pytest.raises(ConfigError, match=r"s holds nothing: the timeline runs from 0 s to") as err:
+        run.plot_timeline(window=(lo, hi))
+    assert err.value.field == "window" and f"e.g. window=({lo / 1e3:g}, {hi / 1e3:g}) for" in str(err.value)
+    assert isinstance(run.plot_timeline(window=(lo / 1e3, hi / 1e3)), Figure)
+    assert isinstance(run.plot_timeline(window=(end / 2, end * 10)), Figure)  # partly past the end: drawn

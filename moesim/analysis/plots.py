@@ -257,6 +257,7 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
         window = step_window(frame, int(first), int(last))
     elif window is not None:
         window = checked_pair(window, "window", "(start_s, end_s) in seconds, e.g. window=(0.5, 0.8)")
+        outside_timeline(frame, window)
     window = default_window(frame) if window is None else (float(window[0]), float(window[1]))
     shown = _clip(frame, window) if not frame.empty else frame
     rows = _lane_rows(frame)
@@ -304,6 +305,23 @@ def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def outside_timeline(frame: pd.DataFrame, window: tuple[float, float]) -> None:
+    """One line for a window that misses the whole timeline: window=(100, 200) read as milliseconds, the axis's
+    unit, drew an empty figure without a word where steps past the end were refused."""
+    if frame.empty:
+        return
+    first, last = float(frame["start_s"].min()), float(frame["end_s"].max())
+    if window[1] > first and window[0] < last:
+        return
+    lo, hi = window
+    in_ms = hi / 1e3 > first and lo / 1e3 < last  # the window read as milliseconds falls on the timeline
+    example = f"window=({lo / 1e3:g}, {hi / 1e3:g}) for {lo:g}-{hi:g} ms" if in_ms else \
+        f"window=({first:.4g}, {min(last, first + 0.1):.4g})"
+    raise ConfigError(f"window=({lo:g}, {hi:g}) s holds nothing: the timeline runs from {first:.4g} s to {last:.4g} s",
+                      field="window", fix=f"window is (start_s, end_s) in seconds (the axis shows milliseconds): "
+                                          f"e.g. {example}, or steps=(first, last)")
 
 
 def checked_pair(value: Any, name: str, what: str, whole: bool = False) -> tuple[Any, Any]:
