@@ -299,6 +299,11 @@ def _expand_systems(systems: list[str], source: str) -> list[str]:
     for name in systems:
         if name == "all":
             out += system_names()
+        elif "," in name:  # the command line's --system a,b: was 'unknown system', "did you mean" one of them
+            parts = [part.strip() for part in name.split(",")]
+            raise ConfigError(f"'{name}' names several systems in one item", source=source, field="systems",
+                              fix=f"list them, one system per item: systems: [{', '.join(parts)}] "
+                                  f"(in Python, 'systems': {parts!r})")
         else:
             check_system_name(name, field="systems", source=source, or_all=True)
             out.append(name)

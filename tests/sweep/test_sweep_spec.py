@@ -104,6 +104,10 @@ def test_all_means_every_listed_system():
     ({"trace": "t.parquet"}, "'systems' is missing"),
     ({"trace": "t.parquet", "system": "cpu-only", "systems": ["cpu-only"]}, "both 'system' and 'systems'"),
     ({"trace": "t.parquet", "system": "gpu-only-lur"}, "unknown system 'gpu-only-lur'"),
+    # the command line's --system a,b was 'unknown system' with "did you mean gpu-only-lru?"
+    ({"trace": "t.parquet", "systems": "cpu-only,gpu-only-lru"},
+     "field 'systems': 'cpu-only,gpu-only-lru' names several systems in one item (fix: list them, one system per "
+     "item: systems: [cpu-only, gpu-only-lru]"),
     ({"trace": "t.parquet", "system": "cpu-only", "zip": {"a.b": [1, 2], "c.d": [1]}}, "differ in length"),
     ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": []}}, "empty list"),
     ({"trace": "t.parquet", "system": "cpu-only", "grid": {"a.b": [1]}, "set": {"a__b": 2}}, "in both set and grid"),
