@@ -175,18 +175,37 @@ def own_code(point: Point) -> tuple[list[str], list[type]]:
     return sorted(f for f in files if f and os.path.isfile(f)), classes
 
 
+#: class attributes whose repr is their value (a parameter's default: ``decay: float = 0.9``)
+PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+
+
 def _bytecode(cls: type) -> bytes:
-    """The methods ``cls`` defines as this process runs them: their instructions, names and plain constants
-    (a module edited but not reloaded in a Python session still runs its old code)."""
+    """The methods ``cls`` defines as this process runs them: their instructions, names, plain constants and
+    default arguments (a module edited but not reloaded in a Python session still runs its old code), and its
+    plain class attributes (a parameter's default, which a dataclass keeps there and in ``__init__``'s defaults:
+    editing ``decay: float = 0.9`` in a notebook cell kept the old default's results)."""
     from moesim.policy.checked import is_catalogue
     out = []
     for klass in (k for k in cls.__mro__ if not is_catalogue(k)):
-        for value in vars(klass).values():
+        for key, value in vars(klass).items():
             code = getattr(value, "__code__", None)
             if code is not None:
                 plain = tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
-                out.append(code.co_code + repr((code.co_names, plain)).encode())
+                defaults = tuple(d for d in (getattr(value, "__defaults__", None) or ()) if isinstance(d, PLAIN_VALUES))
+                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode())
+            elif isinstance(value, PLAIN_VALUES) or (isinstance(value, tuple)
+                                                     and all(isinstance(v, PLAIN_VALUES) for v in value)):
+                out.append(repr((key, value)).encode())
     return b"".join(out)
+
+
+def own_system(point: Point) -> str:
+    """The composition of ``point``'s system when it is one of one's own (its SystemSpec: the components and
+    defaults it names), "" for a catalogue system: registering it again with another ``assign=`` kept the old
+    composition's results."""
+    from moesim.policy.systems import CATALOGUE_SYSTEMS, SYSTEMS
+    spec = SYSTEMS.get(point.system)
+    return "" if spec is None or point.system in CATALOGUE_SYSTEMS else repr(spec)
 
 
 def with_own_code(fingerprint: str, point: Point) -> str:
@@ -194,9 +213,11 @@ def with_own_code(fingerprint: str, point: Point) -> str:
     in (its files and the bytecode loaded): editing a policy and rerunning the sweep runs its points again
     instead of keeping the old code's results. A point of catalogue code keeps ``fingerprint`` as it is."""
     files, classes = own_code(point)
-    if not classes:
+    system = own_system(point)
+    if not classes and not system:
         return fingerprint
     digest = hashlib.sha256(fingerprint.encode())
+    digest.update(system.encode())
     for path in files:
         digest.update(Path(path).read_bytes())
     for cls in classes:

@@ -249,6 +249,38 @@ def test_a_point_of_ones_own_runs_again_once_its_policy_module_changed(files, fo
     assert run_sweep(load_spec(path), out, workers=1)[1].ran == 0
 
 
+def test_a_point_of_ones_own_runs_again_once_a_default_or_its_composition_changed(files, forget):
+    """Edited in a notebook cell and rerun into the same file, a policy's parameter default (decay: float = 0.9 to
+    0.1) and a system registered again with another assign= both kept the old results: the fingerprint hashed the
+    methods' bytecode only, and a system of one's own built of catalogue components not at all."""
+    from dataclasses import dataclass
+
+    from moesim.policy.cache import LRUCache
+    from moesim.policy.systems import SystemSpec, register_component, register_system
+
+    def define(default: int) -> None:  # a notebook cell, run again with another default
+        @register_component
+        @dataclass
+        class EditedDefault(LRUCache):
+            name = "edited-default"
+            keep: int = default
+
+    define(0)
+    register_system("edited-sys", SystemSpec("x", cache="edited-default", assign="gpu"))
+    register_system("edited-plain", SystemSpec("y", cache="lru", assign="gpu"))
+    spec = load_spec(write_spec(files, systems=["edited-sys", "edited-plain"]))
+    out = files / "r.parquet"
+    assert run_sweep(spec, out, workers=1)[1].ran == 2
+    assert run_sweep(spec, out, workers=1)[1].ran == 0
+    define(1)
+    assert run_sweep(spec, out, workers=1)[1].changed == 1
+    register_system("edited-plain", SystemSpec("y", cache="lru", assign="cpu"))
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.changed) == (1, 1)
+    assert frame.set_index("system").loc["edited-plain", "gpu_share_of_activations"] == 0.0
+    assert run_sweep(spec, out, workers=1)[1].ran == 0
+
+
 def test_results_of_older_versions_without_fingerprints_are_run_again(files):
     """Rows written before fingerprints were recorded cannot tell whether their inputs changed: run again."""
     out = files / "r.parquet"
