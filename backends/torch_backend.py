@@ -94,7 +94,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
             # experts draw from a generator of their own: the rest is the same whether or not they are reused
             self.weights = ExpertWeights(model, dtype, dev, list(self.memory.capacity),
                                          self.engine_config.staging_slots,
-                                         torch.Generator().manual_seed(self.config.seed + 1))
+                                         torch.Generator().manual_seed(self.config.seed + 1), self.memory.pool)
             self.attention = [Attention(model, dtype, dev, self.max_batch, self.max_context, generator)
                               for _ in range(model.num_layers)]
             shared = expert_params(model, model.shared_intermediate_size) if model.shared_intermediate_size else 0

@@ -73,23 +73,35 @@ def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: t
 
 
 class ExpertWeights:
-    """Every routed expert in host memory (pinned for CUDA), GPU slots per layer and staging buffers."""
+    """Every routed expert in host memory (pinned for CUDA), GPU slots per layer and staging buffers.
+
+    With per-layer quotas alone (``shared`` None) layer ``l`` owns rows ``[first[l], first[l] + capacity[l])``
+    of one preallocated slot tensor. With a model-wide pool (``shared``: its slots, the memory plan's ``pool``)
+    the quotas only bound what one layer may hold (the cache state enforces both) and may add up to far more
+    than the pool, up to every expert of the model: the tensor then has the pool's slots, one free list that
+    every layer takes from.
+    """
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device, capacity: list[int], staging: int,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, shared: int | None = None) -> None:
         self.params = expert_params(model, model.moe_intermediate_size)
         self.host = host_experts(model, self.params, dtype, device.type == "cuda", generator)
-        # slot pool: layer l owns rows [first[l], first[l] + capacity[l]) of one preallocated tensor
         self.first = np.concatenate([[0], np.cumsum(capacity)]).astype(int).tolist()
+        self.shared = None if shared is None else min(shared, self.first[-1])
+        slots = self.first[-1] if self.shared is None else self.shared
         if device.type == "cpu":
-            _check_stand_in_slots(max(self.first[-1], 1), staging, self.params * dtype.itemsize)
-        self.pool = torch.empty(max(self.first[-1], 1), self.params, dtype=dtype, device=device)
+            _check_stand_in_slots(max(slots, 1), staging, self.params * dtype.itemsize)
+        self.pool = torch.empty(max(slots, 1), self.params, dtype=dtype, device=device)
         self.staging = torch.empty(staging, self.params, dtype=dtype, device=device)
         self.capacity = capacity
         self.reset()
 
     def reset(self) -> None:
-        self.free = [list(range(self.first[l], self.first[l] + c))[::-1] for l, c in enumerate(self.capacity)]
+        if self.shared is not None:
+            common = list(range(self.shared))[::-1]
+            self.free = [common] * len(self.capacity)  # one list: a slot a layer frees, any layer may take
+        else:
+            self.free = [list(range(self.first[l], self.first[l] + c))[::-1] for l, c in enumerate(self.capacity)]
         self.slot: dict[tuple[int, int], int] = {}
         #: last work that read a slot / staging buffer: a copy into it waits for that
         self.last_use: dict[int, Work] = {}

@@ -287,3 +287,24 @@ def test_the_views_carry_each_token_rows_request_as_in_the_simulator(trace, syst
     sim = _requests_seen(lambda: simulate(trace, tiny_profile(), system, SETTINGS), monkeypatch)
     assert real == sim
     assert [0, 1] in real  # the decode steps batch both requests
+
+
+@pytest.mark.parametrize("system", ["moe-infinity", "fiddler"])
+def test_a_model_wide_pool_takes_the_pools_slots_and_shares_them_between_layers(tmp_path, system):
+    """moe-infinity and fiddler cache into one model-wide pool whose per-layer quotas are every expert of a
+    layer: the backend allocated the quotas' sum (here 3 x 8 slots for a pool of 5), on a GPU the whole
+    model's experts where the memory plan holds a pool that fits."""
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    path = write_tiny_trace(tmp_path / "t.parquet", model, random_routing(np.random.default_rng(3), model, 1, 6, 8))
+    settings = {"cache.slots": "5"}
+    executor = prepare_real(str(path), tiny_profile(), system, settings, _config())
+    assert executor.memory.pool == 5 and sum(executor.memory.capacity) > 5
+    real = executor.run()
+    weights = executor.weights
+    assert weights.pool.shape[0] == 5
+    held = [(layer, e) for layer in range(3)
+            for e in executor.cache.resident[layer] | executor.cache.in_flight[layer]]
+    assert len({weights.slot[key] for key in held}) == len(held) <= 5
+    for layer, e in held:
+        assert torch.equal(weights.on_gpu(layer, e), weights.host[layer, e])
+    assert real.counters.hits > 0 and (system == "fiddler" or real.counters.demand_loads > 0)
