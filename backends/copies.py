@@ -17,20 +17,40 @@ class WeightCopies:
         t = now + (load if self.pcie.running is not None else 0.0)
         out = {}
         for transfer in self.pcie.queued():
-            t += load
+            t += self.costs.d2h(self.costs.expert_bytes) if transfer.kind == "writeback" else load
             if transfer.layer == layer and transfer.expert in in_flight and transfer.kind != "stage":
                 out[transfer.expert] = t
         for e in in_flight:
             out.setdefault(e, now + load)
         return out
 
-    def _load(self, layer: int, expert: int, kind: str, step: int, not_before: Work | None = None) -> None:
+    def _load(self, layer: int, expert: int, kind: str, step: int, not_before: Work | None = None) -> Transfer:
         self.cache.start_load(layer, expert)
         slot, previous_user = self.weights.take(layer, expert)
         transfer = self.pcie.submit(slot, self.weights.host[layer, expert], priority=1 if kind == "prefetch" else 0,
                                     kind=kind, layer=layer, expert=expert, step=step, after=previous_user,
                                     not_before=not_before)
         self.in_flight[(layer, expert)] = transfer
+        self.transfers.append(transfer)
+        return transfer
+
+    def _loads(self, layer: int, experts: list[int], writebacks: list[tuple[int, int]], step: int) -> None:
+        """A plan's demand loads, each followed on the copy engine by its write-back (``LayerPlan.writebacks``,
+        mixtral-offloading's swap), the i-th after the i-th load, the others after the loads, as the
+        simulator queues them. A write-back is a device-to-host copy of an expert's bytes into a host scratch
+        buffer: the evicted expert's weights are the host copy's already (and its slot may be the load's), so
+        what it copies is the slot the load filled, after that load; with no load, any slot."""
+        for e, evicted in zip(experts, writebacks):
+            load = self._load(layer, e, "load", step)
+            self._writeback(evicted, step, load.dst, load)
+        for e in experts[len(writebacks):]:
+            self._load(layer, e, "load", step)
+        for evicted in writebacks[len(experts):]:
+            self._writeback(evicted, step, self.weights.pool[0], None)
+
+    def _writeback(self, evicted: tuple[int, int], step: int, source, after: Work | None) -> None:
+        transfer = self.pcie.submit(self.weights.writeback_buffer(), source, priority=0, kind="writeback",
+                                    layer=evicted[0], expert=evicted[1], step=step, after=after)
         self.transfers.append(transfer)
 
     def _stage(self, layer: int, expert: int, index: int, step: int) -> Transfer:

@@ -93,7 +93,8 @@ class RunRecording:
                 self.counters.cancelled_prefetches += t.kind == "prefetch"
                 continue
             busy += min(t1, makespan) - t0
-            nbytes += t.src.numel() * t.src.element_size()
+            if t.kind != "writeback":  # device to host: not counted in the bytes (host to device), as simulated
+                nbytes += t.src.numel() * t.src.element_size()
             # a copy still running at the end: its span cut there, the part the busy time counts
             self.timeline.append(("pcie", 0, t0, min(t1, makespan), t.kind, t.step, t.layer, t.expert, 0))
         gpu_end = {}

@@ -291,8 +291,8 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(frozenset((layer, e) for e in plan.gpu))
-        for e in plan.loads:
-            self._load(layer, e, "load", s)
+        if plan.loads or plan.writebacks:
+            self._loads(layer, plan.loads, plan.writebacks, s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}
         predict = plan.prefetch_after_predict
         if not plan.prefetch_after_gpu and predict is None:

@@ -94,7 +94,15 @@ class ExpertWeights:
         self.pool = torch.empty(max(slots, 1), self.params, dtype=dtype, device=device)
         self.staging = torch.empty(staging, self.params, dtype=dtype, device=device)
         self.capacity = capacity
+        self._writeback: torch.Tensor | None = None
         self.reset()
+
+    def writeback_buffer(self) -> torch.Tensor:
+        """Host memory (pinned for CUDA) of one expert that write-backs copy into, allocated at the first."""
+        if self._writeback is None:
+            self._writeback = torch.empty(self.params, dtype=self.pool.dtype,
+                                          pin_memory=self.pool.device.type == "cuda")
+        return self._writeback
 
     def reset(self) -> None:
         if self.shared is not None:

@@ -308,3 +308,28 @@ def test_a_model_wide_pool_takes_the_pools_slots_and_shares_them_between_layers(
     for layer, e in held:
         assert torch.equal(weights.on_gpu(layer, e), weights.host[layer, e])
     assert real.counters.hits > 0 and (system == "fiddler" or real.counters.demand_loads > 0)
+
+
+def test_mixtral_offloadings_write_backs_are_copied_after_their_loads(trace):
+    """mixtral-offloading writes each evicted expert back to host memory (``LayerPlan.writebacks``); the
+    backend ignored the field, so the real run's copy engine did less work than the simulated one. Each
+    write-back now follows the load that took its slot, as the simulator queues it, and adds busy time but
+    no host-to-device bytes."""
+    settings = {**SETTINGS, "memory.expert_dtype": "bf16", "memory.non_expert_dtype": "bf16"}
+    executor = prepare_real(trace, tiny_profile(), "mixtral-offloading", settings, _config())
+    real = executor.run()
+    sim = simulate(trace, tiny_profile(), "mixtral-offloading", settings, decisions=True, timeline=True)
+    assert real.decisions == sim.decisions  # every expert on the GPU, demand loads only: no timing in the plan
+    frames = {name: result_to_frames(r)["timeline"].query("resource == 'pcie'") for name, r in
+              (("real", real), ("sim", sim))}
+    backs = {name: f.query("kind == 'writeback'") for name, f in frames.items()}
+    evicted = sorted((d[0], d[4], d[2]) for d in real.decisions if d[3] == "evict")
+    assert len(evicted) == real.counters.demand_loads > 0
+    for name in frames:
+        assert sorted(zip(backs[name].step, backs[name].layer, backs[name].expert)) == evicted, name
+    copies = real.counters.demand_loads + real.counters.streamed
+    assert real.pcie_bytes == sim.pcie_bytes == copies * executor.costs.expert_bytes
+    ordered = frames["real"].sort_values("start_s")
+    kinds = ordered.kind.tolist()
+    assert all(kinds[i - 1] == "load" for i, k in enumerate(kinds) if k == "writeback")
+    assert real.pcie_busy_s == pytest.approx((ordered.end_s - ordered.start_s).sum(), rel=1e-9)
