@@ -407,6 +407,7 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
 TRACE_DIR = Path(__file__).resolve().parents[1] / "traces"
 
 
+@notebook.callers_lines
 def bundled_trace(name: str) -> Path:
     """The absolute path of a trace shipped in ``traces/`` (``"mixtral-8x7b-humaneval"``, ``.parquet``
     optional), so that a notebook or script finds it from whatever folder it runs in, as a profile name does."""
@@ -515,6 +516,7 @@ class ServeRun:
                     [(k, v) for k, v in figures if k not in ("qps", "offered_qps")]
         return figures
 
+    @notebook.callers_lines
     def plot_requests(self, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
         """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
         marked. Displays as a PNG in Jupyter."""

@@ -4,6 +4,7 @@ in place, and the scratch file that lets a sweep without ``out=`` resume after a
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,20 @@ def callers_traceback(err: MoesimError) -> list[str]:
     lines = [line.rstrip("\n") for line in traceback.format_list(frames)]
     return ["Traceback (most recent call last; moesim's own frames left out):", *lines,
             f"{type(err).__name__}: {err}"]
+
+
+def callers_lines(function: Any) -> Any:
+    """Decorator for what a notebook calls besides :func:`moesim.replay` and its kin (a result's ``save``,
+    ``plot_timeline``, :func:`moesim.load_replay`): a bad-input error shows as :func:`callers_traceback` does,
+    not as the moesim frames above the one line (``run.save(3)`` showed runs.py's source around the raise)."""
+    @functools.wraps(function)
+    def shown_from_the_caller(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except MoesimError as err:
+            err._render_traceback_ = functools.partial(callers_traceback, err)  # type: ignore[attr-defined]
+            raise
+    return shown_from_the_caller
 
 
 

@@ -126,6 +126,32 @@ def test_a_mistake_in_a_cell_shows_the_cells_line_and_the_message_not_moesims_fr
     assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
 
 
+def test_a_mistake_with_a_result_or_a_saved_run_shows_the_cells_line_and_the_message(tmp_path):
+    """run.save(3), run.plot_timeline() of a run without a timeline, moesim.load_replay of a wrong folder and
+    moesim.bundled_trace of a misspelt name showed moesim's frames (runs.py's source around the raise) above the
+    message, where moesim.replay's mistakes show the cell's line and the message alone."""
+    import numpy as np
+
+    from tests.factories import random_routing, tiny_model, write_tiny_trace
+    model = tiny_model(layers=2, experts=6, top_k=2)
+    trace = write_tiny_trace(tmp_path / "t.parquet", model,
+                             random_routing(np.random.default_rng(7), model, requests=1, prompt=3, decode=3))
+    mistakes = ["run.save(3)", "run.plot_timeline()", f"moesim.load_replay({str(tmp_path)!r})",
+                "moesim.bundled_trace('mixtral-8x7b-humaneva')", "run.plot_breakdown('b.txt')"]
+    cells = [f"import moesim\nrun = moesim.replay({str(trace)!r}, timeline=False)", *mistakes]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+    assert not [o for o in notebook.cells[0].outputs if o["output_type"] == "error"]
+    package = str(Path(__file__).resolve().parents[1] / "moesim")
+    for cell, line in zip(notebook.cells[1:], mistakes):
+        [error] = [o for o in cell.outputs if o["output_type"] == "error"]
+        shown = "\n".join(error["traceback"])
+        assert error["ename"] == "ConfigError" and package not in shown and len(error["traceback"]) == 3, shown
+        assert line in shown and error["traceback"][-1].startswith("ConfigError: ") and "fix: " in shown, shown
+
+
 def test_the_progress_line_of_an_interrupted_sweep_says_it_stopped(tmp_path):
     """The one progress line of a sweep interrupted in a notebook ended 'sweep: done, 2/6 points'."""
     import re

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moesim.errors import ConfigError
+from moesim.notebook import callers_lines
 from moesim.util import is_missing
 
 #: the figures a result's one-line repr shows
@@ -52,6 +53,7 @@ class ReplayResult:
     #: one row per forward pass (:func:`step_frame`): latency, tokens, and its decisions counted
     steps: Any = None
 
+    @callers_lines
     def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
                       title: str | None = None, steps: tuple[int, int] | None = None) -> Any:
         """Gantt chart of CPU, GPU and PCIe; ``window`` = (start_s, end_s) or ``steps`` = (first, last),
@@ -63,12 +65,14 @@ class ReplayResult:
         label = f"{self.system} on {Path(self.trace).name}" if title is None else title
         return plot_gantt(self.timeline, path, window=window, steps=steps, title=label)
 
+    @callers_lines
     def plot_breakdown(self, path: str | os.PathLike | None = None) -> Any:
         """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
         from moesim.analysis.plots import plot_breakdown
         return plot_breakdown([{"system": self.system, **self.raw_metrics}], path,
                               title=f"time breakdown of {self.system} on {Path(self.trace).name}")
 
+    @callers_lines
     def save(self, folder: str | os.PathLike) -> Path:
         """Write this result to ``folder`` (made if need be): each frame as Parquet and ``result.json``;
         :func:`load_replay` reads it back. Files of a result saved there before are replaced."""
@@ -110,6 +114,7 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+@callers_lines
 def load_replay(folder: str | os.PathLike) -> ReplayResult:
     """The :class:`ReplayResult` that :meth:`ReplayResult.save` wrote to ``folder``."""
     import pandas as pd
