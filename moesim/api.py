@@ -198,6 +198,10 @@ def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: 
     if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
         raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",
                           fix=f"e.g. hw={DEFAULT_HW!r}")
+    from moesim.policy.systems import SYSTEMS
+    if isinstance(hw, str) and hw in SYSTEMS and not os.path.exists(hw):  # replay(trace, "smoe"): the 2nd is hw
+        raise ConfigError(f"hw={hw!r} is a system, not a hardware profile", field="hw",
+                          fix=f"system={hw!r} (the second argument is the profile, e.g. hw={DEFAULT_HW!r})")
     from moesim.sim.run import checked_seed
     checked_seed(seed)
 

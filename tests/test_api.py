@@ -662,3 +662,13 @@ def test_a_timeline_window_that_misses_the_run_is_one_line_on_its_unit(files):
     assert err.value.field == "window" and f"e.g. window=({lo / 1e3:g}, {hi / 1e3:g}) for" in str(err.value)
     assert isinstance(run.plot_timeline(window=(lo / 1e3, hi / 1e3)), Figure)
     assert isinstance(run.plot_timeline(window=(end / 2, end * 10)), Figure)  # partly past the end: drawn
+
+
+@pytest.mark.parametrize("call", ["replay", "serve"])
+def test_a_system_given_where_the_profile_goes_names_system(files, call):
+    """moesim.replay(trace, "smoe"), the system as the second argument, was 'smoe: hardware profile not found'
+    with every profile listed and no word of system=."""
+    trace, _ = files
+    with pytest.raises(ConfigError, match=r"hw='smoe' is a system, not a hardware profile \(fix: system='smoe'") as err:
+        getattr(moesim, call)(trace, "smoe")
+    assert err.value.field == "hw"
