@@ -235,6 +235,13 @@ class Transfer(Work):
     end_event: Any = None
     clock: Clock | None = None
     error: BaseException | None = None
+    #: elements copied so far by a chunked copy (``CopyEngine.chunk_bytes``) that a demand copy preempted
+    offset: int = 0
+    #: (start, end) of each part a demand copy cut off, then requeued (timeline kind "chunk"); the copy's own
+    #: interval is its last part's
+    parts: list = field(default_factory=list)
+    #: elements copied within each of ``parts``
+    part_elements: list = field(default_factory=list)
 
     def __lt__(self, other: "Transfer") -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
@@ -278,9 +285,12 @@ class CopyEngine:
     #: how often a thread with only blocked transfers looks again, seconds
     POLL_S = 50e-6
 
-    def __init__(self, clock: Clock, cuda: bool) -> None:
+    def __init__(self, clock: Clock, cuda: bool, chunk_bytes: int = 0) -> None:
         self.clock = clock
         self.cuda = cuda
+        #: > 0: copies go in chunks of this many bytes, and a ready demand copy overtakes a running prefetch
+        #: at its next chunk boundary (``engine.copy_chunk_bytes``, as the simulator's copy engine does)
+        self.chunk_bytes = max(chunk_bytes, 0)
         self.stream = torch.cuda.Stream() if cuda else None
         self._queue: list[Transfer] = []
         self._cond = threading.Condition()
@@ -302,8 +312,8 @@ class CopyEngine:
     def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
         """Remove the queued (not started) transfers of ``kind``, but those whose (layer, expert) is in ``keep``;
         they count as finished, never copied."""
-        with self._cond:
-            dropped = [t for t in self._queue if t.kind == kind and (t.layer, t.expert) not in keep]
+        with self._cond:  # a preempted copy's rest is not whole: its first chunks are on the device already
+            dropped = [t for t in self._queue if t.kind == kind and (t.layer, t.expert) not in keep and not t.offset]
             gone = set(map(id, dropped))
             self._queue = [t for t in self._queue if id(t) not in gone]
             heapq.heapify(self._queue)
@@ -338,14 +348,68 @@ class CopyEngine:
 
     def _serve(self) -> None:
         while (transfer := self._next()) is not None:
+            preempted = False
             try:
-                self._copy(transfer)
+                if self.chunk_bytes:
+                    preempted = self._copy_chunks(transfer)
+                else:
+                    self._copy(transfer)
             except BaseException as err:  # surfaced to whoever waits for the transfer
                 transfer.error = err
                 transfer.issued.set()
             finally:
                 self.running = None
-                transfer.finished.set()
+                if not preempted:
+                    transfer.finished.set()
+
+    def _demand_waiting(self) -> bool:
+        with self._cond:
+            return any(t.priority == 0 and t.ready() for t in self._queue)
+
+    def _copy_chunks(self, t: Transfer) -> bool:
+        """Copy ``t`` from its offset in chunks; a prefetch that a ready demand copy is waiting behind stops at
+        the next chunk boundary and goes back to the queue with its rest (returns True). The copy counts as
+        issued once its last chunk is: a CUDA stream waiting for it waits for the whole copy."""
+        dst, src = t.dst.view(-1), t.src.view(-1)
+        total = src.numel()
+        step = max(self.chunk_bytes // src.element_size(), 1)
+        start_offset = t.offset
+        if self.cuda:
+            t.start_event, t.end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t.start_event.record(self.stream)
+        else:
+            t.start_s = self.clock.now()
+        while t.offset < total:
+            end = min(t.offset + step, total)
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    dst[t.offset:end].copy_(src[t.offset:end], non_blocking=True)
+                    if end == total:
+                        t.end_event.record(self.stream)
+                        t.issued.set()
+                    else:
+                        self.stream.synchronize()
+            else:
+                dst[t.offset:end].copy_(src[t.offset:end])
+            t.offset = end
+            if end < total and t.priority > 0 and self._demand_waiting():
+                if self.cuda:
+                    t.end_event.record(self.stream)
+                    t.end_event.synchronize()
+                    t.parts.append((t.clock.device_time(t.start_event), t.clock.device_time(t.end_event)))
+                else:
+                    t.parts.append((t.start_s, self.clock.now()))
+                t.part_elements.append(end - start_offset)
+                t.start_event = t.end_event = None
+                with self._cond:
+                    heapq.heappush(self._queue, t)  # its own seq: ahead of the prefetches queued after it
+                return True
+        if self.cuda:
+            t.end_event.synchronize()
+        else:
+            t.issued.set()
+            t.end_s = self.clock.now()
+        return False
 
     def _copy(self, t: Transfer) -> None:
         if self.cuda:

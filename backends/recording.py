@@ -85,16 +85,23 @@ class RunRecording:
         makespan = self.steps[-1].end if self.steps else 0.0
         busy = nbytes = 0
         for t in self.transfers:
+            size = t.src.element_size()
+            for (c0, c1), elements in zip(t.parts, t.part_elements):  # a chunked prefetch's preempted parts
+                if c0 >= makespan:
+                    continue
+                busy += min(c1, makespan) - c0
+                nbytes += elements * size
+                self.timeline.append(("pcie", 0, c0, min(c1, makespan), "chunk", t.step, t.layer, t.expert, 0))
             if not t.finished.is_set():
                 continue
             t0, t1 = t.interval()
             if t0 >= makespan:
                 # copied nothing within the run: a prefetch counts as cancelled, as the simulator counts it
-                self.counters.cancelled_prefetches += t.kind == "prefetch"
+                self.counters.cancelled_prefetches += t.kind == "prefetch" and not t.parts
                 continue
             busy += min(t1, makespan) - t0
             if t.kind != "writeback":  # device to host: not counted in the bytes (host to device), as simulated
-                nbytes += t.src.numel() * t.src.element_size()
+                nbytes += (t.src.numel() - sum(t.part_elements)) * size
             # a copy still running at the end: its span cut there, the part the busy time counts
             self.timeline.append(("pcie", 0, t0, min(t1, makespan), t.kind, t.step, t.layer, t.expert, 0))
         gpu_end = {}

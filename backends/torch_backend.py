@@ -118,7 +118,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         self.clock = Clock(self.cuda)
         self.gpu = CudaStream(self.clock) if self.cuda else HostStream(self.clock, "moesim-gpu-standin")
         self.cpu = HostStream(self.clock, "moesim-cpu-pool")
-        self.pcie = CopyEngine(self.clock, self.cuda)
+        self.pcie = CopyEngine(self.clock, self.cuda, self.engine_config.copy_chunk_bytes)
 
     def _stop_devices(self) -> None:
         self.gpu.synchronize()

@@ -333,3 +333,61 @@ def test_mixtral_offloadings_write_backs_are_copied_after_their_loads(trace):
     kinds = ordered.kind.tolist()
     assert all(kinds[i - 1] == "load" for i, k in enumerate(kinds) if k == "writeback")
     assert real.pcie_busy_s == pytest.approx((ordered.end_s - ordered.start_s).sum(), rel=1e-9)
+
+
+def test_chunked_copies_let_a_demand_load_overtake_a_running_prefetch():
+    """engine.copy_chunk_bytes: the simulator cuts a running prefetch at its next chunk boundary for a demand
+    copy and requeues its rest; the backend copied every expert whole whatever the setting."""
+    import time
+    clock = Clock(False)
+    engine = CopyEngine(clock, cuda=False, chunk_bytes=4096)
+    src = torch.arange(4_000_000, dtype=torch.float32)
+    a, b = torch.zeros_like(src), torch.zeros(1000)
+    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
+    while engine.running is not prefetch:
+        time.sleep(1e-4)
+    demand = engine.submit(b, src[:1000], priority=0, kind="load", layer=0, expert=0, step=0)
+    demand.wait()
+    prefetch.wait()
+    engine.close()
+    assert prefetch.parts and prefetch.part_elements[0] < src.numel()
+    assert prefetch.parts[0][1] <= demand.interval()[0] and demand.interval()[1] <= prefetch.interval()[0]
+    assert torch.equal(a, src) and torch.equal(b, src[:1000])
+
+
+def test_a_chunked_run_counts_each_byte_once(trace):
+    """A preempted prefetch's parts are 'chunk' spans; its bytes count once, its busy time part by part."""
+    settings = {**SETTINGS, "engine.copy_chunk_bytes": "1024"}
+    executor = prepare_real(trace, tiny_profile(), "smoe", settings, _config())
+    result = executor.run()
+    m = metrics(result)
+    copies = m["prefetches"] - m["cancelled_prefetches"] + m["demand_loads"] + m["streamed_experts"]
+    assert m["pcie_h2d_bytes"] == copies * executor.costs.expert_bytes
+    pcie = result_to_frames(result)["timeline"].query("resource == 'pcie'")
+    assert (pcie.end_s - pcie.start_s).sum() == pytest.approx(result.pcie_busy_s, rel=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+def test_cuda_chunked_copies_land_whole_and_time_each_part():
+    engine = CopyEngine(Clock(True), cuda=True, chunk_bytes=1 << 20)
+    src = torch.arange(64 << 20, dtype=torch.float32).pin_memory()  # 256 MiB: many chunk boundaries
+    small = torch.ones(1000).pin_memory()
+    a, b = torch.empty(src.shape, device="cuda"), torch.empty(1000, device="cuda")
+    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
+    while engine.running is not prefetch:
+        pass
+    demand = engine.submit(b, small, priority=0, kind="load", layer=0, expert=0, step=0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        prefetch.gate(stream)  # a stream waiting for a preempted copy waits for its last chunk
+        total = a.sum()
+    demand.wait()
+    prefetch.wait()
+    engine.close()
+    stream.synchronize()
+    assert torch.equal(a.cpu(), src) and torch.equal(b.cpu(), small)
+    assert total.item() == pytest.approx(src.double().sum().item(), rel=1e-3)
+    if prefetch.parts:
+        assert prefetch.parts[0][1] <= demand.interval()[0] + 1e-4
+    assert prefetch.interval()[0] < prefetch.interval()[1]
