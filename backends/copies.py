@@ -62,9 +62,14 @@ class WeightCopies:
         return transfer
 
     def _retire(self) -> None:
-        """Make completed loads resident, as the simulator does when it reaches a plan."""
+        """Make completed loads resident, as the simulator does when it reaches a plan.
+
+        The simulator plans a layer when its attention ends; the host gets there as soon as it has launched
+        that attention, usually well before. A copy that earlier launched compute waits for has landed by the
+        time that attention ends, so it counts as complete whether or not it has yet: otherwise a layer saw the
+        previous layers' demand loads in flight, and a model-wide pool (moe-infinity) could not evict them."""
         for key, transfer in list(self.in_flight.items()):
-            if transfer.done():
+            if transfer.awaited or transfer.done():
                 self.cache.finish_load(*key)
                 del self.in_flight[key]
 

@@ -242,6 +242,9 @@ class Transfer(Work):
     parts: list = field(default_factory=list)
     #: elements copied within each of ``parts``
     part_elements: list = field(default_factory=list)
+    #: work launched on the compute stream waits for this copy: it has landed by the time any work launched
+    #: there later ends (the next layer's attention, which the simulator plans after)
+    awaited: bool = False
 
     def __lt__(self, other: "Transfer") -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)

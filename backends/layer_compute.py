@@ -79,6 +79,8 @@ class LayerCompute:
                 self._expert(weights, act["x"], act["out"], routing.rows_t, routing.weights_t, span,
                              model.moe_intermediate_size)
             work = self.gpu.launch(run, waits=(transfer,) if transfer is not None else ())
+            if transfer is not None:
+                transfer.awaited = True
             runs[e] = work
             if e in stream_index:
                 self.weights.staging_use[stream_index[e] % self.staging_slots] = work

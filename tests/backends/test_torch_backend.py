@@ -391,3 +391,23 @@ def test_cuda_chunked_copies_land_whole_and_time_each_part():
     if prefetch.parts:
         assert prefetch.parts[0][1] <= demand.interval()[0] + 1e-4
     assert prefetch.interval()[0] < prefetch.interval()[1]
+
+
+def test_a_layer_sees_the_loads_earlier_layers_waited_for_as_landed(tmp_path, monkeypatch):
+    """The simulator plans a layer when its attention ends, after the earlier layers' experts and so after
+    every load they waited for; the backend plans once it has launched that attention, usually ahead of the
+    stream, and saw those loads in flight. In a model-wide pool they could then not be evicted: moe-infinity
+    loaded and streamed other experts than simulated. The stand-in's experts are slowed here, so that the host
+    is well ahead."""
+    import time
+
+    from backends.layer_compute import LayerCompute
+    model = tiny_model(layers=3, experts=8, top_k=2)
+    path = write_tiny_trace(tmp_path / "t.parquet", model, random_routing(np.random.default_rng(3), model, 1, 6, 8))
+    settings = {"cache.slots": "5", "prefetch": "none"}
+    expert = LayerCompute._expert
+    monkeypatch.setattr(LayerCompute, "_expert", lambda self, *a: (time.sleep(0.003), expert(self, *a))[1])
+    real = prepare_real(str(path), tiny_profile(), "moe-infinity", settings, _config()).run()
+    sim = simulate(str(path), tiny_profile(), "moe-infinity", settings, decisions=True)
+    assert any(d[3] == "evict" and d[4] != d[1] for d in sim.decisions)  # evictions from other layers
+    assert real.decisions == sim.decisions
