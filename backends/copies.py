@@ -48,9 +48,13 @@ class WeightCopies:
         for evicted in writebacks[len(experts):]:
             self._writeback(evicted, step, self.weights.pool[0], None)
 
-    def _writeback(self, evicted: tuple[int, int], step: int, source, after: Work | None) -> None:
-        transfer = self.pcie.submit(self.weights.writeback_buffer(), source, priority=0, kind="writeback",
-                                    layer=evicted[0], expert=evicted[1], step=step, after=after)
+    def _writeback(self, evicted: tuple[int, int], step: int, source, behind: Transfer | None) -> None:
+        if behind is not None:  # on the engine right after its load, nothing between them
+            transfer = self.pcie.submit_tail(self.weights.writeback_buffer(), source, behind, kind="writeback",
+                                             layer=evicted[0], expert=evicted[1], step=step)
+        else:
+            transfer = self.pcie.submit(self.weights.writeback_buffer(), source, priority=0, kind="writeback",
+                                        layer=evicted[0], expert=evicted[1], step=step)
         self.transfers.append(transfer)
 
     def _stage(self, layer: int, expert: int, index: int, step: int) -> Transfer:

@@ -245,6 +245,10 @@ class Transfer(Work):
     #: work launched on the compute stream waits for this copy: it has landed by the time any work launched
     #: there later ends (the next layer's attention, which the simulator plans after)
     awaited: bool = False
+    #: copies issued right behind this one, before any other queued copy (write-backs riding on a load)
+    tails: list = field(default_factory=list)
+    #: set by the engine once it no longer looks at ``tails``
+    tails_closed: bool = False
 
     def __lt__(self, other: "Transfer") -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
@@ -312,6 +316,19 @@ class CopyEngine:
             self._cond.notify()
         return transfer
 
+    def submit_tail(self, dst: torch.Tensor, src: torch.Tensor, behind: Transfer, *, kind: str, layer: int,
+                    expert: int, step: int) -> Transfer:
+        """A copy issued right after ``behind`` ends, ahead of every queued copy (a write-back is its load's
+        tail on the engine, as the simulator places it); queued as urgent if ``behind`` has already ended."""
+        transfer = Transfer(dst, src, 0, kind, layer, expert, step, next(self._seq), clock=self.clock)
+        with self._cond:
+            if not behind.tails_closed:
+                behind.tails.append(transfer)
+                return transfer
+            heapq.heappush(self._queue, transfer)
+            self._cond.notify()
+        return transfer
+
     def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
         """Remove the queued (not started) transfers of ``kind``, but those whose (layer, expert) is in ``keep``;
         they count as finished, never copied."""
@@ -364,6 +381,22 @@ class CopyEngine:
                 self.running = None
                 if not preempted:
                     transfer.finished.set()
+            if not preempted:
+                with self._cond:
+                    tails, transfer.tails, transfer.tails_closed = transfer.tails, [], True
+                for tail in tails:
+                    self._serve_one(tail)
+
+    def _serve_one(self, transfer: Transfer) -> None:
+        self.running = transfer
+        try:
+            self._copy(transfer)
+        except BaseException as err:
+            transfer.error = err
+            transfer.issued.set()
+        finally:
+            self.running = None
+            transfer.finished.set()
 
     def _demand_waiting(self) -> bool:
         with self._cond:
