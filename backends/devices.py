@@ -330,10 +330,13 @@ class CopyEngine:
         return transfer
 
     def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
-        """Remove the queued (not started) transfers of ``kind``, but those whose (layer, expert) is in ``keep``;
-        they count as finished, never copied."""
-        with self._cond:  # a preempted copy's rest is not whole: its first chunks are on the device already
-            dropped = [t for t in self._queue if t.kind == kind and (t.layer, t.expert) not in keep and not t.offset]
+        """Remove the queued (not started) transfers of ``kind``, but those whose (layer, expert) is in ``keep``
+        and those compute waits for (``awaited``); they count as finished, never copied."""
+        # not cancelled: a preempted copy's rest (its first chunks are on the device already), and a copy that
+        # compute launched earlier waits for (in the simulator it has started by the time a later plan runs)
+        with self._cond:
+            dropped = [t for t in self._queue if t.kind == kind and (t.layer, t.expert) not in keep and not t.offset
+                       and not t.awaited]
             gone = set(map(id, dropped))
             self._queue = [t for t in self._queue if id(t) not in gone]
             heapq.heapify(self._queue)

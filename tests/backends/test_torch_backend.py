@@ -411,3 +411,22 @@ def test_a_layer_sees_the_loads_earlier_layers_waited_for_as_landed(tmp_path, mo
     sim = simulate(str(path), tiny_profile(), "moe-infinity", settings, decisions=True)
     assert any(d[3] == "evict" and d[4] != d[1] for d in sim.decisions)  # evictions from other layers
     assert real.decisions == sim.decisions
+
+
+def test_a_queued_prefetch_that_compute_waits_for_is_not_cancelled():
+    """importance and moe-infinity drop queued prefetches at a plan (cancel_queued_prefetches). On the real
+    run the host plans ahead of the stream, so a prefetch an earlier layer's GPU expert waits for could still
+    be queued, and was cancelled: its expert computed on a slot never copied (or freed for another load), and
+    an expert evicted before the cancel was dropped twice (KeyError in ExpertWeights.drop). In the simulator
+    that prefetch has started by then; it is kept."""
+    engine = CopyEngine(Clock(False), cuda=False)
+    gate = HostWork()
+    src, a, b = torch.ones(1000), torch.zeros(1000), torch.zeros(1000)
+    awaited = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0, after=gate)
+    awaited.awaited = True  # what launching a GPU expert that waits for it sets
+    idle = engine.submit(b, src, priority=1, kind="prefetch", layer=1, expert=1, step=0, after=gate)
+    assert engine.cancel("prefetch") == [idle]
+    gate.event.set()
+    awaited.wait()
+    engine.close()
+    assert torch.equal(a, src) and not b.any()
