@@ -268,6 +268,9 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         attend = self.gpu.launch(lambda: act.__setitem__("x", self._attend(attention, act["h"], batches)))
         self._record("gpu", attend, "attention", s, layer, tokens=tokens)
 
+        # the plan reads the layer's routing, which a real system reads back from its gate: the host waits for
+        # the attention and gate here, as the simulator plans when they end (copies landed by then count so)
+        attend.wait()
         self._retire()
         view = self._view(step, layer, rows, phase)
         plan = self.system.plan(view)

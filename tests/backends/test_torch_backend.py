@@ -430,3 +430,25 @@ def test_a_queued_prefetch_that_compute_waits_for_is_not_cancelled():
     awaited.wait()
     engine.close()
     assert torch.equal(a, src) and not b.any()
+
+
+def test_a_layer_is_planned_once_its_attention_and_gate_have_run(trace, monkeypatch):
+    """The simulator plans a layer when its attention ends; a real system reads the gate's routing back before
+    it can decide. The backend planned as soon as it had launched the attention, usually well ahead of the
+    stream, so copies that had landed in the simulator looked in flight (hybrimoe, importance and dali then
+    placed experts otherwise). A slowed attention (5 ms) shows it: every plan now sees its attention done."""
+    import time
+
+    slow = RealExecutor._attend
+    monkeypatch.setattr(RealExecutor, "_attend", staticmethod(lambda *a: (time.sleep(0.005), slow(*a))[1]))
+    executor = prepare_real(trace, tiny_profile(), "gpu-only-lru", SETTINGS, _config())
+    system = executor.setup.system
+    plan, seen = system.plan, []
+
+    def checked(view):
+        last = executor.pending_rows[-1]
+        seen.append(last.kind == "attention" and last.work.done())
+        return plan(view)
+    system.plan = checked  # an instance attribute: the backend looks plan() up on the instance
+    executor.run()
+    assert len(seen) == 6 * 3 and all(seen)
