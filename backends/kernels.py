@@ -25,10 +25,13 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_STD = 0.02
 
 
-def torch_dtype(dtype: str) -> torch.dtype:
+def torch_dtype(dtype: str, field: str = "memory.expert_dtype") -> torch.dtype:
+    """The torch dtype the backend runs ``dtype`` weights in; ``field`` names the setting that chose it."""
     if dtype not in TORCH_DTYPES:
-        raise ConfigError(f"the real backend runs bf16 or fp16 experts, not {dtype}", field="memory.expert_dtype",
-                          fix="pass --set memory.expert_dtype=bf16 (the simulator then models bf16 too)")
+        what = "experts" if field == "memory.expert_dtype" else "attention, dense and shared weights"
+        raise ConfigError(f"the real backend runs bf16 or fp16 {what}, not {dtype}", field=field,
+                          fix=f"pass --set {field}=bf16 (the simulator then models bf16 too; mixtral-offloading "
+                              "defaults both memory.expert_dtype and memory.non_expert_dtype to int4)")
     return TORCH_DTYPES[dtype]
 
 

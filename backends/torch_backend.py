@@ -84,6 +84,8 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         self.device = check_device(self.config.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = torch_dtype(self.costs.dtype)
+        # the non-expert weights run in the experts' dtype; a simulated int4 attention would be set against bf16
+        torch_dtype(self.costs.non_expert_dtype, "memory.non_expert_dtype")
         self.max_batch, self.max_context, self.max_tokens = trace_shape(self.trace_path)
 
     # ------------------------------------------------------------------ set-up

@@ -452,3 +452,12 @@ def test_a_layer_is_planned_once_its_attention_and_gate_have_run(trace, monkeypa
     system.plan = checked  # an instance attribute: the backend looks plan() up on the instance
     executor.run()
     assert len(seen) == 6 * 3 and all(seen)
+
+
+def test_int4_non_expert_weights_are_refused_naming_the_setting(trace):
+    """mixtral-offloading defaults both dtypes to int4. With only memory.expert_dtype=bf16 the backend ran bf16
+    attention against a simulated int4 one, without a word; it now refuses, naming memory.non_expert_dtype."""
+    with pytest.raises(ConfigError, match="not int4") as err:
+        prepare_real(trace, tiny_profile(), "mixtral-offloading", {**SETTINGS, "memory.expert_dtype": "bf16"},
+                     _config())
+    assert err.value.field == "memory.non_expert_dtype" and "memory.non_expert_dtype=bf16" in str(err.value)
