@@ -16,6 +16,9 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -131,6 +134,17 @@ class Timer:
         self.repeats = repeats
         self.torch = torch
 
+    @contextmanager
+    def patient(self, factor: int) -> Iterator[None]:
+        """Within the block, ``factor`` times the samples and time per point (a point measured again)."""
+        saved = self.repeats, self.MIN_TOTAL_S, self.MAX_CALLS, self.MAX_POINT_S
+        self.repeats, self.MIN_TOTAL_S = saved[0] * factor, saved[1] * factor
+        self.MAX_CALLS, self.MAX_POINT_S = saved[2] * factor, saved[3] * factor
+        try:
+            yield
+        finally:
+            self.repeats, self.MIN_TOTAL_S, self.MAX_CALLS, self.MAX_POINT_S = saved
+
     def _sample(self, once: Callable[[], tuple[float, bool]]) -> float:
         warm = once()[0] + once()[0]
         calls = 2
@@ -180,6 +194,20 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------- measurements
+@dataclass
+class Series:
+    """One measured curve: ``values[i]`` at ``xs[i]``, and ``again(i)``, which measures point ``i`` afresh
+    (same buffers, same unit) while the curve's buffers are still held."""
+
+    xs: list[int]
+    values: list[float]
+    again: Callable[[int], float]
+
+    @classmethod
+    def measured(cls, xs: list[int], point: Callable[[int], float]) -> Series:
+        return cls(list(xs), [point(i) for i in range(len(xs))], point)
+
+
 class Measurements:
     """Each method measures one curve or number of the machine; shapes are passed in."""
 
@@ -218,7 +246,7 @@ class Measurements:
         return buffer.fill_(1)
 
     # -- compute -------------------------------------------------------------------
-    def expert_curve(self, model: ModelSpec, intermediate: int, on_gpu: bool) -> list[float]:
+    def expert_curve(self, model: ModelSpec, intermediate: int, on_gpu: bool) -> Series:
         """µs per expert call (gather, FFN, weighted scatter-add) vs tokens, as the backend runs it.
 
         Each call takes the next of a pool of weight buffers of more than
@@ -231,8 +259,9 @@ class Measurements:
         pool = self.rotation(params)
         weights = self._random(pool, params, device=device)
         turn = [0]
-        out = []
-        for tokens in self.expert_tokens:
+
+        def point(i: int) -> float:
+            tokens = self.expert_tokens[i]
             x = self._random(tokens, m.hidden_size, device=device)
             acc = torch.zeros_like(x)
             rows = torch.arange(tokens, device=device)
@@ -243,9 +272,8 @@ class Measurements:
                 turn[0] += 1
                 y = ffn(w, x.index_select(0, rows), m.hidden_size, intermediate, m.expert_matrices)
                 acc.index_add_(0, rows, y * gate)
-            seconds = self.timer.device(call) if on_gpu else self.timer.host(call)
-            out.append(seconds * 1e6)
-        return out
+            return (self.timer.device(call) if on_gpu else self.timer.host(call)) * 1e6
+        return Series.measured(list(self.expert_tokens), point)
 
     def rotation(self, params: int) -> int:
         """How many weight buffers an expert curve of ``params`` parameters rotates over."""
@@ -257,8 +285,8 @@ class Measurements:
         pool = self.rotation(params)
         return f"weights rotating over {pool} buffers, {pool * params * self.dtype.itemsize / MIB:.1f} MiB"
 
-    def attention_curves(self, model: ModelSpec) -> list[tuple[int, list[int], list[float]]]:
-        """(tokens, contexts, µs) for one attention block with its gate, as the backend runs it.
+    def attention_curves(self, model: ModelSpec) -> list[tuple[int, Series]]:
+        """(tokens, µs vs context) for one attention block with its gate, as the backend runs it.
 
         Calls rotate over blocks (weights and KV cache each) of more than ``rotation_bytes`` in all: a real
         run reads every layer's block from memory, not from a cache the previous call left warm.
@@ -278,24 +306,32 @@ class Measurements:
         for tokens in self.attention_tokens:
             contexts = [c for c in self.contexts if c >= tokens]
             x = self._random(tokens, model.hidden_size)
-            times = [self.timer.device(lambda c=c: call(x, Batch(1, tokens, c))) * 1e6 for c in contexts]
-            curves.append((tokens, contexts, times))
+
+            def point(i: int, x=x, tokens=tokens, contexts=contexts) -> float:
+                return self.timer.device(lambda: call(x, Batch(1, tokens, contexts[i]))) * 1e6
+            curves.append((tokens, Series.measured(contexts, point)))
         return curves
 
-    def output_curves(self, model: ModelSpec) -> tuple[list[float], list[float]]:
+    def output_curves(self, model: ModelSpec) -> tuple[Series, Series]:
         """µs of the LM head (final norm, projection of each sequence's last token) and of the token choice
         (softmax, argmax) vs sequences, as the backend ends each step."""
         from backends.kernels import LMHead
         torch = self.torch
         head = LMHead(model, self.dtype, self.dev, self.generator)
-        lm_head, sampling = [], []
+        inputs = []
         for sequences in self.output_sequences:
             h = self._random(sequences, model.hidden_size)
             rows = torch.arange(sequences, device=self.dev)
-            lm_head.append(self.timer.device(lambda: head.logits(h, rows)) * 1e6)
-            logits = head.logits(h, rows)
-            sampling.append(self.timer.device(lambda: head.sample(logits)) * 1e6)
-        return lm_head, sampling
+            inputs.append((h, rows, head.logits(h, rows)))
+
+        def lm_head(i: int) -> float:
+            h, rows, _ = inputs[i]
+            return self.timer.device(lambda: head.logits(h, rows)) * 1e6
+
+        def sampling(i: int) -> float:
+            return self.timer.device(lambda: head.sample(inputs[i][2])) * 1e6
+        return (Series.measured(list(self.output_sequences), lm_head),
+                Series.measured(list(self.output_sequences), sampling))
 
     def matmul_tflops(self, on_gpu: bool) -> float:
         """A bf16 matmul ceiling: 8192^3 on a CUDA GPU, 1024^3 on a CPU (large enough to be compute-bound)."""
@@ -321,8 +357,9 @@ class Measurements:
             return self.timer.device(lambda: dst.copy_(src, non_blocking=True))
         return self.timer.host(lambda: dst.copy_(src))
 
-    def copy_curve(self, to_device: bool) -> tuple[float, list[float]]:
-        """(latency µs, GB/s vs size) such that latency + bytes / bandwidth(size) is the measured time."""
+    def copy_curve(self, to_device: bool) -> tuple[float, Series]:
+        """(latency µs, GB/s vs size) such that latency + bytes / bandwidth(size) is the measured time; a size
+        measured again keeps the latency measured first."""
         largest = max(self.copy_sizes)
         host, dev = self._bytes(largest, on_device=False), self._bytes(largest, on_device=True)
 
@@ -330,12 +367,13 @@ class Measurements:
             h, d = host[:size], dev[:size]
             return self._copy_time(d, h) if to_device else self._copy_time(h, d)
         latency = seconds(4)
-        gbps = []
-        for size in self.copy_sizes:
+
+        def gbps(i: int) -> float:
+            size = self.copy_sizes[i]
             took = seconds(size)
             payload = max(took - latency, 0.05 * took)  # the rest is per-copy latency
-            gbps.append(size / payload / 1e9)
-        return latency * 1e6, gbps
+            return size / payload / 1e9
+        return latency * 1e6, Series.measured(list(self.copy_sizes), gbps)
 
     def duplex_slowdown(self) -> float:
         """H2D bandwidth while a D2H copy of the same size runs at once, over H2D alone."""

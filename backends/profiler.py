@@ -24,6 +24,16 @@ the last kernel, so kernel-launch time is inside them: replay with a measured
 profile as ``moesim validate`` does, with ``engine.kernels_per_expert=0`` and
 ``engine.kernels_per_shared=0``, or launches count twice.
 
+Before the profile is written, every curve is checked as the loader will check it
+(:data:`moesim.hw.profile.TIME_FALL_LIMIT`): on a busy machine one point's median
+can be many times its true time (44 ms at 1 token against 1.5 ms at 4, another
+process having taken the CPUs), and the loader refuses a time that falls below
+an earlier one by more than that factor. The points of such a fall, the high and
+the low, are measured again while the curve's buffers are held, up to
+:data:`REMEASURES` times with more samples each time (a fresh median replaces
+the old; nothing is clipped or made up), each said in a note; a curve still
+refused then ends the run with :class:`UnsteadyCurveError` and nothing written.
+
 With ``device="cpu"`` the GPU stand-in is measured (a host thread, host
 memory, plain memcpy between two host buffers for the "PCIe" curves); its
 "GPU" expert curves are then the CPU pool's, the same kernels on the same
@@ -34,14 +44,16 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
-from backends.measurements import Measurements, cpu_info, cpu_kernel_family, gpu_info
-from moesim.hw.profile import PROFILE_SCHEMA_VERSION, parse_profile
+from backends.measurements import Measurements, Series, cpu_info, cpu_kernel_family, gpu_info
+from moesim.errors import MoesimError
+from moesim.hw.profile import PROFILE_SCHEMA_VERSION, TIME_FALL_LIMIT, parse_profile
 from moesim.model.spec import ModelSpec
 from moesim.util import atomic_write_text
 
@@ -68,6 +80,14 @@ class ProfileConfig:
     def cpu_threads(self) -> int:
         from backends.devices import allowed_cpus
         return self.threads or len(allowed_cpus())
+
+
+#: how many times a point of a curve the loader would refuse is measured again, with 2x, 4x, 8x the samples
+REMEASURES = 3
+
+
+class UnsteadyCurveError(MoesimError):
+    """A measured curve that the profile loader would refuse, even after its points were measured again."""
 
 
 # ----------------------------------------------------------------------------- what was measured
@@ -166,20 +186,37 @@ def measurement_labels(config: ProfileConfig) -> list[str]:
                      "both directions at once", "launch and hand-off overheads"]
 
 
-def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None) -> Measured:
-    """Measure every curve and number of a hardware profile v1 on this machine."""
+def _note_on_stderr(text: str) -> None:
+    sys.stderr.write(f"moesim: note: {text}\n")
+    sys.stderr.flush()
+
+
+def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None,
+            note: Callable[[str], None] | None = None) -> Measured:
+    """Measure every curve and number of a hardware profile v1 on this machine.
+
+    ``progress`` gets one label per stage (:func:`measurement_labels`); ``note`` a line for each point
+    measured again (default: stderr). Raises :class:`UnsteadyCurveError` for a curve the loader would refuse.
+    """
     from backends.devices import host_threads
     say = progress or (lambda _label: None)
+    tell = note or _note_on_stderr
     threads = config.cpu_threads()
     out = Measured(config=config, host=platform.node() or "unknown-host",
                    date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), cpu=cpu_info(),
                    gpu=gpu_info(config.device), threads=threads)
     with host_threads(threads):
         meas = Measurements(config)
+
+        def steady(series: Series, key: str, label: str, x_name: str) -> list[float]:
+            _steady(meas, [(series, key, label)], x_name, tell)
+            return list(series.values)
         for m in _routed_shapes(config):
             say(f"CPU expert FFN {m.name}")
-            out.cpu_experts.append(ExpertMeasure(m, m.moe_intermediate_size, list(meas.expert_tokens),
-                                                 meas.expert_curve(m, m.moe_intermediate_size, False),
+            key = f"cpu.expert_ffn[{len(out.cpu_experts)}].time_us"
+            times = steady(meas.expert_curve(m, m.moe_intermediate_size, False), key,
+                           f"CPU expert FFN {m.name} {m.hidden_size}x{m.moe_intermediate_size}", "tokens")
+            out.cpu_experts.append(ExpertMeasure(m, m.moe_intermediate_size, list(meas.expert_tokens), times,
                                                  meas.rotation_note(m, m.moe_intermediate_size)))
         cpu_by_shape = {(e.model.hidden_size, e.intermediate, e.model.expert_matrices): e for e in out.cpu_experts}
         for m, intermediate, label in _shapes(config):
@@ -190,15 +227,25 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None
                                                      "kernels and threads"))
                 continue
             say(f"GPU stand-in {label}" if not meas.cuda else f"GPU {label}")
-            out.gpu_experts.append(ExpertMeasure(m, intermediate, list(meas.expert_tokens),
-                                                 meas.expert_curve(m, intermediate, True),
+            key = f"gpu.expert_ffn[{len(out.gpu_experts)}].time_us"
+            times = steady(meas.expert_curve(m, intermediate, True), key,
+                           f"GPU{' stand-in' if not meas.cuda else ''} {label}", "tokens")
+            out.gpu_experts.append(ExpertMeasure(m, intermediate, list(meas.expert_tokens), times,
                                                  meas.rotation_note(m, intermediate)))
         for m in config.models:
             say(f"attention {m.name}")
-            out.attention += [(m.name, m.attention, t, c, us) for t, c, us in meas.attention_curves(m)]
+            for tokens, series in meas.attention_curves(m):
+                key = f"gpu.attention[{len(out.attention)}].time_us"
+                times = steady(series, key, f"attention {m.name} at {tokens} tokens", "context")
+                out.attention.append((m.name, m.attention, tokens, list(series.xs), times))
         for m in _output_shapes(config):
             say(f"LM head and sampling {m.name}")
-            out.output.append((m.hidden_size, m.vocab_size, list(meas.output_sequences), *meas.output_curves(m)))
+            head, sampling = meas.output_curves(m)
+            first = 2 * len(out.output)  # one lm_head and one sampling entry per output shape
+            steady(head, f"gpu.output[{first}].time_us", f"LM head {m.name}", "sequences")
+            steady(sampling, f"gpu.output[{first + 1}].time_us", f"sampling {m.name}", "sequences")
+            out.output.append((m.hidden_size, m.vocab_size, list(meas.output_sequences), list(head.values),
+                               list(sampling.values)))
         say("matmul and memory ceilings")
         out.cpu_tflops, out.cpu_gbps = meas.matmul_tflops(False), meas.copy_gbps(False)
         if meas.cuda:
@@ -207,15 +254,83 @@ def measure(config: ProfileConfig, progress: Callable[[str], None] | None = None
             out.gpu_tflops, out.gpu_gbps = out.cpu_tflops, out.cpu_gbps
         out.copy_sizes = list(meas.copy_sizes)
         say("host-to-device copies")
-        out.h2d_latency_us, out.h2d_gbps = meas.copy_curve(True)
+        out.h2d_latency_us, h2d = meas.copy_curve(True)
         say("device-to-host copies")
-        out.d2h_latency_us, out.d2h_gbps = meas.copy_curve(False)
+        out.d2h_latency_us, d2h = meas.copy_curve(False)
+        # both copy curves are checked with the latency the profile will have: the mean of the two
+        copies = [(h2d, "pcie.h2d.gbps", "host-to-device copies"), (d2h, "pcie.d2h.gbps", "device-to-host copies")]
+        _steady(meas, copies, "size_bytes", tell, (out.h2d_latency_us + out.d2h_latency_us) / 2)
+        out.h2d_gbps, out.d2h_gbps = list(h2d.values), list(d2h.values)
         say("both directions at once")
         out.duplex = meas.duplex_slowdown()
         say("launch and hand-off overheads")
         out.launch_us = meas.launch_us()
         out.handoff_us = meas.handoff_us(max(m.hidden_size for m in config.models))
     return out
+
+
+# ----------------------------------------------------------------------------- curves the loader accepts
+def refused_pairs(times_us: list[float]) -> list[tuple[int, int]]:
+    """(earlier, later) index pairs of a curve whose later time is below the earlier one divided by
+    :data:`TIME_FALL_LIMIT`: the loader refuses the curve at each such later point."""
+    return [(j, i) for i in range(1, len(times_us)) for j in range(i)
+            if times_us[i] * TIME_FALL_LIMIT < times_us[j]]
+
+
+def _profile_times(values: list[float], xs: list[int], latency_us: float | None) -> list[float]:
+    """The times the loader checks: of the rounded values as written, copy times from bandwidths."""
+    if latency_us is None:
+        return _round(list(values))
+    latency = _round(latency_us)
+    return [latency + x / gbps * 1e-3 for x, gbps in zip(xs, _round(list(values)))]
+
+
+def _us(value: float) -> str:
+    return f"{value:.4g} µs" if value < 1e4 else f"{value:.0f} µs"
+
+
+def _steady(meas: Measurements, curves: list[tuple[Series, str, str]], x_name: str, note: Callable[[str], None],
+            latency_us: float | None = None) -> None:
+    """Measure the points of a refused fall again until the loader would accept every curve, at most
+    :data:`REMEASURES` rounds with more samples each; raise :class:`UnsteadyCurveError` if still refused.
+
+    A round measures the high end of each fall again (a busy machine inflates a point), then the low end of
+    each fall that is left (a point can be too low as well); each point at most once a round.
+    """
+    def times(series: Series) -> list[float]:
+        return _profile_times(series.values, series.xs, latency_us)
+
+    def falls(series: Series, t: list[float], pairs: list[tuple[int, int]], word: str) -> str:
+        shown = ", ".join(f"{_us(t[j])} at {x_name} {series.xs[j]} {word} {_us(t[i])} at {x_name} {series.xs[i]}"
+                          for j, i in pairs[:2])
+        return shown + (f" and {len(pairs) - 2} more" if len(pairs) > 2 else "")
+
+    for attempt in range(1, REMEASURES + 1):
+        if not any(refused_pairs(times(series)) for series, _, _ in curves):
+            return
+        for series, key, label in curves:
+            done: set[int] = set()
+            for end in (0, 1):  # the high ends, then the low ends of the falls left
+                t = times(series)
+                pairs = refused_pairs(t)
+                for i in sorted({pair[end] for pair in pairs} - done):
+                    why = falls(series, t, [pair for pair in pairs if i in pair], f"over {TIME_FALL_LIMIT:g}x")
+                    with meas.timer.patient(2 ** attempt):
+                        series.values[i] = series.again(i)
+                    done.add(i)
+                    note(f"{label} ({key}): measured {x_name} {series.xs[i]} again ({attempt} of {REMEASURES}, "
+                         f"{2 ** attempt}x the samples): {_us(times(series)[i])}, was {_us(t[i])} ({why}: "
+                         "the loader would refuse the curve)")
+    for series, key, label in curves:
+        t = times(series)
+        pairs = refused_pairs(t)
+        if pairs:
+            raise UnsteadyCurveError(
+                f"{label}: {falls(series, t, pairs, 'against')}, more than {TIME_FALL_LIMIT:g}x apart after "
+                f"measuring them again {REMEASURES} times; the loader would refuse the profile, nothing written",
+                field=key,
+                fix="rerun on a quieter machine (other work inflates single points), or with fewer --threads, "
+                    "e.g. --threads 1")
 
 
 # ----------------------------------------------------------------------------- the profile document
@@ -296,9 +411,10 @@ def profile_document(x: Measured) -> dict[str, Any]:
     }
 
 
-def measure_profile(config: ProfileConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def measure_profile(config: ProfileConfig, progress: Callable[[str], None] | None = None,
+                    note: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every curve and number of a hardware profile v1; returns the YAML mapping."""
-    data = profile_document(measure(config, progress))
+    data = profile_document(measure(config, progress, note))
     parse_profile(data, origin=config.name or "measured profile")  # what load_profile will accept
     return data
 

@@ -12,7 +12,7 @@ from moesim.hw.cost import CostModel  # noqa: E402
 from moesim.hw.profile import load_profile  # noqa: E402
 from backends.devices import allowed_cpus, host_threads  # noqa: E402
 from backends.measurements import Timer, cpu_kernel_family  # noqa: E402
-from backends.profiler import ProfileConfig, measure_profile, measurement_labels, write_profile  # noqa: E402
+from backends.profiler import ProfileConfig, _round, measure_profile, measurement_labels, write_profile  # noqa: E402
 from tests.factories import tiny_model  # noqa: E402
 
 
@@ -199,3 +199,68 @@ def test_a_model_given_twice_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == ("moesim: error: field '--model': model flame-moe-290m given more than once "
                                        "(fix: give each model shape once)\n")
     assert not (tmp_path / "p.yaml").exists()
+
+
+def _inflating_timer(monkeypatch, inflated_s: float, calls: int):
+    """Timer.host returning ``inflated_s`` for its first ``calls`` calls (another process took the core), then
+    the real timing; returns what each call returned, in order."""
+    real = Timer.host
+    returned: list[float] = []
+
+    def host(self, fn):
+        seconds = inflated_s if len(returned) < calls else real(self, fn)
+        returned.append(seconds)
+        return seconds
+    monkeypatch.setattr(Timer, "host", host)
+    return returned
+
+
+def test_a_point_inflated_once_is_measured_again_and_the_profile_loads(tmp_path, monkeypatch, capsys):
+    """A quick profile on a busy 2-core machine measured 44 ms at 1 token against 1.5 ms at 4: the loader refused
+    the curve (a fall of more than TIME_FALL_LIMIT) and the validate run that measured it was lost."""
+    returned = _inflating_timer(monkeypatch, 0.044, calls=1)  # the first point timed: CPU expert FFN at 1 token
+    config = ProfileConfig(models=(tiny_model(),), device="cpu", threads=1, quick=True, name="busy")
+    data = measure_profile(config)  # notes on stderr by default
+    curve = data["cpu"]["expert_ffn"][0]
+    # the point is the fresh measurement (the 5th timing: the other three points came between), not the 44 ms
+    assert returned[:5] == [0.044, *returned[1:5]] and curve["time_us"][0] == _round(returned[4] * 1e6) < 44000 / 4
+    assert curve["time_us"][1:] == _round([s * 1e6 for s in returned[1:4]])  # the others as measured
+    assert data["gpu"]["expert_ffn"][0]["time_us"] == curve["time_us"]  # the stand-in's curve is the same
+    profile = load_profile(write_profile(data, tmp_path / "busy.yaml"))
+    assert profile.name == "busy"
+    notes = [line.removeprefix("moesim: note: ") for line in capsys.readouterr().err.splitlines()]
+    assert len(notes) == 1
+    assert notes[0].startswith("CPU expert FFN tiny 64x128 (cpu.expert_ffn[0].time_us): measured tokens 1 again "
+                               "(1 of 3, 2x the samples): ")
+    assert f"{curve['time_us'][0]:.4g} µs, was 44000 µs (44000 µs at tokens 1 over 4x " in notes[0]
+    assert notes[0].endswith(" and 1 more: the loader would refuse the curve)")
+
+
+def test_a_point_inflated_every_time_writes_nothing_and_is_one_line(tmp_path, monkeypatch, capsys):
+    from moesim.cli import main
+    from backends.measurements import Measurements
+    real = Measurements.expert_curve
+
+    def busy_at_one_token(self, model, intermediate, on_gpu):
+        """The curve as measured, but 44 ms at 1 token however often it is measured."""
+        series = real(self, model, intermediate, on_gpu)
+        if isinstance(series, list):  # the measurements before points could be measured again
+            return [44000.0, *series[1:]]
+        again = series.again
+        series.values[0] = 44000.0
+        series.again = lambda i: 44000.0 if i == 0 else again(i)
+        return series
+    monkeypatch.setattr(Measurements, "expert_curve", busy_at_one_token)
+    out = tmp_path / "p.yaml"
+    assert main(["profile", "--device", "cpu", "--model", "flame-moe-290m", "--quick", "--threads", "1",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if line.startswith("moesim: error:")]
+    assert len(error) == 1 and err.endswith(error[0] + "\n"), err
+    assert error[0].startswith("moesim: error: field 'cpu.expert_ffn[0].time_us': CPU expert FFN flame-moe-290m ")
+    assert ": 44000 µs at tokens 1 against " in error[0] and " µs at tokens 4, " in error[0]
+    assert error[0].endswith("more than 4x apart after measuring them again 3 times; the loader would refuse "
+                             "the profile, nothing written (fix: rerun on a quieter machine (other work inflates "
+                             "single points), or with fewer --threads, e.g. --threads 1)")
+    assert err.count("moesim: note: CPU expert FFN flame-moe-290m") >= 3 and "(3 of 3, 8x the samples)" in err
+    assert not out.exists()
