@@ -1,0 +1,84 @@
+"""Real backend: the CUDA branches (CudaStream, CudaWork, the copy engine's stream, event timing, pinned
+uploads) on a machine without a GPU. torch.cuda's streams and events are the small fakes of
+tests/backends/fake_cuda.py: work runs eagerly on the host, but an event is timed only once the host knows it
+complete, and a stream never waits for an event not yet recorded, as on a GPU. The GPU itself is checked by
+the tests marked gpu."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from backends.devices import Clock, CopyEngine  # noqa: E402
+from backends.torch_backend import RealConfig, prepare_real  # noqa: E402
+from moesim.sim.result import result_to_frames  # noqa: E402
+from moesim.sim.run import simulate  # noqa: E402
+from tests.backends import fake_cuda  # noqa: E402
+from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace  # noqa: E402
+
+SETTINGS = {"cache.slots_per_layer": "3"}
+BF16 = {"memory.expert_dtype": "bf16", "memory.non_expert_dtype": "bf16"}
+#: the systems benchmarks/gpu_validation.py runs on the GPU, and the other CUDA paths: write-backs (device to
+#: host), deferred experts, a model-wide pool with cancelled prefetches, chunked copies
+CASES = [(name, {}) for name in ("cpu-only", "gpu-only-lru", "static-hot", "smoe", "hybrimoe", "dali",
+                                 "ktransformers-ed", "buddymoe")] + [
+    ("mixtral-offloading", BF16), ("ktransformers-ed", {"defer.deferred": "1"}), ("moe-infinity", {}),
+    ("smoe", {"engine.copy_chunk_bytes": "1024"}), ("gpu-only-lru", {"engine.copy_chunk_bytes": "1024"})]
+TIMING_INDEPENDENT = ("cpu-only", "gpu-only-lru", "static-hot", "ktransformers-ed", "buddymoe", "mixtral-offloading")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake_cuda.install(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    model = tiny_model(layers=3, experts=8, top_k=2, shared=True)
+    path = tmp_path_factory.mktemp("cuda-paths") / "tiny.parquet"
+    return str(write_tiny_trace(path, model, random_routing(np.random.default_rng(1), model, 2, 8, 4)))
+
+
+@pytest.mark.parametrize("system, extra", CASES, ids=[f"{s}{'-' + '-'.join(e) if e else ''}" for s, e in CASES])
+def test_the_cuda_branches_run_each_system_with_every_event_recorded_before_use(trace, fake, system, extra):
+    settings = {**SETTINGS, **extra}
+    executor = prepare_real(trace, tiny_profile(), system, settings,
+                            RealConfig(device="cpu", cpu_threads=1, warmup_steps=1))
+    executor.cuda = True  # CudaStream, the copy stream and CUDA events, on CPU tensors
+    real = executor.run()
+    if system in TIMING_INDEPENDENT:
+        assert real.decisions == simulate(trace, tiny_profile(), system, settings, decisions=True).decisions
+    frame = result_to_frames(real)["timeline"]
+    assert len(frame) and (frame.end_s >= frame.start_s).all() and (frame.start_s >= 0).all()
+    assert (frame.resource == "gpu").any()
+    copies = [t for t in executor.transfers if t.end_event is not None]
+    assert copies or system in ("cpu-only", "static-hot", "ktransformers-ed", "fiddler")
+    for t in copies:  # every copy is timed on the copy engine's own stream
+        assert t.start_event.stream is executor.pcie.stream and t.end_event.stream is executor.pcie.stream
+    if system == "mixtral-offloading":
+        assert {t.kind for t in copies} >= {"load", "writeback"}
+
+
+def test_a_stream_waiting_for_a_preempted_chunked_prefetch_waits_for_its_last_chunk(fake):
+    """The CUDA variant of the chunked preemption (tests/backends/test_torch_backend.py), on the fakes: a
+    stream gated on a prefetch cut by a demand copy waits for the copy's last chunk (an event recorded then;
+    the fake refuses a wait on one not yet recorded), and each cut-off part is timed on completed events."""
+    import time
+    engine = CopyEngine(Clock(True), cuda=True, chunk_bytes=4096)
+    src = torch.arange(2_000_000, dtype=torch.float32)
+    a, b = torch.zeros_like(src), torch.zeros(1000)
+    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
+    while engine.running is not prefetch:
+        time.sleep(1e-4)
+    demand = engine.submit(b, src[:1000], priority=0, kind="load", layer=0, expert=0, step=0)
+    stream = torch.cuda.Stream()
+    prefetch.gate(stream)
+    assert prefetch.issued.is_set() and torch.equal(a, src)  # the gate returned only once the last chunk was on
+    demand.wait()
+    prefetch.wait()
+    engine.close()
+    assert prefetch.parts and prefetch.parts[0][1] <= demand.interval()[0]
+    assert demand.interval()[1] <= prefetch.interval()[0] <= prefetch.interval()[1]
+    assert torch.equal(b, src[:1000])
