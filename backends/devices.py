@@ -408,7 +408,9 @@ class CopyEngine:
     def _copy_chunks(self, t: Transfer) -> bool:
         """Copy ``t`` from its offset in chunks; a prefetch that a ready demand copy is waiting behind stops at
         the next chunk boundary and goes back to the queue with its rest (returns True). The copy counts as
-        issued once its last chunk is: a CUDA stream waiting for it waits for the whole copy."""
+        issued once its last chunk is: a CUDA stream waiting for it waits for the whole copy. On CUDA the host
+        waits at a prefetch's chunk boundaries only (where a demand copy may take over); a demand copy's chunks
+        go onto the stream one after another."""
         dst, src = t.dst.view(-1), t.src.view(-1)
         total = src.numel()
         step = max(self.chunk_bytes // src.element_size(), 1)
@@ -426,7 +428,7 @@ class CopyEngine:
                     if end == total:
                         t.end_event.record(self.stream)
                         t.issued.set()
-                    else:
+                    elif t.priority > 0:  # a boundary a demand copy may take: this chunk has landed first
                         self.stream.synchronize()
             else:
                 dst[t.offset:end].copy_(src[t.offset:end])

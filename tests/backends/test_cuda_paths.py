@@ -61,6 +61,36 @@ def test_the_cuda_branches_run_each_system_with_every_event_recorded_before_use(
         assert {t.kind for t in copies} >= {"load", "writeback"}
 
 
+def _sync_counter(engine: CopyEngine) -> list[int]:
+    calls = [0]
+    synchronize = engine.stream.synchronize
+
+    def counted() -> None:
+        calls[0] += 1
+        synchronize()
+    engine.stream.synchronize = counted
+    return calls
+
+
+def test_a_chunked_demand_copy_does_not_wait_on_the_host_between_chunks(fake):
+    """On CUDA the copy engine synchronized the copy stream after every chunk of every copy: a demand copy,
+    which nothing overtakes, paid a host round trip per chunk (the simulator charges each chunk's copy latency
+    only), and a GPU expert waiting for it held the host until its last chunk was issued. Only a prefetch, which
+    a demand copy may overtake at a chunk boundary, waits there."""
+    engine = CopyEngine(Clock(True), cuda=True, chunk_bytes=4096)
+    calls = _sync_counter(engine)
+    src = torch.arange(100_000, dtype=torch.float32)  # 98 chunks of 4 KiB
+    a, b = torch.zeros_like(src), torch.zeros_like(src)
+    demand = engine.submit(a, src, priority=0, kind="load", layer=0, expert=0, step=0)
+    demand.wait()
+    assert calls[0] == 0 and torch.equal(a, src)
+    prefetch = engine.submit(b, src, priority=1, kind="prefetch", layer=0, expert=1, step=0)
+    prefetch.wait()
+    engine.close()
+    assert calls[0] == 97 and torch.equal(b, src)  # each boundary but the end, where a demand copy may take over
+    assert demand.interval()[0] <= demand.interval()[1] <= prefetch.interval()[0]
+
+
 def test_a_stream_waiting_for_a_preempted_chunked_prefetch_waits_for_its_last_chunk(fake):
     """The CUDA variant of the chunked preemption (tests/backends/test_torch_backend.py), on the fakes: a
     stream gated on a prefetch cut by a demand copy waits for the copy's last chunk (an event recorded then;
