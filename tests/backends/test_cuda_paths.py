@@ -112,3 +112,21 @@ def test_a_stream_waiting_for_a_preempted_chunked_prefetch_waits_for_its_last_ch
     assert prefetch.parts and prefetch.parts[0][1] <= demand.interval()[0]
     assert demand.interval()[1] <= prefetch.interval()[0] <= prefetch.interval()[1]
     assert torch.equal(b, src[:1000])
+
+
+def test_the_profilers_cuda_measurements_time_completed_events(fake):
+    """moesim profile --device cuda's timer, copies in both directions (and at once, on two streams) and the
+    CPU-expert hand-off through CudaStream, on the fakes: every time read from events the host has synchronized."""
+    from backends.measurements import Measurements
+    from backends.profiler import ProfileConfig
+    model = tiny_model()
+    meas = Measurements(ProfileConfig(models=(model,), device="cpu", threads=1, quick=True))
+    meas.cuda = meas.timer.cuda = True  # the CUDA branches, on CPU tensors
+    meas.timer.WARMUP_S, meas.timer.MIN_TOTAL_S, meas.timer.MAX_POINT_S = 0.0, 0.001, 0.01  # few samples
+    assert all(v > 0 for v in meas.expert_curve(model, model.moe_intermediate_size, True).values)
+    assert all(v > 0 for _, series in meas.attention_curves(model) for v in series.values)
+    for to_device in (True, False):
+        latency, series = meas.copy_curve(to_device)
+        assert latency > 0 and all(v > 0 for v in series.values)
+    assert 0 < meas.duplex_slowdown() <= 1
+    assert meas.launch_us() > 0 and meas.handoff_us(model.hidden_size) > 0
