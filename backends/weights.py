@@ -22,25 +22,36 @@ from moesim.util import host_bytes_available
 GIB = 2**30
 
 
-def check_host_memory(model, expert_dtype: str) -> None:
+def check_host_memory(model, expert_dtype: str, pinned: bool = False) -> None:
     """Refuse a real run whose routed experts cannot fit in host memory, before anything is measured
-    (``moesim validate`` measures a profile first, which takes minutes)."""
+    (``moesim validate`` measures a profile first, which takes minutes); ``pinned``: as a CUDA run takes it."""
     itemsize = torch_dtype(expert_dtype).itemsize
-    _check_fits(model.num_layers, model.num_experts * expert_params(model, model.moe_intermediate_size) * itemsize)
+    _check_fits(model.num_layers, model.num_experts * expert_params(model, model.moe_intermediate_size) * itemsize,
+                pinned)
 
 
-def _check_fits(layers: int, layer_bytes: int) -> None:
-    """``layers`` MoE layers of ``layer_bytes`` routed expert weights each fit in host memory, or the error
-    says how many layers do."""
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned allocation of ``nbytes`` takes: torch's pinned (caching host) allocator rounds every
+    allocation up to a power of two (54 GiB of Qwen3-30B-A3B experts pin 64 GiB)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+def _check_fits(layers: int, layer_bytes: int, pinned: bool = False) -> None:
+    """``layers`` MoE layers of ``layer_bytes`` routed expert weights each fit in host memory (``pinned``: as the
+    pinned allocator takes them), or the error says how many layers do."""
     total, available = layers * layer_bytes, host_bytes_available()
-    if available is None or total <= 0.9 * available:
+    taken = pinned_bytes(total) if pinned else total
+    if available is None or taken <= 0.9 * available:
         return
-    fits = int(0.9 * available // layer_bytes) if layer_bytes else layers
+    room = pinned_bytes(int(0.9 * available) + 1) // 2 if pinned else 0.9 * available  # a power of two, if pinned
+    fits = int(room // layer_bytes) if layer_bytes else layers
     fix = (f"run the first {fits} MoE layers or fewer: moesim validate --layers {fits}" if fits
            else f"fewer MoE layers (moesim validate --layers N) cannot help: one layer's experts need "
            f"{layer_bytes / GIB:.1f} GiB; free host memory or use a larger machine")
-    raise ConfigError(f"routed experts need {total / GIB:.1f} GiB of host memory, {available / GIB:.1f} GiB is "
-                      "available", field="--layers", fix=fix)
+    need = (f"{taken / GIB:.1f} GiB of pinned host memory ({total / GIB:.1f} GiB rounded up to a power of two by "
+            "torch's pinned allocator)" if pinned and taken != total else f"{total / GIB:.1f} GiB of host memory")
+    raise ConfigError(f"routed experts need {need}, {available / GIB:.1f} GiB is available", field="--layers",
+                      fix=fix)
 
 
 def _check_stand_in_slots(slots: int, staging: int, slot_bytes: int) -> None:
@@ -66,7 +77,7 @@ def host_experts(model, params: int, dtype: torch.dtype, pin: bool, generator: t
     key = (model.num_layers, model.num_experts, params, dtype, pin, generator.initial_seed())
     if key not in _HOST_EXPERTS:
         _HOST_EXPERTS.clear()  # free the previous shape's weights before taking memory for these
-        _check_fits(model.num_layers, model.num_experts * params * dtype.itemsize)
+        _check_fits(model.num_layers, model.num_experts * params * dtype.itemsize, pin)
         host = torch.empty(model.num_layers, model.num_experts, params, dtype=dtype, pin_memory=pin)
         _HOST_EXPERTS[key] = random_fill(host, generator)
     return _HOST_EXPERTS[key]

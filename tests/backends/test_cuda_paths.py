@@ -130,3 +130,21 @@ def test_the_profilers_cuda_measurements_time_completed_events(fake):
         assert latency > 0 and all(v > 0 for v in series.values)
     assert 0 < meas.duplex_slowdown() <= 1
     assert meas.launch_us() > 0 and meas.handoff_us(model.hidden_size) > 0
+
+
+def test_pinned_experts_are_checked_at_the_power_of_two_the_pinned_allocator_takes(monkeypatch):
+    """torch's pinned (caching host) allocator rounds every allocation up to a power of two: on CUDA the routed
+    experts of 48 Qwen3-30B-A3B layers (54 GiB) pin 64 GiB. The host-memory check counted 54, so a run it let
+    through could pin close to twice what it checked (killed for memory, or pinned memory failing). Here 3 layers
+    of 1000 bytes pin 4096 bytes where 3600 are allowed: refused, naming the 2 layers whose 2048 bytes fit."""
+    import backends.weights as weights
+    from moesim.errors import ConfigError
+    monkeypatch.setattr(weights, "host_bytes_available", lambda: 4000)
+    model = tiny_model(layers=3, experts=1)
+    params = 500  # 1000 bytes of bf16 a layer
+    weights._check_fits(3, 1000)  # unpinned (the CPU stand-in): 3000 bytes fit
+    with pytest.raises(ConfigError) as err:
+        weights.host_experts(model, params, torch.bfloat16, True, torch.Generator().manual_seed(0))
+    assert err.value.field == "--layers" and "rounded up to a power of two" in str(err.value)
+    assert "moesim validate --layers 2" in str(err.value)
+    assert [weights.pinned_bytes(n) for n in (1, 3, 4096, 4097)] == [1, 4, 4096, 8192]
