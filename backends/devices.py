@@ -303,6 +303,9 @@ class CopyEngine:
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
+        #: what stopped the engine's thread (a CUDA error surfacing in a readiness check): every copy queued then
+        #: or submitted later fails with it, rather than leaving its waiter blocked for good
+        self._failed: BaseException | None = None
         self.running: Transfer | None = None
         self._thread = threading.Thread(target=self._serve, name="moesim-copy", daemon=True)
         self._thread.start()
@@ -314,6 +317,8 @@ class CopyEngine:
         with self._cond:
             heapq.heappush(self._queue, transfer)
             self._cond.notify()
+            if self._failed is not None:
+                self._fail_queued()
         return transfer
 
     def submit_tail(self, dst: torch.Tensor, src: torch.Tensor, behind: Transfer, *, kind: str, layer: int,
@@ -327,6 +332,8 @@ class CopyEngine:
                 return transfer
             heapq.heappush(self._queue, transfer)
             self._cond.notify()
+            if self._failed is not None:
+                self._fail_queued()
         return transfer
 
     def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
@@ -370,6 +377,25 @@ class CopyEngine:
                 self._cond.wait(self.POLL_S if self._queue else None)
 
     def _serve(self) -> None:
+        try:
+            self._serve_queue()
+        except BaseException as err:  # the engine itself failed: its waiters get the error, not a wait for good
+            with self._cond:
+                self._failed = err
+                self._fail_queued()
+            raise
+
+    def _fail_queued(self) -> None:
+        """Fail every queued copy (and the write-backs riding on it) with the engine's error; holds ``_cond``."""
+        for t in self._queue:
+            failed, t.tails, t.tails_closed = [t, *t.tails], [], True
+            for f in failed:
+                f.error = self._failed
+                f.issued.set()
+                f.finished.set()
+        self._queue = []
+
+    def _serve_queue(self) -> None:
         while (transfer := self._next()) is not None:
             preempted = False
             try:

@@ -148,3 +148,27 @@ def test_pinned_experts_are_checked_at_the_power_of_two_the_pinned_allocator_tak
     assert err.value.field == "--layers" and "rounded up to a power of two" in str(err.value)
     assert "moesim validate --layers 2" in str(err.value)
     assert [weights.pinned_bytes(n) for n in (1, 3, 4096, 4097)] == [1, 4, 4096, 8192]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_copy_engine_that_fails_hands_its_error_to_every_waiter(fake):
+    """On a GPU an asynchronous error (an illegal memory access in some kernel) surfaces at the next CUDA call
+    of any thread, such as the copy thread's readiness check (Event.query on a copy's previous slot user). That
+    check ran outside the copy's error handling: the thread died, and the host waited for good in
+    Transfer.gate (the validation run hanging until its time was up). The queued copies, and any submitted later,
+    now fail with that error."""
+    from backends.devices import HostWork
+
+    class Broken(HostWork):
+        def done(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    engine = CopyEngine(Clock(True), cuda=True)
+    src, a = torch.ones(1000), torch.zeros(1000)
+    queued = engine.submit(a, src, priority=0, kind="load", layer=0, expert=0, step=0, after=Broken())
+    assert queued.issued.wait(timeout=5), "the host would wait for good"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        queued.gate(torch.cuda.Stream())
+    later = engine.submit(a, src, priority=1, kind="prefetch", layer=0, expert=1, step=0)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        later.wait()
+    engine.close()
