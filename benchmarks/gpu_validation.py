@@ -51,7 +51,8 @@ SYSTEMS = ("cpu-only", "gpu-only-lru", "static-hot", "smoe", "hybrimoe", "dali",
 PROFILE_NAME = "measured-h100"
 #: seconds a full-size validate run (8 systems, one cache size) is expected to take before one has been timed
 FIRST_RUN_ESTIMATE_S = 240.0
-#: share of available host memory the routed experts of one shape may take (pinned, never swapped)
+#: share of available host memory the routed experts of one shape may take (pinned, never swapped; torch's pinned
+#: allocator rounds an allocation up to a power of two, so the pinned memory can be up to twice this share)
 HOST_MEMORY_SHARE = 0.5
 
 

@@ -276,7 +276,8 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     _require_torch()
     from backends.weights import check_host_memory
     model = read_meta(trace_file).model
-    check_host_memory(model, parsed.get("memory.expert_dtype") or model.expert_dtype)  # before minutes of profiling
+    # before minutes of profiling; on CUDA the experts are pinned, which rounds the allocation up to a power of two
+    check_host_memory(model, parsed.get("memory.expert_dtype") or model.expert_dtype, pinned=device == "cuda")
     if profile_path is None:
         profile_path, profile = _measure_with_report(model, device, threads, quick_profile, out_dir)
     else:

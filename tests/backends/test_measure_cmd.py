@@ -147,3 +147,21 @@ def test_a_trace_without_decode_steps_has_no_tpot_ranking(tmp_path: Path, capsys
     lines = capsys.readouterr().out.splitlines()
     assert "ranking by TPOT: - (no system has a TPOT on this trace)" in lines
     assert any(line.startswith("ranking by TTFT: ") for line in lines)
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_validate_checks_host_memory_as_the_device_takes_it(trace: str, tmp_path: Path, monkeypatch, device: str,
+                                                           pinned: bool) -> None:
+    """On CUDA the routed experts are pinned, and torch's pinned allocator rounds the allocation up to a power
+    of two (Qwen3-30B-A3B's 54 GiB pin 64 GiB); validate's check before profiling counted the unrounded size."""
+    import backends.weights as weights
+    from moesim.errors import ConfigError
+    seen: list[bool] = []
+
+    def check(model, dtype, pinned: bool = False) -> None:
+        seen.append(pinned)
+        raise ConfigError("stop here", field="--layers")
+    monkeypatch.setattr(weights, "check_host_memory", check)
+    assert main(["validate", "--real", "--device", device, "--trace", trace, "--systems", "cpu-only",
+                 "--quick-profile", "--out", str(tmp_path / "out")]) == 2
+    assert seen == [pinned]
