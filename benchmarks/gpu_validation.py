@@ -4,7 +4,8 @@
 
 STEP is one of
 
-* ``profile``: `moesim profile` of this host for both model shapes into OUT_DIR/profile/measured-h100.yaml;
+* ``profile``: `moesim profile` of this host for both model shapes into OUT_DIR/profile/measured-GPU.yaml (GPU:
+  the model nvidia-smi names, e.g. measured-h200; measured-h100 in a dry run);
 * ``v2lite``: DeepSeek-V2-Lite, all 26 MoE layers, every system at two cache sizes;
 * ``qwen3``: Qwen3-30B-A3B with as many MoE layers as host memory holds, every system at two cache sizes;
 * ``all``: the three in turn (one process; on a machine with a 10-minute limit per command, run them one by one;
@@ -13,7 +14,7 @@ STEP is one of
 Each step writes OUT_DIR/STEP/ and packs it into OUT_DIR/STEP.tar.gz (traces left out: the synth command
 and seed in OUT_DIR/STEP/commands.txt rebuild them; timelines left out unless --timelines: the reports carry
 each run's time breakdown). Validate steps read the profile from --profile
-(default: OUT_DIR/profile/measured-h100.yaml, else hwprofiles/measured-h100.yaml). Everything runs from
+(default: OUT_DIR/profile/measured-GPU.yaml, else hwprofiles/measured-GPU.yaml). Everything runs from
 the repository tree (`python -m moesim`, no install); simpy may come from a wheel on PYTHONPATH.
 
 ``--deadline S`` starts no validate run that would be expected to end more than S seconds after the
@@ -34,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -48,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SYSTEMS = ("cpu-only", "gpu-only-lru", "static-hot", "smoe", "hybrimoe", "dali", "ktransformers-ed", "buddymoe")
+#: the profile's name without a GPU to name it after (the dry run), and the GPU validation issue's
 PROFILE_NAME = "measured-h100"
 #: seconds a full-size validate run (8 systems, one cache size) is expected to take before one has been timed
 FIRST_RUN_ESTIMATE_S = 240.0
@@ -103,6 +106,22 @@ def tiny_presets(folder: Path) -> dict[str, Path]:
     return out
 
 
+def profile_name(device: str) -> str:
+    """``measured-<GPU model>``: measured-h200 on an NVIDIA H200, measured-h100 on an H100 (``nvidia-smi``, which
+    answers at once; torch would take seconds of the device's time to import), :data:`PROFILE_NAME` without
+    one."""
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return PROFILE_NAME
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "--id=0"], text=True,
+                             capture_output=True, timeout=30, check=True).stdout.strip().lower()
+    except (OSError, subprocess.SubprocessError):
+        return PROFILE_NAME
+    model = re.findall(r"\b[a-z]+\d{2,4}[a-z]?\b", gpu)  # h100, h200, a100, l40s: the first such word
+    slug = model[0] if model else re.sub(r"[^a-z0-9]+", "-", gpu.replace("nvidia", "")).strip("-")
+    return f"measured-{slug}" if slug else PROFILE_NAME
+
+
 class Driver:
     def __init__(self, out: Path, device: str, dry_run: bool, threads: int, profile: str | None,
                  slots: int | None = None, timelines: bool = False, deadline_s: float | None = None,
@@ -120,6 +139,7 @@ class Driver:
         self.timelines = timelines
         self.deadline_s = deadline_s
         self.copy_to = copy_to
+        self.profile_name = profile_name(device)
         #: wall seconds of each validate run so far, the estimate of the next one
         self.run_s: list[float] = []
         #: (step, cache slots) of the validate runs the deadline left out
@@ -151,7 +171,7 @@ class Driver:
 
     def profile_path(self) -> Path:
         candidates = [Path(self.profile_arg)] if self.profile_arg else \
-            [self.out / "profile" / f"{PROFILE_NAME}.yaml", ROOT / "hwprofiles" / f"{PROFILE_NAME}.yaml"]
+            [self.out / "profile" / f"{self.profile_name}.yaml", ROOT / "hwprofiles" / f"{self.profile_name}.yaml"]
         for path in candidates:
             if path.exists():
                 return path
@@ -184,8 +204,8 @@ class Driver:
     def step_profile(self) -> None:
         folder = self.out / "profile"
         folder.mkdir(parents=True, exist_ok=True)
-        args = ["profile", "--device", self.device, "--name", PROFILE_NAME, "--threads", str(self.threads),
-                "--out", str(folder / f"{PROFILE_NAME}.yaml")]
+        args = ["profile", "--device", self.device, "--name", self.profile_name, "--threads", str(self.threads),
+                "--out", str(folder / f"{self.profile_name}.yaml")]
         for shape in self.shapes:
             args += ["--model", self.presets[shape.preset]]
         if self.dry_run:
@@ -193,7 +213,7 @@ class Driver:
         self.moesim(args, folder / "log.txt")
         self.pack("profile")
         if self.copy_to is not None:
-            shutil.copy2(folder / f"{PROFILE_NAME}.yaml", self.copy_to / f"{PROFILE_NAME}.yaml")
+            shutil.copy2(folder / f"{self.profile_name}.yaml", self.copy_to / f"{self.profile_name}.yaml")
 
     def layers_for(self, shape: Shape) -> int:
         from moesim.model.presets import load_preset

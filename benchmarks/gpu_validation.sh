@@ -7,7 +7,7 @@
 # into /tmp/moesim-site and put on PYTHONPATH. Everything else the driver needs (torch with CUDA,
 # numpy, pandas, pyarrow, matplotlib, rich, click, pyyaml) must be installed already. Results:
 # OUT_DIR/STEP/ and OUT_DIR/STEP.tar.gz; benchmarks/gpu_validation_report.py turns OUT_DIR into
-# docs/validation/h100.md.
+# docs/validation/GPU.md (h200.md on an H200, h100.md on an H100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

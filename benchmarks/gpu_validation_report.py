@@ -1,4 +1,5 @@
-"""Turn the output folder of benchmarks/gpu_validation.py into the validation document (docs/validation/h100.md).
+"""Turn the output folder of benchmarks/gpu_validation.py into the validation document (docs/validation/GPU.md,
+e.g. h200.md, after the GPU the profile is named for).
 
     python benchmarks/gpu_validation_report.py OUT_DIR [--out docs/validation/h100.md]
 
@@ -75,14 +76,16 @@ def _pct(v: float) -> str:
 
 def render(out: Path) -> str:
     unpack(out)
-    profile_path = out / "profile" / "measured-h100.yaml"
+    # measured-<GPU>.yaml, named after the GPU the driver ran on (measured-h100.yaml before there was a choice)
+    measured = sorted((out / "profile").glob("measured-*.yaml"))
+    profile_path = measured[0] if measured else out / "profile" / "measured-h100.yaml"
     profile = yaml.safe_load(profile_path.read_text()) if profile_path.exists() else {}
     found = runs(out)
     if not found:
         raise SystemExit(f"no validate results under {out} (expected */shape.json and */slots-N/validation.json)")
     lines = ["# Validation on a real GPU: simulator vs measured", "",
              f"- machine and profile: {profile.get('description', '(profile not found)')}",
-             f"- profile: `hwprofiles/measured-h100.yaml` (copied from `{profile_path.relative_to(out)}`)",
+             f"- profile: `hwprofiles/{profile_path.name}` (copied from `{profile_path.relative_to(out)}`)",
              "- the simulator is not tuned to these runs: every number of the profile comes from micro-measurements "
              "(`moesim profile`, taken before the runs); the end-to-end runs below only read it.",
              "- error: (simulated - measured) / measured; identical decisions: rows of the two decision logs that "

@@ -111,3 +111,25 @@ def test_without_a_deadline_every_run_fits(tmp_path):
     assert not driver.fits()
     driver.run_s = [10.0]
     assert driver.fits()
+
+
+@pytest.mark.parametrize("answer, name", [("NVIDIA H200", "measured-h200"), ("NVIDIA H100 80GB HBM3", "measured-h100"),
+                                          ("NVIDIA A100-SXM4-80GB", "measured-a100"),
+                                          ("NVIDIA GeForce RTX 4090", "measured-geforce-rtx-4090"),
+                                          (None, "measured-h100")])
+def test_the_profile_is_named_after_the_gpu_nvidia_smi_names(tmp_path, monkeypatch, answer, name):
+    """The driver named every profile measured-h100, whatever the GPU (the device lent may be an H200); it now
+    takes the GPU's model from nvidia-smi (no torch import: seconds of device time), and keeps measured-h100
+    without one (None: no nvidia-smi on PATH)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_validation import profile_name
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if answer is not None:
+        tool = tmp_path / "nvidia-smi"
+        tool.write_text(f"#!/bin/sh\necho '{answer}'\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert profile_name("cuda") == name
+    assert profile_name("cpu") == "measured-h100"
