@@ -42,8 +42,8 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     SPEC.yaml (relative paths are relative to its folder):
       traces: [traces/mixtral-8x7b-humaneval.parquet]
       hw: [a100-40g, h100-pcie]
-      systems: [gpu-only-lru, static-hot]        # or: all
-      import: [my_policies.py]                   # modules registering systems of one's own
+      systems: [gpu-only-lru, static-hot, smoe]  # or: all
+      # import: [my_policies.py]                 # modules registering systems of one's own
       seeds: [0]
       set: {engine.staging_slots: 2}             # fixed for every point
       grid: {cache.slots_per_layer: [1, 2, 3]}   # cartesian product
@@ -57,8 +57,8 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     its trace or profile file, or the policy module of one's own it runs, has
     changed since. A failed point is recorded with
     its error; the exit status is then 1. A system that 'all' brings in and that
-    cannot run on a trace (it needs a column the trace lacks) is left out of that
-    trace's points, with a line saying why.
+    cannot run on a trace (it needs a column the trace lacks), or cannot serve in a
+    serving sweep, is left out of those points, with a line saying why.
     """
     from moesim.sweep import load_spec, run_sweep
     check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out)

@@ -251,3 +251,21 @@ def test_the_spec_check_takes_each_value_once_not_every_combination(files, monke
     spec = load_spec(path)
     with pytest.raises(ConfigError, match="'slow' is not a number"):
         check_spec(spec, spec.points())
+
+
+def test_the_spec_moesim_sweep_help_shows_is_a_valid_spec(tmp_path):
+    """The example in `moesim sweep --help` named smoe under per_system without listing it under systems, so a
+    user who saved it got "'smoe' is not one of the spec's systems"; it also imported a module no one has."""
+    import textwrap
+
+    from moesim.cli.results_cmd import sweep_cmd
+    from moesim.sweep import check_spec
+    doc = sweep_cmd.callback.__doc__ if sweep_cmd.callback is not None else ""
+    start = doc.index("SPEC.yaml")
+    example = textwrap.dedent(doc[doc.index("\n", start) + 1:doc.index("\n\n", start)])
+    repo = Path(__file__).resolve().parents[2]
+    path = tmp_path / "spec.yaml"
+    path.write_text(example.replace("traces/", f"{repo}/traces/"))
+    spec = load_spec(path)
+    assert set(spec.systems) == {"gpu-only-lru", "static-hot", "smoe"}
+    check_spec(spec, spec.points())  # every trace, profile, system and parameter the example names is valid
