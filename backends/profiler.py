@@ -33,6 +33,10 @@ the low, are measured again while the curve's buffers are held, up to
 :data:`REMEASURES` times with more samples each time (a fresh median replaces
 the old; nothing is clipped or made up), each said in a note; a curve still
 refused then ends the run with :class:`UnsteadyCurveError` and nothing written.
+A point whose time grows more than :data:`TIME_RISE_LIMIT` times faster than its
+work over an earlier point's (a busy machine's 200 ms at 128 tokens after 540 us
+at 64) is measured again the same way; the loader would take it, so one still
+that far out is kept as measured, with a note.
 
 With ``device="cpu"`` the GPU stand-in is measured (a host thread, host
 memory, plain memcpy between two host buffers for the "PCIe" curves); its
@@ -84,6 +88,9 @@ class ProfileConfig:
 
 #: how many times a point of a curve the loader would refuse is measured again, with 2x, 4x, 8x the samples
 REMEASURES = 3
+#: a point whose time grows this many times faster than its work (tokens, context, bytes) over an earlier
+#: point's is measured again too: the loader accepts it, but no kernel slows down per unit of work that much
+TIME_RISE_LIMIT = 4.0
 
 
 class UnsteadyCurveError(MoesimError):
@@ -277,6 +284,13 @@ def refused_pairs(times_us: list[float]) -> list[tuple[int, int]]:
             if times_us[i] * TIME_FALL_LIMIT < times_us[j]]
 
 
+def jump_pairs(times_us: list[float], xs: list[int]) -> list[tuple[int, int]]:
+    """(later, earlier) index pairs of a curve whose later time exceeds the earlier one scaled by the work, times
+    :data:`TIME_RISE_LIMIT` (a later point's high end first, as :func:`refused_pairs` puts a fall's)."""
+    return [(i, j) for i in range(1, len(times_us)) for j in range(i)
+            if xs[j] > 0 and times_us[i] > times_us[j] * xs[i] / xs[j] * TIME_RISE_LIMIT]
+
+
 def _profile_times(values: list[float], xs: list[int], latency_us: float | None) -> list[float]:
     """The times the loader checks: of the rounded values as written, copy times from bandwidths."""
     if latency_us is None:
@@ -305,24 +319,45 @@ def _steady(meas: Measurements, curves: list[tuple[Series, str, str]], x_name: s
                           for j, i in pairs[:2])
         return shown + (f" and {len(pairs) - 2} more" if len(pairs) > 2 else "")
 
+    def jumps(series: Series, t: list[float], pairs: list[tuple[int, int]]) -> str:
+        shown = ", ".join(f"{_us(t[i])} at {x_name} {series.xs[i]} after {_us(t[j])} at {x_name} {series.xs[j]}"
+                          for i, j in pairs[:2])
+        return shown + (f" and {len(pairs) - 2} more" if len(pairs) > 2 else "")
+
+    def why(series: Series, t: list[float], i: int) -> str:
+        fell = [pair for pair in refused_pairs(t) if i in pair]
+        if fell:
+            return f"{falls(series, t, fell, f'over {TIME_FALL_LIMIT:g}x')}: the loader would refuse the curve"
+        rose = [pair for pair in jump_pairs(t, series.xs) if i in pair]
+        return (f"{jumps(series, t, rose)}: more than {TIME_RISE_LIMIT:g}x faster than the work grows, which no "
+                "kernel does")
+
+    def suspect(series: Series, t: list[float]) -> list[tuple[int, int]]:
+        """(high, low) ends of each fall the loader refuses and of each rise no kernel makes."""
+        return refused_pairs(t) + jump_pairs(t, series.xs)
+
     for attempt in range(1, REMEASURES + 1):
-        if not any(refused_pairs(times(series)) for series, _, _ in curves):
+        if not any(suspect(series, times(series)) for series, _, _ in curves):
             return
         for series, key, label in curves:
             done: set[int] = set()
-            for end in (0, 1):  # the high ends, then the low ends of the falls left
+            for end in (0, 1):  # the high ends, then the low ends of the falls and rises left
                 t = times(series)
-                pairs = refused_pairs(t)
+                pairs = suspect(series, t)
                 for i in sorted({pair[end] for pair in pairs} - done):
-                    why = falls(series, t, [pair for pair in pairs if i in pair], f"over {TIME_FALL_LIMIT:g}x")
+                    reason = why(series, t, i)
                     with meas.timer.patient(2 ** attempt):
                         series.values[i] = series.again(i)
                     done.add(i)
                     note(f"{label} ({key}): measured {x_name} {series.xs[i]} again ({attempt} of {REMEASURES}, "
-                         f"{2 ** attempt}x the samples): {_us(times(series)[i])}, was {_us(t[i])} ({why}: "
-                         "the loader would refuse the curve)")
+                         f"{2 ** attempt}x the samples): {_us(times(series)[i])}, was {_us(t[i])} ({reason})")
     for series, key, label in curves:
         t = times(series)
+        rose = jump_pairs(t, series.xs)
+        if rose:  # the loader takes it: kept as measured, and said
+            note(f"{label} ({key}): {jumps(series, t, rose)}, more than {TIME_RISE_LIMIT:g}x faster than the work "
+                 f"grows after measuring again {REMEASURES} times; kept as measured (a machine this busy inflates "
+                 "the profile: rerun on a quieter one, or with fewer --threads)")
         pairs = refused_pairs(t)
         if pairs:
             raise UnsteadyCurveError(
