@@ -203,3 +203,19 @@ def draw_profile(draw: Any) -> dict[str, Any]:
         sync_us=draw(st.floats(0, 50)),
         copy_engines=draw(st.integers(1, 2)),
     )
+
+
+def preempted_prefetch(engine, elements: int):
+    """A prefetch of ``elements`` floats running on the copy ``engine`` when a small demand load is queued behind
+    it (chunked copies: the demand overtakes it at a chunk boundary); returns (prefetch, demand, their
+    destinations, the source)."""
+    import time
+
+    import torch
+    src = torch.arange(elements, dtype=torch.float32)
+    a, b = torch.zeros_like(src), torch.zeros(1000)
+    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
+    while engine.running is not prefetch:
+        time.sleep(1e-4)
+    demand = engine.submit(b, src[:1000], priority=0, kind="load", layer=0, expert=0, step=0)
+    return prefetch, demand, a, b, src

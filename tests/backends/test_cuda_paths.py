@@ -95,14 +95,9 @@ def test_a_stream_waiting_for_a_preempted_chunked_prefetch_waits_for_its_last_ch
     """The CUDA variant of the chunked preemption (tests/backends/test_torch_backend.py), on the fakes: a
     stream gated on a prefetch cut by a demand copy waits for the copy's last chunk (an event recorded then;
     the fake refuses a wait on one not yet recorded), and each cut-off part is timed on completed events."""
-    import time
+    from tests.factories import preempted_prefetch
     engine = CopyEngine(Clock(True), cuda=True, chunk_bytes=4096)
-    src = torch.arange(2_000_000, dtype=torch.float32)
-    a, b = torch.zeros_like(src), torch.zeros(1000)
-    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
-    while engine.running is not prefetch:
-        time.sleep(1e-4)
-    demand = engine.submit(b, src[:1000], priority=0, kind="load", layer=0, expert=0, step=0)
+    prefetch, demand, a, b, src = preempted_prefetch(engine, 2_000_000)
     stream = torch.cuda.Stream()
     prefetch.gate(stream)
     assert prefetch.issued.is_set() and torch.equal(a, src)  # the gate returned only once the last chunk was on

@@ -338,15 +338,10 @@ def test_mixtral_offloadings_write_backs_are_copied_after_their_loads(trace):
 def test_chunked_copies_let_a_demand_load_overtake_a_running_prefetch():
     """engine.copy_chunk_bytes: the simulator cuts a running prefetch at its next chunk boundary for a demand
     copy and requeues its rest; the backend copied every expert whole whatever the setting."""
-    import time
+    from tests.factories import preempted_prefetch
     clock = Clock(False)
     engine = CopyEngine(clock, cuda=False, chunk_bytes=4096)
-    src = torch.arange(4_000_000, dtype=torch.float32)
-    a, b = torch.zeros_like(src), torch.zeros(1000)
-    prefetch = engine.submit(a, src, priority=1, kind="prefetch", layer=1, expert=0, step=0)
-    while engine.running is not prefetch:
-        time.sleep(1e-4)
-    demand = engine.submit(b, src[:1000], priority=0, kind="load", layer=0, expert=0, step=0)
+    prefetch, demand, a, b, src = preempted_prefetch(engine, 4_000_000)
     demand.wait()
     prefetch.wait()
     engine.close()
