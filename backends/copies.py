@@ -68,10 +68,10 @@ class WeightCopies:
     def _retire(self) -> None:
         """Make completed loads resident, as the simulator does when it reaches a plan.
 
-        The simulator plans a layer when its attention ends; the host gets there as soon as it has launched
-        that attention, usually well before. A copy that earlier launched compute waits for has landed by the
-        time that attention ends, so it counts as complete whether or not it has yet: otherwise a layer saw the
-        previous layers' demand loads in flight, and a model-wide pool (moe-infinity) could not evict them."""
+        The simulator plans a layer when its attention ends, and so does the host (it waits for that attention
+        first). A copy that earlier launched compute waits for has landed by then, so it counts as complete
+        (``awaited``) whatever its own flag says: a layer must not see the previous layers' demand loads in
+        flight, or a model-wide pool (moe-infinity) could not evict them."""
         for key, transfer in list(self.in_flight.items()):
             if transfer.awaited or transfer.done():
                 self.cache.finish_load(*key)

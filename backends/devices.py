@@ -315,11 +315,15 @@ class CopyEngine:
         transfer = Transfer(dst, src, priority, kind, layer, expert, step, next(self._seq), after, not_before,
                             clock=self.clock)
         with self._cond:
-            heapq.heappush(self._queue, transfer)
-            self._cond.notify()
-            if self._failed is not None:
-                self._fail_queued()
+            self._enqueue(transfer)
         return transfer
+
+    def _enqueue(self, transfer: Transfer) -> None:
+        """Queue ``transfer`` (failed at once if the engine has stopped); holds ``_cond``."""
+        heapq.heappush(self._queue, transfer)
+        self._cond.notify()
+        if self._failed is not None:
+            self._fail_queued()
 
     def submit_tail(self, dst: torch.Tensor, src: torch.Tensor, behind: Transfer, *, kind: str, layer: int,
                     expert: int, step: int) -> Transfer:
@@ -329,11 +333,8 @@ class CopyEngine:
         with self._cond:
             if not behind.tails_closed:
                 behind.tails.append(transfer)
-                return transfer
-            heapq.heappush(self._queue, transfer)
-            self._cond.notify()
-            if self._failed is not None:
-                self._fail_queued()
+            else:
+                self._enqueue(transfer)
         return transfer
 
     def cancel(self, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
@@ -397,35 +398,31 @@ class CopyEngine:
 
     def _serve_queue(self) -> None:
         while (transfer := self._next()) is not None:
-            preempted = False
-            try:
-                if self.chunk_bytes:
-                    preempted = self._copy_chunks(transfer)
-                else:
-                    self._copy(transfer)
-            except BaseException as err:  # surfaced to whoever waits for the transfer
-                transfer.error = err
-                transfer.issued.set()
-            finally:
-                self.running = None
-                if not preempted:
-                    transfer.finished.set()
-            if not preempted:
-                with self._cond:
-                    tails, transfer.tails, transfer.tails_closed = transfer.tails, [], True
-                for tail in tails:
-                    self._serve_one(tail)
+            if self._serve_one(transfer, chunked=bool(self.chunk_bytes)):
+                continue  # preempted: back in the queue with its rest
+            with self._cond:
+                tails, transfer.tails, transfer.tails_closed = transfer.tails, [], True
+            for tail in tails:  # write-backs riding on it: whole copies, nothing between them
+                self._serve_one(tail)
 
-    def _serve_one(self, transfer: Transfer) -> None:
+    def _serve_one(self, transfer: Transfer, chunked: bool = False) -> bool:
+        """Copy ``transfer`` (``chunked``: it may stop at a chunk boundary, returning True, and is not finished
+        then); a failure goes to whoever waits for it."""
         self.running = transfer
+        preempted = False
         try:
-            self._copy(transfer)
-        except BaseException as err:
+            if chunked:
+                preempted = self._copy_chunks(transfer)
+            else:
+                self._copy(transfer)
+        except BaseException as err:  # surfaced to whoever waits for the transfer
             transfer.error = err
             transfer.issued.set()
         finally:
             self.running = None
-            transfer.finished.set()
+            if not preempted:
+                transfer.finished.set()
+        return preempted
 
     def _demand_waiting(self) -> bool:
         with self._cond:

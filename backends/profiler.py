@@ -314,23 +314,19 @@ def _steady(meas: Measurements, curves: list[tuple[Series, str, str]], x_name: s
     def times(series: Series) -> list[float]:
         return _profile_times(series.values, series.xs, latency_us)
 
-    def falls(series: Series, t: list[float], pairs: list[tuple[int, int]], word: str) -> str:
-        shown = ", ".join(f"{_us(t[j])} at {x_name} {series.xs[j]} {word} {_us(t[i])} at {x_name} {series.xs[i]}"
-                          for j, i in pairs[:2])
-        return shown + (f" and {len(pairs) - 2} more" if len(pairs) > 2 else "")
-
-    def jumps(series: Series, t: list[float], pairs: list[tuple[int, int]]) -> str:
-        shown = ", ".join(f"{_us(t[i])} at {x_name} {series.xs[i]} after {_us(t[j])} at {x_name} {series.xs[j]}"
-                          for i, j in pairs[:2])
+    def listed(series: Series, t: list[float], pairs: list[tuple[int, int]], word: str) -> str:
+        """The first two pairs as "T at X {word} T at X", each pair in its own order, and how many more."""
+        shown = ", ".join(f"{_us(t[a])} at {x_name} {series.xs[a]} {word} {_us(t[b])} at {x_name} {series.xs[b]}"
+                          for a, b in pairs[:2])
         return shown + (f" and {len(pairs) - 2} more" if len(pairs) > 2 else "")
 
     def why(series: Series, t: list[float], i: int) -> str:
         fell = [pair for pair in refused_pairs(t) if i in pair]
         if fell:
-            return f"{falls(series, t, fell, f'over {TIME_FALL_LIMIT:g}x')}: the loader would refuse the curve"
+            return f"{listed(series, t, fell, f'over {TIME_FALL_LIMIT:g}x')}: the loader would refuse the curve"
         rose = [pair for pair in jump_pairs(t, series.xs) if i in pair]
-        return (f"{jumps(series, t, rose)}: more than {TIME_RISE_LIMIT:g}x faster than the work grows, which no "
-                "kernel does")
+        return (f"{listed(series, t, rose, 'after')}: more than {TIME_RISE_LIMIT:g}x faster than the work grows, "
+                "which no kernel does")
 
     def suspect(series: Series, t: list[float]) -> list[tuple[int, int]]:
         """(high, low) ends of each fall the loader refuses and of each rise no kernel makes."""
@@ -355,13 +351,13 @@ def _steady(meas: Measurements, curves: list[tuple[Series, str, str]], x_name: s
         t = times(series)
         rose = jump_pairs(t, series.xs)
         if rose:  # the loader takes it: kept as measured, and said
-            note(f"{label} ({key}): {jumps(series, t, rose)}, more than {TIME_RISE_LIMIT:g}x faster than the work "
-                 f"grows after measuring again {REMEASURES} times; kept as measured (a machine this busy inflates "
-                 "the profile: rerun on a quieter one, or with fewer --threads)")
+            note(f"{label} ({key}): {listed(series, t, rose, 'after')}, more than {TIME_RISE_LIMIT:g}x faster "
+                 f"than the work grows after measuring again {REMEASURES} times; kept as measured (a machine this "
+                 "busy inflates the profile: rerun on a quieter one, or with fewer --threads)")
         pairs = refused_pairs(t)
         if pairs:
             raise UnsteadyCurveError(
-                f"{label}: {falls(series, t, pairs, 'against')}, more than {TIME_FALL_LIMIT:g}x apart after "
+                f"{label}: {listed(series, t, pairs, 'against')}, more than {TIME_FALL_LIMIT:g}x apart after "
                 f"measuring them again {REMEASURES} times; the loader would refuse the profile, nothing written",
                 field=key,
                 fix="rerun on a quieter machine (other work inflates single points), or with fewer --threads, "

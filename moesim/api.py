@@ -572,10 +572,11 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
              if v is not None}
     for key in (settings or {}):  # the settings' value won over the shorthand's without a word
-        if sweep_module.normalize_key(key) in short:
-            name = sweep_module.normalize_key(key).removeprefix("workload.")
+        dotted = sweep_module.normalize_key(key)
+        if dotted in short:
+            name = dotted.removeprefix("workload.")
             raise ConfigError(f"{name}= and the setting '{key}' both set it", field=name,
-                              fix=f"give one of them (e.g. {name}={short[sweep_module.normalize_key(key)]!r} alone)")
+                              fix=f"give one of them (e.g. {name}={short[dotted]!r} alone)")
     merged = settings_from({**short, **(settings or {})}, **params)
     slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
     checked_run_inputs(hw, seed, system)

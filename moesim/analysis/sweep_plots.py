@@ -17,8 +17,8 @@ from moesim.analysis.figure_style import (legend_handle, log_axis, series_style,
                                           tidy_axes)
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
-                                           failed_note, fewer_runs, is_bound, label, ok_rows, ordered_systems, parameter_columns,
-                                           sorted_values, varying)
+                                           failed_note, fewer_runs, is_bound, label, ok_rows, ordered_systems,
+                                           parameter_columns, sorted_values, varying)
 from moesim.errors import ConfigError
 
 # ----------------------------------------------------------------------------- the general plot
@@ -91,7 +91,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         # at the caller's line, through fig_tpot_vs_slots and the like too (stacklevel=2 named this file there)
         from moesim.util import warn_at_caller
         warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
-    note = "; ".join(part for part in (note, without_x, failed_note(frame)) if part)  # a facet's missing points said why
+    # a facet's missing points said why
+    note = "; ".join(part for part in (note, without_x, failed_note(frame)) if part)
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:

@@ -64,7 +64,8 @@ def _parse_window(text: str | None) -> tuple[int, int] | None:
 @click.option("--help-params", is_flag=True,
               help="List the --set parameters of each --system (default, unit, meaning); with --json OUT, as "
                    "JSON (as `moesim systems NAME --json`).")
-@click.option("--help-metrics", is_flag=True, help="List the keys of the --json metrics (unit, meaning); with --json OUT, as JSON.")
+@click.option("--help-metrics", is_flag=True,
+              help="List the keys of the --json metrics (unit, meaning); with --json OUT, as JSON.")
 def replay(trace_file: str | None, hw: str, system: tuple[str, ...], settings: tuple[str, ...],
            model_preset: str | None, json_out: str | None, timeline_out: str | None, chrome_out: str | None,
            plot_out: str | None, window: str | None, decisions_out: str | None, seed: int,

@@ -260,6 +260,8 @@ def _check_list_counts(lists: dict[str, list[int]], requests: int | None, from_o
                               fix=f"give {requests} lengths, one per request, or --requests {len(values)}")
         raise MoesimError(f"has {len(values)} entries, --prompt-lens {requests}", field=option,
                           fix="give --prompt-lens and --decode-lens one length per request each")
+
+
 def _note_other_model(real, synthetic) -> None:
     """Parameters fitted to one model's routing do not give another model's (skew and co-activation depend on
     the number of experts and top-k): say so when --model names another."""

@@ -320,18 +320,27 @@ class CopyEngines:
         """
         self.advance(horizon)
         busy, nbytes = self.busy_s, self.bytes
-        for retired in self.tails:  # a retired load whose write-back runs past the horizon
-            if retired is not None and retired.end + retired.tail > horizon:  # type: ignore[operator]
-                busy -= retired.end + retired.tail - max(retired.end, horizon)  # type: ignore[operator]
+        tails, running = self.past(horizon)
+        for retired in tails:
+            busy -= retired.end + retired.tail - max(retired.end, horizon)  # type: ignore[operator]
+        for transfer in running:
+            start = transfer.start if transfer.start is not None else horizon
+            busy -= transfer.end + transfer.tail - max(start, horizon)  # type: ignore[operator]
+            if start >= horizon:
+                nbytes -= transfer.nbytes
+        return busy, nbytes
+
+    def past(self, horizon: float) -> tuple[list[Transfer], list[Transfer]]:
+        """What runs past ``horizon``: retired loads whose write-back does, and the unretired transfers ending
+        after it (each once; a heap entry of a transfer re-laid since is stale)."""
+        tails = [t for t in self.tails if t is not None and t.end + t.tail > horizon]  # type: ignore[operator]
         seen: set[int] = set()
+        running = []
         for end, _, transfer in self.unretired:
             if end > horizon and transfer.end == end and id(transfer) not in seen:
                 seen.add(id(transfer))
-                start = transfer.start if transfer.start is not None else horizon
-                busy -= end + transfer.tail - max(start, horizon)
-                if start >= horizon:
-                    nbytes -= transfer.nbytes
-        return busy, nbytes
+                running.append(transfer)
+        return tails, running
 
     def estimate_end(self, transfer: Transfer) -> float:
         """End of a started transfer, or when it would end if nothing else were submitted.

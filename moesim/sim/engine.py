@@ -177,16 +177,14 @@ class Simulator(Transfers):
     def _cut_spans(self, makespan: float) -> None:
         """Spans of the copies and write-backs still running when the run ends, cut at its end: ``pcie_util``
         counts their part inside the run, so the timeline shows it too."""
-        for load in self.pcie.tails:
-            if load is not None and load.evicted is not None and load.end + load.tail > makespan:
+        tails, running = self.pcie.past(makespan)
+        for load in tails:
+            if load.evicted is not None:
                 self._span("pcie", load.engine, load.end, makespan, "writeback", load.step, *load.evicted)
-        seen: set[int] = set()
-        for end, _, transfer in self.pcie.unretired:
-            if transfer.end == end and end > makespan and id(transfer) not in seen:
-                seen.add(id(transfer))
-                start = transfer.start if transfer.start is not None else makespan
-                self._span("pcie", transfer.engine, start, makespan, transfer.kind, transfer.step,
-                           transfer.layer, transfer.expert)
+        for transfer in running:
+            start = transfer.start if transfer.start is not None else makespan
+            self._span("pcie", transfer.engine, start, makespan, transfer.kind, transfer.step, transfer.layer,
+                       transfer.expert)
 
     def _span(self, resource: str, lane: int, start: float, end: float, kind: str, step: int, layer: int,
               expert: int = -1, tokens: int = 0) -> None:

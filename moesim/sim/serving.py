@@ -394,12 +394,12 @@ def check_servable(system: str, replay_settings: dict[str, str]) -> None:
     if schedules != (system,):
         # only the members this check lets through: oracle's belady and oracle-prefetch plan ahead
         online = [name for name in schedules if _servable_member(name, replay_settings)]
-        raise UnservableError(f"'{system}' is a portfolio of schedules; serving runs single systems", field="--system",
-                          fix=f"use one of its members that can serve: {', '.join(online)}" if online
-                          else "serve an online system (see `moesim systems`)")
+        raise UnservableError(f"'{system}' is a portfolio of schedules; serving runs single systems",
+                              field="--system", fix=f"use one of its members that can serve: {', '.join(online)}"
+                              if online else "serve an online system (see `moesim systems`)")
     if _plans_ahead(system, replay_settings):
-        raise UnservableError(f"'{system}' plans with the trace's future routing, which a served order does not have",
-                          field="--system", fix="serve an online system (see `moesim systems`)")
+        raise UnservableError(f"'{system}' plans with the trace's future routing, which a served order does not "
+                              "have", field="--system", fix="serve an online system (see `moesim systems`)")
 
 
 def _plans_ahead(system: str, replay_settings: dict[str, str]) -> bool:

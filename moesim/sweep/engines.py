@@ -76,7 +76,8 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
         # taken before any point runs: a file edited meanwhile makes the next resume run its points again
         files = {(t, h): input_fingerprint(spec.resolve(t), spec.resolve_hw(h))
                  for t in spec.traces for h in spec.hw}
-        prints = {p.point_id: with_own_code(files[p.trace, p.hw], p) for p in points}
+        code: dict[tuple, bytes] = {}  # the code of one's own, read once per system and swap
+        prints = {p.point_id: with_own_code(files[p.trace, p.hw], p, code) for p in points}
         done = store.done_inputs()
         # a finished point runs again when its inputs changed, or are unknown (results of older versions)
         todo = [p for p in points if p.point_id not in done or done[p.point_id] != prints[p.point_id]]

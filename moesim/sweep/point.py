@@ -208,21 +208,34 @@ def own_system(point: Point) -> str:
     return "" if spec is None or point.system in CATALOGUE_SYSTEMS else repr(spec)
 
 
-def with_own_code(fingerprint: str, point: Point) -> str:
+def with_own_code(fingerprint: str, point: Point, memo: dict[tuple, bytes] | None = None) -> str:
     """``fingerprint`` (:func:`input_fingerprint`) of a point that runs code of one's own, with that code hashed
     in (its files and the bytecode loaded): editing a policy and rerunning the sweep runs its points again
-    instead of keeping the old code's results. A point of catalogue code keeps ``fingerprint`` as it is."""
+    instead of keeping the old code's results. A point of catalogue code keeps ``fingerprint`` as it is.
+
+    ``memo``: the code read so far in this sweep, by system and component swaps (a sweep's points share a few;
+    kept by the caller for one sweep only, since the code may change between sweeps of one session)."""
+    from moesim.policy.systems import ROLES
+    key = (point.system, tuple((k, v) for k, v in point.settings if k in ROLES))
+    code = memo.get(key) if memo is not None else None
+    if code is None:
+        code = _own_code_bytes(point)
+        if memo is not None:
+            memo[key] = code
+    if not code:
+        return fingerprint
+    return hashlib.sha256(fingerprint.encode() + code).hexdigest()[:16]
+
+
+def _own_code_bytes(point: Point) -> bytes:
+    """The system's composition, the module files and the bytecode of the code of one's own ``point`` runs
+    (b"" for catalogue code only)."""
     files, classes = own_code(point)
     system = own_system(point)
     if not classes and not system:
-        return fingerprint
-    digest = hashlib.sha256(fingerprint.encode())
-    digest.update(system.encode())
-    for path in files:
-        digest.update(Path(path).read_bytes())
-    for cls in classes:
-        digest.update(_bytecode(cls))
-    return digest.hexdigest()[:16]
+        return b""
+    return system.encode() + b"".join(Path(path).read_bytes() for path in files) + \
+        b"".join(_bytecode(cls) for cls in classes)
 
 
 def describe_error(err: BaseException) -> str:

@@ -113,6 +113,6 @@ class FiddlerAssign(Assignment):
 
 
 register_system("fiddler", SystemSpec(
-    "Fiddler (baseline of 001): the model's most popular (layer, expert) pairs pinned on the GPU; a cold expert is copied over when "
-    "T_CPU > T_PCIe + T_GPU (long prompts), else computed on the CPU",
+    "Fiddler (baseline of 001): the model's most popular (layer, expert) pairs pinned on the GPU; a cold expert is "
+    "copied over when T_CPU > T_PCIe + T_GPU (long prompts), else computed on the CPU",
     cache="fiddler-popular", assign="fiddler", defaults=(("engine.staging_slots", "1"),), runtime="pytorch-eager"))

@@ -149,8 +149,9 @@ class ExpertDeferral(Deferral):
     columns = ("weights",)
     #: deferred experts per token; -1: the count 001 Sec. 6.3 used for the model and expert dtype
     #: (DEFERRED_BY_MODEL; another dtype of those models borrows its precision class's count, noted), else
-    #: 3 (Sec. 4.2's DeepSeek-V3 BF16 count) cut to keep at least 2 immediate (none for top-2): Sec. 4.2's rule, the fewest deferred experts that saturate the CPU, needs a
-    #: measurement of the CPU's idle time a replay makes only after the count is fixed
+    #: 3 (Sec. 4.2's DeepSeek-V3 BF16 count) cut to keep at least 2 immediate (none for top-2): Sec. 4.2's
+    #: rule, the fewest deferred experts that saturate the CPU, needs a measurement of the CPU's idle time a
+    #: replay makes only after the count is fixed
     deferred: int = -1
     #: the run's deferred experts per token (``deferred`` resolved for the model)
     count: int = field(default=0, init=False, repr=False)

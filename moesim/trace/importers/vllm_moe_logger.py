@@ -102,8 +102,8 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
             raise TraceFormatError(f"layer {log.layer} also in {first.path.name}", source=str(log.path),
                                    field="layer", fix="give each layer's log once")
         if not np.array_equal(log.sizes, first.sizes):
-            raise TraceFormatError("forward structure differs from "
-                                   f"{first.path.name}: {_first_difference(log.sizes, first.sizes, first.path.name)}", source=str(log.path),
+            where = _first_difference(log.sizes, first.sizes, first.path.name)
+            raise TraceFormatError(f"forward structure differs from {first.path.name}: {where}", source=str(log.path),
                                    field="token_idx", fix="join only complete runs with identical forward structure")
     lead = len(LEADING_FORWARDS)
     if len(first.sizes) <= lead:
