@@ -37,6 +37,53 @@ TIME_FALL_LIMIT = 4.0
 
 
 @dataclass(frozen=True)
+class Ceiling:
+    """The most a number of one kind may be in a profile: more is a typo or another unit (ns written for µs,
+    bytes for GiB, an exponent slip such as 1e308), never a machine."""
+
+    value: float
+    #: the ceiling as the error says it ("3.6e+09 µs (one hour)")
+    said: str
+    #: what to do about a number over it
+    fix: str
+
+
+#: Plausibility ceilings of a profile's numbers by kind, each far above any machine and any measurement
+#: (``moesim profile`` writes times of seconds at most: a CPU expert FFN of thousands of tokens), so that
+#: only a typo or a wrong unit reaches one. The largest numbers of the bundled profiles are 4.7e6 µs (a CPU
+#: expert curve at 4096 tokens), 2,000 GB/s, 80 GiB, 5.4e8 bytes, 1,513 TFLOPS, 32,768 tokens of context and
+#: 115 kernels per layer. Fractions (efficiencies, duplex_slowdown) are at most 1, cores and threads 65,536,
+#: copy engines 64 and the PCIe generation 16 (their own bounds below).
+CEILINGS = {
+    "time": Ceiling(3.6e9, "3.6e+09 µs (one hour)", "write the time in µs; a larger value is a typo or "
+                    "another unit"),
+    "bandwidth": Ceiling(1e5, "1e+05 GB/s (100 TB/s)", "write the bandwidth in GB/s (1e9 bytes per second); "
+                         "a larger value is a typo or another unit"),
+    "memory": Ceiling(100 * 1024, "102400 GiB (100 TiB)", "write the memory in GiB; a larger value is a typo "
+                      "or another unit"),
+    "bytes": Ceiling(100 * 2**40, "1.09951e+14 bytes (100 TiB)", "write the copy size in bytes; a larger value "
+                     "is a typo"),
+    "compute": Ceiling(1e6, "1e+06 TFLOPS (1 exaFLOPS)", "write the peak in TFLOPS; a larger value is a typo "
+                       "or another unit"),
+    "count": Ceiling(1e9, "1e+09 (a billion)", "check the value; a larger count of tokens, sequences or "
+                     "elements is a typo"),
+    "kernels": Ceiling(1e6, "1e+06 (a million kernels per layer)", "check the value; a larger count is a typo"),
+    "factor": Ceiling(1e3, "1000 (a factor)", "check the value; a factor over 1000 is a typo"),
+}
+#: the ceiling of a curve's axis, by its name
+AXIS_CEILINGS = {"tokens": "count", "context": "count", "sequences": "count", "size_bytes": "bytes",
+                 "time_us": "time", "gbps": "bandwidth"}
+
+
+def _shown(value: float) -> str:
+    """A number as an error shows it (an integer too large for a float as "more than 1e+308")."""
+    try:
+        return f"{value:g}"
+    except OverflowError:
+        return "more than 1e+308"
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     gpu: GPUSpec
@@ -255,8 +302,11 @@ class _Reader:
                             f"add a '{key}' mapping (see hwprofiles/README.md)")
         return value
 
-    def number(self, data: dict, key: str, *, positive: bool = True, default: Any = ...,
-               maximum: float | None = None, integer: bool = False) -> float:
+    def number(self, data: dict, key: str, *, maximum: float | str, positive: bool = True, default: Any = ...,
+               integer: bool = False) -> float:
+        """The number at ``key``, refused when it is no finite number, a fraction where a whole one belongs, over
+        ``maximum`` (a bound, or the name of one of :data:`CEILINGS`), or not positive (``positive=False``: below
+        zero)."""
         name = key.split(".")[-1]
         if name not in data:
             if default is not ...:
@@ -265,17 +315,24 @@ class _Reader:
         value = data[name]
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"must be a number, got {value!r}", f"write a number for '{name}'")
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # an int is finite, however large
             raise self.fail(key, f"must be a finite number, got {value}", f"write a number for '{name}'")
         if integer and value != int(value):
             raise self.fail(key, f"must be a whole number, got {value}", f"write an integer for '{name}'")
-        if maximum is not None and value > maximum:
-            raise self.fail(key, f"must be at most {maximum:g}, got {value}", f"use a value <= {maximum:g}")
+        self.at_most(key, value, maximum)
         if positive and value <= 0:
             raise self.fail(key, f"must be positive, got {value}", f"use a value > 0 for '{name}'")
         if not positive and value < 0:
             raise self.fail(key, f"must not be negative, got {value}", f"use a value >= 0 for '{name}'")
         return value
+
+    def at_most(self, key: str, value: float, maximum: float | str) -> None:
+        if isinstance(maximum, str):
+            ceiling = CEILINGS[maximum]
+            if value > ceiling.value:
+                raise self.fail(key, f"must be at most {ceiling.said}, got {_shown(value)}", ceiling.fix)
+        elif value > maximum:
+            raise self.fail(key, f"must be at most {maximum:g}, got {_shown(value)}", f"use a value <= {maximum:g}")
 
     def flag(self, data: dict, key: str, default: bool) -> bool:
         value = data.get(key.split(".")[-1], default)
@@ -308,7 +365,7 @@ class _Reader:
             raise self.fail(key, "is empty", "give the peak TFLOPS per dtype or kernel (e.g. bf16: 165)")
         for k in peaks:
             self.one_of(str(k), f"{key}.{k}", names, what)
-        return {str(k): self.number(peaks, f"{key}.{k}") for k in peaks}
+        return {str(k): self.number(peaks, f"{key}.{k}", maximum="compute") for k in peaks}
 
     def one_of(self, value: str, key: str, names: tuple[str, ...], what: str) -> str:
         if value not in names:
@@ -331,9 +388,12 @@ class _Reader:
         if len(xs) != len(ys):
             raise self.fail(key, f"'{x_name}' has {len(xs)} points but '{y_name}' has {len(ys)}",
                             "give one value per point")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-               for v in xs + ys):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not math.isfinite(v)
+               or v <= 0 for v in xs + ys):
             raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
+        for name, values in ((x_name, xs), (y_name, ys)):
+            for i, v in enumerate(values):
+                self.at_most(f"{key}.{name}[{i}]", v, AXIS_CEILINGS[name])
         if any(b <= a for a, b in zip(xs, xs[1:])):
             raise self.fail(key, f"'{x_name}' must increase strictly", "sort the points")
         times = ys if copy_latency_us is None else [copy_latency_us + x / y * 1e-3 for x, y in zip(xs, ys)]
@@ -375,14 +435,15 @@ class _Reader:
             if cpu:
                 self.one_of(kernel, f"{where}.kernel", CPU_KERNELS, "CPU kernel")
             curves.append(ExpertCurve(
-                hidden=int(self.number(item, f"{where}.hidden", integer=True)),
-                intermediate=int(self.number(item, f"{where}.intermediate", integer=True)),
+                hidden=int(self.number(item, f"{where}.hidden", integer=True, maximum="count")),
+                intermediate=int(self.number(item, f"{where}.intermediate", integer=True, maximum="count")),
                 # a curve is looked up by dtype: one no model can have would never be used
                 dtype=self.one_of(self.text(item, f"{where}.dtype"), f"{where}.dtype", tuple(DTYPE_BITS), "dtype"),
                 curve=self.curve(item, where, "tokens", "time_us",
                                  extra=("hidden", "intermediate", "dtype", "kernel", "threads")),
                 kernel=kernel,
-                threads=int(self.number(item, f"{where}.threads", default=0, positive=False, integer=True)),
+                threads=int(self.number(item, f"{where}.threads", default=0, positive=False, integer=True,
+                                         maximum=1 << 16)),
             ))
         return self.once(curves, key, lambda c: (c.hidden, c.intermediate, c.dtype, c.kernel, c.threads),
                          "hidden, intermediate, dtype, kernel and threads")
@@ -401,7 +462,7 @@ class _Reader:
 
     def attention_curves(self, items: Any, key: str) -> tuple[AttentionCurve, ...]:
         return self.once([AttentionCurve(model=self.text(item, f"{where}.model", default=""),
-                                    tokens=int(self.number(item, f"{where}.tokens", integer=True)),
+                                    tokens=int(self.number(item, f"{where}.tokens", integer=True, maximum="count")),
                                     curve=self.curve(item, where, "context", "time_us",
                                                      extra=("model", "tokens", "dtype")),
                                     dtype=self.one_of(self.text(item, f"{where}.dtype", default="bf16"),
@@ -412,8 +473,8 @@ class _Reader:
     def output_curves(self, items: Any, key: str) -> tuple[OutputCurve, ...]:
         return self.once([OutputCurve(kind=self.one_of(self.text(item, f"{where}.kind"), f"{where}.kind", OUTPUT_KINDS,
                                                   "output kind"),
-                                 hidden=int(self.number(item, f"{where}.hidden", integer=True)),
-                                 vocab=int(self.number(item, f"{where}.vocab", integer=True)),
+                                 hidden=int(self.number(item, f"{where}.hidden", integer=True, maximum="count")),
+                                 vocab=int(self.number(item, f"{where}.vocab", integer=True, maximum="count")),
                                  dtype=self.one_of(self.text(item, f"{where}.dtype", default="bf16"),
                                                    f"{where}.dtype", tuple(DTYPE_BITS), "dtype"),
                                  curve=self.curve(item, where, "sequences", "time_us",
@@ -439,14 +500,18 @@ class _Reader:
                 raise self.fail(f"{key}.cpu_compute_efficiency", "must be a mapping of CPU kernel to factor",
                                 "write e.g. {amx: 0.25, avx512: 1.0}")
             out[str(name)] = RuntimeSpec(
-                name=str(name), launch_us=self.number(r, f"{key}.launch_us", positive=False), graph=graph,
+                name=str(name), launch_us=self.number(r, f"{key}.launch_us", positive=False, maximum="time"),
+                graph=graph,
                 kernels_per_layer=int(self.number(r, f"{key}.kernels_per_layer", positive=False, default=0,
-                                                  integer=True)),
+                                                  integer=True, maximum="kernels")),
                 cpu_compute_efficiency={self.one_of(str(k), f"{key}.cpu_compute_efficiency.{k}", CPU_KERNELS,
                                                     "CPU kernel"):
-                                        self.number(compute, f"{key}.cpu_compute_efficiency.{k}") for k in compute},
-                cpu_bandwidth_efficiency=self.number(r, f"{key}.cpu_bandwidth_efficiency", default=1.0),
-                host_us_per_step=self.number(r, f"{key}.host_us_per_step", positive=False, default=0.0))
+                                        self.number(compute, f"{key}.cpu_compute_efficiency.{k}", maximum="factor")
+                                        for k in compute},
+                cpu_bandwidth_efficiency=self.number(r, f"{key}.cpu_bandwidth_efficiency", default=1.0,
+                                                     maximum="factor"),
+                host_us_per_step=self.number(r, f"{key}.host_us_per_step", positive=False, default=0.0,
+                                             maximum="time"))
         return out
 
 
@@ -517,19 +582,20 @@ def _parse_sections(r: _Reader, data: dict, origin: str) -> HardwareProfile:
     r.known_keys(g, "gpu")
     gpu = GPUSpec(
         name=r.text(g, "gpu.name"),
-        memory_gib=r.number(g, "gpu.memory_gib", maximum=1 << 20),
-        reserved_gib=r.number(g, "gpu.reserved_gib", positive=False),
-        launch_us=r.number(g, "gpu.launch_us", positive=False),
-        graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False),
+        memory_gib=r.number(g, "gpu.memory_gib", maximum="memory"),
+        reserved_gib=r.number(g, "gpu.reserved_gib", positive=False, maximum="memory"),
+        launch_us=r.number(g, "gpu.launch_us", positive=False, maximum="time"),
+        graph_launch_us=r.number(g, "gpu.graph_launch_us", positive=False, maximum="time"),
         cuda_graph=r.flag(g, "gpu.cuda_graph", False),
         peak_tflops=r.peaks(g, "gpu.peak_tflops", tuple(DTYPE_BITS), "dtype"),
-        mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps"),
+        mem_bandwidth_gbps=r.number(g, "gpu.mem_bandwidth_gbps", maximum="bandwidth"),
         expert_ffn=r.expert_curves(g.get("expert_ffn"), "gpu.expert_ffn", cpu=False),
         attention=r.attention_curves(g.get("attention"), "gpu.attention"),
         output=r.output_curves(g.get("output"), "gpu.output"),
         roofline_efficiency=r.number(g, "gpu.roofline_efficiency", default=0.6, maximum=1.0),
         bandwidth_efficiency=r.number(g, "gpu.bandwidth_efficiency", default=None, maximum=1.0),
-        kernels_per_layer=int(r.number(g, "gpu.kernels_per_layer", positive=False, default=0, integer=True)),
+        kernels_per_layer=int(r.number(g, "gpu.kernels_per_layer", positive=False, default=0, integer=True,
+                                        maximum="kernels")),
     )
     if gpu.reserved_gib >= gpu.memory_gib:
         raise r.fail("gpu.reserved_gib", f"{gpu.reserved_gib} GiB reserved of {gpu.memory_gib} GiB",
@@ -542,21 +608,22 @@ def _parse_sections(r: _Reader, data: dict, origin: str) -> HardwareProfile:
     cpu = CPUSpec(
         name=r.text(c, "cpu.name"),
         cores=int(r.number(c, "cpu.cores", integer=True, maximum=1 << 16)),
-        dram_bandwidth_gbps=r.number(c, "cpu.dram_bandwidth_gbps"),
+        dram_bandwidth_gbps=r.number(c, "cpu.dram_bandwidth_gbps", maximum="bandwidth"),
         peak_tflops=r.peaks(c, "cpu.peak_tflops", CPU_KERNELS, "CPU kernel"),
-        amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens", integer=True)),
+        amx_switch_tokens=None if switch is None else int(r.number(c, "cpu.amx_switch_tokens", integer=True,
+                                                                                  maximum="count")),
         expert_ffn=r.expert_curves(c.get("expert_ffn"), "cpu.expert_ffn", cpu=True),
         numa_note=r.text(c, "cpu.numa_note", default=""),
         roofline_efficiency=r.number(c, "cpu.roofline_efficiency", default=0.5, maximum=1.0),
         bandwidth_efficiency=r.number(c, "cpu.bandwidth_efficiency", default=None, maximum=1.0),
-        dram_combined_gbps=r.number(c, "cpu.dram_combined_gbps", default=None),
+        dram_combined_gbps=r.number(c, "cpu.dram_combined_gbps", default=None, maximum="bandwidth"),
     )
     if switch is not None and "amx" not in cpu.peak_tflops:
         raise r.fail("cpu.peak_tflops.amx", "amx_switch_tokens is set but there is no AMX peak",
                      "add cpu.peak_tflops.amx or set amx_switch_tokens: null")
     p = r.section(data, "pcie")
     r.known_keys(p, "pcie")
-    latency_us = r.number(p, "pcie.latency_us", positive=False)
+    latency_us = r.number(p, "pcie.latency_us", positive=False, maximum="time")
     pcie = PCIeSpec(
         generation=int(r.number(p, "pcie.generation", integer=True, maximum=16)),
         h2d=r.curve(p.get("h2d"), "pcie.h2d", "size_bytes", "gbps", copy_latency_us=latency_us),
@@ -564,11 +631,11 @@ def _parse_sections(r: _Reader, data: dict, origin: str) -> HardwareProfile:
         latency_us=latency_us,
         copy_engines=int(r.number(p, "pcie.copy_engines", integer=True, maximum=64)),
         duplex_slowdown=r.number(p, "pcie.duplex_slowdown", maximum=1.0),
-        bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0),
+        bandwidth_scale=r.number(p, "pcie.bandwidth_scale", default=1.0, maximum="factor"),
     )
     s = r.section(data, "sync")
     r.known_keys(s, "sync")
-    sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False))
+    sync = SyncSpec(per_layer_us=r.number(s, "sync.per_layer_us", positive=False, maximum="time"))
     runtimes = r.runtimes(data.get("runtimes"))
     kernels = set(cpu.peak_tflops) | {c.kernel for c in cpu.expert_ffn}
     for name, runtime in runtimes.items():

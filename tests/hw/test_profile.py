@@ -419,3 +419,97 @@ def test_output_curves_time_the_lm_head_and_sampling_of_their_shape_only():
     other = CostModel(profile, ModelSpec(name="toy", num_layers=2, num_experts=4, top_k=2, hidden_size=64,
                                          moe_intermediate_size=32, vocab_size=2000))
     assert other.lm_head(1) == pytest.approx(other._gpu_roof(profile, 2.0 * 2000 * 64, 2000 * 64 * 2, "bf16"))
+
+
+# -- plausibility ceilings -------------------------------------------------------------
+def _set(data: dict, path: str, value) -> None:
+    """Set ``path`` (dots between keys, a number for a list's item) of a profile dict to ``value``."""
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    node = data
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+@pytest.mark.parametrize("path, value, field, words", [
+    ("gpu.expert_ffn.0.time_us.1", 1e308, "gpu.expert_ffn[0].time_us[1]", "3.6e+09 µs (one hour), got 1e+308"),
+    ("gpu.launch_us", 1e308, "gpu.launch_us", "3.6e+09 µs (one hour), got 1e+308"),
+    ("pcie.latency_us", 3.7e9, "pcie.latency_us", "3.6e+09 µs (one hour), got 3.7e+09"),
+    pytest.param("sync.per_layer_us", 10**400, "sync.per_layer_us", "got more than 1e+308",
+                 id="an-int-beyond-floats"),  # an OverflowError before
+    ("pcie.h2d.gbps.0", 1e308, "pcie.h2d.gbps[0]", "1e+05 GB/s (100 TB/s), got 1e+308"),
+    ("gpu.mem_bandwidth_gbps", 2e5, "gpu.mem_bandwidth_gbps", "1e+05 GB/s (100 TB/s)"),
+    ("cpu.dram_bandwidth_gbps", 1e308, "cpu.dram_bandwidth_gbps", "1e+05 GB/s (100 TB/s)"),
+    ("gpu.memory_gib", 200 * 1024, "gpu.memory_gib", "102400 GiB (100 TiB), got 204800"),
+    ("pcie.d2h.size_bytes.0", 1e20, "pcie.d2h.size_bytes[0]", "bytes (100 TiB), got 1e+20"),
+    ("gpu.peak_tflops.bf16", 1e308, "gpu.peak_tflops.bf16", "1e+06 TFLOPS (1 exaFLOPS)"),
+    ("gpu.expert_ffn.0.tokens.1", 1e12, "gpu.expert_ffn[0].tokens[1]", "1e+09 (a billion), got 1e+12"),
+    ("gpu.roofline_efficiency", 1.5, "gpu.roofline_efficiency", "must be at most 1, got 1.5"),
+    ("pcie.bandwidth_scale", 1e308, "pcie.bandwidth_scale", "1000 (a factor), got 1e+308"),
+])
+def test_a_number_beyond_any_machine_is_refused_in_one_line_naming_field_and_unit(path, value, field, words):
+    """A latency of 1e308 µs or a bandwidth of 1e308 GB/s was accepted (and 10**400 raised OverflowError)."""
+    data = minimal()
+    _set(data, path, value)
+    err = fails(data, "must be at most")
+    assert err.field == field and words in str(err) and "(fix: " in str(err)
+
+
+def test_runtime_numbers_have_ceilings_too():
+    raw = copy.deepcopy(load_profile("rtx4090").raw)
+    raw["runtimes"]["llamacpp"]["host_us_per_step"] = 1e308
+    with pytest.raises(ProfileError, match=r"llamacpp.host_us_per_step': must be at most 3.6e\+09 µs"):
+        parse_profile(raw, origin="rtx4090.yaml")
+    raw = copy.deepcopy(load_profile("rtx4090").raw)
+    raw["runtimes"]["llamacpp"]["cpu_bandwidth_efficiency"] = 1e308
+    with pytest.raises(ProfileError, match=r"cpu_bandwidth_efficiency': must be at most 1000 \(a factor\)"):
+        parse_profile(raw, origin="rtx4090.yaml")
+
+
+def test_numbers_at_the_ceilings_are_accepted():
+    """The ceilings refuse only what no machine has: a one-hour latency, 100 TB/s, 100 TiB still load."""
+    data = minimal()
+    for path, value in (("gpu.launch_us", 3.6e9), ("gpu.mem_bandwidth_gbps", 1e5), ("gpu.memory_gib", 100 * 1024),
+                        ("gpu.peak_tflops.bf16", 1e6), ("pcie.bandwidth_scale", 1000)):
+        _set(data, path, value)
+    data["gpu"]["expert_ffn"][0]["time_us"] = [10, 3.6e9]
+    profile = parse_profile(data, origin="toy.yaml")
+    assert profile.gpu.launch_us == 3.6e9 and profile.gpu.expert_ffn[0].curve.y[-1] == 3.6e9
+
+
+def test_every_bundled_and_test_profile_is_within_the_ceilings():
+    from tests.factories import profile_dict
+    for path in sorted(PROFILE_DIR.glob("*.yaml")):
+        load_profile(path)
+    parse_profile(profile_dict(pcie_gbps=0.0001), origin="factory")
+    parse_profile(profile_dict(pcie_gbps=1.0), origin="factory")
+
+
+def test_an_override_beyond_the_ceiling_is_refused_naming_the_parameter():
+    profile = parse_profile(minimal(), origin="toy.yaml")
+    with pytest.raises(ProfileError) as err:
+        profile.with_overrides({"gpu.launch_us": "1e308"})
+    assert err.value.field == "--set" and "\n" not in str(err.value)
+    assert str(err.value).startswith("field '--set': parameter 'hw.gpu.launch_us'=1e308 (toy.yaml's own: 10): "
+                                     "must be at most 3.6e+09 µs (one hour), got 1e+308 (fix: write the time in µs")
+    assert profile.with_overrides({"gpu.launch_us": "3600"}).gpu.launch_us == 3600
+
+
+@pytest.mark.parametrize("how", ["file", "--set"])
+def test_replay_with_an_absurd_profile_number_exits_2_with_one_line(tmp_path: Path, capsys, how):
+    from moesim.cli import main
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, seed=0)
+    args = ["replay", trace, "--hw", hw, "--system", "gpu-only-lru"]
+    if how == "file":
+        data = yaml.safe_load(Path(hw).read_text())
+        data["gpu"]["expert_ffn"][0]["time_us"][1] = 1e308
+        Path(hw).write_text(yaml.safe_dump(data))
+    else:
+        args += ["--set", "hw.sync.per_layer_us=1e308"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    field = "gpu.expert_ffn[0].time_us[1]" if how == "file" else "--set"
+    assert f"field '{field}'" in err and "must be at most 3.6e+09 µs (one hour), got 1e+308" in err
+    assert (hw in err) if how == "file" else ("parameter 'hw.sync.per_layer_us'=1e+308" in err)
