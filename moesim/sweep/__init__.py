@@ -27,6 +27,9 @@ Keys may use ``__`` for ``.`` (``cache__slots_per_layer``). Every point is a
 (trace, hw, system, seed, settings) combination; its id is a hash of those
 parameters as written in the spec (the spec file's location and the current
 folder do not enter it, nor do the files' contents: see ``input_fingerprint``).
+A trace or profile file written two ways in one spec (``t.parquet`` and
+``./t.parquet``, its absolute path, a symlink to it; ``rtx4090`` and its
+bundled file's path) is one file: its points run once, under its first spelling.
 
 Results are tidy: one row per point with every parameter and metric as a
 column (``breakdown_ms`` becomes ``breakdown_<category>_ms``, notes are joined

@@ -95,11 +95,15 @@ class SweepSpec:
     per_system: dict[str, SystemAxes] = field(default_factory=dict)
 
     def points(self) -> list[Point]:
-        """Every point, in spec order (traces outermost), duplicates dropped."""
+        """Every point, in spec order (traces outermost), duplicates dropped: a trace or profile file written
+        two ways (``t.parquet`` and ``./t.parquet``, its absolute path, a symlink to it) is one file, named as
+        first written (:func:`_one_spelling`)."""
         axes = [[{k: v} for v in values] for k, values in self.grid.items()]
         axes += [[dict(zip(group, row)) for row in zip(*group.values())] for group in self.zips]
         seen: dict[str, Point] = {}
-        for trace, hw, system, seed in itertools.product(self.traces, self.hw, self.systems, self.seeds):
+        traces = _one_spelling(self.traces, lambda trace: os.path.realpath(self.resolve(trace)))
+        hws = _one_spelling(self.hw, lambda hw: _profile_file(self.resolve_hw(hw)))
+        for trace, hw, system, seed in itertools.product(traces, hws, self.systems, self.seeds):
             own = self.per_system.get(system, SystemAxes())
             own_axes = [[{k: v} for v in values] for k, values in own.grid.items()]
             for combo in itertools.product(*axes, *own_axes):
@@ -291,6 +295,24 @@ def _distinct(values: list[Any]) -> list[Any]:
     for value in values:
         seen.setdefault(key(value), value)
     return list(seen.values())
+
+
+def _one_spelling(values: list[str], file_of: Callable[[str], str]) -> list[str]:
+    """``values`` (traces or profiles as the spec writes them), each file once (``file_of``: its real path):
+    the first spelling stays, as in a grid (:func:`_distinct`), so points already run keep their ids. A point's
+    id holds that spelling, not the real path, so ids do not depend on where the spec and its files lie: a
+    folder moved with its results, or data reached through a symlinked folder, keeps them."""
+    seen: dict[str, str] = {}
+    for value in values:
+        seen.setdefault(file_of(value), value)
+    return list(seen.values())
+
+
+def _profile_file(hw: str) -> str:
+    """The real path of the file behind a profile name or path (``rtx4090`` is the bundled
+    ``hwprofiles/rtx4090.yaml``), as :func:`moesim.sweep.point.cached_profile` reads it."""
+    from moesim.hw.profile import profile_path
+    return os.path.realpath(profile_path(hw))
 
 
 def _expand_systems(systems: list[str], source: str) -> list[str]:

@@ -202,6 +202,17 @@ def test_the_summary_says_when_the_output_holds_rows_of_another_sweep(files, cap
     assert "2 already in" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_trace_written_two_ways_runs_once(files):
+    """traces: [t.parquet, ./t.parquet] ran the same replay twice and wrote two rows; one now, also on resume."""
+    out = files / "r.parquet"
+    spec = load_spec(write_spec(files, traces=["t.parquet", "./t.parquet", str(files / "t.parquet")],
+                                hw=["hw.yaml", "./hw.yaml"], systems=["gpu-only-lru"]))
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.points, summary.ran, len(frame), len(pd.read_parquet(out))) == (1, 1, 1, 1)
+    assert (frame["trace"].iloc[0], frame["hw"].iloc[0]) == ("t.parquet", "hw.yaml")
+    assert run_sweep(load_spec(write_spec(files, systems=["gpu-only-lru"])), out, workers=1)[1].ran == 0
+
+
 def test_a_resume_runs_again_the_points_whose_profile_or_trace_changed(files, capsys):
     """Issue: a point's id holds the file names only; the files' fingerprint, stored with its row, tells
     a resume that an edited profile (its content) or a rewritten trace (its size and mtime) needs a rerun."""

@@ -62,6 +62,26 @@ def test_a_grid_value_written_twice_in_two_spellings_is_one_point(tmp_path):
     assert [dict(p.settings)["cache"] for p in names.points()] == ["lru", "belady"]
 
 
+def test_a_trace_or_profile_written_two_ways_is_one_point(files):
+    """The same trace as t.parquet, ./t.parquet, its absolute path and a symlink ran the same replay four times,
+    four rows under four point ids (so did a profile as hw.yaml and ./hw.yaml, or rtx4090 and the path of its
+    bundled file). Each file is one point now, under the id of its first spelling, so it keeps the id it had."""
+    from moesim.hw.profile import PROFILE_DIR
+    (files / "link.parquet").symlink_to(files / "t.parquet")
+    twice = parse_spec({"traces": ["t.parquet", "./t.parquet", str(files / "t.parquet"), "link.parquet"],
+                        "hw": ["hw.yaml", "./hw.yaml", "rtx4090", str(PROFILE_DIR / "rtx4090.yaml")],
+                        "system": "gpu-only-lru"}, source="s", base_dir=files)
+    once = parse_spec({"trace": "t.parquet", "hw": ["hw.yaml", "rtx4090"], "system": "gpu-only-lru"}, source="s",
+                      base_dir=files)
+    assert [(p.trace, p.hw, p.point_id) for p in twice.points()] == [(p.trace, p.hw, p.point_id)
+                                                                     for p in once.points()]
+    assert [p.hw for p in once.points()] == ["hw.yaml", "rtx4090"]
+    # two files are two points, whatever their names
+    (files / "u.parquet").write_bytes((files / "t.parquet").read_bytes())
+    other = parse_spec({"traces": ["t.parquet", "u.parquet"], "system": "gpu-only-lru"}, source="s", base_dir=files)
+    assert [p.trace for p in other.points()] == ["t.parquet", "u.parquet"]
+
+
 def test_point_id_is_a_hash_of_the_parameters_only(tmp_path):
     point = Point("t.parquet", "rtx4090", "gpu-only-lru", 0, None, (("cache.slots_per_layer", 2),))
     canonical = json.dumps({"trace": "t.parquet", "hw": "rtx4090", "system": "gpu-only-lru", "seed": 0,
