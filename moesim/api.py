@@ -126,22 +126,71 @@ def checked_settings(settings: Any) -> None:
 SERVE_REPR_METRICS = ("qps", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "throughput_rps")
 
 
-def checked_keywords(function: Any, params: Mapping[str, Any]) -> None:
-    """A keyword that is a slip of one of ``function``'s own arguments (``sytem=``, ``request=``) is refused
-    naming that argument: taken as a ``--set`` parameter, it was refused as unknown to the system, and the fix
-    listed every parameter but the argument meant."""
+def checked_keywords(function: Any) -> Any:
+    """Decorator: a keyword argument ``function`` does not take is one line naming the argument it is a slip of
+    (``qsp=`` for ``qps``, ``step=`` for ``steps``), not Python's "unexpected keyword argument" TypeError. Where
+    ``function`` takes ``--set`` parameters as keywords (:func:`replay`, :func:`serve`), a keyword that is no
+    slip of an argument is one of those, for the system to check (a slip taken as one was refused as unknown to
+    the system, and the fix listed every parameter but the argument meant)."""
     import inspect
+    arguments = inspect.signature(function).parameters
+    own = [name for name, arg in arguments.items()
+           if arg.kind not in (arg.VAR_KEYWORD, arg.VAR_POSITIONAL) and name != "self"]
+    settings = any(arg.kind is arg.VAR_KEYWORD for arg in arguments.values())
+    call = f"{function.__qualname__}()"
 
-    from moesim.errors import did_you_mean
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for key in kwargs:
+            if key in own or settings and is_setting_name(key):
+                continue
+            guess = "did you mean hw? " if key in ("hardware", "profile") and "hw" in own else slip_of(key, own)
+            if settings and not guess:
+                continue  # a --set parameter, for the system to check
+            err = ConfigError(f"{call} has no argument '{key}'", field=key,
+                              fix=guess + ("(other keywords are --set parameters, e.g. cache__slots_per_layer=2)"
+                                           if settings else f"{call} takes {', '.join(own)}"))
+            err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
+            raise err
+        return function(*args, **kwargs)
+    return checked
+
+
+def is_setting_name(key: str) -> bool:
+    """Whether keyword ``key`` is spelt as a ``--set`` parameter: dotted (``__``), a role or another top-level one."""
     from moesim.policy.systems import ROLES
-    own = [name for name, arg in inspect.signature(function).parameters.items() if arg.kind is not arg.VAR_KEYWORD]
-    for key in params:
-        if "__" in key or "." in key or key in ROLES or key in ("runtime", "scheduler"):
-            continue  # a --set parameter's spelling
-        guess = "did you mean hw? " if key in ("hardware", "profile") else did_you_mean(key, own)
-        if guess:
-            raise ConfigError(f"{function.__name__}() has no argument '{key}'", field=key,
-                              fix=f"{guess}(other keywords are --set parameters, e.g. cache__slots_per_layer=2)")
+    return "__" in key or "." in key or key in ROLES or key in ("runtime", "scheduler")
+
+
+def slip_of(key: str, names: Sequence[str]) -> str:
+    """"did you mean NAME? " for the ``names`` a keyword is a typing slip of ("" for none): as the rest of moesim
+    guesses (:func:`moesim.errors.did_you_mean`), or one letter swapped with the next, added, dropped or changed,
+    which that misses in a short name (it rates ``qsp`` against ``qps`` 0.67, under its 0.7)."""
+    from moesim.errors import did_you_mean
+    guess = did_you_mean(key, names)
+    if guess:
+        return guess
+    near = [name for name in names if one_slip(key, name)]
+    return f"did you mean {' or '.join(near)}? " if near else ""
+
+
+def one_slip(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one edit: two neighbouring letters swapped, or one added, dropped or
+    changed."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
+
+
+#: ``moesim.load_replay``, its keywords checked as this module's own functions' are (named as this module's, where
+#: pickle finds it)
+load_replay = checked_keywords(load_replay)
+load_replay.__module__ = __name__
 
 
 def checked_flags(**flags: Any) -> None:
@@ -207,6 +256,7 @@ def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: 
 
 
 @python_names()
+@checked_keywords
 def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT_SYSTEM, *,
            settings: Mapping[str, Any] | None = None, seed: int = 0, model: str | None = None,
            timeline: bool | None = None, decisions: bool | None = None, **params: Any) -> ReplayResult:
@@ -223,7 +273,6 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
     from moesim.sim.run import add_lower_bound, simulate
-    checked_keywords(replay, params)
     trace = checked_trace(trace)
     checked_flags(**{k: v for k, v in (("timeline", timeline), ("decisions", decisions)) if v is not None})
     checked_run_inputs(hw, seed, system, model)
@@ -243,6 +292,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
 
 
 @python_names()
+@checked_keywords
 def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike | None = None,
           workers: int | None = None, engine: str = "local", address: str | None = None,
           progress: bool | None = None) -> Any:
@@ -412,6 +462,7 @@ TRACE_DIR = Path(__file__).resolve().parents[1] / "traces"
 
 
 @notebook.callers_lines
+@checked_keywords
 def bundled_trace(name: str) -> Path:
     """The absolute path of a trace shipped in ``traces/`` (``"mixtral-8x7b-humaneval"``, ``.parquet``
     optional), so that a notebook or script finds it from whatever folder it runs in, as a profile name does."""
@@ -426,6 +477,7 @@ def bundled_trace(name: str) -> Path:
 
 
 @python_names()
+@checked_keywords
 def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int | None = None,
                 requests: Sequence[int] | None = None) -> Path:
     """Write the first ``steps`` forward passes (and/or only ``requests``) of ``trace`` to ``out``.
@@ -521,6 +573,7 @@ class ServeRun:
         return figures
 
     @notebook.callers_lines
+    @checked_keywords
     def plot_requests(self, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
         """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
         marked. Displays as a PNG in Jupyter."""
@@ -552,6 +605,7 @@ def _trace_paths(traces: Any) -> list[str]:
 
 
 @python_names()
+@checked_keywords
 def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEFAULT_HW,
           system: str = "gpu-only-lru", *, qps: float | None = None, requests: int | None = None,
           scheduler: str | None = None, slo: Mapping[str, float] | str | None = None,
@@ -566,7 +620,6 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
     from moesim.sim.serving import serve as run_serving
     from moesim.sim.workload import check_read
-    checked_keywords(serve, params)
     paths = _trace_paths(traces)
     checked_settings(settings)
     short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))

@@ -276,6 +276,7 @@ def test_an_argument_of_the_wrong_kind_is_one_line_naming_it(files, call, kwargs
 @pytest.mark.parametrize("call, keyword, meant", [
     ("replay", "sytem", "system"), ("replay", "timelines", "timeline"), ("replay", "seeds", "seed"),
     ("replay", "hardware", "hw"), ("serve", "request", "requests"), ("serve", "sytem", "system"),
+    ("serve", "qsp", "qps"), ("serve", "qos", "qps"),  # a swap or a change in a short name: no guess before
 ])
 def test_a_slip_of_an_argument_name_names_the_argument_meant(files, call, keyword, meant):
     """sytem='smoe' was read as a --set parameter: 'unknown parameter for system gpu-only-lru' and a list of
@@ -287,6 +288,32 @@ def test_a_slip_of_an_argument_name_names_the_argument_meant(files, call, keywor
     assert str(err.value).startswith(f"field '{keyword}': {call}() has no argument '{keyword}'")
     assert f"did you mean {meant}?" in str(err.value)
     assert moesim.replay(trace, hw=hw, cache="lru", timeline=False).system == "gpu-only-lru"  # a role stays --set
+
+
+@pytest.mark.parametrize("call, keyword, meant", [
+    ("slice_trace", "step", "steps"), ("sweep", "worker", "workers"), ("bundled_trace", "nam", "name"),
+    ("load_replay", "fodler", "folder"), ("plot_requests", "titel", "title"), ("sweep", "cache__slots", None),
+])
+def test_a_keyword_a_function_does_not_take_is_one_line_naming_the_argument_meant(files, tmp_path, call, keyword,
+                                                                                   meant):
+    """Python's "got an unexpected keyword argument" TypeError before, where replay and serve named the argument."""
+    trace, _ = files
+    function, args = {"slice_trace": (moesim.slice_trace, (trace, str(tmp_path / "s.parquet"))),
+                      "sweep": (moesim.sweep, ({"traces": [trace], "hw": ["rtx4090"], "systems": ["cpu-only"]},)),
+                      "bundled_trace": (moesim.bundled_trace, ()), "load_replay": (moesim.load_replay, ()),
+                      "plot_requests": (moesim.api.ServeRun(requests=pd.DataFrame(), metrics={}, system="cpu-only",
+                                                            traces=[trace]).plot_requests, ())}[call]
+    with pytest.raises(ConfigError) as err:
+        function(*args, **{keyword: 1})
+    message = str(err.value)
+    assert err.value.field == keyword and "\n" not in message and hasattr(err.value, "_render_traceback_")
+    assert f"{call}() has no argument '{keyword}' (fix: " in message
+    if meant:
+        assert f"did you mean {meant}? " in message
+    else:  # nothing it is a slip of: every argument listed
+        assert "did you mean" not in message and message.endswith("sweep() takes grid, out, workers, engine, "
+                                                                  "address, progress)")
+    assert not (tmp_path / "s.parquet").exists()
 
 
 def test_a_fault_in_a_column_the_system_does_not_read_still_refuses_the_replay(files, tmp_path):
