@@ -49,7 +49,8 @@ row the parts folder is removed. A rerun reads ``OUT`` and any parts, skips the
 points whose status is ``ok`` and whose input fingerprint is unchanged, and
 runs the rest: failed points, and points whose trace or profile file changed
 since, or whose code of one's own did (``point.with_own_code``: the files and
-the loaded bytecode of a system or component not the catalogue's, hashed)
+the loaded bytecode of a system or component not the catalogue's, and the
+module-level constants its methods read, hashed)
 (rows of results written before fingerprints were recorded count as changed:
 the rerun cannot tell, so it runs them again rather than keep results that may
 be stale). A refused output (not a sweep result) is left as

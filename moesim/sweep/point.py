@@ -181,9 +181,11 @@ PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 def _bytecode(cls: type) -> bytes:
     """The methods ``cls`` defines as this process runs them: their instructions, names, plain constants and
-    default arguments (a module edited but not reloaded in a Python session still runs its old code), and its
-    plain class attributes (a parameter's default, which a dataclass keeps there and in ``__init__``'s defaults:
-    editing ``decay: float = 0.9`` in a notebook cell kept the old default's results)."""
+    default arguments (a module edited but not reloaded in a Python session still runs its old code), the
+    module-level data they read (:func:`_globals_read`: ``THRESHOLD = 3`` edited in a notebook cell, or set on
+    the module, kept the old value's results), and its plain class attributes (a parameter's default, which a
+    dataclass keeps there and in ``__init__``'s defaults: editing ``decay: float = 0.9`` in a notebook cell kept
+    the old default's results)."""
     from moesim.policy.checked import is_catalogue
     out = []
     for klass in (k for k in cls.__mro__ if not is_catalogue(k)):
@@ -192,11 +194,69 @@ def _bytecode(cls: type) -> bytes:
             if code is not None:
                 plain = tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
                 defaults = tuple(d for d in (getattr(value, "__defaults__", None) or ()) if isinstance(d, PLAIN_VALUES))
-                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode())
+                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode() + _globals_read(value))
             elif isinstance(value, PLAIN_VALUES) or (isinstance(value, tuple)
                                                      and all(isinstance(v, PLAIN_VALUES) for v in value)):
                 out.append(repr((key, value)).encode())
     return b"".join(out)
+
+
+def _globals_read(function: Any) -> bytes:
+    """The module-level data ``function`` reads, as stable bytes (b"" when it reads none, so the fingerprint of a
+    policy reading none is what it was before these were hashed).
+
+    The names its code uses (``co_names``, through its nested code objects too: lambdas, comprehensions) that
+    are names of its module's globals (``function.__globals__``: a notebook's namespace for a class defined in
+    a cell), sorted, each with its value as :func:`_data_text` writes it. Only simple data enters: numbers,
+    strings, bytes, bools, None, and tuples, lists, dicts, sets and frozensets of them. Values of other kinds
+    (functions, modules, classes, arrays, objects) are left out, so a constant that only a module-level helper
+    function reads, or one read as an attribute of another module (``config.THRESHOLD``), does not enter; nor
+    do a closure's variables. A name that is an attribute name as well (``self.limit`` beside a global
+    ``limit``) enters too: at worst a point runs again when it need not."""
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", None)
+    if code is None or not isinstance(namespace, dict):
+        return b""
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
+    read = []
+    for name in sorted(names):
+        if name in namespace:
+            text = _data_text(namespace[name])
+            if text is not None:
+                read.append((name, text))
+    return repr(read).encode() if read else b""
+
+
+def _data_text(value: Any, within: tuple[int, ...] = ()) -> str | None:
+    """``value`` written the same way in every process when it is simple data (see :func:`_globals_read`), else
+    None. A subclass of a plain type (an IntEnum member, a numpy float) is written as its plain value; dicts in
+    their order, sets sorted (their order changes with the process's string hashing)."""
+    if value is None:
+        return "None"
+    for kind in (bool, int, float, complex, str, bytes):  # bool before int
+        if isinstance(value, kind):
+            return kind.__repr__(value)
+    if not isinstance(value, (tuple, list, dict, set, frozenset)) or id(value) in within:  # not data, or a cycle
+        return None
+    within = (*within, id(value))
+    if isinstance(value, dict):
+        items = [(_data_text(k, within), _data_text(v, within)) for k, v in value.items()]
+        if any(k is None or v is None for k, v in items):
+            return None
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    texts = [_data_text(v, within) for v in value]
+    if any(t is None for t in texts):
+        return None
+    if isinstance(value, list):
+        return "[" + ", ".join(texts) + "]"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(texts) + ("," if len(texts) == 1 else "") + ")"
+    return f"{'frozenset' if isinstance(value, frozenset) else 'set'}({', '.join(sorted(texts))})"
 
 
 def own_system(point: Point) -> str:
@@ -210,8 +270,9 @@ def own_system(point: Point) -> str:
 
 def with_own_code(fingerprint: str, point: Point, memo: dict[tuple, bytes] | None = None) -> str:
     """``fingerprint`` (:func:`input_fingerprint`) of a point that runs code of one's own, with that code hashed
-    in (its files and the bytecode loaded): editing a policy and rerunning the sweep runs its points again
-    instead of keeping the old code's results. A point of catalogue code keeps ``fingerprint`` as it is.
+    in (its files, the bytecode loaded and the module-level data its methods read: :func:`_bytecode`): editing a
+    policy and rerunning the sweep runs its points again instead of keeping the old code's results. A point of
+    catalogue code keeps ``fingerprint`` as it is.
 
     ``memo``: the code read so far in this sweep, by system and component swaps (a sweep's points share a few;
     kept by the caller for one sweep only, since the code may change between sweeps of one session)."""

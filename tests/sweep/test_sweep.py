@@ -16,7 +16,7 @@ from moesim.analysis.metrics import metrics
 from moesim.cli import main
 from moesim.errors import ConfigError
 from moesim.sim.run import simulate
-from moesim.sweep import ResultStore, load_spec, run_sweep
+from moesim.sweep import ResultStore, input_fingerprint, load_spec, run_sweep
 from tests.factories import TIGHT_GPU, with_scores, write_spec
 from tests.policy.test_imports import _policy_file, forget  # noqa: F401 (a fixture)
 
@@ -290,6 +290,77 @@ def test_a_point_of_ones_own_runs_again_once_a_default_or_its_composition_change
     assert (summary.ran, summary.changed) == (1, 1)
     assert frame.set_index("system").loc["edited-plain", "gpu_share_of_activations"] == 0.0
     assert run_sweep(spec, out, workers=1)[1].ran == 0
+
+
+#: a notebook cell defining a cache policy that reads module-level constants (exec'd into a namespace of its
+#: own, as a notebook's: the class has no module file to hash)
+_TUNED_CELL = """
+from dataclasses import dataclass
+
+from moesim.policy.cache import LRUCache
+from moesim.policy.systems import register_component
+
+THRESHOLD = 3
+FAVOURITES = {"layers": (0, 1), "experts": frozenset({"e1", "e2"})}
+UNREAD = 1.5
+
+
+def helper():
+    return THRESHOLD
+
+
+@register_component
+@dataclass
+class Tuned(LRUCache):
+    name = "tuned-globals"
+
+    def victims(self, view, layer, n, protected, incoming=None):
+        chosen = LRUCache.victims(self, view, layer, n, protected, incoming)
+        if n < THRESHOLD or layer not in FAVOURITES["layers"]:
+            return chosen
+        return sorted(chosen, key=lambda e: f"e{e}" in FAVOURITES["experts"])  # read in a nested code object
+"""
+
+
+def test_a_point_of_ones_own_runs_again_once_a_module_constant_its_code_reads_changed(files, forget):
+    """THRESHOLD = 3 at a notebook's top level, read in the policy's victims(), edited to 4 and the sweep rerun
+    into the same file: the old value's results were kept ("1 already in"), since only the methods' code was
+    hashed. Now a changed value of simple data any of its methods reads (through a lambda too) runs its points
+    again; an unread global, or a function, does not."""
+    from moesim.policy.systems import SystemSpec, register_system
+
+    cell = {"__name__": "notebook_cell_tuned"}
+    exec(_TUNED_CELL, cell)  # noqa: S102 - a notebook cell
+    register_system("tuned-globals-sys", SystemSpec("x", cache="tuned-globals", assign="gpu"))
+    spec = load_spec(write_spec(files, systems=["tuned-globals-sys", "gpu-only-lru"]))
+    out = files / "r.parquet"
+    assert run_sweep(spec, out, workers=1)[1].ran == 2
+    assert run_sweep(spec, out, workers=1)[1].ran == 0
+    cell["THRESHOLD"] = 4
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.changed, summary.skipped) == (1, 1, 1)
+    assert frame.set_index("system").loc["gpu-only-lru", "input_fingerprint"] == \
+        input_fingerprint(str(files / "t.parquet"), str(files / "hw.yaml"))  # the catalogue's: not hashed
+    cell["FAVOURITES"] = {"layers": (0, 1), "experts": frozenset({"e1", "e3"})}  # read only inside the lambda
+    assert run_sweep(spec, out, workers=1)[1].changed == 1
+    cell["UNREAD"] = 2.5
+    cell["helper"] = lambda: 4
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert summary.ran == 0 and (frame["status"] == "ok").all()
+
+
+def test_module_data_is_written_the_same_way_in_every_process():
+    """A set's order changes with the process's string hashing: written sorted, a resume in a new Python
+    process finds the fingerprint the last one stored."""
+    import subprocess
+    import sys
+    code = ("from moesim.sweep.point import _data_text; "
+            "print(_data_text({'experts': frozenset(f'e{i}' for i in range(12)), 'n': (1, 2.5, True, None)}))")
+    texts = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                            capture_output=True, text=True, check=True).stdout for seed in range(3)}
+    assert len(texts) == 1
+    assert texts.pop().strip() == ("{'experts': frozenset(" + ", ".join(sorted(f"'e{i}'" for i in range(12)))
+                                   + "), 'n': (1, 2.5, True, None)}")
 
 
 def test_results_of_older_versions_without_fingerprints_are_run_again(files):
