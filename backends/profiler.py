@@ -57,7 +57,8 @@ import yaml
 
 from backends.measurements import Measurements, Series, cpu_info, cpu_kernel_family, gpu_info
 from moesim.errors import MoesimError
-from moesim.hw.profile import PROFILE_SCHEMA_VERSION, TIME_FALL_LIMIT, parse_profile
+from moesim.hw.profile import PROFILE_SCHEMA_VERSION, parse_profile
+from moesim.hw.profile_fields import TIME_FALL_LIMIT
 from moesim.model.spec import ModelSpec
 from moesim.util import atomic_write_text
 

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moesim.errors import ConfigError
-from moesim.hw.profile import Curve, ExpertCurve, HardwareProfile, RuntimeSpec
+from moesim.hw.parts import Curve, ExpertCurve, RuntimeSpec
+from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import DTYPE_BITS, ModelSpec, scale_bytes_per_param
 
 US = 1e-6

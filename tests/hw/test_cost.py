@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from moesim.hw.cost import CostModel, interp_loglog
-from moesim.hw.profile import Curve, load_profile, parse_profile
+from moesim.hw.parts import Curve
+from moesim.hw.profile import load_profile, parse_profile
 from moesim.model.presets import load_preset
 from moesim.model.spec import ModelSpec
 from tests.hw.test_profile import minimal
