@@ -49,6 +49,7 @@ class LayerCompute:
                 x = act["x"]
                 act["out"] += ffn(shared, x, model.hidden_size, model.shared_intermediate_size,
                                   model.expert_matrices)
+            self._expert_launch()
             previous = self.gpu.launch(run_shared)
             self._record("gpu", previous, "shared", s, layer, tokens=tokens)
         stream_index = {e: i for i, e in enumerate(plan.streamed)}
@@ -78,6 +79,7 @@ class LayerCompute:
             def run(weights: torch.Tensor = weights, span: tuple[int, int] = span) -> None:
                 self._expert(weights, act["x"], act["out"], routing.rows_t, routing.weights_t, span,
                              model.moe_intermediate_size)
+            self._expert_launch()
             work = self.gpu.launch(run, waits=(transfer,) if transfer is not None else ())
             if transfer is not None:
                 transfer.awaited = True
@@ -102,6 +104,7 @@ class LayerCompute:
 
             def run() -> None:  # its output is only the gate's scores: dropped, as the trace holds the prediction
                 self._attend(attention, act["x"] + act["out"], batches)
+            self._expert_launch()
             previous = self.gpu.launch(run)
             self.pending_rows.append(Pending("gpu", previous, "predict", s, layer, tokens=tokens,
                                              category="predict"))
@@ -131,6 +134,7 @@ class LayerCompute:
                 t0 = clock.now()
                 self._expert(host[layer, e], x_host, out, rows, gate, routing.spans[e], model.moe_intermediate_size)
                 spans.append((e, t0, clock.now()))
+        self._expert_launch()
         job = self.cpu.launch(run, waits=waits)
         self.pending_rows.append(Pending("cpu", job, kind, s, layer, tokens=tokens))
         job.spans = spans  # type: ignore[attr-defined]

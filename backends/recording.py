@@ -3,7 +3,9 @@ how finished work becomes the simulator's timeline rows, busy times, breakdown a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from backends.devices import Transfer, Work
 from backends.run_config import describe_device
@@ -32,8 +34,59 @@ class GPUExpertRun:
     previous: Work | None
 
 
+@dataclass
+class HostTime:
+    """The host's time on each MoE layer's critical path, which the simulator does not charge (host clock).
+
+    Per MoE layer, from the return of the wait for its attention and gate to the launch of its first expert
+    work (:meth:`RunRecording._expert_launch`): retiring landed copies, the layer view, ``plan()``, the
+    accounting, and the copies, the routing upload and the input copy launched before the experts. The GPU
+    stream has nothing of the layer to run meanwhile; the simulator plans in zero time. A plan's declared
+    ``overhead_s``, which the simulator charges and the backend spins, is left out. ``plan_s`` is ``plan()``'s
+    own share. A real run's result carries it as ``result.host_time`` (the simulator's results have none)."""
+
+    #: MoE layers per step (of the trace as run: ``--layers`` cuts it)
+    moe_layers: int
+    #: MoE layers timed, all steps and in decode steps
+    layers: int = 0
+    decode_layers: int = 0
+    host_s: float = 0.0
+    plan_s: float = 0.0
+    decode_host_s: float = 0.0
+    decode_plan_s: float = 0.0
+
+    def add(self, phase: str, host_s: float, plan_s: float) -> None:
+        self.layers += 1
+        self.host_s += host_s
+        self.plan_s += plan_s
+        if phase == "decode":
+            self.decode_layers += 1
+            self.decode_host_s += host_s
+            self.decode_plan_s += plan_s
+
+    def summary(self) -> dict[str, Any]:
+        """Means in µs per MoE layer (None without such layers): over all steps, and over decode steps."""
+        def us(total: float, layers: int) -> float | None:
+            return total / layers * 1e6 if layers else None
+        return {"moe_layers_per_step": self.moe_layers, "layers_timed": self.layers,
+                "host_us_per_layer": us(self.host_s, self.layers), "plan_us_per_layer": us(self.plan_s, self.layers),
+                "decode_layers_timed": self.decode_layers,
+                "decode_host_us_per_layer": us(self.decode_host_s, self.decode_layers),
+                "decode_plan_us_per_layer": us(self.decode_plan_s, self.decode_layers)}
+
+
 class RunRecording:
     """The bookkeeping part of :class:`backends.torch_backend.RealExecutor`."""
+
+    def _expert_launch(self) -> None:
+        """Called just before each launch of expert work (or of a prediction ahead of it): the first in a layer
+        ends the layer's host span (:class:`HostTime`), opened in ``_layer`` once its attention was waited for."""
+        span = self.host_span
+        if span is None:
+            return
+        self.host_span = None
+        start, plan_s, phase = span
+        self.host_time.add(phase, time.perf_counter() - start, plan_s)
 
     def _record(self, resource: str, work: Work, kind: str, step: int, layer: int, expert: int = -1,
                 tokens: int = 0) -> None:
@@ -115,8 +168,10 @@ class RunRecording:
         self._charge_cpu_side(gpu_end, cpu_end)
         notes = list(self.notes) + [f"measured on {describe_device(self.device)} with "
                                     f"{self.config.threads()} CPU threads"]
-        return SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
-                         pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
-                         timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
-                         initial_resident=self.initial, pcie_engines=1,
-                         rewrites=self.system.rewrites, runtime="measured")
+        result = SimResult(system=self.system.name, steps=self.steps, counters=self.counters, pcie_busy_s=busy,
+                           pcie_bytes=nbytes, makespan_s=makespan, memory=self.memory, notes=notes,
+                           timeline=self.timeline, decisions=self.decisions, sim_wall_s=wall_s, cost_fallbacks=[],
+                           initial_resident=self.initial, pcie_engines=1,
+                           rewrites=self.system.rewrites, runtime="measured")
+        result.host_time = self.host_time  # type: ignore[attr-defined]  # measured only: not a simulator field
+        return result

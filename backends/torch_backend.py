@@ -48,7 +48,7 @@ from backends.copies import WeightCopies
 from backends.devices import Clock, CopyEngine, CudaStream, HostStream, Transfer, Work, host_threads
 from backends.kernels import Attention, Batch, DenseLayer, LMHead, expert_params, random_fill, torch_dtype
 from backends.layer_compute import LayerCompute
-from backends.recording import GPUExpertRun, Pending, RunRecording
+from backends.recording import GPUExpertRun, HostTime, Pending, RunRecording
 from backends.run_config import RealConfig, check_device, trace_shape
 from backends.weights import ExpertWeights, LayerRouting
 from moesim.errors import ConfigError
@@ -145,6 +145,9 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         self.sync_works: list[tuple[int, int, Work]] = []
         #: by (step, layer), the measured (start, end) of its syncs
         self.sync_spans: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        #: the host's time on each MoE layer's critical path; the open layer's (start, plan() seconds, phase)
+        self.host_time = HostTime(self.model.num_layers)
+        self.host_span: tuple[float, float, str] | None = None
         self.weights.reset()
         ctx = self.setup_ctx(system)
         system.configure(ctx)
@@ -273,9 +276,14 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         # the plan reads the layer's routing, which a real system reads back from its gate: the host waits for
         # the attention and gate here, as the simulator plans when they end (copies landed by then count so)
         attend.wait()
+        # the host's time on the critical path (HostTime) starts here: the GPU stream has run the gate and has
+        # nothing of this layer to run until the host launches its experts
+        host_start = time.perf_counter()
         self._retire()
         view = self._view(step, layer, rows, phase)
+        plan_start = time.perf_counter()
         plan = self.system.plan(view)
+        plan_s = time.perf_counter() - plan_start
         if plan.substitutions:
             self.counters.substituted_weight_mass += substitution_mass(view, plan)
             view = view.substituted(plan.substitutions)
@@ -285,7 +293,16 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         if plan.overhead_s:
             for category, seconds in plan.overhead_s.items():
                 self.counters.breakdown[category] = self.counters.breakdown.get(category, 0.0) + seconds
+            spin_start = time.perf_counter()
             _spin(sum(plan.overhead_s.values()))  # declared decision time, spent on the critical path
+            host_start += time.perf_counter() - spin_start  # the simulator charges it: not in the host time
+        # The span ends just before the launch of the layer's first expert work (_expert_launch): a shared or GPU
+        # expert, a CPU or deferred expert job, or a prediction the GPU stream runs ahead of the experts. From
+        # that call on the stream can start the expert as soon as the call enqueues it; what the call itself
+        # takes is the launch (which the profile's measured expert curves include) and any wait for the
+        # expert's weights (wait_cache, which the simulator charges), not planning. The routing upload and the
+        # input copy to the host launched before it are stream work of microseconds the experts wait for.
+        self.host_span = (host_start, plan_s, phase)
 
         for lay, e in plan.evictions:
             self.cache.evict(lay, e)
@@ -314,6 +331,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         last_gpu = self._gpu_track(plan, routing, staged, count, s, layer, tokens, batches, predict)
         if plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer, not_before=last_gpu)
+        self._expert_launch()  # a layer without expert work (none yet in the catalogue) ends its span here
         self._combine(cpu_job, parity, tokens)
         self.deferred_job, self.deferred_parity = deferred_job, parity
         if deferred_job is not None and layer == self.model.num_layers - 1:

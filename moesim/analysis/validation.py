@@ -7,7 +7,9 @@ per system, real and simulated TTFT and TPOT with the simulator's error in
 percent, the share of identical rows in the two decision logs, and whether
 the systems rank the same way in both. Systems whose decisions do not depend
 on timing (no prefetch, no cost-based split) must log identical decisions;
-every (step, layer) where the logs differ is listed.
+every (step, layer) where the logs differ is listed. Per system it also gives the host time the real
+run measured on each MoE layer's critical path, from the end of its attention and gate to the launch of its
+first expert (``plan()`` among it), which the simulator does not charge (:class:`backends.recording.HostTime`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class SystemComparison:
     real: dict[str, Any]
     sim: dict[str, Any]
     decisions: DecisionComparison
+    #: the real run's host time on the MoE layers' critical path (HostTime.summary(): µs per MoE layer);
+    #: None where the real result has none
+    host_time: dict[str, Any] | None = None
 
     @property
     def ttft_error_pct(self) -> float:
@@ -61,6 +66,25 @@ class SystemComparison:
     @property
     def tpot_error_pct(self) -> float:
         return error_pct(self.sim["tpot_ms_mean"], self.real["tpot_ms_mean"])
+
+    @property
+    def host_ms_per_decode_step(self) -> float | None:
+        """The measured host time per MoE layer of decode steps times the MoE layers of a step, in ms."""
+        host = self.host_time or {}
+        per_layer = host.get("decode_host_us_per_layer")
+        return None if per_layer is None else per_layer * host["moe_layers_per_step"] / 1e3
+
+    @property
+    def host_share_of_tpot(self) -> float | None:
+        """:attr:`host_ms_per_decode_step` over the measured mean TPOT (a fraction; None without either)."""
+        step, tpot = self.host_ms_per_decode_step, self.real.get("tpot_ms_mean")
+        return None if step is None or is_missing(tpot) or not tpot else step / tpot
+
+    def host_time_dict(self) -> dict[str, Any] | None:
+        if self.host_time is None:
+            return None
+        return {**self.host_time, "decode_host_ms_per_step": self.host_ms_per_decode_step,
+                "decode_host_share_of_tpot": self.host_share_of_tpot}
 
 
 @dataclass
@@ -129,7 +153,8 @@ class ValidationReport:
             "systems": {c.system: {
                 "real": {k: c.real[k] for k in keys}, "sim": {k: c.sim[k] for k in keys},
                 "ttft_error_pct": c.ttft_error_pct, "tpot_error_pct": c.tpot_error_pct,
-                "decisions": dataclasses.asdict(c.decisions)} for c in self.systems},
+                "decisions": dataclasses.asdict(c.decisions), "host_time": c.host_time_dict()}
+                for c in self.systems},
             "ranking": {"tpot_real": self.ranking("real", "tpot_ms_mean"),
                         "tpot_sim": self.ranking("sim", "tpot_ms_mean"),
                         "ttft_real": self.ranking("real", "ttft_ms"), "ttft_sim": self.ranking("sim", "ttft_ms"),
@@ -259,8 +284,10 @@ def run_validation(trace: str, systems: list[str], profile: Any, *, device: str,
         say(f"{name}: simulation")
         sim = simulate(trace, profile, name, settings, timeline=True, decisions=True)
         results[name] = (real, sim)
+        host = getattr(real, "host_time", None)  # measured only: the simulator's results have none
         comparisons.append(SystemComparison(name, metrics(real), metrics(sim),
-                                            compare_decisions(real.decisions or [], sim.decisions or [])))
+                                            compare_decisions(real.decisions or [], sim.decisions or []),
+                                            None if host is None else host.summary()))
     report = ValidationReport(trace=trace, profile=profile_label or getattr(profile, "path", str(profile)),
                               device=device, command=command, systems=comparisons, settings=dict(settings))
     return report, results
@@ -323,6 +350,7 @@ def render_markdown(report: ValidationReport, plot_name: str) -> str:
         lines.append(f"- ranking by {label}: {report.ranking_text(key)} (real: "
                      f"{', '.join(report.ranking('real', key))}; simulated: {', '.join(report.ranking('sim', key))})")
     lines += ["", f"![real vs simulated]({plot_name})", ""]
+    lines += host_time_lines(report.systems)
     for c in report.systems:
         if c.decisions.identical:
             continue
@@ -336,6 +364,37 @@ def render_markdown(report: ValidationReport, plot_name: str) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+#: the sentence every rendering of the host time carries
+HOST_TIME_TEXT = ("Host time: per MoE layer, from the end of its attention and gate to the launch of its first "
+                  "expert, the host retires landed copies, builds the layer view, plans (plan(), its own column) "
+                  "and launches the copies the plan queues, while the GPU stream has nothing of the layer to run; "
+                  "measured with the host clock, mean over the MoE layers of decode steps, a plan's declared "
+                  "overhead left out. The simulator does not charge this time: it plans in zero time.")
+
+
+def host_time_lines(systems: list[SystemComparison]) -> list[str]:
+    """The markdown section of the measured host time per system (none when no system has one)."""
+    measured = [c for c in systems if c.host_time is not None]
+    if not measured:
+        return []
+    layers = sorted({c.host_time["moe_layers_per_step"] for c in measured})
+    lines = ["## Host time on the critical path (measured only)", "", HOST_TIME_TEXT, "",
+             f"| system | host µs per MoE layer | plan() µs per MoE layer | host ms per decode step "
+             f"(x {listed([str(n) for n in layers])} MoE layers) | share of measured TPOT |",
+             "|---|---:|---:|---:|---:|"]
+    for c in measured:
+        host = c.host_time
+        share = c.host_share_of_tpot
+        lines.append(f"| {c.system} | {us_text(host['decode_host_us_per_layer'])} "
+                     f"| {us_text(host['decode_plan_us_per_layer'])} | {ms_text(c.host_ms_per_decode_step)} "
+                     f"| {'-' if share is None else f'{share:.1%}'} |")
+    return lines + [""]
+
+
+def us_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def plot_validation(report: ValidationReport, path: Path) -> Path:

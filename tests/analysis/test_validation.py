@@ -111,6 +111,41 @@ def test_ranking_text_names_a_tie_not_a_missing_system():
         "DIFFERENT (static-hot without a value in one of them)"
 
 
+def test_the_host_time_is_reported_per_system_with_its_share_of_tpot():
+    """The real run's host time between a layer's attention and its first expert: in the JSON per system, times
+    the MoE layers of a decode step and over the measured TPOT, and in the markdown with the sentence that the
+    simulator does not charge it. A system without a measured host time (a report of other results) shows none."""
+    from moesim.analysis.validation import render_markdown
+    same = compare_decisions(ROWS, ROWS)
+    host = {"moe_layers_per_step": 26, "layers_timed": 26 * 40, "host_us_per_layer": 300.0,
+            "plan_us_per_layer": 80.0, "decode_layers_timed": 26 * 32, "decode_host_us_per_layer": 250.0,
+            "decode_plan_us_per_layer": 60.0}
+    keys = ("ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "decode_tokens_per_s", "gpu_hit_rate", "demand_loads",
+            "prefetches", "evictions", "streamed_experts", "makespan_s", "cpu_util", "gpu_util", "pcie_util")
+
+    def figures(tpot):
+        return {**dict.fromkeys(keys, 1.0), "tpot_ms_mean": tpot, "breakdown_ms": {}, "notes": []}
+    no_decode = {**host, "decode_host_us_per_layer": None, "decode_plan_us_per_layer": None}
+    systems = [SystemComparison("smoe", figures(65.0), figures(60.0), same, host),
+               SystemComparison("cpu-only", figures(float("nan")), figures(60.0), same, no_decode),
+               SystemComparison("static-hot", figures(50.0), figures(50.0), same)]
+    assert systems[0].host_ms_per_decode_step == pytest.approx(6.5)
+    assert systems[0].host_share_of_tpot == pytest.approx(0.1)
+    assert systems[1].host_ms_per_decode_step is None and systems[1].host_share_of_tpot is None
+    assert systems[2].host_share_of_tpot is None
+    report = ValidationReport("t", "p", "cpu", "c", systems)
+    entries = json.loads(json.dumps(report.to_dict()))["systems"]
+    assert entries["smoe"]["host_time"] == {**host, "decode_host_ms_per_step": pytest.approx(6.5),
+                                            "decode_host_share_of_tpot": pytest.approx(0.1)}
+    assert entries["static-hot"]["host_time"] is None
+    markdown = render_markdown(report, "v.png")
+    assert "| system | host µs per MoE layer | plan() µs per MoE layer | host ms per decode step (x 26 MoE layers) " \
+           "| share of measured TPOT |" in markdown
+    assert "| smoe | 250 | 60 | 6.500 | 10.0% |" in markdown
+    assert "| cpu-only | - | - | - | - |" in markdown
+    assert "| static-hot | 250" not in markdown and "The simulator does not charge this time" in markdown
+
+
 def test_truncated_trace_keeps_the_first_layers(trace, tmp_path):
     out = truncate_trace(trace, 2, tmp_path / "two.parquet")
     assert read_meta(out).model.num_layers == 2
@@ -210,8 +245,17 @@ def test_cpu_only_validation_end_to_end(trace, tmp_path, capsys):
         assert entry["tpot_error_pct"] == pytest.approx(100 * expected)
     assert written["settings"]["engine.kernels_per_expert"] == "0"
     assert sorted(written["ranking"]["tpot_real"]) == sorted(written["ranking"]["tpot_sim"])
+    for name, entry in written["systems"].items():  # the host time the real run measured (the simulator's: none)
+        host = entry["host_time"]
+        assert host["moe_layers_per_step"] == 3 and host["decode_layers_timed"] == 4 * 3, name
+        assert 0 < host["decode_plan_us_per_layer"] <= host["decode_host_us_per_layer"], name
+        assert host["decode_host_ms_per_step"] == pytest.approx(host["decode_host_us_per_layer"] * 3 / 1e3)
+        assert host["decode_host_share_of_tpot"] == pytest.approx(host["decode_host_ms_per_step"]
+                                                                  / entry["real"]["tpot_ms_mean"])
     markdown = (out / "validation.md").read_text()
     assert "| gpu-only-lru |" in markdown and "100.0% (all)" in markdown and "![real vs simulated]" in markdown
+    assert "## Host time on the critical path (measured only)" in markdown
+    assert "The simulator does not charge this time" in markdown
     assert (out / "validation.png").stat().st_size > 10_000
     assert (out / "profile.yaml").exists()
     for name in written["systems"]:

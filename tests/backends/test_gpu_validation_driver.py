@@ -56,11 +56,18 @@ def test_dry_run_of_every_step_and_the_report(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     text = doc.read_text()
-    assert text.count("| buddymoe |") == 4  # two shapes x two cache sizes
+    assert text.count("| buddymoe |") == 8  # two shapes x two cache sizes, in the results and the host-time tables
     assert "## tiny-mla, 3 MoE layers, 2 cache slots per layer" in text
     assert "## tiny-gqa, 2 MoE layers, 6 cache slots per layer" in text
     assert "Where the largest error comes from" in text and "| sync |" in text
     assert "not tuned to these runs" in text
+    # per shape and cache size, the host time between each layer's attention and first expert, for every system
+    assert text.count("| system | host µs per MoE layer | plan() µs per MoE layer |") == 4
+    assert text.count("The simulator does not charge this time") == 4
+    host = re.findall(r"^\| [a-z-]+ \| ([\d,]+) \| ([\d,]+) \| (\d+\.\d\d) \| (\d+\.\d)% \|$", text, flags=re.M)
+    assert len(host) == 4 * len(SYSTEMS)
+    assert all(int(plan.replace(",", "")) <= int(layer.replace(",", "")) and float(share) > 0
+               for layer, plan, _, share in host), host
     rankings = re.findall(r"^- ranking by (TPOT|TTFT): (.*)$", text, flags=re.M)
     assert len(rankings) == 8  # both metrics of two shapes x two cache sizes
     swap = r"[a-z-]+ vs [a-z-]+: \d+\.\d% faster measured, \d+\.\d% slower simulated"
@@ -133,3 +140,22 @@ def test_the_profile_is_named_after_the_gpu_nvidia_smi_names(tmp_path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     assert profile_name("cuda") == name
     assert profile_name("cpu") == "measured-h100"
+
+
+def test_the_report_shows_the_host_time_of_each_system_and_none_for_older_results():
+    """The document's host-time table, from validation.json: per system the host µs and plan() µs per MoE layer
+    of the decode steps, times the MoE layers per decode step and its share of the measured TPOT; results written
+    before the backend measured it have no table."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_validation_report import host_time_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    host = {"moe_layers_per_step": 26, "decode_host_us_per_layer": 1234.4, "decode_plan_us_per_layer": 80.2,
+            "decode_host_ms_per_step": 32.0944, "decode_host_share_of_tpot": 0.25}
+    lines = host_time_table({"systems": {"smoe": {"host_time": host}, "dali": {"host_time": None}}})
+    assert "The simulator does not charge this time" in lines[0]
+    assert lines[2] == ("| system | host µs per MoE layer | plan() µs per MoE layer | host ms per decode step "
+                        "(x 26 MoE layers) | share of measured TPOT |")
+    assert lines[4:] == ["| smoe | 1,234 | 80 | 32.09 | 25.0% |", ""]
+    assert host_time_table({"systems": {"smoe": {"real": {}}}}) == []

@@ -456,3 +456,60 @@ def test_int4_non_expert_weights_are_refused_naming_the_setting(trace):
         prepare_real(trace, tiny_profile(), "mixtral-offloading", {**SETTINGS, "memory.expert_dtype": "bf16"},
                      _config())
     assert err.value.field == "memory.non_expert_dtype" and "memory.non_expert_dtype=bf16" in str(err.value)
+
+
+def _host_time(trace, system, wrap=None):
+    """The host time of a real run of ``system``, its plan() wrapped by ``wrap`` (plan -> plan) if given."""
+    executor = prepare_real(trace, tiny_profile(), system, SETTINGS, _config())
+    if wrap is not None:
+        executor.setup.system.plan = wrap(executor.setup.system.plan)  # the backend looks plan() up on the instance
+    return executor.run().host_time
+
+
+def _spin(seconds):
+    import time
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("system", ["cpu-only", "gpu-only-lru", "hybrimoe"])
+def test_a_real_run_measures_the_host_time_before_each_layers_first_expert(trace, system):
+    """On a GPU the host's work between a layer's attention and its first expert (retire, view, plan(), launches)
+    is on the critical path, and the simulator does not charge it. The real run measures it per MoE layer, and
+    plan()'s own part; the simulator's result has no such figure."""
+    executor = prepare_real(trace, tiny_profile(), system, SETTINGS, _config())
+    result = executor.run()
+    host = result.host_time
+    assert host.moe_layers == 3
+    assert host.layers == 6 * 3 and host.decode_layers == 4 * 3  # every MoE layer of the measured run, once
+    assert 0 < host.plan_s <= host.host_s and 0 < host.decode_plan_s <= host.decode_host_s
+    assert host.decode_host_s <= host.host_s
+    summary = host.summary()
+    assert 0 < summary["plan_us_per_layer"] <= summary["host_us_per_layer"]
+    assert 0 < summary["decode_plan_us_per_layer"] <= summary["decode_host_us_per_layer"]
+    assert summary["host_us_per_layer"] == pytest.approx(host.host_s / 18 * 1e6)
+    assert executor.host_span is None  # every layer's span was closed at its first expert
+    assert not hasattr(simulate(trace, tiny_profile(), system, SETTINGS), "host_time")
+
+
+def test_a_plan_that_takes_2_ms_longer_raises_the_measured_plan_and_host_time_by_about_that(trace):
+    """A system whose plan() spins 2 ms more per layer: plan() and host time per MoE layer grow by about 2 ms."""
+    def slow(plan):
+        return lambda view: (_spin(0.002), plan(view))[1]
+    base, slowed = _host_time(trace, "gpu-only-lru").summary(), _host_time(trace, "gpu-only-lru", slow).summary()
+    for key in ("plan_us_per_layer", "host_us_per_layer", "decode_plan_us_per_layer", "decode_host_us_per_layer"):
+        assert 1500 <= slowed[key] - base[key] <= 5000, (key, base[key], slowed[key])
+    assert slowed["plan_us_per_layer"] >= 2000
+
+
+def test_a_plans_declared_overhead_is_not_counted_as_host_time(trace):
+    """A plan's overhead_s is charged by the simulator (and spun by the backend): it is not host time it misses."""
+    def declared(plan):
+        def run(view):
+            made = plan(view)
+            made.overhead_s["predict"] = 0.002
+            return made
+        return run
+    base, charged = _host_time(trace, "gpu-only-lru").summary(), _host_time(trace, "gpu-only-lru", declared).summary()
+    assert charged["host_us_per_layer"] - base["host_us_per_layer"] < 1000, (base, charged)
