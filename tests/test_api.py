@@ -15,7 +15,8 @@ from matplotlib.figure import Figure
 
 import moesim
 from moesim.analysis.metrics import metrics
-from moesim.api import settings_from, slice_trace
+from moesim.api import slice_trace
+from moesim.api_args import settings_from
 from moesim.errors import ConfigError
 from moesim.sim.result import DECISION_COLUMNS, TIMELINE_COLUMNS
 from moesim.sim.run import simulate

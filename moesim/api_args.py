@@ -1,0 +1,239 @@
+"""The Python API's arguments (:mod:`moesim.api`): the defaults of ``hw`` and ``system``, ``--set`` parameters
+from keyword arguments and a ``settings`` dict, and the checks that make a wrong argument one line naming it in
+the caller's terms: a misspelt keyword with the argument meant, a value of the wrong kind, an error below the
+API under the keyword it came from rather than its command-line option or dotted ``--set`` key."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import numbers
+import os
+import re
+from typing import Any, Mapping, Sequence
+
+from moesim import notebook
+from moesim import sweep as sweep_module
+from moesim.errors import ConfigError, MoesimError
+
+DEFAULT_HW = "rtx4090"
+#: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
+#: every system on the command line; the API replays one system per call)
+DEFAULT_SYSTEM = "gpu-only-lru"
+
+
+#: command-line options that errors raised below the API name, as a Python caller spells them
+PYTHON_NAMES = {"--system": "system", "--model": "model", "--engine": "engine", "--workers": "workers",
+                "--address": "address", "--out": "out", "--slo": "slo", "--window": "window"}
+
+
+@contextlib.contextmanager
+def python_names() -> Any:
+    """Errors in a caller's own terms: ``field 'system'`` rather than ``--system``, and a ``--set`` parameter
+    as the keyword argument it came from (``cache__alpha``)."""
+    try:
+        yield
+    except MoesimError as err:
+        err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
+        name = PYTHON_NAMES.get(err.field or "")
+        if err.field == "--set":
+            key = re.search(r"parameter '([^']+)'", err.detail)
+            name = key.group(1).replace(".", "__") if key else "settings"
+        if name is None:
+            raise
+        err.rename_field(name)
+        raise
+
+
+@contextlib.contextmanager
+def keyword_fields(params: Mapping[str, Any]) -> Any:
+    """An error about a parameter given as a keyword argument names that keyword (``cache__alpha``), as the
+    caller spelled it, not the dotted ``--set`` key (``cache.alpha``); a profile field an ``hw__`` keyword set
+    (``gpu.memory_gib`` of ``hw__gpu__memory_gib``) too."""
+    try:
+        yield
+    except MoesimError as err:
+        names = {sweep_module.normalize_key(k): k for k in params}
+        field_ = err.field or ""
+        name = names.get(field_) or (names.get(f"hw.{field_}") if "." in field_ else None)
+        if name is not None:
+            err.rename_field(name)
+        raise
+
+
+def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
+    """``--set`` settings from a dict and keyword arguments (``cache__slots_per_layer=4``).
+
+    >>> settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True)
+    {'cache': 'lru', 'cache.slots_per_layer': '4', 'engine.timeline': 'true'}
+    """
+    checked_settings(settings)
+    out: dict[str, str] = {}
+    for source in (settings or {}, params):
+        for key, value in source.items():
+            key = sweep_module.normalize_key(key)
+            if key in out:
+                raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
+            if getattr(value, "ndim", 0) > 0:  # a numpy array (or Series) printed as '[2 1 2]', which no parser reads
+                value = value.tolist()
+            out[key] = sweep_module.setting_str(value)
+    return out
+
+
+def checked_settings(settings: Any) -> None:
+    """One line for ``settings`` that is no dict (a list of ``KEY=VALUE`` strings, as on the command line)."""
+    if settings is not None and not isinstance(settings, Mapping):
+        raise ConfigError(f"settings must be a dict of --set parameters, got {settings!r}", field="settings",
+                          fix="e.g. settings={'cache': 'lru', 'cache.slots_per_layer': 2}")
+
+
+def checked_keywords(function: Any) -> Any:
+    """Decorator: a keyword argument ``function`` does not take is one line naming the argument it is a slip of
+    (``qsp=`` for ``qps``, ``step=`` for ``steps``), not Python's "unexpected keyword argument" TypeError. Where
+    ``function`` takes ``--set`` parameters as keywords (:func:`replay`, :func:`serve`), a keyword that is no
+    slip of an argument is one of those, for the system to check (a slip taken as one was refused as unknown to
+    the system, and the fix listed every parameter but the argument meant)."""
+    import inspect
+    arguments = inspect.signature(function).parameters
+    own = [name for name, arg in arguments.items()
+           if arg.kind not in (arg.VAR_KEYWORD, arg.VAR_POSITIONAL) and name != "self"]
+    settings = any(arg.kind is arg.VAR_KEYWORD for arg in arguments.values())
+    call = f"{function.__qualname__}()"
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for key in kwargs:
+            if key in own or settings and is_setting_name(key):
+                continue
+            guess = "did you mean hw? " if key in ("hardware", "profile") and "hw" in own else slip_of(key, own)
+            if settings and not guess:
+                continue  # a --set parameter, for the system to check
+            err = ConfigError(f"{call} has no argument '{key}'", field=key,
+                              fix=guess + ("(other keywords are --set parameters, e.g. cache__slots_per_layer=2)"
+                                           if settings else f"{call} takes {', '.join(own)}"))
+            err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
+            raise err
+        return function(*args, **kwargs)
+    return checked
+
+
+def is_setting_name(key: str) -> bool:
+    """Whether keyword ``key`` is spelt as a ``--set`` parameter: dotted (``__``), a role or another top-level one."""
+    from moesim.policy.systems import ROLES
+    return "__" in key or "." in key or key in ROLES or key in ("runtime", "scheduler")
+
+
+def slip_of(key: str, names: Sequence[str]) -> str:
+    """"did you mean NAME? " for the ``names`` a keyword is a typing slip of ("" for none): as the rest of moesim
+    guesses (:func:`moesim.errors.did_you_mean`), or one letter swapped with the next, added, dropped or changed,
+    which that misses in a short name (it rates ``qsp`` against ``qps`` 0.67, under its 0.7)."""
+    from moesim.errors import did_you_mean
+    guess = did_you_mean(key, names)
+    if guess:
+        return guess
+    near = [name for name in names if one_slip(key, name)]
+    return f"did you mean {' or '.join(near)}? " if near else ""
+
+
+def one_slip(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one edit: two neighbouring letters swapped, or one added, dropped or
+    changed."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
+
+
+def checked_flags(**flags: Any) -> None:
+    """One line for a switch given as something other than True or False (``timeline="no"`` is truthy)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}", field=name,
+                              fix=f"e.g. {name}=False")
+
+
+def kept(name: str, flag: bool | None, given: Mapping[str, str]) -> bool | None:
+    """Whether a replay keeps its timeline (or decision log): the argument, else True unless the settings say
+    (None: the engine reads ``engine.timeline`` from them; ``settings={"engine.timeline": False}`` was overridden
+    by the argument's default and the timeline kept without a word). Both given: refused, as a key given twice."""
+    if f"engine.{name}" not in given:
+        return True if flag is None else flag
+    if flag is not None:
+        raise ConfigError(f"{name}={flag!r} and the setting 'engine.{name}' both say whether to keep the {name}",
+                          field=name, fix=f"give one of them (e.g. {name}={flag!r} alone)")
+    return None
+
+
+def checked_trace(trace: Any) -> str:
+    """``trace`` as one path; one line for anything else (a list read as a missing file named "['a.parquet']")."""
+    if isinstance(trace, (str, os.PathLike)):
+        return os.fspath(trace)
+    several = isinstance(trace, Sequence) and all(isinstance(t, (str, os.PathLike)) for t in trace)
+    raise ConfigError(f"trace must be one trace file's path, got {trace!r}", field="trace",
+                      fix="replay one trace per call; moesim.sweep({'traces': [...], ...}) replays several"
+                      if several else "e.g. 'traces/mixtral-8x7b-humaneval.parquet'")
+
+
+def profile_label(hw: Any) -> str:
+    """The ``hw`` column of a result: a profile's name or path as given, a HardwareProfile object's name (its
+    repr, every curve of the profile, filled the cell before)."""
+    return hw.name if hasattr(hw, "gpu") and isinstance(getattr(hw, "name", None), str) else os.fspath(hw)
+
+
+def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: Any = None) -> None:
+    """One-line errors for a ``hw``, ``seed``, ``system`` or ``model`` of the wrong kind (the command line's
+    types check them there)."""
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a preset name or a preset YAML path, got {model!r}", field="model",
+                          fix="e.g. model='mixtral-8x7b', or leave it out to take the trace's own")
+    if not isinstance(system, str):
+        raise ConfigError(f"system must be one system's name, got {system!r}", field="system",
+                          fix="run one system per call (moesim.sweep runs several: systems=[...])")
+    if system == "all" or "," in system:  # the command line's --system all / a,b: several runs, one table
+        raise ConfigError(f"system={system!r} names several systems; a call replays one", field="system",
+                          fix="moesim.sweep({'traces': [TRACE], 'hw': [HW], 'systems': "
+                              + ("'all'" if system == "all" else repr(system.split(",")))
+                              + "}) gives one row per system")
+    from moesim.hw.profile import HardwareProfile
+    if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
+        raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",
+                          fix=f"e.g. hw={DEFAULT_HW!r}")
+    from moesim.policy.systems import SYSTEMS
+    if isinstance(hw, str) and hw in SYSTEMS and not os.path.exists(hw):  # replay(trace, "smoe"): the 2nd is hw
+        raise ConfigError(f"hw={hw!r} is a system, not a hardware profile", field="hw",
+                          fix=f"system={hw!r} (the second argument is the profile, e.g. hw={DEFAULT_HW!r})")
+    from moesim.sim.run import checked_seed
+    checked_seed(seed)
+
+
+def checked_sweep_inputs(grid: Any, workers: Any, progress: Any, out: Any = None) -> None:
+    """One line for a spec, ``workers``, ``progress`` or ``out`` of the wrong kind (a TypeError deep in the pool
+    or in pathlib before)."""
+    if not isinstance(grid, (Mapping, str, os.PathLike)):
+        raise ConfigError(f"the sweep spec must be a dict or a YAML file's path, got {grid!r}", field="grid",
+                          fix="e.g. moesim.sweep({'traces': [TRACE], 'hw': ['rtx4090'], 'systems': ['smoe']})")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, numbers.Integral)):
+        raise ConfigError(f"workers must be a whole number of processes, got {workers!r}", field="workers",
+                          fix="e.g. workers=2 (1 runs the points in this process; None: every core)")
+    if progress is not None:
+        checked_flags(progress=progress)
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise ConfigError(f"out must be a .parquet file's path, got {out!r}", field="out",
+                          fix="e.g. out='results.parquet' (or leave it out: the results are only returned)")
+
+
+def checked_requests(requests: Any) -> list[int]:
+    """``requests`` as a list of request ids; one line for anything else (``requests=0`` failed with "'int' object
+    is not iterable", ``['a']`` with a ValueError)."""
+    if isinstance(requests, numbers.Integral) and not isinstance(requests, bool):
+        raise ConfigError(f"requests must be a list of request ids, got {requests!r}", field="requests",
+                          fix=f"e.g. requests=[{requests}] for that one request")
+    ids = list(requests) if hasattr(requests, "__iter__") and not isinstance(requests, (str, bytes)) else None
+    if ids is None or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in ids):
+        raise ConfigError(f"requests must be a list of request ids, got {requests!r}", field="requests",
+                          fix="e.g. requests=[0, 1]")
+    return ids
