@@ -180,7 +180,8 @@ PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 
 
 def _bytecode(cls: type) -> bytes:
-    """The methods ``cls`` defines as this process runs them: their instructions, names, plain constants and
+    """The methods ``cls`` defines as this process runs them (properties', static and class methods' functions
+    too): their instructions, the code nested in them (:func:`_nested_code`), names, plain constants and
     default arguments (a module edited but not reloaded in a Python session still runs its old code), the
     module-level data they read (:func:`_globals_read`: ``THRESHOLD = 3`` edited in a notebook cell, or set on
     the module, kept the old value's results), and its plain class attributes (a parameter's default, which a
@@ -190,14 +191,39 @@ def _bytecode(cls: type) -> bytes:
     out = []
     for klass in (k for k in cls.__mro__ if not is_catalogue(k)):
         for key, value in vars(klass).items():
-            code = getattr(value, "__code__", None)
-            if code is not None:
+            functions = _functions_of(value)
+            for function in functions:
+                code = function.__code__
                 plain = tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
-                defaults = tuple(d for d in (getattr(value, "__defaults__", None) or ()) if isinstance(d, PLAIN_VALUES))
-                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode() + _globals_read(value))
-            elif isinstance(value, PLAIN_VALUES) or (isinstance(value, tuple)
-                                                     and all(isinstance(v, PLAIN_VALUES) for v in value)):
+                defaults = tuple(d for d in (function.__defaults__ or ()) if isinstance(d, PLAIN_VALUES))
+                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode() + _nested_code(code)
+                           + _globals_read(function))
+            if not functions and (isinstance(value, PLAIN_VALUES) or (
+                    isinstance(value, tuple) and all(isinstance(v, PLAIN_VALUES) for v in value))):
                 out.append(repr((key, value)).encode())
+    return b"".join(out)
+
+
+def _functions_of(value: Any) -> list[Any]:
+    """The Python functions a class attribute runs: a method, a static or class method's function, a property's
+    getter, setter and deleter (none: not code)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if hasattr(f, "__code__")]
+    return [value] if hasattr(value, "__code__") else []
+
+
+def _nested_code(code: Any) -> bytes:
+    """The instructions, names and plain constants of the code nested in ``code`` (its lambdas, comprehensions
+    and inner functions, in order, recursively): editing ``key=lambda e: e * 2`` to ``* 3`` changes them (b""
+    when there is none, so the fingerprint of a method without nested code is what it was before these were
+    hashed)."""
+    out = []
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            plain = tuple(c for c in const.co_consts if not hasattr(c, "co_code"))
+            out.append(const.co_code + repr((const.co_names, plain)).encode() + _nested_code(const))
     return b"".join(out)
 
 

@@ -363,6 +363,35 @@ def test_module_data_is_written_the_same_way_in_every_process():
                                    + "), 'n': (1, 2.5, True, None)}")
 
 
+def _policy_code(body: str) -> bytes:
+    """:func:`moesim.sweep.point._bytecode` of a class defined, as in a notebook cell, with ``body``."""
+    from moesim.sweep.point import _bytecode
+    cell: dict = {"__name__": "notebook_cell_code"}
+    exec("class Policy:\n" + body, cell)  # noqa: S102 - a notebook cell
+    return _bytecode(cell["Policy"])
+
+
+def test_a_lambdas_body_a_propertys_code_and_a_static_methods_code_enter_the_fingerprint():
+    """Editing ``key=lambda e: e * 2`` to ``* 3`` inside a method, a property's getter, or a static or class
+    method kept the old code's results: only a method's own instructions were hashed, not the code nested in it,
+    and a property or static method has no ``__code__`` of its own."""
+    def method(inner: str) -> str:
+        return f"    def victims(self, xs):\n        return sorted(xs, key=lambda e: {inner})\n"
+
+    assert _policy_code(method("e * 2")) != _policy_code(method("e * 3"))
+    assert _policy_code(method("[x for x in (e, 2)]")) != _policy_code(method("[x for x in (e, 3)]"))
+    for decorator in ("@property", "@staticmethod", "@classmethod"):
+        first, second = (f"    {decorator}\n    def size(x):\n        return {n}\n" for n in ("'a'", "'b'"))
+        assert _policy_code(first) != _policy_code(second), decorator
+    # a method with nothing nested is hashed as before: its stored results stay
+    plain = "    def victims(self, xs):\n        return xs[:2]\n"
+    from moesim.sweep.point import _nested_code
+    cell: dict = {}
+    exec("class Policy:\n" + plain, cell)  # noqa: S102
+    assert _nested_code(cell["Policy"].victims.__code__) == b""
+    assert _policy_code(plain) == _policy_code(plain)
+
+
 def test_results_of_older_versions_without_fingerprints_are_run_again(files):
     """Rows written before fingerprints were recorded cannot tell whether their inputs changed: run again."""
     out = files / "r.parquet"
