@@ -300,14 +300,26 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
         return
     from rich.table import Table
     table = Table(title=f"{Path(trace_file).name}: simulated vs measured on {device}", title_justify="left")
-    for col in ("system", "TTFT real/sim ms", "error", "TPOT real/sim ms", "error", "same decisions"):
+    # the host's time between a layer's attention and its first expert, measured only (the simulator plans in
+    # zero time): per decode step and as a share of the measured TPOT
+    host = any(c.host_ms_per_decode_step is not None for c in report.systems)
+    columns = ("system", "TTFT real/sim ms", "error", "TPOT real/sim ms", "error", "same decisions")
+    for col in columns + (("host ms/step (of TPOT)",) if host else ()):
         table.add_column(col, justify="left" if col == "system" else "right")
     for c in report.systems:
         real, sim = c.real, c.sim
-        table.add_row(c.system, f"{ms_text(real['ttft_ms'])} / {ms_text(sim['ttft_ms'])}", pct_text(c.ttft_error_pct),
-                      f"{ms_text(real['tpot_ms_mean'])} / {ms_text(sim['tpot_ms_mean'])}", pct_text(c.tpot_error_pct),
-                      f"{c.decisions.share:.1%}")
+        row = [c.system, f"{ms_text(real['ttft_ms'])} / {ms_text(sim['ttft_ms'])}", pct_text(c.ttft_error_pct),
+               f"{ms_text(real['tpot_ms_mean'])} / {ms_text(sim['tpot_ms_mean'])}", pct_text(c.tpot_error_pct),
+               f"{c.decisions.share:.1%}"]
+        if host:
+            step, share = c.host_ms_per_decode_step, c.host_share_of_tpot
+            row.append("-" if step is None else f"{step:.2f}" + ("" if share is None else f" ({share:.0%})"))
+        table.add_row(*row)
     console.print(table)
+    if host:
+        console.print("host ms/step: measured host time from each MoE layer's attention to its first expert "
+                      "(retiring copies, the view, plan(), launches) per decode step; the simulator does not "
+                      "charge it", highlight=False)
     for label, key in (("TPOT", "tpot_ms_mean"), ("TTFT", "ttft_ms")):
         console.print(f"ranking by {label}: {_ranking_line(report, key, label)}", highlight=False)
     say_wrote(console, f"wrote {files['markdown']}, {files['json']}, {files['plot']}")

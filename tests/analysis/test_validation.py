@@ -334,3 +334,22 @@ def test_a_report_interrupted_while_written_leaves_the_earlier_one_whole(trace, 
     assert {path: path.read_text() for path in earlier} == earlier
     assert sorted(p.name for p in (out / "cpu-only").iterdir()) == ["real-decisions.parquet"]
     assert not [p for p in out.rglob(".*")]  # no staged file left behind
+
+
+def test_the_console_table_shows_the_measured_host_time_per_decode_step(trace, tmp_path, capsys, monkeypatch):
+    """`moesim validate --real` without --json printed TTFT, TPOT and decisions only: the host time between each
+    MoE layer's attention and its first expert, measured by the real run and in validation.json, was not on
+    screen. It is a column (ms per decode step, share of the measured TPOT) with one line saying what it is."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "3600")
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps a narrow table's cells
+    out = tmp_path / "v"
+    args = ["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only", "--threads", "1",
+            "--quick-profile", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    entry = json.loads((out / "validation.json").read_text())["systems"]["cpu-only"]["host_time"]
+    step, share = entry["decode_host_ms_per_step"], entry["decode_host_share_of_tpot"]
+    assert "host ms/step (of TPOT)" in printed
+    assert f"{step:.2f} ({share:.0%})" in printed
+    assert "the simulator does not charge it" in printed
