@@ -95,7 +95,7 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
         elif key == "cache.slots_per_layer":
             per_layer = parse_slot_list(raw, key)
         elif key == "cache.slots":
-            slots = int(coerce(raw, 0, key))
+            slots = _cache_slots(raw)
         else:
             out.system[key] = raw
     out.cache = CacheRequest(slots=slots, slots_per_layer=per_layer)
@@ -108,11 +108,27 @@ def parse_settings(settings: dict[str, str]) -> ReplaySettings:
     return out
 
 
+#: ``cache.slots=max``: as many slots as fit, as when it is not given (the top of a sweep's grid, which differs
+#: by trace and system)
+SLOTS_THAT_FIT = "max"
+
+
+def _cache_slots(raw: str | int) -> int | None:
+    """``cache.slots`` as a number of slots, or None for :data:`SLOTS_THAT_FIT`."""
+    if isinstance(raw, str):
+        if raw.strip().lower() == SLOTS_THAT_FIT:
+            return None
+        if not raw.strip().lstrip("+-").isdigit():
+            raise ConfigError(f"'{raw}' is not a number of slots", field="cache.slots",
+                              fix=f"give a whole number, e.g. 960, or {SLOTS_THAT_FIT} for as many as fit")
+    return int(coerce(raw, 0, "cache.slots"))
+
+
 def common_parameters() -> list[str]:
     """``--set`` keys every system accepts."""
     keys = [f"engine.{f.name}" for f in dataclasses.fields(SimConfig)]
     keys += [f"memory.{f.name}" for f in dataclasses.fields(MemoryConfig)]
-    return keys + ["cache.slots (total expert slots; default all that fit)",
+    return keys + ["cache.slots (total expert slots; default, or max: all that fit)",
                    "cache.slots_per_layer (N per layer, or one per layer: 2,1,2,...)",
                    "runtime=<generic|a key of the profile's runtimes>",
                    "hw.<profile field, e.g. hw.pcie.bandwidth_scale or hw.cpu.cores>"]

@@ -260,3 +260,28 @@ def test_peak_kv_tokens_sums_the_contexts_a_step_holds(tmp_path):
     assert peak_kv_tokens(str(path)) == 9
     # read a few rows at a time, a step's rows split across batches: the same sums
     assert [peak_kv_tokens(str(path), batch_rows=n) for n in (1, 2, 3, 5, 7)] == [9] * 5
+
+
+def test_cache_slots_max_asks_for_every_slot_that_fits(small, tmp_path):
+    """A sweep's grid could not name "as many as fit" (cache.slots: [480, 960, max] was "not a valid int"),
+    though that total differs by trace and system, so the top value of a grid failed on some of them."""
+    profile = tiny_profile()
+    assert prepare(small, profile, "gpu-only-lru", {"cache.slots": "max"}).memory.capacity == [4, 4, 4]
+    assert prepare(small, profile, "gpu-only-lru", {"cache.slots": " MAX "}).memory.capacity == \
+        prepare(small, profile, "gpu-only-lru").memory.capacity
+    for bad in ("many", "1e3", "9.5"):
+        with pytest.raises(ConfigError, match="is not a number of slots.*or max for as many as fit"):
+            prepare(small, profile, "gpu-only-lru", {"cache.slots": bad})
+    with pytest.raises(ConfigError, match="is negative"):
+        prepare(small, profile, "gpu-only-lru", {"cache.slots": "-3"})
+    # in a sweep's grid beside numbers, each system getting its own most
+    from moesim.sweep import load_spec, run_sweep
+    from tests.factories import write_spec, write_sweep_files
+    files = tmp_path / "sweep"
+    files.mkdir()
+    write_sweep_files(files, seed=5)
+    spec = load_spec(write_spec(files, systems=["gpu-only-lru", "dali"], grid={"cache.slots": [2, "max"]}))
+    frame, summary = run_sweep(spec, files / "r.parquet", workers=1)
+    assert summary.ran == 4 and (frame["status"] == "ok").all()
+    slots = {(system, str(asked)): n for system, asked, n in frame[["system", "cache.slots", "expert_slots"]].values}
+    assert slots[("gpu-only-lru", "2")] == 2 and slots[("gpu-only-lru", "max")] == 12  # 4 experts x 3 layers
