@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from moesim.sweep import SweepSummary
+    from moesim.sweep.spec import Point, SweepSpec
 
 
 @cli.command("sweep")
@@ -88,12 +89,44 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
                           f"{which}: {_without_fix(first)}", source=spec_file,
                           fix=f"{fix} (every reason: column 'error' of {out})" if existed else fix)
     if summary.failed:
-        for _, row in errors.head(5).iterrows():
-            err_console.print(f"failed: {row['system']} on {row['hw']} ({row['point_id']}): {row['error']}",
-                              markup=False, highlight=False, soft_wrap=True)
+        for line in failed_lines(spec, errors.head(5)):
+            err_console.print(line, markup=False, highlight=False, soft_wrap=True)
         if len(errors) > 5:
             err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
         sys.exit(1)
+
+
+def failed_lines(spec: SweepSpec, rows: pd.DataFrame) -> list[str]:
+    """One line per failed point of ``rows``: its system, trace (its file name, or as the spec writes it where
+    two of the spec's traces share a name), profile and the settings that vary between the spec's points, then
+    its id and error (a row of a point outside the spec: its system, trace and profile)."""
+    points = {point.point_id: point for point in spec.points()}
+    varying_set = _varying_keys(list(points.values()))
+    varying = [key for key in dict.fromkeys((*spec.parameter_keys(), "seed")) if key in varying_set]
+    names = [Path(trace).name for trace in spec.traces]
+    lines = []
+    for row in rows.to_dict("records"):
+        point = points.get(row["point_id"])
+        if point is None:
+            lines.append(f"failed: {row['system']} on {Path(str(row['trace'])).name} / {row['hw']} "
+                         f"(point {row['point_id']}): {row['error']}")
+            continue
+        trace = Path(point.trace).name if names.count(Path(point.trace).name) == 1 else point.trace
+        values = {**point.settings_str(), "seed": str(point.seed)}
+        given = "".join(f"{key}={values[key]}, " for key in varying if key in values)
+        lines.append(f"failed: {point.system} on {trace} / {point.hw} ({given}point {point.point_id}): "
+                     f"{row['error']}")
+    return lines
+
+
+def _varying_keys(points: list[Point]) -> set[str]:
+    """The ``--set`` keys (and ``seed``) whose value is not the same at every point."""
+    keys: dict[str, set[str | None]] = {}
+    for point in points:
+        values = {**point.settings_str(), "seed": str(point.seed)}
+        for key in dict.fromkeys([*values, *keys]):
+            keys.setdefault(key, set()).add(values.get(key))
+    return {key for key, seen in keys.items() if len(seen) > 1}
 
 
 def _summary_line(summary: SweepSummary, out: str) -> str:
