@@ -158,3 +158,30 @@ def test_cli_report_says_unevenly_averaged_points_as_a_note_naming_the_figure(tm
     assert not [w for w in leaked if issubclass(w.category, UnevenMeans)]
     err = " ".join(capsys.readouterr().err.split())
     assert "note: TPOT vs GPU cache slots per layer: 1 of 18 points average 1 run instead of 2" in err
+
+
+@pytest.fixture
+def wordy_system():
+    """A system of one's own whose description says "bound" and "reference" in their everyday sense."""
+    from moesim.policy.systems import SYSTEMS, SystemSpec, register_system
+    register_system("lru-nextbound", SystemSpec("every expert on the GPU; LRU; prefetch bound to the next layer, "
+                                                "with reference to 002", cache="lru", assign="gpu",
+                                                prefetch="next-layer"))
+    yield "lru-nextbound"
+    SYSTEMS.pop("lru-nextbound", None)
+
+
+def test_a_system_whose_description_says_bound_is_no_bound(wordy_system):
+    """`lru-nextbound` ("prefetch bound to the next layer") was labelled "(bound)", drawn dashed and left out
+    of the fastest: the word in its description decided. The spec decides now (portfolio, ignores_memory)."""
+    from moesim.analysis.figures import is_bound
+    assert not is_bound(wordy_system) and is_bound("oracle") and is_bound("all-in-gpu")
+    frame = results()
+    frame = frame[frame["system"] != "static-hot"].copy()
+    mine = frame["system"] == "gpu-only-lru"
+    frame = pd.concat([frame, frame[mine].assign(system=wordy_system, tpot_ms_mean=frame.loc[mine, "tpot_ms_mean"] / 4,
+                                                 point_id=frame.loc[mine, "point_id"] + "-w")], ignore_index=True)
+    page = render_report(frame, title="t", gantt=False)
+    assert f"{wordy_system} (bound)" not in page and f"<th>{wordy_system}</th>" in page
+    row = re.search(r"<tr><td class=\"text\">a100-40g</td><td class=\"text\">1</td>(.*?)</tr>", page).group(1)
+    assert row.endswith(f'<td class="text">{wordy_system}</td>')  # 25 ms, the fastest (all-in-gpu's 5 ms aside)
