@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,9 +15,12 @@ from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
 
+if TYPE_CHECKING:
+    from moesim.analysis.metrics import MetricDoc
+
 
 @cli.command("serve-sim")
-@click.argument("traces", nargs=-1, required=True, metavar="TRACE...", type=InputPath(dir_okay=False))
+@click.argument("traces", nargs=-1, metavar="TRACE...", type=InputPath(dir_okay=False))
 @click.option("--hw", default=DEFAULT_HW, show_default=True, type=HW_PROFILE, help=hw_help())
 @click.option("--system", "system", default=[DEFAULT_SYSTEM], multiple=True,
               help="System; several separated by commas or repeated, or 'all' (one run per system and QPS).  "
@@ -39,10 +43,19 @@ from moesim.util import FIGURE, PARQUET
               help="Each request as a row: queued, prefill, decode, preemptions (one run only).")
 @click.option("--plot", "plot_out", default=None, metavar="OUT.png", help="Latency percentiles vs QPS per system.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
-def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str, requests: int | None,
-              scheduler: str | None, settings: tuple[str, ...], slo: str | None, json_out: str | None,
-              requests_out: str | None, requests_plot: str | None, plot_out: str | None, seed: int) -> None:
+@click.option("--help-metrics", is_flag=True,
+              help="List the keys of the --json metrics of a run (unit, meaning); with --json OUT, as JSON.")
+@click.pass_context
+def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: str,
+              requests: int | None, scheduler: str | None, settings: tuple[str, ...], slo: str | None,
+              json_out: str | None, requests_out: str | None, requests_plot: str | None, plot_out: str | None,
+              seed: int, help_metrics: bool) -> None:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
+    if help_metrics:
+        print_metric_docs(json_out)
+        return
+    if not traces:
+        raise click.MissingParameter(ctx=ctx, param=next(p for p in ctx.command.params if p.name == "traces"))
     from moesim.analysis.serving import (arrivals_text, parse_slo, plot_latency_vs_qps, plot_requests, request_frame,
                                          serving_metrics, write_requests)
     from moesim.sim.serving import serve
@@ -123,6 +136,95 @@ def serve_sim(traces: tuple[str, ...], hw: str, system: tuple[str, ...], qps: st
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path, hw=hw)
         say_wrote(out, f"wrote {plot_out}")
+
+
+def serving_metric_docs() -> dict[str, MetricDoc]:
+    """Every key of one run's ``moesim serve-sim --json`` metrics (``serving_metrics`` in
+    moesim/analysis/serving.py, docs/serving.md, Metrics), in the order ``--help-metrics`` lists them; the
+    engine's keys are ``moesim replay``'s (:data:`moesim.analysis.metrics.METRIC_DOCS`)."""
+    from moesim.analysis.metrics import METRIC_DOCS, MetricDoc
+    from moesim.analysis.serving import PERCENTILES, SLO_KEYS
+    docs = {
+        "system": MetricDoc("", "the system served"),
+        "scheduler": MetricDoc("", "the scheduler that batched the requests (--scheduler): static, vllm, sarathi "
+                                   "or llamacpp"),
+        "arrival": MetricDoc("", "the arrival process (workload.arrival): poisson, gamma, trace or closed"),
+        "qps": MetricDoc("requests/s", "the arrival rate asked for (--qps, workload.qps); null for arrivals that "
+                                       "set none (trace, closed)"),
+        "requests": MetricDoc("requests", "requests served (--requests, workload.requests)"),
+        "offered_qps": MetricDoc("requests/s", "offered load: requests over the time of the last arrival"),
+        "kv_tokens": MetricDoc("tokens", "KV entries the requests had: workload.kv_tokens, or what the GPU memory "
+                                         "beside the expert cache holds; -1: unlimited (a system that ignores "
+                                         "GPU memory)"),
+        "kv_peak_tokens": MetricDoc("tokens", "most KV entries held during one engine step"),
+        "kv_tokens_set": MetricDoc("", "true where workload.kv_tokens set the KV budget, false where it is what "
+                                       "the expert cache left"),
+        "kv_tokens_per_slot": MetricDoc("tokens", "KV entries one expert slot's bytes would hold, what a slot "
+                                                  "given up (--set cache.slots) adds; 0: unknown"),
+    }
+    latencies = {
+        "queue_ms": "queueing delay: from a request's arrival to the start of its first step",
+        "ttft_ms": "time to first token: from a request's arrival to the end of the step that computes its last "
+                   "prompt token (for a request without prompt, its first decode token)",
+        "tpot_ms": "time per output token of a request: (finish - first token) / (tokens out - 1), over the "
+                   "requests with more than one token out",
+        "e2e_ms": "end-to-end latency: from a request's arrival to its last token",
+    }
+    for name, meaning in latencies.items():
+        for i, q in enumerate(PERCENTILES):
+            docs[f"{name}_p{q}"] = MetricDoc("ms", f"{_ordinal(q)} over requests of the {meaning}" if i == 0
+                                             else f"{_ordinal(q)} of the same")
+        docs[f"{name}_mean"] = MetricDoc("ms", "mean of the same")
+    docs.update({
+        "throughput_rps": MetricDoc("requests/s", "finished requests over the time of the last finish (never "
+                                                  "above offered_qps)"),
+        "output_tokens_per_s": MetricDoc("tokens/s", "every token the requests returned, the one a prefill ends "
+                                                     "with included, over the time of the last finish"),
+        "preemptions": MetricDoc("", "requests preempted for want of KV entries (each time), summed over requests"),
+        "recomputed_tokens": MetricDoc("tokens", "tokens prefilled again after preemptions"),
+        "slo": MetricDoc("ms", f"with --slo only: the limits given, keyed by {', '.join(SLO_KEYS)}"),
+        "slo_attainment": MetricDoc("fraction", "with --slo only: the share of requests meeting every limit"),
+        "goodput_rps": MetricDoc("requests/s", "with --slo only: requests meeting every limit over the time of "
+                                               "the last finish (DistServe, OSDI'24)"),
+        "engine": MetricDoc("", "the engine's metrics over the whole run, as `moesim replay --json` gives them "
+                                "(the keys engine.* below)"),
+    })
+    for key in ENGINE_KEYS:
+        docs[f"engine.{key}"] = METRIC_DOCS[key]
+    docs["engine.makespan_s"] = MetricDoc("s", "simulated time of the whole run: the last request's finish")
+    docs["engine.breakdown_ms"] = MetricDoc("ms", "critical-path time per category (attention, gpu_compute, "
+                                                  "wait_cache, cpu_other, sync, launch, ...), all layers, whole run")
+    docs["engine.sim_wall_s"] = MetricDoc("s", "wall-clock time the run took (not simulated time)")
+    return docs
+
+
+def _ordinal(q: int) -> str:
+    return "median" if q == 50 else f"{q}th percentile"
+
+
+#: the engine metrics a serving run's JSON holds under ``engine`` (``serving_metrics``)
+ENGINE_KEYS = ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches", "cpu_util", "gpu_util", "pcie_util",
+               "expert_slots", "slots_per_layer", "breakdown_ms", "sim_wall_s", "notes", "cost_fallbacks")
+
+
+def print_metric_docs(json_out: str | None = None) -> None:
+    """``--help-metrics``: the keys of a run's metrics as a table, or with ``--json OUT`` as JSON (as
+    ``moesim replay --help-metrics``)."""
+    from rich.table import Table
+    docs = serving_metric_docs()
+    if json_out:  # `--json -` promises JSON on stdout, not the table
+        check_outputs(json=json_out)
+        write_json({key: {"unit": doc.unit, "meaning": doc.meaning} for key, doc in docs.items()}, json_out)
+        return
+    table = Table(title="keys of moesim serve-sim --json (one object per run; several rates: a list of them in "
+                        "--qps order; several systems: an object keyed by system name)",
+                  title_justify="left", width=min(console.width, 120))
+    table.add_column("key", style="bold", no_wrap=True)
+    table.add_column("unit", no_wrap=True)
+    table.add_column("meaning", ratio=1, overflow="fold")
+    for key, doc in docs.items():
+        table.add_row(key, doc.unit or "-", doc.meaning)
+    console.print(table)
 
 
 def json_runs(runs: dict[str, list[dict]], several_systems: bool, several_rates: bool) -> object:

@@ -102,3 +102,26 @@ def test_a_workload_setting_the_arrival_process_ignores_is_refused(files, capsys
 def test_a_workload_setting_its_arrival_process_reads_runs(files, capsys, args):  # noqa: F811
     trace, hw = files
     assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", *args]) == 0
+
+
+def test_help_metrics_lists_every_key_of_a_runs_json(files, capsys):  # noqa: F811
+    """`moesim serve-sim --help-metrics` did not exist (no such option), while `moesim replay --help-metrics`
+    lists every key of its JSON: every key of a serving run's JSON (the engine's as engine.KEY) has a unit and
+    a meaning, in the table and with `--json -` as JSON alone on stdout."""
+    import json
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "3", "--slo", "ttft_ms=1000,tpot_ms=100",
+                 "--json", "-"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    keys = {f"engine.{k}" for k in run["engine"]} | set(run)
+    assert main(["serve-sim", "--help-metrics", "--json", "-"]) == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert set(docs) == keys
+    assert docs["ttft_ms_p99"]["unit"] == "ms" and "arrival" in docs["ttft_ms_p50"]["meaning"]
+    assert all(doc["meaning"] for doc in docs.values())
+    assert main(["serve-sim", "--help-metrics"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("keys of moesim serve-sim --json")
+    assert all(key in table for key in docs)
+    assert main(["serve-sim"]) == 2  # no trace and no --help-metrics: the trace is still required
+    assert "Missing argument 'TRACE...'" in capsys.readouterr().err
