@@ -36,7 +36,7 @@ from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
                                            NOT_SET, UnevenMeans, as_groups, column, fewer_runs, headline_metric,
                                            is_bound, label, load_results, ok_rows, ordered_systems,
-                                           parameter_columns, sorted_values, varying)
+                                           parameter_columns, sorted_values, system_label, varying)
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -55,7 +55,8 @@ def facet_for(frame: pd.DataFrame, exclude: Sequence[str]) -> str | None:
 
 
 def fig_tpot_vs_slots(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
-    """TPOT against GPU cache slots per layer, one line per system (bounds dashed), one panel per profile."""
+    """TPOT against GPU cache slots per layer, one line per system (bounds and references dashed), one panel
+    per profile."""
     x = slots_column(frame)
     return plot_results(frame, x=x, y="tpot_ms_mean", hue="system", facet=facet_for(frame, (x,)), path=path,
                         title="TPOT vs GPU cache slots per layer")
@@ -179,7 +180,8 @@ def _categories(frame: pd.DataFrame) -> list[str]:
 
 
 def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.Series:
-    """The point a Gantt chart shows: at the representative parameters, the fastest system that is no bound."""
+    """The point a Gantt chart shows: at the representative parameters, the fastest system that is neither a
+    bound nor a reference."""
     data = ok_rows(frame)
     where = representative(data) if where is None else where
     rows = select(data, where)
@@ -257,8 +259,8 @@ def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
         out["tpot_vs_slots"] = _drawn(
             "latency", lambda: plot_results(data, x=slots, y=y, hue="system", facet=facet_for(data, (slots,)),
                                             title=f"{short} vs GPU cache slots per layer"),
-            f"{what} against GPU cache slots per layer; dashed lines are bounds, bands span points averaged "
-            "together.")
+            f"{what} against GPU cache slots per layer; dashed lines are bounds and references, bands span points "
+            "averaged together.")
     else:
         out["tpot_vs_slots"] = (None, "the sweep varies no cache size")
     against = "prefetching" if prefetched(data) or prefetch_parameter(data) else \
@@ -274,8 +276,9 @@ def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
     if gantt:
         try:
             point = gantt_point(data, where)
-            out["gantt"] = (fig_gantt(point), f"CPU, GPU and PCIe activity over two decode steps of "
-                            f"{point['system']}, the fastest system at this point that is not a bound.")
+            out["gantt"] = (fig_gantt(point), (f"CPU, GPU and PCIe activity over two decode steps of "
+                                               f"{point['system']}, the fastest system at this point that is "
+                                               "neither a bound nor a reference."))
         except ConfigError as err:
             out["gantt"] = (None, f"no Gantt chart: {err}")
     return out

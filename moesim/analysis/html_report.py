@@ -115,7 +115,7 @@ def _summary(frame: pd.DataFrame, source: str | None) -> str:
 
 def _best_table(ok: pd.DataFrame) -> str:
     """TPOT (TTFT where no run decoded) per setting (rows) and system (columns); the fastest system that is
-    not a bound in bold. Nothing where the results lack the metric or the systems."""
+    neither a bound nor a reference in bold. Nothing where the results lack the metric or the systems."""
     metric = F.headline_metric(ok)
     if "system" not in ok.columns or metric not in ok.columns or ok[metric].dtype.kind not in "biuf":
         return ""
@@ -129,7 +129,7 @@ def _best_table(ok: pd.DataFrame) -> str:
     table = table.reindex(columns=[s for s in systems if s in table.columns])
     real = [s for s in table.columns if not F.is_bound(s)]
     head = "".join(f'<th class="text">{_e(c)}</th>' for c in settings or ["setting"])
-    head += "".join(f"<th>{_e(s)}{' (bound)' if F.is_bound(s) else ''}</th>" for s in table.columns)
+    head += "".join(f"<th>{_e(F.system_label(s))}</th>" for s in table.columns)
     head += '<th class="text">fastest</th>'
     rows = []
     for key, values in table.head(MAX_TABLE_ROWS).iterrows():
@@ -146,7 +146,7 @@ def _best_table(ok: pd.DataFrame) -> str:
     name, what = ("TPOT", "Mean time per output token") if metric == "tpot_ms_mean" else \
         ("TTFT", "Time to first token (no run decoded a token)")
     return (f"<h2>{name} (ms) by setting and system</h2>\n"
-            f'<p class="note">{what}; bold: the fastest system that is not a bound. '
+            f'<p class="note">{what}; bold: the fastest system that is neither a bound nor a reference. '
             "Empty cells: the point failed or was not run.</p>\n"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
 

@@ -197,6 +197,7 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
 
     from moesim.analysis.figure_style import LOG_RATIO, MARKERS, PALETTE, log_axis
     from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
+    from moesim.analysis.sweep_results import system_label
     frame = serving_frame(rows)
     columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]
     if not frame["qps"].notna().any():  # closed loops and arrival logs: empty axes before
@@ -219,7 +220,7 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
             ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=colour, marker=marker, markersize=3,
                     label=f"{system} p{q}")
         handles.append(Line2D([], [], color=colour, marker=marker, markersize=4))
-        names.append(str(system))
+        names.append(system_label(str(system)))
     handles += [Line2D([], [], color="#333333", linestyle=style) for style in styles.values()]
     names += [f"p{q}" for q in styles]
     short = metric.removesuffix("_ms").upper()

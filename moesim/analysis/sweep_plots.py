@@ -18,7 +18,7 @@ from moesim.analysis.figure_style import (legend_handle, log_axis, series_style,
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
                                            failed_note, fewer_runs, is_bound, label, ok_rows, ordered_systems,
-                                           parameter_columns, sorted_values, varying)
+                                           parameter_columns, sorted_values, system_label, varying)
 from moesim.errors import ConfigError
 
 # ----------------------------------------------------------------------------- the general plot
@@ -96,8 +96,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
-        side_legend(fig, [legend_handle(styles[h], "line" if numeric_x else "bar") for h in hues], [str(h) for h in hues],
-                    label(hue))
+        names = [system_label(h) if hue == "system" else str(h) for h in hues]
+        side_legend(fig, [legend_handle(styles[h], "line" if numeric_x else "bar") for h in hues], names, label(hue))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -192,9 +192,9 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
                  title: str = "") -> Figure:
     """``y`` against ``x`` with one marker per run (nothing averaged, no lines between runs).
 
-    With ``pareto`` the front of the runs that are no bound (oracle and
-    all-in-GPU are drawn hollow and left out) is drawn as a staircase: the
-    runs no other run beats on both metrics. Lower is better except for
+    With ``pareto`` the front of the runs that are neither a bound nor a
+    reference (oracle and all-in-GPU are drawn hollow and left out) is drawn
+    as a staircase: the runs no other run beats on both metrics. Lower is better except for
     :data:`HIGHER_IS_BETTER`. The legend sits right of the panels, clear of
     the title.
     """
@@ -250,7 +250,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
             log_axis(ax, name)
     handles = [legend_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
         if hue else []
-    names = [str(h) + (" (bound)" if hue == "system" and is_bound(str(h)) else "") for h in hues] if hue else []
+    names = [system_label(h) if hue == "system" else str(h) for h in hues] if hue else []
     if drew_front:
         handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
         names.append("Pareto front")

@@ -187,17 +187,29 @@ def label(name: str) -> str:
     return LABELS.get(name, name)
 
 
-def is_bound(system: str) -> bool:
-    """Bounds and references (oracle, all-in-GPU) are drawn dashed: they are not deployable systems.
-
-    Told by the system's spec, not its words: a portfolio of schedules (``SystemSpec.portfolio``, the
-    oracle) is a bound, a system that ignores GPU memory (``SystemSpec.ignores_memory``, all-in-gpu) a
-    reference. A description saying "bound" ("prefetch bound to the next layer") made a user's own system
-    one, left out of the fastest.
-    """
+def bound_kind(system: str) -> str:
+    """"bound", "reference" or "" (a deployable system), told by the system's spec, not its words: a
+    portfolio of schedules (``SystemSpec.portfolio``, the oracle) is a bound within the memory budget; a
+    system that ignores GPU memory (``SystemSpec.ignores_memory``, all-in-gpu) a reference, not a bound
+    (schedules within the budget may beat it). A description saying "bound" ("prefetch bound to the next
+    layer") made a user's own system one, left out of the fastest."""
     from moesim.policy.systems import SYSTEMS
     spec = SYSTEMS.get(system)
-    return bool(spec and (spec.portfolio or spec.ignores_memory))
+    if spec is None:
+        return ""
+    return "bound" if spec.portfolio else "reference" if spec.ignores_memory else ""
+
+
+def is_bound(system: str) -> bool:
+    """Bounds and references (oracle, all-in-GPU) are drawn dashed and ranked with no system: they are not
+    deployable systems (:func:`bound_kind`)."""
+    return bool(bound_kind(system))
+
+
+def system_label(system: str) -> str:
+    """A system's name as tables and legends show it: "oracle (bound)", "all-in-gpu (reference)", "smoe"."""
+    kind = bound_kind(str(system))
+    return f"{system} ({kind})" if kind else str(system)
 
 
 def ordered_systems(values: Sequence[Any]) -> list[Any]:

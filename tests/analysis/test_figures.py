@@ -52,7 +52,7 @@ def test_one_line_per_hue_and_one_panel_per_facet():
     assert bound.get_linestyle() == "--" and list(bound.get_ydata()) == [5.0, 5.0, 5.0]
     assert panels[0].get_yscale() == "log"  # 100 ms vs 5 ms spans more than 10x
     assert panels[0].get_ylabel() == "TPOT, mean (ms), log scale"  # its plain tick labels did not tell it
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["gpu-only-lru", "static-hot", "all-in-gpu (reference)"]
     assert panels[0].get_xlabel() == "GPU cache slots per layer"
 
 

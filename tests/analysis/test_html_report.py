@@ -35,11 +35,11 @@ def test_tables_mark_the_fastest_system_and_list_failures():
     frame = results()
     frame.loc[frame["point_id"] == "bad", "error"] = "cache <9 slots> does not fit"
     page = render_report(frame, title="t", gantt=False)
-    # at a100-40g, 1 slot: static-hot (60 ms) beats gpu-only-lru (100 ms); all-in-gpu (5 ms) is a bound
+    # at a100-40g, 1 slot: static-hot (60 ms) beats gpu-only-lru (100 ms); all-in-gpu (5 ms) is a reference
     row = re.search(r"<tr><td class=\"text\">a100-40g</td><td class=\"text\">1</td>(.*?)</tr>", page).group(1)
     assert re.findall(r'<td class="best">([^<]*)</td>', row) == ["60.0"]
     assert row.endswith('<td class="text">static-hot</td>')
-    assert "all-in-gpu (bound)" in page
+    assert "all-in-gpu (reference)" in page and "all-in-gpu (bound)" not in page
     assert "Failed points (1)" in page and "cache &lt;9 slots&gt; does not fit" in page
     assert "19 points, 18 finished, 1 failed" in page
 
@@ -185,3 +185,34 @@ def test_a_system_whose_description_says_bound_is_no_bound(wordy_system):
     assert f"{wordy_system} (bound)" not in page and f"<th>{wordy_system}</th>" in page
     row = re.search(r"<tr><td class=\"text\">a100-40g</td><td class=\"text\">1</td>(.*?)</tr>", page).group(1)
     assert row.endswith(f'<td class="text">{wordy_system}</td>')  # 25 ms, the fastest (all-in-gpu's 5 ms aside)
+
+
+def test_a_reference_is_labelled_a_reference_and_a_bound_a_bound():
+    """all-in-gpu was labelled "(bound)" and the caption said "dashed lines are bounds", while `moesim systems`
+    calls it a reference, not a bound (it ignores GPU memory). The oracle stays a bound."""
+    from moesim.analysis.figures import plot_scatter
+    from moesim.analysis.serving import plot_latency_vs_qps
+    frame = results()
+    oracle = frame[frame["system"] == "static-hot"].assign(system="oracle", tpot_ms_mean=1.0)
+    frame = pd.concat([frame, oracle.assign(point_id=oracle["point_id"] + "-o")], ignore_index=True)
+    page = render_report(frame, title="t", gantt=False)
+    assert "<th>all-in-gpu (reference)</th>" in page and "<th>oracle (bound)</th>" in page
+    assert "all-in-gpu (bound)" not in page
+    assert "dashed lines are bounds and references" in page
+    assert "the fastest system that is neither a bound nor a reference" in page
+    lines = standard_figures_legend(frame)
+    assert lines[-2:] == ["all-in-gpu (reference)", "oracle (bound)"]
+    scatter = plot_scatter(frame.assign(gpu_memory_gib=frame["cache.slots_per_layer"]), x="gpu_memory_gib",
+                           y="tpot_ms_mean")
+    names = [t.get_text() for t in scatter.legends[0].get_texts()]
+    assert "all-in-gpu (reference)" in names and "oracle (bound)" in names
+    serving = pd.DataFrame([{"system": s, "qps": q, **{f"ttft_ms_p{p}": 10.0 * q + p for p in (50, 90, 99)}}
+                            for s in ("gpu-only-lru", "all-in-gpu") for q in (0.5, 1.0)])
+    names = [t.get_text() for t in plot_latency_vs_qps(serving).legends[0].get_texts()]
+    assert names[:2] == ["gpu-only-lru", "all-in-gpu (reference)"]
+
+
+def standard_figures_legend(frame) -> list[str]:
+    from moesim.analysis.figures import standard_figures
+    fig, _ = standard_figures(frame, gantt=False)["tpot_vs_slots"]
+    return [t.get_text() for t in fig.legends[0].get_texts()]
