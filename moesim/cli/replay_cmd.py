@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
-from moesim.cli.app import (HW_PROFILE, InputPath, PipeConsole, check_outputs, cli, console, err_console, open_output,
-                            parse_settings, hw_help, preset_help, print_skipped, say_wrote, to_stdout, write_json)
+from moesim.cli.app import (HW_PROFILE, InputPath, PipeConsole, check_outputs, cli, console, err_console, hw_parts,
+                            hw_title, open_output, parse_settings, hw_help, preset_help, print_skipped, print_title,
+                            say_wrote, to_stdout, write_json)
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -146,16 +147,21 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     metrics_by_system = {name: results[name][0] for name in systems if name in results}
     _add_gap_to_lower_bound(metrics_by_system, runs, trace_file, hw, parsed)
     inputs = {"trace": trace_file, "hw": hw, "settings": parsed, "seed": seed, "model": model_preset}
+    parts = hw_parts(hw, parsed)
+    if parts is not None:  # the profile's GPU and host CPU: a file name says neither
+        inputs["hw_parts"] = parts
     for m in metrics_by_system.values():
         m["inputs"] = inputs  # what a saved JSON came from
     given = f" ({', '.join(f'{k}={v}' for k, v in parsed.items())})" if parsed else ""  # what the table is of
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
-        render_metrics(metrics_, out, title=f"{systems[0]} on {Path(trace_file).name} / {hw}{given}")
+        print_title(out, f"{systems[0]} on {Path(trace_file).name} / {hw_title(hw, parsed)}{given}")
+        render_metrics(metrics_, out)
         _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
-        render_comparison_table(metrics_by_system, out, title=f"{Path(trace_file).name} on {hw}{given}")
+        print_title(out, f"{Path(trace_file).name} on {hw_title(hw, parsed)}{given}")
+        render_comparison_table(metrics_by_system, out)
         from moesim.analysis.identical import decision_logs, identical_lines
         for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
                                                                      seed=seed)):

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
-from moesim.cli.app import (HW_PROFILE, InputPath, check_outputs, cli, console, err_console, open_output,
-                            parse_settings, hw_help, print_skipped, say_wrote, to_stdout, write_json)
+from moesim.cli.app import (HW_PROFILE, InputPath, check_outputs, cli, console, err_console, hw_title, open_output,
+                            parse_settings, hw_help, print_skipped, print_title, say_wrote, to_stdout,
+                            write_json)
 from moesim.cli.replay_cmd import system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
@@ -106,7 +107,8 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
     if not rows:
         raise first_error  # nothing ran: the reason is the user's to fix, not a table of skips (as replay)
     from rich.table import Table
-    table = Table(title=f"serving on {hw}", title_justify="left")
+    print_title(out, f"serving on {hw_title(hw, parsed)}")
+    table = Table()
     for col in ("system", "QPS", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "E2E p99 ms", "req/s", "preempt",
                 *(("goodput",) if slos else ())):
         table.add_column(col, justify="left" if col == "system" else "right")

@@ -56,7 +56,8 @@ def test_all_systems_in_one_table(files, tmp_path, capsys):
     assert "scores" in listed["importance"]["skipped"]
     for m in listed.values():  # what the file came from
         assert m["inputs"] == {"trace": trace, "hw": hw, "settings": {"cache.slots_per_layer": "2"}, "seed": 0,
-                               "model": None}
+                               "model": None, "hw_parts": {"gpu": "test gpu", "cpu": "test cpu", "cpu_cores": 8,
+                                                           "cpu_dram_bandwidth_gbps": 100}}
     flat = " ".join(out.split())  # the console wraps long notes
     assert "needs the trace column 'scores'" in flat  # importance-driven caching refuses without scores
     assert not skipped & {"cpu-only", "gpu-only-lru", "static-hot", "all-in-gpu", "oracle"}
@@ -337,3 +338,23 @@ def test_an_oracles_chrome_trace_names_the_member_whose_timeline_it_is(files, tm
     assert json.loads(out.read_text())["otherData"]["timeline_of"] == best["tpot_ms_mean"]
     code, _, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--chrome-trace", str(out)], capsys)
     assert code == 0 and "timeline_of" not in json.loads(out.read_text())["otherData"]
+
+
+def test_the_table_titles_name_the_profiles_gpu_and_host_cpu(files, capsys):
+    """A title read 't.parquet on rtx4090': the bundled profiles differ in their host CPU (10 EPYC cores at
+    102.4 GB/s on rtx4090, 72 Xeon cores at 440 GB/s on rtx4080 and a100-40g) as much as in their GPU, so a
+    CPU-bound difference passed for a GPU one. The titles name both, with the cores a --set gives; the JSON's
+    inputs hold them too."""
+    from moesim.cli.app import hw_title
+    trace, hw = files
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "cpu-only,gpu-only-lru"], capsys)
+    assert code == 0 and out.startswith(f"t.parquet on {hw} (test gpu + test cpu, 8 cores, 100 GB/s DRAM)\n")
+    code, out, _ = run(["replay", trace, "--hw", hw, "--set", "hw.cpu.cores=4", "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["inputs"]["hw_parts"] == {
+        "gpu": "test gpu", "cpu": "test cpu", "cpu_cores": 4, "cpu_dram_bandwidth_gbps": 100}
+    code, out, _ = run(["replay", trace, "--hw", hw, "--set", "hw.cpu.cores=4"], capsys)
+    assert out.startswith(f"gpu-only-lru on t.parquet / {hw} (test gpu + test cpu, 4 cores, 100 GB/s DRAM) "
+                          "(hw.cpu.cores=4)\n")
+    assert hw_title("rtx4090", {}) == "rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, 102.4 GB/s DRAM)"
+    assert hw_title("a100-40g", {}) == ("a100-40g (NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, 72 cores, "
+                                        "440 GB/s DRAM)")

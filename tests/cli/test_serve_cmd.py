@@ -125,3 +125,11 @@ def test_help_metrics_lists_every_key_of_a_runs_json(files, capsys):  # noqa: F8
     assert all(key in table for key in docs)
     assert main(["serve-sim"]) == 2  # no trace and no --help-metrics: the trace is still required
     assert "Missing argument 'TRACE...'" in capsys.readouterr().err
+
+
+def test_the_table_title_names_the_profiles_gpu_and_host_cpu(files, capsys):  # noqa: F811
+    """The title read 'serving on hw.yaml': the GPU and the host CPU (its cores, its DRAM bandwidth) that the
+    runs' figures depend on were not said."""
+    trace, hw = files
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--set", "hw.cpu.cores=2"]) == 0
+    assert capsys.readouterr().out.startswith(f"serving on {hw} (test gpu + test cpu, 2 cores, 100 GB/s DRAM)\n")
