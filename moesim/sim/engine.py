@@ -52,6 +52,8 @@ from moesim.trace.io import OneRowLayers, Step, iter_steps
 from moesim.trace.schema import PHASES
 
 
+#: steps a prefetch may wait in the copy queue before the run's end without a note that the queue fell behind
+BACKLOG_STEPS = 2
 #: breakdown categories of a step's work outside its MoE layers, besides the dense layers' attention
 FIXED_CATEGORIES = ("dense_ffn", "embedding", "lm_head", "sampling", "launch", "host")
 
@@ -169,10 +171,27 @@ class Simulator(Transfers, Tracks):
         self.counters.cancelled_prefetches += self.pcie.unstarted("prefetch", self.costs.expert_bytes)
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters,
                          pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
-                         notes=list(self.ctx.notes), timeline=self.timeline, decisions=self.decisions,
+                         notes=list(self.ctx.notes) + self._backlog_note(), timeline=self.timeline,
+                         decisions=self.decisions,
                          sim_wall_s=time.perf_counter() - wall, cost_fallbacks=sorted(self.costs.fallbacks),
                          initial_resident=initial, pcie_engines=self.profile.pcie.copy_engines,
                          rewrites=self.system.rewrites, runtime=self.costs.runtime_name)
+
+    def _backlog_note(self) -> list[str]:
+        """A note when prefetches issued more than :data:`BACKLOG_STEPS` steps before the last one never started:
+        the copy queue fell behind the forward pass, so prefetches landed steps late and held the slots they had
+        evicted empty until then (a bigger cache can then be slower: a longer backlog). The last steps' own
+        prefetches, for steps that never came or a copy engine a step behind, are no backlog."""
+        if not self.steps:
+            return []
+        last = self.steps[-1].step
+        late = [x.step for x in self.pcie.queue if x.kind == "prefetch" and x.step < last - BACKLOG_STEPS]
+        if not late:
+            return []
+        return [f"{self.system.name}: {len(late)} prefetches issued more than {BACKLOG_STEPS} steps before the last "
+                f"were still queued, never started, when the run ended (the oldest from step {min(late)} of {last}): "
+                f"the copies fell behind, so prefetches landed late and the slots they evicted stood empty until "
+                f"then; fewer prefetches per layer may run faster"]
 
     # ------------------------------------------------------------------ recording
     def _cut_spans(self, makespan: float) -> None:
