@@ -36,7 +36,8 @@ from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
                                            NOT_SET, UnevenMeans, as_groups, column, fewer_runs, headline_metric,
                                            is_bound, label, load_results, ok_rows, ordered_systems,
-                                           parameter_columns, sorted_values, system_label, varying)
+                                           parameter_columns, routed_activations, sorted_values, substituting,
+                                           substitution_note, SUBSTITUTES_MARK, system_label, varying)
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 

@@ -30,7 +30,7 @@ from moesim.util import atomic_write_text
 MAX_TABLE_ROWS = 60
 #: metric columns of the full table, in this order (the others stay in the Parquet file)
 TABLE_METRICS = ("tpot_ms_mean", "tpot_ms_p99", "ttft_ms", "decode_tokens_per_s", "gpu_hit_rate",
-                 "prefetches", "demand_loads", "pcie_h2d_bytes", "cpu_util", "gpu_util", "pcie_util",
+                 "prefetches", "demand_loads", "substituted_experts", "pcie_h2d_bytes", "cpu_util", "gpu_util", "pcie_util",
                  "slots_per_layer", "runtime")
 
 STYLE = """
@@ -128,8 +128,14 @@ def _best_table(ok: pd.DataFrame) -> str:
         table.index = ["all points"]
     table = table.reindex(columns=[s for s in systems if s in table.columns])
     real = [s for s in table.columns if not F.is_bound(s)]
+    # per setting and system: whether its runs substituted routed experts (marked where they rank)
+    flagged = ok.assign(_subs=F.substituting(ok))
+    subs = flagged.pivot_table(index=settings, columns="system", values="_subs", aggfunc="max") if settings \
+        else flagged.groupby("system")["_subs"].max().to_frame().T.set_axis(table.index)
+    subs = subs.reindex(index=table.index, columns=table.columns).fillna(False).astype(bool)
+    mark = f" {F.SUBSTITUTES_MARK}"
     head = "".join(f'<th class="text">{_e(c)}</th>' for c in settings or ["setting"])
-    head += "".join(f"<th>{_e(F.system_label(s))}</th>" for s in table.columns)
+    head += "".join(f"<th>{_e(F.system_label(s))}{mark if subs[s].any() else ''}</th>" for s in table.columns)
     head += '<th class="text">fastest</th>'
     rows = []
     for key, values in table.head(MAX_TABLE_ROWS).iterrows():
@@ -139,10 +145,13 @@ def _best_table(ok: pd.DataFrame) -> str:
         cells = "".join(f'<td class="text">{_e(Path(k).name if c == "trace" else k)}</td>'
                         for c, k in zip(settings or ["setting"], keys))
         cells += "".join(f'<td class="{"best" if s == best else ""}">{_num(v)}</td>' for s, v in values.items())
-        cells += f'<td class="text">{_e(best or "-")}</td>'
+        fastest = "-" if best is None else best + (mark if subs.at[key, best] else "")
+        cells += f'<td class="text">{_e(fastest)}</td>'
         rows.append(f"<tr>{cells}</tr>")
     more = len(table) - MAX_TABLE_ROWS
     note = f'<p class="note">{more} more rows in the results file.</p>' if more > 0 else ""
+    footnote = F.substitution_note(ok)
+    note += f'<p class="note">{_e(footnote)}</p>' if footnote else ""
     name, what = ("TPOT", "Mean time per output token") if metric == "tpot_ms_mean" else \
         ("TTFT", "Time to first token (no run decoded a token)")
     return (f"<h2>{name} (ms) by setting and system</h2>\n"
@@ -198,6 +207,9 @@ def _all_rows(frame: pd.DataFrame) -> str:
     shown = _in_point_order(frame[cols], params)
     if "trace" in shown.columns:
         shown["trace"] = shown["trace"].map(lambda v: Path(str(v)).name)
+    if "system" in shown.columns:  # a run that substituted routed experts, as the TPOT table marks it
+        subs = F.substituting(frame.loc[shown.index])
+        shown["system"] = [f"{s} {F.SUBSTITUTES_MARK}" if sub else s for s, sub in zip(shown["system"], subs)]
     for col in shown.columns:  # integers with separators too (pcie_h2d_bytes), not only floats
         if pd.api.types.is_integer_dtype(shown[col]) and col != "seed":
             shown[col] = shown[col].map(lambda v: f"{v:,}")

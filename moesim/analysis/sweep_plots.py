@@ -17,8 +17,8 @@ from moesim.analysis.figure_style import (legend_handle, log_axis, series_style,
                                           tidy_axes)
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
-                                           failed_note, fewer_runs, is_bound, label, ok_rows, ordered_systems,
-                                           parameter_columns, sorted_values, system_label, varying)
+                                           failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
+                                           ordered_systems, parameter_columns, sorted_values, varying)
 from moesim.errors import ConfigError
 
 # ----------------------------------------------------------------------------- the general plot
@@ -96,7 +96,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     heading = title or f"{label(y)} vs {label(x)}"
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
-        names = [system_label(h) if hue == "system" else str(h) for h in hues]
+        names = hue_names(data, hue, hues)
         side_legend(fig, [legend_handle(styles[h], "line" if numeric_x else "bar") for h in hues], names, label(hue))
     if path is not None:
         save_figure(fig, path)
@@ -250,7 +250,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
             log_axis(ax, name)
     handles = [legend_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
         if hue else []
-    names = [system_label(h) if hue == "system" else str(h) for h in hues] if hue else []
+    names = hue_names(data, hue, hues) if hue else []
     if drew_front:
         handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
         names.append("Pareto front")

@@ -212,6 +212,92 @@ def system_label(system: str) -> str:
     return f"{system} ({kind})" if kind else str(system)
 
 
+def hue_names(data: pd.DataFrame, hue: str | None, hues: Sequence[Any]) -> list[str]:
+    """Legend entries of ``hues``: systems as :func:`system_label` gives them, "(substitutes)" after one whose
+    runs in ``data`` replaced routed experts (:func:`substituting`); other values as they are."""
+    if hue != "system":
+        return [str(h) for h in hues]
+    subs = substituting(data)
+    replaced = set(data.loc[subs, "system"].astype(str)) if subs.any() else set()
+    return [system_label(h) + (" (substitutes)" if str(h) in replaced else "") for h in hues]
+
+
+#: what the report's tables put after a system that substitutes routed experts (its footnote says how many)
+SUBSTITUTES_MARK = "\u2020"
+
+
+def substituting(frame: pd.DataFrame) -> pd.Series:
+    """Per row, whether its run replaced routed experts by others (buddymoe, importance): its time is not that
+    of the model as routed. By the ``substituted_experts`` metric where the results hold it (a substituting
+    system that replaced none computed every routed expert); else by the system's spec and a ``substitute``
+    swap of the row."""
+    from moesim.policy.systems import SYSTEMS
+    if "substituted_experts" in frame.columns:
+        return pd.to_numeric(frame["substituted_experts"], errors="coerce").fillna(0).gt(0)
+    swapped = frame["substitute"] if "substitute" in frame.columns else pd.Series(None, index=frame.index)
+    out = []
+    for system, swap in zip(frame["system"], swapped):
+        name = swap if isinstance(swap, str) and swap else getattr(SYSTEMS.get(str(system)), "substitute", "none")
+        out.append(name != "none")
+    return pd.Series(out, index=frame.index, dtype=bool)
+
+
+def routed_activations(frame: pd.DataFrame) -> pd.Series:
+    """Per row, the routed (token, expert) activations of its run: the ``activations`` column where the results
+    hold one, else its tokens (prefill and decode) times the MoE layers and top-k of its trace's model, read
+    from the trace file where it is here; NaN where neither is known."""
+    nan = pd.Series(np.nan, index=frame.index, dtype=float)
+    if "activations" in frame.columns:
+        return pd.to_numeric(frame["activations"], errors="coerce").astype(float)
+    if not {"prefill_tokens", "decode_tokens"} <= set(frame.columns):
+        return nan
+    tokens = pd.to_numeric(frame["prefill_tokens"], errors="coerce").fillna(0) + \
+        pd.to_numeric(frame["decode_tokens"], errors="coerce").fillna(0)
+    paths = frame["trace_path"] if "trace_path" in frame.columns else \
+        frame["trace"] if "trace" in frame.columns else None
+    if paths is None:
+        return nan
+    per_token = {path: _routed_per_token(path) for path in paths.dropna().unique()}
+    return tokens * paths.map(per_token).astype(float)
+
+
+def _routed_per_token(path: Any) -> float:
+    """MoE layers times top-k of the model a trace was recorded with; NaN when the file is not here."""
+    from moesim.trace.io import read_meta
+    try:
+        model = read_meta(str(path)).model
+    except Exception:  # noqa: BLE001 - moved, deleted or unreadable: the share is then unknown, not an error
+        return float("nan")
+    return float(model.num_layers * model.top_k)
+
+
+def substitution_note(frame: pd.DataFrame, mark: str = SUBSTITUTES_MARK) -> str:
+    """What ``mark`` means under a table of ``frame``'s rows, with each substituting system's share of routed
+    experts substituted (``substituted_experts`` over the routed activations) over those rows; ''."""
+    subs = substituting(frame)
+    if "system" not in frame.columns or not subs.any():
+        return ""
+    rows = frame[subs]
+    share = pd.to_numeric(rows.get("substituted_experts"), errors="coerce") / routed_activations(rows) \
+        if "substituted_experts" in rows.columns else pd.Series(np.nan, index=rows.index)
+    parts = []
+    for system in ordered_systems(rows["system"].unique()):
+        mine = share[rows["system"] == system].dropna()
+        count = rows.loc[rows["system"] == system].get("substituted_experts")
+        if len(mine):
+            low, high = mine.min(), mine.max()
+            span = f" ({low:.1%} to {high:.1%} over its points)" if high - low >= 0.0005 else ""
+            parts.append(f"{system} {mine.mean():.1%}{span}")
+        elif count is not None and count.notna().any():
+            parts.append(f"{system} {count.mean():,.0f} experts a run on average (the share needs the trace "
+                         "file, not found here)")
+        else:
+            parts.append(f"{system} (the results do not say how many)")
+    return (f"{mark} substitutes routed experts by others: it does not compute every expert the trace routes, so "
+            "its time is not that of the model as routed; ranked all the same. Share of routed experts "
+            "substituted (substituted_experts over routed activations): " + "; ".join(parts) + ".")
+
+
 def ordered_systems(values: Sequence[Any]) -> list[Any]:
     """Systems in registry order (as `moesim systems` lists them), bounds last, unknown names at the end."""
     from moesim.policy.systems import SYSTEMS

@@ -216,3 +216,39 @@ def standard_figures_legend(frame) -> list[str]:
     from moesim.analysis.figures import standard_figures
     fig, _ = standard_figures(frame, gantt=False)["tpot_vs_slots"]
     return [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_a_system_that_substitutes_experts_is_marked_where_it_ranks(tmp_path):
+    """buddymoe (routed experts replaced by resident buddies) headed the "fastest" column as if it computed the
+    model as routed. It still ranks, marked with a dagger in the table, the fastest column and the legend, and
+    a footnote gives the share of routed experts it substituted (substituted_experts over the activations)."""
+    from moesim.analysis.figures import standard_figures
+    from tests.factories import write_trace_and_profile
+    trace, _ = write_trace_and_profile(tmp_path, seed=3)  # 2 layers, top-2: 4 activations a token
+    frame = results().assign(trace_path=trace, prefill_tokens=4, decode_tokens=6, substituted_experts=0)
+    frame = frame[frame["system"] != "static-hot"]
+    lru = frame[frame["system"] == "gpu-only-lru"]
+    buddy = lru.assign(system="buddymoe", point_id=lru["point_id"] + "-b", tpot_ms_mean=lru["tpot_ms_mean"] / 10,
+                       substituted_experts=[4, 8, 10, 4, 8, 10, 0])  # of 40 activations: 10%, 20%, 25%
+    frame = pd.concat([frame, buddy], ignore_index=True)
+    page = render_report(frame, title="t", gantt=False)
+    assert "<th>buddymoe \u2020</th>" in page
+    row = re.search(r"<tr><td class=\"text\">a100-40g</td><td class=\"text\">1</td>(.*?)</tr>", page).group(1)
+    assert row.endswith('<td class="text">buddymoe \u2020</td>')  # still the fastest, marked
+    assert re.findall(r'<td class="best">([^<]*)</td>', row) == ["10.0"]
+    assert ("\u2020 substitutes routed experts by others" in page
+            and "buddymoe 18.3% (10.0% to 25.0% over its points)" in page)
+    assert "gpu-only-lru \u2020" not in page
+    fig, _ = standard_figures(frame, gantt=False)["tpot_vs_slots"]
+    assert "buddymoe (substitutes)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    # without the trace file the share is unknown: the footnote gives the experts a run substituted
+    page = render_report(frame.assign(trace_path="gone.parquet", trace="gone.parquet"), title="t", gantt=False)
+    assert "buddymoe 7 experts a run on average (the share needs the trace file, not found here)" in page
+
+
+def test_old_results_without_the_substitution_metric_mark_by_the_systems_spec():
+    frame = results()
+    frame = pd.concat([frame, frame[frame["system"] == "static-hot"].assign(system="importance")],
+                      ignore_index=True)
+    page = render_report(frame, title="t", gantt=False)
+    assert "<th>importance \u2020</th>" in page and "importance (the results do not say how many)" in page
