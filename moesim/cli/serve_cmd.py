@@ -83,6 +83,7 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
             raise MoesimError(f"{option} needs one system and one QPS", field=option,
                               fix="pass a single --system and --qps")
     rows, last, skipped, first_error = [], None, {}, None
+    runtimes: dict[str, str] = {}  # per system: the runtime its runs were charged launches and CPU kernels by
     runs: dict[str, list[dict]] = {}  # per system, per rate of --qps: its metrics, or why it was skipped
     per_run = _requests_per_run(parsed)
     with _serving_progress(per_run, len(systems) * len(rates)) as bar:
@@ -96,6 +97,7 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
                                  progress=bar.advance)
                     rows.append(serving_metrics(last, slos))
                     runs[name].append(rows[-1])
+                    runtimes[name] = last.engine.runtime
             except MoesimError as err:
                 if not everything or not _skippable_in_serving(err):
                     raise
@@ -120,6 +122,7 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
                       number_text(m["e2e_ms_p99"], 1), number_text(m["throughput_rps"], 3), str(m["preemptions"]),
                       *((f"{m['goodput_rps']:.3f} ({m['slo_attainment']:.0%})",) if slos else ()))
     out.print(table)
+    out.print(runtimes_line(runtimes), markup=False, highlight=False)
     for line in serving_notes(rows):
         out.print(line, markup=False, highlight=False)
     print_skipped(out, skipped, len(systems))
@@ -243,6 +246,17 @@ def _skipped_run(system: str, rate: str, settings: dict[str, str], reason: str) 
     workload = split_settings({**settings, "workload.qps": rate}).workload
     return {"system": system, "qps": workload.qps if workload.arrival in RATED_ARRIVALS else float("nan"),
             "skipped": reason}
+
+
+def runtimes_line(runtimes: dict[str, str]) -> str:
+    """The runtime each system ran on (its launch costs and CPU kernel efficiency), the line ``moesim replay``
+    prints under its table: the runtimes shared by the most systems first."""
+    groups: dict[str, list[str]] = {}
+    for name, runtime in runtimes.items():
+        groups.setdefault(runtime, []).append(name)
+    return ("runtimes (launch costs, CPU kernel efficiency; --set runtime=NAME): "
+            + "; ".join(f"{runtime} ({', '.join(names)})"
+                        for runtime, names in sorted(groups.items(), key=lambda kv: -len(kv[1]))))
 
 
 #: what a serving row shows: two systems alike in all of these at one rate are one row twice

@@ -133,3 +133,19 @@ def test_the_table_title_names_the_profiles_gpu_and_host_cpu(files, capsys):  # 
     trace, hw = files
     assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--set", "hw.cpu.cores=2"]) == 0
     assert capsys.readouterr().out.startswith(f"serving on {hw} (test gpu + test cpu, 2 cores, 100 GB/s DRAM)\n")
+
+
+def test_the_runtimes_line_of_replay_follows_the_table(files, capsys):  # noqa: F811
+    """serve-sim did not say which runtime each system ran on (its launch costs, which shape the ranking),
+    while `moesim replay` prints it under its table: the same line follows serve-sim's table."""
+    trace, hw = files
+    assert main(["replay", trace, "--hw", hw, "--system", "gpu-only-lru,cpu-only"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("runtimes ("))
+    assert line == ("runtimes (launch costs, CPU kernel efficiency; --set runtime=NAME): "
+                    "generic (gpu-only-lru, cpu-only)")
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--system", "gpu-only-lru,cpu-only",
+                 "--qps", "1,2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[out.index(next(o for o in out if o.startswith("└"))) + 1] == line  # right under the table
+    assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--set", "runtime=ideal"]) == 0
+    assert "--set runtime=NAME): ideal (gpu-only-lru)" in capsys.readouterr().out
