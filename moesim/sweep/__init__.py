@@ -20,8 +20,9 @@ A sweep spec (YAML file or dict)::
 ``per_system`` lets systems of one's own and the catalogue's share a sweep
 although their parameters differ: a key under ``set`` or ``grid`` applies to
 every system, and one that a system does not take stops the sweep before it
-runs; a key under ``per_system.NAME`` applies to that system's points only (its
-column is empty in the other systems' rows).
+runs; a key under ``per_system.NAME`` applies to that system's points only (the
+other systems' rows show the value they ran with where they take the parameter,
+and are empty where they do not: see below).
 
 Keys may use ``__`` for ``.`` (``cache__slots_per_layer``). Every point is a
 (trace, hw, system, seed, settings) combination; its id is a hash of those
@@ -35,11 +36,28 @@ Results are tidy: one row per point with every parameter and metric as a
 column (``breakdown_ms`` becomes ``breakdown_<category>_ms``, notes are joined
 by "; ", the point's physical lower bound becomes ``lower_bound_<key>`` beside
 ``gap_to_lower_bound``, NaN for a serving point), plus ``point_id``, ``status`` (``ok`` or ``error``), ``error``,
+``defaults_filled``,
 ``point_wall_s``, ``finished_at``, ``worker``, ``trace_path``/``hw_path``
 (the files as resolved when the point ran) and ``input_fingerprint`` (the
 profile file's content hash and the trace file's size and modification time,
 hashed, when the sweep started; files a setting names, such as
 ``cache.calibration=PATH``, do not enter it).
+
+A parameter column holds, in the row of a point that does not set it, the
+value that point ran with (:mod:`moesim.sweep.defaults`): its system's default
+(``prefetch.n`` of a prefetch whose ``n`` defaults to 2 reads 2, as in the row of
+a point that spells ``prefetch.n: 2``), the profile's value for ``hw.*``, the
+experts its memory plan held for ``cache.slots``; a "-1: the paper's value for
+the model" default reads -1, as written, since a run does not report what it
+resolved to. The cell stays empty where the parameter does not apply to the
+point's system (its components have no such parameter; ``workload.*`` in a
+replayed point's row), and for ``cache.slots_per_layer`` (see ``slot_spread``).
+``defaults_filled`` names the row's cells so filled ("; " between keys, "" when
+none): the others hold what the spec set. A point's id stays a hash of what the
+spec sets. Rows already in ``OUT`` (a file of an older moesim, or another spec's
+points) are filled on a resume too, where they ran with the trace, profile and
+code of one's own of now (their input fingerprint is today's); others keep their
+empty cells, and ``defaults_filled`` is empty (null) in rows never filled.
 
 Storage, robust to ``kill -9``: each finished point is written as its own
 Parquet file ``OUT.parts/<point_id>.parquet`` (temporary file, fsync, rename),

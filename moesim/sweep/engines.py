@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from moesim.errors import ConfigError
+from moesim.sweep.defaults import FILLED, Defaults, fill_keys, fill_point, fill_stored
 from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, UNRUNNABLE, WORKER_DIED, Finished, columns_of,
                                 describe_error, error_row, input_fingerprint, run_point, with_own_code)
 from moesim.sweep.ray_engine import _run_ray, require_ray
@@ -84,6 +85,15 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
         changed = sum(p.point_id in done for p in todo)
 
         by_id = {p.point_id: p for p in todo}
+        # each row holds, for every parameter column, the value its point ran with (sweep/defaults.py); rows
+        # kept from before (an older file, another spec's points) too, where they ran with today's inputs
+        keys = fill_keys(spec.parameter_keys(), store.rows.values())
+        defaults = Defaults()
+        kept = {p.point_id: p for p in points if p.point_id not in by_id}
+        stored_files: dict[tuple[str, str], str] = {}  # the files rows of other specs name, fingerprinted once
+        for pid in fill_stored(defaults, {pid: row for pid, row in store.rows.items() if pid not in by_id}, keys,
+                               lambda row: _current_fingerprint(row, prints, stored_files, code), kept):
+            store.update(store.rows[pid])
 
         def finished(row: dict[str, Any]) -> None:
             nonlocal failed
@@ -94,6 +104,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
                 return
             row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw),
                        input_fingerprint=prints[point.point_id])
+            fill_point(defaults, row, point, keys)
             store.add(row)
             failed += row["status"] != "ok"
             bar.advance(failed)
@@ -113,6 +124,23 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
                            changed=changed, retried=retried, others=sum(pid not in ids for pid in store.rows),
                            left_out=tuple(dict.fromkeys(left_out.values())))
     return frame, summary
+
+
+def _current_fingerprint(row: dict[str, Any], prints: dict[str, str], files: dict[tuple[str, str], str],
+                         code: dict[tuple, bytes]) -> str:
+    """The input fingerprint a stored row's point has now (:func:`moesim.sweep.point.input_fingerprint` with its
+    code of one's own): the spec's for its points, else from the trace, profile and system the row names."""
+    pid = row["point_id"]
+    if pid in prints:
+        return prints[pid]
+    from moesim.policy.systems import ROLES
+    from moesim.sweep.defaults import row_settings
+    where = (str(row["trace_path"]), str(row["hw_path"]))
+    if where not in files:
+        files[where] = input_fingerprint(*where)
+    swaps = tuple(sorted((k, v) for k, v in row_settings(row).items() if k in ROLES))
+    point = Point(str(row["trace"]), str(row["hw"]), str(row["system"]), settings=swaps)
+    return with_own_code(files[where], point, code)
 
 
 def default_workers() -> int:
@@ -137,7 +165,7 @@ def _ordered(frame: Any, spec: SweepSpec) -> Any:
     if frame.empty:
         return frame
     head = ["point_id", "trace", "hw", "system", "seed", "model", *dict.fromkeys(spec.parameter_keys()),
-            "status", "error"]
+            "status", "error", FILLED]
     head = [c for c in head if c in frame.columns]
     tail = [c for c in WALL_CLOCK_COLUMNS + LOCATION_COLUMNS + INPUT_COLUMNS if c in frame.columns]
     middle = [c for c in frame.columns if c not in head and c not in tail]

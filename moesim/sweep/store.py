@@ -69,6 +69,12 @@ class ResultStore:
         if time.monotonic() - self._flushed_at > FLUSH_EVERY_S:
             self.flush()
 
+    def update(self, row: dict[str, Any]) -> None:
+        """A stored row with cells added (the values its point ran with), not a point run: ``OUT`` holds it from
+        the next rewrite; it has no part of its own (lost in a crash, it is filled again on the next resume)."""
+        self.rows[row["point_id"]] = row
+        self._dirty = self.out is not None
+
     def flush(self) -> None:
         """Rewrite ``OUT`` from every row known (atomically)."""
         if self.out is None or not self.rows:
