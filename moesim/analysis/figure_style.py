@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.sweep_results import is_bound
+from moesim.analysis.sweep_results import bound_kind, is_bound
 
-#: Okabe-Ito colours (as in moesim.analysis.plots) without the yellow, which vanishes on white, then
-#: Paul Tol's muted scheme: 15 colours that stay apart; markers tell repeats apart beyond that
-PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000",
-           "#332288", "#117733", "#882255", "#999933", "#AA4499", "#44AA99", "#661100", "#888888")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+#: colours of the systems (and of any other hue): Okabe-Ito's six (as in moesim.analysis.plots, without the
+#: yellow, which vanishes on white), then colours of Paul Tol's schemes, Kelly's and tab20, each the one
+#: farthest (CIEDE2000) from those before it and from the bounds' black and greys, dark enough for white: 20
+#: colours, no two closer than 13.7 (Okabe-Ito's sky blue and tab20's cyan). 15 colours gave a sweep of every
+#: catalogue system (16 and two bounds) repeats: gpu-only-lru and all-in-gpu both orange, static-hot and the
+#: oracle both green. Past 20 a colour comes back with another marker and dotted lines (bars: hatched).
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#882255", "#8DB600", "#654522",
+           "#604E97", "#F99379", "#997700", "#BE0032", "#117733", "#8C564B", "#AA4499", "#EE6677", "#004488",
+           "#2CA02C", "#17BECF")
+#: colours and markers of bounds (black, dark grey) and references (greys), drawn dashed, apart from every
+#: system's colour
+BOUND_PALETTE = {"bound": ("#000000", "#444444"), "reference": ("#777777", "#AAAAAA")}
+BOUND_MARKERS = ("X", "*", "P", "D")
+#: 15 markers: with 20 colours, no two of the first 60 hues look alike
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p", "d", "H", "8")
 #: bars have no marker: each round of the palette after the first hatches them apart
 HATCHES = ("", "///", "xxx", "...")
+#: lines of each round of the palette: solid, then dotted, then dash-dotted (bounds alone are dashed)
+LINESTYLES = ("-", (0, (1, 1.5)), (0, (5, 1.5, 1, 1.5)))
+#: the dashes of bounds and references
+BOUND_LINESTYLE = (0, (4, 2))
 #: the y axis turns logarithmic when the largest value exceeds the smallest by this factor
 LOG_RATIO = 10.0
 #: what a log axis's label ends with
@@ -24,9 +39,42 @@ LOG_NOTE = ", log scale"
 
 
 def series_style(i: int, system: str | None) -> dict[str, Any]:
+    """The ``i``-th hue's colour, marker, hatch and line style (dashed for a bound or reference, ``system``)."""
     dashed = system is not None and is_bound(str(system))
+    rounds = i // len(PALETTE)
     return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)],
-            "hatch": HATCHES[i // len(PALETTE) % len(HATCHES)], "linestyle": (0, (4, 2)) if dashed else "-"}
+            "hatch": HATCHES[rounds % len(HATCHES)],
+            "linestyle": BOUND_LINESTYLE if dashed else LINESTYLES[rounds % len(LINESTYLES)]}
+
+
+def system_styles(systems: Sequence[Any]) -> dict[Any, dict[str, Any]]:
+    """A style per system, each unlike every other: systems take the palette in order (bounds and references
+    left out of the count); bounds black or dark grey, references lighter greys, both dashed, with markers of
+    their own."""
+    out: dict[Any, dict[str, Any]] = {}
+    deployable = [s for s in systems if not is_bound(str(s))]
+    for i, system in enumerate(deployable):
+        out[system] = series_style(i, None)
+    seen = {"bound": 0, "reference": 0}
+    for k, system in enumerate(s for s in systems if is_bound(str(s))):
+        kind = bound_kind(str(system))
+        colours, j = BOUND_PALETTE[kind], seen[kind]
+        seen[kind] += 1
+        out[system] = {"color": colours[j % len(colours)], "marker": BOUND_MARKERS[k % len(BOUND_MARKERS)],
+                       "hatch": HATCHES[j // len(colours) % len(HATCHES)], "linestyle": BOUND_LINESTYLE}
+    return out
+
+
+def hue_styles(hues: Sequence[Any], systems: bool, every: Sequence[Any] | None = None) -> dict[Any, dict[str, Any]]:
+    """Styles of a figure's hues: by :func:`system_styles` when they are systems (over ``every`` system of the
+    results, so a system keeps its look in every figure of them), else the palette in order."""
+    if systems:
+        styles = system_styles(list(every) if every is not None else list(hues))
+        missing = [h for h in hues if h not in styles]
+        if missing:  # a hue outside ``every``: styles of the hues alone
+            styles = system_styles(list(hues))
+        return {h: styles[h] for h in hues}
+    return {h: series_style(i, None) for i, h in enumerate(hues)}
 
 
 def legend_handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Any:

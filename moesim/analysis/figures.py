@@ -29,15 +29,16 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from moesim.analysis.figure_style import (HATCHES, LOG_RATIO, MARKERS, PALETTE, legend_handle, log_axis,  # noqa: F401
-                                          series_style, side_legend, tidy_axes)
+from moesim.analysis.figure_style import (BOUND_PALETTE, HATCHES, LOG_RATIO, MARKERS, PALETTE,  # noqa: F401
+                                          hue_styles, legend_handle, log_axis, series_style, side_legend,
+                                          system_styles, tidy_axes)
 from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
-                                           NOT_SET, UnevenMeans, as_groups, column, fewer_runs, headline_metric,
-                                           is_bound, label, load_results, ok_rows, ordered_systems,
-                                           parameter_columns, routed_activations, sorted_values, substituting,
-                                           substitution_note, SUBSTITUTES_MARK, system_label, varying)
+                                           NOT_SET, SUBSTITUTES_MARK, UnevenMeans, as_groups, bound_kind, column,
+                                           fewer_runs, headline_metric, hue_names, is_bound, label, load_results,
+                                           ok_rows, ordered_systems, parameter_columns, routed_activations,
+                                           sorted_values, substituting, substitution_note, system_label, varying)
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -93,7 +94,7 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     systems = ordered_systems(data["system"].unique())
-    styles = {s: series_style(i, s) for i, s in enumerate(systems)}
+    styles = system_styles(systems)
     per_run = data.get("decode_tokens", pd.Series(1, index=data.index)).fillna(0) \
         + data.get("prefill_tokens", pd.Series(0, index=data.index)).fillna(0)
     x_values = data["prefetches"] / per_run.clip(lower=1)
@@ -106,8 +107,8 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     ax.set_ylim(-0.02, 1.02)
     tidy_axes(ax)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
-    fig.legend([legend_handle(styles[s], "marker") for s in systems], systems, title="system", loc="outside right center",
-               frameon=False, fontsize=9)
+    fig.legend([legend_handle(styles[s], "marker") for s in systems], hue_names(data, "system", systems),
+               title="system", loc="outside right center", frameon=False, fontsize=9)
     fig.suptitle("GPU hit rate vs prefetches (one marker per point)", x=0.01, ha="left", fontsize=11)
     if path is not None:
         save_figure(fig, path)

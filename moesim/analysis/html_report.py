@@ -30,8 +30,8 @@ from moesim.util import atomic_write_text
 MAX_TABLE_ROWS = 60
 #: metric columns of the full table, in this order (the others stay in the Parquet file)
 TABLE_METRICS = ("tpot_ms_mean", "tpot_ms_p99", "ttft_ms", "decode_tokens_per_s", "gpu_hit_rate",
-                 "prefetches", "demand_loads", "substituted_experts", "pcie_h2d_bytes", "cpu_util", "gpu_util", "pcie_util",
-                 "slots_per_layer", "runtime")
+                 "prefetches", "demand_loads", "substituted_experts", "pcie_h2d_bytes", "cpu_util", "gpu_util",
+                 "pcie_util", "slots_per_layer", "runtime")
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;

@@ -195,9 +195,9 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.lines import Line2D
 
-    from moesim.analysis.figure_style import LOG_RATIO, MARKERS, PALETTE, log_axis
+    from moesim.analysis.figure_style import LOG_RATIO, log_axis, system_styles
     from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
-    from moesim.analysis.sweep_results import system_label
+    from moesim.analysis.sweep_results import ordered_systems, system_label
     frame = serving_frame(rows)
     columns = [percentile_column(frame, metric, q, "metric") for q in PERCENTILES]
     if not frame["qps"].notna().any():  # closed loops and arrival logs: empty axes before
@@ -213,9 +213,11 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
     ax = fig.subplots()
     styles = dict(zip(PERCENTILES, ("-", "--", ":")))
     handles, names = [], []
-    for i, (system, group) in enumerate(frame.groupby("system", sort=False)):
-        group = group.sort_values("qps")
-        colour, marker = PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)]  # the sweep figures' palette
+    systems = ordered_systems(frame["system"].unique())  # the legend in the sweep figures' order and looks
+    looks = system_styles(systems)
+    for system in systems:
+        group = frame[frame["system"] == system].sort_values("qps")
+        colour, marker = looks[system]["color"], looks[system]["marker"]
         for q, style in styles.items():
             ax.plot(group.qps, group[f"{metric}_p{q}"], style, color=colour, marker=marker, markersize=3,
                     label=f"{system} p{q}")

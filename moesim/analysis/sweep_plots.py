@@ -13,8 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.figure_style import (legend_handle, log_axis, series_style, side_legend, spans_decade,
-                                          tidy_axes)
+from moesim.analysis.figure_style import hue_styles, legend_handle, log_axis, side_legend, spans_decade, tidy_axes
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
                                            failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
@@ -64,7 +63,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     numeric_x = data[x].dtype.kind in "biuf"
     hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
         if hue else [None]
-    styles = {h: series_style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    styles = hue_styles(hues, hue == "system", ordered_systems(frame["system"].dropna().unique())
+                        if hue == "system" else None)
     for ax, panel in zip(axes.flat, panels):
         sub = data[data[facet] == panel] if facet else data
         if numeric_x:
@@ -221,7 +221,8 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     axes = fig.subplots(rows, cols, squeeze=False)
     hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
         if hue else [None]
-    styles = {h: series_style(i, h if hue == "system" else None) for i, h in enumerate(hues)}
+    styles = hue_styles(hues, hue == "system", ordered_systems(frame["system"].dropna().unique())
+                        if hue == "system" else None)
     drew_front = False
     for ax, panel in zip(axes.flat, panels):
         sub = data[data[facet] == panel] if facet else data

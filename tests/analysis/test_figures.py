@@ -569,3 +569,33 @@ def test_a_report_leaves_out_a_figure_of_values_too_large_to_draw(tmp_path, caps
     results().assign(tpot_ms_mean=1e308).to_parquet(path)
     assert main(["report", str(path), "--out", str(tmp_path / "r.html"), "--no-gantt"]) == 0
     assert "no latency figure: column 'tpot_ms_mean' holds 1e+308, too large to draw" in capsys.readouterr().out
+
+
+def test_every_system_of_the_catalogue_has_a_colour_of_its_own():
+    """18 systems (`systems: all`) drew from 15 colours: gpu-only-lru and all-in-gpu were both orange,
+    static-hot and the oracle both green. Every system now has its own colour (and marker); bounds and
+    references keep their dashes, in black and greys no system has."""
+    from moesim.analysis.figure_style import PALETTE
+    from moesim.analysis.serving import plot_latency_vs_qps
+    from moesim.policy.systems import system_names
+    names = system_names()
+    assert len(names) >= 18
+    frame = pd.DataFrame([{"point_id": f"{s}-{slots}", "trace": "t.parquet", "hw": "a100-40g", "system": s,
+                           "seed": 0, "cache.slots_per_layer": slots, "status": "ok", "error": "",
+                           "tpot_ms_mean": 10.0 * (i + 1) / slots, "gpu_memory_gib": 4.0 * slots + i}
+                          for i, s in enumerate(names) for slots in (1, 2)])
+    fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="system")
+    drawn = lines(fig.axes[0])
+    looks = {(line.get_color(), line.get_marker()) for line in drawn}
+    assert len(drawn) == len(names) and len({c for c, _ in looks}) == len(names)
+    dashed = [line.get_color() for line in drawn if line.get_linestyle() == "--"]
+    assert len(dashed) == 2 and not set(dashed) & set(PALETTE)  # oracle and all-in-gpu
+    legend = fig.legends[0]
+    assert len({h.get_color() for h in legend.legend_handles}) == len(names)
+    scatter = plot_scatter(frame, x="gpu_memory_gib", y="tpot_ms_mean", pareto=False)
+    colours = {tuple(c.get_edgecolor()[0]) for c in scatter.axes[0].collections}
+    assert len(colours) == len(names)
+    serving = pd.DataFrame([{"system": s, "qps": q, **{f"ttft_ms_p{p}": 10.0 * q + p for p in (50, 90, 99)}}
+                            for s in names if s != "oracle" for q in (0.5, 1.0)])
+    served = plot_latency_vs_qps(serving)
+    assert len({line.get_color() for line in served.axes[0].get_lines()}) == len(names) - 1
