@@ -17,7 +17,8 @@ lower bound at every step (:meth:`Member.lower`):
 A member is stopped (pruned) when on every metric its bound exceeds the best
 value of a member already complete (a member with equal value earlier in the
 member order would win the tie, so only a strict excess counts; a relative
-margin of :data:`MARGIN` covers floating-point sums). Such a member can be
+margin of :data:`MARGIN` covers floating-point sums). Values within :data:`TIE` of
+the lowest tie with it, and the member order picks among them. Such a member can be
 best on no metric, so the portfolio's best values, the members that give them
 and the leading member's record are those of running every member to the end.
 
@@ -53,6 +54,10 @@ METRICS = ("tpot_ms_mean", "ttft_ms", "makespan_s")
 MARGIN = 1e-6
 #: steps a member runs before the search looks again (as a share of the trace's steps)
 CHUNK_SHARE = 0.01
+#: members whose values of a metric differ by less than this share of the lowest tie on it, and the member
+#: order breaks the tie: members running the same schedule sum its times in different orders (and a replay
+#: with the timeline on in another order than one without), so their values can differ in the last bits
+TIE = 1e-9
 
 
 @dataclass
@@ -176,6 +181,13 @@ def racing_members(sims: dict[str, Simulator], shape: TraceShape, own: tuple[str
     return out
 
 
+def best_of(values: list[tuple[float, int]]) -> tuple[float, int]:
+    """The best of members' (value, rank in member order) on one metric: of the values within :data:`TIE` of
+    the lowest, the one of the member earliest in the order."""
+    low = min(value for value, _ in values)
+    return min((x for x in values if x[0] <= low + abs(low) * TIE), key=lambda x: x[1])
+
+
 def beats(lower: float, best: float) -> bool:
     """Whether a lower bound provably exceeds ``best`` (then the member cannot have ``best`` or less)."""
     return lower > best + abs(best) * MARGIN
@@ -201,9 +213,9 @@ def branch_and_bound(members: list[Member], complete: dict[str, dict[str, float]
     def record(name: str, values: dict[str, float]) -> None:
         complete[name] = values
         for metric in metrics:
-            value = values[metric]
-            if not math.isnan(value) and (metric not in best or (value, rank[name]) < best[metric]):
-                best[metric] = (value, rank[name])
+            got = [(v[metric], rank[n]) for n, v in complete.items() if not math.isnan(v[metric])]
+            if got:
+                best[metric] = best_of(got)
 
     for name, values in list(complete.items()):
         record(name, values)

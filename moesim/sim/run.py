@@ -19,7 +19,8 @@ from moesim.sim.config import SimConfig
 from moesim.sim.engine import Simulator
 from moesim.sim.result import SimResult
 from moesim.sim.memory import CacheRequest, peak_kv_tokens, plan_memory
-from moesim.sim.portfolio import METRICS, Pruned, TraceShape, branch_and_bound, racing_members, summary
+from moesim.sim.portfolio import (METRICS, Pruned, TraceShape, best_of, branch_and_bound, racing_members,
+                                  summary)
 from moesim.trace.io import keeping_decoded, read_meta, trace_columns
 from moesim.trace.validate import checked_meta, settle
 from moesim.util import listed
@@ -272,11 +273,12 @@ def portfolio_result(system: str, runs: list[SimResult], skipped: dict[str, str]
             table[name] = {"pruned_after_step": float(pruned[name].step),
                            **{f"{m}_at_least": v for m, v in pruned[name].lower.items()}}
     best: dict[str, tuple[str, float]] = {}
+    names = list(table)
     for metric in PORTFOLIO_METRICS:
-        values = [(v[metric], name) for name, v in complete.items() if not math.isnan(v[metric])]
-        if values:
-            value, name = min(values, key=lambda x: (x[0], list(table).index(x[1])))
-            best[metric] = (name, value)
+        values = [(v[metric], names.index(name)) for name, v in complete.items() if not math.isnan(v[metric])]
+        if values:  # values equal but for the last bits tie: the member order breaks the tie
+            value, place = best_of(values)
+            best[metric] = (names[place], value)
     lead_name = best.get("tpot_ms_mean", best.get("makespan_s", (runs[0].system, 0.0)))[0]
     lead = next(r for r in runs if r.system == lead_name)
     fields = {f.name: getattr(lead, f.name) for f in dataclasses.fields(SimResult)}

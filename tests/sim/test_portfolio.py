@@ -19,7 +19,7 @@ from moesim.sim.floors import step_floors
 from moesim.sim.portfolio import Member, TraceShape, branch_and_bound
 from moesim.sim.run import portfolio_result, prepare, simulate
 from moesim.trace.synth import SynthConfig, synthesize
-from tests.factories import tiny_model, tiny_profile
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 
 ROOT = Path(__file__).parents[2]
 
@@ -227,3 +227,24 @@ def test_a_replay_stopped_early_lets_go_of_the_decode_it_shares():
         going_on.env.run(until=processes[1])
         assert metrics(going_on.finish())["makespan_s"] == metrics(simulate(trace, "rtx4090", "gpu-only-lru"))[
             "makespan_s"]
+
+
+def test_members_equal_but_for_the_last_bits_tie_whether_the_timeline_is_on_or_off(tmp_path):
+    """With no expert slots the members that compute every expert on the CPU run one schedule, but each sums
+    its times in its own order (and a replay with the timeline in another order than one without): hybrimoe's
+    TPOT came out an ulp below oracle-prefetch's without the timeline and an ulp above with it. The oracle took
+    the lowest to the last bit, so its portfolio_best, and its leading member's runtime, gpu_util and breakdown,
+    changed with the timeline. Equal values but for the last bits now tie, and the member order picks."""
+    model = tiny_model(layers=1, experts=3, top_k=2, shared=True)
+    routing = [{"phase": "prefill", "tokens": {0: (0, [[[0, 2], [1, 2], [1, 2], [1, 2]]])}},
+               {"phase": "decode", "tokens": {0: (4, [[[0, 2]]])}},
+               {"phase": "decode", "tokens": {0: (5, [[[0, 1]]])}}]
+    trace = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
+    off, on = (simulate(trace, tiny_profile(), "oracle", {"cache.slots_per_layer": "0"}, timeline=timeline)
+               for timeline in (False, True))
+    assert {m: name for m, (name, _) in off.best.items()} == {m: "oracle-prefetch" for m in off.best}
+    assert {m: name for m, (name, _) in on.best.items()} == {m: "oracle-prefetch" for m in on.best}
+    for metric, (_, value) in off.best.items():
+        assert value == pytest.approx(on.best[metric][1], rel=1e-12)
+    assert off.runtime == on.runtime == "ideal"
+    assert metrics(off)["gpu_util"] == pytest.approx(metrics(on)["gpu_util"], rel=1e-9)
