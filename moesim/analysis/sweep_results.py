@@ -29,14 +29,35 @@ LABELS = {
     "tpot_ms_mean": "TPOT, mean (ms)", "tpot_ms_p50": "TPOT, p50 (ms)", "tpot_ms_p99": "TPOT, p99 (ms)",
     "ttft_ms": "TTFT (ms)", "decode_tokens_per_s": "decode throughput (tokens/s)",
     "prefill_tokens_per_s": "prefill throughput (tokens/s)", "gpu_hit_rate": "GPU hit rate",
-    "cache.slots_per_layer": "GPU cache slots per layer", "slots_per_layer": "GPU cache slots per layer",
+    "cache.slots_per_layer": "GPU cache slots per layer", "cache.slots": "GPU cache slots, all layers", "slots_per_layer": "GPU cache slots per layer",
     "pcie_h2d_bytes": "PCIe host-to-device bytes", "prefetches": "prefetches issued",
     "makespan_s": "makespan (s)", "hw.pcie.bandwidth_scale": "PCIe bandwidth scale",
     "gpu_memory_gib": "GPU memory planned (GiB)", "expert_cache_gib": "GPU expert cache (GiB)",
     "gap_to_lower_bound": "makespan over its lower bound", "lower_bound_makespan_s": "makespan lower bound (s)",
     "lower_bound_ttft_ms": "TTFT lower bound (ms)", "lower_bound_tpot_ms_mean": "TPOT lower bound, mean (ms)",
     "lower_bound_slots": "experts held by the lower bound",
+    # the rest of `moesim replay --help-metrics` (units as it gives them)
+    "decode_tokens": "decode tokens", "prefill_tokens": "prefill tokens", "late_prefetches": "late prefetches",
+    "cancelled_prefetches": "prefetches cancelled", "prefetch_precision": "prefetch precision",
+    "demand_loads": "demand loads (experts)", "streamed_experts": "experts streamed",
+    "evictions": "evictions (experts)", "cpu_util": "CPU utilisation", "gpu_util": "GPU utilisation",
+    "pcie_util": "PCIe utilisation", "gpu_share_of_activations": "share of expert activations on the GPU",
+    "substituted_experts": "experts substituted", "deferred_experts": "experts deferred",
+    "substituted_weight_mass": "gate weight substituted per activation",
+    "deferred_weight_mass": "gate weight deferred per activation", "expert_slots": "GPU expert slots",
+    "sim_wall_s": "simulation wall-clock time (s)",
+    # serving runs (docs/serving.md, moesim.analysis.serving): the swept workload and what each run measured
+    "workload.qps": "arrival rate (requests/s)", "qps": "arrival rate (requests/s)",
+    "workload.requests": "requests per run", "requests": "requests per run",
+    "workload.kv_tokens": "KV cache budget (tokens)", "kv_tokens": "KV cache budget (tokens)",
+    "kv_peak_tokens": "KV cache peak (tokens)", "kv_tokens_per_slot": "KV tokens per expert slot",
+    "offered_qps": "offered load (requests/s)", "throughput_rps": "throughput (requests/s)",
+    "output_tokens_per_s": "output throughput (tokens/s)", "goodput_rps": "goodput (requests/s)",
+    "slo_attainment": "share of requests within the SLOs", "preemptions": "preemptions",
+    "recomputed_tokens": "tokens prefilled again",
 }
+#: the per-request latencies of a serving run (``ttft_ms_p99``: their 99th percentile over its requests)
+SERVING_LATENCIES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "end-to-end latency", "queue": "queueing delay"}
 #: metrics where more is better (the Pareto front maximises them); every other metric is minimised
 HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
                     "gpu_share_of_activations"}
@@ -184,7 +205,24 @@ def headline_metric(frame: pd.DataFrame) -> str:
 
 
 def label(name: str) -> str:
-    return LABELS.get(name, name)
+    """A column's name for an axis or title, with its unit: "TTFT, p99 (ms)" for ``ttft_ms_p99``, "arrival
+    rate (requests/s)" for ``workload.qps``; a serving run's engine metric as its replay namesake (``engine_``
+    left off); a column no table knows by its name (with its unit where ``moesim replay --help-metrics`` gives
+    one)."""
+    import re
+    if name in LABELS:
+        return LABELS[name]
+    latency = re.fullmatch(r"(ttft|tpot|e2e|queue)_ms_(p\d+|mean)", name)
+    if latency:
+        return f"{SERVING_LATENCIES[latency.group(1)]}, {latency.group(2)} (ms)"
+    part = re.fullmatch(r"breakdown_(\w+)_ms", name)
+    if part:
+        return f"time in {part.group(1).replace('_', ' ')} (ms)"
+    if name.startswith("engine_") and label(name[len("engine_"):]) != name[len("engine_"):]:
+        return label(name[len("engine_"):])
+    from moesim.analysis.metrics import METRIC_DOCS
+    doc = METRIC_DOCS.get(name)
+    return f"{name} ({doc.unit})" if doc and doc.unit and doc.unit not in ("fraction", "ratio") else name
 
 
 def bound_kind(system: str) -> str:

@@ -599,3 +599,23 @@ def test_every_system_of_the_catalogue_has_a_colour_of_its_own():
                             for s in names if s != "oracle" for q in (0.5, 1.0)])
     served = plot_latency_vs_qps(serving)
     assert len({line.get_color() for line in served.axes[0].get_lines()}) == len(names) - 1
+
+
+def test_serving_metrics_are_labelled_in_words_with_their_units():
+    """`moesim plot --x workload.qps --y ttft_ms_p99` was titled "ttft_ms_p99 vs workload.qps", its axes the
+    raw column names without a unit; serving metrics are labelled as the replay metrics are."""
+    from moesim.analysis.figures import label
+    frame = pd.DataFrame([{"point_id": f"{s}-{q}", "trace": "t.parquet", "hw": "a100-40g", "system": s, "seed": 0,
+                           "workload.qps": q, "status": "ok", "error": "", "ttft_ms_p99": 100.0 * q + i,
+                           "e2e_ms_mean": 900.0 * q, "throughput_rps": q, "engine_gpu_hit_rate": 0.5}
+                          for i, s in enumerate(("gpu-only-lru", "static-hot")) for q in (0.5, 1.0, 2.0)])
+    fig = plot_results(frame, x="workload.qps", y="ttft_ms_p99", hue="system")
+    assert fig._suptitle.get_text() == "TTFT, p99 (ms) vs arrival rate (requests/s)"
+    assert fig.axes[0].get_xlabel() == "arrival rate (requests/s)" and fig.axes[0].get_ylabel() == "TTFT, p99 (ms)"
+    scatter = plot_scatter(frame, x="throughput_rps", y="e2e_ms_mean")
+    assert (scatter.axes[0].get_xlabel(), scatter.axes[0].get_ylabel()) == \
+        ("throughput (requests/s)", "end-to-end latency, mean (ms)")
+    assert label("tpot_ms_p90") == "TPOT, p90 (ms)" and label("queue_ms_p50") == "queueing delay, p50 (ms)"
+    assert label("engine_gpu_hit_rate") == "GPU hit rate" and label("goodput_rps") == "goodput (requests/s)"
+    assert label("cpu_util") == "CPU utilisation" and label("cache.slots") == "GPU cache slots, all layers"
+    assert label("kv_tokens_set") == "kv_tokens_set"  # a column no table knows keeps its name
