@@ -35,10 +35,11 @@ from moesim.analysis.figure_style import (BOUND_PALETTE, HATCHES, LOG_RATIO, MAR
 from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
 from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
-                                           NOT_SET, SUBSTITUTES_MARK, UnevenMeans, as_groups, bound_kind, column,
-                                           fewer_runs, headline_metric, hue_names, is_bound, label, load_results,
-                                           ok_rows, ordered_systems, parameter_columns, routed_activations,
-                                           sorted_values, substituting, substitution_note, system_label, varying)
+                                           NOT_SET, SUBSTITUTES_MARK, X_SETTINGS, UnevenMeans, as_groups,
+                                           bound_kind, column, fewer_runs, headline_metric, hue_names, is_bound,
+                                           label, load_results, ok_rows, ordered_systems, parameter_columns,
+                                           routed_activations, sorted_values, substituting, substitution_note,
+                                           system_label, varying)
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -56,11 +57,35 @@ def facet_for(frame: pd.DataFrame, exclude: Sequence[str]) -> str | None:
     return None
 
 
+#: the most panels a standard figure splits into; parameters past it are averaged (the heading says so)
+MAX_PANELS = 12
+
+
+def facets_for(frame: pd.DataFrame, exclude: Sequence[str]) -> list[str]:
+    """The swept parameters a standard figure shows as panels rather than averaging them: the hardware profile,
+    the trace, then every other swept parameter in column order (not the system, the seed, ``exclude`` or what
+    the x axis stands for), each while the panels stay within :data:`MAX_PANELS`; ordered by how many values
+    they have, so the one with most runs across and the others down. Averaged, a sweep over three PCIe
+    bandwidths and two traces made one line per system of six settings, said only by a "mean over" note."""
+    tied = {t for x in exclude for t in X_SETTINGS.get(x, ())}
+    params = [c for c in varying(frame, parameter_columns(frame)) if c not in ("system", "seed", *exclude, *tied)]
+    first = ("hw", "trace")
+    params = sorted(params, key=lambda c: first.index(c) if c in first else len(first))  # stable: column order
+    chosen: list[str] = []
+    panels = 1
+    for name in params:
+        count = frame[name].nunique(dropna=False)
+        if panels * count <= MAX_PANELS:
+            chosen.append(name)
+            panels *= count
+    return sorted(chosen, key=lambda c: frame[c].nunique(dropna=False))
+
+
 def fig_tpot_vs_slots(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
     """TPOT against GPU cache slots per layer, one line per system (bounds and references dashed), one panel
-    per profile."""
+    per setting of the other swept parameters (:func:`facets_for`)."""
     x = slots_column(frame)
-    return plot_results(frame, x=x, y="tpot_ms_mean", hue="system", facet=facet_for(frame, (x,)), path=path,
+    return plot_results(frame, x=x, y="tpot_ms_mean", hue="system", facet=facets_for(frame, (x,)), path=path,
                         title="TPOT vs GPU cache slots per layer")
 
 
@@ -81,14 +106,14 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     """GPU hit rate against the prefetch count: a varied ``prefetch.*`` parameter, else prefetches issued."""
     param = prefetch_parameter(frame)
     if param:
-        return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facet_for(frame, (param,)),
+        return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facets_for(frame, (param,)),
                             path=path, title=f"GPU hit rate vs {param}")
     data = ok_rows(frame)
     if not prefetched(data):  # every marker would sit at x = 0: the hit rate by cache size (or system) instead
         slots = slots_column(data)
         x = slots if slots in data.columns and data[slots].nunique() > 1 else "system"
         return plot_results(data, x=x, y="gpu_hit_rate", hue="system" if x != "system" else None,
-                            facet=facet_for(data, (x,)), path=path,
+                            facet=facets_for(data, (x,)), path=path,
                             title=f"GPU hit rate vs {label(x)} (no run prefetched)")
     fig = DisplayFigure(figsize=(8.4, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -259,10 +284,11 @@ def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
         short, what = ("TPOT", "TPOT (mean time per output token)") if y == "tpot_ms_mean" else \
             ("TTFT", "TTFT (no run decoded a token)")
         out["tpot_vs_slots"] = _drawn(
-            "latency", lambda: plot_results(data, x=slots, y=y, hue="system", facet=facet_for(data, (slots,)),
+            "latency", lambda: plot_results(data, x=slots, y=y, hue="system", facet=facets_for(data, (slots,)),
                                             title=f"{short} vs GPU cache slots per layer"),
-            f"{what} against GPU cache slots per layer; dashed lines are bounds and references, bands span points "
-            "averaged together.")
+            f"{what} against GPU cache slots per layer, a panel per setting of the other swept parameters (up to "
+            f"{MAX_PANELS} panels); dashed lines are bounds and references; where parameters are averaged (the "
+            "heading names them), bands span their points' minimum to maximum.")
     else:
         out["tpot_vs_slots"] = (None, "the sweep varies no cache size")
     against = "prefetching" if prefetched(data) or prefetch_parameter(data) else \

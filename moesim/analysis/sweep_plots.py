@@ -4,7 +4,9 @@ display, no pyplot state."""
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,28 +17,34 @@ from matplotlib.lines import Line2D
 
 from moesim.analysis.figure_style import hue_styles, legend_handle, log_axis, side_legend, spans_decade, tidy_axes
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
-from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, UnevenMeans, as_groups, check_drawable, column,
-                                           failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
+from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, X_SETTINGS, UnevenMeans, as_groups, check_drawable,
+                                           column, failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
                                            ordered_systems, parameter_columns, sorted_values, varying)
 from moesim.errors import ConfigError
 
 # ----------------------------------------------------------------------------- the general plot
-def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None, facet: str | None = None,
-                 path: str | os.PathLike | None = None, source: str | None = None, title: str = "",
-                 logy: bool | None = None) -> Figure:
+def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
+                 facet: str | Sequence[str] | None = None, path: str | os.PathLike | None = None,
+                 source: str | None = None, title: str = "", logy: bool | None = None) -> Figure:
     """``y`` against ``x``, one line per ``hue`` value, one panel per ``facet`` value.
 
+    ``facet`` may name several columns: one panel per combination of their
+    values, the last one's values across (columns), the others' down (rows).
     Numeric ``x``: lines with markers; other ``x``: grouped bars. Points that
     differ in parameters not on the figure are averaged, and the band (or
     error bar) spans their minimum to maximum; the figure says which
-    parameters those were. ``logy`` (default: lines whose values span more
-    than :data:`LOG_RATIO`; bars stay linear from zero) draws the y axis on a
-    log scale, which its label says.
+    parameters those were. A parameter that sets an ``x`` metric
+    (``cache.slots`` for ``slots_per_layer``) is on the x axis, not averaged.
+    ``logy`` (default: lines whose values span more than :data:`LOG_RATIO`;
+    bars stay linear from zero) draws the y axis on a log scale, which its
+    label says.
     """
     x = column(frame, x, "x", source)
     y = column(frame, y, "y", source)
     hue = column(frame, hue, "hue", source) if hue else None
-    facet = column(frame, facet, "facet", source) if facet else None
+    facets = [column(frame, f, "facet", source) for f in ([facet] if isinstance(facet, str) or not facet
+                                                            or not isinstance(facet, (list, tuple)) else facet)
+              if f]
     data = ok_rows(frame, source)
     if data[y].dtype.kind not in "biuf":
         raise ConfigError(f"column '{y}' is not numeric", source=source, field="y",
@@ -47,17 +55,35 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
                           fix="choose a metric the runs defined (e.g. no TTFT without prefill)")
     data, without_x = rows_with_x(data, x, source)
     check_drawable(data, ((x, "x"), (y, "y")), source)
-    data = as_groups(data, (hue, facet))
-    shown = {x, hue, facet} - {None}
+    data = as_groups(data, (hue, *facets))
+    panel_values = [sorted_values(data[f]) for f in facets]
+    if len(facets) > 1:  # one column naming each panel by its facets' values
+        data = data.assign(_panel=list(zip(*(data[f] for f in facets))))
+        facet = "_panel"
+        panels = list(itertools.product(*panel_values))
+        cols = len(panel_values[-1])
+    else:
+        facet = facets[0] if facets else None
+        panels = panel_values[0] if facets else [None]
+        cols = min(len(panels), 3)
+    shown = {x, hue, *facets} - {None}
     averaged = [c for c in varying(data, parameter_columns(data)) if c not in shown]
+    tied = [c for c in averaged if c in X_SETTINGS.get(x, ())]  # what the x metric stands for
+    averaged = [c for c in averaged if c not in tied]
     keys = [c for c in (facet, hue, x) if c]
-    runs = data.groupby(keys, dropna=False)[y].size() if averaged else None
-    full = full_runs(data, keys, averaged) if averaged else None
+    runs = full = None
+    if averaged:  # runs per point, counted apart per value of a tied parameter
+        counted = keys + tied
+        runs = data.groupby(counted, dropna=False)[y].size()
+        full = full_runs(data, counted, averaged)
+        if tied:
+            runs = runs.groupby(level=list(range(len(keys))), dropna=False).sum()
+            full = full.groupby(level=list(range(len(keys))), dropna=False).sum()
     hollow = set(runs[runs < full].index) if averaged else set()
-    panels = sorted_values(data[facet]) if facet else [None]
-    cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
-    fig = DisplayFigure(figsize=(4.6 * cols + 2.4, 3.6 * rows + 0.5), layout="constrained")
+    # many panels across: narrower ones, so the figure stays within a page's width
+    width, height = (4.6, 3.6) if cols <= 3 else (3.8, 3.2)
+    fig = DisplayFigure(figsize=(width * cols + 2.4, height * rows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
     numeric_x = data[x].dtype.kind in "biuf"
@@ -66,14 +92,19 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     styles = hue_styles(hues, hue == "system", ordered_systems(frame["system"].dropna().unique())
                         if hue == "system" else None)
     for ax, panel in zip(axes.flat, panels):
-        sub = data[data[facet] == panel] if facet else data
+        sub = data[data[facet].map(lambda v, p=panel: v == p)] if facet else data
         if numeric_x:
             _lines(ax, sub, x, y, hue, hues, styles, _hollow_xs(hollow, keys, facet, panel, hue))
         else:
             _bars(ax, sub, x, y, hue, hues, styles)
         ax.set_xlabel(label(x))
-        if facet:
-            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+        if facets:
+            values = panel if len(facets) > 1 else (panel,)
+            ax.set_title("\n".join(f"{label(f)} = {_shown(f, v)}" for f, v in zip(facets, values)),
+                         fontsize=10 if len(facets) == 1 else 9)
+            if sub.empty:
+                ax.text(0.5, 0.5, "no finished point", transform=ax.transAxes, ha="center", va="center",
+                        color="#777777", fontsize=9)
         tidy_axes(ax)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
@@ -101,6 +132,11 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def _shown(column: str, value: Any) -> str:
+    """A facet's value in a panel title: a trace by its file name."""
+    return os.path.basename(str(value)) if column == "trace" else str(value)
 
 
 def rows_with_x(data: pd.DataFrame, x: str, source: str | None = None) -> tuple[pd.DataFrame, str]:

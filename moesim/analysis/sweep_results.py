@@ -58,6 +58,10 @@ LABELS = {
 }
 #: the per-request latencies of a serving run (``ttft_ms_p99``: their 99th percentile over its requests)
 SERVING_LATENCIES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "end-to-end latency", "queue": "queueing delay"}
+#: parameters that set a metric on the x axis: drawn against ``slots_per_layer``, runs at two ``cache.slots``
+#: are two points of the x axis, not averaged (systems without a cache sit at 0 whatever they asked)
+X_SETTINGS = {metric: ("cache.slots", "cache.slots_per_layer")
+              for metric in ("slots_per_layer", "expert_slots", "expert_cache_gib")}
 #: metrics where more is better (the Pareto front maximises them); every other metric is minimised
 HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
                     "gpu_share_of_activations"}

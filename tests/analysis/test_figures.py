@@ -619,3 +619,63 @@ def test_serving_metrics_are_labelled_in_words_with_their_units():
     assert label("engine_gpu_hit_rate") == "GPU hit rate" and label("goodput_rps") == "goodput (requests/s)"
     assert label("cpu_util") == "CPU utilisation" and label("cache.slots") == "GPU cache slots, all layers"
     assert label("kv_tokens_set") == "kv_tokens_set"  # a column no table knows keeps its name
+
+
+def _grid(traces=2, scales=(0.5, 1.0, 2.0), hws=("a100-40g",)) -> pd.DataFrame:
+    """Systems x traces x PCIe bandwidth scales (x profiles) x cache.slots, as `moesim sweep` writes them:
+    the slots each run got are the metric slots_per_layer (cpu-only: none, whatever cache.slots asked)."""
+    rows = []
+    for hw in hws:
+        for t in range(traces):
+            for scale in scales:
+                for system in ("cpu-only", "gpu-only-lru", "all-in-gpu"):
+                    for slots in (96, 192, 384):
+                        per_layer = 0 if system == "cpu-only" else 128 if system == "all-in-gpu" else slots / 48
+                        rows.append({"point_id": f"{hw}{t}{scale}{system}{slots}", "trace": f"traces/b{t}.parquet",
+                                     "hw": hw, "system": system, "seed": 0, "hw.pcie.bandwidth_scale": scale,
+                                     "cache.slots": slots, "status": "ok", "error": "",
+                                     "slots_per_layer": per_layer, "prefetches": 0, "gpu_hit_rate": 0.5,
+                                     "tpot_ms_mean": (t + 1) * 100.0 / scale / (per_layer + 1)})
+    return pd.DataFrame(rows)
+
+
+def test_the_reports_figure_shows_two_swept_axes_as_rows_and_columns_not_a_mean():
+    """A sweep over two traces and three PCIe bandwidths (besides the cache size on x) was drawn as one panel
+    per trace, each line the mean over the bandwidths ("mean over hw.pcie.bandwidth_scale, cache.slots",
+    hollow markers "averaging 3 runs instead of 15"). It is now 2 x 3 panels, nothing averaged: cache.slots
+    is what slots_per_layer on x stands for."""
+    import warnings
+
+    from moesim.analysis.figures import UnevenMeans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnevenMeans)  # no point averages fewer runs than another
+        fig, caption = standard_figures(_grid(), gantt=False)["tpot_vs_slots"]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 6
+    assert panels[0].get_title() == "trace = b0.parquet\nPCIe bandwidth scale = 0.5"
+    assert panels[5].get_title() == "trace = b1.parquet\nPCIe bandwidth scale = 2.0"
+    assert fig.axes[0].get_subplotspec().get_geometry()[:2] == (2, 3)  # traces down, bandwidths across
+    assert "mean over" not in fig._suptitle.get_text() and "instead of" not in fig._suptitle.get_text()
+    lru = lines(panels[5])[1]
+    assert list(lru.get_ydata()) == pytest.approx([200.0 / 2 / (s / 48 + 1) for s in (96, 192, 384)])
+    assert "a panel per setting of the other swept parameters (up to 12 panels)" in caption
+
+
+def test_past_twelve_panels_the_last_swept_axes_are_averaged_and_said_so():
+    frame = _grid(hws=("a100-40g", "h100-pcie", "rtx4090"))  # 3 profiles x 2 traces x 3 bandwidths: 18 panels
+    fig, _ = standard_figures(frame, gantt=False)["tpot_vs_slots"]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 6 and panels[0].get_title() == "trace = b0.parquet\nhw = a100-40g"
+    assert "mean over hw.pcie.bandwidth_scale (band: min to max)" in fig._suptitle.get_text()
+    one = fig_tpot_vs_slots(frame[frame["hw"] == "a100-40g"])  # 6 panels: nothing averaged
+    assert len([ax for ax in one.axes if ax.get_visible()]) == 6 and "mean over" not in one._suptitle.get_text()
+
+
+def test_several_facets_of_plot_results_make_a_grid_and_an_empty_panel_says_so():
+    frame = _grid()
+    frame = frame[~((frame["trace"] == "traces/b1.parquet") & (frame["hw.pcie.bandwidth_scale"] == 2.0))]
+    fig = plot_results(frame, x="slots_per_layer", y="tpot_ms_mean", hue="system",
+                       facet=["trace", "hw.pcie.bandwidth_scale"])
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 6 and [t.get_text() for t in panels[5].texts] == ["no finished point"]
+    assert [len(lines(ax)) for ax in panels] == [3, 3, 3, 3, 3, 0]
