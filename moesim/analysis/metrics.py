@@ -76,7 +76,8 @@ METRIC_DOCS: dict[str, MetricDoc] = {
     "lower_bound": MetricDoc("", "the system's physical lower bound (docs/memory-and-bounds.md): makespan_s, "
                                  "ttft_ms, tpot_ms_mean and the slots it assumed"),
     "gap_to_lower_bound": MetricDoc("ratio", "makespan_s over lower_bound.makespan_s (>= 1)"),
-    "inputs": MetricDoc("", "what the run came from: trace, hw, settings (--set), seed, model"),
+    "inputs": MetricDoc("", "what the run came from: trace, hw, settings (--set), seed, model, and in the CLI's "
+                            "JSON hw_parts (the profile's GPU, host CPU, its cores and DRAM bandwidth)"),
     "skipped": MetricDoc("", "--system all only: why this system could not run on the trace (its only other keys: "
                              "system, inputs)"),
 }
