@@ -62,9 +62,12 @@ SERVING_LATENCIES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "end-to-end latency"
 #: are two points of the x axis, not averaged (systems without a cache sit at 0 whatever they asked)
 X_SETTINGS = {metric: ("cache.slots", "cache.slots_per_layer")
               for metric in ("slots_per_layer", "expert_slots", "expert_cache_gib")}
-#: metrics where more is better (the Pareto front maximises them); every other metric is minimised
-HIGHER_IS_BETTER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
-                    "gpu_share_of_activations"}
+_REPLAY_HIGHER = {"decode_tokens_per_s", "prefill_tokens_per_s", "gpu_hit_rate", "prefetch_precision",
+                  "gpu_share_of_activations"}
+#: metrics where more is better (a Pareto front maximises them; every other metric is minimised): the replay's,
+#: the serving rates and SLO share, and a serving run's engine metrics (engine_ and the replay's name)
+HIGHER_IS_BETTER = _REPLAY_HIGHER | {"throughput_rps", "goodput_rps", "output_tokens_per_s", "slo_attainment"} \
+    | {f"engine_{name}" for name in _REPLAY_HIGHER}
 
 
 # ----------------------------------------------------------------------------- loading and columns

@@ -43,3 +43,12 @@ def test_front_is_exactly_the_undominated_points(points, max_x, max_y):
     # one representative of each undominated (x, y) value
     assert {(x[i], y[i]) for i in front} == {(x[i], y[i]) for i in undominated}
     assert len(front) == len({(x[i], y[i]) for i in front})
+
+
+def test_serving_rates_and_slo_share_are_maximised_on_a_front():
+    """A scatter of TTFT p99 against throughput drew the front of the lowest throughputs: the serving rates,
+    goodput, SLO attainment and a serving run's engine hit rate were minimised like latencies."""
+    from moesim.analysis.sweep_results import HIGHER_IS_BETTER
+    assert {"throughput_rps", "goodput_rps", "output_tokens_per_s", "slo_attainment",
+            "engine_gpu_hit_rate"} <= HIGHER_IS_BETTER
+    assert not {"ttft_ms_p99", "tpot_ms_p50", "e2e_ms_mean", "engine_makespan_s"} & HIGHER_IS_BETTER
