@@ -178,19 +178,24 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
 
 
 def _print_metric_docs(json_out: str | None = None) -> None:
-    from rich.table import Table
-
     from moesim.analysis.metrics import METRIC_DOCS
+    print_metric_docs(METRIC_DOCS, "keys of moesim replay --json (one object; with several systems, one per system)",
+                      json_out)
+
+
+def print_metric_docs(docs: dict, title: str, json_out: str | None = None) -> None:
+    """``--help-metrics``: each key of a command's JSON with its unit and meaning, as a table, or with ``--json
+    OUT`` as JSON."""
+    from rich.table import Table
     if json_out:  # `--json -` promises JSON on stdout, not the table
         check_outputs(json=json_out)
-        write_json({key: {"unit": doc.unit, "meaning": doc.meaning} for key, doc in METRIC_DOCS.items()}, json_out)
+        write_json({key: {"unit": doc.unit, "meaning": doc.meaning} for key, doc in docs.items()}, json_out)
         return
-    table = Table(title="keys of moesim replay --json (one object; with several systems, one per system)",
-                  title_justify="left", width=min(console.width, 120))
+    table = Table(title=title, title_justify="left", width=min(console.width, 120))
     table.add_column("key", style="bold", no_wrap=True)
     table.add_column("unit", no_wrap=True)
     table.add_column("meaning", ratio=1, overflow="fold")
-    for key, doc in METRIC_DOCS.items():
+    for key, doc in docs.items():
         table.add_row(key, doc.unit or "-", doc.meaning)
     console.print(table)
 

@@ -11,7 +11,7 @@ from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
 from moesim.cli.app import (HW_PROFILE, InputPath, check_outputs, cli, console, err_console, hw_title, open_output,
                             parse_settings, hw_help, print_skipped, print_title, say_wrote, to_stdout,
                             write_json)
-from moesim.cli.replay_cmd import system_choice
+from moesim.cli.replay_cmd import print_metric_docs, system_choice
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -53,7 +53,7 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
               seed: int, help_metrics: bool) -> None:
     """Serve requests drawn from TRACE... arriving over time, batched by a scheduler; per-request latencies."""
     if help_metrics:
-        print_metric_docs(json_out)
+        serving_metric_help(json_out)
         return
     if not traces:
         raise click.MissingParameter(ctx=ctx, param=next(p for p in ctx.command.params if p.name == "traces"))
@@ -212,24 +212,11 @@ ENGINE_KEYS = ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches", "cpu_
                "expert_slots", "slots_per_layer", "breakdown_ms", "sim_wall_s", "notes", "cost_fallbacks")
 
 
-def print_metric_docs(json_out: str | None = None) -> None:
+def serving_metric_help(json_out: str | None = None) -> None:
     """``--help-metrics``: the keys of a run's metrics as a table, or with ``--json OUT`` as JSON (as
     ``moesim replay --help-metrics``)."""
-    from rich.table import Table
-    docs = serving_metric_docs()
-    if json_out:  # `--json -` promises JSON on stdout, not the table
-        check_outputs(json=json_out)
-        write_json({key: {"unit": doc.unit, "meaning": doc.meaning} for key, doc in docs.items()}, json_out)
-        return
-    table = Table(title="keys of moesim serve-sim --json (one object per run; several rates: a list of them in "
-                        "--qps order; several systems: an object keyed by system name)",
-                  title_justify="left", width=min(console.width, 120))
-    table.add_column("key", style="bold", no_wrap=True)
-    table.add_column("unit", no_wrap=True)
-    table.add_column("meaning", ratio=1, overflow="fold")
-    for key, doc in docs.items():
-        table.add_row(key, doc.unit or "-", doc.meaning)
-    console.print(table)
+    print_metric_docs(serving_metric_docs(), "keys of moesim serve-sim --json (one object per run; several rates: a "
+                      "list of them in --qps order; several systems: an object keyed by system name)", json_out)
 
 
 def json_runs(runs: dict[str, list[dict]], several_systems: bool, several_rates: bool) -> object:
