@@ -466,6 +466,14 @@ def _host_time(trace, system, wrap=None):
     return executor.run().host_time
 
 
+def _least_host_time(trace, system, wrap=None, runs=3):
+    """Each figure of :func:`_host_time`'s summary, the least of ``runs`` runs: another process's time slice only
+    adds to a host-clock figure, so the least is the run's own on a busy machine too."""
+    summaries = [_host_time(trace, system, wrap).summary() for _ in range(runs)]
+    return {key: min(s[key] for s in summaries) for key, value in summaries[0].items()
+            if isinstance(value, (int, float))}
+
+
 def _spin(seconds):
     import time
     end = time.perf_counter() + seconds
@@ -497,7 +505,7 @@ def test_a_plan_that_takes_2_ms_longer_raises_the_measured_plan_and_host_time_by
     """A system whose plan() spins 2 ms more per layer: plan() and host time per MoE layer grow by about 2 ms."""
     def slow(plan):
         return lambda view: (_spin(0.002), plan(view))[1]
-    base, slowed = _host_time(trace, "gpu-only-lru").summary(), _host_time(trace, "gpu-only-lru", slow).summary()
+    base, slowed = _least_host_time(trace, "gpu-only-lru"), _least_host_time(trace, "gpu-only-lru", slow)
     for key in ("plan_us_per_layer", "host_us_per_layer", "decode_plan_us_per_layer", "decode_host_us_per_layer"):
         assert 1500 <= slowed[key] - base[key] <= 5000, (key, base[key], slowed[key])
     assert slowed["plan_us_per_layer"] >= 2000
@@ -511,5 +519,5 @@ def test_a_plans_declared_overhead_is_not_counted_as_host_time(trace):
             made.overhead_s["predict"] = 0.002
             return made
         return run
-    base, charged = _host_time(trace, "gpu-only-lru").summary(), _host_time(trace, "gpu-only-lru", declared).summary()
+    base, charged = _least_host_time(trace, "gpu-only-lru"), _least_host_time(trace, "gpu-only-lru", declared)
     assert charged["host_us_per_layer"] - base["host_us_per_layer"] < 1000, (base, charged)
