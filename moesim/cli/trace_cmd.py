@@ -278,12 +278,16 @@ SYNTH_MAX_ROWS = 2**31 - 1
 
 
 def _check_synth_size(config) -> None:
-    prompts, decodes = config.prompts(), config.decodes()
-    tokens = max(p + d for p, d in zip(prompts, decodes))
+    if config.prompt_lens is None and config.decode_lens is None:  # one length for all: no list per request, which
+        tokens = config.prompt_len + config.decode_len              # for --requests 2147483648 took gigabytes
+        total = config.requests * tokens
+    else:  # lists as long as the ones given
+        prompts, decodes = config.prompts(), config.decodes()
+        tokens = max(p + d for p, d in zip(prompts, decodes))
+        total = sum(prompts) + sum(decodes)
     if tokens > 2**31 - 1:
         raise MoesimError(f"{tokens:,} tokens per request exceed the trace's int32 positions",
                           field="--prompt-len/--decode-len", fix="use fewer than 2,147,483,647 tokens per request")
-    total = sum(prompts) + sum(decodes)
     rows = total * config.model.num_layers
     if rows > SYNTH_MAX_ROWS:
         raise MoesimError(f"{config.requests:,} requests of {total:,} tokens in all x {config.model.num_layers} "

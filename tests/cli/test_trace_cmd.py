@@ -93,3 +93,20 @@ def test_a_setting_without_a_value_is_shown_one_of_this_commands_own(capsys):
                                        "(fix: write e.g. --set skew_first=0.5)\n")
     assert main(["replay", "t.parquet", "--set", "cache"]) == 2
     assert "(fix: write e.g. --set cache.slots_per_layer=4)" in capsys.readouterr().err
+
+
+def test_a_huge_request_count_is_refused_in_one_line_without_allocating_per_request(tmp_path):
+    """`moesim trace synth --requests 2147483648` built a list of lengths per request before its size check
+    refused them, over 4 GB (the fuzz test that drew this count had the test run killed for memory). Now the
+    check is arithmetic: one line, exit 2, well under 1 GB of address space."""
+    import subprocess
+    import sys
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30)); "
+            "from moesim.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "trace", "synth", "--model", "mixtral-8x7b", "--requests",
+                           "2147483648", "--out", str(tmp_path / "x.parquet")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = done.stderr.strip().splitlines()
+    assert "2,147,483,648 requests" in line and "beyond the limit of 2,147,483,647" in line
+    assert not (tmp_path / "x.parquet").exists()
