@@ -358,14 +358,15 @@ def sorted_values(series: pd.Series) -> list[Any]:
         return sorted(values, key=lambda v: (isinstance(v, str), v if isinstance(v, str) else float(v)))
 
 
-#: the hue or panel of runs that did not set a parameter (their sweep left it at the system's default)
-NOT_SET = "default"
+#: the hue or panel of runs whose row holds no value of a parameter: their system has no such parameter, or
+#: (results written before a sweep recorded the values points ran with) their sweep left it at its default
+NOT_SET = "not set"
 
 
 def as_groups(data: pd.DataFrame, columns: Sequence[str | None]) -> pd.DataFrame:
     """``data`` with each of ``columns`` (hue, facet) fit to name lines and panels: whole numbers stored as
     floats (a parameter some rows lack reads back as float) shown as whole numbers, and a missing value as
-    :data:`NOT_SET` (rows of a sweep that left the parameter at its default were dropped unseen)."""
+    :data:`NOT_SET` (such rows were dropped unseen)."""
     out = data
     for name in filter(None, columns):
         values = data[name]

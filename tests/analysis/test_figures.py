@@ -434,20 +434,22 @@ def test_without_any_prefetch_the_hit_rate_is_drawn_against_the_cache_size():
     assert [t.get_text() for t in one_size.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
 
 
-def test_rows_without_the_hue_parameter_are_drawn_as_its_default():
-    """Two sweeps in one file: one set engine.staging_slots to 2, the other left it out (the system's default).
-    The second's rows read back as NaN and were dropped unseen; they are a line of their own, 'default', and
-    the first's whole numbers, stored as floats beside the NaN, are labelled 2, not 2.0."""
+def test_rows_without_the_hue_parameter_are_drawn_as_a_line_of_their_own():
+    """Two sweeps in one file: one set engine.staging_slots to 2, the other left it out (the system's default,
+    in a file written before sweeps recorded the values points ran with; since then an empty cell is a system
+    without the parameter). The second's rows read back as NaN and were dropped unseen; they are a line of their
+    own, 'not set' (it was 'default', wrong for a system without the parameter), and the first's whole numbers,
+    stored as floats beside the NaN, are labelled 2, not 2.0."""
     frame = results().query("status == 'ok'").copy()
     frame["engine.staging_slots"] = np.where(frame["system"] == "static-hot", np.nan, 2.0)
     with pytest.warns(UserWarning, match="3 of 6 points average 2 runs instead of 4"):  # static-hot alone
         fig = plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean", hue="engine.staging_slots")
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["2", "default"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["2", "not set"]
     default = lines(fig.axes[0])[1]
     assert list(default.get_ydata()) == pytest.approx([45.0, 22.5, 11.25])  # static-hot: 60 and 30 / slots
     scatter = plot_scatter(frame.assign(prefetches=1), x="gpu_hit_rate", y="tpot_ms_mean",
                            hue="engine.staging_slots")
-    assert [t.get_text() for t in scatter.legends[0].get_texts()][:2] == ["2", "default"]
+    assert [t.get_text() for t in scatter.legends[0].get_texts()][:2] == ["2", "not set"]
 
 
 def test_bars_say_error_bars_and_one_run_is_one_run():
