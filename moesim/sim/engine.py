@@ -415,6 +415,17 @@ class Simulator(Transfers, Tracks):
             self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
+        deferred_end = 0.0
+        if plan.deferred:
+            # deferred work follows the immediate experts' submission; with none, it is the submission. Laid out
+            # before the GPU track: where it shares host DRAM with a copy it slows the copy (re-laid), and a GPU
+            # expert must wait for that copy's new end. The previous layer's deferred sync stays for the
+            # breakdown below; this layer's is kept until then
+            before = self._carried_from, self._carried_to
+            deferred_end = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred",
+                                           sync=not plan.cpu)
+            carried = self._carried_from, self._carried_to
+            self._carried_from, self._carried_to = before
         if predict is None:
             gpu_end = self._gpu_track(plan.gpu, streamed, staged, count, s, layer, tokens, t1, loaded)
             if plan.prefetches and plan.prefetch_after_gpu:
@@ -433,11 +444,9 @@ class Simulator(Transfers, Tracks):
             breakdown = counters.breakdown
             breakdown["sync"] += past
             breakdown["cpu_other"] += cpu_side - gpu_end - past
-        self.deferred_until = 0.0
+        self.deferred_until = deferred_end
         if plan.deferred:
-            # deferred work follows the immediate experts' submission; with none, it is the submission
-            self.deferred_until = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred",
-                                                  sync=not plan.cpu)
+            self._carried_from, self._carried_to = carried
             counters.deferred_weight_mass += weight_mass(view, plan.deferred)
             if layer == self.model.num_layers - 1 and self.deferred_until > end:  # nothing later to overlap with
                 past = self._past_carried(end)

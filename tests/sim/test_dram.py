@@ -157,3 +157,34 @@ def test_engine_ledger_stays_short_when_no_copy_runs(tmp_path):
     sim.dram.add = counted_add
     sim.run()
     assert len(lengths) == 600 and max(lengths) == 65  # one interval per layer, 64 kept at most between prunes
+
+
+def test_engine_gpu_expert_waits_for_a_copy_slowed_by_deferred_cpu_work(tmp_path):
+    """Expert Deferral beside a streamed GPU expert (static-hot with no slots, the best CPU/GPU split, the
+    ktrans-deferral of ktransformers-ed): layer 0 copies expert 0 to the GPU while its deferred expert 1 runs
+    on the CPU, the two sharing host DRAM past its combined bandwidth. The copy is slowed; the GPU must start
+    expert 0 when it lands. The deferred work was laid out after the GPU track, so the GPU started expert 0
+    at the copy's unslowed end, 51 us before its weights were there."""
+    from moesim.sim.result import result_to_frames
+    from moesim.sim.run import simulate
+    model = tiny_model(layers=2, experts=4, top_k=2)
+    path = write_tiny_trace(tmp_path / "t.parquet", model,
+                            [{"phase": "decode", "tokens": {0: (5, [[[0, 1]], [[2, 3]]])}}])
+    settings_ = {"cache.slots_per_layer": "0", "assign": "best", "defer": "ktrans-deferral", "defer.deferred": "1",
+                 "hw.cpu.dram_combined_gbps": "0.5", "engine.check": "true"}
+    profile = tiny_profile(pcie_gbps=1.0, cpu_us=(150.0, 10000.0))
+    result = simulate(str(path), profile, "static-hot", settings_, timeline=True, decisions=True)
+    frames = result_to_frames(result)
+    decisions = frames["decisions"]
+    assert set(decisions[decisions.layer == 0].itertuples(index=False, name=None)) == {
+        (0, 0, 0, "gpu_stream", 0), (0, 0, 1, "deferred", 0)}
+    spans = frames["timeline"]
+    stage = spans[(spans.kind == "stage") & (spans.layer == 0)].iloc[0]
+    deferred = spans[spans.kind == "deferred"].iloc[0]
+    expert = spans[(spans.resource == "gpu") & (spans.kind == "expert") & (spans.layer == 0)].iloc[0]
+    unslowed = stage.start_s + profile.pcie.latency_us * 1e-6 + 49_152 / 1e9
+    assert deferred.start_s < stage.end_s and stage.end_s > unslowed + 50e-6  # slowed by the deferred work
+    assert expert.start_s == pytest.approx(stage.end_s, rel=1e-12)
+    # the replay without the timeline lays the layer out alike
+    assert simulate(str(path), profile, "static-hot", settings_).makespan_s == pytest.approx(result.makespan_s,
+                                                                                                rel=1e-12)
