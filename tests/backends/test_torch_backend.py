@@ -82,6 +82,7 @@ def test_prefetches_started_after_the_last_token_count_as_cancelled_as_in_the_si
 def test_a_copy_running_when_the_run_ends_has_its_span_cut_there(tmp_path, monkeypatch):
     """pcie_busy_s counts a copy's part inside the run; the timeline shows that part too (as the simulator's).
     Each stand-in copy takes 20 ms, so SMoE's cache fill at the prefill's end runs past it."""
+    import threading
     import time
 
     from backends.devices import CopyEngine
@@ -89,14 +90,26 @@ def test_a_copy_running_when_the_run_ends_has_its_span_cut_there(tmp_path, monke
     prompt = [[0, 1], [1, 2], [2, 3]]
     path = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "prefill", "tokens": {0: (0, [prompt, prompt])}}])
 
+    started = threading.Event()
+
     def slow(engine, t):
         t.issued.set()
         t.start_s = engine.clock.now()
+        started.set()
         time.sleep(0.02)
         t.dst.copy_(t.src)
         t.end_s = engine.clock.now()
     monkeypatch.setattr(CopyEngine, "_copy", slow)
-    result = prepare_real(str(path), tiny_profile(), "smoe", {}, RealConfig(device="cpu", cpu_threads=1)).run()
+    executor = prepare_real(str(path), tiny_profile(), "smoe", {}, RealConfig(device="cpu", cpu_threads=1))
+    step = executor._step
+
+    def step_with_a_copy_on_the_wire(one):
+        step(one)
+        # on a loaded machine the copy thread may not have started the fill's first copy before the run ends
+        # (then no copy runs at the end, and none is cut): the run ends once one is on the wire
+        assert started.wait(10)
+    executor._step = step_with_a_copy_on_the_wire
+    result = executor.run()
     pcie = result_to_frames(result)["timeline"].query("resource == 'pcie'")
     assert len(pcie) and pcie.end_s.max() == result.makespan_s
     assert (pcie.end_s - pcie.start_s).sum() == pytest.approx(result.pcie_busy_s, rel=1e-9)
