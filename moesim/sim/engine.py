@@ -185,7 +185,9 @@ class Simulator(Transfers, Tracks):
         if not self.steps:
             return []
         last = self.steps[-1].step
-        late = [x.step for x in self.pcie.queue if x.kind == "prefetch" and x.step < last - BACKLOG_STEPS]
+        whole = self.costs.expert_bytes  # a chunked prefetch's rest, back in the queue, has started
+        late = [x.step for x in self.pcie.queue
+                if x.kind == "prefetch" and x.nbytes == whole and x.step < last - BACKLOG_STEPS]
         if not late:
             return []
         return [f"{self.system.name}: {len(late)} prefetches issued more than {BACKLOG_STEPS} steps before the last "
