@@ -195,3 +195,13 @@ def test_the_evaluated_models_and_their_table_2_split(preset, layers, experts, t
     deferral.configure(RunContext(model=model, costs=CostModel(profile, model, quantized),
                                   capacity=[0] * model.num_layers))
     assert (model.top_k - deferral.count, deferral.count) == immediate_deferred
+
+
+def test_a_deferral_count_that_leaves_no_immediate_expert_names_both_ranges():
+    """The fix said "use 0..1 (001 Sec. 4.2 keeps at least 2 immediate)" for a top-2 model, where keeping 2
+    immediate allows none deferred: it now gives what runs (0..1) and what the paper keeps (0..0) apart."""
+    from moesim.errors import ConfigError
+    from moesim.sim.run import simulate
+    trace = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    with pytest.raises(ConfigError, match=r"use 0\.\.1; 001 Sec\. 4\.2 keeps at least 2 immediate: 0\.\.0"):
+        simulate(trace, "rtx4090", "ktransformers-ed", {"defer.deferred": "2"})

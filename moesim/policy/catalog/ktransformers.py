@@ -178,8 +178,8 @@ class ExpertDeferral(Deferral):
                                  f"override")
         if not 0 <= self.count < ctx.model.top_k:
             raise ConfigError(f"defer.deferred={self.count} leaves no immediate expert of top-{ctx.model.top_k}",
-                              field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1} (001 Sec. 4.2 keeps "
-                              "at least 2 immediate)")
+                              field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1}; 001 Sec. 4.2 keeps at "
+                              f"least 2 immediate: 0..{max(ctx.model.top_k - 2, 0)}")
         if self.count and ctx.model.top_k - self.count < 2:
             ctx.notes.append(f"ktrans-deferral: {self.count} deferred of top-{ctx.model.top_k} leaves "
                              f"{ctx.model.top_k - self.count} immediate expert per token; 001 Sec. 4.2 and 6.3 "
