@@ -30,11 +30,11 @@ A point's id and its store identity do not change: the id stays a hash of the se
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from moesim.sweep.spec import Point, setting_str
+from moesim.util import is_missing
 
 #: the column naming, per row, the parameter cells filled with the value the point ran with
 FILLED = "defaults_filled"
@@ -52,10 +52,6 @@ def is_parameter(column: str) -> bool:
     return "." in column or column in _UNDOTTED
 
 
-def missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
 def fill_keys(spec_keys: Iterable[str], rows: Iterable[dict[str, Any]]) -> list[str]:
     """The parameter columns to fill: the spec's ``--set`` keys, then those of rows already stored (another
     spec's, in the same file)."""
@@ -71,7 +67,7 @@ def row_settings(row: dict[str, Any]) -> dict[str, str]:
     filled = set(filter(None, str(row.get(FILLED) or "").split("; ")))
     out = {}
     for key, value in row.items():
-        if is_parameter(key) and key not in filled and not missing(value):
+        if is_parameter(key) and key not in filled and not is_missing(value):
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             out[key] = setting_str(value)
@@ -94,7 +90,7 @@ class Defaults:
         """Write into ``row`` (a point of ``row['system']`` that set ``settings``) the value it ran with for each of
         ``keys`` it neither set nor holds, and add them to its ``defaults_filled``. Returns the keys filled.
         Never raises: a value that cannot be told is left empty."""
-        todo = [k for k in keys if k not in settings and missing(row.get(k))]
+        todo = [k for k in keys if k not in settings and is_missing(row.get(k))]
         filled = []
         if todo:
             values = self.values(str(row.get("system")), settings, todo, row=row, trace_path=trace_path,
@@ -110,7 +106,7 @@ class Defaults:
     def values(self, system: str, settings: dict[str, str], keys: list[str], *, row: dict[str, Any],
                trace_path: str | None, hw_path: str | None, model: Any = None) -> dict[str, Any]:
         """For each of ``keys`` that applies to ``system`` run with ``settings``: the value it ran with."""
-        model = None if missing(model) else str(model)
+        model = None if is_missing(model) else str(model)
         shared = tuple(k for k in keys if k not in _ROW_KEYS)
         others = {k: v for k, v in settings.items() if k not in _ROW_KEYS}
         memo = (system, tuple(sorted(others.items())), shared, trace_path, hw_path, model)
@@ -127,7 +123,7 @@ class Defaults:
                 value = self._value(system, settings, key, row, trace_path, hw_path, model)
             except Exception:  # noqa: BLE001, S112 - a value not told is left empty; it must not stop the sweep
                 continue
-            if value is not _NONE and not missing(value):
+            if value is not _NONE and not is_missing(value):
                 out[key] = _plain(value)
         return out
 
@@ -145,7 +141,7 @@ class Defaults:
             return _NONE
         if key == "cache.slots":
             held = row.get("expert_slots", row.get("engine_expert_slots"))
-            if held is None or missing(held) or row.get("status") != "ok" or not spec.uses_cache:
+            if is_missing(held) or row.get("status") != "ok" or not spec.uses_cache:
                 return _NONE
             return int(held)
         if key == "cache.slots_per_layer":
@@ -273,7 +269,7 @@ def fill_stored(resolver: Defaults, rows: dict[str, dict[str, Any]], keys: list[
             continue
         point = points.get(pid)
         settings = point.settings_str() if point is not None else row_settings(row)
-        if not any(k not in settings and missing(row.get(k)) for k in keys):
+        if not any(k not in settings and is_missing(row.get(k)) for k in keys):
             continue
         try:
             same = row.get("input_fingerprint") is not None and row.get("input_fingerprint") == current(row)
