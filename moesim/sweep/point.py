@@ -10,7 +10,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from moesim.errors import MissingColumnError, MoesimError, UnservableError
 from moesim.sweep.spec import Point
@@ -194,10 +194,9 @@ def _bytecode(cls: type) -> bytes:
             functions = _functions_of(value)
             for function in functions:
                 code = function.__code__
-                plain = tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
                 defaults = tuple(d for d in (function.__defaults__ or ()) if isinstance(d, PLAIN_VALUES))
-                out.append(code.co_code + repr((code.co_names, plain, defaults)).encode() + _nested_code(code)
-                           + _globals_read(function))
+                out.append(code.co_code + repr((code.co_names, _plain_consts(code), defaults)).encode()
+                           + _nested_code(code) + _globals_read(function))
             if not functions and (isinstance(value, PLAIN_VALUES) or (
                     isinstance(value, tuple) and all(isinstance(v, PLAIN_VALUES) for v in value))):
                 out.append(repr((key, value)).encode())
@@ -219,12 +218,21 @@ def _nested_code(code: Any) -> bytes:
     and inner functions, in order, recursively): editing ``key=lambda e: e * 2`` to ``* 3`` changes them (b""
     when there is none, so the fingerprint of a method without nested code is what it was before these were
     hashed)."""
-    out = []
+    return b"".join(inner.co_code + repr((inner.co_names, _plain_consts(inner))).encode()
+                    for inner in _inner_codes(code))
+
+
+def _plain_consts(code: Any) -> tuple:
+    """``code``'s constants but the code objects nested in it."""
+    return tuple(c for c in code.co_consts if not hasattr(c, "co_code"))
+
+
+def _inner_codes(code: Any) -> Iterator[Any]:
+    """The code objects nested in ``code``, each before the ones nested in it, in the order of its constants."""
     for const in code.co_consts:
         if hasattr(const, "co_code"):
-            plain = tuple(c for c in const.co_consts if not hasattr(c, "co_code"))
-            out.append(const.co_code + repr((const.co_names, plain)).encode() + _nested_code(const))
-    return b"".join(out)
+            yield const
+            yield from _inner_codes(const)
 
 
 def _globals_read(function: Any) -> bytes:
@@ -243,12 +251,7 @@ def _globals_read(function: Any) -> bytes:
     namespace = getattr(function, "__globals__", None)
     if code is None or not isinstance(namespace, dict):
         return b""
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        code = stack.pop()
-        names.update(code.co_names)
-        stack.extend(c for c in code.co_consts if hasattr(c, "co_code"))
+    names = set(code.co_names).union(*(inner.co_names for inner in _inner_codes(code)))
     read = []
     for name in sorted(names):
         if name in namespace:
