@@ -337,12 +337,12 @@ def hw_parts(hw: str, settings: dict[str, str]) -> dict[str, Any] | None:
             "cpu_dram_bandwidth_gbps": profile.cpu.dram_bandwidth_gbps}
 
 
-def hw_title(hw: str, settings: dict[str, str]) -> str:
+def hw_title(hw: str, settings: dict[str, str], parts: dict[str, Any] | None = None) -> str:
     """``hw`` as a table's title names it, with its GPU and host CPU, which differ between the bundled
     profiles as much as their GPUs: 'rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, 102.4 GB/s
     DRAM)'. The CPU's name loses a closing bracket ('(10 of 64 cores)'): the cores in use follow it."""
     import re
-    parts = hw_parts(hw, settings)
+    parts = parts or hw_parts(hw, settings)  # given: the caller's, read once
     if parts is None:
         return hw
     cpu = re.sub(r"\s*\([^()]*\)$", "", parts["cpu"]) or parts["cpu"]

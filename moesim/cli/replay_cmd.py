@@ -155,12 +155,12 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     given = f" ({', '.join(f'{k}={v}' for k, v in parsed.items())})" if parsed else ""  # what the table is of
     if len(systems) == 1:
         metrics_, frames = results[systems[0]]
-        print_title(out, f"{systems[0]} on {Path(trace_file).name} / {hw_title(hw, parsed)}{given}")
+        print_title(out, f"{systems[0]} on {Path(trace_file).name} / {hw_title(hw, parsed, parts)}{given}")
         render_metrics(metrics_, out)
         _write_outputs(metrics_, frames, json_out, timeline_out, chrome_out, plot_out, decisions_out,
                        meta={"trace": trace_file, "hw": hw, "system": systems[0]}, steps=steps, out=out)
     else:
-        print_title(out, f"{Path(trace_file).name} on {hw_title(hw, parsed)}{given}")
+        print_title(out, f"{Path(trace_file).name} on {hw_title(hw, parsed, parts)}{given}")
         render_comparison_table(metrics_by_system, out)
         from moesim.analysis.identical import decision_logs, identical_lines
         for line in identical_lines(metrics_by_system, decision_logs(trace_file, hw, parsed, model_preset=model_preset,
