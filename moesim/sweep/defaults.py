@@ -11,10 +11,14 @@ What a filled cell holds:
 
 * a component's parameter (``prefetch.n``) or swap (``cache``): the point's system built with the point's own
   settings (and the system's own defaults), its component's field (its name for a swap); empty where that
-  component has no such parameter. A default that the component resolves for the model when a run starts
-  ("-1: the paper's value for the model") is recorded as written (``-1``), since the run does not report what
-  it resolved to; a point that spells ``-1`` itself shows the same. A portfolio bound (``oracle``): the value
-  its own schedules share, empty where they differ or one lacks the parameter;
+  component has no such parameter. A default the run resolves when it starts ("-1: the paper's value for the
+  model", DALI's ``cache.prefetch_slots`` "-1: twice the prefetch size") is recorded as what it resolved to
+  for the point: the system is set up as the point's run sets it up (its trace, profile and model; not run)
+  and the component read where it tells the value (the field itself, resolved in place, or the attribute
+  :data:`_RESOLVED_AS` names). Where it does not tell one (a per-layer ``substitute.tau``, a per-plan
+  ``solve_us``, llama.cpp's ``cache.n_cpu_moe``, which the memory plan decides) the cell holds the default as
+  written (``-1``); so does a point that spells ``-1`` itself (a setting, not filled). A portfolio bound
+  (``oracle``): the value its own schedules share, empty where they differ or one lacks the parameter;
 * ``engine.*`` and ``memory.*``: the value parsed for the point (the system's own defaults included);
   ``memory.expert_dtype`` left empty by default is the dtype the point's model gives, which the run uses;
 * ``hw.*``: the system's own override if it has one, else the profile's value (its default when the file omits
@@ -84,6 +88,9 @@ class Defaults:
         #: values by what they depend on (all but the cache's size, which is the row's own): the points of a grid
         #: over cache.slots share them
         self._values: dict[tuple, dict[str, Any]] = {}
+        #: systems set up as a run sets them up, to read what their defaults resolved to
+        self._set_ups: dict[tuple, tuple[Any, int]] = {}
+        self._kv_tokens: dict[str | None, int] = {}
 
     def fill(self, row: dict[str, Any], settings: dict[str, str], keys: Iterable[str], *, trace_path: str | None,
              hw_path: str | None) -> list[str]:
@@ -178,7 +185,41 @@ class Defaults:
             return _NONE
         if not rest:  # a component swap: the component the point ran
             return part.name
-        return getattr(part, rest) if rest in part.parameters() else _NONE
+        if rest not in part.parameters():
+            return _NONE
+        value = getattr(part, rest)
+        if not _left_to_run(part, rest, value):
+            return value
+        return self._resolved(system, settings, section, rest, trace_path, hw_path, model, written=value)
+
+    def _resolved(self, system: str, settings: dict[str, str], section: str, name: str, trace_path: str | None,
+                  hw_path: str | None, model: str | None, *, written: Any) -> Any:
+        """What ``section.name``, left at a default the run resolves ("-1: the paper's value for the model"),
+        resolved to: read off the system set up as the point's run sets it up; ``written`` where the component
+        does not tell (a per-layer or per-plan value, a count its memory plan decides) or the set-up fails."""
+        try:
+            set_up = self._set_up(system, settings, trace_path, hw_path, model)
+        except Exception:  # noqa: BLE001 - not told: the cell keeps the value as written
+            return written
+        built, layers = set_up
+        told = _resolved_value(built, layers, built.components[section], name)
+        return written if told is _NONE else told
+
+    def _set_up(self, system: str, settings: dict[str, str], trace_path: str | None, hw_path: str | None,
+                model: str | None) -> tuple[Any, int]:
+        """``system`` with ``settings`` as a run on the point's trace, profile and model configures it before its
+        first step (moesim.sim.run.prepare, then the system's configure), never run; and the model's layers."""
+        from moesim.sim.memory import peak_kv_tokens
+        from moesim.sim.run import prepare
+        key = (system, tuple(sorted(settings.items())), trace_path, hw_path, model)
+        if key not in self._set_ups:
+            if trace_path not in self._kv_tokens:  # the whole trace is read for it: once per trace
+                self._kv_tokens[trace_path] = peak_kv_tokens(str(trace_path))
+            sim = prepare(str(trace_path), self._profile(hw_path), system, settings, model_preset=model,
+                          kv_tokens=self._kv_tokens[trace_path], timeline=False, decisions=False)
+            sim.system.configure(sim.ctx)
+            self._set_ups[key] = (sim.system, sim.ctx.model.num_layers)
+        return self._set_ups[key]
 
     def _system(self, system: str, settings: dict[str, str]) -> Any:
         from moesim.policy.systems import build_system
@@ -202,6 +243,45 @@ class Defaults:
     def _profile(hw_path: str | None) -> Any:
         from moesim.sweep.point import cached_profile
         return cached_profile(str(hw_path))
+
+
+def _left_to_run(part: Any, name: str, value: Any) -> bool:
+    """Whether ``value`` of ``part``'s parameter ``name`` is a "choose for me" the run resolves: a negative
+    number that is the parameter's default (-1: the paper's value for the model, twice the prefetch size), or
+    any negative of a parameter documented "negative: ..." (``any_negative``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value < 0:
+        return False
+    return value == part.parameters()[name] or name in getattr(part, "any_negative", ())
+
+
+def _dali_buffer(built: Any, layers: int) -> Any:
+    """DALI's prefetch buffer: ``cache.prefetch_slots``, or at -1 twice its prefetch size, as its memory plan
+    reserves it (only a DALI system has the buffer; its cache swapped into another system ignores the field)."""
+    from moesim.policy.catalog.dali import DaliSystem
+    return built.reserved_slots(layers) if isinstance(built, DaliSystem) else _NONE
+
+
+#: (component name, parameter) -> the public attribute where the component keeps what a default left to the run
+#: resolved to, once configured (a component that resolves the field in place, as DALI's sizes do, needs none)
+_RESOLVED_AS: dict[tuple[str, str], str] = {
+    ("smoe-token", "n"): "count",
+    ("next-layer", "size"): "count",
+    ("ktrans-deferral", "deferred"): "count",
+    ("importance-router", "alpha"): "threshold",
+}
+
+
+def _resolved_value(built: Any, layers: int, part: Any, name: str) -> Any:
+    """What ``part``'s parameter ``name`` in the set-up system ``built`` (of a ``layers``-layer model) resolved
+    to, or ``_NONE`` where the component does not tell."""
+    names = [getattr(cls, "name", "") for cls in type(part).__mro__]  # a subclass resolves as its base
+    if name == "prefetch_slots" and "dali-workload" in names:
+        return _dali_buffer(built, layers)
+    attribute = next((_RESOLVED_AS[(n, name)] for n in names if (n, name) in _RESOLVED_AS), None)
+    if attribute is not None:
+        return getattr(part, attribute)
+    value = getattr(part, name)  # resolved in place by the set-up, or still the default it left
+    return _NONE if _left_to_run(part, name, value) else value
 
 
 def _field(obj: Any, name: str) -> Any:

@@ -72,10 +72,11 @@ def test_a_point_that_leaves_a_parameter_at_its_default_shows_the_value_it_ran_w
     stored = pd.read_parquet(out)
     for rows in (frame, stored):
         # the default of one's own (2, the same value as the point that spells it), a catalogue "-1: the paper's
-        # count for the model" as written, and nothing for a system whose prefetch has no n
+        # count for the model" as it resolved (000 Table I has no count for the tiny model: DeepSeek-V3's 2), and
+        # nothing for a system whose prefetch has no n
         assert _by_system(rows, "pn-a")["prefetch.n"].tolist() == [1, 2]
         assert _by_system(rows, "pn-b")["prefetch.n"].tolist() == [2]
-        assert _by_system(rows, "smoe")["prefetch.n"].tolist() == [-1]
+        assert _by_system(rows, "smoe")["prefetch.n"].tolist() == [2]
         assert math.isnan(_by_system(rows, "gpu-only-lru")["prefetch.n"].item())
         others = rows[rows["system"] != "pn-a"]
         assert others["hw.pcie.bandwidth_scale"].tolist() == [1.0] * 3  # the profile omits it: its default
@@ -159,3 +160,36 @@ def test_what_a_filled_cell_holds_for_serving_portfolio_and_model_dependent_para
     oracle = values("oracle", {}, ["engine.staging_slots", "cache", "assign"], row={}, trace_path=trace,
                     hw_path=hw)
     assert oracle == {"engine.staging_slots": 2}  # its schedules run belady, static-hot and belady caches
+
+
+def test_a_default_the_run_resolves_is_recorded_as_what_it_resolved_to(files):
+    """Issue: parameters whose default -1 means "the paper's value" or "derived" were recorded as -1 in the
+    rows of points that left them, so a figure or table put those points at -1 on its axis. Worked case, the tiny
+    model (top-2, 2 layers, 6 experts; 003 gives no sizes for it, so DALI takes its Mixtral ones, prefetch size 1
+    and u_size 1): a DALI point with prefetch.size=2 ran with a prefetch buffer of twice that, 4 slots, beside a
+    stored point that set cache.prefetch_slots=6; a point of the DALI system at its defaults, a buffer of 2."""
+    out = files / "r.parquet"
+    run_sweep(load_spec(write_spec(files, systems=["dali"], set={"cache.prefetch_slots": 6, "prefetch.size": 2})),
+              out, workers=1)
+    spec = load_spec(write_spec(files, systems=["dali", "smoe"], per_system={"dali": {"set": {"prefetch.size": 2}}}))
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert (summary.ran, summary.failed, summary.others) == (2, 0, 1)
+    for rows in (frame, pd.read_parquet(out)):
+        dali = rows[(rows["system"] == "dali") & (rows["defaults_filled"] != "")]
+        assert dali[["prefetch.size", "cache.prefetch_slots", "defaults_filled"]].values.tolist() == \
+            [[2, 4, "cache.prefetch_slots"]]
+        assert _by_system(rows, "smoe")[["prefetch.size", "cache.prefetch_slots"]].isna().all(axis=None)
+
+    from moesim.sweep.defaults import Defaults
+    trace, hw = str(files / "t.parquet"), str(files / "hw.yaml")
+    values = Defaults().values
+    keys = ["prefetch.size", "cache.u_size", "cache.prefetch_slots"]
+    assert values("dali", {}, keys, row={}, trace_path=trace, hw_path=hw) == \
+        {"prefetch.size": 1, "cache.u_size": 1, "cache.prefetch_slots": 2}
+    # next-layer's "-1: the model's top_k"; ktrans-deferral's count keeps 2 of top-2 immediate: none deferred
+    assert values("buddymoe", {}, ["prefetch.size"], row={}, trace_path=trace, hw_path=hw) == {"prefetch.size": 2}
+    assert values("ktransformers-ed", {}, ["defer.deferred"], row={}, trace_path=trace, hw_path=hw) == \
+        {"defer.deferred": 0}
+    # no single value told: a per-layer threshold, a count the memory plan decides
+    assert values("buddymoe", {}, ["substitute.tau"], row={}, trace_path=trace, hw_path=hw) == {"substitute.tau": -1.0}
+    assert values("llamacpp", {}, ["cache.n_cpu_moe"], row={}, trace_path=trace, hw_path=hw) == {"cache.n_cpu_moe": -1}
