@@ -8,10 +8,12 @@ A request is ``prompt`` prefill tokens followed by ``output`` decode tokens.
 Its KV cache holds one entry per computed token; the scheduler never lets the
 running requests hold more than ``kv_tokens`` entries. When a decode cannot get
 its entry, the most recently admitted request is preempted and recomputed later
-(its KV freed, its computed tokens prefilled again; it waits at the head of the
-queue from the next step on), as vLLM does by default
-(Kwon et al., SOSP'23, "Efficient Memory Management for Large Language Model
-Serving with PagedAttention", Sec. 4.5, recomputation).
+(its KV freed; it waits at the head of the queue from the next step on), as vLLM
+does by default (Kwon et al., SOSP'23, "Efficient Memory Management for Large
+Language Model Serving with PagedAttention", Sec. 4.5, recomputation). Its new
+prompt is its prompt and every token it has emitted, the last one included: the
+tokens whose KV was dropped plus the token it was about to decode, so the
+recompute step emits its next token itself (no separate decode step follows).
 
 Schedulers (``--set scheduler=NAME``, parameters ``scheduler.<field>``):
 
@@ -251,7 +253,10 @@ class ContinuousBatching(Scheduler):
             self.running.pop()
         else:
             del self.running[next(i for i, r in enumerate(self.running) if r is request)]
-        request.prefill_until = max(request.prefill_until, request.done)
+        # past its prompt it has emitted a token beyond its KV (the input of its next decode): vLLM's new prompt
+        # holds that token too, so the recompute step emits the next token as a prefill ends with one
+        emitted_to = request.done + 1 if request.done >= request.prompt else request.prompt
+        request.prefill_until = max(request.prefill_until, emitted_to)
         request.recomputed += request.done
         request.done = 0
         request.preemptions += 1
@@ -288,6 +293,10 @@ class ContinuousBatching(Scheduler):
         room = min(self.max_tokens - batch.tokens, free)
         if self.chunk_tokens:
             return int(max(min(need, self.chunk_tokens, room), 0))
+        if need > self.max_tokens and request.prefill_until > request.prompt:
+            # a recompute longer than a step's token budget could never run whole (check() bounds prompts, not
+            # prompts plus the tokens emitted before a preemption): it goes in pieces, not waiting forever
+            return int(max(min(need, room), 0))
         return need if need <= room else 0
 
 

@@ -124,11 +124,49 @@ def test_kv_exhaustion_preempts_the_newest_and_recomputes():
     batch = s.next_batch()  # no room: request 1 (admitted last) is preempted for request 0
     assert [(r.rid, n) for r, n in batch.entries] == [(0, 1)]
     assert batch.preempted == [b] and b.preemptions == 1 and b.done == 0
-    assert b.prefill_until == 5 and b.recomputed == 5  # its prompt and first decode token come back as prefill
+    # its prompt and first decode token lost their KV (5 recomputed); its new prompt, as vLLM forms it, is its
+    # prompt and both tokens it emitted: 6 tokens, the second emitted one (position 5) computed for the first time
+    assert b.prefill_until == 6 and b.recomputed == 5
     s.advance(batch)
     steps = plan(s, kv=10)
-    # request 0 finishes (7 entries), then 1 prefills its 5 tokens again and decodes its last two
-    assert steps == [[(0, 1)], [(1, 5)], [(1, 1)], [(1, 1)]]
+    # request 0 finishes (7 entries), then 1 prefills 6 tokens, emitting its 3rd token, and decodes its last
+    assert steps == [[(0, 1)], [(1, 6)], [(1, 1)]]
+    assert b.finished and b.recomputed == 5 and b.preemptions == 1
+
+
+def test_a_preemption_before_any_decode_recomputes_the_prompt_and_the_first_token():
+    """Preempted right after its prefill, a request has emitted one token and holds KV for its prompt only:
+    vLLM's new prompt is the prompt plus that token (3 + 1), one step, where a prefill of 3 and a decode
+    step of the 4th token were two."""
+    s = ContinuousBatching(max_batch=8, max_tokens=100)
+    a, b = req(0, 3, 3), req(1, 3, 1)
+    s.add(a)
+    s.add(b)
+    # both prompts: 6 of 7 entries; a's decode takes the 7th and b, the newest, yields its 3 for want of one;
+    # b's 4 tokens fit only once a (6 tokens) has finished
+    assert plan(s, kv=7) == [[(0, 3), (1, 3)], [(0, 1)], [(0, 1)], [(0, 1)], [(1, 4)]]
+    assert b.preemptions == 1 and b.recomputed == 3 and b.finished
+
+
+def test_a_recompute_longer_than_the_token_budget_runs_in_pieces():
+    """Prompts of 2 fit max_tokens=3 unchunked, but a request preempted after 4 decodes needs a prefill of 7
+    (2 + 5 emitted tokens): it waited at the head of the queue forever (an empty batch, then SimPy's 'No
+    scheduled events left'). It now recomputes in pieces of what the step's budget leaves."""
+    s = ContinuousBatching(max_batch=8, max_tokens=3, chunk_tokens=0)
+    a, b = req(0, 2, 6), req(1, 2, 6)
+    s.add(a)
+    s.add(b)
+    steps = plan(s, kv=12)
+    assert steps == [
+        [(0, 2)], [(1, 2)],  # 2 + 2 > 3: one prompt per step; prefill first stalls a's decode
+        *[[(0, 1), (1, 1)]] * 4,  # both decode to 6 entries each: 12, the budget
+        [(0, 1)],  # a needs a 13th: b (6 entries) yields; its new prompt is 7 tokens
+        [(1, 3)], [(1, 2)],  # 3 of them (the budget), then 2 (the 2 entries left)
+        [(0, 1)],  # a needs an entry: b (5 entries) yields again, a finishes (8 tokens)
+        [(1, 3)], [(1, 3)], [(1, 1)],  # b's 7 tokens in pieces of 3
+        [(1, 1)],  # and its last decode
+    ]
+    assert b.preemptions == 2 and b.recomputed == 6 + 5 and a.preemptions == 0
 
 
 def test_a_decode_that_yields_lets_an_older_prompt_go_on():
