@@ -144,7 +144,9 @@ SETTINGS = {"engine.check": "true", "cache.slots_per_layer": "5", "memory.expert
 
 def test_dali_replays_with_engine_checks(mixtral_like):
     m = metrics(simulate(mixtral_like, "hwprofiles/rtx3090.yaml", "dali", SETTINGS))
-    assert m["prefetches"] > 0 and m["streamed_experts"] > 0 and m["demand_loads"] == 0
+    assert m["prefetches"] > 0 and m["streamed_experts"] > 0
+    # a demand load is only ever a window's swap-in the layer computes on the GPU, each with a swap-out
+    assert 0 < m["demand_loads"] <= m["evictions"]
 
 
 def test_greedy_assignment_beats_all_on_cpu(mixtral_like):

@@ -93,7 +93,8 @@ def test_one_alg2_window_becomes_an_eviction_and_a_load_in_the_dali_plan():
     Alg. 1 at step 1 (t_gpu, t_cpu): 2 (max(4, 2) = 4, 6), 1 cached (1, 3), 3 (max(4, 1) = 4, 3);
       |diff| 2, 2, 1 -> order 2, 1, 3: 2 GPU (T_gpu 4); 1: 4 + 1 <= 0 + 3 no, CPU (3); 3: 8 <= 6 no, CPU (6)
     Alg. 2 lines 10-13: the top uncached expert, 2 (4), replaces the lowest cached one, 0 (1; 1 ties with
-    it at 1 and the lower id goes): evict (0, 0), load (0, 2).
+    it at 1 and the lower id goes): evict (0, 0), load (0, 2). Expert 2 is this layer's GPU expert too, so its
+    one copy goes into the slot 0 frees (a demand load), not through a staging buffer and then again.
     """
     model = tiny_model(layers=1, experts=4, top_k=2)
     costs = RoundCosts(model)
@@ -107,8 +108,8 @@ def test_one_alg2_window_becomes_an_eviction_and_a_load_in_the_dali_plan():
     first = system.plan(_view([[0, 2], [2, 3]], state, costs, step=0))
     assert first.evictions == [] and first.prefetches == []  # the window is still open
     plan = system.plan(_view([[2, 3], [2, 1]], state, costs, step=1))
-    assert plan.gpu == [2] and plan.streamed == [2] and sorted(plan.cpu) == [1, 3]
-    assert plan.evictions == [(0, 0)] and plan.prefetches == [(0, 2)]
+    assert plan.gpu == [2] and plan.loads == [2] and plan.streamed == [] and sorted(plan.cpu) == [1, 3]
+    assert plan.evictions == [(0, 0)] and plan.prefetches == []
     assert system.cache.cached(0) == {1, 2}
     assert system.cache._scores[0].sum() == 0  # line 15: the scores restart
 
@@ -301,11 +302,12 @@ def test_the_window_swap_and_the_residual_prefetch_in_one_plan():
     prefetch size 1, so a buffer of 2 slots beside the 2 cached per layer).
 
     Layer 0 routes (2, 3) twice: 2 and 3 have 2 tokens each, neither cached: t_gpu = max(4, 2) = 4, t_cpu = 6.
-    Alg. 1: |diff| 2 and 2, layer order; 2: 0 + 4 <= 0 + 6, GPU (streamed); 3: 4 + 4 <= 0 + 6 no, CPU.
+    Alg. 1: |diff| 2 and 2, layer order; 2: 0 + 4 <= 0 + 6, GPU; 3: 4 + 4 <= 0 + 6 no, CPU.
     Alg. 2 (the window of one pass closes): the top uncached, 2 (2; 3 ties, the lower id first), replaces the
-    lowest cached, 0 (0; 1 ties): evict (0, 0), copy (0, 2) into the cache.
+    lowest cached, 0 (0; 1 ties): evict (0, 0), copy (0, 2) into the cache; the layer computes 2 on the GPU,
+    so that copy is its demand load (plan.loads), not a stream plus a second copy.
     Residual prefetch for layer 1 from (3, 1), (3, 2): workloads 3:2 1:1 2:1, the top one, 3, is not on the GPU
-    and goes to the buffer: (1, 3), queued after the swap's copy."""
+    and goes to the buffer: (1, 3), queued behind the demand load."""
     model = tiny_model(layers=2, experts=4, top_k=2)
     costs = RoundCosts(model)
     system = build_system("dali", {"prefetch.size": "1", "cache.w_size": "1", "cache.u_size": "1",
@@ -319,9 +321,9 @@ def test_the_window_swap_and_the_residual_prefetch_in_one_plan():
     view = _view([[2, 3], [2, 3]], state, costs)
     view.predictors = {"pred_residual": [np.array([3, 1]), np.array([3, 2])]}
     plan = system.plan(view)
-    assert plan.gpu == [2] and plan.streamed == [2] and plan.cpu == [3]
+    assert plan.gpu == [2] and plan.loads == [2] and plan.streamed == [] and plan.cpu == [3]
     assert plan.evictions == [(0, 0)]
-    assert plan.prefetches == [(0, 2), (1, 3)]
+    assert plan.prefetches == [(1, 3)]
     assert system.cache.cached(0) == {1, 2} and system.cache.cached(1) == {0, 1}
 
 

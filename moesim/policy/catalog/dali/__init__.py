@@ -46,7 +46,8 @@ prefetches 4, and that is the setting taken.
 
 The ``dali`` system (:class:`DaliSystem`) keeps DALI's structure: the cache
 changes only through Alg. 2; a GPU expert that is not cached is transferred
-for this use only (streamed through the staging buffers, Fig. 9's E3/E7);
+for this use only (streamed through the staging buffers, Fig. 9's E3/E7),
+unless the window's swap takes it into the cache in the same plan (below);
 prefetched experts land in a model-wide prefetch buffer of ``cache.prefetch_slots``
 slots (default: twice the prefetch size, so the next layer's prefetch never
 overwrites the experts the current layer is using), apart from the cache: the
@@ -80,9 +81,14 @@ Interpretation of Alg. 2 (003 Sec. 4.3):
   layer that closes the window, and evicting either would take weights from
   under a running kernel or copy; the paper swaps between tokens and says nothing
   of this case;
-* an incoming expert the layer just streamed for its own use is copied again
-  into the cache: line 13 transfers it, and the staging buffer it used is the
-  next streamed expert's;
+* an incoming expert that the same layer computes on the GPU and would
+  otherwise stream (neither cached nor arriving) is copied once, straight into
+  the cache slot its swap frees (``plan.loads``), not streamed and copied
+  again. Alg. 2 line 13's transfer and Sec. 4's load of an uncached GPU expert
+  (Fig. 9's E3/E7) would move the same weights in one layer; the swap is
+  planned before the layer's copies start, and Sec. 4.3 lets a cached expert
+  serve the GPU with no transfer of its own. The cache ends up holding the
+  same experts;
 * the swap's copies are queued before the same plan's residual prefetches for
   the next layer (the paper orders neither); both wait behind demand copies.
 
@@ -159,6 +165,8 @@ class DaliSystem(ObservingSystem):
         plan.gpu = ready + arriving + plan.streamed
         if window_closed:
             self._swap(view, plan, set(gpu))
+            if plan.loads:  # loads are placed before the staged copies: the GPU takes them first
+                plan.gpu = ready + arriving + plan.loads + plan.streamed
         self._prefetch(view, plan)
         if self._prefetching and isinstance(self.prefetch, ResidualPrefetch):  # another prefetch: its own cost
             predict_s = self.prefetch.prediction_s(view)
@@ -168,15 +176,21 @@ class DaliSystem(ObservingSystem):
 
     def _swap(self, view: LayerView, plan: LayerPlan, in_use: set[int]) -> None:
         """The window's replacement: evict the dropped experts, load the new ones (or promote them
-        from the prefetch buffer, where they already are)."""
+        from the prefetch buffer, where they already are). A new one this layer streams is loaded into
+        its cache slot instead (``plan.loads``, taken out of ``plan.streamed``): one copy, not two."""
         cache, layer, state = self.cache, view.layer, view.cache
         assert isinstance(cache, WorkloadAwareCache)
         protected = in_use | state.in_flight[layer]
         swaps_in, swaps_out = cache.replacement(layer, protected)
         for e in swaps_out:
             plan.evictions.append((layer, e))
+        incoming = set(swaps_in)
+        if plan.streamed and not incoming.isdisjoint(plan.streamed):
+            plan.loads = [e for e in plan.streamed if e in incoming]  # in the GPU's order
+            plan.streamed = [e for e in plan.streamed if e not in incoming]
+        loading = set(plan.loads)
         for e in swaps_in:
-            if not state.has(layer, e):
+            if e not in loading and not state.has(layer, e):
                 plan.prefetches.append((layer, e))
 
     def _prefetch(self, view: LayerView, plan: LayerPlan) -> None:
@@ -188,7 +202,8 @@ class DaliSystem(ObservingSystem):
         evicted = set(plan.evictions)
         # free slots after the plan so far: of each target's quota (found at its first need), of the whole
         room: dict[int, int] = {}
-        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.prefetches)
+        taken = len(plan.prefetches) + len(plan.loads)  # the swap's copies, into the cache
+        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - taken
         # the buffer's entries, found at the first need: one layer's (a full quota) or every layer's (a full pool)
         entries: dict[int | None, list[tuple[int, int]]] = {}
         swaps = len(plan.prefetches)  # the window's swap-ins, cached experts
@@ -227,6 +242,8 @@ class DaliSystem(ObservingSystem):
         state = view.cache
         dropped = sum(1 for (l, _) in evicted if l == target)
         queued = sum(1 for (l, _) in plan.prefetches if l == target)
+        if target == view.layer:
+            queued += len(plan.loads)  # the window's swap-ins loaded into this layer's cache
         return state.capacity[target] - state.used(target) + dropped - queued
 
     def _buffer_entries(self, view: LayerView, layer: int | None = None) -> list[tuple[int, int]]:
