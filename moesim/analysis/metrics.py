@@ -50,7 +50,11 @@ METRIC_DOCS: dict[str, MetricDoc] = {
     "evictions": MetricDoc("experts", "experts removed from the GPU cache"),
     "pcie_h2d_bytes": MetricDoc("bytes", "bytes copied host to device (write-backs to the host not counted)"),
     "cpu_util": MetricDoc("fraction", "time the CPU expert pool was busy over the makespan"),
-    "gpu_util": MetricDoc("fraction", "time the GPU stream was busy over the makespan"),
+    "gpu_util": MetricDoc("fraction", "time the GPU stream ran work over the makespan: the spans of the "
+                                      "timeline's GPU lane (experts with their own launches, attention, 004's "
+                                      "prediction, ...); not the host time it waits for (launch, host, a plan's "
+                                      "predict and cache_management overheads) nor waits for copies "
+                                      "(docs/engine.md)"),
     "pcie_util": MetricDoc("fraction", "copy-engine busy time over the makespan times the copy engines"),
     "gpu_share_of_activations": MetricDoc("fraction", "routed (token, expert) activations computed on the GPU"),
     "breakdown_ms": MetricDoc("ms", "critical-path time per category (attention, gpu_compute, wait_cache, "

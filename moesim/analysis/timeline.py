@@ -38,10 +38,10 @@ RESOURCES = ("pcie", "gpu", "cpu")
 #: the ``kind`` of a timeline row, per resource, and what it is
 TIMELINE_KINDS: dict[str, dict[str, str]] = {
     "gpu": {"embedding": "token embedding", "attention": "attention and gate of a layer",
-            "predict": "a prediction or schedule the layer waits for: the next layer's attention and gate run early "
-                       "to name its prefetches (004 Sec. 4.2), or a plan's own predictor or scheduling time "
-                       "(plan.overhead_s: SMoE's predictor, HybriMoE's and DALI's scheduling)",
-            "cache_management": "a plan's cache bookkeeping the layer waits for (plan.overhead_s; 000 Sec. VI-E)",
+            "predict": "the next layer's attention and gate run early on the stream to name its prefetches "
+                       "(004 Sec. 4.2); a plan's own decision time (plan.overhead_s: SMoE's predictor, HybriMoE's "
+                       "and DALI's scheduling, cache management) is host time the stream waits for, a gap as "
+                       "kernel launches are, not a span",
             "dense_ffn": "the dense layers' FFN", "shared": "a layer's shared experts",
             "expert": "a routed expert", "lm_head": "LM head", "sampling": "sampling"},
     "cpu": {"expert": "a routed expert on the CPU pool", "deferred": "a deferred expert (Expert Deferral)"},

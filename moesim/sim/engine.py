@@ -383,11 +383,13 @@ class Simulator(Transfers, Tracks):
             resident_at_plan = set(resident)
         account_plan(counters, view, plan, count, resident, self.prefetched[layer])
         if plan.overhead_s:
+            # the plan's own time (a predictor's or scheduler's decision, cache bookkeeping, a wait for copies)
+            # is host work the stream waits for before the layer's experts, as kernel launches are: critical-path
+            # time in its categories, a gap on the timeline's GPU lane, not GPU busy time (gpu_util); the real
+            # backend spins it on the host (backends/torch_backend.py)
             for category, seconds in plan.overhead_s.items():
                 counters.breakdown[category] = counters.breakdown.get(category, 0.0) + seconds
-            start, t1 = t1, t1 + sum(plan.overhead_s.values())
-            if tl is not None:
-                self._overhead_spans(plan.overhead_s, start, t1, s, layer, tokens)
+            t1 += sum(plan.overhead_s.values())
 
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
         if plan.evictions:
@@ -461,18 +463,6 @@ class Simulator(Transfers, Tracks):
         """The part of the last deferred work's sync that runs past ``t``."""
         start, stop = self._carried_from, self._carried_to
         return stop - (start if start > t else t) if stop > t else 0.0
-
-    def _overhead_spans(self, overhead: dict[str, float], start: float, end: float, s: int, layer: int,
-                        tokens: int) -> None:
-        """The plan's own time on the GPU lane, one span per category, the last ending at ``end`` exactly (the
-        layer's experts start there); a wait for copies is idle time and gets none."""
-        t = start
-        last = len(overhead) - 1
-        for i, (category, seconds) in enumerate(overhead.items()):
-            stop = end if i == last else t + seconds
-            if category != "wait_cache":
-                self._span("gpu", 0, t, stop, category, s, layer, tokens=tokens)
-            t = stop
 
     def _substitute(self, view: LayerView, plan: LayerPlan) -> LayerView:
         """The view after the plan's rewrites, with the gate-weight mass they touched counted."""
