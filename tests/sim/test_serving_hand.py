@@ -1,0 +1,199 @@
+"""Serving runs small enough to work by hand: every reported metric against the hand computation.
+
+One MoE layer, every token routed to expert 0, ``cpu-only`` on the tiny profile (tests/factories.py), so a
+step of ``n`` tokens from ``s`` requests takes
+
+    d(n, s) = n * 50 us (attention) + 20 us (sync) + 1000 us * sqrt(n) (the CPU expert) + step_extra(n, s)
+
+(step_extra: embedding, LM head and sampling, tests/sim/test_closed_form.py). Definitions checked (the
+common ones, as vLLM's benchmark reports them): TTFT from arrival, queueing included, to the end of the step
+that computes the last prompt token; TPOT over the tokens after the first, (finish - first token) /
+(tokens out - 1); goodput the requests meeting every SLO per second; percentiles over requests (linear
+interpolation, numpy's default).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moesim.analysis.serving import request_frame, serving_metrics
+from moesim.sim.serving import serve
+from tests.factories import tiny_model, tiny_profile, write_tiny_trace
+from tests.sim.test_closed_form import ATTN, SYNC, cpu_expert, step_extra
+
+MS = 1e3
+
+
+def d(tokens: int, sequences: int) -> float:
+    """Seconds one step of ``tokens`` tokens from ``sequences`` requests takes (the module docstring)."""
+    return tokens * ATTN + SYNC + cpu_expert(tokens) + step_extra(tokens, sequences)
+
+
+def pool_trace(folder: Path, lengths: list[tuple[int, int]]) -> str:
+    """A trace of requests with these (prompt, decode) lengths, one after another, every token to expert 0."""
+    model = tiny_model(layers=1, experts=2, top_k=1)
+    steps = []
+    for r, (prompt, decode) in enumerate(lengths):
+        steps.append({"phase": "prefill", "tokens": {r: (0, [[[0]] * prompt])}})
+        steps += [{"phase": "decode", "tokens": {r: (prompt + k, [[[0]]])}} for k in range(decode)]
+    return str(write_tiny_trace(folder / "t.parquet", model, steps))
+
+
+def arrivals(folder: Path, times: list[float]) -> dict[str, str]:
+    (folder / "arrivals.csv").write_text("arrival_s\n" + "\n".join(map(repr, times)) + "\n")
+    return {"workload.arrival": "trace", "workload.arrival_file": str(folder / "arrivals.csv"),
+            "workload.requests": str(len(times))}
+
+
+def pct(low: float, high: float, q: int) -> float:
+    """numpy's percentile of two values."""
+    return low + (high - low) * q / 100
+
+
+def steps_of(result) -> list[tuple[list[tuple[int, int, int]], float, float]]:
+    return [(sorted(b), s.start, s.end) for b, s in zip(result.batches, result.engine.steps)]
+
+
+def test_the_step_time_is_the_hand_formula(tmp_path):
+    """The premise of every case below: a step's time on this model and profile is d(n, s)."""
+    trace = pool_trace(tmp_path, [(3, 2)])
+    result = serve([trace], tiny_profile(), "cpu-only", {"workload.requests": "1", "workload.arrival": "closed"})
+    assert [s.end - s.start for s in result.engine.steps] == pytest.approx([d(3, 1), d(1, 1), d(1, 1)], rel=1e-9)
+
+
+def test_two_requests_under_vllm_every_metric_by_hand(tmp_path):
+    """A (prompt 2, 2 decodes) at 0; B (prompt 3, 1 decode) at 1 ms, during A's prefill. vLLM prefills first:
+    B's prompt runs alone while A's decode waits, then both decode, then A's last decode."""
+    trace = pool_trace(tmp_path, [(2, 2), (3, 1)])
+    a = 0.001
+    assert a < d(2, 1)  # B arrives during A's prefill
+    result = serve([trace], tiny_profile(), "cpu-only", arrivals(tmp_path, [0.0, a]))
+    t1 = d(2, 1)
+    t2 = t1 + d(3, 1)
+    t3 = t2 + d(2, 2)
+    t4 = t3 + d(1, 1)
+    assert [b for b, _, _ in steps_of(result)] == [[(0, 0, 2)], [(1, 0, 3)], [(0, 2, 1), (1, 3, 1)], [(0, 3, 1)]]
+    assert [e for _, _, e in steps_of(result)] == pytest.approx([t1, t2, t3, t4], rel=1e-12)
+
+    f = request_frame(result)
+    hand = {  # per request: queue (arrival to first step), TTFT (queueing included), TPOT, E2E, in ms
+        "queue_ms": [0.0, (t1 - a) * MS],
+        "ttft_ms": [t1 * MS, (t2 - a) * MS],
+        # A: 3 tokens out (the prefill's and 2 decodes), TPOT over the 2 after the first; B: 2 out, 1 after
+        "tpot_ms": [(t4 - t1) / 2 * MS, (t3 - t2) * MS],
+        "e2e_ms": [t4 * MS, (t3 - a) * MS],
+    }
+    for key, values in hand.items():
+        assert f[key].tolist() == pytest.approx(values, rel=1e-9), key
+    assert f.tpot_ms[1] == pytest.approx(d(2, 2) * MS, rel=1e-9)  # B's one gap: the step both decode in
+
+    m = serving_metrics(result, {"ttft_ms": 2.0})
+    for key, values in hand.items():
+        low, high = sorted(values)
+        assert m[f"{key}_mean"] == pytest.approx((low + high) / 2, rel=1e-9)
+        for q in (50, 90, 99):
+            assert m[f"{key}_p{q}"] == pytest.approx(pct(low, high, q), rel=1e-9), (key, q)
+    assert m["offered_qps"] == pytest.approx(2 / a)  # 2 requests over the time of the last arrival
+    assert m["throughput_rps"] == pytest.approx(2 / t4, rel=1e-12)  # over the time of the last finish
+    assert m["output_tokens_per_s"] == pytest.approx((3 + 2) / t4, rel=1e-12)
+    assert m["engine"]["makespan_s"] == pytest.approx(t4, rel=1e-12)
+    # TTFT 1.53 ms and 2.44 ms against 2 ms: exactly half meet it, goodput one request over the run
+    assert hand["ttft_ms"][0] < 2.0 < hand["ttft_ms"][1]
+    assert m["slo_attainment"] == 0.5 and m["goodput_rps"] == pytest.approx(1 / t4, rel=1e-12)
+    assert m["preemptions"] == m["recomputed_tokens"] == 0
+    assert m["kv_peak_tokens"] == 2 + 3 + 2  # during the step both decode: 2 + 3 held, 2 new
+
+
+def test_goodput_needs_every_slo_met(tmp_path):
+    """Same run: A meets TTFT 2 ms but not TPOT 2 ms (2.25 ms), B meets TPOT (1.53 ms) but not TTFT (2.44 ms);
+    each SLO alone is met by half, both together by none. A request with one token out has no TPOT and
+    meets any TPOT limit (vLLM's benchmark counts its TPOT as 0)."""
+    trace = pool_trace(tmp_path, [(2, 2), (3, 1)])
+    result = serve([trace], tiny_profile(), "cpu-only", arrivals(tmp_path, [0.0, 0.001]))
+    end = result.engine.steps[-1].end
+    for slo, share in (({"ttft_ms": 2.0}, 0.5), ({"tpot_ms": 2.0}, 0.5), ({"ttft_ms": 2.0, "tpot_ms": 2.0}, 0.0),
+                       ({"e2e_ms": 4.0}, 0.5), ({"ttft_ms": 3.0, "tpot_ms": 3.0, "e2e_ms": 7.0}, 1.0)):
+        m = serving_metrics(result, slo)
+        assert m["slo_attainment"] == share and m["goodput_rps"] == pytest.approx(2 * share / end), slo
+    alone = tmp_path / "one"
+    alone.mkdir()
+    one = serve([pool_trace(alone, [(2, 0)])], tiny_profile(), "cpu-only", arrivals(alone, [0.0]))
+    m = serving_metrics(one, {"tpot_ms": 1e-6})
+    assert math.isnan(m["tpot_ms_p50"]) and m["slo_attainment"] == 1.0
+
+
+def test_static_batching_queues_an_arrival_behind_the_running_batch(tmp_path):
+    """Same arrivals under request-level batching (max_batch 2): B arrives while A's batch runs and may not
+    join it; it waits for A's last token, its queueing is A's whole run less its arrival time."""
+    trace = pool_trace(tmp_path, [(2, 2), (3, 1)])
+    a = 0.001
+    result = serve([trace], tiny_profile(), "cpu-only",
+                   {**arrivals(tmp_path, [0.0, a]), "scheduler": "static", "scheduler.max_batch": "2"})
+    t1 = d(2, 1)
+    a_done = t1 + 2 * d(1, 1)
+    b_first = a_done + d(3, 1)
+    b_done = b_first + d(1, 1)
+    assert [b for b, _, _ in steps_of(result)] == [[(0, 0, 2)], [(0, 2, 1)], [(0, 3, 1)], [(1, 0, 3)], [(1, 3, 1)]]
+    f = request_frame(result)
+    assert f.queue_ms.tolist() == pytest.approx([0.0, (a_done - a) * MS], rel=1e-9)
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, (b_first - a) * MS], rel=1e-9)
+    assert f.e2e_ms.tolist() == pytest.approx([a_done * MS, (b_done - a) * MS], rel=1e-9)
+    assert f.tpot_ms.tolist() == pytest.approx([d(1, 1) * MS, d(1, 1) * MS], rel=1e-9)
+
+
+def test_one_preemption_recomputes_the_prompt_and_every_token_emitted(tmp_path):
+    """Two requests of prompt 2 and 2 decodes, both at 0, 6 KV entries. Step 1: both prompts (4 entries);
+    step 2: both decode (6); step 3: A needs a 7th, B (the newest) yields its 3 and A finishes; step 4: B's new
+    prompt is its prompt and both tokens it emitted (vLLM's recompute): 4 tokens, ending with its last token.
+    Before, B prefilled 3 and took a separate decode step for the 4th (5 steps, not 4)."""
+    trace = pool_trace(tmp_path, [(2, 2)])
+    result = serve([trace], tiny_profile(), "cpu-only",
+                   {"workload.arrival": "closed", "workload.concurrency": "2", "workload.requests": "2",
+                    "workload.kv_tokens": "6"})
+    t1 = d(4, 2)
+    t2 = t1 + d(2, 2)
+    t3 = t2 + d(1, 1)
+    t4 = t3 + d(4, 1)
+    assert [b for b, _, _ in steps_of(result)] == [[(0, 0, 2), (1, 0, 2)], [(0, 2, 1), (1, 2, 1)], [(0, 3, 1)],
+                                                     [(1, 0, 4)]]
+    f = request_frame(result)
+    assert f.preemptions.tolist() == [0, 1]
+    assert f.recomputed_tokens.tolist() == [0, 3]  # B's prompt and its first decode token lost their KV
+    assert f.computed_tokens.tolist() == [4, 4 + 3]
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, t1 * MS], rel=1e-9)  # B's first token is not re-sent
+    assert f.e2e_ms.tolist() == pytest.approx([t3 * MS, t4 * MS], rel=1e-9)
+    assert f.tpot_ms.tolist() == pytest.approx([(t3 - t1) / 2 * MS, (t4 - t1) / 2 * MS], rel=1e-9)
+    m = serving_metrics(result)
+    assert m["preemptions"] == 1 and m["recomputed_tokens"] == 3
+    assert m["kv_peak_tokens"] == 6 == m["kv_tokens"]
+    assert m["throughput_rps"] == pytest.approx(2 / t4, rel=1e-12)
+
+
+def test_sarathi_chunks_a_prompt_beside_a_decode(tmp_path):
+    """A (prompt 1, 3 decodes) at 0; B (prompt 5, 1 decode) at 1 ms; token budget 3, chunks of 3, decodes
+    first. A's decode token takes 1 of each step's 3, B's prompt the other 2: 2 + 2 + 1 tokens, so B's first
+    token comes at the end of the step A finishes in."""
+    trace = pool_trace(tmp_path, [(1, 3), (5, 1)])
+    a = 0.001
+    assert a < d(1, 1)
+    result = serve([trace], tiny_profile(), "cpu-only",
+                   {**arrivals(tmp_path, [0.0, a]), "scheduler": "sarathi", "scheduler.max_tokens": "3",
+                    "scheduler.chunk_tokens": "3"})
+    t1 = d(1, 1)
+    t2 = t1 + d(3, 2)
+    t3 = t2 + d(3, 2)
+    t4 = t3 + d(2, 2)
+    t5 = t4 + d(1, 1)
+    assert [b for b, _, _ in steps_of(result)] == [[(0, 0, 1)], [(0, 1, 1), (1, 0, 2)], [(0, 2, 1), (1, 2, 2)],
+                                                     [(0, 3, 1), (1, 4, 1)], [(1, 5, 1)]]
+    assert [e for _, _, e in steps_of(result)] == pytest.approx([t1, t2, t3, t4, t5], rel=1e-12)
+    f = request_frame(result)
+    assert f.queue_ms.tolist() == pytest.approx([0.0, (t1 - a) * MS], rel=1e-9)
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, (t4 - a) * MS], rel=1e-9)
+    assert f.tpot_ms.tolist() == pytest.approx([(t4 - t1) / 3 * MS, (t5 - t4) * MS], rel=1e-9)
+    assert f.e2e_ms.tolist() == pytest.approx([t4 * MS, (t5 - a) * MS], rel=1e-9)
+    assert np.diff([t1, t2, t3, t4]).max() == pytest.approx(d(3, 2), rel=1e-12)  # A's gaps stay one step each
