@@ -258,6 +258,9 @@ class ServeResult:
     kv_tokens: int | None
     offered_qps: float
     batches: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    #: step index -> the requests preempted to form that step (their KV freed before it ran); steps without any
+    #: are left out (a list per step would cost host memory on runs of many steps)
+    preempted: dict[int, list[int]] = field(default_factory=dict)
     #: most KV entries held during one step
     kv_peak: int = 0
     #: KV entries that one expert slot's bytes would hold (0: unknown)
@@ -281,6 +284,8 @@ class ServingRun:
         self.states: dict[int, Request] = {}
         #: per step, (request, first position, tokens) of each entry: what ran when
         self.batches: list[list[tuple[int, int, int]]] = []
+        #: step index -> the requests preempted to form it (steps with any)
+        self.preempted: dict[int, list[int]] = {}
         self._work = self.env.event()
         #: a closed loop's client waits on its request's event; open loops need none (memory per request)
         self._finished: dict[int, Any] = {}
@@ -299,7 +304,7 @@ class ServingRun:
             record.preemptions = state.preemptions
             record.recomputed_tokens = state.recomputed
         return ServeResult(self.records, engine, self.workload, self.scheduler.name, self.scheduler.kv_tokens,
-                           self.offered, self.batches, self.kv_peak,
+                           self.offered, self.batches, self.preempted, self.kv_peak,
                            self.sim.memory.expert_bytes // self.sim.model.kv_bytes_per_token())
 
     # ------------------------------------------------------------------ processes
@@ -357,6 +362,8 @@ class ServingRun:
             start = max(env.now, sim.steps[-1].end) if sim.steps else env.now
             step = build_step(index, batch.entries, self.served, self.layers)
             self.batches.append([(r.rid, r.done, n) for r, n in batch.entries])
+            if batch.preempted:
+                self.preempted[index] = [r.rid for r in batch.preempted]
             end = sim.run_step(step, start)
             yield env.timeout(end - start)
             requests = sorted({r.rid for r, _ in batch.entries})

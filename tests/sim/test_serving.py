@@ -111,6 +111,47 @@ def test_serving_invariants(pool, system, scheduler, arrival, kv):
     # last one ended (env.now, as start + (end - start), can fall short of that end)
     steps = result.engine.steps
     assert all(b.start >= a.end for a, b in zip(steps, steps[1:]))
+    _check_against_the_batch_log(result, frame, int(extra["workload.kv_tokens"]) if kv else None)
+
+
+def _check_against_the_batch_log(result, frame, kv_tokens: int | None) -> None:
+    """The KV held, the recomputation and each request's times, rebuilt from the log of what each step ran
+    and whom it preempted, independently of the scheduler's own counts."""
+    arrival = dict(zip(frame.request, frame.arrival_s))
+    total = dict(zip(frame.request, frame.prompt_tokens + frame.output_tokens))
+    prompt = dict(zip(frame.request, frame.prompt_tokens))
+    held: dict[int, int] = {}  # KV entries per request, from its last preemption (or start) on
+    dropped: Counter = Counter()
+    first_step: dict[int, float] = {}
+    first_token: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    steps = result.engine.steps
+    assert len(steps) == len(result.batches) and set(result.preempted) <= set(range(len(steps)))
+    for i, (batch, step) in enumerate(zip(result.batches, steps)):
+        for rid in result.preempted.get(i, []):
+            dropped[rid] += held.pop(rid)  # a preempted request held KV, and frees all of it
+        # the engine is charged every token the scheduler batched, recomputed ones included
+        assert step.tokens == sum(n for _, _, n in batch) and step.requests == sorted(r for r, _, _ in batch)
+        for rid, first, n in batch:
+            assert step.start >= arrival[rid]  # nothing computed before its request arrives
+            assert first == held.get(rid, 0)  # a request goes on where its KV ends: 0 after a preemption
+            held[rid] = first + n
+            first_step.setdefault(rid, step.start)
+            if held[rid] >= max(prompt[rid], 1):
+                first_token.setdefault(rid, step.end)
+        if kv_tokens is not None:
+            assert sum(held.values()) <= kv_tokens  # during the step: entries held plus those it adds
+        for rid, _, _ in batch:
+            assert held[rid] <= total[rid]
+            if held[rid] == total[rid]:  # finished: its tokens all produced, once since its last preemption
+                assert rid not in finish
+                finish[rid] = step.end
+                del held[rid]
+    assert not held and set(finish) == set(total)
+    for row in frame.itertuples():
+        assert row.recomputed_tokens == dropped[row.request]
+        assert (row.scheduled_s, row.first_token_s, row.finish_s) == \
+            (first_step[row.request], first_token[row.request], finish[row.request])
 
 
 def _pool_lengths(tmp, model, routing):
