@@ -207,10 +207,24 @@ class Tracks:
             gpu_t = ready + d
             finished[e] = gpu_t
             compute += d
+            if e in stream_at:
+                self._stage_next(streamed, stream_at[e], staged, s, layer, gpu_t)
         counters.gpu_busy_s += compute
         counters.breakdown["gpu_compute"] += compute
         counters.breakdown["wait_cache"] += waited
         return gpu_t
+
+    def _stage_next(self, streamed: list[int], done: int, staged: dict[int, Transfer], s: int, layer: int,
+                    free_at: float) -> None:
+        """Copy the streamed expert that waits for the staging buffer the ``done``-th one frees at ``free_at``.
+
+        Issued here, when the buffer frees, not when the GPU stream reaches that expert: a GPU expert in
+        between may wait for a queued prefetch, and :meth:`~moesim.sim.copies.CopyEngines.finish` then starts
+        the queue up to it; the copy issued at ``free_at`` must go ahead of the prefetches not started by
+        then, as demand copies do (docs/engine.md, Copies)."""
+        following = done + self.config.staging_slots
+        if following < len(streamed) and streamed[following] not in staged:
+            staged[streamed[following]] = self._submit(layer, streamed[following], "stage", s, free_at)
 
     def _ready(self, transfer: Transfer, gpu_t: float) -> float:
         """When the GPU stream, free at ``gpu_t``, may start the expert whose weights ``transfer`` brings
