@@ -82,11 +82,29 @@ def _slo_limit(key: str, value: Any) -> float:
             raise TypeError
         number = float(value)
     except (TypeError, ValueError):  # TypeError: None, a list, ... from the Python API
-        raise ConfigError(f"SLO '{key}={value}' is not a number", field="--slo", fix="write e.g. ttft_ms=500") from None
+        raise ConfigError(f"SLO '{key}={value}' is not a number", field="--slo",
+                          fix=_unit_fix(key, value) or "write e.g. ttft_ms=500") from None
     if not (number > 0 and math.isfinite(number)):  # nan compares false; inf would make the SLO no limit
         raise ConfigError(f"SLO '{key}={value}' must be a positive, finite number of milliseconds", field="--slo",
                           fix="write e.g. ttft_ms=500")
     return number
+
+
+#: units a limit may be written with by habit (``ttft_ms=0.5s``), in milliseconds
+SLO_UNITS = {"ms": 1.0, "s": 1e3, "us": 1e-3, "µs": 1e-3}
+
+
+def _unit_fix(key: str, value: Any) -> str | None:
+    """For a limit written with a unit (``0.5s``), the same limit in the key's milliseconds."""
+    import re
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(ms|s|us|µs)\s*", str(value))
+    if not match:
+        return None
+    try:
+        number = float(match.group(1)) * SLO_UNITS[match.group(2)]
+    except ValueError:
+        return None
+    return f"the unit is in the key ({key}: milliseconds), the value a bare number: write {key}={number:g}"
 
 
 def request_frame(result: ServeResult) -> Any:

@@ -1,0 +1,28 @@
+"""SLOs written as a user would: a limit with a unit is refused with the same limit in milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from moesim.analysis.serving import parse_slo
+from moesim.errors import ConfigError
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("ttft_ms=0.5s", "write ttft_ms=500"),
+    ("tpot_ms=100ms", "write tpot_ms=100"),
+    ("ttft_ms=1,e2e_ms=2.5 s", "write e2e_ms=2500"),
+    ("tpot_ms=250us", "write tpot_ms=0.25"),
+])
+def test_a_limit_with_a_unit_is_given_back_in_milliseconds(text, fix):
+    """`--slo ttft_ms=0.5s` said only 'is not a number (fix: write e.g. ttft_ms=500)'."""
+    with pytest.raises(ConfigError, match="is not a number") as err:
+        parse_slo(text)
+    assert f"milliseconds), the value a bare number: {fix})" in str(err.value)
+    assert err.value.field == "--slo"
+
+
+def test_a_limit_that_is_no_number_keeps_the_general_fix():
+    with pytest.raises(ConfigError, match=r"'ttft_ms=soon' is not a number \(fix: write e.g. ttft_ms=500\)"):
+        parse_slo("ttft_ms=soon")
+    assert parse_slo({"ttft_ms": 500, "tpot_ms": "100"}) == {"ttft_ms": 500.0, "tpot_ms": 100.0}
