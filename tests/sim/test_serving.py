@@ -68,12 +68,23 @@ def _livelock_pool():
     return model, routing, profile
 
 
+def _long_recompute_pool():
+    """Prompts of 2 and 12 decodes under max_tokens 6, unchunked: two closed-loop clients fill a KV cache of
+    14 + 4 entries with 9 each, and the one preempted needs a recompute of 9 or more tokens, more than a step
+    holds (it waited at the head of the queue forever)."""
+    model = tiny_model(layers=1, experts=2, top_k=1)
+    routing = request_routing(np.random.default_rng(9), model, [(2, 12)])
+    profile = dict(gpu_us=(10.0, 5000.0), cpu_us=(10.0, 50000.0), attention_us=1.0, pcie_gbps=1.0)
+    return model, routing, profile
+
+
 @FAST
-@example(_livelock_pool(), "gpu-only-lru", "vllm", "gamma", 5)
+@example(_livelock_pool(), "gpu-only-lru", "vllm", "gamma", 5, True)
+@example(_long_recompute_pool(), "cpu-only", "vllm", "closed", 4, False)
 @given(pools(), st.sampled_from(["gpu-only-lru", "cpu-only", "static-hot"]),
        st.sampled_from(["static", "vllm", "sarathi", "llamacpp"]), st.sampled_from(["poisson", "gamma", "closed"]),
-       st.integers(0, 30))
-def test_serving_invariants(pool, system, scheduler, arrival, kv):
+       st.integers(0, 30), st.booleans())
+def test_serving_invariants(pool, system, scheduler, arrival, kv, chunked):
     model, routing, profile = pool
     with tempfile.TemporaryDirectory() as tmp:
         longest = max(r.tokens for r in _pool_lengths(tmp, model, routing))
@@ -82,6 +93,8 @@ def test_serving_invariants(pool, system, scheduler, arrival, kv):
                  "scheduler.max_tokens": "4", "scheduler.chunk_tokens": "2"}
         if scheduler == "static":
             del extra["scheduler.max_tokens"], extra["scheduler.chunk_tokens"]
+        elif not chunked:  # whole prompts (up to 6 tokens); a recompute of prompt and output may be longer
+            extra.update({"scheduler.max_tokens": "6", "scheduler.chunk_tokens": "0"})
         if kv:  # small KV caches force preemptions
             extra["workload.kv_tokens"] = str(longest + kv % 5)
         _, result = run_serve(tmp, model, routing, profile, system, extra)
