@@ -568,6 +568,11 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
             return f"prefetches expert {e} of layer {lay}, outside the model"
         if (lay, e) in prefetched or (lay == layer and e in loads):
             return f"loads expert {e} of layer {lay} twice"
+        # once the layer's GPU work is done the staging buffer is free for the next stream, so filling a slot
+        # then is a copy of its own (SMoE's cache fill at the prefill's end); before it, the same bytes race twice
+        if lay == layer and e in streamed and not plan.prefetch_after_gpu:
+            return (f"streams expert {e} and prefetches it at the same layer, both before its GPU work: two copies "
+                    "of one expert (load it into its slot with plan.loads instead)")
         if e in cache.in_flight[lay] or (e in cache.resident[lay] and (lay, e) not in evicted):
             return f"prefetches expert {e} of layer {lay}, which is already there"
         prefetched.add((lay, e))

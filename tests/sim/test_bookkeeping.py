@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -101,7 +103,8 @@ def _checked_view(active=(0, 1), resident=(2,), in_flight=(3,), layer=0) -> Laye
     from moesim.policy.state import CacheState
     cache = CacheState(capacity=[4, 4], resident=[set(resident), set()], in_flight=[set(in_flight), set()])
     experts = np.array([list(active)], dtype=np.int16)
-    return LayerView(7, layer, "decode", experts, list(active), [1] * len(active), cache, None)
+    costs = SimpleNamespace(model=SimpleNamespace(num_experts=4))  # all the check reads of the costs
+    return LayerView(7, layer, "decode", experts, list(active), [1] * len(active), cache, costs)
 
 
 @pytest.mark.parametrize("plan, words", [
@@ -112,6 +115,9 @@ def _checked_view(active=(0, 1), resident=(2,), in_flight=(3,), layer=0) -> Laye
     (LayerPlan(gpu=[], cpu=[0, 1, 4]), "plans expert 4 not routed at this layer"),
     (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 2)], writebacks=[(1, 2)]),
      "writes back an expert it does not evict"),
+    # one copy for the kernel and a second into the cache: the same bytes over PCIe twice
+    (LayerPlan(gpu=[0], cpu=[1], streamed=[0], prefetches=[(0, 0)]),
+     "streams expert 0 and prefetches it at the same layer, both before its GPU work"),
     (LayerPlan(gpu=[], cpu=[0, 1], evictions=[(0, 3)]), "evicts expert 3 of layer 0, which is on its way"),
     # a negative overhead or prediction would move the layer's clock back
     (LayerPlan(gpu=[], cpu=[0, 1], overhead_s={"predict": -1e-3}),
@@ -147,6 +153,8 @@ def test_a_plan_that_keeps_every_invariant_passes():
     check_plan(_checked_view(), LayerPlan(gpu=[], cpu=[1], deferred=[0], evictions=[(0, 2)], writebacks=[(0, 2)]))
     check_plan(_checked_view(), LayerPlan(gpu=[], cpu=[0, 1], overhead_s={"predict": 0.0, "cache_management": 1e-6},
                                           prefetch_after_predict=0.0))
+    # a slot filled once the kernel has used its streamed copy (SMoE's cache fill at the prefill's end)
+    check_plan(_checked_view(), LayerPlan(gpu=[0], cpu=[1], streamed=[0], prefetches=[(0, 0)], prefetch_after_gpu=True))
 
 
 def test_a_replay_whose_plan_breaks_the_check_stops_with_one_line(tmp_path):
