@@ -32,14 +32,14 @@ from matplotlib.figure import Figure
 from moesim.analysis.figure_style import (BOUND_PALETTE, HATCHES, LOG_RATIO, MARKERS, PALETTE,  # noqa: F401
                                           hue_styles, legend_handle, log_axis, series_style, side_legend,
                                           system_styles, tidy_axes)
-from moesim.analysis.plots import DisplayFigure, plot_breakdown, plot_gantt, save_figure
-from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter  # noqa: F401
+from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter, with_hardware  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
                                            NOT_SET, SUBSTITUTES_MARK, X_SETTINGS, UnevenMeans, as_groups,
-                                           bound_kind, column, fewer_runs, headline_metric, hue_names, is_bound,
-                                           label, load_results, ok_rows, ordered_systems, parameter_columns,
-                                           routed_activations, sorted_values, substituting, substitution_note,
-                                           system_label, varying)
+                                           bound_kind, column, fewer_runs, headline_metric, hue_names, hw_named,
+                                           is_bound, label, load_results, ok_rows, ordered_systems,
+                                           parameter_columns, routed_activations, sorted_values, substituting,
+                                           substitution_note, system_label, varying)
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -134,7 +134,8 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
     fig.legend([legend_handle(styles[s], "marker") for s in systems], hue_names(data, "system", systems),
                title="system", loc="outside right center", frameon=False, fontsize=9)
-    fig.suptitle("GPU hit rate vs prefetches (one marker per point)", x=0.01, ha="left", fontsize=11)
+    fit_width(fig, fig.suptitle(with_hardware("GPU hit rate vs prefetches (one marker per point)", data), x=0.01,
+                                ha="left", fontsize=11))
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -196,8 +197,8 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
              "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)},
              **({"makespan_s": r["makespan_s"]} if _present(r.get("makespan_s")) else {})}
             for _, r in rows.iterrows()]
-    return plot_breakdown(runs, path, title=f"time breakdown per system ({describe(where)})" if where else
-                          "time breakdown per system")
+    title = f"time breakdown per system ({describe(where)})" if where else "time breakdown per system"
+    return plot_breakdown(runs, path, title=with_hardware(title, rows))
 
 
 def _categories(frame: pd.DataFrame) -> list[str]:
@@ -241,7 +242,8 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
                       seed=int(point.get("seed", 0) or 0), timeline=True, decisions=False)
     frame = result_to_frames(result)["timeline"]
     window = decode_window(result.steps, steps)
-    title = f"{point['system']} on {Path(str(point['trace'])).name}, {point['hw']}"
+    hw_settings = {k: v for k, v in settings.items() if k.startswith("hw.")}
+    title = f"{point['system']} on {Path(str(point['trace'])).name}, {hw_named(str(point['hw']), hw_settings, path=hw)}"
     if settings:
         title += " (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
     return plot_gantt(frame, path, window=window, title=title)

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import StrMethodFormatter
 
+from moesim.analysis.sweep_results import hw_named
 from moesim.analysis.timeline import RESOURCES, check_timeline, in_steps
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import BREAKDOWN
@@ -450,11 +451,24 @@ def _run_ms(metrics: dict[str, Any]) -> float | None:
 
 
 def breakdown_title(metrics_list: Sequence[dict[str, Any]]) -> str:
-    """"time breakdown" of the single system, or per system, on the trace and profile the runs share."""
+    """"time breakdown" of the single system, or per system, on the trace and profile the runs share (the
+    profile with its GPU and host CPU, :func:`hw_named`)."""
     title = "time breakdown" + (f" of {metrics_list[0]['system']}" if len(metrics_list) == 1 and
                                 "system" in metrics_list[0] else " per system")
     inputs = [m.get("inputs") or {} for m in metrics_list]
-    shared = [Path(str(first[key])).name if key == "trace" else str(first[key])
+    shared = [Path(str(first[key])).name if key == "trace" else _inputs_hw(inputs)
               for first in inputs[:1] for key in ("trace", "hw")
               if first.get(key) and all(i.get(key) == first[key] for i in inputs)]
     return title + (" on " + ", ".join(shared) if shared else "")
+
+
+def _inputs_hw(inputs: Sequence[dict[str, Any]]) -> str:
+    """The profile runs of the same ``hw`` share, named with the parts they ran on: those their ``inputs``
+    recorded (``hw_parts`` of the CLI), else read with the ``hw.*`` settings they share."""
+    first = inputs[0]
+    parts = first.get("hw_parts")
+    if parts is not None and all(i.get("hw_parts") == parts for i in inputs):
+        return hw_named(str(first["hw"]), parts=parts)
+    settings = first.get("settings") or {}
+    shared = {k: v for k, v in settings.items() if all((i.get("settings") or {}).get(k) == v for i in inputs)}
+    return hw_named(str(first["hw"]), shared)

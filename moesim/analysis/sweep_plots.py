@@ -19,7 +19,7 @@ from moesim.analysis.figure_style import hue_styles, legend_handle, log_axis, si
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, X_SETTINGS, UnevenMeans, as_groups, check_drawable,
                                            column, failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
-                                           ordered_systems, parameter_columns, sorted_values, varying)
+                                           on_hardware, ordered_systems, parameter_columns, sorted_values, varying)
 from moesim.errors import ConfigError
 
 # ----------------------------------------------------------------------------- the general plot
@@ -37,7 +37,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     (``cache.slots`` for ``slots_per_layer``) is on the x axis, not averaged.
     ``logy`` (default: lines whose values span more than :data:`LOG_RATIO`;
     bars stay linear from zero) draws the y axis on a log scale, which its
-    label says.
+    label says. The title's second line names the profiles the drawn points
+    ran on, with their GPU and host CPU (:func:`with_hardware`).
     """
     x = column(frame, x, "x", source)
     y = column(frame, y, "y", source)
@@ -124,7 +125,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         warn_at_caller(f"{title or source or 'results'}: {short}", UnevenMeans)
     # a facet's missing points said why
     note = "; ".join(part for part in (note, without_x, failed_note(frame)) if part)
-    heading = title or f"{label(y)} vs {label(x)}"
+    heading = with_hardware(title or f"{label(y)} vs {label(x)}", data)
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
         names = hue_names(data, hue, hues)
@@ -132,6 +133,13 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def with_hardware(heading: str, data: pd.DataFrame) -> str:
+    """``heading`` and, on a line of its own, the profiles ``data`` ran on with their GPU and host CPU
+    (:func:`moesim.analysis.sweep_results.on_hardware`)."""
+    on = on_hardware(data)
+    return f"{heading}\n{on}" if on else heading
 
 
 def _shown(column: str, value: Any) -> str:
@@ -232,7 +240,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     reference (oracle and all-in-GPU are drawn hollow and left out) is drawn
     as a staircase: the runs no other run beats on both metrics. Lower is better except for
     :data:`HIGHER_IS_BETTER`. The legend sits right of the panels, clear of
-    the title.
+    the title, whose second line names the profiles with their GPU and host CPU.
     """
     x = column(frame, x, "x", source)
     y = column(frame, y, "y", source)
@@ -295,8 +303,8 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     note = f"one marker per run; Pareto front: runs no other beats on both ({better} is better)" if drew_front \
         else "one marker per run"
     note = "; ".join(part for part in (note, failed_note(frame)) if part)
-    fit_width(fig, fig.suptitle((title or f"{label(y)} vs {label(x)}") + f"\n{note}", x=0.01, ha="left",
-                                fontsize=11))
+    heading = with_hardware(title or f"{label(y)} vs {label(x)}", data)
+    fit_width(fig, fig.suptitle(f"{heading}\n{note}", x=0.01, ha="left", fontsize=11))
     if handles:  # centred on the right, clear of the title lines
         side_legend(fig, handles, names, label(hue) if hue else None)
     if path is not None:

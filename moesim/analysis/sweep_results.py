@@ -395,3 +395,51 @@ def check_drawable(data: pd.DataFrame, columns: Sequence[tuple[str, str]], sourc
         if huge.size:
             raise ConfigError(f"column '{name}' holds {huge[0]:g}, too large to draw", source=source, field=role,
                               fix="check how the results file was written: no run's metric comes near it")
+
+
+# ----------------------------------------------------------------------------- the profile in titles
+def hw_parts_for(hw: str, settings: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The GPU and host CPU of profile ``hw`` (a name or a path) as a run with ``settings`` saw them (its
+    ``hw.*`` settings applied: ``hw.cpu.cores=16`` is 16 cores); None where the profile cannot be read."""
+    from moesim.errors import MoesimError
+    from moesim.hw.profile import load_profile
+    from moesim.hw.title import profile_parts
+    from moesim.sim.run import parse_settings
+    hw_settings = {k: _setting_text(v) for k, v in (settings or {}).items() if str(k).startswith("hw.")}
+    try:
+        return profile_parts(load_profile(hw).with_overrides(parse_settings(hw_settings).hw))
+    except (MoesimError, OSError):
+        return None
+
+
+def hw_named(hw: str, settings: dict[str, Any] | None = None, *, path: str | None = None,
+             parts: dict[str, Any] | None = None) -> str:
+    """``hw`` as a figure's title names it, with its GPU and host CPU as a table's title does
+    (moesim.hw.title.profile_title): ``parts`` if given, else read from its profile (``path``, else ``hw``)
+    with the ``hw.*`` of ``settings`` applied; ``hw`` alone where the profile cannot be read."""
+    from moesim.hw.title import profile_title
+    return profile_title(hw, parts if parts is not None else hw_parts_for(str(path or hw), settings))
+
+
+def _setting_text(value: Any) -> str:
+    """A setting as ``--set`` writes it (a whole number read back from a results file as 4.0: 4)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return "true" if value is True else "false" if value is False else str(value)
+
+
+def on_hardware(data: pd.DataFrame) -> str:
+    """'on PROFILE (GPU + CPU, cores, DRAM)' for each profile the rows of ``data`` ran on ('; ' between them),
+    as :func:`hw_named` names it with the ``hw.*`` settings all its rows share (the profile's own values of a
+    field its rows vary); '' without an ``hw`` column. A figure's title says by it what machine it is of: a
+    profile's file name says neither its GPU nor its host CPU."""
+    if "hw" not in data.columns:
+        return ""
+    named = []
+    for hw in pd.unique(data["hw"].dropna()):
+        rows = data[data["hw"] == hw]
+        paths = rows["hw_path"].dropna() if "hw_path" in rows.columns else pd.Series(dtype=object)
+        shared = {c: rows[c].iloc[0] for c in rows.columns
+                  if str(c).startswith("hw.") and rows[c].notna().all() and rows[c].nunique() == 1}
+        named.append(hw_named(str(hw), shared, path=str(paths.iloc[0]) if len(paths) else None))
+    return "on " + "; ".join(named) if named else ""

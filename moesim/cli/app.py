@@ -326,28 +326,16 @@ def hw_help(text: str = "Hardware profile: a name or a YAML path.") -> str:
 def hw_parts(hw: str, settings: dict[str, str]) -> dict[str, Any] | None:
     """The GPU and host CPU of profile ``hw`` as a run with ``settings`` saw them (its ``hw.*`` settings
     applied: ``hw.cpu.cores=16`` is 16 cores); None where the profile cannot be read (the run said why)."""
-    from moesim.hw.profile import load_profile
-    from moesim.sim.run import parse_settings as replay_settings
-    try:
-        overrides = replay_settings({key: value for key, value in settings.items() if key.startswith("hw.")}).hw
-        profile = load_profile(hw).with_overrides(overrides)
-    except MoesimError:
-        return None
-    return {"gpu": profile.gpu.name, "cpu": profile.cpu.name, "cpu_cores": profile.cpu.cores,
-            "cpu_dram_bandwidth_gbps": profile.cpu.dram_bandwidth_gbps}
+    from moesim.analysis.sweep_results import hw_parts_for
+    return hw_parts_for(hw, settings)
 
 
 def hw_title(hw: str, settings: dict[str, str], parts: dict[str, Any] | None = None) -> str:
     """``hw`` as a table's title names it, with its GPU and host CPU, which differ between the bundled
     profiles as much as their GPUs: 'rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, 102.4 GB/s
-    DRAM)'. The CPU's name loses a closing bracket ('(10 of 64 cores)'): the cores in use follow it."""
-    import re
-    parts = parts or hw_parts(hw, settings)  # given: the caller's, read once
-    if parts is None:
-        return hw
-    cpu = re.sub(r"\s*\([^()]*\)$", "", parts["cpu"]) or parts["cpu"]
-    return (f"{hw} ({parts['gpu']} + {cpu}, {parts['cpu_cores']} cores, "
-            f"{parts['cpu_dram_bandwidth_gbps']:g} GB/s DRAM)")
+    DRAM)' (moesim.hw.title.profile_title, which figures use too)."""
+    from moesim.hw.title import profile_title
+    return profile_title(hw, parts or hw_parts(hw, settings))  # given: the caller's parts, read once
 
 
 def print_title(out: Console, title: str) -> None:

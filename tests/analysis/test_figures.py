@@ -371,7 +371,9 @@ def test_long_titles_are_wrapped_inside_the_figure():
                                 "cache.slots_per_layer": 2, "engine.kernels_per_expert": 1})
     heading = bars.axes[0].title if bars.axes[0].title.get_text() else bars.axes[0]._left_title
     assert heading.get_text().replace("\n", " ") == ("time breakdown per system (trace=a-rather-long-trace-name.parquet, "
-                                                     "hw=a100-40g, cache.slots_per_layer=2, engine.kernels_per_expert=1)")
+                                                     "hw=a100-40g, cache.slots_per_layer=2, engine.kernels_per_expert=1) "
+                                                     "on a100-40g (NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, "
+                                                     "72 cores, 440 GB/s DRAM)")
     assert "\n" in heading.get_text() and _inside_figure(bars, heading)
 
 
@@ -612,7 +614,9 @@ def test_serving_metrics_are_labelled_in_words_with_their_units():
                            "e2e_ms_mean": 900.0 * q, "throughput_rps": q, "engine_gpu_hit_rate": 0.5}
                           for i, s in enumerate(("gpu-only-lru", "static-hot")) for q in (0.5, 1.0, 2.0)])
     fig = plot_results(frame, x="workload.qps", y="ttft_ms_p99", hue="system")
-    assert fig._suptitle.get_text() == "TTFT, p99 (ms) vs arrival rate (requests/s)"
+    assert fig._suptitle.get_text().replace("\n", " ") == ("TTFT, p99 (ms) vs arrival rate (requests/s) on a100-40g "
+                                                          "(NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, 72 "
+                                                          "cores, 440 GB/s DRAM)")
     assert fig.axes[0].get_xlabel() == "arrival rate (requests/s)" and fig.axes[0].get_ylabel() == "TTFT, p99 (ms)"
     scatter = plot_scatter(frame, x="throughput_rps", y="e2e_ms_mean")
     assert (scatter.axes[0].get_xlabel(), scatter.axes[0].get_ylabel()) == \

@@ -262,7 +262,8 @@ def test_breakdown_bars_are_the_runs_makespans_and_say_so() -> None:
     assert _stack_tops(ax) == pytest.approx({0: 10.0, 1: 7.0})
     assert [t.get_text() for t in ax.texts] == ["10.0 ms", "7.0 ms"]
     assert ax.get_title(loc="left").replace("\n", " ") == \
-        "time breakdown per system on t1.parquet, rtx4090 each bar adds up to its run's makespan"
+        ("time breakdown per system on t1.parquet, rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, "
+         "102.4 GB/s DRAM) each bar adds up to its run's makespan")
     assert "(ms)" in ax.get_ylabel()
     assert ax.get_ylim()[0] == 0
     runs[1]["makespan_s"] = 0.009  # parts 2 ms short of the run

@@ -1,0 +1,88 @@
+"""Figure titles name the profile's GPU and host CPU as table titles do (moesim.hw.title.profile_title): a
+profile's name ('rtx4090', 'hw.yaml') says neither, and the bundled profiles differ in their CPUs as much as in
+their GPUs."""
+
+from __future__ import annotations
+
+import pandas as pd
+import yaml
+
+from moesim.analysis.figures import fig_breakdown, fig_gantt, fig_hit_rate_vs_prefetch, fig_tpot_vs_slots, \
+    load_results, plot_scatter
+from moesim.analysis.plots import breakdown_title, plot_breakdown
+from moesim.sim.bookkeeping import BREAKDOWN
+from moesim.sweep import load_spec, run_sweep
+from tests.factories import write_sweep_files
+
+RTX4090 = "rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, 102.4 GB/s DRAM)"
+A100 = "a100-40g (NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, 72 cores, 440 GB/s DRAM)"
+
+
+def _results(profiles=("rtx4090",), **extra) -> pd.DataFrame:
+    """Two systems x slots 1, 2 per profile, TPOT = 100 / slots; ``extra`` columns on every row."""
+    rows = []
+    for hw in profiles:
+        for system in ("gpu-only-lru", "static-hot"):
+            for slots in (1, 2):
+                rows.append({"point_id": f"{hw}-{system}-{slots}", "trace": "traces/x.parquet", "hw": hw,
+                             "system": system, "seed": 0, "cache.slots_per_layer": slots, "status": "ok",
+                             "error": "", "tpot_ms_mean": 100.0 / slots, "gpu_hit_rate": slots / 8,
+                             "gpu_memory_gib": 10.0 + slots, "prefetches": slots, "decode_tokens": 10,
+                             "prefill_tokens": 0, **{f"breakdown_{c}_ms": 1.0 for c in BREAKDOWN}, **extra})
+    return pd.DataFrame(rows)
+
+
+def _flat(text: str) -> str:
+    """A title as one line: a long one is wrapped at spaces to fit the figure."""
+    return " ".join(text.split())
+
+
+def test_sweep_figure_titles_name_each_profiles_gpu_and_host_cpu():
+    """Issue: 'TPOT vs GPU cache slots per layer' with panels 'hw = a100-40g', 'hw = rtx4090' named the
+    profiles' files only. Now the heading's second line names each with its GPU and host CPU."""
+    title = _flat(fig_tpot_vs_slots(_results(("a100-40g", "rtx4090")))._suptitle.get_text())
+    assert title.startswith(f"TPOT vs GPU cache slots per layer on {A100}; {RTX4090}")
+    scatter = _flat(plot_scatter(_results(), x="gpu_memory_gib", y="tpot_ms_mean")._suptitle.get_text())
+    assert scatter.startswith(f"TPOT, mean (ms) vs GPU memory planned (GiB) on {RTX4090} one marker per run")
+    hits = _flat(fig_hit_rate_vs_prefetch(_results())._suptitle.get_text())
+    assert hits == f"GPU hit rate vs prefetches (one marker per point) on {RTX4090}"
+    breakdown = _flat(fig_breakdown(_results(), {"cache.slots_per_layer": 2}).axes[0].get_title(loc="left"))
+    assert breakdown.startswith(f"time breakdown per system (cache.slots_per_layer=2) on {RTX4090}")
+
+
+def test_the_hw_settings_the_rows_share_are_applied_and_one_they_vary_is_not():
+    """hw.cpu.cores=4 on every rtx4090 row: 4 cores, as `moesim replay --set hw.cpu.cores=4` titles its table;
+    rows that ran with 4 and 16 cores share no count: the profile's own 10."""
+    shared = _flat(fig_tpot_vs_slots(_results(**{"hw.cpu.cores": 4}))._suptitle.get_text())
+    assert RTX4090.replace("10 cores", "4 cores") in shared
+    varied = pd.concat([_results(**{"hw.cpu.cores": 4}), _results(**{"hw.cpu.cores": 16}).assign(
+        point_id=lambda f: f["point_id"] + "-16")])
+    assert RTX4090 in _flat(fig_tpot_vs_slots(varied)._suptitle.get_text())
+
+
+def test_a_replays_breakdown_names_the_parts_its_inputs_recorded_or_read_with_its_settings():
+    """`moesim replay --plot` of several systems: 'time breakdown per system on t.parquet, rtx4090' now names
+    the GPU and CPU, the parts the CLI recorded in the inputs (hw_parts), else the profile with the runs'
+    hw.* settings."""
+    inputs = {"trace": "traces/t.parquet", "hw": "rtx4090", "settings": {"hw.cpu.cores": "16"}}
+    runs = [{"system": s, "breakdown_ms": {"gpu_compute": 1.0}, "inputs": inputs} for s in ("a", "b")]
+    assert breakdown_title(runs) == "time breakdown per system on t.parquet, " + RTX4090.replace("10 cores",
+                                                                                                 "16 cores")
+    parts = {"gpu": "test gpu", "cpu": "test cpu (8 of 32 cores)", "cpu_cores": 8, "cpu_dram_bandwidth_gbps": 100}
+    recorded = [{**run, "inputs": {**inputs, "hw_parts": parts}} for run in runs]
+    fig = plot_breakdown(recorded)
+    assert _flat(fig.axes[0].get_title(loc="left")).startswith(
+        "time breakdown per system on t.parquet, rtx4090 (test gpu + test cpu, 8 cores, 100 GB/s DRAM)")
+
+
+def test_a_sweep_points_gantt_chart_names_its_profiles_parts(tmp_path):
+    """The Gantt chart of `moesim report` was titled 'gpu-only-lru on t.parquet, hw.yaml'."""
+    write_sweep_files(tmp_path, seed=11)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
+        "traces": ["t.parquet"], "hw": ["hw.yaml"], "systems": ["gpu-only-lru"],
+        "set": {"hw.cpu.cores": 4}}))
+    run_sweep(load_spec(tmp_path / "spec.yaml"), tmp_path / "r.parquet", workers=1)
+    row = load_results(tmp_path / "r.parquet").iloc[0]
+    title = _flat(fig_gantt(row)._suptitle.get_text())
+    assert title.startswith("gpu-only-lru on t.parquet, hw.yaml (test gpu + test cpu, 4 cores, 100 GB/s DRAM) "
+                            "(hw.cpu.cores=4)")
