@@ -17,7 +17,7 @@ from moesim.policy.systems import build_system
 from moesim.sim.result import result_to_frames
 from moesim.sim.run import simulate
 from moesim.trace import TraceMeta, write_trace
-from tests.factories import tiny_model, tiny_profile
+from tests.factories import random_routing, tiny_model, tiny_profile, write_tiny_trace
 
 # one tiny bf16 expert is 3*64*128*2 = 49,152 bytes: at 0.49152 GB/s its copy takes 100 us + 10 us latency
 FAST_PCIE = 0.49152
@@ -251,6 +251,26 @@ def test_prefetch_count_follows_table_i_per_model():
     flex = build_system("smoe-flex")
     flex.configure(RunContext(model=load_preset("qwen3-30b-a3b"), costs=ctx.costs, capacity=[8] * 48))
     assert flex.prefetch.count == 3
+
+
+def test_a_prefetch_count_above_a_layers_slots_is_noted(tmp_path):
+    """With one slot per layer, prefetch.n of 1, 2 and 3 give the same replay: a layer cannot take more
+    experts than it holds. The notes say so where n exceeds some layer's slots, and only there."""
+    model = tiny_model(layers=2, experts=8, top_k=2)
+    for capacity, n, noted in (([1, 3], 3, "1 of 2 layers hold fewer slots than prefetch.n=3 (fewest 1)"),
+                               ([3, 3], 3, None), ([2, 1], 1, None)):
+        system = build_system("smoe", {"prefetch.n": str(n)})
+        ctx = RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=capacity)
+        system.configure(ctx)
+        found = [note for note in ctx.notes if "fewer slots than prefetch.n" in note]
+        assert found == ([] if noted is None else [f"smoe-token: {noted}: each prefetches at most its slots per step"])
+    rng = np.random.default_rng(5)
+    path = write_tiny_trace(tmp_path / "t.parquet", model, random_routing(rng, model, 1, 4, 12))
+    runs = [metrics(simulate(str(path), tiny_profile(), "smoe", {"cache.slots_per_layer": "1", "prefetch.n": n}))
+            for n in ("1", "2", "3")]
+    assert runs[0]["prefetches"] > 0
+    assert runs[0]["tpot_ms_mean"] == runs[1]["tpot_ms_mean"] == runs[2]["tpot_ms_mean"]
+    assert runs[0]["prefetches"] == runs[1]["prefetches"] == runs[2]["prefetches"]
 
 
 def test_queue_aware_transfer_time_counts_copies_ahead():

@@ -363,6 +363,10 @@ class TokenWisePrefetch(Prefetch):
             if paper is None:
                 ctx.notes.append(f"smoe-token: 000 Table I gives no prefetch count for {ctx.model.name}; "
                                  f"using DeepSeek-V3's {self._n} (set prefetch.n)")
+        short = [slots for slots in ctx.capacity if slots < self._n]
+        if short:  # the rest of n has nowhere to go: a larger n changes nothing there
+            ctx.notes.append(f"smoe-token: {len(short)} of {len(ctx.capacity)} layers hold fewer slots than "
+                             f"prefetch.n={self._n} (fewest {min(short)}): each prefetches at most its slots per step")
         if not 0.0 <= self.flex_off_fraction < 1.0:
             raise ConfigError(f"flex_off_fraction={self.flex_off_fraction} outside [0, 1)",
                               field="prefetch.flex_off_fraction", fix="use e.g. 0.5")
