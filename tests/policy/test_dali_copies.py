@@ -88,3 +88,23 @@ def test_no_dali_plan_copies_an_expert_twice_on_the_golden_trace(monkeypatch):
     m = metrics(simulate(str(GOLDEN_TRACE), "rtx4090", "dali", {"engine.check": "true"}))
     assert twice == []
     assert len(loaded) == m["demand_loads"] > 0
+
+
+def test_a_prefetcher_naming_the_current_layer_copies_nothing_the_layer_copies_already(monkeypatch):
+    """DALI with SMoE's token-wise prefetcher swapped in (``--set prefetch=smoe-token``), which names experts
+    of the current layer for the next token: it prefetched experts the layer streamed (two copies) and
+    experts a window swap loaded, which stopped the replay ('plan loads expert 4 of layer 0, which is
+    already there'). Those candidates are now skipped, and the engine's plan checks pass."""
+    twice = []
+    place = DaliSystem._place
+
+    def watched(self, view):
+        plan = place(self, view)
+        copied = set(plan.streamed) | set(plan.loads)
+        twice.extend((view.step, view.layer, e) for lay, e in plan.prefetches if lay == view.layer and e in copied)
+        return plan
+
+    monkeypatch.setattr(DaliSystem, "_place", watched)
+    m = metrics(simulate(str(GOLDEN_TRACE), "rtx4090", "dali",
+                         {"prefetch": "smoe-token", "prefetch.n": "2", "engine.check": "true"}))
+    assert twice == [] and m["prefetches"] > 0

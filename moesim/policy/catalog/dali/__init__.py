@@ -208,10 +208,13 @@ class DaliSystem(ObservingSystem):
         entries: dict[int | None, list[tuple[int, int]]] = {}
         swaps = len(plan.prefetches)  # the window's swap-ins, cached experts
         resident, in_flight = state.resident, state.in_flight
+        # what this layer copies for its own use already (a prefetcher that names the current layer, such as
+        # SMoE's token-wise one swapped in, would copy it a second time)
+        copied_now = set(plan.loads) | set(plan.streamed)
         for target, e in wanted:
             pair = (target, e)
             held = e in resident[target] or e in in_flight[target]
-            if (held and pair not in evicted) or pair in plan.prefetches:
+            if (held and pair not in evicted) or pair in plan.prefetches or (target == view.layer and e in copied_now):
                 continue
             if target not in room:
                 room[target] = self._quota_left(view, plan, target, evicted)
