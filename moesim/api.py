@@ -83,6 +83,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
 
     from moesim.analysis.metrics import metrics
     from moesim.sim.result import result_to_frames
+    from moesim.analysis.sweep_results import hw_named
     from moesim.sim.run import add_lower_bound, simulate
     trace = checked_trace(trace)
     checked_flags(**{k: v for k, v in (("timeline", timeline), ("decisions", decisions)) if v is not None})
@@ -99,7 +100,8 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
            **sweep_module.flatten_metrics(raw)}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw,
-                        steps=step_frame(result.steps, frames["decisions"]))
+                        steps=step_frame(result.steps, frames["decisions"]),
+                        hw=hw_named(Path(profile_label(hw)).name, given, path=str(hw)))
 
 
 @python_names()

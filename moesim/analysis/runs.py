@@ -52,6 +52,13 @@ class ReplayResult:
     raw_metrics: dict[str, Any] = field(default_factory=dict)
     #: one row per forward pass (:func:`step_frame`): latency, tokens, and its decisions counted
     steps: Any = None
+    #: the profile as titles name it, with its GPU and host CPU (moesim.hw.title); '' when not known
+    hw: str = ""
+
+    def _what(self) -> str:
+        """'SYSTEM on TRACE / PROFILE (GPU + CPU, ...)': what a figure of this replay is of."""
+        on = f"{self.system} on {Path(self.trace).name}"
+        return f"{on} / {self.hw}" if self.hw else on
 
     @callers_lines
     def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
@@ -62,7 +69,7 @@ class ReplayResult:
             raise ConfigError("this replay kept no timeline", field="timeline",
                               fix="call moesim.replay(..., timeline=True)")
         from moesim.analysis.plots import plot_gantt
-        label = f"{self.system} on {Path(self.trace).name}" if title is None else title
+        label = self._what() if title is None else title
         return plot_gantt(self.timeline, path, window=window, steps=steps, title=label)
 
     @callers_lines
@@ -70,7 +77,7 @@ class ReplayResult:
         """Stacked bar of where the time went (000 Sec. VI-E categories); displays as a PNG in Jupyter."""
         from moesim.analysis.plots import plot_breakdown
         return plot_breakdown([{"system": self.system, **self.raw_metrics}], path,
-                              title=f"time breakdown of {self.system} on {Path(self.trace).name}")
+                              title=f"time breakdown of {self._what()}")
 
     @callers_lines
     def save(self, folder: str | os.PathLike) -> Path:
@@ -86,7 +93,7 @@ class ReplayResult:
                 path.unlink(missing_ok=True)  # an older result's frame would be read back as this one's
             else:
                 frame.to_parquet(path, index=False)
-        meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics}
+        meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics, "hw": self.hw}
         (folder / META_FILE).write_text(json.dumps(meta, default=_plain, indent=1))
         return folder
 
@@ -126,6 +133,7 @@ def load_replay(folder: str | os.PathLike) -> ReplayResult:
     try:  # another tool's result.json, or a save cut short, raised a JSONDecodeError, a KeyError or ArrowInvalid
         meta = json.loads(meta_path.read_text())
         fields = {key: meta[key] for key in ("system", "trace", "raw_metrics")}
+        fields["hw"] = str(meta.get("hw") or "")  # saved before results named their machine: not known
         frames = {name: pd.read_parquet(folder / f"{name}.parquet") if (folder / f"{name}.parquet").is_file()
                   else None for name in FRAMES}
     except (ValueError, TypeError, KeyError, OSError) as err:

@@ -332,7 +332,10 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
     if plot_out:
         from moesim.analysis.plots import plot_gantt
         with open_output(plot_out, "--plot", FIGURE) as path:
-            plot_gantt(frames["timeline"], path, steps=steps, title=f"{shown} on {Path(meta['trace']).name}")
+            inputs = metrics_.get("inputs") or {}
+            machine = hw_title(str(inputs.get("hw", "")), inputs.get("settings") or {}, inputs.get("hw_parts"))
+            plot_gantt(frames["timeline"], path, steps=steps,
+                       title=f"{shown} on {Path(meta['trace']).name} / {machine}")
         say_wrote(out, f"wrote {plot_out}")
 
 

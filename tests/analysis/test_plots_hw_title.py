@@ -86,3 +86,21 @@ def test_a_sweep_points_gantt_chart_names_its_profiles_parts(tmp_path):
     title = _flat(fig_gantt(row)._suptitle.get_text())
     assert title.startswith("gpu-only-lru on t.parquet, hw.yaml (test gpu + test cpu, 4 cores, 100 GB/s DRAM) "
                             "(hw.cpu.cores=4)")
+
+
+def test_a_replays_own_figures_name_its_profiles_parts(tmp_path):
+    """`moesim.replay(...).plot_timeline()` and `.plot_breakdown()` were titled 'cpu-only on t.parquet', naming
+    no machine at all; they now name the profile with its GPU and host CPU (its hw.* settings applied), and a
+    saved result keeps it."""
+    import moesim
+    from moesim.analysis.runs import load_replay
+    write_sweep_files(tmp_path, seed=11)
+    result = moesim.replay(tmp_path / "t.parquet", str(tmp_path / "hw.yaml"), "cpu-only",
+                           settings={"hw.cpu.cores": 4}, timeline=True)
+    machine = "hw.yaml (test gpu + test cpu, 4 cores, 100 GB/s DRAM)"
+    assert result.hw == machine
+    assert _flat(result.plot_timeline()._suptitle.get_text()).startswith(f"cpu-only on t.parquet / {machine}")
+    assert _flat(result.plot_breakdown().axes[0].get_title(loc="left")).startswith(
+        f"time breakdown of cpu-only on t.parquet / {machine} ")
+    result.save(tmp_path / "saved")
+    assert load_replay(tmp_path / "saved").hw == machine
