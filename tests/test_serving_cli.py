@@ -94,17 +94,19 @@ def test_serve_sim_prints_a_dash_for_the_tpot_of_prompts_alone(tmp_path, capsys)
 
 
 def test_serve_sim_says_why_runs_preempted(files, capsys):
-    """A KV cache too small for the load preempts; the note names the budget and each run's count."""
+    """A KV cache too small for the load preempts; the note names the budget (in the scheduler's blocks) and
+    each run's count."""
     trace, hw = files
     code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only,gpu-only-lru", "--qps", "100",
-                 "--requests", "6", "--set", "workload.kv_tokens=12", "--json", "-"])
+                 "--requests", "6", "--set", "workload.kv_tokens=12", "--set", "scheduler.kv_block_tokens=4",
+                 "--json", "-"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     rows = list(json.loads(captured.out).values())  # one rate: each system's run under its name
     assert all(r["preemptions"] > 0 for r in rows)
     listed = "; ".join(f"{r['system']} {r['preemptions']} preemption{'s' if r['preemptions'] > 1 else ''}, "
                        f"{r['recomputed_tokens']} tokens prefilled again" for r in rows)
-    assert f"note: KV entries for 12 tokens at 100 req/s (workload.kv_tokens): {listed}" in " ".join(
+    assert f"note: KV entries for 12 tokens in 3 blocks of 4 at 100 req/s (workload.kv_tokens): {listed}" in " ".join(
         captured.err.split())
 
 

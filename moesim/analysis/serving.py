@@ -142,7 +142,10 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
                            "requests": len(frame), "offered_qps": float(result.offered_qps),
                            "kv_tokens": result.kv_tokens if result.kv_tokens is not None else -1,
                            "kv_peak_tokens": result.kv_peak, "kv_tokens_set": w.kv_tokens > 0,
-                           "kv_tokens_per_slot": result.kv_tokens_per_slot}
+                           "kv_tokens_per_slot": result.kv_tokens_per_slot,
+                           "kv_block_tokens": result.kv_block_tokens,
+                           "kv_blocks": result.kv_blocks if result.kv_blocks is not None else -1,
+                           "kv_peak_blocks": result.kv_peak_blocks, "kv_watermark_blocks": result.kv_watermark_blocks}
     for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
         out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
     out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
@@ -174,10 +177,13 @@ def preemption_notes(rows: list[dict[str, Any]]) -> list[str]:
     for m in rows:
         if m["preemptions"]:
             slots = None if m["kv_tokens_set"] else m["engine"]["expert_slots"]
-            groups.setdefault((m["qps"], m["kv_tokens"], slots, m["kv_tokens_per_slot"]), []).append(m)
+            paged = (m.get("kv_blocks", -1), m.get("kv_block_tokens", 1))
+            groups.setdefault((m["qps"], m["kv_tokens"], slots, m["kv_tokens_per_slot"], paged), []).append(m)
     lines = []
-    for (qps, kv_tokens, slots, per_slot), runs in groups.items():
+    for (qps, kv_tokens, slots, per_slot, (blocks, block_tokens)), runs in groups.items():
         rate = "" if math.isnan(qps) else f" at {qps:g} req/s"
+        if block_tokens > 1:  # the budget as the scheduler used it: whole blocks
+            rate = f" in {blocks:,} blocks of {block_tokens}{rate}"
         budget = "workload.kv_tokens" if slots is None else \
             (f"the GPU memory {slots:,} expert slots leave; each slot fewer holds {per_slot:,} more: "
              f"--set cache.slots=N trades them, docs/serving.md")

@@ -5,9 +5,14 @@ Plain Python, no SimPy: the serving loop (:mod:`moesim.sim.serving`) asks
 through the engine and reports the tokens done with :meth:`Scheduler.advance`.
 
 A request is ``prompt`` prefill tokens followed by ``output`` decode tokens.
-Its KV cache holds one entry per computed token; the scheduler never lets the
-running requests hold more than ``kv_tokens`` entries. When a decode cannot get
-its entry, the most recently admitted request is preempted and recomputed later
+Its KV cache holds one entry per computed token, allocated in blocks of
+``kv_block_tokens`` entries: a request holding ``n`` tokens takes
+``ceil(n / kv_block_tokens)`` blocks, as PagedAttention pages it (Kwon et al.,
+SOSP'23, Sec. 4.1-4.3). The budget of ``kv_tokens`` entries is cut into whole
+blocks (rounded down) and the running requests never hold more blocks than that;
+a waiting request is admitted only if the blocks left after it stay at or above
+``kv_watermark`` of them (vLLM's ``can_allocate``). When a decode needs a new
+block and none is free, the most recently admitted request is preempted and recomputed later
 (its KV freed; it waits at the head of the queue from the next step on), as vLLM
 does by default (Kwon et al., SOSP'23, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention", Sec. 4.5, recomputation). Its new
@@ -31,7 +36,9 @@ Schedulers (``--set scheduler=NAME``, parameters ``scheduler.<field>``):
 * ``llamacpp``: llama.cpp's server (``tools/server``): ``max_batch`` slots
   (``--parallel``); each iteration adds one token per generating slot, then
   prompt tokens of the other slots until the batch holds ``n_batch`` tokens
-  (``max_tokens``), splitting a prompt across iterations.
+  (``max_tokens``), splitting a prompt across iterations. Its KV cache is an
+  array of cells, one per token position (``src/llama-kv-cells.h``), so it
+  allocates per token: blocks of 1, no watermark.
 
 The last three are one :class:`ContinuousBatching` with different defaults;
 each of its fields changes the batches it forms (tests/policy/test_scheduler.py).
@@ -102,8 +109,41 @@ class Scheduler(Component):
         self.kv_tokens: int | None = None
 
     def set_kv_tokens(self, kv_tokens: int | None) -> None:
-        """KV cache entries available to requests (None: unlimited)."""
+        """KV cache entries available to requests (None: unlimited); they are used in whole blocks."""
         self.kv_tokens = kv_tokens
+
+    def block_tokens(self) -> int:
+        """KV entries per block (1: the KV cache is allocated per token)."""
+        return 1
+
+    def watermark_blocks(self) -> int:
+        """Blocks an admission must leave free (0: none)."""
+        return 0
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """The budget in whole blocks: a partial block at the end of the memory holds no request's KV."""
+        return None if self.kv_tokens is None else self.kv_tokens // self.block_tokens()
+
+    def blocks(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` entries of one request (its last block may be partly empty)."""
+        return -(-tokens // self.block_tokens())
+
+    def growth(self, request: Request, n: int) -> int:
+        """New blocks ``request`` takes to add ``n`` entries to those it holds."""
+        return self.blocks(request.done + n) - self.blocks(request.done)
+
+    def tokens_to_fit(self, tokens: int) -> int:
+        """The least budget, in entries, on which a request of ``tokens`` tokens can run alone: whole
+        blocks for it, plus the watermark it must leave free when admitted."""
+        need = self.blocks(tokens)
+        total = need
+        while total - self.watermark_blocks_of(total) < need:
+            total += 1
+        return total * self.block_tokens()
+
+    def watermark_blocks_of(self, total_blocks: int) -> int:
+        return 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -113,10 +153,16 @@ class Scheduler(Component):
         return not self.waiting and not self.running
 
     def kv_used(self) -> int:
+        """KV entries the running requests hold (tokens)."""
         return sum(r.done for r in self.running)
 
+    def kv_used_blocks(self) -> int:
+        """KV blocks the running requests hold."""
+        return sum(self.blocks(r.done) for r in self.running)
+
     def kv_free(self) -> float:
-        return float("inf") if self.kv_tokens is None else self.kv_tokens - self.kv_used()
+        """Free KV blocks (inf: unlimited)."""
+        return float("inf") if self.kv_blocks is None else self.kv_blocks - self.kv_used_blocks()
 
     def next_batch(self) -> Batch:
         raise NotImplementedError
@@ -133,10 +179,19 @@ class Scheduler(Component):
 
     def check(self, request: Request) -> None:
         """Refuse a request that could never run alone (it would wait forever)."""
-        if self.kv_tokens is not None and request.total > self.kv_tokens:
+        if self.kv_tokens is not None and self.tokens_to_fit(request.total) > self.kv_tokens:
             raise ConfigError(f"a request of {request.total} tokens needs more KV cache than the "
-                              f"{self.kv_tokens} entries left beside the expert cache", field="cache.slots_per_layer",
+                              f"{self.kv_tokens} entries left beside the expert cache{self.in_blocks()}",
+                              field="cache.slots_per_layer",
                               fix="use fewer expert slots, workload.kv_tokens=0, or shorter requests")
+
+    def in_blocks(self) -> str:
+        """How the budget is cut into blocks, for messages ('' when allocated per token)."""
+        if self.block_tokens() == 1 and not self.watermark_blocks():
+            return ""
+        blocks = self.kv_blocks
+        return (f" ({blocks} blocks of {self.block_tokens()} tokens, {self.watermark_blocks()} of them kept free "
+                f"at admission)")
 
 
 @dataclass
@@ -158,9 +213,9 @@ class StaticBatching(Scheduler):
             reserved = 0
             while self.waiting and len(self.running) < self.max_batch:
                 head = self.waiting[0]
-                if self.kv_tokens is not None and reserved + head.total > self.kv_tokens:
+                if self.kv_blocks is not None and reserved + self.blocks(head.total) > self.kv_blocks:
                     break
-                reserved += head.total
+                reserved += self.blocks(head.total)
                 self.running.append(self.waiting.popleft())
         prefilling = [r for r in self.running if r.prefilling]
         chosen = prefilling or self.running
@@ -181,12 +236,31 @@ class ContinuousBatching(Scheduler):
     #: "prefill": a step prefills when it can and decodes otherwise (vLLM); "decode": decodes first,
     #: prefill fills the rest of the budget (Sarathi-Serve, llama.cpp)
     priority: str = "prefill"
+    #: KV entries per block: KV is allocated in whole blocks, a request of n tokens holding ceil(n / this)
+    #: (vLLM --block-size, Sarathi-Serve CacheConfig.block_size: 16); 1: per token (llama.cpp's cells)
+    kv_block_tokens: int = 1
+    #: share of the KV blocks a waiting request's admission must leave free; decodes may use them (vLLM and
+    #: Sarathi-Serve block managers' watermark: 0.01)
+    kv_watermark: float = 0.0
+
+    def block_tokens(self) -> int:
+        return self.kv_block_tokens
+
+    def watermark_blocks(self) -> int:
+        return 0 if self.kv_blocks is None else self.watermark_blocks_of(self.kv_blocks)
+
+    def watermark_blocks_of(self, total_blocks: int) -> int:
+        # vLLM: int(watermark * num_gpu_blocks), rounded down (vllm/core/block_manager.py)
+        return int(self.kv_watermark * total_blocks)
 
     def validate(self) -> None:
         if self.priority not in ("prefill", "decode"):
             raise ConfigError(f"unknown priority '{self.priority}'", field="scheduler.priority",
                               fix="use prefill or decode")
-        for key, least in (("max_batch", 1), ("max_tokens", 1), ("chunk_tokens", 0)):
+        if not 0 <= self.kv_watermark < 1:
+            raise ConfigError(f"scheduler.kv_watermark={self.kv_watermark} is out of range",
+                              field="scheduler.kv_watermark", fix="use a share of the blocks in [0, 1), e.g. 0.01")
+        for key, least in (("max_batch", 1), ("max_tokens", 1), ("chunk_tokens", 0), ("kv_block_tokens", 1)):
             if getattr(self, key) < least:  # the one out of range: max_tokens=0 was reported as max_batch
                 raise ConfigError(f"scheduler.{key}={getattr(self, key)} is out of range",
                                   field=f"scheduler.{key}", fix=f"use {key} >= {least}")
@@ -220,26 +294,32 @@ class ContinuousBatching(Scheduler):
 
     # ------------------------------------------------------------------ parts of a step
     def _decode(self, batch: Batch) -> None:
-        """One token for every running request past its prefill, preempting the newest when KV runs out."""
+        """One token for every running request past its prefill, preempting the newest when it needs a new
+        block and none is free (a token that fits in its last block needs none: vLLM's can_append_slots)."""
         tokens = batch.tokens  # preemptions below add no entries: counted once (a step may hold thousands)
-        free = self.kv_free() - tokens
+        free = self.kv_free() - self._batch_blocks(batch)
         queue = deque(r for r in self.running if not r.prefilling)
         taken: list[Request] = []
         while queue:
             request = queue.popleft()
             if len(batch.entries) + len(taken) >= self.max_batch or tokens + len(taken) >= self.max_tokens:
                 break
-            while free < 1 and (victim := self._victim(request)) is not None:
-                free += victim.done
+            need = self.growth(request, 1)
+            while free < need and (victim := self._victim(request)) is not None:
+                free += self.blocks(victim.done)
                 if queue and queue[-1] is victim:  # not yet given its token (the newest is the queue's last)
                     queue.pop()
                 self._preempt(victim, batch)
-            if free < 1:  # nothing left to preempt: this request waits itself
+            if free < need:  # nothing left to preempt: this request waits itself
                 self._preempt(request, batch)
                 continue
             taken.append(request)
-            free -= 1
+            free -= need
         batch.entries += [(r, 1) for r in taken]
+
+    def _batch_blocks(self, batch: Batch) -> int:
+        """New blocks the batch's entries take."""
+        return sum(self.growth(r, n) for r, n in batch.entries)
 
     def _victim(self, request: Request) -> Request | None:
         """The running request to preempt for ``request``: the newest, if admitted after it. Those taken
@@ -265,32 +345,35 @@ class ContinuousBatching(Scheduler):
 
     def _prefill(self, batch: Batch) -> None:
         """Prefill work in admission order: running requests mid-prompt first, then waiting ones."""
-        free = self.kv_free() - batch.tokens
+        free = self.kv_free() - self._batch_blocks(batch)
         for request in [r for r in self.running if r.prefilling]:
             n = self._piece(request, batch, free)
             if n:
                 batch.entries.append((request, n))
-                free -= n
+                free -= self.growth(request, n)
         # admitted requests hold their place (and KV) until they finish: vLLM counts the running ones against
         # max_num_seqs before it schedules a new prompt, and llama.cpp has that many slots
         while self.waiting and len(batch.entries) < self.max_batch and len(self.running) < self.max_batch:
             request = self.waiting[0]
             if any(request is p for p in batch.preempted):
                 break  # it yielded in this step: back in the queue for the next (vLLM requeues after the step)
-            n = self._piece(request, batch, free)
+            # an admission leaves the watermark's blocks free (vLLM's can_allocate), for running decodes
+            n = self._piece(request, batch, free - self.watermark_blocks())
             if not n:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.running.append(self.waiting.popleft())
             batch.entries.append((request, n))
-            free -= n
+            free -= self.growth(request, n)
 
     def _piece(self, request: Request, batch: Batch, free: float) -> int:
-        """Prefill tokens of ``request`` that fit this step (0: none)."""
+        """Prefill tokens of ``request`` that fit this step and ``free`` blocks (0: none)."""
         if len(batch.entries) >= self.max_batch:
             return 0
         # a request without prompt (a trace that logged no prefill) joins with its first decode token
         need = request.prefill_until - request.done if request.prefilling else 1
-        room = min(self.max_tokens - batch.tokens, free)
+        # tokens up to the end of the free blocks, the rest of its last block first
+        fit = (self.blocks(request.done) + free) * self.kv_block_tokens - request.done
+        room = min(self.max_tokens - batch.tokens, fit)
         if self.chunk_tokens:
             return int(max(min(need, self.chunk_tokens, room), 0))
         if need > self.max_tokens and request.prefill_until > request.prompt:
@@ -304,14 +387,20 @@ class ContinuousBatching(Scheduler):
 SCHEDULERS: dict[str, tuple[type[Scheduler], dict[str, object]]] = {
     "static": (StaticBatching, {}),
     # vLLM (v0) defaults: max_num_seqs 256, max_num_batched_tokens 8192 here (vLLM uses at least the
-    # model length), no chunked prefill, prefills first
-    "vllm": (ContinuousBatching, {"max_batch": 256, "max_tokens": 8192, "chunk_tokens": 0, "priority": "prefill"}),
-    # Sarathi-Serve (OSDI'24 Sec. 5): token budget 512 for the latency-bound setting, chunks fill it
+    # model length), no chunked prefill, prefills first; KV blocks of 16 tokens (--block-size: 16 on CUDA,
+    # vllm/platforms/cuda.py, EngineArgs.block_size before) and a watermark of 0.01 of them
+    # (SelfAttnBlockSpaceManager in vllm/core/block_manager.py)
+    "vllm": (ContinuousBatching, {"max_batch": 256, "max_tokens": 8192, "chunk_tokens": 0, "priority": "prefill",
+                                  "kv_block_tokens": 16, "kv_watermark": 0.01}),
+    # Sarathi-Serve (OSDI'24 Sec. 5): token budget 512 for the latency-bound setting, chunks fill it; KV blocks
+    # of 16 (sarathi/config/config.py, CacheConfig) and a watermark of 0.01
+    # (sarathi/core/block_space_manager/base_block_space_manager.py)
     "sarathi": (ContinuousBatching, {"max_batch": 256, "max_tokens": 512, "chunk_tokens": 512,
-                                     "priority": "decode"}),
-    # llama.cpp server: 4 slots (--parallel) and n_batch 2048 (common/common.h defaults)
+                                     "priority": "decode", "kv_block_tokens": 16, "kv_watermark": 0.01}),
+    # llama.cpp server: 4 slots (--parallel) and n_batch 2048 (common/common.h defaults); KV in cells of one
+    # token each (src/llama-kv-cells.h), no watermark
     "llamacpp": (ContinuousBatching, {"max_batch": 4, "max_tokens": 2048, "chunk_tokens": 2048,
-                                      "priority": "decode"}),
+                                      "priority": "decode", "kv_block_tokens": 1, "kv_watermark": 0.0}),
 }
 
 

@@ -10,8 +10,8 @@ Whenever the engine is free the scheduler (:mod:`moesim.policy.scheduler`)
 forms a batch; its rows become one :class:`~moesim.trace.io.Step` that
 :meth:`Simulator.run_step` runs as it runs a trace's step, so every system
 plans its layers as in a replay. KV cache comes out of the GPU memory the
-expert cache leaves (:func:`kv_budget_tokens`); when it runs out, requests are
-preempted and recomputed (counted per request).
+expert cache leaves (:func:`kv_budget_tokens`), cut into the scheduler's KV
+blocks; when they run out, requests are preempted and recomputed (counted per request).
 """
 
 from __future__ import annotations
@@ -261,10 +261,18 @@ class ServeResult:
     #: step index -> the requests preempted to form that step (their KV freed before it ran); steps without any
     #: are left out (a list per step would cost host memory on runs of many steps)
     preempted: dict[int, list[int]] = field(default_factory=dict)
-    #: most KV entries held during one step
+    #: most KV entries (tokens) held during one step
     kv_peak: int = 0
     #: KV entries that one expert slot's bytes would hold (0: unknown)
     kv_tokens_per_slot: int = 0
+    #: KV entries per block of the scheduler (1: per token)
+    kv_block_tokens: int = 1
+    #: the budget in whole blocks (None: unlimited)
+    kv_blocks: int | None = None
+    #: most KV blocks held during one step
+    kv_peak_blocks: int = 0
+    #: blocks an admission had to leave free
+    kv_watermark_blocks: int = 0
 
 
 class ServingRun:
@@ -294,6 +302,7 @@ class ServingRun:
         # four times that allows recomputation after preemptions, more means a livelock
         self._step_limit = 4 * sum(t.prompt + t.output for t in self.served) + 16
         self.kv_peak = 0
+        self.kv_peak_blocks = 0
         #: requests over the time of the last arrival (open loops only)
         self.offered = float("nan")
 
@@ -303,9 +312,11 @@ class ServingRun:
             state = self.states[record.request]
             record.preemptions = state.preemptions
             record.recomputed_tokens = state.recomputed
-        return ServeResult(self.records, engine, self.workload, self.scheduler.name, self.scheduler.kv_tokens,
+        s = self.scheduler
+        return ServeResult(self.records, engine, self.workload, s.name, s.kv_tokens,
                            self.offered, self.batches, self.preempted, self.kv_peak,
-                           self.sim.memory.expert_bytes // self.sim.model.kv_bytes_per_token())
+                           self.sim.memory.expert_bytes // self.sim.model.kv_bytes_per_token(),
+                           s.block_tokens(), s.kv_blocks, self.kv_peak_blocks, s.watermark_blocks())
 
     # ------------------------------------------------------------------ processes
     def _submit(self, i: int) -> None:
@@ -372,7 +383,10 @@ class ServingRun:
             index += 1
 
     def _record(self, batch: Batch, start: float, end: float) -> None:
-        self.kv_peak = max(self.kv_peak, self.scheduler.kv_used() + batch.tokens)  # entries held during the step
+        # entries and blocks held during the step: the running requests' and those the batch adds
+        self.kv_peak = max(self.kv_peak, self.scheduler.kv_used() + batch.tokens)
+        added = sum(self.scheduler.growth(r, n) for r, n in batch.entries)
+        self.kv_peak_blocks = max(self.kv_peak_blocks, self.scheduler.kv_used_blocks() + added)
         for request, n in batch.entries:
             record = self.records[request.rid]
             if record.scheduled_s != record.scheduled_s:  # nan: first time it runs
@@ -453,10 +467,11 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
     scheduler.set_kv_tokens(kv)
     served = [Request(0, 0.0, t.prompt, t.output) for t in pool.requests[:parsed.workload.requests]]
     longest = max((r.total for r in served), default=0)
-    if parsed.workload.kv_tokens and longest > parsed.workload.kv_tokens:  # the user's own limit is at fault
+    need = scheduler.tokens_to_fit(longest)  # whole blocks, and the watermark an admission leaves
+    if parsed.workload.kv_tokens and need > parsed.workload.kv_tokens:  # the user's own limit is at fault
         raise ConfigError(f"a request of {longest} tokens needs more KV cache than workload.kv_tokens="
-                          f"{parsed.workload.kv_tokens}", field="workload.kv_tokens",
-                          fix=f"use workload.kv_tokens={longest} or more, or 0 for all the GPU's free memory")
+                          f"{parsed.workload.kv_tokens}{scheduler.in_blocks()}", field="workload.kv_tokens",
+                          fix=f"use workload.kv_tokens={need} or more, or 0 for all the GPU's free memory")
     for request in served:
         scheduler.check(request)
     result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()

@@ -216,3 +216,98 @@ def test_a_limit_out_of_range_is_named(key, value):
     with pytest.raises(ConfigError) as err:
         build_scheduler("sarathi", {key: value})
     assert err.value.field == f"scheduler.{key}"
+
+
+def test_kv_in_blocks_preempts_a_decode_that_per_token_kv_keeps():
+    """Two prompts of 3 and 3 decodes on 12 entries. Per token everything fits (12 at most). In blocks of 4,
+    3 blocks: one each for the prompts, the first decodes fill them; for the second, A takes the last block
+    and B, needing one, yields its own (4 tokens recomputed, its new prompt 5 tokens = 2 blocks, which wait
+    for A's end)."""
+    def run(block: int) -> tuple[list[list[tuple[int, int]]], Request]:
+        s = ContinuousBatching(max_batch=8, max_tokens=100, kv_block_tokens=block)
+        a, b = req(0, 3, 3), req(1, 3, 3)
+        s.add(a)
+        s.add(b)
+        return plan(s, kv=12), b
+    steps, b = run(1)
+    assert steps == [[(0, 3), (1, 3)], [(0, 1), (1, 1)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    assert b.preemptions == 0
+    steps, b = run(4)
+    assert steps == [[(0, 3), (1, 3)], [(0, 1), (1, 1)], [(0, 1)], [(0, 1)], [(1, 5)], [(1, 1)]]
+    assert b.preemptions == 1 and b.recomputed == 4
+
+
+def test_a_token_that_fits_in_its_last_block_needs_no_free_block():
+    """Blocks of 4, 8 entries = 2 blocks. Prompts of 1 and 2 hold both blocks, yet every decode writes into
+    its own block's empty entries: nobody yields. A prompt of 4 fills its block: its decode needs a second,
+    which B holds (as the newest, it yields), where per token 6 + 2 of 8 entries would fit."""
+    s = ContinuousBatching(max_batch=8, max_tokens=100, kv_block_tokens=4)
+    a, b = req(0, 1, 3), req(1, 2, 1)
+    s.add(a)
+    s.add(b)
+    # per-token accounting of 8 entries agrees here: 3, 5, 3, 4 held
+    assert plan(s, kv=8) == [[(0, 1), (1, 2)], [(0, 1), (1, 1)], [(0, 1)], [(0, 1)]]
+    assert b.preemptions == 0
+    s = ContinuousBatching(max_batch=8, max_tokens=100, kv_block_tokens=4)
+    a, b = req(0, 4, 1), req(1, 2, 1)
+    s.add(a)
+    s.add(b)
+    # B's recompute: its prompt and the token it emitted (3), which ends it
+    assert plan(s, kv=8) == [[(0, 4), (1, 2)], [(0, 1)], [(1, 3)]]
+    assert b.preemptions == 1 and b.recomputed == 2
+
+
+def test_the_watermark_holds_back_an_admission_and_spares_a_preemption():
+    """4 blocks of 2 entries. A (prompt 4, 1 decode) takes 2 blocks; B (prompt 3, 1 decode) needs 2 more.
+    Without watermark B is admitted beside A, A's decode then needs a 5th block and B yields (recompute).
+    With a watermark of 0.25 (1 block) B's admission would leave 0 free: it waits one step for A's end and
+    runs without preemption (per token, 7 of 8 entries, it would have been admitted)."""
+    def run(watermark: float) -> tuple[list[list[tuple[int, int]]], Request]:
+        s = ContinuousBatching(max_batch=8, max_tokens=100, kv_block_tokens=2, kv_watermark=watermark)
+        a, b = req(0, 4, 1), req(1, 3, 1)
+        s.add(a)
+        s.add(b)
+        return plan(s, kv=8), b
+    steps, b = run(0.0)
+    assert steps == [[(0, 4), (1, 3)], [(0, 1)], [(1, 4)]]
+    assert b.preemptions == 1 and b.recomputed == 3
+    steps, b = run(0.25)
+    assert steps == [[(0, 4)], [(0, 1)], [(1, 3)], [(1, 1)]]
+    assert b.preemptions == 0
+
+
+def test_the_watermark_is_a_share_of_the_blocks_rounded_down():
+    s = build_scheduler("vllm", {})
+    s.set_kv_tokens(16 * 199 + 15)  # 199 whole blocks: int(0.01 * 199) = 1
+    assert (s.kv_blocks, s.watermark_blocks()) == (199, 1)
+    s.set_kv_tokens(16 * 99)
+    assert (s.kv_blocks, s.watermark_blocks()) == (99, 0)
+    # a request of 17 tokens needs 2 blocks; a watermark of 0.5 keeps 1 of 2 free, and 1 of 3: it needs 3
+    # blocks (48 entries) to be admitted alone; one of 16 tokens fits 1 block (int(0.5) = 0 kept free)
+    s = build_scheduler("vllm", {"kv_watermark": "0.5"})
+    assert s.tokens_to_fit(17) == 48 and s.tokens_to_fit(16) == 16
+
+
+def test_kv_blocks_and_watermark_presets_cite_their_systems():
+    for name, block, watermark in (("vllm", 16, 0.01), ("sarathi", 16, 0.01), ("llamacpp", 1, 0.0)):
+        s = build_scheduler(name, {})
+        assert (s.kv_block_tokens, s.kv_watermark) == (block, watermark), name
+    assert build_scheduler("vllm", {"kv_block_tokens": "32"}).kv_block_tokens == 32
+    with pytest.raises(ConfigError, match="scheduler.kv_block_tokens"):
+        build_scheduler("static", {"kv_block_tokens": "16"})  # request-level batching reserves per token
+    for key, value in (("kv_block_tokens", "0"), ("kv_watermark", "1.0")):
+        with pytest.raises(ConfigError) as err:
+            build_scheduler("vllm", {key: value})
+        assert err.value.field == f"scheduler.{key}"
+
+
+def test_kv_block_of_one_without_watermark_is_per_token_accounting():
+    """The vllm preset with blocks of 1 and no watermark forms the batches of the per-token scheduler."""
+    def steps(s) -> list[list[tuple[int, int]]]:
+        for r in (req(0, 4, 3), req(1, 4, 3), req(2, 2, 5)):
+            s.add(r)
+        return plan(s, kv=10)
+    per_token = ContinuousBatching(max_batch=256, max_tokens=8192, chunk_tokens=0, priority="prefill")
+    expected = steps(per_token)
+    assert steps(build_scheduler("vllm", {"kv_block_tokens": "1", "kv_watermark": "0"})) == expected
+    assert steps(build_scheduler("vllm", {"kv_block_tokens": "2", "kv_watermark": "0"})) != expected

@@ -78,25 +78,43 @@ def _long_recompute_pool():
     return model, routing, profile
 
 
+#: (KV block size, watermark) drawn for the continuous schedulers: per token, small blocks, a watermark that
+#: keeps blocks free on budgets of a few blocks, and vLLM's defaults
+PAGING = [(1, 0.0), (2, 0.0), (4, 0.0), (3, 0.25), (2, 0.5), (16, 0.01)]
+
+
+def least_kv_tokens(longest: int, block: int, watermark: float) -> int:
+    """The least budget (entries) on which a request of ``longest`` tokens runs alone: whole blocks for it
+    and the watermark's int(watermark * blocks) kept free at admission (worked here, not by the scheduler)."""
+    need = -(-longest // block)
+    total = need
+    while total - int(watermark * total) < need:
+        total += 1
+    return total * block
+
+
 @FAST
-@example(_livelock_pool(), "gpu-only-lru", "vllm", "gamma", 5, True)
-@example(_long_recompute_pool(), "cpu-only", "vllm", "closed", 4, False)
+@example(_livelock_pool(), "gpu-only-lru", "vllm", "gamma", 5, True, (1, 0.0))
+@example(_long_recompute_pool(), "cpu-only", "vllm", "closed", 4, False, (1, 0.0))
 @given(pools(), st.sampled_from(["gpu-only-lru", "cpu-only", "static-hot"]),
        st.sampled_from(["static", "vllm", "sarathi", "llamacpp"]), st.sampled_from(["poisson", "gamma", "closed"]),
-       st.integers(0, 30), st.booleans())
-def test_serving_invariants(pool, system, scheduler, arrival, kv, chunked):
+       st.integers(0, 30), st.booleans(), st.sampled_from(PAGING))
+def test_serving_invariants(pool, system, scheduler, arrival, kv, chunked, paging):
     model, routing, profile = pool
+    block, watermark = (1, 0.0) if scheduler == "static" else paging  # static batching reserves per token
     with tempfile.TemporaryDirectory() as tmp:
         longest = max(r.tokens for r in _pool_lengths(tmp, model, routing))
         extra = {"workload.arrival": arrival, "workload.qps": "20", "workload.cv": "3", "workload.requests": "7",
                  "workload.concurrency": "2", "scheduler": scheduler, "cache.slots_per_layer": str(model.top_k),
-                 "scheduler.max_tokens": "4", "scheduler.chunk_tokens": "2"}
+                 "scheduler.max_tokens": "4", "scheduler.chunk_tokens": "2",
+                 "scheduler.kv_block_tokens": str(block), "scheduler.kv_watermark": str(watermark)}
         if scheduler == "static":
-            del extra["scheduler.max_tokens"], extra["scheduler.chunk_tokens"]
+            for key in ("max_tokens", "chunk_tokens", "kv_block_tokens", "kv_watermark"):
+                del extra[f"scheduler.{key}"]
         elif not chunked:  # whole prompts (up to 6 tokens); a recompute of prompt and output may be longer
             extra.update({"scheduler.max_tokens": "6", "scheduler.chunk_tokens": "0"})
-        if kv:  # small KV caches force preemptions
-            extra["workload.kv_tokens"] = str(longest + kv % 5)
+        if kv:  # small KV caches force preemptions; a few entries over whole blocks hold no request's KV
+            extra["workload.kv_tokens"] = str(least_kv_tokens(longest, block, watermark) + kv % 5)
         _, result = run_serve(tmp, model, routing, profile, system, extra)
     frame = request_frame(result)
     # no request finishes before it arrives, and its events are in order
@@ -118,18 +136,24 @@ def test_serving_invariants(pool, system, scheduler, arrival, kv, chunked):
     m = serving_metrics(result)
     if kv:
         assert 0 < m["kv_peak_tokens"] <= m["kv_tokens"] == int(extra["workload.kv_tokens"])
+        assert m["kv_block_tokens"] == block and m["kv_blocks"] == m["kv_tokens"] // block
+        assert 0 < m["kv_peak_blocks"] <= m["kv_blocks"]
+        assert m["kv_watermark_blocks"] == int(watermark * m["kv_blocks"])
     if arrival != "closed":
         assert m["throughput_rps"] <= m["offered_qps"] * (1 + 1e-12)
     # the engine saw every step back to back, never before the batch was formed, and never an ulp before the
     # last one ended (env.now, as start + (end - start), can fall short of that end)
     steps = result.engine.steps
     assert all(b.start >= a.end for a, b in zip(steps, steps[1:]))
-    _check_against_the_batch_log(result, frame, int(extra["workload.kv_tokens"]) if kv else None)
+    _check_against_the_batch_log(result, frame, int(extra["workload.kv_tokens"]) if kv else None, block,
+                                 int(watermark * (int(extra["workload.kv_tokens"]) // block)) if kv else 0)
 
 
-def _check_against_the_batch_log(result, frame, kv_tokens: int | None) -> None:
+def _check_against_the_batch_log(result, frame, kv_tokens: int | None, block: int = 1, kept_free: int = 0) -> None:
     """The KV held, the recomputation and each request's times, rebuilt from the log of what each step ran
-    and whom it preempted, independently of the scheduler's own counts."""
+    and whom it preempted, independently of the scheduler's own counts. KV is held in blocks of ``block``
+    entries; a step that admits a request (its first entry since it arrived or was preempted, at position 0)
+    leaves ``kept_free`` blocks free (admissions come last in a step: nothing is added after them)."""
     arrival = dict(zip(frame.request, frame.arrival_s))
     total = dict(zip(frame.request, frame.prompt_tokens + frame.output_tokens))
     prompt = dict(zip(frame.request, frame.prompt_tokens))
@@ -152,8 +176,11 @@ def _check_against_the_batch_log(result, frame, kv_tokens: int | None) -> None:
             first_step.setdefault(rid, step.start)
             if held[rid] >= max(prompt[rid], 1):
                 first_token.setdefault(rid, step.end)
-        if kv_tokens is not None:
-            assert sum(held.values()) <= kv_tokens  # during the step: entries held plus those it adds
+        if kv_tokens is not None:  # during the step: blocks held plus those it adds
+            blocks = sum(-(-h // block) for h in held.values())
+            assert blocks <= kv_tokens // block
+            if any(first == 0 for _, first, _ in batch):
+                assert blocks <= kv_tokens // block - kept_free
         for rid, _, _ in batch:
             assert held[rid] <= total[rid]
             if held[rid] == total[rid]:  # finished: its tokens all produced, once since its last preemption
@@ -236,7 +263,7 @@ def test_small_kv_preempts_and_recomputes(tmp_path):
     routing = request_routing(np.random.default_rng(1), model, [(4, 4)])
     path = str(write_tiny_trace(tmp_path / "t.parquet", model, routing))
     base = {"workload.arrival": "closed", "workload.concurrency": "3", "workload.requests": "3",
-            "scheduler": "vllm"}
+            "scheduler": "vllm", "scheduler.kv_block_tokens": "1"}  # per token: 12 entries hold 3 prompts of 4
     roomy = serving_metrics(serve([path], tiny_profile(), "cpu-only", base))
     tight = serving_metrics(serve([path], tiny_profile(), "cpu-only", {**base, "workload.kv_tokens": "12"}))
     assert roomy["preemptions"] == 0 and roomy["recomputed_tokens"] == 0
@@ -252,20 +279,24 @@ def test_small_kv_preempts_and_recomputes(tmp_path):
 
 def test_a_kv_limit_below_one_request_names_the_limit(tmp_path):
     """workload.kv_tokens=7 for requests of 8 tokens: the user's limit is at fault, not the expert slots (the
-    error named cache.slots_per_layer, even for systems without a cache)."""
+    error named cache.slots_per_layer, even for systems without a cache). Per token 8 entries suffice; in
+    vLLM's blocks of 16 the least budget is one whole block, 16 entries."""
     from moesim.errors import ConfigError
     model = tiny_model(layers=1, experts=4, top_k=1)
     path = str(write_tiny_trace(tmp_path / "t.parquet", model,
                                 request_routing(np.random.default_rng(1), model, [(4, 4)])))
-    for system in ("cpu-only", "all-in-gpu"):
+    per_token = {"scheduler.kv_block_tokens": "1"}
+    for system, blocks, kv, least in (("cpu-only", per_token, "7", 8), ("all-in-gpu", per_token, "7", 8),
+                                      ("cpu-only", {}, "15", 16), ("all-in-gpu", {}, "8", 16)):
         with pytest.raises(ConfigError) as err:
-            serve([path], tiny_profile(), system, {"workload.requests": "1", "workload.kv_tokens": "7"})
+            serve([path], tiny_profile(), system, {"workload.requests": "1", "workload.kv_tokens": kv, **blocks})
         assert err.value.field == "workload.kv_tokens"
-        assert "a request of 8 tokens needs more KV cache than workload.kv_tokens=7" in str(err.value)
-        assert "use workload.kv_tokens=8 or more" in str(err.value)
-    fits = serving_metrics(serve([path], tiny_profile(), "cpu-only", {"workload.requests": "1",
-                                                                       "workload.kv_tokens": "8"}))
-    assert fits["kv_tokens"] == 8
+        assert f"a request of 8 tokens needs more KV cache than workload.kv_tokens={kv}" in str(err.value)
+        assert f"use workload.kv_tokens={least} or more" in str(err.value)
+        fits = serving_metrics(serve([path], tiny_profile(), "cpu-only", {"workload.requests": "1",
+                                                                           "workload.kv_tokens": str(least),
+                                                                           **blocks}))
+        assert fits["kv_tokens"] == least and fits["kv_peak_tokens"] == 8
 
 
 def test_preempting_runs_say_how_many_kv_entries_a_slot_would_add(tmp_path):
@@ -279,9 +310,10 @@ def test_preempting_runs_say_how_many_kv_entries_a_slot_would_add(tmp_path):
     lru = dict(m, preemptions=3, recomputed_tokens=20, qps=0.5)
     dali = dict(lru, system="dali", preemptions=1, recomputed_tokens=7)
     later = dict(lru, qps=2.0)
-    budget = (f"KV entries for {m['kv_tokens']:,} tokens at {{}} req/s (the GPU memory "
-              f"{m['engine']['expert_slots']} expert slots leave; each slot fewer holds {m['kv_tokens_per_slot']:,} "
-              f"more: --set cache.slots=N trades them, docs/serving.md): ")
+    assert m["kv_blocks"] == m["kv_tokens"] // 16  # vLLM's blocks of 16
+    budget = (f"KV entries for {m['kv_tokens']:,} tokens in {m['kv_blocks']:,} blocks of 16 at {{}} req/s "
+              f"(the GPU memory {m['engine']['expert_slots']} expert slots leave; each slot fewer holds "
+              f"{m['kv_tokens_per_slot']:,} more: --set cache.slots=N trades them, docs/serving.md): ")
     assert preemption_notes([lru, dali, later, m]) == [
         budget.format("0.5") + "gpu-only-lru 3 preemptions, 20 tokens prefilled again; dali 1 preemption, 7 tokens "
                                "prefilled again",

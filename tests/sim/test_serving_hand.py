@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from moesim.analysis.serving import request_frame, serving_metrics
+from moesim.errors import ConfigError
 from moesim.sim.serving import serve
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
 from tests.sim.test_closed_form import ATTN, SYNC, cpu_expert, step_extra
@@ -149,11 +150,12 @@ def test_one_preemption_recomputes_the_prompt_and_every_token_emitted(tmp_path):
     """Two requests of prompt 2 and 2 decodes, both at 0, 6 KV entries. Step 1: both prompts (4 entries);
     step 2: both decode (6); step 3: A needs a 7th, B (the newest) yields its 3 and A finishes; step 4: B's new
     prompt is its prompt and both tokens it emitted (vLLM's recompute): 4 tokens, ending with its last token.
-    Before, B prefilled 3 and took a separate decode step for the 4th (5 steps, not 4)."""
+    Before, B prefilled 3 and took a separate decode step for the 4th (5 steps, not 4). KV per token
+    (scheduler.kv_block_tokens=1): vLLM's blocks of 16 would not hold 6 tokens at all."""
     trace = pool_trace(tmp_path, [(2, 2)])
     result = serve([trace], tiny_profile(), "cpu-only",
                    {"workload.arrival": "closed", "workload.concurrency": "2", "workload.requests": "2",
-                    "workload.kv_tokens": "6"})
+                    "workload.kv_tokens": "6", "scheduler.kv_block_tokens": "1"})
     t1 = d(4, 2)
     t2 = t1 + d(2, 2)
     t3 = t2 + d(1, 1)
@@ -197,3 +199,61 @@ def test_sarathi_chunks_a_prompt_beside_a_decode(tmp_path):
     assert f.tpot_ms.tolist() == pytest.approx([(t4 - t1) / 3 * MS, (t5 - t4) * MS], rel=1e-9)
     assert f.e2e_ms.tolist() == pytest.approx([t4 * MS, (t5 - a) * MS], rel=1e-9)
     assert np.diff([t1, t2, t3, t4]).max() == pytest.approx(d(3, 2), rel=1e-12)  # A's gaps stay one step each
+
+
+def test_kv_in_blocks_preempts_where_kv_per_token_fits(tmp_path):
+    """A and B, prompt 3 and 3 decodes each, both at 0; 12 KV entries. Per token (blocks of 1) both run to
+    the end: 6 + 2 + 2 + 2 = 12 entries at most, 4 steps. In blocks of 4 the 12 entries are 3 blocks: the
+    prompts take one each (3 of 4 entries), both first decodes fit in them (4 of 4); for the second, A takes
+    the free block and B, finding none, yields its own 4 tokens (vLLM preempts the sequence itself when no
+    newer one runs). B's recompute of 5 tokens (prompt and both tokens emitted) needs 2 blocks, one is free
+    while A runs: it waits for A's end."""
+    trace = pool_trace(tmp_path, [(3, 3)])
+    settings = {"workload.arrival": "closed", "workload.concurrency": "2", "workload.requests": "2",
+                "workload.kv_tokens": "12"}
+
+    per_token = serve([trace], tiny_profile(), "cpu-only", {**settings, "scheduler.kv_block_tokens": "1"})
+    assert [b for b, _, _ in steps_of(per_token)] == [[(0, 0, 3), (1, 0, 3)], *[[(0, k, 1), (1, k, 1)]
+                                                                                  for k in (3, 4, 5)]]
+    m = serving_metrics(per_token)
+    assert m["preemptions"] == 0 and m["kv_peak_tokens"] == 12 == m["kv_peak_blocks"] == m["kv_blocks"]
+
+    paged = serve([trace], tiny_profile(), "cpu-only", {**settings, "scheduler.kv_block_tokens": "4"})
+    t1 = d(6, 2)
+    t2 = t1 + d(2, 2)
+    t3 = t2 + d(1, 1)
+    t4 = t3 + d(1, 1)
+    t5 = t4 + d(5, 1)
+    t6 = t5 + d(1, 1)
+    assert [b for b, _, _ in steps_of(paged)] == [[(0, 0, 3), (1, 0, 3)], [(0, 3, 1), (1, 3, 1)], [(0, 4, 1)],
+                                                    [(0, 5, 1)], [(1, 0, 5)], [(1, 5, 1)]]
+    assert [e for _, _, e in steps_of(paged)] == pytest.approx([t1, t2, t3, t4, t5, t6], rel=1e-12)
+    assert paged.preempted == {2: [1]}
+    f = request_frame(paged)
+    assert f.preemptions.tolist() == [0, 1] and f.recomputed_tokens.tolist() == [0, 4]
+    assert f.computed_tokens.tolist() == [6, 6 + 4]
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, t1 * MS], rel=1e-9)
+    assert f.e2e_ms.tolist() == pytest.approx([t4 * MS, t6 * MS], rel=1e-9)
+    m = serving_metrics(paged)
+    assert (m["kv_tokens"], m["kv_block_tokens"], m["kv_blocks"], m["kv_watermark_blocks"]) == (12, 4, 3, 0)
+    # most held: 8 tokens in 2 blocks (both after their first decode; A's 5 and 6 tokens later, B's 5 and 6)
+    assert m["kv_peak_tokens"] == 8 and m["kv_peak_blocks"] == 2
+    assert m["preemptions"] == 1 and m["recomputed_tokens"] == 4
+
+
+def test_a_budget_is_cut_into_whole_blocks(tmp_path):
+    """vLLM's defaults (blocks of 16): 15 entries hold no block, so a request of 8 tokens is refused and the
+    fix names 16; 31 entries are 1 block, as 16 are, so two such requests run one after the other."""
+    trace = pool_trace(tmp_path, [(4, 4)])
+    with pytest.raises(ConfigError) as err:
+        serve([trace], tiny_profile(), "cpu-only", {"workload.requests": "1", "workload.kv_tokens": "15"})
+    assert err.value.field == "workload.kv_tokens" and "use workload.kv_tokens=16 or more" in str(err.value)
+    closed = {"workload.arrival": "closed", "workload.concurrency": "2", "workload.requests": "2"}
+    for kv in ("16", "31"):
+        result = serve([trace], tiny_profile(), "cpu-only", {**closed, "workload.kv_tokens": kv})
+        # the second prompt (1 more block) waits for the first request's end: 1 + 4 steps, then its own 5
+        assert [b for b, _, _ in steps_of(result)][:6] == [[(0, 0, 4)], *[[(0, k, 1)] for k in range(4, 8)],
+                                                           [(1, 0, 4)]], kv
+        assert serving_metrics(result)["kv_blocks"] == 1
+    result = serve([trace], tiny_profile(), "cpu-only", {**closed, "workload.kv_tokens": "32"})
+    assert [b for b, _, _ in steps_of(result)][0] == [(0, 0, 4), (1, 0, 4)]
