@@ -59,6 +59,12 @@ class CopyEngines:
     transfer was re-laid) and skipped. A load's ``tail`` (its write-back) keeps
     the engine busy after the load is retired; ``tails`` holds, per engine, the
     last retired transfer with one, the only one whose tail may still run.
+
+    :meth:`lanes_from` starts the queue up to the CPU's start, which can lie past
+    the time of a demand copy issued afterwards (a staging copy whose buffer
+    frees while CPU work runs on); such a demand takes back the prefetches placed
+    to start after its issue (:meth:`_take_back`), as engines run in time order
+    would not have started them yet.
     """
 
     def __init__(self, duration: Callable[[int], float], engines: int, ledger: Ledger | None = None,
@@ -78,6 +84,8 @@ class CopyEngines:
         self.chunk_bytes = chunk_bytes
         self.preemptions = 0
         self.tails: list[Transfer | None] = [None] * engines
+        #: no placed prefetch starts later than this (an upper bound: one placed and since retired may set it)
+        self.latest_prefetch_start = -math.inf
 
     def duration(self, nbytes: int) -> float:
         value = self._durations.get(nbytes)
@@ -111,6 +119,8 @@ class CopyEngines:
         """Several demand transfers issued at ``at``, in order (see :meth:`submit`)."""
         if self.queue:
             self.advance(at)
+        if self.latest_prefetch_start > at:
+            self._take_back(at)
         free = self.free
         ledger = self.ledger
         if len(free) == 1 and not self.chunk_bytes and not (ledger is not None and ledger.intervals
@@ -149,6 +159,44 @@ class CopyEngines:
         self.queue.appendleft(running)
         self.free[i] = boundary
         self.last[i] = None
+
+    def _take_back(self, at: float) -> None:
+        """Return to the head of the queue, in queue order, the prefetches placed to start after ``at``: a
+        look-ahead (:meth:`lanes_from`) started them, and a demand issued at ``at`` goes ahead of them.
+
+        Each engine is free again from the end of the work it keeps (``at`` at the earliest); the DRAM
+        sharing :func:`~moesim.sim.dram.share` applied to the prefetches taken back is dropped with them
+        (the CPU work laid out beside them is not revised, as for any copy issued after it). A prefetch's
+        done part cut off at a chunk boundary (kind ``chunk``) stays: it is copied, not queued work."""
+        live = {id(x): x for end, _, x in self.unretired if x.end == end and not x.retired}
+        back, kept = [], []
+        for x in live.values():
+            later = x.priority == 1 and x.kind != "chunk" and x.start > at  # type: ignore[operator]
+            (back if later else kept).append(x)
+        self.latest_prefetch_start = max((x.start for x in kept if x.priority == 1),  # type: ignore[type-var]
+                                         default=-math.inf)
+        if not back:
+            return
+        gone = {id(x) for x in back}
+        self.unretired = [entry for entry in self.unretired if id(entry[2]) not in gone]
+        heapq.heapify(self.unretired)
+        for i in {x.engine for x in back}:
+            mine = [x for x in kept if x.engine == i]
+            ends = [x.end + x.tail for x in mine]  # type: ignore[operator]
+            retired = self.tails[i]
+            if retired is not None:  # a retired load's write-back may still run
+                ends.append(retired.end + retired.tail)  # type: ignore[operator]
+            self.free[i] = max([at, *ends])
+            self.last[i] = max(mine, key=lambda x: x.start) if mine else None  # type: ignore[arg-type,return-value]
+        back.sort(key=lambda x: x.queued_at)
+        for x in back:
+            self.busy_s -= x.end - x.start  # type: ignore[operator]
+            self.bytes -= x.nbytes
+            x.start = x.end = None
+        self.queue.extendleft(reversed(back))
+        self._head -= len(back)
+        for place, x in enumerate(self.queue):  # the places estimate_end counts from
+            x.queued_at = self._head + place
 
     def _begin(self, i: int, transfer: Transfer, start: float) -> None:
         transfer.start = start
@@ -222,6 +270,8 @@ class CopyEngines:
         """Move a placed transfer to [start, end) (DRAM sharing slowed it); its old heap entry goes stale."""
         self.busy_s += (end - start) - (transfer.end - transfer.start)  # type: ignore[operator]
         transfer.start, transfer.end = start, end
+        if transfer.priority == 1 and start > self.latest_prefetch_start:
+            self.latest_prefetch_start = start
         heapq.heappush(self.unretired, (end, transfer.seq, transfer))
 
     def relay_tail(self, transfer: Transfer, end: float) -> None:
@@ -279,6 +329,8 @@ class CopyEngines:
                     return
                 self._head += 1
                 self._begin(0, queue.popleft(), start)
+                if start > self.latest_prefetch_start:
+                    self.latest_prefetch_start = start
             return
         while queue:
             i = self._engine()
@@ -287,6 +339,8 @@ class CopyEngines:
                 return
             self._head += 1
             self._begin(i, queue.popleft(), start)
+            if start > self.latest_prefetch_start:
+                self.latest_prefetch_start = start
 
     def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
         """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""

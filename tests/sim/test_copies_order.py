@@ -1,7 +1,9 @@
 """CopyEngines placed lazily give the schedule of engines run in simulated-time order, under the engine's
 contract: submissions at non-decreasing times, and after :meth:`CopyEngines.finish` of a transfer nothing is
 issued before that transfer's end (the GPU stream waits for it; tests/sim/test_engine_copy_order.py has the
-case where the forward pass used to break this)."""
+case where the forward pass used to break this). :meth:`CopyEngines.lanes_from` (the CPU track placing the
+copies beside it from its start) may start the queue past the time of copies issued afterwards: a demand among
+them takes back the prefetches started after it."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from hypothesis import strategies as st
 
 from moesim.sim.copies import CopyEngines, Transfer
 
-#: (what, gap since the previous operation in microseconds, bytes): a demand copy, a prefetch, or the GPU
-#: waiting for the oldest prefetch not yet finished
-OPS = st.lists(st.tuples(st.sampled_from(["demand", "prefetch", "finish"]), st.sampled_from([0, 0, 10, 50, 150]),
-                         st.sampled_from([100, 100, 40])), min_size=1, max_size=20)
+#: (what, gap since the previous operation in microseconds, bytes): a demand copy, a prefetch, the GPU
+#: waiting for the oldest prefetch not yet finished, or the CPU track looking at the engines gap + bytes
+#: microseconds ahead of the issue times (its start, while the copies issued after it are earlier)
+OPS = st.lists(st.tuples(st.sampled_from(["demand", "prefetch", "finish", "ahead"]),
+                         st.sampled_from([0, 0, 10, 50, 150]), st.sampled_from([100, 100, 40])),
+               min_size=1, max_size=20)
 
 
 def _replay(ops: list, engines: int) -> list[Transfer]:
@@ -22,6 +26,9 @@ def _replay(ops: list, engines: int) -> list[Transfer]:
     waiting: list[Transfer] = []
     now = 0.0
     for seq, (what, gap, nbytes) in enumerate(ops):
+        if what == "ahead":  # the issue time stays: the copies issued next come before the time it looks at
+            copies.lanes_from(now + (gap + nbytes) * 1e-6)
+            continue
         now += gap * 1e-6
         if what == "finish":
             if waiting:
@@ -42,6 +49,9 @@ def _replay(ops: list, engines: int) -> list[Transfer]:
 # follows them; issued at 10 us, as if the GPU had not waited, it would follow a prefetch started after it
 @example([("prefetch", 0, 100), ("prefetch", 0, 100), ("finish", 0, 100), ("finish", 0, 100),
           ("demand", 10, 100)], 1)
+# the CPU track looks at 150 us, which starts the second prefetch at 100 us; a demand issued at 50 us goes
+# ahead of it (100-200 us, the prefetch 200-300 us), not behind it
+@example([("prefetch", 0, 100), ("prefetch", 0, 100), ("ahead", 50, 100), ("demand", 50, 100)], 1)
 def test_copies_run_as_time_ordered_engines_would(ops, engines):
     placed = _replay(ops, engines)
     for x in placed:  # no copy starts before it is issued

@@ -60,3 +60,57 @@ def test_a_staging_copy_goes_ahead_of_prefetches_started_after_its_buffer_freed(
     assert list(gpu.expert) == [11, 10, 12]
     assert (gpu.start_s / MS).tolist() == pytest.approx([20.05, 50.05, 50.165], **near)
     assert gpu.end_s.max() / MS == pytest.approx(50.28, **near)
+
+
+def test_a_staging_copy_goes_ahead_of_prefetches_the_cpu_tracks_started_after_its_buffer_freed(tmp_path):
+    """The CPU tracks place the copies beside them from the CPU's start (host DRAM sharing), which starts the
+    prefetch queue up to then; the deferred experts start when the layer's other CPU experts end, long after
+    the layer began. One MoE layer, 10 of 19 experts resident, one staging buffer, one engine (a copy 10 ms),
+    a CPU expert 10 ms and as DRAM-hungry as a copy, with the two together getting half their speed each
+    (``hw.cpu.dram_combined_gbps`` = one copy's rate). Times in ms, ns dropped.
+
+    Step 0 computes 0-5 on the GPU (0.05-0.74) and prefetches 10, 11, 12 over 7, 8, 9. Step 1 (attention to
+    0.79) runs 15, 16, 17 on the CPU after the sync (from 0.81, 10 ms each alone) and defers 18, streaming 13
+    and 14 through the buffer. The engine is never idle, so each CPU expert and copy runs at half speed:
+    10 copies 0.05-19.29 (0.76 ms alone, 9.24 beside 15), 13, a demand issued at 0.79, 19.29-39.29 ahead of
+    the queued 11 and 12, 11 39.29-59.29; the CPU experts end at 20.81, 40.81, 60.81. 13 computes 39.29-39.405
+    and frees the buffer: 14's copy, issued then, goes ahead of 12, not started: 59.29-79.29. 18 runs from
+    60.81 beside it to 79.29 (9.24 of its 10 ms), then alone to 80.05, where the step ends (the last layer
+    waits for its deferred experts); 14 computes 79.29-79.405. 12 starts at 79.29, 0.38 ms of work beside 18
+    and 9.62 alone: it ends at 89.67, past the run's end (its span is cut there).
+    The deferred experts' placement beside the copies from 60.81 used to start 11 and 12 (at 39.29, 59.29)
+    for good: 14 then copied 79.29-89.67 behind 12, and the step ended at 89.785."""
+    model = tiny_model(layers=1, experts=19, top_k=6)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2, 3, 4, 5]]])}},
+             {"phase": "decode", "tokens": {0: (6, [[[13, 14, 15, 16, 17, 18]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    profile = tiny_profile(pcie_gbps=COPY_GBPS, latency_us=0.0, cpu_us=(10_000.0, 100_000.0))
+    sim = prepare(str(path), profile, "gpu-only-lru",
+                  {"cache.slots_per_layer": "10", "engine.staging_slots": "1",
+                   "hw.cpu.dram_combined_gbps": str(COPY_GBPS)}, timeline=True)
+    sim.system.plan = scripted({
+        0: LayerPlan(gpu=[0, 1, 2, 3, 4, 5], prefetches=[(0, 10), (0, 11), (0, 12)],
+                     evictions=[(0, 7), (0, 8), (0, 9)]),
+        1: LayerPlan(gpu=[13, 14], streamed=[13, 14], cpu=[15, 16, 17], deferred=[18]),
+    })
+    result = sim.run()
+    assert result.initial_resident == [list(range(10))]
+    timeline = result_to_frames(result)["timeline"]
+    spans = {(resource, kind, expert): (start / MS, end / MS) for resource, kind, expert, start, end
+             in zip(timeline.resource, timeline.kind, timeline.expert, timeline.start_s, timeline.end_s)
+             if kind in ("prefetch", "stage", "expert", "deferred") and (resource != "gpu" or expert >= 13)}
+    near = {"abs": 1e-3}  # ms: to the microsecond
+    assert spans == {("pcie", "prefetch", 10): pytest.approx((0.05, 19.29), **near),
+                     ("pcie", "stage", 13): pytest.approx((19.29, 39.29), **near),
+                     ("pcie", "prefetch", 11): pytest.approx((39.29, 59.29), **near),
+                     ("pcie", "stage", 14): pytest.approx((59.29, 79.29), **near),
+                     ("pcie", "prefetch", 12): pytest.approx((79.29, 80.05), **near),
+                     ("cpu", "expert", 15): pytest.approx((0.81, 20.81), **near),
+                     ("cpu", "expert", 16): pytest.approx((20.81, 40.81), **near),
+                     ("cpu", "expert", 17): pytest.approx((40.81, 60.81), **near),
+                     ("cpu", "deferred", 18): pytest.approx((60.81, 80.05), **near),
+                     ("gpu", "expert", 13): pytest.approx((39.29, 39.405), **near),
+                     ("gpu", "expert", 14): pytest.approx((79.29, 79.405), **near)}
+    assert result.makespan_s / MS == pytest.approx(80.05, **near)
+    prefetch_12 = sim.pending[0][12]
+    assert (prefetch_12.start / MS, prefetch_12.end / MS) == pytest.approx((79.29, 89.67), **near)
