@@ -114,3 +114,54 @@ def test_a_staging_copy_goes_ahead_of_prefetches_the_cpu_tracks_started_after_it
     assert result.makespan_s / MS == pytest.approx(80.05, **near)
     prefetch_12 = sim.pending[0][12]
     assert (prefetch_12.start / MS, prefetch_12.end / MS) == pytest.approx((79.29, 89.67), **near)
+
+
+def test_a_staging_copy_goes_ahead_of_prefetches_started_beside_the_previous_layers_deferred_work(tmp_path):
+    """The same with the CPU track starting late because the previous layer's deferred experts run on: two
+    MoE layers, 10 of 19 experts resident in each, the profile and settings of the test above; times in ms.
+
+    Step 0 (1.02 in all) prefetches 10, 11, 12 into layer 1: 10 copies from 0.05. Step 1's layer 0 computes
+    0 on the GPU (1.07-1.185) and defers 15, 16, 17 (after the sync, from 1.09): laid out beside 10, 11 and
+    12 as then queued, at half speed, they end at 60.05. Layer 1 (from 1.235) streams 13 and 14 through the
+    one buffer and runs 18 on the CPU, from 60.05 (the CPU is busy until then): 10 ends at 19.01 (1.04 ms
+    alone, 8.96 at half speed), 13 copies 19.01-39.01 ahead of 11, 11 39.01-59.01; 13 computes until 39.125,
+    when 14's copy is issued, ahead of 12: 59.01-79.01 (0.52 ms of work beside 17, 9.48 beside 18). 18 ends at
+    79.53 (beside 14, then 0.52 ms alone); the GPU runs 14 (79.01-79.125) and 1; the step ends with 18.
+    Laying 18 out beside the copies from 60.05 used to start 12 at 59.01 for good: 14 copied 79.01-89.27
+    behind it (0.26 ms of work beside 18, then alone), and the step ended at 89.50."""
+    model = tiny_model(layers=2, experts=19, top_k=4)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2, 3]], [[0, 1, 2, 3]]])}},
+             {"phase": "decode", "tokens": {0: (6, [[[0, 15, 16, 17]], [[13, 14, 18, 1]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    profile = tiny_profile(pcie_gbps=COPY_GBPS, latency_us=0.0, cpu_us=(10_000.0, 100_000.0))
+    sim = prepare(str(path), profile, "gpu-only-lru",
+                  {"cache.slots_per_layer": "10", "engine.staging_slots": "1",
+                   "hw.cpu.dram_combined_gbps": str(COPY_GBPS)}, timeline=True)
+    plans = {(0, 0): LayerPlan(gpu=[0, 1, 2, 3], prefetches=[(1, 10), (1, 11), (1, 12)],
+                               evictions=[(1, 7), (1, 8), (1, 9)]),
+             (0, 1): LayerPlan(gpu=[0, 1, 2, 3]),
+             (1, 0): LayerPlan(gpu=[0], deferred=[15, 16, 17]),
+             (1, 1): LayerPlan(gpu=[13, 14, 1], streamed=[13, 14], cpu=[18])}
+    sim.system.plan = lambda view: plans[(view.step, view.layer)]
+    result = sim.run()
+    timeline = result_to_frames(result)["timeline"].query("step == 1 or resource == 'pcie'")
+    spans = {(resource, kind, expert): (start / MS, end / MS) for resource, kind, expert, start, end
+             in zip(timeline.resource, timeline.kind, timeline.expert, timeline.start_s, timeline.end_s)
+             if kind in ("prefetch", "stage", "expert", "deferred")}
+    near = {"abs": 1e-3}  # ms: to the microsecond
+    assert spans == {("pcie", "prefetch", 10): pytest.approx((0.05, 19.01), **near),
+                     ("pcie", "stage", 13): pytest.approx((19.01, 39.01), **near),
+                     ("pcie", "prefetch", 11): pytest.approx((39.01, 59.01), **near),
+                     ("pcie", "stage", 14): pytest.approx((59.01, 79.01), **near),
+                     ("pcie", "prefetch", 12): pytest.approx((79.01, 79.53), **near),  # cut at the run's end
+                     ("cpu", "deferred", 15): pytest.approx((1.09, 21.09), **near),
+                     ("cpu", "deferred", 16): pytest.approx((21.09, 41.09), **near),
+                     ("cpu", "deferred", 17): pytest.approx((41.09, 60.05), **near),
+                     ("cpu", "expert", 18): pytest.approx((60.05, 79.53), **near),
+                     ("gpu", "expert", 0): pytest.approx((1.07, 1.185), **near),
+                     ("gpu", "expert", 13): pytest.approx((39.01, 39.125), **near),
+                     ("gpu", "expert", 14): pytest.approx((79.01, 79.125), **near),
+                     ("gpu", "expert", 1): pytest.approx((79.125, 79.24), **near)}
+    assert result.makespan_s / MS == pytest.approx(79.53, **near)
+    prefetch_12 = sim.pending[1][12]
+    assert (prefetch_12.start / MS, prefetch_12.end / MS) == pytest.approx((79.01, 89.27), **near)
