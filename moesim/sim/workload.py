@@ -46,7 +46,8 @@ class WorkloadConfig:
     concurrency: int = 1
     #: CSV or Parquet with an ``arrival_s`` column (arrival=trace)
     arrival_file: str = ""
-    #: KV cache entries for requests; 0: all GPU memory the expert cache leaves
+    #: KV cache entries (tokens) for requests, used in whole blocks of the scheduler's kv_block_tokens; 0: all
+    #: GPU memory the expert cache leaves
     kv_tokens: int = 0
 
 
