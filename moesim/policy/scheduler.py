@@ -116,9 +116,13 @@ class Scheduler(Component):
         """KV entries per block (1: the KV cache is allocated per token)."""
         return 1
 
-    def watermark_blocks(self) -> int:
-        """Blocks an admission must leave free (0: none)."""
+    def watermark_blocks_of(self, total_blocks: int) -> int:
+        """Blocks an admission must leave free out of ``total_blocks`` (0: none)."""
         return 0
+
+    def watermark_blocks(self) -> int:
+        """Blocks an admission must leave free out of the budget's."""
+        return 0 if self.kv_blocks is None else self.watermark_blocks_of(self.kv_blocks)
 
     @property
     def kv_blocks(self) -> int | None:
@@ -141,9 +145,6 @@ class Scheduler(Component):
         while total - self.watermark_blocks_of(total) < need:
             total += 1
         return total * self.block_tokens()
-
-    def watermark_blocks_of(self, total_blocks: int) -> int:
-        return 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -189,9 +190,8 @@ class Scheduler(Component):
         """How the budget is cut into blocks, for messages ('' when allocated per token)."""
         if self.block_tokens() == 1 and not self.watermark_blocks():
             return ""
-        blocks = self.kv_blocks
-        return (f" ({blocks} blocks of {self.block_tokens()} tokens, {self.watermark_blocks()} of them kept free "
-                f"at admission)")
+        return (f" ({self.kv_blocks} blocks of {self.block_tokens()} tokens, {self.watermark_blocks()} of them "
+                f"kept free at admission)")
 
 
 @dataclass
@@ -245,9 +245,6 @@ class ContinuousBatching(Scheduler):
 
     def block_tokens(self) -> int:
         return self.kv_block_tokens
-
-    def watermark_blocks(self) -> int:
-        return 0 if self.kv_blocks is None else self.watermark_blocks_of(self.kv_blocks)
 
     def watermark_blocks_of(self, total_blocks: int) -> int:
         # vLLM: int(watermark * num_gpu_blocks), rounded down (vllm/core/block_manager.py)
