@@ -295,6 +295,9 @@ class RunContext:
     columns: tuple[str, ...] = ()
     #: notes the system wants in the report (fallbacks it took, for instance)
     notes: list[str] = field(default_factory=list)
+    #: state components of this run share, by a key of their choosing (MoE-Infinity's prefetch and cache, one
+    #: activation tracker): it lives and dies with the run, so no run sees another's
+    shared: dict[str, Any] = field(default_factory=dict)
 
 
 class Component:

@@ -77,7 +77,8 @@ from moesim.policy.prefetch import Prefetch
 from moesim.policy.state import even_quotas
 from moesim.policy.systems import SystemSpec, register_component, register_system
 
-_TRACKERS: dict[int, ActivationTracker] = {}
+#: ``RunContext.shared`` key of the activation tracker the prefetch builds and the cache reads
+TRACKER = "moe-infinity.tracker"
 #: ``prefetch.calibration`` value for leave-one-out seeding from the replayed trace
 OTHERS = "others"
 
@@ -110,7 +111,7 @@ class EamPrefetch(Prefetch):
         self.tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
         self._per_layer = self.per_layer or m.top_k
         self._seed(ctx)
-        _TRACKERS[id(ctx)] = self.tracker
+        ctx.shared[TRACKER] = self.tracker
 
     def _seed(self, ctx: RunContext) -> None:
         """Fill the EAMC before the run (see the module docstring)."""
@@ -182,7 +183,7 @@ class RequestLFUCache(CachePolicy):
     _order: "EvictionOrder | None" = field(default=None, repr=False)
 
     def configure(self, ctx: RunContext) -> None:
-        tracker = _TRACKERS.get(id(ctx))
+        tracker = ctx.shared.get(TRACKER)
         if tracker is None and ctx.trace_path is not None:
             m = ctx.model
             # its own tracker needs no EAM collection: the cache ranks by the current requests' and the
@@ -327,7 +328,6 @@ class MoEInfinitySystem(ObservingSystem):
                 component.configure(ctx)
         self.notes = ctx.notes
         self.rewrites = {}
-        _TRACKERS.pop(id(ctx), None)
 
 
 register_system("moe-infinity", SystemSpec(
