@@ -39,3 +39,19 @@ def test_request_lfu_beside_another_prefetch_never_takes_a_finished_runs_tracker
     after = metrics(simulate(trace, hw, "moe-infinity", swap))
     assert _same(after, alone)
     assert after["prefetches"] > 0
+
+
+def test_dali_with_next_layer_prefetch_sizes_its_buffer_from_the_models_top_k(tmp_path):
+    """dali's prefetch buffer is twice the prefetcher's size; next-layer's default size is -1 (the model's
+    top-k, resolved when the run starts), which made a buffer of -2 slots: the cache's quotas shrank by two
+    and the run was refused with "initial resident set of layer 0 has 2 experts but only 0 slots are left".
+    On a top-2 model the default now buffers 2 x 2 slots beside the 2 cached per layer, and replays exactly
+    as prefetch.size=2 does."""
+    trace = _scored(tmp_path / "t.parquet", layers=2, experts=6, seed=3)
+    hw = tiny_profile(pcie_gbps=1.0)
+    swap = {"prefetch": "next-layer", "cache.slots_per_layer": "2", "engine.check": "true"}
+    result = simulate(trace, hw, "dali", swap)
+    assert result.memory.reserved_slots == 4
+    assert result.memory.cached == [2, 2] and result.memory.capacity == [6, 6]
+    assert [len(held) for held in result.initial_resident] == [2, 2]
+    assert _same(metrics(result), metrics(simulate(trace, hw, "dali", {**swap, "prefetch.size": "2"})))

@@ -103,6 +103,7 @@ The assignment lives in ``assign.py``, the prefetch and the cache in ``workload.
 
 from __future__ import annotations
 
+from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import SlotSpread
 from moesim.policy.catalog.dali import assign  # noqa: F401 - registers dali-greedy and dali-optimal
@@ -121,6 +122,13 @@ class DaliSystem(ObservingSystem):
     #: whether every layer was looked at once for uncached experts (the run may start with some)
     _scanned: bool = False
 
+    #: the model's top-k, for a swapped-in prefetcher's size left to the model (set by for_model)
+    _top_k: int = 1
+
+    def for_model(self, model: ModelSpec) -> None:
+        super().for_model(model)
+        self._top_k = model.top_k
+
     def configure(self, ctx: RunContext) -> None:
         super().configure(ctx)
         self._buffer_pairs, self._scanned = set(), False
@@ -132,7 +140,13 @@ class DaliSystem(ObservingSystem):
             return 0
         if cache.prefetch_slots >= 0:
             return cache.prefetch_slots
-        return 2 * getattr(self.prefetch, "size", 1)
+        size = getattr(self.prefetch, "size", 1)
+        if size < 0:
+            # a swapped-in prefetcher's size left to the model (next-layer's -1, resolved only when the run
+            # starts): its default, the model's top-k. A negative buffer took slots from the cache's quotas,
+            # and the cache's initial set no longer fitted them
+            size = self._top_k
+        return 2 * size
 
     def reserved_slots(self, layers: int) -> int:
         return self._buffer()
