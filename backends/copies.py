@@ -83,10 +83,12 @@ class WeightCopies:
             self.prefetched[lay].add(e)
             self.decisions.append((s, layer, e, "prefetch", lay))
 
-    def _cancel_prefetches(self, keep: frozenset) -> None:
-        """Drop prefetches still queued (but those in ``keep``); their slots free up again (004 Sec. 5.2)."""
+    def _cancel_prefetches(self, keep: frozenset, step: int, layer: int) -> None:
+        """Drop prefetches still queued (but those in ``keep``); their slots free up again (004 Sec. 5.2), and
+        the decision log says so (``cancel``) at ``step`` and ``layer``, the plan that dropped them."""
         for transfer in self.pcie.cancel("prefetch", keep):
             key = (transfer.layer, transfer.expert)
+            self.decisions.append((step, layer, transfer.expert, "cancel", transfer.layer))
             self.in_flight.pop(key, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.weights.drop(*key)

@@ -312,7 +312,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
-            self._cancel_prefetches(frozenset((layer, e) for e in plan.gpu))
+            self._cancel_prefetches(frozenset((layer, e) for e in plan.gpu), s, layer)
         if plan.loads or plan.writebacks:
             self._loads(layer, plan.loads, plan.writebacks, s)
         staged = {e: self._stage(layer, e, i, s) for i, e in enumerate(plan.streamed[:self.staging_slots])}

@@ -60,6 +60,7 @@ DECISION_ACTIONS: dict[str, str] = {
     "deferred": "computed on the CPU, deferred past the layer (Expert Deferral)",
     "prefetch": "copied ahead of need into a slot of target_layer",
     "evict": "removed from a slot of target_layer",
+    "cancel": "a prefetch into target_layer dropped from the copy queue before it started; its slot free again",
 }
 
 _DICT = pa.dictionary(pa.int8(), pa.string())

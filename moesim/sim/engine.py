@@ -403,7 +403,7 @@ class Simulator(Transfers, Tracks):
             self.decisions += placement_decisions(view, plan, resident_at_plan)
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
-            self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu))
+            self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu), s, layer)
         loaded = None
         if plan.loads or plan.writebacks:
             if count is None and tl is None and not plan.streamed and len(plan.writebacks) <= len(plan.loads) \

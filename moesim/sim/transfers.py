@@ -174,9 +174,12 @@ class Transfers:
         self._seq = seq
         self.pcie.submit_prefetches(batch, at)
 
-    def _cancel_prefetches(self, t: float, keep: frozenset) -> None:
-        """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again."""
+    def _cancel_prefetches(self, t: float, keep: frozenset, step: int, layer: int) -> None:
+        """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again, and the
+        decision log says so (``cancel``) at ``step`` and ``layer``, the plan that dropped them."""
         for transfer in self.pcie.cancel_queued(t, kind="prefetch", keep=keep):
+            if self.decisions is not None:
+                self.decisions.append((step, layer, transfer.expert, "cancel", transfer.layer))
             self.pending[transfer.layer].pop(transfer.expert, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.prefetched[transfer.layer].discard(transfer.expert)

@@ -260,6 +260,22 @@ def test_queued_prefetches_are_cancelled_when_the_gate_has_run(tmp_path):
     assert [x.expert for x in kept.pcie.queue] == [6]
 
 
+def test_the_decision_log_names_the_prefetches_a_plan_cancels(tmp_path):
+    """The case above: layer 1's plan drops the queued prefetches of 5 and 6. The decision log named their
+    prefetch and the evictions that made room, but not their cancellation, so the slots they freed could not be
+    followed from it; each is now a ``cancel`` row of the plan that dropped it, one per cancelled prefetch."""
+    from moesim.sim.result import result_to_frames as frames_of
+    from moesim.sim.run import prepare
+    path = clearing_trace(tmp_path / "t.parquet", [3, 7])
+    result = prepare(path, tiny_profile(pcie_gbps=0.049152), "importance", CLEARING, decisions=True).run()
+    log = frames_of(result)["decisions"]
+    cancelled = log[log.action == "cancel"][["step", "layer", "expert", "target_layer"]].values.tolist()
+    assert cancelled == [[0, 1, 5, 1], [0, 1, 6, 1]]
+    assert len(cancelled) == metrics(result)["cancelled_prefetches"]
+    prefetched = log[log.action == "prefetch"][["expert", "target_layer"]].values.tolist()
+    assert prefetched == [[4, 1], [5, 1], [6, 1]]
+
+
 def test_a_queued_prefetch_the_layer_uses_is_kept_as_its_load(tmp_path):
     path = clearing_trace(tmp_path / "t.parquet", [3, 5])
     sim, result = run_clearing(path)
