@@ -45,6 +45,13 @@ def _ranked_at_once(rows: list[np.ndarray]) -> list[int]:
 class Prefetch(Component):
     role = "prefetch"
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        """The most experts one layer's plan asks this prefetcher to load, known once ``for_model`` has run
+        (a system sizing a prefetch buffer reads it before the run: DALI's ``cache.prefetch_slots``); None
+        where no parameter fixes it (it depends on how many experts a batch's tokens route to or predict)."""
+        return None
+
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         """(layer, expert) pairs worth loading now, most wanted first."""
         return []
@@ -54,6 +61,10 @@ class Prefetch(Component):
 class NoPrefetch(Prefetch):
     name = "none"
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        return 0
+
 
 @dataclass
 class PerfectPrefetch(Prefetch):
@@ -61,6 +72,8 @@ class PerfectPrefetch(Prefetch):
 
     name = "perfect"
     _future: FutureRouting | None = field(default=None, repr=False)
+
+    # issued_per_layer stays None: the next layer's routed experts, as many as the batch's tokens route to
 
     def configure(self, ctx: RunContext) -> None:
         self._future = FutureRouting.load(ctx.trace_path, ctx.model)

@@ -313,6 +313,11 @@ class LayerWisePrefetch(Prefetch):
             ctx.notes.append("hybrimoe-layer: the trace has no pred_next_layer column; the next layer's "
                              "score-aware priorities choose the prefetches (as HybriMoE's public code)")
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``n``: experts prefetched into the next layer per decode step."""
+        return self.n if self.n >= 0 else None
+
     def use_priorities(self, cache: CachePolicy) -> None:
         self._priority = getattr(cache, "priority", None)
 

@@ -259,6 +259,12 @@ class TopScorePrefetch(Prefetch):
         self._layers = ctx.model.num_layers
         self._predict_memo = (-1, -1, 0.0)
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``size``, the cap; None without one (size 0: each token's first ``per_token``, as many as the batch's
+        tokens name)."""
+        return self.size if self.size > 0 else None
+
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:

@@ -106,6 +106,11 @@ class SpeculativePrefetch(Prefetch):
             ctx.notes.append("speculative: the trace has no pred_next_layer column; each token is guessed to use, "
                              "at the next layer, what its request's previous token used there")
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``size``: the guessed experts loaded per layer."""
+        return self.size if self.size >= 0 else None
+
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")
         if view.layer + 1 >= self._layers or not predicted:

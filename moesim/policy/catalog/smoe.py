@@ -60,6 +60,7 @@ import numpy as np
 
 from moesim.errors import ConfigError
 from moesim.hw.cost import roofline_s
+from moesim.model.spec import ModelSpec
 from moesim.policy.assign import Assignment
 from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, expert_times
 from moesim.policy.cache import CachePolicy
@@ -348,6 +349,13 @@ class TokenWisePrefetch(Prefetch):
     _notes: list[str] = field(default_factory=list, repr=False)
     _predict_s: dict[int, float] = field(default_factory=dict, repr=False)
 
+    def for_model(self, model: ModelSpec) -> None:
+        # resolved before the memory plan too: a system's prefetch buffer is sized from issued_per_layer
+        self._n = self.n
+        if self.n == -1:
+            paper = paper_prefetch_n(model.name)
+            self._n = paper if paper is not None else PAPER_PREFETCH_N["deepseek-v3"]
+
     def configure(self, ctx: RunContext) -> None:
         self._predict_s = {}
         if self.eviction not in EVICTION_MODES:
@@ -356,13 +364,10 @@ class TokenWisePrefetch(Prefetch):
         if self.n < -1:
             raise ConfigError(f"prefetch.n={self.n} is negative", field="prefetch.n",
                               fix="use 0 or more (-1: the paper's count for the model)")
-        self._n = self.n  # resolved per run: a system configured again for another model takes its count
-        if self.n == -1:
-            paper = paper_prefetch_n(ctx.model.name)
-            self._n = paper if paper is not None else PAPER_PREFETCH_N["deepseek-v3"]
-            if paper is None:
-                ctx.notes.append(f"smoe-token: 000 Table I gives no prefetch count for {ctx.model.name}; "
-                                 f"using DeepSeek-V3's {self._n} (set prefetch.n)")
+        self.for_model(ctx.model)  # resolved per run: a system configured again for another model takes its count
+        if self.n == -1 and paper_prefetch_n(ctx.model.name) is None:
+            ctx.notes.append(f"smoe-token: 000 Table I gives no prefetch count for {ctx.model.name}; "
+                             f"using DeepSeek-V3's {self._n} (set prefetch.n)")
         short = [slots for slots in ctx.capacity if slots < self._n]
         if short:  # the rest of n has nowhere to go: a larger n changes nothing there
             ctx.notes.append(f"smoe-token: {len(short)} of {len(ctx.capacity)} layers hold fewer slots than "
@@ -403,6 +408,11 @@ class TokenWisePrefetch(Prefetch):
     def count(self) -> int:
         """Experts prefetched per layer and step in this run (``n``, or Table I's for the model when -1)."""
         return self._n
+
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``count``: Fixed-N loads that many each prefetching layer, adaptive at most that many."""
+        return self._n if self._n >= 0 else None
 
     def predicts(self, layer: int) -> bool:
         """Whether the predictor runs at ``layer``: everywhere but SMoE-Flex's switched-off layers, ``n=0``

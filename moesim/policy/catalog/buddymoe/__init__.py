@@ -324,12 +324,16 @@ class NextLayerPrefetch(Prefetch):
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
 
+    def for_model(self, model: ModelSpec) -> None:
+        # resolved before the memory plan too: a system's prefetch buffer is sized from issued_per_layer
+        self._count = model.top_k if self.size == -1 else self.size
+
     def configure(self, ctx: RunContext) -> None:
         if self.size < -1:
             raise ConfigError(f"prefetch.size={self.size} is below -1", field="prefetch.size",
                               fix="use -1 (top_k), 0 (all predicted) or a count")
         # resolved per run: a system configured again for another model takes that model's top_k
-        self._count = ctx.model.top_k if self.size == -1 else self.size
+        self.for_model(ctx.model)
         self._layers = ctx.model.num_layers
         self._fallback = None
         if "pred_next_layer" not in ctx.columns:
@@ -341,6 +345,11 @@ class NextLayerPrefetch(Prefetch):
     def count(self) -> int:
         """Experts prefetched per layer in this run (``size``, or the model's top_k when -1; 0: all predicted)."""
         return self._count
+
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``count`` (None for size 0: every expert any token predicts, as many as the batch's tokens name)."""
+        return self._count if self._count > 0 else None
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_next_layer")

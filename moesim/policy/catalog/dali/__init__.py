@@ -50,7 +50,9 @@ for this use only (streamed through the staging buffers, Fig. 9's E3/E7),
 unless the window's swap takes it into the cache in the same plan (below);
 prefetched experts land in a model-wide prefetch buffer of ``cache.prefetch_slots``
 slots (default: twice the prefetch size, so the next layer's prefetch never
-overwrites the experts the current layer is using), apart from the cache: the
+overwrites the experts the current layer is using; with another prefetcher swapped in,
+twice what it issues per layer, ``Prefetch.issued_per_layer``, e.g. smoe-token's ``n``,
+or twice the model's top-k, with a note, for one whose count no parameter fixes), apart from the cache: the
 buffer is its own part of the one GPU memory budget (``moesim.sim.memory``), not
 carved out of the cache, so a cache of 1 slot per layer holds 1 expert per layer.
 When the buffer is full, the entry whose layer comes round last in the forward
@@ -122,31 +124,41 @@ class DaliSystem(ObservingSystem):
     #: whether every layer was looked at once for uncached experts (the run may start with some)
     _scanned: bool = False
 
-    #: the model's top-k, for a swapped-in prefetcher's size left to the model (set by for_model)
+    #: the model's top-k, the buffer's unit for a prefetcher that fixes no count (set by for_model)
     _top_k: int = 1
 
     def for_model(self, model: ModelSpec) -> None:
-        super().for_model(model)
+        super().for_model(model)  # the prefetcher resolves its count for the model first
         self._top_k = model.top_k
 
     def configure(self, ctx: RunContext) -> None:
         super().configure(ctx)
         self._buffer_pairs, self._scanned = set(), False
+        if self._buffer_by_default() and self.prefetch.issued_per_layer is None:
+            ctx.notes.append(f"dali: prefetch '{self.prefetch.name}' loads no fixed number of experts per layer; "
+                             f"the prefetch buffer holds twice the model's top-k, {self._buffer()} slots "
+                             "(set cache.prefetch_slots)")
+
+    def _buffer_by_default(self) -> bool:
+        """Whether the buffer exists and is sized from the prefetcher (``cache.prefetch_slots`` at -1)."""
+        cache = self.cache
+        return isinstance(cache, WorkloadAwareCache) and not isinstance(self.prefetch, NoPrefetch) \
+            and cache.prefetch_slots < 0
 
     def _buffer(self) -> int:
-        """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in)."""
+        """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in): the prefetcher's
+        ``issued_per_layer`` twice over, or twice the model's top-k when it fixes no number (a batch's
+        predictions decide; one token's routing is the unit then)."""
         cache = self.cache
         if not isinstance(cache, WorkloadAwareCache) or isinstance(self.prefetch, NoPrefetch):
             return 0
         if cache.prefetch_slots >= 0:
             return cache.prefetch_slots
-        size = getattr(self.prefetch, "size", 1)
-        if size < 0:
-            # a swapped-in prefetcher's size left to the model (next-layer's -1, resolved only when the run
-            # starts): its default, the model's top-k. A negative buffer took slots from the cache's quotas,
-            # and the cache's initial set no longer fitted them
-            size = self._top_k
-        return 2 * size
+        # any prefetcher's count, resolved for the model (smoe-token's n, hybrimoe-layer's n, eam-match's
+        # lookahead x per_layer): sizing from a `size` field alone gave smoe-token 2 slots whatever its n,
+        # top-score none (its size 0 means no cap) and next-layer at -1 a negative buffer
+        issued = self.prefetch.issued_per_layer
+        return 2 * (self._top_k if issued is None or issued < 0 else issued)
 
     def reserved_slots(self, layers: int) -> int:
         return self._buffer()

@@ -72,6 +72,11 @@ class ResidualPrefetch(Prefetch):
             raise ConfigError(f"prefetch.size={self.size} is negative", field="prefetch.size",
                               fix="use 0 or more (-1: 003's size for the model)")
 
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``size`` (resolved for the model by ``for_model``): the next layer's experts prefetched per layer."""
+        return self.size if self.size >= 0 else None
+
     def configure(self, ctx: RunContext) -> None:
         self.for_model(ctx.model)
         _note_once(ctx, self._note)
@@ -120,8 +125,9 @@ class WorkloadAwareCache(CachePolicy):
     w_size: int = 4
     #: experts swapped per window (-1: 003's for the model, 1 for Mixtral, 8 for DeepSeek and Qwen, Sec. 6.4)
     u_size: int = -1
-    #: model-wide slots for prefetched experts, besides the cache, -1: twice the prefetch size (moesim's room for
-    #: 003 Sec. 4.2's residual prefetches, which the paper does not size) (slots)
+    #: model-wide slots for prefetched experts, besides the cache, -1: twice the prefetch size, what the prefetcher
+    #: issues per layer (twice the model's top-k for one that fixes no number) (moesim's room for 003 Sec. 4.2's
+    #: residual prefetches, which the paper does not size) (slots)
     prefetch_slots: int = -1
     #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
     strict: bool = True

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moesim.errors import ConfigError
+from moesim.model.spec import ModelSpec
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import CachePolicy
 from moesim.policy.catalog.importance import ObservingSystem
@@ -102,6 +103,18 @@ class EamPrefetch(Prefetch):
     #: the activation matrices, shared with the request-lfu cache (built in configure, not a parameter)
     tracker: ActivationTracker | None = field(default=None, repr=False, init=False)
     _per_layer: int = 0
+    #: later layers one plan prefetches for, the lookahead cut at the model's last layer (set by for_model)
+    _targets: int = 0
+
+    def for_model(self, model: ModelSpec) -> None:
+        # before the memory plan: a system's prefetch buffer is sized from issued_per_layer
+        self._per_layer = self.per_layer or model.top_k
+        self._targets = max(min(self.lookahead, model.num_layers - 1), 0)
+
+    @property
+    def issued_per_layer(self) -> int | None:
+        """``per_layer`` (0: the model's top-k) experts for each of the ``lookahead`` later layers."""
+        return self._per_layer * self._targets
 
     def configure(self, ctx: RunContext) -> None:
         if ctx.trace_path is None:
@@ -109,7 +122,7 @@ class EamPrefetch(Prefetch):
                               fix="replay from a trace file")
         m = ctx.model
         self.tracker = ActivationTracker.from_trace(ctx.trace_path, m.num_layers, m.num_experts, self.eamc_size)
-        self._per_layer = self.per_layer or m.top_k
+        self.for_model(m)
         self._seed(ctx)
         ctx.shared[TRACKER] = self.tracker
 
