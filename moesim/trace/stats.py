@@ -19,6 +19,14 @@ Definitions (all per MoE layer, over every row of the trace):
   set at the layer holds both i and j; for each pivot i with any co-activation, the
   share of sum_j M(i, j) covered by its 4 largest entries. The mean is taken over
   all (layer, pivot) pairs; ``coactivation_top4_share_by_layer`` over pivots.
+- ``prefill_coverage``: for each (prefill step, layer), the distinct experts the
+  step's n tokens route to, divided by the number uniform routing would reach on
+  average, E * (1 - (1 - k / E)^n); the mean over all such pairs. 1 when every
+  expert a uniform router would touch is touched; below 1 when the step leaves
+  experts out (a real 2,050-token Qwen3-30B-A3B batch: 0.86, some experts of a
+  layer get no token). Dividing by the uniform count makes steps of different
+  sizes comparable (a 1-token step reaches k experts either way: 1). A step
+  with any prefill row is a prefill step (as in ``steps``). None without one.
 - ``predictor_recall``: for each predictor column present, |pred & truth| / |truth|
   summed over rows: ``pred_next_layer`` and ``pred_residual`` against the same
   token's routed set at layer + 1, ``pred_next_token`` against the same request's
@@ -119,6 +127,12 @@ def _iter_chunks(path: PathLike, top_k: int, columns: list[str]) -> Iterator[dic
 
 
 # ----------------------------------------------------------------------------- helpers
+def uniform_union(tokens: np.ndarray | int, num_experts: int, top_k: int) -> np.ndarray:
+    """Mean distinct experts ``tokens`` tokens reach when each routes to ``top_k`` of ``num_experts`` uniformly
+    at random: an expert is missed by one token with probability 1 - k / E."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** np.asarray(tokens, dtype=np.float64))
+
+
 def _overlap(truth: np.ndarray, guess: np.ndarray) -> np.ndarray:
     """Per row, how many of ``truth``'s ids (-1 = none) appear in ``guess`` (-1 padded)."""
     hit = (truth[:, :, None] == guess[:, None, :]) & (truth[:, :, None] >= 0)
@@ -173,6 +187,9 @@ class _Accumulator:
     reuse_n: np.ndarray = field(init=False)
     union_sum: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     union_n: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PHASES})
+    #: sum of union / uniform union over prefill (step, layer) pairs, and their number
+    coverage_sum: float = 0.0
+    coverage_n: int = 0
     hits: dict[str, int] = field(default_factory=dict)
     truths: dict[str, int] = field(default_factory=dict)
     weight_top1_sum: float = 0.0
@@ -230,6 +247,10 @@ class _Accumulator:
             sel = group_phase if code == 0 else ~group_phase
             self.union_sum[phase] += float(union[sel].sum())
             self.union_n[phase] += int(sel.sum())
+        tokens_in_group = np.unique(group, return_counts=True)[1]  # same sorted groups as ``groups``
+        coverage = union[group_phase] / uniform_union(tokens_in_group[group_phase], self.num_experts, self.top_k)
+        self.coverage_sum += float(coverage.sum())
+        self.coverage_n += int(group_phase.sum())
         return token
 
     def _activations(self, c: dict[str, np.ndarray]) -> None:
@@ -388,6 +409,7 @@ def _stats(meta: Any, acc: _Accumulator) -> dict[str, Any]:
         "coactivation_top4_share_by_layer": coact_by_layer,
         "unique_experts_per_layer_step": {p: (acc.union_sum[p] / acc.union_n[p] if acc.union_n[p] else None)
                                           for p in PHASES},
+        "prefill_coverage": acc.coverage_sum / acc.coverage_n if acc.coverage_n else None,
         "predictor_recall": {p: (acc.hits[p] / acc.truths[p] if acc.truths[p] else None) for p in acc.predictors},
         "weight_top1_share": acc.weight_top1_sum / acc.weight_rows if acc.weight_rows else None,
     }
@@ -502,4 +524,4 @@ def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
 
 
 __all__ = ["compare_traces", "js_divergence", "render_comparison", "render_distances", "render_stats",
-           "sparkline", "trace_distances", "trace_stats"]
+           "sparkline", "trace_distances", "trace_stats", "uniform_union"]

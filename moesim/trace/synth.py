@@ -3,6 +3,7 @@
 Routing model. For request r, token t and MoE layer l the router logit of expert e is
 
     z[t, l, e] = skew_l * -log(1 + rank_l(e))           static popularity (Zipf)
+               - COLD_OFFSET * [rank_l(e) >= E - cold]     cold tail (cold = cold_fraction * E)
                + request_bias * u[r, l, e]                this prompt's hot experts
                + cluster_strength * g[t, l, cluster_l(e)]  co-activation cluster
                + n[t, l, e]                                token noise
@@ -10,6 +11,10 @@ Routing model. For request r, token t and MoE layer l the router logit of expert
 - ``rank_l`` is a per-layer random permutation; ``skew_l`` grows linearly from
   ``skew_first`` to ``skew_last`` because deeper layers route more unevenly
   (000_dba2fecbbc66318b.txt Sec. III-B, Fig. 5).
+- The ``cold`` least popular experts of each layer (``cold_fraction``, default 0 = none) sit a fixed
+  offset below the Zipf profile: real prefill batches leave some experts of a layer with no token at all,
+  which a Zipf profile of the fitted exponent does not (docs/trace-format.md, "How far a synthetic trace
+  stands in for a real one").
 - ``u`` ~ N(0, 1) per request: the set of hot experts changes from prompt to
   prompt (000 Sec. VII-B, citing MoE-Infinity), so a short trace is more skewed
   than a corpus-wide count.
@@ -34,8 +39,8 @@ random stream seeded by (seed, request), so output is byte-identical for a seed.
 
 Default parameters come from the calibration logs only (see ``synth_params._ANCHORS``).
 :func:`fit_params` (``moesim trace synth --fit REAL.parquet``) fits them to any
-real trace instead: skew, previous-token reuse, co-activation and the top-1
-gate weight share, each by bisection on the parameter that drives it, on
+real trace instead: skew, previous-token reuse, co-activation, the top-1
+gate weight share and the prefill coverage (cold experts), each by bisection on the parameter that drives it, on
 candidate traces with the real requests' prompt and decode lengths
 (:func:`request_lengths`), which the trace written then takes.
 """
@@ -58,8 +63,8 @@ from moesim.trace.io import TraceWriter
 from moesim.trace.schema import TraceMeta
 from moesim.util import pid_alive
 # the generator's parameters and configuration, re-exported: moesim.trace.synth keeps every name
-from moesim.trace.synth_params import (LOGIT_LIMIT, PARAM_RANGES, SynthConfig, SynthParams, anchor_defaults,
-                                       default_renormalized)
+from moesim.trace.synth_params import (COLD_OFFSET, LOGIT_LIMIT, PARAM_RANGES, SynthConfig, SynthParams,
+                                       anchor_defaults, default_renormalized)
 
 #: logits generated per chunk (tokens x layers x experts); bounds memory
 CHUNK_ELEMENTS = 4_000_000
@@ -80,10 +85,16 @@ class _Layout:
         depth = np.linspace(0.0, 1.0, L) if L > 1 else np.zeros(1)
         skew = params.skew_first + (params.skew_last - params.skew_first) * depth
         log_pop = -skew[:, None] * np.log1p(ranks)
+        log_pop[ranks >= E - cold_experts(params.cold_fraction, E)] -= COLD_OFFSET
         size = params.cluster_size or 1
         num_clusters = -(-E // size)
         cluster_of = np.argsort(rng.random((L, E)), axis=1) // size
         return cls(log_pop=log_pop, cluster_of=cluster_of, num_clusters=num_clusters)
+
+
+def cold_experts(fraction: float, num_experts: int) -> int:
+    """Experts per layer that :attr:`SynthParams.cold_fraction` makes cold (the least popular ranks)."""
+    return min(num_experts, int(round(fraction * num_experts)))
 
 
 class _RequestRouter:
@@ -304,12 +315,18 @@ def synth_rows(config: SynthConfig) -> int:
 
 # ----------------------------------------------------------------------------- fitting to a real trace
 #: statistics of :func:`moesim.trace.stats.trace_stats` the generator models, and the parameter that moves
-#: each (all increase with their parameter), in the order they are fitted: clusters also raise skew and
-#: reuse, skew raises reuse, so skew and reuse come last and end each round matched
-FIT_TARGETS = (("coactivation_top4_share", "cluster_strength"), ("weight_top1_share", "score_scale"),
+#: each (all increase with their parameter but those of :data:`FIT_FALLING`), in the order they are fitted:
+#: cold experts also raise skew, clusters raise skew and reuse, skew raises reuse, so skew and reuse come
+#: last and end each round matched
+FIT_TARGETS = (("prefill_coverage", "cold_fraction"), ("coactivation_top4_share", "cluster_strength"),
+               ("weight_top1_share", "score_scale"),
                ("top10_share", "skew"), ("reuse_prev_token", "token_corr"))
-#: search range of each fitted parameter ("skew" scales skew_first and skew_last together)
-FIT_RANGES = {"skew": (0.0, 4.0), "token_corr": (0.0, 0.99), "cluster_strength": (0.0, 8.0),
+#: fitted parameters whose statistic falls as they rise (more cold experts: a prefill step reaches fewer)
+FIT_FALLING = frozenset({"cold_fraction"})
+#: search range of each fitted parameter ("skew" scales skew_first and skew_last together). cold_fraction:
+#: at most half the experts cold (the Qwen3-30B-A3B calibration batch leaves 13.8% of them without a token)
+FIT_RANGES = {"cold_fraction": (0.0, 0.5), "skew": (0.0, 4.0), "token_corr": (0.0, 0.99),
+              "cluster_strength": (0.0, 8.0),
               "score_scale": (0.02, 12.0), "request_bias": (0.0, 3.0)}
 #: tokens of the candidate traces the fit compares (a longer real trace is matched in proportions, scaled
 #: down, to keep the fit quick; the fitted lengths, :attr:`FitResult.prompt_lens` and ``decode_lens``, stay the
@@ -444,7 +461,9 @@ def _prompt_notes(real_prompts: list[int], prompts: list[int]) -> list[str]:
             f"({prompts[missing[0]]} tokens); every other request keeps its own prompt length"]
 
 
-def _with(params: SynthParams, name: str, value: float, base: SynthParams) -> SynthParams:
+def _with(params: SynthParams, name: str, value: float, base: SynthParams, num_experts: int) -> SynthParams:
+    if name == "cold_fraction":  # a whole number of cold experts, said as the share it is
+        return dataclasses.replace(params, cold_fraction=round(cold_experts(value, num_experts) / num_experts, 6))
     if name == "skew":  # keep the anchors' growth with depth, scale its level
         level = max(base.skew_last, 1e-9)
         return dataclasses.replace(params, skew_first=round(base.skew_first / level * value, 6),
@@ -469,8 +488,8 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
     """Fit the routing parameters of :class:`SynthParams` so that a synthetic trace of ``real``'s model and
     shape reaches ``real``'s statistics (:data:`FIT_TARGETS`).
 
-    Each statistic rises with one parameter, so each is fitted by bisection over :data:`FIT_RANGES`
-    (``steps`` halvings) with the others fixed, round after round (the parameters interact: clusters
+    Each statistic rises (or, :data:`FIT_FALLING`, falls) with one parameter, so each is fitted by bisection
+    over :data:`FIT_RANGES` (``steps`` halvings) with the others fixed, round after round (the parameters interact: clusters
     also add reuse and skew, skew adds co-activation) until every statistic is within ``tolerance``
     (relative) or ``rounds`` rounds have run. Every candidate is judged on a trace drawn with the same ``seed``,
     so the comparison is between parameters, not draws. When the trace is less skewed than the
@@ -521,11 +540,13 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
             lo, hi = FIT_RANGES[name]
             for _ in range(steps):
                 mid = (lo + hi) / 2 if name != "score_scale" else math.sqrt(lo * hi)
-                value = measure(_with(params, name, mid, base), name)[stat]
+                value = measure(_with(params, name, mid, base, model.num_experts), name)[stat]
                 if value is None:
                     break
-                lo, hi = (mid, hi) if value < target[stat] else (lo, mid)
-            return _with(params, name, (lo + hi) / 2 if name != "score_scale" else math.sqrt(lo * hi), base)
+                low = value > target[stat] if name in FIT_FALLING else value < target[stat]
+                lo, hi = (mid, hi) if low else (lo, mid)
+            return _with(params, name, (lo + hi) / 2 if name != "score_scale" else math.sqrt(lo * hi), base,
+                         model.num_experts)
 
         params = base
         for _ in range(rounds):
@@ -551,6 +572,7 @@ def fit_params(real: Path | str, *, seed: int = 0, rounds: int = 6, steps: int =
                      notes=notes, real_prompt_lens=real_prompts, prompt_lens=prompts, decode_lens=decodes)
 
 
-__all__ = ["CHUNK_ELEMENTS", "FIT_MAX_TOKENS", "FIT_RANGES", "FIT_TARGETS", "LOGIT_LIMIT", "PARAM_RANGES", "FitResult",
+__all__ = ["CHUNK_ELEMENTS", "COLD_OFFSET", "FIT_FALLING", "FIT_MAX_TOKENS", "FIT_RANGES", "FIT_TARGETS", "LOGIT_LIMIT",
+           "PARAM_RANGES", "FitResult", "cold_experts",
            "SynthConfig", "SynthParams", "anchor_defaults", "default_renormalized", "filled_prompts", "fit_lengths",
            "fit_params", "request_lengths", "synth_rows", "synthesize", "trace_shape"]

@@ -67,6 +67,14 @@ def anchor_defaults(num_experts: int, top_k: int) -> dict[str, float]:
 #: refuses).
 LOGIT_LIMIT = 100.0
 
+#: logit offset of a cold expert (:attr:`SynthParams.cold_fraction`), measured on the Qwen3-30B-A3B calibration
+#: trace (soryxie token_distri_8, one 2,050-token prefill batch), the other parameters as fitted to it: at 6 and
+#: above a cold expert is all but dead, so the prefill coverage (moesim.trace.stats) of a 1,024-token step and
+#: of a 2,050-token step agree within 0.3% (0.861, 0.863 with 14% of the experts cold) and a fit on shortened
+#: candidates holds at the real length, and the cold share that fits the coverage (0.14) is the share of that
+#: batch's experts with no token at all (0.138). At 3 they still take a token now and then: 0.909 and 0.931.
+COLD_OFFSET = 8.0
+
 
 @dataclass
 class SynthParams:
@@ -94,6 +102,11 @@ class SynthParams:
     #: recall of pred_next_token: SMoE's token-wise predictor is less accurate per layer than
     #: layer-wise prediction (000_dba2fecbbc66318b.txt Sec. IV-D, Fig. 3)
     recall_next_token: float = 0.6
+    #: share of each layer's experts, the least popular by static rank, whose logits are lowered by
+    #: :data:`COLD_OFFSET`: experts a whole prefill batch leaves (nearly) unused, a tail heavier than the Zipf
+    #: profile gives (0 to 1; 0 = off, which keeps every trace synthesized before it byte-identical; the
+    #: fit sets it from the real trace's prefill coverage)
+    cold_fraction: float = 0.0
     #: renormalize the top-k weights to sum 1 (default: the model's convention)
     renormalize: bool = True
     #: write the predictor columns (false: leave them out)
@@ -127,7 +140,7 @@ PARAM_RANGES: dict[str, tuple[float, float, bool]] = {
     "skew_first": (0.0, LOGIT_LIMIT, True), "skew_last": (0.0, LOGIT_LIMIT, True),
     "request_bias": (0.0, LOGIT_LIMIT, True), "cluster_strength": (0.0, LOGIT_LIMIT, True),
     "score_scale": (0.0, LOGIT_LIMIT, False), "token_corr": (0.0, 1.0, True),
-    "recall_next_layer": (0.0, 1.0, True), "recall_residual": (0.0, 1.0, True), "recall_next_token": (0.0, 1.0, True),
+    "cold_fraction": (0.0, 1.0, True), "recall_next_layer": (0.0, 1.0, True), "recall_residual": (0.0, 1.0, True), "recall_next_token": (0.0, 1.0, True),
 }
 
 
@@ -235,13 +248,21 @@ class SynthConfig:
             config.decode_lens = checked_lengths(decode_lens, "decode_lens", 0, int(requests))
         return config
 
+    def _recorded_params(self) -> dict[str, Any]:
+        """The parameters for the metadata; cold_fraction only when set, so a trace without cold experts
+        keeps the metadata (and bytes) it had before the parameter existed."""
+        params = dataclasses.asdict(self.params)
+        if not params["cold_fraction"]:
+            del params["cold_fraction"]
+        return params
+
     def source(self) -> dict[str, Any]:
         # the per-request lists only when given, so a trace of equal lengths keeps its metadata (and bytes)
         lengths = {name: list(values) for name, values in (("prompt_lens", self.prompt_lens),
                                                            ("decode_lens", self.decode_lens)) if values is not None}
         return {"kind": "synthetic", "generator": "moesim.trace.synth", "model": self.model.name,
                 "requests": self.requests, "prompt_len": self.prompt_len, "decode_len": self.decode_len,
-                "batch": self.batch, "seed": self.seed, "params": dataclasses.asdict(self.params),
+                "batch": self.batch, "seed": self.seed, "params": self._recorded_params(),
                 **lengths, **({"fitted_to": self.fitted_to} if self.fitted_to else {})}
 
 

@@ -78,6 +78,9 @@ def check_toy(s: dict) -> None:
     assert s["predictor_recall"] == pytest.approx({"pred_next_layer": 9 / 15, "pred_next_token": 11 / 18})
     # distinct experts per (step, layer): prefill 5, 4, 3, 3 -> 3.75; decode 6, 5 -> 5.5
     assert s["unique_experts_per_layer_step"] == pytest.approx({"prefill": 3.75, "decode": 5.5})
+    # prefill coverage: distinct / uniform union 6 * (1 - (1 - 3/6)^n). Step 0 (n = 2, uniform 4.5):
+    # layer 0 {0,1,2,3,4} 5 -> 10/9, layer 1 {1,2,3,4} 4 -> 8/9; step 1 (n = 1, uniform 3): 3/3, 3/3.
+    assert s["prefill_coverage"] == pytest.approx((10 / 9 + 8 / 9 + 1 + 1) / 4)
     assert s["weight_top1_share"] is None
 
 
@@ -173,3 +176,35 @@ def test_statistics_of_an_expert_id_out_of_range_are_refused_naming_file_and_fie
     assert (raised.value.source, raised.value.field, raised.value.row) == (str(bad), "experts", 0)
     with pytest.raises(TraceFormatError, match="bad.parquet"):
         compare_traces(toy, bad)
+
+
+def test_prefill_coverage_of_a_batch_that_leaves_experts_out(tmp_path):
+    """One 4-token prefill step routing every token to experts 0-2 of 6 (top-3) at both layers, then a decode
+    step that touches all six: a uniform router reaches 6 * (1 - (1/2)^4) = 5.625 experts with 4 tokens, the
+    step reaches 3, so the coverage is 3 / 5.625 at each layer; decode steps do not count."""
+    rows = [(0, layer, 0, pos, 0, [0, 1, 2]) for layer in (0, 1) for pos in range(4)]
+    rows += [(1, layer, 0, 4, 1, [3, 4, 5]) for layer in (0, 1)]
+    cols = list(zip(*rows))
+    data = {"step": cols[0], "layer": cols[1], "request": cols[2], "position": cols[3],
+            "phase": np.array(cols[4], dtype=np.int8), "experts": np.array(cols[5])}
+    path = tmp_path / "narrow.parquet"
+    write_trace(path, data, TraceMeta(model=TOY, source={"kind": "synthetic"}))
+    s = trace_stats(path)
+    assert s["prefill_coverage"] == pytest.approx(3 / 5.625)
+    assert s["unique_experts_per_layer_step"]["prefill"] == 3
+
+
+def test_prefill_coverage_is_none_without_a_prefill_step(tmp_path):
+    rows = [(step, 0, 0, step, 1, [0, 1, 2]) for step in range(3)]
+    cols = list(zip(*rows))
+    data = {"step": cols[0], "layer": cols[1], "request": cols[2], "position": cols[3],
+            "phase": np.array(cols[4], dtype=np.int8), "experts": np.array(cols[5])}
+    path = tmp_path / "decode.parquet"
+    write_trace(path, data, TraceMeta(model=TOY, source={"kind": "synthetic"}))
+    assert trace_stats(path)["prefill_coverage"] is None
+
+
+def test_uniform_union_is_the_expected_distinct_count():
+    # 8 experts, top-2, 2 tokens: each expert missed with probability (3/4)^2, so 8 * 7/16 = 3.5 reached
+    assert stats_mod.uniform_union(2, 8, 2) == pytest.approx(3.5)
+    assert stats_mod.uniform_union(1, 128, 8) == pytest.approx(8)

@@ -155,7 +155,7 @@ def test_mixtral_defaults_match_real_skew_and_reuse_within_20_percent(name, tmp_
 RANGES = {"skew_first": (0, 100, True), "skew_last": (0, 100, True), "request_bias": (0, 100, True),
           "cluster_size": (0, 8, True), "cluster_strength": (0, 100, True), "token_corr": (0, 1, True),
           "score_scale": (0, 100, False), "recall_next_layer": (0, 1, True), "recall_residual": (0, 1, True),
-          "recall_next_token": (0, 1, True)}
+          "recall_next_token": (0, 1, True), "cold_fraction": (0, 1, True)}
 
 
 def _bad_values(name: str) -> list[str]:
@@ -189,7 +189,8 @@ def test_cli_synth_refuses_a_parameter_outside_its_range(tmp_path, capsys, name,
 
 @pytest.mark.parametrize("name, value", [("skew_first", "0"), ("skew_last", "100"), ("score_scale", "100"),
                                          ("request_bias", "100"), ("cluster_strength", "0"), ("token_corr", "1"),
-                                         ("cluster_size", "8"), ("recall_residual", "0")])
+                                         ("cluster_size", "8"), ("recall_residual", "0"),
+                                         ("cold_fraction", "1")])
 def test_synth_accepts_the_ends_of_each_range(tmp_path, name, value):
     path = small(tmp_path, settings={name: value})
     assert validate_trace(path).rows == 3 * 11 * 32
