@@ -163,19 +163,27 @@ def write_partial_trace(path: Path, layers: list[int], num_layers: int = 3, step
     return write_trace(path, data, TraceMeta(model=model, source=source))
 
 
-def write_scored_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]],
-                       rng: np.random.Generator) -> str:
-    """``routing`` (tests.factories) with router scores (routed experts above the rest) and each token's
-    next-layer prediction (its real next-layer experts, one of them sometimes swapped for another)."""
+def routing_rows(model: ModelSpec, routing: list[dict[str, Any]]) -> list[tuple]:
+    """``routing`` (:func:`random_routing`) as trace rows (step, layer, request, position, phase, experts), in
+    the order a trace keeps them."""
     rows = []
     for step, entry in enumerate(routing):
         for request in sorted(entry["tokens"]):
             first, by_layer = entry["tokens"][request]
             for i in range(len(by_layer[0])):
                 for layer in range(model.num_layers):
-                    rows.append((step, layer, request, first + i, entry["phase"], by_layer[layer][i],
-                                 list(by_layer[layer + 1][i]) if layer + 1 < model.num_layers else []))
-    rows.sort(key=lambda r: (r[0], r[1], r[2], r[3]))
+                    rows.append((step, layer, request, first + i, entry["phase"], list(by_layer[layer][i])))
+    rows.sort(key=lambda r: r[:4])
+    return rows
+
+
+def write_scored_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]],
+                       rng: np.random.Generator) -> str:
+    """``routing`` (tests.factories) with router scores (routed experts above the rest) and each token's
+    next-layer prediction (its real next-layer experts, one of them sometimes swapped for another)."""
+    rows = routing_rows(model, routing)
+    used = {(r[2], r[3], r[1]): r[5] for r in rows}  # a token's experts by (request, position, layer)
+    rows = [(*r, list(used[(r[2], r[3], r[1] + 1)]) if r[1] + 1 < model.num_layers else []) for r in rows]
     n = len(rows)
     scores = rng.random((n, model.num_experts)) * 0.3
     for i, row in enumerate(rows):

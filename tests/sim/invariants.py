@@ -14,6 +14,7 @@ from moesim.analysis.metrics import metrics
 from moesim.model.spec import ModelSpec
 from moesim.sim.result import SimResult
 from moesim.trace import TraceMeta, write_trace
+from tests.factories import routing_rows
 
 EPS = 1e-12
 #: timeline kinds of an expert's computation: with the layer, or overlapping the next one (001 Sec. 4)
@@ -136,14 +137,7 @@ def write_full_trace(path: Path, model: ModelSpec, routing: list[dict[str, Any]]
     experts above the rest), and the predictions ``pred_next_layer`` and ``pred_residual`` (the token's
     next-layer experts, the last sometimes wrong) and ``pred_next_token`` (the request's next token's experts
     at this layer, the token's own for its request's last)."""
-    rows = []
-    for step, entry in enumerate(routing):
-        for request in sorted(entry["tokens"]):
-            first, by_layer = entry["tokens"][request]
-            for i in range(len(by_layer[0])):
-                for layer in range(model.num_layers):
-                    rows.append((step, layer, request, first + i, entry["phase"], list(by_layer[layer][i])))
-    rows.sort(key=lambda r: r[:4])
+    rows = routing_rows(model, routing)
     # the experts each request's token at (position, layer) used, for the next token's prediction
     used = {(r[2], r[3], r[1]): r[5] for r in rows}
     n, k = len(rows), model.top_k
