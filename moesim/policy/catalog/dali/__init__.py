@@ -236,7 +236,7 @@ class DaliSystem(ObservingSystem):
         resident, in_flight = state.resident, state.in_flight
         # what this layer copies for its own use already (a prefetcher that names the current layer, such as
         # SMoE's token-wise one swapped in, would copy it a second time)
-        copied_now = set(plan.loads) | set(plan.streamed)
+        copied_now = set(plan.loads).union(plan.streamed) if plan.loads or plan.streamed else ()
         for target, e in wanted:
             pair = (target, e)
             held = e in resident[target] or e in in_flight[target]
