@@ -132,10 +132,11 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     ax.set_ylim(-0.02, 1.02)
     tidy_axes(ax)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
-    fig.legend([legend_handle(styles[s], "marker") for s in systems], hue_names(data, "system", systems),
-               title="system", loc="outside right center", frameon=False, fontsize=9)
+    # the title first: the legend takes as many columns as keep it clear of the title's lines
     fit_width(fig, fig.suptitle(with_hardware("GPU hit rate vs prefetches (one marker per point)", data), x=0.01,
                                 ha="left", fontsize=11))
+    side_legend(fig, [legend_handle(styles[s], "marker") for s in systems], hue_names(data, "system", systems),
+                "system")
     if path is not None:
         save_figure(fig, path)
     return fig

@@ -686,3 +686,19 @@ def test_several_facets_of_plot_results_make_a_grid_and_an_empty_panel_says_so()
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert len(panels) == 6 and [t.get_text() for t in panels[5].texts] == ["no finished point"]
     assert [len(lines(ax)) for ax in panels] == [3, 3, 3, 3, 3, 0]
+
+
+def test_the_prefetch_scatters_legend_stays_clear_of_its_title_on_two_profiles():
+    """Every system on two profiles, with prefetches: the scatter's legend (one column, placed before the title
+    was wrapped to three lines) ran into the title's last line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    frame = pd.concat([_many_systems().assign(hw=hw) for hw in ("a100-40g", "h100-pcie")], ignore_index=True)
+    frame = frame.assign(gpu_hit_rate=0.5, prefetches=range(len(frame)), decode_tokens=10, prefill_tokens=0)
+    fig = fig_hit_rate_vs_prefetch(frame)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    assert fig._suptitle.get_text().count("\n") >= 1  # both profiles named: the title takes several lines
+    assert not box.overlaps(fig._suptitle.get_window_extent(renderer))
+    assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
