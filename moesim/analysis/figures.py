@@ -105,8 +105,9 @@ def prefetched(data: pd.DataFrame) -> bool:
 def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
     """GPU hit rate against the prefetch count: a varied ``prefetch.*`` parameter, else prefetches issued."""
     param = prefetch_parameter(frame)
-    if param:
-        return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facets_for(frame, (param,)),
+    if param:  # panels by what varies among the runs drawn: those that take the parameter
+        drawn = frame[frame[param].notna()]
+        return plot_results(frame, x=param, y="gpu_hit_rate", hue="system", facet=facets_for(drawn, (param,)),
                             path=path, title=f"GPU hit rate vs {param}")
     data = ok_rows(frame)
     if not prefetched(data):  # every marker would sit at x = 0: the hit rate by cache size (or system) instead

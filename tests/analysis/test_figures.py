@@ -702,3 +702,17 @@ def test_the_prefetch_scatters_legend_stays_clear_of_its_title_on_two_profiles()
     assert fig._suptitle.get_text().count("\n") >= 1  # both profiles named: the title takes several lines
     assert not box.overlaps(fig._suptitle.get_window_extent(renderer))
     assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1
+
+
+def test_the_prefetch_figures_panels_vary_only_among_the_runs_it_draws():
+    """smoe swept over prefetch.n beside dali over prefetch.size: the figure against prefetch.n draws smoe's
+    runs alone, yet split them by prefetch.size, a panel titled 'prefetch.size = not set' per profile."""
+    rows = [{"point_id": f"{hw}-{system}-{value}", "trace": "t.parquet", "hw": hw, "system": system, "seed": 0,
+             "status": "ok", "error": "", "gpu_hit_rate": 0.1 * value, "prefetches": 10 * value,
+             "decode_tokens": 10, "prefill_tokens": 0, "tpot_ms_mean": 100.0 / value,
+             "prefetch.n": value if system == "smoe" else np.nan,
+             "prefetch.size": value if system == "dali" else np.nan}
+            for hw in ("a100-40g", "h100-pcie") for system in ("smoe", "dali") for value in (1, 2, 3)]
+    fig = fig_hit_rate_vs_prefetch(pd.DataFrame(rows))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["hw = a100-40g", "hw = h100-pcie"]
