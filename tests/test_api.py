@@ -700,3 +700,13 @@ def test_a_system_given_where_the_profile_goes_names_system(files, call):
     with pytest.raises(ConfigError, match=r"hw='smoe' is a system, not a hardware profile \(fix: system='smoe'") as err:
         getattr(moesim, call)(trace, "smoe")
     assert err.value.field == "hw"
+
+
+def test_a_loaded_replays_steps_equal_the_saved_ones(files, tmp_path):
+    """Read back from Parquet, each step's requests were numpy arrays where the replay gave lists: the loaded
+    steps did not equal the saved ones (``steps.equals``) and ``requests[2] == [0, 1]`` compared element-wise."""
+    trace, hw = files
+    run = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    back = moesim.load_replay(run.save(tmp_path / "run"))
+    assert back.steps.equals(run.steps)
+    assert back.steps.requests[2] == [0, 1] and all(type(r) is int for r in back.steps.requests[2])

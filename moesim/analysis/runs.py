@@ -140,7 +140,16 @@ def load_replay(folder: str | os.PathLike) -> ReplayResult:
         what = f"no '{err.args[0]}'" if isinstance(err, KeyError) else str(err).splitlines()[0]
         raise ConfigError(f"{folder} holds no replay that ReplayResult.save wrote ({what})", field="folder",
                           fix="give a folder that ReplayResult.save wrote, or save the result there again") from err
-    return ReplayResult(**frames, **fields)
+    return ReplayResult(**{**frames, "steps": steps_as_made(frames["steps"])}, **fields)
+
+
+def steps_as_made(steps: Any) -> Any:
+    """A step frame read back from Parquet with its ``requests`` as lists of ints, as :func:`step_frame` makes
+    them (Parquet gave numpy arrays: ``steps.equals`` told a loaded result from the one saved, and
+    ``requests[0] == [0]`` compared element-wise)."""
+    if steps is not None and "requests" in steps.columns:
+        steps["requests"] = [[int(r) for r in ids] for ids in steps["requests"]]
+    return steps
 
 
 def checked_folder(folder: Any) -> Path:
