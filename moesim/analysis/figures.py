@@ -40,7 +40,9 @@ from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER
                                            is_bound, label, load_results, ok_rows, ordered_systems,
                                            parameter_columns, routed_activations, sorted_values, substituting,
                                            substitution_note, system_label, varying)
+from moesim.api_args import checked_keywords
 from moesim.errors import ConfigError
+from moesim.notebook import callers_lines
 from moesim.sim.bookkeeping import BREAKDOWN
 
 # ----------------------------------------------------------------------------- the standard set
@@ -81,6 +83,8 @@ def facets_for(frame: pd.DataFrame, exclude: Sequence[str]) -> list[str]:
     return sorted(chosen, key=lambda c: frame[c].nunique(dropna=False))
 
 
+@callers_lines
+@checked_keywords
 def fig_tpot_vs_slots(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
     """TPOT against GPU cache slots per layer, one line per system (bounds and references dashed), one panel
     per setting of the other swept parameters (:func:`facets_for`)."""
@@ -102,6 +106,8 @@ def prefetched(data: pd.DataFrame) -> bool:
     return "prefetches" in data.columns and bool(data["prefetches"].fillna(0).gt(0).any())
 
 
+@callers_lines
+@checked_keywords
 def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None = None) -> Figure:
     """GPU hit rate against the prefetch count: a varied ``prefetch.*`` parameter, else prefetches issued."""
     param = prefetch_parameter(frame)
@@ -143,6 +149,8 @@ def fig_hit_rate_vs_prefetch(frame: pd.DataFrame, path: str | os.PathLike | None
     return fig
 
 
+@callers_lines
+@checked_keywords
 def representative(frame: pd.DataFrame, keep: Sequence[str] = ("system",)) -> dict[str, Any]:
     """One value per varying parameter (other than ``keep``): the middle one of its sorted values.
 
@@ -185,6 +193,8 @@ def describe(where: dict[str, Any]) -> str:
     return ", ".join(f"{k}={Path(v).name if k == 'trace' else v}" for k, v in where.items())
 
 
+@callers_lines
+@checked_keywords
 def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
                   path: str | os.PathLike | None = None) -> Figure:
     """Where the time went, stacked per system, at one point of the other parameters (default: the middle one)."""
@@ -209,6 +219,8 @@ def _categories(frame: pd.DataFrame) -> list[str]:
     return [c for c in BREAKDOWN if c in found] + [c for c in found if c not in BREAKDOWN]
 
 
+@callers_lines
+@checked_keywords
 def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.Series:
     """The point a Gantt chart shows: at the representative parameters, the fastest system that is neither a
     bound nor a reference."""
@@ -223,6 +235,8 @@ def gantt_point(frame: pd.DataFrame, where: dict[str, Any] | None = None) -> pd.
     return rows.sort_values(fastest, na_position="last").iloc[0]
 
 
+@callers_lines
+@checked_keywords
 def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None = None,
               steps: int = 2) -> Figure:
     """Replay one results row again with its timeline and draw ``steps`` decode steps of it."""
@@ -272,6 +286,8 @@ def _setting(value: Any) -> str:
     return setting_str(value)
 
 
+@callers_lines
+@checked_keywords
 def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
                      source: str | None = None) -> dict[str, tuple[Figure | None, str]]:
     """The standard set: name -> (figure or None, caption or the reason it is missing). A figure whose

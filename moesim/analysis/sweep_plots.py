@@ -20,9 +20,13 @@ from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, X_SETTINGS, UnevenMeans, as_groups, check_drawable,
                                            column, failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
                                            on_hardware, ordered_systems, parameter_columns, sorted_values, varying)
+from moesim.api_args import checked_keywords
 from moesim.errors import ConfigError
+from moesim.notebook import callers_lines
 
 # ----------------------------------------------------------------------------- the general plot
+@callers_lines
+@checked_keywords
 def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
                  facet: str | Sequence[str] | None = None, path: str | os.PathLike | None = None,
                  source: str | None = None, title: str = "", logy: bool | None = None) -> Figure:
@@ -231,6 +235,8 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
 
 
 # ----------------------------------------------------------------------------- metric against metric
+@callers_lines
+@checked_keywords
 def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "system", facet: str | None = None,
                  pareto: bool = True, path: str | os.PathLike | None = None, source: str | None = None,
                  title: str = "") -> Figure:

@@ -716,3 +716,25 @@ def test_the_prefetch_figures_panels_vary_only_among_the_runs_it_draws():
     fig = fig_hit_rate_vs_prefetch(pd.DataFrame(rows))
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["hw = a100-40g", "hw = h100-pcie"]
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: fig_breakdown(results(), {"cache.slots_per_layer": 3}), "no finished point with cache.slots_per_layer=3"),
+    (lambda: gantt_point(results(), {"sytem": "static-hot"}), "no column 'sytem'"),
+    (lambda: plot_results(results(), x="cache.slots_per_layer", y="tpot_ms_mean", hu="system"),
+     "plot_results() has no argument 'hu' (fix: did you mean hue?"),
+    (lambda: plot_scatter(results(), x="gpu_hit_rate", y="nope"), "field 'y'"),
+    (lambda: fig_tpot_vs_slots(results(), pth="f.png"), "fig_tpot_vs_slots() has no argument 'pth'"),
+    (lambda: fig_hit_rate_vs_prefetch(results(), path=3), "path"),
+    (lambda: standard_figures(results(), gant=False), "did you mean gantt?"),
+])
+def test_a_figure_helpers_error_in_a_notebook_shows_the_callers_line_and_one_line(call, words):
+    """In Jupyter a bad argument to a figure helper showed the moesim frames above the message (figures.py's
+    source around the raise), and a misspelt keyword Python's 'unexpected keyword argument'; the API's own
+    functions show the caller's line and the one-line message."""
+    with pytest.raises(ConfigError) as err:
+        call()
+    shown = err.value._render_traceback_()
+    assert words in shown[-1] and "\n" not in shown[-1]
+    assert all("moesim/analysis" not in line for line in shown)
+    assert any(__file__ in line for line in shown)
