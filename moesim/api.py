@@ -177,7 +177,8 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
     lines = [f"{len(failed)} of {len(frame)} sweep points failed (rows with status 'error'); reasons:"]
     lines += [f"  {count} x {reason}" for reason, count in reasons.head(shown).items()]
     if len(reasons) > shown:
-        lines.append(f"  ... and {len(reasons) - shown} more reasons (column 'error')")
+        more = len(reasons) - shown
+        lines.append(f"  ... and {more} more reason{'s' if more > 1 else ''} (column 'error')")
     text = "\n".join(lines)
     warn_at_caller(text, SweepPointsFailed)
     return text

@@ -710,3 +710,14 @@ def test_a_loaded_replays_steps_equal_the_saved_ones(files, tmp_path):
     back = moesim.load_replay(run.save(tmp_path / "run"))
     assert back.steps.equals(run.steps)
     assert back.steps.requests[2] == [0, 1] and all(type(r) is int for r in back.steps.requests[2])
+
+
+def test_the_failed_points_warning_counts_the_reasons_left_out_in_words():
+    """Six reasons, five shown: the last line read '... and 1 more reasons'."""
+    frame = pd.DataFrame({"status": ["error"] * 7 + ["ok"], "error": [f"reason {i % 6}" for i in range(7)] + [""]})
+    with pytest.warns(moesim.api.SweepPointsFailed):
+        text = moesim.api.warn_failed_points(frame)
+    assert text.splitlines()[-1] == "  ... and 1 more reason (column 'error')"
+    with pytest.warns(moesim.api.SweepPointsFailed):
+        text = moesim.api.warn_failed_points(frame, shown=4)
+    assert text.splitlines()[-1] == "  ... and 2 more reasons (column 'error')"
