@@ -37,6 +37,10 @@ def outputs(notebook: nbformat.NotebookNode, mime: str) -> list[str]:
 def test_policy_sweep_notebook():
     notebook = execute("policy_sweep.ipynb")
     assert len(outputs(notebook, "image/png")) == 4  # TPOT vs slots, hit rate, breakdown, Gantt
+    # the failed points' cell says when none failed: an empty table under "Points that failed keep their reason"
+    shown = outputs(notebook, "text/plain") + [out.get("text", "") for cell in notebook.cells
+                                               if cell.cell_type == "code" for out in cell.outputs]
+    assert not any("Empty DataFrame" in text for text in shown)
     conclusion = outputs(notebook, "text/markdown")[-1]
     assert conclusion.count("- a100-40g") == 3 and conclusion.count("- h100-pcie") == 3
     assert "fastest deployable system in" in conclusion and "of 6 settings" in conclusion
