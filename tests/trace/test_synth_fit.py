@@ -27,7 +27,10 @@ def within(stats: dict, target: dict, tolerance: float) -> dict[str, float]:
 def test_fit_to_the_bundled_mixtral_trace(tmp_path):
     real = trace_stats(REAL)
     result = fit_params(REAL)
-    assert set(result.target) == set(MODELLED)
+    # eight experts: one cold expert is too coarse a step of the prefill coverage to fit it (it stays 0, as
+    # this trace's 1.0 coverage asks anyway)
+    assert set(result.target) == set(MODELLED) - {"prefill_coverage"} and result.params.cold_fraction == 0
+    assert any(note.startswith("prefill_coverage not fitted: a cold expert is 1/8") for note in result.notes)
     assert not within(result.fitted, result.target, 0.05)
     # a trace written with the fitted parameters and another seed: the statistics hold, not one draw
     config = SynthConfig.from_settings(model=str(real["model"]), seed=7, settings=result.settings(),
