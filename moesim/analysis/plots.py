@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -226,7 +227,7 @@ def fit_width(fig: Figure, text: Any) -> None:
     lines: list[str] = []
     for line in text.get_text().split("\n"):
         current = ""
-        for word in line.split(" "):
+        for word in unbroken_words(line):
             candidate = f"{current} {word}" if current else word
             if current and width(candidate) > room:
                 lines.append(current)
@@ -235,6 +236,22 @@ def fit_width(fig: Figure, text: Any) -> None:
                 current = candidate
         lines.append(current)
     text.set_text("\n".join(lines))
+
+
+#: a number a title does not end a line with: the unit or noun after it stays on its line ('102.4 GB/s', '10 cores')
+NUMBER_WORD = re.compile(r"^\(?[0-9]([0-9.,-]*[0-9])?$")
+
+
+def unbroken_words(line: str) -> list[str]:
+    """The words of ``line`` that :func:`fit_width` may break between: a number together with the word after it
+    (a profile's '102.4 GB/s DRAM' was broken after '102.4')."""
+    words: list[str] = []
+    for word in line.split(" "):
+        if words and " " not in words[-1] and NUMBER_WORD.match(words[-1]):
+            words[-1] = f"{words[-1]} {word}"
+        else:
+            words.append(word)
+    return words
 
 
 def plot_gantt(frame: pd.DataFrame, path: str | os.PathLike | None = None, *,

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -314,3 +315,21 @@ def test_a_gantt_legend_of_many_kinds_stays_inside_the_figure() -> None:
     width = fig.bbox.width
     assert legend.x0 >= 0 and legend.x1 <= width
     assert len(fig.legends[0].get_texts()) == 9
+
+
+def test_a_wrapped_title_keeps_each_number_with_its_unit() -> None:
+    """A profile's parts in a narrow figure's title were broken between a number and its unit ('102.4' at a
+    line's end, 'GB/s DRAM)' on the next)."""
+    from moesim.analysis.plots import fit_width
+    fig = Figure(figsize=(5.5, 4.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    title = ("time breakdown of fiddler on mixtral-8x7b-humaneval.parquet / rtx4090 (NVIDIA GeForce RTX 4090 + "
+             "AMD EPYC 7T83, 10 cores, 102.4 GB/s DRAM)")
+    for width in range(30, 60, 2):  # every width of the title's room: no line ends with a number
+        fig.set_size_inches(width / 10, 4.4)
+        text = ax.set_title(title, loc="left", fontsize=11)
+        fit_width(fig, text)
+        lines = text.get_text().split("\n")
+        assert " ".join(lines) == title
+        assert not any(line.endswith(("10", "102.4")) for line in lines), lines
