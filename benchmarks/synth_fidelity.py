@@ -56,7 +56,7 @@ INT4_SETTINGS = {"memory.non_expert_dtype": "int4", "memory.expert_dtype": "int4
 KINDS = ("fitted", "default", "calibration")
 FIGURES = ("tpot_ms_mean", "ttft_ms", "gpu_hit_rate", "pcie_gib")
 #: trace statistics shown beside each trace (those the fit targets, and the trace's size)
-STATS = ("top10_share", "reuse_prev_token", "coactivation_top4_share", "weight_top1_share")
+STATS = ("top10_share", "reuse_prev_token", "coactivation_top4_share", "weight_top1_share", "prefill_coverage")
 #: the same, and the distinct experts a prefill step routes to per layer (its batch union), in the tables
 SHOWN = STATS + ("distinct_prefill",)
 #: a gap smaller than this (relative) counts as a tie when looking for flipped pairs

@@ -53,6 +53,7 @@ def _summary_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
         ("co-activation top-4 share", stats["coactivation_top4_share"]),
         ("distinct experts/layer/step prefill", stats["unique_experts_per_layer_step"]["prefill"]),
         ("distinct experts/layer/step decode", stats["unique_experts_per_layer_step"]["decode"]),
+        ("prefill coverage (of a uniform router's)", stats["prefill_coverage"]),
         ("top-1 weight share", stats["weight_top1_share"]),
     ]
     rows += [(f"recall {name}", value) for name, value in stats["predictor_recall"].items()]

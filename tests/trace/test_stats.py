@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -128,6 +129,7 @@ def test_inspect_and_compare_render_tables(toy, tmp_path, capsys):
     assert main(["trace", "inspect", str(toy)]) == 0
     out = capsys.readouterr().out
     assert "prev-token reuse" in out and "0.222" in out
+    assert re.search(r"prefill coverage \(of a uniform router's\) +│ +1\.000", out)
     assert main(["trace", "compare", str(toy), str(other)]) == 0
     out = capsys.readouterr().out
     assert "B vs A" in out and "+0.0%" in out
