@@ -12,10 +12,10 @@ What a filled cell holds:
 * a component's parameter (``prefetch.n``) or swap (``cache``): the point's system built with the point's own
   settings (and the system's own defaults), its component's field (its name for a swap); empty where that
   component has no such parameter. A default the run resolves when it starts ("-1: the paper's value for the
-  model", DALI's ``cache.prefetch_slots`` "-1: twice the prefetch size") is recorded as what it resolved to
-  for the point: the system is set up as the point's run sets it up (its trace, profile and model; not run)
-  and the component read where it tells the value (the field itself, resolved in place, or the attribute
-  :data:`_RESOLVED_AS` names). Where it does not tell one (a per-layer ``substitute.tau``, a per-plan
+  model", DALI's ``cache.prefetch_slots`` "-1: twice what the prefetcher issues per layer") is recorded as what
+  it resolved to for the point: the system is set up as the point's run sets it up (its trace, profile and
+  model; not run) and the component read where it tells the value (the field itself, resolved in place, or the
+  attribute :data:`_RESOLVED_AS` names). Where it does not tell one (a per-layer ``substitute.tau``, a per-plan
   ``solve_us``, llama.cpp's ``cache.n_cpu_moe``, which the memory plan decides) the cell holds the default as
   written (``-1``); so does a point that spells ``-1`` itself (a setting, not filled). A portfolio bound
   (``oracle``): the value its own schedules share, empty where they differ or one lacks the parameter;
@@ -247,8 +247,8 @@ class Defaults:
 
 def _left_to_run(part: Any, name: str, value: Any) -> bool:
     """Whether ``value`` of ``part``'s parameter ``name`` is a "choose for me" the run resolves: a negative
-    number that is the parameter's default (-1: the paper's value for the model, twice the prefetch size), or
-    any negative of a parameter documented "negative: ..." (``any_negative``)."""
+    number that is the parameter's default (-1: the paper's value for the model, twice what DALI's prefetcher
+    issues per layer), or any negative of a parameter documented "negative: ..." (``any_negative``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value < 0:
         return False
     return value == part.parameters()[name] or name in getattr(part, "any_negative", ())

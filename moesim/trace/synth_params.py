@@ -102,10 +102,10 @@ class SynthParams:
     #: recall of pred_next_token: SMoE's token-wise predictor is less accurate per layer than
     #: layer-wise prediction (000_dba2fecbbc66318b.txt Sec. IV-D, Fig. 3)
     recall_next_token: float = 0.6
-    #: share of each layer's experts, the least popular by static rank, whose logits are lowered by
-    #: :data:`COLD_OFFSET`: experts a whole prefill batch leaves (nearly) unused, a tail heavier than the Zipf
+    #: share of each layer's experts, the least popular by static rank, whose logits are lowered by 8
+    #: (COLD_OFFSET): experts a whole prefill batch leaves (nearly) unused, a tail heavier than the Zipf
     #: profile gives (0 to 1; 0 = off, which keeps every trace synthesized before it byte-identical; the
-    #: fit sets it from the real trace's prefill coverage)
+    #: fit sets it from the real trace's prefill coverage, for models of 32 experts or more)
     cold_fraction: float = 0.0
     #: renormalize the top-k weights to sum 1 (default: the model's convention)
     renormalize: bool = True
