@@ -265,6 +265,8 @@ class ServeRun:
     traces: list[str]
     #: the arrival process and request count it ran (moesim.sim.workload.WorkloadConfig)
     workload: Any = None
+    #: the profile as titles name it, with its GPU and host CPU (moesim.hw.title); '' when not known
+    hw: str = ""
 
     def _repr_html_(self) -> str:
         """The headline figures as a table, in the repr's terms: six significant digits, and a closed loop's or
@@ -292,7 +294,8 @@ class ServeRun:
         """Each request as a row in order of arrival: queued, prefill to first token, decode; preempted ones
         marked. Displays as a PNG in Jupyter."""
         from moesim.analysis.serving import arrivals_text, plot_requests
-        label = f"{self.system}: {len(self.requests)} requests" + \
+        on = f"{self.system} on {self.hw}" if self.hw else self.system
+        label = f"{on}: {len(self.requests)} requests" + \
             (f" {arrivals_text(self.workload)}" if self.workload is not None else "") if title is None else title
         return plot_requests(self.requests, path, title=label)
 
@@ -332,6 +335,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     ``slo``: ``{"ttft_ms": 500, "tpot_ms": 100}`` or ``"ttft_ms=500,tpot_ms=100"`` for goodput.
     """
     from moesim.analysis.serving import parse_slo, request_frame, serving_metrics
+    from moesim.analysis.sweep_results import hw_named
     from moesim.sim.serving import serve as run_serving
     from moesim.sim.workload import check_read
     paths = _trace_paths(traces)
@@ -359,4 +363,5 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
             err.rename_field(err.field.removeprefix("workload."))
         raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
-                    traces=paths, workload=result.workload)
+                    traces=paths, workload=result.workload,
+                    hw=hw_named(Path(profile_label(hw)).name, merged, path=str(hw)))

@@ -164,7 +164,8 @@ def test_api_serve_and_sweep_over_workload(files, tmp_path):
                        scheduler="sarathi", workload__arrival="gamma", workload__cv=2)
     assert len(run.requests) == 5 and run.metrics["slo_attainment"] == 1.0 and run.metrics["arrival"] == "gamma"
     figure = run.plot_requests(tmp_path / "requests.png")
-    assert figure.axes[0].get_title(loc="left") == "cpu-only: 5 requests at 20 req/s"
+    assert figure.axes[0].get_title(loc="left") == \
+        "cpu-only on hw.yaml (test gpu + test cpu, 8 cores, 100 GB/s DRAM): 5 requests at 20 req/s"
     assert (tmp_path / "requests.png").read_bytes()[:4] == b"\x89PNG" and figure._repr_png_()[:4] == b"\x89PNG"
     frame = moesim.sweep({"traces": [trace], "systems": ["cpu-only"], "hw": [hw],
                           "grid": {"workload__qps": [1, 50], "workload__requests": [4]}}, workers=1, progress=False)
@@ -377,18 +378,20 @@ def test_request_plots_of_runs_without_a_rate_say_what_set_their_arrivals(files,
                           workload__concurrency=2)
     assert np.isnan(closed.metrics["qps"])  # a closed loop has no arrival rate ...
     title = closed.plot_requests().axes[0].get_title(loc="left")
-    assert title == "cpu-only: 4 requests from 2 closed-loop clients"  # ... its clients define it
+    machine = "hw.yaml (test gpu + test cpu, 8 cores, 100 GB/s DRAM)"  # the profile with its GPU and CPU
+    assert title == f"cpu-only on {machine}: 4 requests from 2 closed-loop clients"  # ... its clients define it
     (tmp_path / "arrivals.csv").write_text("arrival_s\n0\n0.01\n0.5\n")
     logged = moesim.serve(trace, hw=hw, system="cpu-only", requests=3, workload__arrival="trace",
                           workload__arrival_file=str(tmp_path / "arrivals.csv"))
     assert logged.plot_requests().axes[0].get_title(loc="left") == \
-        "cpu-only: 3 requests arriving at the times of arrivals.csv"
+        f"cpu-only on {machine}: 3 requests arriving at the times of arrivals.csv"
     code = main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only", "--requests", "4", "--set",
                  "workload.arrival=closed", "--set", "workload.concurrency=1", "--requests-plot",
                  str(tmp_path / "closed.svg")])
     assert code == 0, capsys.readouterr().err
     svg = (tmp_path / "closed.svg").read_text()
     assert "4 requests from 1 closed-loop client" in svg and "req/s" not in svg  # not --qps's default of 1
+    assert "test gpu + test cpu" in svg
 
 
 def test_serve_sim_json_is_shaped_by_the_command_line(files, tmp_path, capsys):

@@ -229,6 +229,8 @@ def plot_latency_vs_qps(rows: Any, path: str | os.PathLike | None = None, metric
                           field="rows", fix="give runs with workload.arrival=poisson or gamma, or draw each "
                                             "run's requests (plot_requests)")
     requests = frame["requests"].dropna().unique() if "requests" in frame.columns else []
+    if hw is None:
+        hw = machines(frame)
     # points that differ in anything else (traces, schedulers, hardware, seeds) are averaged per system and rate
     averaged = averaged_parameters(frame)
     frame = frame.groupby(["system", "qps"], sort=False)[columns].mean().reset_index()
@@ -358,7 +360,9 @@ def serving_frame(rows: Any) -> Any:
     if isinstance(rows, pd.DataFrame):
         frame = rows
     else:
-        frame = pd.DataFrame([getattr(r, "metrics", r) for r in rows])
+        # a moesim.serve run's machine, as titles name it, beside its metrics
+        frame = pd.DataFrame([{**r.metrics, "hw_title": r.hw} if getattr(r, "hw", "") else getattr(r, "metrics", r)
+                              for r in rows])
     missing = [c for c in ("system", "qps") if c not in frame.columns]
     if frame.empty or missing:
         got = "no serving runs given" if frame.empty else \
@@ -405,6 +409,16 @@ def averaged_parameters(frame: Any) -> list[str]:
     return [c for c in varying(frame, parameter_columns(frame)) if c not in ("system", "qps", "workload.qps")]
 
 
+def machines(frame: Any) -> str | None:
+    """The profiles runs of ``frame`` served on, as titles name them with their GPU and host CPU ('; ' between
+    them): moesim.serve runs' own, or a sweep's ``hw`` column with the ``hw.*`` settings its rows share; None
+    where the rows do not say."""
+    from moesim.analysis.sweep_results import on_hardware
+    if "hw_title" in frame.columns and frame["hw_title"].notna().any():
+        return "; ".join(str(t) for t in frame["hw_title"].dropna().unique())
+    return on_hardware(frame).removeprefix("on ") or None
+
+
 def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
     """The report's figures for a sweep of serving runs: name -> (figure, caption). One figure per metric and
     setting of the parameters other than the system, the rate and the seed (trace, profile, scheduler, ...):
@@ -415,7 +429,7 @@ def serving_figures(frame: Any) -> dict[str, tuple[Any, str]]:
                                          "clients or an arrival log)")}
     split = [c for c in averaged_parameters(frame) if c != "seed"]
     groups = list(frame.groupby(split, sort=True, dropna=False)) if split else [((), frame)]
-    hw = str(frame["hw"].iloc[0]) if "hw" in frame.columns and "hw" not in split else None
+    hw = machines(frame) if "hw" not in split else None
     for metric, what in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
                          ("e2e_ms", "end-to-end latency")):
         for i, (key, group) in enumerate(groups):

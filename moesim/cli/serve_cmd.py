@@ -134,12 +134,13 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
         say_wrote(out, f"wrote {requests_out}")
     if requests_plot and last is not None:
         with open_output(requests_plot, "--requests-plot", FIGURE) as path:
-            plot_requests(request_frame(last), path, title=f"{systems[0]} on {hw}: {len(last.requests)} requests "
+            plot_requests(request_frame(last), path, title=f"{systems[0]} on {hw_title(hw, parsed)}: "
+                                                             f"{len(last.requests)} requests "
                                                              f"{arrivals_text(last.workload)}")
         say_wrote(out, f"wrote {requests_plot}")
     if plot_out:
         with open_output(plot_out, "--plot", FIGURE) as path:
-            plot_latency_vs_qps(rows, path, hw=hw)
+            plot_latency_vs_qps(rows, path, hw=hw_title(hw, parsed))
         say_wrote(out, f"wrote {plot_out}")
 
 

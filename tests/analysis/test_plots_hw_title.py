@@ -104,3 +104,20 @@ def test_a_replays_own_figures_name_its_profiles_parts(tmp_path):
         f"time breakdown of cpu-only on t.parquet / {machine} ")
     result.save(tmp_path / "saved")
     assert load_replay(tmp_path / "saved").hw == machine
+
+
+def test_serving_figures_name_the_machine_they_served_on(tmp_path):
+    """moesim.serve runs drawn against the arrival rate, their requests, and a serving sweep's report figure
+    named no machine ('TTFT per request vs arrival rate: ...', 'cpu-only: 3 requests at 20 req/s')."""
+    import moesim
+    from moesim.analysis.serving import plot_latency_vs_qps, serving_figures
+    write_sweep_files(tmp_path, seed=11)
+    runs = [moesim.serve(tmp_path / "t.parquet", hw=str(tmp_path / "hw.yaml"), system="cpu-only", qps=q,
+                         requests=3, settings={"hw.cpu.cores": 4}) for q in (10, 20)]
+    machine = "hw.yaml (test gpu + test cpu, 4 cores, 100 GB/s DRAM)"
+    assert runs[0].hw == machine
+    assert f"vs arrival rate on {machine}" in _flat(plot_latency_vs_qps(runs).axes[0].get_title(loc="left"))
+    assert _flat(runs[1].plot_requests().axes[0].get_title(loc="left")).startswith(f"cpu-only on {machine}: 3")
+    swept = pd.DataFrame([{**run.metrics, "hw": "rtx4090", "trace": "t.parquet", "seed": 0} for run in runs])
+    figure, _ = serving_figures(swept)["ttft_ms_vs_qps"]
+    assert f"on {RTX4090}" in _flat(figure.axes[0].get_title(loc="left"))
