@@ -38,8 +38,8 @@ from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER
                                            NOT_SET, SUBSTITUTES_MARK, X_SETTINGS, UnevenMeans, as_groups,
                                            bound_kind, column, fewer_runs, headline_metric, hue_names, hw_named,
                                            is_bound, label, load_results, ok_rows, ordered_systems,
-                                           parameter_columns, routed_activations, sorted_values, substituting,
-                                           substitution_note, system_label, varying)
+                                           parameter_columns, routed_activations, setting_text, sorted_values,
+                                           substituting, substitution_note, system_label, varying)
 from moesim.api_args import checked_keywords
 from moesim.errors import ConfigError
 from moesim.notebook import callers_lines
@@ -190,7 +190,9 @@ def no_point(where: dict[str, Any]) -> ConfigError:
 
 
 def describe(where: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={Path(v).name if k == 'trace' else v}" for k, v in where.items())
+    """``where`` as 'key=value, ...': a trace by its file name, a whole number read back as a float (a column
+    some rows leave empty holds 2.0) as 2."""
+    return ", ".join(f"{k}={Path(v).name if k == 'trace' else setting_text(v)}" for k, v in where.items())
 
 
 @callers_lines

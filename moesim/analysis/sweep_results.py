@@ -409,7 +409,7 @@ def hw_parts_for(hw: str, settings: dict[str, Any] | None = None) -> dict[str, A
     from moesim.hw.profile import load_profile
     from moesim.hw.title import profile_parts
     from moesim.sim.run import parse_settings
-    hw_settings = {k: _setting_text(v) for k, v in (settings or {}).items() if str(k).startswith("hw.")}
+    hw_settings = {k: setting_text(v) for k, v in (settings or {}).items() if str(k).startswith("hw.")}
     try:
         return profile_parts(load_profile(hw).with_overrides(parse_settings(hw_settings).hw))
     except (MoesimError, OSError):
@@ -425,7 +425,7 @@ def hw_named(hw: str, settings: dict[str, Any] | None = None, *, path: str | Non
     return profile_title(hw, parts if parts is not None else hw_parts_for(str(path or hw), settings))
 
 
-def _setting_text(value: Any) -> str:
+def setting_text(value: Any) -> str:
     """A setting as ``--set`` writes it (a whole number read back from a results file as 4.0: 4)."""
     if isinstance(value, float) and value.is_integer():
         return str(int(value))

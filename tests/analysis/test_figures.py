@@ -738,3 +738,12 @@ def test_a_figure_helpers_error_in_a_notebook_shows_the_callers_line_and_one_lin
     assert words in shown[-1] and "\n" not in shown[-1]
     assert all("moesim/analysis" not in line for line in shown)
     assert any(__file__ in line for line in shown)
+
+
+def test_a_point_is_described_with_whole_numbers_as_such():
+    """A parameter column some rows leave empty is read back as floats: the breakdown's caption said
+    'prefetch.n=2.0' of a count."""
+    from moesim.analysis.figures import describe
+    assert describe({"trace": "runs/t.parquet", "prefetch.n": 2.0, "hw.pcie.bandwidth_scale": 0.5,
+                     "assign.decode_on_demand": True}) == \
+        "trace=t.parquet, prefetch.n=2, hw.pcie.bandwidth_scale=0.5, assign.decode_on_demand=true"
