@@ -162,7 +162,8 @@ class CopyEngines:
 
     def _take_back(self, at: float) -> None:
         """Return to the head of the queue, in queue order, the prefetches placed to start after ``at``: a
-        look-ahead (:meth:`lanes_from`) started them, and a demand issued at ``at`` goes ahead of them.
+        look-ahead (:meth:`lanes_from`) started them, and a demand issued at ``at`` goes ahead of them (a
+        cancellation at ``at`` drops them: :meth:`cancel_queued`).
 
         Each engine is free again from the end of the work it keeps (``at`` at the earliest); the DRAM
         sharing :func:`~moesim.sim.dram.share` applied to the prefetches taken back is dropped with them
@@ -345,6 +346,8 @@ class CopyEngines:
     def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
         """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""
         self.advance(t)
+        if self.latest_prefetch_start > t:  # a look-ahead started some after ``t``: not started by then
+            self._take_back(t)
         dropped = [x for x in self.queue if x.kind == kind and (x.layer, x.expert) not in keep]
         if dropped:
             gone = set(map(id, dropped))

@@ -165,3 +165,35 @@ def test_a_staging_copy_goes_ahead_of_prefetches_started_beside_the_previous_lay
     assert result.makespan_s / MS == pytest.approx(79.53, **near)
     prefetch_12 = sim.pending[1][12]
     assert (prefetch_12.start / MS, prefetch_12.end / MS) == pytest.approx((79.01, 89.27), **near)
+
+
+def test_a_plan_cancels_the_prefetches_a_look_ahead_started_after_its_time(tmp_path):
+    """A plan that drops queued prefetches drops those the copy engines had started only in looking ahead:
+    two MoE layers, 10 of 19 experts resident in each, one engine (a copy 10 ms), a CPU expert 10 ms, a 12 ms
+    sync. Step 0 (1.02 ms) prefetches 10 and 11 into layer 1: 10 copies 0.05-10.05, 11 queues. Step 1's layer 0
+    defers 15, which starts after the sync at 13.07; laying it out beside the copies starts 11 at 10.05. Layer 1
+    plans at 1.465 with ``cancel_queued_prefetches``: no engine has started 11 by then, so it is dropped (one
+    cancellation, one copy's bytes). It was kept and copied 10.05-27.03 beside 15."""
+    model = tiny_model(layers=2, experts=19, top_k=4)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2, 3]], [[0, 1, 2, 3]]])}},
+             {"phase": "decode", "tokens": {0: (6, [[[0, 1, 2, 15]], [[0, 1, 2, 3]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    profile = tiny_profile(pcie_gbps=COPY_GBPS, latency_us=0.0, cpu_us=(10_000.0, 100_000.0), sync_us=12_000.0)
+    sim = prepare(str(path), profile, "gpu-only-lru",
+                  {"cache.slots_per_layer": "10", "hw.cpu.dram_combined_gbps": str(COPY_GBPS)}, timeline=True,
+                  decisions=True)
+    plans = {(0, 0): LayerPlan(gpu=[0, 1, 2, 3], prefetches=[(1, 10), (1, 11)], evictions=[(1, 8), (1, 9)]),
+             (0, 1): LayerPlan(gpu=[0, 1, 2, 3]),
+             (1, 0): LayerPlan(gpu=[0, 1, 2], deferred=[15]),
+             (1, 1): LayerPlan(gpu=[0, 1, 2, 3], cancel_queued_prefetches=True)}
+    sim.system.plan = lambda view: plans[(view.step, view.layer)]
+    result = sim.run()
+    frames = result_to_frames(result)
+    pcie = frames["timeline"].query("resource == 'pcie'")
+    assert list(zip(pcie.kind, pcie.expert)) == [("prefetch", 10)]
+    assert (pcie.start_s.iloc[0] / MS, pcie.end_s.iloc[0] / MS) == pytest.approx((0.05, 10.05), abs=1e-3)
+    assert sim.counters.cancelled_prefetches == 1
+    assert sim.pcie.bytes == 49_152
+    assert sim.pcie.busy_s / MS == pytest.approx(10.0, abs=1e-9)
+    assert not sim.pcie.queue and 11 not in sim.pending[1]
+    assert (1, 1, 11, "cancel", 1) in sim.decisions
