@@ -747,3 +747,13 @@ def test_a_point_is_described_with_whole_numbers_as_such():
     assert describe({"trace": "runs/t.parquet", "prefetch.n": 2.0, "hw.pcie.bandwidth_scale": 0.5,
                      "assign.decode_on_demand": True}) == \
         "trace=t.parquet, prefetch.n=2, hw.pcie.bandwidth_scale=0.5, assign.decode_on_demand=true"
+
+
+def test_a_flag_picked_from_a_results_column_is_described_as_set_writes_it():
+    """A flag column without missing values reads back as numpy's bool, which the caption wrote 'True' (the point
+    representative() picks from the column: 'assign.decode_on_demand=True' where --set writes true); a float32 2.0
+    '2.0'."""
+    from moesim.analysis.figures import describe, representative
+    frame = pd.DataFrame({"system": ["a", "a", "a"], "assign.decode_on_demand": [False, True, True],
+                          "prefetch.n": np.array([2.0, 1.0, 3.0], dtype=np.float32)})
+    assert describe(representative(frame)) == "assign.decode_on_demand=false, prefetch.n=2"
