@@ -101,7 +101,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw,
                         steps=step_frame(result.steps, frames["decisions"]),
-                        hw=hw_named(Path(profile_label(hw)).name, given, path=str(hw)))
+                        hw=hw_named(Path(profile_label(hw)).name, given, path=hw))
 
 
 @python_names()
@@ -364,4 +364,4 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
         raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
                     traces=paths, workload=result.workload,
-                    hw=hw_named(Path(profile_label(hw)).name, merged, path=str(hw)))
+                    hw=hw_named(Path(profile_label(hw)).name, merged, path=hw))

@@ -402,27 +402,31 @@ def check_drawable(data: pd.DataFrame, columns: Sequence[tuple[str, str]], sourc
 
 
 # ----------------------------------------------------------------------------- the profile in titles
-def hw_parts_for(hw: str, settings: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The GPU and host CPU of profile ``hw`` (a name or a path) as a run with ``settings`` saw them (its
-    ``hw.*`` settings applied: ``hw.cpu.cores=16`` is 16 cores); None where the profile cannot be read."""
+def hw_parts_for(hw: Any, settings: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The GPU and host CPU of profile ``hw`` (a name, a path or a HardwareProfile) as a run with ``settings``
+    saw them (its ``hw.*`` settings applied: ``hw.cpu.cores=16`` is 16 cores); None where the profile cannot be
+    read."""
     from moesim.errors import MoesimError
     from moesim.hw.profile import load_profile
     from moesim.hw.title import profile_parts
     from moesim.sim.run import parse_settings
     hw_settings = {k: setting_text(v) for k, v in (settings or {}).items() if str(k).startswith("hw.")}
     try:
-        return profile_parts(load_profile(hw).with_overrides(parse_settings(hw_settings).hw))
+        # a profile object as the API takes it: its str() is its repr, which names no file
+        profile = hw if hasattr(hw, "gpu") else load_profile(str(hw))
+        return profile_parts(profile.with_overrides(parse_settings(hw_settings).hw))
     except (MoesimError, OSError):
         return None
 
 
-def hw_named(hw: str, settings: dict[str, Any] | None = None, *, path: str | None = None,
+def hw_named(hw: str, settings: dict[str, Any] | None = None, *, path: Any = None,
              parts: dict[str, Any] | None = None) -> str:
     """``hw`` as a figure's title names it, with its GPU and host CPU as a table's title does
-    (moesim.hw.title.profile_title): ``parts`` if given, else read from its profile (``path``, else ``hw``)
+    (moesim.hw.title.profile_title): ``parts`` if given, else read from its profile (``path``, a file or a
+    HardwareProfile, else ``hw``)
     with the ``hw.*`` of ``settings`` applied; ``hw`` alone where the profile cannot be read."""
     from moesim.hw.title import profile_title
-    return profile_title(hw, parts if parts is not None else hw_parts_for(str(path or hw), settings))
+    return profile_title(hw, parts if parts is not None else hw_parts_for(path or hw, settings))
 
 
 def setting_text(value: Any) -> str:

@@ -121,3 +121,17 @@ def test_serving_figures_name_the_machine_they_served_on(tmp_path):
     swept = pd.DataFrame([{**run.metrics, "hw": "rtx4090", "trace": "t.parquet", "seed": 0} for run in runs])
     figure, _ = serving_figures(swept)["ttft_ms_vs_qps"]
     assert f"on {RTX4090}" in _flat(figure.axes[0].get_title(loc="left"))
+
+
+def test_a_run_given_a_profile_object_names_its_parts(tmp_path):
+    """moesim.replay and moesim.serve take a HardwareProfile as hw; its title read the profile again from
+    str(profile), its repr, which names no file: 'test' alone, no GPU or CPU."""
+    import moesim
+    from moesim.hw.profile import load_profile
+    write_sweep_files(tmp_path, seed=11)
+    profile = load_profile(tmp_path / "hw.yaml")
+    machine = f"{profile.name} (test gpu + test cpu, 4 cores, 100 GB/s DRAM)"
+    replayed = moesim.replay(tmp_path / "t.parquet", profile, "cpu-only", settings={"hw.cpu.cores": 4})
+    served = moesim.serve(tmp_path / "t.parquet", hw=profile, system="cpu-only", qps=10, requests=2,
+                          settings={"hw.cpu.cores": 4})
+    assert (replayed.hw, served.hw) == (machine, machine)
