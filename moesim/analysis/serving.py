@@ -104,6 +104,8 @@ def _unit_fix(key: str, value: Any) -> str | None:
         number = float(match.group(1)) * SLO_UNITS[match.group(2)]
     except ValueError:
         return None
+    if not (number > 0 and math.isfinite(number)):  # no limit to suggest: -500, 0 or inf would be refused next
+        return None
     return f"the unit is in the key ({key}: milliseconds), the value a bare number: write {key}={number:g}"
 
 

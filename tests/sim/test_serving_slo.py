@@ -26,3 +26,11 @@ def test_a_limit_that_is_no_number_keeps_the_general_fix():
     with pytest.raises(ConfigError, match=r"'ttft_ms=soon' is not a number \(fix: write e.g. ttft_ms=500\)"):
         parse_slo("ttft_ms=soon")
     assert parse_slo({"ttft_ms": 500, "tpot_ms": "100"}) == {"ttft_ms": 500.0, "tpot_ms": 100.0}
+
+
+@pytest.mark.parametrize("text", ["ttft_ms=-0.5s", "ttft_ms=0s", "tpot_ms=1e400ms"])
+def test_a_limit_with_a_unit_that_is_no_limit_keeps_the_general_fix(text):
+    """'ttft_ms=-0.5s' was answered 'write ttft_ms=-500', which the next run refuses as no positive number (0s:
+    'ttft_ms=0', 1e400ms: 'tpot_ms=inf')."""
+    with pytest.raises(ConfigError, match=r"is not a number \(fix: write e.g. ttft_ms=500\)"):
+        parse_slo(text)
