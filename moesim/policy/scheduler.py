@@ -11,7 +11,10 @@ Its KV cache holds one entry per computed token, allocated in blocks of
 SOSP'23, Sec. 4.1-4.3). The budget of ``kv_tokens`` entries is cut into whole
 blocks (rounded down) and the running requests never hold more blocks than that;
 a waiting request is admitted only if the blocks left after it stay at or above
-``kv_watermark`` of them (vLLM's ``can_allocate``). When a decode needs a new
+``kv_watermark`` of them (vLLM's ``can_allocate``); with chunked prefill the test is
+of the chunk it starts with, and later chunks take blocks as they run (vLLM and
+Sarathi-Serve reserve the whole prompt's blocks at admission; docs/serving.md,
+Limits). When a decode needs a new
 block and none is free, the most recently admitted request is preempted and recomputed later
 (its KV freed; it waits at the head of the queue from the next step on), as vLLM
 does by default (Kwon et al., SOSP'23, "Efficient Memory Management for Large
