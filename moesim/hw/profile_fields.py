@@ -156,6 +156,9 @@ class _Reader:
             raise self.fail(key, "missing field", f"add '{name}'")
         if isinstance(data[name], (dict, list)):
             raise self.fail(key, f"must be text, got a {type(data[name]).__name__}", f"write '{name}' as text")
+        if default is ... and (data[name] is None or not str(data[name]).strip()):
+            # a blank part name titled every table 'rtx4090 ( + , 10 cores, ...)'; YAML's bare 'name:' is None
+            raise self.fail(key, "is empty", f"write the {'part' if '.' in key else 'profile'}'s name as '{name}'")
         return str(data[name])
 
     def peaks(self, data: dict, key: str, names: tuple[str, ...], what: str) -> dict[str, float]:

@@ -128,6 +128,15 @@ def test_missing_field():
     assert fails(data, "missing field").field == "gpu.mem_bandwidth_gbps"
 
 
+@pytest.mark.parametrize("blank", [None, "", "   "])
+def test_an_empty_name_is_refused(blank):
+    """A blank part name passed (None read as the text 'None') and titled tables 'rtx4090 ( + , 10 cores ...)'."""
+    for section in ("gpu", "cpu"):
+        data = minimal()
+        data[section]["name"] = blank
+        assert fails(data, "is empty").field == f"{section}.name"
+
+
 def test_non_numeric_value():
     data = minimal()
     data["cpu"]["cores"] = "eight"
