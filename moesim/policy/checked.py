@@ -510,7 +510,7 @@ def _is_seconds(value: object) -> bool:
 
 def plan_fault(view: LayerView, plan: LayerPlan) -> str:
     """What ``plan`` breaks of what every plan keeps ("" when nothing): each routed expert computed once, on one
-    side; every GPU expert resident, on its way, loaded or streamed; evictions of resident experts not in use;
+    side; every GPU expert resident, on its way, loaded or streamed (in the GPU's order); evictions of resident experts not in use;
     loads and prefetches of experts not there yet, within the layer's slots and the pool; write-backs only of
     evicted experts; overheads and the prediction's time finite and not negative."""
     lists = {"gpu": plan.gpu, "cpu": plan.cpu, "loads": plan.loads, "streamed": plan.streamed,
@@ -556,6 +556,10 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
             return f"loads expert {e}, which is already {'on its way' if e in in_flight else 'resident'}"
     if streamed & set(loads):
         return "both loads and streams an expert"
+    # each staging buffer passes to the streamed expert ``staging_slots`` later when the GPU has run the one
+    # before, so the engine needs the streamed experts among the GPU's, once each, in the GPU's order
+    if [e for e in plan.gpu if e in streamed] != [int(e) for e in plan.streamed]:
+        return "streams experts that are not its GPU experts, once each, in the GPU's order (plan.streamed)"
     for e in plan.gpu:
         if not ((e in resident and (layer, e) not in evicted) or e in in_flight or e in loads or e in streamed):
             return (f"GPU expert {e} is neither resident, on its way, loaded (plan.loads) nor streamed "
