@@ -38,6 +38,8 @@ class Transfer:
     #: this load takes): the pair is one engine job, while the loaded expert is ready at ``end``
     tail: float = 0.0
     evicted: tuple[int, int] | None = None
+    #: a preempted prefetch's rest: an engine has copied its first chunks (kind ``chunk``), so it has started
+    cut: bool = False
 
 
 class CopyEngines:
@@ -154,6 +156,7 @@ class CopyEngines:
         # the same (time, seq) would make the heap compare two transfers
         heapq.heappush(self.unretired, (boundary, -1 - part.seq, part))
         running.nbytes, running.start, running.end, running.issued = rest, None, None, boundary
+        running.cut = True
         self._head -= 1
         running.queued_at = self._head
         self.queue.appendleft(running)
@@ -344,11 +347,12 @@ class CopyEngines:
                 self.latest_prefetch_start = start
 
     def cancel_queued(self, t: float, kind: str, keep: frozenset = frozenset()) -> list[Transfer]:
-        """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``."""
+        """Remove the transfers of ``kind`` that no engine has started by ``t``, except (layer, expert) in ``keep``
+        (a preempted prefetch's rest has started: its first chunks are copied)."""
         self.advance(t)
         if self.latest_prefetch_start > t:  # a look-ahead started some after ``t``: not started by then
             self._take_back(t)
-        dropped = [x for x in self.queue if x.kind == kind and (x.layer, x.expert) not in keep]
+        dropped = [x for x in self.queue if x.kind == kind and not x.cut and (x.layer, x.expert) not in keep]
         if dropped:
             gone = set(map(id, dropped))
             self.queue = deque(x for x in self.queue if id(x) not in gone)

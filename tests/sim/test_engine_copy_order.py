@@ -197,3 +197,32 @@ def test_a_plan_cancels_the_prefetches_a_look_ahead_started_after_its_time(tmp_p
     assert sim.pcie.busy_s / MS == pytest.approx(10.0, abs=1e-9)
     assert not sim.pcie.queue and 11 not in sim.pending[1]
     assert (1, 1, 11, "cancel", 1) in sim.decisions
+
+
+def test_a_plan_keeps_a_prefetch_whose_first_chunks_are_copied(tmp_path):
+    """A plan that drops queued prefetches keeps a preempted prefetch's rest, as the real backend does: an engine
+    has started it (docs/engine.md, Copies). Two MoE layers, 10 of 16 experts resident in each, one engine (a copy
+    10 ms, a write-back 10 ms), copies in chunks of 12,288 B (2.5 ms). Step 0's layer 0 prefetches 10 into layer
+    1 from 0.05 ms; layer 1 (from 0.56) loads 11 with a write-back of 8: the load overtakes 10 at its first chunk
+    boundary, 2.55 (10's rest, 36,864 B, back at the head of the queue), and copies 2.55-12.55, the write-back
+    12.55-22.55. Step 1's layer 0 (from 12.715) drops the queued prefetches: 10's rest stays, the next copy
+    after the write-back (30.05). It was dropped (a 'cancel' row), its first chunk copied for nothing."""
+    model = tiny_model(layers=2, experts=16, top_k=4)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2, 3]], [[0, 1, 2, 11]]])}},
+             {"phase": "decode", "tokens": {0: (6, [[[0, 1, 2, 3]], [[0, 1, 2, 3]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    sim = prepare(str(path), tiny_profile(pcie_gbps=COPY_GBPS, latency_us=0.0), "gpu-only-lru",
+                  {"cache.slots_per_layer": "10", "engine.copy_chunk_bytes": "12288"}, timeline=True,
+                  decisions=True)
+    plans = {(0, 0): LayerPlan(gpu=[0, 1, 2, 3], prefetches=[(1, 10)], evictions=[(1, 9)]),
+             (0, 1): LayerPlan(gpu=[0, 1, 2, 11], loads=[11], evictions=[(1, 8)], writebacks=[(1, 8)]),
+             (1, 0): LayerPlan(gpu=[0, 1, 2, 3], cancel_queued_prefetches=True),
+             (1, 1): LayerPlan(gpu=[0, 1, 2, 3])}
+    sim.system.plan = lambda view: plans[(view.step, view.layer)]
+    sim.run()
+    assert sim.pcie.preemptions == 1
+    assert sim.counters.cancelled_prefetches == 0
+    assert [row for row in sim.decisions if row[3] == "cancel"] == []
+    rest = sim.pending[1][10]
+    assert list(sim.pcie.queue) == [rest] and rest.nbytes == 36_864 and 10 in sim.cache.in_flight[1]
+    assert sim.pcie.estimate_end(rest) / MS == pytest.approx(30.05, abs=1e-3)
