@@ -93,5 +93,14 @@ class WeightCopies:
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
             self.weights.drop(*key)
             self.prefetched[transfer.layer].discard(transfer.expert)
-            self.transfers.remove(transfer)
+            self._forget(transfer)
             self.counters.cancelled_prefetches += 1
+
+    def _forget(self, transfer: Transfer) -> None:
+        """Take ``transfer`` out of the run's copies. A queued prefetch is among the last submitted, so the
+        search runs from the end: list.remove searched a long run's copies from its first, per cancel."""
+        transfers = self.transfers
+        for i in range(len(transfers) - 1, -1, -1):
+            if transfers[i] is transfer:
+                del transfers[i]
+                return
