@@ -11,7 +11,7 @@ from typing import Callable
 
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import LayerPlan
+from moesim.policy.base import LayerPlan, PolicyError
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import Counters
 from moesim.sim.config import SimConfig
@@ -193,7 +193,13 @@ class Tracks:
             if e in stream_at:
                 transfer = staged.get(e)
                 if transfer is None:  # its staging buffer frees when the expert `staging_slots` earlier ends
-                    free_at = finished[streamed[stream_at[e] - self.config.staging_slots]]
+                    free_at = finished.get(streamed[stream_at[e] - self.config.staging_slots])
+                    if free_at is None:  # the buffer's user comes later on the GPU: a KeyError before
+                        raise PolicyError(
+                            f"at step {s}, layer {layer}, plan.streamed {streamed} is not in the order of plan.gpu",
+                            source="plan", field="plan.streamed",
+                            fix="list the streamed experts in the order plan.gpu computes them (engine.check=true "
+                                "checks every plan)")
                     transfer = staged[e] = self._submit(layer, e, "stage", s, free_at)
             elif e not in resident:
                 transfer = pending.get(e)

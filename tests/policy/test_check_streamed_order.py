@@ -28,3 +28,21 @@ def test_check_refuses_streamed_experts_out_of_the_gpus_order(tmp_path, streamed
     with pytest.raises(PolicyError, match="at step 1, layer 0, streams experts that are not its GPU experts, "
                                           "once each, in the GPU's order"):
         sim.run()
+
+
+def test_without_the_check_streamed_experts_out_of_order_stop_with_one_line(tmp_path):
+    """The same plan (12, 10, 11 on the GPU, streamed 10, 11, 12 through one buffer) with engine.check off:
+    the replay stopped with a KeyError from the GPU track (an internal error); it stops with a PolicyError
+    that names the plan's field and the fix."""
+    model = tiny_model(layers=1, experts=16, top_k=3)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2]]])}},
+             {"phase": "decode", "tokens": {0: (6, [[[10, 11, 12]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    sim = prepare(str(path), tiny_profile(), "gpu-only-lru", {"cache.slots_per_layer": "8",
+                                                              "engine.staging_slots": "1"})
+    plans = {0: LayerPlan(gpu=[0, 1, 2]), 1: LayerPlan(gpu=[12, 10, 11], streamed=[10, 11, 12])}
+    sim.system.plan = lambda view: plans[view.step]
+    with pytest.raises(PolicyError, match=r"at step 1, layer 0, plan\.streamed \[10, 11, 12\] is not in the "
+                                          r"order of plan\.gpu") as caught:
+        sim.run()
+    assert caught.value.field == "plan.streamed" and "\n" not in str(caught.value)
