@@ -228,13 +228,20 @@ def _buffer_too_large(plan: MemoryPlan, profile: HardwareProfile, system, reques
 def _buffer_setting(system, reserved: int, given: Mapping[str, str]) -> tuple[str | None, int, str]:
     """(the ``--set`` parameter that sizes ``system``'s prefetch buffer of ``reserved`` slots, the slots one unit
     of it takes, the buffer in words): DALI's ``cache.prefetch_slots``, or twice its ``prefetch.size`` when that
-    is left at -1 (None and the slots alone for a buffer sized otherwise)."""
+    is left at -1, or ``cache.prefetch_slots`` again for a buffer sized from another prefetcher swapped in
+    (twice its ``issued_per_layer``: smoe-token's ``n``, ...); None and the slots alone otherwise."""
     slots = getattr(system.cache, "prefetch_slots", None)
     size = getattr(system.prefetch, "size", None)
     if isinstance(slots, int) and 0 <= slots == reserved:
         key, per, said = "cache.prefetch_slots", 1, f"cache.prefetch_slots={slots}"
     elif isinstance(size, int) and 2 * size == reserved:
         key, per, said = "prefetch.size", 2, f"twice prefetch.size={size}"
+    elif isinstance(slots, int) and slots < 0 and system.prefetch.issued_per_layer:
+        # sized from another prefetcher swapped in (smoe-token's n, ...): the buffer's own size overrides it
+        issued = system.prefetch.issued_per_layer
+        key, per = "cache.prefetch_slots", 1
+        said = f"twice the {issued} experts prefetch '{system.prefetch.name}' issues per layer"
+        return key, per, f"{system.name}'s prefetch buffer of {reserved} slots ({said})"
     else:
         return None, 1, f"{system.name}'s prefetch buffer of {reserved} slots"
     if key not in given:

@@ -206,6 +206,19 @@ def test_a_dali_prefetch_buffer_too_large_names_its_parameter(capsys, setting, f
             "--set prefetch.size=25 or less") in err
 
 
+def test_a_buffer_sized_by_a_swapped_in_prefetcher_says_so_and_how_to_size_it_apart(capsys):
+    """`--system dali --set prefetch=smoe-token --set prefetch.n=40` (a buffer of twice 40 since bbf1a92) said only
+    "dali's prefetch buffer of 80 slots" and offered a bigger GPU; it names what sized it and cache.prefetch_slots,
+    up to the 60 slots rtx4090 holds for Mixtral-8x7B."""
+    root = Path(__file__).resolve().parents[2]
+    trace, hw = str(root / "traces" / "mixtral-8x7b-humaneval.parquet"), root / "hwprofiles" / "rtx4090.yaml"
+    code, _, err = run(["replay", trace, "--hw", str(hw), "--system", "dali", "--set", "prefetch=smoe-token",
+                        "--set", "prefetch.n=40"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "dali's prefetch buffer of 80 slots (twice the 40 experts prefetch 'smoe-token' issues per layer)" in err
+    assert "(fix: --set cache.prefetch_slots=60 or less (the cache then gets the slots it leaves)" in err
+
+
 def test_a_dali_default_buffer_that_a_smaller_gpu_memory_leaves_no_room_for_names_the_override(capsys):
     """`--system dali --set hw.gpu.memory_gib=4.7` on the README's run: dali's default buffer of 2 slots no longer
     fits; the error named field 'memory' (the profile) and "1 expert slots". It names the --set parameter, and
