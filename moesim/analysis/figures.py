@@ -254,7 +254,7 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     if not Path(trace).is_file():
         raise ConfigError(f"trace '{trace}' of this point is not here", source=trace, field="trace_path",
                           fix="run the report where the sweep ran, or pass --no-gantt")
-    settings = {k: _setting(v) for k, v in point.items() if "." in k and _present(v)}
+    settings = {k: setting_text(v) for k, v in point.items() if "." in k and _present(v)}
     model = point.get("model") if _present(point.get("model")) else None
     result = simulate(trace, hw, str(point["system"]), settings, model_preset=model,
                       seed=int(point.get("seed", 0) or 0), timeline=True, decisions=False)
@@ -279,13 +279,6 @@ def decode_window(steps: Sequence[Any], count: int = 2) -> tuple[float, float] |
 
 def _present(value: Any) -> bool:
     return value is not None and not (isinstance(value, float) and np.isnan(value))
-
-
-def _setting(value: Any) -> str:
-    from moesim.sweep import setting_str
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))  # a column with gaps turned its ints into floats
-    return setting_str(value)
 
 
 @callers_lines

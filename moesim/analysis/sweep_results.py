@@ -433,9 +433,10 @@ def setting_text(value: Any) -> str:
     """A setting as ``--set`` writes it (a whole number read back from a results file as 4.0: 4)."""
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy's: a bool column's flag is np.bool_
         value = value.item()
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer():  # a column with gaps turned its ints into floats
         return str(int(value))
-    return "true" if value is True else "false" if value is False else str(value)
+    from moesim.sweep.spec import setting_str
+    return setting_str(value)
 
 
 def on_hardware(data: pd.DataFrame) -> str:
