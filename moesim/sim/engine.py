@@ -185,9 +185,8 @@ class Simulator(Transfers, Tracks):
         if not self.steps:
             return []
         last = self.steps[-1].step
-        whole = self.costs.expert_bytes  # a chunked prefetch's rest, back in the queue, has started
-        late = [x.step for x in self.pcie.queue
-                if x.kind == "prefetch" and x.nbytes == whole and x.step < last - BACKLOG_STEPS]
+        # a chunked prefetch's rest, back in the queue, has started (cut)
+        late = [x.step for x in self.pcie.queue if x.kind == "prefetch" and not x.cut and x.step < last - BACKLOG_STEPS]
         if not late:
             return []
         return [f"{self.system.name}: {len(late)} prefetches issued more than {BACKLOG_STEPS} steps before the last "

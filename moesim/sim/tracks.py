@@ -185,22 +185,18 @@ class Tracks:
         if not streamed and count is None and tl is None:  # a decode layer with nothing streamed
             return self._gpu_one_token(experts, resident, layer, gpu_t, loaded)
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
-        finished: dict[int, float] = {}
         compute = waited = 0.0
         for e in experts:
             ready = gpu_t
             transfer = None
             if e in stream_at:
                 transfer = staged.get(e)
-                if transfer is None:  # its staging buffer frees when the expert `staging_slots` earlier ends
-                    free_at = finished.get(streamed[stream_at[e] - self.config.staging_slots])
-                    if free_at is None:  # the buffer's user comes later on the GPU: a KeyError before
-                        raise PolicyError(
-                            f"at step {s}, layer {layer}, plan.streamed {streamed} is not in the order of plan.gpu",
-                            source="plan", field="plan.streamed",
-                            fix="list the streamed experts in the order plan.gpu computes them (engine.check=true "
-                                "checks every plan)")
-                    transfer = staged[e] = self._submit(layer, e, "stage", s, free_at)
+                if transfer is None:  # its buffer's user, `staging_slots` earlier in plan.streamed, runs later
+                    raise PolicyError(
+                        f"at step {s}, layer {layer}, plan.streamed {streamed} is not in the order of plan.gpu",
+                        source="plan", field="plan.streamed",
+                        fix="list the streamed experts in the order plan.gpu computes them (engine.check=true "
+                            "checks every plan)")
             elif e not in resident:
                 transfer = pending.get(e)
             if transfer is not None:
@@ -211,7 +207,6 @@ class Tracks:
             if tl is not None:
                 self._span("gpu", 0, ready, ready + d, "expert", s, layer, e, n)
             gpu_t = ready + d
-            finished[e] = gpu_t
             compute += d
             if e in stream_at:
                 self._stage_next(streamed, stream_at[e], staged, s, layer, gpu_t)
