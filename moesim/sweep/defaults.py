@@ -88,8 +88,8 @@ class Defaults:
         #: values by what they depend on (all but the cache's size, which is the row's own): the points of a grid
         #: over cache.slots share them
         self._values: dict[tuple, dict[str, Any]] = {}
-        #: systems set up as a run sets them up, to read what their defaults resolved to
-        self._set_ups: dict[tuple, tuple[Any, int]] = {}
+        #: systems set up as a run sets them up, to read what their defaults resolved to (None: the set-up failed)
+        self._set_ups: dict[tuple, tuple[Any, int] | None] = {}
         self._kv_tokens: dict[str | None, int] = {}
 
     def fill(self, row: dict[str, Any], settings: dict[str, str], keys: Iterable[str], *, trace_path: str | None,
@@ -197,28 +197,32 @@ class Defaults:
         """What ``section.name``, left at a default the run resolves ("-1: the paper's value for the model"),
         resolved to: read off the system set up as the point's run sets it up; ``written`` where the component
         does not tell (a per-layer or per-plan value, a count its memory plan decides) or the set-up fails."""
-        try:
-            set_up = self._set_up(system, settings, trace_path, hw_path, model)
-        except Exception:  # noqa: BLE001 - not told: the cell keeps the value as written
+        set_up = self._set_up(system, settings, trace_path, hw_path, model)
+        if set_up is None:  # not told: the cell keeps the value as written
             return written
         built, layers = set_up
         told = _resolved_value(built, layers, built.components[section], name)
         return written if told is _NONE else told
 
     def _set_up(self, system: str, settings: dict[str, str], trace_path: str | None, hw_path: str | None,
-                model: str | None) -> tuple[Any, int]:
+                model: str | None) -> tuple[Any, int] | None:
         """``system`` with ``settings`` as a run on the point's trace, profile and model configures it before its
-        first step (moesim.sim.run.prepare, then the system's configure), never run; and the model's layers."""
+        first step (moesim.sim.run.prepare, then the system's configure), never run; and the model's layers. None
+        where that fails, tried once per set-up (every key a point resolves and every point alike reads it)."""
         from moesim.sim.memory import peak_kv_tokens
         from moesim.sim.run import prepare
         key = (system, tuple(sorted(settings.items())), trace_path, hw_path, model)
         if key not in self._set_ups:
-            if trace_path not in self._kv_tokens:  # the whole trace is read for it: once per trace
-                self._kv_tokens[trace_path] = peak_kv_tokens(str(trace_path))
-            sim = prepare(str(trace_path), self._profile(hw_path), system, settings, model_preset=model,
-                          kv_tokens=self._kv_tokens[trace_path], timeline=False, decisions=False)
-            sim.system.configure(sim.ctx)
-            self._set_ups[key] = (sim.system, sim.ctx.model.num_layers)
+            self._set_ups[key] = None
+            try:
+                if trace_path not in self._kv_tokens:  # the whole trace is read for it: once per trace
+                    self._kv_tokens[trace_path] = peak_kv_tokens(str(trace_path))
+                sim = prepare(str(trace_path), self._profile(hw_path), system, settings, model_preset=model,
+                              kv_tokens=self._kv_tokens[trace_path], timeline=False, decisions=False)
+                sim.system.configure(sim.ctx)
+                self._set_ups[key] = (sim.system, sim.ctx.model.num_layers)
+            except Exception:  # noqa: BLE001 - not told: the cells keep their values as written
+                pass
         return self._set_ups[key]
 
     def _system(self, system: str, settings: dict[str, str]) -> Any:
@@ -255,8 +259,9 @@ def _left_to_run(part: Any, name: str, value: Any) -> bool:
 
 
 def _dali_buffer(built: Any, layers: int) -> Any:
-    """DALI's prefetch buffer: ``cache.prefetch_slots``, or at -1 twice its prefetch size, as its memory plan
-    reserves it (only a DALI system has the buffer; its cache swapped into another system ignores the field)."""
+    """DALI's prefetch buffer: ``cache.prefetch_slots``, or at -1 twice what its prefetcher issues per layer, as
+    its memory plan reserves it (only a DALI system has the buffer; its cache swapped into another system ignores
+    the field)."""
     from moesim.policy.catalog.dali import DaliSystem
     return built.reserved_slots(layers) if isinstance(built, DaliSystem) else _NONE
 
