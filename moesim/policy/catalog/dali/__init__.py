@@ -139,21 +139,22 @@ class DaliSystem(ObservingSystem):
                              f"the prefetch buffer holds twice the model's top-k, {self._buffer()} slots "
                              "(set cache.prefetch_slots)")
 
+    def _has_buffer(self) -> bool:
+        """Whether there is a prefetch buffer: DALI's own cache and a prefetcher, not swapped out."""
+        return isinstance(self.cache, WorkloadAwareCache) and not isinstance(self.prefetch, NoPrefetch)
+
     def _buffer_by_default(self) -> bool:
         """Whether the buffer exists and is sized from the prefetcher (``cache.prefetch_slots`` at -1)."""
-        cache = self.cache
-        return isinstance(cache, WorkloadAwareCache) and not isinstance(self.prefetch, NoPrefetch) \
-            and cache.prefetch_slots < 0
+        return self._has_buffer() and self.cache.prefetch_slots < 0
 
     def _buffer(self) -> int:
         """Slots of the prefetch buffer (0 when another cache or no prefetch is swapped in): the prefetcher's
         ``issued_per_layer`` twice over, or twice the model's top-k when it fixes no number (a batch's
         predictions decide; one token's routing is the unit then)."""
-        cache = self.cache
-        if not isinstance(cache, WorkloadAwareCache) or isinstance(self.prefetch, NoPrefetch):
+        if not self._has_buffer():
             return 0
-        if cache.prefetch_slots >= 0:
-            return cache.prefetch_slots
+        if self.cache.prefetch_slots >= 0:
+            return self.cache.prefetch_slots
         # any prefetcher's count, resolved for the model (smoe-token's n, hybrimoe-layer's n, eam-match's
         # lookahead x per_layer): sizing from a `size` field alone gave smoe-token 2 slots whatever its n,
         # top-score none (its size 0 means no cap) and next-layer at -1 a negative buffer
