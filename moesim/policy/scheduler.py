@@ -11,10 +11,13 @@ Its KV cache holds one entry per computed token, allocated in blocks of
 SOSP'23, Sec. 4.1-4.3). The budget of ``kv_tokens`` entries is cut into whole
 blocks (rounded down) and the running requests never hold more blocks than that;
 a waiting request is admitted only if the blocks left after it stay at or above
-``kv_watermark`` of them (vLLM's ``can_allocate``); with chunked prefill the test is
-of the chunk it starts with, and later chunks take blocks as they run (vLLM and
-Sarathi-Serve reserve the whole prompt's blocks at admission; docs/serving.md,
-Limits). When a decode needs a new
+``kv_watermark`` of them (vLLM's ``can_allocate``). ``kv_allocation`` says what
+an admission allocates: ``prompt`` (vLLM, Sarathi-Serve) the blocks of the whole
+prompt, or of the whole recompute, held from admission on while chunked prefill
+computes it step by step (vLLM's ``_allocate_and_set_running`` allocates every
+block of the sequence's tokens; a later chunk writes into blocks it already has);
+``chunk`` (llama.cpp) the blocks of the piece that runs, later pieces taking blocks
+as they run. When a decode needs a new
 block and none is free, the most recently admitted request is preempted and recomputed later
 (its KV freed; it waits at the head of the queue from the next step on), as vLLM
 does by default (Kwon et al., SOSP'23, "Efficient Memory Management for Large
@@ -41,7 +44,8 @@ Schedulers (``--set scheduler=NAME``, parameters ``scheduler.<field>``):
   prompt tokens of the other slots until the batch holds ``n_batch`` tokens
   (``max_tokens``), splitting a prompt across iterations. Its KV cache is an
   array of cells, one per token position (``src/llama-kv-cells.h``), so it
-  allocates per token: blocks of 1, no watermark.
+  allocates per token: blocks of 1, no watermark, cells found for each batch as
+  it is decoded, so a prompt takes them chunk by chunk (``kv_allocation`` chunk).
 
 The last three are one :class:`ContinuousBatching` with different defaults;
 each of its fields changes the batches it forms (tests/policy/test_scheduler.py).
@@ -72,6 +76,9 @@ class Request:
     preemptions: int = 0
     #: tokens whose KV a preemption dropped, computed again
     recomputed: int = 0
+    #: KV entries its blocks were allocated for at admission (its whole prefill, written chunk by chunk);
+    #: 0 when blocks are taken as tokens are computed. It holds the blocks of max(done, reserved) entries
+    reserved: int = 0
 
     def __post_init__(self) -> None:
         self.prefill_until = max(self.prefill_until, self.prompt)
@@ -136,9 +143,13 @@ class Scheduler(Component):
         """Blocks that hold ``tokens`` entries of one request (its last block may be partly empty)."""
         return -(-tokens // self.block_tokens())
 
+    def held_blocks(self, request: Request) -> int:
+        """Blocks ``request`` holds: those of its computed entries, or of all it was allocated at admission."""
+        return self.blocks(max(request.done, request.reserved))
+
     def growth(self, request: Request, n: int) -> int:
-        """New blocks ``request`` takes to add ``n`` entries to those it holds."""
-        return self.blocks(request.done + n) - self.blocks(request.done)
+        """New blocks ``request`` takes to add ``n`` entries to those it holds (none within its allocation)."""
+        return self.blocks(max(request.done + n, request.reserved)) - self.held_blocks(request)
 
     def tokens_to_fit(self, tokens: int) -> int:
         """The least budget, in entries, on which a request of ``tokens`` tokens can run alone: whole
@@ -157,12 +168,13 @@ class Scheduler(Component):
         return not self.waiting and not self.running
 
     def kv_used(self) -> int:
-        """KV entries the running requests hold (tokens)."""
+        """KV entries the running requests have written (tokens computed; allocated entries not yet written
+        are not counted)."""
         return sum(r.done for r in self.running)
 
     def kv_used_blocks(self) -> int:
-        """KV blocks the running requests hold."""
-        return sum(self.blocks(r.done) for r in self.running)
+        """KV blocks the running requests hold, allocated ones not yet written included."""
+        return sum(self.held_blocks(r) for r in self.running)
 
     def kv_free(self) -> float:
         """Free KV blocks (inf: unlimited)."""
@@ -182,7 +194,9 @@ class Scheduler(Component):
         return done
 
     def check(self, request: Request) -> None:
-        """Refuse a request that could never run alone (it would wait forever)."""
+        """Refuse a request that could never run alone (it would wait forever). Its whole length must be
+        admissible: a request preempted at its last token comes back as a recompute of all its tokens, whose
+        blocks a whole-prompt admission (``kv_allocation`` prompt) allocates at once."""
         if self.kv_tokens is not None and self.tokens_to_fit(request.total) > self.kv_tokens:
             raise ConfigError(f"a request of {request.total} tokens needs more KV cache than the "
                               f"{self.kv_tokens} entries left beside the expert cache{self.in_blocks()}",
@@ -219,6 +233,7 @@ class StaticBatching(Scheduler):
                 if self.kv_blocks is not None and reserved + self.blocks(head.total) > self.kv_blocks:
                     break
                 reserved += self.blocks(head.total)
+                head.reserved = head.total  # held from admission on, as kv_peak_blocks counts it
                 self.running.append(self.waiting.popleft())
         prefilling = [r for r in self.running if r.prefilling]
         chosen = prefilling or self.running
@@ -245,6 +260,10 @@ class ContinuousBatching(Scheduler):
     #: share of the KV blocks a waiting request's admission must leave free; decodes may use them (vLLM and
     #: Sarathi-Serve block managers' watermark: 0.01)
     kv_watermark: float = 0.0
+    #: what an admission allocates: "prompt", the blocks of its whole prompt (or recompute), held while its
+    #: chunks run (vLLM, Sarathi-Serve); "chunk", those of the piece that runs, later pieces allocating as they
+    #: run (llama.cpp's cells, found per batch)
+    kv_allocation: str = "chunk"
 
     def block_tokens(self) -> int:
         return self.kv_block_tokens
@@ -257,6 +276,9 @@ class ContinuousBatching(Scheduler):
         if self.priority not in ("prefill", "decode"):
             raise ConfigError(f"unknown priority '{self.priority}'", field="scheduler.priority",
                               fix="use prefill or decode")
+        if self.kv_allocation not in ("prompt", "chunk"):
+            raise ConfigError(f"unknown kv_allocation '{self.kv_allocation}'", field="scheduler.kv_allocation",
+                              fix="use prompt (the whole prompt's blocks at admission) or chunk (as chunks run)")
         if not 0 <= self.kv_watermark < 1:
             raise ConfigError(f"scheduler.kv_watermark={self.kv_watermark} is out of range",
                               field="scheduler.kv_watermark", fix="use a share of the blocks in [0, 1), e.g. 0.01")
@@ -306,7 +328,7 @@ class ContinuousBatching(Scheduler):
                 break
             need = self.growth(request, 1)
             while free < need and (victim := self._victim(request)) is not None:
-                free += self.blocks(victim.done)
+                free += self.held_blocks(victim)  # a victim mid-prefill frees the blocks of its whole prompt
                 if queue and queue[-1] is victim:  # not yet given its token (the newest is the queue's last)
                     queue.pop()
                 self._preempt(victim, batch)
@@ -337,8 +359,9 @@ class ContinuousBatching(Scheduler):
         # holds that token too, so the recompute step emits the next token as a prefill ends with one
         emitted_to = request.done + 1 if request.done >= request.prompt else request.prompt
         request.prefill_until = max(request.prefill_until, emitted_to)
-        request.recomputed += request.done
+        request.recomputed += request.done  # the entries written; allocated ones not yet written cost nothing
         request.done = 0
+        request.reserved = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
         batch.preempted.append(request)
@@ -358,21 +381,32 @@ class ContinuousBatching(Scheduler):
             if any(request is p for p in batch.preempted):
                 break  # it yielded in this step: back in the queue for the next (vLLM requeues after the step)
             # an admission leaves the watermark's blocks free (vLLM's can_allocate), for running decodes
-            n = self._piece(request, batch, free - self.watermark_blocks())
+            n = self._piece(request, batch, free - self.watermark_blocks(), admitting=True)
             if not n:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.running.append(self.waiting.popleft())
+            before = self.held_blocks(request)
+            if self.kv_allocation == "prompt":  # its whole prompt (or recompute) is allocated now
+                request.reserved = request.done + self._prefill_need(request)
             batch.entries.append((request, n))
-            free -= self.growth(request, n)
+            free -= self.held_blocks(request) - before + self.growth(request, n)  # its allocation, its piece
 
-    def _piece(self, request: Request, batch: Batch, free: float) -> int:
-        """Prefill tokens of ``request`` that fit this step and ``free`` blocks (0: none)."""
+    @staticmethod
+    def _prefill_need(request: Request) -> int:
+        """Tokens ``request`` computes before it decodes one per step: the rest of its prompt or recompute (a
+        request without prompt, from a trace that logged no prefill, joins with its first decode token)."""
+        return request.prefill_until - request.done if request.prefilling else 1
+
+    def _piece(self, request: Request, batch: Batch, free: float, admitting: bool = False) -> int:
+        """Prefill tokens of ``request`` that fit this step and ``free`` blocks (0: none). Admitted with its
+        whole prompt's blocks, it needs them all free, whatever piece of it runs now."""
         if len(batch.entries) >= self.max_batch:
             return 0
-        # a request without prompt (a trace that logged no prefill) joins with its first decode token
-        need = request.prefill_until - request.done if request.prefilling else 1
-        # tokens up to the end of the free blocks, the rest of its last block first
-        fit = (self.blocks(request.done) + free) * self.kv_block_tokens - request.done
+        need = self._prefill_need(request)
+        if admitting and self.kv_allocation == "prompt" and self.blocks(request.done + need) > free:
+            return 0
+        # tokens up to the end of the free blocks, the rest of those it holds (its last, or its allocation) first
+        fit = (self.held_blocks(request) + free) * self.kv_block_tokens - request.done
         room = min(self.max_tokens - batch.tokens, fit)
         if self.chunk_tokens:
             return int(max(min(need, self.chunk_tokens, room), 0))
@@ -389,18 +423,22 @@ SCHEDULERS: dict[str, tuple[type[Scheduler], dict[str, object]]] = {
     # vLLM (v0) defaults: max_num_seqs 256, max_num_batched_tokens 8192 here (vLLM uses at least the
     # model length), no chunked prefill, prefills first; KV blocks of 16 tokens (--block-size: 16 on CUDA,
     # vllm/platforms/cuda.py, EngineArgs.block_size before) and a watermark of 0.01 of them
-    # (SelfAttnBlockSpaceManager in vllm/core/block_manager.py)
+    # (SelfAttnBlockSpaceManager in vllm/core/block_manager.py); with chunked prefill it still allocates the
+    # whole prompt's blocks when it admits a request (Scheduler._allocate_and_set_running)
     "vllm": (ContinuousBatching, {"max_batch": 256, "max_tokens": 8192, "chunk_tokens": 0, "priority": "prefill",
-                                  "kv_block_tokens": 16, "kv_watermark": 0.01}),
+                                  "kv_block_tokens": 16, "kv_watermark": 0.01, "kv_allocation": "prompt"}),
     # Sarathi-Serve (OSDI'24 Sec. 5): token budget 512 for the latency-bound setting, chunks fill it; KV blocks
     # of 16 (sarathi/config/config.py, CacheConfig) and a watermark of 0.01
-    # (sarathi/core/block_space_manager/base_block_space_manager.py)
+    # (sarathi/core/block_space_manager/base_block_space_manager.py), which allocates a request's whole prompt
+    # when the scheduler admits it, before its first chunk (its allocate, called on admission)
     "sarathi": (ContinuousBatching, {"max_batch": 256, "max_tokens": 512, "chunk_tokens": 512,
-                                     "priority": "decode", "kv_block_tokens": 16, "kv_watermark": 0.01}),
+                                     "priority": "decode", "kv_block_tokens": 16, "kv_watermark": 0.01,
+                                     "kv_allocation": "prompt"}),
     # llama.cpp server: 4 slots (--parallel) and n_batch 2048 (common/common.h defaults); KV in cells of one
-    # token each (src/llama-kv-cells.h), no watermark
+    # token each (src/llama-kv-cells.h), no watermark, found for each batch as it is decoded (chunk by chunk)
     "llamacpp": (ContinuousBatching, {"max_batch": 4, "max_tokens": 2048, "chunk_tokens": 2048,
-                                      "priority": "decode", "kv_block_tokens": 1, "kv_watermark": 0.0}),
+                                      "priority": "decode", "kv_block_tokens": 1, "kv_watermark": 0.0,
+                                      "kv_allocation": "chunk"}),
 }
 
 

@@ -146,18 +146,27 @@ def test_serving_invariants(pool, system, scheduler, arrival, kv, chunked, pagin
     steps = result.engine.steps
     assert all(b.start >= a.end for a, b in zip(steps, steps[1:]))
     _check_against_the_batch_log(result, frame, int(extra["workload.kv_tokens"]) if kv else None, block,
-                                 int(watermark * (int(extra["workload.kv_tokens"]) // block)) if kv else 0)
+                                 int(watermark * (int(extra["workload.kv_tokens"]) // block)) if kv else 0,
+                                 allocation={"static": "request", "llamacpp": "chunk"}.get(scheduler, "prompt"))
 
 
-def _check_against_the_batch_log(result, frame, kv_tokens: int | None, block: int = 1, kept_free: int = 0) -> None:
+def _check_against_the_batch_log(result, frame, kv_tokens: int | None, block: int = 1, kept_free: int = 0,
+                                 allocation: str = "chunk") -> None:
     """The KV held, the recomputation and each request's times, rebuilt from the log of what each step ran
     and whom it preempted, independently of the scheduler's own counts. KV is held in blocks of ``block``
     entries; a step that admits a request (its first entry since it arrived or was preempted, at position 0)
-    leaves ``kept_free`` blocks free (admissions come last in a step: nothing is added after them)."""
+    leaves ``kept_free`` blocks free (admissions come last in a step: nothing is added after them). An
+    admitted request holds the blocks of what it has computed (``allocation`` "chunk", llama.cpp) or, from
+    admission on, those of its whole prompt or recompute, its prompt and every token it had emitted when
+    preempted ("prompt": vLLM, Sarathi-Serve), or of its whole length ("request": static batching). The
+    run's KV peaks are the most entries written and the most blocks held (allocated) during a step."""
     arrival = dict(zip(frame.request, frame.arrival_s))
     total = dict(zip(frame.request, frame.prompt_tokens + frame.output_tokens))
     prompt = dict(zip(frame.request, frame.prompt_tokens))
     held: dict[int, int] = {}  # KV entries per request, from its last preemption (or start) on
+    target = dict(prompt)  # tokens a request prefills when admitted: its prompt, then its recompute
+    reserved: dict[int, int] = {}  # entries whose blocks an admission allocated ahead of computing them
+    peak_tokens = peak_blocks = 0
     dropped: Counter = Counter()
     first_step: dict[int, float] = {}
     first_token: dict[int, float] = {}
@@ -166,18 +175,26 @@ def _check_against_the_batch_log(result, frame, kv_tokens: int | None, block: in
     assert len(steps) == len(result.batches) and set(result.preempted) <= set(range(len(steps)))
     for i, (batch, step) in enumerate(zip(result.batches, steps)):
         for rid in result.preempted.get(i, []):
-            dropped[rid] += held.pop(rid)  # a preempted request held KV, and frees all of it
+            lost = held.pop(rid)  # a preempted request held KV, and frees all of it (reserved blocks too)
+            reserved.pop(rid, None)
+            dropped[rid] += lost
+            target[rid] = max(target[rid], lost + 1 if lost >= prompt[rid] else prompt[rid])
         # the engine is charged every token the scheduler batched, recomputed ones included
         assert step.tokens == sum(n for _, _, n in batch) and step.requests == sorted(r for r, _, _ in batch)
         for rid, first, n in batch:
             assert step.start >= arrival[rid]  # nothing computed before its request arrives
             assert first == held.get(rid, 0)  # a request goes on where its KV ends: 0 after a preemption
+            if first == 0 and allocation != "chunk":  # admitted: the blocks of all it prefills (a first
+                # decode token for a request without prompt), or of its whole length
+                reserved[rid] = max(target[rid], 1) if allocation == "prompt" else total[rid]
             held[rid] = first + n
             first_step.setdefault(rid, step.start)
             if held[rid] >= max(prompt[rid], 1):
                 first_token.setdefault(rid, step.end)
-        if kv_tokens is not None:  # during the step: blocks held plus those it adds
-            blocks = sum(-(-h // block) for h in held.values())
+        # during the step: entries written and blocks held, with those it adds
+        blocks = sum(-(-max(h, reserved.get(rid, 0)) // block) for rid, h in held.items())
+        peak_tokens, peak_blocks = max(peak_tokens, sum(held.values())), max(peak_blocks, blocks)
+        if kv_tokens is not None:
             assert blocks <= kv_tokens // block
             if any(first == 0 for _, first, _ in batch):
                 assert blocks <= kv_tokens // block - kept_free
@@ -187,7 +204,9 @@ def _check_against_the_batch_log(result, frame, kv_tokens: int | None, block: in
                 assert rid not in finish
                 finish[rid] = step.end
                 del held[rid]
+                reserved.pop(rid, None)
     assert not held and set(finish) == set(total)
+    assert (result.kv_peak, result.kv_peak_blocks) == (peak_tokens, peak_blocks)
     for row in frame.itertuples():
         assert row.recomputed_tokens == dropped[row.request]
         assert (row.scheduled_s, row.first_token_s, row.finish_s) == \
