@@ -190,7 +190,8 @@ def preemption_notes(rows: list[dict[str, Any]]) -> list[str]:
             (f"the GPU memory {slots:,} expert slots leave; each slot fewer holds {per_slot:,} more: "
              f"--set cache.slots=N trades them, docs/serving.md")
         listed = "; ".join(f"{m['system']} {m['preemptions']:,} preemption{'s' if m['preemptions'] > 1 else ''}, "
-                           f"{m['recomputed_tokens']:,} tokens prefilled again" for m in runs)
+                           f"{m['recomputed_tokens']:,} token{'s' if m['recomputed_tokens'] != 1 else ''} "
+                           "prefilled again" for m in runs)
         lines.append(f"KV entries for {kv_tokens:,} tokens{rate} ({budget}): {listed}")
     return lines
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moesim.analysis.serving import request_frame, serving_metrics
+from moesim.analysis.serving import preemption_notes, request_frame, serving_metrics
 from moesim.errors import ConfigError
 from moesim.sim.serving import serve
 from tests.factories import tiny_model, tiny_profile, write_tiny_trace
@@ -257,3 +257,113 @@ def test_a_budget_is_cut_into_whole_blocks(tmp_path):
         assert serving_metrics(result)["kv_blocks"] == 1
     result = serve([trace], tiny_profile(), "cpu-only", {**closed, "workload.kv_tokens": "32"})
     assert [b for b, _, _ in steps_of(result)][0] == [(0, 0, 4), (1, 0, 4)]
+
+
+def test_sarathi_admits_a_prompt_only_when_all_its_blocks_fit(tmp_path):
+    """A (prompt 2, 2 decodes) at 0; B (prompt 5, 1 decode) at 1 ms, during A's prefill; 7 KV entries in
+    blocks of 1, no watermark; token budget 3, chunks of 3, decodes first.
+
+    Whole prompt (Sarathi-Serve's and vLLM's block managers allocate every block of a prompt when they admit
+    it): after A's prefill, A holds 2 entries and its decode takes a 3rd; B's 5 would make 8 > 7, so B waits,
+    and again beside A's last decode (A's 4 held until the step ends). Steps: A 2 | A 1 | A 1 | B 3 | B 2
+    (first token) | B 1. Written entries peak at B's last step (6), so do the blocks held (6): during B's first
+    chunk it holds 5 blocks with 3 entries written.
+
+    Chunk by chunk (scheduler.kv_allocation=chunk, as before): B joins in step 2 with the 2 tokens A's decode
+    leaves of the budget (3 + 2 = 5 held), then 1 (the last free entry: 4 + 3 = 7), then its last 2 once A has
+    ended: A 2 | A 1 + B 2 | A 1 + B 1 | B 2 (first token) | B 1. B's first token comes a step earlier;
+    7 entries are held at once."""
+    trace = pool_trace(tmp_path, [(2, 2), (5, 1)])
+    a = 0.001
+    assert a < d(2, 1)  # B arrives during A's prefill
+    settings = {**arrivals(tmp_path, [0.0, a]), "scheduler": "sarathi", "scheduler.max_tokens": "3",
+                "scheduler.chunk_tokens": "3", "scheduler.kv_block_tokens": "1", "scheduler.kv_watermark": "0",
+                "workload.kv_tokens": "7"}
+
+    whole = serve([trace], tiny_profile(), "cpu-only", settings)
+    t1 = d(2, 1)
+    t2 = t1 + d(1, 1)
+    t3 = t2 + d(1, 1)
+    t4 = t3 + d(3, 1)
+    t5 = t4 + d(2, 1)
+    t6 = t5 + d(1, 1)
+    assert [b for b, _, _ in steps_of(whole)] == [[(0, 0, 2)], [(0, 2, 1)], [(0, 3, 1)], [(1, 0, 3)], [(1, 3, 2)],
+                                                    [(1, 5, 1)]]
+    assert [e for _, _, e in steps_of(whole)] == pytest.approx([t1, t2, t3, t4, t5, t6], rel=1e-12)
+    f = request_frame(whole)
+    assert f.queue_ms.tolist() == pytest.approx([0.0, (t3 - a) * MS], rel=1e-9)  # B waits for A's end
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, (t5 - a) * MS], rel=1e-9)
+    assert f.tpot_ms.tolist() == pytest.approx([(t3 - t1) / 2 * MS, (t6 - t5) * MS], rel=1e-9)
+    assert f.e2e_ms.tolist() == pytest.approx([t3 * MS, (t6 - a) * MS], rel=1e-9)
+    assert f.computed_tokens.tolist() == [4, 6]
+    m = serving_metrics(whole)
+    assert m["preemptions"] == m["recomputed_tokens"] == 0 and whole.preempted == {}
+    assert (m["kv_tokens"], m["kv_block_tokens"], m["kv_blocks"], m["kv_watermark_blocks"]) == (7, 1, 7, 0)
+    assert m["kv_peak_tokens"] == 6 and m["kv_peak_blocks"] == 6
+    assert m["throughput_rps"] == pytest.approx(2 / t6, rel=1e-12)
+    assert m["output_tokens_per_s"] == pytest.approx((3 + 2) / t6, rel=1e-12)
+
+    chunked = serve([trace], tiny_profile(), "cpu-only", {**settings, "scheduler.kv_allocation": "chunk"})
+    c1 = d(2, 1)
+    c2 = c1 + d(3, 2)
+    c3 = c2 + d(2, 2)
+    c4 = c3 + d(2, 1)
+    c5 = c4 + d(1, 1)
+    assert [b for b, _, _ in steps_of(chunked)] == [[(0, 0, 2)], [(0, 2, 1), (1, 0, 2)], [(0, 3, 1), (1, 2, 1)],
+                                                      [(1, 3, 2)], [(1, 5, 1)]]
+    assert [e for _, _, e in steps_of(chunked)] == pytest.approx([c1, c2, c3, c4, c5], rel=1e-12)
+    g = request_frame(chunked)
+    assert g.queue_ms.tolist() == pytest.approx([0.0, (c1 - a) * MS], rel=1e-9)
+    assert g.ttft_ms.tolist() == pytest.approx([c1 * MS, (c4 - a) * MS], rel=1e-9)
+    assert g.e2e_ms.tolist() == pytest.approx([c3 * MS, (c5 - a) * MS], rel=1e-9)
+    n = serving_metrics(chunked)
+    assert n["preemptions"] == 0 and n["kv_peak_tokens"] == 7 == n["kv_peak_blocks"]
+    assert g.ttft_ms[1] < f.ttft_ms[1]  # whole-prompt allocation delays B's first token
+
+
+def test_sarathi_preempts_a_request_mid_prefill_and_frees_all_its_blocks(tmp_path):
+    """A (prompt 1, 4 decodes) at 0; B (prompt 5, 1 decode) at 1 ms; 8 KV entries in blocks of 2 (4 blocks),
+    no watermark; token budget 2, chunks of 2, decodes first.
+
+    Step 1: A's prompt (1 entry, 1 block). Step 2: A's first decode fits its block; B is admitted with the 3
+    blocks of its whole prompt (1 + 3 = 4 held, 3 entries written) and prefills 1 token (the budget's rest).
+    Step 3: A's decode needs a 2nd block, none is free: B, the newest, is preempted mid-prefill and frees all
+    3 blocks, 2 of them never written; 1 token (the one it computed) is recomputed; its new prompt is its
+    prompt (it had emitted nothing). Step 4: A's decode fits its block; B's 3 blocks are not free (2 are).
+    Step 5: A's last decode takes a 3rd block (1 free); A ends. Steps 6-8: B's 5 prompt tokens in chunks of
+    2, 2, 1 (first token); step 9: its decode. Written entries peak at 6 (B at the end); the blocks held at 4
+    (step 2), with 3 entries written."""
+    trace = pool_trace(tmp_path, [(1, 4), (5, 1)])
+    a = 0.001
+    assert a < d(1, 1)
+    result = serve([trace], tiny_profile(), "cpu-only",
+                   {**arrivals(tmp_path, [0.0, a]), "scheduler": "sarathi", "scheduler.max_tokens": "2",
+                    "scheduler.chunk_tokens": "2", "scheduler.kv_block_tokens": "2", "scheduler.kv_watermark": "0",
+                    "workload.kv_tokens": "8"})
+    t1 = d(1, 1)
+    t2 = t1 + d(2, 2)
+    t3 = t2 + d(1, 1)
+    t4 = t3 + d(1, 1)
+    t5 = t4 + d(1, 1)
+    t6 = t5 + d(2, 1)
+    t7 = t6 + d(2, 1)
+    t8 = t7 + d(1, 1)
+    t9 = t8 + d(1, 1)
+    assert [b for b, _, _ in steps_of(result)] == [[(0, 0, 1)], [(0, 1, 1), (1, 0, 1)], [(0, 2, 1)], [(0, 3, 1)],
+                                                     [(0, 4, 1)], [(1, 0, 2)], [(1, 2, 2)], [(1, 4, 1)], [(1, 5, 1)]]
+    assert [e for _, _, e in steps_of(result)] == pytest.approx([t1, t2, t3, t4, t5, t6, t7, t8, t9], rel=1e-12)
+    assert result.preempted == {2: [1]}
+    f = request_frame(result)
+    assert f.preemptions.tolist() == [0, 1] and f.recomputed_tokens.tolist() == [0, 1]
+    assert f.computed_tokens.tolist() == [5, 1 + 6]
+    assert f.queue_ms.tolist() == pytest.approx([0.0, (t1 - a) * MS], rel=1e-9)  # its first (lost) chunk
+    assert f.ttft_ms.tolist() == pytest.approx([t1 * MS, (t8 - a) * MS], rel=1e-9)
+    assert f.tpot_ms.tolist() == pytest.approx([(t5 - t1) / 4 * MS, (t9 - t8) * MS], rel=1e-9)
+    assert f.e2e_ms.tolist() == pytest.approx([t5 * MS, (t9 - a) * MS], rel=1e-9)
+    m = serving_metrics(result)
+    assert m["preemptions"] == 1 and m["recomputed_tokens"] == 1
+    assert (m["kv_tokens"], m["kv_block_tokens"], m["kv_blocks"], m["kv_watermark_blocks"]) == (8, 2, 4, 0)
+    assert m["kv_peak_tokens"] == 6 and m["kv_peak_blocks"] == 4
+    assert m["throughput_rps"] == pytest.approx(2 / t9, rel=1e-12)
+    assert preemption_notes([m]) == ["KV entries for 8 tokens in 4 blocks of 2 (workload.kv_tokens): cpu-only "
+                                     "1 preemption, 1 token prefilled again"]
