@@ -48,8 +48,9 @@ value that point ran with (:mod:`moesim.sweep.defaults`): its system's default
 (``prefetch.n`` of a prefetch whose ``n`` defaults to 2 reads 2, as in the row of
 a point that spells ``prefetch.n: 2``), the profile's value for ``hw.*``, the
 experts its memory plan held for ``cache.slots``; a "-1: the paper's value for
-the model" default reads -1, as written, since a run does not report what it
-resolved to. The cell stays empty where the parameter does not apply to the
+the model" default, left or spelled out in the spec, reads the value it resolved
+to for the point (-1 where the component keeps no single value, such as
+BuddyMoE's per-layer ``substitute.tau``). The cell stays empty where the parameter does not apply to the
 point's system (its components have no such parameter; ``workload.*`` in a
 replayed point's row), and for ``cache.slots_per_layer`` (see ``slot_spread``).
 ``defaults_filled`` names the row's cells so filled ("; " between keys, "" when

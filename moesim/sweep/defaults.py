@@ -17,7 +17,9 @@ What a filled cell holds:
   model; not run) and the component read where it tells the value (the field itself, resolved in place, or the
   attribute :data:`_RESOLVED_AS` names). Where it does not tell one (a per-layer ``substitute.tau``, a per-plan
   ``solve_us``, llama.cpp's ``cache.n_cpu_moe``, which the memory plan decides) the cell holds the default as
-  written (``-1``); so does a point that spells ``-1`` itself (a setting, not filled). A portfolio bound
+  written (``-1``). A point that spells such a ``-1`` (or another negative "choose for me") itself is recorded
+  the same way, as what it resolved to, and the cell is named in ``defaults_filled``: its rows and those of the
+  points that leave the default agree, as the run did. A portfolio bound
   (``oracle``): the value its own schedules share, empty where they differ or one lacks the parameter;
 * ``engine.*`` and ``memory.*``: the value parsed for the point (the system's own defaults included);
   ``memory.expert_dtype`` left empty by default is the dtype the point's model gives, which the run uses;
@@ -65,6 +67,33 @@ def fill_keys(spec_keys: Iterable[str], rows: Iterable[dict[str, Any]]) -> list[
     return list(keys)
 
 
+def to_fill(keys: Iterable[str], settings: dict[str, str], row: dict[str, Any]) -> list[str]:
+    """The keys of ``row`` to fill: those its point neither set nor holds, and those it set to a negative number
+    its cell still holds as written (a "-1: choose for me" spelled out resolves as the default -1 does)."""
+    return [k for k in keys if (k not in settings and is_missing(row.get(k)))
+            or (_negative(settings.get(k)) and _same_number(row.get(k), settings[k]))]
+
+
+def _negative(text: str | None) -> bool:
+    try:
+        return text is not None and float(text) < 0
+    except ValueError:
+        return False
+
+
+def _same_number(value: Any, text: str) -> bool:
+    """Whether a cell holds the number ``text`` writes (a cell never filled holds the setting itself)."""
+    try:
+        return not isinstance(value, bool) and float(value) == float(text)
+    except (TypeError, ValueError):
+        return False
+
+
+def _as_written(key: str, settings: dict[str, str], value: Any) -> bool:
+    """Whether ``value`` told for a key the point set is the setting itself: nothing resolved, nothing to fill."""
+    return key in settings and _same_number(value, settings[key])
+
+
 def row_settings(row: dict[str, Any]) -> dict[str, str]:
     """The settings a stored row's point set, as ``--set`` strings: its parameter cells that hold a value and were
     not filled (a whole number read back as a float, ``2.0``, as ``2``)."""
@@ -97,13 +126,13 @@ class Defaults:
         """Write into ``row`` (a point of ``row['system']`` that set ``settings``) the value it ran with for each of
         ``keys`` it neither set nor holds, and add them to its ``defaults_filled``. Returns the keys filled.
         Never raises: a value that cannot be told is left empty."""
-        todo = [k for k in keys if k not in settings and is_missing(row.get(k))]
+        todo = to_fill(keys, settings, row)
         filled = []
         if todo:
             values = self.values(str(row.get("system")), settings, todo, row=row, trace_path=trace_path,
                                  hw_path=hw_path, model=row.get("model"))
             for key in todo:
-                if key in values:
+                if key in values and not _as_written(key, settings, values[key]):
                     row[key] = values[key]
                     filled.append(key)
         before = [k for k in str(row.get(FILLED) or "").split("; ") if k]
@@ -354,7 +383,7 @@ def fill_stored(resolver: Defaults, rows: dict[str, dict[str, Any]], keys: list[
             continue
         point = points.get(pid)
         settings = point.settings_str() if point is not None else row_settings(row)
-        if not any(k not in settings and is_missing(row.get(k)) for k in keys):
+        if not to_fill(keys, settings, row):
             continue
         try:
             same = row.get("input_fingerprint") is not None and row.get("input_fingerprint") == current(row)

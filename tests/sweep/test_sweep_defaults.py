@@ -193,3 +193,43 @@ def test_a_default_the_run_resolves_is_recorded_as_what_it_resolved_to(files):
     # no single value told: a per-layer threshold, a count the memory plan decides
     assert values("buddymoe", {}, ["substitute.tau"], row={}, trace_path=trace, hw_path=hw) == {"substitute.tau": -1.0}
     assert values("llamacpp", {}, ["cache.n_cpu_moe"], row={}, trace_path=trace, hw_path=hw) == {"cache.n_cpu_moe": -1}
+
+
+def test_a_choose_for_me_value_spelled_out_is_recorded_as_what_it_resolved_to(files):
+    """Issue: a point that wrote prefetch.n: -1 ("000 Table I's count for the model") kept -1 in its row, while a
+    point that left the same default read the count it resolved to; a figure over prefetch.n put the two at
+    different x although they ran alike. Now both read the resolved count (the tiny model takes DeepSeek-V3's 2;
+    DALI's prefetch size takes Mixtral's 1), and defaults_filled names the cell; a -1 the component resolves to no
+    single value (BuddyMoE's per-layer tau) stays -1, as written and not filled."""
+    spec = load_spec(write_spec(files, systems=["smoe", "dali", "buddymoe"],
+                                per_system={"smoe": {"grid": {"prefetch.n": [-1, 1]}},
+                                            "dali": {"set": {"prefetch.size": -1}},
+                                            "buddymoe": {"set": {"substitute.tau": -1}}}))
+    out = files / "r.parquet"
+    frame, summary = run_sweep(spec, out, workers=1)
+    assert summary.failed == 0
+    for rows in (frame, pd.read_parquet(out)):
+        smoe = _by_system(rows, "smoe")
+        assert smoe["prefetch.n"].tolist() == [2, 1]
+        assert smoe["defaults_filled"].tolist() == ["prefetch.n", ""]
+        dali = _by_system(rows, "dali")
+        assert dali[["prefetch.size", "defaults_filled"]].values.tolist() == [[1, "prefetch.size"]]
+        buddy = _by_system(rows, "buddymoe")
+        assert buddy["substitute.tau"].tolist() == [-1]
+        assert buddy["defaults_filled"].tolist() == ["prefetch.size"]  # its next-layer prefetch's, not tau
+    again, summary = run_sweep(spec, out, workers=1)  # the same ids: nothing runs again
+    assert summary.ran == 0
+    pd.testing.assert_frame_equal(again, frame)
+
+
+def test_a_stored_row_that_kept_a_spelled_out_minus_one_is_resolved_on_a_resume(files):
+    """A row written before the fix holds the -1 its point spelled; :meth:`Defaults.fill`, which a resume runs
+    over the stored rows, records what it resolved to."""
+    from moesim.sweep.defaults import Defaults, to_fill
+    trace, hw = str(files / "t.parquet"), str(files / "hw.yaml")
+    row = {"system": "smoe", "status": "ok", "prefetch.n": -1.0, "defaults_filled": ""}
+    assert to_fill(["prefetch.n"], {"prefetch.n": "-1"}, row) == ["prefetch.n"]
+    assert Defaults().fill(row, {"prefetch.n": "-1"}, ["prefetch.n"], trace_path=trace, hw_path=hw) == ["prefetch.n"]
+    assert (row["prefetch.n"], row["defaults_filled"]) == (2, "prefetch.n")
+    assert to_fill(["prefetch.n"], {"prefetch.n": "-1"}, row) == []  # resolved: nothing left to fill
+    assert to_fill(["prefetch.n"], {"prefetch.n": "3"}, {"prefetch.n": 3}) == []  # a value as set stays
