@@ -311,3 +311,62 @@ def test_kv_block_of_one_without_watermark_is_per_token_accounting():
     expected = steps(per_token)
     assert steps(build_scheduler("vllm", {"kv_block_tokens": "1", "kv_watermark": "0"})) == expected
     assert steps(build_scheduler("vllm", {"kv_block_tokens": "2", "kv_watermark": "0"})) != expected
+
+
+def test_chunked_prefill_under_vllm_holds_the_whole_prompts_blocks_from_admission():
+    """vllm with chunk_tokens 2, 6 entries per token. A (prompt 4) is admitted with all 4 entries of its
+    prompt, though its first chunk writes 2; B (prompt 3) needs 3 of the 2 left: it waits until A ends (A's
+    decode, which fills its 5th entry, comes when no prompt can run). Taken chunk by chunk, B joined A at once
+    (2 + 2 entries)."""
+    def run(allocation: str) -> tuple[list[list[tuple[int, int]]], tuple[int, int]]:
+        s = build_scheduler("vllm", {"chunk_tokens": "2", "kv_block_tokens": "1", "kv_watermark": "0",
+                                     "kv_allocation": allocation})
+        s.add(req(0, 4, 1))
+        s.add(req(1, 3, 1))
+        s.set_kv_tokens(6)
+        first = s.next_batch()
+        held = (s.kv_used_blocks() + s._batch_blocks(first), s.kv_used() + first.tokens)
+        s.advance(first)
+        return [sorted((r.rid, n) for r, n in first.entries)] + plan(s, kv=6), held
+    steps, held = run("prompt")
+    assert steps == [[(0, 2)], [(0, 2)], [(0, 1)], [(1, 2)], [(1, 1)], [(1, 1)]]
+    assert held == (4, 2)  # blocks held during the first step, entries written in it
+    steps, held = run("chunk")
+    assert steps[0] == [(0, 2), (1, 2)] and held == (4, 4)
+
+
+def test_a_preempted_request_frees_the_blocks_it_had_not_written():
+    """Decodes first, blocks of 2, 4 blocks. A (prompt 1) decodes; B (prompt 5) is admitted with 3 blocks
+    and prefills 1 token; A's next decode needs a block: B yields all 3 (1 entry written), recomputes 1."""
+    s = ContinuousBatching(max_batch=8, max_tokens=2, chunk_tokens=2, priority="decode", kv_block_tokens=2,
+                           kv_allocation="prompt")
+    a, b = req(0, 1, 4), req(1, 5, 1)
+    s.set_kv_tokens(8)
+    s.add(a)
+    s.advance(s.next_batch())
+    s.add(b)
+    s.advance(s.next_batch())
+    assert (b.done, b.reserved, s.kv_used_blocks(), s.kv_free()) == (1, 5, 4, 0)
+    batch = s.next_batch()
+    assert batch.preempted == [b] and [(r.rid, n) for r, n in batch.entries] == [(0, 1)]
+    assert (b.done, b.reserved, b.recomputed, b.prefill_until) == (0, 0, 1, 5)
+    assert s.kv_used_blocks() == 1 and s._batch_blocks(batch) == 1  # A's 2nd block, from B's 3 freed
+
+
+def test_kv_allocation_presets_and_values():
+    for name, allocation in (("vllm", "prompt"), ("sarathi", "prompt"), ("llamacpp", "chunk")):
+        assert build_scheduler(name, {}).kv_allocation == allocation, name
+    assert build_scheduler("sarathi", {"kv_allocation": "chunk"}).kv_allocation == "chunk"
+    with pytest.raises(ConfigError) as err:
+        build_scheduler("vllm", {"kv_allocation": "lazy"})
+    assert err.value.field == "scheduler.kv_allocation"
+
+
+def test_static_batching_holds_each_requests_whole_length_from_admission():
+    s = StaticBatching(max_batch=4)
+    s.add(req(0, 3, 2))
+    s.add(req(1, 1, 4))
+    s.set_kv_tokens(None)
+    batch = s.next_batch()
+    assert (s.kv_used_blocks(), s.kv_used()) == (10, 0)
+    assert sum(s.growth(r, n) for r, n in batch.entries) == 0  # its prompts write into blocks it holds
