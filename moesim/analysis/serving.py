@@ -134,7 +134,11 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
 
 
 def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """Percentiles of every latency, throughput, offered load, goodput, preemptions and the engine's metrics."""
+    """Percentiles of every latency, throughput, offered load, goodput, preemptions and the engine's metrics.
+
+    KV peaks: ``kv_peak_tokens`` is the most entries written in one step (computed tokens), ``kv_peak_blocks``
+    the most blocks held, allocated ones not yet written included (a prompt admitted whole under vLLM or
+    Sarathi-Serve holds all its blocks from its first chunk on)."""
     from moesim.analysis.metrics import metrics
     frame = request_frame(result)
     w = result.workload

@@ -11,7 +11,9 @@ forms a batch; its rows become one :class:`~moesim.trace.io.Step` that
 :meth:`Simulator.run_step` runs as it runs a trace's step, so every system
 plans its layers as in a replay. KV cache comes out of the GPU memory the
 expert cache leaves (:func:`kv_budget_tokens`), cut into the scheduler's KV
-blocks; when they run out, requests are preempted and recomputed (counted per request).
+blocks, which a request holds from its admission (the whole prompt's, under vLLM
+and Sarathi-Serve) or as its tokens are computed (llama.cpp); when they run out,
+requests are preempted and recomputed (counted per request).
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ class ServeResult:
     #: step index -> the requests preempted to form that step (their KV freed before it ran); steps without any
     #: are left out (a list per step would cost host memory on runs of many steps)
     preempted: dict[int, list[int]] = field(default_factory=dict)
-    #: most KV entries (tokens) held during one step
+    #: most KV entries (tokens) written during one step: the running requests' computed tokens and those the
+    #: step computes (entries allocated but not yet written, the rest of a prompt admitted whole, not counted)
     kv_peak: int = 0
     #: KV entries that one expert slot's bytes would hold (0: unknown)
     kv_tokens_per_slot: int = 0
@@ -269,7 +272,9 @@ class ServeResult:
     kv_block_tokens: int = 1
     #: the budget in whole blocks (None: unlimited)
     kv_blocks: int | None = None
-    #: most KV blocks held during one step
+    #: most KV blocks held during one step: allocated to a request, written or not (a prompt admitted whole holds
+    #: all its blocks from its first chunk on), so it can exceed ceil(kv_peak / kv_block_tokens) by more than
+    #: one block per request
     kv_peak_blocks: int = 0
     #: blocks an admission had to leave free
     kv_watermark_blocks: int = 0
@@ -383,7 +388,8 @@ class ServingRun:
             index += 1
 
     def _record(self, batch: Batch, start: float, end: float) -> None:
-        # entries and blocks held during the step: the running requests' and those the batch adds
+        # entries written and blocks held during the step: the running requests' (their allocations included)
+        # and those the batch adds
         self.kv_peak = max(self.kv_peak, self.scheduler.kv_used() + batch.tokens)
         added = sum(self.scheduler.growth(r, n) for r, n in batch.entries)
         self.kv_peak_blocks = max(self.kv_peak_blocks, self.scheduler.kv_used_blocks() + added)
