@@ -145,24 +145,37 @@ def say_wrote(out: Console, text: str) -> None:
 
 
 def write_json(data: object, out: str | None) -> None:
+    """The JSON of ``--json``: on stdout for the flag form (``out`` None) at once, so that ``trace validate
+    --json`` reports a fault it then exits 2 for; for ``--json -`` (``replay``, ``serve-sim``, whose other outputs
+    may still fail) once every output has landed, so that a command that fails prints no JSON, as it writes no
+    file."""
     text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
-    if out is None or to_stdout(out):  # `--json /dev/stdout` too: stdout then holds the JSON alone
+    if out is None:
+        _print_json(text)
+    elif to_stdout(out):  # `--json /dev/stdout` too: stdout then holds the JSON alone
         if sys.stdout is None:  # started with stdout closed (`>&-`): the JSON would go nowhere
-            raise MoesimError("standard output is closed", field="--json",
-                              fix="run it with stdout open, or write the JSON to a file")
-        try:  # not click.echo: click exits with status 1 when the reader goes away
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-        except BrokenPipeError:  # `--json - | head`: the reader has what it wanted; the command goes on
-            stream_to_devnull(sys.stdout)
-        except OSError as err:  # a full disk under `> out.json`
-            stream_to_devnull(sys.stdout)
-            raise stream_error(err, "standard output") from None
+            _print_json(text)  # says so now, before any other output is written
+        from moesim.util import once_landed
+        once_landed(lambda: _print_json(text))
     else:
         from moesim.util import atomic_write_text
         with open_output(out, "--json") as path:
             atomic_write_text(path, text + "\n")
         say_wrote(console, f"wrote {out}")  # stdout holds no JSON here
+
+
+def _print_json(text: str) -> None:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the JSON would go nowhere
+        raise MoesimError("standard output is closed", field="--json",
+                          fix="run it with stdout open, or write the JSON to a file")
+    try:  # not click.echo: click exits with status 1 when the reader goes away
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `--json - | head`: the reader has what it wanted; the command goes on
+        stream_to_devnull(sys.stdout)
+    except OSError as err:  # a full disk under `> out.json`
+        stream_to_devnull(sys.stdout)
+        raise stream_error(err, "standard output") from None
 
 
 class JsonFlagCommand(click.Command):

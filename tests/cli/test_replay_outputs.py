@@ -358,3 +358,34 @@ def test_the_table_titles_name_the_profiles_gpu_and_host_cpu(files, capsys):
     assert hw_title("rtx4090", {}) == "rtx4090 (NVIDIA GeForce RTX 4090 + AMD EPYC 7T83, 10 cores, 102.4 GB/s DRAM)"
     assert hw_title("a100-40g", {}) == ("a100-40g (NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, 72 cores, "
                                         "440 GB/s DRAM)")
+
+
+@pytest.mark.parametrize("command", [["replay", "--system", "cpu-only", "--timeline", "{tmp}/tl.parquet"],
+                                     ["replay", "--system", "cpu-only,gpu-only-lru", "--plot", "{tmp}/x.png"],
+                                     ["serve-sim", "--system", "cpu-only", "--requests", "2", "--qps", "1",
+                                      "--requests-plot", "{tmp}/x.png"]])
+def test_a_command_whose_other_output_fails_prints_no_json_on_stdout(files, tmp_path, capsys, monkeypatch, command):
+    """Issue: `moesim replay T --json - --timeline OUT` whose timeline could not be written (a full disk, a
+    folder it may not write) exited 2 with the whole JSON already on stdout, so `... --json - | jq` went on with
+    the results of a command that failed. The JSON of `--json -` now reaches stdout once every output has
+    landed: a failure leaves stdout empty, as it leaves the files."""
+    import errno
+
+    import moesim.analysis.plots
+    import moesim.analysis.serving
+    import moesim.analysis.timeline
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trace, hw = files
+    args = [command[0], trace, "--hw", hw, *(a.format(tmp=tmp_path) for a in command[1:]), "--json", "-"]
+    with monkeypatch.context() as patch:
+        for module, name in ((moesim.analysis.timeline, "write_timeline"), (moesim.analysis.plots, "plot_breakdown"),
+                             (moesim.analysis.serving, "plot_requests")):
+            patch.setattr(module, name, full_disk)
+        code, out, err = run(args, capsys)
+    assert code == 2 and "No space" in err and err.count("moesim: error:") == 1
+    assert out == ""
+    code, out, _ = run(args, capsys)  # the same command that can write its files prints its JSON
+    assert code == 0 and isinstance(json.loads(out), dict)
