@@ -158,12 +158,16 @@ class SMoEAssign(Assignment):
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
         gpu, cpu = [], []
-        queue_aware, load = self.queue_aware, view.costs.expert_load
+        times = self._times
+        if times is None or times.costs is not view.costs:  # PerTokens.of, inline: it runs every layer
+            times = self._times = PerTokens(view.costs, expert_times)
+        loads_missing = view.phase == "prefill" or self.decode_on_demand
+        queue_aware = self.queue_aware
+        # one expert load: read only where a missing expert is loaded (a decode miss never reaches it)
+        load = view.costs.expert_load if loads_missing else math.inf
         queued = self._queue_s(view) if queue_aware else 0.0
-        times = self._times = PerTokens.of(self._times, view.costs, expert_times)
         launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
         resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
-        loads_missing = view.phase == "prefill" or self.decode_on_demand
         for expert, tokens in zip(view.active, view.counts):
             # T_PCIe: 0 resident, the rest of its copy in flight, else one expert load in the prefill (or on
             # demand) and infinite in decoding: there a cache miss runs on the CPU
@@ -455,10 +459,10 @@ class TokenWisePrefetch(Prefetch):
             return []
         if self._online is not None:
             self._warm_up(view)
-        if not self.enabled(view.layer):
-            return []
-        ranked = self.predicted(view)
         layer = view.layer
+        if self._n <= 0 or layer in self._disabled:  # not enabled(layer)
+            return []
+        ranked = ranked_predictions(self.predicted_rows(view))
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         if self.eviction == "adaptive":
             return [(layer, e) for e in ranked[:self._n] if e not in resident and e not in in_flight]
@@ -480,11 +484,18 @@ class SMoESystem(ComposedSystem):
     _fill: dict[int, dict[int, int]] = field(default_factory=dict)
     #: the cache policy's activation counter (LFU's), if it keeps one
     _observe: Callable[[LayerView], None] | None = field(default=None, repr=False, compare=False)
+    #: SMoE's own components on per-layer quotas: a decode plan places the split's hits and the prefetches
+    #: itself (:meth:`_decode_hits`), which is what the composed plan does for them, without its general cases
+    _own_decode: bool = field(default=False, repr=False, compare=False)
 
     def configure(self, ctx: RunContext) -> None:
         super().configure(ctx)
         self._fill = {}
         self._observe = getattr(self.cache, "observe", None)
+        assign = self.assign
+        self._own_decode = (type(self.cache) is SMoELFUCache and type(assign) is SMoEAssign
+                            and not assign.decode_on_demand and type(self.prefetch) is TokenWisePrefetch
+                            and ctx.pool is None)
 
     def _place(self, view: LayerView) -> LayerPlan:
         if self._observe is not None:
@@ -515,7 +526,7 @@ class SMoESystem(ComposedSystem):
         return plan
 
     def _decode(self, view: LayerView) -> LayerPlan:
-        plan = super()._place(view)
+        plan = self._decode_hits(view) if self._own_decode else super()._place(view)
         # Sec. IV-E: the prefetch task joins the asynchronous transfer queue when the layer's GPU
         # experts are done
         plan.prefetch_after_gpu = True
@@ -524,6 +535,37 @@ class SMoESystem(ComposedSystem):
             plan.overhead_s["predict"] = prefetch.predict_s(view)
             if plan.prefetches and prefetch.management_us:
                 plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
+        return plan
+
+    def _decode_hits(self, view: LayerView) -> LayerPlan:
+        """A decode layer's plan as ``ComposedSystem._place`` makes it for SMoE's components, one step at a
+        time: Alg. 1's split sends only hits (resident or arriving) to the GPU, so nothing is loaded on
+        demand; the GPU runs the resident ones first, then those arriving, by arrival; token-wise prefetch
+        (Fixed-N) loads its picks into the layer's free slots and evicts the least frequently used for
+        the rest."""
+        gpu, cpu = self.assign.split(view)
+        plan = LayerPlan(gpu, cpu)
+        layer, state = view.layer, view.cache
+        in_flight = state.in_flight[layer]
+        if in_flight and gpu:
+            resident = state.resident[layer]
+            ready = [e for e in gpu if e in resident]
+            if len(ready) < len(gpu):
+                arrivals = view.arrivals
+                plan.gpu = ready + sorted((e for e in gpu if e not in resident),
+                                          key=lambda e: arrivals.get(e, 0.0))
+        wanted = self.prefetch.candidates(view)  # none cached: none resident, arriving or on the GPU
+        if wanted:
+            free = max(state.capacity[layer] - len(state.resident[layer]) - len(in_flight), 0)
+            short = len(wanted) - free
+            if short > 0:  # never a victim: an expert wanted, arriving or computed on the GPU here
+                keep = {e for _, e in wanted}
+                keep |= in_flight
+                keep.update(plan.gpu)
+                victims = self.cache.victims(view, layer, short, keep)
+                plan.evictions = [(layer, e) for e in victims]
+                wanted = wanted[:free + len(victims)]  # the rest find no slot
+            plan.prefetches = wanted
         return plan
 
     def _fill_cache(self, view: LayerView, plan: LayerPlan) -> None:
