@@ -266,7 +266,15 @@ def _settings_map(value: Any, where: str, source: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"'{where}' must be a mapping of --set keys", source=source, field=where,
                           fix="write e.g. cache.slots_per_layer: [1, 2, 4]")
-    return {normalize_key(k): v for k, v in value.items()}
+    out: dict[str, Any] = {}
+    spelled: dict[str, Any] = {}
+    for key, entry in value.items():
+        name = normalize_key(key)
+        if name in out:  # `prefetch__n` and `prefetch.n` are one parameter: the later one silently won
+            raise ConfigError(f"'{name}' is given twice in {where} (as '{spelled[name]}' and '{key}')",
+                              source=source, field=f"{where}.{name}", fix="keep one of them")
+        out[name], spelled[name] = entry, key
+    return out
 
 
 def _values(value: Any, where: str, source: str) -> list[Any]:

@@ -140,6 +140,17 @@ def test_all_means_every_listed_system():
     ({"trace": "t.parquet", "systems": ["smoe"], "per_system": {"smoe": None}}, "is not a mapping of set: and grid:"),
     ({"trace": "t.parquet", "systems": ["smoe"], "grid": {"prefetch.n": [1]},
       "per_system": {"smoe": {"set": {"prefetch__n": 2}}}}, "'prefetch.n' appears in both grid and per_system.smoe.set"),
+    # one key in two spellings in one section: the later value silently won (one point of prefetch.n=2)
+    ({"trace": "t.parquet", "systems": ["smoe"], "grid": {"prefetch__n": [1], "prefetch.n": [2]}},
+     "field 'grid.prefetch.n': 'prefetch.n' is given twice in grid (as 'prefetch__n' and 'prefetch.n') "
+     "(fix: keep one of them)"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "set": {"prefetch.n": 1, "prefetch__n": 2}},
+     "'prefetch.n' is given twice in set"),
+    ({"trace": "t.parquet", "systems": ["smoe"],
+      "per_system": {"smoe": {"grid": {"prefetch.n": [1], "prefetch__n": [2]}}}},
+     "'prefetch.n' is given twice in per_system.smoe.grid"),
+    ({"trace": "t.parquet", "systems": ["smoe"], "zip": {"prefetch.n": [1], "prefetch__n": [2]}},
+     "'prefetch.n' is given twice in zip[0]"),
 ])
 def test_spec_mistakes_are_one_line(spec, words):
     with pytest.raises(ConfigError) as err:
