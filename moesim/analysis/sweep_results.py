@@ -54,6 +54,7 @@ LABELS = {
     "scheduler.kv_block_tokens": "KV block size (tokens)", "kv_block_tokens": "KV block size (tokens)",
     "kv_blocks": "KV cache budget (blocks)", "kv_peak_blocks": "KV cache peak (blocks)",
     "scheduler.kv_watermark": "KV admission watermark (share of blocks)",
+    "scheduler.kv_allocation": "KV allocation (prompt or chunk)",
     "kv_watermark_blocks": "KV blocks kept free at admission",
     "offered_qps": "offered load (requests/s)", "throughput_rps": "throughput (requests/s)",
     "output_tokens_per_s": "output throughput (tokens/s)", "goodput_rps": "goodput (requests/s)",

@@ -625,6 +625,7 @@ def test_serving_metrics_are_labelled_in_words_with_their_units():
     assert label("engine_gpu_hit_rate") == "GPU hit rate" and label("goodput_rps") == "goodput (requests/s)"
     assert label("cpu_util") == "CPU utilisation" and label("cache.slots") == "GPU cache slots, all layers"
     assert label("kv_peak_blocks") == "KV cache peak (blocks)" and label("kv_block_tokens") == "KV block size (tokens)"
+    assert label("scheduler.kv_allocation") == "KV allocation (prompt or chunk)"
     assert label("kv_tokens_set") == "kv_tokens_set"  # a column no table knows keeps its name
 
 
