@@ -40,8 +40,8 @@ def plain_interval() -> float:
         value = -1.0
     if value >= 0 and math.isfinite(value):
         return value
-    if raw.strip() and raw not in _NOTED:  # said once a process, on stderr beside the progress itself
-        _NOTED.add(raw)
+    if raw.strip() and raw not in _NOTED and sys.stderr is not None:  # said once a process, on stderr beside
+        _NOTED.add(raw)                                                 # the progress itself
         sys.stderr.write(f"moesim: note: MOESIM_PROGRESS_INTERVAL={raw!r} is not a number of seconds: progress "
                          f"lines every {DEFAULT_INTERVAL_S:g} s\n")
     return DEFAULT_INTERVAL_S
@@ -76,9 +76,10 @@ class Progress:
         self.total = total
         self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
+        # started with stderr closed (`2>&-`): Python's sys.stderr is None, and the work goes on unreported
+        self.enabled = enabled and self.stream is not None
+        self.tty = (self.enabled and self.stream.isatty()) if tty is None else tty
         self.interval_s = plain_interval() if interval_s is None else interval_s
-        self.enabled = enabled
         self.console = console
         self.done_before = float(done_before)
         self.done = self.done_before

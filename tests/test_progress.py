@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -132,3 +133,23 @@ def test_long_commands_report_progress_on_a_piped_stderr(tmp_path):
     done = _cli(["trace", "import", "--format", "speculative-moe", str(log), "--out", str(tmp_path / "i.parquet")],
                 tmp_path)
     assert any(line.startswith("trace import: ") for line in done.stderr.splitlines()), done.stderr
+
+
+def test_a_closed_stderr_leaves_the_work_unreported_not_failed(monkeypatch):
+    """Issue: `moesim replay T --json - 2>&-` (stderr closed: Python's sys.stderr is None) exited 1 with nothing
+    on stdout: Progress asked None whether it was a terminal (AttributeError), an internal error whose line
+    could not be shown either. With no stderr, progress now says nothing and the command goes on."""
+    monkeypatch.setattr(sys, "stderr", None)
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "not a number")  # its note goes to stderr too
+    with Progress("replay", total=2, unit="rows") as bar:
+        bar.advance(2, label="cpu-only")
+    assert not bar.enabled and bar.lines == 0 and plain_interval() == 10.0
+
+
+def test_a_command_run_with_stderr_closed_prints_its_json(tmp_path):
+    trace, hw = write_trace_and_profile(tmp_path, 3, decode=6)
+    done = subprocess.run([sys.executable, "-m", "moesim", "replay", trace, "--hw", hw, "--system", "all",
+                           "--json", "-"], stdout=subprocess.PIPE, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=lambda: os.close(2))
+    assert done.returncode == 0
+    assert "cpu-only" in json.loads(done.stdout)
