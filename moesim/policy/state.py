@@ -285,7 +285,7 @@ class CacheState:
         if self.pool is not None and self.held() >= self.pool:
             raise AssertionError(f"plan loads expert {expert} of layer {layer} into the full model-wide pool "
                                  f"({self.pool} slots) without evicting")
-        self.in_flight[layer].add(expert)
+        in_flight.add(expert)
 
     def start_loads(self, layer: int, experts: list[int]) -> None:
         """:meth:`start_load` of each of ``experts`` in turn, its checks made once for all of them."""

@@ -157,29 +157,46 @@ class SMoEAssign(Assignment):
     _times: PerTokens | None = field(default=None, repr=False)
 
     def split(self, view: LayerView) -> tuple[list[int], list[int]]:
-        gpu, cpu = [], []
         times = self._times
         if times is None or times.costs is not view.costs:  # PerTokens.of, inline: it runs every layer
             times = self._times = PerTokens(view.costs, expert_times)
-        loads_missing = view.phase == "prefill" or self.decode_on_demand
-        queue_aware = self.queue_aware
-        # one expert load: read only where a missing expert is loaded (a decode miss never reaches it)
-        load = view.costs.expert_load if loads_missing else math.inf
-        queued = self._queue_s(view) if queue_aware else 0.0
+        if view.phase == "prefill" or self.decode_on_demand:
+            return self._split_loading(view, times)
+        # decoding: T_PCIe is 0 for a resident expert, the rest of its copy for one in flight, and infinite for
+        # a miss, which runs on the CPU
+        gpu, cpu = [], []
         launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
         resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
         for expert, tokens in zip(view.active, view.counts):
-            # T_PCIe: 0 resident, the rest of its copy in flight, else one expert load in the prefill (or on
-            # demand) and infinite in decoding: there a cache miss runs on the CPU
             if expert in resident:
                 transfer = 0.0
             elif expert in in_flight:
                 transfer = max(arrivals.get(expert, now) - now, 0.0)
-            elif loads_missing:
-                transfer = load
             else:
                 cpu.append(expert)
                 continue
+            t_gpu, t_cpu = times[tokens]
+            if t_cpu > t_gpu + launch + transfer:  # T_GPU: kernel and launches
+                gpu.append(expert)
+            else:
+                cpu.append(expert)
+        return gpu, cpu
+
+    def _split_loading(self, view: LayerView, times: PerTokens) -> tuple[list[int], list[int]]:
+        """:meth:`split` where a missing expert is loaded (the prefill, or decoding with ``decode_on_demand``)."""
+        gpu, cpu = [], []
+        queue_aware, load = self.queue_aware, view.costs.expert_load
+        queued = self._queue_s(view) if queue_aware else 0.0
+        launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
+        resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+        for expert, tokens in zip(view.active, view.counts):
+            # T_PCIe: 0 resident, the rest of its copy in flight, else one expert load
+            if expert in resident:
+                transfer = 0.0
+            elif expert in in_flight:
+                transfer = max(arrivals.get(expert, now) - now, 0.0)
+            else:
+                transfer = load
             copies = queue_aware and transfer == load
             if copies:
                 transfer += queued  # the copies queued ahead of it
@@ -558,11 +575,9 @@ class SMoESystem(ComposedSystem):
         if wanted:
             free = max(state.capacity[layer] - len(state.resident[layer]) - len(in_flight), 0)
             short = len(wanted) - free
-            if short > 0:  # never a victim: an expert wanted, arriving or computed on the GPU here
-                keep = {e for _, e in wanted}
-                keep |= in_flight
-                keep.update(plan.gpu)
-                victims = self.cache.victims(view, layer, short, keep)
+            if short > 0:  # never a victim: an expert computed on the GPU here (the wanted and the arriving
+                # ones are not resident, so no victims either)
+                victims = self.cache.victims(view, layer, short, set(plan.gpu))
                 plan.evictions = [(layer, e) for e in victims]
                 wanted = wanted[:free + len(victims)]  # the rest find no slot
             plan.prefetches = wanted
