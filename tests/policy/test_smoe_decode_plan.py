@@ -73,3 +73,35 @@ def test_components_of_ones_own_take_the_composed_plan():
         system = build_system("smoe", dict(settings))
         system.configure(ctx)
         assert not system._own_decode, settings
+
+
+@pytest.mark.parametrize("launch", [0.0, LAUNCH, 1.0])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_split_is_alg_1_rule(launch, tokens):
+    # GPU iff T_CPU > T_GPU + launches + T_PCIe, T_PCIe 0 resident, the rest of the copy arriving, infinite missing;
+    # launch 1 s makes the CPU the faster device for every expert
+    model, profile = tiny_model(layers=3, experts=12, top_k=4), tiny_profile(pcie_gbps=0.49152)
+    costs = CostModel(profile, model)
+    split = build_system("smoe").assign
+    rng = random.Random(tokens)
+    sides = set()
+    for step in range(40):
+        view = random_view(rng, model, costs, step, rng.randrange(model.num_layers))
+        view.expert_launch_s = launch
+        if tokens > 1:  # several tokens of one request, routed alike
+            view.experts = np.repeat(view.experts, tokens, axis=0)
+            view.counts = [tokens] * len(view.active)
+        resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+        expected: tuple[list[int], list[int]] = ([], [])
+        for expert in view.active:
+            if expert in resident:
+                transfer = 0.0
+            elif expert in in_flight:
+                transfer = max(view.arrivals.get(expert, view.now) - view.now, 0.0)
+            else:
+                transfer = float("inf")
+            on_gpu = costs.cpu_expert(tokens) > costs.gpu_expert(tokens) + launch + transfer
+            expected[0 if on_gpu else 1].append(expert)
+            sides.add((expert in resident, on_gpu))
+        assert split.split(view) == expected
+    assert (True, launch < 1.0) in sides

@@ -108,6 +108,10 @@ class SMoELFUCache(CachePolicy):
         """Count this layer's activations (every phase, every device)."""
         self._clock += 1
         clock, order = self._clock, self._order[view.layer]
+        if view.experts.size == len(view.active):  # one token each (a decode layer of one request)
+            for expert in view.active:
+                order[expert] = (order[expert][0] + 1, clock, expert)
+            return
         for expert, tokens in zip(view.active, view.counts):
             order[expert] = (order[expert][0] + tokens, clock, expert)
 
@@ -167,6 +171,17 @@ class SMoEAssign(Assignment):
         gpu, cpu = [], []
         launch, now, arrivals = view.expert_launch_s, view.now, view.arrivals
         resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
+        if view.experts.size == len(view.active):  # one token each (a decode layer of one request)
+            t_gpu, t_cpu = times[1]
+            hit_on_gpu = t_cpu > t_gpu + launch  # the test below for every resident expert (T_PCIe 0)
+            for expert in view.active:
+                if expert in resident:
+                    (gpu if hit_on_gpu else cpu).append(expert)
+                elif expert in in_flight and t_cpu > t_gpu + launch + max(arrivals.get(expert, now) - now, 0.0):
+                    gpu.append(expert)
+                else:
+                    cpu.append(expert)
+            return gpu, cpu
         for expert, tokens in zip(view.active, view.counts):
             if expert in resident:
                 transfer = 0.0
