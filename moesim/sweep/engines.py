@@ -13,7 +13,7 @@ from moesim.errors import ConfigError
 from moesim.sweep.defaults import FILLED, Defaults, fill_keys, fill_point, fill_stored
 from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, UNRUNNABLE, WORKER_DIED, Finished, columns_of,
                                 describe_error, error_row, input_fingerprint, run_point, with_own_code)
-from moesim.sweep.ray_engine import _run_ray, require_ray
+from moesim.sweep.ray_engine import _run_ray, check_ray_address, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
 from moesim.util import sigint_blocked
@@ -61,6 +61,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
         raise ConfigError(f"workers={workers}", field="--workers", fix="use 1 or more")
     if engine == "ray":
         require_ray()
+        check_ray_address(address)
     points = spec.points()
     check_spec(spec, points)
     started = time.perf_counter()

@@ -86,6 +86,26 @@ def require_ray() -> Any:
     return ray
 
 
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster address ``HOST:PORT`` (or ``ray://HOST:PORT``) that takes no connection is one line now:
+    ``ray.init`` retried it for minutes, printing Ray's own log lines, before the sweep could say anything.
+    ``auto`` (the cluster this machine runs) is left to Ray."""
+    import socket
+    if not address or address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"'{address}' is not a Ray cluster address", field="--address",
+                          fix="give auto or HEAD_IP:PORT, e.g. 10.0.0.1:6379")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, OverflowError) as err:
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise ConfigError(f"no Ray cluster answers at {address}: {reason}", field="--address",
+                          fix="start it (ray start --head on HEAD_IP), check the address, or leave --address out "
+                              "for a local Ray instance") from None
+
+
 @dataclass(frozen=True)
 class ShippedFile:
     """A file put in Ray's object store once; the reference sits in a list so that Ray passes it

@@ -94,6 +94,31 @@ def test_address_needs_the_ray_engine(files, capsys):
     assert code == 2 and "--address needs --engine ray" in capsys.readouterr().err
 
 
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("address, said", [("127.0.0.1:{port}", "no Ray cluster answers at 127.0.0.1:"),
+                                           ("ray://127.0.0.1:{port}", "no Ray cluster answers at ray://127.0.0.1:"),
+                                           ("headnode", "'headnode' is not a Ray cluster address")])
+def test_a_cluster_address_nothing_answers_at_is_one_line_at_once(files, capsys, address, said):
+    """Issue: `moesim sweep SPEC --engine ray --address HOST:PORT` with no cluster there printed Ray's
+    'Failed to connect to GCS' lines for minutes (over 2 minutes in a try) before any line of moesim's.
+    The address is now tried first: one line naming it, exit 2, before any work."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    out = files / "r.parquet"
+    start = time.monotonic()
+    code = main(["sweep", str(write_spec(files, systems=["cpu-only"])), "--out", str(out), "--engine", "ray",
+                 "--address", address.format(port=_closed_port())])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and time.monotonic() - start < 30
+    assert err.splitlines() == [err] and err.startswith("moesim: error: field '--address': ") and said in err
+    assert not out.exists() and not Path(f"{out}.parts").exists()
+
+
 @pytest.mark.slow
 def test_ray_engine_gives_the_local_results(files):
     pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
