@@ -43,3 +43,30 @@ def test_traces_of_one_file_name_are_named_as_the_spec_writes_them(tmp_path, cap
     assert sorted(line.split(", point ")[0] for line in failed_lines(capsys)) == [
         "failed: gpu-only-lru on a/t.parquet / a/hw.yaml (cache.slots_per_layer=6",
         "failed: gpu-only-lru on b/t.parquet / a/hw.yaml (cache.slots_per_layer=6"]
+
+
+@pytest.mark.parametrize("command", [["plot", "--x", "system", "--y", "ttft_ms", "--out", "f.png"],
+                                     ["report", "--no-gantt", "--out", "r.html"]])
+def test_finished_points_not_yet_merged_are_said_to_be_left_out(tmp_path, capsys, command):
+    """Issue: after `kill -9` of a sweep between two merges, `moesim plot OUT` and `moesim report OUT` drew the
+    points OUT held (15 of 39 finished in a try) and said nothing of those waiting in OUT.parts/. Now a note
+    counts them and names the command that merges them."""
+    import pandas as pd
+
+    from moesim.sweep import load_spec, run_sweep
+    write_sweep_files(tmp_path, seed=5)
+    out = tmp_path / "r.parquet"
+    run_sweep(load_spec(write_spec(tmp_path, systems=["cpu-only", "gpu-only-lru"])), out, workers=1)
+    args = [command[0], str(out), *(str(tmp_path / a) if a.endswith((".png", ".html")) else a for a in command[1:])]
+    assert main(args) == 0
+    assert "not merged" not in capsys.readouterr().err  # a complete sweep: nothing waits
+    parts = tmp_path / "r.parquet.parts"
+    parts.mkdir()
+    waiting = pd.read_parquet(out).head(1).assign(point_id="0123456789abcdef")
+    waiting.to_parquet(parts / "0123456789abcdef.parquet")
+    (parts / ".lock").write_text("")
+    assert main(args) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "not merged" in line]
+    assert notes == [f"note: {out}: 1 finished point(s) in {parts}/ are not merged into it yet and are left out "
+                     f"(a sweep still running, or one stopped by kill -9; the same `moesim sweep SPEC.yaml --out "
+                     f"{out}` command merges them)"]
