@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `moesim trace inspect T --json - | head`: the reader has what it wanted,
                 stream_to_devnull(sys.stdout)  # and what the command wrote lands
     except MoesimError as err:
+        if debug and err.__cause__ is not None:  # a fault in a policy of one's own: where in its code
+            _say_cause(err.__cause__)
         _say(f"moesim: error: {err}")
         return err.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as err:
@@ -109,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         _say(_internal_error(err))
         return 1
     return code
+
+
+def _say_cause(cause: BaseException) -> None:
+    """The traceback of what a one-line error was raised from (a policy of one's own that raised): --debug
+    showed the one line alone, whose fix points to that traceback."""
+    import traceback
+    sys.stderr.write("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
 
 
 def _expand_home(args: list[str]) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moesim.cli import cli, main
+from tests.policy.test_imports import forget  # noqa: F401 (a fixture)
 
 
 def _interrupted(**params: object) -> None:
@@ -112,3 +113,42 @@ def test_an_empty_input_path_is_refused_naming_its_option(args, field, files, ca
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"moesim: error: field '{field}': the path is empty") and err.count("\n") == 1, err
+
+
+#: a system of one's own whose cache raises at its first decode step
+FAULTY_POLICY = '''
+from dataclasses import dataclass
+
+from moesim.policy.cache import LRUCache
+from moesim.policy.systems import SystemSpec, register_component, register_system
+
+
+@register_component
+@dataclass
+class FaultyCache(LRUCache):
+    name = "faulty-debug-cache"
+
+    def touch(self, view, used):
+        raise ZeroDivisionError("a slip in touch")
+
+
+register_system("faulty-debug-sys", SystemSpec("LRU that fails", cache="faulty-debug-cache", assign="gpu"))
+'''
+
+
+def test_debug_shows_where_a_policy_of_ones_own_failed(files, tmp_path, capsys, forget):
+    """Issue: a policy of one's own that raised was one line whose fix said "this error's __cause__ holds its
+    traceback", and --debug printed the same line alone: nothing showed the line of the policy that raised.
+    With --debug the cause's traceback comes first; without it, the one line stays alone."""
+    trace, hw = files
+    module = tmp_path / "faulty_policy.py"
+    module.write_text(FAULTY_POLICY)
+    args = ["--import", str(module), "replay", trace, "--hw", hw, "--system", "faulty-debug-sys"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "a slip in touch" in err
+    assert main([*args, "--debug"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert any(str(module) in line and "in touch" in line for line in lines)
+    assert lines[-2] == "ZeroDivisionError: a slip in touch" and lines[-1].startswith("moesim: error: ")
