@@ -219,8 +219,10 @@ def system_choice(values: tuple[str, ...] | list[str] | str) -> tuple[list[str],
         raise MoesimError("no system given", field="--system", fix="e.g. --system gpu-only-lru or --system all")
     if "all" in names:
         return system_names(), True
+    from moesim.policy.systems import check_system_name
     from moesim.sim.run import members
     for name in names:
+        check_system_name(name, or_all=True)  # one line that offers 'all' too, which --system takes
         members(name)  # an unknown name fails now, before anything runs
     return list(dict.fromkeys(names)), False  # in the order given, each once
 

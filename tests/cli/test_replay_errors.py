@@ -31,6 +31,8 @@ def test_an_unknown_system_in_a_list_fails_before_any_replay(files, capsys):
 
 @pytest.mark.parametrize("args, words", [
     (["--system", "nope"], ["unknown system 'nope'", "cpu-only", "oracle"]),
+    # the systems listed left out 'all', which --system takes
+    (["--system", "nope"], ["smoe-flex, all; a system of one's own"]),
     (["--system", "gpu-only-lru", "--set", "cache.nope=1"], ["unknown parameter 'cache.nope'", "engine.*"]),
     (["--system", "gpu-only-lru", "--set", "cache.slots_per_layer=7"], ["outside [0, 6]"]),
     (["--system", "gpu-only-lru", "--set", "hw.gpu.memory_gib=1.2"], ["does not fit", "GiB", "slots"]),
