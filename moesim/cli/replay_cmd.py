@@ -430,8 +430,25 @@ def _system_json(name: str) -> dict:
     return {"name": name, "description": SYSTEMS[name].description,
             "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
                            for key, doc, note in rows if doc is None],
-            "parameters": [{"key": key, "default": doc.default, "type": doc.type, "unit": doc.unit,
-                            "meaning": doc.meaning} for key, doc, _ in rows if doc is not None]}
+            "parameters": [{"key": key, "default": _typed(doc.default, doc.type), "type": doc.type,
+                            "unit": doc.unit, "meaning": doc.meaning} for key, doc, _ in rows if doc is not None]}
+
+
+def _typed(default: object, kind: str) -> object:
+    """A default as a JSON value of its parameter's type: a system's own default is kept as the ``--set``
+    string that sets it, and ``moesim systems smoe-flex --json -`` gave prefetch.n "3" where smoe's reads -1."""
+    if not isinstance(default, str):
+        return default
+    try:
+        if kind == "int":
+            return int(default)
+        if kind == "float":
+            return float(default)
+    except ValueError:  # a per-layer list, say: as written
+        return default
+    if kind == "bool" and default.lower() in ("true", "false"):
+        return default.lower() == "true"
+    return default
 
 
 def _print_system(name: str) -> None:

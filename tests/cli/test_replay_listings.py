@@ -27,6 +27,19 @@ def test_systems_as_json_list_every_system_and_a_systems_parameters(capsys):
     assert (n["default"], n["type"]) == (-1, "int") and "Table I" in n["meaning"]
 
 
+@pytest.mark.parametrize("system, key, default", [("smoe-flex", "prefetch.n", 3),
+                                                  ("smoe-flex", "prefetch.flex_off_fraction", 0.5),
+                                                  ("fiddler", "engine.staging_slots", 1)])
+def test_a_systems_own_default_is_a_json_value_of_its_type(capsys, system, key, default):
+    """Issue: `moesim systems smoe-flex --json -` gave prefetch.n's default as "3" (the string of the system's
+    own --set default) where smoe's reads -1, so `jq '.default > 2'` failed on a string; every default of an
+    int, float or bool parameter is now a number or a boolean."""
+    code, out, _ = run(["systems", system, "--json", "-"], capsys)
+    parameters = json.loads(out)["parameters"]
+    assert code == 0 and next(p["default"] for p in parameters if p["key"] == key) == default
+    assert not [p for p in parameters if p["type"] in ("int", "float", "bool") and isinstance(p["default"], str)]
+
+
 def test_replay_listings_with_json_to_stdout_print_json_only(capsys):
     """`replay --help-metrics --json -` and `--help-params --json -` printed their tables on stdout (jq failed)."""
     from moesim.analysis.metrics import METRIC_DOCS
