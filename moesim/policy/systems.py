@@ -6,13 +6,13 @@ registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from moesim.errors import ConfigError, TraceFormatError, did_you_mean
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import AllCPU, AllGPU, Assignment, BestSplit, ResidentOnGPU
-from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, kept_rewrites
+from moesim.policy.base import Component, LayerPlan, LayerView, RunContext, kept_rewrites, split_plan
 from moesim.policy.cache import (AllResident, BeladyCache, CachePolicy, LRUCache, NoCache, SlotSpread, StaticCache,
                                  make_room)
 from moesim.policy.checked import check_users_policies, is_catalogue
@@ -128,9 +128,19 @@ class ComposedSystem:
                 plan.cpu = [e for e in plan.cpu if e not in deferred]
         return plan
 
+    def planner(self) -> Callable[[LayerView], LayerPlan]:
+        """What an executor calls for each layer, fetched once per run: :meth:`plan`, or :meth:`_place` itself
+        where plan would only call it (a system that neither substitutes nor defers, and whose ``plan`` is
+        this class's and not replaced on the instance): the same plans, one call fewer per layer."""
+        plan = self.plan
+        if getattr(plan, "__func__", None) is ComposedSystem.plan and not self._substituting \
+                and not self._deferring:
+            return self._place
+        return plan
+
     def _place(self, view: LayerView) -> LayerPlan:
         gpu, cpu = self.assign.split(view)
-        plan = LayerPlan(None, cpu)  # positional: a fifth cheaper than by keyword, every layer
+        plan = split_plan([], cpu)  # every layer: without calling the class
         if not gpu:
             if self._prefetching:
                 self._plan_prefetch(view, plan)

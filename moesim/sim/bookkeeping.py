@@ -59,6 +59,14 @@ def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int,
     ``count`` maps experts to their tokens; None when every expert has one token. ``prefetched``: this
     layer's experts prefetched and not used since.
     """
+    account_placement(c, view, plan, count, resident, prefetched)
+    account_moves(c, plan)
+
+
+def account_placement(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int, int] | None,
+                      resident: set[int], prefetched: set[int]) -> None:
+    """:func:`account_plan`'s count of the activations and where they ran: all a plan of CPU and GPU experts
+    alone needs counted (the simulator's short path)."""
     c.activations += view.experts.size
     c.distinct_activations += len(view.active)
     if resident:
@@ -72,6 +80,10 @@ def account_plan(c: Counters, view: LayerView, plan: LayerPlan, count: dict[int,
         c.gpu_activations += len(plan.gpu) if count is None else sum(map(count.__getitem__, plan.gpu))
     if plan.cpu:
         c.cpu_activations += len(plan.cpu) if count is None else sum(map(count.__getitem__, plan.cpu))
+
+
+def account_moves(c: Counters, plan: LayerPlan) -> None:
+    """:func:`account_plan`'s count of the copies, evictions, rewrites and deferred experts a plan makes."""
     if plan.loads or plan.streamed or plan.prefetches or plan.evictions:
         c.demand_loads += len(plan.loads)
         c.streamed += len(plan.streamed)

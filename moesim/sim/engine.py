@@ -36,11 +36,11 @@ import simpy
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts
+from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts, layer_view
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
-from moesim.sim.bookkeeping import (Counters, account_plan, check_plan, placement_decisions, substitution_mass,
-                                   weight_mass)
+from moesim.sim.bookkeeping import (Counters, account_moves, account_placement, check_plan, placement_decisions,
+                                   substitution_mass, weight_mass)
 from moesim.sim.config import SimConfig
 from moesim.sim.copies import CopyEngines, Transfer
 from moesim.sim.dram import Ledger
@@ -54,6 +54,9 @@ from moesim.trace.schema import PHASES
 
 #: steps a prefetch may wait in the copy queue before the run's end without a note that the queue fell behind
 BACKLOG_STEPS = 2
+#: the streamed experts and staged copies of a plan that streams nothing (read, never changed)
+NOTHING: tuple[int, ...] = ()
+NONE_STAGED: dict[int, Transfer] = {}
 #: breakdown categories of a step's work outside its MoE layers, besides the dense layers' attention
 FIXED_CATEGORIES = ("dense_ffn", "embedding", "lm_head", "sampling", "launch", "host")
 
@@ -81,6 +84,9 @@ class Simulator(Transfers, Tracks):
         self.counters = Counters()
         self.timeline: list[tuple] | None = [] if self.config.timeline else None
         self.decisions: list[tuple] | None = [] if self.config.decisions else None
+        # every plan through _execute, the general path, even one of CPU and GPU experts alone: the decision log
+        # is kept there (tests set it to compare the two paths)
+        self._execute_all = self.decisions is not None
         #: per layer, the transfer making each expert resident (loads and prefetches in flight): indexed by
         #: layer, then expert, so the hot lookups build no (layer, expert) keys
         self.pending: list[dict[int, Transfer]] = [{} for _ in memory.capacity]
@@ -124,6 +130,7 @@ class Simulator(Transfers, Tracks):
         self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
         self._rows: OneRowLayers | None = None  # the rows of the step ``run_step`` runs, split by layer
         self._context = 0  # the context length of the step ``run_step`` runs (its views carry it)
+        self._empty: dict = {}
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
                               trace_path=trace_path, seed=seed, columns=columns)
         #: called with each step's record once it ends; True ends the replay there (moesim.sim.portfolio)
@@ -146,6 +153,7 @@ class Simulator(Transfers, Tracks):
                          for layer, quota in enumerate(self.memory.cache_quota)]
         for layer, experts in enumerate(self._initial):
             self.cache.preload(layer, experts)
+        self._plan = self.system.planner()  # fetched once: plan() runs for every layer
         return self.env.process((driver or self._forward)())
 
     def stop_reading(self) -> None:
@@ -278,6 +286,7 @@ class Simulator(Transfers, Tracks):
         if self.timeline is not None:
             self._step_spans(step.step, start, t, tokens, before=True)
         self._rows = step.one_row_layers()
+        self._empty = {}  # the step's views' arrivals and predictors where they have none
         attention = self._attention_s(tokens, context)
         for layer, rows in step.layers():
             # a layer attends over the step's tokens (an imported trace may log a layer's rows differently)
@@ -327,22 +336,22 @@ class Simulator(Transfers, Tracks):
 
     def _view(self, step: Step, layer: int, rows: slice, phase: str, now: float) -> LayerView:
         in_flight = self.cache.in_flight[layer]
-        arrivals = self.pcie.estimate_ends(in_flight, self.pending[layer]) if in_flight else {}
-        predictors = {k: v[rows] for k, v in step.predictors.items()} if step.predictors else {}
+        # no arrivals, no predictors: the step's one empty dict, which views only read
+        arrivals = self.pcie.estimate_ends(in_flight, self.pending[layer]) if in_flight else self._empty
+        predictors = {k: v[rows] for k, v in step.predictors.items()} if step.predictors else self._empty
         one_row = self._rows
         if one_row is not None:  # a decode step of one sequence: its layers' rows were split at its start
-            i = rows.start
-            active = one_row.active[i]  # the validated trace row has distinct experts
-            return LayerView(step.step, layer, phase, one_row.experts[i], active, [1] * len(active), self.cache,
-                             self.costs, one_row.weights[i], one_row.scores[i], predictors, now, arrivals,
-                             self.expert_launch_s, self.shared_launch_s, one_row.request[i], self._context)
+            i = rows.start  # the validated trace row has distinct experts: one token each
+            return layer_view(step.step, layer, phase, one_row.experts[i], one_row.active[i], one_row.ones,
+                              self.cache, self.costs, one_row.weights[i], one_row.scores[i], predictors, now,
+                              arrivals, self.expert_launch_s, self.shared_launch_s, one_row.request[i], self._context)
         experts = step.experts[rows]
         if rows.stop - rows.start == 1:  # one token: the validated trace row has distinct experts
             active = experts[0].tolist()
             counts = [1] * len(active)
         else:
             active, counts = active_experts(experts, self.model.num_experts)
-        return LayerView(
+        return layer_view(
             step.step, layer, phase, experts, active, counts, self.cache, self.costs,
             None if step.weights is None else step.weights[rows],
             None if step.scores is None else step.scores[rows],
@@ -370,7 +379,7 @@ class Simulator(Transfers, Tracks):
             self.dram.prune(t1)
 
         view = self._view(step, layer, rows, phase, t1)
-        plan = self.system.plan(view)
+        plan = self._plan(view)
         if plan.substitutions:
             view = self._substitute(view, plan)
         if self._check:
@@ -378,9 +387,49 @@ class Simulator(Transfers, Tracks):
         # one token per expert (every decode layer): no per-expert counts needed
         count = None if len(view.active) == view.experts.size else dict(zip(view.active, view.counts))
         resident = self.cache.resident[layer]
-        if self.decisions is not None:
-            resident_at_plan = set(resident)
-        account_plan(counters, view, plan, count, resident, self.prefetched[layer])
+        resident_at_plan = set(resident) if self.decisions is not None else resident
+        account_placement(counters, view, plan, count, resident, self.prefetched[layer])
+        if not (plan.loads or plan.streamed or plan.prefetches or plan.evictions or plan.writebacks or plan.deferred
+                or plan.substitutions or plan.overhead_s or plan.cancel_queued_prefetches
+                or plan.prefetch_after_predict is not None or self._execute_all):
+            # experts computed where they are and nothing else (every cpu-only layer, a layer of hits): what
+            # _execute does for such a plan, without its tests (account_moves would count nothing)
+            cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
+            gpu_end = self._gpu_track(plan.gpu, NOTHING, NONE_STAGED, count, s, layer, tokens, t1)
+            deferred_end, carried = 0.0, None
+        else:
+            cpu_end, gpu_end, deferred_end, carried = self._execute(view, plan, count, resident_at_plan, s, tokens,
+                                                                    t1)
+        # the previous layer's deferred experts are added into this layer's output
+        cpu_side = cpu_end if cpu_end > self.deferred_until else self.deferred_until
+        end = gpu_end if gpu_end > cpu_side else cpu_side
+        if cpu_side > gpu_end:
+            # the syncs' part past the GPU track [sync], the rest [cpu_other]: inline, as every CPU layer runs it
+            stop = self._sync_to
+            past = stop - (self._sync_from if self._sync_from > gpu_end else gpu_end) if stop > gpu_end else 0.0
+            if self._carried_to > gpu_end:
+                past += self._past_carried(gpu_end)
+            breakdown = counters.breakdown
+            breakdown["sync"] += past
+            breakdown["cpu_other"] += cpu_side - gpu_end - past
+        self.deferred_until = deferred_end
+        if carried is not None:
+            self._carried_from, self._carried_to = carried
+            counters.deferred_weight_mass += weight_mass(view, plan.deferred)
+            if layer == self.model.num_layers - 1 and self.deferred_until > end:  # nothing later to overlap with
+                past = self._past_carried(end)
+                counters.breakdown["sync"] += past
+                counters.breakdown["cpu_other"] += self.deferred_until - end - past
+                end = self.deferred_until
+        return end
+
+    def _execute(self, view: LayerView, plan: LayerPlan, count: dict[int, int] | None, resident_at_plan: set[int],
+                 s: int, tokens: int, t1: float) -> tuple[float, float, float, tuple[float, float] | None]:
+        """Carry a plan out from ``t1``: its overhead, evictions, copies, CPU and GPU tracks and deferred work.
+        Returns when the CPU track, the GPU track and the deferred work end (0.0: none) and, with deferred work,
+        its sync (``_carried_from``, ``_carried_to``), which the caller sets once the layer is joined."""
+        counters, layer, pcie = self.counters, view.layer, self.pcie
+        account_moves(counters, plan)  # the rest of account_plan
         if plan.overhead_s:
             # the plan's own time (a predictor's or scheduler's decision, cache bookkeeping, a wait for copies)
             # is host work the stream waits for before the layer's experts, as kernel launches are: critical-path
@@ -405,7 +454,8 @@ class Simulator(Transfers, Tracks):
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu), s, layer)
         loaded = None
         if plan.loads or plan.writebacks:
-            if count is None and tl is None and not plan.streamed and len(plan.writebacks) <= len(plan.loads) \
+            if count is None and self.timeline is None and not plan.streamed \
+                    and len(plan.writebacks) <= len(plan.loads) \
                     and not ((plan.cpu or plan.deferred) and self._contends(plan.cpu or plan.deferred, None)) \
                     and pcie.idle_at(t1):
                 loaded = self._load_at_once(layer, plan.loads, plan.writebacks, s, t1)
@@ -413,17 +463,17 @@ class Simulator(Transfers, Tracks):
                 self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
         staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else {}
-        predict = plan.prefetch_after_predict  # None but for 004's timing: the one test the others pay
+        predict = plan.prefetch_after_predict  # None but for 004's timing
         if plan.prefetches and not plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer, t1)
 
         cpu_end = self._cpu_track(plan.cpu, count, s, layer, t1)
-        deferred_end = 0.0
+        deferred_end, carried = 0.0, None
         if plan.deferred:
             # deferred work follows the immediate experts' submission; with none, it is the submission. Laid out
             # before the GPU track: where it shares host DRAM with a copy it slows the copy (re-laid), and a GPU
             # expert must wait for that copy's new end. The previous layer's deferred sync stays for the
-            # breakdown below; this layer's is kept until then
+            # layer's join; this layer's is kept until then
             before = self._carried_from, self._carried_to
             deferred_end = self._cpu_track(plan.deferred, count, s, layer, cpu_end, kind="deferred",
                                            sync=not plan.cpu)
@@ -435,28 +485,7 @@ class Simulator(Transfers, Tracks):
                 self._prefetch(plan, s, layer, gpu_end)
         else:
             gpu_end = self._gpu_predicting(plan, predict, staged, count, s, layer, tokens, t1, loaded)
-        # the previous layer's deferred experts are added into this layer's output
-        cpu_side = cpu_end if cpu_end > self.deferred_until else self.deferred_until
-        end = gpu_end if gpu_end > cpu_side else cpu_side
-        if cpu_side > gpu_end:
-            # the syncs' part past the GPU track [sync], the rest [cpu_other]: inline, as every CPU layer runs it
-            stop = self._sync_to
-            past = stop - (self._sync_from if self._sync_from > gpu_end else gpu_end) if stop > gpu_end else 0.0
-            if self._carried_to > gpu_end:
-                past += self._past_carried(gpu_end)
-            breakdown = counters.breakdown
-            breakdown["sync"] += past
-            breakdown["cpu_other"] += cpu_side - gpu_end - past
-        self.deferred_until = deferred_end
-        if plan.deferred:
-            self._carried_from, self._carried_to = carried
-            counters.deferred_weight_mass += weight_mass(view, plan.deferred)
-            if layer == self.model.num_layers - 1 and self.deferred_until > end:  # nothing later to overlap with
-                past = self._past_carried(end)
-                counters.breakdown["sync"] += past
-                counters.breakdown["cpu_other"] += self.deferred_until - end - past
-                end = self.deferred_until
-        return end
+        return cpu_end, gpu_end, deferred_end, carried
 
     def _past_carried(self, t: float) -> float:
         """The part of the last deferred work's sync that runs past ``t``."""

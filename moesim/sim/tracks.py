@@ -7,7 +7,7 @@ the simulator's memoised costs, cache, pending copies and counters.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
@@ -160,7 +160,7 @@ class Tracks:
             return gpu_t
         return self._gpu_track(rest, plan.streamed, staged, count, s, layer, tokens, gpu_t, loaded, shared=False)
 
-    def _gpu_track(self, experts: list[int], streamed: list[int], staged: dict[int, Transfer],
+    def _gpu_track(self, experts: list[int], streamed: Sequence[int], staged: dict[int, Transfer],
                    count: dict[int, int] | None, s: int, layer: int, tokens: int, t1: float,
                    loaded: dict[int, float] | None = None, shared: bool = True) -> float:
         """Shared experts (unless not ``shared``), then GPU experts in plan order, each once its weights are

@@ -219,7 +219,8 @@ class Step:
         request = [self.request[:1]] * len(self.layer) if one_request else _one_row_views(self.request)
         return OneRowLayers(_one_row_views(self.experts), self.experts.tolist(), request,
                             absent if self.weights is None else _one_row_views(self.weights),
-                            absent if self.scores is None else _one_row_views(self.scores))
+                            absent if self.scores is None else _one_row_views(self.scores),
+                            [1] * self.experts.shape[1])
 
 
 @dataclass(slots=True)
@@ -234,6 +235,8 @@ class OneRowLayers:
     request: list[np.ndarray]
     weights: list[np.ndarray | None]
     scores: list[np.ndarray | None]
+    #: every row's token count per expert, one each (one list for all rows: views only read it)
+    ones: list[int]
 
 
 def _one_row_views(array: np.ndarray) -> list[np.ndarray]:
