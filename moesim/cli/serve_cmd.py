@@ -162,13 +162,15 @@ def serving_metric_docs() -> dict[str, MetricDoc]:
         "kv_tokens": MetricDoc("tokens", "KV entries the requests had: workload.kv_tokens, or what the GPU memory "
                                          "beside the expert cache holds; -1: unlimited (a system that ignores "
                                          "GPU memory)"),
-        "kv_peak_tokens": MetricDoc("tokens", "most KV entries (tokens) held during one engine step"),
+        "kv_peak_tokens": MetricDoc("tokens", "most KV entries written (tokens computed) during one engine step; "
+                                              "entries allocated but not yet written are not counted"),
         "kv_block_tokens": MetricDoc("tokens", "KV entries per block the scheduler allocates "
                                                "(scheduler.kv_block_tokens; 1: per token)"),
         "kv_blocks": MetricDoc("blocks", "the KV budget in whole blocks: kv_tokens // kv_block_tokens; -1: "
                                          "unlimited"),
-        "kv_peak_blocks": MetricDoc("blocks", "most KV blocks held during one engine step (a request of n tokens "
-                                              "holds ceil(n / kv_block_tokens))"),
+        "kv_peak_blocks": MetricDoc("blocks", "most KV blocks held during one engine step, allocated ones not yet "
+                                              "written included (scheduler.kv_allocation=prompt, as vllm and sarathi "
+                                              "run, allocates a prompt's blocks when it is admitted)"),
         "kv_watermark_blocks": MetricDoc("blocks", "blocks a waiting request's admission had to leave free "
                                                    "(scheduler.kv_watermark of kv_blocks, rounded down)"),
         "kv_tokens_set": MetricDoc("", "true where workload.kv_tokens set the KV budget, false where it is what "

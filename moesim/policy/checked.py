@@ -338,7 +338,7 @@ def _own_line(err: BaseException) -> str:
 def _raised(who: str, view: LayerView | None, err: Exception) -> PolicyError:
     text = " ".join(str(err).split())
     return _fault(who, view, f"raised {type(err).__name__}{': ' + text if text else ''}{_own_line(err)}",
-                  f"{_unread_column(view, err) or _OWN_CODE}; this error's __cause__ holds its traceback")
+                  f"{_unread_column(view, err) or _OWN_CODE}; its traceback: --debug on the command line, this error's __cause__ in Python")
 
 
 _OWN_CODE = "the fault is in the policy's own code"

@@ -147,6 +147,7 @@ def test_debug_shows_where_a_policy_of_ones_own_failed(files, tmp_path, capsys, 
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "a slip in touch" in err
+    assert "its traceback: --debug on the command line" in err  # the fix a command-line user can follow
     assert main([*args, "--debug"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0] == "Traceback (most recent call last):"
