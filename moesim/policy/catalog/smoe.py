@@ -62,7 +62,7 @@ from moesim.errors import ConfigError
 from moesim.hw.cost import roofline_s
 from moesim.model.spec import ModelSpec
 from moesim.policy.assign import Assignment
-from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, expert_times
+from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, expert_times, split_plan
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
@@ -576,7 +576,7 @@ class SMoESystem(ComposedSystem):
         (Fixed-N) loads its picks into the layer's free slots and evicts the least frequently used for
         the rest."""
         gpu, cpu = self.assign.split(view)
-        plan = LayerPlan(gpu, cpu)
+        plan = split_plan(gpu, cpu)
         layer, state = view.layer, view.cache
         in_flight = state.in_flight[layer]
         if in_flight and gpu:
