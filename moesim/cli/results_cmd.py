@@ -274,8 +274,8 @@ def report_cmd(results: str, out: str, gantt: bool, title: str | None) -> None:
         write_report(frame, path, title=title or Path(results).name, gantt=gantt, source=results, missing=missing)
     say_wrote(console, f"wrote {out}")
     _note_unmerged(results, frame)
-    for reason in missing:
-        console.print(f"[yellow]note:[/] {escape(reason)}", highlight=False, markup=True)
+    for reason in missing:  # notes on stderr, as `moesim plot` gives them: stdout keeps the "wrote" line alone
+        err_console.print(f"[yellow]note:[/] {escape(reason)}", highlight=False, markup=True)
     for warning in caught:  # as `moesim plot` says it (the figure says it too), not as a Python warning
         if issubclass(warning.category, UnevenMeans):
             err_console.print(f"note: {warning.message}", highlight=False, markup=False)

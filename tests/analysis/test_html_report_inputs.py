@@ -59,7 +59,8 @@ def test_results_without_a_trace_column_say_why_there_is_no_gantt(tmp_path, caps
     code = main(["report", str(path), "--out", str(tmp_path / "report.html")])
     said = capsys.readouterr()
     assert code == 0 and "internal error" not in said.err + said.out
-    assert "no Gantt chart: field 'trace': the point has no 'trace'" in said.out
+    assert "no Gantt chart: field 'trace': the point has no 'trace'" in said.err  # a note: stderr, as plot's
+    assert said.out.strip() == f"wrote {tmp_path / 'report.html'}"
 
 
 def test_results_without_systems_are_one_line_naming_the_file_and_column(tmp_path, capsys):
