@@ -91,7 +91,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     given = settings_from(settings, **params)
     timeline, decisions = (kept(name, flag, given) for name, flag in (("timeline", timeline),
                                                                       ("decisions", decisions)))
-    with keyword_fields(params):
+    with keyword_fields(params, settings):
         result = simulate(trace, hw, system, given, model_preset=model, seed=int(seed), timeline=timeline,
                           decisions=decisions)
     raw = add_lower_bound(metrics(result), result, trace, hw, system, given)
@@ -352,7 +352,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
     checked_run_inputs(hw, seed, system)
     try:
-        with keyword_fields(params):
+        with keyword_fields(params, settings):
             # workload__cv=4 with Poisson arrivals would change nothing; named as the caller gave it
             spelled = {**{key.replace("__", "."): key for key in params},
                        **{key: key.removeprefix("workload.") for key in short if key not in (settings or {})}}

@@ -37,25 +37,38 @@ def python_names() -> Any:
         err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
         name = PYTHON_NAMES.get(err.field or "")
         if err.field == "--set":
-            key = re.search(r"parameter '([^']+)'", err.detail)
-            name = key.group(1).replace(".", "__") if key else "settings"
+            key = set_parameter(err)
+            name = key.replace(".", "__") if key else "settings"
         if name is None:
             raise
         err.rename_field(name)
         raise
 
 
+def set_parameter(err: MoesimError) -> str | None:
+    """The dotted key an error about one ``--set`` parameter (field ``--set``) names in its text."""
+    key = re.search(r"parameter '([^']+)'", err.detail)
+    return key.group(1) if key else None
+
+
 @contextlib.contextmanager
-def keyword_fields(params: Mapping[str, Any]) -> Any:
+def keyword_fields(params: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> Any:
     """An error about a parameter given as a keyword argument names that keyword (``cache__alpha``), as the
     caller spelled it, not the dotted ``--set`` key (``cache.alpha``); a profile field an ``hw__`` keyword set
-    (``gpu.memory_gib`` of ``hw__gpu__memory_gib``) too."""
+    (``gpu.memory_gib`` of ``hw__gpu__memory_gib``) too. A parameter from the ``settings`` dict is named by its
+    key there (an unknown one was named as a keyword the caller never wrote: ``cache__slots_per_layr`` for
+    ``settings={"cache.slots_per_layr": 2}``)."""
     try:
         yield
     except MoesimError as err:
         names = {sweep_module.normalize_key(k): k for k in params}
         field_ = err.field or ""
-        name = names.get(field_) or (names.get(f"hw.{field_}") if "." in field_ else None)
+        if field_ == "--set":
+            key = set_parameter(err) or ""
+            in_settings = {sweep_module.normalize_key(k): str(k) for k in (settings or {})}
+            name = names.get(key) or in_settings.get(key)
+        else:
+            name = names.get(field_) or (names.get(f"hw.{field_}") if "." in field_ else None)
         if name is not None:
             err.rename_field(name)
         raise

@@ -202,6 +202,10 @@ def test_bad_parameter_is_the_usual_one_line_error(files):
     (lambda trace, hw: moesim.serve(trace, hw=hw, requests=2, engine__staging_slots=0), "engine__staging_slots"),
     # given as a dict of dotted keys, it keeps the dotted key
     (lambda trace, hw: moesim.replay(trace, hw=hw, settings={"engine.staging_slots": 0}), "engine.staging_slots"),
+    # an unknown key of the dict too (named as the keyword cache__slots_per_layr, which the caller never wrote)
+    (lambda trace, hw: moesim.replay(trace, hw=hw, settings={"cache.slots_per_layr": 2}), "cache.slots_per_layr"),
+    (lambda trace, hw: moesim.serve(trace, hw=hw, requests=2, settings={"cache.slots_per_layr": 2}),
+     "cache.slots_per_layr"),
 ])
 def test_api_errors_name_the_keyword_not_the_command_line_option(files, call, field):
     """The command line says --system and --set; a Python caller gave system= and cache__alpha=."""
