@@ -51,8 +51,8 @@ from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
 from moesim.analysis.runs import ReplayResult, load_replay, step_frame  # noqa: F401 - moesim.api's names
 from moesim.api_args import (DEFAULT_HW, DEFAULT_SYSTEM, checked_flags, checked_keywords, checked_requests,
-                             checked_run_inputs, checked_settings, checked_sweep_inputs, checked_trace, keyword_fields,
-                             kept, profile_label, python_names, settings_from)
+                             checked_run_inputs, checked_settings, checked_sweep_inputs, checked_trace, existing_trace,
+                             keyword_fields, kept, profile_label, python_names, settings_from)
 from moesim.api_spec import one_type_per_column, plain_spec
 from moesim.util import warn_at_caller
 
@@ -226,7 +226,7 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
                           field="steps", fix="e.g. steps=40")
     if requests is not None:
         requests = checked_requests(requests)
-    read_meta(trace)
+    read_meta(existing_trace(trace))
     table = read_table(trace)
     mask = None
     if steps is not None:
@@ -310,7 +310,7 @@ def _trace_paths(traces: Any) -> list[str]:
     """``traces`` as a list of paths: one path, or a sequence of one or more; one line otherwise (an empty list
     reached the first trace's index)."""
     if isinstance(traces, (str, os.PathLike)):
-        return [os.fspath(traces)]
+        return [existing_trace(traces, field="traces")]
     if not isinstance(traces, Sequence) or not all(isinstance(t, (str, os.PathLike)) for t in traces):
         raise ConfigError(f"traces must be a trace path or a list of them, got {traces!r}", field="traces",
                           fix="e.g. moesim.serve('traces/mixtral-8x7b-humaneval.parquet', ...)")
@@ -318,7 +318,7 @@ def _trace_paths(traces: Any) -> list[str]:
         raise ConfigError("no trace given", field="traces",
                           fix="give a trace path, or a list of one or more (e.g. ['traces/mixtral-8x7b-humaneval."
                               "parquet'])")
-    return [os.fspath(t) for t in traces]
+    return [existing_trace(t, field="traces") for t in traces]
 
 
 @python_names()

@@ -184,11 +184,34 @@ def kept(name: str, flag: bool | None, given: Mapping[str, str]) -> bool | None:
 def checked_trace(trace: Any) -> str:
     """``trace`` as one path; one line for anything else (a list read as a missing file named "['a.parquet']")."""
     if isinstance(trace, (str, os.PathLike)):
-        return os.fspath(trace)
+        return existing_trace(trace)
     several = isinstance(trace, Sequence) and all(isinstance(t, (str, os.PathLike)) for t in trace)
     raise ConfigError(f"trace must be one trace file's path, got {trace!r}", field="trace",
                       fix="replay one trace per call; moesim.sweep({'traces': [...], ...}) replays several"
                       if several else "e.g. 'traces/mixtral-8x7b-humaneval.parquet'")
+
+
+def existing_trace(trace: str | os.PathLike, field: str = "trace") -> str:
+    """``trace`` as a path string; for a file that is not there, one line saying where it was looked for. A
+    notebook's kernel runs in the notebook's folder, so ``traces/...`` written as from the repository's root
+    was "file not found (fix: check the path)", with neither the folder nor :func:`moesim.bundled_trace` named."""
+    from moesim.errors import TraceFormatError
+    path = os.fspath(trace)
+    if os.path.lexists(path):
+        return path
+    absolute = os.path.abspath(path)
+    where = "" if os.path.isabs(path) else f" (looked at {absolute}: a relative path starts at the working folder)"
+    bundled = bundled_name(path)
+    fix = f"moesim.bundled_trace({bundled!r}) gives the bundled trace's path from any folder" if bundled \
+        else "check the path" + ("" if os.path.isabs(path) else ", or give it as an absolute one")
+    raise TraceFormatError(f"file not found{where}", source=path, field=field, fix=fix)
+
+
+def bundled_name(path: str) -> str | None:
+    """The name of the bundled trace ``path`` names by its file name, if any."""
+    from moesim.api import TRACE_DIR
+    name = os.path.basename(path).removesuffix(".parquet")
+    return name if name and (TRACE_DIR / f"{name}.parquet").is_file() else None
 
 
 def profile_label(hw: Any) -> str:

@@ -1,0 +1,38 @@
+"""The Python API as a notebook session uses it: paths relative to the kernel's folder, cells run again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import moesim
+from moesim.errors import TraceFormatError
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda trace: moesim.replay(trace), "trace"),
+    (lambda trace: moesim.replay(Path(trace)), "trace"),
+    (lambda trace: moesim.serve(trace, requests=2), "traces"),
+    (lambda trace: moesim.serve([trace], requests=2), "traces"),
+])
+def test_a_bundled_trace_named_from_another_folder_points_to_bundled_trace(tmp_path, monkeypatch, call, field):
+    """A kernel runs in the notebook's folder: 'traces/...' written as from the repository's root was
+    'file not found (fix: check the path)', naming neither the folder looked in nor moesim.bundled_trace."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TraceFormatError) as err:
+        call("traces/mixtral-8x7b-humaneval.parquet")
+    text = str(err.value)
+    assert err.value.field == field
+    assert f"looked at {tmp_path / 'traces' / 'mixtral-8x7b-humaneval.parquet'}" in text
+    assert "moesim.bundled_trace('mixtral-8x7b-humaneval')" in text
+
+
+def test_a_missing_trace_of_ones_own_names_the_folder_it_was_looked_for_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TraceFormatError, match="working folder") as err:
+        moesim.replay("runs/mine.parquet")
+    assert str(tmp_path / "runs" / "mine.parquet") in str(err.value) and "bundled_trace" not in str(err.value)
+    with pytest.raises(TraceFormatError) as err:
+        moesim.slice_trace("runs/mine.parquet", tmp_path / "slice.parquet", steps=2)
+    assert str(tmp_path / "runs" / "mine.parquet") in str(err.value)
