@@ -39,6 +39,7 @@ spec's values are made plain in :mod:`moesim.api_spec`.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
                           decisions=decisions)
     raw = add_lower_bound(metrics(result), result, trace, hw, system, given)
     frames = result_to_frames(result)
-    row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed),
-           **sweep_module.flatten_metrics(raw)}
+    # a metric with no value (all-in-gpu's lower_bound_slots: memory not enforced) as NaN: None made the column
+    # object-typed, and so the column of every table concatenated from several systems' metrics
+    flat = {key: math.nan if value is None else value for key, value in sweep_module.flatten_metrics(raw).items()}
+    row = {"trace": trace, "hw": profile_label(hw), "system": system, "seed": int(seed), **flat}
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw,
                         steps=step_frame(result.steps, frames["decisions"]),

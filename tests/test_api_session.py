@@ -36,3 +36,18 @@ def test_a_missing_trace_of_ones_own_names_the_folder_it_was_looked_for_in(tmp_p
     with pytest.raises(TraceFormatError) as err:
         moesim.slice_trace("runs/mine.parquet", tmp_path / "slice.parquet", steps=2)
     assert str(tmp_path / "runs" / "mine.parquet") in str(err.value)
+
+
+def test_metrics_of_several_systems_concatenate_into_numeric_columns(tmp_path):
+    """all-in-gpu's lower_bound_slots (memory not enforced: no slot count) was None, which made that column
+    object-typed in its own row and in any table concatenated from several systems' ``.metrics``."""
+    import pandas as pd
+
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    runs = [moesim.replay(trace, hw=hw, system=name, timeline=False, decisions=False)
+            for name in ("all-in-gpu", "gpu-only-lru")]
+    assert pd.isna(runs[0].metrics["lower_bound_slots"].item())
+    table = pd.concat([run.metrics for run in runs], ignore_index=True)
+    numeric = [name for name in table.columns if name.startswith(("lower_bound", "breakdown_")) or name.endswith("_ms")]
+    assert all(pd.api.types.is_numeric_dtype(table[name]) for name in numeric), table.dtypes[numeric]
