@@ -261,6 +261,42 @@ def test_a_processed_log_cut_short_is_refused_not_padded_with_invented_ties(tmp_
     assert said.count("\n") == 1 and str(path) in said and "fix: use the complete log" in said
 
 
+def _raw_rows(prompt: int = 10, steps: int = 3) -> list[dict]:
+    """One problem's raw capture in upstream order: the prefill layer by layer, then each decode step's 32 layers."""
+    prefill = [_spec_row(layer, pos, [pos % 8, (pos + 1) % 8], [0.7, 0.3], raw=True)
+               for layer in range(32) for pos in range(prompt)]
+    decode = [_spec_row(layer, 0, [(layer + step) % 8, (layer + step + 3) % 8], [0.6, 0.4], raw=True)
+              for step in range(steps) for layer in range(32)]
+    return prefill + decode
+
+
+@pytest.mark.parametrize("keep, field, words", [
+    (20 * 10 + 4, "layer", "prefill has no rows for MoE layer(s) 21-31 (its last row is line 204)"),
+    (31 * 10 + 4, "token_pos", "prefill ends at token_pos 3 at layer 31 against 9 at its longest layer"),
+    (32 * 10 + 32 + 20, "layer", "last decode step has no rows for MoE layer(s) 20-31 (its last row is line 372)"),
+])
+def test_a_raw_capture_cut_short_is_refused_not_padded_with_invented_ties(tmp_path, capsys, keep, field, words):
+    """routing_raw.jsonl cut at a line boundary imported with exit 0: cut in the prefill, a prefill-only trace of
+    the first layers (layers 0-25 of 32 for the real file cut in half); cut in the decode, the last step's missing
+    layers written as [0.5, 0.5] ties."""
+    path = _jsonl(tmp_path / "routing_raw.jsonl", _raw_rows()[:keep])
+    out = tmp_path / "t.parquet"
+    with pytest.raises(TraceFormatError, match="cut short") as err:
+        import_trace("speculative-moe", [path], out)
+    assert f"field '{field}'" in str(err.value) and words in str(err.value) and not out.exists()
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and str(path) in said and "fix: use the complete log" in said and not out.exists()
+
+
+def test_a_raw_capture_cut_at_a_step_boundary_or_with_a_few_trailing_ties_still_imports(tmp_path):
+    whole_steps = _jsonl(tmp_path / "a.jsonl", _raw_rows()[:32 * 10 + 32 * 2])
+    assert import_trace("speculative-moe", [whole_steps], tmp_path / "a.parquet").decode_steps == 2
+    last_ties = _jsonl(tmp_path / "b.jsonl", _raw_rows()[:-3])  # the last step's layers 29-31 dropped as ties
+    report = import_trace("speculative-moe", [last_ties], tmp_path / "b.parquet")
+    assert (report.decode_steps, report.repaired["tie_rows_imputed"]) == (3, 3)
+
+
 def test_a_few_tie_drops_per_layer_are_still_re_inserted(tmp_path):
     rows = [r for r in _processed_rows() if not (r["layer"] == 3 and r["token_idx"] >= 16)]  # 4 of 20 missing
     report = import_trace("speculative-moe", [_jsonl(tmp_path / "p.jsonl", rows)], tmp_path / "t.parquet")

@@ -18,6 +18,9 @@ temporal reuse; the number of such rows is recorded in the trace's ``source``.
 
 - raw prefill: a layer lacking a ``token_pos`` in 0..P-1 (P = longest layer): exact.
 - raw decode: a step (one forward) lacking a layer in the 0..31 cycle: exact.
+- raw capture cut short: a prefill lacking whole layers, or a prefill layer or the last
+  decode step lacking more than ``TIE_GAP_ROWS`` trailing rows, is refused (ties drop
+  scattered rows, a cut drops the tail).
 - processed file alone: a layer with fewer rows than the request's longest layer
   lacks that many tokens at unknown positions; the repaired rows go at its end
   (``tie_rows_imputed_position_unknown``); tokens after the real gap stay one step
@@ -326,6 +329,33 @@ def _span(layers: list[int]) -> str:
     return ", ".join(runs)
 
 
+def _refuse_raw_cut_short(raw: Problem) -> None:
+    """A raw capture cut at a line boundary parsed cleanly and its missing rows became invented ties: cut in
+    the prefill (logged layer by layer), it lacks the last layers or the last layer's last positions; cut in
+    the decode, the last step lacks its last layers. Ties drop scattered rows (at most 3 trailing ones in the
+    real log), so a trailing run longer than ``TIE_GAP_ROWS`` is a log cut short."""
+    last_line = max(max(rows.lines) for rows in (*raw.prefill.values(), *raw.decode.values()))
+    what = f"{raw.dataset} problem {raw.problem_id}"
+    fix = f"use the complete log; the raw capture logs all {NUM_LAYERS} layers of every forward"
+    absent = [layer for layer in range(NUM_LAYERS) if layer not in raw.prefill]
+    if absent:
+        raise TraceFormatError(f"{what}'s prefill has no rows for MoE layer(s) {_span(absent)} (its last row is "
+                               f"line {last_line}): the log is cut short", source=str(raw.path), field="layer",
+                               fix=fix)
+    last_pos = _prefill_len(raw) - 1
+    for layer, rows in raw.prefill.items():
+        if last_pos - max(rows.index) > TIE_GAP_ROWS:
+            raise TraceFormatError(f"{what}'s prefill ends at token_pos {max(rows.index)} at layer {layer} against "
+                                   f"{last_pos} at its longest layer: the log is cut short",
+                                   source=where(raw.path, rows.lines[-1]), field="token_pos", fix=fix)
+    last_step = raw.decode_steps - 1
+    in_last = [layer for layer, rows in raw.decode.items() if rows.index and rows.index[-1] == last_step]
+    if in_last and NUM_LAYERS - 1 - max(in_last) > TIE_GAP_ROWS:
+        raise TraceFormatError(f"{what}'s last decode step has no rows for MoE layer(s) "
+                               f"{_span(list(range(max(in_last) + 1, NUM_LAYERS)))} (its last row is line "
+                               f"{last_line}): the log is cut short", source=str(raw.path), field="layer", fix=fix)
+
+
 def _prefill_len(raw: Problem) -> int:
     return max(max(rows.index) for rows in raw.prefill.values()) + 1
 
@@ -393,6 +423,9 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
         found: dict[tuple[str, int], Problem] = {}
         kind = _parse(path, found)
         target = raw if kind == "raw" else processed
+        if kind == "raw":
+            for problem in found.values():
+                _refuse_raw_cut_short(problem)
         for key, problem in found.items():
             if key in target:
                 raise TraceFormatError(f"{problem.dataset} problem {problem.problem_id} also in "
