@@ -288,10 +288,15 @@ class Simulator(Transfers, Tracks):
         self._rows = step.one_row_layers()
         self._empty = {}  # the step's views' arrivals and predictors where they have none
         attention = self._attention_s(tokens, context)
-        for layer, rows in step.layers():
-            # a layer attends over the step's tokens (an imported trace may log a layer's rows differently)
-            own = attention if rows.stop - rows.start == tokens else self._attention_s(rows.stop - rows.start, context)
-            t = self._layer(step, layer, rows, own, phase, t)
+        if self._rows is not None:  # one row a layer: every layer attends over the step's one token
+            for layer, rows in step.layers():
+                t = self._layer(step, layer, rows, attention, phase, t)
+        else:
+            for layer, rows in step.layers():
+                # a layer attends over the step's tokens (an imported trace may log a layer's rows differently)
+                own = attention if rows.stop - rows.start == tokens else \
+                    self._attention_s(rows.stop - rows.start, context)
+                t = self._layer(step, layer, rows, own, phase, t)
         if self.timeline is not None:
             self._step_spans(step.step, t, t + tail, tokens, before=False)
         return t + tail
@@ -366,9 +371,10 @@ class Simulator(Transfers, Tracks):
         counters.gpu_busy_s += attention
         breakdown = counters.breakdown
         breakdown["attention"] += attention
-        if self._layer_launch:
-            breakdown["launch"] += self._layer_launch
-            t0 += self._layer_launch
+        launch = self._layer_launch
+        if launch:
+            breakdown["launch"] += launch
+            t0 += launch
         t1 = t0 + attention
         if tl is not None:
             self._span("gpu", 0, t0, t1, "attention", s, layer, tokens=tokens)
