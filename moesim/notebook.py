@@ -20,11 +20,22 @@ def callers_traceback(err: MoesimError) -> list[str]:
     the dozens of moesim frames above it (the message was all they gave, at the end of two screens). The whole
     traceback stays on the exception (``err.__traceback__``)."""
     import traceback
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if not is_own_frame(f.filename)
-              and f"{os.sep}IPython{os.sep}" not in f.filename]  # the kernel's own exec of the cell
-    lines = [line.rstrip("\n") for line in traceback.format_list(frames)]
+    lines = [line.rstrip("\n") for line in traceback.format_list(callers_frames(err.__traceback__))]
     return ["Traceback (most recent call last; moesim's own frames left out):", *lines,
             f"{type(err).__name__}: {err}"]
+
+
+def callers_frames(tb: Any) -> list[Any]:
+    """The frames of ``tb`` outside moesim down to the call into it: those below it are moesim's doing, whatever
+    library they are in (a policy's error showed SimPy's event loop beneath the caller's line)."""
+    import traceback
+    frames = []
+    for frame in traceback.extract_tb(tb):
+        if is_own_frame(frame.filename):
+            break
+        if f"{os.sep}IPython{os.sep}" not in frame.filename:  # the kernel's own exec of the cell
+            frames.append(frame)
+    return frames
 
 
 def callers_lines(function: Any) -> Any:

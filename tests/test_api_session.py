@@ -51,3 +51,30 @@ def test_metrics_of_several_systems_concatenate_into_numeric_columns(tmp_path):
     table = pd.concat([run.metrics for run in runs], ignore_index=True)
     numeric = [name for name in table.columns if name.startswith(("lower_bound", "breakdown_")) or name.endswith("_ms")]
     assert all(pd.api.types.is_numeric_dtype(table[name]) for name in numeric), table.dtypes[numeric]
+
+
+def test_an_invalid_plan_in_a_notebook_shows_the_callers_line_and_one_line(tmp_path):
+    """A policy's invalid plan found while the SimPy loop runs showed SimPy's frames (core.py, 'raise
+    event._value') between the caller's line and the message."""
+    from moesim.policy.base import PolicyError
+    from moesim.policy.systems import SYSTEMS, ComposedSystem, SystemSpec, register_system
+    from tests.factories import write_trace_and_profile
+
+    class PlansTwice(ComposedSystem):
+        def plan(self, view):
+            plan = super().plan(view)
+            plan.gpu = plan.gpu + plan.gpu[:1]
+            return plan
+
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    register_system("test-plans-twice", SystemSpec("plans an expert twice", cache="lru", assign="gpu",
+                                                   system_class=PlansTwice))
+    try:
+        with pytest.raises(PolicyError, match="layer 0, plans expert .* twice") as err:
+            moesim.replay(trace, hw=hw, system="test-plans-twice")
+    finally:
+        del SYSTEMS["test-plans-twice"]
+    shown = err.value._render_traceback_()
+    assert [line for line in shown if line.lstrip().startswith("File ")] == \
+        [next(line for line in shown if __file__ in line)], shown
+    assert shown[-1].startswith("PolicyError: system 'test-plans-twice'") and "\n" not in shown[-1]
