@@ -141,3 +141,44 @@ def test_a_gzip_compressed_log_is_refused_with_how_to_decompress_it(tmp_path, ca
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{path}: gzip-compressed" in err and f"gzip -dc {path} > {tmp_path / 'routing.jsonl'}" in err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- files that hold no routing
+def _counters(path, pairs: bool):
+    """An OLMoE-routing-stats .json conversion: per-layer counters, of experts or of (expert, expert) pairs."""
+    layer = {f"{i},{j}": i + j for i in range(2) for j in range(3)} if pairs else {str(e): 10 + e for e in range(8)}
+    path.write_text(json.dumps([layer, layer]))
+    return path
+
+
+def _outputs(path):
+    """speculative-moe's *_outputs.jsonl: prompts and generated text, no routing."""
+    return _jsonl(path, [{"problem_id": 0, "task_id": "HumanEval/0", "prompt": "def f():", "generated": " pass"}])
+
+
+def _lfs_pointer(path):
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ab" * 32 + "\nsize 143000000\n")
+    return path
+
+
+@pytest.mark.parametrize("make, words, fix", [
+    (lambda d: _counters(d / "arxiv.json", pairs=False), "holds aggregate expert counts", "import a per-token log"),
+    (lambda d: _counters(d / "c4.json", pairs=True), "holds aggregate expert counts", "import a per-token log"),
+    (lambda d: _outputs(d / "gsm8k_2_outputs.jsonl"), "holds prompts and generated text", "*_routing.jsonl"),
+    (lambda d: _lfs_pointer(d / "humaneval_full_routing.jsonl"),
+     "a Git LFS pointer (to a file of 143000000 bytes), not the log itself", "git lfs pull"),
+], ids=["expert-counters", "pair-counters", "outputs", "lfs-pointer"])
+def test_a_file_that_holds_no_routing_says_what_it_holds(tmp_path, capsys, make, words, fix):
+    """Counters copied out of OLMoE-routing-stats/ (their path no longer says what they are), speculative-moe's
+    outputs file and a Git LFS pointer were all 'cannot tell which tool wrote this log'; the pointer with
+    --format was 'line 1: not valid JSON'."""
+    path = make(tmp_path)
+    out = tmp_path / "t.parquet"
+    for fmt in (None, "speculative-moe"):
+        with pytest.raises(TraceFormatError) as err:
+            import_trace(fmt, [path], out)
+        if fmt is None or "outputs" not in path.name:  # the outputs file with --format: its missing fields
+            assert words in str(err.value) and fix in str(err.value)
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and str(path) in said and words in said and not out.exists()

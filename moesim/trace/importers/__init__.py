@@ -60,6 +60,24 @@ def _refuse_compressed(path: Path) -> None:
         raise packed
 
 
+#: the first line of a Git LFS pointer file (what a clone without git-lfs holds instead of a large log)
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _refuse_lfs_pointer(path: Path) -> None:
+    """A Git LFS pointer is a few lines naming the real file's hash and size (speculative-moe's
+    ``*_full_routing.jsonl`` are such pointers upstream): say that, not 'cannot tell which tool wrote this log'
+    or, with --format, 'line 1: not valid JSON'."""
+    with open(path, "rb") as handle:
+        head = handle.read(512)
+    if not head.startswith(LFS_POINTER):
+        return
+    size = next((line.split()[1] for line in head.splitlines() if line.startswith(b"size ")), b"?")
+    raise TraceFormatError(f"a Git LFS pointer (to a file of {size.decode(errors='replace')} bytes), not the log "
+                           "itself", source=str(path),
+                           fix="fetch the real file (git lfs pull in its repository, or download it) and import that")
+
+
 def available_formats() -> list[str]:
     return sorted(FORMATS)
 
@@ -84,6 +102,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
         if not path.is_file():
             raise TraceFormatError("not a file", source=str(path), fix=_folder_fix(path))
         _refuse_compressed(path)
+        _refuse_lfs_pointer(path)
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(sources)

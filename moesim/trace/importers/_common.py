@@ -9,6 +9,7 @@ and writes it through :class:`~moesim.trace.io.TraceWriter` (atomic rename).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,12 +149,27 @@ def check_experts(experts: np.ndarray, model: ModelSpec, path: Path, lines: np.n
                                field=name, fix="each routed expert appears once per row")
 
 
+#: the start of an OLMoE-routing-stats .json conversion: a list of per-layer counters {"expert": count} or
+#: {"expert_i,expert_j": count}
+_COUNTERS_JSON = re.compile(rb'^\s*\[\s*\{\s*"\d+(,\d+)?"\s*:\s*\d+')
+
+
+def _counters_json(path: Path) -> bool:
+    """Whether ``path`` is a .json file of expert counters (found by its content: copied out of its folder, its
+    path no longer says so)."""
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return _COUNTERS_JSON.match(handle.read(256)) is not None
+
+
 def refuse_aggregates(paths: list[Path]) -> None:
     """OLMoE-routing-stats holds per-layer expert counters, not per-token routing: no trace can come of it."""
     for path in paths:
         names = {p.name for p in path.iterdir()} if path.is_dir() else set()
         if path.suffix == ".pkl" or any(part.startswith("expert_counts") for part in path.parts) \
-                or any(n.startswith("expert_counts") for n in names) or {"olmoe", "mistral"} <= names:
+                or any(n.startswith("expert_counts") for n in names) or {"olmoe", "mistral"} <= names \
+                or _counters_json(path):
             raise TraceFormatError(
                 "holds aggregate expert counts (OLMoE routing statistics), not per-token routing; "
                 "a trace needs one routed-expert list per token and layer", source=str(path),

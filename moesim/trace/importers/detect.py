@@ -15,8 +15,9 @@ documented in each format's module):
   missing, starting with a route, by that alone).
 
 A file no layout fits is answered with what it lacks where that is clear: an
-npz that is no readable archive, or a first record with all but one of a
-format's telling fields (a misspelled or missing field, named).
+npz that is no readable archive, a first record with all but one of a
+format's telling fields (a misspelled or missing field, named), or
+speculative-moe's prompts-and-outputs file, which holds no routing.
 
 Only the first records are read, so detection costs nothing on large logs; the
 importer still checks every line.
@@ -103,6 +104,10 @@ def _near_miss(path: Path) -> TraceFormatError | None:
         if not records or "type" in records[0]:
             return None
         keys, what = list(records[0]), "field"
+        if {"problem_id", "prompt", "generated"} <= set(keys):  # speculative-moe's *_outputs.jsonl beside its logs
+            return TraceFormatError("holds prompts and generated text (speculative-moe's *_outputs.jsonl), not "
+                                    "routing", source=str(path),
+                                    fix="import the routing log beside it (*_routing.jsonl, routing_raw.jsonl)")
     for fmt, wanted in _SIGNATURES:
         missing = [name for name in wanted if name not in keys]
         if len(missing) != 1 or (fmt == flame_moe.FORMAT) != (what == "array"):
