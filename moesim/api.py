@@ -12,7 +12,7 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
     r.decisions          # the decision log (DECISION_COLUMNS)
     r.steps              # one row per forward pass: phase, start, latency, tokens, and its decisions counted
-    r.save("runs/lru")   # a folder of Parquet files and metrics.json; moesim.load_replay("runs/lru") reads it
+    r.save("runs/lru")   # a folder of Parquet files and result.json; moesim.load_replay("runs/lru") reads it
     r.plot_timeline()    # Gantt of CPU, GPU and PCIe (a matplotlib Figure; Jupyter shows it as an image)
     r.plot_timeline(steps=(10, 12))   # other steps; the title says which are shown
 
