@@ -182,3 +182,36 @@ def test_a_file_that_holds_no_routing_says_what_it_holds(tmp_path, capsys, make,
     assert main(["trace", "import", str(path), "--out", str(out)]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and str(path) in said and words in said and not out.exists()
+
+
+def _other_model_log(path, model_id="Qwen/Qwen2-57B-A14B-Instruct", top_k=8):
+    """A vLLM MoE logger log of a model no format reads: 64 experts, top-8, as OLMoE's, layer 0."""
+    routes = [{"type": "route", "req_id": "r0", "token_idx": i, "layer": 0, "topk_ids": [(i + j) % 64 for j in range(8)],
+               "topk_weights": [0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05]} for i in range(6)]
+    return _jsonl(path, [{"type": "meta", "model_id": model_id, "top_k": top_k}] + routes)
+
+
+def test_a_logger_log_of_another_model_is_refused_not_imported_under_a_known_model(tmp_path, capsys):
+    """A Qwen2-MoE log (top-8 routes) was told to be cerebras-olmoe by its routes' length and written as an
+    OLMoE-1B-7B trace, exit 0; with --format either logger format imported it the same way or failed on its
+    routes' length, never naming the model the log says it is."""
+    path = _other_model_log(tmp_path / "routes.jsonl")
+    out = tmp_path / "t.parquet"
+    with pytest.raises(TraceFormatError, match="a vLLM MoE logger log of model 'Qwen/Qwen2-57B-A14B-Instruct'") as err:
+        import_trace(None, [path], out)
+    assert "field 'model_id'" in str(err.value) and "cerebras-olmoe: allenai/OLMoE-1B-7B-0924" in str(err.value)
+    for fmt in ("cerebras-olmoe", "vllm-moe-logger"):
+        with pytest.raises(TraceFormatError, match=f"line 1, field 'model_id': the log's meta names model "
+                                                   f"'Qwen/Qwen2-57B-A14B-Instruct'; {fmt} reads logs of"):
+            import_trace(fmt, [path], out)
+    assert main(["trace", "import", str(path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not out.exists()
+
+
+def test_a_logger_meta_whose_top_k_is_not_the_models_is_refused(tmp_path):
+    path = _other_model_log(tmp_path / "routes.jsonl", model_id="allenai/OLMoE-1B-7B-0924", top_k=4)
+    with pytest.raises(TraceFormatError, match="line 1, field 'top_k': the log's meta gives top_k 4; "
+                                               "allenai/OLMoE-1B-7B-0924 routes 8 experts a token"):
+        import_trace(None, [path], tmp_path / "t.parquet")
+    ok = _other_model_log(tmp_path / "ok.jsonl", model_id="allenai/OLMoE-1B-7B-0924")
+    assert import_trace(None, [ok], tmp_path / "t.parquet").rows == 6

@@ -163,6 +163,23 @@ def _counters_json(path: Path) -> bool:
         return _COUNTERS_JSON.match(handle.read(256)) is not None
 
 
+def check_logger_meta(meta: dict[str, Any], path: Path, line: int, fmt: str, model_words: str,
+                      upstream_model: str, top_k: int) -> None:
+    """A vLLM MoE logger meta record naming another model (or another top_k) than the one ``fmt`` reads: its
+    routes would be imported under the wrong model's shape (an OLMoE trace of a Qwen2-MoE log), so refuse it."""
+    model_id = meta.get("model_id")
+    if model_id is not None and model_words not in str(model_id).lower():
+        raise TraceFormatError(f"the log's meta names model {model_id!r}; {fmt} reads logs of {upstream_model} only",
+                               source=where(path, line), field="model_id",
+                               fix="moesim has no import format for this model's logs (moesim trace import "
+                                   "--list-formats); write them as a trace (docs/trace-format.md)")
+    logged_k = meta.get("top_k")
+    if logged_k is not None and logged_k != top_k:
+        raise TraceFormatError(f"the log's meta gives top_k {logged_k!r}; {upstream_model} routes {top_k} experts "
+                               "a token", source=where(path, line), field="top_k",
+                               fix="check --format (moesim trace import --list-formats)")
+
+
 def refuse_aggregates(paths: list[Path]) -> None:
     """OLMoE-routing-stats holds per-layer expert counters, not per-token routing: no trace can come of it."""
     for path in paths:

@@ -19,11 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from moesim.errors import TraceFormatError
-from moesim.trace.importers._common import (DECODE, ImportReport, RoutingRows, check_experts, get_int, get_list,
-                                            new_report, order_by_weight, read_jsonl, where, write_import)
+from moesim.trace.importers._common import (DECODE, ImportReport, RoutingRows, check_experts, check_logger_meta,
+                                            get_int, get_list, new_report, order_by_weight, read_jsonl, where,
+                                            write_import)
 
 FORMAT = "cerebras-olmoe"
 MODEL = "olmoe-1b-7b"
+#: what the meta record's model_id holds (lower case) in this format's logs, and the model itself
+MODEL_ID_WORDS, UPSTREAM_MODEL_ID = "olmoe", "allenai/OLMoE-1B-7B-0924"
 TOP_K = 8
 SOURCE = {
     "repository": "https://github.com/KaxitPandya/cerebras-assesment2",
@@ -42,6 +45,7 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
         experts, weights, lines = [], [], []
         for line, obj in read_jsonl(path):
             if obj.get("type") == "meta":
+                check_logger_meta(obj, path, line, FORMAT, MODEL_ID_WORDS, UPSTREAM_MODEL_ID, TOP_K)
                 continue
             layer = get_int(obj, "layer", path, line)
             if layer != 0:

@@ -12,7 +12,8 @@ documented in each format's module):
   logger of ``cerebras-olmoe`` (OLMoE, top-8) or ``vllm-moe-logger``
   (Qwen1.5-MoE, top-4), told apart by the meta's ``model_id`` or, without
   one, by the first route's number of experts (a log whose meta line is
-  missing, starting with a route, by that alone).
+  missing, starting with a route, by that alone). A meta naming another
+  model is no format's: the routes' length would take it for one.
 
 A file no layout fits is answered with what it lacks where that is clear: an
 npz that is no readable archive, a first record with all but one of a
@@ -37,8 +38,8 @@ from moesim.trace.importers import cerebras_olmoe, flame_moe, qwen3_prefill, spe
 #: non-blank lines read from a JSON-lines log to tell its format
 HEAD_RECORDS = 2
 #: the first records of a logger log, by model: (words of its meta's model_id, experts per route)
-_LOGGER_MODELS = ((cerebras_olmoe.FORMAT, "olmoe", cerebras_olmoe.TOP_K),
-                  (vllm_moe_logger.FORMAT, "qwen1.5-moe", vllm_moe_logger.TOP_K))
+_LOGGER_MODELS = ((cerebras_olmoe.FORMAT, cerebras_olmoe.MODEL_ID_WORDS, cerebras_olmoe.TOP_K),
+                  (vllm_moe_logger.FORMAT, vllm_moe_logger.MODEL_ID_WORDS, vllm_moe_logger.TOP_K))
 
 
 def detect_format(sources: list[Path]) -> str:
@@ -101,6 +102,12 @@ def _near_miss(path: Path) -> TraceFormatError | None:
         what = "array"
     else:
         records = _head(path)
+        if records and records[0].get("type") == "meta" and records[0].get("model_id"):
+            known = "; ".join(f"{mod.FORMAT}: {mod.UPSTREAM_MODEL_ID}" for mod in (cerebras_olmoe, vllm_moe_logger))
+            return TraceFormatError(f"a vLLM MoE logger log of model {records[0]['model_id']!r}; the logger formats "
+                                    f"read these models' logs only ({known})", source=str(path), field="model_id",
+                                    fix="moesim has no import format for this model's logs; write them as a trace "
+                                        "(docs/trace-format.md)")
         if not records or "type" in records[0]:
             return None
         keys, what = list(records[0]), "field"
@@ -170,6 +177,8 @@ def _logger_format(meta: dict[str, Any], routes: list[dict[str, Any]]) -> str | 
     for fmt, words, _ in _LOGGER_MODELS:
         if words in model:
             return fmt
+    if model:  # another model's log: its routes' length is no sign of either format (it made a Qwen2-MoE log OLMoE's)
+        return None
     experts = routes[0].get("topk_ids") if routes and routes[0].get("type") == "route" else None
     for fmt, _, top_k in _LOGGER_MODELS:
         if isinstance(experts, list) and len(experts) == top_k:

@@ -23,11 +23,13 @@ import numpy as np
 
 from moesim.errors import TraceFormatError
 from moesim.trace.importers._common import (DECODE, PREFILL, ImportReport, RoutingRows, check_experts,
-                                            get_int, get_list, new_report, order_by_weight, read_jsonl, where,
-                                            write_import)
+                                            check_logger_meta, get_int, get_list, new_report, order_by_weight,
+                                            read_jsonl, where, write_import)
 
 FORMAT = "vllm-moe-logger"
 MODEL = "qwen1.5-moe-a2.7b"
+#: what the meta record's model_id holds (lower case) in this format's logs, and the model itself
+MODEL_ID_WORDS, UPSTREAM_MODEL_ID = "qwen1.5-moe", "Qwen/Qwen1.5-MoE-A2.7B-Chat"
 TOP_K = 4
 #: forwards before the real prefill, by upstream README: (reason, rows)
 LEADING_FORWARDS = (("profiling_dummy", 8192), ("dummy", 256), ("warm_up", 65))
@@ -48,6 +50,7 @@ class LayerLog:
         layers, experts, weights, index, lines = [], [], [], [], []
         for line, obj in read_jsonl(path):
             if obj.get("type") == "meta":
+                check_logger_meta(obj, path, line, FORMAT, MODEL_ID_WORDS, UPSTREAM_MODEL_ID, TOP_K)
                 continue
             layers.append(get_int(obj, "layer", path, line))
             index.append(get_int(obj, "token_idx", path, line))
