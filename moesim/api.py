@@ -353,7 +353,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
                               fix=f"give one of them (e.g. {name}={short[dotted]!r} alone)")
     merged = settings_from({**short, **(settings or {})}, **params)
     slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
-    checked_run_inputs(hw, seed, system)
+    checked_run_inputs(hw, seed, system, serving=True)
     try:
         with keyword_fields(params, settings):
             # workload__cv=4 with Poisson arrivals would change nothing; named as the caller gave it

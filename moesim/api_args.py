@@ -220,9 +220,10 @@ def profile_label(hw: Any) -> str:
     return hw.name if hasattr(hw, "gpu") and isinstance(getattr(hw, "name", None), str) else os.fspath(hw)
 
 
-def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: Any = None) -> None:
+def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: Any = None,
+                       serving: bool = False) -> None:
     """One-line errors for a ``hw``, ``seed``, ``system`` or ``model`` of the wrong kind (the command line's
-    types check them there)."""
+    types check them there). ``serving``: the call is :func:`moesim.serve`, whose sweep needs ``workload.*``."""
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise ConfigError(f"model must be a preset name or a preset YAML path, got {model!r}", field="model",
                           fix="e.g. model='mixtral-8x7b', or leave it out to take the trace's own")
@@ -230,10 +231,13 @@ def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: 
         raise ConfigError(f"system must be one system's name, got {system!r}", field="system",
                           fix="run one system per call (moesim.sweep runs several: systems=[...])")
     if system == "all" or "," in system:  # the command line's --system all / a,b: several runs, one table
-        raise ConfigError(f"system={system!r} names several systems; a call replays one", field="system",
+        # a sweep serves only when its points set workload.* (without, the fix led to replays, not serving)
+        workload = ", 'set': {'workload.qps': QPS, 'workload.requests': N}" if serving else ""
+        raise ConfigError(f"system={system!r} names several systems; a call {'serves' if serving else 'replays'} "
+                          "one", field="system",
                           fix="moesim.sweep({'traces': [TRACE], 'hw': [HW], 'systems': "
                               + ("'all'" if system == "all" else repr(system.split(",")))
-                              + "}) gives one row per system")
+                              + workload + "}) gives one row per system")
     from moesim.hw.profile import HardwareProfile
     if not isinstance(hw, (str, os.PathLike, HardwareProfile)):
         raise ConfigError(f"hw must be a profile name, a YAML path or a HardwareProfile, got {hw!r}", field="hw",

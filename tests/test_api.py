@@ -511,6 +511,15 @@ def test_several_systems_in_one_call_point_to_sweep(files, system, fix):
     assert fix in str(err.value)
 
 
+def test_several_systems_in_one_serve_call_point_to_a_serving_sweep(files):
+    """serve(system='all') pointed to the replay's sweep, whose points replay the trace: a sweep serves only
+    when it sets workload.*."""
+    trace, hw = files
+    with pytest.raises(ConfigError, match="system='all' names several systems; a call serves one") as err:
+        moesim.serve(trace, hw=hw, system="all", requests=2)
+    assert "'systems': 'all', 'set': {'workload.qps': QPS, 'workload.requests': N}})" in str(err.value)
+
+
 def test_a_sweep_stopped_by_ctrl_c_keeps_its_finished_points_for_the_same_call(files, monkeypatch, capsys):
     """A KeyboardInterrupt in a notebook lost every point a sweep without out= had finished: the rerun of the
     cell started again from nothing. The same call now runs only the points not finished."""
