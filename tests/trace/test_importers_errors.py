@@ -4,6 +4,7 @@ not UTF-8, duplicate rows, a folder or no source given; the output never replace
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -316,3 +317,48 @@ def test_joined_logger_runs_name_the_forward_where_they_part(tmp_path, sizes, wo
     with pytest.raises(TraceFormatError) as err:
         import_trace("vllm-moe-logger", [short, whole], tmp_path / "t.parquet")
     assert f"{whole}, field 'token_idx': forward structure differs from moe_layer3.jsonl: {words}" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- one log given twice
+def _cerebras_log(path: Path) -> Path:
+    rows = [{"type": "meta"}] + [{"type": "route", "token_idx": i, "layer": 0, "topk_ids": [9, 8, 7, 6, 5, 4, 3, 2],
+                                  "topk_weights": [0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]} for i in range(3)]
+    return _jsonl(path, rows)
+
+
+@pytest.mark.parametrize("second, words", [
+    (lambda log: log, "the same log as {log}, named again"),
+    (lambda log: log.parent / "." / log.name, "the same log as {log}, named again"),
+    (lambda log: Path(shutil.copy(log, log.parent / "copy.jsonl")), "a copy of {log} (the same bytes)"),
+], ids=["twice", "another-spelling", "copy"])
+def test_one_log_given_twice_is_refused_not_imported_as_two_requests(tmp_path, capsys, second, words):
+    """``moe_routes.jsonl moe_routes.jsonl`` wrote 2 requests of the same routing, exit 0 (and so did a flame-moe
+    npz or a token_distri log named twice, or a copy of it)."""
+    log = _cerebras_log(tmp_path / "moe_routes.jsonl")
+    other = second(log)
+    out = tmp_path / "t.parquet"
+    with pytest.raises(TraceFormatError) as err:
+        import_trace(None, [log, other], out)
+    assert str(err.value).startswith(f"{other}, field 'sources': {words.format(log=log)}") and not out.exists()
+    assert main(["trace", "import", str(log), str(other), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1 and not out.exists()
+
+
+def test_a_qwen3_log_and_its_npz_extract_together_are_refused(tmp_path):
+    """``token_distri_8*`` names the log and its forward-2 extract: they became two prefill requests of one batch."""
+    lines, forward2 = [], []
+    for forward, tokens in enumerate([2, 1, 3, 1]):
+        for layer in range(48):
+            ids = [[(t + layer + k) % 128 for k in range(8)] for t in range(tokens)]
+            lines.append({"topk_weights": [tokens, 8], "topk_ids": ids})
+            if forward == 2:
+                forward2.append(ids)
+    log = _jsonl(tmp_path / "token_distri_8.jsonl", lines)
+    npz = tmp_path / "token_distri_8_prefill_forward2_ids.npz"
+    np.savez(npz, topk_ids=np.asarray(forward2, dtype=np.int16))
+    with pytest.raises(TraceFormatError, match=r"field 'topk_ids': holds the same prefill batch as token_distri_8.jsonl"):
+        import_trace(None, [log, npz], tmp_path / "t.parquet")
+    assert not (tmp_path / "t.parquet").exists()
+    other = _jsonl(tmp_path / "token_distri_16.jsonl", [{**line, "topk_ids": [[(k + 1) % 128 for k in range(8)]] * line[
+        "topk_weights"][0]} for line in lines])
+    assert import_trace(None, [log, other], tmp_path / "t.parquet").prefill_steps == 2

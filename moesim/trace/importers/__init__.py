@@ -15,6 +15,7 @@ requires every layer to be present in a step.
 
 from __future__ import annotations
 
+import filecmp
 import os
 import pickle
 import zipfile
@@ -103,6 +104,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
             raise TraceFormatError("not a file", source=str(path), fix=_folder_fix(path))
         _refuse_compressed(path)
         _refuse_lfs_pointer(path)
+    _refuse_repeated(sources)
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(sources)
@@ -129,6 +131,19 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
     if detected:
         report.notes.append(f"format {fmt} told from the files' first records (give --format to choose another)")
     return report
+
+
+def _refuse_repeated(sources: list[Path]) -> None:
+    """One log named twice (a path given twice, through a link, or a byte-identical copy) was imported twice:
+    its routing doubled as a second request, exit 0."""
+    for i, path in enumerate(sources):
+        for earlier in sources[:i]:
+            if same_file(path, earlier):
+                raise TraceFormatError(f"the same log as {earlier}, named again", source=str(path),
+                                       field="sources", fix="name each log file once")
+            if path.stat().st_size == earlier.stat().st_size and filecmp.cmp(path, earlier, shallow=False):
+                raise TraceFormatError(f"a copy of {earlier} (the same bytes)", source=str(path), field="sources",
+                                       fix="name each log once; a copy would import its routing twice")
 
 
 def _which(sources: list[Path]) -> str:

@@ -93,10 +93,22 @@ def _forward2_from_npz(path: Path) -> np.ndarray:
     return check_ids(ids, path, "topk_ids")
 
 
+def _refuse_same_batch(path: Path, ids: np.ndarray, seen: dict[Path, np.ndarray]) -> None:
+    """A log and its npz extract (``token_distri_8*`` names both) hold one prefill batch: imported together it
+    became two requests with the same routing."""
+    for other, other_ids in seen.items():
+        if np.array_equal(ids, other_ids):
+            raise TraceFormatError(f"holds the same prefill batch as {other.name} (the npz extract is the log's "
+                                   "forward 2)", source=str(path), field="topk_ids",
+                                   fix="give the .jsonl log or its npz extract, not both")
+    seen[path] = ids
+
+
 def import_files(sources: list[Path], out: Path) -> ImportReport:
     report, model = new_report(FORMAT, out, MODEL)
     rows = RoutingRows(top_k=TOP_K, with_weights=False)
     batches = []
+    seen: dict[Path, np.ndarray] = {}
     for request, path in enumerate(sources):
         if path.suffix == ".npz":
             ids = _forward2_from_npz(path)
@@ -113,6 +125,7 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
                               unit="token")
             rows.add(request=request, step=request, phase=PREFILL, position=np.arange(ids.shape[1]),
                      layer=layer, experts=ids[layer])
+        _refuse_same_batch(path, ids, seen)
         batches.append({"file": path.name, "tokens": int(ids.shape[1])})
     report.notes.append("request boundaries inside the prefill batch are unknown: one pseudo-request per file, "
                         "positions are batch row indices")
