@@ -161,17 +161,25 @@ def _lfs_pointer(path):
     return path
 
 
+def _trace(path):
+    """A moesim trace, given to the importer as if it were a log."""
+    import_trace(None, [_raw_fixture(path.with_suffix(".jsonl"))], path)
+    return path
+
+
 @pytest.mark.parametrize("make, words, fix", [
     (lambda d: _counters(d / "arxiv.json", pairs=False), "holds aggregate expert counts", "import a per-token log"),
     (lambda d: _counters(d / "c4.json", pairs=True), "holds aggregate expert counts", "import a per-token log"),
     (lambda d: _outputs(d / "gsm8k_2_outputs.jsonl"), "holds prompts and generated text", "*_routing.jsonl"),
     (lambda d: _lfs_pointer(d / "humaneval_full_routing.jsonl"),
      "a Git LFS pointer (to a file of 143000000 bytes), not the log itself", "git lfs pull"),
-], ids=["expert-counters", "pair-counters", "outputs", "lfs-pointer"])
+    (lambda d: _trace(d / "gsm8k.parquet"), "a Parquet file (a moesim trace, or another Parquet table), not a "
+                                             "tool's routing log", "a trace needs no import"),
+], ids=["expert-counters", "pair-counters", "outputs", "lfs-pointer", "trace"])
 def test_a_file_that_holds_no_routing_says_what_it_holds(tmp_path, capsys, make, words, fix):
     """Counters copied out of OLMoE-routing-stats/ (their path no longer says what they are), speculative-moe's
-    outputs file and a Git LFS pointer were all 'cannot tell which tool wrote this log'; the pointer with
-    --format was 'line 1: not valid JSON'."""
+    outputs file, a Git LFS pointer and a trace were all 'cannot tell which tool wrote this log'; the pointer
+    with --format was 'line 1: not valid JSON', the trace 'not UTF-8 text'."""
     path = make(tmp_path)
     out = tmp_path / "t.parquet"
     for fmt in (None, "speculative-moe"):

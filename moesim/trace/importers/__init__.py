@@ -65,12 +65,16 @@ def _refuse_compressed(path: Path) -> None:
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
-def _refuse_lfs_pointer(path: Path) -> None:
-    """A Git LFS pointer is a few lines naming the real file's hash and size (speculative-moe's
-    ``*_full_routing.jsonl`` are such pointers upstream): say that, not 'cannot tell which tool wrote this log'
-    or, with --format, 'line 1: not valid JSON'."""
+def _refuse_not_a_log(path: Path) -> None:
+    """Refuse a Parquet file (a trace given to the importer) or a Git LFS pointer (a few lines naming the real
+    file's hash and size; speculative-moe's ``*_full_routing.jsonl`` are such pointers upstream) as what they are,
+    not 'cannot tell which tool wrote this log' or, with --format, 'not UTF-8' or 'line 1: not valid JSON'."""
     with open(path, "rb") as handle:
         head = handle.read(512)
+    if head.startswith(b"PAR1"):  # it was 'cannot tell which tool wrote this log', or with --format 'not UTF-8'
+        raise TraceFormatError("a Parquet file (a moesim trace, or another Parquet table), not a tool's routing log",
+                               source=str(path), fix="a trace needs no import: moesim trace validate / inspect / "
+                                                     "replay read it as it is")
     if not head.startswith(LFS_POINTER):
         return
     size = next((line.split()[1] for line in head.splitlines() if line.startswith(b"size ")), b"?")
@@ -103,7 +107,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
         if not path.is_file():
             raise TraceFormatError("not a file", source=str(path), fix=_folder_fix(path))
         _refuse_compressed(path)
-        _refuse_lfs_pointer(path)
+        _refuse_not_a_log(path)
     _refuse_repeated(sources)
     detected = fmt is None
     if fmt is None:
