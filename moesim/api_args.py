@@ -30,9 +30,13 @@ PYTHON_NAMES = {"--system": "system", "--model": "model", "--engine": "engine", 
 @contextlib.contextmanager
 def python_names() -> Any:
     """Errors in a caller's own terms: ``field 'system'`` rather than ``--system``, and a ``--set`` parameter
-    as the keyword argument it came from (``cache__alpha``)."""
+    as the keyword argument it came from (``cache__alpha``). In Jupyter, they and an interrupt show the caller's
+    lines only."""
     try:
         yield
+    except KeyboardInterrupt as err:  # Kernel > Interrupt: the cell's line, not two screens of SimPy and the pool
+        err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
+        raise
     except MoesimError as err:
         err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
         name = PYTHON_NAMES.get(err.field or "")

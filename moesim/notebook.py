@@ -14,7 +14,7 @@ from moesim.errors import MoesimError
 from moesim.util import is_own_frame
 
 
-def callers_traceback(err: MoesimError) -> list[str]:
+def callers_traceback(err: BaseException) -> list[str]:
     """How IPython shows a bad-input error of the API (its ``_render_traceback_`` hook, bound with
     functools.partial so that the error still pickles): the caller's own lines and the one-line message, without
     the dozens of moesim frames above it (the message was all they gave, at the end of two screens). The whole
@@ -22,7 +22,7 @@ def callers_traceback(err: MoesimError) -> list[str]:
     import traceback
     lines = [line.rstrip("\n") for line in traceback.format_list(callers_frames(err.__traceback__))]
     return ["Traceback (most recent call last; moesim's own frames left out):", *lines,
-            f"{type(err).__name__}: {err}"]
+            f"{type(err).__name__}: {err}" if str(err) else type(err).__name__]
 
 
 def callers_frames(tb: Any) -> list[Any]:

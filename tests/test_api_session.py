@@ -78,3 +78,25 @@ def test_an_invalid_plan_in_a_notebook_shows_the_callers_line_and_one_line(tmp_p
     assert [line for line in shown if line.lstrip().startswith("File ")] == \
         [next(line for line in shown if __file__ in line)], shown
     assert shown[-1].startswith("PolicyError: system 'test-plans-twice'") and "\n" not in shown[-1]
+
+
+@pytest.mark.parametrize("call", [
+    lambda trace, hw: moesim.replay(trace, hw=hw),
+    lambda trace, hw: moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru"]}, workers=1),
+])
+def test_an_interrupt_in_a_notebook_shows_the_callers_line(tmp_path, monkeypatch, call):
+    """Kernel > Interrupt during a replay or sweep showed two screens of SimPy, the pool and moesim frames above
+    'KeyboardInterrupt'; the cell's own line is what tells where it stopped."""
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("moesim.sim.run.simulate", interrupted)
+    with pytest.raises(KeyboardInterrupt) as err:
+        call(trace, hw)
+    shown = err.value._render_traceback_()
+    frames = [line for line in shown if line.lstrip().startswith("File ")]
+    assert frames and all(__file__ in line for line in frames), shown
+    assert shown[-1] == "KeyboardInterrupt"
