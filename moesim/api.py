@@ -39,6 +39,7 @@ spec's values are made plain in :mod:`moesim.api_spec`.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import math
 import numbers
 import os
@@ -247,7 +248,10 @@ def slice_trace(trace: str | os.PathLike, out: str | os.PathLike, *, steps: int 
     tmp = tmp_path_for(out)
     try:
         pq.write_table(sliced, tmp, **parquet_options(sliced.column_names))
-        os.replace(tmp, out)
+        # the same slice written again (a notebook run from the top) leaves the file as it was: a new
+        # modification time made a resumable sweep over it run every finished point again
+        if not (out.is_file() and filecmp.cmp(tmp, out, shallow=False)):
+            os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out

@@ -100,3 +100,22 @@ def test_an_interrupt_in_a_notebook_shows_the_callers_line(tmp_path, monkeypatch
     frames = [line for line in shown if line.lstrip().startswith("File ")]
     assert frames and all(__file__ in line for line in frames), shown
     assert shown[-1] == "KeyboardInterrupt"
+
+
+def test_a_slice_written_again_leaves_the_file_and_a_resumable_sweep_over_it_alone(tmp_path):
+    """A notebook run again from the top slices its trace again: the rewritten file's new modification time made a
+    sweep with out= run every finished point again, its trace having 'changed'."""
+    import os
+
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    piece = moesim.slice_trace(trace, tmp_path / "piece.parquet", steps=3)
+    os.utime(piece, ns=(1_000_000_000, 1_000_000_000))
+    spec = {"traces": [piece], "hw": [hw], "systems": ["gpu-only-lru"]}
+    first = moesim.sweep(spec, out=tmp_path / "results.parquet", workers=1)
+    assert moesim.slice_trace(trace, tmp_path / "piece.parquet", steps=3) == piece
+    assert os.stat(piece).st_mtime_ns == 1_000_000_000
+    again = moesim.sweep(spec, out=tmp_path / "results.parquet", workers=1)
+    assert again["finished_at"].tolist() == first["finished_at"].tolist()
+    moesim.slice_trace(trace, tmp_path / "piece.parquet", steps=4)  # another slice does replace it
+    assert os.stat(piece).st_mtime_ns != 1_000_000_000
