@@ -119,11 +119,15 @@ def trace_import(fmt: str | None, sources: tuple[str, ...], out: str | None, lis
             raise MoesimError("missing", field=name, fix=fix)
     check_outputs([("SOURCES", source) for source in sources], {"out": PARQUET}, out=out)
     from moesim.progress import Progress
-    with Progress("trace import", unit="files", console=err_console) as bar, open_output(out, "--out") as path:
+    # in bytes of the logs read (a long log was '0 files' until it was all imported); MiB, or KiB for small logs
+    total = sum(Path(s).stat().st_size for s in sources if Path(s).is_file())
+    unit, scale = ("MiB", 2**20) if total >= 10 * 2**20 else ("KiB", 2**10)
+    with Progress("trace import", total=total / scale or None, unit=unit, console=err_console) as bar, \
+            open_output(out, "--out") as path:
         bar.advance(0, label=", ".join(Path(s).name for s in sources[:3]) + (" ..." if len(sources) > 3 else ""))
-        report = import_trace(fmt, [Path(s) for s in sources], path)
+        report = import_trace(fmt, [Path(s) for s in sources], path,
+                              progress=lambda nbytes, log: bar.advance(nbytes / scale, label=log.name))
         report.out = Path(out)  # where it lands, not the file it was written to first
-        bar.advance(len(sources))
     for line in report.summary_lines():  # each one line however long (a pipe's console wraps at 160 columns)
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 

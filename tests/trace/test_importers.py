@@ -266,3 +266,29 @@ def test_qwen3_fixture_keeps_forward_2_only(tmp_path):
     assert report.rows == 3 * 48
     with pytest.raises(TraceFormatError, match="whole number of 48-layer forwards"):
         import_trace("vllm-qwen3-prefill", [_jsonl(tmp_path / "short.jsonl", lines[:100])], tmp_path / "u.parquet")
+
+
+# ----------------------------------------------------------------------------- progress
+def test_import_reports_the_bytes_it_reads_as_it_goes(tmp_path, monkeypatch):
+    """A long log was '0 files' in the progress lines until it was all imported: the importers now report the
+    bytes they read, every PROGRESS_BYTES of a JSON-lines log and an npz once loaded."""
+    from moesim.trace.importers import _common
+    monkeypatch.setattr(_common, "PROGRESS_BYTES", 4096)
+    log = _raw_fixture(tmp_path / "routing_raw.jsonl")
+    seen: list[tuple[int, str]] = []
+    import_trace(None, [log], tmp_path / "t.parquet", progress=lambda n, path: seen.append((n, path.name)))
+    assert len(seen) > 3 and sum(n for n, _ in seen) == log.stat().st_size
+    assert {name for _, name in seen} == {"routing_raw.jsonl"}
+
+
+def test_the_import_command_counts_its_progress_in_bytes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    log = _raw_fixture(tmp_path / "routing_raw.jsonl")
+    done = subprocess.run([sys.executable, "-m", "moesim", "trace", "import", str(log), "--out",
+                           str(tmp_path / "t.parquet")], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "MOESIM_PROGRESS_INTERVAL": "0"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    kib = f"{log.stat().st_size / 1024:,.0f}"
+    assert f"trace import: done, {kib}/{kib} KiB (100%)" in done.stderr

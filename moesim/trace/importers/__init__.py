@@ -25,7 +25,7 @@ from typing import Callable
 from moesim.errors import ConfigError, TraceFormatError, did_you_mean
 from moesim.trace.importers import (cerebras_olmoe, flame_moe, qwen3_prefill, speculative_moe,
                                     vllm_moe_logger)
-from moesim.trace.importers._common import ImportReport, refuse_aggregates
+from moesim.trace.importers._common import ImportReport, reading_progress, refuse_aggregates
 from moesim.trace.importers.detect import detect_format
 from moesim.trace.io import compressed
 from moesim.util import same_file
@@ -87,9 +87,11 @@ def available_formats() -> list[str]:
     return sorted(FORMATS)
 
 
-def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | str) -> ImportReport:
+def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | str,
+                 progress: Callable[[int, Path], None] | None = None) -> ImportReport:
     """Convert ``sources`` (log files of format ``fmt``; None: told from their first records; one path alone
-    is one file) into a trace ``out``, which may be none of them."""
+    is one file) into a trace ``out``, which may be none of them. ``progress`` is called with the bytes of the
+    logs read (and the file) as the import goes; an npz is reported whole once read."""
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     sources = [Path(s) for s in sources]
@@ -121,7 +123,8 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
         raise TraceFormatError("output path is a directory", source=str(out), field="--out",
                                fix="give a file name ending in .parquet")
     try:
-        report = FORMATS[fmt](sources, out)
+        with reading_progress(progress):
+            report = FORMATS[fmt](sources, out)
     except UnicodeDecodeError as err:
         raise TraceFormatError(f"not UTF-8 text (byte {err.start})", source=_which(sources),
                                fix=f"give the {fmt} log as written by its tool") from None

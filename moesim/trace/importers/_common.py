@@ -13,7 +13,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -27,6 +29,29 @@ WRITE_CHUNK_ROWS = 65_536
 PREFILL, DECODE = PHASES.index("prefill"), PHASES.index("decode")
 
 
+# ----------------------------------------------------------------------------- progress
+#: called with (bytes just read, the file) while an import reads its logs; set by :func:`reading_progress`
+_READ_PROGRESS: ContextVar[Callable[[int, Path], None] | None] = ContextVar("import_read_progress", default=None)
+#: bytes of a JSON-lines log read between two progress reports
+PROGRESS_BYTES = 1 << 20
+
+
+@contextmanager
+def reading_progress(callback: Callable[[int, Path], None] | None) -> Iterator[None]:
+    """Report the bytes the importers read to ``callback`` (one long log was '0 files' until it was done)."""
+    token = _READ_PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _READ_PROGRESS.reset(token)
+
+
+def report_read(nbytes: int, path: Path) -> None:
+    callback = _READ_PROGRESS.get()
+    if callback is not None and nbytes:
+        callback(nbytes, path)
+
+
 # ----------------------------------------------------------------------------- input checks
 def where(path: Path, line: int | None = None, unit: str = "line") -> str:
     """``path``, with the line (or, in an array file, the ``unit``, e.g. token) an error is at."""
@@ -36,8 +61,13 @@ def where(path: Path, line: int | None = None, unit: str = "line") -> str:
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) for every non-blank line; bad JSON or bytes that are not UTF-8 are a
     one-line error naming the line (decoded line by line: a decoder's byte offset counts from its buffer)."""
+    pending = 0  # bytes read and not yet reported
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
+            pending += len(raw)
+            if pending >= PROGRESS_BYTES:
+                report_read(pending, path)
+                pending = 0
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -54,6 +84,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise TraceFormatError("line is not a JSON object", source=where(path, number), field="line",
                                        fix="each line must be one JSON object")
             yield number, obj
+    report_read(pending, path)
 
 
 def get_field(obj: dict[str, Any], name: str, path: Path, line: int) -> Any:

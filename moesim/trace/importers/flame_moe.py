@@ -17,7 +17,7 @@ import numpy as np
 
 from moesim.errors import TraceFormatError
 from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
-                                            check_weights, new_report, order_by_weight, write_import)
+                                            check_weights, new_report, order_by_weight, report_read, write_import)
 from moesim.util import listed
 
 FORMAT = "flame-moe"
@@ -46,6 +46,7 @@ def _load(path: Path) -> dict[str, np.ndarray]:
                                    fix="use flame-moe-290m_layers2-9_2048tok_top6.npz (layers, token_ids, indices, "
                                        "scores)")
         arrays = {key: data[key] for key in names}
+        report_read(path.stat().st_size, path)
     except (OSError, ValueError):
         raise TraceFormatError("not a readable npz file", source=str(path), fix="give the .npz extract") from None
     layers, indices = arrays["layers"], arrays["indices"]

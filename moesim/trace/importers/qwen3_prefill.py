@@ -21,7 +21,7 @@ import numpy as np
 
 from moesim.errors import TraceFormatError
 from moesim.trace.importers._common import (PREFILL, ImportReport, RoutingRows, check_experts, check_ids,
-                                            get_field, new_report, read_jsonl, where, write_import)
+                                            get_field, new_report, read_jsonl, report_read, where, write_import)
 
 FORMAT = "vllm-qwen3-prefill"
 MODEL = "qwen3-30b-a3b"
@@ -82,6 +82,7 @@ def _forward2_from_npz(path: Path) -> np.ndarray:
     try:
         data = np.load(path)
         ids = data["topk_ids"]
+        report_read(path.stat().st_size, path)
     except KeyError:
         raise TraceFormatError("npz has no 'topk_ids' array", source=str(path), field="topk_ids",
                                fix="use token_distri_*_prefill_forward2_ids.npz") from None
