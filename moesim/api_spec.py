@@ -4,6 +4,7 @@ reads), and the sweep's results with one type per column, as its results file ho
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from moesim import sweep as sweep_module
@@ -63,7 +64,11 @@ def plain_values(value: Any) -> Any:
 
 
 def plain_number(value: Any) -> Any:
-    """A numpy scalar as the Python number it holds; anything else as it is."""
+    """A numpy scalar as the Python number it holds, a ``pathlib.Path`` as its string (a calibration trace or an
+    arrival file: the results file refused the Path with pyarrow's ArrowInvalid once every point had run);
+    anything else as it is."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 

@@ -119,3 +119,16 @@ def test_a_slice_written_again_leaves_the_file_and_a_resumable_sweep_over_it_alo
     assert again["finished_at"].tolist() == first["finished_at"].tolist()
     moesim.slice_trace(trace, tmp_path / "piece.parquet", steps=4)  # another slice does replace it
     assert os.stat(piece).st_mtime_ns != 1_000_000_000
+
+
+def test_a_dict_spec_takes_a_path_object_as_a_parameters_value(tmp_path):
+    """settings of a sweep given as pathlib.Path (smoe-flex's calibration trace) ran every point, then failed
+    writing the results with pyarrow's ArrowInvalid ("Could not convert PosixPath(...)"); replay took it."""
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    for where in ("set", "grid"):
+        value = Path(trace) if where == "set" else [Path(trace)]
+        table = moesim.sweep({"traces": [trace], "hw": [hw], "systems": ["smoe-flex"],
+                              where: {"prefetch.calibration": value}}, workers=1)
+        assert table["status"].tolist() == ["ok"], table["error"].tolist()
+        assert table["prefetch.calibration"].tolist() == [str(trace)]
