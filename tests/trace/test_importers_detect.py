@@ -223,3 +223,16 @@ def test_a_logger_meta_whose_top_k_is_not_the_models_is_refused(tmp_path):
         import_trace(None, [path], tmp_path / "t.parquet")
     ok = _other_model_log(tmp_path / "ok.jsonl", model_id="allenai/OLMoE-1B-7B-0924")
     assert import_trace(None, [ok], tmp_path / "t.parquet").rows == 6
+
+
+@pytest.mark.parametrize("fmt", [None, "speculative-moe"])
+def test_a_log_saved_with_a_byte_order_mark_or_crlf_lines_imports(tmp_path, fmt):
+    """A log an editor saved with a UTF-8 byte-order mark was 'cannot tell which tool wrote this log', and with
+    --format 'line 1: not valid JSON'."""
+    plain = _raw_fixture(tmp_path / "routing_raw.jsonl")
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes().replace(b"\n", b"\r\n"))
+    expected = import_trace(fmt, [plain], tmp_path / "a.parquet")
+    got = import_trace(fmt, [marked], tmp_path / "b.parquet")
+    assert (got.rows, got.steps, dict(got.repaired)) == (expected.rows, expected.steps, dict(expected.repaired))
+    assert _table(tmp_path / "a.parquet").equals(_table(tmp_path / "b.parquet"))

@@ -58,6 +58,9 @@ def where(path: Path, line: int | None = None, unit: str = "line") -> str:
     return f"{path} {unit} {line}" if line is not None else str(path)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line number, object) for every non-blank line; bad JSON or bytes that are not UTF-8 are a
     one-line error naming the line (decoded line by line: a decoder's byte offset counts from its buffer)."""
@@ -68,6 +71,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             if pending >= PROGRESS_BYTES:
                 report_read(pending, path)
                 pending = 0
+            if number == 1:  # a byte-order mark an editor left (it was 'line 1: not valid JSON')
+                raw = raw.removeprefix(UTF8_BOM)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:

@@ -157,7 +157,7 @@ def _head(path: Path) -> list[dict[str, Any]]:
     """The first :data:`HEAD_RECORDS` JSON objects of a JSON-lines file; [] if it does not start with one."""
     records: list[dict[str, Any]] = []
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # -sig: a leading byte-order mark is no record's
             for text in handle:
                 if not text.strip():
                     continue
