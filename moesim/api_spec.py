@@ -76,10 +76,14 @@ def one_type_per_column(frame: Any) -> Any:
     """``frame`` with each column that mixes kinds of values (``cache.slots_per_layer`` swept over ``2`` and
     ``"[2,1,...]"``) as strings, as the sweep's own results file holds it: ``frame.to_parquet`` refused such a
     column (ArrowInvalid), and a resumed sweep, read back from its file, gave strings where a fresh one gave
-    both."""
+    both. A column of floats and missing values, or of missing values alone, is float64, as a fresh sweep gives
+    it: the finished points a resumed sweep kept held None where a fresh one held NaN (``prefetch_precision`` of
+    systems that never prefetch was an object column of None)."""
     for name in frame.columns:
         if frame[name].dtype == object:
             kinds = {type(v) for v in frame[name] if not is_missing(v)}
             if len(kinds) > 1:
                 frame[name] = [None if is_missing(v) else sweep_module.setting_str(v) for v in frame[name]]
+            elif all(issubclass(kind, float) for kind in kinds):
+                frame[name] = frame[name].astype("float64")
     return frame

@@ -132,3 +132,17 @@ def test_a_dict_spec_takes_a_path_object_as_a_parameters_value(tmp_path):
                               where: {"prefetch.calibration": value}}, workers=1)
         assert table["status"].tolist() == ["ok"], table["error"].tolist()
         assert table["prefetch.calibration"].tolist() == [str(trace)]
+
+
+def test_a_resumed_sweep_gives_the_columns_a_fresh_one_gives(tmp_path):
+    """Points read back from the results file held None where a fresh sweep held NaN: prefetch_precision (nan
+    for a system that never prefetches) was float64 in a fresh sweep and an object column of None resumed."""
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    spec = {"traces": [trace], "hw": [hw], "systems": ["gpu-only-lru", "cpu-only"]}
+    fresh = moesim.sweep(spec, out=tmp_path / "results.parquet", workers=1)
+    resumed = moesim.sweep(spec, out=tmp_path / "results.parquet", workers=1)
+    assert fresh["prefetch_precision"].isna().all() and fresh["prefetch_precision"].dtype == "float64"
+    differ = {name: (fresh[name].dtype, resumed[name].dtype) for name in fresh.columns
+              if fresh[name].dtype != resumed[name].dtype}
+    assert not differ
