@@ -11,7 +11,8 @@ import pytest
 from moesim.analysis.metrics import metrics
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerView, RunContext, active_experts
-from moesim.policy.catalog.smoe import SMoEAssign, TokenWisePrefetch, token_predictor_accuracy
+from moesim.policy.catalog.smoe import SMoEAssign, TokenWisePrefetch
+from moesim.policy.catalog.smoe.prefetch import token_predictor_accuracy
 from moesim.policy.state import CacheState
 from moesim.policy.systems import build_system
 from moesim.sim.result import result_to_frames

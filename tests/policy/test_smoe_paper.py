@@ -176,7 +176,7 @@ def test_prefill_streams_the_gpu_experts_heaviest_first():
 def test_flex_switches_off_the_floor_of_half_the_layers_lower_layer_first_on_ties():
     """Sec. VI-D: half of the layers, those of lower accuracy. Five layers: floor(2.5) = 2 off; equal
     accuracies go lower layer first (000 gives no tie-break)."""
-    from moesim.policy.catalog.smoe import least_accurate
+    from moesim.policy.catalog.smoe.prefetch import least_accurate
     assert least_accurate(np.array([0.5, 0.2, 0.5, 0.2, 0.9]), 0.5) == [1, 3]
     assert least_accurate(np.array([0.5, 0.5, 0.5, 0.5, 0.5]), 0.5) == [0, 1]
     assert least_accurate(np.array([0.9, 0.1, 0.5, 0.5, 0.3]), 0.5) == [1, 4]
