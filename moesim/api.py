@@ -134,7 +134,10 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
     if address is not None and engine != "ray":  # the sweep module's own line says "--address needs --engine ray"
         raise ConfigError(f"address={address!r} is a Ray cluster's, but engine={engine!r}", field="address",
                           fix="add engine='ray', or leave address out")
-    spec = sweep_module.load_spec(plain_spec(grid) if isinstance(grid, Mapping) else grid)
+    if isinstance(grid, Mapping):
+        grid = plain_spec(grid)
+        checked_spec_traces(grid)
+    spec = sweep_module.load_spec(grid)
     in_kernel = notebook.in_notebook()
     if progress is None:
         from rich.console import Console
@@ -160,6 +163,17 @@ def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike
         warn_at_caller("left out (a system 'all' brought in that cannot run on a trace):\n"
                        + "\n".join(f"  {line}" for line in summary.left_out), SweepSystemsLeftOut)
     return one_type_per_column(frame)
+
+
+def checked_spec_traces(spec: Mapping[str, Any]) -> None:
+    """A dict spec's traces that are not there, as :func:`replay` says it: where they were looked for, from the
+    working folder (the spec's own line told to give a path relative to the spec file's folder, which a dict
+    has none of), and :func:`bundled_trace` for a bundled trace's name."""
+    for key in ("traces", "trace"):
+        given = spec.get(key)
+        for trace in [given] if isinstance(given, (str, os.PathLike)) else given if isinstance(given, list) else []:
+            if isinstance(trace, (str, os.PathLike)):
+                existing_trace(trace, field=key)
 
 
 class SweepPointsFailed(UserWarning):

@@ -15,6 +15,9 @@ from moesim.errors import TraceFormatError
     (lambda trace: moesim.replay(Path(trace)), "trace"),
     (lambda trace: moesim.serve(trace, requests=2), "traces"),
     (lambda trace: moesim.serve([trace], requests=2), "traces"),
+    # a dict spec's traces: the sweep's line said to give a path relative to the spec file's folder (it has none)
+    (lambda trace: moesim.sweep({"traces": [trace], "hw": ["rtx4090"], "systems": ["smoe"]}), "traces"),
+    (lambda trace: moesim.sweep({"trace": trace, "hw": ["rtx4090"], "systems": ["smoe"]}), "trace"),
 ])
 def test_a_bundled_trace_named_from_another_folder_points_to_bundled_trace(tmp_path, monkeypatch, call, field):
     """A kernel runs in the notebook's folder: 'traces/...' written as from the repository's root was
