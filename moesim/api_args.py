@@ -93,8 +93,20 @@ def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> d
                 raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
             if getattr(value, "ndim", 0) > 0:  # a numpy array (or Series) printed as '[2 1 2]', which no parser reads
                 value = value.tolist()
-            out[key] = sweep_module.setting_str(value)
+            out[key] = sweep_module.setting_str(whole_number(value))
     return out
+
+
+def whole_number(value: Any) -> Any:
+    """A float that holds a whole number as that int: a count read from a results table (a column with gaps is
+    float) or from ``np.linspace`` was "'2.0' is not a valid int"; a float parameter reads "2" as 2.0. Lists
+    (per-layer slots) element by element; anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(whole_number(v) for v in value)
+    if isinstance(value, float) or type(value).__name__.startswith("float"):  # numpy floats too
+        number = float(value)
+        return int(number) if number.is_integer() and abs(number) < 2**53 else value  # 1e300 stays as written
+    return value
 
 
 def checked_settings(settings: Any) -> None:

@@ -149,3 +149,20 @@ def test_a_resumed_sweep_gives_the_columns_a_fresh_one_gives(tmp_path):
     differ = {name: (fresh[name].dtype, resumed[name].dtype) for name in fresh.columns
               if fresh[name].dtype != resumed[name].dtype}
     assert not differ
+
+
+def test_a_whole_number_given_as_a_float_is_that_count(tmp_path):
+    """A count read from a results table (a column with gaps is float) or from np.linspace was refused:
+    "'2.0' is not a valid int"."""
+    import numpy as np
+
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=5)
+    expected = moesim.replay(trace, hw=hw, cache__slots_per_layer=1, timeline=False).metrics["tpot_ms_mean"].item()
+    for slots in (1.0, np.float64(1.0), [1.0, 1.0]):
+        run = moesim.replay(trace, hw=hw, cache__slots_per_layer=slots, timeline=False)
+        assert run.metrics["tpot_ms_mean"].item() == expected
+    run = moesim.replay(trace, hw=hw, settings={"cache.slots_per_layer": np.float64(1.0)}, timeline=False)
+    assert run.metrics["tpot_ms_mean"].item() == expected
+    with pytest.raises(moesim.api.ConfigError, match="'1.5' is not a valid int"):
+        moesim.replay(trace, hw=hw, cache__slots_per_layer=1.5)
