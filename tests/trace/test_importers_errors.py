@@ -274,7 +274,8 @@ def _raw_rows(prompt: int = 10, steps: int = 3) -> list[dict]:
 @pytest.mark.parametrize("keep, field, words", [
     (20 * 10 + 4, "layer", "prefill has no rows for MoE layer(s) 21-31 (its last row is line 204)"),
     (31 * 10 + 4, "token_pos", "prefill ends at token_pos 3 at layer 31 against 9 at its longest layer"),
-    (32 * 10 + 32 + 20, "layer", "last decode step has no rows for MoE layer(s) 20-31 (its last row is line 372)"),
+    (32 * 10 + 32 * 2 + 20, "layer", "line 385, field 'layer': humaneval problem 0's decode step 2 has no rows for "
+                                     "its last MoE layer(s) 20-31: the log is cut short"),
 ])
 def test_a_raw_capture_cut_short_is_refused_not_padded_with_invented_ties(tmp_path, capsys, keep, field, words):
     """routing_raw.jsonl cut at a line boundary imported with exit 0: cut in the prefill, a prefill-only trace of
@@ -288,6 +289,19 @@ def test_a_raw_capture_cut_short_is_refused_not_padded_with_invented_ties(tmp_pa
     assert main(["trace", "import", str(path), "--out", str(out)]) == 2
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and str(path) in said and "fix: use the complete log" in said and not out.exists()
+
+
+def test_a_raw_capture_with_a_repeated_line_is_refused_not_split_into_steps_of_invented_ties(tmp_path):
+    """A decode line given twice started a new forward: its step and an extra one each lacked half the layers,
+    written as [0.5, 0.5] ties (the real routing_raw.jsonl with one line repeated: 85 steps, 32 rows invented)."""
+    rows = _raw_rows()
+    repeated = 32 * 10 + 32 + 12  # decode step 1, layer 12
+    path = _jsonl(tmp_path / "routing_raw.jsonl", rows[:repeated + 1] + rows[repeated:])
+    with pytest.raises(TraceFormatError, match=r"line 353, field 'layer': humaneval problem 0's decode step 1 has no "
+                                               r"rows for its last MoE layer\(s\) 13-31: a line is repeated or out "
+                                               r"of order"):
+        import_trace(None, [path], tmp_path / "t.parquet")
+    assert not (tmp_path / "t.parquet").exists()
 
 
 def test_a_raw_capture_cut_at_a_step_boundary_or_with_a_few_trailing_ties_still_imports(tmp_path):

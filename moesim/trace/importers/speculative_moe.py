@@ -18,9 +18,10 @@ temporal reuse; the number of such rows is recorded in the trace's ``source``.
 
 - raw prefill: a layer lacking a ``token_pos`` in 0..P-1 (P = longest layer): exact.
 - raw decode: a step (one forward) lacking a layer in the 0..31 cycle: exact.
-- raw capture cut short: a prefill lacking whole layers, or a prefill layer or the last
-  decode step lacking more than ``TIE_GAP_ROWS`` trailing rows, is refused (ties drop
-  scattered rows, a cut drops the tail).
+- raw capture cut short, or with a line repeated or out of order: a prefill lacking whole
+  layers, a prefill layer lacking more than ``TIE_GAP_ROWS`` trailing positions, or a
+  decode step lacking more than that many first or last layers, is refused (ties drop
+  scattered rows; a cut drops the tail, a repeated line splits a step in two).
 - processed file alone: a layer with fewer rows than the request's longest layer
   lacks that many tokens at unknown positions; the repaired rows go at its end
   (``tie_rows_imputed_position_unknown``); tokens after the real gap stay one step
@@ -330,13 +331,15 @@ def _span(layers: list[int]) -> str:
 
 
 def _refuse_raw_cut_short(raw: Problem) -> None:
-    """A raw capture cut at a line boundary parsed cleanly and its missing rows became invented ties: cut in
-    the prefill (logged layer by layer), it lacks the last layers or the last layer's last positions; cut in
-    the decode, the last step lacks its last layers. Ties drop scattered rows (at most 3 trailing ones in the
-    real log), so a trailing run longer than ``TIE_GAP_ROWS`` is a log cut short."""
+    """A raw capture cut at a line boundary, or with a line repeated or out of order, parsed cleanly and its
+    missing rows became invented ties: cut in the prefill (logged layer by layer), it lacks the last layers or
+    the last layer's last positions; cut in the decode, the last step lacks its last layers; a repeated line
+    splits one decode step in two, one lacking the last layers, the other the first. Ties drop scattered rows
+    (at most 3 trailing ones in the real log, never a step's first layer), so a run longer than
+    ``TIE_GAP_ROWS`` at either end of a layer's positions or a step's layers is refused."""
     last_line = max(max(rows.lines) for rows in (*raw.prefill.values(), *raw.decode.values()))
     what = f"{raw.dataset} problem {raw.problem_id}"
-    fix = f"use the complete log; the raw capture logs all {NUM_LAYERS} layers of every forward"
+    fix = f"use the complete log; the raw capture logs all {NUM_LAYERS} layers of every forward, once, in order"
     absent = [layer for layer in range(NUM_LAYERS) if layer not in raw.prefill]
     if absent:
         raise TraceFormatError(f"{what}'s prefill has no rows for MoE layer(s) {_span(absent)} (its last row is "
@@ -348,12 +351,22 @@ def _refuse_raw_cut_short(raw: Problem) -> None:
             raise TraceFormatError(f"{what}'s prefill ends at token_pos {max(rows.index)} at layer {layer} against "
                                    f"{last_pos} at its longest layer: the log is cut short",
                                    source=where(raw.path, rows.lines[-1]), field="token_pos", fix=fix)
-    last_step = raw.decode_steps - 1
-    in_last = [layer for layer, rows in raw.decode.items() if rows.index and rows.index[-1] == last_step]
-    if in_last and NUM_LAYERS - 1 - max(in_last) > TIE_GAP_ROWS:
-        raise TraceFormatError(f"{what}'s last decode step has no rows for MoE layer(s) "
-                               f"{_span(list(range(max(in_last) + 1, NUM_LAYERS)))} (its last row is line "
-                               f"{last_line}): the log is cut short", source=str(raw.path), field="layer", fix=fix)
+    present = np.zeros((raw.decode_steps, NUM_LAYERS), bool)
+    first_line = np.full(raw.decode_steps, np.iinfo(np.int64).max)
+    for layer, rows in raw.decode.items():
+        present[rows.index, layer] = True
+        np.minimum.at(first_line, rows.index, rows.lines)
+    for step, layers in enumerate(present):
+        logged = np.flatnonzero(layers)
+        lacking = list(range(logged[-1] + 1, NUM_LAYERS)) or list(range(logged[0]))
+        if len(lacking) <= TIE_GAP_ROWS:
+            continue
+        end = "last" if lacking[-1] == NUM_LAYERS - 1 else "first"
+        why = ("the log is cut short" if step == raw.decode_steps - 1 and end == "last"
+               else "a line is repeated or out of order")
+        raise TraceFormatError(f"{what}'s decode step {step} has no rows for its {end} MoE layer(s) "
+                               f"{_span(lacking)}: {why}", source=where(raw.path, int(first_line[step])),
+                               field="layer", fix=fix)
 
 
 def _prefill_len(raw: Problem) -> int:
