@@ -376,3 +376,18 @@ def test_a_qwen3_log_and_its_npz_extract_together_are_refused(tmp_path):
     other = _jsonl(tmp_path / "token_distri_16.jsonl", [{**line, "topk_ids": [[(k + 1) % 128 for k in range(8)]] * line[
         "topk_weights"][0]} for line in lines])
     assert import_trace(None, [log, other], tmp_path / "t.parquet").prefill_steps == 2
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda rows: rows[:3] + rows[2:], "line 4, field 'token_idx': token_idx 1 after 1"),
+    (lambda rows: rows[:2] + rows[3:], "line 3, field 'token_idx': token_idx 2 after 0"),
+], ids=["repeated", "lost"])
+def test_a_cerebras_log_with_a_line_repeated_or_lost_is_refused(tmp_path, edit, words):
+    """token_idx is a global running counter; a repeated line was imported as one more token (4,472 rows of the
+    real log's 4,471), a lost one left out without a word."""
+    rows = [{"type": "meta"}] + [{"type": "route", "token_idx": i, "layer": 0, "topk_ids": [9, 8, 7, 6, 5, 4, 3, 2],
+                                  "topk_weights": [0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]} for i in range(4)]
+    path = _jsonl(tmp_path / "moe_routes.jsonl", edit(rows))
+    with pytest.raises(TraceFormatError, match="a line is repeated, missing or out of order") as err:
+        import_trace(None, [path], tmp_path / "t.parquet")
+    assert words in str(err.value) and not (tmp_path / "t.parquet").exists()

@@ -10,6 +10,8 @@ but neither forward nor request boundaries were logged. Rather than invent a
 batch structure, the importer keeps the logged order and writes each row as its
 own one-token step of request 0 (phase ``decode``, position = row index). Use
 the result for layer-0 expert statistics; its steps are not the real batches.
+``token_idx`` must count 1 up from row to row (a repeated, lost or moved line is
+refused; a log cut at a line boundary cannot be told from a shorter run).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
     step = 0
     for request, path in enumerate(sources):
         experts, weights, lines = [], [], []
+        previous = -1
         for line, obj in read_jsonl(path):
             if obj.get("type") == "meta":
                 check_logger_meta(obj, path, line, FORMAT, MODEL_ID_WORDS, UPSTREAM_MODEL_ID, TOP_K)
@@ -51,7 +54,12 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
             if layer != 0:
                 raise TraceFormatError(f"layer {layer}; this log holds layer 0 only", source=where(path, line),
                                        field="layer", fix="check --format")
-            get_int(obj, "token_idx", path, line)
+            token = get_int(obj, "token_idx", path, line)
+            if experts and token != previous + 1:  # a global running counter: a repeated, lost or moved line
+                raise TraceFormatError(f"token_idx {token} after {previous}", source=where(path, line),
+                                       field="token_idx", fix="token_idx counts rows 0, 1, 2, ...: a line is "
+                                                              "repeated, missing or out of order; use the complete log")
+            previous = token
             experts.append(get_list(obj, "topk_ids", TOP_K, path, line))
             weights.append(get_list(obj, "topk_weights", TOP_K, path, line))
             lines.append(line)
