@@ -391,3 +391,16 @@ def test_a_cerebras_log_with_a_line_repeated_or_lost_is_refused(tmp_path, edit, 
     with pytest.raises(TraceFormatError, match="a line is repeated, missing or out of order") as err:
         import_trace(None, [path], tmp_path / "t.parquet")
     assert words in str(err.value) and not (tmp_path / "t.parquet").exists()
+
+
+@pytest.mark.parametrize("sizes, words", [
+    ((8, 4, 3, 5), "no decode forward after the 5-row prefill: the log is cut short"),
+    ((8, 4, 3, 5, 2, 1, 2), "decode forward 6 has 2 rows after one of 1; decode batches of this run only shrink"),
+], ids=["cut-in-prefill", "batch-grows"])
+def test_a_logger_run_cut_in_its_prefill_or_whose_decode_batch_grows_is_refused(tmp_path, sizes, words):
+    """The real moe_layer8.jsonl cut at line 9,000 imported as a 486-row prefill (of 1,406), exit 0; with one
+    token_idx 0 line repeated, as one more decode step of one row."""
+    log = _logger_fixture(tmp_path / "moe_layer3.jsonl", 3, sizes)
+    with pytest.raises(TraceFormatError, match="field 'token_idx'") as err:
+        import_trace(None, [log], tmp_path / "t.parquet")
+    assert words in str(err.value) and not (tmp_path / "t.parquet").exists()

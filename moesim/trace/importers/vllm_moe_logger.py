@@ -9,6 +9,9 @@ dummy, 65-row warm-up (all three dropped and counted), the batched prefill of th
 by line number (identical forward structure is checked, the join itself is an
 inference). Weights are softmax probabilities over 60 experts, not renormalized.
 
+A log without decode forward (cut in its prefill), or whose decode batches ever
+grow (a repeated or lost line), is refused.
+
 Neither prompt boundaries in the prefill batch nor the decode slot-to-request
 mapping were logged: the prefill is one pseudo-request 0 (positions = batch row),
 decode slot s is request 1 + s with positions counting generated tokens. Slot
@@ -96,6 +99,24 @@ def _first_difference(sizes: np.ndarray, other: np.ndarray, name: str) -> str:
     return f"{len(sizes)} forwards here, {len(other)} in {name} (the shorter log is cut short)"
 
 
+def _refuse_odd_decode(log: LayerLog, lead: int) -> None:
+    """Every prompt was submitted at once, so decode batches only shrink: a log without decode forward was cut
+    in its prefill, and a batch larger than the one before comes of a repeated ``token_idx`` 0 line (a one-row
+    forward) or lost lines; either was imported without a word (a cut prefill as a shorter one)."""
+    if len(log.sizes) == lead + 1:
+        raise TraceFormatError(f"no decode forward after the {log.sizes[lead]}-row prefill: the log is cut short",
+                               source=str(log.path), field="token_idx", fix="use the complete log")
+    decode = log.sizes[lead + 1:]
+    grew = np.flatnonzero(decode[1:] > decode[:-1])
+    if len(grew):
+        forward = lead + 2 + int(grew[0])
+        raise TraceFormatError(f"decode forward {forward} has {log.sizes[forward]} rows after one of "
+                               f"{log.sizes[forward - 1]}; decode batches of this run only shrink (every prompt "
+                               "was submitted at once)", source=where(log.path, int(log.lines[log.starts[forward]])),
+                               field="token_idx", fix="a line is repeated, missing or out of order; use the "
+                                                      "complete log")
+
+
 def import_files(sources: list[Path], out: Path) -> ImportReport:
     report, model = new_report(FORMAT, out, MODEL)
     logs = sorted((LayerLog(p, model) for p in sources), key=lambda log: log.layer)
@@ -112,6 +133,7 @@ def import_files(sources: list[Path], out: Path) -> ImportReport:
     if len(first.sizes) <= lead:
         raise TraceFormatError(f"only {len(first.sizes)} forwards; expected dummy, warm-up, prefill, decode",
                                source=str(first.path), field="token_idx", fix="use the complete log")
+    _refuse_odd_decode(first, lead)
     rows = RoutingRows(top_k=TOP_K, with_weights=True)
     for log in logs:
         report.repaired["rows_reordered_by_weight"] += log.reordered
