@@ -304,6 +304,20 @@ def test_a_raw_capture_with_a_repeated_line_is_refused_not_split_into_steps_of_i
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_a_raw_capture_with_two_lines_swapped_across_a_step_boundary_is_refused(tmp_path):
+    """Layer 31 of decode step 0 swapped with layer 0 of step 1 made a step of those two rows alone, its 30 other
+    layers written as ties (the real routing_raw.jsonl so edited: 85 steps, exit 0)."""
+    rows = _raw_rows()
+    last = 32 * 10 + 31  # decode step 0, layer 31
+    rows[last], rows[last + 1] = rows[last + 1], rows[last]
+    path = _jsonl(tmp_path / "routing_raw.jsonl", rows)
+    with pytest.raises(TraceFormatError, match=r"line 352, field 'layer': humaneval problem 0's decode step 1 has no "
+                                               r"rows for 30 of its 32 MoE layers \(1-30\): a line is repeated or "
+                                               r"out of order"):
+        import_trace(None, [path], tmp_path / "t.parquet")
+    assert not (tmp_path / "t.parquet").exists()
+
+
 def test_a_raw_capture_cut_at_a_step_boundary_or_with_a_few_trailing_ties_still_imports(tmp_path):
     whole_steps = _jsonl(tmp_path / "a.jsonl", _raw_rows()[:32 * 10 + 32 * 2])
     assert import_trace("speculative-moe", [whole_steps], tmp_path / "a.parquet").decode_steps == 2

@@ -20,8 +20,9 @@ temporal reuse; the number of such rows is recorded in the trace's ``source``.
 - raw decode: a step (one forward) lacking a layer in the 0..31 cycle: exact.
 - raw capture cut short, or with a line repeated or out of order: a prefill lacking whole
   layers, a prefill layer lacking more than ``TIE_GAP_ROWS`` trailing positions, or a
-  decode step lacking more than that many first or last layers, is refused (ties drop
-  scattered rows; a cut drops the tail, a repeated line splits a step in two).
+  decode step lacking more than that many first or last layers, or more than
+  ``MAX_TIES_PER_STEP`` layers in all, is refused (ties drop scattered rows; a cut drops
+  the tail, a repeated or moved line splits a step in two).
 - processed file alone: a layer with fewer rows than the request's longest layer
   lacks that many tokens at unknown positions; the repaired rows go at its end
   (``tie_rows_imputed_position_unknown``); tokens after the real gap stay one step
@@ -63,6 +64,8 @@ NUM_LAYERS = 32
 #: a processed layer may lack this many of its request's tokens (or this share, if more) to upstream tie drops;
 #: the real logs lack at most 3 of 255, so a larger gap is a file cut short or edited, not ties to re-insert
 TIE_GAP_ROWS, TIE_GAP_SHARE = 4, 0.05
+#: a raw decode step may lack this many of its 32 layers to tie drops (the real capture lacks at most 6)
+MAX_TIES_PER_STEP = NUM_LAYERS // 4
 SOURCE = {
     "repository": "https://github.com/Mario928/speculative-moe",
     "commit": "216e26eb86ee09fa46bb0e8c000be7e9758e10b6",
@@ -359,14 +362,18 @@ def _refuse_raw_cut_short(raw: Problem) -> None:
     for step, layers in enumerate(present):
         logged = np.flatnonzero(layers)
         lacking = list(range(logged[-1] + 1, NUM_LAYERS)) or list(range(logged[0]))
-        if len(lacking) <= TIE_GAP_ROWS:
-            continue
-        end = "last" if lacking[-1] == NUM_LAYERS - 1 else "first"
-        why = ("the log is cut short" if step == raw.decode_steps - 1 and end == "last"
-               else "a line is repeated or out of order")
-        raise TraceFormatError(f"{what}'s decode step {step} has no rows for its {end} MoE layer(s) "
-                               f"{_span(lacking)}: {why}", source=where(raw.path, int(first_line[step])),
-                               field="layer", fix=fix)
+        if len(lacking) > TIE_GAP_ROWS:
+            end = "last" if lacking[-1] == NUM_LAYERS - 1 else "first"
+            why = ("the log is cut short" if step == raw.decode_steps - 1 and end == "last"
+                   else "a line is repeated or out of order")
+            raise TraceFormatError(f"{what}'s decode step {step} has no rows for its {end} MoE layer(s) "
+                                   f"{_span(lacking)}: {why}", source=where(raw.path, int(first_line[step])),
+                                   field="layer", fix=fix)
+        lacking = np.flatnonzero(~layers).tolist()
+        if len(lacking) > MAX_TIES_PER_STEP:  # two lines swapped across a step boundary leave a step of two rows
+            raise TraceFormatError(f"{what}'s decode step {step} has no rows for {len(lacking)} of its "
+                                   f"{NUM_LAYERS} MoE layers ({_span(lacking)}): a line is repeated or out of order",
+                                   source=where(raw.path, int(first_line[step])), field="layer", fix=fix)
 
 
 def _prefill_len(raw: Problem) -> int:
