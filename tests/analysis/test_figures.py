@@ -572,7 +572,7 @@ def test_a_report_leaves_out_a_figure_of_values_too_large_to_draw(tmp_path, caps
     path = tmp_path / "r.parquet"
     results().assign(tpot_ms_mean=1e308).to_parquet(path)
     assert main(["report", str(path), "--out", str(tmp_path / "r.html"), "--no-gantt"]) == 0
-    assert "no latency figure: column 'tpot_ms_mean' holds 1e+308, too large to draw" in capsys.readouterr().out
+    assert "no latency figure: column 'tpot_ms_mean' holds 1e+308, too large to draw" in capsys.readouterr().err  # a note: stderr
 
 
 def test_every_system_of_the_catalogue_has_a_colour_of_its_own():

@@ -91,12 +91,13 @@ def test_cli_report_says_which_figure_it_could_not_draw(tmp_path, capsys):
     results().to_parquet(path)  # its points name traces/x.parquet, which is not there to replay
     report = tmp_path / "report.html"
     assert main(["report", str(path), "--out", str(report)]) == 0
-    out = capsys.readouterr().out
-    assert f"wrote {report}" in out
-    note = next(line for line in out.splitlines() if line.startswith("note: no Gantt chart:"))
+    said = capsys.readouterr()
+    assert said.out.strip() == f"wrote {report}"  # the notes go to stderr, as moesim plot's do
+    note = next(line for line in said.err.splitlines() if line.startswith("note: no Gantt chart:"))
     assert "x.parquet" in note and note.removeprefix("note: ") in report.read_text().replace("&#x27;", "'")
     assert main(["report", str(path), "--out", str(report), "--no-gantt"]) == 0
-    assert "note:" not in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "note:" not in said.out + said.err
 
 
 def test_cli_report_renders_in_a_headless_browser_with_every_image_loaded(sweep_results, tmp_path):
