@@ -194,7 +194,8 @@ def test_a_file_that_holds_no_routing_says_what_it_holds(tmp_path, capsys, make,
 
 def _other_model_log(path, model_id="Qwen/Qwen2-57B-A14B-Instruct", top_k=8):
     """A vLLM MoE logger log of a model no format reads: 64 experts, top-8, as OLMoE's, layer 0."""
-    routes = [{"type": "route", "req_id": "r0", "token_idx": i, "layer": 0, "topk_ids": [(i + j) % 64 for j in range(8)],
+    routes = [{"type": "route", "req_id": "r0", "token_idx": i, "layer": 0,
+               "topk_ids": [(i + j) % 64 for j in range(8)],
                "topk_weights": [0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05]} for i in range(6)]
     return _jsonl(path, [{"type": "meta", "model_id": model_id, "top_k": top_k}] + routes)
 

@@ -384,7 +384,8 @@ def test_a_qwen3_log_and_its_npz_extract_together_are_refused(tmp_path):
     log = _jsonl(tmp_path / "token_distri_8.jsonl", lines)
     npz = tmp_path / "token_distri_8_prefill_forward2_ids.npz"
     np.savez(npz, topk_ids=np.asarray(forward2, dtype=np.int16))
-    with pytest.raises(TraceFormatError, match=r"field 'topk_ids': holds the same prefill batch as token_distri_8.jsonl"):
+    with pytest.raises(TraceFormatError,
+                       match=r"field 'topk_ids': holds the same prefill batch as token_distri_8.jsonl"):
         import_trace(None, [log, npz], tmp_path / "t.parquet")
     assert not (tmp_path / "t.parquet").exists()
     other = _jsonl(tmp_path / "token_distri_16.jsonl", [{**line, "topk_ids": [[(k + 1) % 128 for k in range(8)]] * line[
