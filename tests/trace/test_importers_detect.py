@@ -161,6 +161,15 @@ def _lfs_pointer(path):
     return path
 
 
+def _torch_save(path):
+    """What torch.save writes (DynaNDE-Simulator's per-layer routing files): a zip holding a pickle."""
+    import zipfile
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("samples/data.pkl", b"\x80\x02}q\x00.")
+        archive.writestr("samples/version", "3\n")
+    return path
+
+
 def _trace(path):
     """A moesim trace, given to the importer as if it were a log."""
     import_trace(None, [_raw_fixture(path.with_suffix(".jsonl"))], path)
@@ -175,11 +184,13 @@ def _trace(path):
      "a Git LFS pointer (to a file of 143000000 bytes), not the log itself", "git lfs pull"),
     (lambda d: _trace(d / "gsm8k.parquet"), "a Parquet file (a moesim trace, or another Parquet table), not a "
                                              "tool's routing log", "a trace needs no import"),
-], ids=["expert-counters", "pair-counters", "outputs", "lfs-pointer", "trace"])
+    (lambda d: _torch_save(d / "samples.pt"), "a PyTorch file (torch.save), which no import format reads",
+     "numpy.savez: layers, token_ids, indices, scores"),
+], ids=["expert-counters", "pair-counters", "outputs", "lfs-pointer", "trace", "torch-save"])
 def test_a_file_that_holds_no_routing_says_what_it_holds(tmp_path, capsys, make, words, fix):
     """Counters copied out of OLMoE-routing-stats/ (their path no longer says what they are), speculative-moe's
-    outputs file, a Git LFS pointer and a trace were all 'cannot tell which tool wrote this log'; the pointer
-    with --format was 'line 1: not valid JSON', the trace 'not UTF-8 text'."""
+    outputs file, a Git LFS pointer, a trace and a torch.save file were all 'cannot tell which tool wrote this
+    log'; the pointer with --format was 'line 1: not valid JSON', the trace 'not UTF-8 text'."""
     path = make(tmp_path)
     out = tmp_path / "t.parquet"
     for fmt in (None, "speculative-moe"):

@@ -75,12 +75,29 @@ def _refuse_not_a_log(path: Path) -> None:
         raise TraceFormatError("a Parquet file (a moesim trace, or another Parquet table), not a tool's routing log",
                                source=str(path), fix="a trace needs no import: moesim trace validate / inspect / "
                                                      "replay read it as it is")
+    if _torch_file(path, head):
+        raise TraceFormatError("a PyTorch file (torch.save), which no import format reads (DynaNDE-Simulator's "
+                               "per-layer .pt files are flame-moe's source)", source=str(path),
+                               fix="for FLAME-MoE, save the layers' arrays as one npz (numpy.savez: layers, "
+                                   "token_ids, indices, scores) and import that with --format flame-moe")
     if not head.startswith(LFS_POINTER):
         return
     size = next((line.split()[1] for line in head.splitlines() if line.startswith(b"size ")), b"?")
     raise TraceFormatError(f"a Git LFS pointer (to a file of {size.decode(errors='replace')} bytes), not the log "
                            "itself", source=str(path),
                            fix="fetch the real file (git lfs pull in its repository, or download it) and import that")
+
+
+def _torch_file(path: Path, head: bytes) -> bool:
+    """Whether ``path`` is what torch.save writes: a zip archive holding a ``data.pkl`` (it was 'cannot tell which
+    tool wrote this log', or with --format 'not UTF-8 text')."""
+    if not head.startswith(b"PK") or path.suffix == ".npz":
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def available_formats() -> list[str]:
