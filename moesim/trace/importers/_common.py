@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
