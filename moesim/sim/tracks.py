@@ -83,28 +83,27 @@ class Tracks:
         free = pcie.free
         if (pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)) and self._contends(experts, count):
             t = self._cpu_shared(experts, count, s, layer, t, kind)
-        elif self.timeline is None:
-            if count is None:
-                d = self._cpu.get(1)
-                if d is None:
-                    d = self._cpu_s(1)
-                if self._cpu_rate[1]:  # 0: cannot contend for DRAM, kept off the ledger
-                    self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
-                t += len(experts) * d
-            else:
-                cpu, rate, add = self._cpu, self._cpu_rate, self.dram.add
-                for e in experts:
-                    n = count[e]
-                    d = cpu[n] if n in cpu else self._cpu_s(n)
-                    if rate[n]:
-                        add(t, t + d, rate[n])
-                    t += d
+        elif count is None:
+            # the same sums with and without a timeline, which only draws them: a replay's figures must not
+            # depend on whether it keeps one
+            d = self._cpu.get(1)
+            if d is None:
+                d = self._cpu_s(1)
+            if self._cpu_rate[1]:  # 0: cannot contend for DRAM, kept off the ledger
+                self.dram.add(t, t + len(experts) * d, self._cpu_rate[1])
+            if self.timeline is not None:
+                for i, e in enumerate(experts):
+                    self._span("cpu", 0, t + i * d, t + (i + 1) * d, kind, s, layer, e, 1)
+            t += len(experts) * d
         else:
+            cpu, rate, add, timeline = self._cpu, self._cpu_rate, self.dram.add, self.timeline
             for e in experts:
-                n = 1 if count is None else count[e]
-                d = self._cpu_s(n)
-                self.dram.add(t, t + d, self._cpu_rate[n])
-                self._span("cpu", 0, t, t + d, kind, s, layer, e, n)
+                n = count[e]
+                d = cpu[n] if n in cpu else self._cpu_s(n)
+                if rate[n]:
+                    add(t, t + d, rate[n])
+                if timeline is not None:
+                    self._span("cpu", 0, t, t + d, kind, s, layer, e, n)
                 t += d
         counters.cpu_busy_s += t - start - before
         self.cpu_free = t
