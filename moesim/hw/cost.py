@@ -131,6 +131,9 @@ class CostModel:
         self.overridden = self.profile.base is not None
         self.launch_s = self.launch_per_kernel("prefill")
         self.sync_s = self.profile.sync.per_layer_us * US
+        #: time to copy one expert host-to-device: fixed by the profile and dtype this model is made with, and
+        #: set here with the other attributes (planners read it every layer; one set later would slow every read)
+        self.expert_load = self.h2d(self.expert_bytes)
 
     # -- runtime -----------------------------------------------------------------
     def launch_per_kernel(self, phase: str) -> float:
@@ -383,14 +386,6 @@ class CostModel:
     def d2h(self, nbytes: int) -> float:
         """Device-to-host copy of ``nbytes`` into pinned memory: latency + bytes / bandwidth(size)."""
         return self._copy(self.profile.pcie.d2h, nbytes)
-
-    @property
-    def expert_load(self) -> float:
-        """Time to copy one expert host-to-device."""
-        value = self._memo.get(("h2d_expert", 0))
-        if value is None:
-            value = self._memo[("h2d_expert", 0)] = self.h2d(self.expert_bytes)
-        return value
 
     def launches(self, kernels: int, phase: str = "prefill") -> float:
         return kernels * self.launch_per_kernel(phase)
