@@ -106,7 +106,7 @@ The assignment lives in ``assign.py``, the prefetch and the cache in ``workload.
 from __future__ import annotations
 
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import LayerPlan, LayerView, RunContext
+from moesim.policy.base import LayerPlan, LayerView, RunContext, split_plan
 from moesim.policy.cache import SlotSpread
 from moesim.policy.catalog.dali import assign  # noqa: F401 - registers dali-greedy and dali-optimal
 from moesim.policy.catalog.dali.workload import ResidualPrefetch, WorkloadAwareCache
@@ -180,7 +180,7 @@ class DaliSystem(ObservingSystem):
             return super()._place(view)  # another cache swapped in: the generic steps
         window_closed = cache.observe(view)
         gpu, cpu = self.assign.split(view)
-        plan = LayerPlan(cpu=cpu)
+        plan = split_plan([], cpu)  # every layer: without calling the class
         solve_s = getattr(self.assign, "_last_solve_s", 0.0)
         if solve_s:
             plan.overhead_s["predict"] = solve_s
