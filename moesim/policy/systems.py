@@ -131,10 +131,10 @@ class ComposedSystem:
     def planner(self) -> Callable[[LayerView], LayerPlan]:
         """What an executor calls for each layer, fetched once per run: :meth:`plan`, or :meth:`_place` itself
         where plan would only call it (a system that neither substitutes nor defers, and whose ``plan`` is
-        this class's and not replaced on the instance): the same plans, one call fewer per layer."""
+        this class's own, not overridden, nor replaced on the class or the instance, as a notebook's spy is):
+        the same plans, one call fewer per layer."""
         plan = self.plan
-        if getattr(plan, "__func__", None) is ComposedSystem.plan and not self._substituting \
-                and not self._deferring:
+        if getattr(plan, "__func__", None) is _COMPOSED_PLAN and not self._substituting and not self._deferring:
             return self._place
         return plan
 
@@ -213,6 +213,10 @@ class ComposedSystem:
             quota_left[layer] -= 1
             if pool_left is not None:
                 pool_left -= 1
+
+
+#: ComposedSystem.plan as defined here: planner() hands out _place only while plan is still this function
+_COMPOSED_PLAN = ComposedSystem.plan
 
 
 class _Victims:

@@ -105,6 +105,15 @@ def test_planner_skips_plan_only_where_plan_would_place():
     assert own.planner() == own.plan
 
 
+def test_planner_calls_a_plan_replaced_on_the_class(monkeypatch):
+    """A spy set on ComposedSystem.plan (a notebook's, or tests/backends' request check) is called for
+    every layer: planner() compared plan with ComposedSystem.plan, which was then the spy itself."""
+    original = ComposedSystem.plan
+    monkeypatch.setattr(ComposedSystem, "plan", lambda self, view: original(self, view))
+    system = build_system("cpu-only")
+    assert system.planner() == system.plan
+
+
 def test_decision_log_takes_the_general_path(trace):
     sim = prepare(trace, "rtx4090", "cpu-only", {"engine.decisions": "true"})
     assert isinstance(sim, Simulator) and sim._execute_all
