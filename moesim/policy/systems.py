@@ -376,6 +376,15 @@ def register_system(name: str, spec: SystemSpec) -> None:
         raise ConfigError(f"system '{name}': system_class {spec.system_class!r} is no ComposedSystem", field="spec",
                           fix="subclass ComposedSystem (moesim.policy.systems) and override plan(self, view), or "
                               "leave system_class out to compose the components")
+    if CATALOGUE_SYSTEMS:  # a system of one's own: its components are named now, not at its first run
+        for role, component in spec.roles().items():
+            registry = COMPONENTS.get(role, {})
+            if component not in registry:
+                raise ConfigError(f"system '{name}': no {role} component is registered as {component!r}",
+                                  field=f"SystemSpec.{role}",
+                                  fix=f"{did_you_mean(str(component), registry)}use one of: {', '.join(registry)} "
+                                      f"(a component of one's own: register it, @register_component, before "
+                                      "the system)")
     SYSTEMS[name] = spec
 
 

@@ -444,3 +444,12 @@ def test_a_system_class_that_is_no_composed_system_is_refused_at_registration():
     with pytest.raises(ConfigError, match=r"system_class.*Planner.*subclass ComposedSystem"):
         register_system("my-planner", SystemSpec("mine", cache="lru", assign="gpu", system_class=Planner))
     assert "my-planner" not in SYSTEMS
+
+
+def test_a_system_naming_an_unknown_component_is_refused_when_registered():
+    """register_system accepted any name; the error came at the first run, as field 'cache' of a call that
+    never named a cache."""
+    with pytest.raises(ConfigError) as caught:
+        register_system("mine-unknown", SystemSpec("mine", cache="lur", assign="gpu"))
+    assert caught.value.field == "SystemSpec.cache" and "no cache component is registered as 'lur'" in str(caught.value)
+    assert "lru" in caught.value.fix and "mine-unknown" not in SYSTEMS
