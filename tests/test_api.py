@@ -82,6 +82,21 @@ def test_a_result_prints_as_one_line_of_its_headline_figures(files):
     assert type(run.metrics["offered_qps"]) is float  # a plain float, as json and repr expect
 
 
+def test_a_result_shows_in_a_notebook_as_its_headline_figures(files):
+    """Jupyter showed the whole metrics row, some 60 lines, as a replay's output: now a short table of the
+    headline figures, the slot spread, and where the rest is."""
+    trace, hw = files
+    result = moesim.replay(trace, hw=hw, system="gpu-only-lru", cache__slots_per_layer=2)
+    row = result.metrics.iloc[0]
+    html = result._repr_html_()
+    assert html.startswith("<b>gpu-only-lru</b> on t.parquet<table>")
+    assert f"<tr><td>tpot_ms_mean</td><td>{row['tpot_ms_mean']:.6g}</td></tr>" in html
+    assert f"<tr><td>slot_spread</td><td>{row['slot_spread']}</td></tr>" in html
+    assert html.count("<tr>") <= 14 and "breakdown_" not in html and "notes" not in html
+    assert html.endswith(f"{len(result.metrics.columns)} figures in <code>.metrics</code>, one row a step in "
+                         "<code>.steps</code>, <code>.timeline</code>, <code>.decisions</code>")
+
+
 
 def test_a_prefill_only_result_prints_no_nan(tmp_path, files):
     """A trace without decode steps printed tpot_ms_mean=nan, decode_tokens_per_s=nan: the line leaves out the

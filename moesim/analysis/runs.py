@@ -15,6 +15,9 @@ from moesim.util import is_missing
 
 #: the figures a result's one-line repr shows
 REPR_METRICS = ("ttft_ms", "tpot_ms_mean", "decode_tokens_per_s", "gpu_hit_rate")
+#: the figures a notebook shows of a replay (the whole row is in ``metrics``)
+HTML_METRICS = ("ttft_ms", "tpot_ms_mean", "tpot_ms_p99", "decode_tokens_per_s", "makespan_s", "gpu_hit_rate",
+                "pcie_h2d_bytes", "cpu_util", "gpu_util", "pcie_util", "expert_slots", "gap_to_lower_bound")
 #: the frames a saved result keeps, each as ``NAME.parquet`` (absent when the replay did not keep it)
 FRAMES = ("metrics", "timeline", "decisions", "steps")
 #: the file of a saved result that holds what is not a frame: system, trace and the nested metrics
@@ -98,7 +101,20 @@ class ReplayResult:
         return folder
 
     def _repr_html_(self) -> str:
-        return f"<b>{self.system}</b> on {Path(self.trace).name}" + self.metrics.T.to_html(header=False)
+        """The headline figures as a table (six significant digits), what was kept, and where the rest is: the
+        whole ``metrics`` row is some 60 figures, a wall of text as a notebook's output."""
+        from html import escape
+        row = self.metrics.iloc[0] if len(self.metrics) else {}
+        figures = [(key, f"{row[key]:.6g}") for key in HTML_METRICS if key in row and not is_missing(row[key])]
+        if "decode_tokens" in row and row["decode_tokens"] == 0:  # why TPOT and decode speed are not shown
+            figures.append(("decode_tokens", "0"))
+        if "slot_spread" in row and isinstance(row["slot_spread"], str) and row["slot_spread"]:
+            figures.append(("slot_spread", row["slot_spread"]))
+        rows = "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in figures)
+        kept = [name for name in ("timeline", "decisions") if getattr(self, name) is not None]
+        more = f"{len(self.metrics.columns)} figures in <code>.metrics</code>, one row a step in <code>.steps</code>" + \
+            "".join(f", <code>.{name}</code>" for name in kept)
+        return f"<b>{escape(self.system)}</b> on {escape(Path(self.trace).name)}<table>{rows}</table>{more}"
 
     def __repr__(self) -> str:
         """One line for a console (the frames are a print away): what ran, its headline figures, what was kept."""
