@@ -61,19 +61,6 @@ NONE_STAGED: dict[int, Transfer] = {}
 FIXED_CATEGORIES = ("dense_ffn", "embedding", "lm_head", "sampling", "launch", "host")
 
 
-def one_row_predictors(predictors: dict[str, list[np.ndarray]]) -> list[dict[str, list[np.ndarray]]]:
-    """Row ``i``'s predictors as a one-row step's view gives them (each column sliced to ``[i:i + 1]``), for
-    every row at once: one pass per column rather than a dict built by a comprehension per layer."""
-    if not predictors:
-        return []
-    names = list(predictors)
-    columns = [[rows[i:i + 1] for i in range(len(rows))] for rows in predictors.values()]
-    if len(names) == 1:  # the usual case: a system reads one predictor column
-        name = names[0]
-        return [{name: row} for row in columns[0]]
-    return [dict(zip(names, row)) for row in zip(*columns)]
-
-
 class Simulator(Transfers, Tracks):
     """One replay of one trace under one system."""
 
@@ -142,7 +129,6 @@ class Simulator(Transfers, Tracks):
         self._writeback_s: float | None = None
         self._step_phase = "prefill"  # the phase of the step ``run_step`` last ran
         self._rows: OneRowLayers | None = None  # the rows of the step ``run_step`` runs, split by layer
-        self._row_predictors: list[dict] | None = None  # and their predictors, row by row (empty: none)
         self._context = 0  # the context length of the step ``run_step`` runs (its views carry it)
         self._empty: dict = {}
         self.ctx = RunContext(model=model, costs=costs, capacity=list(memory.capacity), pool=memory.pool,
@@ -301,7 +287,6 @@ class Simulator(Transfers, Tracks):
             self._step_spans(step.step, start, t, tokens, before=True)
         self._rows = step.one_row_layers()
         self._empty = {}  # the step's views' arrivals and predictors where they have none
-        self._row_predictors = one_row_predictors(step.predictors) if self._rows is not None else None
         attention = self._attention_s(tokens, context)
         if self._rows is not None:  # one row a layer: every layer attends over the step's one token
             for layer, rows in step.layers():
@@ -361,7 +346,7 @@ class Simulator(Transfers, Tracks):
         one_row = self._rows
         if one_row is not None:  # a decode step of one sequence: its layers' rows were split at its start
             i = rows.start  # the validated trace row has distinct experts: one token each
-            predictors = self._row_predictors[i] if self._row_predictors else self._empty
+            predictors = one_row.predictors[i] if one_row.predictors else self._empty
             return layer_view(step.step, layer, phase, one_row.experts[i], one_row.active[i], one_row.ones,
                               self.cache, self.costs, one_row.weights[i], one_row.scores[i], predictors, now,
                               arrivals, self.expert_launch_s, self.shared_launch_s, one_row.request[i], self._context)

@@ -220,7 +220,7 @@ class Step:
         return OneRowLayers(_one_row_views(self.experts), self.experts.tolist(), request,
                             absent if self.weights is None else _one_row_views(self.weights),
                             absent if self.scores is None else _one_row_views(self.scores),
-                            [1] * self.experts.shape[1])
+                            [1] * self.experts.shape[1], one_row_predictors(self.predictors))
 
 
 @dataclass(slots=True)
@@ -237,6 +237,21 @@ class OneRowLayers:
     scores: list[np.ndarray | None]
     #: every row's token count per expert, one each (one list for all rows: views only read it)
     ones: list[int]
+    #: row ``i``'s predictor columns, each sliced to ``[i:i + 1]`` (empty: the step carries none)
+    predictors: list[dict[str, list[np.ndarray]]]
+
+
+def one_row_predictors(predictors: dict[str, list[np.ndarray]]) -> list[dict[str, list[np.ndarray]]]:
+    """Row ``i``'s predictors as a one-row step's view gives them (each column sliced to ``[i:i + 1]``), for
+    every row at once: one pass per column rather than a dict built by a comprehension per layer."""
+    if not predictors:
+        return []
+    names = list(predictors)
+    columns = [[rows[i:i + 1] for i in range(len(rows))] for rows in predictors.values()]
+    if len(names) == 1:  # the usual case: a system reads one predictor column
+        name = names[0]
+        return [{name: row} for row in columns[0]]
+    return [dict(zip(names, row)) for row in zip(*columns)]
 
 
 def _one_row_views(array: np.ndarray) -> list[np.ndarray]:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from moesim.sim.engine import one_row_predictors
+from moesim.trace.io import one_row_predictors
 
 
 def _columns(names: tuple[str, ...], rows: int) -> dict[str, list[np.ndarray]]:
