@@ -188,26 +188,49 @@ def hybrid_schedule(view: LayerView, loads: bool = True,
     """
     costs = view.costs
     resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
-    # (-tokens, id) pairs sort most tokens first, then id
-    cached: list[tuple[int, int]] = []
-    uncached: list[tuple[int, int]] = []
-    for e, n in zip(view.active, view.counts):
-        (cached if e in resident or e in in_flight else uncached).append((-n, e))
-    cached.sort()
-    uncached.sort()
-    order = cached + uncached
-    first_uncached = len(cached)
-    # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
+    active, counts = view.active, view.counts
+    if not active:
+        return [], []
     times = PerTokens.of(times, costs, expert_times)
     launch = view.expert_launch_s
-    gpu_time: list[float] = []
-    cpu_time: list[float] = []
-    for m, _ in order:
-        gpu, cpu_s = times[-m]
-        gpu_time.append(gpu + launch)
-        cpu_time.append(cpu_s)
+    if counts[0] == counts[-1]:
+        # one token count (every decode layer): (-tokens, id) order is id order, and every expert takes the
+        # same times (each the sum the general case forms per expert)
+        cached = sorted(e for e in active if e in resident or e in in_flight) if in_flight \
+            else sorted(e for e in active if e in resident)
+        if len(cached) < len(active):
+            cached_now = resident.union(in_flight) if in_flight else resident
+            order = cached + sorted(e for e in active if e not in cached_now)
+        else:
+            order = cached
+        kernel, cpu_s = times[counts[0]]
+        gpu_time = [kernel + launch] * len(order)
+        cpu_time = [cpu_s] * len(order)
+    else:
+        # (-tokens, id) pairs sort most tokens first, then id
+        cached_pairs: list[tuple[int, int]] = []
+        uncached_pairs: list[tuple[int, int]] = []
+        for e, n in zip(active, counts):
+            (cached_pairs if e in resident or e in in_flight else uncached_pairs).append((-n, e))
+        cached_pairs.sort()
+        uncached_pairs.sort()
+        pairs = cached_pairs + uncached_pairs
+        order = [e for _, e in pairs]
+        cached = cached_pairs
+        # each expert's GPU kernel (with its launch) and CPU time, computed once per token count
+        gpu_time, cpu_time = [], []
+        for m, _ in pairs:
+            kernel, cpu_s = times[-m]
+            gpu_time.append(kernel + launch)
+            cpu_time.append(cpu_s)
     shared = costs.gpu_shared(view.tokens) + view.shared_launch_s if costs.model.shared_intermediate_size else 0.0
-    expert_load, sync_s = costs.expert_load, costs.sync_s
+    return head_tail(order, len(cached), gpu_time, cpu_time, shared, costs.expert_load, costs.sync_s, loads)
+
+
+def head_tail(order: list[int], first_uncached: int, gpu_time: list[float], cpu_time: list[float], shared: float,
+              expert_load: float, sync_s: float, loads: bool) -> tuple[list[int], list[int]]:
+    """The rounds of :func:`hybrid_schedule` over experts in ``order`` (cached first, the uncached from index
+    ``first_uncached``), with each one's GPU time (kernel and launch) and CPU time."""
     gpu_t, cpu_t, move_t = shared, 0.0, 0.0
     gpu: list[int] = []
     cpu: list[int] = []
@@ -223,11 +246,11 @@ def hybrid_schedule(view: LayerView, loads: bool = True,
             if uncached_head:
                 move_t += expert_load
             gpu_t = gpu_end
-            gpu.append(order[head][1])
+            gpu.append(order[head])
             head += 1
         else:
             cpu_t = cpu_end
-            cpu.append(order[tail][1])
+            cpu.append(order[tail])
             tail -= 1
     return gpu, cpu
 
