@@ -183,6 +183,8 @@ class ImportanceRouter(Substitution):
                               fix="replay a trace with the 'scores' column")
         k = view.experts.shape[1]
         scores = view.scores
+        if scores.shape[0] == 1:
+            return self._rewrite_one(view.experts[0].tolist(), scores[0], view.cache.resident[view.layer])
         bounds = layer_thresholds(scores, k, self.threshold)
         rows = view.experts.tolist()
         # scores as Python floats (the same numbers, compared without numpy scalars): each token's routed
@@ -205,6 +207,30 @@ class ImportanceRouter(Substitution):
                                   if floor <= score <= low)
             out += [(t, slot, e) for slot, (_, e) in zip(needy, alternatives)]
         return out
+
+    def _rewrite_one(self, row: list[int], scores: np.ndarray, resident: set[int]) -> list[tuple[int, int, int]]:
+        """:meth:`rewrite` of a one-token layer (every decode step of one request). A token's top-score experts
+        are among its own, so an expert of its row is "in GPU or C" only when resident, and the alternatives
+        are the resident experts outside its row: no set of top-score experts to build."""
+        missing = [slot for slot, e in enumerate(row) if e not in resident]
+        if not missing:
+            return []
+        n, k = len(scores), len(row)
+        if k >= n:
+            high, low, floor = token_thresholds(scores, k, self.threshold)
+        else:
+            part = scores.copy()
+            part.partition(n - 1 - k)
+            low = part.item(n - 1 - k)  # beta, as layer_thresholds reads it
+            high, floor = (1 + self.threshold) * low, (1 - self.threshold) * low
+        r = scores.take(row).tolist()
+        needy = sorted((slot for slot in missing if r[slot] <= high), key=lambda slot: (r[slot], slot))
+        if not needy:
+            return []
+        others = list(resident.difference(row))  # any order: the alternatives are sorted below
+        alternatives = sorted((-score, e) for e, score in zip(others, scores.take(others).tolist())
+                              if floor <= score <= low)
+        return [(0, slot, e) for slot, (_, e) in zip(needy, alternatives)]
 
 
 # ----------------------------------------------------------------------------- prefetch (Sec. 5.2)
