@@ -428,6 +428,25 @@ def two_pointer(counts: dict[int, int], t_load: float, cpu_time, load_head_start
     return load, cpu
 
 
+def pointer_rounds(order: list[int], t_load: float, t_cpu: float, load_head_start: float = 0.0
+                   ) -> tuple[list[int], list[int]]:
+    """:func:`two_pointer` over experts of one token count, ``order`` their ids ascending and ``t_cpu`` the
+    CPU time of each: the same rounds and sums."""
+    load, cpu = [], []
+    c_load, c_cpu = load_head_start, 0.0
+    left, right = 0, len(order) - 1
+    while left <= right:
+        if c_load <= c_cpu:
+            c_load += t_load
+            load.append(order[left])
+            left += 1
+        else:
+            c_cpu += t_cpu
+            cpu.append(order[right])
+            right -= 1
+    return load, cpu
+
+
 @register_component
 @dataclass
 class TwoPointerBalancer(Assignment):
@@ -458,16 +477,21 @@ class TwoPointerBalancer(Assignment):
         layer = view.layer
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         on_gpu = resident | in_flight if in_flight else resident  # read only
-        gpu = [e for e in view.active if e in on_gpu]
-        rest = {e: n for e, n in zip(view.active, view.counts) if e not in on_gpu}
-        if not rest:
+        active, counts = view.active, view.counts
+        gpu = [e for e in active if e in on_gpu]
+        if len(gpu) == len(active):
             return gpu, []
         # the link is free for a load when the first copy on the wire ends (queued prefetches are overtaken or
         # dropped, Sec. 5.2); with fewer copies in flight than engines one is idle now
         arrivals = view.arrivals
         pending = min(arrivals.values()) - view.now if len(arrivals) >= self._copy_engines else 0.0
         cpu_times = self._cpu_times = PerTokens.of(self._cpu_times, view.costs, _cpu_expert)
-        load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
+        if counts[0] == counts[-1]:  # one token count (every decode layer of one request): ids ascending
+            rest = sorted(e for e in active if e not in on_gpu)
+            load, cpu = pointer_rounds(rest, view.costs.expert_load, cpu_times[counts[0]], max(pending, 0.0))
+        else:
+            rest = {e: n for e, n in zip(active, counts) if e not in on_gpu}
+            load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
         return gpu + load, cpu
 
 
