@@ -52,9 +52,10 @@ from moesim import notebook
 from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
 from moesim.analysis.runs import ReplayResult, load_replay, step_frame  # noqa: F401 - moesim.api's names
-from moesim.api_args import (DEFAULT_HW, DEFAULT_SYSTEM, checked_flags, checked_keywords, checked_requests,
-                             checked_run_inputs, checked_settings, checked_sweep_inputs, checked_trace, existing_trace,
-                             keyword_fields, kept, profile_label, python_names, settings_from)
+from moesim.api_args import (DEFAULT_HW, DEFAULT_SYSTEM, SPEC_SETTINGS, checked_flags, checked_keywords,
+                             checked_requests, checked_run_inputs, checked_settings, checked_sweep_inputs,
+                             checked_trace, existing_trace, keyword_fields, kept, profile_label, python_names,
+                             python_wording, settings_from)
 from moesim.api_spec import one_type_per_column, plain_spec
 from moesim.util import warn_at_caller
 
@@ -108,7 +109,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
                         hw=hw_named(Path(profile_label(hw)).name, given, path=hw))
 
 
-@python_names()
+@python_names(spec=True)
 @checked_keywords
 def sweep(grid: Mapping[str, Any] | str | os.PathLike, *, out: str | os.PathLike | None = None,
           workers: int | None = None, engine: str = "local", address: str | None = None,
@@ -193,7 +194,9 @@ def warn_failed_points(frame: Any, shown: int = 5) -> str | None:
         return None
     reasons = failed["error"].fillna("(no reason recorded)").astype(str).value_counts()
     lines = [f"{len(failed)} of {len(frame)} sweep points failed (rows with status 'error'); reasons:"]
-    lines += [f"  {count} x {reason}" for reason, count in reasons.head(shown).items()]
+    # a point's reason as a Python caller would read it (its row keeps the words it was recorded with)
+    lines += [f"  {count} x {python_wording(reason, settings=SPEC_SETTINGS)}"
+              for reason, count in reasons.head(shown).items()]
     if len(reasons) > shown:
         more = len(reasons) - shown
         lines.append(f"  ... and {more} more reason{'s' if more > 1 else ''} (column 'error')")
@@ -342,7 +345,7 @@ def _trace_paths(traces: Any) -> list[str]:
     return [existing_trace(t, field="traces") for t in traces]
 
 
-@python_names()
+@python_names(serving=True)
 @checked_keywords
 def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEFAULT_HW,
           system: str = "gpu-only-lru", *, qps: float | None = None, requests: int | None = None,
@@ -361,27 +364,23 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     from moesim.sim.workload import check_read
     paths = _trace_paths(traces)
     checked_settings(settings)
-    short = {k: v for k, v in (("workload.qps", qps), ("workload.requests", requests), ("scheduler", scheduler))
-             if v is not None}
-    for key in (settings or {}):  # the settings' value won over the shorthand's without a word
-        dotted = sweep_module.normalize_key(key)
-        if dotted in short:
-            name = dotted.removeprefix("workload.")
-            raise ConfigError(f"{name}= and the setting '{key}' both set it", field=name,
-                              fix=f"give one of them (e.g. {name}={short[dotted]!r} alone)")
-    merged = settings_from({**short, **(settings or {})}, **params)
+    short = {name: (key, value) for name, key, value in (("qps", "workload.qps", qps),
+                                                          ("requests", "workload.requests", requests),
+                                                          ("scheduler", "scheduler", scheduler)) if value is not None}
+    merged = settings_from(settings, short, **params)
     slos = parse_slo(slo)  # the --slo check: a bad key or limit fails here, before any run
     checked_run_inputs(hw, seed, system, serving=True)
     try:
         with keyword_fields(params, settings):
             # workload__cv=4 with Poisson arrivals would change nothing; named as the caller gave it
             spelled = {**{key.replace("__", "."): key for key in params},
-                       **{key: key.removeprefix("workload.") for key in short if key not in (settings or {})}}
+                       **{key: name for name, (key, _) in short.items()}}
             check_read(merged, list(merged), spelled)
             result = run_serving(paths, hw, system, merged, seed=int(seed))
     except MoesimError as err:  # a value given as a shorthand: its error under that keyword
-        if err.field in short and err.field not in (settings or {}):
-            err.rename_field(err.field.removeprefix("workload."))
+        name = next((name for name, (key, _) in short.items() if key == err.field), None)
+        if name is not None:
+            err.rename_field(name)
         raise
     return ServeRun(requests=request_frame(result), metrics=serving_metrics(result, slos), system=system,
                     traces=paths, workload=result.workload,

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from moesim import notebook
 from moesim import sweep as sweep_module
-from moesim.errors import ConfigError, MoesimError
+from moesim.errors import ConfigError, MoesimError, slip_of
 
 DEFAULT_HW = "rtx4090"
 #: the system ``moesim.replay`` and ``moesim replay`` use when none is named (``--system all`` compares
@@ -24,13 +24,25 @@ DEFAULT_SYSTEM = "gpu-only-lru"
 
 #: command-line options that errors raised below the API name, as a Python caller spells them
 PYTHON_NAMES = {"--system": "system", "--model": "model", "--engine": "engine", "--workers": "workers",
-                "--address": "address", "--out": "out", "--slo": "slo", "--window": "window"}
+                "--address": "address", "--out": "out", "--slo": "slo", "--window": "window", "--hw": "hw",
+                "--requests": "requests", "--qps": "qps", "--scheduler": "scheduler", "--seed": "seed"}
+
+#: where a sweep spec takes settings, as :func:`python_wording` names it
+SPEC_SETTINGS = "'set': "
+#: ``--set KEY=VALUE`` (a value in brackets may hold commas), and any that follow it with a space between
+_SETTING = r"--set ([\w.\-]+)=(\[[^\]]*\]|[^\s,;)]+)"
+_SETTINGS = re.compile(rf"{_SETTING}(?: {_SETTING})*")
+#: an option's value, where one follows it: a placeholder (NAME), a number, or one of the words a fix gives
+_OPTION = re.compile(r"--([a-z][a-z-]*)(?:[ =]([A-Z][A-Z_]*\b|\d[\d.]*|ray\b|local\b))?")
 
 
 @contextlib.contextmanager
-def python_names() -> Any:
-    """Errors in a caller's own terms: ``field 'system'`` rather than ``--system``, and a ``--set`` parameter
-    as the keyword argument it came from (``cache__alpha``). In Jupyter, they and an interrupt show the caller's
+def python_names(serving: bool = False, spec: bool = False) -> Any:
+    """Errors in a caller's own terms: ``field 'system'`` rather than ``--system``, a ``--set`` parameter as the
+    keyword argument it came from (``cache__alpha``), and a fix such as ``--set cache.n=8`` as
+    ``settings={'cache.n': 8}`` (:func:`python_wording`; ``spec``: the call takes a sweep spec, where it is
+    ``'set': {'cache.n': 8}``). A short or misspelt parameter gets the full key it
+    looks like (``qps``: ``workload.qps`` when ``serving``). In Jupyter, they and an interrupt show the caller's
     lines only."""
     try:
         yield
@@ -39,14 +51,54 @@ def python_names() -> Any:
         raise
     except MoesimError as err:
         err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
+        sweep_module.full_key_guess(err, serving)
         name = PYTHON_NAMES.get(err.field or "")
         if err.field == "--set":
             key = set_parameter(err)
             name = key.replace(".", "__") if key else "settings"
-        if name is None:
-            raise
-        err.rename_field(name)
+        if name is not None:
+            err.field = name
+        err.reword(functools.partial(python_wording, settings=SPEC_SETTINGS if spec else "settings="))
         raise
+
+
+def python_wording(text: str, settings: str = "settings=") -> str:
+    """``text`` of an error, written for the command line, in a Python caller's terms: ``--set cache.n=8``
+    (and any ``--set`` after it) as ``settings={'cache.n': 8}``, an option as its argument (``--requests``:
+    ``requests=``, ``--engine local``: ``engine='local'``), ``moesim --import my_policies.py ...`` as
+    ``import my_policies``. ``settings`` names where the settings go (``'set': `` in a sweep spec). The
+    command line keeps the words as written; this is the one place the API's differ.
+
+    >>> python_wording("choose one with --set cache=score-history --set cache.n=8 as well (--requests)")
+    "choose one with settings={'cache': 'score-history', 'cache.n': 8} as well (requests=)"
+    """
+    text = re.sub(r"moesim --import (\S+?)(?:\.py)? \.\.\.", r"import \1", text)
+    text = text.replace("`moesim sweep --help`", "help(moesim.sweep)")
+    text = _SETTINGS.sub(lambda run: settings + _settings_dict(run), text)
+    text = re.sub(r"--set (parameters?)\b", r"\1", text)  # "a dict of --set parameters"
+    return _OPTION.sub(_argument, text)
+
+
+def _settings_dict(run: re.Match) -> str:
+    pairs = re.findall(_SETTING, run.group(0))
+    return "{" + ", ".join(f"{_literal(key)}: {_literal(value)}" for key, value in pairs) + "}"
+
+
+def _argument(option: re.Match) -> str:
+    name = PYTHON_NAMES.get(f"--{option.group(1)}")
+    if name is None:  # an option the API has no argument for (`ray start --head`): as written
+        return option.group(0)
+    return f"{name}={_literal(option.group(2)) if option.group(2) else ''}"
+
+
+def _literal(value: str) -> str:
+    """A setting's value or key as Python writes it: a number, True/False, a list, a placeholder (VALUE, KEY,
+    <int>) as they are; other words quoted."""
+    if re.fullmatch(r"-?\d+(\.\d*)?(e-?\d+)?|\[.*\]|[A-Z][A-Z_]*|<\w+>", value):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.capitalize()
+    return repr(value)
 
 
 def set_parameter(err: MoesimError) -> str | None:
@@ -78,22 +130,31 @@ def keyword_fields(params: Mapping[str, Any], settings: Mapping[str, Any] | None
         raise
 
 
-def settings_from(settings: Mapping[str, Any] | None = None, **params: Any) -> dict[str, str]:
-    """``--set`` settings from a dict and keyword arguments (``cache__slots_per_layer=4``).
+def settings_from(settings: Mapping[str, Any] | None = None, shorthands: Mapping[str, tuple[str, Any]] | None = None,
+                  **params: Any) -> dict[str, str]:
+    """``--set`` settings from a dict, keyword arguments (``cache__slots_per_layer=4``) and ``shorthands``
+    (argument -> (key, value): :func:`moesim.serve`'s ``qps=`` for ``workload.qps``). One key given twice is
+    refused naming both spellings as the caller wrote them (``qps=1 and workload__qps=2``).
 
     >>> settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True)
     {'cache': 'lru', 'cache.slots_per_layer': '4', 'engine.timeline': 'true'}
     """
     checked_settings(settings)
+    given = [(name, key, value, f"{name}={value!r}") for name, (key, value) in (shorthands or {}).items()]
+    given += [(str(key), key, value, f"settings={{{key!r}: {value!r}}}") for key, value in (settings or {}).items()]
+    given += [(key, key, value, f"{key}={value!r}") for key, value in params.items()]
     out: dict[str, str] = {}
-    for source in (settings or {}, params):
-        for key, value in source.items():
-            key = sweep_module.normalize_key(key)
-            if key in out:
-                raise ConfigError(f"parameter '{key}' given twice", field=key, fix="give it once")
-            if getattr(value, "ndim", 0) > 0:  # a numpy array (or Series) printed as '[2 1 2]', which no parser reads
-                value = value.tolist()
-            out[key] = sweep_module.setting_str(whole_number(value))
+    spelled: dict[str, tuple[str, str]] = {}  # key -> (field, as the caller wrote it)
+    for name, key, value, written in given:
+        key = sweep_module.normalize_key(key)
+        if key in out:
+            first, first_written = spelled[key]
+            raise ConfigError(f"{first_written} and {written} both set parameter '{key}'", field=first,
+                              fix=f"give one of them (e.g. {first_written} alone)")
+        spelled[key] = (name, written)
+        if getattr(value, "ndim", 0) > 0:  # a numpy array (or Series) printed as '[2 1 2]', which no parser reads
+            value = value.tolist()
+        out[key] = sweep_module.setting_str(whole_number(value))
     return out
 
 
@@ -112,7 +173,7 @@ def whole_number(value: Any) -> Any:
 def checked_settings(settings: Any) -> None:
     """One line for ``settings`` that is no dict (a list of ``KEY=VALUE`` strings, as on the command line)."""
     if settings is not None and not isinstance(settings, Mapping):
-        raise ConfigError(f"settings must be a dict of --set parameters, got {settings!r}", field="settings",
+        raise ConfigError(f"settings must be a dict of parameters, got {settings!r}", field="settings",
                           fix="e.g. settings={'cache': 'lru', 'cache.slots_per_layer': 2}")
 
 
@@ -138,7 +199,7 @@ def checked_keywords(function: Any) -> Any:
             if settings and not guess:
                 continue  # a --set parameter, for the system to check
             err = ConfigError(f"{call} has no argument '{key}'", field=key,
-                              fix=guess + ("(other keywords are --set parameters, e.g. cache__slots_per_layer=2)"
+                              fix=guess + ("(other keywords are parameters of the system, e.g. cache__slots_per_layer=2)"
                                            if settings else f"{call} takes {', '.join(own)}"))
             err._render_traceback_ = functools.partial(notebook.callers_traceback, err)  # type: ignore[attr-defined]
             raise err
@@ -150,31 +211,6 @@ def is_setting_name(key: str) -> bool:
     """Whether keyword ``key`` is spelt as a ``--set`` parameter: dotted (``__``), a role or another top-level one."""
     from moesim.policy.systems import ROLES
     return "__" in key or "." in key or key in ROLES or key in ("runtime", "scheduler")
-
-
-def slip_of(key: str, names: Sequence[str]) -> str:
-    """"did you mean NAME? " for the ``names`` a keyword is a typing slip of ("" for none): as the rest of moesim
-    guesses (:func:`moesim.errors.did_you_mean`), or one letter swapped with the next, added, dropped or changed,
-    which that misses in a short name (it rates ``qsp`` against ``qps`` 0.67, under its 0.7)."""
-    from moesim.errors import did_you_mean
-    guess = did_you_mean(key, names)
-    if guess:
-        return guess
-    near = [name for name in names if one_slip(key, name)]
-    return f"did you mean {' or '.join(near)}? " if near else ""
-
-
-def one_slip(a: str, b: str) -> bool:
-    """Whether ``a`` and ``b`` differ by one edit: two neighbouring letters swapped, or one added, dropped or
-    changed."""
-    if a == b or abs(len(a) - len(b)) > 1:
-        return False
-    if len(a) == len(b):
-        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
-                                  and a[diff[1]] == b[diff[0]])
-    short, long_ = sorted((a, b), key=len)
-    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
 
 
 def checked_flags(**flags: Any) -> None:

@@ -7,7 +7,7 @@ its one-line message and exits with status 2, never a traceback.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 
 class MoesimError(Exception):
@@ -22,11 +22,26 @@ class MoesimError(Exception):
         self.row = row
         self.fix = fix
         self.detail = message
+        #: rewrites the detail and fix, written in the command line's terms (``--set KEY=VALUE``), in the
+        #: caller's (:func:`moesim.api_args.python_wording`); None: as written
+        self.wording: Callable[[str], str] | None = None
         super().__init__(self._format())
 
     def rename_field(self, field: str) -> None:
         """Name the field as the caller knows it (the Python API's keyword for a command-line option)."""
         self.field = field
+        self.args = (self._format(),)
+
+    def reword(self, wording: Callable[[str], str]) -> None:
+        """Say the detail and the fix in the caller's terms: the command line's options and ``--set`` as the
+        Python API's arguments, say. ``detail`` and ``fix`` keep the words they were raised with."""
+        self.wording = wording
+        self.args = (self._format(),)
+
+    def add_guess(self, guess: str) -> None:
+        """Put ``guess`` ("did you mean X? ") first in the fix, for a front end that knows more choices than
+        the code that raised."""
+        self.fix = guess + (self.fix or "")
         self.args = (self._format(),)
 
     def _format(self) -> str:
@@ -38,9 +53,10 @@ class MoesimError(Exception):
         if self.row is not None:
             parts.append(f"row {self.row}")
         where = ": ".join([", ".join(parts)]) if parts else ""
-        text = f"{where}: {self.detail}" if where else self.detail
+        say = self.wording or str
+        text = f"{where}: {say(self.detail)}" if where else say(self.detail)
         if self.fix:
-            text += f" (fix: {self.fix})"
+            text += f" (fix: {say(self.fix)})"
         return text.replace("\n", " ")
 
 
@@ -86,3 +102,27 @@ def close_choices(name: str, choices: Iterable[str]) -> list[str]:
         best = max(ratio.values(), default=0.0)
         contained = [c for c in choices if ratio[c] == best] if best >= 0.7 else []
     return contained[:3]
+
+
+def slip_of(key: str, names: Sequence[str]) -> str:
+    """"did you mean NAME? " for the ``names`` a keyword is a typing slip of ("" for none): as
+    :func:`did_you_mean` guesses, or one letter swapped with the next, added, dropped or changed, which that
+    misses in a short name (it rates ``qsp`` against ``qps`` 0.67, under its 0.7)."""
+    guess = did_you_mean(key, names)
+    if guess:
+        return guess
+    near = [name for name in names if one_slip(key, name)]
+    return f"did you mean {' or '.join(near)}? " if near else ""
+
+
+def one_slip(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` differ by one edit: two neighbouring letters swapped, or one added, dropped or
+    changed."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long_ = sorted((a, b), key=len)
+    return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))

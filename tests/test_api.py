@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,8 @@ def test_keyword_arguments_become_set_keys():
     assert settings_from({"cache": "lru"}, cache__slots_per_layer=4, engine__timeline=True,
                          hw__pcie__bandwidth_scale=0.5) == {
         "cache": "lru", "cache.slots_per_layer": "4", "engine.timeline": "true", "hw.pcie.bandwidth_scale": "0.5"}
-    with pytest.raises(ConfigError, match="'cache.slots_per_layer' given twice"):
+    with pytest.raises(ConfigError, match=r"settings=\{'cache.slots_per_layer': 2\} and cache__slots_per_layer=4 "
+                                          "both set parameter 'cache.slots_per_layer'"):
         settings_from({"cache.slots_per_layer": 2}, cache__slots_per_layer=4)
 
 
@@ -263,8 +265,8 @@ def test_a_seed_or_hw_of_the_wrong_kind_is_refused_in_one_line(files, kwargs, wo
     ("replay", {"trace": ["T"]}, "trace", "trace must be one trace file's path, got ['"),
     ("replay", {"trace": 5}, "trace", "trace must be one trace file's path, got 5"),
     # AttributeError: 'list' object has no attribute 'items'
-    ("replay", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of --set parameters"),
-    ("serve", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of --set parameters"),
+    ("replay", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of parameters"),
+    ("serve", {"settings": ["cache=lru"]}, "settings", "settings must be a dict of parameters"),
     # "no" is truthy: the timeline was kept without a word
     ("replay", {"timeline": "no"}, "timeline", "timeline must be True or False, got 'no'"),
     ("replay", {"decisions": 0}, "decisions", "decisions must be True or False, got 0"),
@@ -701,7 +703,9 @@ def test_a_serve_shorthand_and_the_same_setting_are_refused_together(files, shor
     where qps=1 with workload__qps=2 was refused as given twice."""
     trace, hw = files
     name = next(iter(shorthand))
-    with pytest.raises(ConfigError, match=f"{name}= and the setting '{next(iter(setting))}' both set it") as err:
+    key, value = next(iter(setting.items()))
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={shorthand[name]!r} and settings={{{key!r}: {value!r}}} "
+                                                    "both set parameter")) as err:
         moesim.serve(trace, hw=hw, **{"qps": 1.0, "requests": 2, **shorthand}, settings=setting)
     assert err.value.field == name and "fix: " in str(err.value)
 

@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             except BrokenPipeError:  # `moesim trace inspect T --json - | head`: the reader has what it wanted,
                 stream_to_devnull(sys.stdout)  # and what the command wrote lands
     except MoesimError as err:
+        from moesim.sweep.spec import full_key_guess
+        full_key_guess(err, serving=args[:1] == ["serve-sim"])  # `--set qps=1`: did you mean workload.qps?
         if debug and err.__cause__ is not None:  # a fault in a policy of one's own: where in its code
             _say_cause(err.__cause__)
         _say(f"moesim: error: {err}")

@@ -101,8 +101,8 @@ module's names with ``from moesim.sweep import ...``.
 
 from __future__ import annotations
 
-from moesim.sweep.spec import (DEFAULT_HW, SPEC_KEYS, Point, SweepSpec, check_spec, load_spec, normalize_key,
-                               parse_spec, setting_str)
+from moesim.sweep.spec import (DEFAULT_HW, SPEC_KEYS, Point, SweepSpec, check_spec, full_key_guess, load_spec,
+                               normalize_key, parse_spec, setting_str)
 from moesim.sweep.point import (WORKER_DIED, cached_profile, describe_error, error_row, flatten_metrics,
                                input_fingerprint, run_point)
 from moesim.sweep.store import FLUSH_EVERY_S, PARTS_SUFFIX, SWEEP_METADATA, ResultStore
@@ -115,5 +115,5 @@ __all__ = ["DEFAULT_HW", "ENGINES", "FLUSH_EVERY_S", "INPUT_COLUMNS", "LOCATION_
            "RETRIES_AFTER_WORKER_DEATH", "SPEC_KEYS", "SWEEP_METADATA", "WALL_CLOCK_COLUMNS", "WORKER_DIED", "Point",
            "ProgressBar", "ResultStore", "ShippedFile", "SweepSpec", "SweepSummary", "cached_profile", "check_spec",
            "default_workers", "describe_error", "die_with_parent", "error_row", "flatten_metrics",
-           "input_fingerprint", "load_spec", "local_copy", "normalize_key", "parse_spec", "require_ray", "run_point",
-           "run_sweep", "setting_str"]
+           "full_key_guess", "input_fingerprint", "load_spec", "local_copy", "normalize_key", "parse_spec",
+           "require_ray", "run_point", "run_sweep", "setting_str"]

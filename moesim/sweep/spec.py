@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from moesim.errors import ConfigError, MoesimError, did_you_mean
+from moesim.errors import ConfigError, MoesimError, did_you_mean, slip_of
 from moesim.util import read_yaml
 
 SPEC_KEYS = ("trace", "traces", "hw", "system", "systems", "seed", "seeds", "model", "set", "grid", "zip", "import",
@@ -63,6 +63,47 @@ def setting_str(value: Any) -> str:
 def normalize_key(key: str) -> str:
     """``cache__slots_per_layer`` -> ``cache.slots_per_layer`` (Python-friendly spelling)."""
     return str(key).replace("__", ".")
+
+
+def full_key_guess(err: MoesimError, serving: bool) -> None:
+    """Start the fix of an error about an unknown parameter with the full keys it is short for or a slip of
+    (``qps``: ``workload.qps``; ``timeline``: ``engine.timeline``), where it guesses none: a system checks a key
+    against its components' parameters only, and those by the whole key. ``serving``: the workload and
+    scheduler keys are choices too (a serving run, or a sweep, which serves when given them)."""
+    named = re.search(r"unknown parameter '([^']+)'(?: for system '([^']+)')?", err.detail)
+    if named is None or "did you mean" in (err.fix or ""):
+        return
+    key, system = named.groups()
+    choices = setting_keys(system, serving)
+    guess = did_you_mean(key, choices)
+    if not guess and "." not in key:  # the part after the dot, or a slip of it
+        ends = {choice.rpartition(".")[2]: choice for choice in choices}
+        near = slip_of(key, list(ends)).removeprefix("did you mean ").removesuffix("? ")
+        full = [ends[end] for end in near.split(" or ") if end in ends]
+        guess = f"did you mean {' or '.join(full)}? " if full else ""
+    if guess:
+        err.add_guess(guess)
+
+
+def setting_keys(system: str | None, serving: bool) -> list[str]:
+    """The ``--set`` keys a run of ``system`` reads (of the engine, the memory model, its components, and a
+    serving run's workload and scheduler)."""
+    import dataclasses
+
+    from moesim.policy.systems import COMPONENTS, SYSTEMS
+    from moesim.sim.run import ReplaySettings
+    replay = ReplaySettings()
+    keys = [f"{section}.{f.name}" for section in ("engine", "memory")
+            for f in dataclasses.fields(getattr(replay, section))]
+    keys += ["cache.slots", "cache.slots_per_layer", "runtime"]
+    spec = SYSTEMS.get(system or "")
+    for role, name in (spec.roles().items() if spec is not None else ()):
+        component = COMPONENTS.get(role, {}).get(name)
+        keys += [f"{role}.{p}" for p in (component.parameters() if component is not None else ())]
+    if serving:
+        from moesim.sim.workload import WorkloadConfig
+        keys += [f"workload.{f.name}" for f in dataclasses.fields(WorkloadConfig)] + ["scheduler"]
+    return keys
 
 
 # ----------------------------------------------------------------------------- spec
@@ -420,6 +461,7 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None, syste
     try:
         return call()
     except MoesimError as err:
+        full_key_guess(err, serving=True)  # a spec that sets workload.* serves
         if err.source and err.source != spec.source and err.field and field_:
             # a fault inside a file the spec lists (a profile's field): that file and its field, as
             # `moesim replay` names them, then where the spec lists it
