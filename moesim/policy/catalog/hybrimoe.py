@@ -356,8 +356,9 @@ class LayerWisePrefetch(Prefetch):
         else:
             return []
         resident, in_flight = view.cache.resident[target], view.cache.in_flight[target]
-        cached = resident.union(in_flight) if in_flight else resident
-        return [(target, e) for e in ranked_until_uncached(ranked, cached.__contains__, self.n)]
+        # the n-th uncached comes within the first few ranked: both sets asked, no union built
+        cached = (lambda e: e in resident or e in in_flight) if in_flight else resident.__contains__
+        return [(target, e) for e in ranked_until_uncached(ranked, cached, self.n)]
 
 
 @dataclass
