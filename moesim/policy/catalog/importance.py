@@ -364,7 +364,10 @@ class ScoreHistoryCache(CachePolicy):
         if (view.step, view.layer) == self._seen or view.scores is None:
             return
         self._seen = (view.step, view.layer)
-        mean = token_mean(view.scores)
+        scores = view.scores
+        # one token's row is its own mean, kept as stored (float16, read only): the sums widen each of its
+        # numbers to float64 exactly, as token_mean's copy would
+        mean = scores[0] if scores.shape[0] == 1 else token_mean(scores)
         history, layer = self._history[view.layer], view.layer
         history.append(mean)
         self._sums[layer] += mean
