@@ -186,8 +186,9 @@ class DaliSystem(ObservingSystem):
             plan.overhead_s["predict"] = solve_s
         resident, in_flight = view.cache.resident[view.layer], view.cache.in_flight[view.layer]
         ready = [e for e in gpu if e in resident]
-        arriving = sorted((e for e in gpu if e in in_flight and e not in resident),
-                          key=lambda e: view.arrivals.get(e, 0.0))
+        arriving = [e for e in gpu if e in in_flight and e not in resident]
+        if len(arriving) > 1:  # by arrival (a stable sort, as sorted() is)
+            arriving.sort(key=lambda e: view.arrivals.get(e, 0.0))
         plan.streamed = [e for e in gpu if e not in resident and e not in in_flight]
         plan.gpu = ready + arriving + plan.streamed
         if window_closed:

@@ -28,9 +28,22 @@ def expert_time_lists(view: LayerView, times: PerTokens | None = None) -> tuple[
     times = PerTokens.of(times, view.costs, kernel_and_cpu_times)
     resident, arrivals, now, launch = view.cache.resident[view.layer], view.arrivals, view.now, view.expert_launch_s
     expert_load = view.costs.expert_load
-    experts = list(view.active)
+    experts, counts = list(view.active), view.counts
+    if experts and counts[0] == counts[-1]:  # one token count (every decode layer): one kernel and CPU time
+        gpu, cpu = times[counts[0]]
+        gpu += launch
+        t_gpu = []
+        for e in experts:
+            if e in resident:
+                transfer = 0.0
+            elif e in arrivals:
+                transfer = max(arrivals[e] - now, 0.0)
+            else:
+                transfer = expert_load
+            t_gpu.append(transfer if transfer > gpu else gpu)
+        return experts, t_gpu, [cpu] * len(experts)
     t_gpu, t_cpu = [], []
-    for e, n in zip(experts, view.counts):
+    for e, n in zip(experts, counts):
         if e in resident:
             transfer = 0.0
         elif e in arrivals:

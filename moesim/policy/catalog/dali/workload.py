@@ -63,6 +63,8 @@ class ResidualPrefetch(Prefetch):
     _paper: int | None = field(default=None, repr=False)
 
     _fallback: LastTokenPredictor | None = field(default=None, repr=False)
+    #: (cost model, tokens, phase, seconds) of the last prediction_s figure
+    _predict_memo: tuple = field(default=(None, -1, "", 0.0), repr=False)
 
     def for_model(self, model: ModelSpec) -> None:
         if self.size == -1 or self.size == self._paper:  # resolved again for each model, not kept from the first
@@ -82,6 +84,7 @@ class ResidualPrefetch(Prefetch):
         _note_once(ctx, self._note)
         self._layers = ctx.model.num_layers
         self._fallback = None
+        self._predict_memo = (None, -1, "", 0.0)
         if "pred_residual" not in ctx.columns:
             self._fallback = LastTokenPredictor()
             ctx.notes.append("dali-residual: the trace has no pred_residual column; each token is predicted to "
@@ -94,8 +97,13 @@ class ResidualPrefetch(Prefetch):
         stream switch the same passage names is not charged: 003 gives no figure for it."""
         if not self.gate_cost or not self.size or view.layer + 1 >= self._layers:
             return 0.0
-        costs = view.costs
-        return costs.gate(view.tokens) + costs.launch_per_kernel(view.phase)
+        costs, tokens, phase = view.costs, view.tokens, view.phase
+        memo = self._predict_memo  # every layer of a step asks for the same figure
+        if memo[0] is costs and memo[1] == tokens and memo[2] == phase:
+            return memo[3]
+        seconds = costs.gate(tokens) + costs.launch_per_kernel(phase)
+        self._predict_memo = (costs, tokens, phase, seconds)
+        return seconds
 
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         predicted = self._fallback.predict(view) if self._fallback else view.predictors.get("pred_residual")
