@@ -51,8 +51,8 @@ from moesim.policy.base import LayerView, RunContext
 from moesim.policy.catalog.buddymoe.calibration import (ALPHA_FORMS, ALPHA_KEY, alpha_schedule,  # noqa: F401
                                                         buddy_lists, coactivation, is_per_layer)
 from moesim.policy.catalog.buddymoe.runtime import (TAE_ROUNDING, TaeGate, margin, renormalized,  # noqa: F401
-                                                    substitute_buddies, substitute_buddies_at_once, tae, tae_open,
-                                                    tempered, token_tae)
+                                                    substitute_buddies, substitute_buddies_at_once,
+                                                    substitute_buddies_one, tae, tae_open, tempered, token_tae)
 from moesim.policy.prefetch import LastTokenPredictor, Prefetch, ranked_predictions
 from moesim.policy.systems import Substitution, SystemSpec, register_component, register_system
 from moesim.trace.io import read_table, trace_columns
@@ -252,6 +252,11 @@ class BuddySubstitution(Substitution):
         p = self._probabilities(view)
         return None if p is None else tae_open(p, self._tau[view.layer], self.tae_temperature, self.margin)
 
+    def _opens(self, view: LayerView) -> bool:
+        """Whether the TAE gate lets a one-token layer's picks through (open without probabilities)."""
+        gate = self._gate(view)
+        return gate is None or gate[0]
+
     def _gate(self, view: LayerView) -> TaeGate | None:
         p = self._probabilities(view)
         return None if p is None else TaeGate(p, self._tau[view.layer], self.tae_temperature, self.margin)
@@ -259,12 +264,19 @@ class BuddySubstitution(Substitution):
     def rewrite(self, view: LayerView) -> Sequence[tuple[int, int, int]]:
         layer = view.layer
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
-        on_gpu = resident | in_flight if in_flight else resident
-        active = view.active  # distinct: the missing ones are those not in on_gpu
-        missing = len(active) - len(on_gpu.intersection(active))
+        active = view.active  # distinct: the missing ones are those neither resident nor arriving
+        if in_flight:
+            missing = sum(1 for e in active if e not in resident and e not in in_flight)
+        else:
+            missing = len(active) - len(resident.intersection(active))
         if missing == 0 or missing / len(active) >= self.beta:
             return []
         limit = self.search_limit or self.k_max
+        if view.tokens == 1:  # every decode step of one request: the gate is asked only for picks
+            picks = substitute_buddies_one(view.experts[0].tolist(), resident, in_flight, self._buddies[layer],
+                                           limit, self.rho)
+            return picks if picks and self._opens(view) else []
+        on_gpu = resident | in_flight if in_flight else resident
         if view.tokens <= 16:
             return substitute_buddies(view.experts, on_gpu, resident, self._buddies[layer], limit, self._gate(view),
                                       self.rho)

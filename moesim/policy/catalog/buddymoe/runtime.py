@@ -204,6 +204,26 @@ def substitute_buddies(experts: np.ndarray, on_gpu: set[int], resident: set[int]
     return out
 
 
+def substitute_buddies_one(row: list[int], resident: set[int], in_flight: set[int], buddies: list[list[int]],
+                           search_limit: int, rho: int = 0) -> list[tuple[int, int, int]]:
+    """:func:`substitute_buddies`'s picks for one token's experts ``row`` (on the GPU: resident or
+    ``in_flight``), before its gate: the caller asks the gate only when there are picks."""
+    used = set(row)
+    picks = []
+    for slot, e in enumerate(row):
+        if e in resident or e in in_flight:
+            continue
+        if rho and len(picks) >= rho:
+            break
+        # the first of e's first H buddies that is resident and not yet in U_t
+        for b in buddies[e][:search_limit]:
+            if b in resident and b not in used:
+                picks.append((0, slot, b))
+                used.add(b)
+                break
+    return picks
+
+
 def substitute_buddies_at_once(experts: np.ndarray, on_gpu: set[int], resident: set[int],
                                buddies: list[list[int]], search_limit: int, allowed: np.ndarray | None = None,
                                rho: int = 0) -> Substitutions | list[tuple[int, int, int]]:
