@@ -8,6 +8,11 @@ Only forward 2 is the real prefill batch; forwards 0-1 (warm-up request) and 3-3
 convenience extract ``*_prefill_forward2_ids.npz`` (``topk_ids`` [48, N, 8]) holds
 forward 2 only.
 
+Forwards 3-31 are the same dummy batch run again: one that differs from the others
+has lines swapped, repeated or edited, and is refused. A swap among the lines of
+forwards 0-2 cannot be seen: each layer's call there lists the same tokens and no
+layer field was logged.
+
 Each source file becomes one prefill step. Request boundaries inside the batch
 are not logged, so the batch is one pseudo-request whose positions are the batch
 row index (context lengths are therefore not the real ones). No weights.
@@ -15,6 +20,7 @@ row index (context lengths are therefore not the real ones). No weights.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +50,7 @@ def _forward2_from_jsonl(path: Path, report: ImportReport) -> tuple[np.ndarray, 
     """Layer-major ids [48, N, 8] of forward 2 and the source line of each layer's first row."""
     layers: list[np.ndarray] = []
     lines: list[int] = []
+    dummies: dict[int, list[tuple[int, bytes]]] = {}  # forward -> (line, its ids) of the idle ranks' batches
     count = 0
     for line, obj in read_jsonl(path):
         index = count
@@ -66,16 +73,40 @@ def _forward2_from_jsonl(path: Path, report: ImportReport) -> tuple[np.ndarray, 
             report.dropped["warm_up_forwards_0_1"] += len(ids)
         else:
             report.dropped["dummy_dp_batches_forwards_3_plus"] += len(ids)
+            dummies.setdefault(forward, []).append((line, np.asarray(ids, np.int64).tobytes()))
     if count % LAYERS or count < (REAL_FORWARD + 1) * LAYERS:
         raise TraceFormatError(f"{count} lines is not a whole number of 48-layer forwards with at least 3",
                                source=str(path), field="line",
                                fix="use the complete token_distri_*.jsonl (32 forwards x 48 layers)")
+    _refuse_odd_dummy(path, dummies)
     sizes = {len(a) for a in layers}
     if len(sizes) != 1:
         raise TraceFormatError(f"layers of forward 2 hold different token counts {sorted(sizes)}",
                                source=where(path, lines[0]), field="topk_ids",
                                fix="the file is not 48 lines per forward; use the unmodified log")
     return np.stack(layers), np.asarray(lines)
+
+
+def _refuse_odd_dummy(path: Path, dummies: dict[int, list[tuple[int, bytes]]]) -> None:
+    """The idle DP ranks ran one dummy batch in forwards 3+, and each of its 48 layer calls logged the same ids
+    every time: a forward that differs from the one most of them hold has lines swapped, repeated or edited (two
+    lines swapped inside a forward imported without a word)."""
+    if len(dummies) < 3:  # no majority to hold a forward against
+        return
+    usual, _ = Counter(tuple(ids for _, ids in calls) for calls in dummies.values()).most_common(1)[0]
+    for forward, calls in sorted(dummies.items()):
+        differ = [layer for layer, (_, ids) in enumerate(calls) if ids != usual[layer]]
+        if not differ:
+            continue
+        line = calls[differ[0]][0]
+        if len(differ) == 2 and calls[differ[0]][1] == usual[differ[1]] and calls[differ[1]][1] == usual[differ[0]]:
+            what = f"lines {line} and {calls[differ[1]][0]} are swapped (layers {differ[0]} and {differ[1]})"
+        else:
+            more = f" and {len(differ) - 1} more layers" if len(differ) > 1 else ""
+            what = f"layer {differ[0]} (line {line}){more} differ{'' if more else 's'}"
+        raise TraceFormatError(f"forward {forward} is not the dummy batch the other forwards 3-{max(dummies)} all "
+                               f"repeat: {what}", source=where(path, line), field="topk_ids",
+                               fix="lines are swapped, repeated or edited; use the unmodified token_distri_*.jsonl")
 
 
 def _forward2_from_npz(path: Path) -> np.ndarray:

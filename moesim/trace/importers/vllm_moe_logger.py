@@ -10,7 +10,10 @@ by line number (identical forward structure is checked, the join itself is an
 inference). Weights are softmax probabilities over 60 experts, not renormalized.
 
 A log without decode forward (cut in its prefill), or whose decode batches ever
-grow (a repeated or lost line), is refused.
+grow (a repeated or lost line), is refused. A log of one layer cut inside its last
+decode batch (or at a forward boundary in its decode) cannot be told from a run
+whose requests stopped sooner: nothing records how many rows a forward holds or
+when a request ends. Joined with the other layers' logs, it differs from them.
 
 Neither prompt boundaries in the prefill batch nor the decode slot-to-request
 mapping were logged: the prefill is one pseudo-request 0 (positions = batch row),
