@@ -62,66 +62,62 @@ def _slots(count: int) -> str:
 
 class PoolMirror:
     """Whole-model figures of a pooled cache, kept by its :class:`CountedSlots`: the slots all layers hold
-    together, a layers x experts mask of the resident experts (widened when a larger id arrives) and, for
-    a reader that keeps its own order of the residents, a journal of the changes since it last looked."""
+    together and, for a reader that keeps its own order of the residents, a journal of the changes since it
+    last looked; a layers x experts mask of the resident experts on request (:attr:`resident_mask`)."""
 
     #: entries past which a journal is dropped, checked as experts arrive (its reader then starts afresh)
     JOURNAL_LIMIT = 1 << 16
 
     def __init__(self, layers: int, width: int) -> None:
         self.held = 0
-        self.resident_mask = np.zeros((layers, max(width, 1)), dtype=bool)
+        self.layers, self.width = layers, max(width, 1)
         self.sets: list[CountedSlots] = []
         #: every resident expert added, ``(layer, expert)``, or dropped, ``(layer, ~expert)``, one by one
         #: in order since the reader emptied it; None when nobody reads it or a change was not noted one
         #: by one (a bulk update, an overflow)
         self.journal: list[tuple[int, int]] | None = None
 
-    def widen(self, width: int) -> None:
-        mask = np.zeros((self.resident_mask.shape[0], width), dtype=bool)
-        mask[:, :self.resident_mask.shape[1]] = self.resident_mask
-        self.resident_mask = mask
-        for slots in self.sets:
-            if slots.row is not None:
-                slots.row = mask[slots.layer]
+    @property
+    def resident_mask(self) -> np.ndarray:
+        """Layers x experts, True where resident; as wide as the largest layer quota (or the largest resident
+        id + 1, when larger). Built from the sets when asked: a pool's residents change several times per
+        layer, and a mask kept up to date cost each change a numpy write that few plans read."""
+        resident = [slots for slots in self.sets if slots.resident]
+        width = max([self.width] + [max(slots) + 1 for slots in resident if slots])
+        mask = np.zeros((self.layers, width), dtype=bool)
+        for slots in resident:
+            if slots:
+                mask[slots.layer, list(slots)] = True
+        return mask
 
 
 class CountedSlots(set):
     """One layer's resident or in-flight experts in a pooled cache, mirrored in its :class:`PoolMirror`.
 
     With a model-wide pool, a plan asks how many slots all layers hold together
-    (:meth:`CacheState.held`) several times per layer, and pool-wide eviction looks at every resident
-    expert of every layer; the mirror answers both at once instead of walking every layer's set. Every
-    mutating set method keeps it exact, so executors may change the sets directly (the simulator's
-    per-transfer bookkeeping adds and discards in place).
+    (:meth:`CacheState.held`) several times per layer, and a pool-wide eviction order follows every
+    resident expert of every layer; the mirror's tally and journal answer both without walking every
+    layer's set. Every mutating set method keeps them exact, so executors may change the sets directly
+    (the simulator's per-transfer bookkeeping adds and discards in place).
     """
 
-    __slots__ = ("mirror", "layer", "row")
+    __slots__ = ("mirror", "layer", "resident")
 
     def __init__(self, experts, mirror: PoolMirror, layer: int, resident: bool) -> None:
         super().__init__()
-        self.mirror, self.layer = mirror, layer
-        self.row = mirror.resident_mask[layer] if resident else None
+        self.mirror, self.layer, self.resident = mirror, layer, resident
         mirror.sets.append(self)
         self.update(experts)
 
     def __reduce__(self):
         return set, (list(self),)  # a copy is a plain set: the mirror belongs to the live cache
 
-    def _mark(self, expert: int, value: bool) -> None:
-        try:
-            self.row[expert] = value
-        except IndexError:
-            self.mirror.widen(expert + 1)
-            self.row[expert] = value
-
     def add(self, expert: int) -> None:
         if expert not in self:
             set.add(self, expert)
             mirror = self.mirror
             mirror.held += 1
-            if self.row is not None:
-                self._mark(expert, True)
+            if self.resident:
                 journal = mirror.journal
                 if journal is not None:
                     journal.append((self.layer, expert))
@@ -133,8 +129,7 @@ class CountedSlots(set):
             set.discard(self, expert)
             mirror = self.mirror
             mirror.held -= 1
-            if self.row is not None:
-                self.row[expert] = False
+            if self.resident:
                 journal = mirror.journal
                 if journal is not None:
                     journal.append((self.layer, ~expert))
@@ -158,11 +153,8 @@ class CountedSlots(set):
         before = len(self)
         change(self, *others)
         self.mirror.held += len(self) - before
-        if self.row is not None:
+        if self.resident:
             self.mirror.journal = None  # not noted one by one: a reader starts afresh
-            self.row[:] = False
-            for expert in self:
-                self._mark(expert, True)
         return self
 
     def clear(self) -> None:
@@ -269,7 +261,18 @@ class CacheState:
 
     def evict_all(self, pairs: list[tuple[int, int]]) -> None:
         """:meth:`evict` of each (layer, expert) in turn."""
-        resident = self.resident
+        resident, mirror = self.resident, self.mirror
+        if mirror is not None:  # CountedSlots.discard inlined: a pool evicts several experts per layer
+            journal = mirror.journal
+            for layer, expert in pairs:
+                slots = resident[layer]
+                if expert not in slots:
+                    self.evict(layer, expert)
+                set.discard(slots, expert)
+                mirror.held -= 1
+                if journal is not None:
+                    journal.append((layer, ~expert))
+            return
         for layer, expert in pairs:
             if expert not in resident[layer]:
                 self.evict(layer, expert)  # names the one at fault

@@ -304,17 +304,12 @@ def row_share(row: np.ndarray, depth: float) -> np.ndarray:
 
 
 def resident_cells(state, width: int) -> np.ndarray:
-    """``layer * width + expert`` of every resident expert, ascending (from the pool's mask when it keeps one)."""
-    mask = state.mirror.resident_mask if state.mirror is not None else resident_mask(state.resident, width)
-    cells = np.flatnonzero(mask)
-    if mask.shape[1] != width:  # a mirror mask is only as wide as the largest id it has seen
-        layer_of, expert_of = np.divmod(cells, mask.shape[1])
-        cells = layer_of * width + expert_of
-    return cells
+    """``layer * width + expert`` of every resident expert, ascending."""
+    return np.flatnonzero(resident_mask(state.resident, width))
 
 
 def resident_mask(resident: list[set[int]], width: int) -> np.ndarray:
-    """Layers x experts, True where resident (a cache without a pool keeps no mask of its own)."""
+    """Layers x experts, True where resident."""
     mask = np.zeros((len(resident), width), dtype=bool)
     for layer, experts in enumerate(resident):
         mask[layer, list(experts)] = True
