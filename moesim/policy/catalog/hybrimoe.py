@@ -81,6 +81,12 @@ from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, SystemSpec, register_component, register_system
 
 
+_FLOAT16 = np.dtype(np.float16)
+#: float16 numbers read as their bits, and the bits of +inf (above them: NaN; from 0x8000: a sign bit)
+_BITS = np.dtype(np.uint16)
+_INF_BITS = 0x7C00
+
+
 @register_component
 @dataclass
 class ScoreAwareCache(CachePolicy):
@@ -145,6 +151,17 @@ class ScoreAwareCache(CachePolicy):
         """:func:`highest_set` of ``scores`` in their own dtype: the ones at least the ``top_p``-th highest when
         no tie crosses it (partitioned in place on a copy), else the exact choice in float64."""
         k = len(scores) - self._p
+        if k > 0 and scores.dtype == _FLOAT16:
+            # float16 compares are emulated one number at a time; the numbers' bit patterns as unsigned
+            # integers order as the numbers do from +0 to +inf (no sign bit, no NaN), the largest shows
+            bits = scores.view(_BITS)
+            part = bits.copy()
+            part.partition((k, len(part) - 1))
+            if part.item(-1) <= _INF_BITS:
+                near = (bits >= part[k]).nonzero()[0]
+                if near.size == self._p:
+                    return near
+                return highest_set(scores.astype(np.float64), self._p)
         if k > 0:
             part = scores.copy()
             part.partition(k)
