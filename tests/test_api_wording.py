@@ -64,6 +64,9 @@ def no_option(text: str) -> bool:
     (lambda t, hw: moesim.sweep({"traces": [t], "hw": [hw], "systems": ["cpu-only"], "set": {"seed": 1}}),
      "seeds are not a parameter"),
     (lambda t, hw: moesim.sweep({"traces": [t], "hw": [hw], "systems": ["nosuch"]}), "import my_policies"),
+    # a slot list's fix, written by the engine's settings parser
+    (lambda t, hw: moesim.replay(t, hw=hw, settings={"cache.slots_per_layer": "2,,1"}),
+     "settings={'cache.slots_per_layer': 2} or settings={'cache.slots_per_layer': [2,1,2,...]}"),
 ])
 def test_api_errors_give_their_fix_as_python_arguments(files, call, words):
     trace, hw = files
@@ -78,6 +81,8 @@ def test_the_command_line_keeps_its_options(files, capsys):
     assert "fix: --set substitute.k_max=16" in capsys.readouterr().err
     assert main(["replay", trace, "--hw", hw, "--system", "nosuch"]) == 2
     assert "moesim --import my_policies.py ..." in capsys.readouterr().err
+    assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2,,1"]) == 2
+    assert "fix: write e.g. --set cache.slots_per_layer=2 or" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("call, meant", [
