@@ -42,6 +42,34 @@ class Transfer:
     cut: bool = False
 
 
+def new_transfer(layer: int, expert: int, nbytes: int, priority: int, kind: str, seq: int, issued: float,
+                 step: int) -> Transfer:
+    """``Transfer(layer, expert, nbytes, priority, kind, seq, issued, step)``, its fields set without calling
+    the class: every copy makes one, and calling a dataclass costs several times as much as setting its slots."""
+    transfer = _new_transfer(Transfer)
+    transfer.layer = layer
+    transfer.expert = expert
+    transfer.nbytes = nbytes
+    transfer.priority = priority
+    transfer.kind = kind
+    transfer.seq = seq
+    transfer.issued = issued
+    transfer.step = step
+    transfer.start = None
+    transfer.end = None
+    transfer.queued_at = -1
+    transfer.engine = 0
+    transfer.retired = False
+    transfer.seconds = 0.0
+    transfer.tail = 0.0
+    transfer.evicted = None
+    transfer.cut = False
+    return transfer
+
+
+_new_transfer = object.__new__
+
+
 class CopyEngines:
     """Host-to-device copy engines: demand transfers first, then prefetches in order; advanced lazily.
 
@@ -106,9 +134,8 @@ class CopyEngines:
             self.submit_prefetches([transfer], transfer.issued)
 
     def submit_prefetches(self, transfers: list[Transfer], at: float) -> None:
-        """Several prefetches issued at ``at``, queued in order behind the queued ones."""
-        if self.queue:
-            self.advance(at)
+        """Several prefetches issued at ``at``, queued in order behind the queued ones (one advance starts the
+        queued ones and then these, in order, as advancing before queueing them would)."""
         tail = self._tail
         for transfer in transfers:
             transfer.queued_at = tail
@@ -326,15 +353,32 @@ class CopyEngines:
     def advance(self, t: float) -> None:
         queue, free = self.queue, self.free
         if len(free) == 1:  # one engine: no choosing (the common case, as every profile has it)
+            ledger, durations = self.ledger, self._durations
             while queue:
-                issued = queue[0].issued
+                transfer = queue[0]
+                issued = transfer.issued
                 start = free[0] if free[0] > issued else issued
                 if start > t:
                     return
                 self._head += 1
-                self._begin(0, queue.popleft(), start)
+                queue.popleft()
                 if start > self.latest_prefetch_start:
                     self.latest_prefetch_start = start
+                if ledger is not None and ledger.intervals and ledger.intervals[-1][1] > start:
+                    self._begin(0, transfer, start)  # CPU work may stretch it
+                    continue
+                # _begin with nothing to stretch it, inline: this runs for every prefetch
+                transfer.start = start
+                transfer.engine = 0
+                duration = transfer.seconds or durations.get(transfer.nbytes) or self.duration(transfer.nbytes)
+                transfer.end = end = start + duration
+                free[0] = end + transfer.tail
+                self.last[0] = transfer
+                self.busy_s += duration
+                if transfer.tail:  # added apart, as _begin adds it
+                    self.busy_s += transfer.tail
+                self.bytes += transfer.nbytes
+                heapq.heappush(self.unretired, (end, transfer.seq, transfer))
             return
         while queue:
             i = self._engine()

@@ -81,7 +81,10 @@ class Tracks:
                 self._sync_from, self._sync_to = past, ready
         pcie = self.pcie
         free = pcie.free
-        if (pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)) and self._contends(experts, count):
+        copying = pcie.queue or (free[0] > t if len(free) == 1 else max(free) > t)
+        # a decode layer's experts of one token each, once costed: _contends's answer without the call
+        if copying and (self._cpu_rate[1] > 0 if count is None and 1 in self._cpu_rate
+                        else self._contends(experts, count)):
             t = self._cpu_shared(experts, count, s, layer, t, kind)
         elif count is None:
             # the same sums with and without a timeline, which only draws them: a replay's figures must not

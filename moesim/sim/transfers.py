@@ -14,7 +14,7 @@ from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerPlan
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import Counters
-from moesim.sim.copies import CopyEngines, Transfer
+from moesim.sim.copies import CopyEngines, Transfer, new_transfer
 from moesim.sim.dram import Ledger
 
 #: the transfers that make an expert resident when they end (not stage, chunk or write-back)
@@ -87,7 +87,7 @@ class Transfers:
         seq = self._seq
         for e in experts:
             seq += 1
-            pending[e] = transfer = Transfer(layer, e, nbytes, 0, "load", seq, at, step)
+            pending[e] = transfer = new_transfer(layer, e, nbytes, 0, "load", seq, at, step)
             batch.append(transfer)
         for transfer, evicted in zip(batch, back):  # the i-th write-back rides on the i-th load
             transfer.tail = tail
@@ -143,14 +143,14 @@ class Transfers:
         staged = {}
         for e in experts:
             seq += 1
-            staged[e] = Transfer(layer, e, nbytes, 0, "stage", seq, at, step)
+            staged[e] = new_transfer(layer, e, nbytes, 0, "stage", seq, at, step)
         self._seq = seq
         self.pcie.submit_demands(list(staged.values()), at)
         return staged
 
     def _submit(self, layer: int, expert: int, kind: str, step: int, at: float) -> Transfer:
         self._seq += 1
-        transfer = Transfer(layer, expert, self.costs.expert_bytes, 1 if kind == "prefetch" else 0, kind,
+        transfer = new_transfer(layer, expert, self.costs.expert_bytes, 1 if kind == "prefetch" else 0, kind,
                             self._seq, at, step)
         if kind != "stage":
             self.cache.start_load(layer, expert)
@@ -161,12 +161,18 @@ class Transfers:
     def _prefetch(self, plan: LayerPlan, s: int, layer: int, at: float) -> None:
         """The plan's prefetches, queued in plan order at ``at`` (as :meth:`_submit` would, one call)."""
         cache, pending, prefetched, decisions = self.cache, self.pending, self.prefetched, self.decisions
+        resident, in_flight, capacity = cache.resident, cache.in_flight, cache.capacity
+        pooled = cache.pool is not None
         nbytes, seq = self.costs.expert_bytes, self._seq
         batch = []
         for lay, e in plan.prefetches:
             seq += 1
-            cache.start_load(lay, e)
-            pending[lay][e] = transfer = Transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
+            held, flying = resident[lay], in_flight[lay]
+            if pooled or e in held or e in flying or len(held) + len(flying) >= capacity[lay]:
+                cache.start_load(lay, e)  # the pool's checks, or the refusal that names the fault
+            else:  # CacheState.start_load, inline: its checks pass
+                flying.add(e)
+            pending[lay][e] = transfer = new_transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
             batch.append(transfer)
             prefetched[lay].add(e)
             if decisions is not None:

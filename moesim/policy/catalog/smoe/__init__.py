@@ -52,7 +52,7 @@ DeepSeek-V3).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from moesim.policy.assign import Assignment
@@ -109,8 +109,9 @@ class SMoELFUCache(CachePolicy):
     def frequency(self, layer: int, expert: int) -> int:
         return self._order[layer][expert][0]
 
-    def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
+    def victims(self, view: LayerView, layer: int, n: int, protected: Collection[int],
                 incoming: list[int] | None = None) -> list[int]:
+        """``protected`` may be any collection (SMoE's decode plan passes its GPU list, not a set of it)."""
         if n <= 0:
             return []
         resident = view.cache.resident[layer]
@@ -272,23 +273,28 @@ class SMoESystem(ComposedSystem):
         return plan
 
     def _decode(self, view: LayerView) -> LayerPlan:
-        plan = self._decode_hits(view) if self._own_decode else super()._place(view)
-        # Sec. IV-E: the prefetch task joins the asynchronous transfer queue when the layer's GPU
-        # experts are done
+        if self._own_decode:
+            return self._decode_hits(view)
+        plan = super()._place(view)
+        self._decode_timing(view, plan)
+        return plan
+
+    def _decode_timing(self, view: LayerView, plan: LayerPlan) -> None:
+        """Sec. IV-E: the prefetch task joins the asynchronous transfer queue when the layer's GPU experts
+        are done; the predictor's time, and the cache update's where the layer prefetches, go before them."""
         plan.prefetch_after_gpu = True
         prefetch = self.prefetch
         if isinstance(prefetch, TokenWisePrefetch) and prefetch.predicts(view.layer):
             plan.overhead_s["predict"] = prefetch.predict_s(view)
             if plan.prefetches and prefetch.management_us:
                 plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
-        return plan
 
     def _decode_hits(self, view: LayerView) -> LayerPlan:
         """A decode layer's plan as ``ComposedSystem._place`` makes it for SMoE's components, one step at a
         time: Alg. 1's split sends only hits (resident or arriving) to the GPU, so nothing is loaded on
         demand; the GPU runs the resident ones first, then those arriving, by arrival; token-wise prefetch
         (Fixed-N) loads its picks into the layer's free slots and evicts the least frequently used for
-        the rest."""
+        the rest. Timed as :meth:`_decode_timing` times it."""
         gpu, cpu = self.assign.split(view)
         plan = split_plan(gpu, cpu)
         layer, state = view.layer, view.cache
@@ -306,10 +312,17 @@ class SMoESystem(ComposedSystem):
             short = len(wanted) - free
             if short > 0:  # never a victim: an expert computed on the GPU here (the wanted and the arriving
                 # ones are not resident, so no victims either)
-                victims = self.cache.victims(view, layer, short, set(plan.gpu))
+                victims = self.cache.victims(view, layer, short, plan.gpu)
                 plan.evictions = [(layer, e) for e in victims]
                 wanted = wanted[:free + len(victims)]  # the rest find no slot
             plan.prefetches = wanted
+        # _decode_timing, inline (the prefetch is SMoE's own)
+        plan.prefetch_after_gpu = True
+        prefetch = self.prefetch
+        if layer not in prefetch._disabled:  # prefetch.predicts(layer)
+            plan.overhead_s["predict"] = prefetch.predict_s(view)
+            if wanted and prefetch.management_us:
+                plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
         return plan
 
     def _fill_cache(self, view: LayerView, plan: LayerPlan) -> None:

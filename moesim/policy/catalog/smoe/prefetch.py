@@ -285,7 +285,10 @@ class TokenWisePrefetch(Prefetch):
         layer = view.layer
         if self._n <= 0 or layer in self._disabled:  # not enabled(layer)
             return []
-        ranked = ranked_predictions(self.predicted_rows(view))
+        rows = list(view.experts) if self._history else view.predictors.get("pred_next_token", [])  # predicted_rows
+        ranked = rows[0].tolist() if len(rows) == 1 and type(rows[0]) is np.ndarray else None
+        if ranked is None or len(set(ranked)) < len(ranked):  # ranked_predictions's shortcut for one row or not
+            ranked = ranked_predictions(rows)
         resident, in_flight = view.cache.resident[layer], view.cache.in_flight[layer]
         if self.eviction == "adaptive":
             return [(layer, e) for e in ranked[:self._n] if e not in resident and e not in in_flight]
