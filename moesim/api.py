@@ -1,4 +1,5 @@
-"""The Python API, for Jupyter and scripts: ``moesim.replay`` and ``moesim.sweep``.
+"""The Python API, for Jupyter and scripts: ``moesim.replay``, ``moesim.serve``, ``moesim.sweep`` and
+``moesim.systems``.
 
 Parameters are the ``--set`` keys of the command line. Give them as keyword
 arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
@@ -7,6 +8,7 @@ arguments with ``__`` for ``.`` or as a ``settings`` dict; both may be mixed::
     r = moesim.replay("traces/mixtral-8x7b-humaneval.parquet", hw="a100-40g", system="gpu-only-lru",
                       cache__slots_per_layer=2, hw__pcie__bandwidth_scale=0.5)
     r = moesim.replay(trace, system="gpu-only-lru", settings={"cache.slots_per_layer": 2, "cache": "belady"})
+    moesim.systems("gpu-only-lru")   # the parameters it takes: key, default, type, unit, meaning
     r.metrics            # one-row DataFrame, the keys of `moesim replay --json` as columns (the nested
                          # lower_bound as lower_bound_makespan_s, ...; gap_to_lower_bound as it is)
     r.timeline           # one row per interval a resource was busy (TIMELINE_COLUMNS)
@@ -222,6 +224,28 @@ def bundled_trace(name: str) -> Path:
                           fix=f"{did_you_mean(str(name), shipped)}bundled: {', '.join(shipped) or 'none'}; "
                               "any other trace is given by its path")
     return TRACE_DIR / f"{stem}.parquet"
+
+
+@python_names()
+@checked_keywords
+def systems(name: str | None = None) -> Any:
+    """The systems ``system=`` takes, or one system's parameters, as a DataFrame (what ``moesim systems`` and
+    ``moesim systems NAME`` list).
+
+    Without ``name``: one row per system (``name``, ``description``, ``listed``: whether ``system="all"`` on the
+    command line runs it, ``runtime``, ``portfolio`` and the component of each role). With ``name``: one row
+    per parameter ``settings=`` takes for it (``key``, ``default`` as a value of its ``type``, ``unit``,
+    ``meaning``); ``.attrs["components"]`` holds the component in each role and what swaps in.
+    """
+    import pandas as pd
+
+    from moesim.analysis.params import system_record, system_records
+    if name is None:
+        return pd.DataFrame(system_records())
+    record = system_record(name, field="name")
+    frame = pd.DataFrame(record["parameters"])
+    frame.attrs.update(name=name, description=record["description"], components=record["components"])
+    return frame
 
 
 @python_names()

@@ -74,9 +74,17 @@ def python_wording(text: str, settings: str = "settings=") -> str:
     """
     text = re.sub(r"moesim --import (\S+?)(?:\.py)? \.\.\.", r"import \1", text)
     text = text.replace("`moesim sweep --help`", "help(moesim.sweep)")
+    text = re.sub(r"`moesim systems(?: ([\w.-]+))?`", _systems_call, text)
     text = _SETTINGS.sub(lambda run: settings + _settings_dict(run), text)
     text = re.sub(r"--set (parameters?)\b", r"\1", text)  # "a dict of --set parameters"
     return _OPTION.sub(_argument, text)
+
+
+def _systems_call(command: re.Match) -> str:
+    """```moesim systems``` as ``moesim.systems()``, ```moesim systems smoe``` as ``moesim.systems('smoe')``
+    (a placeholder, NAME, as it is)."""
+    name = command.group(1)
+    return f"moesim.systems({_literal(name) if name else ''})"
 
 
 def _settings_dict(run: re.Match) -> str:

@@ -124,3 +124,35 @@ def test_a_parameter_given_twice_names_both_spellings(files, kwargs, words, fiel
     with pytest.raises(ConfigError) as err:
         moesim.serve(trace, hw=hw, **kwargs)
     assert words in str(err.value) and err.value.field == field
+
+
+@pytest.mark.parametrize("cli, python", [
+    ("(`moesim systems NAME` lists a system's parameters)", "(moesim.systems(NAME) lists a system's parameters)"),
+    ("serve an online system (see `moesim systems`)", "serve an online system (see moesim.systems())"),
+    ("`moesim systems smoe-flex` lists them", "moesim.systems('smoe-flex') lists them"),
+])
+def test_the_systems_listing_is_named_as_the_api_call(cli, python):
+    assert python_wording(cli) == python
+
+
+def test_systems_lists_every_system_and_one_systems_parameters():
+    from moesim.analysis.params import system_record
+    from moesim.policy.systems import SYSTEMS
+    listing = moesim.systems()
+    assert list(listing["name"]) == list(SYSTEMS)
+    assert listing.set_index("name").loc["smoe", ["cache", "assign", "prefetch"]].tolist() == \
+        ["smoe-lfu", "smoe", "smoe-token"]
+    assert list(listing.set_index("name").loc["oracle", "portfolio"]) == list(SYSTEMS["oracle"].portfolio)
+    params = moesim.systems("smoe-flex")
+    record = system_record("smoe-flex")
+    assert params.to_dict("records") == record["parameters"]
+    # a system's own default as a value of its type (smoe-flex prefetches 3 per layer; smoe reads -1)
+    assert params.set_index("key").loc["prefetch.n", "default"] == 3
+    assert params.attrs["components"][0] == {**record["components"][0]} and params.attrs["name"] == "smoe-flex"
+
+
+def test_systems_of_an_unknown_name_is_an_api_error():
+    with pytest.raises(ConfigError) as err:
+        moesim.systems("smoee")
+    assert err.value.field == "name" and "did you mean smoe?" in str(err.value)
+    assert no_option(str(err.value)), str(err.value)

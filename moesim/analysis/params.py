@@ -170,6 +170,72 @@ def system_parameter_docs(system: str) -> list[tuple[str, ParamDoc | None, str]]
     return rows
 
 
+def system_records() -> list[dict]:
+    """What ``moesim systems`` lists, one record per system: name, description, whether ``all`` runs it,
+    its runtime, its portfolio members (an oracle) or the component in each role."""
+    from moesim.policy.systems import SYSTEMS
+    return [{"name": system, "description": spec.description, "listed": spec.listed, "runtime": spec.runtime,
+             "portfolio": list(spec.portfolio), **({} if spec.portfolio else spec.roles())}
+            for system, spec in SYSTEMS.items()]
+
+
+def system_rows(name: str) -> list[tuple[str, ParamDoc | None, str]]:
+    """``system_parameter_docs`` of ``name`` with what every system also takes: ``cache.slots`` beside
+    ``cache.slots_per_layer``, ``runtime`` with the system's own and the names it takes, and the dtypes
+    ``memory.*_dtype`` take."""
+    from moesim.model.spec import DTYPE_BITS
+    from moesim.policy.systems import SYSTEMS
+    dtypes = ", ".join(DTYPE_BITS)
+    rows = []
+    for key, doc, note in system_parameter_docs(name):
+        if doc is not None and key in ("memory.non_expert_dtype", "memory.expert_dtype"):
+            doc = dataclasses.replace(doc, meaning=f"{doc.meaning}; one of {dtypes}")
+        rows.append((key, doc, note))
+        if key == "cache.slots_per_layer":
+            rows[-1] = (key, dataclasses.replace(doc, meaning=f"{doc.meaning}; one number for every layer or a "
+                                                 "list of one per layer, e.g. [2,1,2,...]"), note)
+            rows.append(("cache.slots", ParamDoc(
+                "slots", None, "int", "experts",
+                "GPU expert slots in all, spread over the layers by the system's cache (default: as many as fit "
+                "in GPU memory); give it or cache.slots_per_layer"), note))
+    rows.append(("runtime", ParamDoc(
+        "runtime", SYSTEMS[name].runtime, "str", "",
+        "the software the system runs on (kernel launches, CUDA Graph, CPU kernel efficiency): generic (the "
+        "profile's gpu section), ideal (no launch or host costs) or a runtime of the profile (the bundled ones: "
+        "ktransformers, ktransformers-eager, pytorch-eager, llamacpp)"), "every system"))
+    return rows
+
+
+def system_record(name: str, field: str = "NAME") -> dict:
+    """What ``moesim systems NAME`` lists: the components in use and every parameter, each default as a value
+    of its type. ``field`` names the argument in the error an unknown name gets."""
+    from moesim.policy.systems import SYSTEMS, check_system_name
+    check_system_name(name, field=field)
+    rows = system_rows(name)
+    return {"name": name, "description": SYSTEMS[name].description,
+            "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
+                           for key, doc, note in rows if doc is None],
+            "parameters": [{"key": key, "default": typed_default(doc.default, doc.type), "type": doc.type,
+                            "unit": doc.unit, "meaning": doc.meaning} for key, doc, _ in rows if doc is not None]}
+
+
+def typed_default(default: object, kind: str) -> object:
+    """A default as a value of its parameter's type: a system's own default is kept as the ``--set`` string
+    that sets it, and ``moesim systems smoe-flex --json -`` gave prefetch.n "3" where smoe's reads -1."""
+    if not isinstance(default, str):
+        return default
+    try:
+        if kind == "int":
+            return int(default)
+        if kind == "float":
+            return float(default)
+    except ValueError:  # a per-layer list, say: as written
+        return default
+    if kind == "bool" and default.lower() in ("true", "false"):
+        return default.lower() == "true"
+    return default
+
+
 def summary(cls: type) -> str:
     """First line of a class's own docstring ("" for the signature dataclasses make up)."""
     doc = (cls.__doc__ or "").strip()

@@ -13,6 +13,7 @@ from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and
 from moesim.cli.app import (HW_PROFILE, InputPath, PipeConsole, check_outputs, cli, console, err_console, hw_parts,
                             hw_title, open_output, parse_settings, hw_help, preset_help, print_skipped, print_title,
                             say_wrote, to_stdout, write_json)
+from moesim.analysis.params import system_record, system_records, system_rows
 from moesim.errors import MoesimError
 from moesim.hw.profile import profile_path
 from moesim.util import FIGURE, PARQUET
@@ -95,7 +96,7 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
     if help_params:
         if json_out:  # `--json -` promises JSON on stdout, not the tables: what `moesim systems NAME --json` gives
             check_outputs(json=json_out)
-            docs = [_system_json(name) for name in systems]
+            docs = [system_record(name) for name in systems]
             write_json(docs[0] if len(docs) == 1 else docs, json_out)
             return
         for name in systems:  # each system asked for, in turn
@@ -356,7 +357,7 @@ def systems_cmd(name: str | None, json_out: str | None) -> None:
     """List the systems; with NAME, every parameter of that system with its default, unit and meaning."""
     if json_out:
         check_outputs(json=json_out)
-        write_json(_system_json(name) if name else _systems_json(), json_out)
+        write_json(system_record(name) if name else system_records(), json_out)
         return
     if name:
         _print_system(name)
@@ -384,73 +385,6 @@ def systems_cmd(name: str | None, json_out: str | None) -> None:
                  highlight=False, soft_wrap=False)  # wrapped to the table's 100 columns, piped or not
 
 
-def _systems_json() -> list[dict]:
-    """What ``moesim systems`` lists, one record per system."""
-    from moesim.policy.systems import SYSTEMS
-    return [{"name": system, "description": spec.description, "listed": spec.listed, "runtime": spec.runtime,
-             "portfolio": list(spec.portfolio), **({} if spec.portfolio else spec.roles())}
-            for system, spec in SYSTEMS.items()]
-
-
-def _system_rows(name: str) -> list:
-    """``system_parameter_docs`` of ``name`` with what every system also takes: ``cache.slots`` beside
-    ``cache.slots_per_layer``, ``runtime`` with the system's own and the names it takes, and the dtypes
-    ``memory.*_dtype`` take."""
-    import dataclasses
-
-    from moesim.analysis.params import ParamDoc, system_parameter_docs
-    from moesim.model.spec import DTYPE_BITS
-    from moesim.policy.systems import SYSTEMS
-    dtypes = ", ".join(DTYPE_BITS)
-    rows = []
-    for key, doc, note in system_parameter_docs(name):
-        if doc is not None and key in ("memory.non_expert_dtype", "memory.expert_dtype"):
-            doc = dataclasses.replace(doc, meaning=f"{doc.meaning}; one of {dtypes}")
-        rows.append((key, doc, note))
-        if key == "cache.slots_per_layer":
-            rows[-1] = (key, dataclasses.replace(doc, meaning=f"{doc.meaning}; one number for every layer or a "
-                                                 "list of one per layer, e.g. [2,1,2,...]"), note)
-            rows.append(("cache.slots", ParamDoc(
-                "slots", None, "int", "experts",
-                "GPU expert slots in all, spread over the layers by the system's cache (default: as many as fit "
-                "in GPU memory); give it or cache.slots_per_layer"), note))
-    rows.append(("runtime", ParamDoc(
-        "runtime", SYSTEMS[name].runtime, "str", "",
-        "the software the system runs on (kernel launches, CUDA Graph, CPU kernel efficiency): generic (the "
-        "profile's gpu section), ideal (no launch or host costs) or a runtime of the profile (the bundled ones: "
-        "ktransformers, ktransformers-eager, pytorch-eager, llamacpp)"), "every system"))
-    return rows
-
-
-def _system_json(name: str) -> dict:
-    """What ``moesim systems NAME`` lists: the components in use and every --set parameter."""
-    from moesim.policy.systems import SYSTEMS, check_system_name
-    check_system_name(name, field="NAME")
-    rows = _system_rows(name)
-    return {"name": name, "description": SYSTEMS[name].description,
-            "components": [{"role": key.partition(" = ")[0], "component": key.partition(" = ")[2], "about": note}
-                           for key, doc, note in rows if doc is None],
-            "parameters": [{"key": key, "default": _typed(doc.default, doc.type), "type": doc.type,
-                            "unit": doc.unit, "meaning": doc.meaning} for key, doc, _ in rows if doc is not None]}
-
-
-def _typed(default: object, kind: str) -> object:
-    """A default as a JSON value of its parameter's type: a system's own default is kept as the ``--set``
-    string that sets it, and ``moesim systems smoe-flex --json -`` gave prefetch.n "3" where smoe's reads -1."""
-    if not isinstance(default, str):
-        return default
-    try:
-        if kind == "int":
-            return int(default)
-        if kind == "float":
-            return float(default)
-    except ValueError:  # a per-layer list, say: as written
-        return default
-    if kind == "bool" and default.lower() in ("true", "false"):
-        return default.lower() == "true"
-    return default
-
-
 def _print_system(name: str) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -464,7 +398,7 @@ def _print_system(name: str) -> None:
     table.add_column("default", no_wrap=True)
     table.add_column("unit", no_wrap=True)
     table.add_column("meaning", ratio=1, overflow="fold")
-    for key, doc, note in _system_rows(name):
+    for key, doc, note in system_rows(name):
         if doc is None:
             table.add_row(Text(key, style="cyan"), "", "", note, style="dim" if key.endswith("= none") else None)
         else:
