@@ -296,7 +296,12 @@ class TopScorePrefetch(Prefetch):
         if view.layer + 1 >= self._layers or not predicted:
             return []
         first = self.per_token or None  # 0: the whole prediction
-        ranked = ranked_predictions([p[:first] for p in predicted])
+        if len(predicted) == 1:  # one token: its prediction in order, unless it repeats an expert
+            ranked = np.asarray(predicted[0][:first]).tolist()
+            if len(set(ranked)) < len(ranked):
+                ranked = ranked_predictions([predicted[0][:first]])
+        else:
+            ranked = ranked_predictions([p[:first] for p in predicted])
         return [(view.layer + 1, e) for e in (ranked[:self.size] if self.size else ranked)]
 
     def prediction_s(self, view: LayerView) -> float | None:
