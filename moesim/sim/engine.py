@@ -448,9 +448,11 @@ class Simulator(Transfers, Tracks):
 
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
         if plan.evictions:
-            self.cache.evict_all(plan.evictions)
-            prefetched = self.prefetched
-            for lay, e in plan.evictions:
+            resident, prefetched = self.cache.resident, self.prefetched
+            for lay, e in plan.evictions:  # CacheState.evict_all, inline, each also no longer prefetched
+                if e not in resident[lay]:
+                    self.cache.evict(lay, e)  # refused, naming the one at fault
+                resident[lay].discard(e)
                 prefetched[lay].discard(e)
             if self.decisions is not None:
                 self.decisions += [(s, layer, e, "evict", lay) for lay, e in plan.evictions]

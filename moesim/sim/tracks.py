@@ -184,8 +184,40 @@ class Tracks:
         resident = self.cache.resident[layer]
         pending = self.pending[layer]
         gpu_cost = self._gpu
-        if not streamed and count is None and tl is None:  # a decode layer with nothing streamed
-            return self._gpu_one_token(experts, resident, layer, gpu_t, loaded)
+        if not streamed and count is None and tl is None:
+            # a decode layer with nothing streamed: the loop below for experts of one token each, the same sums
+            # (inline, not a call of its own: every decode layer of a GPU runs it)
+            d = gpu_cost.get(1)
+            if d is None:
+                d = self._gpu_s(1)
+            compute = waited = 0.0
+            if loaded is not None:  # nothing else is in flight: each expert resident or one of these loads
+                for e in experts:
+                    end = loaded.get(e)
+                    if end is not None and end > gpu_t:
+                        waited += end - gpu_t
+                        gpu_t = end
+                    gpu_t += d
+                    compute += d
+            elif not pending:  # nothing on its way to this layer: no expert waits
+                for _ in experts:
+                    gpu_t += d
+                    compute += d
+            else:
+                for e in experts:
+                    if e not in resident:
+                        transfer = pending.get(e)
+                        if transfer is not None:
+                            ready = self._ready(transfer, gpu_t)
+                            if ready > gpu_t:
+                                waited += ready - gpu_t
+                                gpu_t = ready
+                    gpu_t += d
+                    compute += d
+            counters.gpu_busy_s += compute
+            counters.breakdown["gpu_compute"] += compute
+            counters.breakdown["wait_cache"] += waited
+            return gpu_t
         stream_at = {e: i for i, e in enumerate(streamed)} if streamed else {}
         compute = waited = 0.0
         for e in experts:
@@ -239,36 +271,4 @@ class Tracks:
             if transfer.kind == "prefetch":
                 self.counters.late_prefetches += 1
             return end
-        return gpu_t
-
-    def _gpu_one_token(self, experts: list[int], resident: set[int], layer: int, gpu_t: float,
-                       loaded: dict[int, float] | None = None) -> float:
-        """:meth:`_gpu_track`'s experts of one token each, none streamed, no timeline: the same sums."""
-        counters, pending = self.counters, self.pending[layer]
-        d = self._gpu.get(1)
-        if d is None:
-            d = self._gpu_s(1)
-        compute = waited = 0.0
-        if loaded is not None:  # nothing else is in flight: every expert either resident or one of these loads
-            for e in experts:
-                end = loaded.get(e)
-                if end is not None and end > gpu_t:
-                    waited += end - gpu_t
-                    gpu_t = end
-                gpu_t += d
-                compute += d
-        else:
-            for e in experts:
-                if e not in resident:
-                    transfer = pending.get(e)
-                    if transfer is not None:
-                        ready = self._ready(transfer, gpu_t)
-                        if ready > gpu_t:
-                            waited += ready - gpu_t
-                            gpu_t = ready
-                gpu_t += d
-                compute += d
-        counters.gpu_busy_s += compute
-        counters.breakdown["gpu_compute"] += compute
-        counters.breakdown["wait_cache"] += waited
         return gpu_t

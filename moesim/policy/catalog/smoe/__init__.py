@@ -254,7 +254,7 @@ class SMoESystem(ComposedSystem):
             return plan
         if self._fill:  # the next prefill starts a new count
             self._fill = {}
-        return self._decode(view)
+        return self._decode_hits(view) if self._own_decode else self._decode(view)
 
     def _prefill(self, view: LayerView) -> LayerPlan:
         """000 Alg. 1: GPU experts in load order, resident first, the rest streamed through two buffers."""
@@ -273,8 +273,7 @@ class SMoESystem(ComposedSystem):
         return plan
 
     def _decode(self, view: LayerView) -> LayerPlan:
-        if self._own_decode:
-            return self._decode_hits(view)
+        """A decode layer's plan by the composed components (swapped-in ones), timed as SMoE's."""
         plan = super()._place(view)
         self._decode_timing(view, plan)
         return plan
@@ -320,7 +319,8 @@ class SMoESystem(ComposedSystem):
         plan.prefetch_after_gpu = True
         prefetch = self.prefetch
         if layer not in prefetch._disabled:  # prefetch.predicts(layer)
-            plan.overhead_s["predict"] = prefetch.predict_s(view)
+            seconds = prefetch._predict_s.get(len(view.experts))  # predict_s(view), once it has costed the tokens
+            plan.overhead_s["predict"] = prefetch.predict_s(view) if seconds is None else seconds
             if wanted and prefetch.management_us:
                 plan.overhead_s["cache_management"] = prefetch.management_us * 1e-6
         return plan
