@@ -490,7 +490,7 @@ class Simulator(Transfers, Tracks):
             else:
                 self._submit_loads(layer, plan.loads, s, t1, plan.writebacks)
         streamed = plan.streamed
-        staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else {}
+        staged = self._stage(layer, streamed[:self.config.staging_slots], s, t1) if streamed else NONE_STAGED
         predict = plan.prefetch_after_predict  # None but for 004's timing
         if plan.prefetches and not plan.prefetch_after_gpu and predict is None:
             self._prefetch(plan, s, layer, t1)

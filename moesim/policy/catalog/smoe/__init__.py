@@ -166,6 +166,12 @@ class SMoEAssign(Assignment):
         if view.experts.size == len(view.active):  # one token each (a decode layer of one request)
             t_gpu, t_cpu = times[1]
             hit_on_gpu = t_cpu > t_gpu + launch  # the test below for every resident expert (T_PCIe 0)
+            if not in_flight:  # the loop below, where no expert is arriving
+                if not hit_on_gpu:
+                    return gpu, list(view.active)
+                for expert in view.active:
+                    (gpu if expert in resident else cpu).append(expert)
+                return gpu, cpu
             for expert in view.active:
                 if expert in resident:
                     (gpu if hit_on_gpu else cpu).append(expert)
@@ -312,7 +318,9 @@ class SMoESystem(ComposedSystem):
             if short > 0:  # never a victim: an expert computed on the GPU here (the wanted and the arriving
                 # ones are not resident, so no victims either)
                 victims = self.cache.victims(view, layer, short, plan.gpu)
-                plan.evictions = [(layer, e) for e in victims]
+                evictions = plan.evictions
+                for e in victims:  # a loop, not a comprehension: one or two victims, where its call costs more
+                    evictions.append((layer, e))
                 wanted = wanted[:free + len(victims)]  # the rest find no slot
             plan.prefetches = wanted
         # _decode_timing, inline (the prefetch is SMoE's own)

@@ -293,10 +293,11 @@ class TokenWisePrefetch(Prefetch):
         if self.eviction == "adaptive":
             return [(layer, e) for e in ranked[:self._n] if e not in resident and e not in in_flight]
         picks: list[tuple[int, int]] = []  # Fixed-N: the first n uncached, however far down the ranking
+        n = self._n
         for e in ranked:
-            if e not in resident and e not in in_flight:
+            if e not in resident and (not in_flight or e not in in_flight):
                 picks.append((layer, e))
-                if len(picks) == self._n:
+                if len(picks) == n:
                     break
         return picks
 
