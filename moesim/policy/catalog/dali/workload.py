@@ -139,8 +139,10 @@ class WorkloadAwareCache(CachePolicy):
     prefetch_slots: int = -1
     #: swap only where the incoming score exceeds the outgoing one (false: Alg. 2 literally)
     strict: bool = True
-    _scores: list[np.ndarray] = field(default_factory=list, repr=False)
-    _last: list[np.ndarray] = field(default_factory=list, repr=False)
+    #: per layer, the current window's workload of each expert it used so far (the others' is 0)
+    _window: list[dict[int, float]] = field(default_factory=list, repr=False)
+    #: per layer, the last closed window's workload, as ``_window``
+    _last: list[dict[int, float]] = field(default_factory=list, repr=False)
     _windows: list[int] = field(default_factory=list, repr=False)
     _cached: list[set[int]] = field(default_factory=list, repr=False)
     _seen: tuple[int, int] = (-1, -1)
@@ -164,8 +166,8 @@ class WorkloadAwareCache(CachePolicy):
                               fix="--set cache.w_size=4 --set cache.u_size=8 (-1: 003's for the model)")
         experts = ctx.model.num_experts
         self._experts = experts
-        self._scores = [np.zeros(experts) for _ in ctx.capacity]
-        self._last = [np.zeros(experts) for _ in ctx.capacity]
+        self._window = [{} for _ in ctx.capacity]
+        self._last = [{} for _ in ctx.capacity]
         self._windows = [0 for _ in ctx.capacity]
         self._cached = [set() for _ in ctx.capacity]
         self._seen = (-1, -1)
@@ -190,20 +192,19 @@ class WorkloadAwareCache(CachePolicy):
             return False
         self._seen = (view.step, view.layer)
         layer = view.layer
-        scores = self._scores[layer]
-        for e, n in zip(view.active, view.counts):  # a decode layer's few experts: no index arrays to build
-            scores[e] += n
+        window = self._window[layer]
+        for e, n in zip(view.active, view.counts):  # a decode layer's few experts: no array to index
+            window[e] = window.get(e, 0.0) + n
         self._windows[layer] += 1
         return self._windows[layer] % self.w_size == 0
 
     def replacement(self, layer: int, protected: set[int]) -> tuple[list[int], list[int]]:
         """Alg. 2 lines 10-15: (experts to bring in, cached experts to drop); restarts the window's scores.
         ``protected``: cached experts that may not be dropped now (in use, or still arriving)."""
-        s = self._scores[layer]
+        window = self._window[layer]
         cached = self._cached[layer]
-        # a window touches few experts: the scores of those it used, every other expert's is 0
-        used = s.nonzero()[0]
-        score = dict(zip(used.tolist(), s[used].tolist()))
+        # a window touches few experts: the scores of those it used, by ascending id; every other expert's is 0
+        score = {e: w for e, w in sorted(window.items()) if w}
         incoming = self._best_uncached(score, cached)
         outgoing = sorted((e for e in cached if e not in protected), key=lambda e: (score.get(e, 0.0), e))
         swaps_in, swaps_out = [], []
@@ -214,8 +215,8 @@ class WorkloadAwareCache(CachePolicy):
             swaps_out.append(old)
         cached.difference_update(swaps_out)
         cached.update(swaps_in)
-        self._last[layer] = s.copy()
-        s[:] = 0.0
+        self._last[layer] = window
+        self._window[layer] = {}
         return swaps_in, swaps_out
 
     def _best_uncached(self, score: dict[int, float], cached: set[int]) -> list[int]:
@@ -230,11 +231,23 @@ class WorkloadAwareCache(CachePolicy):
     # -- plain-cache interface, for systems that swap this component in -----------------------
     def touch(self, view: LayerView, used: list[int]) -> None:
         if self.observe(view):
-            self._last[view.layer] = self._scores[view.layer].copy()
-            self._scores[view.layer][:] = 0.0
+            self._last[view.layer] = self._window[view.layer]
+            self._window[view.layer] = {}
+
+    @property
+    def _scores(self) -> list[np.ndarray]:
+        """Every layer's current window workload, one number per expert (Alg. 2's scores; read only)."""
+        return [self._dense(window) for window in self._window]
+
+    def _dense(self, workload: dict[int, float]) -> np.ndarray:
+        """A window's workload as one number per expert."""
+        dense = np.zeros(self._experts)
+        if workload:
+            dense[list(workload)] = list(workload.values())
+        return dense
 
     def _rank(self, layer: int) -> np.ndarray:
-        return self._scores[layer] + 1e-9 * self._last[layer]
+        return self._dense(self._window[layer]) + 1e-9 * self._dense(self._last[layer])
 
     def victims(self, view: LayerView, layer: int, n: int, protected: set[int],
                 incoming: list[int] | None = None) -> list[int]:
