@@ -7,6 +7,7 @@ the number comes from.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -50,11 +51,33 @@ def load_preset(name_or_path: str) -> ModelSpec:
     data = read_yaml(path, ConfigError)
     if not isinstance(data, dict):
         raise ConfigError("a preset must be a YAML mapping", source=str(path))
-    sources = data.pop("sources", None)
-    if not sources:
-        raise ConfigError("preset has no sources", source=str(path), field="sources",
-                          fix="name the config file or paper table for every number")
+    sources = checked_sources(data.pop("sources", None), str(path))
     spec = ModelSpec.from_dict(data, origin=str(path))
     spec.check_total_params(str(path))
-    object.__setattr__(spec, "sources", dict(sources))
+    object.__setattr__(spec, "sources", sources)
     return spec
+
+
+SOURCES_FIX = ('map each number to the document it comes from, e.g. sources: {"*": "org/model config.json", '
+               'total_params: "model card"}')
+
+
+def checked_sources(sources: object, origin: str) -> dict[str, str]:
+    """The preset's ``sources``: a mapping whose keys are fields (or ``"*"``, all of them) and whose values
+    name a document. (That each number has a key is not enforced here: benchmarks/gpu_validation.py writes
+    tiny presets that source only their name.)"""
+    if not sources:
+        raise ConfigError("preset has no sources", source=origin, field="sources",
+                          fix="name the config file or paper table for every number")
+    if not isinstance(sources, dict):
+        raise ConfigError(f"must be a mapping from field to source, got {type(sources).__name__}",
+                          source=origin, field="sources", fix=SOURCES_FIX)
+    fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"sources"}
+    for key, text in sources.items():
+        if key != "*" and key not in fields:
+            raise ConfigError(f"names no model field: '{key}'", source=origin, field=f"sources.{key}",
+                              fix=f"{did_you_mean(str(key), fields)}use a field of the preset, or '*' for all")
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"must name a document, got {text!r}", source=origin, field=f"sources.{key}",
+                              fix="write where the number comes from (config.json, model card, paper table)")
+    return {str(key): text for key, text in sources.items()}

@@ -37,6 +37,10 @@ SHAPE_LIMITS: dict[str, int] = {"num_layers": 4096, "num_experts": 32767, "top_k
                                 "expert_matrices": 8}
 
 
+#: what a string field of a preset looks like, for the fix of an error that finds another type there
+_STRING_EXAMPLES = {"name": "my-model", "expert_dtype": "bf16", "attention": "gqa"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of an MoE model as the cost model sees it."""
@@ -203,7 +207,8 @@ class ModelSpec:
                 raise ConfigError("missing required model field", source=origin, field=key,
                                   fix=f"add '{key}'")
         if not isinstance(data.get("sources", {}), dict):
-            raise ConfigError("'sources' must be a mapping", source=origin, field="sources")
+            raise ConfigError("'sources' must be a mapping", source=origin, field="sources",
+                              fix="map each field (or '*') to the document its number comes from")
         spec = cls(**data)
         spec.check(origin)
         return spec
@@ -213,17 +218,21 @@ class ModelSpec:
                     "quant_group_size", "expert_matrices"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"must be a positive integer, got {value!r}", source=origin, field=key)
+                raise ConfigError(f"must be a positive integer, got {value!r}", source=origin, field=key,
+                                  fix=f"write '{key}' as a whole number above 0 (the model's config.json)")
             if value > SHAPE_LIMITS[key]:
                 raise ConfigError(f"{value:,} is beyond the limit of {SHAPE_LIMITS[key]:,}", source=origin,
                                   field=key, fix="check the model shape (config.json)")
-        if not isinstance(self.name, str) or not isinstance(self.expert_dtype, str) \
-                or not isinstance(self.attention, str):
-            raise ConfigError("name, expert_dtype and attention must be strings", source=origin, field="name")
+        for key in ("name", "expert_dtype", "attention"):
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise ConfigError(f"must be a string, got {value!r}", source=origin, field=key,
+                                  fix=f"write '{key}' as one word, e.g. {key}: {_STRING_EXAMPLES[key]}")
         for key in self._count_fields():
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"must be a non-negative integer, got {value!r}", source=origin, field=key)
+                raise ConfigError(f"must be a non-negative integer, got {value!r}", source=origin, field=key,
+                                  fix=f"write '{key}' as a whole number, 0 or more (0: none)")
         if (self.num_shared_experts > 0) != (self.shared_intermediate_size > 0):
             raise ConfigError(
                 f"num_shared_experts {self.num_shared_experts} and shared_intermediate_size "
@@ -235,7 +244,8 @@ class ModelSpec:
                               field="kv_lora_rank", fix="copy both from the model's config.json")
         if self.top_k > self.num_experts:
             raise ConfigError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}",
-                              source=origin, field="top_k")
+                              source=origin, field="top_k",
+                              fix=f"top_k counts the experts each token picks: at most {self.num_experts}")
         if self.expert_dtype not in DTYPE_BITS:
             raise ConfigError(f"unknown dtype '{self.expert_dtype}'", source=origin, field="expert_dtype",
                               fix=f"{did_you_mean(str(self.expert_dtype), DTYPE_BITS)}use one of "

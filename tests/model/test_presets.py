@@ -242,3 +242,39 @@ def test_a_file_that_is_no_preset_yaml_is_said_to_be_one(tmp_path: Path, monkeyp
     for given in ("g.jsonl", str(tmp_path / "g.jsonl")):
         with pytest.raises(ConfigError, match=r"g\.jsonl, field '--model': not a model preset: a preset is a YAML"):
             load_preset(given)
+
+
+@pytest.mark.parametrize("sources", ['"config.json"', "[a, b]"])
+def test_sources_that_are_no_mapping_are_one_line_naming_the_field(tmp_path: Path, sources: str) -> None:
+    """`sources: "config.json"` was an internal error (dict() of a string) after the shapes had loaded."""
+    path = _write_preset(tmp_path, GOOD_BODY + f"sources: {sources}\n")
+    with pytest.raises(ConfigError) as err:
+        load_preset(path)
+    assert err.value.field == "sources" and path in str(err.value) and "fix:" in str(err.value)
+
+
+def test_a_source_key_that_names_no_field_is_refused(tmp_path: Path) -> None:
+    path = _write_preset(tmp_path, GOOD_BODY + "sources:\n  top_kk: config.json\n")
+    with pytest.raises(ConfigError, match=r"did you mean top_k\?") as err:
+        load_preset(path)
+    assert err.value.field == "sources.top_kk"
+
+
+def test_an_empty_source_text_is_refused(tmp_path: Path) -> None:
+    path = _write_preset(tmp_path, GOOD_BODY + "sources:\n  '*': ''\n")
+    with pytest.raises(ConfigError, match="must name a document") as err:
+        load_preset(path)
+    assert err.value.field == "sources.*"
+
+
+@pytest.mark.parametrize("edit, field", [
+    ("top_k: 9", "top_k"), ("top_k: 0", "top_k"), ("hidden_size: 64.5", "hidden_size"),
+    ("attention: [gqa]", "attention"), ("num_kv_heads: -1", "num_kv_heads"),
+])
+def test_every_shape_error_names_its_field_and_a_fix(tmp_path: Path, edit: str, field: str) -> None:
+    key = edit.split(":")[0]
+    body = "".join(line + "\n" for line in GOOD_BODY.splitlines() if not line.startswith(key + ":"))
+    path = _write_preset(tmp_path, body + edit + "\nsources:\n  '*': x\n")
+    with pytest.raises(ConfigError) as err:
+        load_preset(path)
+    assert err.value.field == field and "fix:" in str(err.value), str(err.value)
