@@ -155,7 +155,10 @@ class EamPrefetch(Prefetch):
     def candidates(self, view: LayerView) -> list[tuple[int, int]]:
         tracker = self.tracker
         assert tracker is not None
-        match = tracker.best_match(tracker.batch_eam(view), frozenset(tracker.batch_ids(view)))
+        exclude = frozenset(tracker.batch_ids(view))
+        if not tracker.has_entries_besides(exclude):  # nothing to match: the batch EAM is not needed
+            return []
+        match = tracker.best_match(tracker.batch_eam(view), exclude)
         if match is None:
             return []
         layers = tracker.num_layers

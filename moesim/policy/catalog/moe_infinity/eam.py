@@ -44,6 +44,11 @@ class ActivationTracker:
     ``row_version[layer]`` counts the changes of each layer's counts (the batch's and the run's), so a
     reader recomputes only the rows that moved (:func:`moved_rows`). A batch of one live request keeps
     that request's EAM itself as the batch EAM (a sum of one term), so a layer's routing is added once.
+
+    A layer served to one request is noted (``_pending``) and added to the matrices when they are next read
+    (:attr:`live`, :attr:`total`, :meth:`batch_eam`): a decode of one request reads them only when its
+    batch changes or a prefetch has entries to match, while adding each layer at once cost several numpy
+    calls per layer. The counts are whole numbers, so the sums are the same whenever they are added.
     """
 
     num_layers: int
@@ -51,12 +56,17 @@ class ActivationTracker:
     eamc_size: int
     #: request -> its last step (its end of sequence)
     last_step: dict[int, int]
-    live: dict[int, np.ndarray] = field(default_factory=dict)
+    #: request -> its EAM (read through :attr:`live`, which adds the pending routing first)
+    _live: dict[int, np.ndarray] = field(default_factory=dict)
     #: EAMs with unit-length rows (:func:`unit_rows`), flattened, oldest first
     collection: deque = field(default_factory=deque)
     #: the request each collection entry came from (None: a held-out calibration trace's)
     owners: deque = field(default_factory=deque)
-    total: np.ndarray | None = None
+    #: the run's tokens per (layer, expert) (read through :attr:`total`; None: not counted)
+    _total: np.ndarray | None = None
+    #: routing of one-request layers not yet added to that request's EAM and to the run's counts:
+    #: (request, layer, experts, tokens of each)
+    _pending: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
     row_version: list[int] | None = None
     #: changes whenever the batch EAM is summed afresh (another set of requests)
     batch_generation: int = 0
@@ -79,6 +89,55 @@ class ActivationTracker:
     def __post_init__(self) -> None:
         if self.row_version is None:
             self.row_version = [0] * self.num_layers
+
+    @property
+    def live(self) -> dict[int, np.ndarray]:
+        """Request -> the EAM of each request being served."""
+        self._flush()
+        return self._live
+
+    @property
+    def total(self) -> np.ndarray | None:
+        """The run's tokens per (layer, expert), every observed request's (None: not counted)."""
+        self._flush()
+        return self._total
+
+    @total.setter
+    def total(self, counts: np.ndarray | None) -> None:
+        self._flush()
+        self._total = counts
+
+    @property
+    def counts_run(self) -> bool:
+        """Whether the run's counts are kept (:attr:`total`), known without adding the pending routing."""
+        return self._total is not None
+
+    def _flush(self) -> None:
+        """Add the pending one-request layers to their requests' EAMs and to the run's counts."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        width = self.num_experts
+        if len(pending) <= 4:  # a few layers: row by row
+            for request, layer, experts, tokens in pending:
+                routed = np.zeros(width)
+                routed[experts] = tokens
+                self._live[request][layer] += routed
+                self._total[layer] += routed
+            return
+        for request in {entry[0] for entry in pending}:
+            cells: list[int] = []
+            weights: list[int] = []
+            for owner, layer, experts, tokens in pending:
+                if owner == request:
+                    base = layer * width
+                    cells += [base + e for e in experts]
+                    weights += tokens
+            routed = np.bincount(cells, weights=weights, minlength=self.num_layers * width)
+            routed = routed.reshape(self.num_layers, width)
+            self._live[request] += routed
+            self._total += routed
 
     @classmethod
     def from_trace(cls, path: str, num_layers: int, num_experts: int, eamc_size: int) -> "ActivationTracker":
@@ -118,11 +177,22 @@ class ActivationTracker:
         self._seen = seen
         if view.step != self._step:
             self._step = view.step
-            for r in [r for r in self.live if self.last_step.get(r, -1) < view.step]:
+            for r in [r for r in self._live if self.last_step.get(r, -1) < view.step]:
                 self.add_to_collection(self.live.pop(r), r)
                 if self._batch_ids is not None and r in self._batch_ids:
                     self._batch_ids = None  # the kept batch EAM no longer sums live EAMs
         layer, ids = view.layer, self.batch_ids(view)
+        assert self._total is not None and self.row_version is not None
+        kept = self._batch_ids
+        if len(ids) == 1 and (kept is None or ids[0] not in kept or self._batch is self._live.get(ids[0])):
+            # one request, whose EAM no other kept batch EAM sums: noted, added when read
+            r = ids[0]
+            if r not in self._live:
+                self._live[r] = np.zeros((self.num_layers, self.num_experts))
+            self._pending.append((r, layer, view.active, view.counts))
+            self._counted(layer, ids, view)
+            return
+        self._flush()
         counts = np.bincount(view.experts.ravel(), minlength=self.num_experts)  # tokens per expert
         if len(ids) == 1:
             per_request = [(ids[0], counts)]
@@ -131,35 +201,50 @@ class ActivationTracker:
             per_request = [(r, np.bincount(view.experts[owners == r].ravel(), minlength=self.num_experts))
                            for r in ids]
         for r, routed in per_request:
-            eam = self.live.get(r)
+            eam = self._live.get(r)
             if eam is None:
-                eam = self.live[r] = np.zeros((self.num_layers, self.num_experts))
+                eam = self._live[r] = np.zeros((self.num_layers, self.num_experts))
             eam[layer] += routed
             if self._batch_ids is not None and r in self._batch_ids and self._batch is not eam:
                 self._batch[layer] += routed
-        assert self.total is not None and self.row_version is not None
-        self.total[layer] += counts
+        self._total[layer] += counts
+        self._counted(layer, ids, view)
+
+    def _counted(self, layer: int, ids: tuple[int, ...], view: LayerView) -> None:
+        """Note that ``layer``'s counts moved, and what the view added when the kept batch EAM took it too."""
         self.row_version[layer] += 1
         self.observations += 1
         batch = self._batch_ids
         # the view's distinct experts and their tokens: what this layer added, expert by expert
-        self.last_added = (layer, view.active, view.counts) \
-            if batch is not None and all(r in batch for r in ids) else None
+        taken = batch is not None and (ids[0] in batch if len(ids) == 1 else all(r in batch for r in ids))
+        self.last_added = (layer, view.active, view.counts) if taken else None
 
     def batch_eam(self, view: LayerView) -> np.ndarray:
         """The sum of the live EAMs of the view's requests (kept between layers; read-only)."""
+        self.follow_batch(view)
+        self._flush()
+        return self._batch
+
+    def follow_batch(self, view: LayerView) -> int:
+        """Keep the view's batch as the batch whose EAM is kept (:meth:`batch_eam`), and return its
+        ``batch_generation``, without adding the pending routing when the batch is the same."""
         ids = self.batch_ids(view)
         if ids != self._batch_ids or self._batch is None:
-            if len(ids) == 1 and ids[0] in self.live:
-                out = self.live[ids[0]]  # its own EAM, which observe keeps up to date
+            live = self.live
+            if len(ids) == 1 and ids[0] in live:
+                out = live[ids[0]]  # its own EAM, which observe keeps up to date
             else:
                 out = np.zeros((self.num_layers, self.num_experts))
                 for r in ids:
-                    if r in self.live:
-                        out += self.live[r]
+                    if r in live:
+                        out += live[r]
             self._batch_ids, self._batch = ids, out
             self.batch_generation += 1
-        return self._batch
+        return self.batch_generation
+
+    def has_entries_besides(self, exclude: frozenset[int]) -> bool:
+        """Whether the collection holds an entry of a request outside ``exclude`` (one to match)."""
+        return bool(self._entries_besides(exclude))
 
     def best_match(self, eam: np.ndarray, exclude: frozenset[int] = frozenset()) -> np.ndarray | None:
         """The EAMC entry most similar to ``eam``, as a layers x experts matrix (each row scaled to unit

@@ -61,12 +61,12 @@ class EvictionOrder:
         """Catch up with the tracker's counts and the pool's residents; False when only a from-scratch
         ranking can answer (no pool, or counts past ``2 ** count_bits``)."""
         tracker, state = self.tracker, view.cache
-        batch = tracker.batch_eam(view)
+        generation = tracker.follow_batch(view)  # the matrices themselves are read only to count afresh
         mirror = state.mirror
-        if mirror is None or tracker.total is None:
+        if mirror is None or not tracker.counts_run:
             return False
-        if tracker.batch_generation != self.generation or mirror is not self.mirror or mirror.journal is None:
-            self._rebuild(batch, tracker.total, state)
+        if generation != self.generation or mirror is not self.mirror or mirror.journal is None:
+            self._rebuild(tracker.batch_eam(view), tracker.total, state)
             return self.exact
         dirty: set[int] = set()
         journal, resident = mirror.journal, state.resident
@@ -80,7 +80,7 @@ class EvictionOrder:
                 dirty.add(added[0])
             else:
                 rows = moved_rows(self.versions, tracker.row_version)
-                self._count(batch, tracker.total, rows)
+                self._count(tracker.batch_eam(view), tracker.total, rows)
                 self._rank(rows, resident)
                 dirty.update(rows)
                 self.versions = list(tracker.row_version)
