@@ -92,13 +92,15 @@ class EvictionOrder:
     def _residents(self, journal: list[tuple[int, int]], dirty: set[int]) -> None:
         """Replay the journal's loads and evictions, in order, on the ranked keys."""
         keys, ranked = self.keys, self.ranked
+        last = -1
         for layer, expert in journal:
+            if layer != last:  # a journal runs layer by layer: each layer's lists looked up once per run
+                last, keep, layer_keys = layer, ranked[layer], keys[layer]
+                dirty.add(layer)
             if expert >= 0:
-                insort(ranked[layer], keys[layer][expert])
+                insort(keep, layer_keys[expert])
             else:
-                keep = ranked[layer]
-                del keep[bisect_left(keep, keys[layer][~expert])]
-        dirty.update(layer for layer, _ in journal)
+                del keep[bisect_left(keep, layer_keys[~expert])]
 
     def _add(self, layer: int, experts: list[int], tokens: list[int], resident: set[int]) -> None:
         """One observed layer's tokens per expert, added to the keys (and the ranked keys of residents)."""
