@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
 
@@ -28,7 +30,8 @@ def trace_validate(file: str, as_json: bool) -> None:
     from moesim.trace.validate import validate_trace
     from moesim.trace.validated import record_validated
     try:
-        summary = validate_trace(file)  # always the whole pass, recorded or not
+        with _reading_rows("trace validate", [file], passes=1, validation=False) as progress:
+            summary = validate_trace(file, progress=progress("checking"))  # always the whole pass, recorded or not
     except MoesimError as err:
         if as_json:  # the JSON says what is wrong; the error line and exit status stay as without --json
             write_json(_validation_json(file, problem=err), None)
@@ -40,6 +43,30 @@ def trace_validate(file: str, as_json: bool) -> None:
         return
     console.print(f"{file}: valid trace v{version}, {summary.rows:,} rows, {summary.steps:,} steps, "
                   f"columns: {', '.join(summary.columns)}")
+
+
+@contextmanager
+def _reading_rows(title: str, files: list[str], passes: int,
+                  validation: bool = True) -> Iterator[Callable[[str], Callable[[int], None]]]:
+    """Progress over the rows a command reads: ``passes`` over each file, plus the validation pass over each
+    file not recorded as valid (``validation``). Yields ``progress(label)``, the callback of one pass: a
+    10-million-row trace takes minutes to count, which a silent command would leave unexplained."""
+    from moesim.progress import Progress
+    from moesim.trace.validate import will_validate
+    rows = [_rows_in(f) for f in files]
+    checked = {f: _rows_in(f) for f in files if validation and will_validate(f)}  # a file given twice: once
+    total = None if None in rows or None in checked.values() else sum(rows) * passes + sum(checked.values())
+    with Progress(title, total=total or None, unit="rows", console=err_console) as bar:
+        yield lambda label: (lambda n: bar.advance(n, label=label))
+
+
+def _rows_in(file: str) -> int | None:
+    """The rows of a trace per its footer (None where it cannot be read: the validation pass then says why)."""
+    from moesim.trace.io import _open
+    try:
+        return _open(file).metadata.num_rows
+    except MoesimError:
+        return None
 
 
 def _validation_json(file: str, *, summary=None, version: int | None = None,
@@ -60,8 +87,9 @@ def trace_inspect(file: str, as_json: bool) -> None:
     """Statistics of a trace: shape, skew, temporal reuse, co-activation, predictor recall."""
     from moesim.trace.stats import render_stats, trace_stats
     from moesim.trace.validate import checked_meta
-    checked_meta(file)
-    stats = trace_stats(file)
+    with _reading_rows("trace inspect", [file], passes=1) as progress:
+        checked_meta(file, progress=progress("checking"))
+        stats = trace_stats(file, validate=False, progress=progress("counting"))
     if as_json:
         write_json(stats, None)
     else:
@@ -78,9 +106,10 @@ def trace_compare(first: str, second: str, as_json: bool) -> None:
     of per-layer expert popularity, reuse and co-activation differences."""
     from moesim.trace.stats import compare_traces, render_comparison
     from moesim.trace.validate import checked_meta
-    checked_meta(first)
-    checked_meta(second)
-    both = compare_traces(first, second)
+    with _reading_rows("trace compare", [first, second], passes=1) as progress:
+        checked_meta(first, progress=progress(f"checking {Path(first).name}"))
+        checked_meta(second, progress=progress(f"checking {Path(second).name}"))
+        both = compare_traces(first, second, progress=progress("counting"))
     if as_json:
         write_json(both, None)
     else:
@@ -94,8 +123,8 @@ def trace_upgrade(file: str, out: str) -> None:
     """Write FILE in trace format v2: the same rows, scores as one binary value a row (docs/trace-format.md)."""
     from moesim.trace.upgrade import upgrade_trace
     check_outputs([("FILE", file)], {"out": PARQUET}, out=out)
-    with open_output(out, "--out") as path:
-        done = upgrade_trace(file, path)
+    with _reading_rows("trace upgrade", [file], passes=2, validation=False) as progress, open_output(out, "--out") as path:
+        done = upgrade_trace(file, path, progress=progress("writing"))
     what = ("scores rewritten as one binary value a row" if done.rewrote_scores else
             "scores already one binary value a row" if done.has_scores else "no scores column")
     say_wrote(console, f"wrote {out}: trace v2 from v{done.from_version}, {done.rows:,} rows, {what}")

@@ -48,7 +48,7 @@ from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
 from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
 # the tables and sparklines of `trace inspect` and `trace compare`, re-exported: moesim.trace.stats keeps every name
 from moesim.trace.stats_render import _layer_list, render_comparison, render_distances, render_stats, sparkline
-from moesim.trace.validate import checked_meta
+from moesim.trace.validate import RowsRead, checked_meta
 
 CHUNK_ROWS = 65_536
 COACTIVATION_PEERS = 4
@@ -355,7 +355,7 @@ def _mean(values: list[float | None]) -> float | None:
     return float(np.mean(present)) if present else None
 
 
-def _accumulate(path: PathLike) -> tuple[Any, _Accumulator]:
+def _accumulate(path: PathLike, progress: RowsRead | None = None) -> tuple[Any, _Accumulator]:
     meta = read_meta(path)
     model = meta.model
     present = _open(path).schema_arrow.names
@@ -364,18 +364,21 @@ def _accumulate(path: PathLike) -> tuple[Any, _Accumulator]:
     acc = _Accumulator(model.num_layers, model.num_experts, model.top_k, predictors)
     for chunk in _iter_chunks(path, model.top_k, list(REQUIRED_COLUMNS) + optional):
         acc.add(chunk)
+        if progress is not None:
+            progress(len(chunk["step"]))
     return meta, acc
 
 
-def trace_stats(path: PathLike, *, validate: bool = True) -> dict[str, Any]:
+def trace_stats(path: PathLike, *, validate: bool = True, progress: RowsRead | None = None) -> dict[str, Any]:
     """Statistics of the trace at ``path`` under stable, JSON-serializable keys (module docstring).
 
     The validation pass runs first, so a malformed file is one error naming its fault (an expert id out of
     range made the counting fail mid-way); ``validate=False`` skips it for a trace this process just wrote.
+    ``progress`` is told the rows each pass reads.
     """
     if validate:
-        checked_meta(path)
-    meta, acc = _accumulate(path)
+        checked_meta(path, progress=progress)
+    meta, acc = _accumulate(path, progress)
     return _stats(meta, acc)
 
 
@@ -507,13 +510,13 @@ def _layer_span(first: int, end: int) -> str:
     return f"layer {first}" if end - first == 1 else f"layers {first}-{end - 1}"
 
 
-def compare_traces(first: PathLike, second: PathLike) -> dict[str, Any]:
+def compare_traces(first: PathLike, second: PathLike, progress: RowsRead | None = None) -> dict[str, Any]:
     """Both traces' statistics (``a``, ``b``) and the distances of B from A (:func:`trace_distances`), after
-    the validation pass over each."""
-    checked_meta(first)
-    checked_meta(second)
-    meta_a, acc_a = _accumulate(first)
-    meta_b, acc_b = _accumulate(second)
+    the validation pass over each (``progress``: told the rows each pass reads)."""
+    checked_meta(first, progress=progress)
+    checked_meta(second, progress=progress)
+    meta_a, acc_a = _accumulate(first, progress)
+    meta_b, acc_b = _accumulate(second, progress)
     distances = trace_distances(acc_a, acc_b)
     names = (meta_a.model.name, meta_b.model.name)
     if names[0] != names[1] and distances["comparable"]:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, parquet_options, read_meta
 from moesim.trace.schema import META_KEY, SCHEMA_VERSION, column_type, score_rows, scores_to_arrow
-from moesim.trace.validate import validate_trace
+from moesim.trace.validate import RowsRead, validate_trace
 from moesim.trace.writer import refuse_folder, writing_path
 
 
@@ -34,10 +34,11 @@ class Upgrade:
     rewrote_scores: bool
 
 
-def upgrade_trace(path: PathLike, out: PathLike) -> Upgrade:
-    """Validate ``path`` and write it to ``out`` in format v2, a row group at a time."""
+def upgrade_trace(path: PathLike, out: PathLike, progress: RowsRead | None = None) -> Upgrade:
+    """Validate ``path`` and write it to ``out`` in format v2, a row group at a time (``progress``: told the
+    rows each of the two passes reads)."""
     refuse_folder(Path(out))
-    validate_trace(path)
+    validate_trace(path, progress=progress)
     meta = read_meta(path)
     num_experts = meta.model.num_experts
     written = replace(meta, schema_version=SCHEMA_VERSION).to_json().encode()
@@ -59,6 +60,8 @@ def upgrade_trace(path: PathLike, out: PathLike) -> Upgrade:
                 writer = pq.ParquetWriter(tmp, table.schema, **parquet_options(table.column_names))
             writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
             rows += table.num_rows
+            if progress is not None:
+                progress(table.num_rows)
         if writer is not None:
             writer.close()
             writer = None

@@ -26,7 +26,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +38,8 @@ from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, RE
 from moesim.trace.validated import record_validated, was_validated
 
 BATCH_ROWS = 65_536
+#: told the rows of each batch a pass has read (a command's progress)
+RowsRead = Callable[[int], None]
 #: relative tolerance of weight sums (float32 weights, float16 scores they may come from)
 SUM_TOLERANCE = 2e-2
 #: scores are float16 probabilities: allow their rounding above 1
@@ -93,15 +95,16 @@ class _Checked:
 _CHECKED: dict[tuple, _Checked] = {}
 
 
-def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceMeta:
+def checked_meta(path: PathLike, columns: Iterable[str] | None = None,
+                 progress: RowsRead | None = None) -> TraceMeta:
     """The trace's metadata after the validation pass over every column but the :data:`LAZY_COLUMNS` not
     listed in ``columns`` (the optional columns a run reads; None: all). Those are checked on a thread
     started here, beside the run: a caller that reports results calls :func:`settle` first (``simulate``
     does). Each file (by stamp) and column is checked once per process, so ``replay --system all`` and
-    sweep workers pay once."""
+    sweep workers pay once. ``progress`` is told the rows the validation pass reads, if it runs."""
     key = _stamp(path)
     if key is None:
-        validate_trace(path, columns)  # raises the file's own error
+        validate_trace(path, columns, progress)  # raises the file's own error
         return read_meta(path)
     state = _CHECKED.get(key)
     if state is None:
@@ -109,7 +112,7 @@ def checked_meta(path: PathLike, columns: Iterable[str] | None = None) -> TraceM
         if was_validated(path):  # this very file passed the whole pass before (moesim.trace.validated)
             _CHECKED[key] = _Checked(read_meta(path), lazy, lazy)
             return _CHECKED[key].meta
-        validate_trace(path, columns)
+        validate_trace(path, columns, progress)
         state = _CHECKED[key] = _Checked(read_meta(path), lazy, lazy if columns is None else lazy & set(columns))
     needed = state.lazy - state.done if columns is None else (state.lazy & set(columns)) - state.done
     if needed and state.deferred is not None and needed <= state.deferred.columns:
@@ -173,11 +176,20 @@ def _stamp(path: PathLike) -> tuple | None:
     return (os.path.realpath(path), st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def validate_trace(path: PathLike, columns: Iterable[str] | None = None) -> TraceSummary:
+def will_validate(path: PathLike) -> bool:
+    """Whether :func:`checked_meta` would run the validation pass over ``path`` now: neither checked in this
+    process nor recorded as valid on disk."""
+    key = _stamp(path)
+    return key is None or (key not in _CHECKED and not was_validated(path))
+
+
+def validate_trace(path: PathLike, columns: Iterable[str] | None = None,
+                   progress: RowsRead | None = None) -> TraceSummary:
     """Raise :class:`TraceFormatError` on the first problem; return a summary if the trace is valid.
 
     Every column's type is checked, and every column's values row by row except
     :data:`LAZY_COLUMNS` not named in ``columns`` (default: all, as ``moesim trace validate`` does).
+    ``progress`` is called with the rows of each batch checked (a long trace takes seconds a million rows).
     """
     name = str(path)
     _check_magic(path)
@@ -206,6 +218,8 @@ def validate_trace(path: PathLike, columns: Iterable[str] | None = None) -> Trac
         for batch in batches:
             _check_batch(batch, name, meta, weight_sum, offset, carry)
             offset += batch.num_rows
+            if progress is not None:
+                progress(batch.num_rows)
     except (pa.ArrowException, OSError) as err:
         raise _unreadable(err, name, offset) from None
     return TraceSummary(rows=offset, steps=carry.steps, columns=known, requests=len(carry.requests))
