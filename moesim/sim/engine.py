@@ -467,12 +467,18 @@ class Simulator(Transfers, Tracks):
 
         # execute: evict, load, prefetch (demand first: it overtakes queued prefetches)
         if plan.evictions:
-            resident, prefetched = self.cache.resident, self.prefetched
-            for lay, e in plan.evictions:  # CacheState.evict_all, inline, each also no longer prefetched
-                if e not in resident[lay]:
-                    self.cache.evict(lay, e)  # refused, naming the one at fault
-                resident[lay].discard(e)
-                prefetched[lay].discard(e)
+            cache, prefetched = self.cache, self.prefetched
+            if cache.mirror is not None:  # a pool: evict_all keeps its tally and journal in one pass
+                cache.evict_all(plan.evictions)
+                for lay, e in plan.evictions:
+                    prefetched[lay].discard(e)
+            else:
+                resident = cache.resident
+                for lay, e in plan.evictions:  # CacheState.evict_all, inline, each also no longer prefetched
+                    if e not in resident[lay]:
+                        cache.evict(lay, e)  # refused, naming the one at fault
+                    resident[lay].discard(e)
+                    prefetched[lay].discard(e)
             if self.decisions is not None:
                 self.decisions += [(s, layer, e, "evict", lay) for lay, e in plan.evictions]
         if self.decisions is not None:
