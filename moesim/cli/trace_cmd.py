@@ -365,6 +365,7 @@ def _fit(real: str, seed: int):
     from moesim.progress import Progress
     from moesim.trace.synth import fit_params
     with Progress("fit", unit="candidate traces", console=err_console) as bar:
+        bar.advance(0, label=f"statistics of {Path(real).name}")  # seconds a million rows, before any candidate
         result = fit_params(real, seed=seed, progress=lambda name: bar.advance(1, label=name))
     # the last candidate the fit drew (scaled down for a long trace, no predictors): `trace compare` measures
     # the trace written

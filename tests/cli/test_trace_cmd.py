@@ -138,3 +138,18 @@ def test_inspect_validate_compare_and_upgrade_report_progress_in_rows(tmp_path, 
         assert all(re.match(rf"trace {name}: [\d,]+/{read:,} rows", line) for line in lines[:-1])
         if "--json" in args:
             json.loads(captured.out)  # stdout stays JSON alone
+
+
+def test_the_fit_says_it_is_reading_the_real_trace_before_any_candidate(tmp_path, capsys, monkeypatch):
+    """`--fit` showed "fit: 0 candidate traces, 10s elapsed" while it took the real trace's statistics."""
+    import moesim.trace.synth
+    from moesim.errors import MoesimError
+    from tests.trace.test_synth_fit import REAL
+
+    def stop(*args, **kwargs):
+        raise MoesimError("stopped here")
+    monkeypatch.setattr(moesim.trace.synth, "fit_params", stop)
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0")
+    assert main(["trace", "synth", "--fit", str(REAL), "--out", str(tmp_path / "f.parquet")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fit: ")]
+    assert lines and lines[0].endswith(f"(statistics of {REAL.name})")
