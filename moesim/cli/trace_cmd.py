@@ -10,13 +10,19 @@ import click
 
 from moesim.cli.app import (InputPath, JsonFlagCommand, check_outputs, cli, console, err_console, open_output,
                             parse_settings, preset_help, say_wrote, write_json)
+from moesim.cli.measure_cmd import capture_command
 from moesim.errors import MoesimError
 from moesim.util import PARQUET
 
 
 @cli.group()
 def trace() -> None:
-    """Inspect, validate, import, synthesize, compare and upgrade router traces."""
+    """Inspect, validate, import, synthesize, compare and upgrade router traces (capture one from a model with
+    `moesim capture`, also `moesim trace capture`)."""
+
+
+# `moesim trace capture`, where one looks for it beside import and synth: the same command as `moesim capture`
+trace.add_command(capture_command, "capture")
 
 
 @trace.command("validate", cls=JsonFlagCommand)

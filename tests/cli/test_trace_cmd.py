@@ -153,3 +153,11 @@ def test_the_fit_says_it_is_reading_the_real_trace_before_any_candidate(tmp_path
     assert main(["trace", "synth", "--fit", str(REAL), "--out", str(tmp_path / "f.parquet")]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fit: ")]
     assert lines and lines[0].endswith(f"(statistics of {REAL.name})")
+
+
+def test_trace_capture_is_the_capture_command(capsys):
+    """`moesim trace capture ...`, where trace import and synth are, was "No such command 'capture'"."""
+    from moesim.cli.app import cli
+    assert cli.commands["trace"].commands["capture"] is cli.commands["capture"]
+    assert main(["trace", "capture", "--model", "x"]) == 2
+    assert "Missing option '--prompts'. (see 'moesim trace capture --help')" in capsys.readouterr().err
