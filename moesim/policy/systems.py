@@ -148,12 +148,25 @@ class ComposedSystem:
         layer = view.layer
         state = view.cache
         resident, in_flight = state.resident[layer], state.in_flight[layer]
+        # plain loops, not comprehensions: a comprehension is a call of its own, and this runs every layer
+        present: list[int] = []
+        missing: list[int] = []
+        arriving: list[int] = []
         if in_flight:
-            present = [e for e in gpu if e in resident or e in in_flight]
-            missing = [e for e in gpu if e not in resident and e not in in_flight]
+            for e in gpu:
+                if e in resident:
+                    present.append(e)
+                elif e in in_flight:
+                    present.append(e)
+                    arriving.append(e)
+                else:
+                    missing.append(e)
         else:  # the common case, one set to look in
-            present = [e for e in gpu if e in resident]
-            missing = [e for e in gpu if e not in resident] if len(present) < len(gpu) else []
+            for e in gpu:
+                if e in resident:
+                    present.append(e)
+                else:
+                    missing.append(e)
         if missing:
             missing = self.cache.admission_order(view, layer, missing)
             fits, evict = make_room(self.cache, view, layer, missing, set(present))
@@ -161,11 +174,17 @@ class ComposedSystem:
             plan.loads = missing[:fits]
             plan.streamed = missing[fits:]
         # resident first (they can start at once), then loads in queue order, then streamed
-        if in_flight:
-            ready = [e for e in present if e in resident]
-            arriving = sorted((e for e in present if e not in resident), key=lambda e: view.arrivals.get(e, 0.0))
-            present = ready + arriving
-        plan.gpu = present + plan.loads + plan.streamed
+        if arriving:  # some GPU experts are still on their way: they go after the resident ones
+            ready = []
+            for e in present:
+                if e in resident:
+                    ready.append(e)
+            if len(arriving) > 1:
+                arrivals = view.arrivals
+                arriving.sort(key=lambda e: arrivals.get(e, 0.0))
+            ready += arriving
+            present = ready
+        plan.gpu = present + plan.loads + plan.streamed if missing else present
         self.cache.touch(view, plan.gpu)
         if self._prefetching:
             self._plan_prefetch(view, plan)
@@ -183,34 +202,48 @@ class ComposedSystem:
         if not wanted:
             return
         state = view.cache
-        evicted = set(plan.evictions)
+        # looked up once: CacheState.has and .used, inline, for each wanted expert
+        resident, in_flight, capacity = state.resident, state.in_flight, state.capacity
+        this_layer, gpu, loads = view.layer, plan.gpu, plan.loads
+        evictions, prefetches = plan.evictions, plan.prefetches
+        evicted = set(evictions)
         # per layer, the slots still free to a prefetch
         quota_left: dict[int, int] = {}
-        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(plan.loads)
+        pool_left = None if state.pool is None else state.pool - state.held() + len(evicted) - len(loads)
         victims: _Victims | None = None  # built at the first eviction, then kept for the plan
         for layer, expert in wanted:
-            if (state.has(layer, expert) and (layer, expert) not in evicted) \
-                    or (layer == view.layer and expert in plan.gpu):
+            if (expert in resident[layer] or expert in in_flight[layer]) \
+                    and (not evicted or (layer, expert) not in evicted):
                 continue
-            if layer not in quota_left:  # the layer's quota less what it holds and loads, plus what the plan drops
-                dropped = sum(1 for (l, _) in evicted if l == layer) if evicted else 0
-                loading = len(plan.loads) if layer == view.layer else 0
-                quota_left[layer] = state.capacity[layer] - state.used(layer) + dropped - loading
-            full = quota_left[layer] <= 0
+            if layer == this_layer and expert in gpu:
+                continue
+            left = quota_left.get(layer)
+            if left is None:  # the layer's quota less what it holds and loads, plus what the plan drops
+                left = capacity[layer] - len(resident[layer]) - len(in_flight[layer])
+                if evicted:
+                    for pair in evicted:
+                        if pair[0] == layer:
+                            left += 1
+                if layer == this_layer:
+                    left -= len(loads)
+            full = left <= 0
             if full or (pool_left is not None and pool_left <= 0):
                 if victims is None:
                     victims = _Victims(self.cache, view, plan, wanted, evicted)
                 victim = victims.next(layer, full)
                 if victim is None:
+                    quota_left[layer] = left
                     continue
-                plan.evictions.append(victim)
+                evictions.append(victim)
                 evicted.add(victim)
-                if victim[0] in quota_left:
+                if victim[0] == layer:
+                    left += 1
+                elif victim[0] in quota_left:
                     quota_left[victim[0]] += 1
                 if pool_left is not None:
                     pool_left += 1
-            plan.prefetches.append((layer, expert))
-            quota_left[layer] -= 1
+            prefetches.append((layer, expert))
+            quota_left[layer] = left - 1
             if pool_left is not None:
                 pool_left -= 1
 
@@ -245,32 +278,52 @@ class _Victims:
     def next(self, layer: int, own_layer: bool) -> tuple[int, int] | None:
         """The next (layer, expert) to evict for a prefetch into ``layer``: from that layer when its quota
         is full (``own_layer``), else (a full model-wide pool) wherever the cache policy chooses."""
-        victim = self._from_layer(layer) if own_layer else self._from_pool(layer)
+        if own_layer:
+            # the layer's ranking, kept last-first: its next victim is popped off the end
+            ranked = self._ranked.get(layer)
+            if ranked:
+                evicted = self.evicted
+                while ranked:
+                    expert = ranked.pop()
+                    if (layer, expert) not in evicted:
+                        victim = layer, expert
+                        break
+                else:
+                    victim = self._rank(layer)
+            else:
+                victim = self._rank(layer)
+        else:
+            victim = self._from_pool(layer)
         if victim is not None and self._pairs is not None:
             self._pairs.add(victim)
         return victim
 
-    def _from_layer(self, layer: int) -> tuple[int, int] | None:
-        ranked, evicted = self._ranked.get(layer), self.evicted
-        while ranked and (layer, ranked[0]) in evicted:
-            ranked.pop(0)
+    def _rank(self, layer: int) -> tuple[int, int] | None:
+        """The first victim of a fresh ranking of ``layer``'s candidates (none once they ran out)."""
+        if layer in self._exhausted:
+            return None
+        view, evicted = self.view, self.evicted
+        wanted_here = []
+        for l, e in self.wanted:
+            if l == layer:
+                wanted_here.append(e)
+        keep = set(wanted_here)
+        keep |= view.cache.in_flight[layer]
+        if evicted:
+            for l, e in evicted:
+                if l == layer:
+                    keep.add(e)
+        if layer == view.layer:
+            keep.update(self.plan.gpu)
+        ranked = list(self.cache.victims(view, layer, len(wanted_here), keep))
+        if len(ranked) < len(wanted_here):
+            self._exhausted.add(layer)
         if not ranked:
-            if layer in self._exhausted:
-                return None
-            view = self.view
-            wanted_here = [e for l, e in self.wanted if l == layer]
-            keep = set(wanted_here)
-            keep |= view.cache.in_flight[layer]
-            if evicted:
-                keep.update(e for l, e in evicted if l == layer)
-            if layer == view.layer:
-                keep.update(self.plan.gpu)
-            ranked = self._ranked[layer] = list(self.cache.victims(view, layer, len(wanted_here), keep))
-            if len(ranked) < len(wanted_here):
-                self._exhausted.add(layer)
-            if not ranked:
-                return None
-        return layer, ranked.pop(0)
+            self._ranked[layer] = ranked
+            return None
+        ranked.reverse()
+        self._ranked[layer] = ranked
+        return layer, ranked.pop()
 
     def _from_pool(self, layer: int) -> tuple[int, int] | None:
         if self._pairs is None:
