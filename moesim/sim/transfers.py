@@ -125,8 +125,11 @@ class Transfers:
             self.pcie.tails[0] = Transfer(layer, experts[i], nbytes, 0, "load", first_seq + i, at, step, start,
                                           ends[i], -1, 0, True, 0.0, tail, writebacks[i])
         resident = self.cache.resident[layer]
-        for e in experts:
-            resident.add(e)
+        if type(resident) is set:  # one call, the same set as adding them one by one in this order
+            resident.update(experts)
+        else:  # a pooled cache's CountedSlots: each add keeps the pool's tally and journal
+            for e in experts:
+                resident.add(e)
         return dict(zip(experts, ends))
 
     def _writeback_seconds(self) -> float:
