@@ -85,7 +85,7 @@ def tiny_presets(folder: Path) -> dict[str, Path]:
 
     from moesim.model.spec import ModelSpec
     folder.mkdir(parents=True, exist_ok=True)
-    source = {"name": "dry-run shape of benchmarks/gpu_validation.py: small numbers for a fast CPU check"}
+    source = {"*": "dry-run shape of benchmarks/gpu_validation.py: small numbers for a fast CPU check"}
     mla = {"name": "tiny-mla", "num_layers": 3, "num_experts": 8, "top_k": 2, "hidden_size": 64,
            "moe_intermediate_size": 96, "num_shared_experts": 1, "shared_intermediate_size": 192,
            "num_dense_layers": 1, "dense_intermediate_size": 256, "num_attention_heads": 2, "num_kv_heads": 2,

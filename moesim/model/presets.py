@@ -2,7 +2,8 @@
 
 A preset file holds the :class:`ModelSpec` fields plus ``sources``, a mapping
 from field name (or ``"*"`` for all fields of one config file) to the document
-the number comes from.
+the number comes from. A preset of one's own (``--model my.yaml``) is held to the
+same rule: a number that no key and no ``"*"`` covers is refused, naming it.
 """
 
 from __future__ import annotations
@@ -52,10 +53,24 @@ def load_preset(name_or_path: str) -> ModelSpec:
     if not isinstance(data, dict):
         raise ConfigError("a preset must be a YAML mapping", source=str(path))
     sources = checked_sources(data.pop("sources", None), str(path))
+    check_every_number_sourced(data, sources, str(path))
     spec = ModelSpec.from_dict(data, origin=str(path))
     spec.check_total_params(str(path))
     object.__setattr__(spec, "sources", sources)
     return spec
+
+
+def check_every_number_sourced(data: dict, sources: dict[str, str], origin: str) -> None:
+    """Refuse a preset with a number no source names: every number of a preset names where it comes from,
+    by its own key or by ``"*"``."""
+    if "*" in sources:
+        return
+    unsourced = [key for key, value in data.items()
+                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in sources]
+    if unsourced:
+        raise ConfigError(f"no source for {', '.join(unsourced)}", source=origin, field="sources",
+                          fix=f"name the document each comes from (sources: {{{unsourced[0]}: \"config.json\"}}), "
+                              'or one for every field with sources: {"*": "org/model config.json"}')
 
 
 SOURCES_FIX = ('map each number to the document it comes from, e.g. sources: {"*": "org/model config.json", '
@@ -64,8 +79,7 @@ SOURCES_FIX = ('map each number to the document it comes from, e.g. sources: {"*
 
 def checked_sources(sources: object, origin: str) -> dict[str, str]:
     """The preset's ``sources``: a mapping whose keys are fields (or ``"*"``, all of them) and whose values
-    name a document. (That each number has a key is not enforced here: benchmarks/gpu_validation.py writes
-    tiny presets that source only their name.)"""
+    name a document (:func:`check_every_number_sourced` checks that each number has one)."""
     if not sources:
         raise ConfigError("preset has no sources", source=origin, field="sources",
                           fix="name the config file or paper table for every number")

@@ -267,6 +267,19 @@ def test_an_empty_source_text_is_refused(tmp_path: Path) -> None:
     assert err.value.field == "sources.*"
 
 
+def test_a_number_no_source_names_is_refused(tmp_path: Path) -> None:
+    """Every number of a preset names its source, by its own key or by "*"; a source for the name alone was
+    accepted for a preset of five numbers."""
+    path = _write_preset(tmp_path, GOOD_BODY + "sources:\n  name: made up\n  num_layers: config.json\n")
+    with pytest.raises(ConfigError) as err:
+        load_preset(path)
+    assert err.value.field == "sources" and path in str(err.value)
+    assert "no source for num_experts, top_k, hidden_size, moe_intermediate_size" in str(err.value)
+    every = "".join(f"  {key}: config.json\n" for key in ("num_experts", "top_k", "hidden_size",
+                                                           "moe_intermediate_size"))
+    assert load_preset(_write_preset(tmp_path, GOOD_BODY + "sources:\n  num_layers: config.json\n" + every)).top_k == 2
+
+
 @pytest.mark.parametrize("edit, field", [
     ("top_k: 9", "top_k"), ("top_k: 0", "top_k"), ("hidden_size: 64.5", "hidden_size"),
     ("attention: [gqa]", "attention"), ("num_kv_heads: -1", "num_kv_heads"),
