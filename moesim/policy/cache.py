@@ -230,15 +230,21 @@ def make_room(cache: CachePolicy, view: LayerView, layer: int, incoming: list[in
     """How many of the ``incoming`` experts (in admission order) fit in ``layer``, and which
     (layer, expert) pairs to evict for them (other layers' only when a model-wide pool is full)."""
     state: CacheState = view.cache
-    free = state.free(layer)
+    in_flight = state.in_flight[layer]
+    if state.pool is None:  # CacheState.free, inline: a plan with a miss asks it every layer
+        free = state.capacity[layer] - len(state.resident[layer]) - len(in_flight)
+    else:
+        free = state.free(layer)
     wanted = len(incoming)
     if wanted <= free:
         return wanted, []
-    in_flight = state.in_flight[layer]
     keep = protected | in_flight if in_flight else protected
     if state.pool is None:
         evict = cache.victims(view, layer, wanted - free, keep, incoming[free:] if free else incoming)
-        return free + len(evict), [(layer, e) for e in evict]
+        pairs = []
+        for e in evict:  # a plain loop: a comprehension is a call of its own
+            pairs.append((layer, e))
+        return free + len(evict), pairs
     # the quota of the layer binds first: room there comes from the layer itself
     own_room = state.capacity[layer] - state.used(layer)
     need_here = max(wanted - own_room, 0)

@@ -301,8 +301,8 @@ class CacheState:
         resident, in_flight = self.resident[layer], self.in_flight[layer]
         if len(resident) + len(in_flight) + len(experts) > self.capacity[layer] \
                 or (self.pool is not None and self.held() + len(experts) > self.pool) \
-                or not resident.isdisjoint(experts) or not in_flight.isdisjoint(experts) \
-                or len(set(experts)) < len(experts):
+                or not resident.isdisjoint(experts) or (in_flight and not in_flight.isdisjoint(experts)) \
+                or (len(experts) > 1 and len(set(experts)) < len(experts)):
             for expert in experts:
                 self.start_load(layer, expert)  # raises at the first expert at fault
 
