@@ -179,7 +179,11 @@ class ComposedSystem:
             for e in present:
                 if e in resident:
                     ready.append(e)
-            if len(arriving) > 1:
+            if len(arriving) == 2:  # what the stable sort below does with two, without its key calls
+                arrivals = view.arrivals
+                if arrivals.get(arriving[1], 0.0) < arrivals.get(arriving[0], 0.0):
+                    arriving.reverse()
+            elif len(arriving) > 2:
                 arrivals = view.arrivals
                 arriving.sort(key=lambda e: arrivals.get(e, 0.0))
             ready += arriving
