@@ -147,6 +147,15 @@ def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_rate_too_low_for_its_requests_is_refused_in_its_own_words(files, capsys):
+    """A positive rate refused for spanning too much simulated time was reworded "'1e-9' is not a rate"."""
+    trace, hw = files
+    code = main(["serve-sim", trace, "--hw", hw, "--qps", "1,1e-9", "--requests", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "'--qps'" in err and "step times keep their digits" in err and "not a rate" not in err
+
+
 def test_every_rate_is_checked_before_the_first_run(files, capsys, monkeypatch):
     import moesim.sim.serving
     runs = []

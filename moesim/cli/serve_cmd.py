@@ -293,6 +293,9 @@ def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[st
         except ConfigError as err:
             if err.field != "workload.qps":
                 raise
+            if _is_rate(rate):  # a rate, refused with the others (too low for the requests): its own words
+                err.rename_field(option)
+                raise
             # the bound said: '1e308' is positive and finite, yet no rate
             raise ConfigError(f"'{rate}' is not a rate in requests/s", field=option,
                               fix=f"give positive finite rates up to {SET_MAXIMUM:g}, e.g. 0.5,1,2") from err
@@ -300,6 +303,16 @@ def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[st
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
     return rates
+
+
+def _is_rate(text: str) -> bool:
+    """Whether ``text`` is a number of requests/s that --set takes: positive, finite, within its bound."""
+    from moesim.policy.base import SET_MAXIMUM
+    try:
+        value = float(text)
+    except ValueError:
+        return False
+    return 0 < value <= SET_MAXIMUM
 
 
 def _rate_option(qps: str, qps_given: bool, settings: dict[str, str]) -> str:

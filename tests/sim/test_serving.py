@@ -561,3 +561,40 @@ def test_a_workload_number_valid_only_above_zero_asks_for_that(key, raw, suggest
                                           rf"\(fix: use e.g. {suggestion}\)$"):
         split_settings({key: raw})
     assert getattr(split_settings({key: suggestion}).workload, name) == float(suggestion)
+
+
+def test_a_rate_too_low_for_float_seconds_is_refused_and_one_within_keeps_its_digits(tmp_path):
+    """At 1e-20 req/s arrivals came at ~1e20 s, where float64 seconds lost every step: TTFT and TPOT read 0.
+    A rate whose arrivals span more than LATEST_ARRIVAL_S is refused before the run; one just within it gives
+    the latencies of a run at an ordinary rate (each request alone, the server idle)."""
+    from moesim.sim.workload import LATEST_ARRIVAL_S
+    model = tiny_model(layers=1, experts=4, top_k=1)
+    path = str(write_tiny_trace(tmp_path / "t.parquet", model,
+                                request_routing(np.random.default_rng(2), model, [(3, 4)])))
+    with pytest.raises(ConfigError, match="step times keep their digits") as err:
+        serve([path], tiny_profile(), "cpu-only", {"workload.qps": "1e-20", "workload.requests": "2"})
+    assert err.value.field == "workload.qps" and "at least 2e-07 req/s" in str(err.value)
+    low = request_frame(serve([path], tiny_profile(), "cpu-only",
+                              {"workload.qps": str(4 / LATEST_ARRIVAL_S), "workload.requests": "2"}))
+    ordinary = request_frame(serve([path], tiny_profile(), "cpu-only",
+                                   {"workload.qps": "1e-3", "workload.requests": "2"}))
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert low[key].tolist() == pytest.approx(ordinary[key].tolist(), rel=1e-6), key
+
+
+@pytest.mark.parametrize("text, field, message", [
+    ("arrival_s\n0\nnan\n", "arrival_s", "row 2 has arrival_s=nan"),
+    ("arrival_s\n0\n-1\n", "arrival_s", "row 2 has arrival_s=-1"),
+    ("arrival_s\n0\n2e7\n", "arrival_s", "row 2 has arrival_s=2e+07"),
+    ("arrival_s\n1\n0.5\n", "arrival_s", "row 2's arrival_s=0.5 is earlier than row 1's 1"),
+    ("request,arrival_s\n7,0\n9,1\n", "request", "names requests (column 'request')"),
+])
+def test_an_arrival_file_is_refused_at_its_first_bad_row_or_column(tmp_path, text, field, message):
+    """A nan or negative time was told to sort the file; a time past LATEST_ARRIVAL_S gave latencies of 0;
+    a column naming requests (which serving does not read) was ignored unseen."""
+    (tmp_path / "arrivals.csv").write_text(text)
+    w = WorkloadConfig(arrival="trace", arrival_file=str(tmp_path / "arrivals.csv"), requests=2)
+    with pytest.raises(ConfigError) as err:
+        arrival_times(w, np.random.default_rng(0))
+    assert err.value.field == field and message in str(err.value)
+    assert ("sort" in str(err.value)) == ("earlier" in message)
