@@ -306,12 +306,15 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
     per-request table (:func:`request_frame`, ``ServeRun.requests``). Displays as a PNG in Jupyter."""
     from matplotlib.ticker import MaxNLocator
 
-    from moesim.analysis.plots import DisplayFigure, save_figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
     if len(frame) == 0:
         raise ConfigError("no request to draw", field="requests", fix="serve at least one request")
     rows = frame.sort_values(["arrival_s", "request"], kind="stable").reset_index(drop=True)
     y = np.arange(len(rows))
     fig = DisplayFigure(figsize=(9, min(2.0 + 0.12 * len(rows), 9.0)), layout="constrained")
+    FigureCanvasAgg(fig)  # fit_width measures the title
     ax = fig.add_subplot()
     height = 0.8 if len(rows) <= 60 else 1.0  # many rows: touching bars read as areas
     # milliseconds for a short run, seconds past 10 s (six-digit millisecond ticks read badly)
@@ -332,7 +335,8 @@ def plot_requests(frame: Any, path: str | os.PathLike | None = None, title: str 
     # below the axes: inside, a burst of arrivals (all queued from the start) put rows behind it
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
-    ax.set_title(title or f"{len(rows)} requests", loc="left", fontsize=10)
+    # the profile's parts and the arrivals ran past the right edge, cut off mid-rate
+    fit_width(fig, ax.set_title(title or f"{len(rows)} requests", loc="left", fontsize=10))
     if path is not None:
         save_figure(fig, path)
     return fig

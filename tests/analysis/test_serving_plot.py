@@ -198,3 +198,24 @@ def test_the_rate_axis_is_logarithmic_only_across_a_decade(rates, scale):
         assert fig.axes[0].get_xlabel() == "arrival rate (requests/s)" + (", log scale" if scale == "log" else "")
     finally:
         plt.close(fig)
+
+
+def test_a_long_request_title_is_wrapped_inside_the_figure():
+    """serve-sim's title (system, the profile's GPU and CPU, the requests and their rate) ran past the right
+    edge of the request figure, cut off mid-rate ("at 0.5" with no unit)."""
+    import pandas as pd
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    frame = pd.DataFrame({"request": [0, 1], "arrival_s": [0.0, 1.0], "scheduled_s": [0.0, 1.0],
+                          "first_token_s": [0.2, 1.2], "finish_s": [0.6, 1.6], "preemptions": [0, 0]})
+    title = ("static-hot on a100-40g (NVIDIA A100 40GB + 2x Intel Xeon Platinum 8452Y, 72 cores, 440 GB/s DRAM): "
+             "20 requests at 0.5 req/s")
+    fig = plot_requests(frame, title=title)
+    try:
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        text = fig.axes[0].title if fig.axes[0].get_title() else fig.axes[0]._left_title
+        assert " ".join(text.get_text().split("\n")) == title
+        box = text.get_window_extent(canvas.get_renderer())
+        assert box.x1 <= fig.bbox.x1
+    finally:
+        plt.close(fig)
