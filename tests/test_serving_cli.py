@@ -156,6 +156,24 @@ def test_a_rate_too_low_for_its_requests_is_refused_in_its_own_words(files, caps
     assert "'--qps'" in err and "step times keep their digits" in err and "not a rate" not in err
 
 
+@pytest.mark.parametrize("option, name", [("--requests-out", "arrivals.parquet"), ("--json", "arrivals.json")])
+def test_serve_sim_never_writes_over_its_arrival_file(files, tmp_path, capsys, option, name):
+    """--requests-out onto workload.arrival_file replaced the arrival times with the request table."""
+    trace, hw = files
+    arrivals = tmp_path / name
+    if name.endswith(".parquet"):
+        pd.DataFrame({"arrival_s": [0.0, 1.0]}).to_parquet(arrivals)
+    else:
+        arrivals.write_text("arrival_s\n0\n1\n")
+    before = arrivals.read_bytes()
+    code = main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--set", "workload.arrival=trace",
+                 "--set", f"workload.arrival_file={arrivals}", option, str(arrivals)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "would overwrite an input (--set workload.arrival_file" in err
+    assert arrivals.read_bytes() == before
+
+
 def test_every_rate_is_checked_before_the_first_run(files, capsys, monkeypatch):
     import moesim.sim.serving
     runs = []

@@ -61,13 +61,13 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
                                          serving_metrics, write_requests)
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))],
+    parsed = parse_settings(settings)
+    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))] + _setting_files(parsed),
                   {"requests_out": PARQUET, "requests_plot": FIGURE, "plot": FIGURE}, json=json_out,
                   requests_out=requests_out, requests_plot=requests_plot, plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
     for trace_file in traces:
         checked_meta(trace_file, ())
-    parsed = parse_settings(settings)
     for option, key, value in (("--requests", "workload.requests", requests), ("--scheduler", "scheduler", scheduler)):
         _given_once(parsed, key, option, value)
     slos = parse_slo(slo)
@@ -142,6 +142,13 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path, hw=hw_title(hw, parsed))
         say_wrote(out, f"wrote {plot_out}")
+
+
+def _setting_files(settings: dict[str, str]) -> list[tuple[str, str]]:
+    """The files --set values name (workload.arrival_file, a calibration trace): inputs an output must not
+    overwrite (--requests-out onto the arrival file replaced it with the request table)."""
+    import os
+    return [(f"--set {key}", value) for key, value in settings.items() if os.path.isfile(value)]
 
 
 def serving_metric_docs() -> dict[str, MetricDoc]:
