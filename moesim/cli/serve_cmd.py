@@ -294,9 +294,13 @@ def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[st
     rates = [r.strip() for r in qps.split(",")]
     if not all(rates):
         raise ConfigError(f"an empty rate in '{qps}'", field=option, fix="give rates in requests/s, e.g. 0.5,1,2")
+    from moesim.sim.serving import check_rate
+    from moesim.util import host_bytes_available
     for rate in rates:
         try:
-            arrival = split_settings({**settings, "workload.qps": rate}).workload.arrival
+            workload = split_settings({**settings, "workload.qps": rate}).workload
+            check_rate(workload, host_bytes_available())
+            arrival = workload.arrival
         except ConfigError as err:
             if err.field != "workload.qps":
                 raise

@@ -28,7 +28,7 @@ from moesim.policy.scheduler import Batch, Request, Scheduler, build_scheduler
 from moesim.sim.engine import Simulator
 from moesim.sim.memory import MemoryPlan
 from moesim.sim.result import SimResult, StepRecord
-from moesim.sim.workload import WorkloadConfig, arrival_times, split_settings
+from moesim.sim.workload import WorkloadConfig, arrival_times, check_horizon, split_settings
 from moesim.trace.io import Step, read_meta, read_table, trace_columns
 from moesim.trace.schema import PHASES, PREDICTOR_COLUMNS, score_rows
 from moesim.util import host_bytes_available, listed
@@ -210,6 +210,15 @@ def serving_bytes(pool: list[TraceRequest], requests: int) -> int:
         return sum(t.output + (1 if t.prompt else 0) for t in part)
     rounds, rest = divmod(requests, len(pool))
     return requests * REQUEST_BYTES + (rounds * entries(pool) + entries(pool[:rest])) * ENTRY_BYTES
+
+
+def check_rate(workload: WorkloadConfig, available: int | None) -> None:
+    """Refuse, before any run, a rate too low for its requests to arrive within float64's digits
+    (:func:`check_horizon`), unless their records alone exceed host memory: :func:`check_host_memory`
+    then says so when the run starts, the more useful line for a count such as 10**12."""
+    if available is not None and workload.requests * REQUEST_BYTES > available:
+        return
+    check_horizon(workload)
 
 
 def check_host_memory(pool: list[TraceRequest], requests: int, available: int | None) -> None:
@@ -463,6 +472,7 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
         checked_meta(trace, sim.system.needed_columns())
     pool = RequestPool(list(traces), sim.system.needed_columns())
     check_host_memory(pool.requests, parsed.workload.requests, host_bytes_available())
+    check_horizon(parsed.workload)
     kv = kv_budget_tokens(sim.memory, sim.model.kv_bytes_per_token(), sim.system.ignores_memory)
     if parsed.workload.kv_tokens:
         if kv is not None and parsed.workload.kv_tokens > kv:

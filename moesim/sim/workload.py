@@ -129,11 +129,6 @@ def _check_workload(w: WorkloadConfig) -> None:
         raise ConfigError("at least one request is needed", field="workload.requests", fix="use >= 1")
     if w.arrival in RATED_ARRIVALS and not w.qps > 0:
         raise ConfigError(f"qps must be positive, got {w.qps}", field="workload.qps", fix="use e.g. 0.5")
-    if w.arrival in RATED_ARRIVALS and w.requests / w.qps > LATEST_ARRIVAL_S:
-        raise ConfigError(f"{w.requests:,} requests at {w.qps:g} req/s arrive over about {w.requests / w.qps:.3g} s "
-                          f"of simulated time, past the {LATEST_ARRIVAL_S:.0e} s within which step times keep "
-                          "their digits", field="workload.qps",
-                          fix=f"use a rate of at least {w.requests / LATEST_ARRIVAL_S:.3g} req/s, or fewer requests")
     if w.arrival == "gamma" and not w.cv > 0:
         raise ConfigError(f"cv must be positive, got {w.cv}", field="workload.cv", fix="use e.g. 2")
     if w.arrival == "closed" and w.concurrency < 1:
@@ -143,6 +138,15 @@ def _check_workload(w: WorkloadConfig) -> None:
                           fix="give a CSV or Parquet with an arrival_s column")
     if w.kv_tokens < 0:
         raise ConfigError("kv_tokens must be >= 0", field="workload.kv_tokens", fix="use 0 for all free memory")
+
+
+def check_horizon(w: WorkloadConfig) -> None:
+    """Refuse a rate whose requests would arrive over more than LATEST_ARRIVAL_S of simulated time."""
+    if w.arrival in RATED_ARRIVALS and w.requests / w.qps > LATEST_ARRIVAL_S:
+        raise ConfigError(f"{w.requests:,} requests at {w.qps:g} req/s arrive over about {w.requests / w.qps:.3g} s "
+                          f"of simulated time, past the {LATEST_ARRIVAL_S:.0e} s within which step times keep "
+                          "their digits", field="workload.qps",
+                          fix=f"use a rate of at least {w.requests / LATEST_ARRIVAL_S:.3g} req/s, or fewer requests")
 
 
 # ----------------------------------------------------------------------------- arrival times
