@@ -139,6 +139,7 @@ def test_serve_sim_prints_the_runs_notes_and_names_identical_rows(files, tmp_pat
     (["--qps", "1,,2"], "empty rate"),
     (["--qps", ""], "empty rate"),
     (["--qps", "1,2", "--set", "workload.arrival=closed"], "would run alike"),
+    (["--qps", "1,2,1.0"], "the rate 1.0 is given twice"),  # ran twice, its rows "identical" to each other
 ])
 def test_bad_input_is_one_line_and_exit_2(files, capsys, args, words):
     trace, hw = files

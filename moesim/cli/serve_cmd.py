@@ -313,6 +313,13 @@ def _rates(qps: str, settings: dict[str, str], option: str = "--qps") -> list[st
     if len(rates) > 1 and arrival not in RATED_ARRIVALS:  # every run would be the same
         raise ConfigError(f"workload.arrival={arrival} sets no rate, so {len(rates)} rates would run alike",
                           field="--qps", fix="give one --qps, or rates with workload.arrival=poisson or gamma")
+    seen: dict[float, str] = {}
+    for rate in rates:  # one rate twice ran twice, and its two rows were called two systems alike
+        if float(rate) in seen:
+            spelt = f" (as {seen[float(rate)]} and {rate})" if seen[float(rate)] != rate else ""
+            raise ConfigError(f"the rate {rate} is given twice in '{qps}'{spelt}", field=option,
+                              fix="give each rate once")
+        seen[float(rate)] = rate
     return rates
 
 
