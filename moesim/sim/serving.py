@@ -182,13 +182,36 @@ def kv_budget_tokens(memory: MemoryPlan, kv_bytes_per_token: int, ignores_memory
     """
     if ignores_memory:
         return None
-    slots = sum(memory.capacity)
-    pool = getattr(memory, "pool", None)  # a model-wide pool of slots holds fewer than its layers' quotas add up to
-    if pool is not None:
-        slots = min(slots, pool)
+    slots = slots_in_use(memory)
     left = (memory.gpu_bytes - memory.reserved_bytes - memory.non_expert_bytes - memory.workspace_bytes
             - memory.staging_bytes - slots * memory.expert_bytes)
     return max(left, 0) // kv_bytes_per_token
+
+
+def slots_in_use(memory: MemoryPlan) -> int:
+    """Expert slots the GPU holds: the layers' quotas, or a model-wide pool, which holds fewer."""
+    slots = sum(memory.capacity)
+    pool = getattr(memory, "pool", None)
+    return slots if pool is None else min(slots, pool)
+
+
+def check_kv_left(need: int, longest: int, kv: int, memory: MemoryPlan, kv_bytes_per_token: int) -> None:
+    """Refuse a request longer than the KV the expert cache leaves, saying how many slots to give up: the
+    scheduler's own line told to set workload.kv_tokens=0, which was already the case."""
+    if need <= kv:
+        return
+    slots = slots_in_use(memory)
+    per_slot = memory.expert_bytes // kv_bytes_per_token
+    fewer = -(-(need - kv) // per_slot) if per_slot else slots + 1
+    what = (f"a request of {longest} tokens needs KV for {need} (whole blocks and the watermark included); the "
+            f"GPU memory {slots:,} expert slots leave holds {kv:,}")
+    if fewer > slots - memory.reserved_slots:
+        raise ConfigError(what + ", and giving up every slot would not make room", field="workload.requests",
+                          fix="serve shorter requests, or on a GPU with more memory (--hw)")
+    cache = slots - memory.reserved_slots - fewer  # cache.slots counts the cache, not a prefetch buffer beside it
+    raise ConfigError(what, field="cache.slots",
+                      fix=f"give up {fewer:,} slot{'s' if fewer > 1 else ''} ({per_slot:,} KV entries each): "
+                          f"--set cache.slots={cache} or fewer; or serve shorter requests")
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -488,6 +511,8 @@ def serve(traces: list[str], hw: Any, system: str, settings: dict[str, str] | No
         raise ConfigError(f"a request of {longest} tokens needs more KV cache than workload.kv_tokens="
                           f"{parsed.workload.kv_tokens}{scheduler.in_blocks()}", field="workload.kv_tokens",
                           fix=f"use workload.kv_tokens={need} or more, or 0 for all the GPU's free memory")
+    if kv is not None and not parsed.workload.kv_tokens:
+        check_kv_left(need, longest, kv, sim.memory, sim.model.kv_bytes_per_token())
     for request in served:
         scheduler.check(request)
     result = ServingRun(sim, pool, scheduler, parsed.workload, seed=seed, progress=progress).run()

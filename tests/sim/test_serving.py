@@ -598,3 +598,22 @@ def test_an_arrival_file_is_refused_at_its_first_bad_row_or_column(tmp_path, tex
         arrival_times(w, np.random.default_rng(0))
     assert err.value.field == field and message in str(err.value)
     assert ("sort" in str(err.value)) == ("earlier" in message)
+
+
+def test_a_request_longer_than_the_kv_the_cache_leaves_is_told_how_many_slots_to_give_up(tmp_path):
+    """The expert cache is sized for the first trace's KV; a longer request of a second trace was refused with
+    'use fewer expert slots, workload.kv_tokens=0' (the setting already in force) and no count of slots. The
+    line now names cache.slots and a count that, set, runs."""
+    from moesim.cli import main
+    short, long = tmp_path / "short.parquet", tmp_path / "long.parquet"
+    for path, prompt in ((short, "10"), (long, "1500")):
+        assert main(["trace", "synth", "--model", "mixtral-8x7b", "--prompt-lens", prompt, "--decode-lens", "2",
+                     "--out", str(path)]) == 0
+    traces = [str(short), str(long)]
+    with pytest.raises(ConfigError) as err:
+        serve(traces, "rtx4090", "gpu-only-lru", {"workload.requests": "2"})
+    assert err.value.field == "cache.slots" and "workload.kv_tokens=0" not in str(err.value)
+    assert "the GPU memory 60 expert slots leave holds 1,355" in str(err.value)
+    assert "--set cache.slots=59 or fewer" in str(err.value)
+    frame = request_frame(serve(traces, "rtx4090", "gpu-only-lru", {"workload.requests": "2", "cache.slots": "59"}))
+    assert frame.prompt_tokens.tolist() == [10, 1500] and frame.finish_s.notna().all()
