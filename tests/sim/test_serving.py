@@ -617,3 +617,13 @@ def test_a_request_longer_than_the_kv_the_cache_leaves_is_told_how_many_slots_to
     assert "--set cache.slots=59 or fewer" in str(err.value)
     frame = request_frame(serve(traces, "rtx4090", "gpu-only-lru", {"workload.requests": "2", "cache.slots": "59"}))
     assert frame.prompt_tokens.tolist() == [10, 1500] and frame.finish_s.notna().all()
+
+
+def test_a_bursty_draw_past_the_latest_arrival_is_refused():
+    """A gamma draw can end past LATEST_ARRIVAL_S when its mean does not (seed 1: 1.2e7 s for a mean of
+    8.3e6 s); its latencies would have lost their digits."""
+    w = WorkloadConfig(arrival="gamma", qps=6e-7, cv=3.0, requests=5)
+    with pytest.raises(ConfigError, match="comes at 1.2e[+]07 s of simulated time") as err:
+        arrival_times(w, np.random.default_rng(1))
+    assert err.value.field == "workload.qps"
+    assert arrival_times(w, np.random.default_rng(0))[-1] <= 1e7
