@@ -185,9 +185,11 @@ def _arrival_file(w: WorkloadConfig) -> np.ndarray:
                           source=str(path), field=named[0],
                           fix="drop the column: request i is the traces' request i (mod their count); to serve "
                               "chosen requests, give a trace of those (moesim trace synth, or a filtered trace)")
-    if "arrival_s" not in frame:
-        raise ConfigError("no arrival_s column", source=str(path), field="arrival_s",
-                          fix="add a column arrival_s (seconds)")
+    if "arrival_s" not in frame:  # the columns it has: ' arrival_s ' or 'arrival_s;x' look like it but are not
+        found = ", ".join(repr(str(c)) for c in list(frame.columns)[:8]) or "none"
+        raise ConfigError(f"no arrival_s column (its columns: {found})", source=str(path), field="arrival_s",
+                          fix="name the column of arrival times, in seconds, exactly arrival_s in a comma-separated "
+                              "CSV or a Parquet file")
     try:
         times = frame["arrival_s"].to_numpy(dtype=float)
     except (TypeError, ValueError):  # a word among the numbers: the user's file, not an internal error

@@ -588,6 +588,8 @@ def test_a_rate_too_low_for_float_seconds_is_refused_and_one_within_keeps_its_di
     ("arrival_s\n0\n2e7\n", "arrival_s", "row 2 has arrival_s=2e+07"),
     ("arrival_s\n1\n0.5\n", "arrival_s", "row 2's arrival_s=0.5 is earlier than row 1's 1"),
     ("request,arrival_s\n7,0\n9,1\n", "request", "names requests (column 'request')"),
+    (" arrival_s \n0\n1\n", "arrival_s", "no arrival_s column (its columns: ' arrival_s ')"),
+    ("arrival_s;x\n0;1\n1;2\n", "arrival_s", "no arrival_s column (its columns: 'arrival_s;x')"),
 ])
 def test_an_arrival_file_is_refused_at_its_first_bad_row_or_column(tmp_path, text, field, message):
     """A nan or negative time was told to sort the file; a time past LATEST_ARRIVAL_S gave latencies of 0;
