@@ -64,6 +64,9 @@ def no_option(text: str) -> bool:
     (lambda t, hw: moesim.sweep({"traces": [t], "hw": [hw], "systems": ["cpu-only"], "set": {"seed": 1}}),
      "seeds are not a parameter"),
     (lambda t, hw: moesim.sweep({"traces": [t], "hw": [hw], "systems": ["nosuch"]}), "import my_policies"),
+    # an unknown parameter: where to list a system's parameters
+    (lambda t, hw: moesim.replay(t, hw=hw, system="smoe", nonsense__x=1),
+     "cache.slots_per_layer (moesim.systems('smoe') lists them all)"),
     # a slot list's fix, written by the engine's settings parser
     (lambda t, hw: moesim.replay(t, hw=hw, settings={"cache.slots_per_layer": "2,,1"}),
      "settings={'cache.slots_per_layer': 2} or settings={'cache.slots_per_layer': [2,1,2,...]}"),

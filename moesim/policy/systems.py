@@ -594,7 +594,7 @@ def _refuse_unknown(name: str, key: str, chosen: dict[str, str], parts: dict[str
     guess = did_you_mean(key, [*keys, *ROLES, "cache.slots", "cache.slots_per_layer"])
     raise ConfigError(f"unknown parameter '{key}' for system '{name}'", field="--set",
                       fix=f"{guess}valid: {', '.join(valid)}, engine.*, memory.*, hw.*, cache.slots, "
-                          "cache.slots_per_layer (`moesim systems` lists them all)")
+                          f"cache.slots_per_layer (`moesim systems {name}` lists them all)")
 
 
 #: closed ranges of parameters beyond the general rule (finite, not negative): (role, component, parameter)
