@@ -23,6 +23,9 @@ from moesim.errors import ConfigError, did_you_mean
 from moesim.policy.base import coerce
 
 ARRIVALS = ("poisson", "gamma", "trace", "closed")
+#: below this coefficient of variation gamma gaps are drawn as exactly 1/qps: their spread is under 1e-8 of a gap,
+#: and the gamma's shape 1/cv^2 overflows far below it
+REGULAR_CV = 1e-8
 #: columns of an arrival file that would choose which requests arrive, which serving does not read
 REQUEST_NAMING = ("request", "request_id", "source_request")
 #: the latest arrival a run takes, in seconds of simulated time. The engine keeps absolute times in float64:
@@ -155,6 +158,8 @@ def arrival_times(w: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
     if w.arrival == "poisson":
         return _within_horizon(np.cumsum(rng.exponential(1.0 / w.qps, w.requests)), w)
     if w.arrival == "gamma":
+        if w.cv < REGULAR_CV:  # 1/cv^2 overflowed (cv=1e-200: division by zero; 1e-154: every gap 0)
+            return _within_horizon(np.arange(1, w.requests + 1) / w.qps, w)
         shape = 1.0 / (w.cv * w.cv)
         return _within_horizon(np.cumsum(rng.gamma(shape, 1.0 / (w.qps * shape), w.requests)), w)
     return _arrival_file(w)

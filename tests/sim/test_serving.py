@@ -629,3 +629,11 @@ def test_a_bursty_draw_past_the_latest_arrival_is_refused():
         arrival_times(w, np.random.default_rng(1))
     assert err.value.field == "workload.qps"
     assert arrival_times(w, np.random.default_rng(0))[-1] <= 1e7
+
+
+@pytest.mark.parametrize("cv", [1e-9, 1e-154, 1e-160, 1e-200])
+def test_gamma_arrivals_of_a_vanishing_cv_are_regular(cv):
+    """cv=1e-200 squared to 0 and stopped the run with a ZeroDivisionError; cv=1e-154 drew every gap as 0 and
+    1e-160 as nan. Such a gamma process is regular: one arrival every 1/qps."""
+    times = arrival_times(WorkloadConfig(arrival="gamma", qps=2.0, cv=cv, requests=4), np.random.default_rng(0))
+    assert times.tolist() == pytest.approx([0.5, 1.0, 1.5, 2.0], rel=1e-7)
