@@ -372,6 +372,13 @@ def print_skipped(out: Console, skipped: dict[str, str], systems: int) -> None:
                   "each under its name with its reason as 'skipped')", highlight=False, markup=True)
 
 
+def setting_files(settings: dict[str, str]) -> list[tuple[str, str]]:
+    """The files ``--set`` values name (``workload.arrival_file``, a calibration trace such as
+    ``cache.calibration``), as ``check_outputs`` inputs: an output given the same path would replace a file
+    the run reads."""
+    return [(f"--set {key}", value) for key, value in settings.items() if os.path.isfile(value)]
+
+
 def parse_settings(settings: tuple[str, ...], example: str = "cache.slots_per_layer=4") -> dict[str, str]:
     """``--set KEY=VALUE`` options as a dict; ``example``: a setting the command takes, for the fix."""
     out: dict[str, str] = {}

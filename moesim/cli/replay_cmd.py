@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM  # one default for the API and the CLI
 from moesim.cli.app import (HW_PROFILE, InputPath, PipeConsole, check_outputs, cli, console, err_console, hw_parts,
-                            hw_title, open_output, parse_settings, hw_help, preset_help, print_skipped, print_title,
+                            hw_title, open_output, parse_settings, setting_files, hw_help, preset_help, print_skipped, print_title,
                             say_wrote, to_stdout, write_json)
 from moesim.analysis.params import system_record, system_records, system_rows
 from moesim.errors import MoesimError
@@ -106,11 +106,11 @@ def _replay(trace_file: str | None, hw: str, systems: list[str], everything: boo
         raise MoesimError("no trace given", field="TRACE",
                           fix="e.g. moesim replay traces/mixtral-8x7b-humaneval.parquet --system all")
     from moesim.trace.validate import checked_meta
-    check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))],
+    parsed = parse_settings(settings)
+    check_outputs([("TRACE", trace_file), ("--hw", str(profile_path(hw)))] + setting_files(parsed),
                   {"timeline": PARQUET, "decisions": PARQUET, "plot": FIGURE}, json=json_out,
                   timeline=timeline_out, chrome_trace=chrome_out, plot=plot_out, decisions=decisions_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
-    parsed = parse_settings(settings)
     checked_meta(trace_file, ())  # required columns now; each system's own columns when it is set up
     steps = _parse_window(window)
     if steps and not (plot_out or chrome_out):

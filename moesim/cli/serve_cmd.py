@@ -9,7 +9,7 @@ import click
 
 from moesim.api import DEFAULT_HW, DEFAULT_SYSTEM
 from moesim.cli.app import (HW_PROFILE, InputPath, check_outputs, cli, console, err_console, hw_title, open_output,
-                            parse_settings, hw_help, print_skipped, print_title, say_wrote, to_stdout,
+                            parse_settings, setting_files, hw_help, print_skipped, print_title, say_wrote, to_stdout,
                             write_json)
 from moesim.cli.replay_cmd import print_metric_docs, system_choice
 from moesim.errors import MoesimError
@@ -62,7 +62,7 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
     from moesim.sim.serving import serve
     from moesim.trace.validate import checked_meta
     parsed = parse_settings(settings)
-    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))] + _setting_files(parsed),
+    check_outputs([("TRACE", t) for t in traces] + [("--hw", str(profile_path(hw)))] + setting_files(parsed),
                   {"requests_out": PARQUET, "requests_plot": FIGURE, "plot": FIGURE}, json=json_out,
                   requests_out=requests_out, requests_plot=requests_plot, plot=plot_out)
     out = err_console if to_stdout(json_out) else console  # stdout holds the JSON only
@@ -142,13 +142,6 @@ def serve_sim(ctx: click.Context, traces: tuple[str, ...], hw: str, system: tupl
         with open_output(plot_out, "--plot", FIGURE) as path:
             plot_latency_vs_qps(rows, path, hw=hw_title(hw, parsed))
         say_wrote(out, f"wrote {plot_out}")
-
-
-def _setting_files(settings: dict[str, str]) -> list[tuple[str, str]]:
-    """The files --set values name (workload.arrival_file, a calibration trace): inputs an output must not
-    overwrite (--requests-out onto the arrival file replaced it with the request table)."""
-    import os
-    return [(f"--set {key}", value) for key, value in settings.items() if os.path.isfile(value)]
 
 
 def serving_metric_docs() -> dict[str, MetricDoc]:

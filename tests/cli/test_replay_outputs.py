@@ -144,6 +144,21 @@ def test_an_output_never_replaces_an_input_or_another_output(files, tmp_path, ca
     assert not (tmp_path / "m.json").exists() and not Path("-").exists()
 
 
+@pytest.mark.parametrize("option", ["--json", "--decisions"])
+def test_an_output_never_replaces_a_file_a_setting_names(files, tmp_path, capsys, option):
+    """moe-infinity's calibration trace (prefetch.calibration=PATH) was written over by an output given its
+    path: only the trace and the profile counted as inputs."""
+    import shutil
+    trace, hw = files
+    calibration = tmp_path / "calibration.parquet"
+    shutil.copy(trace, calibration)
+    before = calibration.read_bytes()
+    code, _, err = run(["replay", trace, "--hw", hw, "--system", "moe-infinity",
+                        "--set", f"prefetch.calibration={calibration}", option, str(calibration)], capsys)
+    assert code == 2 and "would overwrite an input (--set prefetch.calibration" in err, err
+    assert calibration.read_bytes() == before
+
+
 def test_special_files_take_several_outputs(files, capsys):
     trace, hw = files
     code, _, _ = run(["replay", trace, "--hw", hw, "--system", "gpu-only-lru", "--json", "/dev/null",
