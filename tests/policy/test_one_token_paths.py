@@ -78,7 +78,7 @@ def test_hybrid_schedule_of_one_token_is_the_paired_schedule(order, k, resident,
 @given(st.lists(st.integers(0, 30), min_size=0, max_size=10, unique=True), st.floats(1e-4, 1e-2),
        st.floats(1e-4, 1e-2), st.floats(0.0, 1e-2))
 def test_pointer_rounds_are_two_pointer_of_one_token_count(experts, t_load, t_cpu, head):
-    assert pointer_rounds(sorted(experts), t_load, t_cpu, head) == \
+    assert pointer_rounds(sorted(experts), t_load, [t_cpu] * len(experts), head) == \
         two_pointer({e: 1 for e in experts}, t_load, lambda n: t_cpu * n, head)
 
 

@@ -421,25 +421,14 @@ def two_pointer(counts: dict[int, int], t_load: float, cpu_time, load_head_start
                 ) -> tuple[list[int], list[int]]:
     """Alg. 2 of 004: (experts to load, experts for the CPU); ``cpu_time(tokens)`` gives B_i * t_cpu."""
     order = sorted(sorted(counts), key=counts.__getitem__, reverse=True)  # tokens descending, then id (stable)
-    load, cpu = [], []
-    c_load, c_cpu = load_head_start, 0.0
-    left, right = 0, len(order) - 1
-    while left <= right:
-        if c_load <= c_cpu:
-            c_load += t_load
-            load.append(order[left])
-            left += 1
-        else:
-            c_cpu += cpu_time(counts[order[right]])
-            cpu.append(order[right])
-            right -= 1
-    return load, cpu
+    return pointer_rounds(order, t_load, [cpu_time(counts[e]) for e in order], load_head_start)
 
 
-def pointer_rounds(order: list[int], t_load: float, t_cpu: float, load_head_start: float = 0.0
+def pointer_rounds(order: list[int], t_load: float, cpu_times: list[float], load_head_start: float = 0.0
                    ) -> tuple[list[int], list[int]]:
-    """:func:`two_pointer` over experts of one token count, ``order`` their ids ascending and ``t_cpu`` the
-    CPU time of each: the same rounds and sums."""
+    """Alg. 2's rounds over experts in ``order`` (most tokens first), ``cpu_times`` each one's CPU time: the
+    link takes the next from the head while it is ahead of the CPU, else the CPU takes the next from the
+    tail."""
     load, cpu = [], []
     c_load, c_cpu = load_head_start, 0.0
     left, right = 0, len(order) - 1
@@ -449,7 +438,7 @@ def pointer_rounds(order: list[int], t_load: float, t_cpu: float, load_head_star
             load.append(order[left])
             left += 1
         else:
-            c_cpu += t_cpu
+            c_cpu += cpu_times[right]
             cpu.append(order[right])
             right -= 1
     return load, cpu
@@ -496,7 +485,8 @@ class TwoPointerBalancer(Assignment):
         cpu_times = self._cpu_times = PerTokens.of(self._cpu_times, view.costs, _cpu_expert)
         if counts[0] == counts[-1]:  # one token count (every decode layer of one request): ids ascending
             rest = sorted(e for e in active if e not in on_gpu)
-            load, cpu = pointer_rounds(rest, view.costs.expert_load, cpu_times[counts[0]], max(pending, 0.0))
+            load, cpu = pointer_rounds(rest, view.costs.expert_load, [cpu_times[counts[0]]] * len(rest),
+                                       max(pending, 0.0))
         else:
             rest = {e: n for e, n in zip(active, counts) if e not in on_gpu}
             load, cpu = two_pointer(rest, view.costs.expert_load, cpu_times.__getitem__, max(pending, 0.0))
