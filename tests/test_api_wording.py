@@ -67,9 +67,9 @@ def no_option(text: str) -> bool:
     # an unknown parameter: where to list a system's parameters
     (lambda t, hw: moesim.replay(t, hw=hw, system="smoe", nonsense__x=1),
      "cache.slots_per_layer (moesim.systems('smoe') lists them all)"),
-    # a slot list's fix, written by the engine's settings parser
+    # a slot list's fix, written by the engine's settings parser: the value alone, right in every front end
     (lambda t, hw: moesim.replay(t, hw=hw, settings={"cache.slots_per_layer": "2,,1"}),
-     "settings={'cache.slots_per_layer': 2} or settings={'cache.slots_per_layer': [2,1,2,...]}"),
+     "fix: write one whole number for every layer or a list of one per layer, e.g. 2 or [2,1,2,...]"),
 ])
 def test_api_errors_give_their_fix_as_python_arguments(files, call, words):
     trace, hw = files
@@ -85,7 +85,8 @@ def test_the_command_line_keeps_its_options(files, capsys):
     assert main(["replay", trace, "--hw", hw, "--system", "nosuch"]) == 2
     assert "moesim --import my_policies.py ..." in capsys.readouterr().err
     assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2,,1"]) == 2
-    assert "fix: write e.g. --set cache.slots_per_layer=2 or" in capsys.readouterr().err
+    assert "fix: write one whole number for every layer or a list of one per layer, e.g. 2 or [2,1,2,...]" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("call, meant", [

@@ -61,7 +61,7 @@ def _set_field(obj: Any, section: str, key: str, raw: str) -> None:
 def parse_slot_list(raw: Any, key: str) -> list[int]:
     """``2``, ``[2,1,2]`` or ``2,1,2`` as a list of ints (one number applies to every layer)."""
     bad = ConfigError(f"'{raw}' is not a valid int or a list of ints", field=key,
-                      fix="write e.g. --set cache.slots_per_layer=2 or --set cache.slots_per_layer=[2,1,2,...]")
+                      fix="write one whole number for every layer or a list of one per layer, e.g. 2 or [2,1,2,...]")
     if isinstance(raw, (list, tuple)):
         items = list(raw)
     else:

@@ -198,9 +198,9 @@ def test_cli_spec_errors_exit_2_with_one_line(files, capsys, spec, words):
     ({"set": {"hw.pcie.bandwidth_scale": "fast"}}, "field 'set.hw.pcie.bandwidth_scale'", "write a number"),
     # a value of the wrong type: named where the spec gives it too (it said field 'cache.slots_per_layer')
     ({"grid": {"cache.slots_per_layer": [1, "two"]}}, "field 'grid.cache.slots_per_layer': 'two' is not",
-     "write e.g. cache.slots_per_layer=2"),
+     "write one whole number for every layer or a list of one per layer, e.g. 2 or [2,1,2,...]"),
     ({"zip": [{"cache.slots_per_layer": [1, 2.5], "engine.staging_slots": [1, 2]}]},
-     "field 'zip[0].cache.slots_per_layer': '2.5' is not", "write e.g."),
+     "field 'zip[0].cache.slots_per_layer': '2.5' is not", "e.g. 2 or [2,1,2,...]"),
 ])
 def test_an_unknown_parameter_is_named_where_the_spec_gives_it(files, capsys, sections, field, fix):
     path = files / "spec.yaml"
