@@ -51,8 +51,6 @@ from moesim.sim.transfers import Transfers
 from moesim.trace.io import OneRowLayers, Step, iter_steps
 from moesim.trace.schema import PHASES
 
-_new_view = object.__new__
-
 
 #: steps a prefetch may wait in the copy queue before the run's end without a note that the queue fell behind
 BACKLOG_STEPS = 2
@@ -348,27 +346,10 @@ class Simulator(Transfers, Tracks):
         one_row = self._rows
         if one_row is not None:  # a decode step of one sequence: its layers' rows were split at its start
             i = rows.start  # the validated trace row has distinct experts: one token each
-            # layer_view(...), inline: every decode layer makes one
-            view = _new_view(LayerView)
-            view.step = step.step
-            view.layer = layer
-            view.phase = phase
-            view.experts = one_row.experts[i]
-            view.active = one_row.active[i]
-            view.counts = one_row.ones
-            view.cache = self.cache
-            view.costs = self.costs
-            view.weights = one_row.weights[i]
-            view.scores = one_row.scores[i]
-            view.predictors = one_row.predictors[i] if one_row.predictors else self._empty
-            view.now = now
-            view.arrivals = arrivals
-            view.expert_launch_s = self.expert_launch_s
-            view.shared_launch_s = self.shared_launch_s
-            view.requests = one_row.request[i]
-            view.context = self._context
-            view._rewritten = None
-            return view
+            predictors = one_row.predictors[i] if one_row.predictors else self._empty
+            return layer_view(step.step, layer, phase, one_row.experts[i], one_row.active[i], one_row.ones,
+                              self.cache, self.costs, one_row.weights[i], one_row.scores[i], predictors, now,
+                              arrivals, self.expert_launch_s, self.shared_launch_s, one_row.request[i], self._context)
         predictors = {k: v[rows] for k, v in step.predictors.items()} if step.predictors else self._empty
         experts = step.experts[rows]
         if rows.stop - rows.start == 1:  # one token: the validated trace row has distinct experts

@@ -15,8 +15,6 @@ from moesim.policy.base import LayerPlan
 from moesim.policy.state import CacheState
 from moesim.sim.bookkeeping import Counters
 from moesim.sim.copies import CopyEngines, Transfer, new_transfer
-
-_new_transfer = object.__new__
 from moesim.sim.dram import Ledger
 
 #: the transfers that make an expert resident when they end (not stage, chunk or write-back)
@@ -177,26 +175,7 @@ class Transfers:
                 cache.start_load(lay, e)  # the pool's checks, or the refusal that names the fault
             else:  # CacheState.start_load, inline: its checks pass
                 flying.add(e)
-            # new_transfer(lay, e, nbytes, 1, "prefetch", seq, at, s), inline: a prefetching system makes one
-            # or more every layer
-            pending[lay][e] = transfer = _new_transfer(Transfer)
-            transfer.layer = lay
-            transfer.expert = e
-            transfer.nbytes = nbytes
-            transfer.priority = 1
-            transfer.kind = "prefetch"
-            transfer.seq = seq
-            transfer.issued = at
-            transfer.step = s
-            transfer.start = None
-            transfer.end = None
-            transfer.queued_at = -1
-            transfer.engine = 0
-            transfer.retired = False
-            transfer.seconds = 0.0
-            transfer.tail = 0.0
-            transfer.evicted = None
-            transfer.cut = False
+            pending[lay][e] = transfer = new_transfer(lay, e, nbytes, 1, "prefetch", seq, at, s)
             batch.append(transfer)
             prefetched[lay].add(e)
             if decisions is not None:

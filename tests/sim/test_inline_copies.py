@@ -1,10 +1,10 @@
 """The engine's inline forms of per-layer calls replay exactly as the calls they stand in for.
 
-A prefetch's copy is made and its slot checked inline (``Transfers._prefetch``, not ``Transfer(...)`` and
-``CacheState.start_load``); one copy engine begins a queued copy inline where no CPU work can stretch it
+A prefetch's copy is made by ``new_transfer`` (not ``Transfer(...)``) and its slot checked inline
+(``Transfers._prefetch``, not ``CacheState.start_load``); one copy engine begins a queued copy inline where no CPU work can stretch it
 (``CopyEngines.advance``, not ``_begin``); a decode layer's GPU track skips the arrival checks where nothing
 is on its way to the layer; a one-token CPU track reads the memoised DRAM rate rather than calling
-``_contends``; a one-row decode view is made inline (``Simulator._view``, not ``layer_view``). Forcing each
+``_contends``; a one-row decode view is made from the step's split rows (``Simulator._view``). Forcing each
 call back must change no figure, no step's times, no copy-engine state and not even the order of the cache's
 sets.
 """
