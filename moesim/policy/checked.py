@@ -581,16 +581,31 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
             return f"prefetches expert {e} of layer {lay}, which is already there"
         prefetched.add((lay, e))
         taking[lay] = taking.get(lay, 0) + 1
-    if plan.cancel_queued_prefetches:
-        return ""  # slots of the prefetches it drops free up first: what they are is the engine's to know
     dropped: dict[int, int] = {}
     for lay, _ in evictions:
         dropped[lay] = dropped.get(lay, 0) + 1
+    # slots of the prefetches a plan cancels free up first; which of them have started is the engine's to know,
+    # so count every one in flight (but the layer's GPU experts, kept as its loads): a plan beyond even that
+    # stopped the engine with an assertion, an "internal error" naming no policy
+    cancelled = _cancellable(cache, layer, gpu) if plan.cancel_queued_prefetches else {}
+    up_to = " at most" if cancelled else ""
     for lay, count in taking.items():
-        free = cache.capacity[lay] - cache.used(lay) + dropped.get(lay, 0)
+        free = cache.capacity[lay] - cache.used(lay) + dropped.get(lay, 0) + cancelled.get(lay, 0)
         if count > free:
-            return (f"loads {count} expert{'s' if count > 1 else ''} into layer {lay}, which has {max(free, 0)} "
-                    f"free slot{'' if free == 1 else 's'} (evict first: plan.evictions)")
-    if cache.pool is not None and sum(taking.values()) > cache.pool - cache.held() + len(evictions):
+            return (f"loads {count} expert{'s' if count > 1 else ''} into layer {lay}, which has{up_to} "
+                    f"{max(free, 0)} free slot{'' if free == 1 else 's'} (evict first: plan.evictions)")
+    if cache.pool is not None \
+            and sum(taking.values()) > cache.pool - cache.held() + len(evictions) + sum(cancelled.values()):
         return f"loads {sum(taking.values())} experts into the model-wide pool beyond its {cache.pool} slots"
     return ""
+
+
+def _cancellable(cache: Any, layer: int, gpu: set[int]) -> dict[int, int]:
+    """Per layer, the prefetches in flight that a plan's ``cancel_queued_prefetches`` may drop: all of them, but
+    those of the layer's own GPU experts."""
+    out = {}
+    for lay, flying in enumerate(cache.in_flight):
+        count = len(flying - gpu) if lay == layer else len(flying)
+        if count:
+            out[lay] = count
+    return out
