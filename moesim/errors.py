@@ -32,6 +32,12 @@ class MoesimError(Exception):
         self.field = field
         self.args = (self._format(),)
 
+    def name_source(self, source: str) -> None:
+        """Name where the error comes from when the code that raised it could not (the line of a module of
+        one's own that called ``register_system``)."""
+        self.source = source
+        self.args = (self._format(),)
+
     def reword(self, wording: Callable[[str], str]) -> None:
         """Say the detail and the fix in the caller's terms: the command line's options and ``--set`` as the
         Python API's arguments, say. ``detail`` and ``fix`` keep the words they were raised with."""

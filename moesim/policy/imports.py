@@ -116,6 +116,9 @@ def _refuse_failed(err: BaseException, given: str, field: str, source: str | Non
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         raise err
     if isinstance(err, MoesimError):  # register_system refusing a catalogue name, say
+        frame = users_frame(err)
+        if err.source is None and frame is not None:  # the refusal named no file: the line that made it
+            err.name_source(f"{Path(frame.filename).name}:{frame.lineno}")
         raise err
     where = _where(err)
     text = f"{type(err).__name__}: {err}".replace("\n", " ")

@@ -100,7 +100,12 @@ def test_an_unknown_system_says_how_to_bring_ones_own(trace, capsys):
     ("x = 1\nraise ValueError('no slots here')\n", "importing '{name}' failed at {stem}.py:2: ValueError: no slots"),
     ("import not_a_module_anywhere\n", "failed at {stem}.py:1: ModuleNotFoundError"),
     ("from moesim.policy.systems import SystemSpec, register_system\n"
-     "register_system('gpu-only-lru', SystemSpec('mine', cache='lru', assign='gpu'))\n", "gpu-only-lru"),
+     "register_system('gpu-only-lru', SystemSpec('mine', cache='lru', assign='gpu'))\n",
+     "{stem}.py:2, field 'name': 'gpu-only-lru' is a catalogue system"),  # the refusal named neither file nor line
+    ("from dataclasses import dataclass\nfrom moesim.policy.cache import LRUCache\n"
+     "from moesim.policy.systems import register_component\n"
+     "@register_component\n@dataclass\nclass Mine(LRUCache):\n    name = 'lru'\n",
+     "{stem}.py:4, field 'name': cache 'lru' is a catalogue component"),
 ])
 def test_a_module_that_fails_to_import_is_one_line(tmp_path, trace, forget, capsys, source, words):
     stem = f"bad_{abs(hash(source)) % 10_000}"
