@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except MoesimError as err:
         from moesim.sweep.spec import full_key_guess
         full_key_guess(err, serving=args[:1] == ["serve-sim"])  # `--set qps=1`: did you mean workload.qps?
-        if debug and err.__cause__ is not None:  # a fault in a policy of one's own: where in its code
-            _say_cause(err.__cause__)
+        if debug:  # a fault in a policy of one's own: where in its code; else where the refusal was raised
+            _say_cause(err.__cause__ or err)
         _say(f"moesim: error: {err}")
         return err.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as err:
@@ -116,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say_cause(cause: BaseException) -> None:
-    """The traceback of what a one-line error was raised from (a policy of one's own that raised): --debug
-    showed the one line alone, whose fix points to that traceback."""
+    """The traceback of what a one-line error was raised from (a policy of one's own that raised), or of the
+    error itself (a registration refused while importing a module of one's own, a plan that broke the
+    invariants): --debug showed the one line alone, whose fix points to that traceback."""
     import traceback
     sys.stderr.write("".join(traceback.format_exception(type(cause), cause, cause.__traceback__)))
 

@@ -153,3 +153,48 @@ def test_debug_shows_where_a_policy_of_ones_own_failed(files, tmp_path, capsys, 
     assert lines[0] == "Traceback (most recent call last):"
     assert any(str(module) in line and "in touch" in line for line in lines)
     assert lines[-2] == "ZeroDivisionError: a slip in touch" and lines[-1].startswith("moesim: error: ")
+
+
+#: a module that registers a system under a catalogue name, and one whose plan computes an expert twice
+REFUSED_REGISTRATION = """
+from moesim.policy.systems import SystemSpec, register_system
+register_system("gpu-only-lru", SystemSpec("mine", cache="lru", assign="gpu"))
+"""
+TWICE = """
+from moesim.policy.systems import ComposedSystem, SystemSpec, register_system
+
+
+class Twice(ComposedSystem):
+    def plan(self, view):
+        plan = super().plan(view)
+        plan.gpu = [*plan.gpu, plan.gpu[0]]
+        return plan
+
+
+register_system("twice-debug-sys", SystemSpec("computes an expert twice", cache="lru", assign="gpu",
+                                              system_class=Twice))
+"""
+
+
+@pytest.mark.parametrize("source, system, raised_in, error", [
+    (REFUSED_REGISTRATION, "gpu-only-lru", "register_system(", "refused_debug.py:3, field 'name': 'gpu-only-lru' is a "
+                                                               "catalogue system"),
+    (TWICE, "twice-debug-sys", "in __call__", "system 'twice-debug-sys' (Twice.plan): at step 0, layer 0, plans "
+                                              "expert 0 twice on the GPU")])
+def test_debug_shows_a_traceback_of_a_refusal_with_no_cause(files, tmp_path, capsys, forget, source, system,
+                                                            raised_in, error):
+    """A registration refused while importing a module of one's own, or a plan of one's own that broke the
+    invariants, printed the one line alone with --debug: no traceback showed where it was raised. Without
+    --debug it stays one line."""
+    trace, hw = files
+    module = tmp_path / "refused_debug.py"
+    module.write_text(source)
+    args = ["--import", str(module), "replay", trace, "--hw", hw, "--system", system]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"moesim: error: {error}"), err
+    assert main([*args, "--debug"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):", lines
+    assert any(raised_in in line for line in lines), lines
+    assert lines[-1].startswith(f"moesim: error: {error}")
