@@ -229,7 +229,9 @@ def check_outputs(inputs: list[tuple[str, str | None]] | None = None, formats: d
         if path is not None and str(path) == "":  # `--json "$OUT"` with OUT unset wrote nothing, exit 0
             check_output_path(path, "--" + option.replace("_", "-"))  # says it is empty
         if path == "-" and option != "json":
-            raise MoesimError("'-' (standard output) is for --json only", field="--" + option.replace("_", "-"),
+            # `moesim sweep --out -` was told "for --json only", an option sweep, plot and report lack
+            why = "is for --json only" if "json" in outputs else "is not taken: this command writes files only"
+            raise MoesimError(f"'-' (standard output) {why}", field="--" + option.replace("_", "-"),
                               fix="give a file name")
     _one_to_stdout(outputs)
     console.stdout_taken = any(to_stdout(path) for path in outputs.values())

@@ -70,3 +70,21 @@ def test_finished_points_not_yet_merged_are_said_to_be_left_out(tmp_path, capsys
     assert notes == [f"note: {out}: 1 finished point(s) in {parts}/ are not merged into it yet and are left out "
                      f"(a sweep still running, or one stopped by kill -9; the same `moesim sweep SPEC.yaml --out "
                      f"{out}` command merges them)"]
+
+
+@pytest.mark.parametrize("command", [["sweep", "spec.yaml"], ["plot", "r.parquet", "--x", "system", "--y", "ttft_ms"],
+                                     ["report", "r.parquet"]])
+def test_standard_output_as_out_is_refused_without_naming_a_missing_option(tmp_path, capsys, command):
+    """`moesim sweep spec.yaml --out -` said "'-' (standard output) is for --json only", an option that sweep,
+    plot and report do not have; the line now says these commands write files only."""
+    write_sweep_files(tmp_path, seed=5)
+    write_spec(tmp_path, systems=["cpu-only"])
+    (tmp_path / "r.parquet").write_bytes(b"")  # never read: the output is refused first
+    args = [command[0], *(str(tmp_path / a) if a.endswith((".yaml", ".parquet")) else a for a in command[1:])]
+    assert main([*args, "--out", "-"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        "moesim: error: field '--out': '-' (standard output) is not taken: this command writes files only "
+        "(fix: give a file name)"]
+    assert not (tmp_path / "r.parquet.parts").exists()
