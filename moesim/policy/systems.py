@@ -128,7 +128,38 @@ def register_system(name: str, spec: SystemSpec) -> None:
                                   fix=f"{did_you_mean(str(component), registry)}use one of: {', '.join(registry)} "
                                       f"(a component of one's own: register it, @register_component, before "
                                       "the system)")
+        _check_defaults(name, spec)
     SYSTEMS[name] = spec
+
+
+#: settings of a SystemSpec's defaults that the run's set-up reads, not the system's components
+_RUN_SETTINGS = ("engine", "memory", "hw", "runtime", "cache.slots", "cache.slots_per_layer")
+
+
+def _check_defaults(name: str, spec: SystemSpec) -> None:
+    """Refuse a system of one's own whose defaults are not (key, value) pairs, or set a component parameter the
+    system does not take or to a value it does not take: a dict failed at the first run as an internal error
+    (ValueError: too many values to unpack), and a slip was refused then as a ``--set`` the user never gave."""
+    how = "defaults=(('cache.decay', '0.5'),): a tuple of (key, value) pairs, as --set KEY=VALUE would give them"
+    pairs = spec.defaults
+    if isinstance(pairs, (str, dict)) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                                 for p in pairs):
+        raise ConfigError(f"system '{name}': defaults {pairs!r} are not (key, value) pairs",
+                          field="SystemSpec.defaults", fix=how)
+    own = [(k, v) for k, v in pairs if k.partition(".")[0] not in _RUN_SETTINGS and k not in _RUN_SETTINGS]
+    if not own:
+        return
+    SYSTEMS[name], before = spec, SYSTEMS.get(name)
+    try:
+        build_system(name)  # applies the defaults as a run does
+    except ConfigError as err:
+        raise ConfigError(f"system '{name}': its defaults {', '.join(f'{k}={v}' for k, v in own)}: {err.detail}",
+                          field="SystemSpec.defaults", fix=err.fix) from None
+    finally:
+        if before is None:
+            del SYSTEMS[name]
+        else:
+            SYSTEMS[name] = before
 
 
 for _cls in (NoSubstitution, NoDeferral):

@@ -453,3 +453,49 @@ def test_a_system_naming_an_unknown_component_is_refused_when_registered():
         register_system("mine-unknown", SystemSpec("mine", cache="lur", assign="gpu"))
     assert caught.value.field == "SystemSpec.cache" and "no cache component is registered as 'lur'" in str(caught.value)
     assert "lru" in caught.value.fix and "mine-unknown" not in SYSTEMS
+
+
+@pytest.mark.parametrize("defaults, words", [
+    ({"cache.decay": "0.5"}, "defaults {'cache.decay': '0.5'} are not (key, value) pairs"),
+    (("cache.decay", "0.5"), "are not (key, value) pairs"),
+    ((("cache.dacay", "0.5"),), "its defaults cache.dacay=0.5: unknown parameter 'cache.dacay' for system "
+                                "'mine-defaults'"),
+    ((("cache.decay", "abc"),), "its defaults cache.decay=abc: 'abc' is not a valid float"),
+    ((("cache", "lur"),), "its defaults cache=lur: unknown cache component 'lur'"),
+])
+def test_a_systems_defaults_that_cannot_apply_are_refused_when_registered(defaults, words):
+    """A dict of defaults failed at the first run as an internal error (ValueError: too many values to unpack,
+    exit 1); a slip in a key or a value was refused then as field '--set', a setting the user never gave."""
+    @register_component
+    @dataclass
+    class DecayCache(LRUCache):
+        name = "decay-for-defaults"
+        decay: float = 0.9
+
+    with pytest.raises(ConfigError) as caught:
+        register_system("mine-defaults", SystemSpec("mine", cache="decay-for-defaults", assign="gpu",
+                                                    defaults=defaults))
+    assert caught.value.field == "SystemSpec.defaults" and words in str(caught.value), str(caught.value)
+    assert "mine-defaults" not in SYSTEMS
+
+
+def test_a_systems_defaults_that_apply_are_registered_and_set():
+    """Defaults of the components, of a swapped component and of the run's set-up are taken as before; a
+    system registered again keeps its earlier spec when the new one is refused."""
+    @register_component
+    @dataclass
+    class DecayCache(LRUCache):
+        name = "decay-for-defaults"
+        decay: float = 0.9
+
+    spec = SystemSpec("mine", cache="decay-for-defaults", assign="gpu",
+                      defaults=(("cache.decay", "0.5"), ("engine.staging_slots", "1"), ("memory.workspace_gib", "1")))
+    register_system("mine-defaults", spec)
+    assert build_system("mine-defaults").cache.decay == 0.5
+    with pytest.raises(ConfigError):
+        register_system("mine-defaults", SystemSpec("mine", cache="decay-for-defaults", assign="gpu",
+                                                    defaults=(("cache.decay", "x"),)))
+    assert SYSTEMS["mine-defaults"] is spec
+    register_system("mine-swapped", SystemSpec("mine", cache="lru", assign="gpu",
+                                               defaults=(("cache", "decay-for-defaults"), ("cache.decay", "0.25"))))
+    assert build_system("mine-swapped").cache.decay == 0.25
