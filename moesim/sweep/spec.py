@@ -184,10 +184,24 @@ def load_spec(spec: str | os.PathLike | dict[str, Any]) -> SweepSpec:
     path = Path(spec)
     if not path.exists() or path.is_dir():
         raise ConfigError("sweep spec not found", source=str(path), fix="check the path")
+    if _parquet_file(path):  # `moesim sweep TRACE.parquet` was told the file is "not UTF-8 text"
+        raise ConfigError("a Parquet file (a trace or sweep results), not a sweep spec", source=str(path),
+                          fix="give a YAML spec (see `moesim sweep --help`) that lists it under traces:")
     data = read_yaml(path, ConfigError)
     # a spec from a pipe (`moesim sweep <(...)`) has no folder of its own: its paths are the current folder's
     base_dir = path.resolve().parent if path.is_file() else Path.cwd()
     return parse_spec(data, source=str(path), base_dir=base_dir)
+
+
+def _parquet_file(path: Path) -> bool:
+    """A regular file that starts with Parquet's magic bytes (a pipe is not peeked at: it reads once)."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"PAR1"
+    except OSError:  # read_yaml says why
+        return False
 
 
 def parse_spec(data: Any, *, source: str, base_dir: Path) -> SweepSpec:

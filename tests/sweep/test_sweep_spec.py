@@ -300,3 +300,25 @@ def test_the_spec_moesim_sweep_help_shows_is_a_valid_spec(tmp_path):
     spec = load_spec(path)
     assert set(spec.systems) == {"gpu-only-lru", "static-hot", "smoe"}
     check_spec(spec, spec.points())  # every trace, profile, system and parameter the example names is valid
+
+
+@pytest.mark.parametrize("given", ["trace", "results"])
+def test_a_parquet_file_given_as_the_spec_is_named_as_such(tmp_path, capsys, given):
+    """`moesim sweep TRACE.parquet --out r.parquet` (the trace where the spec goes) said "not UTF-8 text (byte 19)
+    (fix: save the file as UTF-8)"; the line now says it is a Parquet file, not a spec, and nothing is written."""
+    import pandas as pd
+
+    from tests.factories import write_sweep_files
+    write_sweep_files(tmp_path, seed=5)
+    path = tmp_path / "t.parquet"
+    if given == "results":
+        path = tmp_path / "old.parquet"
+        pd.DataFrame({"point_id": ["a"], "status": ["ok"]}).to_parquet(path)
+    with pytest.raises(ConfigError) as err:
+        load_spec(path)
+    assert str(err.value) == (f"{path}: a Parquet file (a trace or sweep results), not a sweep spec (fix: give a "
+                              "YAML spec (see `moesim sweep --help`) that lists it under traces:)")
+    out = tmp_path / "r.parquet"
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("a Parquet file (a trace or sweep results), not a sweep spec") == 1
+    assert not out.exists() and not (tmp_path / "r.parquet.parts").exists()
