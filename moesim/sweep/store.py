@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 from moesim.errors import ConfigError
 from moesim.sweep.spec import setting_str
-from moesim.util import PARQUET, check_suffix, clean_stale_tmps, pid_alive
+from moesim.util import PARQUET, check_output_path, check_suffix, clean_stale_tmps, pid_alive
 
 #: seconds between rewrites of the combined output while a sweep runs
 FLUSH_EVERY_S = 5.0
@@ -38,7 +38,7 @@ class ResultStore:
         #: how ``OUT`` is laid out (rows and columns), e.g. in spec order; None: as the rows came
         self.arrange: Callable[[Any], Any] | None = None
         if self.out is not None:
-            self._check_out()
+            self._check_out(os.fspath(out))
             self._lock()
             try:
                 self._load()
@@ -114,8 +114,11 @@ class ResultStore:
                               "and the same command resumes", source=str(path), field="--out",
                               fix="free space (or check the permissions), then run it again") from None
 
-    def _check_out(self) -> None:
+    def _check_out(self, given: str) -> None:
         assert self.out is not None
+        if given == "" or given.endswith(("/", os.sep)):
+            # Path() makes '' the current folder ("the sweep output is a folder", from Python) and drops a '/'
+            check_output_path(given, "--out")  # says which
         if self.out.is_dir():
             raise ConfigError("the sweep output is a folder", source=str(self.out), field="--out",
                               fix="give a file name ending in .parquet")

@@ -437,6 +437,17 @@ def test_output_that_is_not_a_sweep_result_is_refused_leaving_nothing_behind(fil
     assert sorted(p.name for p in files.iterdir()) == ["hw.yaml", "other.parquet", "spec.yaml", "t.parquet"]
 
 
+def test_an_empty_output_path_from_python_is_said_to_be_empty(files, monkeypatch):
+    """`moesim.sweep(spec, out="")` (an unset variable) said "., field 'out': the sweep output is a folder": Path('')
+    is the current folder. Now it says the path is empty, as the command line does, and writes nothing."""
+    import moesim
+    monkeypatch.chdir(files)
+    with pytest.raises(ConfigError) as err:
+        moesim.sweep(str(write_spec(files, systems=["cpu-only"])), out="")
+    assert str(err.value) == "field 'out': the output path is empty (fix: give a file name)"
+    assert sorted(p.name for p in files.iterdir()) == ["hw.yaml", "spec.yaml", "t.parquet"]
+
+
 @pytest.mark.parametrize("in_the_way", ["file", "lock folder"])
 def test_a_parts_folder_that_cannot_be_made_is_one_line_exit_2(files, capsys, in_the_way):
     """OUT.parts a file (or OUT.parts/.lock a folder) was an internal error with a traceback's last line."""
