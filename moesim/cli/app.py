@@ -314,11 +314,15 @@ def cli() -> None:
     """Simulate and compare MoE expert-offloading policies on one GPU plus a CPU.
 
     Bad input exits 2 with one line naming the file, the field and the fix;
-    add --debug anywhere on the command line to see a traceback of an internal error.
+    add --debug anywhere on the command line to see the traceback behind it, or behind an internal error.
 
     Systems of one's own: add --import my_policies.py (or a module name) anywhere on the command
     line, as often as needed; the module registers its components and systems when imported
-    (moesim.policy.systems.register_component, register_system).
+    (moesim.policy.systems.register_component, register_system). Their components and plans are
+    always checked as they run: a plan that computes an expert twice or leaves one out, computes one on
+    the GPU that is neither resident nor loaded, evicts one that is not resident or loads beyond the
+    slots, or an exception in their code, stops the run with one line naming the class and method, the
+    step and the layer (exit 2). --set engine.check=true checks every system's plans the same way.
     """
     console.stdout_taken = False  # a command run before in this process (tests, notebooks) took stdout
     # pyarrow imports pandas at its first conversion and takes a Ctrl-C in that import for a missing pandas

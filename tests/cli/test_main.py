@@ -198,3 +198,12 @@ def test_debug_shows_a_traceback_of_a_refusal_with_no_cause(files, tmp_path, cap
     assert lines[0] == "Traceback (most recent call last):", lines
     assert any(raised_in in line for line in lines), lines
     assert lines[-1].startswith(f"moesim: error: {error}")
+
+
+def test_the_help_says_policies_of_ones_own_are_checked_and_how_to_check_every_system(capsys):
+    """`moesim --help` told how to import a system of one's own but not that its plans are checked as it runs
+    (nor that --set engine.check=true does the same for every system), which only the notebook said."""
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "always checked as they run" in text and "--set engine.check=true checks every system's plans" in text
+    assert "see the traceback behind it" in text  # --debug: behind a one-line refusal too
