@@ -6,6 +6,7 @@ registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from moesim.errors import ConfigError, did_you_mean
@@ -129,7 +130,26 @@ def register_system(name: str, spec: SystemSpec) -> None:
                                       f"(a component of one's own: register it, @register_component, before "
                                       "the system)")
         _check_defaults(name, spec)
+        module = sys._getframe(1).f_globals.get("__name__", "")
+        _check_not_taken(name, spec, module)
+        REGISTERED_BY[name] = module
     SYSTEMS[name] = spec
+
+
+#: the module that registered each system of one's own, by name: another module may not take the name
+REGISTERED_BY: dict[str, str] = {}
+
+
+def _check_not_taken(name: str, spec: SystemSpec, module: str) -> None:
+    """Refuse a name another module of one's own registered: the later module replaced the earlier one's
+    system without a word (two --import modules that both register 'mine' ran the second's). The same module
+    registering it again (a notebook cell run twice, a module imported again) replaces it."""
+    taken = SYSTEMS.get(name)
+    by = REGISTERED_BY.get(name)
+    if taken is not None and by is not None and by != module:
+        raise ConfigError(f"system '{name}' is already registered by module {by} ({taken.description!r}); "
+                          f"module {module} cannot take its name", field="name",
+                          fix=f"register one of them under another name, e.g. '{name}-2'")
 
 
 #: settings of a SystemSpec's defaults that the run's set-up reads, not the system's components

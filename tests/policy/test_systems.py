@@ -499,3 +499,19 @@ def test_a_systems_defaults_that_apply_are_registered_and_set():
     register_system("mine-swapped", SystemSpec("mine", cache="lru", assign="gpu",
                                                defaults=(("cache", "decay-for-defaults"), ("cache.decay", "0.25"))))
     assert build_system("mine-swapped").cache.decay == 0.25
+
+
+def test_a_system_name_another_module_registered_is_refused():
+    """Two modules of one's own that both registered 'mine' (moesim --import a.py --import b.py) ran the second's
+    system under the name without a word; the same module registering it again still replaces it."""
+    register_system("mine-taken", SystemSpec("first", cache="lru", assign="gpu"))
+    code = "register_system('mine-taken', SystemSpec('second', cache='lru', assign='cpu'))"
+    with pytest.raises(ConfigError) as caught:
+        exec(code, {"__name__": "other_policies", "register_system": register_system, "SystemSpec": SystemSpec})
+    assert str(caught.value) == (
+        f"field 'name': system 'mine-taken' is already registered by module {__name__} ('first'); "
+        "module other_policies cannot take its name (fix: register one of them under another name, e.g. "
+        "'mine-taken-2')")
+    assert SYSTEMS["mine-taken"].description == "first"
+    register_system("mine-taken", SystemSpec("again", cache="lru", assign="cpu"))
+    assert SYSTEMS["mine-taken"].description == "again"
