@@ -419,6 +419,27 @@ def _copied(value: Any) -> Any:
 
 
 _PLAN_FIX = "see LayerPlan (moesim.policy.base) for what each field holds; ComposedSystem.plan makes a valid plan"
+#: the fix of a fault of :func:`plan_fault`, by the words it starts with (a fault left out: :data:`_PLAN_FIX`)
+_PLAN_FIXES = (
+    (("plans expert", "leaves out routed"), "put each expert of view.active in exactly one of plan.gpu, plan.cpu "
+                                            "and plan.deferred"),
+    (("GPU expert",), "add it to plan.loads (evicting a resident expert not in use, plan.evictions, when the layer "
+                      "is full) or plan.streamed, or compute it on the CPU (plan.cpu)"),
+    (("evicts expert", "evicts an expert"), "evict each expert once, only experts of view.cache.resident[layer] "
+                                            "that the layer does not compute on the GPU"),
+    (("loads", "prefetches"), "load or prefetch each expert once, only one neither resident nor on its way, no "
+                              "more than the layer's free slots plus what the plan evicts (plan.evictions); "
+                              "stream the rest (plan.streamed)"),
+)
+
+
+def plan_fix(problem: str) -> str:
+    """What to do about ``problem``, a fault of :func:`plan_fault`: the fields to change, then where a valid plan
+    is made."""
+    for starts, fix in _PLAN_FIXES:
+        if problem.startswith(starts):
+            return f"{fix}; {_PLAN_FIX}"
+    return _PLAN_FIX
 
 
 class _CheckedPlan:
@@ -448,7 +469,7 @@ class _CheckedPlan:
             plan.substitutions = list(plan.substitutions)  # checked, then applied: a generator would be read once
         problem = plan_fault(view, plan)
         if problem:
-            raise _fault(self.who, view, problem, _PLAN_FIX)
+            raise _fault(self.who, view, problem, plan_fix(problem))
         return _plain(plan)
 
 

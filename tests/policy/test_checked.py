@@ -80,3 +80,36 @@ def test_a_users_plan_that_cancels_and_overfills_is_one_line_naming_it(tmp_path,
                                           r"\d+, layer \d+, loads \d+ experts? into layer \d+, which has 0 free slot"):
         moesim.replay(trace, hw=hw, system="cancels-and-overfills", cache__slots_per_layer=1, timeline=False,
                       decisions=False)
+
+
+@pytest.mark.parametrize("plan, fault, fix", [
+    (LayerPlan(gpu=[4, 5, 4], loads=[4, 5]), "plans expert 4 twice on the GPU",
+     "put each expert of view.active in exactly one of plan.gpu, plan.cpu and plan.deferred; see LayerPlan"),
+    (LayerPlan(gpu=[4, 5]), "GPU expert 4 is neither resident, on its way, loaded (plan.loads) nor streamed",
+     "add it to plan.loads (evicting a resident expert not in use, plan.evictions, when the layer is full) or "
+     "plan.streamed, or compute it on the CPU (plan.cpu); see LayerPlan"),
+    (LayerPlan(cpu=[4, 5], evictions=[(0, 6)]), "evicts expert 6 of layer 0, which is not resident",
+     "evict each expert once, only experts of view.cache.resident[layer] that the layer does not compute on the "
+     "GPU; see LayerPlan"),
+    (LayerPlan(gpu=[4, 5], loads=[4, 5]), "loads 2 experts into layer 0, which has 0 free slots",
+     "load or prefetch each expert once, only one neither resident nor on its way, no more than the layer's free "
+     "slots plus what the plan evicts (plan.evictions); stream the rest (plan.streamed); see LayerPlan"),
+])
+def test_a_users_faulty_plan_is_told_the_fields_to_change(registered, plan, fault, fix):
+    """Every fault of a system class of one's own had the same fix, "see LayerPlan ... for what each field
+    holds", whatever it was: the fix now names the fields that make that fault go away."""
+    from moesim.policy.checked import _CheckedPlan
+
+    @dataclass
+    class Fixed(ComposedSystem):
+        def plan(self, view):
+            return plan
+
+    register_system("fixed-plan", SystemSpec("", cache="lru", assign="gpu", system_class=Fixed))
+    from moesim.policy.systems import build_system
+    checked = build_system("fixed-plan").plan
+    assert isinstance(checked, _CheckedPlan)
+    with pytest.raises(PolicyError) as caught:
+        checked(_view(resident={0, 1, 2}, in_flight=set()))
+    assert caught.value.detail.startswith(f"at step 0, layer 0, {fault}"), caught.value.detail
+    assert caught.value.fix.startswith(fix), caught.value.fix
