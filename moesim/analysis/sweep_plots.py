@@ -230,7 +230,10 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
         ax.bar(pos, stats["mean"], width * 0.92, color=styles[h]["color"], hatch=styles[h]["hatch"],
                edgecolor="white", linewidth=0, zorder=3, yerr=err if np.nan_to_num(err).any() else None,
                ecolor="#444444", capsize=2)
-    ax.set_xticks(np.arange(len(groups)), [str(g) for g in groups], rotation=30 if len(groups) > 4 else 0,
+    # systems named as in the legends: "oracle (bound)", "all-in-gpu (reference)", "buddymoe (substitutes)"; their
+    # bars read as deployable systems' otherwise
+    names = hue_names(data, "system", groups) if x == "system" else [str(g) for g in groups]
+    ax.set_xticks(np.arange(len(groups)), names, rotation=30 if len(groups) > 4 else 0,
                   ha="right" if len(groups) > 4 else "center")
 
 

@@ -187,10 +187,11 @@ def test_a_narrow_range_is_labelled_in_plain_numbers():
 
 def test_categorical_x_draws_grouped_bars():
     """Bars stand on a linear axis from zero though the values span a decade (a log axis drew them from an
-    arbitrary bottom, their lengths meaningless); systems in the order of every other figure, bounds last."""
+    arbitrary bottom, their lengths meaningless); systems in the order of every other figure, bounds last, named
+    as in the legends (all-in-gpu's bar read as a deployable system's: the ticks said "all-in-gpu" alone)."""
     fig = plot_results(results(), x="system", y="tpot_ms_mean", hue="hw")
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu (reference)"]
     heights = [p.get_height() for p in ax.patches]
     assert len(heights) == 6
     lru_a100 = np.mean([100.0, 50.0, 25.0])
@@ -433,7 +434,8 @@ def test_without_any_prefetch_the_hit_rate_is_drawn_against_the_cache_size():
     caption = standard_figures(frame, gantt=False)["hit_rate_vs_prefetch"][1]
     assert caption.endswith("against the cache size (or per system): no run prefetched.")
     one_size = fig_hit_rate_vs_prefetch(frame[frame["cache.slots_per_layer"] == 2])
-    assert [t.get_text() for t in one_size.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in one_size.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot",
+                                                                          "all-in-gpu (reference)"]
 
 
 def test_rows_without_the_hue_parameter_are_drawn_as_a_line_of_their_own():
