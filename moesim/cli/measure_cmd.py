@@ -267,17 +267,23 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     out_dir = Path(out)
     _check_can_create(out_dir, "--out")
     clean_stale_tmps(out_dir / "profile.yaml")  # what a killed run staged there is no one's now
-    read_meta(trace_file)
-    if layers is not None:
-        trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
+    model = read_meta(trace_file).model
     parsed = parse_settings(settings)
     for name in names:
         check_settings(name, parsed)
     _require_torch()
+    from backends.run_config import check_device
     from backends.weights import check_host_memory
-    model = read_meta(trace_file).model
-    # before minutes of profiling; on CUDA the experts are pinned, which rounds the allocation up to a power of two
+    # the device first: on a machine without a GPU, `--device cuda` (the default) said how much pinned memory
+    # the experts need and which --layers would fit, and only once that was given that there is no GPU
+    check_device(device)
+    if layers is not None and 1 <= layers <= model.num_layers:  # truncate_trace refuses any other count
+        model = model.truncated(layers)
+    # before minutes of profiling (and before the truncated trace is written into OUT); on CUDA the experts are
+    # pinned, which rounds the allocation up to a power of two
     check_host_memory(model, parsed.get("memory.expert_dtype") or model.expert_dtype, pinned=device == "cuda")
+    if layers is not None:
+        trace_file = str(truncate_trace(trace_file, layers, out_dir / f"trace-{layers}-layers.parquet"))
     if profile_path is None:
         profile_path, profile = _measure_with_report(model, device, threads, quick_profile, out_dir)
     else:

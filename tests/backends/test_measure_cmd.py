@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from moesim.cli import main  # noqa: E402
 from tests.factories import random_routing, tiny_model, write_tiny_trace  # noqa: E402
@@ -162,6 +162,43 @@ def test_validate_checks_host_memory_as_the_device_takes_it(trace: str, tmp_path
         seen.append(pinned)
         raise ConfigError("stop here", field="--layers")
     monkeypatch.setattr(weights, "check_host_memory", check)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device check passes: a GPU is "here"
     assert main(["validate", "--real", "--device", device, "--trace", trace, "--systems", "cpu-only",
                  "--quick-profile", "--out", str(tmp_path / "out")]) == 2
     assert seen == [pinned]
+
+
+def test_validate_without_a_gpu_says_so_first_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`moesim validate --real` (``--device cuda`` by default) on a machine without a GPU, with a trace whose
+    experts outgrow host memory, said how much pinned memory the experts need and to pass --layers; with
+    --layers it wrote OUT/trace-N-layers.parquet and only then said there is no CUDA device. The device is
+    now checked first, and a refused run leaves no OUT folder behind."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bundled = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    for layers in ((), ("--layers", "1")):
+        out = tmp_path / f"out{len(layers)}"
+        assert main(["validate", "--real", "--trace", bundled, "--systems", "cpu-only", "--out", str(out),
+                     *layers]) == 2
+        err = capsys.readouterr().err
+        assert err.count("moesim: error:") == 1
+        assert "field '--device': no CUDA device is visible to torch" in err and "--device cpu" in err
+        assert not out.exists()
+
+
+def test_validate_layers_checks_host_memory_before_writing_the_cut_trace(tmp_path: Path, monkeypatch) -> None:
+    """The host-memory check of the first N layers comes before OUT/trace-N-layers.parquet is written: a run
+    refused for memory left the cut trace (and OUT) behind."""
+    import backends.weights as weights
+    from moesim.errors import ConfigError
+    seen: list[int] = []
+
+    def check(model, dtype, pinned: bool = False) -> None:
+        seen.append(model.num_layers)
+        raise ConfigError("too big", field="--layers")
+    monkeypatch.setattr(weights, "check_host_memory", check)
+    bundled = str(Path(__file__).resolve().parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet")
+    out = tmp_path / "out"
+    assert main(["validate", "--real", "--device", "cpu", "--trace", bundled, "--systems", "cpu-only",
+                 "--layers", "3", "--out", str(out)]) == 2
+    assert seen == [3]  # the memory of the 3 layers run, not of all 32
+    assert not out.exists()
