@@ -234,13 +234,17 @@ def _measure_with_report(model, device: str, threads: int, quick: bool, out_dir:
 
 
 @cli.command("validate", cls=JsonFlagCommand)
-@click.option("--real", is_flag=True, help="Execute on real kernels and compare with the simulator.")
+@click.option("--real", is_flag=True,
+              help="Execute the trace on real torch kernels and compare with the simulator (required: the only "
+                   "validation there is).")
 @click.option("--trace", "trace_file", required=True, type=InputPath(dir_okay=False))
 @click.option("--systems", required=True, help="Comma-separated systems, e.g. cpu-only,gpu-only-lru,static-hot.")
 @click.option("--profile", "--hw", "profile_path", default=None, type=HW_PROFILE,
               help="Hardware profile of this machine (default: measure one first, into OUT/profile.yaml); "
                    "--hw, as replay names it, is the same.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cuda: this machine's GPU; cpu: the CPU stand-in (no GPU needed: the GPU's work runs on a host "
+                   "thread, so the errors compare the simulator with this CPU, not with a GPU).")
 @click.option("--layers", default=None, type=click.IntRange(min=1),
               help="Run only the first N MoE layers of the trace (models larger than host memory).")
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
@@ -261,7 +265,8 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     from moesim.sim.run import check_settings
     from moesim.trace.validate import checked_meta as read_meta
     if not real:
-        raise MoesimError("only real-kernel validation exists", field="--real", fix="pass --real")
+        raise MoesimError("only real-kernel validation exists", field="--real",
+                          fix="pass --real (with --device cpu on a machine without a GPU: the CPU stand-in)")
     names = _executable_systems(systems)
     _check_threads(threads)
     out_dir = Path(out)
@@ -322,6 +327,9 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
             row.append("-" if step is None else f"{step:.2f}" + ("" if share is None else f" ({share:.0%})"))
         table.add_row(*row)
     console.print(table)
+    console.print("error: (simulated - measured) / measured" + (
+        "; measured on the CPU stand-in (the GPU's work on a host thread), so the errors compare the simulator "
+        "with this CPU, not with a GPU" if device == "cpu" else ""), highlight=False)
     if host:
         console.print("host ms/step: measured host time from each MoE layer's attention to its first expert "
                       "(retiring copies, the view, plan(), launches) per decode step; the simulator does not "

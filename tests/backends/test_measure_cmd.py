@@ -202,3 +202,24 @@ def test_validate_layers_checks_host_memory_before_writing_the_cut_trace(tmp_pat
                  "--layers", "3", "--out", str(out)]) == 2
     assert seen == [3]  # the memory of the 3 layers run, not of all 32
     assert not out.exists()
+
+
+def test_validate_says_what_runs_without_a_gpu_and_what_its_error_is(trace: str, tmp_path: Path, capsys,
+                                                                     monkeypatch) -> None:
+    """`moesim validate --help` gave --device no help (cuda by default, with cpu a bare choice), and without
+    --real the fix was only "pass --real"; the table's 'error' columns were not defined on the command line.
+    Now --device says that cpu is the CPU stand-in with no GPU needed, the fix names it, and a line under the
+    table defines the error and says, on the stand-in, that it compares the simulator with this CPU."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["validate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cpu: the CPU stand-in (no GPU needed" in text
+    assert "(required: the only validation there is)" in text
+    assert main(["validate", "--trace", trace, "--systems", "cpu-only", "--out", str(tmp_path / "no")]) == 2
+    assert "fix: pass --real (with --device cpu on a machine without a GPU" in capsys.readouterr().err
+    profile = Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"
+    assert main(["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "cpu-only",
+                 "--threads", "1", "--profile", str(profile), "--out", str(tmp_path / "report")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("error: (simulated - measured) / measured; measured on the CPU stand-in (the GPU's work on a host "
+            "thread), so the errors compare the simulator with this CPU, not with a GPU") in lines
