@@ -33,6 +33,7 @@ def is_catalogue(cls: type) -> bool:
 def check_users_policies(system: ComposedSystem) -> None:
     """Check every component of ``system`` that is not the catalogue's as it runs, and the plans of a system
     class of one's own (the catalogue's run as they are)."""
+    unchecked = False
     for role, component in system.components.items():
         if is_catalogue(type(component)):
             continue
@@ -41,9 +42,11 @@ def check_users_policies(system: ComposedSystem) -> None:
             if callable(getattr(type(component), method, None)):
                 try:
                     setattr(component, method, _CheckedMethod(component, role, method, check))
-                except AttributeError:  # a component with __slots__: its plans are still checked by the engine
-                    pass
-    if not is_catalogue(type(system)):
+                except AttributeError:  # __slots__: the method stays as it is, and the whole plan is checked
+                    unchecked = True
+    # engine.check is off by default: an unchecked component's fault (an eviction of an expert not resident)
+    # otherwise stopped the engine with an assertion, an "internal error" naming no policy
+    if unchecked or not is_catalogue(type(system)):
         system.plan = _CheckedPlan(system)  # type: ignore[method-assign]
 
 

@@ -88,6 +88,11 @@ def register_component(cls: type[Component]) -> type[Component]:
         inherited = f" (it inherits '{cls.name}' from {cls.__mro__[1].__name__})" if cls.name else ""
         raise ConfigError(f"{what} has no name of its own{inherited}", field="name",
                           fix=f"give the class its own registry name, e.g. name = 'my-{role}'")
+    params = getattr(cls, "__dataclass_params__", None)
+    if CATALOGUE_COMPONENTS and params is not None and params.frozen:
+        # its --set failed as an internal error (FrozenInstanceError), and so did state kept in configure
+        raise ConfigError(f"{what} is a frozen dataclass: its parameters cannot be set, nor its state kept",
+                          field="name", fix="decorate it with @dataclass, not @dataclass(frozen=True)")
     taken = COMPONENTS.setdefault(role, {}).get(name)
     if taken is not None and taken is not cls:
         if (role, name) in CATALOGUE_COMPONENTS:

@@ -113,3 +113,36 @@ def test_a_users_faulty_plan_is_told_the_fields_to_change(registered, plan, faul
         checked(_view(resident={0, 1, 2}, in_flight=set()))
     assert caught.value.detail.startswith(f"at step 0, layer 0, {fault}"), caught.value.detail
     assert caught.value.fix.startswith(fix), caught.value.fix
+
+
+def test_a_component_whose_methods_cannot_be_wrapped_has_its_plans_checked(tmp_path, registered):
+    """A component whose instance refuses new attributes kept its methods unchecked, and nothing checked the plans
+    they made (engine.check is off by default): victims of experts not resident stopped the engine with an
+    AssertionError, an internal error naming no policy."""
+    import moesim
+    from moesim.policy.cache import CachePolicy
+    from moesim.policy.systems import COMPONENTS, register_component
+
+    @dataclass
+    class EvictsAbsent(CachePolicy):
+        name = "evicts-absent-unwrapped"
+
+        def __setattr__(self, key, value):
+            if key in ("victims", "touch", "initial", "admission_order", "pool_victims", "spread", "configure",
+                       "for_model"):
+                raise AttributeError(f"{key} is read-only")
+            super().__setattr__(key, value)
+
+        def victims(self, view, layer, n, protected, incoming=None):
+            return [e for e in range(8) if e not in view.cache.resident[layer] and e not in protected][:n]
+
+    register_component(EvictsAbsent)
+    try:
+        register_system("evicts-absent-unwrapped", SystemSpec("", cache="evicts-absent-unwrapped", assign="gpu"))
+        trace, hw = write_trace_and_profile(tmp_path, 7, requests=2, prompt=3, decode=8)
+        with pytest.raises(PolicyError, match=r"^system 'evicts-absent-unwrapped' \(ComposedSystem.plan\): at step "
+                                              r"\d+, layer \d+, evicts expert \d+ of layer \d+, which is not resident"):
+            moesim.replay(trace, hw=hw, system="evicts-absent-unwrapped", cache__slots_per_layer=1, timeline=False,
+                          decisions=False)
+    finally:
+        COMPONENTS["cache"].pop("evicts-absent-unwrapped", None)

@@ -515,3 +515,23 @@ def test_a_system_name_another_module_registered_is_refused():
     assert SYSTEMS["mine-taken"].description == "first"
     register_system("mine-taken", SystemSpec("again", cache="lru", assign="cpu"))
     assert SYSTEMS["mine-taken"].description == "again"
+
+
+def test_a_frozen_dataclass_component_is_refused_when_registered():
+    """A component decorated @dataclass(frozen=True) registered, then failed as an internal error at its first
+    --set (FrozenInstanceError), or at configure when it kept state; and its methods could not be checked."""
+    from moesim.policy.cache import CachePolicy
+
+    with pytest.raises(ConfigError) as caught:
+        @register_component
+        @dataclass(frozen=True)
+        class FrozenCache(CachePolicy):
+            name = "frozen-cache"
+            k: int = 1
+
+            def victims(self, view, layer, n, protected, incoming=None):
+                return []
+
+    assert str(caught.value) == ("field 'name': FrozenCache is a frozen dataclass: its parameters cannot be set, nor "
+                                 "its state kept (fix: decorate it with @dataclass, not @dataclass(frozen=True))")
+    assert "frozen-cache" not in COMPONENTS["cache"]
