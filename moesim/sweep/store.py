@@ -156,8 +156,10 @@ class ResultStore:
 
     def _parts_error(self, path: Path, err: OSError) -> ConfigError:
         """The one line for a parts folder (or its lock) that cannot be made: the path and the OS's reason."""
+        # "move it out of the way" only where something is in the way (/sys refuses a folder that is not there)
+        move = f"move {path} out of the way, or " if path.exists() or path.is_symlink() else ""
         return ConfigError(f"cannot create {path}: {err.strerror or err}", source=str(self.out), field="--out",
-                           fix=f"move {path} out of the way, or write the sweep to a folder you may write to")
+                           fix=f"{move}write the sweep to a folder you may write to")
 
     def _unlock(self, remove_dir: bool) -> None:
         if self._lock_fd is None:

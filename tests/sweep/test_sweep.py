@@ -466,6 +466,27 @@ def test_a_parts_folder_that_cannot_be_made_is_one_line_exit_2(files, capsys, in
         assert parts.read_text() == "mine\n"  # left as it was
 
 
+def test_a_parts_folder_the_os_refuses_is_not_said_to_be_in_the_way(files, capsys, monkeypatch):
+    """`--out /sys/r.parquet` (as root: no folder is too read-only for os.access) said "fix: move
+    /sys/r.parquet.parts out of the way", a folder that is not there; the fix now only says where to write."""
+    from pathlib import Path
+    parts = files / "r.parquet.parts"
+    real_mkdir = Path.mkdir
+
+    def refused(self, *args, **kwargs):
+        if self == parts:
+            raise PermissionError(1, "Operation not permitted")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    write_spec(files, systems=["cpu-only"])
+    assert main(["sweep", str(files / "spec.yaml"), "--out", str(files / "r.parquet"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err == (f"moesim: error: {files / 'r.parquet'}, field '--out': cannot create {parts}: "
+                                       "Operation not permitted (fix: write the sweep to a folder you may write "
+                                       "to)\n")
+    assert not parts.exists() and not (files / "r.parquet").exists()
+
+
 def test_columns_mixing_numbers_and_strings_are_stored_as_strings(files):
     out = files / "r.parquet"
     spec = load_spec(write_spec(files, systems=["cpu-only"], grid={"memory.expert_dtype": ["bf16", ""]}))
