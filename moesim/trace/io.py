@@ -64,8 +64,35 @@ def not_parquet(path: PathLike, head: bytes, detail: str = "") -> TraceFormatErr
     if not head and _size(path) == 0:  # no log to convert either
         return TraceFormatError("the file is empty (0 bytes)", source=str(path),
                                 fix="copy it again, or re-run the command that wrote it")
+    own = _moesim_file(path)
+    if own is not None:  # `trace import` would say it cannot tell the tool that wrote this "log"
+        what, fix = own
+        return TraceFormatError(f"not a trace but {what}", source=str(path), fix=fix)
     return TraceFormatError(f"not a Parquet file{detail}", source=str(path),
                             fix="convert the log with `moesim trace import`")
+
+
+def _moesim_file(path: PathLike) -> tuple[str, str] | None:
+    """(what, fix) when ``path`` is one of moesim's own other files, given where a trace goes (a hardware
+    profile as TRACE, say, or a replay's --json): told from its first 16 KiB; None otherwise."""
+    import re
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(1 << 14).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+    def top_keys(*keys: str) -> bool:
+        return all(re.search(rf"^{key}\s*:", text, re.MULTILINE) for key in keys)
+    if top_keys("schema_version", "gpu"):
+        return ("a hardware profile (YAML)",
+                f"give it as --hw {path} (--profile for validate), and a trace (.parquet) as the trace")
+    if top_keys("traces", "systems"):
+        return "a sweep spec (YAML)", f"run it with `moesim sweep {path} --out results.parquet`"
+    if text.lstrip().startswith(("{", "[")) and re.search(r'"(tpot_ms_mean|ttft_ms|traceEvents)"', text):
+        return ("moesim's JSON output (the --json metrics or a --chrome-trace)",
+                "give the trace (.parquet) that the run read; its path is under inputs.trace in the --json metrics")
+    return None
 
 
 def _size(path: PathLike) -> int | None:

@@ -520,3 +520,30 @@ def test_a_trace_whose_name_is_not_utf8_is_read(tmp_path, capsys, command):
     assert main([*args, "--json", "-"] if command[0] != "replay" else [*args, "--json", str(tmp_path / "m.json")]) \
         == 0, capsys.readouterr().err
     assert "internal error" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["replay"], ["trace", "inspect"], ["trace", "validate"]])
+def test_moesim_own_other_files_given_as_the_trace_are_named(tmp_path, capsys, command):
+    """A hardware profile, a sweep spec or a replay's --json given as the trace was 'not a Parquet file (fix:
+    convert the log with `moesim trace import`)', and `moesim trace import` then said it cannot tell which
+    tool wrote the "log": the error names the file's kind and where it goes instead."""
+    import json
+    from pathlib import Path
+
+    from moesim.cli import main
+    profile = Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("traces: [t.parquet]\nsystems: [cpu-only]\n")
+    metrics = tmp_path / "run.json"
+    metrics.write_text(json.dumps({"system": "cpu-only", "ttft_ms": 1.0, "tpot_ms_mean": 2.0}, indent=2))
+    expected = {profile: f"not a trace but a hardware profile (YAML) (fix: give it as --hw {profile}",
+                spec: f"not a trace but a sweep spec (YAML) (fix: run it with `moesim sweep {spec} --out",
+                metrics: "not a trace but moesim's JSON output (the --json metrics or a --chrome-trace)"}
+    for path, said in expected.items():
+        assert main([*command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{path}: {said}" in err and "trace import" not in err
+    other = tmp_path / "log.json"  # any other file is still a log to import
+    other.write_text('{"layers": []}\n')
+    assert main([*command, str(other)]) == 2
+    assert "not a Parquet file" in capsys.readouterr().err
