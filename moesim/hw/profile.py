@@ -147,7 +147,9 @@ class HardwareProfile:
         if key is None:
             return err
         own = _lookup(self.raw, key)
-        where = f"{self.path or self.name}'s own: {own}" if own is not None else f"not in {self.path or self.name}"
+        # "not in FILE" read as if the field did not exist; it is one the profile leaves at its default
+        where = f"{self.path or self.name}'s own: {own}" if own is not None else \
+            f"{self.path or self.name} does not set it"
         fix = err.fix
         if key == "gpu.memory_gib" and err.field == "gpu.reserved_gib":  # the memory is below what is reserved
             fix = f"give hw.{key} more than the {_lookup(self.raw, 'gpu.reserved_gib')} GiB reserved, or reserve less"

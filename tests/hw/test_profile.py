@@ -504,6 +504,17 @@ def test_an_override_beyond_the_ceiling_is_refused_naming_the_parameter():
     assert profile.with_overrides({"gpu.launch_us": "3600"}).gpu.launch_us == 3600
 
 
+def test_a_bad_override_of_a_field_the_profile_leaves_unset_says_so():
+    """`--set hw.pcie.bandwidth_scale=abc` said "(not in rtx4090.yaml)", which read as if the field did not
+    exist; bandwidth_scale is a field the profile leaves at its default."""
+    profile = load_profile(PROFILE_DIR / "rtx4090.yaml")
+    with pytest.raises(ProfileError) as err:
+        profile.with_overrides({"pcie.bandwidth_scale": "abc"})
+    assert str(err.value) == (f"field '--set': parameter 'hw.pcie.bandwidth_scale'=abc ({PROFILE_DIR / 'rtx4090.yaml'}"
+                              " does not set it): must be a number, got 'abc' (fix: write a number for "
+                              "'bandwidth_scale')")
+
+
 @pytest.mark.parametrize("how", ["file", "--set"])
 def test_replay_with_an_absurd_profile_number_exits_2_with_one_line(tmp_path: Path, capsys, how):
     from moesim.cli import main
