@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,7 +11,8 @@ from typing import TYPE_CHECKING
 import click
 from rich.markup import escape
 
-from moesim.cli.app import InputPath, check_outputs, cli, console, err_console, open_output, say_wrote
+from moesim.cli.app import (InputPath, check_outputs, cli, console, err_console, open_output, say_wrote,
+                            write_json)
 from moesim.errors import MoesimError
 from moesim.util import FIGURE, HTML, PARQUET
 
@@ -36,7 +36,11 @@ if TYPE_CHECKING:
                    "for a cluster (--address) or sweeps larger than one machine.")
 @click.option("--address", default=None, metavar="ADDR",
               help="Ray cluster to join (auto, or HEAD_IP:6379) [default: start a local Ray instance].")
-def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None) -> None:
+@click.option("--json", "json_out", default=None, metavar="OUT",
+              help="Also write the summary and the spec's rows as JSON ('-': stdout, which then holds the JSON "
+                   "only; the summary line goes to stderr). Not written when every point failed on bad input.")
+def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, address: str | None,
+              json_out: str | None) -> None:
     """Replay every point of a grid over traces, hardware profiles, systems and --set parameters.
 
     \b
@@ -62,7 +66,7 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
     serving sweep, is left out of those points, with a line saying why.
     """
     from moesim.sweep import load_spec, run_sweep
-    check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out)
+    check_outputs([("SPEC", spec_file)], {"out": PARQUET}, out=out, json=json_out)
     existed = Path(out).exists()
     spec = load_spec(spec_file)
     try:
@@ -88,12 +92,24 @@ def sweep_cmd(spec_file: str, out: str, workers: int | None, engine: str, addres
         raise MoesimError(f"{every} failed on bad input{'' if existed else ', nothing written'}; "
                           f"{which}: {_without_fix(first)}", source=spec_file,
                           fix=f"{fix} (every reason: column 'error' of {out})" if existed else fix)
+    if json_out:  # before the exit status 1 of failed points: their rows say why
+        write_json(_sweep_json(summary, out, frame), json_out)
     if summary.failed:
         for line in failed_lines(spec, errors.head(5)):
             err_console.print(line, markup=False, highlight=False, soft_wrap=True)
         if len(errors) > 5:
             err_console.print(f"... and {len(errors) - 5} more (column 'error' of {out})", markup=False)
-        sys.exit(1)
+        # click's Exit, not sys.exit: the command's outputs (the --json file or text) land before the status 1
+        raise click.exceptions.Exit(1)
+
+
+def _sweep_json(summary: SweepSummary, out: str, frame: pd.DataFrame) -> dict:
+    """``--json``: the summary's counts (as :class:`moesim.sweep.SweepSummary` names them), the results file, and
+    one object per point of the spec as its row in OUT (empty cells null)."""
+    import dataclasses
+    import json
+    rows = json.loads(frame.to_json(orient="records", double_precision=15))  # NaN as null, numpy types as JSON's
+    return {**dataclasses.asdict(summary), "left_out": list(summary.left_out), "out": str(out), "rows": rows}
 
 
 def failed_lines(spec: SweepSpec, rows: pd.DataFrame) -> list[str]:
