@@ -191,9 +191,12 @@ class _Reader:
         if len(xs) != len(ys):
             raise self.fail(key, f"'{x_name}' has {len(xs)} points but '{y_name}' has {len(ys)}",
                             "give one value per point")
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not math.isfinite(v)
-               or v <= 0 for v in xs + ys):
-            raise self.fail(key, "curve values must be positive numbers", "fix the tabulated values")
+        for name, values in ((x_name, xs), (y_name, ys)):  # the point named: it was "curve values must be ..."
+            for i, v in enumerate(values):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and \
+                        not math.isfinite(v) or v <= 0:
+                    raise self.fail(f"{key}.{name}[{i}]", f"curve values must be positive numbers, got {v!r}",
+                                    f"write every value of '{name}' as a number above 0")
         for name, values in ((x_name, xs), (y_name, ys)):
             for i, v in enumerate(values):
                 self.at_most(f"{key}.{name}[{i}]", v, AXIS_CEILINGS[name])

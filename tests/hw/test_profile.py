@@ -533,3 +533,23 @@ def test_replay_with_an_absurd_profile_number_exits_2_with_one_line(tmp_path: Pa
     field = "gpu.expert_ffn[0].time_us[1]" if how == "file" else "--set"
     assert f"field '{field}'" in err and "must be at most 3.6e+09 µs (one hour), got 1e+308" in err
     assert (hw in err) if how == "file" else ("parameter 'hw.sync.per_layer_us'=1e+308" in err)
+
+
+@pytest.mark.parametrize("where, value, field", [("h2d_gbps", -26.19, "pcie.h2d.gbps[0]"),
+                                                 ("h2d_bytes", "512MiB", "pcie.h2d.size_bytes[0]")])
+def test_a_bad_curve_point_is_named_with_its_value(tmp_path: Path, capsys, where, value, field):
+    """A negative bandwidth in pcie.h2d said "field 'pcie.h2d': curve values must be positive numbers (fix:
+    fix the tabulated values)": neither the point nor the value. The field is now the point itself."""
+    from moesim.cli import main
+    data = yaml.safe_load((PROFILE_DIR / "rtx4090.yaml").read_text())
+    data["pcie"]["h2d"]["gbps" if where == "h2d_gbps" else "size_bytes"][0] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert err.value.field == field and f"got {value!r}" in str(err.value)
+    trace = Path(__file__).resolve().parents[2] / "traces" / "mixtral-8x7b-humaneval.parquet"
+    assert main(["replay", str(trace), "--hw", str(path)]) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.count("\n") == 1 and f"{path}, field '{field}': curve values must be positive numbers, got " \
+        f"{value!r} (fix: write every value of '{field.split('.')[-1].split('[')[0]}' as a number above 0)" in err_text
