@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -385,7 +387,17 @@ class Component:
     def parameters(cls) -> dict[str, Any]:
         if not dataclasses.is_dataclass(cls):
             return {}
-        return {f.name: f.default for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.init}
+        return {f.name: field_default(f) for f in dataclasses.fields(cls) if not f.name.startswith("_") and f.init}
+
+    @classmethod
+    def parameter_types(cls) -> dict[str, Any]:
+        """Each parameter's annotation as a type (``int | None``, ``list[int]``), where it resolves; a ``--set``
+        value of a parameter whose default is None or a list is read by it."""
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an annotation naming what its module cannot resolve: coerce by the default alone
+            return {}
+        return {name: hints[name] for name in cls.parameters() if name in hints}
 
     def set_param(self, key: str, raw: str) -> None:
         params = self.parameters()
@@ -401,13 +413,32 @@ class Component:
             if value is not None and math.isfinite(value) and value < 0:
                 setattr(self, key, value)
                 return
-        setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}"))
+        setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}", self.parameter_types().get(key)))
 
 
-def coerce(raw: Any, default: Any, key: str) -> Any:
-    """Convert a ``--set`` string to the type of the parameter's default."""
+def field_default(f: dataclasses.Field) -> Any:
+    """A dataclass field's default, its factory's value for one made by a factory (a list, say)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+#: what ``--set`` values of these types are read as, where a parameter's default does not say (None)
+_SAMPLES: dict[Any, Any] = {bool: False, int: 0, float: 0.0, str: ""}
+
+
+def coerce(raw: Any, default: Any, key: str, kind: Any = None) -> Any:
+    """Convert a ``--set`` string to the parameter's type: ``kind``, its annotation, where it says more than
+    the default does (``int | None``, ``list[int]``, ``float`` with a whole-number default), else the type of
+    the default."""
     if not isinstance(raw, str):
         return raw
+    if kind is not None:
+        typed = _coerce_annotated(raw, default, key, kind)
+        if typed is not _UNTYPED:
+            return typed
     try:
         if isinstance(default, bool):
             if raw.lower() in ("1", "true", "yes", "on"):
@@ -434,6 +465,36 @@ def coerce(raw: Any, default: Any, key: str) -> Any:
         raise ConfigError(f"'{raw}' is not a valid {kind}", field=key,
                           fix=f"give a {'whole number' if kind == 'int' else kind}, e.g. {default!r}") from None
     return raw
+
+
+_UNTYPED = object()
+
+
+def _coerce_annotated(raw: str, default: Any, key: str, kind: Any) -> Any:
+    """:func:`coerce` by an annotation: an optional type (``none`` or ``null`` for None), a list or tuple
+    (``1,2,3`` or ``[1, 2, 3]``, each item of the item type), or a number type the default does not have; or
+    ``_UNTYPED`` where the default's type says as much."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if raw.strip().lower() in ("none", "null"):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            return _UNTYPED
+        return coerce(raw, _SAMPLES.get(inner[0], default) if default is None else default, key, inner[0])
+    if origin in (list, tuple) or kind in (list, tuple):
+        items = raw.strip()
+        if items[:1] + items[-1:] in ("[]", "()"):
+            items = items[1:-1]
+        item_kind = args[0] if args and args[0] is not Ellipsis else None
+        values = [coerce(item.strip(), _SAMPLES.get(item_kind), f"{key}[{i}]", item_kind)
+                  for i, item in enumerate(items.split(",")) if items.strip()]
+        return tuple(values) if (origin or kind) is tuple else values
+    if kind is float and isinstance(default, int) and not isinstance(default, bool):
+        return coerce(raw, float(default), key)  # a float parameter whose default is written whole
+    if default is None and kind in _SAMPLES:
+        return coerce(raw, _SAMPLES[kind], key) if kind is not str else raw
+    return _UNTYPED
 
 
 #: the largest value a numeric ``--set`` parameter takes (counts, sizes, microseconds)

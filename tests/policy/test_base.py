@@ -27,6 +27,45 @@ def test_a_negative_default_can_be_asked_for_again_and_no_other_negative():
     assert (system.cache.u_size, system.prefetch.size) == (-1, -1)
 
 
+def test_a_parameter_is_read_by_its_annotation_where_the_default_says_less():
+    """A component of one's own with an optional, a list and a float parameter written whole: ``--set`` values
+    take the annotated type (before, ``limit=x`` was kept as the string 'x' and ``sizes`` stayed a string)."""
+    from dataclasses import dataclass, field
+
+    from moesim.policy.cache import CachePolicy
+
+    @dataclass
+    class Annotated(CachePolicy):
+        name = "annotated"
+        limit: int | None = None
+        sizes: tuple[int, ...] = (1, 2)
+        names: list[str] = field(default_factory=list)
+        alpha: float = 1
+
+    cache = Annotated()
+    assert cache.parameters()["names"] == []  # the factory's value, not dataclasses.MISSING
+    for raw, value in (("5", 5), ("none", None), ("null", None)):
+        cache.set_param("limit", raw)
+        assert cache.limit == value and type(cache.limit) is type(value)
+    with pytest.raises(ConfigError, match="'x' is not a valid int") as refused:
+        cache.set_param("limit", "x")
+    assert refused.value.field == "cache.limit"
+    with pytest.raises(ConfigError, match="is negative"):
+        cache.set_param("limit", "-3")
+    for raw in ("3,4", "[3, 4]", "(3,4)"):
+        cache.set_param("sizes", raw)
+        assert cache.sizes == (3, 4)
+    cache.set_param("sizes", "[]")
+    assert cache.sizes == ()
+    with pytest.raises(ConfigError, match="'x' is not a valid int") as refused:
+        cache.set_param("sizes", "3,x")
+    assert refused.value.field == "cache.sizes[1]"
+    cache.set_param("names", "a, b")
+    assert cache.names == ["a", "b"]
+    cache.set_param("alpha", "0.5")
+    assert cache.alpha == 0.5
+
+
 def _view_of(experts):
     import numpy as np
 
