@@ -23,7 +23,9 @@ class SimConfig:
     timeline: bool = False
     #: log every placement, load, prefetch and eviction the plans decide (the decision log)
     decisions: bool = False
-    #: verify plans against the invariants while running (tests)
+    #: check every system's plans against the invariants as they run (each routed expert computed once unless
+    #: substituted or deferred, GPU experts resident or on their way, loads within the slots); policies of
+    #: one's own are always checked
     check: bool = False
     #: a portfolio bound (oracle) stops a member once it provably cannot be best on any metric
     #: (moesim.sim.portfolio); false runs every member to the end, for every member's full metrics
