@@ -683,6 +683,41 @@ def test_a_saved_replay_of_the_wrong_kind_or_a_foreign_folder_is_one_line(files,
         moesim.load_replay(folder)
 
 
+def test_a_save_that_fails_midway_leaves_the_earlier_result_whole_and_says_one_line(files, tmp_path, monkeypatch):
+    """run.save(FOLDER) over an earlier result wrote frame after frame in place: one failing (a full disk) or
+    interrupted (Kernel > Interrupt) part-way left the earlier result.json beside this run's first frames,
+    which load_replay read back as one result; a folder it cannot make raised a bare FileNotFoundError."""
+    import pandas as pd
+    trace, hw = files
+    earlier = moesim.replay(trace, hw=hw, system="cpu-only")
+    later = moesim.replay(trace, hw=hw, system="gpu-only-lru")
+    folder = earlier.save(tmp_path / "run")
+    real = pd.DataFrame.to_parquet
+    written: list[str] = []
+
+    def full_disk(frame, path, *args, **kwargs):
+        written.append(str(path))
+        if len(written) == 2:  # the timeline, after the metrics
+            raise OSError(28, "No space left on device")
+        return real(frame, path, *args, **kwargs)
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full_disk)
+    with pytest.raises(ConfigError) as err:
+        later.save(folder)
+    assert "No space left on device" in str(err.value) and err.value.field == "folder"
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", real)
+    back = moesim.load_replay(folder)
+    assert back.system == "cpu-only"
+    pd.testing.assert_frame_equal(back.metrics, earlier.metrics, check_dtype=False)
+    assert sorted(p.name for p in folder.iterdir()) == ["decisions.parquet", "metrics.parquet", "result.json",
+                                                        "steps.parquet", "timeline.parquet"]
+    assert moesim.load_replay(later.save(folder)).system == "gpu-only-lru"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot write the output") as err:
+        later.save(blocker / "run")  # its parent is a file: mkdir fails
+    assert err.value.field == "folder"
+
+
 def test_the_engine_timeline_setting_is_obeyed_or_refused_beside_the_argument(files):
     """settings={"engine.timeline": False} was overridden by timeline's default True: the timeline was kept (and
     the replay slowed) without a word. The setting now decides when the argument is not given; both: one line."""

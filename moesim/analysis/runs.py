@@ -86,18 +86,36 @@ class ReplayResult:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write this result to ``folder`` (made if need be): each frame as Parquet and ``result.json``;
         :func:`load_replay` reads it back. Files of a result saved there before are replaced."""
+        from moesim.util import output_error, sigint_blocked, tmp_path_for
         folder = checked_folder(folder)
         if folder.exists() and not folder.is_dir():
             raise ConfigError(f"{folder} is a file", field="folder", fix="give a folder to save the result in")
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in FRAMES:
-            frame, path = getattr(self, name), folder / f"{name}.parquet"
-            if frame is None:
-                path.unlink(missing_ok=True)  # an older result's frame would be read back as this one's
-            else:
-                frame.to_parquet(path, index=False)
-        meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics, "hw": self.hw}
-        (folder / META_FILE).write_text(json.dumps(meta, default=_plain, indent=1))
+        # every file is written beside its target first and moved into place together at the end: a save
+        # interrupted (Kernel > Interrupt) or failing (a full disk) while writing left an earlier result's
+        # result.json beside this one's frames, which load_replay read back as one result
+        staged: list[tuple[Path, Path]] = []
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in FRAMES:
+                frame, path = getattr(self, name), folder / f"{name}.parquet"
+                if frame is not None:
+                    staged.append((tmp_path_for(path), path))
+                    frame.to_parquet(staged[-1][0], index=False)
+            meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics, "hw": self.hw}
+            staged.append((tmp_path_for(folder / META_FILE), folder / META_FILE))
+            staged[-1][0].write_text(json.dumps(meta, default=_plain, indent=1))
+            with sigint_blocked():  # result.json goes first and comes back last: no mix is ever loadable
+                (folder / META_FILE).unlink(missing_ok=True)
+                for name in FRAMES:  # an older result's frame would be read back as this one's
+                    if getattr(self, name) is None:
+                        (folder / f"{name}.parquet").unlink(missing_ok=True)
+                for tmp, path in staged:
+                    os.replace(tmp, path)
+        except OSError as err:  # /proc/run raised FileNotFoundError from mkdir
+            raise output_error(folder, err, "folder") from None
+        finally:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
         return folder
 
     def _repr_html_(self) -> str:
