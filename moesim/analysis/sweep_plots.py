@@ -19,7 +19,8 @@ from moesim.analysis.figure_style import hue_styles, legend_handle, log_axis, si
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, X_SETTINGS, UnevenMeans, as_groups, check_drawable,
                                            column, failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
-                                           on_hardware, ordered_systems, parameter_columns, sorted_values, varying)
+                                           on_hardware, ordered_systems, parameter_columns, sorted_values, system_label,
+                                           varying)
 from moesim.api_args import checked_keywords
 from moesim.errors import ConfigError
 from moesim.notebook import callers_lines
@@ -61,7 +62,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     data, without_x = rows_with_x(data, x, source)
     check_drawable(data, ((x, "x"), (y, "y")), source)
     data = as_groups(data, (hue, *facets))
-    panel_values = [sorted_values(data[f]) for f in facets]
+    panel_values = [_panel_values(data, f) for f in facets]
     if len(facets) > 1:  # one column naming each panel by its facets' values
         data = data.assign(_panel=list(zip(*(data[f] for f in facets))))
         facet = "_panel"
@@ -147,8 +148,16 @@ def with_hardware(heading: str, data: pd.DataFrame) -> str:
 
 
 def _shown(column: str, value: Any) -> str:
-    """A facet's value in a panel title: a trace by its file name."""
+    """A facet's value in a panel title: a trace by its file name, a system as the legends name it ("oracle
+    (bound)": a panel of a bound read as a deployable system's)."""
+    if column == "system":
+        return system_label(str(value))
     return os.path.basename(str(value)) if column == "trace" else str(value)
+
+
+def _panel_values(data: pd.DataFrame, facet: str) -> list[Any]:
+    """A facet's values in panel order: systems as every legend orders them (bounds last), others sorted."""
+    return ordered_systems(data[facet].dropna().unique()) if facet == "system" else sorted_values(data[facet])
 
 
 def rows_with_x(data: pd.DataFrame, x: str, source: str | None = None) -> tuple[pd.DataFrame, str]:
@@ -266,7 +275,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
                           fix="choose metrics the runs defined (e.g. no TTFT without prefill)")
     check_drawable(data, ((x, "x"), (y, "y")), source)
     data = as_groups(data, (hue, facet))
-    panels = sorted_values(data[facet]) if facet else [None]
+    panels = _panel_values(data, facet) if facet else [None]
     cols = min(len(panels), 3)
     rows = -(-len(panels) // cols)
     fig = DisplayFigure(figsize=(4.8 * cols + 2.6, 3.8 * rows + 0.6), layout="constrained")
@@ -294,7 +303,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
         ax.set_xlabel(label(x))
         ax.set_ylabel(label(y))
         if facet:
-            ax.set_title(f"{label(facet)} = {panel}", fontsize=10)
+            ax.set_title(f"{label(facet)} = {_shown(facet, panel)}", fontsize=10)
         tidy_axes(ax)
         ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
     for ax in list(axes.flat)[len(panels):]:

@@ -760,3 +760,15 @@ def test_a_flag_picked_from_a_results_column_is_described_as_set_writes_it():
     frame = pd.DataFrame({"system": ["a", "a", "a"], "assign.decode_on_demand": [False, True, True],
                           "prefetch.n": np.array([2.0, 1.0, 3.0], dtype=np.float32)})
     assert describe(representative(frame)) == "assign.decode_on_demand=false, prefetch.n=2"
+
+
+def test_panels_per_system_are_ordered_and_named_as_the_legends():
+    """--facet system drew the panels alphabetically with bare names: "system = all-in-gpu" first, a reference read
+    as a deployable system. Now systems come in the legends' order (bounds and references last), named as there."""
+    frame = results()
+    titles = [ax.get_title() for ax in plot_results(frame, x="cache.slots_per_layer", y="tpot_ms_mean",
+                                                    facet="system").axes if ax.get_visible()]
+    expected = ["system = gpu-only-lru", "system = static-hot", "system = all-in-gpu (reference)"]
+    assert titles == expected
+    scatter = plot_scatter(frame.assign(prefetches=1), x="gpu_hit_rate", y="tpot_ms_mean", hue=None, facet="system")
+    assert [ax.get_title() for ax in scatter.axes if ax.get_visible()] == expected
