@@ -85,10 +85,9 @@ def _moesim_file(path: PathLike) -> tuple[str, str] | None:
     def top_keys(*keys: str) -> bool:
         return all(re.search(rf"^{key}\s*:", text, re.MULTILINE) for key in keys)
     if top_keys("schema_version", "gpu"):
-        return ("a hardware profile (YAML)",
-                f"give it as --hw {path} (--profile for validate), and a trace (.parquet) as the trace")
+        return "a hardware profile (YAML)", "give it as the hardware profile (--hw), and a trace (.parquet) as the trace"
     if top_keys("traces", "systems"):
-        return "a sweep spec (YAML)", f"run it with `moesim sweep {path} --out results.parquet`"
+        return "a sweep spec (YAML)", "run it with `moesim sweep` (moesim.sweep from Python)"
     if text.lstrip().startswith(("{", "[")) and re.search(r'"(tpot_ms_mean|ttft_ms|traceEvents)"', text):
         return ("moesim's JSON output (the --json metrics or a --chrome-trace)",
                 "give the trace (.parquet) that the run read; its path is under inputs.trace in the --json metrics")

@@ -536,8 +536,8 @@ def test_moesim_own_other_files_given_as_the_trace_are_named(tmp_path, capsys, c
     spec.write_text("traces: [t.parquet]\nsystems: [cpu-only]\n")
     metrics = tmp_path / "run.json"
     metrics.write_text(json.dumps({"system": "cpu-only", "ttft_ms": 1.0, "tpot_ms_mean": 2.0}, indent=2))
-    expected = {profile: f"not a trace but a hardware profile (YAML) (fix: give it as --hw {profile}",
-                spec: f"not a trace but a sweep spec (YAML) (fix: run it with `moesim sweep {spec} --out",
+    expected = {profile: "not a trace but a hardware profile (YAML) (fix: give it as the hardware profile (--hw)",
+                spec: "not a trace but a sweep spec (YAML) (fix: run it with `moesim sweep` (moesim.sweep from",
                 metrics: "not a trace but moesim's JSON output (the --json metrics or a --chrome-trace)"}
     for path, said in expected.items():
         assert main([*command, str(path)]) == 2
@@ -547,3 +547,16 @@ def test_moesim_own_other_files_given_as_the_trace_are_named(tmp_path, capsys, c
     other.write_text('{"layers": []}\n')
     assert main([*command, str(other)]) == 2
     assert "not a Parquet file" in capsys.readouterr().err
+
+
+def test_a_profile_given_as_the_trace_from_python_names_the_argument():
+    """From Python the fix names the hw= argument, as the command line names --hw."""
+    from pathlib import Path
+
+    import moesim
+    from moesim.errors import TraceFormatError
+    profile = Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"
+    with pytest.raises(TraceFormatError) as err:
+        moesim.replay(profile)
+    assert str(err.value) == (f"{profile}: not a trace but a hardware profile (YAML) (fix: give it as the hardware "
+                              "profile (hw=), and a trace (.parquet) as the trace)")
