@@ -94,6 +94,15 @@ def _moesim_file(path: PathLike) -> tuple[str, str] | None:
     return None
 
 
+def not_found(path: PathLike) -> TraceFormatError:
+    """The error of a trace file that does not exist; '-' is no file but standard input, which a trace is
+    not read from (it said '-: file not found (fix: check the path)')."""
+    if os.fspath(path) == "-":
+        return TraceFormatError("a trace is read from a file, not from standard input ('-')", source="-",
+                                fix="save it to a .parquet file and give that file's path")
+    return TraceFormatError("file not found", source=str(path), fix="check the path")
+
+
 def _size(path: PathLike) -> int | None:
     try:
         return os.stat(path).st_size
@@ -121,7 +130,7 @@ def arrow_source(path: PathLike) -> Any:
 def _open(path: PathLike) -> pq.ParquetFile:
     path = Path(path)
     if not path.exists():
-        raise TraceFormatError("file not found", source=str(path), fix="check the path")
+        raise not_found(path)
     if path.is_dir():  # as the validation pass says it (it was 'not a Parquet file: convert the log')
         raise TraceFormatError("is a folder, not a trace file", source=str(path), fix="give a .parquet file")
     try:

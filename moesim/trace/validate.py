@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from moesim.errors import TraceFormatError
-from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_parquet, read_meta
+from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_found, not_parquet, read_meta
 from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SCORE_BYTES,
                                  SORT_KEYS, TraceMeta, accepted_types, score_rows)
 from moesim.trace.validated import record_validated, was_validated
@@ -256,7 +256,7 @@ def _check_magic(path: PathLike) -> None:
             fh.seek(max(size - 4, 0))
             tail = fh.read(4)
     except FileNotFoundError:
-        raise TraceFormatError("file not found", source=name, fix="check the path") from None
+        raise not_found(name) from None
     except IsADirectoryError:
         raise TraceFormatError("is a folder, not a trace file", source=name, fix="give a .parquet file") from None
     except OSError as err:

@@ -560,3 +560,13 @@ def test_a_profile_given_as_the_trace_from_python_names_the_argument():
         moesim.replay(profile)
     assert str(err.value) == (f"{profile}: not a trace but a hardware profile (YAML) (fix: give it as the hardware "
                               "profile (hw=), and a trace (.parquet) as the trace)")
+
+
+@pytest.mark.parametrize("command", [["replay"], ["trace", "inspect"], ["trace", "validate"]])
+def test_a_dash_for_the_trace_says_traces_are_not_read_from_standard_input(capsys, command):
+    """`moesim replay - < t.parquet` said '-: file not found (fix: check the path)'."""
+    from moesim.cli import main
+    assert main([*command, "-"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("moesim: error: -: a trace is read from a file, not from standard input ('-') (fix: save it to a "
+                   ".parquet file and give that file's path)\n")
