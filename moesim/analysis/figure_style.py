@@ -91,16 +91,22 @@ def legend_handle(style: dict[str, Any], kind: str, hollow: bool = False) -> Any
 
 
 def tidy_axes(ax: Any) -> None:
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, ScalarFormatter
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     for axis in (ax.xaxis, ax.yaxis):  # plain tick labels: a narrow range near 24 GiB read "0.0015 ... +2.399e1"
-        formatter = axis.get_major_formatter()
-        if isinstance(formatter, ScalarFormatter):
-            formatter.set_useOffset(False)
-            formatter.set_scientific(False)
+        if isinstance(axis.get_major_formatter(), ScalarFormatter):
+            # with thousands separators, as on a log axis: PCIe bytes read "2500000000000"
+            axis.set_major_formatter(FuncFormatter(_plain))
     ax.grid(axis="y", color="#dddddd", linewidth=0.6, which="major")
     ax.set_axisbelow(True)
+
+
+def _plain(value: float, _: Any = None) -> str:
+    """A tick label: the number in full with thousands separators, float noise (0.30000000000000004) dropped
+    (and no 2e+12: a whole number is written out)."""
+    text = f"{value:,.10g}"
+    return f"{round(value):,}" if "e" in text and float(text.replace(",", "")) == round(value) else text
 
 
 def log_axis(ax: Any, which: str = "y") -> None:
@@ -113,7 +119,7 @@ def log_axis(ax: Any, which: str = "y") -> None:
     if text and LOG_NOTE not in text:
         axis.set_label_text(f"{text}{LOG_NOTE}")
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    axis.set_major_formatter(FuncFormatter(_plain))
     axis.set_minor_formatter(NullFormatter())
 
 

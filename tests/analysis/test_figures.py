@@ -772,3 +772,16 @@ def test_panels_per_system_are_ordered_and_named_as_the_legends():
     assert titles == expected
     scatter = plot_scatter(frame.assign(prefetches=1), x="gpu_hit_rate", y="tpot_ms_mean", hue=None, facet="system")
     assert [ax.get_title() for ax in scatter.axes if ax.get_visible()] == expected
+
+
+def test_large_values_are_labelled_with_thousands_separators():
+    """PCIe bytes (about 1e12) on a linear axis read "2500000000000": the digits had to be counted. Ticks now
+    carry thousands separators, as a log axis's do, and small ones stay as they are."""
+    frame = results().assign(pcie_h2d_bytes=lambda f: f["cache.slots_per_layer"] * 5e11)
+    fig = plot_results(frame, x="cache.slots_per_layer", y="pcie_h2d_bytes", logy=False)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    ys = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert "1,000,000,000,000" in ys and "2,000,000,000,000" in ys
+    assert not any("e+" in y or "1e" in y for y in ys)
+    assert [t.get_text() for t in ax.get_xticklabels() if t.get_text()] == ["1", "2", "4"]
