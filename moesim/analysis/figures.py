@@ -254,6 +254,13 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     if not Path(trace).is_file():
         raise ConfigError(f"trace '{trace}' of this point is not here", source=trace, field="trace_path",
                           fix="run the report where the sweep ran, or pass --no-gantt")
+    if not Path(hw).is_file():  # a profile file moved since: `moesim report` failed whole (exit 2), not the chart
+        from moesim.hw.profile import profile_path
+        hw = str(profile_path(str(point["hw"])))  # a profile name still finds its bundled file
+        if not Path(hw).is_file():
+            given = str(point.get("hw_path") or point["hw"])
+            raise ConfigError(f"hardware profile '{given}' of this point is not here", source=given,
+                              field="hw_path", fix="run the report where the sweep ran, or pass --no-gantt")
     settings = {k: setting_text(v) for k, v in point.items() if "." in k and _present(v)}
     model = point.get("model") if _present(point.get("model")) else None
     result = simulate(trace, hw, str(point["system"]), settings, model_preset=model,

@@ -253,3 +253,17 @@ def test_old_results_without_the_substitution_metric_mark_by_the_systems_spec():
                       ignore_index=True)
     page = render_report(frame, title="t", gantt=False)
     assert "<th>importance \u2020</th>" in page and "importance (the results do not say how many)" in page
+
+
+def test_cli_report_of_a_point_whose_profile_moved_draws_the_rest(sweep_results, tmp_path, capsys):
+    """The sweep's profile file moved away: `moesim report` failed whole (exit 2, "hardware profile not found"),
+    while a missing trace only cost the Gantt chart. Now the profile costs the Gantt chart alone too, with a note."""
+    (tmp_path / "hw.yaml").rename(tmp_path / "elsewhere.yaml")
+    report = tmp_path / "report.html"
+    assert main(["report", str(sweep_results), "--out", str(report)]) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() == f"wrote {report}"
+    assert [line for line in said.err.splitlines() if line.startswith("note: no Gantt chart:")] == [
+        f"note: no Gantt chart: {tmp_path / 'hw.yaml'}, field 'hw_path': hardware profile '{tmp_path / 'hw.yaml'}' "
+        "of this point is not here (fix: run the report where the sweep ran, or pass --no-gantt)"]
+    assert report.read_text().count("<img") == 3  # the other figures
