@@ -52,6 +52,27 @@ def import_again(entries: Sequence[tuple[str, str]]) -> None:
         import_policies([name], base_dir=Path(folder))
 
 
+def modules_of(objects: Sequence[object]) -> list[tuple[str, str]]:
+    """:func:`import_again` entries for the modules that define ``objects`` (classes of one's own), each
+    with the folder it is imported from: a process that unpickles such a class by reference imports its
+    module first, and one imported with a plain ``import my_policies`` went through no
+    :func:`import_policies`. ``__main__`` (a notebook's cells) and moesim's own modules are left out:
+    pickling carries the first's classes by value, and every process has the second."""
+    entries: list[tuple[str, str]] = []
+    for obj in objects:
+        name = getattr(obj, "__module__", "") or ""
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if name == "__main__" or name.partition(".")[0] == "moesim" or not file:
+            continue
+        path = Path(file).resolve()
+        # the folder its top-level package (or the module itself) sits in
+        root = path.parents[name.count(".") + (path.stem == "__init__")]
+        entry = (name, str(root))
+        if entry not in entries:
+            entries.append(entry)
+    return entries
+
+
 def _is_path(name: str) -> bool:
     return name.endswith(".py") or os.sep in name or (os.altsep is not None and os.altsep in name)
 

@@ -221,6 +221,28 @@ register_system("belady", SystemSpec(
     listed=False, runtime="ideal"))
 
 
+def own_registrations() -> list[tuple[str, object]]:
+    """The components and systems of one's own registered in this process, in registration order by kind,
+    for :func:`register_again` in another: a sweep's Ray workers start afresh, not forked from the notebook
+    or script whose cells or imports registered them."""
+    components = [("component", cls) for role, registry in COMPONENTS.items() for name, cls in registry.items()
+                  if (role, name) not in CATALOGUE_COMPONENTS]
+    systems = [("system", (name, spec, REGISTERED_BY.get(name, ""))) for name, spec in SYSTEMS.items()
+               if name not in CATALOGUE_SYSTEMS]
+    return components + systems
+
+
+def register_again(entries: list[tuple[str, object]]) -> None:
+    """Register in this process what :func:`own_registrations` listed in another (checked there already)."""
+    for kind, what in entries:
+        if kind == "component":
+            COMPONENTS.setdefault(what.role, {})[what.name] = what  # type: ignore[attr-defined]
+        else:
+            name, spec, module = what  # type: ignore[misc]
+            SYSTEMS[name] = spec
+            REGISTERED_BY[name] = module
+
+
 def system_names(all_systems: bool = False) -> list[str]:
     """Systems `--system all` runs (or every registered one)."""
     return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]

@@ -39,8 +39,8 @@ def _run_ray(spec: SweepSpec, points: list[Point], workers: int, address: str | 
         profiles: dict[str, Any] = {}
         pending: dict[Any, Point] = {}
         columns = columns_of(points)  # every worker decodes a trace once, with the columns any point reads
-        from moesim.policy.imports import imported
-        policies = imported()  # Ray's workers are not forked from here: they import the user's policies too
+        # Ray's workers are not forked from here: they register the user's policies too (one copy, shared)
+        policies = ray.put(own_policies(ray))
         for p in points:
             trace, hw = spec.resolve(p.trace), spec.resolve_hw(p.hw)
             if trace not in shipped:
@@ -144,16 +144,44 @@ def local_copy(shipped: ShippedFile, fetch: Callable[[Any], bytes]) -> str:
     return _LOCAL_COPIES[shipped.digest]
 
 
-def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str], attempts: Any,
-               policies: list[tuple[str, str]] = ()) -> dict[str, Any]:
-    """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
-    once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
-    object store), the driver's ``--import`` and spec ``import:`` modules imported (once per process)."""
+def own_policies(ray: Any) -> tuple[list[tuple[str, str]], bytes]:
+    """What a worker needs to run the driver's systems of one's own: the modules to import (``--import``, a
+    spec's ``import:``, and those a plain ``import`` brought in), and every component and system registered
+    beyond the catalogue, pickled (a notebook cell's classes travel by value)."""
+    from moesim.policy.imports import imported, modules_of
+    from moesim.policy.systems import own_registrations
+    registrations = own_registrations()
+    classes = [what if kind == "component" else what[1].system_class for kind, what in registrations]
+    return imported() + modules_of(classes), ray.cloudpickle.dumps(registrations)
+
+
+def _register_own(policies: tuple[list[tuple[str, str]], bytes]) -> None:
+    """Import and register in this worker what :func:`own_policies` gave (once per process)."""
     import ray
 
     from moesim.policy.imports import import_again
+    from moesim.policy.systems import register_again
+    modules, registrations = policies
+    if registrations not in _REGISTERED:
+        import_again(modules)
+        if registrations:
+            register_again(ray.cloudpickle.loads(registrations))
+        _REGISTERED.add(registrations)
+
+
+#: the driver's registrations this worker process has made
+_REGISTERED: set[bytes] = set()
+
+
+def _ray_point(point: Point, trace: ShippedFile, profile: Any, columns: list[str], attempts: Any,
+               policies: tuple[list[tuple[str, str]], bytes] = ([], b"")) -> dict[str, Any]:
+    """One point in a Ray worker: the trace copied to local disk once per machine (validated and decoded
+    once per worker process: ``moesim.trace.io.iter_steps`` keeps it), the profile already parsed (from the
+    object store), the driver's modules and systems of one's own imported and registered (once per process)."""
+    import ray
+
     from moesim.trace.io import keep_decoded
     ray.get(attempts.start.remote(point.point_id))  # noted before the work that may kill this worker
-    import_again(policies)
+    _register_own(policies)
     keep_decoded(columns)
     return run_point(point, local_copy(trace, ray.get), profile)

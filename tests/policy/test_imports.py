@@ -172,3 +172,62 @@ def test_a_sweep_spec_import_that_is_no_name_is_one_line(tmp_path, trace):
     spec.write_text(f"import: [{{a: 1}}]\ntraces: [{trace}]\nsystems: [cpu-only]\n")
     with pytest.raises(ConfigError, match=r"field 'import'.*is not a module"):
         load_spec(spec)
+
+
+def test_modules_of_names_each_class_module_with_the_folder_it_is_imported_from(tmp_path, monkeypatch):
+    """A Ray worker imports these before it unpickles the classes: a module of its own folder, a package's
+    module (its package's folder), a package's __init__; never __main__ or moesim's own."""
+    import importlib
+    import sys
+
+    from moesim.policy.cache import LRUCache
+    from moesim.policy.imports import modules_of
+    (tmp_path / "solo_mod.py").write_text("class A: pass\n")
+    (tmp_path / "lab_pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "lab_pkg" / "__init__.py").write_text("class B: pass\n")
+    (tmp_path / "lab_pkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "lab_pkg" / "sub" / "deep.py").write_text("class C: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    solo, pkg, deep = (importlib.import_module(m) for m in ("solo_mod", "lab_pkg", "lab_pkg.sub.deep"))
+    main_class = type("D", (), {"__module__": "__main__"})
+    try:
+        entries = modules_of([solo.A, pkg.B, deep.C, deep.C, main_class, LRUCache])
+    finally:
+        for name in ("solo_mod", "lab_pkg", "lab_pkg.sub", "lab_pkg.sub.deep"):
+            sys.modules.pop(name, None)
+    root = str(tmp_path.resolve())
+    assert entries == [("solo_mod", root), ("lab_pkg", root), ("lab_pkg.sub.deep", root)]
+
+
+def test_own_registrations_register_again_in_a_fresh_registry(monkeypatch):
+    """What a Ray worker registers: the components and systems beyond the catalogue, with the module that
+    registered each system."""
+    from dataclasses import dataclass
+
+    from moesim.policy import systems
+    from moesim.policy.cache import LRUCache
+
+    monkeypatch.setattr(systems, "COMPONENTS", {role: dict(r) for role, r in systems.COMPONENTS.items()})
+    monkeypatch.setattr(systems, "SYSTEMS", dict(systems.SYSTEMS))
+    monkeypatch.setattr(systems, "REGISTERED_BY", dict(systems.REGISTERED_BY))
+    catalogue = (len(systems.COMPONENTS["cache"]), len(systems.SYSTEMS))
+
+    @dataclass
+    class OwnLRU(LRUCache):
+        name = "own-lru-again"
+
+    systems.register_component(OwnLRU)
+    systems.register_system("own-again", systems.SystemSpec("mine", cache="own-lru-again", assign="gpu"))
+    entries = systems.own_registrations()
+    assert [kind for kind, _ in entries] == ["component", "system"]
+    assert entries[0][1] is OwnLRU and entries[1][1][0] == "own-again"
+    assert entries[1][1][2] == __name__  # the module that registered it
+    # a worker's registry: the catalogue alone
+    systems.COMPONENTS["cache"].pop("own-lru-again")
+    systems.SYSTEMS.pop("own-again")
+    systems.REGISTERED_BY.pop("own-again")
+    assert (len(systems.COMPONENTS["cache"]), len(systems.SYSTEMS)) == catalogue
+    systems.register_again(entries)
+    assert systems.COMPONENTS["cache"]["own-lru-again"] is OwnLRU
+    assert systems.build_system("own-again").cache.name == "own-lru-again"
+    assert systems.REGISTERED_BY["own-again"] == __name__

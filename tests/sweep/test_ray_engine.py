@@ -176,3 +176,39 @@ def test_ray_workers_import_the_policies_the_spec_imports(files):
     assert (rows.status == "ok").all() and len(rows) == 4, rows[["system", "status", "error"]]
     by = rows.set_index(["system", "cache.slots_per_layer"]).tpot_ms_mean
     assert [by["lab-lru", s] for s in (1, 2)] == [by["gpu-only-lru", s] for s in (1, 2)]
+
+
+@pytest.mark.slow
+def test_ray_workers_register_the_systems_a_notebook_and_a_plain_import_registered(tmp_path):
+    """A system registered in a notebook's cell (``__main__``) and one from a module brought in with a plain
+    ``import``: both failed in Ray's workers as 'unknown system', which are not forked from the driver."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moesim[sweep]')")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "their_policies.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from moesim.policy.cache import LRUCache\n"
+        "from moesim.policy.systems import SystemSpec, register_component, register_system\n"
+        "@register_component\n@dataclass\nclass TheirLRU(LRUCache):\n    name = 'their-lru'\n"
+        "register_system('theirs', SystemSpec('LRU of a module', cache='their-lru', assign='gpu'))\n")
+    script = tmp_path / "cells.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(lib)!r})\n"
+        "import their_policies\n"
+        "from dataclasses import dataclass\n"
+        "import moesim\n"
+        "from moesim.policy.cache import LRUCache\n"
+        "from moesim.policy.systems import SystemSpec, register_component, register_system\n"
+        "@register_component\n@dataclass\nclass CellLRU(LRUCache):\n    name = 'cell-lru'\n"
+        "register_system('cell', SystemSpec('LRU of a cell', cache='cell-lru', assign='gpu'))\n"
+        "table = moesim.sweep({'traces': [str(moesim.bundled_trace('mixtral-8x7b-humaneval'))], 'hw': ['rtx4090'],\n"
+        "                      'systems': ['cell', 'theirs', 'gpu-only-lru'], 'grid': {'cache.slots': [32]}},\n"
+        "                     engine='ray', workers=2)\n"
+        "print(table[['system', 'status', 'tpot_ms_mean']].to_json(orient='records'))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    rows = {r["system"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert {s: r["status"] for s, r in rows.items()} == {"cell": "ok", "theirs": "ok", "gpu-only-lru": "ok"}
+    assert rows["cell"]["tpot_ms_mean"] == rows["theirs"]["tpot_ms_mean"] == rows["gpu-only-lru"]["tpot_ms_mean"]
