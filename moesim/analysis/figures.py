@@ -41,7 +41,7 @@ from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER
                                            parameter_columns, routed_activations, setting_text, sorted_values,
                                            substituting, substitution_note, system_label, varying)
 from moesim.api_args import checked_keywords
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, MoesimError
 from moesim.notebook import callers_lines
 from moesim.sim.bookkeeping import BREAKDOWN
 
@@ -329,7 +329,7 @@ def standard_figures(frame: pd.DataFrame, *, gantt: bool = True,
             out["gantt"] = (fig_gantt(point), (f"CPU, GPU and PCIe activity over two decode steps of "
                                                f"{point['system']}, the fastest system at this point that is "
                                                "neither a bound nor a reference."))
-        except ConfigError as err:
+        except MoesimError as err:  # a trace or profile damaged since the sweep too: the other figures stand
             out["gantt"] = (None, f"no Gantt chart: {err}")
     return out
 

@@ -267,3 +267,15 @@ def test_cli_report_of_a_point_whose_profile_moved_draws_the_rest(sweep_results,
         f"note: no Gantt chart: {tmp_path / 'hw.yaml'}, field 'hw_path': hardware profile '{tmp_path / 'hw.yaml'}' "
         "of this point is not here (fix: run the report where the sweep ran, or pass --no-gantt)"]
     assert report.read_text().count("<img") == 3  # the other figures
+
+
+def test_cli_report_of_a_point_whose_trace_was_damaged_draws_the_rest(sweep_results, tmp_path, capsys):
+    """The sweep's trace overwritten since by something else: `moesim report` failed whole (exit 2, "not a Parquet
+    file"), as if the results were bad. The replay is for the Gantt chart alone, which is left out with a note."""
+    (tmp_path / "t.parquet").write_text("garbage\n")
+    report = tmp_path / "report.html"
+    assert main(["report", str(sweep_results), "--out", str(report)]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: no Gantt chart:")]
+    assert notes == [f"note: no Gantt chart: {tmp_path / 't.parquet'}: not a Parquet file (fix: convert the log "
+                     "with `moesim trace import`)"]
+    assert report.read_text().count("<img") == 3
