@@ -404,3 +404,18 @@ def test_a_command_whose_other_output_fails_prints_no_json_on_stdout(files, tmp_
     assert out == ""
     code, out, _ = run(args, capsys)  # the same command that can write its files prints its JSON
     assert code == 0 and isinstance(json.loads(out), dict)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where no file can be created")
+@pytest.mark.parametrize("option, name", [("--json", "m.json"), ("--timeline", "tl.parquet"),
+                                          ("--chrome-trace", "c.json"), ("--plot", "g.png"),
+                                          ("--decisions", "d.parquet")])
+def test_an_output_folder_that_takes_no_file_is_refused_before_the_run(files, capsys, option, name):
+    """As root, os.access says /proc is writable: `moesim replay T --json /proc/m.json` replayed, printed the
+    table and only then failed to write. Creating a file there is now tried before the run (one line, exit 2,
+    no table); as anyone else the output check said so already."""
+    trace, hw = files
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "cpu-only", option, f"/proc/{name}"], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and f"/proc/{name}, field '{option}': " in err
+    assert "cannot create a file in /proc" in err or "folder /proc is not writable" in err
