@@ -95,6 +95,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     numeric_x = data[x].dtype.kind in "biuf"
     hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
         if hue else [None]
+    _check_hues(hues, hue, source)
     styles = hue_styles(hues, hue == "system", ordered_systems(frame["system"].dropna().unique())
                         if hue == "system" else None)
     for ax, panel in zip(axes.flat, panels):
@@ -138,6 +139,19 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+#: lines (or marker colours) a legend tells apart: four columns of ten beside the panels; 60 ran over the title
+MAX_HUES = 40
+
+
+def _check_hues(hues: list[Any], hue: str | None, source: str | None) -> None:
+    """``--hue point_id`` (68 values) drew a legend over the title and panels squeezed to nothing, with a
+    matplotlib warning: one line instead."""
+    if hue and len(hues) > MAX_HUES:
+        raise ConfigError(f"column '{hue}' has {len(hues)} values, more than a legend tells apart ({MAX_HUES})",
+                          source=source, field="hue",
+                          fix="pick a column with fewer values, or make it the facet (one panel per value)")
 
 
 def with_hardware(heading: str, data: pd.DataFrame) -> str:
@@ -283,6 +297,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
     axes = fig.subplots(rows, cols, squeeze=False)
     hues = (ordered_systems(data[hue].dropna().unique()) if hue == "system" else sorted_values(data[hue])) \
         if hue else [None]
+    _check_hues(hues, hue, source)
     styles = hue_styles(hues, hue == "system", ordered_systems(frame["system"].dropna().unique())
                         if hue == "system" else None)
     drew_front = False

@@ -785,3 +785,26 @@ def test_large_values_are_labelled_with_thousands_separators():
     assert "1,000,000,000,000" in ys and "2,000,000,000,000" in ys
     assert not any("e+" in y or "1e" in y for y in ys)
     assert [t.get_text() for t in ax.get_xticklabels() if t.get_text()] == ["1", "2", "4"]
+
+
+@pytest.mark.parametrize("kind", ["line", "scatter"])
+def test_a_hue_of_more_values_than_a_legend_tells_apart_is_one_line(tmp_path, capsys, kind):
+    """`moesim plot R --hue point_id` (68 values) drew a legend over the title and panels squeezed to nothing,
+    with a matplotlib warning, exit 0. Now it is one line, exit 2, and an existing figure is left as it was."""
+    frame = results()
+    frame["tag"] = [f"t{i}" for i in range(len(frame))]  # 18 finished rows (and a failed one): 18 hues
+    wide = pd.concat([frame.assign(point_id=frame["point_id"] + f"-{k}", tag=frame["tag"] + f"-{k}")
+                      for k in range(3)], ignore_index=True)  # 54 hues
+    x = "cache.slots_per_layer" if kind == "line" else "gpu_hit_rate"
+    draw = plot_results if kind == "line" else plot_scatter
+    draw(frame, x=x, y="tpot_ms_mean", hue="tag")
+    with pytest.raises(ConfigError) as err:
+        draw(wide, x=x, y="tpot_ms_mean", hue="tag")
+    assert str(err.value) == ("field 'hue': column 'tag' has 54 values, more than a legend tells apart (40) "
+                              "(fix: pick a column with fewer values, or make it the facet (one panel per value))")
+    path, figure = tmp_path / "r.parquet", tmp_path / "f.png"
+    wide.to_parquet(path)
+    figure.write_bytes(b"mine")
+    assert main(["plot", str(path), "--x", x, "--y", "tpot_ms_mean", "--hue", "tag", "--out", str(figure)]) == 2
+    assert "field '--hue': column 'tag' has 54 values" in capsys.readouterr().err
+    assert figure.read_bytes() == b"mine"
