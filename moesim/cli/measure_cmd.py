@@ -184,6 +184,17 @@ def _executable_systems(systems: str) -> list[str]:
     return names
 
 
+def _note_earlier_systems(out_dir: Path, names: list[str]) -> None:
+    """One line on stderr naming OUT's folders of systems an earlier validate run wrote there and this one did
+    not run: the report no longer covers them, and beside the new ones they read as its own."""
+    earlier = sorted(p.name for p in out_dir.iterdir() if p.is_dir() and p.name not in names
+                     and any((p / f"{side}-decisions.parquet").exists() for side in ("real", "sim")))
+    if earlier:
+        err_console.print(f"moesim: note: {out_dir} also holds {', '.join(f'{name}/' for name in earlier)} of an "
+                          "earlier run, which this report does not cover (remove them, or use another --out)",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
 def _warn_gpu_profile_on_cpu(profile, path: str, out_dir: Path) -> bool:
     """One line on stderr when ``--device cpu`` is given a profile of a GPU rather than of the CPU stand-in:
     the simulated side then runs on that GPU's numbers and the measured side on the CPU, so the errors
@@ -306,6 +317,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     if not other_hardware:
         _warn_roofline_estimates(results, profile_path)
     files = write_report(report, results, out_dir)
+    _note_earlier_systems(out_dir, names)
     if as_json:
         write_json(report.to_dict(), None)
         return

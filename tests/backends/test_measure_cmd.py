@@ -223,3 +223,18 @@ def test_validate_says_what_runs_without_a_gpu_and_what_its_error_is(trace: str,
     lines = capsys.readouterr().out.splitlines()
     assert ("error: (simulated - measured) / measured; measured on the CPU stand-in (the GPU's work on a host "
             "thread), so the errors compare the simulator with this CPU, not with a GPU") in lines
+
+
+def test_validate_into_an_earlier_report_names_the_systems_it_no_longer_covers(trace: str, tmp_path: Path,
+                                                                               capsys) -> None:
+    """A second validate run into the same --out with fewer systems replaced validation.md and .json but left
+    the earlier systems' folders of decision logs and timelines beside the new ones, without a word."""
+    profile = Path(__file__).resolve().parents[2] / "hwprofiles" / "rtx4090.yaml"
+    out = tmp_path / "report"
+    args = ["validate", "--real", "--device", "cpu", "--trace", trace, "--threads", "1", "--profile", str(profile),
+            "--out", str(out)]
+    assert main([*args, "--systems", "cpu-only,static-hot"]) == 0
+    assert "earlier run" not in capsys.readouterr().err
+    assert main([*args, "--systems", "cpu-only"]) == 0
+    assert (f"moesim: note: {out} also holds static-hot/ of an earlier run, which this report does not cover "
+            "(remove them, or use another --out)") in capsys.readouterr().err.splitlines()
