@@ -320,18 +320,19 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
     if lead:  # a portfolio's timeline and logs are its best member's on TPOT: say whose
         meta = {**meta, "timeline_of": lead}
     shown = f"{meta['system']} (timeline of {lead}, its best schedule on TPOT)" if lead else meta["system"]
+    whose = f" ({lead}'s, {meta['system']}'s best schedule on TPOT)" if lead else ""  # the file does not say
     if json_out:
         write_json(metrics_, json_out)
     if timeline_out:
         from moesim.analysis.timeline import write_timeline
         with open_output(timeline_out, "--timeline") as path:
             write_timeline(frames["timeline"], path)
-        say_wrote(out, f"wrote {timeline_out}")
+        say_wrote(out, f"wrote {timeline_out}{whose}")
     if decisions_out:
         from moesim.analysis.timeline import write_decisions
         with open_output(decisions_out, "--decisions") as path:
             write_decisions(frames["decisions"], path)
-        say_wrote(out, f"wrote {decisions_out}")
+        say_wrote(out, f"wrote {decisions_out}{whose}")
     if chrome_out:
         from moesim.analysis.chrome import write_chrome_trace
         with open_output(chrome_out, "--chrome-trace") as path:

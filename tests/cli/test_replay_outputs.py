@@ -355,6 +355,22 @@ def test_an_oracles_chrome_trace_names_the_member_whose_timeline_it_is(files, tm
     assert code == 0 and "timeline_of" not in json.loads(out.read_text())["otherData"]
 
 
+def test_an_oracles_timeline_and_decisions_say_whose_they_are_when_written(files, tmp_path, capsys):
+    """`--system oracle --timeline T --decisions D` said 'wrote T' and 'wrote D': the Parquet files hold the
+    replay of the oracle's best member on TPOT, and neither they nor the lines said which."""
+    trace, hw = files
+    tl, dec, met = tmp_path / "tl.parquet", tmp_path / "d.parquet", tmp_path / "m.json"
+    code, out, err = run(["replay", trace, "--hw", hw, "--system", "oracle", "--timeline", str(tl), "--decisions",
+                          str(dec), "--json", str(met)], capsys)
+    assert code == 0, err
+    best = dict(part.split("=") for part in json.loads(met.read_text())["portfolio_best"].split("; "))
+    lines = out.splitlines()
+    for path in (tl, dec):
+        assert f"wrote {path} ({best['tpot_ms_mean']}'s, oracle's best schedule on TPOT)" in lines
+    code, out, _ = run(["replay", trace, "--hw", hw, "--system", "cpu-only", "--timeline", str(tl)], capsys)
+    assert code == 0 and f"wrote {tl}" in out.splitlines()
+
+
 def test_the_table_titles_name_the_profiles_gpu_and_host_cpu(files, capsys):
     """A title read 't.parquet on rtx4090': the bundled profiles differ in their host CPU (10 EPYC cores at
     102.4 GB/s on rtx4090, 72 Xeon cores at 440 GB/s on rtx4080 and a100-40g) as much as in their GPU, so a
