@@ -207,10 +207,13 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
     rows = rows.set_index("system", drop=False).loc[ordered_systems(rows["system"].unique())]
     if rows.empty:
         raise no_point(where)
-    runs = [{"system": r["system"],
+    # bars named as the legends name systems ("oracle (bound)", "buddymoe (substitutes)"): bare, a bound's bar
+    # read as a deployable system's
+    names = hue_names(rows, "system", list(rows["system"]))
+    runs = [{"system": name,
              "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)},
              **({"makespan_s": r["makespan_s"]} if _present(r.get("makespan_s")) else {})}
-            for _, r in rows.iterrows()]
+            for name, (_, r) in zip(names, rows.iterrows())]
     title = f"time breakdown per system ({describe(where)})" if where else "time breakdown per system"
     return plot_breakdown(runs, path, title=with_hardware(title, rows))
 

@@ -236,7 +236,7 @@ def test_representative_is_the_middle_value_and_breakdown_stacks_it():
     assert representative(frame[frame["status"] == "ok"]) == {"hw": "a100-40g", "cache.slots_per_layer": 2}
     fig = fig_breakdown(frame)
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu (reference)"]
     per_bar = {}
     for patch in ax.patches:
         per_bar.setdefault(round(patch.get_x(), 3), 0.0)
@@ -330,7 +330,8 @@ def test_representative_of_a_zipped_sweep_is_a_point_it_ran():
     assert where == {"hw": "a100-40g", "cache.slots_per_layer": 2, "hw.pcie.bandwidth_scale": 0.5,
                      "engine.kernels_per_expert": 3}
     fig = fig_breakdown(frame)
-    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["gpu-only-lru", "static-hot",
+                                                                     "all-in-gpu (reference)"]
     assert list(standard_figures(frame, gantt=False)) == ["tpot_vs_slots", "hit_rate_vs_prefetch", "breakdown"]
 
 
@@ -379,13 +380,14 @@ def test_long_titles_are_wrapped_inside_the_figure():
 
 
 def test_breakdown_bars_follow_registry_order_with_bounds_last():
-    """Rows come in the order the workers finished them: the bars followed it (a bound between systems)."""
+    """Rows come in the order the workers finished them: the bars followed it (a bound between systems). The bars
+    are named as the legends name systems: the reference's said 'all-in-gpu' alone, as if it were deployable."""
     frame = results().sample(frac=1.0, random_state=3).reset_index(drop=True)
     frame = pd.concat([frame[frame["system"] == "all-in-gpu"], frame[frame["system"] == "static-hot"],
                        frame[frame["system"] == "gpu-only-lru"]], ignore_index=True)
     fig = fig_breakdown(frame, {"hw": "h100-pcie", "cache.slots_per_layer": 4})
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["gpu-only-lru", "static-hot", "all-in-gpu (reference)"]
     totals = {}
     for patch in ax.patches:
         totals[round(patch.get_x(), 3)] = totals.get(round(patch.get_x(), 3), 0.0) + patch.get_height()
