@@ -184,6 +184,23 @@ def _executable_systems(systems: str) -> list[str]:
     return names
 
 
+#: hw.* settings that act on both executors: they size the memory plan, which the real run is set up with too
+BOTH_EXECUTORS_HW = ("hw.gpu.memory_gib", "hw.gpu.reserved_gib")
+
+
+def _warn_simulated_hardware_settings(parsed: dict[str, str]) -> None:
+    """One line on stderr for ``--set hw.*`` parameters other than the memory plan's: they change the simulated
+    side's costs only (the real run runs on this machine's hardware as it is), so the errors then compare the
+    measured run with another machine. A warning, not a refusal, as for a GPU profile on the CPU stand-in."""
+    cost_only = [key for key in parsed if key.startswith("hw.") and key not in BOTH_EXECUTORS_HW]
+    if cost_only:
+        err_console.print(f"moesim: warning: --set {', '.join(f'{key}={parsed[key]}' for key in cost_only)} changes "
+                          "the simulated hardware only (the real run runs on this machine as it is), so the errors "
+                          "compare the measured run with another machine (leave out the hw.* settings; only "
+                          f"{' and '.join(BOTH_EXECUTORS_HW)}, which size the memory plan, act on both)",
+                          markup=False, highlight=False, soft_wrap=True)
+
+
 def _note_earlier_systems(out_dir: Path, names: list[str]) -> None:
     """One line on stderr naming OUT's folders of systems an earlier validate run wrote there and this one did
     not run: the report no longer covers them, and beside the new ones they read as its own."""
@@ -261,7 +278,8 @@ def _measure_with_report(model, device: str, threads: int, quick: bool, out_dir:
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(min=0),
               help="Torch threads of the CPU expert pool (0: every core).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
-              help="Parameter for both executors, e.g. cache.slots_per_layer=4.")
+              help="Parameter for both executors, e.g. cache.slots_per_layer=4 (hw.* ones act on the simulated "
+                   "side only, except hw.gpu.memory_gib and hw.gpu.reserved_gib).")
 @click.option("--quick-profile", is_flag=True, help="Measure the profile with fewer points (tests).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report directory.")
 @click.option("--json", "as_json", is_flag=True,
@@ -287,6 +305,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     parsed = parse_settings(settings)
     for name in names:
         check_settings(name, parsed)
+    _warn_simulated_hardware_settings(parsed)
     _require_torch()
     from backends.run_config import check_device
     from backends.weights import check_host_memory

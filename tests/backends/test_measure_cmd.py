@@ -238,3 +238,24 @@ def test_validate_into_an_earlier_report_names_the_systems_it_no_longer_covers(t
     assert main([*args, "--systems", "cpu-only"]) == 0
     assert (f"moesim: note: {out} also holds static-hot/ of an earlier run, which this report does not cover "
             "(remove them, or use another --out)") in capsys.readouterr().err.splitlines()
+
+
+def test_validate_warns_that_hw_settings_change_the_simulated_side_only(trace: str, tmp_path: Path, monkeypatch,
+                                                                      capsys) -> None:
+    """`--set hw.pcie.bandwidth_scale=0.01` (help: "Parameter for both executors") changed the simulator's copy
+    costs while the real run copied at this machine's speed, and the report compared the two without a word.
+    A warning now says so; the memory plan's hw.gpu.memory_gib, which the real run is set up with too, gets none."""
+    import backends.weights as weights
+    from moesim.errors import ConfigError
+
+    def stop(model, dtype, pinned: bool = False) -> None:
+        raise ConfigError("stop here", field="--layers")
+    monkeypatch.setattr(weights, "check_host_memory", stop)
+    base = ["validate", "--real", "--device", "cpu", "--trace", trace, "--systems", "gpu-only-lru", "--out",
+            str(tmp_path / "out")]
+    assert main([*base, "--set", "hw.pcie.bandwidth_scale=0.01", "--set", "hw.gpu.memory_gib=8"]) == 2
+    err = capsys.readouterr().err
+    assert ("moesim: warning: --set hw.pcie.bandwidth_scale=0.01 changes the simulated hardware only (the real run "
+            "runs on this machine as it is), so the errors compare the measured run with another machine") in err
+    assert main([*base, "--set", "hw.gpu.memory_gib=8"]) == 2
+    assert "warning" not in capsys.readouterr().err
