@@ -101,7 +101,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
             point = by_id[row["point_id"]]
             if row.pop(UNRUNNABLE, False) and point.system not in spec.named:
                 left_out[point.point_id] = f"{point.system}: {row['error']}"
-                bar.advance(failed)
+                bar.left_out(failed)
                 return
             row.update(trace_path=spec.resolve(point.trace), hw_path=spec.resolve_hw(point.hw),
                        input_fingerprint=prints[point.point_id])
@@ -195,6 +195,13 @@ class ProgressBar:
     def advance(self, failed: int) -> None:
         if self._bar is not None:
             self._bar.advance(1, extra=f"{failed} failed")
+
+    def left_out(self, failed: int) -> None:
+        """A point ``systems: all`` brought in that cannot run on its trace leaves the total, as it leaves the
+        summary's count: the bar ended "done, 72/72 points" above "68 points: 68 run"."""
+        if self._bar is not None:
+            self._bar.total -= 1
+            self._bar.advance(0, extra=f"{failed} failed")
 
     def stop(self, ok: bool = True) -> None:
         """``ok`` false (interrupted, or a point raised): the closing line says "stopped", not "done"."""

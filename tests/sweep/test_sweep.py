@@ -582,3 +582,16 @@ def test_the_time_left_of_a_resumed_sweep_counts_only_the_points_run_now(monkeyp
     bar.stop()
     assert stream.getvalue().splitlines()[-2] == \
         "sweep: 60/100 points (60%), 10s elapsed, about 40s left (0 failed)"
+
+
+def test_the_progress_count_leaves_out_what_the_summary_leaves_out(files, capsys, monkeypatch):
+    """With `systems: all` on a trace without scores, the progress lines counted importance's points (they ended
+    "done, 72/72 points" above "68 points: 68 run"); they now count the points the summary counts."""
+    monkeypatch.setenv("MOESIM_PROGRESS_INTERVAL", "0.000001")  # a line at every point, and the closing one
+    spec = write_spec(files, systems="all")
+    points = len(load_spec(spec).points())
+    assert main(["sweep", str(spec), "--out", str(files / "r.parquet"), "--workers", "1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{points - 1} points: {points - 1} run, 0 already in")
+    done = [line for line in captured.err.splitlines() if line.startswith("sweep: done")]
+    assert len(done) == 1 and done[0].startswith(f"sweep: done, {points - 1}/{points - 1} points (100%)"), done
