@@ -126,8 +126,30 @@ def check_output_path(path: str | os.PathLike, option: str = "--out", written_as
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError("the output file is read-only", source=str(path), field=option,
                           fix="remove it or write elsewhere")
+    check_can_create(path, option)
     clean_stale_tmps(path)
     return path
+
+
+def check_can_create(path: Path, option: str) -> None:
+    """A file can be created where ``path`` will be written (for a folder output: inside the folder, or the
+    nearest folder that exists above it), tried for real before any work: os.access says yes to root where
+    creating fails (/proc, /sys, NFS with root squashed), and the run then failed at its end."""
+    import tempfile
+    if is_special_file(path):
+        return
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{folder} is a file, not a folder", source=str(path), field=option,
+                          fix="give a path whose folders are folders")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".moesim-write-check-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"cannot create a file in {folder}: {err.strerror or err}", source=str(path),
+                          field=option, fix="write to a folder you may write to") from None
 
 
 def check_suffix(path: Path, option: str, written_as: str) -> None:

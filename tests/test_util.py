@@ -183,3 +183,33 @@ def test_a_parquet_output_whose_name_is_not_utf8_is_refused_before_any_work(tmp_
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not UTF-8" in err and "internal error" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_an_output_folder_where_no_file_can_be_created_is_refused_before_any_work(tmp_path, monkeypatch):
+    """os.access says yes to root where creating fails (/proc, a read-only or root-squashed mount): every
+    command's output check now creates a file there for a moment, so serve-sim, sweep or trace synth refuse
+    the path at once instead of failing at the end of their run."""
+    import os
+
+    from moesim.errors import ConfigError
+    from moesim.util import check_output_path
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)  # as root: every check says yes
+    try:
+        if os.geteuid() == 0:  # root creates files in a 0o500 folder: fail the creation itself
+            import tempfile
+
+            def refuse(*args, **kwargs):
+                raise PermissionError(13, "Permission denied")
+            monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+        with pytest.raises(ConfigError, match="cannot create a file in") as refused:
+            check_output_path(folder / "m.json", "--json")
+        assert refused.value.field == "--json"
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(0o700)
+        monkeypatch.undo()
+    assert check_output_path(tmp_path / "m.json", "--json") == tmp_path / "m.json"
+    assert list(tmp_path.glob(".moesim-write-check-*")) == []  # the trial file is gone

@@ -10,7 +10,7 @@ import click
 from moesim.cli.app import (HW_PROFILE, InputPath, JsonFlagCommand, check_outputs, cli, console, err_console,
                             open_output, parse_settings, preset_help, say_wrote, write_json)
 from moesim.errors import MoesimError
-from moesim.util import PARQUET, YAML, clean_stale_tmps
+from moesim.util import PARQUET, YAML, check_can_create, clean_stale_tmps
 
 
 @cli.command("capture")
@@ -36,7 +36,7 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     from moesim.trace.capture.model import pick_device, require_torch
     check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": PARQUET},
                   out=out)
-    _check_can_create(Path(out), "--out")
+    check_can_create(Path(out), "--out")
     require_torch()
     pick_device(device)  # a device this machine lacks fails now, before the model loads
     import huggingface_hub
@@ -56,29 +56,6 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
                          on_tokens=lambda tokens, phase: bar.advance(tokens, extra=phase))
     for line in report.summary_lines():
         console.print(line, markup=False, highlight=False)
-
-
-def _check_can_create(path: Path, option: str) -> None:
-    """A file can be created where ``path`` will be written (for a folder output: inside the folder, or the
-    nearest folder that exists above it), tried for real before minutes of work: os.access, which the
-    output checks ask, says yes to root where creating fails (/proc, /sys, NFS with root squashed)."""
-    import tempfile
-
-    from moesim.util import is_special_file
-    if is_special_file(path):
-        return
-    folder = path if path.is_dir() else path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise MoesimError(f"{folder} is a file, not a folder", source=str(path), field=option,
-                          fix="give a path whose folders are folders")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".moesim-write-check-"):
-            pass
-    except OSError as err:
-        raise MoesimError(f"cannot create a file in {folder}: {err.strerror or err}", source=str(path),
-                          field=option, fix="write to a folder you may write to") from None
 
 
 def _command_line() -> str:
@@ -141,7 +118,7 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
                     out: str) -> None:
     """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
     check_outputs([("--model", name) for name in model_names], {"out": YAML}, out=out)
-    _check_can_create(Path(out), "--out")
+    check_can_create(Path(out), "--out")
     _check_threads(threads)
     if not name.isprintable():
         raise MoesimError(f"profile name {name!r} has a line break or other control character", field="--name",
@@ -299,7 +276,7 @@ def validate_command(real: bool, trace_file: str, systems: str, profile_path: st
     names = _executable_systems(systems)
     _check_threads(threads)
     out_dir = Path(out)
-    _check_can_create(out_dir, "--out")
+    check_can_create(out_dir, "--out")
     clean_stale_tmps(out_dir / "profile.yaml")  # what a killed run staged there is no one's now
     model = read_meta(trace_file).model
     parsed = parse_settings(settings)
