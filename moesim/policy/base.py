@@ -462,8 +462,9 @@ def coerce(raw: Any, default: Any, key: str, kind: Any = None) -> Any:
             return None if raw.lower() in ("none", "null") else raw
     except ValueError:
         kind = type(default).__name__
-        raise ConfigError(f"'{raw}' is not a valid {kind}", field=key,
-                          fix=f"give a {'whole number' if kind == 'int' else kind}, e.g. {default!r}") from None
+        fix = "give true or false (or 1/0, yes/no, on/off)" if kind == "bool" else \
+            f"give a {'whole number' if kind == 'int' else kind}, e.g. {default!r}"
+        raise ConfigError(f"'{raw}' is not a valid {kind}", field=key, fix=fix) from None
     return raw
 
 

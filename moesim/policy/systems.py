@@ -340,12 +340,19 @@ def made(role: str, name: str, cls: type[Component]) -> Component:
                           fix="give every field a default (name: int = 4, or field(default_factory=list))") from None
 
 
+#: options of the commands that a --set key names by mistake, each with an example value
+_OPTIONS = {"seed": "3", "hw": "rtx4090", "system": "smoe"}
+
+
 def _refuse_unknown(name: str, key: str, chosen: dict[str, str], parts: dict[str, Component]) -> None:
     """The error for ``--set key`` that system ``name``'s components do not take: which other components of
     the role take it (prefetch.n with no prefetcher chosen), or else every parameter they do take."""
     if not key.strip():
         raise ConfigError("a setting with no parameter name", field="--set",
                           fix="write --set KEY=VALUE, e.g. --set cache.slots_per_layer=4")
+    if key in _OPTIONS:  # not a setting: an option of the command (a keyword argument in Python)
+        raise ConfigError(f"'{key}' is not a --set parameter but an option of its own", field="--set",
+                          fix=f"give it as --{key} {_OPTIONS[key]}")
     role, _, param = key.partition(".")
     takers = [c for c, comp in COMPONENTS.get(role, {}).items() if param and param in comp.parameters()]
     if role in parts and takers:

@@ -178,7 +178,8 @@ def plan_memory(model: ModelSpec, profile: HardwareProfile, system, *, expert_by
             f"cache.slots_per_layer (total {total})"
         raise ConfigError(f"{asked} does not fit on the GPU of {_named(profile)}: {plan.arithmetic()}",
                           field="cache.slots" if request.slots is not None else "cache.slots_per_layer",
-                          fix=f"use at most {fit} slots in all (cache.slots_per_layer <= {fit // layers})")
+                          fix=f"set cache.slots={fit} or fewer (or cache.slots_per_layer={fit // layers} or fewer, the "
+                              "same count on every layer)")
     spread = system.spread(total, layers, experts, requested)
     planned = _with(plan, capacity=list(spread.capacity), pool=spread.pool, reserved_slots=reserved,
                     cached=None if spread.cached is None else list(spread.cached))

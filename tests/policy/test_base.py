@@ -215,3 +215,11 @@ def test_reading_a_column_the_policy_did_not_list_says_how_to_get_it(tmp_path):
         from moesim.policy.systems import SYSTEMS
         SYSTEMS.pop("by-weight-unlisted", None)
         COMPONENTS["cache"].pop("by-weight-unlisted", None)
+
+
+def test_a_bad_switch_is_told_the_words_a_command_line_takes():
+    """It said 'e.g. True', Python's spelling, which --set does not need."""
+    with pytest.raises(ConfigError) as refused:
+        coerce("maybe", True, "engine.prune")
+    assert refused.value.fix == "give true or false (or 1/0, yes/no, on/off)"
+    assert [coerce(word, True, "engine.prune") for word in ("true", "0", "yes", "off")] == [True, False, True, False]

@@ -535,3 +535,11 @@ def test_a_frozen_dataclass_component_is_refused_when_registered():
     assert str(caught.value) == ("field 'name': FrozenCache is a frozen dataclass: its parameters cannot be set, nor "
                                  "its state kept (fix: decorate it with @dataclass, not @dataclass(frozen=True))")
     assert "frozen-cache" not in COMPONENTS["cache"]
+
+
+@pytest.mark.parametrize("key, option", [("seed", "--seed 3"), ("hw", "--hw rtx4090"), ("system", "--system smoe")])
+def test_a_command_option_given_as_a_setting_is_told_its_option(key, option):
+    """--set seed=3 listed every parameter of the system, none of them the seed."""
+    with pytest.raises(ConfigError, match=f"'{key}' is not a --set parameter but an option of its own") as refused:
+        build_system("gpu-only-lru", {key: "3"})
+    assert refused.value.fix == f"give it as {option}"

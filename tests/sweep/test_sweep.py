@@ -116,8 +116,9 @@ def test_a_sweep_whose_every_point_fails_on_its_input_writes_nothing_and_says_so
     assert stdout == ""  # no summary line naming an output that is not there
     assert err.count("\n") == 1 and err.startswith(f"moesim: error: {path}: all 2 points failed on bad input")
     assert "nothing written" in err and "does not fit" in err
-    assert err.count("(fix: ") == 1 and err.rstrip().endswith("(fix: use at most 7 slots in all "
-                                                              "(cache.slots_per_layer <= 3))")
+    assert err.count("(fix: ") == 1 and err.rstrip().endswith("(fix: set cache.slots=7 or fewer (or "
+                                                              "cache.slots_per_layer=3 or fewer, the same count "
+                                                              "on every layer))")
     assert not out.exists() and not (files / "r.parquet.parts").exists()
     # one point: said of one point, its reason as "why"
     one = write_spec(files, systems=["gpu-only-lru"], grid={"cache.slots_per_layer": [5]}, set=TIGHT_GPU)
