@@ -62,7 +62,7 @@ def test_cache_that_cannot_fit_prints_the_arithmetic(files, capsys):
                         "--set", "cache.slots_per_layer=6"], capsys)
     assert code == 2
     assert "GPU 0.50 GiB - reserved 0.01 GiB - non-expert weights" in err
-    assert "cache.slots_per_layer <=" in err
+    assert "cache.slots_per_layer=3 or fewer" in err
 
 
 def test_a_gpu_memory_override_too_small_is_named_not_the_profile(tmp_path, capsys):
