@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 import traceback
@@ -329,12 +330,20 @@ def _own_code_bytes(point: Point) -> bytes:
 
 
 def describe_error(err: BaseException) -> str:
-    """One line: a user error's own message, or the exception type, message and where it was raised."""
+    """One line: a user error's own message, or the exception type, message and where it was raised. A Ray
+    task's error is described by the worker's own (Ray's text holds the remote traceback, in terminal colours)."""
+    cause = getattr(err, "cause", None)
+    if type(err).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
+        return describe_error(cause)
     if isinstance(err, MoesimError):
         return str(err)
     frames = traceback.extract_tb(err.__traceback__)
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}".replace("\n", " ")
+    return _TERMINAL_COLOURS.sub("", f"{type(err).__name__}: {err}{where}").replace("\n", " ")
+
+
+#: a terminal's colour codes (ESC [ ... m), which a message from a worker may carry
+_TERMINAL_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def error_row(point: Point, message: str) -> dict[str, Any]:
