@@ -324,6 +324,9 @@ def checked_sweep_inputs(grid: Any, workers: Any, progress: Any, out: Any = None
     if out is not None and not isinstance(out, (str, os.PathLike)):
         raise ConfigError(f"out must be a .parquet file's path, got {out!r}", field="out",
                           fix="e.g. out='results.parquet' (or leave it out: the results are only returned)")
+    if out is not None:  # as the command line checks --out: a folder that does not exist is not made
+        from moesim.util import PARQUET, check_output_path
+        check_output_path(out, "out", PARQUET)
 
 
 def checked_requests(requests: Any) -> list[int]:

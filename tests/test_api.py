@@ -788,3 +788,17 @@ def test_the_failed_points_warning_counts_the_reasons_left_out_in_words():
     with pytest.warns(moesim.api.SweepPointsFailed):
         text = moesim.api.warn_failed_points(frame, shown=4)
     assert text.splitlines()[-1] == "  ... and 2 more reasons (column 'error')"
+
+
+def test_sweep_out_in_a_folder_that_does_not_exist_is_refused_as_on_the_command_line(tmp_path, monkeypatch):
+    """moesim.sweep(out='newdir/x.parquet') made newdir/ and ran, where `moesim sweep --out` refuses it: a typo in a
+    folder name left a stray folder with the results in it."""
+    import moesim
+    from moesim.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    spec = {"traces": [str(moesim.bundled_trace("mixtral-8x7b-humaneval"))], "hw": ["rtx4090"],
+            "systems": ["gpu-only-lru"]}
+    with pytest.raises(ConfigError, match="folder newdir does not exist") as refused:
+        moesim.sweep(spec, out="newdir/x.parquet")
+    assert refused.value.field == "out" and "mkdir -p newdir" in refused.value.fix
+    assert list(tmp_path.iterdir()) == []

@@ -351,8 +351,8 @@ def _refuse_unknown(name: str, key: str, chosen: dict[str, str], parts: dict[str
         raise ConfigError("a setting with no parameter name", field="--set",
                           fix="write --set KEY=VALUE, e.g. --set cache.slots_per_layer=4")
     if key in _OPTIONS:  # not a setting: an option of the command (a keyword argument in Python)
-        raise ConfigError(f"'{key}' is not a --set parameter but an option of its own", field="--set",
-                          fix=f"give it as --{key} {_OPTIONS[key]}")
+        raise ConfigError(f"unknown parameter '{key}' for system '{name}': {key} is an option of its own",
+                          field="--set", fix=f"give it as --{key} {_OPTIONS[key]}")
     role, _, param = key.partition(".")
     takers = [c for c, comp in COMPONENTS.get(role, {}).items() if param and param in comp.parameters()]
     if role in parts and takers:

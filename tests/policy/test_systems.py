@@ -540,6 +540,7 @@ def test_a_frozen_dataclass_component_is_refused_when_registered():
 @pytest.mark.parametrize("key, option", [("seed", "--seed 3"), ("hw", "--hw rtx4090"), ("system", "--system smoe")])
 def test_a_command_option_given_as_a_setting_is_told_its_option(key, option):
     """--set seed=3 listed every parameter of the system, none of them the seed."""
-    with pytest.raises(ConfigError, match=f"'{key}' is not a --set parameter but an option of its own") as refused:
+    with pytest.raises(ConfigError, match=f"unknown parameter '{key}' for system 'gpu-only-lru': {key} is an "
+                                          "option of its own") as refused:
         build_system("gpu-only-lru", {key: "3"})
     assert refused.value.fix == f"give it as {option}"
