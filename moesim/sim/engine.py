@@ -95,6 +95,9 @@ class Simulator(Transfers, Tracks):
         self.steps: list[StepRecord] = []
         self.cpu_free = 0.0
         self.deferred_until = 0.0
+        # the MoE layer the current step ends with: its deferred experts have no later layer to overlap with. Not
+        # always the model's last: an imported trace may log only some layers (cerebras: layer 0 of 16)
+        self._last_layer = -1
         # start and end of the last layer's sync and of the last deferred work's: a sync is critical-path time only
         # where it runs past the GPU track, which the layer that waits for it finds out (an older one ended
         # before that layer began, so it never counts twice)
@@ -288,11 +291,13 @@ class Simulator(Transfers, Tracks):
         self._rows = step.one_row_layers()
         self._empty = {}  # the step's views' arrivals and predictors where they have none
         attention = self._attention_s(tokens, context)
+        layers = step.layers()
+        self._last_layer = layers[-1][0] if layers else -1
         if self._rows is not None:  # one row a layer: every layer attends over the step's one token
-            for layer, rows in step.layers():
+            for layer, rows in layers:
                 t = self._layer(step, layer, rows, attention, phase, t)
         else:
-            for layer, rows in step.layers():
+            for layer, rows in layers:
                 # a layer attends over the step's tokens (an imported trace may log a layer's rows differently)
                 own = attention if rows.stop - rows.start == tokens else \
                     self._attention_s(rows.stop - rows.start, context)
@@ -423,7 +428,7 @@ class Simulator(Transfers, Tracks):
         if carried is not None:
             self._carried_from, self._carried_to = carried
             counters.deferred_weight_mass += weight_mass(view, plan.deferred)
-            if layer == self.model.num_layers - 1 and self.deferred_until > end:  # nothing later to overlap with
+            if layer == self._last_layer and self.deferred_until > end:  # nothing later to overlap with
                 past = self._past_carried(end)
                 counters.breakdown["sync"] += past
                 counters.breakdown["cpu_other"] += self.deferred_until - end - past
