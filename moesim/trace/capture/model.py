@@ -32,12 +32,14 @@ def hub_offline() -> bool:
 def check_local_checkpoint(path: Path) -> None:
     """A local ``--model`` must be a directory with config.json and safetensors weights."""
     if not path.is_dir():
-        raise ModelNotFoundError("is a file, not a checkpoint directory", source=str(path), fix=LOCAL_FIX)
+        raise ModelNotFoundError("is a file, not a checkpoint directory", source=str(path), field="--model",
+                                 fix=LOCAL_FIX)
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError("checkpoint directory has no config.json", source=str(path), fix=LOCAL_FIX)
+        raise ModelNotFoundError("checkpoint directory has no config.json", source=str(path), field="--model",
+                                 fix=LOCAL_FIX)
     if not any(path.glob("*.safetensors")):
         raise ModelNotFoundError("checkpoint directory has no *.safetensors weights", source=str(path),
-                                 fix=LOCAL_FIX)
+                                 field="--model", fix=LOCAL_FIX)
 
 
 def resolve_model(model: str) -> tuple[str, bool]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from moesim.errors import ConfigError
+from moesim.errors import ConfigError, MoesimError
 from moesim.trace.capture.errors import PromptsError
 from moesim.trace.capture.prompts import Prompt, load_prompts, read_prompts_file
 from moesim.trace.schema import TraceMeta
@@ -39,6 +39,25 @@ class CaptureConfig:
     calibration_prompts: Path | None = None
     dtype: str = "auto"
     device: str = "auto"
+
+    def check(self) -> None:
+        """Refuse, in one line naming the field, what the command line's options would not take (a
+        CaptureConfig built in Python), before the model loads."""
+        def whole(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if not whole(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ConfigError(f"must be a whole number 0 or above, got {self.max_new_tokens!r}",
+                              source="CaptureConfig", field="max_new_tokens",
+                              fix="give the greedy tokens to generate per prompt, e.g. max_new_tokens=64")
+        if not whole(self.batch) or self.batch < 1:
+            raise ConfigError(f"must be a whole number 1 or above, got {self.batch!r}", source="CaptureConfig",
+                              field="batch", fix="give the prompts generated together, e.g. batch=4")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}", source="CaptureConfig", field="dtype",
+                              fix=f"use one of {', '.join(DTYPES)}")
+        if not isinstance(self.device, str):
+            raise ConfigError(f"must be a string, got {self.device!r}", source="CaptureConfig", field="device",
+                              fix="use auto, cpu, cuda or cuda:N")
 
 
 @dataclass
@@ -130,8 +149,11 @@ def run_batches(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: 
     # Plain greedy: neutral values so a checkpoint's generation_config.json (repetition penalty, minimum
     # length, n-gram blocking) cannot reshape the logits; generate() fills only the values left unset.
     generation = GenerationConfig(max_new_tokens=max_new_tokens + 1, do_sample=False, num_beams=1,
-                                  repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, min_length=0,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
                                   pad_token_id=pad_id, eos_token_id=sorted(eos_ids) or None, use_cache=True)
+    # min_new_tokens=0 sets the minimum length whatever min_length says (a checkpoint's min_length included), so
+    # min_length is left unset; generate() still warns about a checkpoint's own max_length/min_length beside ours,
+    # words about settings the caller never made: they are kept quiet while capture's generate runs.
     device = moe.device
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
@@ -143,11 +165,24 @@ def run_batches(moe: Any, prompts: list[list[int]], max_new_tokens: int, batch: 
             if rows.tokens:
                 on_step(rows, layers)
 
-        with RouterTap(moe.model, moe.routers, step), torch.no_grad():
+        with RouterTap(moe.model, moe.routers, step), torch.no_grad(), _quiet_generate():
             moe.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                generation_config=generation)
         if on_batch_end is not None:
             on_batch_end()
+
+
+@contextlib.contextmanager
+def _quiet_generate() -> Iterator[None]:
+    """transformers' generation logger at error level while capture's own ``generate`` runs."""
+    import logging
+    logger = logging.getLogger("transformers.generation.utils")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _progress(enabled: bool) -> Any:
@@ -254,7 +289,10 @@ def trace_metadata(moe: Any, run: dict[str, Any]) -> TraceMeta:
         # the model's dtype, not the router's: DeepSeek keeps its router weight in float32 in any model dtype
         # (_keep_in_fp32_modules_strict in transformers' modeling_deepseek_v2/v3.py)
         "dtype": str(moe.model.dtype).replace("torch.", ""), "device": str(moe.device),
-        "torch": torch.__version__, "transformers": transformers.__version__, **run,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        # where each number of the model metadata came from (the expert dtype assumed for a float32 config, say):
+        # the trace's model metadata keeps no sources of its own (ModelSpec.to_dict drops them)
+        "model_sources": dict(moe.spec.sources), **run,
     }
     return TraceMeta(model=moe.spec, source=source, weights_renormalized=moe.arch.renormalized(config))
 
@@ -324,18 +362,24 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
     from moesim.trace.capture.arch import config_to_spec
     from moesim.trace.validate import check_path_writable
 
+    config.check()
     require_torch()
     prompt_bytes = read_prompts_file(config.prompts)  # read once: the prompts may come through a pipe
     prompts = load_prompts(config.prompts, prompt_bytes)
     calibration = load_prompts(config.calibration_prompts) if config.calibration_prompts else None
     out = check_path_writable(config.out)
     hf_config, name, local_only = load_config(config.model)
-    config_to_spec(hf_config, name=_display_name(config.model))  # config-only errors before loading weights
+    try:
+        config_to_spec(hf_config, name=_display_name(config.model))  # config-only errors before loading weights
+    except MoesimError as err:
+        # name the file the error is in, not the spec's display name ('qwen2' for any folder named so)
+        err.name_source(str(Path(name) / "config.json") if local_only and Path(name).is_dir() else config.model)
+        raise
     needs_tokenizer = any(p.text is not None for p in prompts + (calibration or []))
     tokenizer = load_tokenizer(name, local_only) if needs_tokenizer else None
-    model = load_model(name, local_only, config.dtype, config.device)
-    moe = inspect_model(model, name=_display_name(config.model))
-    vocab = int(model.config.vocab_size)
+    # Prompts against the vocabulary and the context before the weights load: config.json and the tokenizer
+    # are all they need, and loading a large checkpoint takes minutes.
+    vocab = int(hf_config.vocab_size)
     ids = tokenize(prompts, tokenizer, vocab, str(config.prompts))
     calib_ids = tokenize(calibration, tokenizer, vocab, str(config.calibration_prompts)) if calibration else None
     limit = getattr(hf_config, "max_position_embeddings", None)
@@ -343,6 +387,8 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
         check_context(ids, prompts, config.max_new_tokens, int(limit), str(config.prompts))
         if calib_ids and calibration:
             check_context(calib_ids, calibration, config.max_new_tokens, int(limit), str(config.calibration_prompts))
+    model = load_model(name, local_only, config.dtype, config.device)
+    moe = inspect_model(model, name=_display_name(config.model))
     source = {"model": config.model, "prompts": str(config.prompts),
               "prompts_sha256": hashlib.sha256(prompt_bytes).hexdigest(),
               "calibration_prompts": str(config.calibration_prompts) if config.calibration_prompts else None}

@@ -1,0 +1,131 @@
+"""`moesim capture` as a new user meets it: what is checked before the weights load, the errors' names for the
+model folder, what generate prints from Python, and the model metadata's sources in the trace."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from moesim.cli import main
+from moesim.errors import ConfigError
+from moesim.trace import read_meta
+from moesim.trace.capture import CaptureConfig, PromptsError, capture
+from tests.trace.test_capture import PROMPTS, VOCAB, build_checkpoint, needs_torch, write_jsonl
+
+try:
+    import transformers
+except ImportError:  # the torch extra is optional; the tests that need it skip without it
+    transformers = None
+
+
+def _weights_must_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    import moesim.trace.capture.model as model_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the prompts were checked")
+    monkeypatch.setattr(model_module, "load_model", refuse)
+
+
+@needs_torch
+def test_prompt_problems_are_refused_before_the_weights_load(tmp_path: Path, monkeypatch) -> None:
+    """A token id outside the vocabulary, or a prompt past the model's context, needs only config.json to be
+    found; they were found after the weights had loaded (minutes for a real checkpoint)."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    _weights_must_not_load(monkeypatch)
+    out = tmp_path / "t.parquet"
+    outside = write_jsonl(tmp_path / "outside.jsonl", [[1, 2], [3, VOCAB + 5]])
+    with pytest.raises(PromptsError, match=r"row 2: token id 53 is outside the vocabulary"):
+        capture(CaptureConfig(model=str(checkpoint), prompts=outside, out=out, max_new_tokens=1))
+    long = write_jsonl(tmp_path / "long.jsonl", [list(range(1, 40))])
+    with pytest.raises(ConfigError, match=r"the prompt of line 1 has 39 tokens: with --max-new-tokens 30"):
+        capture(CaptureConfig(model=str(checkpoint), prompts=long, out=out, max_new_tokens=30))
+    calibration = write_jsonl(tmp_path / "calibration.jsonl", [[2, VOCAB]])
+    with pytest.raises(PromptsError, match=r"calibration.jsonl, field 'token_ids', row 1: token id 48"):
+        capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS), out=out,
+                              max_new_tokens=1, calibration_prompts=calibration))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("setting, words", [
+    ({"max_new_tokens": -1}, "field 'max_new_tokens': must be a whole number 0 or above, got -1"),
+    ({"max_new_tokens": "4"}, "field 'max_new_tokens': must be a whole number 0 or above, got '4'"),
+    ({"max_new_tokens": 2, "batch": 0}, "field 'batch': must be a whole number 1 or above, got 0"),
+    ({"max_new_tokens": 2, "dtype": "fp8"}, "field 'dtype': unknown dtype 'fp8' (fix: use one of auto, float32"),
+])
+def test_a_capture_config_the_command_line_would_refuse_is_one_line(tmp_path: Path, setting: dict,
+                                                                      words: str) -> None:
+    """From Python these reached the model load and then failed as ValueError (inside generate, or range()
+    with step 0) or AttributeError (torch.fp8); no torch is needed to refuse them."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    with pytest.raises(ConfigError) as caught:
+        capture(CaptureConfig(model=str(tmp_path / "no-model"), prompts=prompts, out=tmp_path / "t.parquet",
+                              **setting))
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+@needs_torch
+def test_generate_prints_nothing_about_settings_the_caller_never_made(tmp_path: Path) -> None:
+    """From Python (the command line quiets transformers), every batch printed "Both `min_new_tokens` (=0) and
+    `min_length`(=0) seem to have been set", capture's own neutral settings; a checkpoint's max_length and
+    min_length in generation_config.json added the same about max_length."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    generation = transformers.GenerationConfig(max_length=50, min_length=2, pad_token_id=0)
+    generation.save_pretrained(checkpoint)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:2])
+    heard: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+    handler = Collect()
+    library = logging.getLogger("transformers")  # what transformers prints goes through its own root logger
+    before = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    library.addHandler(handler)
+    try:
+        capture(CaptureConfig(model=str(checkpoint), prompts=prompts, out=tmp_path / "t.parquet", max_new_tokens=2,
+                              device="cpu"))
+    finally:
+        library.removeHandler(handler)
+        transformers.logging.set_verbosity(before)
+    assert not [line for line in heard if "seem to have been set" in line], heard
+    assert logging.getLogger("transformers.generation.utils").level == logging.NOTSET  # left as it was
+
+
+@needs_torch
+def test_the_trace_says_where_its_model_numbers_came_from(tmp_path: Path) -> None:
+    """docs/capture.md: a float32 config's experts are recorded as bf16 "and say so in the spec's sources"; the
+    sources never reached the trace (the trace's model metadata keeps none), so nothing said it."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    out = tmp_path / "t.parquet"
+    capture(CaptureConfig(model=str(checkpoint), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1]), out=out,
+                          max_new_tokens=1, device="cpu"))
+    meta = read_meta(str(out))
+    assert meta.model.expert_dtype == "bf16"
+    sources = meta.source["model_sources"]
+    assert "bf16 assumed" in sources["expert_dtype"] and "float32" in sources["expert_dtype"]
+    assert "model_type=mixtral" in sources["*"]
+
+
+@needs_torch
+def test_errors_about_the_model_name_its_folder_and_config(tmp_path: Path, capsys) -> None:
+    """A dense model was named by its folder's lower-cased base name ('qwen2: ...'), not the config.json the
+    model_type is in; a folder without config.json did not say the option (--model) to change."""
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2))
+    dense.save_pretrained(tmp_path / "Dense-Model")
+    (tmp_path / "not-a-model").mkdir()
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    base = ["capture", "--prompts", str(prompts), "--max-new-tokens", "1", "--out", str(tmp_path / "t.parquet")]
+    assert main(base + ["--model", str(tmp_path / "Dense-Model")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"moesim: error: {tmp_path / 'Dense-Model' / 'config.json'}, field 'model_type': "
+                          "model_type 'qwen2' has no mixture-of-experts layers"), err
+    assert "\n" not in err
+    assert main(base + ["--model", str(tmp_path / "not-a-model")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path / 'not-a-model'}, field '--model': checkpoint directory has no config.json" in err, err
+    assert not (tmp_path / "t.parquet").exists()
