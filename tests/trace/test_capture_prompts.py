@@ -80,3 +80,29 @@ def test_a_text_file_whose_first_prompt_starts_with_a_brace_is_text(tmp_path: Pa
     broken.write_text('{"prompt": "a"\n')
     with pytest.raises(PromptsError, match="row 1: not valid JSON"):
         load_prompts(broken)
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tmp_path: Path, name: str) -> None:
+    """A file saved with a UTF-8 byte-order mark (Windows editors): a .jsonl was refused ('Unexpected UTF-8 BOM')
+    and a .txt of JSON rows was captured as plain text, each row's JSON its prompt."""
+    path = tmp_path / name
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "hello"}\r\n{"token_ids": [3, 4]}\r\n')
+    assert [(p.line, p.text, p.token_ids) for p in load_prompts(path)] == [(1, "hello", None), (2, None, (3, 4))]
+    plain = tmp_path / "plain.txt"
+    plain.write_bytes(b"\xef\xbb\xbffirst\r\nsecond\r\n")
+    assert [p.text for p in load_prompts(plain)] == ["first", "second"]
+
+
+def test_lines_end_at_newlines_only(tmp_path: Path) -> None:
+    """JSON strings may hold U+2028, U+0085 or a form feed raw (json.dumps(..., ensure_ascii=False) writes them
+    so); str.splitlines cut such a row in two ('not valid JSON') and a text prompt holding one in two prompts."""
+    import json
+    texts = ["a\u2028b", "c\x85d", "page\x0cbreak", "sep\x1cx"]
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert [p.text for p in load_prompts(rows)] == texts
+    plain = tmp_path / "p.txt"
+    plain.write_text("\n".join(texts) + "\nold\rmac\n", encoding="utf-8", newline="")
+    assert [(p.line, p.text) for p in load_prompts(plain)] == [(1, texts[0]), (2, texts[1]), (3, texts[2]),
+                                                               (4, texts[3]), (5, "old"), (6, "mac")]

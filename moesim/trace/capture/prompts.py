@@ -11,6 +11,7 @@ are skipped in both formats; row numbers in errors are 1-based line numbers.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,16 +52,20 @@ def load_prompts(path: str | Path, data: bytes | None = None) -> list[Prompt]:
     if data is None:
         data = read_prompts_file(path)
     try:
-        lines = data.decode("utf-8").splitlines()
+        # utf-8-sig: a byte-order mark (Windows editors write one) is no part of the first prompt; lines end at
+        # "\n", "\r\n" or "\r" only: str.splitlines also splits at U+2028, U+0085, form feeds and more, which
+        # JSON strings may hold raw (json.dumps(..., ensure_ascii=False)) and a text prompt may contain
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise PromptsError("not UTF-8 text", source=str(path),
                            fix="save the prompts as UTF-8 JSONL or plain text") from None
+    lines = re.split(r"\r\n|\r|\n", text)
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     if not numbered:
         raise PromptsError("prompts file is empty", source=str(path),
                            fix="write one prompt per line (plain text) or one JSON object per line")
     if not _is_jsonl(path, numbered[0][1]):
-        return [Prompt(line=n, text=line.rstrip("\r")) for n, line in numbered]
+        return [Prompt(line=n, text=line) for n, line in numbered]
     return [_json_prompt(path, n, line) for n, line in numbered]
 
 
