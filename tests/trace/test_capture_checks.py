@@ -129,3 +129,17 @@ def test_errors_about_the_model_name_its_folder_and_config(tmp_path: Path, capsy
     err = capsys.readouterr().err.strip()
     assert f"{tmp_path / 'not-a-model'}, field '--model': checkpoint directory has no config.json" in err, err
     assert not (tmp_path / "t.parquet").exists()
+
+
+@needs_torch
+def test_a_model_given_as_dot_is_named_by_its_folder(tmp_path: Path, monkeypatch) -> None:
+    """`cd /data/models/Qwen3-30B-A3B && moesim capture --model . ...` named the trace's model '.' (inspect and
+    replay tables said "model ."); the folder's own name is what --model /data/models/Qwen3-30B-A3B gives."""
+    checkpoint = build_checkpoint("olmoe", tmp_path / "OLMoE-Tiny")
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    monkeypatch.chdir(checkpoint)
+    for given in (".", "./", "../OLMoE-Tiny/"):
+        out = tmp_path / "t.parquet"
+        capture(CaptureConfig(model=given, prompts=prompts, out=out, max_new_tokens=1, device="cpu"))
+        meta = read_meta(str(out))
+        assert meta.model.name == "olmoe-tiny" and meta.source["model"] == given

@@ -433,4 +433,9 @@ def check_context(ids: list[list[int]], prompts: list[Prompt], max_new_tokens: i
 
 
 def _display_name(model: str) -> str:
-    return Path(model.rstrip("/")).name.lower() or model
+    """The model's name in the trace: its folder's name (the folder itself for '.', '..' or '~/ckpt/'), or the
+    hub id's last part."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path.resolve()
+    return path.name.lower() or model
