@@ -4,6 +4,7 @@ model folder, what generate prints from Python, and the model metadata's sources
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,24 @@ def test_a_model_given_as_dot_is_named_by_its_folder(tmp_path: Path, monkeypatch
         capture(CaptureConfig(model=given, prompts=prompts, out=out, max_new_tokens=1, device="cpu"))
         meta = read_meta(str(out))
         assert meta.model.name == "olmoe-tiny" and meta.source["model"] == given
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "llama4", "text_config": SimpleNamespace(num_local_experts=16, num_experts_per_tok=1)},
+     "model_type 'llama4' has 16 experts per layer but its router is not one capture can read"),
+    ({"model_type": "qwen3_vl_moe", "text_config": SimpleNamespace(num_experts=60)},
+     "model_type 'qwen3_vl_moe' has 60 experts per layer"),
+    ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}},
+     "model_type 'dbrx' has 16 experts per layer"),
+    ({"model_type": "hunyuan_v1_moe", "num_experts": 1}, "model_type 'hunyuan_v1_moe' has 1 expert per layer"),
+])
+def test_an_moe_family_capture_does_not_read_is_not_called_dense(config: dict, words: str) -> None:
+    """Llama 4, Qwen3-VL-MoE, GLM-4.5V (text_config) and DBRX (ffn_config) keep their expert count off the top
+    level: capture said "model_type 'llama4' has no mixture-of-experts layers (fix: capture an MoE model ...)"."""
+    from moesim.trace.capture import UnsupportedRouterError
+    from moesim.trace.capture.arch import arch_for
+    with pytest.raises(UnsupportedRouterError) as caught:
+        arch_for(SimpleNamespace(**config), "ckpt/config.json")
+    message = str(caught.value)
+    assert message.startswith("ckpt/config.json, field 'model_type': ") and words in message
+    assert "(fix: capture supports deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe)" in message

@@ -96,17 +96,34 @@ ARCHITECTURES: dict[str, ArchInfo] = {
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+#: where composite and older configs keep their text model's expert count: Llama 4, Qwen3-VL-MoE and GLM-4.5V
+#: in text_config, DBRX in ffn_config (moe_num_experts)
+NESTED_CONFIGS = ("text_config", "language_config", "llm_config", "ffn_config")
+
+
+def _expert_count(config: Any) -> int:
+    """Routed experts per layer as any config field says (nested text or FFN configs included), 0 if none does."""
+    for part in (config, *(getattr(config, name, None) for name in NESTED_CONFIGS)):
+        if part is None:
+            continue
+        for name in (*EXPERT_COUNT_FIELDS, "moe_num_experts"):
+            value = part.get(name) if isinstance(part, dict) else getattr(part, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
 def arch_for(config: Any, origin: str) -> ArchInfo:
     """The :class:`ArchInfo` of a config, or the error that says why capture cannot trace it."""
     model_type = getattr(config, "model_type", None)
     if model_type in ARCHITECTURES:
         return ARCHITECTURES[model_type]
-    experts = _get(config, *EXPERT_COUNT_FIELDS, default=0)
+    experts = _expert_count(config)
     supported = ", ".join(sorted(ARCHITECTURES))
-    if isinstance(experts, int) and experts > 0:
-        raise UnsupportedRouterError(f"model_type '{model_type}' has {experts} experts per layer but its router "
-                                     "is not one capture can read", source=origin, field="model_type",
-                                     fix=f"capture supports {supported}")
+    if experts > 0:
+        raise UnsupportedRouterError(f"model_type '{model_type}' has {experts} expert{'s' if experts != 1 else ''} "
+                                     "per layer but its router is not one capture can read", source=origin,
+                                     field="model_type", fix=f"capture supports {supported}")
     raise NoMoELayersError(f"model_type '{model_type}' has no mixture-of-experts layers", source=origin,
                            field="model_type", fix=f"capture an MoE model ({supported})")
 
