@@ -27,7 +27,7 @@ def replay_all(trace: str, hw: str | HardwareProfile, settings: dict[str, str] |
     runs: dict[str, SimResult] = {}
     skipped: dict[str, str] = {}
     own = SYSTEMS["oracle"].portfolio
-    names = list(portfolio_members("oracle")) + [n for n in system_names() if SYSTEMS[n].ignores_memory]
+    names = list(portfolio_members("oracle", settings)) + [n for n in system_names() if SYSTEMS[n].ignores_memory]
     for name in names:
         try:
             runs[name] = simulate(trace, hw, name, settings)

@@ -85,7 +85,8 @@ def render_comparison_table(by_system: dict[str, dict[str, Any]], console: Conso
         columns.append(("time vs lower bound", "right"))
     for col, justify in columns:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    other_weights = {name: weights for name in by_system if (weights := own_weights(name))}
+    other_weights = {name: weights for name, m in by_system.items()
+                     if (weights := own_weights(name, (m.get("inputs") or {}).get("settings")))}
     for name, m in by_system.items():
         gap = "-"
         if name in other_weights:

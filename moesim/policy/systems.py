@@ -7,6 +7,7 @@ registry name; ``{"cache.calibration": "x.parquet"}`` sets a parameter.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from moesim.errors import ConfigError, did_you_mean
@@ -248,14 +249,17 @@ def system_names(all_systems: bool = False) -> list[str]:
     return [n for n, spec in SYSTEMS.items() if spec.listed or all_systems]
 
 
-def own_weights(name: str) -> str:
+def own_weights(name: str, settings: Mapping[str, str] | None = None) -> str:
     """The weight settings a system's defaults impose (``memory.expert_dtype=int4`` for mixtral-offloading),
-    or "" when it runs the replay's weights."""
+    or "" when it runs the replay's weights. A default the replay's ``settings`` set too is the replay's: with
+    ``--set memory.expert_dtype=int4 --set memory.non_expert_dtype=int4`` every system runs those weights."""
     spec = SYSTEMS.get(name)
-    return ", ".join(f"{k}={v}" for k, v in spec.defaults if k.startswith("memory.")) if spec else ""
+    given = settings or {}
+    return ", ".join(f"{k}={v}" for k, v in spec.defaults if k.startswith("memory.") and k not in given) \
+        if spec else ""
 
 
-def portfolio_members(name: str) -> tuple[str, ...]:
+def portfolio_members(name: str, settings: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The single systems a portfolio bound runs: its own schedules, then (``portfolio_catalogue``) every
     listed catalogue system that keeps to the memory budget, keeps the replay's weight dtypes (a system whose
     defaults set ``memory.*``, like mixtral-offloading's int4 experts, runs other weights) and is not
@@ -267,7 +271,7 @@ def portfolio_members(name: str) -> tuple[str, ...]:
     out = list(spec.portfolio)
     if spec.portfolio_catalogue:
         out += [n for n in system_names() if n not in out and not SYSTEMS[n].portfolio
-                and not SYSTEMS[n].ignores_memory and not own_weights(n)
+                and not SYSTEMS[n].ignores_memory and not own_weights(n, settings)
                 and (n in CATALOGUE_SYSTEMS or not CATALOGUE_SYSTEMS)]
     return tuple(out)
 

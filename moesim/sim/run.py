@@ -227,10 +227,10 @@ def checked_seed(seed: Any) -> int:
     return int(seed)
 
 
-def members(system: str) -> tuple[str, ...]:
-    """The single systems a replay of ``system`` runs (a portfolio bound runs several)."""
+def members(system: str, settings: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The single systems a replay of ``system`` with ``settings`` runs (a portfolio bound runs several)."""
     check_system_name(system)
-    return portfolio_members(system)
+    return portfolio_members(system, settings)
 
 
 #: metrics a portfolio takes, each from its best member (lower is better)
@@ -304,7 +304,7 @@ def columns_read(system: str, settings: dict[str, str] | None = None) -> set[str
     none for settings that do not build (the replay itself then says what is wrong)."""
     columns: set[str] = set()
     try:
-        for member in members(system):
+        for member in members(system, settings):
             columns.update(build_system(member, parse_settings(with_system_defaults(member, settings)).system)
                            .needed_columns())
     except MoesimError:
@@ -330,7 +330,7 @@ def _simulate(trace: str, hw: str | HardwareProfile, system: str, settings: dict
         return prepare(trace, hw, system, settings, **kwargs).run()
     with keeping_decoded():  # the members replay the same trace: decoded once
         sims, runs, skipped = prepare_members(trace, hw, system, settings, reuse, **kwargs)
-        return run_members(trace, system, sims, runs, skipped, kwargs.get("progress"))
+        return run_members(trace, system, sims, runs, skipped, kwargs.get("progress"), settings)
 
 
 def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings: dict[str, str] | None,
@@ -344,7 +344,7 @@ def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings
     # what every member's set-up reads alike, read once: the profile file and the trace's peak context
     profile = hw if isinstance(hw, HardwareProfile) else None
     kv_tokens = kwargs.pop("kv_tokens", None)
-    for member in members(system):
+    for member in members(system, settings):
         if reuse and member in reuse:
             runs[member] = reuse[member]
             continue
@@ -361,17 +361,19 @@ def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings
 
 
 def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
-                skipped: dict[str, str], progress: Callable[[int], None] | None = None) -> PortfolioResult:
+                skipped: dict[str, str], progress: Callable[[int], None] | None = None,
+                settings: dict[str, str] | None = None) -> PortfolioResult:
     """Run a portfolio's prepared members, each to its end or (``engine.prune``) until it provably is best
     on no metric (moesim.sim.portfolio), and combine them."""
     # one decode of the trace, with the optional columns of every member, each member seeing its own
     with keeping_decoded(columns={c for sim in sims.values() for c in sim.system.needed_columns()}):
-        return _run_members(trace, system, sims, runs, skipped, progress)
+        return _run_members(trace, system, sims, runs, skipped, progress, settings)
 
 
 def _run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
-                 skipped: dict[str, str], progress: Callable[[int], None] | None) -> PortfolioResult:
-    names = members(system)
+                 skipped: dict[str, str], progress: Callable[[int], None] | None,
+                 settings: dict[str, str] | None = None) -> PortfolioResult:
+    names = members(system, settings)  # the settings' members: a system on their weights is one (own_weights)
     own = SYSTEMS[system].portfolio
     runs = dict(runs)
     pruned: dict[str, Pruned] = {}
