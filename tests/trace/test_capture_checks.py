@@ -165,3 +165,16 @@ def test_an_moe_family_capture_does_not_read_is_not_called_dense(config: dict, w
     message = str(caught.value)
     assert message.startswith("ckpt/config.json, field 'model_type': ") and words in message
     assert "(fix: capture supports deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe)" in message
+
+
+@needs_torch
+def test_an_empty_model_is_one_line_saying_so(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`--model "$MODEL"` with MODEL unset: the empty path was the working folder, and the error named '.' and
+    its missing config.json."""
+    monkeypatch.chdir(tmp_path)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    assert main(["capture", "--model", "", "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--out", str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moesim: error: field '--model': the model is empty (an unset shell variable gives an "
+                          "empty one) (fix: point at a local checkpoint"), err

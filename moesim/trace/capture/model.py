@@ -44,6 +44,9 @@ def check_local_checkpoint(path: Path) -> None:
 
 def resolve_model(model: str) -> tuple[str, bool]:
     """(name or path to load, local_files_only); raise before any download is tried."""
+    if not model.strip():  # Path("") is the working folder: the error would name '.' and its missing config.json
+        raise ModelNotFoundError("the model is empty (an unset shell variable gives an empty one)", field="--model",
+                                 fix=LOCAL_FIX)
     path = Path(model).expanduser()
     if path.exists():
         check_local_checkpoint(path)
