@@ -178,3 +178,31 @@ def test_an_empty_model_is_one_line_saying_so(tmp_path: Path, capsys, monkeypatc
     err = capsys.readouterr().err.strip()
     assert err.startswith("moesim: error: field '--model': the model is empty (an unset shell variable gives an "
                           "empty one) (fix: point at a local checkpoint"), err
+
+
+@needs_torch
+@pytest.mark.parametrize("text, words", [
+    ('{"model_type": "mixtral",\n', "config.json: config.json is not valid JSON (Expecting property name"),
+    ('{"hidden_size": 64}', "config.json, field 'model_type': config.json has no model_type (fix: use the "
+                            "checkpoint's own config.json (capture supports model_type deepseek_v2"),
+    ('{"model_type": "mixtral_x"}', "config.json, field 'model_type': model_type 'mixtral_x' is not one "
+                                    "transformers"),
+    ('{"model_type": "mixtral", "hidden_size": "x"}', "config.json, field 'hidden_size': config.json has a value "
+                                                      "transformers refuses (Field 'hidden_size' expected int, got "
+                                                      "str (value: 'x'))"),
+])
+def test_a_config_json_transformers_will_not_read_is_one_line_about_it(tmp_path: Path, capsys, text: str,
+                                                                       words: str) -> None:
+    """A config.json that is no JSON, lacks model_type or names one transformers does not know was 'cannot read
+    config.json (...)' with the fix 'point at a local checkpoint', which it was; a value of the wrong type
+    (transformers 5 checks them) was an internal error asking for a report."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    (checkpoint / "config.json").write_text(text)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    code = main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"moesim: error: {checkpoint / 'config.json'}") and words in err, err
+    assert "\n" not in err and "point at a local checkpoint" not in err

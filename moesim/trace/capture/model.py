@@ -71,13 +71,51 @@ def load_config(model: str) -> tuple[Any, str, bool]:
     from transformers import AutoConfig
     name, local_only = resolve_model(model)
     try:
+        from huggingface_hub.errors import StrictDataclassError  # config field of the wrong type (transformers 5)
+    except ImportError:  # an older huggingface_hub
+        StrictDataclassError = ValueError  # noqa: N806
+    try:
         config = AutoConfig.from_pretrained(name, local_files_only=local_only)
+    except StrictDataclassError as err:
+        import re
+        named = re.search(r"field '([^']+)'", str(err))
+        field = named.group(1) if named else None
+        cause = str(err.__cause__ or err).strip().splitlines()[-1].strip()
+        cause = re.sub(r"^\w+Error: ", "", cause)
+        where = str(Path(name) / "config.json") if Path(name).is_dir() else model
+        raise ModelNotFoundError(f"config.json has a value transformers refuses ({cause})", source=where,
+                                 field=field, fix="use the checkpoint's own config.json") from None
     except (OSError, ValueError) as err:
-        if Path(name).is_dir():  # present but unreadable: say what transformers said
-            raise ModelNotFoundError(f"cannot read config.json ({str(err).splitlines()[0]})", source=name,
-                                     fix=LOCAL_FIX) from None
+        if Path(name).is_dir():  # present but unreadable: say what is wrong with it, or what transformers said
+            raise _config_error(Path(name) / "config.json", err) from None
         raise _load_error(model, local_only, err) from None
     return config, name, local_only
+
+
+def _config_error(path: Path, err: Exception) -> ModelNotFoundError:
+    """The one line for a local config.json that transformers would not read: not JSON, no model_type, or a
+    model_type this transformers does not know; the fix for each (a checkpoint folder is what was given)."""
+    import json
+
+    import transformers
+
+    from moesim.trace.capture.arch import ARCHITECTURES
+    supported = ", ".join(sorted(ARCHITECTURES))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as bad:
+        return ModelNotFoundError(f"config.json is not valid JSON ({str(bad).splitlines()[0]})", source=str(path),
+                                  fix="download config.json again with the checkpoint's *.safetensors")
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not model_type:
+        return ModelNotFoundError("config.json has no model_type", source=str(path), field="model_type",
+                                  fix=f"use the checkpoint's own config.json (capture supports model_type {supported})")
+    if "does not recognize this architecture" in str(err) or "Unrecognized model" in str(err):
+        return ModelNotFoundError(f"model_type '{model_type}' is not one transformers {transformers.__version__} "
+                                  "knows", source=str(path), field="model_type",
+                                  fix=f"capture supports {supported}")
+    return ModelNotFoundError(f"cannot read config.json ({str(err).strip().splitlines()[0]})", source=str(path),
+                              fix="download config.json again with the checkpoint's *.safetensors")
 
 
 def pick_device(device: str) -> str:
