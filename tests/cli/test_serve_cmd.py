@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from moesim.analysis.serving import PERCENTILES, plot_latency_vs_qps, serving_figures
@@ -132,7 +134,7 @@ def test_the_table_title_names_the_profiles_gpu_and_host_cpu(files, capsys):  # 
     runs' figures depend on were not said."""
     trace, hw = files
     assert main(["serve-sim", trace, "--hw", hw, "--requests", "2", "--set", "hw.cpu.cores=2"]) == 0
-    assert capsys.readouterr().out.startswith(f"serving on {hw} (test gpu + test cpu, 2 cores, 100 GB/s DRAM)\n")
+    assert capsys.readouterr().out.startswith(f"serving on {Path(hw).name} (test gpu + test cpu, 2 cores, 100 GB/s DRAM)\n")
 
 
 def test_the_runtimes_line_of_replay_follows_the_table(files, capsys):  # noqa: F811
