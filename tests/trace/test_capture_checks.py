@@ -206,3 +206,22 @@ def test_a_config_json_transformers_will_not_read_is_one_line_about_it(tmp_path:
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"moesim: error: {checkpoint / 'config.json'}") and words in err, err
     assert "\n" not in err and "point at a local checkpoint" not in err
+
+
+@needs_torch
+def test_prompts_dash_reads_standard_input(tmp_path: Path, monkeypatch) -> None:
+    """`jq ... | moesim capture --prompts -` ('-' is standard output for --json) was '-: prompts file not found'."""
+    import hashlib
+    import io
+    import json
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    text = "".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS[:2])
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    out = tmp_path / "t.parquet"
+    assert main(["capture", "--model", str(checkpoint), "--prompts", "-", "--max-new-tokens", "1", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    meta = read_meta(str(out))
+    assert meta.source["prompts"] == "-" and meta.source["prompts_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    from moesim.trace import read_frame
+    from tests.trace.test_capture import request_tokens
+    assert request_tokens(read_frame(str(out)), 1)[:len(PROMPTS[1])] == PROMPTS[1]

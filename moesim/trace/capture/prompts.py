@@ -31,8 +31,11 @@ class Prompt:
 
 
 def read_prompts_file(path: str | Path) -> bytes:
-    """The bytes of a prompts file, read once: a pipe (``--prompts /dev/stdin``, ``<(jq ...)``) has no
+    """The bytes of a prompts file, read once: a pipe (``--prompts /dev/stdin`` or ``-``, ``<(jq ...)``) has no
     second reading."""
+    if str(path) == "-":  # standard input, as '-' means standard output for --json
+        import sys
+        return sys.stdin.buffer.read()
     path = Path(path)
     if path.is_dir():
         raise PromptsError("is a folder, not a prompts file", source=str(path), fix="give the prompts file in it")
