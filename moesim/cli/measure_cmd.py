@@ -17,7 +17,8 @@ from moesim.util import PARQUET, YAML, check_can_create, clean_stale_tmps
 @click.option("--model", "model", required=True, metavar="PATH_OR_ID",
               help="Checkpoint directory (config.json + *.safetensors) or Hugging Face model id.")
 @click.option("--prompts", required=True, type=InputPath(dir_okay=False),
-              help="Prompts: JSONL (field 'prompt' or 'text', or 'token_ids') or plain text, one per line.")
+              help="Prompts: JSONL (field 'prompt' or 'text', or 'token_ids') or plain text, one per line; "
+                   "- reads standard input.")
 @click.option("--max-new-tokens", required=True, type=click.IntRange(min=0),
               help="Greedy tokens generated (and fed back: one decode step each) per prompt.")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),

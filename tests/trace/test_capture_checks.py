@@ -225,3 +225,8 @@ def test_prompts_dash_reads_standard_input(tmp_path: Path, monkeypatch) -> None:
     from moesim.trace import read_frame
     from tests.trace.test_capture import request_tokens
     assert request_tokens(read_frame(str(out)), 1)[:len(PROMPTS[1])] == PROMPTS[1]
+
+
+def test_capture_help_says_dash_is_standard_input(capsys) -> None:
+    assert main(["capture", "--help"]) == 0
+    assert "- reads standard input" in " ".join(capsys.readouterr().out.split())
