@@ -230,3 +230,14 @@ def test_prompts_dash_reads_standard_input(tmp_path: Path, monkeypatch) -> None:
 def test_capture_help_says_dash_is_standard_input(capsys) -> None:
     assert main(["capture", "--help"]) == 0
     assert "- reads standard input" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_shape_error_names_the_config_json_key() -> None:
+    """config.json says num_experts_per_tok; the error named the spec's field, 'top_k', which no config has."""
+    from moesim.trace.capture import config_to_spec
+    mixtral = dict(model_type="mixtral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=10,
+                   vocab_size=100)
+    with pytest.raises(ConfigError) as caught:
+        config_to_spec(SimpleNamespace(**mixtral), name="ckpt/config.json")
+    assert str(caught.value).startswith("ckpt/config.json, field 'num_experts_per_tok': top_k 10 exceeds")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Callable
 
+from moesim.errors import ConfigError
 from moesim.model.spec import ModelSpec
 from moesim.trace.capture.errors import NoMoELayersError, UnsupportedRouterError
 
@@ -196,5 +197,15 @@ def config_to_spec(config: Any, *, name: str | None = None, total_params: int = 
                  "num_layers": f"MoE decoder layers {moe[0]}..{moe[-1]} of {config.num_hidden_layers}",
                  "expert_dtype": dtype_note,
                  "total_params": "parameter count of the loaded model" if total_params else "unknown"})
-    spec.check(origin)
+    try:
+        spec.check(origin)
+    except ConfigError as err:  # name the config.json key the number came from, not the spec's field
+        expert_key = next((key for key in EXPERT_COUNT_FIELDS if getattr(config, key, None) is not None),
+                          "num_experts")
+        keys = {"top_k": "num_experts_per_tok", "num_experts": expert_key, "num_layers": "num_hidden_layers",
+                "moe_intermediate_size": ("intermediate_size" if model_type in ("mixtral", "olmoe", "gpt_oss")
+                                          else "moe_intermediate_size")}
+        if err.field in keys:
+            err.rename_field(keys[err.field])
+        raise
     return spec
