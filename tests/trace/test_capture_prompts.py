@@ -106,3 +106,23 @@ def test_lines_end_at_newlines_only(tmp_path: Path) -> None:
     plain.write_text("\n".join(texts) + "\nold\rmac\n", encoding="utf-8", newline="")
     assert [(p.line, p.text) for p in load_prompts(plain)] == [(1, texts[0]), (2, texts[1]), (3, texts[2]),
                                                                (4, texts[3]), (5, "old"), (6, "mac")]
+
+
+def test_a_file_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    """'not UTF-8 text' named no line: in a long file saved as Latin-1, one accented letter is hard to find."""
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"first\nsecond\ncaf\xe9 au lait\n")
+    with pytest.raises(PromptsError) as info:
+        load_prompts(path)
+    assert str(info.value).startswith(f"{path}, row 3: not UTF-8 text (byte 0xe9) (fix: save the prompts as UTF-8")
+
+
+def test_a_trace_given_as_the_prompts_says_so(tmp_path: Path) -> None:
+    """`--prompts trace.parquet` (the trace where the prompts go) said 'not UTF-8 text'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+    with pytest.raises(PromptsError) as info:
+        load_prompts(path)
+    assert str(info.value).startswith(f"{path}: is a Parquet file (a trace?), not a prompts file (fix: give the")

@@ -59,9 +59,14 @@ def load_prompts(path: str | Path, data: bytes | None = None) -> list[Prompt]:
         # "\n", "\r\n" or "\r" only: str.splitlines also splits at U+2028, U+0085, form feeds and more, which
         # JSON strings may hold raw (json.dumps(..., ensure_ascii=False)) and a text prompt may contain
         text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise PromptsError("not UTF-8 text", source=str(path),
-                           fix="save the prompts as UTF-8 JSONL or plain text") from None
+    except UnicodeDecodeError as err:
+        if data.startswith(b"PAR1"):  # a trace (or other Parquet file) given where the prompts go
+            raise PromptsError("is a Parquet file (a trace?), not a prompts file", source=str(path),
+                               fix="give the prompts as JSONL or plain text, one per line") from None
+        line = data.count(b"\n", 0, err.start) + 1  # the line of the first byte that is no UTF-8
+        raise PromptsError(f"not UTF-8 text (byte 0x{data[err.start]:02x})", source=str(path), row=line,
+                           fix="save the prompts as UTF-8 JSONL or plain text (e.g. iconv -f latin1 -t utf-8)") \
+            from None
     lines = re.split(r"\r\n|\r|\n", text)
     numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
     if not numbered:
