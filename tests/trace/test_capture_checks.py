@@ -241,3 +241,15 @@ def test_a_shape_error_names_the_config_json_key() -> None:
     with pytest.raises(ConfigError) as caught:
         config_to_spec(SimpleNamespace(**mixtral), name="ckpt/config.json")
     assert str(caught.value).startswith("ckpt/config.json, field 'num_experts_per_tok': top_k 10 exceeds")
+
+
+@needs_torch
+def test_a_hub_cache_snapshot_is_named_by_its_repository(tmp_path: Path) -> None:
+    """--model ~/.cache/huggingface/hub/models--Org--Tiny-MoE/snapshots/<commit> named the trace's model by the
+    commit hash."""
+    snapshot = tmp_path / "hub" / "models--Org--Tiny-MoE" / "snapshots" / "0123abcd4567"
+    build_checkpoint("mixtral", snapshot)
+    out = tmp_path / "t.parquet"
+    capture(CaptureConfig(model=str(snapshot), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1]), out=out,
+                          max_new_tokens=1, device="cpu"))
+    assert read_meta(str(out)).model.name == "tiny-moe"

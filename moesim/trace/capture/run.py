@@ -433,9 +433,13 @@ def check_context(ids: list[list[int]], prompts: list[Prompt], max_new_tokens: i
 
 
 def _display_name(model: str) -> str:
-    """The model's name in the trace: its folder's name (the folder itself for '.', '..' or '~/ckpt/'), or the
-    hub id's last part."""
+    """The model's name in the trace: its folder's name (the folder itself for '.', '..' or '~/ckpt/'; the
+    repository's for a Hugging Face cache snapshot), or the hub id's last part."""
     path = Path(model).expanduser()
     if path.is_dir():
         path = path.resolve()
+        # a Hugging Face cache snapshot, .../models--Org--Name/snapshots/<commit>: the repository's name, not
+        # the commit hash
+        if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+            return path.parent.parent.name.split("--")[-1].lower()
     return path.name.lower() or model
