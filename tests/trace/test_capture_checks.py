@@ -253,3 +253,21 @@ def test_a_hub_cache_snapshot_is_named_by_its_repository(tmp_path: Path) -> None
     capture(CaptureConfig(model=str(snapshot), prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1]), out=out,
                           max_new_tokens=1, device="cpu"))
     assert read_meta(str(out)).model.name == "tiny-moe"
+
+
+@needs_torch
+def test_weights_that_need_a_missing_package_are_one_line_naming_it(tmp_path: Path, capsys, monkeypatch) -> None:
+    """DeepSeek-V3's FP8 and gpt-oss's MXFP4 checkpoints need accelerate, which the torch extra does not
+    install: loading them was an internal error asking for a report."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+
+    def needs_accelerate(*args, **kwargs):
+        raise ImportError("Loading an FP8 quantized model requires accelerate (`pip install accelerate`)")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", needs_accelerate)
+    code = main(["capture", "--model", str(checkpoint), "--prompts", str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)),
+                 "--max-new-tokens", "1", "--device", "cpu", "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(f"moesim: error: {checkpoint}, field '--model': loading these weights needs a package "
+                          "that is not installed (Loading an FP8 quantized model requires accelerate"), err
+    assert err.endswith("(fix: pip install accelerate, or capture the checkpoint's unquantised (bf16) release)")

@@ -10,7 +10,8 @@ from typing import Any
 from moesim.errors import ConfigError
 from moesim.model.spec import ModelSpec
 from moesim.trace.capture.arch import ArchInfo, arch_for, config_to_spec
-from moesim.trace.capture.errors import ModelNotFoundError, TorchMissingError, UnsupportedRouterError
+from moesim.trace.capture.errors import (CaptureError, ModelNotFoundError, TorchMissingError,
+                                         UnsupportedRouterError)
 
 LOCAL_FIX = ("point at a local checkpoint: --model /path/to/checkpoint "
              "(a directory with config.json and *.safetensors)")
@@ -155,6 +156,13 @@ def _weights_error(name: str, local_only: bool, err: Exception) -> Exception:
     """The one-line error for weights that would not load: unreadable or corrupt files (a download cut
     short), or tensors whose shapes are not the ones config.json gives; anything else as it was."""
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if isinstance(err, ImportError):  # a quantised checkpoint (FP8 DeepSeek-V3, MXFP4 gpt-oss) needs accelerate
+        import re
+        command = re.search(r"pip install [\w.\-\[\]=<>]+", str(err))
+        return CaptureError(f"loading these weights needs a package that is not installed ({first_line})",
+                            source=name, field="--model",
+                            fix=f"{command.group(0) if command else 'install it'}, or capture the checkpoint's "
+                                "unquantised (bf16) release")
     if "ignore_mismatched_sizes" in str(err) or "size mismatch" in str(err):
         return ModelNotFoundError("the weights do not fit config.json (a tensor's shape differs from what the "
                                   "config gives)", source=name, field="--model",
