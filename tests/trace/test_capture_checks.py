@@ -271,3 +271,20 @@ def test_weights_that_need_a_missing_package_are_one_line_naming_it(tmp_path: Pa
     assert err.startswith(f"moesim: error: {checkpoint}, field '--model': loading these weights needs a package "
                           "that is not installed (Loading an FP8 quantized model requires accelerate"), err
     assert err.endswith("(fix: pip install accelerate, or capture the checkpoint's unquantised (bf16) release)")
+
+
+@needs_torch
+@pytest.mark.parametrize("option", ["--prompts", "--calibration-prompts"])
+def test_a_prompts_file_fault_names_the_option(tmp_path: Path, capsys, option: str) -> None:
+    """A missing or empty calibration file said '<file>: prompts file not found', as the prompts' own did: which
+    of the two options to fix was left to guess."""
+    good = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    for bad, words in ((tmp_path / "none.txt", "prompts file not found"), (empty, "prompts file is empty")):
+        files = {"--prompts": good, "--calibration-prompts": good, option: bad}
+        code = main(["capture", "--model", str(tmp_path / "no-model"), "--prompts", str(files["--prompts"]),
+                     "--calibration-prompts", str(files["--calibration-prompts"]), "--max-new-tokens", "1",
+                     "--out", str(tmp_path / "t.parquet")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith(f"moesim: error: {bad}, field '{option}': {words}"), err

@@ -364,9 +364,11 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
 
     config.check()
     require_torch()
-    prompt_bytes = read_prompts_file(config.prompts)  # read once: the prompts may come through a pipe
-    prompts = load_prompts(config.prompts, prompt_bytes)
-    calibration = load_prompts(config.calibration_prompts) if config.calibration_prompts else None
+    with _naming_option("--prompts"):
+        prompt_bytes = read_prompts_file(config.prompts)  # read once: the prompts may come through a pipe
+        prompts = load_prompts(config.prompts, prompt_bytes)
+    with _naming_option("--calibration-prompts"):
+        calibration = load_prompts(config.calibration_prompts) if config.calibration_prompts else None
     out = check_path_writable(config.out)
     hf_config, name, local_only = load_config(config.model)
     try:
@@ -403,6 +405,18 @@ def capture(config: CaptureConfig, *, progress: bool = False, on_tokens: TokenCa
             report.notes.append(f"{shared} calibration prompt(s) also appear in {config.prompts}: "
                                 "predictor accuracy on this trace is optimistic")
     return report
+
+
+@contextlib.contextmanager
+def _naming_option(option: str) -> Iterator[None]:
+    """A fault of a whole prompts file (not found, empty, not UTF-8) names the option that gave it: the
+    calibration file's said 'prompts file not found' like the prompts' own."""
+    try:
+        yield
+    except PromptsError as err:
+        if err.field is None and err.row is None:
+            err.rename_field(option)
+        raise
 
 
 @contextlib.contextmanager
