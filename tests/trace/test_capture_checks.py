@@ -288,3 +288,19 @@ def test_a_prompts_file_fault_names_the_option(tmp_path: Path, capsys, option: s
                      "--out", str(tmp_path / "t.parquet")])
         err = capsys.readouterr().err.strip()
         assert code == 2 and err.startswith(f"moesim: error: {bad}, field '{option}': {words}"), err
+
+
+@needs_torch
+def test_tokenizer_files_that_do_not_load_are_not_called_missing(tmp_path: Path, capsys) -> None:
+    """A tokenizer.json cut short (or one needing a package not installed) was 'text prompt but the checkpoint
+    has no tokenizer (fix: add the tokenizer files ...)', with the files right there."""
+    checkpoint = build_checkpoint("mixtral", tmp_path / "ckpt")
+    (checkpoint / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello world\n")
+    code = main(["capture", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "1",
+                 "--out", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith(f"moesim: error: {checkpoint}, field '--model': the checkpoint's tokenizer (tokenizer.json) "
+                          "did not load ("), err

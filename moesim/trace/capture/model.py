@@ -176,12 +176,27 @@ def _weights_error(name: str, local_only: bool, err: Exception) -> Exception:
 
 
 def load_tokenizer(name: str, local_only: bool) -> Any | None:
-    """The checkpoint's tokenizer, or None when it has none."""
+    """The checkpoint's tokenizer, or None when it has none; a local checkpoint's tokenizer files that do not
+    load (cut short, or needing a package that is not installed) are one line saying so."""
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=local_only)
-    except (OSError, ValueError, TypeError):
-        return None
+    except Exception as err:  # noqa: BLE001 - sorted below: no tokenizer, or one that would not load
+        files = [f for f in TOKENIZER_FILES if (Path(name) / f).is_file()] if Path(name).is_dir() else []
+        if not files and isinstance(err, (OSError, ValueError, TypeError)):
+            return None
+        if not files:
+            raise
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CaptureError(f"the checkpoint's tokenizer ({', '.join(files)}) did not load ({first_line})",
+                           source=name, field="--model",
+                           fix="download the tokenizer files again (or install what the message names), or give "
+                               "pre-tokenised prompts as {\"token_ids\": [...]}") from None
+
+
+#: files a checkpoint's tokenizer is read from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "tiktoken.model")
 
 
 @dataclass
