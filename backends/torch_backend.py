@@ -150,6 +150,7 @@ class RealExecutor(LayerCompute, WeightCopies, RunRecording):
         self.host_span: tuple[float, float, str] | None = None
         self.weights.reset()
         ctx = self.setup_ctx(system)
+        system.check_columns(ctx)
         system.configure(ctx)
         self.notes = ctx.notes
         self.initial = [sorted(system.initial(layer, quota)) for layer, quota in enumerate(self.memory.cache_quota)]

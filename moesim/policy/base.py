@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from moesim.errors import ConfigError, MoesimError, did_you_mean
+from moesim.errors import ConfigError, MissingColumnError, MoesimError, did_you_mean
 from moesim.hw.cost import CostModel
 from moesim.model.spec import ModelSpec
 from moesim.policy.state import CacheState
@@ -370,6 +370,9 @@ class Component:
     #: ...): views carry only the columns some component lists; one the trace lacks stays None (``configure``
     #: may refuse to run: ``ctx.columns`` lists the trace's)
     columns: ClassVar[tuple[str, ...]] = ()
+    #: the columns of ``columns`` it cannot run without, each with why (:meth:`check_columns` refuses a trace
+    #: that lacks one, before the run: a portfolio member stopped before its first step is refused too)
+    requires: ClassVar[dict[str, str]] = {}
     #: the step phases in which the component acts (a decode-only one leaves prefill steps alone)
     phases: ClassVar[tuple[str, ...]] = ("prefill", "decode")
     #: parameters documented "negative: ...": every finite negative value means what their negative default
@@ -382,6 +385,11 @@ class Component:
 
     def configure(self, ctx: RunContext) -> None:
         """Called once before the run; default does nothing."""
+
+    def check_columns(self, ctx: RunContext) -> None:
+        """Refuse a trace that lacks a column of :attr:`requires` (called before :meth:`configure`)."""
+        for column, why in self.requires.items():
+            require_column(ctx, column, f"{self.role} '{self.name}'", why)
 
     @classmethod
     def parameters(cls) -> dict[str, Any]:
@@ -414,6 +422,15 @@ class Component:
                 setattr(self, key, value)
                 return
         setattr(self, key, coerce(raw, params[key], f"{self.role}.{key}", self.parameter_types().get(key)))
+
+
+def require_column(ctx: RunContext, column: str, who: str, why: str) -> None:
+    """Refuse to run without ``column``: one line naming the trace, the column and the fix."""
+    if ctx.columns and column not in ctx.columns:
+        raise MissingColumnError(f"{who} needs the trace column '{column}' ({why}), which this trace lacks",
+                                 source=ctx.trace_path, field=column,
+                                 fix=f"capture or synthesize the trace with '{column}' (moesim trace synth writes it "
+                                     f"by default), or pick another component with --set")
 
 
 def field_default(f: dataclasses.Field) -> Any:

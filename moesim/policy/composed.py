@@ -88,6 +88,11 @@ class ComposedSystem:
         for component in self.components.values():
             component.for_model(model)
 
+    def check_columns(self, ctx: RunContext) -> None:
+        """Refuse a trace that lacks a column a component requires (before :meth:`configure`)."""
+        for component in self.components.values():
+            component.check_columns(ctx)
+
     def configure(self, ctx: RunContext) -> None:
         for component in self.components.values():
             component.configure(ctx)

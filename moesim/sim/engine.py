@@ -151,6 +151,7 @@ class Simulator(Transfers, Tracks):
         """Configure the system, preload its cache and start the forward pass (``run`` runs it to the end;
         a portfolio bound runs its members a few steps at a time)."""
         self._wall = time.perf_counter()
+        self.system.check_columns(self.ctx)
         self.system.configure(self.ctx)
         self._initial = [sorted(self.system.initial(layer, quota))
                          for layer, quota in enumerate(self.memory.cache_quota)]

@@ -349,7 +349,10 @@ def prepare_members(trace: str, hw: str | HardwareProfile, system: str, settings
             runs[member] = reuse[member]
             continue
         try:
-            sims[member] = prepare(trace, profile or hw, member, settings, kv_tokens=kv_tokens, **kwargs)
+            sim = prepare(trace, profile or hw, member, settings, kv_tokens=kv_tokens, **kwargs)
+            # now, not at its first step: a member stopped before one would be said to be stopped, not unable
+            sim.system.check_columns(sim.ctx)
+            sims[member] = sim
             # read after a member's set-up has checked the trace and found the profile
             profile = profile or load_profile(hw)  # type: ignore[arg-type]
             kv_tokens = peak_kv_tokens(trace) if kv_tokens is None else kv_tokens

@@ -138,8 +138,8 @@ def test_router_refuses_a_trace_without_scores(tmp_path):
     with pytest.raises(ConfigError, match="'scores'.*fix:"):
         simulate(str(trace), tiny_profile(), "importance", {})
     router = ImportanceRouter()
-    with pytest.raises(ConfigError, match="scores"):
-        router.configure(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4, 4],
+    with pytest.raises(ConfigError, match="scores"):  # checked before configure, which then need not
+        router.check_columns(RunContext(model=model, costs=CostModel(tiny_profile(), model), capacity=[4, 4],
                                     trace_path="t.parquet", columns=("weights",)))
 
 

@@ -248,3 +248,19 @@ def test_members_equal_but_for_the_last_bits_tie_whether_the_timeline_is_on_or_o
         assert value == pytest.approx(on.best[metric][1], rel=1e-12)
     assert off.runtime == on.runtime == "ideal"
     assert metrics(off)["gpu_util"] == pytest.approx(metrics(on)["gpu_util"], rel=1e-9)
+
+
+def test_a_member_that_needs_a_column_the_trace_lacks_is_said_not_to_run_even_if_stopped_at_once(tmp_path):
+    """importance needs 'scores': a member stopped before its first step never configured, and the notes said
+    it was stopped after step 0 (its floors alone exceeded the best), not that it could not run here."""
+    from moesim.sim.run import prepare_members
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, seed=3)  # no scores column
+    sims, reused, skipped = prepare_members(trace, hw, "oracle", {})
+    assert "importance" in skipped and "importance" not in sims
+    assert "cache 'score-history' needs the trace column 'scores'" in skipped["importance"]
+    assert {"oracle-prefetch", "oracle-pinned", "belady", "gpu-only-lru", "smoe"} <= set(sims)
+    result = simulate(trace, hw, "oracle", {})
+    stopped = [n for n in result.notes if "stopped once provably best" in n]
+    assert not any("importance after step" in n for n in stopped)
+    assert any(n.startswith("oracle: schedules that could not run here: importance") for n in result.notes)

@@ -58,22 +58,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moesim.errors import ConfigError, MissingColumnError
+from moesim.errors import ConfigError
 from moesim.policy.assign import Assignment
 from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerPlan, LayerView, PerTokens, RunContext, token_mean
 from moesim.policy.cache import CachePolicy
 from moesim.policy.prefetch import Prefetch, ranked_predictions
 from moesim.policy.systems import ComposedSystem, Substitution, SystemSpec, register_component, register_system
-
-
-def require_column(ctx: RunContext, column: str, who: str, why: str) -> None:
-    """Refuse to run without ``column``: one line naming the trace, the column and the fix."""
-    if ctx.columns and column not in ctx.columns:
-        raise MissingColumnError(f"{who} needs the trace column '{column}' ({why}), which this trace lacks",
-                          source=ctx.trace_path, field=column,
-                          fix=f"capture or synthesize the trace with '{column}' (moesim trace synth writes it "
-                              f"by default), or pick another component with --set")
 
 
 class ObservingSystem(ComposedSystem):
@@ -152,6 +143,7 @@ class ImportanceRouter(Substitution):
     name = "importance-router"
     phases = ("decode",)
     columns = ("scores",)
+    requires = {"scores": "router scores decide top- and low-score"}
     #: substitution threshold alpha (-1: 004's for the model, Sec. 6.2: 0.35 in S1 on deepseek-moe-16b, 0.3 in
     #: S2 on XVERSE-MoE-A4.2B, 0.25 in S3 on Qwen2-57B-A14B; S2's 0.3 for a model 004 did not run, noted)
     alpha: float = -1.0
@@ -162,7 +154,6 @@ class ImportanceRouter(Substitution):
         self.threshold = self.alpha  # the value asked for, until a run resolves -1 for its model
 
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "scores", "substitute 'importance-router'", "router scores decide top- and low-score")
         # resolved per run, so that a component configured again for another model takes that model's alpha
         self.threshold = self.alpha
         if self.threshold == -1.0:
@@ -260,6 +251,7 @@ class TopScorePrefetch(Prefetch):
 
     name = "top-score"
     columns = ("pred_next_layer",)
+    requires = {"pred_next_layer": "the next layer's predicted experts"}
     #: predicted experts per token treated as top-score, highest predicted scores first (004 Sec. 5.2; 0: the
     #: whole prediction, the top k) (experts)
     per_token: int = 1
@@ -278,7 +270,6 @@ class TopScorePrefetch(Prefetch):
     _predict_memo: tuple[int, int, float] = (-1, -1, 0.0)
 
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "pred_next_layer", "prefetch 'top-score'", "the next layer's predicted experts")
         if self.per_token < 0:
             raise ConfigError(f"prefetch.per_token={self.per_token} is negative", field="prefetch.per_token",
                               fix="use 1 (each token's top prediction) or more, or 0 for the whole prediction")
@@ -350,6 +341,7 @@ class ScoreHistoryCache(CachePolicy):
 
     name = "score-history"
     columns = ("scores",)
+    requires = {"scores": "evictions rank experts by their recent scores"}
     #: the n iterations (forward passes) of score history per layer an eviction averages over (004 Sec. 5.3;
     #: the paper gives no value) (steps)
     n: int = 8
@@ -358,7 +350,6 @@ class ScoreHistoryCache(CachePolicy):
     _seen: tuple[int, int] = (-1, -1)
 
     def configure(self, ctx: RunContext) -> None:
-        require_column(ctx, "scores", "cache 'score-history'", "evictions rank experts by their recent scores")
         if self.n < 1:
             raise ConfigError(f"n must be at least 1, got {self.n}", field="cache.n", fix="--set cache.n=8")
         self._history = [deque() for _ in ctx.capacity]
