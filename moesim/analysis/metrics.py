@@ -43,8 +43,10 @@ METRIC_DOCS: dict[str, MetricDoc] = {
     "prefetches": MetricDoc("experts", "experts copied ahead of need"),
     "cancelled_prefetches": MetricDoc("experts", "prefetches dropped before their copy ran"),
     "prefetch_precision": MetricDoc("fraction", "prefetched experts routed at their layer before being evicted, "
-                                               "wherever they ran and whether or not their copy had landed: how "
-                                               "often the prediction was right (null without prefetches)"),
+                                               "wherever they ran and whether or not their copy had landed, over "
+                                               "the prefetches not cancelled before they started: how often a "
+                                               "prediction that was acted on was right (null without such "
+                                               "prefetches)"),
     "demand_loads": MetricDoc("experts", "experts copied into a cache slot when a layer needed them"),
     "streamed_experts": MetricDoc("experts", "experts copied through a staging buffer and not kept"),
     "evictions": MetricDoc("experts", "experts removed from the GPU cache"),
@@ -111,7 +113,9 @@ def metrics(result: SimResult) -> dict[str, Any]:
         "late_prefetches": c.late_prefetches,
         "prefetches": c.prefetches,
         "cancelled_prefetches": c.cancelled_prefetches,
-        "prefetch_precision": c.prefetch_used / c.prefetches if c.prefetches else float("nan"),
+        # of the copies that ran: a prefetch cancelled before it started copied nothing, used or not
+        "prefetch_precision": (c.prefetch_used - c.cancelled_used) / (c.prefetches - c.cancelled_prefetches)
+        if c.prefetches > c.cancelled_prefetches else float("nan"),
         "demand_loads": c.demand_loads,
         "streamed_experts": c.streamed,
         "evictions": c.evictions,

@@ -43,6 +43,8 @@ class Counters:
     substituted: int = 0
     deferred: int = 0
     cancelled_prefetches: int = 0
+    #: of those, prefetches whose expert was routed (counted in prefetch_used) while the copy waited
+    cancelled_used: int = 0
     substituted_weight_mass: float = 0.0
     deferred_weight_mass: float = 0.0
     gpu_busy_s: float = 0.0

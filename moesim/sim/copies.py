@@ -411,11 +411,6 @@ class CopyEngines:
             self.advance(min(self.free))
         return transfer.end
 
-    def unstarted(self, kind: str) -> int:
-        """Transfers of ``kind`` still queued whole: no engine has copied any of them (a chunked prefetch's
-        rest, back in the queue, has copied part and is not counted)."""
-        return sum(1 for x in self.queue if x.kind == kind and not x.cut)
-
     def busy_until(self, horizon: float) -> tuple[float, int]:
         """Busy seconds and bytes of transfers started before ``horizon``, cut at it.
 

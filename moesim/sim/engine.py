@@ -180,7 +180,9 @@ class Simulator(Transfers, Tracks):
         # prefetches no engine had started when the last token was out copied nothing (busy_until leaves their
         # bytes and time out): dropped, as a cancellation drops them, so that prefetches less cancelled ones
         # are the copies the run counts
-        self.counters.cancelled_prefetches += self.pcie.unstarted("prefetch")
+        for transfer in self.pcie.queue:
+            if transfer.kind == "prefetch" and not transfer.cut:  # queued whole (a cut one copied its first chunks)
+                self._count_cancelled(transfer)
         return SimResult(system=self.system.name, steps=self.steps, counters=self.counters,
                          pcie_busy_s=pcie_busy, pcie_bytes=pcie_bytes, makespan_s=makespan, memory=self.memory,
                          notes=list(self.ctx.notes) + self._backlog_note(), timeline=self.timeline,

@@ -183,6 +183,13 @@ class Transfers:
         self._seq = seq
         self.pcie.submit_prefetches(batch, at)
 
+    def _count_cancelled(self, transfer: Transfer) -> None:
+        """Count a prefetch dropped before its copy started; one whose expert was routed while it waited (it
+        left the prefetched set when used) is counted apart, for the precision of the copies that ran."""
+        self.counters.cancelled_prefetches += 1
+        if transfer.expert not in self.prefetched[transfer.layer]:
+            self.counters.cancelled_used += 1
+
     def _cancel_prefetches(self, t: float, keep: frozenset, step: int, layer: int) -> None:
         """Drop prefetches not yet started by ``t`` (but those in ``keep``); their slots free up again, and the
         decision log says so (``cancel``) at ``step`` and ``layer``, the plan that dropped them."""
@@ -191,5 +198,5 @@ class Transfers:
                 self.decisions.append((step, layer, transfer.expert, "cancel", transfer.layer))
             self.pending[transfer.layer].pop(transfer.expert, None)
             self.cache.in_flight[transfer.layer].discard(transfer.expert)
+            self._count_cancelled(transfer)
             self.prefetched[transfer.layer].discard(transfer.expert)
-            self.counters.cancelled_prefetches += 1
