@@ -403,6 +403,9 @@ def _stats(meta: Any, acc: _Accumulator) -> dict[str, Any]:
         "layers_present": int((counts.sum(axis=1) > 0).sum()),
         "num_experts": model.num_experts,
         "top_k": model.top_k,
+        # the rest of the model's shape, which a capture records and a user checks here
+        "num_shared_experts": model.num_shared_experts,
+        "num_dense_layers": model.num_dense_layers,
         "weights_renormalized": meta.weights_renormalized,
         "top10_share_by_layer": top10,
         "top10_share": _mean(top10),

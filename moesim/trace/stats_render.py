@@ -48,6 +48,7 @@ def _summary_rows(stats: dict[str, Any]) -> list[tuple[str, Any]]:
         ("steps prefill", stats["steps"]["prefill"]), ("steps decode", stats["steps"]["decode"]),
         ("layers (present)", f"{stats['layers']} ({stats['layers_present']})"),
         ("experts / top-k", f"{stats['num_experts']} / {stats['top_k']}"),
+        ("shared experts / dense layers", f"{stats['num_shared_experts']} / {stats['num_dense_layers']}"),
         ("top-10% share (mean)", stats["top10_share"]),
         ("prev-token reuse (mean)", stats["reuse_prev_token"]),
         ("co-activation top-4 share", stats["coactivation_top4_share"]),

@@ -210,3 +210,22 @@ def test_uniform_union_is_the_expected_distinct_count():
     # 8 experts, top-2, 2 tokens: each expert missed with probability (3/4)^2, so 8 * 7/16 = 3.5 reached
     assert stats_mod.uniform_union(2, 8, 2) == pytest.approx(3.5)
     assert stats_mod.uniform_union(1, 128, 8) == pytest.approx(8)
+
+
+def test_inspect_shows_the_shared_experts_and_dense_layers_a_capture_recorded(tmp_path, capsys):
+    """A user checks a capture's model shape with inspect: it showed routed experts and top-k only, so a capture
+    that lost DeepSeek's shared expert or its dense first layers looked the same as a right one."""
+    import dataclasses
+    shaped = dataclasses.replace(TOY, num_shared_experts=2, shared_intermediate_size=16, num_dense_layers=1,
+                                 dense_intermediate_size=32)
+    cols = list(zip(*ROWS))
+    path = tmp_path / "shaped.parquet"
+    write_trace(path, {"step": cols[0], "layer": cols[1], "request": cols[2], "position": cols[3],
+                       "phase": np.array(cols[4], dtype=np.int8), "experts": np.array(cols[5])},
+                TraceMeta(model=shaped, source={"kind": "synthetic"}))
+    s = trace_stats(path)
+    assert (s["num_shared_experts"], s["num_dense_layers"]) == (2, 1)
+    assert (s["num_experts"], s["top_k"]) == (6, 3)
+    assert main(["trace", "inspect", str(path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "shared experts / dense layers" in line)
+    assert row.split("│")[2].strip() == "2 / 1"
