@@ -156,6 +156,9 @@ def check_suffix(path: Path, option: str, written_as: str) -> None:
     """``path``'s name ends in a suffix of format ``written_as`` (:data:`OUTPUT_FORMATS`)."""
     suffixes = OUTPUT_FORMATS[written_as]
     if path.suffix.lower() not in suffixes:
+        if path.name.lower() in suffixes:  # '.parquet': a suffix alone, a hidden file with no name before it
+            raise ConfigError(f"the file name is only a suffix, '{path.name}'", source=str(path), field=option,
+                              fix=f"put a name before it, e.g. out{suffixes[0]}")
         named = f"'{path.suffix}'" if path.suffix else "no suffix"
         raise ConfigError(f"this output is written as {written_as}, but its name has {named}", source=str(path),
                           field=option, fix=f"name it e.g. {path.with_suffix(suffixes[0]).name}")

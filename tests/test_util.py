@@ -213,3 +213,15 @@ def test_an_output_folder_where_no_file_can_be_created_is_refused_before_any_wor
         monkeypatch.undo()
     assert check_output_path(tmp_path / "m.json", "--json") == tmp_path / "m.json"
     assert list(tmp_path.glob(".moesim-write-check-*")) == []  # the trial file is gone
+
+
+def test_an_output_named_by_a_suffix_alone_is_told_to_put_a_name_before_it(tmp_path):
+    """'--out .parquet' was told 'name it e.g. .parquet.parquet' (Path('.parquet') has no suffix: it is a
+    hidden file's name)."""
+    from moesim.util import PARQUET, check_output_path
+    with pytest.raises(ConfigError, match="the file name is only a suffix, '.parquet'") as refused:
+        check_output_path(tmp_path / ".parquet", "--out", PARQUET)
+    assert refused.value.fix == "put a name before it, e.g. out.parquet"
+    with pytest.raises(ConfigError, match="its name has '.txt'") as refused:
+        check_output_path(tmp_path / "x.txt", "--out", PARQUET)
+    assert refused.value.fix == "name it e.g. x.parquet"
