@@ -802,3 +802,15 @@ def test_sweep_out_in_a_folder_that_does_not_exist_is_refused_as_on_the_command_
         moesim.sweep(spec, out="newdir/x.parquet")
     assert refused.value.field == "out" and "mkdir -p newdir" in refused.value.fix
     assert list(tmp_path.iterdir()) == []
+
+
+def test_load_replay_of_a_folder_that_does_not_exist_says_so(tmp_path, monkeypatch):
+    """It said 'nope holds no saved replay (no result.json)', as if the folder were there."""
+    import moesim
+    from moesim.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"nope: no such folder \(looked at .*nope\)") as refused:
+        moesim.load_replay("nope")
+    assert refused.value.field == "folder" and "relative one starts at the working folder" in refused.value.fix
+    with pytest.raises(ConfigError, match="holds no saved replay"):
+        moesim.load_replay(tmp_path)

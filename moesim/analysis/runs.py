@@ -161,6 +161,9 @@ def load_replay(folder: str | os.PathLike) -> ReplayResult:
     import pandas as pd
     folder = checked_folder(folder)
     meta_path = folder / META_FILE
+    if not folder.exists():
+        raise ConfigError(f"{folder}: no such folder (looked at {folder.absolute()})", field="folder",
+                          fix="check the path: a relative one starts at the working folder")
     if not meta_path.is_file():
         raise ConfigError(f"{folder} holds no saved replay (no {META_FILE})", field="folder",
                           fix="give a folder that ReplayResult.save wrote")
