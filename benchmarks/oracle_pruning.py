@@ -35,7 +35,7 @@ def pruned_run(trace: str, hw: str, settings: dict[str, str]) -> tuple[float, di
     with keeping_decoded():
         sims, reused, skipped = prepare_members(trace, hw, "oracle", settings)
         start = time.perf_counter()
-        result = run_members(trace, "oracle", sims, reused, skipped)
+        result = run_members(trace, "oracle", sims, reused, skipped, settings=settings)
         wall = time.perf_counter() - start
     steps = len(result.steps)
     rows = {name: (p.step, p.wall_s, None) for name, p in result.pruned.items()}

@@ -82,7 +82,7 @@ def run_one(trace: str, system: str, hw: str, repeats: int = 3) -> dict:
             setup = time.perf_counter() - start
             start = time.perf_counter()
             # a portfolio (oracle) runs its members until each is complete or provably best on no metric
-            result = run_members(trace, system, sims, reused, skipped) if portfolio else sim.run()
+            result = run_members(trace, system, sims, reused, skipped, settings=SETTINGS) if portfolio else sim.run()
             best_run = min(best_run, time.perf_counter() - start)
         best_setup = min(best_setup, setup)
         activations = result.counters.activations

@@ -376,7 +376,9 @@ def run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[
 def _run_members(trace: str, system: str, sims: dict[str, Simulator], runs: dict[str, SimResult],
                  skipped: dict[str, str], progress: Callable[[int], None] | None,
                  settings: dict[str, str] | None = None) -> PortfolioResult:
-    names = members(system, settings)  # the settings' members: a system on their weights is one (own_weights)
+    names = list(members(system, settings))  # the settings' members: a system on their weights is one (own_weights)
+    # members prepared with settings this call was not given (a caller that left them out) still run, last
+    names += [name for name in (*sims, *runs) if name not in names]
     own = SYSTEMS[system].portfolio
     runs = dict(runs)
     pruned: dict[str, Pruned] = {}

@@ -264,3 +264,19 @@ def test_a_member_that_needs_a_column_the_trace_lacks_is_said_not_to_run_even_if
     stopped = [n for n in result.notes if "stopped once provably best" in n]
     assert not any("importance after step" in n for n in stopped)
     assert any(n.startswith("oracle: schedules that could not run here: importance") for n in result.notes)
+
+
+def test_members_prepared_with_settings_run_when_the_call_leaves_the_settings_out(tmp_path):
+    """With both dtypes int4, mixtral-offloading runs the replay's weights and is a member; run_members called
+    without the settings (the speed benchmark did) computed the member list without it: KeyError."""
+    from moesim.sim.run import prepare_members, run_members
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, seed=5)
+    int4 = {"memory.expert_dtype": "int4", "memory.non_expert_dtype": "int4"}
+    sims, reused, skipped = prepare_members(trace, hw, "oracle", int4)
+    assert "mixtral-offloading" in sims
+    left_out = run_members(trace, "oracle", sims, reused, skipped)
+    sims, reused, skipped = prepare_members(trace, hw, "oracle", int4)
+    given = run_members(trace, "oracle", sims, reused, skipped, settings=int4)
+    assert "mixtral-offloading" in left_out.members or "mixtral-offloading" in str(left_out.notes)
+    assert left_out.best == given.best
