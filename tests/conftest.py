@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+import pytest
 from hypothesis import settings
 
 # CI draws the same examples every run, so whether a change lands does not depend on a new random draw;
@@ -15,3 +16,16 @@ if os.environ.get("CI"):
 def pytest_configure(config) -> None:
     # records of validated traces (moesim.trace.validated) go to a folder of this session, not ~/.cache
     os.environ.setdefault("MOESIM_CACHE_DIR", tempfile.mkdtemp(prefix="moesim-cache-"))
+
+
+@pytest.fixture
+def own_systems():
+    """Systems and components a test registers (and the modules said to register them) are gone after it."""
+    from moesim.policy.systems import COMPONENTS, REGISTERED_BY, SYSTEMS
+    saved = dict(SYSTEMS), dict(REGISTERED_BY), {role: dict(registry) for role, registry in COMPONENTS.items()}
+    yield
+    for live, before in zip((SYSTEMS, REGISTERED_BY), saved[:2]):
+        live.clear()
+        live.update(before)
+    COMPONENTS.clear()
+    COMPONENTS.update(saved[2])

@@ -65,13 +65,13 @@ def test_prefetch_metrics_say_what_a_prefetch_used_on_the_cpu_counts_as(tmp_path
     assert "wherever they ran and whether or not their copy had landed" in METRIC_DOCS["prefetch_precision"].meaning
 
 
-def test_prefetch_precision_counts_the_copies_that_ran(tmp_path):
+def test_prefetch_precision_counts_the_copies_that_ran(tmp_path, own_systems):
     """Two prefetches of layer 1 issued at layer 0 on a slow link (evicting two of its resident experts): (1, 4)
     starts, (1, 5) waits behind it. Layer 1 routes expert 5 (used while its copy waited; computed on the CPU) and
     cancels the queued copies, so (1, 5) is dropped. Of the copies that ran, only (1, 4)'s, none was used:
     precision 0. It read used / prefetches (0.5), counting a copy that never ran; dividing by the copies that ran
     alone would give 1 / 1."""
-    from moesim.policy.systems import REGISTERED_BY, SYSTEMS, ComposedSystem, SystemSpec, register_system
+    from moesim.policy.systems import ComposedSystem, SystemSpec, register_system
 
     class TwoThenCancel(ComposedSystem):
         def plan(self, view):
@@ -87,11 +87,7 @@ def test_prefetch_precision_counts_the_copies_that_ran(tmp_path):
                                                   assign="resident", system_class=TwoThenCancel))
     model = tiny_model(layers=2, experts=8, top_k=1)
     trace = write_tiny_trace(tmp_path / "t.parquet", model, [{"phase": "decode", "tokens": {0: (0, [[[0]], [[5]]])}}])
-    try:
-        result = simulate(str(trace), tiny_profile(), "two-then-cancel", {"cache.slots_per_layer": "2"})
-    finally:
-        SYSTEMS.pop("two-then-cancel")
-        REGISTERED_BY.pop("two-then-cancel", None)
+    result = simulate(str(trace), tiny_profile(), "two-then-cancel", {"cache.slots_per_layer": "2"})
     counted = metrics(result)
     c = result.counters
     assert (c.prefetches, c.prefetch_used, c.cancelled_prefetches, c.cancelled_used) == (2, 1, 1, 1)

@@ -117,16 +117,6 @@ def test_a_parameter_of_another_component_says_which_components_take_it():
         build_system("gpu-only-lru", {"": "3"})
 
 
-@pytest.fixture
-def own_systems():
-    """Systems a test registers are gone after it."""
-    from moesim.policy.systems import SYSTEMS
-    before = dict(SYSTEMS)
-    yield
-    SYSTEMS.clear()
-    SYSTEMS.update(before)
-
-
 def test_a_plan_of_numpy_arrays_runs_as_the_same_plan_of_lists(tmp_path, own_systems):
     """A system class of one's own whose plan holds numpy arrays passed the plan checks (numpy integers are ints)
     and then failed deep in the engine: 'The truth value of an array with more than one element is ambiguous'."""

@@ -11,7 +11,7 @@ from moesim.hw.cost import CostModel
 from moesim.policy.base import LayerPlan, LayerView, PolicyError
 from moesim.policy.checked import plan_fault
 from moesim.policy.state import CacheState
-from moesim.policy.systems import SYSTEMS, ComposedSystem, SystemSpec, register_system
+from moesim.policy.systems import ComposedSystem, SystemSpec, register_system
 from tests.factories import tiny_model, tiny_profile, write_trace_and_profile
 
 
@@ -53,15 +53,7 @@ def test_a_prefetch_of_the_layers_own_gpu_expert_frees_no_slot():
                                      "plan.evictions)"
 
 
-@pytest.fixture
-def registered():
-    systems = dict(SYSTEMS)
-    yield
-    SYSTEMS.clear()
-    SYSTEMS.update(systems)
-
-
-def test_a_users_plan_that_cancels_and_overfills_is_one_line_naming_it(tmp_path, registered):
+def test_a_users_plan_that_cancels_and_overfills_is_one_line_naming_it(tmp_path, own_systems):
     """The same through a replay: a PolicyError naming the class and the fault, not the engine's assertion."""
     import moesim
 
@@ -95,7 +87,7 @@ def test_a_users_plan_that_cancels_and_overfills_is_one_line_naming_it(tmp_path,
      "load or prefetch each expert once, only one neither resident nor on its way, no more than the layer's free "
      "slots plus what the plan evicts (plan.evictions); stream the rest (plan.streamed); see LayerPlan"),
 ])
-def test_a_users_faulty_plan_is_told_the_fields_to_change(registered, plan, fault, fix):
+def test_a_users_faulty_plan_is_told_the_fields_to_change(own_systems, plan, fault, fix):
     """Every fault of a system class of one's own had the same fix, "see LayerPlan ... for what each field
     holds", whatever it was: the fix now names the fields that make that fault go away."""
     from moesim.policy.checked import _CheckedPlan
@@ -115,7 +107,7 @@ def test_a_users_faulty_plan_is_told_the_fields_to_change(registered, plan, faul
     assert caught.value.fix.startswith(fix), caught.value.fix
 
 
-def test_a_component_whose_methods_cannot_be_wrapped_has_its_plans_checked(tmp_path, registered):
+def test_a_component_whose_methods_cannot_be_wrapped_has_its_plans_checked(tmp_path, own_systems):
     """A component whose instance refuses new attributes kept its methods unchecked, and nothing checked the plans
     they made (engine.check is off by default): victims of experts not resident stopped the engine with an
     AssertionError, an internal error naming no policy."""
