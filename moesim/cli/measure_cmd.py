@@ -36,8 +36,7 @@ def capture_command(model: str, prompts: str, max_new_tokens: int, batch: int, c
     from moesim.trace.capture import CaptureConfig, capture
     from moesim.trace.capture.model import pick_device, require_torch
     check_outputs([("--prompts", prompts), ("--calibration-prompts", calibration_prompts)], {"out": PARQUET},
-                  out=out)
-    check_can_create(Path(out), "--out")
+                  out=out)  # tries creating the file too (check_output_path)
     require_torch()
     pick_device(device)  # a device this machine lacks fails now, before the model loads
     import huggingface_hub
@@ -119,7 +118,6 @@ def profile_command(device: str, model_names: tuple[str, ...], threads: int, qui
                     out: str) -> None:
     """Measure a hardware profile v1 (every curve the cost model reads) for one or more model shapes."""
     check_outputs([("--model", name) for name in model_names], {"out": YAML}, out=out)
-    check_can_create(Path(out), "--out")
     _check_threads(threads)
     if not name.isprintable():
         raise MoesimError(f"profile name {name!r} has a line break or other control character", field="--name",
