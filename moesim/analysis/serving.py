@@ -34,6 +34,17 @@ REQUEST_COLUMNS = ("request", "source", "source_request", "prompt_tokens", "outp
                    "preemptions", "computed_tokens", "recomputed_tokens")
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
 PERCENTILES = (50, 90, 99)
+#: the latencies a run's metrics give percentiles and a mean of (``ttft_ms_p50``, ..., ``ttft_ms_mean``)
+LATENCIES = ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms")
+#: the engine metrics a serving run's metrics hold under ``engine`` (``serving_metrics``), as ``moesim replay``
+#: gives them
+ENGINE_KEYS = ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches", "cpu_util", "gpu_util", "pcie_util",
+               "expert_slots", "slots_per_layer", "breakdown_ms", "sim_wall_s", "notes", "cost_fallbacks")
+#: the keys of a run's metrics before its latencies, in their order (``serving_metrics``)
+RUN_KEYS = ("scheduler", "arrival", "qps", "requests", "offered_qps", "kv_tokens", "kv_peak_tokens", "kv_tokens_set",
+            "kv_tokens_per_slot", "kv_block_tokens", "kv_blocks", "kv_peak_blocks", "kv_watermark_blocks")
+#: the keys of a run's metrics after its latencies, without SLOs (``serving_metrics``)
+RATE_KEYS = ("throughput_rps", "output_tokens_per_s", "preemptions", "recomputed_tokens")
 
 
 def parse_slo(slo: str | Mapping[str, Any] | None) -> dict[str, float]:
@@ -152,7 +163,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
                            "kv_block_tokens": result.kv_block_tokens,
                            "kv_blocks": result.kv_blocks if result.kv_blocks is not None else -1,
                            "kv_peak_blocks": result.kv_peak_blocks, "kv_watermark_blocks": result.kv_watermark_blocks}
-    for name in ("queue_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
+    for name in LATENCIES:
         out.update(_percentiles(frame[name].to_numpy(dtype=float), name))
     out["throughput_rps"] = len(frame) / end if end > 0 else float("nan")
     # every token a request returns, the one its prefill ends with too (as TPOT counts them)
@@ -168,10 +179,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
         out["slo_attainment"] = float(ok.mean())
         out["goodput_rps"] = float(ok.sum()) / end if end > 0 else float("nan")
     engine = metrics(result.engine)
-    out["engine"] = {k: engine[k] for k in ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches",
-                                            "cpu_util", "gpu_util", "pcie_util", "expert_slots", "slots_per_layer",
-                                            "breakdown_ms",
-                                            "sim_wall_s", "notes", "cost_fallbacks")}
+    out["engine"] = {k: engine[k] for k in ENGINE_KEYS}
     return out
 
 
@@ -400,11 +408,14 @@ def percentile_column(frame: Any, metric: str, percentile: int, role: str) -> st
 def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str], **kwargs: Any) -> dict[str, Any]:
     """One serving run as flat columns (a sweep row): summary metrics, the engine's prefixed with ``engine_``."""
     from moesim.sim.serving import serve
-    m = serving_metrics(serve(traces, hw, system, settings, **kwargs))
-    engine = m.pop("engine")
-    m.pop("system")
-    out = {k: v for k, v in m.items()}
-    for key, value in engine.items():
+    return flat_serving_metrics(serving_metrics(serve(traces, hw, system, settings, **kwargs)))
+
+
+def flat_serving_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """``serving_metrics`` as flat columns: ``system`` dropped, the engine's keys prefixed with ``engine_``
+    (its breakdown one column per category, its lists joined by "; ")."""
+    out = {k: v for k, v in m.items() if k not in ("system", "engine")}
+    for key, value in m["engine"].items():
         if key == "breakdown_ms":
             out.update({f"engine_breakdown_{cat}_ms": float(v) for cat, v in value.items()})
         elif isinstance(value, (list, tuple)):
@@ -412,6 +423,16 @@ def serving_row(traces: list[str], hw: Any, system: str, settings: dict[str, str
         else:
             out[f"engine_{key}"] = value
     return out
+
+
+def serving_columns() -> list[str]:
+    """The columns of :func:`serving_row`, in its order, known before any run: a sweep whose serving points all
+    failed has them too (empty), as one whose points ran does."""
+    from moesim.sim.bookkeeping import BREAKDOWN
+    latencies = {f"{name}_{stat}": None for name in LATENCIES for stat in (*(f"p{q}" for q in PERCENTILES), "mean")}
+    engine = {**dict.fromkeys(ENGINE_KEYS), "breakdown_ms": dict.fromkeys(BREAKDOWN, 0.0)}
+    template = {**dict.fromkeys(RUN_KEYS), **latencies, **dict.fromkeys(RATE_KEYS), "engine": engine}
+    return list(flat_serving_metrics(template))
 
 
 def averaged_parameters(frame: Any) -> list[str]:

@@ -149,7 +149,7 @@ def serving_metric_docs() -> dict[str, MetricDoc]:
     moesim/analysis/serving.py, docs/serving.md, Metrics), in the order ``--help-metrics`` lists them; the
     engine's keys are ``moesim replay``'s (:data:`moesim.analysis.metrics.METRIC_DOCS`)."""
     from moesim.analysis.metrics import METRIC_DOCS, MetricDoc
-    from moesim.analysis.serving import PERCENTILES, SLO_KEYS
+    from moesim.analysis.serving import ENGINE_KEYS, PERCENTILES, SLO_KEYS
     docs = {
         "system": MetricDoc("", "the system served"),
         "scheduler": MetricDoc("", "the scheduler that batched the requests (--scheduler): static, vllm, sarathi "
@@ -216,11 +216,6 @@ def serving_metric_docs() -> dict[str, MetricDoc]:
 
 def _ordinal(q: int) -> str:
     return "median" if q == 50 else f"{q}th percentile"
-
-
-#: the engine metrics a serving run's JSON holds under ``engine`` (``serving_metrics``)
-ENGINE_KEYS = ("makespan_s", "gpu_hit_rate", "demand_loads", "prefetches", "cpu_util", "gpu_util", "pcie_util",
-               "expert_slots", "slots_per_layer", "breakdown_ms", "sim_wall_s", "notes", "cost_fallbacks")
 
 
 def serving_metric_help(json_out: str | None = None) -> None:

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable, Iterator
 from moesim.errors import ConfigError
 from moesim.sweep.defaults import FILLED, Defaults, fill_keys, fill_point, fill_stored
 from moesim.sweep.point import (RETRIES_AFTER_WORKER_DEATH, UNRUNNABLE, WORKER_DIED, Finished, columns_of,
-                                describe_error, error_row, input_fingerprint, run_point, with_own_code)
+                                describe_error, error_row, input_fingerprint, metric_columns, run_point,
+                                with_own_code)
 from moesim.sweep.ray_engine import _run_ray, check_ray_address, require_ray
 from moesim.sweep.spec import Point, SweepSpec, check_spec
 from moesim.sweep.store import _INHERITED_FDS, ResultStore
@@ -68,7 +69,8 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     store = ResultStore(out)
     # OUT in spec order with the parameters first, whichever worker finished first (rows of points outside
     # the spec after them): the same sweep writes the same file
-    store.arrange = lambda frame: _ordered(_in_order(frame, [p.point_id for p in points]), spec)
+    metrics = metric_columns(points)
+    store.arrange = lambda frame: _ordered(_in_order(frame, [p.point_id for p in points]), spec, metrics)
     bar = ProgressBar(progress, console)
     complete = False
     failed = 0
@@ -118,7 +120,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike | None = None, *, workers:
     finally:
         bar.stop(ok=complete)
         store.close(complete=complete)
-    frame = _ordered(store.frame([p.point_id for p in points if p.point_id not in left_out]), spec)
+    frame = _ordered(store.frame([p.point_id for p in points if p.point_id not in left_out]), spec, metrics)
     ids = {p.point_id for p in points}
     summary = SweepSummary(points=len(points) - len(left_out), skipped=len(points) - len(todo),
                            ran=len(todo) - len(left_out), failed=failed, wall_s=time.perf_counter() - started,
@@ -161,16 +163,28 @@ def _in_order(frame: Any, ids: list[str]) -> Any:
     return frame.iloc[sorted(range(len(frame)), key=key.__getitem__)]
 
 
-def _ordered(frame: Any, spec: SweepSpec) -> Any:
-    """Parameters first, then status, metrics, and the wall-clock and location columns last."""
+def _ordered(frame: Any, spec: SweepSpec, metrics: list[str]) -> Any:
+    """Parameters first, then status, metrics, and the wall-clock and location columns last. Each of ``metrics``
+    (:func:`moesim.sweep.point.metric_columns`) is there, empty where no row has it: a sweep whose points all
+    failed has the columns of one whose points ran."""
     if frame.empty:
         return frame
+    missing = [c for c in metrics if c not in frame.columns]
+    if missing:
+        frame = _with_empty_columns(frame, missing)
     head = ["point_id", "trace", "hw", "system", "seed", "model", *dict.fromkeys(spec.parameter_keys()),
             "status", "error", FILLED]
     head = [c for c in head if c in frame.columns]
     tail = [c for c in WALL_CLOCK_COLUMNS + LOCATION_COLUMNS + INPUT_COLUMNS if c in frame.columns]
     middle = [c for c in frame.columns if c not in head and c not in tail]
     return frame[head + middle + tail].reset_index(drop=True)
+
+
+def _with_empty_columns(frame: Any, names: list[str]) -> Any:
+    """``frame`` with the columns ``names`` added after its own, every cell NaN."""
+    import pandas as pd
+    empty = pd.DataFrame(float("nan"), index=frame.index, columns=names)
+    return pd.concat([frame, empty], axis=1)
 
 
 class ProgressBar:

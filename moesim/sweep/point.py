@@ -11,7 +11,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from moesim.errors import MissingColumnError, MoesimError, UnservableError
 from moesim.sweep.spec import Point
@@ -57,6 +57,32 @@ def no_lower_bound() -> dict[str, float]:
     """The bound's columns of a serving point: NaN (a serving run has no replay bound to measure it against)."""
     from moesim.sim.run import LOWER_BOUND_KEYS
     return {"gap_to_lower_bound": float("nan"), **{f"lower_bound_{k}": float("nan") for k in LOWER_BOUND_KEYS}}
+
+
+def replay_columns() -> list[str]:
+    """The metric columns of a replayed point's row (:func:`flatten_metrics` of ``metrics`` with the lower
+    bound), in its order, known before any run; a portfolio's ``lower_bound_slots_by_metric_<metric>`` aside."""
+    from moesim.analysis.metrics import METRIC_DOCS
+    from moesim.sim.bookkeeping import BREAKDOWN
+    from moesim.sim.run import LOWER_BOUND_KEYS
+    template: dict[str, Any] = {k: None for k in METRIC_DOCS if k not in ("inputs", "skipped")}
+    template.update(breakdown_ms=dict.fromkeys(BREAKDOWN, 0.0), lower_bound=dict.fromkeys(LOWER_BOUND_KEYS))
+    return list(flatten_metrics(template))
+
+
+def metric_columns(points: Iterable[Point]) -> list[str]:
+    """The metric columns the rows of ``points`` have when they run: a replayed point's, a serving point's, or
+    both in a sweep of both. A sweep whose points all failed gets them too, empty (NaN), so that
+    ``frame["tpot_ms_mean"]`` reads NaN instead of raising KeyError."""
+    from moesim.sim.workload import is_serving_key
+    kinds = {any(is_serving_key(k) for k, _ in point.settings) for point in points}
+    columns: dict[str, None] = {}
+    if False in kinds:
+        columns.update(dict.fromkeys(replay_columns()))
+    if True in kinds:
+        from moesim.analysis.serving import serving_columns
+        columns.update(dict.fromkeys([*serving_columns(), *no_lower_bound()]))
+    return list(columns)
 
 
 def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
