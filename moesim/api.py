@@ -308,6 +308,9 @@ class ServeRun:
     """One serving run: per-request latencies, summary metrics (percentiles, goodput) and the engine's metrics."""
 
     requests: Any
+    #: percentiles, throughput, goodput and the engine's metrics: a dict whose keys are also attributes
+    #: (``run.metrics.ttft_ms_p90``), ``run.metrics.frame()`` a one-row DataFrame
+    #: (:class:`moesim.analysis.serving.ServingMetrics`)
     metrics: dict[str, Any]
     system: str
     traces: list[str]

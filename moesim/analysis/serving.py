@@ -144,7 +144,72 @@ def _percentiles(values: np.ndarray, name: str) -> dict[str, float]:
     return out
 
 
-def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) -> dict[str, Any]:
+class ServingMetrics(dict):
+    """A serving run's metrics (:func:`serving_metrics`; ``moesim.serve(...).metrics``): a dict, as before, whose
+    keys are also attributes (``m.ttft_ms_p90`` is ``m["ttft_ms_p90"]``), and :meth:`frame` gives them as a
+    one-row DataFrame, as ``moesim.replay(...).metrics`` is. ``moesim serve-sim --help-metrics`` gives every
+    key's unit and meaning; the main ones are annotated below. Latencies are in milliseconds, each as
+    ``<name>_p50``, ``_p90``, ``_p99`` and ``_mean`` over requests; rates in requests (or tokens) per second."""
+
+    system: str
+    scheduler: str
+    arrival: str
+    #: the arrival rate asked for; NaN for arrivals that set none (an arrival file, a closed loop)
+    qps: float
+    requests: int
+    #: requests over the time of the last arrival
+    offered_qps: float
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    ttft_ms_mean: float
+    tpot_ms_p50: float
+    tpot_ms_p90: float
+    tpot_ms_p99: float
+    tpot_ms_mean: float
+    e2e_ms_p50: float
+    e2e_ms_p90: float
+    e2e_ms_p99: float
+    e2e_ms_mean: float
+    queue_ms_p50: float
+    queue_ms_p90: float
+    queue_ms_p99: float
+    queue_ms_mean: float
+    #: finished requests over the time of the last finish (never above ``offered_qps``)
+    throughput_rps: float
+    output_tokens_per_s: float
+    preemptions: int
+    recomputed_tokens: int
+    #: with an SLO only: the share of requests meeting every limit, and their rate
+    slo_attainment: float
+    goodput_rps: float
+    #: the engine's metrics over the whole run, as ``moesim replay`` names them
+    engine: dict
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            if name.startswith("__"):  # copy, pickle and pandas probe dunders: no metric is one
+                raise AttributeError(name) from None
+            why = " (it needs an SLO: moesim.serve(..., slo={'ttft_ms': 500}))" \
+                if name in ("slo", "slo_attainment", "goodput_rps") else ""
+            raise AttributeError(f"no metric '{name}' in this run{why}; {did_you_mean(name, list(self))}"
+                                 "the keys are listed by `moesim serve-sim --help-metrics`") from None
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *(k for k in self if k.isidentifier())})
+
+    def frame(self) -> Any:
+        """One row, a column per metric: the engine's as ``engine_<key>`` (:func:`flat_serving_metrics`), the
+        SLO limits as ``slo_<key>``."""
+        import pandas as pd
+        flat = flat_serving_metrics(self) if "engine" in self else {k: v for k, v in self.items() if k != "system"}
+        limits = flat.pop("slo", None) or {}
+        return pd.DataFrame([{"system": self.get("system"), **flat, **{f"slo_{k}": v for k, v in limits.items()}}])
+
+
+def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) -> ServingMetrics:
     """Percentiles of every latency, throughput, offered load, goodput, preemptions and the engine's metrics.
 
     KV peaks: ``kv_peak_tokens`` is the most entries written in one step (computed tokens), ``kv_peak_blocks``
@@ -180,7 +245,7 @@ def serving_metrics(result: ServeResult, slo: dict[str, float] | None = None) ->
         out["goodput_rps"] = float(ok.sum()) / end if end > 0 else float("nan")
     engine = metrics(result.engine)
     out["engine"] = {k: engine[k] for k in ENGINE_KEYS}
-    return out
+    return ServingMetrics(out)
 
 
 def preemption_notes(rows: list[dict[str, Any]]) -> list[str]:
