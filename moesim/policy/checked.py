@@ -624,6 +624,25 @@ def plan_fault(view: LayerView, plan: LayerPlan) -> str:
     return ""
 
 
+def room_fault(cache: Any, layer: int, loads: Sequence[int], prefetches: Sequence[tuple[int, int]]) -> str:
+    """What ``loads`` into ``layer`` and ``prefetches`` take beyond the slots ``cache`` has free as it stands (""
+    when they fit). The engine asks once a plan's ``cancel_queued_prefetches`` has dropped the prefetches no
+    copy engine had started: :func:`plan_fault` can only bound the slots that frees, and a copy on the wire
+    finishes and keeps its slot (without this the engine stopped with an AssertionError naming no policy)."""
+    taking: dict[int, int] = {layer: len(loads)} if loads else {}
+    for lay, _ in prefetches:
+        taking[lay] = taking.get(lay, 0) + 1
+    for lay, count in taking.items():
+        free = cache.capacity[lay] - cache.used(lay)
+        if count > free:
+            return (f"loads {count} expert{'s' if count > 1 else ''} into layer {lay}, which has {max(free, 0)} "
+                    f"free slot{'' if free == 1 else 's'} once the queued prefetches are dropped")
+    if cache.pool is not None and sum(taking.values()) > cache.pool - cache.held():
+        return (f"loads {sum(taking.values())} experts into the model-wide pool, which has "
+                f"{max(cache.pool - cache.held(), 0)} free slots once the queued prefetches are dropped")
+    return ""
+
+
 def _cancellable(cache: Any, layer: int, gpu: set[int]) -> dict[int, int]:
     """Per layer, the prefetches in flight that a plan's ``cancel_queued_prefetches`` may drop: all of them, but
     those of the layer's own GPU experts."""

@@ -36,7 +36,8 @@ import simpy
 from moesim.hw.cost import CostModel
 from moesim.hw.profile import HardwareProfile
 from moesim.model.spec import ModelSpec
-from moesim.policy.base import LayerPlan, LayerView, RunContext, active_experts, layer_view
+from moesim.policy.base import LayerPlan, LayerView, PolicyError, RunContext, active_experts, layer_view
+from moesim.policy.checked import room_fault
 from moesim.policy.state import CacheState
 from moesim.policy.systems import ComposedSystem
 from moesim.sim.bookkeeping import (Counters, account_moves, account_placement, check_plan, placement_decisions,
@@ -475,6 +476,8 @@ class Simulator(Transfers, Tracks):
         if plan.cancel_queued_prefetches:
             # a queued prefetch of an expert this layer computes on the GPU is its load now: keep it
             self._cancel_prefetches(t1, frozenset((layer, e) for e in plan.gpu), s, layer)
+            if plan.loads or plan.prefetches:
+                self._check_room(plan, s, layer, t1)
         loaded = None
         if plan.loads or plan.writebacks:
             if count is None and self.timeline is None and not plan.streamed \
@@ -509,6 +512,26 @@ class Simulator(Transfers, Tracks):
         else:
             gpu_end = self._gpu_predicting(plan, predict, staged, count, s, layer, tokens, t1, loaded)
         return cpu_end, gpu_end, deferred_end, carried
+
+    def _check_room(self, plan: LayerPlan, s: int, layer: int, t1: float) -> None:
+        """Refuse, in one line, a plan whose loads and prefetches count on the slots of prefetches its
+        cancellation could not drop: those a copy engine had started by ``t1`` finish and keep their slots
+        (plan checks can only bound what a cancellation frees; the cache's own refusal is an AssertionError
+        naming no policy)."""
+        problem = room_fault(self.cache, layer, plan.loads, plan.prefetches)
+        if not problem:
+            return
+        layers = {lay for lay, _ in plan.prefetches} | ({layer} if plan.loads else set())
+        started = [f"expert {x.expert} of layer {x.layer} (from {x.start * 1e3:.3f} ms)" if x.start is not None
+                   else f"expert {x.expert} of layer {x.layer} (its first chunks)"
+                   for lay, pending in enumerate(self.pending) if self.cache.pool is not None or lay in layers
+                   for x in pending.values() if x.priority == 1 and (x.start is not None and x.start <= t1 or x.cut)]
+        on_wire = f"; on the wire at the plan's {t1 * 1e3:.3f} ms, so kept: {', '.join(started[:3])}" \
+            f"{' and more' if len(started) > 3 else ''}" if started else ""
+        raise PolicyError(f"at step {s}, layer {layer}, {problem}{on_wire}",
+                          source=f"system '{self.system.name}' (plan.cancel_queued_prefetches)",
+                          fix="evict a resident expert (plan.evictions) for each load or prefetch beyond the free "
+                              "slots: a cancellation frees only the slots of prefetches no copy engine has started")
 
     def _past_carried(self, t: float) -> float:
         """The part of the last deferred work's sync that runs past ``t``."""
