@@ -209,9 +209,8 @@ def make_context(trace: str, hw: str, settings: dict[str, str], systems: Iterabl
     from moesim.hw.profile import load_profile
     from moesim.sim.run import members, parse_settings
     parsed = parse_settings(settings)
-    profile = hw if not isinstance(hw, str) else load_profile(hw)
-    profile = profile.with_overrides(parsed.hw)
-    ctx = Context(trace=trace, hw=hw if isinstance(hw, str) else profile.name, settings=settings,
+    profile = load_profile(hw).with_overrides(parsed.hw)
+    ctx = Context(trace=trace, hw=hw, settings=settings,
                   facts=facts or trace_facts(trace), gpu_memory_gib=profile.gpu.memory_gib,
                   oracle_members=members("oracle", settings), chunked_copies=parsed.engine.copy_chunk_bytes > 0)
     ctx.systems = {name: system_facts(name, trace, settings) for name in systems}
