@@ -40,6 +40,7 @@ from moesim.errors import ConfigError
 from moesim.policy.base import LayerPlan, LayerView, RunContext
 from moesim.policy.cache import SlotSpread, StaticCache
 from moesim.policy.systems import Deferral, SystemSpec, register_component, register_system
+from moesim.trace.io import read_meta
 
 
 @register_component
@@ -130,8 +131,13 @@ class ExpertDeferral(Deferral):
     while the next layer runs; the top ``k - deferred`` are immediate.
 
     Only in decoding (prefill would nearly double the experts touched, Sec. 4.1),
-    never at the last MoE layer (its output has no later layer to merge into),
-    and only experts computed on the CPU. Routing slots are ordered by gate score,
+    never at the model's last MoE layer (its output has no later layer to merge into,
+    and Sec. 4.1 keeps it whole "to preserve critical information"), and only experts
+    computed on the CPU. A trace that logs some layers only (an imported per-layer log)
+    ends its steps at a layer the model follows with others: 001 defers there, so this
+    does too, and the gate-weight mass counts it; the layers its deferred experts would
+    overlap are not replayed, so the step waits for them (the engine) and the deferral
+    gains no time at that layer, which a note says. Routing slots are ordered by gate score,
     so a token's deferred experts are its last ``deferred`` slots; with several
     tokens in a step an expert is deferred only when every token routed to it
     has it among its deferred slots (the engine defers whole experts), as
@@ -180,10 +186,25 @@ class ExpertDeferral(Deferral):
             raise ConfigError(f"defer.deferred={self.count} leaves no immediate expert of top-{ctx.model.top_k}",
                               field="defer.deferred", fix=f"use 0..{ctx.model.top_k - 1}; 001 Sec. 4.2 keeps at "
                               f"least 2 immediate: 0..{max(ctx.model.top_k - 2, 0)}")
+        if self.count:
+            self._note_partial_trace(ctx)
         if self.count and ctx.model.top_k - self.count < 2:
             ctx.notes.append(f"ktrans-deferral: {self.count} deferred of top-{ctx.model.top_k} leaves "
                              f"{ctx.model.top_k - self.count} immediate expert per token; 001 Sec. 4.2 and 6.3 "
                              f"keep at least 2 immediate for model stability")
+
+    def _note_partial_trace(self, ctx: RunContext) -> None:
+        """A note when the trace logs some of the model's layers only and its last logged one is not the model's
+        last: deferral there overlaps layers the replay does not run, so it gains no time there."""
+        if ctx.trace_path is None:
+            return
+        present = read_meta(ctx.trace_path).source.get("layers_present")
+        if not isinstance(present, list) or not present or max(present) >= ctx.model.num_layers - 1:
+            return
+        ctx.notes.append(f"ktrans-deferral: the trace logs {len(present)} of the model's {ctx.model.num_layers} MoE "
+                         f"layers; at its last logged layer ({max(present)}) experts are deferred as 001 defers them "
+                         f"at every layer but the model's last, and the step waits for them, since the layers they "
+                         f"would overlap are not replayed: deferral gains no time there")
 
     def choose(self, view: LayerView, plan: LayerPlan) -> list[int]:
         if view.phase != "decode" or view.layer == view.num_layers - 1 or self.count <= 0:
