@@ -141,3 +141,40 @@ def test_every_way_to_take_prefetches_back_runs_or_is_refused_in_one_line(tmp_pa
     for layer in (0, 1):
         assert not sim.cache.resident[layer] & sim.cache.in_flight[layer]
         assert set(sim.pending[layer]) == sim.cache.in_flight[layer]
+
+
+@pytest.mark.xfail(strict=True, reason="known limit (docs/engine.md, Copies): a prefetch taken back is not laid "
+                                       "out again with the copies on other engines that shared host DRAM with it")
+def test_a_copy_on_another_engine_is_laid_out_again_without_a_prefetch_taken_back(tmp_path):
+    """Three MoE layers, 10 of 19 experts resident in each, two copy engines (a copy 10 ms), a CPU expert 10 ms
+    as DRAM-hungry as a copy, host DRAM for two such streams at once (``hw.cpu.dram_combined_gbps``), a 4 ms
+    sync, 2 ms attention. Times in ms. Step 0's layer 0 (2.0) prefetches 10 into layer 2: engine 0, 2.0-12.0;
+    its layer 1 (4.46) prefetches 11 (engine 1, 4.46-14.46) and 12 (queued). Step 1's layer 0 (9.38) defers 15,
+    which starts after the sync at 13.38; laying it out beside the copies starts 12 on engine 0 at 12.0, and
+    from 13.38 three streams want three rates of two: 11's last 1.08 ms take 1.62, to 15.0. Step 1's layer 1
+    (11.725) drops the queued prefetches: 12 had not started by then and is dropped. Without it 11 and 15 fit
+    together and 11 ends at 14.46 (20 ms of copies); the engine keeps 15.0 (20.54 ms). Its CPU work, 15, keeps
+    its end too (23.92, not 23.38; documented)."""
+    from moesim.sim.result import result_to_frames
+    model = tiny_model(layers=3, experts=19, top_k=4)
+    steps = [{"phase": "decode", "tokens": {0: (5, [[[0, 1, 2, 3]]] * 3)}},
+             {"phase": "decode", "tokens": {0: (6, [[[0, 1, 2, 15]], [[0, 1, 2, 3]], [[0, 1, 2, 3]]])}}]
+    path = write_tiny_trace(tmp_path / "t.parquet", model, steps)
+    profile = tiny_profile(pcie_gbps=COPY_GBPS, latency_us=0.0, cpu_us=(10_000.0, 100_000.0), sync_us=4000.0,
+                           attention_us=2000.0, copy_engines=2)
+    sim = prepare(str(path), profile, "gpu-only-lru", {"cache.slots_per_layer": "10",
+                  "hw.cpu.dram_combined_gbps": str(2 * COPY_GBPS)}, timeline=True, decisions=True)
+    plans = {(0, 0): LayerPlan(gpu=[0, 1, 2, 3], prefetches=[(2, 10)], evictions=[(2, 9)]),
+             (0, 1): LayerPlan(gpu=[0, 1, 2, 3], prefetches=[(2, 11), (2, 12)], evictions=[(2, 8), (2, 7)]),
+             (0, 2): LayerPlan(gpu=[0, 1, 2, 3]),
+             (1, 0): LayerPlan(gpu=[0, 1, 2], deferred=[15]),
+             (1, 1): LayerPlan(gpu=[0, 1, 2, 3], cancel_queued_prefetches=True),
+             (1, 2): LayerPlan(gpu=[0, 1, 2, 3])}
+    sim.system.plan = lambda view: plans[(view.step, view.layer)]
+    result = sim.run()
+    assert sim.counters.cancelled_prefetches == 1 and (1, 1, 12, "cancel", 2) in sim.decisions
+    pcie = result_to_frames(result)["timeline"].query("resource == 'pcie'")
+    copies = {expert: (start / MS, end / MS) for expert, start, end in zip(pcie.expert, pcie.start_s, pcie.end_s)}
+    assert copies[10] == pytest.approx((2.0, 12.0), abs=1e-3)
+    assert copies[11] == pytest.approx((4.46, 14.46), abs=1e-3)  # kept at (4.46, 15.0)
+    assert sim.pcie.busy_s / MS == pytest.approx(20.0, abs=1e-6)  # kept at 20.54
