@@ -55,7 +55,7 @@ from moesim import sweep as sweep_module
 from moesim.errors import ConfigError, MoesimError
 from moesim.analysis.runs import ReplayResult, load_replay, step_frame  # noqa: F401 - moesim.api's names
 from moesim.api_args import (DEFAULT_HW, DEFAULT_SYSTEM, SPEC_SETTINGS, checked_flags, checked_keywords,
-                             checked_requests, checked_run_inputs, checked_settings, checked_sweep_inputs,
+                             checked_rate, checked_requests, checked_run_inputs, checked_settings, checked_sweep_inputs,
                              checked_trace, existing_trace, keyword_fields, kept, profile_label, python_names,
                              python_wording, settings_from)
 from moesim.api_spec import one_type_per_column, plain_spec
@@ -391,6 +391,7 @@ def serve(traces: str | os.PathLike | Sequence[str | os.PathLike], hw: str = DEF
     from moesim.sim.workload import check_read
     paths = _trace_paths(traces)
     checked_settings(settings)
+    checked_rate(qps)
     short = {name: (key, value) for name, key, value in (("qps", "workload.qps", qps),
                                                           ("requests", "workload.requests", requests),
                                                           ("scheduler", "scheduler", scheduler)) if value is not None}

@@ -280,6 +280,20 @@ def profile_label(hw: Any) -> str:
     return hw.name if hasattr(hw, "gpu") and isinstance(getattr(hw, "name", None), str) else os.fspath(hw)
 
 
+def checked_rate(qps: Any) -> None:
+    """One line for ``moesim.serve(qps=...)`` given several rates (a list, or ``"0.5,1"`` as ``--qps`` takes
+    them): a call serves one rate, and the value was refused as "not a valid float" with the fix "give a float"."""
+    several = isinstance(qps, (list, tuple, set, range)) or (isinstance(qps, str) and "," in qps) or \
+        getattr(qps, "ndim", 0) > 0  # a numpy array or a Series of rates
+    if several:
+        rates = list(qps.split(",")) if isinstance(qps, str) else list(qps)
+        grid = "[" + ", ".join(str(r).strip() for r in rates) + "]"
+        raise ConfigError(f"qps={qps!r} is a list of rates; a call serves one", field="qps",
+                          fix="call moesim.serve once per rate (for qps in ...: moesim.serve(..., qps=qps)), or "
+                              "moesim.sweep({'traces': [TRACE], 'hw': [HW], 'systems': [SYSTEM], 'grid': "
+                              f"{{'workload.qps': {grid}}}, 'set': {{'workload.requests': N}}}}) gives one row per rate")
+
+
 def checked_run_inputs(hw: Any, seed: Any, system: Any = DEFAULT_SYSTEM, model: Any = None,
                        serving: bool = False) -> None:
     """One-line errors for a ``hw``, ``seed``, ``system`` or ``model`` of the wrong kind (the command line's

@@ -466,3 +466,15 @@ def test_serve_sim_all_skipped_is_the_first_reason(files, tmp_path, capsys, monk
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "'belady' plans with the trace's future routing" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("qps", [[0.5, 1], "0.5,1", np.array([0.5, 1.0])], ids=["list", "text", "array"])
+def test_moesim_serve_given_several_rates_says_a_call_serves_one(files, qps):
+    """`moesim.serve(T, qps=[0.5, 1])`, as `--qps 0.5,1` takes rates, was "'[0.5, 1]' is not a valid float" with
+    the fix "give a float": it now says a call serves one rate, and how to serve several."""
+    trace, hw = files
+    with pytest.raises(ConfigError, match=r"is a list of rates; a call serves one") as caught:
+        moesim.serve(trace, hw=hw, system="cpu-only", qps=qps, requests=2)
+    assert caught.value.field == "qps" and "'workload.qps': [0.5, 1" in caught.value.fix
+    assert "\n" not in str(caught.value)
+    assert moesim.serve(trace, hw=hw, system="cpu-only", qps=np.float64(2.0), requests=2).metrics.qps == 2.0
