@@ -7,8 +7,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 import moesim
+from moesim.api import SweepPointsFailed
 from moesim.api_args import python_wording
 from moesim.cli import main
 from moesim.errors import ConfigError
@@ -87,6 +89,29 @@ def test_the_command_line_keeps_its_options(files, capsys):
     assert main(["replay", trace, "--hw", hw, "--set", "cache.slots_per_layer=2,,1"]) == 2
     assert "fix: write one whole number for every layer or a list of one per layer, e.g. 2 or [2,1,2,...]" in \
         capsys.readouterr().err
+
+
+def test_a_host_memory_refusal_names_requests_as_each_front_end_takes_it(files, tmp_path, capsys):
+    """serve-sim takes --requests, moesim.serve requests=, a sweep spec workload.requests: a sweep point's
+    refusal said "(--requests)", an option no spec has."""
+    trace, hw = files
+    fix = "requests per run ({}), or split the load into runs"
+    assert main(["serve-sim", trace, "--hw", hw, "--system", "cpu-only", "--requests", str(10**12)]) == 2
+    assert fix.format("--requests") in capsys.readouterr().err
+    spec = {"traces": [trace], "hw": [hw], "systems": ["cpu-only"], "grid": {"workload.requests": [10**12]}}
+    with pytest.warns(SweepPointsFailed) as warned:
+        frame = moesim.sweep(spec)
+    error = frame["error"].iloc[0]
+    assert fix.format("workload.requests") in error and no_option(error), error
+    assert fix.format("workload.requests") in str(warned[0].message) and no_option(str(warned[0].message))
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "r.parquet"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert fix.format("workload.requests") in err and no_option(err) and err.count("\n") == 1, err
+    # only serve-sim's options, whole: --requests-out is no --requests
+    from moesim.sim.serving import spec_wording
+    assert spec_wording("(--requests) at --qps 2 on --hw; --requests-out") == \
+        "(workload.requests) at workload.qps 2 on hw; --requests-out"
 
 
 @pytest.mark.parametrize("call, meant", [

@@ -18,6 +18,7 @@ requests are preempted and recomputed (counted per request).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -255,6 +256,21 @@ def check_host_memory(pool: list[TraceRequest], requests: int, available: int | 
                       f"({per_request:,.0f} bytes each), {available / 2**30:,.1f} GiB are available",
                       field="workload.requests",
                       fix=f"serve at most {fits:,} requests per run (--requests), or split the load into runs")
+
+
+#: options of `moesim serve-sim` that serving errors name in their fix, and the sweep spec key each stands for:
+#: a sweep point says the key (``workload.requests``), since a spec takes no command-line option
+SPEC_KEYS = {"--requests": "workload.requests", "--qps": "workload.qps", "--hw": "hw"}
+_SERVE_OPTION = re.compile(r"--(?:requests|qps|hw)\b(?!-)")
+
+
+def spec_wording(text: str) -> str:
+    """``text`` of a serving error, written for `moesim serve-sim`, in a sweep spec's terms.
+
+    >>> spec_wording("serve at most 9 requests per run (--requests), or split the load into runs")
+    'serve at most 9 requests per run (workload.requests), or split the load into runs'
+    """
+    return _SERVE_OPTION.sub(lambda option: SPEC_KEYS[option.group(0)], text)
 
 
 # ----------------------------------------------------------------------------- the serving run

@@ -96,13 +96,15 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
     """
     started = time.perf_counter()
     row = point.columns()
+    serving = False
     try:
         from moesim.analysis.metrics import metrics
         from moesim.sim import run
         from moesim.sim.workload import is_serving_key
         profile = cached_profile(hw) if isinstance(hw, str) else hw
         settings = point.settings_str()
-        if any(is_serving_key(k) for k in settings):
+        serving = any(is_serving_key(k) for k in settings)
+        if serving:
             from moesim.analysis.serving import serving_row  # sweeps over workload.* serve instead of replaying
             row.update(status="ok", error="", **serving_row([trace_path], profile, point.system, settings,
                                                             model_preset=point.model, seed=point.seed),
@@ -114,6 +116,9 @@ def run_point(point: Point, trace_path: str, hw: Any) -> dict[str, Any]:
                                     bound_memos(trace_path, profile))
             row.update(status="ok", error="", **flatten_metrics(m))
     except Exception as err:  # noqa: BLE001 - a failing point is recorded, it must not stop the others
+        if serving and isinstance(err, MoesimError) and err.wording is None:
+            from moesim.sim.serving import spec_wording  # a fix naming serve-sim's --requests: the spec's key
+            err.reword(spec_wording)
         row.update(status="error", error=describe_error(err))
         if isinstance(err, (MissingColumnError, UnservableError)):  # left out when it came in through `all`
             row[UNRUNNABLE] = True
