@@ -568,11 +568,19 @@ def main(argv: list[str] | None = None) -> int:
                              "bundled traces lack), two requests decoding together")
     parser.add_argument("--no-repeat", action="store_true", help="replay once: skip the determinism check")
     args = parser.parse_args(argv)
-    args.trace, args.hw = list(args.trace or DEFAULT_TRACES), args.hw or DEFAULT_HW
+    # the replays run from the repository root (where the defaults are); paths given here are the caller's
+    args.trace = [from_here(t) for t in args.trace] if args.trace else list(DEFAULT_TRACES)
+    args.hw = [from_here(h) for h in args.hw] if args.hw else DEFAULT_HW
     with tempfile.TemporaryDirectory() as folder:
         if args.synth:
             args.trace.append(synth_trace(Path(folder)))
         return run(args)
+
+
+def from_here(path: str) -> str:
+    """``path`` made absolute when it names a file from the caller's working directory; else as given (a
+    profile's name, or a path the replay then reports as missing)."""
+    return str(Path(path).resolve()) if Path(path).is_file() else path
 
 
 def synth_trace(folder: Path) -> str:

@@ -99,3 +99,11 @@ def test_the_report_names_trace_profile_system_metric_and_invariant(replay, caps
     ri.print_report(checks, {}, len(bad), 0.1, Console(width=200))
     out = capsys.readouterr().out
     assert f"FAILED t.parquet {ctx.hw} cpu-only: cpu_util = 1.2 breaks 'in [0, 1]'" in out
+
+
+def test_paths_given_from_another_folder_are_the_callers(tmp_path, monkeypatch):
+    """The replays run from the repository root; a trace named relative to the caller's folder is still found."""
+    (tmp_path / "here.parquet").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert ri.from_here("here.parquet") == str(tmp_path / "here.parquet")
+    assert ri.from_here("rtx4090") == "rtx4090"  # a profile's name stays a name
