@@ -178,12 +178,7 @@ def _arrival_file(w: WorkloadConfig) -> np.ndarray:
     path = Path(w.arrival_file)
     if not path.is_file():
         raise ConfigError("file not found", source=str(path), field="workload.arrival_file", fix="check the path")
-    import pandas as pd
-    try:
-        frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ConfigError(f"unreadable ({type(err).__name__})", source=str(path), field="workload.arrival_file",
-                          fix="give a CSV or Parquet file") from None
+    frame = _arrival_frame(path)
     named = [c for c in REQUEST_NAMING if c in frame]
     if named:  # request i is pool entry i mod pool size: a column choosing requests would be ignored unseen
         raise ConfigError(f"the file names requests (column '{named[0]}'), and arrival files give times only",
@@ -209,6 +204,40 @@ def _arrival_file(w: WorkloadConfig) -> np.ndarray:
     times = times[:w.requests]
     _check_times(times, str(path))
     return times
+
+
+#: the fix of an arrival file that cannot be read as a table
+ARRIVAL_FILE_FIX = "give a CSV or Parquet file with an arrival_s column: each request's arrival time in seconds"
+
+
+def _arrival_frame(path: Path) -> Any:
+    """The table in an arrival file: Parquet when it starts as one (``PAR1``) or is named ``.parquet``, CSV
+    otherwise; a file that is empty, not a table, or a Parquet file cut short is one line saying which (it said
+    "unreadable (EmptyDataError)" or "(ArrowInvalid)")."""
+    import pandas as pd
+
+    def refused(what: str) -> ConfigError:
+        return ConfigError(what, source=str(path), field="workload.arrival_file", fix=ARRIVAL_FILE_FIX)
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4)
+    except OSError as err:
+        raise refused(f"cannot be read ({err.strerror or type(err).__name__})") from None
+    if not head:
+        raise refused("the file is empty (0 bytes)")
+    parquet = head == b"PAR1" or path.suffix.lower() == ".parquet"
+    try:
+        return pd.read_parquet(path) if parquet else pd.read_csv(path)
+    except pd.errors.EmptyDataError:  # blank lines only
+        raise refused("the file is empty (no header line, no rows)") from None
+    except UnicodeDecodeError:
+        raise refused("neither a Parquet file nor a CSV file (it is not text)") from None
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        if parquet:
+            raise refused("not a Parquet file, or one cut short or damaged (its footer is missing or broken)") \
+                from None
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise refused(f"not a CSV file that can be read ({reason})") from None
 
 
 def _check_times(times: np.ndarray, source: str) -> None:
