@@ -432,7 +432,8 @@ def check_spec(spec: SweepSpec, points: list[Point]) -> None:
         if not Path(path).is_file():
             raise ConfigError(f"trace '{trace}' not found (looked at {path})", source=spec.source, field="traces",
                               row=i, fix="give a path relative to the spec file's folder, or an absolute one")
-        models[trace] = checked_meta(path).model  # the whole validation pass, once, before any point runs
+        # the whole validation pass, once, before any point runs; a fault names the trace, then where it is listed
+        models[trace] = _reraise(lambda path=path: checked_meta(path), spec, "traces").model
     if spec.model:
         _reraise(lambda: load_preset(spec.model), spec, "model")
     profiles = {hw: _reraise(lambda hw=hw: load_profile(spec.resolve_hw(hw)), spec, "hw") for hw in spec.hw}
@@ -476,9 +477,10 @@ def _reraise(call: Callable[[], Any], spec: SweepSpec, field_: str | None, syste
         return call()
     except MoesimError as err:
         full_key_guess(err, serving=True)  # a spec that sets workload.* serves
-        if err.source and err.source != spec.source and err.field and field_:
-            # a fault inside a file the spec lists (a profile's field): that file and its field, as
-            # `moesim replay` names them, then where the spec lists it
+        if err.source and err.source != spec.source and field_ and (err.field or Path(err.source).is_file()):
+            # a fault inside a file the spec lists (a profile's field, a trace cut short; not a file not
+            # found, the spec's own fault): that file and its field, as `moesim replay` names them, then
+            # where the spec lists it
             raise ConfigError(f"{err.detail} (listed in {spec.source} under '{field_}')", source=err.source,
                               field=err.field, row=err.row, fix=err.fix) from None
         where = f" ({err.source})" if err.source and err.source != spec.source else ""
