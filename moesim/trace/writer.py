@@ -18,6 +18,9 @@ from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, REQUIRED_COLUMNS, Tra
 from moesim.util import tmp_path_for
 
 ROW_GROUP_ROWS = 262_144
+#: a row group is also closed once the rows gathered for it hold this many bytes (scores of a many-expert
+#: model take 512 bytes a row: 262,144 such rows would be held in memory at once)
+ROW_GROUP_BYTES = 64 << 20
 PathLike = str | os.PathLike
 #: columns written without a dictionary: float16 router probabilities repeat too little for one to pay
 #: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
@@ -105,6 +108,12 @@ class TraceWriter:
         self._tmp = writing_path(self.path)
         options = parquet_options(self.columns)
         self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self._tmp, self.schema, **options)
+        # batches gathered into whole row groups: each write_table call ends a row group, and a synthetic
+        # trace of short requests, written a step at a time, had 40,000 groups of 128 rows (a 43 MB footer,
+        # a file 4.5 times larger and validated 9 times slower than the same rows in groups of ROW_GROUP_ROWS)
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._pending_bytes = 0
 
     def write(self, data: Mapping[str, Any]) -> None:
         missing = [c for c in self.columns if c not in data]
@@ -113,11 +122,30 @@ class TraceWriter:
         arrays = [_to_arrow(c, data[c], self.meta) for c in self.columns]
         table = pa.Table.from_arrays(arrays, schema=self.schema)
         assert self._writer is not None, "writer already closed"
-        self._writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self._pending_bytes += table.nbytes
         self.rows += table.num_rows
+        if self._pending_rows >= ROW_GROUP_ROWS or self._pending_bytes >= ROW_GROUP_BYTES:
+            self._write_groups(whole_only=self._pending_bytes < ROW_GROUP_BYTES)
+
+    def _write_groups(self, whole_only: bool) -> None:
+        """Write the rows gathered as row groups of ROW_GROUP_ROWS; with ``whole_only`` keep a last partial
+        group back for the next batches."""
+        assert self._writer is not None, "writer already closed"
+        gathered = pa.concat_tables(self._pending).combine_chunks()  # chunks of a few rows compress poorly
+        written = gathered.num_rows - gathered.num_rows % ROW_GROUP_ROWS if whole_only else gathered.num_rows
+        if written:
+            self._writer.write_table(gathered.slice(0, written), row_group_size=ROW_GROUP_ROWS)
+        rest = gathered.slice(written)
+        self._pending = [rest] if rest.num_rows else []
+        self._pending_rows = rest.num_rows
+        self._pending_bytes = rest.nbytes if rest.num_rows else 0
 
     def close(self) -> Path:
         if self._writer is not None:
+            if self._pending:
+                self._write_groups(whole_only=False)
             self._writer.close()
             self._writer = None
             try:
@@ -129,6 +157,7 @@ class TraceWriter:
         return self.path
 
     def abort(self) -> None:
+        self._pending = []
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -51,3 +51,35 @@ def test_a_file_staged_by_the_command_is_written_in_place_not_under_a_second_tem
         writer.close()
     assert seen == [staged.name] == [f".t.{os.getpid()}.tmp.parquet"]
     assert os.listdir(tmp_path) == ["t.parquet"]
+
+
+def _step_rows(step: int) -> dict:
+    """One decode step of one token over MODEL's two layers."""
+    return {"request": [0, 0], "step": [step, step], "phase": ["decode", "decode"], "position": [step, step],
+            "layer": [0, 1], "experts": np.array([[0, 1], [2, 3]])}
+
+
+def test_many_small_writes_are_gathered_into_whole_row_groups(tmp_path, monkeypatch):
+    """Each write was a row group of its own: a synthetic trace of short requests, written a step at a time,
+    had 40,000 groups of 128 rows, a file 4.5 times larger and validated 9 times slower."""
+    import pyarrow.parquet as pq
+
+    from moesim.trace.io import iter_steps
+    monkeypatch.setattr(writer_mod, "ROW_GROUP_ROWS", 64)
+    path = tmp_path / "t.parquet"
+    with TraceWriter(path, TraceMeta(model=MODEL)) as writer:
+        for step in range(100):  # 200 rows in writes of 2
+            writer.write(_step_rows(step))
+    groups = pq.ParquetFile(path).metadata
+    assert [groups.row_group(i).num_rows for i in range(groups.num_row_groups)] == [64, 64, 64, 8]
+    assert [s.step for s in iter_steps(path)] == list(range(100))
+
+
+def test_a_writer_closes_a_row_group_early_once_its_rows_hold_row_group_bytes(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+    monkeypatch.setattr(writer_mod, "ROW_GROUP_BYTES", 1)
+    path = tmp_path / "t.parquet"
+    with TraceWriter(path, TraceMeta(model=MODEL)) as writer:
+        for step in range(3):
+            writer.write(_step_rows(step))
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
