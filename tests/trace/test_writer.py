@@ -83,3 +83,15 @@ def test_a_writer_closes_a_row_group_early_once_its_rows_hold_row_group_bytes(tm
         for step in range(3):
             writer.write(_step_rows(step))
     assert pq.ParquetFile(path).metadata.num_row_groups == 3
+
+
+def test_list_columns_are_compressed_with_dictionaries_as_the_flat_ones(tmp_path):
+    """parquet_options named the columns, but a list column's options apply under its values' path
+    (experts.list.element): experts, weights and the predictors were written uncompressed, without dictionary."""
+    import pyarrow.parquet as pq
+    rows = {**ROWS, "weights": np.array([[0.6, 0.4], [0.7, 0.3]]), "pred_next_layer": [[1, 2], []]}
+    path = write_trace(tmp_path / "t.parquet", rows, TraceMeta(model=MODEL))
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    chunks = {group.column(i).path_in_schema: group.column(i) for i in range(group.num_columns)}
+    for leaf in ("experts.list.element", "weights.list.element", "pred_next_layer.list.element", "step"):
+        assert chunks[leaf].compression == "ZSTD" and chunks[leaf].has_dictionary_page, leaf
