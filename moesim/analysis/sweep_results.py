@@ -93,7 +93,32 @@ def load_results(path: str | os.PathLike) -> pd.DataFrame:
     if frame.empty:  # not "every point failed": there are none
         raise ConfigError("the results file holds no points", source=str(path),
                           fix="run `moesim sweep SPEC.yaml --out` into it first")
-    return frame
+    return with_metric_columns(frame)
+
+
+def with_metric_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the metric columns of a kind of point (replayed, serving:
+    :func:`moesim.sweep.point.columns_of_kinds`) none of whose points ran, those it lacks added empty (NaN),
+    where a sweep writes them. A sweep whose every point failed has them since 0c38e6f; a file an older moesim
+    wrote for one has none, and ``frame["tpot_ms_mean"]`` raised KeyError on it alone. Where points of a kind
+    ran, the file's columns are what they measured and stay as they are. A row is a serving point's when it
+    sets a ``workload.*`` or ``scheduler`` parameter (or holds a serving run's ``scheduler``)."""
+    from moesim.sim.workload import is_serving_key
+    from moesim.sweep.engines import INPUT_COLUMNS, LOCATION_COLUMNS, WALL_CLOCK_COLUMNS
+    from moesim.sweep.point import columns_of_kinds
+    keys = [c for c in frame.columns if is_serving_key(str(c))]
+    serving = frame[keys].notna().any(axis=1) if keys else pd.Series(False, index=frame.index)
+    failed = frame["status"] != "ok"
+    wanted = columns_of_kinds(replayed=bool((~serving).any() and failed[~serving].all()),
+                              serving=bool(serving.any() and failed[serving].all()))
+    missing = [c for c in wanted if c not in frame.columns]
+    if not missing:
+        return frame
+    last = WALL_CLOCK_COLUMNS + LOCATION_COLUMNS + INPUT_COLUMNS  # a sweep writes these last, in this order
+    empty = pd.DataFrame(np.nan, index=frame.index, columns=missing)
+    frame = pd.concat([frame, empty], axis=1)
+    head = [c for c in frame.columns if c not in last]
+    return frame[head + [c for c in last if c in frame.columns]]
 
 
 def _check_unmerged(path: Path) -> None:

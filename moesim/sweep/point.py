@@ -76,10 +76,15 @@ def metric_columns(points: Iterable[Point]) -> list[str]:
     ``frame["tpot_ms_mean"]`` reads NaN instead of raising KeyError."""
     from moesim.sim.workload import is_serving_key
     kinds = {any(is_serving_key(k) for k, _ in point.settings) for point in points}
+    return columns_of_kinds(replayed=False in kinds, serving=True in kinds)
+
+
+def columns_of_kinds(replayed: bool, serving: bool) -> list[str]:
+    """The metric columns of replayed points' rows, serving points' rows, or both (replayed first)."""
     columns: dict[str, None] = {}
-    if False in kinds:
+    if replayed:
         columns.update(dict.fromkeys(replay_columns()))
-    if True in kinds:
+    if serving:
         from moesim.analysis.serving import serving_columns
         columns.update(dict.fromkeys([*serving_columns(), *no_lower_bound()]))
     return list(columns)
