@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, parquet_options, read_meta
 from moesim.trace.schema import META_KEY, SCHEMA_VERSION, column_type, score_rows, scores_to_arrow
 from moesim.trace.validate import RowsRead, validate_trace
-from moesim.trace.writer import refuse_folder, writing_path
+from moesim.trace.writer import RowGroups, refuse_folder, writing_path
 
 
 @dataclass
@@ -44,7 +44,7 @@ def upgrade_trace(path: PathLike, out: PathLike, progress: RowsRead | None = Non
     written = replace(meta, schema_version=SCHEMA_VERSION).to_json().encode()
     out = Path(out)
     tmp = writing_path(out)
-    writer: pq.ParquetWriter | None = None
+    writer: RowGroups | None = None  # the source's row groups gathered whole: one a step was common
     rows, rewrote, has_scores = 0, False, False
     try:
         for batch in _open(path).iter_batches(batch_size=ROW_GROUP_ROWS):
@@ -57,8 +57,8 @@ def upgrade_trace(path: PathLike, out: PathLike, progress: RowsRead | None = Non
                 rewrote = True
             table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: written})
             if writer is None:
-                writer = pq.ParquetWriter(tmp, table.schema, **parquet_options(table.column_names))
-            writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+                writer = RowGroups(pq.ParquetWriter(tmp, table.schema, **parquet_options(table.column_names)))
+            writer.add(table)
             rows += table.num_rows
             if progress is not None:
                 progress(table.num_rows)
@@ -69,7 +69,7 @@ def upgrade_trace(path: PathLike, out: PathLike, progress: RowsRead | None = Non
                 os.replace(tmp, out)
     finally:
         if writer is not None:
-            writer.close()
+            writer.close(write_rest=False)
         if tmp != out:
             tmp.unlink(missing_ok=True)
     return Upgrade(rows=rows, from_version=meta.schema_version, has_scores=has_scores, rewrote_scores=rewrote)

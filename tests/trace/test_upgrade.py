@@ -89,3 +89,17 @@ def test_upgrade_to_a_folder_is_refused_before_reading_the_trace(tmp_path):
         upgrade_trace(_version_1(tmp_path), folder)
     assert raised.value.field == "out"
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_a_trace_of_one_row_group_a_step_comes_out_in_whole_row_groups(tmp_path):
+    """Older writers ended a row group at every write (one a step for a synthetic trace of short requests:
+    40,000 groups of 128 rows); upgrade copied the source's groups as they were."""
+    path, _ = _version_1(tmp_path)
+    table = pq.read_table(path)
+    tiny = tmp_path / "tiny.parquet"
+    pq.write_table(table, tiny, row_group_size=2)  # one group a step
+    assert pq.ParquetFile(tiny).metadata.num_row_groups == 5
+    upgrade_trace(tiny, tmp_path / "up.parquet")
+    up = pq.ParquetFile(tmp_path / "up.parquet")
+    assert up.metadata.num_row_groups == 1 and up.metadata.num_rows == 10
+    assert [s.step for s in iter_steps(tmp_path / "up.parquet")] == list(range(5))
