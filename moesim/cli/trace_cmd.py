@@ -26,7 +26,8 @@ trace.add_command(capture_command, "capture")
 
 
 @trace.command("validate", cls=JsonFlagCommand)
-@click.argument("file", type=InputPath(dir_okay=False))
+# a folder is refused by validate_trace, not by click, so that --json says so as it says every other fault
+@click.argument("file", type=InputPath())
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as JSON: ok, and the problem found (the check stops at the first) "
                    "(stdout; --json - the same; the exit status is as without it).")

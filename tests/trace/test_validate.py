@@ -348,3 +348,15 @@ def test_validate_json_lists_the_problem_and_keeps_the_exit_status(tmp_path, cap
     err = capsys.readouterr().err
     assert "--json takes no file here: it prints the JSON on stdout (write it to a file with --json > " in err
     assert err.count("\n") == 1 and not (tmp_path / "v.json").exists()
+
+
+def test_validate_json_of_a_folder_says_so_in_json(tmp_path, capsys):
+    """A folder was refused by click before the command ran: one line on stderr and no JSON on stdout, where a
+    script reads `ok`; a missing file had its JSON."""
+    folder = tmp_path / "traces.parquet"
+    folder.mkdir()
+    assert main(["trace", "validate", str(folder), "--json", "-"]) == 2
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["ok"] is False and "folder" in data["problems"][0]["message"]
+    assert captured.err.count("\n") == 1 and str(folder) in captured.err
