@@ -12,8 +12,11 @@ stopped. Three floors, each taken from the engine's own costs
    routed experts: each routed expert runs on the GPU for at least
    ``gpu_expert(n)`` plus its launch or on the CPU for at least
    ``cpu_expert(n)``, so a layer lasts at least the fractional balance of GPU
-   stream and CPU (``balanced_groups``). A member that defers CPU experts past
-   their layer (001 Sec. 4) balances them over the whole step instead. A member
+   stream and CPU (``balanced_groups``) and, each expert whole on one side and
+   the CPU's experts a sync after the attention, the least over how many go to
+   the CPU of the longer side (:func:`split_costs`). A member that defers CPU
+   experts past their layer (001 Sec. 4) balances them over the whole step
+   instead. A member
    that rewrites routing (002, 004) counts the routed experts of single-token
    layers only (a token keeps ``top_k`` distinct experts, one token each).
 2. Per step, a member whose placement is fixed (:func:`placed_floors`): a
@@ -44,7 +47,15 @@ stopped. Three floors, each taken from the engine's own costs
    GPU without prefetch, ``F + tau M`` (a layer's copies run after its attention
    and before its end); without prefetch, ``F + M c tau / (c + tau)`` (a layer
    lasts the longer of its CPU experts and its copies); with prefetch, copies may
-   overlap anything: ``max(F, tau (F + c M) / (c + tau))``.
+   overlap anything: ``max(F, tau (F + c M) / (c + tau))``. A member that does
+   not defer, in a window whose MoE layers are all alike (one-token decoding),
+   pays its copies and its experts' split together (:func:`split_window_need`):
+   the window lasts at least ``tau K`` for its ``K`` copied misses, and at least
+   ``F`` plus each layer's :func:`split_costs` with the other misses among its
+   CPU experts; spread evenly over the layers (the costs' convex envelope), the
+   least over ``K`` of the longer of the two. With few CPU experts free beside
+   the GPU's (DeepSeek-V3 int4 on rtx4090 under ``ktransformers-eager``: one of
+   a layer's 8), misses past them cost a CPU expert or a copy each.
 
    Each window length (1, 2, 4, ... steps) partitions every decode run; the
    windows that start at or after step ``k`` bound the steps they cover, the
@@ -53,7 +64,7 @@ stopped. Three floors, each taken from the engine's own costs
    requests of its steps.
 
 Left out besides (each only lengthens a step): waits, DRAM sharing, decision
-overheads, and synchronisations outside floor 2.
+overheads, and the synchronisations of a member that defers outside floor 2.
 """
 
 from __future__ import annotations
@@ -126,6 +137,8 @@ class _Costs:
     head_memo: dict = field(default_factory=dict)
     #: the member's own runtime costs of a step by phase (:meth:`_launches`)
     launch_memo: dict = field(default_factory=dict)
+    #: :meth:`split_costs` by (layer tokens, token counts of its routed experts, phase)
+    split_memo: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, sim: Simulator, shared: dict | None = None) -> _Costs:
@@ -188,6 +201,21 @@ class _Costs:
             return 0.0
         return sim.costs.gpu_shared(tokens) + sim._launch[phase][1]
 
+    def split_costs(self, tokens: int, counts: tuple[int, ...], phase: str, traits: Traits) -> np.ndarray:
+        """:func:`split_costs` of a layer of ``tokens`` tokens whose routed experts have ``counts`` tokens each."""
+        key = (tokens, counts, phase)
+        value = self.split_memo.get(key)
+        if value is None:
+            sim = self.sim
+            costs, expert_launch = sim.costs, sim._launch[phase][0]
+            known = traits.keeps_routing or tokens == 1  # a rewriting member keeps top_k experts of one token
+            by_count = sorted(Counter(counts).items()) if known else []
+            gpu = [costs.gpu_expert(n) + expert_launch for n, m in by_count for _ in range(m)]
+            cpu = [costs.cpu_expert(n) for n, m in by_count for _ in range(m)]
+            value = self.split_memo[key] = split_costs(self.shared(tokens, phase), np.array(gpu), np.array(cpu),
+                                                       costs.sync_s, cpu_allowed=traits.placement != "gpu")
+        return value
+
     def fixed_all(self, shape: TraceShape) -> np.ndarray:
         """:meth:`fixed` of every step (those of one kind of layer at once, by the same operations)."""
         out = np.empty(len(shape.work))
@@ -231,7 +259,11 @@ def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.nda
             if traits.keeps_routing or tokens == 1:
                 groups = [(costs.gpu_expert(n) + expert_launch, costs.cpu_expert(n), m)
                           for n, m in sorted(Counter(counts).items())]
-            value = layer_memo[key] = ((shared, groups) if traits.defers else (balanced_groups(shared, groups), []))
+            if traits.defers:
+                value = layer_memo[key] = (shared, groups)
+            else:
+                least = float(parts.split_costs(tokens, counts, phase, traits).min())
+                value = layer_memo[key] = (max(balanced_groups(shared, groups), least), [])
         return value
 
     floors = np.empty(len(shape.work))
@@ -255,6 +287,42 @@ def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.nda
             step_groups += [(g, c, n * m) for g, c, n in groups]
         floors[i] = balanced_groups(total, step_groups) if step_groups else total
     return floors
+
+
+def split_costs(shared: float, gpu: np.ndarray, cpu: np.ndarray, sync: float, cpu_allowed: bool = True
+                ) -> np.ndarray:
+    """Per ``b`` (0 to the layer's routed experts): seconds a layer of a member that does not defer lasts at
+    least past its launches and attention with ``b`` of its routed experts on the CPU (floor 1 of the module
+    docstring, whole experts).
+
+    Each routed expert runs wholly on one side (``engine.check``: "each routed expert computed once, on one
+    side"). The GPU stream runs the ``shared`` experts, then each GPU expert for at least its ``gpu`` seconds
+    (its launch included); the CPU starts a ``sync`` after the attention and runs its experts one after another,
+    each for at least its ``cpu`` seconds; the layer ends after both. Whichever ``b`` experts go to the CPU,
+    the GPU side is at least ``shared`` plus all ``gpu`` less the ``b`` largest, and the CPU side at least
+    ``sync`` plus the ``b`` smallest ``cpu``: the longer of the two. ``cpu_allowed`` False (every expert on the
+    GPU): ``b`` = 0 only."""
+    gpu_left = shared + float(gpu.sum()) - np.concatenate([[0.0], np.cumsum(np.sort(gpu)[::-1])])
+    cpu_side = np.concatenate([[0.0], sync + np.cumsum(np.sort(cpu))])
+    out = np.maximum(gpu_left, cpu_side)
+    return out if cpu_allowed else out[:1]
+
+
+def split_envelope(costs: np.ndarray) -> np.ndarray:
+    """The greatest convex, non-decreasing function under ``costs`` (a layer's :func:`split_costs`), at 0, 1, ...:
+    the least ``costs[b']`` over ``b' >= b`` (at least ``b`` experts on the CPU), then its lower convex hull."""
+    at_least = np.minimum.accumulate(costs[::-1])[::-1]
+    hull: list[int] = []
+    for i, y in enumerate(at_least.tolist()):
+        # drop the last hull point while it lies on or above the chord from the one before it to (i, y)
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (at_least[b] - at_least[a]) * (i - a) >= (y - at_least[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return np.interp(np.arange(len(costs)), hull, at_least[hull])
 
 
 def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list[set[int]]) -> np.ndarray:
@@ -385,25 +453,11 @@ def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np
     to the makespan's and to the mean TPOT's sums of step floors (seconds; TPOT entries weighted)."""
     steps = len(floors)
     extra_span, extra_tpot = np.zeros(steps + 1), np.zeros(steps + 1)
-    traits = Traits.of(sim)
-    if not traits.windowed or not windows.by_length or sim.memory.ignores_memory:
-        return extra_span, extra_tpot
-    memory, costs = sim.memory, sim.costs
-    nbytes = costs.expert_bytes
-    tau = min(costs.h2d(nbytes), sim.pcie.duration(nbytes)) / max(sim.profile.pcie.copy_engines, 1)
-    most = max((t for t, _, _, p in shape.work if p == "decode"), default=1)
-    c = min(costs.cpu_expert(n) for n in range(1, most + 1))
-    per_layer = memory.pool is None and not memory.reserved_slots
     weight = shape.decode_weight
     cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    floors_at, fixed_at, tpot_at = cum(floors), cum(fixed), cum(floors * weight)
-    for length, (starts, ends, distinct) in windows.by_length.items():
-        if per_layer:
-            quota = np.asarray(memory.capacity[:distinct.shape[1]], dtype=np.int64)
-            misses = np.maximum(distinct - quota, 0).sum(axis=1)
-        else:
-            misses = np.maximum(distinct.sum(axis=1) - memory.slots, 0)
-        need = window_need(traits, fixed_at[ends] - fixed_at[starts], misses, tau, c)
+    floors_at, tpot_at = cum(floors), cum(floors * weight)
+    for length, need in window_needs(sim, shape, windows, fixed).items():
+        starts, ends, _ = windows.by_length[length]
         span = floors_at[ends] - floors_at[starts]
         tpot = tpot_at[ends] - tpot_at[starts]
         fewest = windows.fewest(length, weight)
@@ -413,6 +467,101 @@ def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np
             np.add.at(at, starts, add)
             np.maximum(extra, np.cumsum(at[::-1])[::-1], out=extra)
     return extra_span, extra_tpot
+
+
+def window_needs(sim: Simulator, shape: TraceShape, windows: Windows, fixed: np.ndarray) -> dict[int, np.ndarray]:
+    """Per window length of ``windows``: seconds each window lasts at least (floor 3 of the module docstring:
+    :func:`window_need` and, for a member that does not defer, :func:`split_window_need`); ``fixed``: each
+    step's work outside its experts (``_Costs.fixed_all``). Empty for a member the windows do not bind."""
+    traits = Traits.of(sim)
+    if not traits.windowed or not windows.by_length or sim.memory.ignores_memory:
+        return {}
+    memory, costs = sim.memory, sim.costs
+    nbytes = costs.expert_bytes
+    tau = min(costs.h2d(nbytes), sim.pcie.duration(nbytes)) / max(sim.profile.pcie.copy_engines, 1)
+    most = max((t for t, _, _, p in shape.work if p == "decode"), default=1)
+    c = min(costs.cpu_expert(n) for n in range(1, most + 1))
+    per_layer = memory.pool is None and not memory.reserved_slots
+    fixed_at = np.concatenate([[0.0], np.cumsum(fixed)])
+    kind_of, layers_at, envelopes = _step_kinds(sim, shape, traits)
+    run_of = np.cumsum(np.concatenate([[0], kind_of[1:] != kind_of[:-1]]))  # runs of steps of one kind
+    out = {}
+    for length, (starts, ends, distinct) in windows.by_length.items():
+        if per_layer:
+            quota = np.asarray(memory.capacity[:distinct.shape[1]], dtype=np.int64)
+            misses = np.maximum(distinct - quota, 0).sum(axis=1)
+        else:
+            misses = np.maximum(distinct.sum(axis=1) - memory.slots, 0)
+        window_fixed = fixed_at[ends] - fixed_at[starts]
+        need = window_need(traits, window_fixed, misses, tau, c)
+        # windows whose steps all have one kind of layer (one-token decoding): their experts' split too
+        kind = np.where(run_of[starts] == run_of[ends - 1], kind_of[starts], -1)
+        for k, envelope in enumerate(envelopes):
+            one = kind == k
+            if one.any():
+                layers = layers_at[ends[one]] - layers_at[starts[one]]
+                need[one] = np.maximum(need[one], split_window_need(window_fixed[one], misses[one], layers,
+                                                                    envelope, tau))
+        out[length] = need
+    return out
+
+
+def _step_kinds(sim: Simulator, shape: TraceShape, traits: Traits) -> tuple[np.ndarray, np.ndarray, list]:
+    """For :func:`split_window_need`: per step, the index of its one kind of MoE layer (-1: a step with
+    several kinds, or not decoding, or a member that defers); the MoE layers before each step (a running sum);
+    and per kind the :func:`split_envelope` of its :func:`split_costs`."""
+    steps = len(shape.work)
+    kind_of = np.full(steps, -1, dtype=np.int64)
+    layers = np.zeros(steps + 1)
+    envelopes: list[np.ndarray] = []
+    if traits.defers:
+        return kind_of, layers, envelopes
+    parts, ids = _Costs.of(sim), {}
+    for i, (work, kinds) in enumerate(zip(shape.work, shape.layers)):
+        if len(kinds) == 1 and work[3] == "decode":
+            (tokens, counts), m = kinds[0]
+            k = ids.get((tokens, counts))
+            if k is None:
+                k = ids[(tokens, counts)] = len(envelopes)
+                envelopes.append(split_envelope(parts.split_costs(tokens, counts, "decode", traits)))
+            kind_of[i], layers[i + 1] = k, m
+    return kind_of, np.cumsum(layers), envelopes
+
+
+def split_window_need(fixed: np.ndarray, misses: np.ndarray, layers: np.ndarray, envelope: np.ndarray,
+                      tau: float) -> np.ndarray:
+    """Seconds windows of a member that does not defer last at least, each window of ``layers`` MoE layers
+    alike (one kind: the same tokens and routed experts' token counts), ``fixed`` seconds outside the layers'
+    experts, ``misses`` (layer, expert) pairs beyond those held at its start, and ``envelope`` the layers'
+    :func:`split_envelope` (floor 3 of the module docstring, its experts' split and copies together).
+
+    With ``K`` misses copied in the window and ``b_j`` experts of its layer ``j`` on the CPU: each copy takes
+    ``tau`` of the copy engines inside the window (it starts after the window does, or it would be held at its
+    start, and lands before the expert's first use in it), so the window lasts at least ``tau K``, whatever
+    else the copies overlap; each other miss runs on the CPU in some layer of the window, so ``sum b_j >=
+    misses - K``; and the window lasts at least ``fixed`` plus each layer's :func:`split_costs` at its
+    ``b_j``, at least ``fixed + layers * envelope(b)`` with ``b`` = (misses - K) / layers (the envelope is
+    convex and non-decreasing: Jensen). So the window lasts at least the least over ``b`` in [0, the layer's
+    routed experts] (K = misses - layers b >= 0) of the longer of ``tau (misses - layers b)`` and ``fixed +
+    layers envelope(b)``: one falls and the other rises in ``b``, so on each piece of the envelope the least is
+    where they cross, or the piece's end next to it.
+    """
+    experts = len(envelope) - 1
+    most = np.minimum(experts, misses / layers)  # b at K = 0
+    copies = lambda b: tau * (misses - layers * b)  # noqa: E731
+    if not experts:
+        return np.maximum(copies(0.0), fixed + layers * envelope[0])
+    best = np.full(len(fixed), np.inf)
+    for i in range(experts):
+        slope = envelope[i + 1] - envelope[i]
+        base = fixed + layers * (envelope[i] - slope * i)  # the piece's line: base + layers slope b
+        denominator = layers * (tau + slope)
+        cross = np.divide(tau * misses - base, denominator, out=np.full(len(fixed), float(i)),
+                          where=denominator > 0)
+        b = np.clip(cross, i, np.minimum(i + 1, most))
+        value = np.maximum(copies(b), base + layers * slope * b)
+        best = np.where(most >= i, np.minimum(best, value), best)
+    return best
 
 
 def window_need(traits: Traits, fixed: np.ndarray, misses: np.ndarray, tau: float, cpu: float) -> np.ndarray:

@@ -125,11 +125,13 @@ def test_floors_never_exceed_a_replay(tmp_path_factory, layers, experts, top_k, 
     weight = shape.decode_weight
     for member in racing:
         durations = _run(member)
-        assert (durations >= member.floors.steps * (1 - 1e-12)).all(), member.name
+        # durations are differences of absolute times: a few ulps of seconds off, which an exact floor (a
+        # member with every expert on the GPU, its split known) can meet; 1e-12 s covers them
+        assert (durations >= member.floors.steps * (1 - 1e-12) - 1e-12).all(), member.name
         span = np.concatenate([np.cumsum(durations[::-1])[::-1], [0.0]])
         tpot = np.concatenate([np.cumsum((durations * weight)[::-1])[::-1], [0.0]])
-        assert (span >= member.left_span * (1 - 1e-12) - 1e-15).all(), member.name
-        assert (tpot >= member.left_tpot * (1 - 1e-12) - 1e-15).all(), member.name
+        assert (span >= member.left_span * (1 - 1e-12) - 1e-12).all(), member.name
+        assert (tpot >= member.left_tpot * (1 - 1e-12) - 1e-12).all(), member.name
 
 
 def test_window_floors_raise_a_demand_paging_member(tmp_path):
