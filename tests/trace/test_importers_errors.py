@@ -419,3 +419,15 @@ def test_a_logger_run_cut_in_its_prefill_or_whose_decode_batch_grows_is_refused(
     with pytest.raises(TraceFormatError, match="field 'token_idx'") as err:
         import_trace(None, [log], tmp_path / "t.parquet")
     assert words in str(err.value) and not (tmp_path / "t.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt", ["cerebras-olmoe", "speculative-moe", "vllm-moe-logger"])
+def test_an_npz_given_to_a_format_of_json_lines_is_named_as_an_archive(tmp_path, capsys, fmt):
+    """It was 'line 1, field line: not UTF-8 text (byte 18 of the line)', fix 'repair or delete the garbled
+    line', for a file with no garbled line to repair."""
+    npz = tmp_path / "routing.npz"
+    np.savez(npz, topk_ids=np.zeros((2, 3, 8), dtype=np.int16))
+    assert main(["trace", "import", "--format", fmt, str(npz), "--out", str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(npz) in err and "zip archive" in err and "flame-moe" in err
+    assert "garbled" not in err and not (tmp_path / "t.parquet").exists()

@@ -38,6 +38,10 @@ FORMATS: dict[str, Callable[[list[Path], Path], ImportReport]] = {
     cerebras_olmoe.FORMAT: cerebras_olmoe.import_files,
 }
 AGGREGATE_FORMATS = ("olmoe-routing-stats",)
+#: formats that read an npz extract; the others read JSON lines only
+NPZ_FORMATS = (flame_moe.FORMAT, qwen3_prefill.FORMAT)
+#: how a zip archive (an npz is one) begins
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _folder_fix(path: Path) -> str:
@@ -131,6 +135,7 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
     detected = fmt is None
     if fmt is None:
         fmt = detect_format(sources)
+    _refuse_archives(fmt, sources)
     out = Path(out)
     for path in sources:
         if same_file(out, path):
@@ -155,6 +160,20 @@ def import_trace(fmt: str | None, sources: list[Path] | Path | str, out: Path | 
     if detected:
         report.notes.append(f"format {fmt} told from the files' first records (give --format to choose another)")
     return report
+
+
+def _refuse_archives(fmt: str, sources: list[Path]) -> None:
+    """An npz (or any zip archive) given to a format of JSON lines is refused as what it is: it was 'line 1: not
+    UTF-8 text', with the fix 'repair or delete the garbled line'."""
+    if fmt in NPZ_FORMATS:
+        return
+    for path in sources:
+        with open(path, "rb") as handle:
+            if handle.read(len(ZIP_MAGIC)) == ZIP_MAGIC:
+                raise TraceFormatError(f"a zip archive (an .npz extract?), not the JSON lines log {fmt} reads",
+                                       source=str(path), field="--format",
+                                       fix=f"give {fmt}'s .jsonl log; npz extracts are read by "
+                                           f"{' and '.join(NPZ_FORMATS)} (--format)")
 
 
 def _refuse_repeated(sources: list[Path]) -> None:
