@@ -431,3 +431,13 @@ def test_an_npz_given_to_a_format_of_json_lines_is_named_as_an_archive(tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(npz) in err and "zip archive" in err and "flame-moe" in err
     assert "garbled" not in err and not (tmp_path / "t.parquet").exists()
+
+
+def test_a_binary_file_given_to_a_format_of_json_lines_is_named_binary(tmp_path, capsys):
+    """It was 'line 1: not UTF-8 text', fix 'repair or delete the garbled line': there is no line to repair."""
+    binary = tmp_path / "routing.jsonl"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00\xff\xfe" * 40)
+    assert main(["trace", "import", "--format", "speculative-moe", str(binary), "--out",
+                 str(tmp_path / "t.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(binary) in err and "binary file" in err and "garbled" not in err

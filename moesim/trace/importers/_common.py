@@ -76,6 +76,11 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as err:
+                if number == 1 and b"\0" in raw:  # no text log holds NUL bytes: a binary file, no line to repair
+                    raise TraceFormatError("a binary file (NUL bytes in its first line), not a log of JSON lines",
+                                           source=str(path), field="line",
+                                           fix="give the log as its tool wrote it (moesim trace import "
+                                               "--list-formats); check the file and --format") from None
                 raise TraceFormatError(f"not UTF-8 text (byte {err.start + 1} of the line)", source=where(path, number),
                                        field="line", fix="repair or delete the garbled line") from None
             if not text.strip():
