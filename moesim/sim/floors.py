@@ -65,184 +65,33 @@ stopped. Three floors, each taken from the engine's own costs
 
 Left out besides (each only lengthens a step): waits, DRAM sharing, decision
 overheads, and the synchronisations of a member that defers outside floor 2.
+
+Floors 1 and 2 are here; floor 3 is in moesim.sim.window_floors, and what
+they share (a member's traits, its costs, the split of a layer's experts) in
+moesim.sim.floor_parts.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from moesim.policy.assign import AllCPU, AllGPU, ResidentOnGPU
 from moesim.policy.base import active_experts
 from moesim.policy.catalog.bounds import balanced_groups
-from moesim.policy.prefetch import NoPrefetch
-from moesim.policy.systems import ComposedSystem, NoDeferral, NoSubstitution
 from moesim.sim.engine import Simulator
+from moesim.sim.floor_parts import MemberCosts, Traits
 from moesim.sim.shape import TraceShape, Windows
+from moesim.sim.window_floors import window_terms
 from moesim.trace.io import iter_steps
-
-# ----------------------------------------------------------------------------- what a member is
-@dataclass(frozen=True)
-class Traits:
-    """What a member's composition guarantees about its schedule (the module docstring)."""
-
-    #: its routed experts are what the trace routes
-    keeps_routing: bool
-    #: CPU work may run past its layer
-    defers: bool
-    #: a plain composition (``ComposedSystem`` itself: no planning step of its own)
-    plain: bool
-    #: never copies ahead of the layer that uses the copy
-    no_prefetch: bool
-    #: "cpu": every routed expert on the CPU; "resident": resident ones on the GPU; "gpu": every one on
-    #: the GPU; "": any split
-    placement: str
-
-    @classmethod
-    def of(cls, sim: Simulator) -> Traits:
-        system = sim.system
-        plain = type(system) is ComposedSystem
-        assign = getattr(system, "assign", None)
-        placement = {AllCPU: "cpu", ResidentOnGPU: "resident", AllGPU: "gpu"}.get(type(assign), "")  # type: ignore
-        # a system with a planning step of its own may place and copy as it likes: only what every plan
-        # obeys holds for it (the engine runs deferral from ``defer`` alone, whoever plans)
-        return cls(keeps_routing=isinstance(system.substitute, NoSubstitution),
-                   defers=not isinstance(system.defer, NoDeferral), plain=plain,
-                   no_prefetch=plain and isinstance(system.prefetch, NoPrefetch),
-                   placement=placement if plain else "")
-
-    @property
-    def placed(self) -> bool:
-        """Every layer's split is known from the experts resident at the start (placed floors)."""
-        return self.plain and self.keeps_routing and self.no_prefetch and self.placement in ("cpu", "resident")
-
-    @property
-    def windowed(self) -> bool:
-        return self.keeps_routing
-
-
 # ----------------------------------------------------------------------------- per-step floors
-@dataclass
-class _Costs:
-    """A member's memoised costs of the parts of a step (the engine's own figures)."""
-
-    sim: Simulator
-    #: attention seconds by (tokens, context) and the GPU work outside the MoE layers by (tokens, context,
-    #: sequences), shared by members with the same profile, model and non-expert dtype (the only inputs of
-    #: ``CostModel.attention`` and ``CostModel.step_fixed``); each member's set-up builds its own profile
-    #: object, so profiles are told apart by value (their text, the profile before overrides included)
-    attention_memo: dict = field(default_factory=dict)
-    head_memo: dict = field(default_factory=dict)
-    #: the member's own runtime costs of a step by phase (:meth:`_launches`)
-    launch_memo: dict = field(default_factory=dict)
-    #: :meth:`split_costs` by (layer tokens, token counts of its routed experts, phase)
-    split_memo: dict = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, sim: Simulator, shared: dict | None = None) -> _Costs:
-        costs = sim.costs
-        profile = costs.profile
-        key = (repr(profile), repr(profile.base), costs.model, costs.non_expert_dtype)
-        return cls(sim, {} if shared is None else shared.setdefault(key, {}))
-
-    def attention(self, tokens: int, context: int) -> float:
-        key = (tokens, context)
-        value = self.attention_memo.get(key)
-        if value is None:
-            value = self.attention_memo[key] = self.sim.costs.attention(tokens, context)
-        return value
-
-    def head_tail(self, key: tuple[int, int, int, str]) -> float:
-        """Host work, launches and GPU work of a step outside its MoE layers."""
-        value = self.head_memo.get(key)
-        if value is None:
-            step_launch, dense_launches, host = self._launches(key[3])
-            value = self.head_memo[key] = self._outside_gpu(key[:3]) + step_launch + dense_launches + host
-        return value
-
-    def _outside_gpu(self, key: tuple[int, int, int]) -> float:
-        """GPU work of a step outside its MoE layers, by (tokens, context, sequences)."""
-        value = self.attention_memo.get(key)
-        if value is None:
-            value = self.attention_memo[key] = sum(self.sim.costs.step_fixed(*key).values())
-        return value
-
-    def _launches(self, phase: str) -> tuple[float, float, float]:
-        """The member's own runtime costs of a step: its graph launch, its dense layers' launches, host work."""
-        launches = self.launch_memo.get(phase)
-        if launches is None:
-            costs = self.sim.costs
-            launches = self.launch_memo[phase] = (costs.step_launch(phase),
-                                                self.sim.model.num_dense_layers * costs.layer_launches(phase),
-                                                costs.host_per_step)
-        return launches
-
-    def alike_steps(self, layer_tokens: int, steps: list[int], shape: TraceShape) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`head_tail` of each of ``steps`` and :meth:`attention` of ``layer_tokens`` tokens at its
-        context, as arrays (the steps' GPU work kept for members alike)."""
-        key = ("steps", layer_tokens, tuple(steps))
-        shared = self.attention_memo.get(key)
-        if shared is None:
-            gpu = [self._outside_gpu(shape.work[i][:3]) for i in steps]
-            attention = [self.attention(layer_tokens, shape.work[i][1]) for i in steps]
-            shared = self.attention_memo[key] = (np.array(gpu), np.array(attention))
-        gpu, attention = shared
-        phases = {shape.work[i][3] for i in steps}
-        if len(phases) > 1:
-            return np.array([self.head_tail(shape.work[i]) for i in steps]), attention
-        step_launch, dense_launches, host = self._launches(phases.pop())
-        return gpu + step_launch + dense_launches + host, attention  # head_tail's sum, term by term
-
-    def shared(self, tokens: int, phase: str) -> float:
-        sim = self.sim
-        if not sim.model.shared_intermediate_size:
-            return 0.0
-        return sim.costs.gpu_shared(tokens) + sim._launch[phase][1]
-
-    def split_costs(self, tokens: int, counts: tuple[int, ...], phase: str, traits: Traits) -> np.ndarray:
-        """:func:`split_costs` of a layer of ``tokens`` tokens whose routed experts have ``counts`` tokens each."""
-        key = (tokens, counts, phase)
-        value = self.split_memo.get(key)
-        if value is None:
-            sim = self.sim
-            costs, expert_launch = sim.costs, sim._launch[phase][0]
-            known = traits.keeps_routing or tokens == 1  # a rewriting member keeps top_k experts of one token
-            by_count = sorted(Counter(counts).items()) if known else []
-            gpu = [costs.gpu_expert(n) + expert_launch for n, m in by_count for _ in range(m)]
-            cpu = [costs.cpu_expert(n) for n, m in by_count for _ in range(m)]
-            value = self.split_memo[key] = split_costs(self.shared(tokens, phase), np.array(gpu), np.array(cpu),
-                                                       costs.sync_s, cpu_allowed=traits.placement != "gpu")
-        return value
-
-    def fixed_all(self, shape: TraceShape) -> np.ndarray:
-        """:meth:`fixed` of every step (those of one kind of layer at once, by the same operations)."""
-        out = np.empty(len(shape.work))
-        for (((layer_tokens, _), m), phase), steps in shape.alike().items():
-            head, attention = self.alike_steps(layer_tokens, steps, shape)
-            out[steps] = head + m * (self.sim._layer_launches[phase] + attention)
-        for i, kinds in enumerate(shape.layers):
-            if len(kinds) != 1:
-                out[i] = self.fixed(shape, i)
-        return out
-
-    def fixed(self, shape: TraceShape, i: int) -> float:
-        """Step ``i``'s work outside its experts: head and tail, and every MoE layer's launches and attention."""
-        tokens, context, _, phase = work = shape.work[i]
-        total = self.head_tail(work)
-        launch = self.sim._layer_launches[phase]
-        for (layer_tokens, _), m in shape.layers[i]:
-            total += m * (launch + self.attention(layer_tokens, context))
-        return total
-
-
 def step_floors(sim: Simulator, shape: TraceShape) -> np.ndarray:
     """Seconds each step of ``shape`` lasts at least when ``sim`` replays it (floor 1 of the module docstring)."""
-    return _balanced_floors(sim, shape, _Costs.of(sim))
+    return _balanced_floors(sim, shape, MemberCosts.of(sim))
 
 
-def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.ndarray:
+def _balanced_floors(sim: Simulator, shape: TraceShape, parts: MemberCosts) -> np.ndarray:
     costs = sim.costs
     traits = Traits.of(sim)
     layer_memo: dict[tuple, tuple[float, list[tuple[float, float, int]]]] = {}
@@ -288,44 +137,7 @@ def _balanced_floors(sim: Simulator, shape: TraceShape, parts: _Costs) -> np.nda
         floors[i] = balanced_groups(total, step_groups) if step_groups else total
     return floors
 
-
-def split_costs(shared: float, gpu: np.ndarray, cpu: np.ndarray, sync: float, cpu_allowed: bool = True
-                ) -> np.ndarray:
-    """Per ``b`` (0 to the layer's routed experts): seconds a layer of a member that does not defer lasts at
-    least past its launches and attention with ``b`` of its routed experts on the CPU (floor 1 of the module
-    docstring, whole experts).
-
-    Each routed expert runs wholly on one side (``engine.check``: "each routed expert computed once, on one
-    side"). The GPU stream runs the ``shared`` experts, then each GPU expert for at least its ``gpu`` seconds
-    (its launch included); the CPU starts a ``sync`` after the attention and runs its experts one after another,
-    each for at least its ``cpu`` seconds; the layer ends after both. Whichever ``b`` experts go to the CPU,
-    the GPU side is at least ``shared`` plus all ``gpu`` less the ``b`` largest, and the CPU side at least
-    ``sync`` plus the ``b`` smallest ``cpu``: the longer of the two. ``cpu_allowed`` False (every expert on the
-    GPU): ``b`` = 0 only."""
-    gpu_left = shared + float(gpu.sum()) - np.concatenate([[0.0], np.cumsum(np.sort(gpu)[::-1])])
-    cpu_side = np.concatenate([[0.0], sync + np.cumsum(np.sort(cpu))])
-    out = np.maximum(gpu_left, cpu_side)
-    return out if cpu_allowed else out[:1]
-
-
-def split_envelope(costs: np.ndarray) -> np.ndarray:
-    """The greatest convex, non-decreasing function under ``costs`` (a layer's :func:`split_costs`), at 0, 1, ...:
-    the least ``costs[b']`` over ``b' >= b`` (at least ``b`` experts on the CPU), then its lower convex hull."""
-    at_least = np.minimum.accumulate(costs[::-1])[::-1]
-    hull: list[int] = []
-    for i, y in enumerate(at_least.tolist()):
-        # drop the last hull point while it lies on or above the chord from the one before it to (i, y)
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (at_least[b] - at_least[a]) * (i - a) >= (y - at_least[a]) * (b - a):
-                hull.pop()
-            else:
-                break
-        hull.append(i)
-    return np.interp(np.arange(len(costs)), hull, at_least[hull])
-
-
-def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list[set[int]]) -> np.ndarray:
+def placed_floors(sim: Simulator, shape: TraceShape, parts: MemberCosts, on_gpu: list[set[int]]) -> np.ndarray:
     """Floor 2 of the module docstring: each step of a member whose GPU experts are those of ``on_gpu`` (per
     layer) that the layer routes, the others on the CPU."""
     costs, defers = sim.costs, Traits.of(sim).defers
@@ -377,7 +189,7 @@ def placed_floors(sim: Simulator, shape: TraceShape, parts: _Costs, on_gpu: list
     return floors
 
 
-def _placed_decode_floors(sim: Simulator, shape: TraceShape, parts: _Costs, mask: np.ndarray,
+def _placed_decode_floors(sim: Simulator, shape: TraceShape, parts: MemberCosts, mask: np.ndarray,
                           floors: np.ndarray, defers: bool) -> np.ndarray:
     """:func:`placed_floors` of the one-token decode steps (a row per layer, layers in order) at once, into
     ``floors``; which steps it filled. By the same operations in the same order as the step-by-step walk
@@ -446,153 +258,6 @@ def _layers_floor(before: list[float], gpu: list[float], cpu: list[float], defer
     return max(best, done)
 
 
-# ----------------------------------------------------------------------------- window floors
-def window_terms(sim: Simulator, shape: TraceShape, windows: Windows, floors: np.ndarray,
-                 fixed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Floor 3 of the module docstring: for each ``k``, what the windows starting at or after step ``k`` add
-    to the makespan's and to the mean TPOT's sums of step floors (seconds; TPOT entries weighted)."""
-    steps = len(floors)
-    extra_span, extra_tpot = np.zeros(steps + 1), np.zeros(steps + 1)
-    weight = shape.decode_weight
-    cum = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
-    floors_at, tpot_at = cum(floors), cum(floors * weight)
-    for length, need in window_needs(sim, shape, windows, fixed).items():
-        starts, ends, _ = windows.by_length[length]
-        span = floors_at[ends] - floors_at[starts]
-        tpot = tpot_at[ends] - tpot_at[starts]
-        fewest = windows.fewest(length, weight)
-        for extra, add in ((extra_span, np.maximum(need - span, 0.0)),
-                           (extra_tpot, np.maximum(need * fewest - tpot, 0.0))):
-            at = np.zeros(steps + 1)
-            np.add.at(at, starts, add)
-            np.maximum(extra, np.cumsum(at[::-1])[::-1], out=extra)
-    return extra_span, extra_tpot
-
-
-def window_needs(sim: Simulator, shape: TraceShape, windows: Windows, fixed: np.ndarray) -> dict[int, np.ndarray]:
-    """Per window length of ``windows``: seconds each window lasts at least (floor 3 of the module docstring:
-    :func:`window_need` and, for a member that does not defer, :func:`split_window_need`); ``fixed``: each
-    step's work outside its experts (``_Costs.fixed_all``). Empty for a member the windows do not bind."""
-    traits = Traits.of(sim)
-    if not traits.windowed or not windows.by_length or sim.memory.ignores_memory:
-        return {}
-    memory, costs = sim.memory, sim.costs
-    nbytes = costs.expert_bytes
-    tau = min(costs.h2d(nbytes), sim.pcie.duration(nbytes)) / max(sim.profile.pcie.copy_engines, 1)
-    most = max((t for t, _, _, p in shape.work if p == "decode"), default=1)
-    c = min(costs.cpu_expert(n) for n in range(1, most + 1))
-    per_layer = memory.pool is None and not memory.reserved_slots
-    fixed_at = np.concatenate([[0.0], np.cumsum(fixed)])
-    kind_of, layers_at, envelopes = _step_kinds(sim, shape, traits)
-    run_of = np.cumsum(np.concatenate([[0], kind_of[1:] != kind_of[:-1]]))  # runs of steps of one kind
-    out = {}
-    for length, (starts, ends, distinct) in windows.by_length.items():
-        if per_layer:
-            quota = np.asarray(memory.capacity[:distinct.shape[1]], dtype=np.int64)
-            misses = np.maximum(distinct - quota, 0).sum(axis=1)
-        else:
-            misses = np.maximum(distinct.sum(axis=1) - memory.slots, 0)
-        window_fixed = fixed_at[ends] - fixed_at[starts]
-        need = window_need(traits, window_fixed, misses, tau, c)
-        # windows whose steps all have one kind of layer (one-token decoding): their experts' split too
-        kind = np.where(run_of[starts] == run_of[ends - 1], kind_of[starts], -1)
-        for k, envelope in enumerate(envelopes):
-            one = kind == k
-            if one.any():
-                layers = layers_at[ends[one]] - layers_at[starts[one]]
-                need[one] = np.maximum(need[one], split_window_need(window_fixed[one], misses[one], layers,
-                                                                    envelope, tau))
-        out[length] = need
-    return out
-
-
-def _step_kinds(sim: Simulator, shape: TraceShape, traits: Traits) -> tuple[np.ndarray, np.ndarray, list]:
-    """For :func:`split_window_need`: per step, the index of its one kind of MoE layer (-1: a step with
-    several kinds, or not decoding, or a member that defers); the MoE layers before each step (a running sum);
-    and per kind the :func:`split_envelope` of its :func:`split_costs`."""
-    steps = len(shape.work)
-    kind_of = np.full(steps, -1, dtype=np.int64)
-    layers = np.zeros(steps + 1)
-    envelopes: list[np.ndarray] = []
-    if traits.defers:
-        return kind_of, layers, envelopes
-    parts, ids = _Costs.of(sim), {}
-    for i, (work, kinds) in enumerate(zip(shape.work, shape.layers)):
-        if len(kinds) == 1 and work[3] == "decode":
-            (tokens, counts), m = kinds[0]
-            k = ids.get((tokens, counts))
-            if k is None:
-                k = ids[(tokens, counts)] = len(envelopes)
-                envelopes.append(split_envelope(parts.split_costs(tokens, counts, "decode", traits)))
-            kind_of[i], layers[i + 1] = k, m
-    return kind_of, np.cumsum(layers), envelopes
-
-
-def split_window_need(fixed: np.ndarray, misses: np.ndarray, layers: np.ndarray, envelope: np.ndarray,
-                      tau: float) -> np.ndarray:
-    """Seconds windows of a member that does not defer last at least, each window of ``layers`` MoE layers
-    alike (one kind: the same tokens and routed experts' token counts), ``fixed`` seconds outside the layers'
-    experts, ``misses`` (layer, expert) pairs beyond those held at its start, and ``envelope`` the layers'
-    :func:`split_envelope` (floor 3 of the module docstring, its experts' split and copies together).
-
-    With ``K`` misses copied in the window and ``b_j`` experts of its layer ``j`` on the CPU: each copy takes
-    ``tau`` of the copy engines inside the window (it starts after the window does, or it would be held at its
-    start, and lands before the expert's first use in it), so the window lasts at least ``tau K``, whatever
-    else the copies overlap; each other miss runs on the CPU in some layer of the window, so ``sum b_j >=
-    misses - K``; and the window lasts at least ``fixed`` plus each layer's :func:`split_costs` at its
-    ``b_j``, at least ``fixed + layers * envelope(b)`` with ``b`` = (misses - K) / layers (the envelope is
-    convex and non-decreasing: Jensen). So the window lasts at least the least over ``b`` in [0, the layer's
-    routed experts] (K = misses - layers b >= 0) of the longer of ``tau (misses - layers b)`` and ``fixed +
-    layers envelope(b)``: one falls and the other rises in ``b``, so on each piece of the envelope the least is
-    where they cross, or the piece's end next to it.
-    """
-    experts = len(envelope) - 1
-    most = np.minimum(experts, misses / layers)  # b at K = 0
-    copies = lambda b: tau * (misses - layers * b)  # noqa: E731
-    if not experts:
-        return np.maximum(copies(0.0), fixed + layers * envelope[0])
-    best = np.full(len(fixed), np.inf)
-    for i in range(experts):
-        slope = envelope[i + 1] - envelope[i]
-        base = fixed + layers * (envelope[i] - slope * i)  # the piece's line: base + layers slope b
-        denominator = layers * (tau + slope)
-        cross = np.divide(tau * misses - base, denominator, out=np.full(len(fixed), float(i)),
-                          where=denominator > 0)
-        b = np.clip(cross, i, np.minimum(i + 1, most))
-        value = np.maximum(copies(b), base + layers * slope * b)
-        best = np.where(most >= i, np.minimum(best, value), best)
-    return best
-
-
-def window_need(traits: Traits, fixed: np.ndarray, misses: np.ndarray, tau: float, cpu: float) -> np.ndarray:
-    """Seconds windows last at least with ``fixed`` seconds of host work, launches and attention and
-    ``misses`` experts beyond those held at their start, each copied (``tau`` per copy and engine) or run on
-    the CPU (``cpu`` at least) (floor 3 of the module docstring). With ``n`` misses on the CPU and ``k``
-    copied (``n + k >= misses``), the window lasts at least:
-
-    * every expert on the GPU: ``fixed + tau k`` without prefetch (a layer's copies run after its
-      attention, before its end), else the longer of ``fixed`` and ``tau k``;
-    * no prefetch: ``fixed`` plus, per layer, the longer of its CPU experts and its copies, at least
-      ``c tau / (c + tau)`` per miss; with deferral the CPU may run on through later layers' attention:
-      the longer of ``fixed + tau k`` and ``c n``;
-    * prefetch: the longer of ``fixed + c n`` (no deferral; else ``fixed`` and ``c n``) and ``tau k``;
-
-    each at its least over ``k``.
-    """
-    if traits.placement == "gpu":
-        return fixed + tau * misses if traits.no_prefetch else np.maximum(fixed, tau * misses)
-    if cpu + tau <= 0:
-        return fixed
-    either = cpu * tau / (cpu + tau)  # max(c n, tau k) over n + k = 1 at its least
-    if traits.no_prefetch:
-        if traits.defers:
-            return np.maximum(fixed, cpu * (fixed + tau * misses) / (cpu + tau))
-        return fixed + misses * either
-    if traits.defers:
-        return np.maximum(fixed, misses * either)
-    return np.maximum(fixed, tau * (fixed + cpu * misses) / (cpu + tau))
-
-
 @dataclass
 class MemberFloors:
     """A member's floors: per step (what TTFT sums), and the window terms the makespan and TPOT add."""
@@ -608,7 +273,7 @@ class MemberFloors:
            shared: dict | None = None) -> MemberFloors:
         """Floors of ``sim`` (a placed member must have started: its floors need the experts it starts with).
         ``shared``: cost tables members share (one dict for all)."""
-        parts = _Costs.of(sim, shared)
+        parts = MemberCosts.of(sim, shared)
         traits = Traits.of(sim)
         floors = _balanced_floors(sim, shape, parts)
         if traits.placed and shape.path:

@@ -44,7 +44,8 @@ import simpy
 from moesim.errors import ConfigError
 from moesim.sim.bookkeeping import latency_metrics
 from moesim.sim.engine import Simulator
-from moesim.sim.floors import MemberFloors, Traits
+from moesim.sim.floor_parts import Traits
+from moesim.sim.floors import MemberFloors
 from moesim.sim.result import SimResult, StepRecord
 from moesim.sim.shape import TraceShape, Windows
 

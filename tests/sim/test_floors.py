@@ -11,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moesim.sim.floors import Traits, _Costs, _layers_floor, placed_floors, window_need
+from moesim.sim.floor_parts import MemberCosts, Traits
+from moesim.sim.floors import _layers_floor, placed_floors
+from moesim.sim.window_floors import window_need
 from moesim.sim.shape import TraceShape
 from moesim.sim.portfolio import racing_members
 from moesim.sim.run import members, prepare
@@ -99,7 +101,7 @@ def test_one_token_steps_at_once_are_the_walk_bit_for_bit(tmp_path):
     for member in racing:
         sim = member.sim
         on_gpu = [set(r) for r in sim.cache.resident]
-        parts = _Costs.of(sim)
+        parts = MemberCosts.of(sim)
         at_once, stepwise = placed_floors(sim, shape, parts, on_gpu), placed_floors(sim, walk, parts, on_gpu)
         assert at_once.tolist() == stepwise.tolist(), member.name
 

@@ -1,6 +1,6 @@
 """The floors of a member's experts split between GPU and CPU in whole experts, alone per layer and with a
-window's copies (moesim.sim.floors: ``split_costs``, ``split_envelope``, ``split_window_need``): by hand, and
-never above a replay, step for step and window for window."""
+window's copies (``split_costs`` and ``split_envelope`` in moesim.sim.floor_parts, ``split_window_need`` in
+moesim.sim.window_floors): by hand, and never above a replay, step for step and window for window."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import moesim.sim.floors as floors_module
-from moesim.sim.floors import MemberFloors, Traits, _Costs, split_costs, split_envelope, split_window_need, \
-    window_needs
+import moesim.sim.window_floors as window_floors_module
+from moesim.sim.floor_parts import MemberCosts, Traits, split_costs, split_envelope
+from moesim.sim.floors import MemberFloors
+from moesim.sim.window_floors import split_window_need, window_needs
 from moesim.sim.portfolio import racing_members
 from moesim.sim.run import members, prepare
 from moesim.sim.shape import TraceShape, Windows
@@ -105,7 +106,7 @@ def test_split_floors_never_exceed_a_replay(tmp_path_factory, layers, experts, t
     shape, racing = _members(str(path), profile, {key: value})
     windows = Windows.of(shape)
     for member in racing:
-        fixed = _Costs.of(member.sim).fixed_all(shape)
+        fixed = MemberCosts.of(member.sim).fixed_all(shape)
         needs = window_needs(member.sim, shape, windows, fixed)
         durations = _run(member)
         # a step's duration is the difference of two absolute times (seconds into the run): a few ulps of
@@ -132,12 +133,12 @@ def test_split_window_floor_binds_a_prefetching_member(tmp_path, monkeypatch):
     traits = Traits.of(member.sim)
     assert (traits.defers, traits.no_prefetch, traits.windowed) == (False, False, True)
     windows = Windows.of(shape)
-    fixed = _Costs.of(member.sim).fixed_all(shape)
+    fixed = MemberCosts.of(member.sim).fixed_all(shape)
     needs = window_needs(member.sim, shape, windows, fixed)
     # a one-token decode step: its work outside the experts, then per layer the least split: GPU experts 115 us
     # (launch included), shared 115 us, CPU 100 us after a 200 us sync: none on the CPU 345 us, one 300 us (the
     # CPU side), both 400 us; the fractional balance, with no sync, is 160.5 us
-    parts = _Costs.of(member.sim)
+    parts = MemberCosts.of(member.sim)
     split = parts.split_costs(1, (1, 1), "decode", traits)
     np.testing.assert_allclose(split, [345e-6, 300e-6, 400e-6], rtol=1e-9)
     decode = [i for i, phase in enumerate(shape.phases) if phase == "decode"]
@@ -145,7 +146,7 @@ def test_split_window_floor_binds_a_prefetching_member(tmp_path, monkeypatch):
     # the windows: above the per-step floors, and above what they were without the split
     assert member.floors.extra_span[0] > 0.0
     with monkeypatch.context() as patch:
-        patch.setattr(floors_module, "split_window_need", lambda fixed, *_: np.zeros(len(fixed)))
+        patch.setattr(window_floors_module, "split_window_need", lambda fixed, *_: np.zeros(len(fixed)))
         without = window_needs(member.sim, shape, windows, fixed)
         assert MemberFloors.of(member.sim, shape, windows).extra_span[0] < member.floors.extra_span[0]
     assert any((needs[length] > without[length] * (1 + 1e-9)).any() for length in needs)
