@@ -21,6 +21,9 @@ ROW_GROUP_ROWS = 262_144
 #: a row group is also closed once the rows gathered for it hold this many bytes (scores of a many-expert
 #: model take 512 bytes a row: 262,144 such rows would be held in memory at once)
 ROW_GROUP_BYTES = 64 << 20
+#: small tables gathered are joined into one block this many at a time: each table costs about 11 KB of
+#: objects beside its data, 360 MB for the 32,768 eight-row steps of one row group of a one-token-request trace
+COMPACT_TABLES = 256
 PathLike = str | os.PathLike
 #: columns written without a dictionary: float16 router probabilities repeat too little for one to pay
 #: (a DeepSeek-V3 trace's file is 2% smaller with it), and decoding dictionary pages of 2-byte values
@@ -102,11 +105,15 @@ class RowGroups:
     def __init__(self, writer: pq.ParquetWriter) -> None:
         self.writer = writer
         self._pending: list[pa.Table] = []
+        self._joined = 0  # the first tables of _pending, each a block of COMPACT_TABLES joined
         self._rows = 0
         self._bytes = 0
 
     def add(self, table: pa.Table) -> None:
         self._pending.append(table)
+        if len(self._pending) - self._joined >= COMPACT_TABLES:
+            self._pending[self._joined:] = [pa.concat_tables(self._pending[self._joined:]).combine_chunks()]
+            self._joined += 1
         self._rows += table.num_rows
         self._bytes += table.nbytes
         if self._rows >= ROW_GROUP_ROWS or self._bytes >= ROW_GROUP_BYTES:
@@ -120,6 +127,7 @@ class RowGroups:
             self.writer.write_table(gathered.slice(0, written), row_group_size=ROW_GROUP_ROWS)
         rest = gathered.slice(written)
         self._pending = [rest] if rest.num_rows else []
+        self._joined = len(self._pending)
         self._rows = rest.num_rows
         self._bytes = rest.nbytes if rest.num_rows else 0
 
@@ -128,7 +136,7 @@ class RowGroups:
         close the file."""
         if self._pending and write_rest:
             self._write(whole_only=False)
-        self._pending = []
+        self._pending, self._joined = [], 0
         self.writer.close()
 
 
