@@ -54,7 +54,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -239,12 +239,21 @@ def _tokens_per_chunk(config: SynthConfig, tokens_per_step: int) -> int:
     return max(1, CHUNK_ELEMENTS // per_token)
 
 
+def _group_lengths(config: SynthConfig, group: list[int]) -> tuple[dict[int, int], dict[int, int]]:
+    """Prompt and decode tokens of the requests of one group, by request id: config.prompts() lists every
+    request's, 8 bytes a request held for the whole run (1 GB for 50 million one-token requests)."""
+    def length(given: Sequence[int] | None, each: int, request: int) -> int:
+        return each if given is None else given[request]
+    return ({r: length(config.prompt_lens, config.prompt_len, r) for r in group},
+            {r: length(config.decode_lens, config.decode_len, r) for r in group})
+
+
 def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
     """Trace rows in order, one block of steps at a time."""
-    prompts, decodes = config.prompts(), config.decodes()
     step = 0
     for first in range(0, config.requests, config.batch):
         group = list(range(first, min(first + config.batch, config.requests)))
+        prompts, decodes = _group_lengths(config, group)
         routers = [_RequestRouter(config, layout, r, prompts[r] + decodes[r]) for r in group]
         for request, router in zip(group, routers):
             yield _prefill_rows(config, router, request, prompts[request], step)
@@ -266,8 +275,8 @@ def _prefill_rows(config: SynthConfig, router: _RequestRouter, request: int, n: 
                  config.model, config.scores, config.params.predictors)
 
 
-def _decode_rows(config: SynthConfig, group: list[int], routers: list[_RequestRouter], prompts: list[int],
-                 decodes: list[int], first_step: int) -> Iterator[dict[str, Any]]:
+def _decode_rows(config: SynthConfig, group: list[int], routers: list[_RequestRouter], prompts: Mapping[int, int],
+                 decodes: Mapping[int, int], first_step: int) -> Iterator[dict[str, Any]]:
     """The decode steps of one group, from ``first_step``: each holds one token of every request still
     decoding, so the group runs as many steps as its longest request decodes and a request that has
     decoded all its tokens leaves the steps after it (as a served batch loses a finished request)."""
@@ -310,7 +319,9 @@ def synthesize(config: SynthConfig, out: Path | str, progress: Callable[[int], N
 
 def synth_rows(config: SynthConfig) -> int:
     """Rows of the trace ``config`` describes: one per token of every request at every MoE layer."""
-    return (sum(config.prompts()) + sum(config.decodes())) * config.model.num_layers
+    prompts = config.prompt_len * config.requests if config.prompt_lens is None else sum(config.prompt_lens)
+    decodes = config.decode_len * config.requests if config.decode_lens is None else sum(config.decode_lens)
+    return (prompts + decodes) * config.model.num_layers
 
 
 # ----------------------------------------------------------------------------- fitting to a real trace

@@ -247,3 +247,20 @@ def test_settings_given_as_python_values_of_their_type_are_taken():
     params = config.params
     assert (params.cluster_size, params.predictors, params.renormalize, params.skew_first) == (4, False, False, 1.0)
     assert type(params.cluster_size) is int and type(config.requests) is int and config.requests == 2
+
+
+def test_requests_of_one_length_are_synthesized_without_a_list_of_every_request(tmp_path, monkeypatch):
+    """config.prompts() and decodes() list every request's length, held for the whole run: 1 GB for
+    `trace synth --requests 50000000 --prompt-len 1`. Lengths given per request still go by their lists."""
+    from moesim.trace.synth import synth_rows
+    config = SynthConfig.from_settings(model="mixtral-8x7b", requests=3, prompt_len=5, decode_len=6, batch=2)
+    listed = SynthConfig.from_settings(model="mixtral-8x7b", requests=3, prompt_lens=[5, 5, 5], decode_lens=[6, 6, 6],
+                                       batch=2)
+
+    def refuse(self):
+        raise AssertionError("a list of every request's length")
+    monkeypatch.setattr(SynthConfig, "prompts", refuse)
+    monkeypatch.setattr(SynthConfig, "decodes", refuse)
+    assert synth_rows(config) == synth_rows(listed) == 3 * 11 * 32
+    a, b = synthesize(config, tmp_path / "a.parquet"), synthesize(listed, tmp_path / "b.parquet")
+    assert read_table(a).equals(read_table(b))
