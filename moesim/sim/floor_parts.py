@@ -76,6 +76,9 @@ class MemberCosts:
     launch_memo: dict = field(default_factory=dict)
     #: :meth:`split_costs` by (layer tokens, token counts of its routed experts, phase)
     split_memo: dict = field(default_factory=dict)
+    #: (GPU seconds with its launch, CPU seconds) of a routed expert by (its tokens, phase): a prefill's layers
+    #: share most of their experts' token counts
+    expert_memo: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, sim: Simulator, shared: dict | None = None) -> MemberCosts:
@@ -138,19 +141,36 @@ class MemberCosts:
             return 0.0
         return sim.costs.gpu_shared(tokens) + sim._launch[phase][1]
 
-    def split_costs(self, tokens: int, counts: tuple[int, ...], phase: str, traits: Traits) -> np.ndarray:
-        """:func:`split_costs` of a layer of ``tokens`` tokens whose routed experts have ``counts`` tokens each."""
+    def expert_groups(self, counts: tuple[int, ...], phase: str) -> list[tuple[float, float, int]]:
+        """Routed experts of ``counts`` tokens each as (GPU seconds with its launch, CPU seconds, how many),
+        by token count."""
+        costs, expert_launch, memo = self.sim.costs, self.sim._launch[phase][0], self.expert_memo
+        groups = []
+        for n, m in sorted(Counter(counts).items()):
+            times = memo.get((n, phase))
+            if times is None:
+                times = memo[(n, phase)] = (costs.gpu_expert(n) + expert_launch, costs.cpu_expert(n))
+            groups.append((*times, m))
+        return groups
+
+    def split_costs(self, tokens: int, counts: tuple[int, ...], phase: str, traits: Traits,
+                    groups: list[tuple[float, float, int]] | None = None) -> np.ndarray:
+        """:func:`split_costs` of a layer of ``tokens`` tokens whose routed experts have ``counts`` tokens each
+        (``groups``: their :meth:`expert_groups`, when the caller has them)."""
         key = (tokens, counts, phase)
         value = self.split_memo.get(key)
         if value is None:
-            sim = self.sim
-            costs, expert_launch = sim.costs, sim._launch[phase][0]
             known = traits.keeps_routing or tokens == 1  # a rewriting member keeps top_k experts of one token
-            by_count = sorted(Counter(counts).items()) if known else []
-            gpu = [costs.gpu_expert(n) + expert_launch for n, m in by_count for _ in range(m)]
-            cpu = [costs.cpu_expert(n) for n, m in by_count for _ in range(m)]
-            value = self.split_memo[key] = split_costs(self.shared(tokens, phase), np.array(gpu), np.array(cpu),
-                                                       costs.sync_s, cpu_allowed=traits.placement != "gpu")
+            if not known:
+                groups = []
+            elif groups is None:
+                groups = self.expert_groups(counts, phase)
+            how_many = [m for _, _, m in groups]
+            gpu = np.repeat([g for g, _, _ in groups], how_many)
+            cpu = np.repeat([c for _, c, _ in groups], how_many)
+            value = self.split_memo[key] = split_costs(self.shared(tokens, phase), gpu.astype(float),
+                                                       cpu.astype(float), self.sim.costs.sync_s,
+                                                       cpu_allowed=traits.placement != "gpu")
         return value
 
     def fixed_all(self, shape: TraceShape) -> np.ndarray:

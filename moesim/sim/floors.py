@@ -73,7 +73,6 @@ moesim.sim.floor_parts.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +91,6 @@ def step_floors(sim: Simulator, shape: TraceShape) -> np.ndarray:
 
 
 def _balanced_floors(sim: Simulator, shape: TraceShape, parts: MemberCosts) -> np.ndarray:
-    costs = sim.costs
     traits = Traits.of(sim)
     layer_memo: dict[tuple, tuple[float, list[tuple[float, float, int]]]] = {}
 
@@ -102,16 +100,14 @@ def _balanced_floors(sim: Simulator, shape: TraceShape, parts: MemberCosts) -> n
         key = (tokens, counts, phase)
         value = layer_memo.get(key)
         if value is None:
-            expert_launch = sim._launch[phase][0]
             shared = parts.shared(tokens, phase)
             groups: list[tuple[float, float, int]] = []
             if traits.keeps_routing or tokens == 1:
-                groups = [(costs.gpu_expert(n) + expert_launch, costs.cpu_expert(n), m)
-                          for n, m in sorted(Counter(counts).items())]
+                groups = parts.expert_groups(counts, phase)
             if traits.defers:
                 value = layer_memo[key] = (shared, groups)
             else:
-                least = float(parts.split_costs(tokens, counts, phase, traits).min())
+                least = float(parts.split_costs(tokens, counts, phase, traits, groups).min())
                 value = layer_memo[key] = (max(balanced_groups(shared, groups), least), [])
         return value
 
