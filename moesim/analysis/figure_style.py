@@ -148,3 +148,44 @@ def side_legend(fig: Figure, handles: list[Any], names: list[str], title: str | 
             return legend
         legend.remove()
     raise AssertionError("unreachable")
+
+
+#: characters of a setting a figure shows whole (a tick label, a legend entry, a panel or figure title); a
+#: longer one, such as a per-layer ``cache.slots_per_layer`` list of 32 or 61 numbers, is abbreviated
+SHORT_SETTING = 24
+
+
+def short_setting(text: str, limit: int = SHORT_SETTING) -> str:
+    """``text`` as a figure shows it: whole up to ``limit`` characters; a longer comma-separated list as its
+    first and last values and its length ('1,2,1,2,...,2,1 (32 values)'); other long text cut in the middle.
+
+    Whole, a per-layer list of cache slots made tick labels that ran into each other and a title wider than the
+    figure, whose layout then squeezed the bars and their names together."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    parts = text.split(",")
+    if len(parts) > 2:
+        head, tail = [], []
+        room = limit - 3  # the ellipsis and its commas
+        for i in range(len(parts) // 2):
+            if len(",".join(head + [parts[i]])) + len(",".join([parts[-1 - i]] + tail)) > room:
+                break
+            head.append(parts[i])
+            tail.insert(0, parts[-1 - i])
+        if head:
+            return f"{','.join(head)},\u2026,{','.join(tail)} ({len(parts)} values)"
+    keep = max(limit - 1, 2)
+    return f"{text[:keep - keep // 2]}\u2026{text[len(text) - keep // 2:]}"
+
+
+def short_settings(texts: Sequence[Any], limit: int = SHORT_SETTING) -> list[str]:
+    """:func:`short_setting` of each of ``texts``, told apart: where two shorten alike (per-layer lists that
+    differ only in the middle), more of each is kept until they differ, or they are shown whole."""
+    texts = [str(t) for t in texts]
+    longest = max((len(t) for t in texts), default=0)
+    while True:
+        out = [short_setting(t, limit) for t in texts]
+        if len(set(out)) == len(set(texts)) or limit >= longest:
+            return out
+        limit += 8

@@ -30,8 +30,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from moesim.analysis.figure_style import (BOUND_PALETTE, HATCHES, LOG_RATIO, MARKERS, PALETTE,  # noqa: F401
-                                          hue_styles, legend_handle, log_axis, series_style, side_legend,
-                                          system_styles, tidy_axes)
+                                          hue_styles, legend_handle, log_axis, series_style, short_setting,
+                                          side_legend, system_styles, tidy_axes)
 from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure
 from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter, with_hardware  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
@@ -189,10 +189,13 @@ def no_point(where: dict[str, Any]) -> ConfigError:
                        fix="pick parameter values the sweep ran")
 
 
-def describe(where: dict[str, Any]) -> str:
+def describe(where: dict[str, Any], short: bool = False) -> str:
     """``where`` as 'key=value, ...': a trace by its file name, a whole number read back as a float (a column
-    some rows leave empty holds 2.0) as 2."""
-    return ", ".join(f"{k}={Path(v).name if k == 'trace' else setting_text(v)}" for k, v in where.items())
+    some rows leave empty holds 2.0) as 2; with ``short``, as a figure's title shows it (a per-layer list
+    shortened by :func:`short_setting`)."""
+    def shown(text: str) -> str:
+        return short_setting(text) if short else text
+    return ", ".join(f"{k}={Path(v).name if k == 'trace' else shown(setting_text(v))}" for k, v in where.items())
 
 
 @callers_lines
@@ -214,7 +217,7 @@ def fig_breakdown(frame: pd.DataFrame, where: dict[str, Any] | None = None,
              "breakdown_ms": {c: float(r.get(f"breakdown_{c}_ms", 0.0) or 0.0) for c in _categories(data)},
              **({"makespan_s": r["makespan_s"]} if _present(r.get("makespan_s")) else {})}
             for name, (_, r) in zip(names, rows.iterrows())]
-    title = f"time breakdown per system ({describe(where)})" if where else "time breakdown per system"
+    title = f"time breakdown per system ({describe(where, short=True)})" if where else "time breakdown per system"
     return plot_breakdown(runs, path, title=with_hardware(title, rows))
 
 
@@ -273,7 +276,7 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     hw_settings = {k: v for k, v in settings.items() if k.startswith("hw.")}
     title = f"{point['system']} on {Path(str(point['trace'])).name}, {hw_named(str(point['hw']), hw_settings, path=hw)}"
     if settings:
-        title += " (" + ", ".join(f"{k}={v}" for k, v in settings.items()) + ")"
+        title += " (" + ", ".join(f"{k}={short_setting(v)}" for k, v in settings.items()) + ")"
     return plot_gantt(frame, path, window=window, title=title)
 
 

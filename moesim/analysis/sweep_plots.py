@@ -15,7 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from moesim.analysis.figure_style import hue_styles, legend_handle, log_axis, side_legend, spans_decade, tidy_axes
+from moesim.analysis.figure_style import (hue_styles, legend_handle, log_axis, short_settings, side_legend, spans_decade,
+                                          tidy_axes)
 from moesim.analysis.plots import DisplayFigure, fit_width, save_figure
 from moesim.analysis.sweep_results import (HIGHER_IS_BETTER, X_SETTINGS, UnevenMeans, as_groups, check_drawable,
                                            column, failed_note, fewer_runs, hue_names, is_bound, label, ok_rows,
@@ -107,7 +108,8 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
         ax.set_xlabel(label(x))
         if facets:
             values = panel if len(facets) > 1 else (panel,)
-            ax.set_title("\n".join(f"{label(f)} = {_shown(f, v)}" for f, v in zip(facets, values)),
+            ax.set_title("\n".join(f"{label(f)} = {_shown(f, v, among)}"
+                                   for f, v, among in zip(facets, values, panel_values)),
                          fontsize=10 if len(facets) == 1 else 9)
             if sub.empty:
                 ax.text(0.5, 0.5, "no finished point", transform=ax.transAxes, ha="center", va="center",
@@ -134,7 +136,7 @@ def plot_results(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = None,
     heading = with_hardware(title or f"{label(y)} vs {label(x)}", data)
     fit_width(fig, fig.suptitle(heading + (f"\n{note}" if note else ""), x=0.01, ha="left", fontsize=11))
     if hue:
-        names = hue_names(data, hue, hues)
+        names = _hue_names(data, hue, hues)
         side_legend(fig, [legend_handle(styles[h], "line" if numeric_x else "bar") for h in hues], names, label(hue))
     if path is not None:
         save_figure(fig, path)
@@ -161,12 +163,22 @@ def with_hardware(heading: str, data: pd.DataFrame) -> str:
     return f"{heading}\n{on}" if on else heading
 
 
-def _shown(column: str, value: Any) -> str:
+def _shown(column: str, value: Any, among: Sequence[Any] = ()) -> str:
     """A facet's value in a panel title: a trace by its file name, a system as the legends name it ("oracle
-    (bound)": a panel of a bound read as a deployable system's)."""
+    (bound)": a panel of a bound read as a deployable system's), a long setting (a per-layer list) shortened
+    apart from the other values ``among`` (:func:`short_settings`)."""
     if column == "system":
         return system_label(str(value))
-    return os.path.basename(str(value)) if column == "trace" else str(value)
+    if column == "trace":
+        return os.path.basename(str(value))
+    values = [str(v) for v in among] if str(value) in map(str, among) else [str(value)]
+    return short_settings(values)[values.index(str(value))]
+
+
+def _hue_names(data: pd.DataFrame, hue: str, hues: list[Any]) -> list[str]:
+    """Legend entries: :func:`hue_names`, a long setting (a per-layer list) shortened (:func:`short_settings`)."""
+    names = hue_names(data, hue, hues)
+    return names if hue == "system" else short_settings(names)
 
 
 def _panel_values(data: pd.DataFrame, facet: str) -> list[Any]:
@@ -255,9 +267,14 @@ def _bars(ax: Any, data: pd.DataFrame, x: str, y: str, hue: str | None, hues: li
                ecolor="#444444", capsize=2)
     # systems named as in the legends: "oracle (bound)", "all-in-gpu (reference)", "buddymoe (substitutes)"; their
     # bars read as deployable systems' otherwise
-    names = hue_names(data, "system", groups) if x == "system" else [str(g) for g in groups]
-    ax.set_xticks(np.arange(len(groups)), names, rotation=30 if len(groups) > 4 else 0,
-                  ha="right" if len(groups) > 4 else "center")
+    names = hue_names(data, "system", groups) if x == "system" else short_settings(groups)
+    # many names, or long ones (per-layer lists, even shortened) that would run into each other: slanted
+    slant = len(groups) > 4 or sum(len(n) for n in names) > TICK_CHARACTERS
+    ax.set_xticks(np.arange(len(groups)), names, rotation=30 if slant else 0, ha="right" if slant else "center")
+
+
+#: characters of a bar chart's group names in all that fit level under a panel (about 4.6 inches at 10 pt)
+TICK_CHARACTERS = 40
 
 
 # ----------------------------------------------------------------------------- metric against metric
@@ -318,7 +335,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
         ax.set_xlabel(label(x))
         ax.set_ylabel(label(y))
         if facet:
-            ax.set_title(f"{label(facet)} = {_shown(facet, panel)}", fontsize=10)
+            ax.set_title(f"{label(facet)} = {_shown(facet, panel, panels)}", fontsize=10)
         tidy_axes(ax)
         ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
     for ax in list(axes.flat)[len(panels):]:
@@ -328,7 +345,7 @@ def plot_scatter(frame: pd.DataFrame, *, x: str, y: str, hue: str | None = "syst
             log_axis(ax, name)
     handles = [legend_handle(styles[h], "marker", hollow=hue == "system" and is_bound(str(h))) for h in hues] \
         if hue else []
-    names = hue_names(data, hue, hues) if hue else []
+    names = _hue_names(data, hue, hues) if hue else []
     if drew_front:
         handles.append(Line2D([], [], color="#222222", linewidth=1.4, linestyle="-"))
         names.append("Pareto front")
