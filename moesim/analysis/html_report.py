@@ -92,18 +92,25 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 point', '12 points'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def _summary(frame: pd.DataFrame, source: str | None) -> str:
     failed = int((frame["status"] != "ok").sum())
     params = F.parameter_columns(frame)
     varied = F.varying(frame, params)
-    items = [f"{len(frame)} points, {len(frame) - failed} finished, {failed} failed"]
+    items = [f"{_count(len(frame), 'point')}, {len(frame) - failed} finished, {failed} failed"]
     for col in ("trace", "hw", "system"):
         if col in frame.columns:
             values = [Path(v).name if col == "trace" else v for v in pd.unique(frame[col].dropna())]
             items.append(f"{col}: {', '.join(map(str, values))}")
     for col in varied:
         if col not in ("trace", "hw", "system"):
-            items.append(f"{col}: {', '.join(map(str, F.sorted_values(frame[col])))}")
+            values = [str(v) for v in F.sorted_values(frame[col])]
+            # per-layer lists ('1,2,1,2'): their own commas made ', ' between them unreadable
+            items.append(f"{col}: {('; ' if any(',' in v for v in values) else ', ').join(values)}")
     fixed = [c for c in params if c not in varied and c not in ("trace", "hw", "system", "point_id")]
     for col in fixed:
         items.append(f"{col} = {frame[col].dropna().iloc[0] if frame[col].notna().any() else '-'}")
@@ -214,5 +221,5 @@ def _all_rows(frame: pd.DataFrame) -> str:
         if pd.api.types.is_integer_dtype(shown[col]) and col != "seed":
             shown[col] = shown[col].map(lambda v: f"{v:,}")
     table = shown.to_html(index=False, na_rep="", float_format=_cell_number, border=0)
-    return (f"<h2>All points</h2>\n<details><summary>{len(frame)} rows (the Parquet file has every metric)"
+    return (f"<h2>All points</h2>\n<details><summary>{_count(len(frame), 'row')} (the Parquet file has every metric)"
             f"</summary>\n{table}\n</details>")
