@@ -214,18 +214,36 @@ def fit_width(fig: Figure, text: Any) -> None:
     runs past the figure's right edge: a layout engine makes room for a title's height, never its width, so a
     long title (a sweep point's settings, the note under a plot's heading) was cut off at the edge."""
     import warnings
-    with warnings.catch_warnings():  # the title too wide yet may leave the axes no room: what this fixes
-        warnings.filterwarnings("ignore", message="constrained_layout not applied")
-        fig.draw_without_rendering()  # lay the figure out first: where the title starts
-    renderer = fig.canvas.get_renderer()
-    room = fig.bbox.x1 - text.get_window_extent(renderer).x0 - 6 * fig.dpi / 72  # a little short of the edge
+
+    def start() -> float:
+        with warnings.catch_warnings():  # the title too wide yet may leave the axes no room: what this fixes
+            warnings.filterwarnings("ignore", message="constrained_layout not applied")
+            fig.draw_without_rendering()  # lay the figure out first: where the title starts
+        return text.get_window_extent(fig.canvas.get_renderer()).x0
+
+    whole = text.get_text()
+    x0 = start()
+    # a title too wide for the layout engine left the axes where they were before it ran: broken, the title lets
+    # it run and the axes (and an axes title with them) move, so the lines are broken again from where it starts
+    # now (an axes title at a breakdown's axes ran past the edge by the width of the y axis's labels)
+    for _ in range(3):
+        text.set_text(_broken(whole, fig.bbox.x1 - x0 - 6 * fig.dpi / 72, text))  # a little short of the edge
+        moved = start()
+        if abs(moved - x0) < 1:
+            return
+        x0 = moved
+
+
+def _broken(title: str, room: float, text: Any) -> str:
+    """``title`` with its lines broken at spaces to fit ``room`` (display units) in ``text``'s font."""
+    renderer = text.figure.canvas.get_renderer()
     font = text.get_fontproperties()
 
     def width(line: str) -> float:
         return renderer.get_text_width_height_descent(line, font, ismath=False)[0]
 
     lines: list[str] = []
-    for line in text.get_text().split("\n"):
+    for line in title.split("\n"):
         current = ""
         for word in unbroken_words(line):
             candidate = f"{current} {word}" if current else word
@@ -235,7 +253,7 @@ def fit_width(fig: Figure, text: Any) -> None:
             else:
                 current = candidate
         lines.append(current)
-    text.set_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 #: a number a title does not end a line with: the unit or noun after it stays on its line ('102.4 GB/s', '10 cores')
@@ -476,7 +494,17 @@ def breakdown_title(metrics_list: Sequence[dict[str, Any]]) -> str:
     shared = [Path(str(first[key])).name if key == "trace" else _inputs_hw(inputs)
               for first in inputs[:1] for key in ("trace", "hw")
               if first.get(key) and all(i.get(key) == first[key] for i in inputs)]
-    return title + (" on " + ", ".join(shared) if shared else "")
+    settings = [i.get("settings") or {} for i in inputs]
+    common = {k: v for k, v in settings[0].items() if all(s.get(k) == v for s in settings)} if settings else {}
+    # the --set values the runs share: two replays that differ in them drew the same title
+    return title + (" on " + ", ".join(shared) if shared else "") + settings_note(common)
+
+
+def settings_note(settings: dict[str, Any]) -> str:
+    """' (key=value, ...)' of ``settings`` (the ``--set`` values of a replay) as a figure's title gives them, a
+    long value (a per-layer list) shortened; '' without any."""
+    from moesim.analysis.figure_style import short_setting
+    return f" ({', '.join(f'{k}={short_setting(v)}' for k, v in settings.items())})" if settings else ""
 
 
 def _inputs_hw(inputs: Sequence[dict[str, Any]]) -> str:

@@ -334,12 +334,14 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
             write_chrome_trace(frames["timeline"], path, meta, steps=steps)
         say_wrote(out, f"wrote {chrome_out} (open in https://ui.perfetto.dev)")
     if plot_out:
-        from moesim.analysis.plots import plot_gantt
+        from moesim.analysis.plots import plot_gantt, settings_note
         with open_output(plot_out, "--plot", FIGURE) as path:
             inputs = metrics_.get("inputs") or {}
             machine = hw_title(str(inputs.get("hw", "")), inputs.get("settings") or {}, inputs.get("hw_parts"))
+            # the --set values, as the table's title gives them: two replays that differ in them drew the same title
             plot_gantt(frames["timeline"], path, steps=steps,
-                       title=f"{shown} on {Path(meta['trace']).name} / {machine}")
+                       title=f"{shown} on {Path(meta['trace']).name} / {machine}"
+                             f"{settings_note(inputs.get('settings') or {})}")
         say_wrote(out, f"wrote {plot_out}")
 
 

@@ -66,8 +66,9 @@ def test_a_replays_breakdown_names_the_parts_its_inputs_recorded_or_read_with_it
     hw.* settings."""
     inputs = {"trace": "traces/t.parquet", "hw": "rtx4090", "settings": {"hw.cpu.cores": "16"}}
     runs = [{"system": s, "breakdown_ms": {"gpu_compute": 1.0}, "inputs": inputs} for s in ("a", "b")]
-    assert breakdown_title(runs) == "time breakdown per system on t.parquet, " + RTX4090.replace("10 cores",
-                                                                                                 "16 cores")
+    # and the --set values, as a sweep point's Gantt chart gives them (tests/cli/test_replay_plot_titles.py)
+    assert breakdown_title(runs) == "time breakdown per system on t.parquet, " + RTX4090.replace(
+        "10 cores", "16 cores") + " (hw.cpu.cores=16)"
     parts = {"gpu": "test gpu", "cpu": "test cpu (8 of 32 cores)", "cpu_cores": 8, "cpu_dram_bandwidth_gbps": 100}
     recorded = [{**run, "inputs": {**inputs, "hw_parts": parts}} for run in runs]
     fig = plot_breakdown(recorded)
