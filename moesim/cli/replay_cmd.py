@@ -311,11 +311,11 @@ def _replay_one(trace_file: str, hw: str, system: str, settings: dict[str, str],
 def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_out: str | None,
                    chrome_out: str | None, plot_out: str | None, decisions_out: str | None, meta: dict,
                    steps: tuple[int, int] | None = None, out: Console = console) -> None:
-    lead = _timeline_member(metrics_)
-    if lead:  # a portfolio's timeline and logs are its best member's on TPOT: say whose
+    lead, on = _timeline_member(metrics_) or (None, "")
+    if lead:  # a portfolio's timeline and logs are its best member's on TPOT (makespan): say whose
         meta = {**meta, "timeline_of": lead}
-    shown = f"{meta['system']} (timeline of {lead}, its best schedule on TPOT)" if lead else meta["system"]
-    whose = f" ({lead}'s, {meta['system']}'s best schedule on TPOT)" if lead else ""  # the file does not say
+    shown = f"{meta['system']} (timeline of {lead}, its best schedule on {on})" if lead else meta["system"]
+    whose = f" ({lead}'s, {meta['system']}'s best schedule on {on})" if lead else ""  # the file does not say
     if json_out:
         write_json(metrics_, json_out)
     if timeline_out:
@@ -345,11 +345,14 @@ def _write_outputs(metrics_: dict, frames: dict, json_out: str | None, timeline_
         say_wrote(out, f"wrote {plot_out}")
 
 
-def _timeline_member(metrics_: dict) -> str | None:
-    """The member of a portfolio bound (oracle) whose replay its timeline, decisions and Chrome trace are:
-    the one that gave its TPOT (its makespan on a trace without decode steps); None for any other system."""
+def _timeline_member(metrics_: dict) -> tuple[str, str] | None:
+    """The member of a portfolio bound (oracle) whose replay its timeline, decisions and Chrome trace are, and
+    the metric it is best on: the one that gave its TPOT, or its makespan on a trace without decode steps (whose
+    outputs said 'best schedule on TPOT' too); None for any other system."""
     given = dict(part.split("=", 1) for part in (metrics_.get("portfolio_best") or "").split("; ") if "=" in part)
-    return given.get("tpot_ms_mean") or given.get("makespan_s")
+    if given.get("tpot_ms_mean"):
+        return given["tpot_ms_mean"], "TPOT"
+    return (given["makespan_s"], "makespan") if given.get("makespan_s") else None
 
 
 @cli.command("systems")

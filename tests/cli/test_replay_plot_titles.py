@@ -60,3 +60,21 @@ def test_a_breakdown_title_with_long_settings_stays_within_the_figure():
     assert "(32 values)" in title.get_text()
     renderer = fig.canvas.get_renderer()
     assert title.get_window_extent(renderer).x1 <= fig.bbox.x1
+
+
+@pytest.mark.parametrize("decode, metric", [(0, "makespan"), (4, "TPOT")])
+def test_an_oracles_outputs_say_which_metric_chose_the_schedule_they_show(tmp_path, capsys, drawn, decode, metric):
+    """On a trace without decode steps the oracle's timeline is its best schedule on makespan (there is no TPOT),
+    and the Gantt title and the 'wrote' lines said 'its best schedule on TPOT'."""
+    from tests.factories import write_trace_and_profile
+    trace, hw = write_trace_and_profile(tmp_path, 5, decode=decode)
+    code = main(["replay", trace, "--hw", hw, "--system", "oracle", "--timeline", str(tmp_path / "timeline.parquet"),
+                 "--plot", str(tmp_path / "g.png")])
+    out = capsys.readouterr().out
+    assert code == 0
+    [fig] = drawn
+    title = " ".join(_title(fig).split())
+    assert f"best schedule on {metric})" in title, title
+    wrote = " ".join(line for line in out.splitlines() if line.startswith("wrote"))
+    assert f"best schedule on {metric})" in wrote, out
+    assert ("TPOT" in title) == (metric == "TPOT")
