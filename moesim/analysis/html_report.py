@@ -92,6 +92,13 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
+def _setting(value: Any) -> str:
+    """A setting in a table cell, escaped; a list ('1,2,1,2,...', a per-layer cache.slots_per_layer) may break
+    after its commas: a browser finds no place to break '1,2,1,2', and a list of 32 or 61 numbers made its table
+    wider than the page."""
+    return _e(value).replace(",", ",<wbr>") if "," in str(value) else _e(value)
+
+
 def _count(n: int, noun: str) -> str:
     """'1 point', '12 points'."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
@@ -149,7 +156,7 @@ def _best_table(ok: pd.DataFrame) -> str:
         keys = key if isinstance(key, tuple) else (key,)
         finite = values[real].dropna()
         best = finite.idxmin() if not finite.empty else None
-        cells = "".join(f'<td class="text">{_e(Path(k).name if c == "trace" else k)}</td>'
+        cells = "".join(f'<td class="text">{_setting(Path(k).name if c == "trace" else k)}</td>'
                         for c, k in zip(settings or ["setting"], keys))
         cells += "".join(f'<td class="{"best" if s == best else ""}">{_num(v)}</td>' for s, v in values.items())
         fastest = "-" if best is None else best + (mark if subs.at[key, best] else "")
@@ -189,7 +196,7 @@ def _failures(frame: pd.DataFrame) -> str:
         return ""
     params = [c for c in F.varying(frame, F.parameter_columns(frame))] or ["system"]
     head = "".join(f'<th class="text">{_e(c)}</th>' for c in params) + '<th class="text">error</th>'
-    rows = "".join("<tr>" + "".join(f'<td class="text">{_e(r.get(c, ""))}</td>' for c in params)
+    rows = "".join("<tr>" + "".join(f'<td class="text">{_setting(r.get(c, ""))}</td>' for c in params)
                    + f'<td class="error">{_e(r.get("error", ""))}</td></tr>'
                    for _, r in _in_point_order(failed, params).iterrows())
     return (f"<h2>Failed points ({len(failed)})</h2>\n"

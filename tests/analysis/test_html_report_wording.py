@@ -22,3 +22,12 @@ def test_list_settings_are_listed_with_semicolons_between_them():
     page = render_report(list_results(), title="t", gantt=False)
     assert f"<li>cache.slots_per_layer: 1; {ALTERNATING}; {OTHER_WAY}</li>" in page
     assert "<li>cache.slots_per_layer: 1, 2, 4, 9</li>" in render_report(results(), title="t", gantt=False)
+
+
+def test_a_list_setting_in_a_table_cell_may_break_after_its_commas():
+    """A browser finds no place to break '1,2,1,2,...': a list of 32 numbers made the TPOT table wider than the
+    page."""
+    page = render_report(list_results(), title="t", gantt=False)
+    broken = ALTERNATING.replace(",", ",<wbr>")
+    assert f'<td class="text">{broken}</td>' in page
+    assert '<td class="text">1</td>' in page  # a single value as it was
