@@ -108,7 +108,7 @@ def replay(trace: str | os.PathLike, hw: str = DEFAULT_HW, system: str = DEFAULT
     return ReplayResult(metrics=pd.DataFrame([row]), timeline=frames["timeline"], decisions=frames["decisions"],
                         system=system, trace=str(trace), raw_metrics=raw,
                         steps=step_frame(result.steps, frames["decisions"]),
-                        hw=hw_named(Path(profile_label(hw)).name, given, path=hw))
+                        hw=hw_named(Path(profile_label(hw)).name, given, path=hw), settings=dict(given))
 
 
 @python_names(spec=True)

@@ -57,11 +57,15 @@ class ReplayResult:
     steps: Any = None
     #: the profile as titles name it, with its GPU and host CPU (moesim.hw.title); '' when not known
     hw: str = ""
+    #: the settings the replay was given (``--set`` keys), which its figures' titles name as the CLI's do
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def _what(self) -> str:
-        """'SYSTEM on TRACE / PROFILE (GPU + CPU, ...)': what a figure of this replay is of."""
+        """'SYSTEM on TRACE / PROFILE (GPU + CPU, ...) (key=value, ...)': what a figure of this replay is of (two
+        replays with other settings drew identically titled figures)."""
+        from moesim.analysis.plots import settings_note
         on = f"{self.system} on {Path(self.trace).name}"
-        return f"{on} / {self.hw}" if self.hw else on
+        return (f"{on} / {self.hw}" if self.hw else on) + settings_note(self.settings)
 
     @callers_lines
     def plot_timeline(self, window: tuple[float, float] | None = None, path: str | os.PathLike | None = None,
@@ -101,7 +105,8 @@ class ReplayResult:
                 if frame is not None:
                     staged.append((tmp_path_for(path), path))
                     frame.to_parquet(staged[-1][0], index=False)
-            meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics, "hw": self.hw}
+            meta = {"system": self.system, "trace": self.trace, "raw_metrics": self.raw_metrics, "hw": self.hw,
+                    "settings": self.settings}
             staged.append((tmp_path_for(folder / META_FILE), folder / META_FILE))
             staged[-1][0].write_text(json.dumps(meta, default=_plain, indent=1))
             with sigint_blocked():  # result.json goes first and comes back last: no mix is ever loadable
@@ -171,6 +176,7 @@ def load_replay(folder: str | os.PathLike) -> ReplayResult:
         meta = json.loads(meta_path.read_text())
         fields = {key: meta[key] for key in ("system", "trace", "raw_metrics")}
         fields["hw"] = str(meta.get("hw") or "")  # saved before results named their machine: not known
+        fields["settings"] = dict(meta.get("settings") or {})  # saved before results kept them: none named
         frames = {name: pd.read_parquet(folder / f"{name}.parquet") if (folder / f"{name}.parquet").is_file()
                   else None for name in FRAMES}
     except (ValueError, TypeError, KeyError, OSError) as err:

@@ -136,3 +136,23 @@ def test_a_run_given_a_profile_object_names_its_parts(tmp_path):
     served = moesim.serve(tmp_path / "t.parquet", hw=profile, system="cpu-only", qps=10, requests=2,
                           settings={"hw.cpu.cores": 4})
     assert (replayed.hw, served.hw) == (machine, machine)
+
+
+def test_a_replays_own_figures_name_its_settings_and_a_saved_result_keeps_them(tmp_path):
+    """`moesim replay --plot` titles name the --set values; `moesim.replay(...).plot_timeline()` and
+    `.plot_breakdown()` did not, so replays with other settings drew identically titled figures."""
+    import json
+
+    import moesim
+    from moesim.analysis.runs import load_replay
+    write_sweep_files(tmp_path, seed=11)
+    result = moesim.replay(tmp_path / "t.parquet", str(tmp_path / "hw.yaml"), "cpu-only",
+                           settings={"hw.cpu.cores": 4}, timeline=True)
+    assert result.settings == {"hw.cpu.cores": "4"}
+    assert "DRAM) (hw.cpu.cores=4): steps 0-1" in _flat(result.plot_timeline()._suptitle.get_text())
+    assert "DRAM) (hw.cpu.cores=4)" in _flat(result.plot_breakdown().axes[0].get_title(loc="left"))
+    result.save(tmp_path / "saved")
+    assert load_replay(tmp_path / "saved").settings == {"hw.cpu.cores": "4"}
+    meta = tmp_path / "saved" / "result.json"  # saved before results kept their settings: none named
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "settings"}))
+    assert load_replay(tmp_path / "saved").settings == {}
