@@ -48,7 +48,7 @@ from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
 from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
 # the tables and sparklines of `trace inspect` and `trace compare`, re-exported: moesim.trace.stats keeps every name
 from moesim.trace.stats_render import _layer_list, render_comparison, render_distances, render_stats, sparkline
-from moesim.trace.validate import RowsRead, checked_meta
+from moesim.trace.validate import RowsRead, checked_meta, iter_record_batches
 
 CHUNK_ROWS = 65_536
 COACTIVATION_PEERS = 4
@@ -95,7 +95,7 @@ def _iter_chunks(path: PathLike, top_k: int, columns: list[str]) -> Iterator[dic
     pf = _open(path)
     pending: list[dict[str, np.ndarray]] = []
     pending_rows = 0
-    for batch in pf.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
+    for batch in iter_record_batches(pf, CHUNK_ROWS, columns):
         cols: dict[str, np.ndarray] = {}
         for name in columns:
             col = batch.column(name)
@@ -152,7 +152,7 @@ class _RequestSpans:
     @classmethod
     def read(cls, path: PathLike) -> "_RequestSpans":
         ids, last, prompted = [], [], []
-        for batch in _open(path).iter_batches(columns=["request", "step", "phase"], batch_size=CHUNK_ROWS * 4):
+        for batch in iter_record_batches(_open(path), CHUNK_ROWS * 4, ["request", "step", "phase"]):
             request = batch.column("request").to_numpy(zero_copy_only=False).astype(np.int64)
             step = batch.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
             batch_ids, batch_last = _last_of_each(request, step)

@@ -26,10 +26,11 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from moesim.errors import TraceFormatError
 from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_found, not_parquet, read_meta
@@ -50,6 +51,32 @@ SCORE_MAX = 1.0 + 1e-3
 #: (benchmarks/validate_speed.py)
 LAZY_COLUMNS = OPTIONAL_COLUMNS
 REWRITE = "rewrite the file with moesim (trace import, synth or capture)"
+
+
+def iter_record_batches(pf: pq.ParquetFile, batch_size: int, columns: list[str],
+                        use_threads: bool = True) -> Iterator[pa.RecordBatch]:
+    """``pf.iter_batches(batch_size, columns)``, read one row group at a time: pyarrow 26's reader over a
+    whole file kept the fixed-size list columns of every row group it had read until the end (694 MB for
+    the weights of a 23-million-row trace, 888 MB in all: the validation pass, and so `trace inspect`,
+    peaked at 1.2 GB; one row group at a time, 20 MB). With a list column among ``columns`` the batches are
+    the same: with a list column that reader ends a batch at each row group's end and at each multiple of
+    ``batch_size`` rows from the file's start (tests/trace/test_stats_scale.py)."""
+    start = 0  # the row group's first row in the file
+    for group in range(pf.metadata.num_row_groups):
+        pending: list[pa.RecordBatch] = []
+        at = start
+        for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns,
+                                     use_threads=use_threads):
+            while batch.num_rows:
+                take = min(batch.num_rows, batch_size - at % batch_size)
+                pending.append(batch.slice(0, take))
+                batch, at = batch.slice(take), at + take
+                if at % batch_size == 0:
+                    yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+                    pending = []
+        if pending:
+            yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+        start = at
 
 
 @dataclass
@@ -214,7 +241,7 @@ def validate_trace(path: PathLike, columns: Iterable[str] | None = None,
     carry = _Carry()
     offset = 0
     try:
-        batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=present)
+        batches = iter_record_batches(pf, BATCH_ROWS, present)
         for batch in batches:
             _check_batch(batch, name, meta, weight_sum, offset, carry)
             offset += batch.num_rows
@@ -232,7 +259,7 @@ def _check_lazy(path: PathLike, columns: list[str], meta: TraceMeta) -> None:
     weight_sum = _weight_sum(meta, name) if meta.weights_renormalized else None
     offset = 0
     try:
-        for batch in _open(path).iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False):
+        for batch in iter_record_batches(_open(path), BATCH_ROWS, columns, use_threads=False):
             _check_nulls(batch, name, offset)
             _check_optional(batch, name, meta, weight_sum, offset)
             offset += batch.num_rows
@@ -307,7 +334,7 @@ def _check_list_lengths(pf, path: str, name: str, actual: pa.DataType, expected:
     what = "top_k" if name in ("experts", "weights") else "num_experts"
     offset = 0
     try:
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=[name]):
+        for batch in iter_record_batches(pf, BATCH_ROWS, [name]):
             lengths = batch.column(0).value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
             bad = lengths != width
             if bad.any():

@@ -92,3 +92,26 @@ def test_statistics_match_a_row_by_row_count_on_interleaved_requests(tmp_path, m
     s = trace_stats(path)
     assert s["reuse_prev_token_by_layer"] == pytest.approx(reference_reuse(rows, model.num_layers, model.top_k))
     assert s["requests"] == len({r[2] for r in rows}) and s["requests_with_prompt"] == 0
+
+
+@pytest.mark.parametrize("batch_size", [3, 7, 1000])
+def test_reading_one_row_group_at_a_time_gives_pyarrows_batches(tmp_path, monkeypatch, batch_size):
+    import pyarrow.parquet as pq
+
+    from moesim.trace import writer as writer_mod
+    from moesim.trace.validate import iter_record_batches
+    monkeypatch.setattr(writer_mod, "ROW_GROUP_ROWS", 50)  # two row groups of 50 rows: batches of 3 and 7 straddle them
+    path = tmp_path / "groups.parquet"
+    rows = [(step, layer, 0, step, 1, [0, 1]) for step in range(30) for layer in range(2)] + \
+        [(30 + step, layer, 1, step, 1, [2, 3]) for step in range(20) for layer in range(2)]
+    cols = list(zip(*rows))
+    data = {"step": cols[0], "layer": cols[1], "request": cols[2], "position": cols[3],
+            "phase": np.array(cols[4], dtype=np.int8), "experts": np.array(cols[5])}
+    write_trace(path, data, TraceMeta(model=TOY, source={"kind": "synthetic"}))
+    pf = pq.ParquetFile(path)
+    assert pf.metadata.num_row_groups == 2
+    for columns in (pf.schema_arrow.names, ["request", "step", "phase"]):
+        theirs = list(pf.iter_batches(batch_size=batch_size, columns=columns))
+        ours = list(iter_record_batches(pf, batch_size, columns))
+        assert [b.num_rows for b in ours] == [b.num_rows for b in theirs]
+        assert all(a.equals(b) for a, b in zip(ours, theirs))
