@@ -65,190 +65,13 @@ from moesim.util import pid_alive
 # the generator's parameters and configuration, re-exported: moesim.trace.synth keeps every name
 from moesim.trace.synth_params import (COLD_OFFSET, LOGIT_LIMIT, PARAM_RANGES, SynthConfig, SynthParams,
                                        anchor_defaults, default_renormalized)
+from moesim.trace.synth_routing import (DrawnRouter, Layout, RequestRouter, cold_experts, draw_routers,
+                                        predicted_experts, truth_and_fillers)
 
 #: logits generated per chunk (tokens x layers x experts); bounds memory
 CHUNK_ELEMENTS = 4_000_000
 
-# ----------------------------------------------------------------------------- routing
-@dataclass
-class _Layout:
-    """Per-layer static tables drawn once from the seed."""
-
-    log_pop: np.ndarray  # (L, E) skew_l * -log(1 + rank)
-    cluster_of: np.ndarray  # (L, E) cluster index
-    num_clusters: int
-
-    @classmethod
-    def draw(cls, model: ModelSpec, params: SynthParams, rng: np.random.Generator) -> "_Layout":
-        L, E = model.num_layers, model.num_experts
-        ranks = np.argsort(rng.random((L, E)), axis=1)
-        depth = np.linspace(0.0, 1.0, L) if L > 1 else np.zeros(1)
-        skew = params.skew_first + (params.skew_last - params.skew_first) * depth
-        log_pop = -skew[:, None] * np.log1p(ranks)
-        log_pop[ranks >= E - cold_experts(params.cold_fraction, E)] -= COLD_OFFSET
-        size = params.cluster_size or 1
-        num_clusters = -(-E // size)
-        cluster_of = np.argsort(rng.random((L, E)), axis=1) // size
-        return cls(log_pop=log_pop, cluster_of=cluster_of, num_clusters=num_clusters)
-
-
-def cold_experts(fraction: float, num_experts: int) -> int:
-    """Experts per layer that :attr:`SynthParams.cold_fraction` makes cold (the least popular ranks)."""
-    return min(num_experts, int(round(fraction * num_experts)))
-
-
-class _RequestRouter:
-    """Routing of one request's tokens, generated in order with one token of look-ahead."""
-
-    def __init__(self, config: SynthConfig, layout: _Layout, request: int, length: int) -> None:
-        self.model, self.params, self.layout = config.model, config.params, layout
-        self.rng, self.pred_rng = _request_rngs(config, request)
-        self.base, self.noise, self.cluster = _request_start(self.rng, config, layout)
-        self.remaining = length
-        self.buffer: list[dict[str, np.ndarray]] = []
-        self.buffered = 0
-
-    def _logits(self, n: int) -> np.ndarray:
-        L, E, C = self.model.num_layers, self.model.num_experts, self.layout.num_clusters
-        eps = self.rng.standard_normal((n, L, E + C))
-        out = np.empty((n, L, E))
-        for t in range(n):  # AR(1): the only sequential part, one (L, E) update per token
-            self.noise, self.cluster, out[t] = _ar1_step(self.params, self.layout, self.base, self.noise,
-                                                         self.cluster, eps[t])
-        return out
-
-    def _generate(self, n: int) -> dict[str, np.ndarray]:
-        return _scores_and_ranking(self._logits(n), self.params, self.model)
-
-    def take(self, n: int) -> dict[str, np.ndarray]:
-        """The next ``n`` tokens: scores (n, L, E), ranking (n, L, 2k) and the next token's experts."""
-        want = min(n + 1, self.buffered + self.remaining)
-        while self.buffered < want:
-            step = min(want - self.buffered, self.remaining)
-            self.buffer.append(self._generate(step))
-            self.buffered += step
-            self.remaining -= step
-        merged = {key: np.concatenate([b[key] for b in self.buffer]) for key in self.buffer[0]}
-        nxt = merged["ranking"][1:n + 1]
-        if len(nxt) < n:  # the request's last token: no next token, predict its own set
-            nxt = np.concatenate([nxt, merged["ranking"][n - 1:n]])
-        out = {key: value[:n] for key, value in merged.items()}
-        out["next_ranking"] = nxt
-        rest = {key: value[n:] for key, value in merged.items()}
-        self.buffer = [rest] if len(rest["ranking"]) else []
-        self.buffered = len(rest["ranking"])
-        return out
-
-
-def _request_rngs(config: SynthConfig, request: int) -> tuple[np.random.Generator, np.random.Generator]:
-    """A request's own random streams: routing, and predictors and token ids."""
-    return np.random.default_rng([config.seed, 1, request]), np.random.default_rng([config.seed, 2, request])
-
-
-def _request_start(rng: np.random.Generator, config: SynthConfig,
-                   layout: _Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A request's static logits (popularity plus its own bias) and the AR(1) states before its first token."""
-    L, E = config.model.num_layers, config.model.num_experts
-    base = layout.log_pop + config.params.request_bias * rng.standard_normal((L, E))
-    noise = rng.standard_normal((L, E))
-    cluster = rng.standard_normal((L, layout.num_clusters))
-    return base, noise, cluster
-
-
-def _ar1_step(params: SynthParams, layout: _Layout, base: np.ndarray, noise: np.ndarray, cluster: np.ndarray,
-              eps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One token's AR(1) update of the noise (..., L, E) and cluster (..., L, C) states from ``eps`` (..., L, E + C),
-    and its logits; the leading axes hold requests drawn together, each element computed as for one request."""
-    rho = params.token_corr
-    fresh = math.sqrt(max(1.0 - rho * rho, 0.0))
-    E = noise.shape[-1]
-    noise = rho * noise + fresh * eps[..., :E]
-    cluster = rho * cluster + fresh * eps[..., E:]
-    rows = np.arange(layout.cluster_of.shape[0])[:, None]
-    return noise, cluster, base + noise + params.cluster_strength * cluster[..., rows, layout.cluster_of]
-
-
-def _scores_and_ranking(logits: np.ndarray, params: SynthParams, model: ModelSpec) -> dict[str, np.ndarray]:
-    """Scores (n, L, E) as float16 and the 2k best experts (n, L, 2k) of ``n`` tokens' logits; every (token,
-    layer) row on its own, so tokens of many requests give each the bytes it gets alone."""
-    k = model.top_k
-    logits = logits * params.score_scale
-    logits -= logits.max(axis=2, keepdims=True)
-    z = np.exp(logits)
-    z /= z.sum(axis=2, keepdims=True)
-    scores = z.astype(np.float16)
-    width = min(2 * k, model.num_experts)
-    # experts ranked by their stored score; those it rounds to 0 (a large score_scale) by their logit,
-    # all below the smallest nonzero score: a tie at 0 was taken in index order, routing to expert 0
-    values = scores.astype(np.float64)
-    zero = scores == 0
-    values[zero] = logits[zero] - 1.0
-    top = np.argpartition(-values, width - 1, axis=2)[:, :, :width]
-    order = np.argsort(-np.take_along_axis(values, top, axis=2), axis=2, kind="stable")
-    ranking = np.take_along_axis(top, order, axis=2).astype(np.int16)
-    return {"scores": scores, "ranking": ranking}
-
-
-class _DrawnRouter:
-    """A short request's routing, drawn whole beforehand together with other requests (:func:`_draw_routers`):
-    the same numbers :class:`_RequestRouter` draws for it a few tokens at a time, taken the same way."""
-
-    def __init__(self, pred_rng: np.random.Generator, scores: np.ndarray, ranking: np.ndarray) -> None:
-        self.pred_rng = pred_rng
-        self.scores, self.ranking = scores, ranking
-        self.at = 0
-
-    def take(self, n: int) -> dict[str, np.ndarray]:
-        at, end = self.at, self.at + n
-        nxt = self.ranking[at + 1:end + 1]
-        if len(nxt) < n:  # the request's last token: no next token, predict its own set
-            nxt = np.concatenate([nxt, self.ranking[end - 1:end]])
-        self.at = end
-        return {"scores": self.scores[at:end], "ranking": self.ranking[at:end], "next_ranking": nxt}
-
-
-def _draw_routers(config: SynthConfig, layout: _Layout, lengths: Mapping[int, int]) -> dict[int, _DrawnRouter]:
-    """The routing of the requests of ``lengths`` (request: tokens), drawn in one pass per length: each request's
-    random numbers come from its own streams, in the order :class:`_RequestRouter` draws them (a normal
-    draw of n then m numbers is the draw of n + m), and the arithmetic runs over all requests at once."""
-    routers: dict[int, _DrawnRouter] = {}
-    by_length: dict[int, list[int]] = {}
-    for request, length in lengths.items():
-        by_length.setdefault(length, []).append(request)
-    L, E, C = config.model.num_layers, config.model.num_experts, layout.num_clusters
-    for length, requests in by_length.items():
-        rngs = [_request_rngs(config, r) for r in requests]
-        starts = [_request_start(rng, config, layout) for rng, _ in rngs]
-        eps = np.stack([rng.standard_normal((length, L, E + C)) for rng, _ in rngs])
-        base, noise, cluster = (np.stack(parts) for parts in zip(*starts))
-        logits = np.empty((len(requests), length, L, E))
-        for t in range(length):
-            noise, cluster, logits[:, t] = _ar1_step(config.params, layout, base, noise, cluster, eps[:, t])
-        drawn = _scores_and_ranking(logits.reshape(-1, L, E), config.params, config.model)
-        scores = drawn["scores"].reshape(len(requests), length, L, E)
-        ranking = drawn["ranking"].reshape(len(requests), length, L, -1)
-        for i, (request, (_, pred_rng)) in enumerate(zip(requests, rngs)):
-            routers[request] = _DrawnRouter(pred_rng, scores[i], ranking[i])
-    return routers
-
-
-def _predict(truth: np.ndarray, fillers: np.ndarray, recall: float, rng: np.random.Generator) -> np.ndarray:
-    """Keep each true expert with probability ``recall``; replace the others with fillers in order."""
-    dropped = rng.random(truth.shape) >= recall
-    slot = np.cumsum(dropped, axis=-1) - 1
-    replacement = np.take_along_axis(fillers, np.maximum(slot, 0), axis=-1)
-    return np.where(dropped, replacement, truth)
-
-
-def _truth_and_fillers(ranking: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split a (..., 2k) score ranking into the routed set and k near-miss fillers."""
-    truth, fill = ranking[..., :k], ranking[..., k:]
-    if fill.shape[-1] < k:  # fewer than 2k experts: a dropped expert may come back as a filler
-        fill = np.concatenate([fill, truth[..., :k - fill.shape[-1]]], axis=-1)
-    return truth, fill
-
-
-def _token_rows(router: _RequestRouter | _DrawnRouter, config: SynthConfig, n: int) -> dict[str, np.ndarray]:
+def _token_rows(router: RequestRouter | DrawnRouter, config: SynthConfig, n: int) -> dict[str, np.ndarray]:
     """Arrays shaped (n tokens, L, ...) for the next ``n`` tokens of one request."""
     model, params = config.model, config.params
     k = model.top_k
@@ -265,11 +88,11 @@ def _token_rows(router: _RequestRouter | _DrawnRouter, config: SynthConfig, n: i
         rng = router.pred_rng
         # next layer of the same token (the last layer's prediction is dropped when writing)
         nxt_layer = np.concatenate([ranking[:, 1:], ranking[:, -1:]], axis=1)
-        truth, fill = _truth_and_fillers(nxt_layer, k)
-        out["pred_next_layer"] = _predict(truth, fill, params.recall_next_layer, rng)
-        out["pred_residual"] = _predict(truth, fill, params.recall_residual, rng)
-        truth, fill = _truth_and_fillers(got["next_ranking"], k)
-        out["pred_next_token"] = _predict(truth, fill, params.recall_next_token, rng)
+        truth, fill = truth_and_fillers(nxt_layer, k)
+        out["pred_next_layer"] = predicted_experts(truth, fill, params.recall_next_layer, rng)
+        out["pred_residual"] = predicted_experts(truth, fill, params.recall_residual, rng)
+        truth, fill = truth_and_fillers(got["next_ranking"], k)
+        out["pred_next_token"] = predicted_experts(truth, fill, params.recall_next_token, rng)
     return out
 
 
@@ -318,7 +141,7 @@ def _group_lengths(config: SynthConfig, group: list[int]) -> tuple[dict[int, int
 
 
 #: logits (tokens x layers x (experts + clusters)) of the short requests whose routing is drawn together
-#: (:func:`_draw_routers`); a request longer than this is drawn on its own, a few tokens at a time. Small:
+#: (:func:`draw_routers`); a request longer than this is drawn on its own, a few tokens at a time. Small:
 #: a one-token DeepSeek-V3 request (33k logits) is arithmetic, not Python overhead, and blocks of 1 MB arrays
 #: made it slower (page faults of each freed temporary: 2 s of system time in 8.5 s); 40 Mixtral-8x7B ones fit
 DRAWN_ELEMENTS = 1 << 15
@@ -326,7 +149,7 @@ DRAWN_ELEMENTS = 1 << 15
 DRAWN_GROUPS = 1024
 
 
-def _group_blocks(config: SynthConfig, layout: _Layout) -> Iterator[list[tuple[list[int], dict[int, int],
+def _group_blocks(config: SynthConfig, layout: Layout) -> Iterator[list[tuple[list[int], dict[int, int],
                                                                                 dict[int, int]]]]:
     """The groups of requests in order, with their prompt and decode lengths, in blocks of consecutive groups
     (:data:`DRAWN_GROUPS` at most) whose short requests hold up to :data:`DRAWN_ELEMENTS` logits in all."""
@@ -345,7 +168,7 @@ def _group_blocks(config: SynthConfig, layout: _Layout) -> Iterator[list[tuple[l
         yield block
 
 
-def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
+def _batches(config: SynthConfig, layout: Layout) -> Iterator[dict[str, Any]]:
     """Trace rows in order, one block of steps at a time."""
     per_token = config.model.num_layers * (config.model.num_experts + layout.num_clusters)
     step = 0
@@ -353,15 +176,15 @@ def _batches(config: SynthConfig, layout: _Layout) -> Iterator[dict[str, Any]]:
         # short requests (one-token ones: each alone was mostly Python overhead) are drawn together
         short = {r: prompts[r] + decodes[r] for group, prompts, decodes in block for r in group
                  if (prompts[r] + decodes[r]) * per_token <= DRAWN_ELEMENTS}
-        drawn = _draw_routers(config, layout, short)
+        drawn = draw_routers(config, layout, short)
         for group, prompts, decodes in block:
-            routers = [drawn[r] if r in drawn else _RequestRouter(config, layout, r, prompts[r] + decodes[r])
+            routers = [drawn[r] if r in drawn else RequestRouter(config, layout, r, prompts[r] + decodes[r])
                        for r in group]
             yield from _group_rows(config, group, routers, prompts, decodes, step)
             step += len(group) + max(decodes[r] for r in group)
 
 
-def _group_rows(config: SynthConfig, group: list[int], routers: list[_RequestRouter | _DrawnRouter],
+def _group_rows(config: SynthConfig, group: list[int], routers: list[RequestRouter | DrawnRouter],
                 prompts: dict[int, int], decodes: dict[int, int], step: int) -> Iterator[dict[str, Any]]:
     """One group's rows: a prefill step per request, then the group's decode steps."""
     for request, router in zip(group, routers):
@@ -370,7 +193,7 @@ def _group_rows(config: SynthConfig, group: list[int], routers: list[_RequestRou
     yield from _decode_rows(config, group, routers, prompts, decodes, step)
 
 
-def _prefill_rows(config: SynthConfig, router: _RequestRouter | _DrawnRouter, request: int, n: int, step: int) -> dict[str, Any]:
+def _prefill_rows(config: SynthConfig, router: RequestRouter | DrawnRouter, request: int, n: int, step: int) -> dict[str, Any]:
     """The one prefill step of a request, all ``n`` prompt tokens."""
     # a prefill step is written whole (rows are layer-major), so its routing is generated
     # in token chunks and kept in compact form (int16 ids, float16 scores)
@@ -383,7 +206,7 @@ def _prefill_rows(config: SynthConfig, router: _RequestRouter | _DrawnRouter, re
                  config.model, config.scores, config.params.predictors)
 
 
-def _decode_rows(config: SynthConfig, group: list[int], routers: list[_RequestRouter | _DrawnRouter], prompts: Mapping[int, int],
+def _decode_rows(config: SynthConfig, group: list[int], routers: list[RequestRouter | DrawnRouter], prompts: Mapping[int, int],
                  decodes: Mapping[int, int], first_step: int) -> Iterator[dict[str, Any]]:
     """The decode steps of one group, from ``first_step``: each holds one token of every request still
     decoding, so the group runs as many steps as its longest request decodes and a request that has
@@ -411,7 +234,7 @@ def synthesize(config: SynthConfig, out: Path | str, progress: Callable[[int], N
     """Write the synthetic trace described by ``config`` to ``out`` (atomically); return its path.
     ``progress`` is called with the number of rows of each block written (:func:`synth_rows` in all)."""
     config.params.check(config.model.num_experts)
-    layout = _Layout.draw(config.model, config.params, np.random.default_rng([config.seed, 0]))
+    layout = Layout.draw(config.model, config.params, np.random.default_rng([config.seed, 0]))
     meta = TraceMeta(model=config.model, source=config.source(),
                      weights_renormalized=config.params.renormalize)
     columns = ["weights", "token_id"] + (["scores"] if config.scores else [])

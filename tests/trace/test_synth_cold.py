@@ -12,8 +12,8 @@ import pytest
 from moesim.model.presets import load_preset
 from moesim.trace.io import read_meta
 from moesim.trace.stats import trace_stats
-from moesim.trace.synth import (COLD_OFFSET, SynthConfig, SynthParams, _Layout, cold_experts, fit_params,
-                                synthesize)
+from moesim.trace.synth import COLD_OFFSET, SynthConfig, SynthParams, cold_experts, fit_params, synthesize
+from moesim.trace.synth_routing import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the Qwen3-30B-A3B calibration trace (soryxie token_distri_8, see traces/README.md)
@@ -23,8 +23,8 @@ QWEN3_CALIBRATION = ROOT / "traces" / "qwen3-30b-a3b-prefill.parquet"
 def test_cold_experts_are_a_whole_number_of_the_least_popular_ranks():
     model = load_preset("mixtral-8x7b")  # 8 experts per layer
     params = SynthParams.for_model(model)
-    warm = _Layout.draw(model, params, np.random.default_rng(0))
-    cold = _Layout.draw(model, dataclasses.replace(params, cold_fraction=0.25), np.random.default_rng(0))
+    warm = Layout.draw(model, params, np.random.default_rng(0))
+    cold = Layout.draw(model, dataclasses.replace(params, cold_fraction=0.25), np.random.default_rng(0))
     lowered = warm.log_pop - cold.log_pop
     # 0.25 of 8 = 2 experts per layer, each exactly COLD_OFFSET below the Zipf profile, the other 6 untouched
     assert np.isclose(lowered, COLD_OFFSET).sum(axis=1).tolist() == [2] * model.num_layers

@@ -1,13 +1,15 @@
-"""trace synth draws the routing of short requests many at a time (synth._draw_routers); the files are
-byte for byte those of drawing each request on its own, a few tokens at a time (synth._RequestRouter, the
-generator as it was before)."""
+"""trace synth draws the routing of short requests many at a time (moesim.trace.synth_routing.draw_routers);
+the files are byte for byte those of drawing each request on its own, a few tokens at a time
+(synth_routing.RequestRouter, the generator as it was before)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from moesim.trace import synth as synth_mod
 from moesim.trace.synth import SynthConfig, synthesize
+from moesim.trace.synth_routing import Layout
 
 CASES = {  # model, requests, prompt_len, decode_len, batch, seed, settings, lengths
     "one-token requests": ("mixtral-8x7b", 40, 1, 1, 1, 0, {}, {}),
@@ -45,6 +47,6 @@ def test_blocks_hold_a_bounded_number_of_groups(monkeypatch):
     # requests too long to be drawn together add nothing to a block: it still ends after DRAWN_GROUPS groups
     monkeypatch.setattr(synth_mod, "DRAWN_ELEMENTS", 0)
     config = config_of(("mixtral-8x7b", 3000, 1, 1, 1, 0, {}, {}), scores=False)
-    layout = synth_mod._Layout.draw(config.model, config.params, synth_mod.np.random.default_rng(0))
+    layout = Layout.draw(config.model, config.params, np.random.default_rng(0))
     sizes = [len(block) for block in synth_mod._group_blocks(config, layout)]
     assert sizes == [synth_mod.DRAWN_GROUPS] * 2 + [3000 - 2 * synth_mod.DRAWN_GROUPS]
