@@ -29,19 +29,11 @@ from moesim.model.presets import load_preset
 from moesim.trace.io import TraceWriter
 from moesim.trace.schema import TraceMeta
 
+sys.path.insert(0, str(Path(__file__).parent))
+from trace_io import distinct_experts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MOESIM = str(ROOT / ".venv" / "bin" / "moesim")
-
-
-def distinct_experts(rng: np.random.Generator, n: int, experts: int, top_k: int) -> np.ndarray:
-    """``(n, top_k)`` random expert ids, distinct within each row (rows with a repeat are redrawn)."""
-    ids = rng.integers(0, experts, size=(n, top_k), dtype=np.int16)
-    while True:
-        ordered = np.sort(ids, axis=1)
-        dup = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
-        if not dup.any():
-            return ids
-        ids[dup] = rng.integers(0, experts, size=(int(dup.sum()), top_k), dtype=np.int16)
 
 
 def write_short_requests(path: Path, requests: int, batch: int, seed: int) -> int:
