@@ -420,6 +420,34 @@ def _trim_cache() -> None:
         _DECODED.popitem(last=False)
 
 
+def iter_record_batches(pf: pq.ParquetFile, batch_size: int, columns: list[str],
+                        use_threads: bool = True) -> Iterator[pa.RecordBatch]:
+    """``pf.iter_batches(batch_size, columns)``, read one row group at a time: pyarrow 26's reader over a
+    whole file kept the fixed-size list columns of every row group it had read until the end (694 MB for
+    the weights of a 23-million-row trace, 888 MB in all: the validation pass, and so `trace inspect`,
+    peaked at 1.2 GB; one row group at a time, 20 MB). With a list column among ``columns`` the batches are
+    the same: with a list column that reader ends a batch at each row group's end and at each multiple of
+    ``batch_size`` rows from the file's start (tests/trace/test_stats_scale.py). Every whole-file pass reads
+    through it: a replay's steps (:func:`iter_steps`) too, whose memory grew with the trace (16 million rows of
+    Mixtral: 317 MiB for the columns a replay reads, 153 MiB one row group at a time)."""
+    start = 0  # the row group's first row in the file
+    for group in range(pf.metadata.num_row_groups):
+        pending: list[pa.RecordBatch] = []
+        at = start
+        for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns,
+                                     use_threads=use_threads):
+            while batch.num_rows:
+                take = min(batch.num_rows, batch_size - at % batch_size)
+                pending.append(batch.slice(0, take))
+                batch, at = batch.slice(take), at + take
+                if at % batch_size == 0:
+                    yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+                    pending = []
+        if pending:
+            yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
+        start = at
+
+
 def iter_steps(path: PathLike, columns: Sequence[str] | None = None,
                batch_rows: int = 65_536) -> Iterator[Step]:
     """Yield one :class:`Step` at a time, in trace order. Their arrays are read-only.
@@ -552,7 +580,7 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
         # one piece: views of the batch's read-only columns; several: new arrays, made read-only here
         return step if len(parts) == 1 else _read_only(step)
 
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=read_cols):
+    for batch in iter_record_batches(pf, batch_rows, read_cols):
         cols: dict[str, Any] = {}
         for name in read_cols:
             col = batch.column(name)
@@ -588,7 +616,7 @@ def _decode_steps(path: PathLike, columns: Sequence[str] | None, batch_rows: int
 def iter_columns(path: PathLike, columns: Sequence[str], batch_rows: int = 1 << 20) -> Iterator[dict[str, np.ndarray]]:
     """Plain columns of a trace (``step``, ``request``, ...) as numpy arrays, ``batch_rows`` rows at a
     time in trace order: a whole-trace pass in bounded memory."""
-    for batch in _open(path).iter_batches(batch_size=batch_rows, columns=list(columns)):
+    for batch in iter_record_batches(_open(path), batch_rows, list(columns)):
         yield {name: batch.column(name).to_numpy(zero_copy_only=False) for name in columns}
 
 

@@ -44,11 +44,11 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from moesim.trace.io import PathLike, _open, _phase_codes, read_meta
+from moesim.trace.io import PathLike, _open, _phase_codes, iter_record_batches, read_meta
 from moesim.trace.schema import OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS
 # the tables and sparklines of `trace inspect` and `trace compare`, re-exported: moesim.trace.stats keeps every name
 from moesim.trace.stats_render import _layer_list, render_comparison, render_distances, render_stats, sparkline
-from moesim.trace.validate import RowsRead, checked_meta, iter_record_batches
+from moesim.trace.validate import RowsRead, checked_meta
 
 CHUNK_ROWS = 65_536
 COACTIVATION_PEERS = 4

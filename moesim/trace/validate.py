@@ -26,14 +26,14 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from moesim.errors import TraceFormatError
-from moesim.trace.io import PARQUET_MAGIC, PathLike, _open, _phase_codes, not_found, not_parquet, read_meta
+from moesim.trace.io import (PARQUET_MAGIC, PathLike, _open, _phase_codes, iter_record_batches, not_found,
+                             not_parquet, read_meta)
 from moesim.trace.schema import (OPTIONAL_COLUMNS, PHASES, PREDICTOR_COLUMNS, REQUIRED_COLUMNS, SCORE_BYTES,
                                  SORT_KEYS, TraceMeta, accepted_types, score_rows)
 from moesim.trace.validated import record_validated, was_validated
@@ -51,32 +51,6 @@ SCORE_MAX = 1.0 + 1e-3
 #: (benchmarks/validate_speed.py)
 LAZY_COLUMNS = OPTIONAL_COLUMNS
 REWRITE = "rewrite the file with moesim (trace import, synth or capture)"
-
-
-def iter_record_batches(pf: pq.ParquetFile, batch_size: int, columns: list[str],
-                        use_threads: bool = True) -> Iterator[pa.RecordBatch]:
-    """``pf.iter_batches(batch_size, columns)``, read one row group at a time: pyarrow 26's reader over a
-    whole file kept the fixed-size list columns of every row group it had read until the end (694 MB for
-    the weights of a 23-million-row trace, 888 MB in all: the validation pass, and so `trace inspect`,
-    peaked at 1.2 GB; one row group at a time, 20 MB). With a list column among ``columns`` the batches are
-    the same: with a list column that reader ends a batch at each row group's end and at each multiple of
-    ``batch_size`` rows from the file's start (tests/trace/test_stats_scale.py)."""
-    start = 0  # the row group's first row in the file
-    for group in range(pf.metadata.num_row_groups):
-        pending: list[pa.RecordBatch] = []
-        at = start
-        for batch in pf.iter_batches(batch_size=batch_size, row_groups=[group], columns=columns,
-                                     use_threads=use_threads):
-            while batch.num_rows:
-                take = min(batch.num_rows, batch_size - at % batch_size)
-                pending.append(batch.slice(0, take))
-                batch, at = batch.slice(take), at + take
-                if at % batch_size == 0:
-                    yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
-                    pending = []
-        if pending:
-            yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
-        start = at
 
 
 @dataclass

@@ -69,6 +69,29 @@ def test_streaming_yields_steps_in_order_with_bounded_batches(tmp_path, monkeypa
     assert max(seen) <= 10 and sum(seen) == 50 * 21
 
 
+def test_steps_are_read_one_row_group_at_a_time(tmp_path, monkeypatch):
+    """A replay's steps are read a row group at a time: pyarrow's reader over the whole file kept the list
+    columns of every row group it had read until the end, so a replay's memory grew with the trace (16 million
+    rows of Mixtral: 383 MiB, 196 MiB a row group at a time). The steps are those of the whole-file reader."""
+    import pyarrow.parquet as pq
+    import moesim.trace.writer as writer
+    monkeypatch.setattr(writer, "ROW_GROUP_ROWS", 40)  # 50 steps of 21 rows: 27 row groups, steps across them
+    data = _trace_data(steps=50, tokens=7)
+    path = write_trace(tmp_path / "t.parquet", data, TraceMeta(model=MODEL))
+    assert pq.ParquetFile(path).metadata.num_row_groups == 27
+    groups_read: list = []
+    real_iter = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        groups_read.append(kwargs.get("row_groups"))
+        return real_iter(self, *args, **kwargs)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    steps = list(iter_steps(path, batch_rows=16))
+    assert groups_read == [[g] for g in range(27)]
+    assert [s.step for s in steps] == list(range(50)) and all(s.rows == 21 for s in steps)
+    assert np.array_equal(np.concatenate([s.experts for s in steps]), data["experts"])
+
+
 def test_atomic_write_leaves_nothing_on_error(tmp_path):
     path = tmp_path / "t.parquet"
     data = _trace_data()

@@ -99,7 +99,7 @@ def test_reading_one_row_group_at_a_time_gives_pyarrows_batches(tmp_path, monkey
     import pyarrow.parquet as pq
 
     from moesim.trace import writer as writer_mod
-    from moesim.trace.validate import iter_record_batches
+    from moesim.trace.io import iter_record_batches
     monkeypatch.setattr(writer_mod, "ROW_GROUP_ROWS", 50)  # two row groups of 50 rows: batches of 3 and 7 straddle them
     path = tmp_path / "groups.parquet"
     rows = [(step, layer, 0, step, 1, [0, 1]) for step in range(30) for layer in range(2)] + \
