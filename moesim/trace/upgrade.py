@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, parquet_options, read_meta
+from moesim.trace.io import ROW_GROUP_ROWS, PathLike, _open, iter_record_batches, parquet_options, read_meta
 from moesim.trace.schema import META_KEY, SCHEMA_VERSION, column_type, score_rows, scores_to_arrow
 from moesim.trace.validate import RowsRead, validate_trace
 from moesim.trace.writer import RowGroups, refuse_folder, writing_path
@@ -47,7 +47,8 @@ def upgrade_trace(path: PathLike, out: PathLike, progress: RowsRead | None = Non
     writer: RowGroups | None = None  # the source's row groups gathered whole: one a step was common
     rows, rewrote, has_scores = 0, False, False
     try:
-        for batch in _open(path).iter_batches(batch_size=ROW_GROUP_ROWS):
+        source = _open(path)
+        for batch in iter_record_batches(source, ROW_GROUP_ROWS, source.schema_arrow.names):
             table = pa.Table.from_batches([batch])
             has_scores = "scores" in table.column_names
             if has_scores and not pa.types.is_fixed_size_binary(table.schema.field("scores").type):
