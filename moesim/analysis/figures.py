@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 from moesim.analysis.figure_style import (BOUND_PALETTE, HATCHES, LOG_RATIO, MARKERS, PALETTE,  # noqa: F401
                                           hue_styles, legend_handle, log_axis, series_style, short_setting,
                                           side_legend, system_styles, tidy_axes)
-from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure
+from moesim.analysis.plots import DisplayFigure, fit_width, plot_breakdown, plot_gantt, save_figure, settings_note
 from moesim.analysis.sweep_plots import pareto_front, plot_results, plot_scatter, with_hardware  # noqa: F401
 from moesim.analysis.sweep_results import (BASE_PARAMETERS, COLUMN_WORDS, HIGHER_IS_BETTER, LABELS,  # noqa: F401
                                            NOT_SET, SUBSTITUTES_MARK, X_SETTINGS, UnevenMeans, as_groups,
@@ -275,9 +275,7 @@ def fig_gantt(point: pd.Series | dict[str, Any], path: str | os.PathLike | None 
     window = decode_window(result.steps, steps)
     hw_settings = {k: v for k, v in settings.items() if k.startswith("hw.")}
     title = f"{point['system']} on {Path(str(point['trace'])).name}, {hw_named(str(point['hw']), hw_settings, path=hw)}"
-    if settings:
-        title += " (" + ", ".join(f"{k}={short_setting(v)}" for k, v in settings.items()) + ")"
-    return plot_gantt(frame, path, window=window, title=title)
+    return plot_gantt(frame, path, window=window, title=title + settings_note(settings))
 
 
 def decode_window(steps: Sequence[Any], count: int = 2) -> tuple[float, float] | None:
